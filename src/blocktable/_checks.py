@@ -1,0 +1,85 @@
+"""One validation helper for tensors and indices; every error names the argument and the bound."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    dtype: torch.dtype | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | str | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor with the given properties; raise naming ``name``.
+
+    ``shape`` entries that are ``None`` match any size. ``device`` compares the device type and,
+    when the expected device has an index, the index too. Returns the tensor unchanged.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
+    if shape is not None:
+        if value.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(value.shape, shape)
+        ):
+            want_s = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want_s}, got {list(value.shape)}")
+    if device is not None:
+        want_dev = torch.device(device)
+        if value.device.type != want_dev.type or (
+            want_dev.index is not None and value.device.index != want_dev.index
+        ):
+            raise ValueError(f"{name} must be on device {want_dev}, got {value.device}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return value
+
+
+def check_index(name: str, value: object, bound: int) -> int:
+    """Check ``0 <= value < bound`` for a Python or numpy integer; return it as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < bound:
+        raise IndexError(f"{name}={int(value)} is out of range [0, {bound})")
+    return int(value)
+
+
+def check_positive(name: str, value: object) -> int:
+    """Check that ``value`` is an int >= 1; return it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {int(value)}")
+    return int(value)
+
+
+def as_index_array(name: str, value: object) -> np.ndarray:
+    """Convert a sequence or array of integers to a 1-D ``int64`` numpy array, or raise.
+
+    Accepts lists, tuples, numpy integer arrays and CPU integer tensors. Floats and bools are
+    rejected, so ``1.5`` never becomes block 1.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        arr = value.detach().cpu().numpy()
+    else:
+        arr = np.asarray(value)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
+    return arr.astype(np.int64, copy=False)

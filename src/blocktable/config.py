@@ -1,0 +1,176 @@
+"""Configuration of a block table: context parallelism and one spec per KV cache group."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from blocktable._checks import check_positive
+from blocktable.constants import ROW_ALIGN_TOKENS
+
+
+class GroupKind(str, Enum):
+    """What a KV cache group's table is used for."""
+
+    ATTENTION = "attention"
+    """Token slots: the table maps positions to KV slots (full or sliding-window attention)."""
+    STATE = "state"
+    """Mamba-like state: the table holds state indices; no slot mapping."""
+    ENCODER_ONLY = "encoder_only"
+    """No table at all; attention gets a ``(num_reqs_padded, 1)`` zero placeholder."""
+
+
+@dataclass(frozen=True)
+class CPConfig:
+    """Context parallelism: this rank's place among ``world_size`` ranks sharding the KV cache.
+
+    A token belongs to rank ``(v // interleave) % world_size`` where ``v`` is its offset in its
+    virtual block of ``manager_block_size * world_size`` tokens (SPEC §2).
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive("cp world_size", self.world_size)
+        check_positive("cp interleave", self.interleave)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
+            raise TypeError(f"cp rank must be an int, got {type(self.rank).__name__}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"cp rank={self.rank} is out of range [0, world_size={self.world_size})"
+            )
+
+    @classmethod
+    def from_dcp_pcp(
+        cls,
+        dcp_world_size: int = 1,
+        dcp_rank: int = 0,
+        pcp_world_size: int = 1,
+        pcp_rank: int = 0,
+        interleave: int = 1,
+    ) -> CPConfig:
+        """Combine decode-CP and prefill-CP: ``world = pcp*dcp``, ``rank = pcp_rank*dcp + dcp_rank``."""
+        check_positive("dcp_world_size", dcp_world_size)
+        check_positive("pcp_world_size", pcp_world_size)
+        if not 0 <= dcp_rank < dcp_world_size:
+            raise ValueError(f"dcp_rank={dcp_rank} is out of range [0, {dcp_world_size})")
+        if not 0 <= pcp_rank < pcp_world_size:
+            raise ValueError(f"pcp_rank={pcp_rank} is out of range [0, {pcp_world_size})")
+        return cls(
+            world_size=pcp_world_size * dcp_world_size,
+            rank=pcp_rank * dcp_world_size + dcp_rank,
+            interleave=interleave,
+        )
+
+    @classmethod
+    def from_process_group(cls, group: object = None, interleave: int = 1) -> CPConfig:
+        """World size and rank of an initialized ``torch.distributed`` group; else world 1 rank 0."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(1, 0, interleave)
+        return cls(
+            world_size=dist.get_world_size(group),  # type: ignore[arg-type]
+            rank=dist.get_rank(group),  # type: ignore[arg-type]
+            interleave=interleave,
+        )
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV cache group's table.
+
+    Attributes
+    ----------
+    block_size : int
+        Manager block size in tokens (the allocator's unit; block ids given to the table).
+    kernel_block_size : int or None
+        Block size the attention kernel reads; must divide ``block_size``; defaults to it. One
+        manager block ``b`` becomes kernel blocks ``b*k .. b*k+k-1`` with ``k = block_size //
+        kernel_block_size`` (the null block stays null).
+    kind : GroupKind
+        Token slots, state indices, or encoder-only (no table).
+    cp_sharded : bool
+        Whether context parallelism shards this group's KV (only then does CP apply to it).
+    max_num_blocks : int or None
+        Explicit row width in manager blocks; overrides the derivation from ``max_model_len``.
+    num_blocks : int or None
+        Declared number of manager blocks; when given, ids must be in ``[0, num_blocks)``.
+    """
+
+    block_size: int
+    kernel_block_size: int | None = None
+    kind: GroupKind = GroupKind.ATTENTION
+    cp_sharded: bool = True
+    max_num_blocks: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("block_size", self.block_size)
+        kbs = self.kernel_block_size
+        if kbs is not None:
+            check_positive("kernel_block_size", kbs)
+            if self.block_size % kbs != 0:
+                raise ValueError(
+                    f"kernel_block_size={kbs} must divide block_size={self.block_size}"
+                )
+        object.__setattr__(self, "kind", GroupKind(self.kind))
+        if self.max_num_blocks is not None:
+            check_positive("max_num_blocks", self.max_num_blocks)
+        if self.num_blocks is not None:
+            check_positive("num_blocks", self.num_blocks)
+
+    @property
+    def kernel_size(self) -> int:
+        """Kernel block size in tokens (``kernel_block_size`` or ``block_size``)."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def blocks_per_manager_block(self) -> int:
+        """``k``: kernel blocks per manager block."""
+        return self.block_size // self.kernel_size
+
+    @property
+    def has_table(self) -> bool:
+        return self.kind is not GroupKind.ENCODER_ONLY
+
+    @property
+    def has_slots(self) -> bool:
+        return self.kind is GroupKind.ATTENTION
+
+
+def effective_cp(spec: GroupSpec, cp: CPConfig) -> CPConfig:
+    """The CP setting that applies to ``spec``: ``cp`` if the group is sharded, else world 1."""
+    if spec.cp_sharded and spec.kind is GroupKind.ATTENTION:
+        return cp
+    return CPConfig(1, 0, 1)
+
+
+def check_cp_for_group(spec: GroupSpec, cp: CPConfig) -> None:
+    """Raise ``ValueError`` if the interleave does not divide the group's manager block size."""
+    eff = effective_cp(spec, cp)
+    if eff.world_size > 1 and spec.block_size % eff.interleave != 0:
+        raise ValueError(
+            f"cp interleave={eff.interleave} must divide block_size={spec.block_size}"
+        )
+
+
+def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
+    """Row width in kernel blocks.
+
+    ``ceil(max_model_len / (block_size * cp_world))`` manager blocks, rounded up to a multiple of
+    ``128 // gcd(128, block_size)`` so a row spans a multiple of 128 tokens, then times ``k``.
+    ``spec.max_num_blocks`` (manager blocks) overrides the derivation.
+    """
+    if spec.max_num_blocks is not None:
+        manager_width = spec.max_num_blocks
+    else:
+        check_positive("max_model_len", max_model_len)
+        world = effective_cp(spec, cp).world_size
+        manager_width = -(-max_model_len // (spec.block_size * world))
+        align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
+        manager_width = -(-manager_width // align) * align
+    return manager_width * spec.blocks_per_manager_block

@@ -1,0 +1,54 @@
+"""Slot mapping: position -> KV slot for every scheduled token (SPEC §2).
+
+``reference`` defines the math in plain Python; ``torch_impl`` is the CPU backend;
+``triton_kernel`` is the fused one-launch kernel for CUDA (and CPU under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blocktable.slot_mapping.params import SlotGroupParams, pack_params
+from blocktable.slot_mapping.reference import slot_mapping_reference, slot_of_position
+from blocktable.slot_mapping.torch_impl import slot_mapping_torch
+
+
+class SlotMappingError(ValueError):
+    """Debug mode found tokens whose position lies past their row's blocks."""
+
+
+def compute_slots(
+    backend: str,
+    flat_table: torch.Tensor,
+    params: list[SlotGroupParams],
+    packed_params: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    row_of_batch: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    max_num_reqs: int,
+) -> None:
+    """Fill ``out`` (int64 ``[num_groups, max_num_tokens]``) with the chosen backend."""
+    if not params:
+        return
+    if backend == "triton":
+        from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
+
+        launch_slot_mapping(
+            flat_table, packed_params, query_start_loc, positions, row_of_batch, out,
+            max_num_reqs=max_num_reqs,
+        )
+    else:
+        slot_mapping_torch(flat_table, params, query_start_loc, positions, row_of_batch, out)
+
+
+__all__ = [
+    "SlotGroupParams",
+    "SlotMappingError",
+    "compute_slots",
+    "pack_params",
+    "slot_mapping_reference",
+    "slot_mapping_torch",
+    "slot_of_position",
+]

@@ -1,0 +1,130 @@
+"""The host/device buffer behind every group's table, and what changed since the last commit.
+
+All groups' tables and their per-row counts live in *one* flat ``int32`` buffer, so that one
+commit moves every group's changes in a single host-to-device copy. Layout::
+
+    [ table of group 0 : R x W0 | table of group 1 : R x W1 | ... | counts : G x R ]
+
+Three views of it (SPEC §2): a numpy array that row operations write, the CPU tensor it views
+(pinned when CUDA is present), and the device tensor kernels read. The device tensor is
+allocated once, so its address is fixed for CUDA graphs. Its contents change only in
+:meth:`blocktable.commit.Committer.commit`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_NOT_DIRTY = np.iinfo(np.int32).max
+
+
+class TableStorage:
+    """Flat host and device buffers for ``len(widths)`` tables of ``max_num_reqs`` rows.
+
+    Parameters
+    ----------
+    widths : list of int
+        Row width of each group's table in kernel blocks (0 for a group without a table).
+    max_num_reqs : int
+        Rows per table.
+    device : torch.device
+        Where the device copy lives (``cpu`` keeps a separate CPU copy with the same semantics).
+    """
+
+    def __init__(self, widths: list[int], max_num_reqs: int, device: torch.device) -> None:
+        self.widths = list(widths)
+        self.max_num_reqs = max_num_reqs
+        self.num_groups = len(widths)
+        self.device = device
+        sizes = [max_num_reqs * w for w in widths]
+        self.table_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.counts_offset = int(sum(sizes))
+        self.num_entries = self.counts_offset + self.num_groups * max_num_reqs
+        if self.num_entries > np.iinfo(np.int32).max:
+            raise ValueError(
+                f"the tables need {self.num_entries} entries, more than int32 indexing allows "
+                f"({np.iinfo(np.int32).max}); lower max_num_reqs or max_model_len"
+            )
+        self.pinned = torch.cuda.is_available()
+        self.host_tensor = torch.zeros(  # on cpu, int32 [num_entries], pinned with CUDA
+            self.num_entries, dtype=torch.int32, pin_memory=self.pinned
+        )
+        self.host: np.ndarray = self.host_tensor.numpy()  # on cpu, same memory
+        self.device_tensor = torch.zeros(  # on device, int32 [num_entries]
+            self.num_entries, dtype=torch.int32, device=device
+        )
+        # Dirty column range [lo, hi) of each (group, row) since the last commit.
+        self.dirty_lo = np.full((self.num_groups, max_num_reqs), _NOT_DIRTY, dtype=np.int32)
+        self.dirty_hi = np.zeros((self.num_groups, max_num_reqs), dtype=np.int32)
+        # An asynchronous copy that reads ``host_tensor`` directly (the large-commit path):
+        # host writes must wait for it.
+        self.host_read_event: torch.cuda.Event | None = None
+
+    # ---- views -------------------------------------------------------------------------
+    def host_table(self, group: int) -> np.ndarray:
+        """int32 ``[max_num_reqs, width]`` numpy view of one group's host table."""
+        start = int(self.table_offsets[group])
+        width = self.widths[group]
+        return self.host[start : start + self.max_num_reqs * width].reshape(
+            self.max_num_reqs, width
+        )
+
+    def host_counts(self, group: int) -> np.ndarray:
+        """int32 ``[max_num_reqs]`` numpy view of one group's filled-entry counts."""
+        start = self.counts_offset + group * self.max_num_reqs
+        return self.host[start : start + self.max_num_reqs]
+
+    def device_table(self, group: int) -> torch.Tensor:
+        """int32 ``[max_num_reqs, width]`` view of one group's device table (fixed address)."""
+        start = int(self.table_offsets[group])
+        width = self.widths[group]
+        return self.device_tensor[start : start + self.max_num_reqs * width].view(
+            self.max_num_reqs, width
+        )
+
+    def device_counts(self, group: int) -> torch.Tensor:
+        """int32 ``[max_num_reqs]`` view of one group's device counts."""
+        start = self.counts_offset + group * self.max_num_reqs
+        return self.device_tensor[start : start + self.max_num_reqs]
+
+    # ---- change tracking ---------------------------------------------------------------
+    def before_host_write(self) -> None:
+        """Wait until no copy still reads the host buffer (only after a large commit)."""
+        if self.host_read_event is not None:
+            self.host_read_event.synchronize()
+            self.host_read_event = None
+
+    def mark_row(self, group: int, row: int, lo: int, hi: int) -> None:
+        """Record that columns ``[lo, hi)`` of ``row`` (and so its count) changed."""
+        if hi > lo:
+            if lo < self.dirty_lo[group, row]:
+                self.dirty_lo[group, row] = lo
+            if hi > self.dirty_hi[group, row]:
+                self.dirty_hi[group, row] = hi
+
+    def mark_rows(self, group: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Vectorized :meth:`mark_row`; ``rows`` may repeat."""
+        keep = hi > lo
+        if not keep.all():
+            rows, lo, hi = rows[keep], lo[keep], hi[keep]
+        np.minimum.at(self.dirty_lo[group], rows, lo.astype(np.int32, copy=False))
+        np.maximum.at(self.dirty_hi[group], rows, hi.astype(np.int32, copy=False))
+
+    def mark_unique_rows(
+        self, group: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    ) -> None:
+        """Faster :meth:`mark_rows` when ``rows`` holds no row twice."""
+        keep = hi > lo
+        if not keep.all():
+            rows, lo, hi = rows[keep], lo[keep], hi[keep]
+        d_lo, d_hi = self.dirty_lo[group], self.dirty_hi[group]
+        d_lo[rows] = np.minimum(d_lo[rows], lo)
+        d_hi[rows] = np.maximum(d_hi[rows], hi)
+
+    def has_changes(self) -> bool:
+        return bool((self.dirty_hi > self.dirty_lo).any())
+
+    def reset_dirty(self, groups: np.ndarray, rows: np.ndarray) -> None:
+        self.dirty_lo[groups, rows] = _NOT_DIRTY
+        self.dirty_hi[groups, rows] = 0

@@ -1,0 +1,120 @@
+"""A whole scheduling step's changes to the block table, as flat numpy arrays.
+
+The allocator (:mod:`blocktable.allocator`) produces a :class:`StepUpdate`; the table applies it
+in one vectorized call (:meth:`blocktable.MultiGroupBlockTable.apply`). Block ids here are
+*manager* block ids: the table expands them to kernel blocks itself.
+
+Order of application inside one update: ``cleared_rows`` first, then ``added`` (each listed row
+is replaced by exactly the given ids), then ``appended`` (ids go after the row's current tail,
+which may have just been set by ``added``), then ``nulled`` (entries set to the null block, e.g.
+blocks that left a sliding window). Within ``added`` and within ``appended`` a row appears at
+most once per group; ``nulled`` may list a row once per entry it nulls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def _int32(values: object) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return _EMPTY
+    return arr.astype(np.int32, copy=False)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """Manager block ids for several rows of one KV cache group, flattened row after row.
+
+    Attributes
+    ----------
+    rows : np.ndarray
+        int32 ``[n]``, table rows.
+    num_blocks : np.ndarray
+        int32 ``[n]``, how many manager blocks each row gets.
+    block_ids : np.ndarray
+        int32 ``[num_blocks.sum()]``, the ids, those of ``rows[0]`` first.
+    """
+
+    rows: np.ndarray = field(default_factory=lambda: _EMPTY)
+    num_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
+    block_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[int], ids_per_row: Sequence[Sequence[int]]) -> RowBlocks:
+        """Build from a row list and one id list per row (convenience, not the hot path)."""
+        if len(rows) != len(ids_per_row):
+            raise ValueError(
+                f"rows and ids_per_row must have the same length, got {len(rows)} and "
+                f"{len(ids_per_row)}"
+            )
+        num = [len(ids) for ids in ids_per_row]
+        flat = [int(b) for ids in ids_per_row for b in ids]
+        return cls(_int32(rows), _int32(num), _int32(flat))
+
+    def __len__(self) -> int:
+        return int(len(self.rows))
+
+
+@dataclass(frozen=True)
+class RowEntries:
+    """Single entries of one group's rows: ``(rows[i], block_indices[i])``.
+
+    ``block_indices`` are logical *manager* block indices (``position // manager_block_size``
+    on this rank).
+    """
+
+    rows: np.ndarray = field(default_factory=lambda: _EMPTY)
+    block_indices: np.ndarray = field(default_factory=lambda: _EMPTY)
+
+    def __len__(self) -> int:
+        return int(len(self.rows))
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """One step's changes for every KV cache group (tuples hold one entry per group)."""
+
+    cleared_rows: np.ndarray
+    added: tuple[RowBlocks, ...]
+    appended: tuple[RowBlocks, ...]
+    nulled: tuple[RowEntries, ...]
+
+    @classmethod
+    def empty(cls, num_groups: int) -> StepUpdate:
+        return cls(
+            cleared_rows=_EMPTY,
+            added=tuple(RowBlocks() for _ in range(num_groups)),
+            appended=tuple(RowBlocks() for _ in range(num_groups)),
+            nulled=tuple(RowEntries() for _ in range(num_groups)),
+        )
+
+    @classmethod
+    def make(
+        cls,
+        num_groups: int,
+        *,
+        cleared_rows: object = (),
+        added: Sequence[RowBlocks] | None = None,
+        appended: Sequence[RowBlocks] | None = None,
+        nulled: Sequence[RowEntries] | None = None,
+    ) -> StepUpdate:
+        """Build an update; parts left out are empty."""
+        return cls(
+            cleared_rows=_int32(cleared_rows),
+            added=tuple(added) if added is not None else tuple(RowBlocks() for _ in range(num_groups)),
+            appended=tuple(appended)
+            if appended is not None
+            else tuple(RowBlocks() for _ in range(num_groups)),
+            nulled=tuple(nulled) if nulled is not None else tuple(RowEntries() for _ in range(num_groups)),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.added)
