@@ -126,6 +126,7 @@ class MultiGroupBlockTable:
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
         )
         self._gathered: dict[int, torch.Tensor] = {}  # group -> indexed-mode view buffer
+        self._state_out: dict[tuple[int, int], torch.Tensor] = {}  # (group, spec) -> buffer
 
     def _params(self, g: int) -> SlotGroupParams:
         spec, st = self.specs[g], self.storage
@@ -488,6 +489,52 @@ class MultiGroupBlockTable:
             out = torch.zeros_like(self.storage.device_table(group))
             self._gathered[group] = out
         gather_rows(self.backend, self.storage.device_table(group), row_of_batch, out[:padded])
+        return out[:padded]
+
+    def state_indices(
+        self,
+        group: int,
+        seq_lens: torch.Tensor,
+        num_reqs_padded: int | None = None,
+        *,
+        num_speculative_blocks: int = 0,
+        row_of_batch: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """int32 ``[num_reqs_padded, 1 + num_speculative_blocks]`` state blocks per request.
+
+        For a state (Mamba-like) group: the block holding each request's last token,
+        ``(seq_len - 1) // block_size`` clamped at 0, then the ``num_speculative_blocks`` blocks
+        after it; ``NULL_BLOCK_ID`` past the row's entries and in pad rows. Written on the device
+        into a persistent buffer (fixed address per ``num_speculative_blocks``).
+        """
+        from blocktable.state_indices import gather_state_indices
+
+        table = self[group]
+        num_reqs = check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1,
+                                device=self.device).numel()
+        if num_reqs > self.max_num_reqs:
+            raise ValueError(f"seq_lens has {num_reqs} entries, more than max_num_reqs")
+        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+        if not num_reqs <= padded <= self.max_num_reqs:
+            raise ValueError(
+                f"num_reqs_padded={padded} must be in [num_reqs={num_reqs}, "
+                f"max_num_reqs={self.max_num_reqs}]"
+            )
+        if num_speculative_blocks < 0:
+            raise ValueError(f"num_speculative_blocks must be >= 0, got {num_speculative_blocks}")
+        if row_of_batch is not None:
+            check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
+                         device=self.device)
+        key = (group, num_speculative_blocks)
+        out = self._state_out.get(key)
+        if out is None:
+            out = torch.zeros(self.max_num_reqs, 1 + num_speculative_blocks, dtype=torch.int32,
+                              device=self.device)
+            self._state_out[key] = out
+        gather_state_indices(
+            self.storage.device_table(group), self.storage.device_counts(group), seq_lens,
+            table.spec.kernel_size, row_of_batch, out[:padded],
+        )
         return out[:padded]
 
     def check_integrity(self) -> None:
