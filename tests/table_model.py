@@ -91,12 +91,13 @@ def snapshot(bt) -> tuple:  # type: ignore[no-untyped-def]
     return (
         st.host.copy(),
         st.device_tensor.cpu().numpy().copy(),
-        st.dirty_lo.copy(),
-        st.dirty_hi.copy(),
+        st.dirty_rows.copy(),
+        np.concatenate([np.zeros(0, np.int64), *st.journal]),
+        st.overflow,
     )
 
 
 def assert_unchanged(before: tuple, bt) -> None:  # type: ignore[no-untyped-def]
     after = snapshot(bt)
-    for name, a, b in zip(("host", "device", "dirty_lo", "dirty_hi"), before, after):
+    for name, a, b in zip(("host", "device", "dirty_rows", "journal", "overflow"), before, after):
         np.testing.assert_array_equal(a, b, err_msg=f"{name} changed by a rejected call")

@@ -70,6 +70,8 @@ def as_index_array(name: str, value: object) -> np.ndarray:
     Accepts lists, tuples, numpy integer arrays and CPU integer tensors. Floats and bools are
     rejected, so ``1.5`` never becomes block 1.
     """
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        return value.astype(np.int64, copy=False)  # the hot path: already an index array
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
@@ -78,7 +80,7 @@ def as_index_array(name: str, value: object) -> np.ndarray:
         arr = np.asarray(value)
         if arr.size == 0:
             arr = arr.astype(np.int64)
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blocktable._checks import as_index_array
-from blocktable.commit import ragged_arange
+from blocktable._arrays import ragged_indices
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.table import BlockTable
 from blocktable.update import RowBlocks, RowEntries
@@ -39,12 +39,19 @@ def _check_rows(name: str, rows: object, bound: int, unique: bool) -> np.ndarray
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= bound:
             raise IndexError(f"{name} holds row {lo if lo < 0 else hi}, outside [0, {bound})")
-        if unique and len(np.unique(arr)) != len(arr):
-            raise ValueError(f"{name} lists a row twice")
+        if unique and len(arr) > 1:
+            ordered = np.sort(arr)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise ValueError(f"{name} lists a row twice")
     return arr
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+
+
 def _check_blocks(name: str, part: RowBlocks, table: BlockTable) -> tuple[np.ndarray, ...]:
+    if len(part.rows) == 0 and len(part.num_blocks) == 0 and len(part.block_ids) == 0:
+        return _NONE, _NONE, _NONE.astype(np.int32)
     rows = _check_rows(f"{name}.rows", part.rows, table.max_num_reqs, unique=True)
     num = as_index_array(f"{name}.num_blocks", part.num_blocks)
     if len(num) != len(rows):
@@ -73,16 +80,27 @@ def plan_group_update(
     g = table.group
     add_rows, add_counts, add_ids = _check_blocks(f"added[{g}]", added, table)
     app_rows, app_counts, app_ids = _check_blocks(f"appended[{g}]", appended, table)
-    counts = table.num_blocks_per_row.astype(np.int64)
-    counts[cleared_rows] = 0
-    counts[add_rows] = add_counts
-    counts[app_rows] += app_counts
+    if len(cleared_rows) or len(add_rows):
+        counts = table.num_blocks_per_row.astype(np.int64)
+        counts[cleared_rows] = 0
+        counts[add_rows] = add_counts
+        counts[app_rows] += app_counts
+        touched = np.arange(len(counts))
+    else:  # the common decode step: only appends, so only their rows can overflow
+        touched = app_rows
+        counts = table.num_blocks_per_row[app_rows].astype(np.int64) + app_counts
     if len(counts) and int(counts.max()) > table.width:
-        row = int(np.argmax(counts))
+        i = int(np.argmax(counts))
         raise ValueError(
-            f"step update: row {row} of group {g} would hold {int(counts[row])} kernel blocks, "
-            f"more than the row width {table.width}"
+            f"step update: row {int(touched[i])} of group {g} would hold {int(counts[i])} kernel "
+            f"blocks, more than the row width {table.width}"
         )
+    if len(nulled.rows) == 0 and len(nulled.block_indices) == 0:
+        return GroupPlan(cleared_rows, add_rows, add_counts, add_ids, app_rows, app_counts,
+                         app_ids, _NONE, _NONE)
+    if not (len(cleared_rows) or len(add_rows)):
+        counts = table.num_blocks_per_row.astype(np.int64)
+        counts[app_rows] += app_counts
     null_rows = _check_rows(f"nulled[{g}].rows", nulled.rows, table.max_num_reqs, unique=False)
     null_blocks = as_index_array(f"nulled[{g}].block_indices", nulled.block_indices)
     if len(null_blocks) != len(null_rows):
@@ -106,33 +124,33 @@ def plan_group_update(
 
 
 def write_group_update(table: BlockTable, plan: GroupPlan) -> None:
-    """Apply a plan made by :func:`plan_group_update` (vectorized; marks changes for commit)."""
+    """Apply a plan made by :func:`plan_group_update` (vectorized; records it for commit)."""
     flat = table.block_table_np.reshape(-1)
     counts = table.num_blocks_per_row
-    storage, g, width = table.storage, table.group, table.width
+    storage, g, width, offset = table.storage, table.group, table.width, table.offset
 
-    def zero_prefix(rows: np.ndarray) -> None:
-        old = counts[rows].astype(np.int64)
-        flat[np.repeat(rows * width, old) + ragged_arange(old)] = NULL_BLOCK_ID
-        storage.mark_rows(g, rows, np.zeros(len(rows), np.int64), old)
-        counts[rows] = 0
+    def write(rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray, values: object) -> None:
+        local = ragged_indices(rows * width + starts, lengths)
+        flat[local] = values
+        storage.record(g, rows, local + offset)
 
     if len(plan.cleared):
-        zero_prefix(plan.cleared)
+        write(plan.cleared, np.zeros(len(plan.cleared), np.int64),
+              counts[plan.cleared].astype(np.int64), NULL_BLOCK_ID)
+        counts[plan.cleared] = 0
     if len(plan.added_rows):
-        zero_prefix(plan.added_rows)
-        n = plan.added_counts
-        flat[np.repeat(plan.added_rows * width, n) + ragged_arange(n)] = plan.added_ids
-        counts[plan.added_rows] = n
-        storage.mark_rows(g, plan.added_rows, np.zeros(len(n), np.int64), n)
+        rows, new = plan.added_rows, plan.added_counts
+        old = counts[rows].astype(np.int64)
+        tail = old > new  # entries past the new ids that held old ones become null
+        if tail.any():
+            write(rows[tail], new[tail], old[tail] - new[tail], NULL_BLOCK_ID)
+        write(rows, np.zeros(len(rows), np.int64), new, plan.added_ids)
+        counts[rows] = new
     if len(plan.appended_rows):
-        start = counts[plan.appended_rows].astype(np.int64)
-        n = plan.appended_counts
-        flat[np.repeat(plan.appended_rows * width + start, n) + ragged_arange(n)] = plan.appended_ids
-        counts[plan.appended_rows] = start + n
-        storage.mark_rows(g, plan.appended_rows, start, start + n)
+        rows = plan.appended_rows
+        start = counts[rows].astype(np.int64)
+        write(rows, start, plan.appended_counts, plan.appended_ids)
+        counts[rows] = start + plan.appended_counts
     if len(plan.nulled_rows):
-        k = table.k
-        base = plan.nulled_rows * width + plan.nulled_cols
-        flat[(base[:, None] + np.arange(k)).reshape(-1)] = NULL_BLOCK_ID
-        storage.mark_rows(g, plan.nulled_rows, plan.nulled_cols, plan.nulled_cols + k)
+        k = np.full(len(plan.nulled_rows), table.k, np.int64)
+        write(plan.nulled_rows, plan.nulled_cols, k, NULL_BLOCK_ID)

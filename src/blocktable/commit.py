@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 from blocktable.storage import TableStorage
 
 
@@ -27,32 +27,6 @@ class CommitStats:
     num_entries: int  # table entries and counts written on the device
     bytes_h2d: int  # host-to-device bytes
     full_copy: bool  # True when the changed row spans were copied instead of scattered
-
-
-def ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(n)`` for each ``n`` in ``lengths`` (int64)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-
-
-def changed_flat_indices(storage: TableStorage) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flat indices of every changed entry and count, plus the dirty (group, row) pairs.
-
-    Returns ``(indices int64 [n], groups [m], rows [m])``.
-    """
-    groups, rows = np.nonzero(storage.dirty_hi > storage.dirty_lo)
-    if len(rows) == 0:
-        return np.zeros(0, dtype=np.int64), groups, rows
-    lo = storage.dirty_lo[groups, rows].astype(np.int64)
-    lengths = storage.dirty_hi[groups, rows].astype(np.int64) - lo
-    widths = np.asarray(storage.widths, dtype=np.int64)[groups]
-    base = storage.table_offsets[groups] + rows * widths + lo
-    entry_idx = np.repeat(base, lengths) + ragged_arange(lengths)
-    count_idx = storage.counts_offset + groups.astype(np.int64) * storage.max_num_reqs + rows
-    return np.concatenate([entry_idx, count_idx]), groups, rows
 
 
 class Committer:
@@ -79,6 +53,7 @@ class Committer:
             1024, storage.num_entries // 40
         )
         self.capacity = int(cap)
+        storage.journal_limit = self.capacity
         pin = storage.pinned
         # on cpu (pinned with CUDA), int32 [2, 2*capacity]: indices then values, two buffers
         self._staging_host = torch.zeros(2, 2 * self.capacity, dtype=torch.int32, pin_memory=pin)
@@ -92,16 +67,17 @@ class Committer:
     def commit(self) -> CommitStats:
         """Move every change since the last commit to the device (asynchronously on CUDA)."""
         st = self.storage
-        idx, groups, rows = changed_flat_indices(st)
-        n = len(idx)
-        if n == 0:
+        if not st.dirty_rows.any():
             self.last = CommitStats(0, 0, False)
             return self.last
-        if n > self.capacity:
+        groups, rows = np.nonzero(st.dirty_rows)
+        count_idx = st.counts_offset + groups * st.max_num_reqs + rows
+        idx = None if st.overflow else np.concatenate([*st.journal, count_idx])
+        if idx is None or len(idx) > self.capacity:
             self.last = self._copy_spans(groups, rows)
         else:
             self.last = self._scatter(idx)
-        st.reset_dirty(groups, rows)
+        st.reset_changes()
         return self.last
 
     # ---- small change: staged scatter -------------------------------------------------
@@ -166,6 +142,9 @@ if HAS_TRITON:
 _SCATTER_BLOCK = 1024
 
 
+_scatter_launcher = Launcher(_scatter_kernel, dynamic=(2,)) if HAS_TRITON else None
+
+
 def _launch_scatter(dst: torch.Tensor, staging: torch.Tensor, num_entries: int) -> None:
     grid = (triton.cdiv(num_entries, _SCATTER_BLOCK),)
-    _scatter_kernel[grid](dst, staging, num_entries, BLOCK=_SCATTER_BLOCK)
+    _scatter_launcher(grid, dst, staging, num_entries, _SCATTER_BLOCK)

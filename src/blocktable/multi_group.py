@@ -447,10 +447,9 @@ class MultiGroupBlockTable:
             return self._encoder_placeholder[:padded]
         if padded > num_reqs:
             counts = self.storage.host_counts(group)[num_reqs:padded]
-            d_lo = self.storage.dirty_lo[group, num_reqs:padded]
-            d_hi = self.storage.dirty_hi[group, num_reqs:padded]
-            if counts.any() or (d_hi > d_lo).any():
-                row = num_reqs + int(np.argmax(counts.astype(bool) | (d_hi > d_lo)))
+            dirty = self.storage.dirty_rows[group, num_reqs:padded]
+            if counts.any() or dirty.any():
+                row = num_reqs + int(np.argmax(counts.astype(bool) | dirty))
                 raise ValueError(
                     f"pad row {row} in [num_reqs={num_reqs}, num_reqs_padded={padded}) of group "
                     f"{group} is not an empty committed row; clear it (clear_row) and commit"

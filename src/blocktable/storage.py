@@ -16,8 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_NOT_DIRTY = np.iinfo(np.int32).max
-
 
 class TableStorage:
     """Flat host and device buffers for ``len(widths)`` tables of ``max_num_reqs`` rows.
@@ -54,9 +52,14 @@ class TableStorage:
         self.device_tensor = torch.zeros(  # on device, int32 [num_entries]
             self.num_entries, dtype=torch.int32, device=device
         )
-        # Dirty column range [lo, hi) of each (group, row) since the last commit.
-        self.dirty_lo = np.full((self.num_groups, max_num_reqs), _NOT_DIRTY, dtype=np.int32)
-        self.dirty_hi = np.zeros((self.num_groups, max_num_reqs), dtype=np.int32)
+        # What changed since the last commit: the rows (for counts and checks) and the flat
+        # indices written (a journal; may repeat an index). Past ``journal_limit`` entries the
+        # journal is dropped and the commit copies each group's changed row span instead.
+        self.dirty_rows = np.zeros((self.num_groups, max_num_reqs), dtype=bool)
+        self.journal: list[np.ndarray] = []
+        self.journal_size = 0
+        self.journal_limit = self.num_entries
+        self.overflow = False
         # An asynchronous copy that reads ``host_tensor`` directly (the large-commit path):
         # host writes must wait for it.
         self.host_read_event: torch.cuda.Event | None = None
@@ -95,36 +98,22 @@ class TableStorage:
             self.host_read_event.synchronize()
             self.host_read_event = None
 
-    def mark_row(self, group: int, row: int, lo: int, hi: int) -> None:
-        """Record that columns ``[lo, hi)`` of ``row`` (and so its count) changed."""
-        if hi > lo:
-            if lo < self.dirty_lo[group, row]:
-                self.dirty_lo[group, row] = lo
-            if hi > self.dirty_hi[group, row]:
-                self.dirty_hi[group, row] = hi
-
-    def mark_rows(self, group: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Vectorized :meth:`mark_row`; ``rows`` may repeat."""
-        keep = hi > lo
-        if not keep.all():
-            rows, lo, hi = rows[keep], lo[keep], hi[keep]
-        np.minimum.at(self.dirty_lo[group], rows, lo.astype(np.int32, copy=False))
-        np.maximum.at(self.dirty_hi[group], rows, hi.astype(np.int32, copy=False))
-
-    def mark_unique_rows(
-        self, group: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
-    ) -> None:
-        """Faster :meth:`mark_rows` when ``rows`` holds no row twice."""
-        keep = hi > lo
-        if not keep.all():
-            rows, lo, hi = rows[keep], lo[keep], hi[keep]
-        d_lo, d_hi = self.dirty_lo[group], self.dirty_hi[group]
-        d_lo[rows] = np.minimum(d_lo[rows], lo)
-        d_hi[rows] = np.maximum(d_hi[rows], hi)
+    def record(self, group: int, rows: np.ndarray | int, flat_indices: np.ndarray) -> None:
+        """Note that ``rows`` of ``group`` changed, writing host entries ``flat_indices``."""
+        self.dirty_rows[group, rows] = True
+        if self.overflow:
+            return
+        self.journal.append(flat_indices)
+        self.journal_size += len(flat_indices)
+        if self.journal_size > self.journal_limit:
+            self.overflow = True
+            self.journal = []
 
     def has_changes(self) -> bool:
-        return bool((self.dirty_hi > self.dirty_lo).any())
+        return bool(self.dirty_rows.any())
 
-    def reset_dirty(self, groups: np.ndarray, rows: np.ndarray) -> None:
-        self.dirty_lo[groups, rows] = _NOT_DIRTY
-        self.dirty_hi[groups, rows] = 0
+    def reset_changes(self) -> None:
+        self.dirty_rows[:] = False
+        self.journal = []
+        self.journal_size = 0
+        self.overflow = False

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from blocktable._arrays import ragged_indices
 from blocktable._checks import as_index_array, check_index
 from blocktable.config import GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
@@ -73,6 +74,7 @@ class BlockTable:
         self.storage: TableStorage = owner.storage
         self.max_num_reqs = owner.max_num_reqs
         self.width = self.storage.widths[group]
+        self.offset = int(self.storage.table_offsets[group])  # of this table in the flat buffer
         self.k = self.spec.blocks_per_manager_block
         self.block_table_np = self.storage.host_table(group)
         self.num_blocks_per_row = self.storage.host_counts(group)
@@ -106,6 +108,11 @@ class BlockTable:
             )
 
     # ---- writes (inputs already checked) -----------------------------------------------
+    def _record(self, row: int, lo: int, hi: int) -> None:
+        """Note for the next commit that columns ``[lo, hi)`` of ``row`` changed."""
+        base = self.offset + row * self.width
+        self.storage.record(self.group, row, np.arange(base + lo, base + max(lo, hi)))
+
     def _write_add(self, row: int, kernel_ids: np.ndarray) -> None:
         old = int(self.num_blocks_per_row[row])
         new = len(kernel_ids)
@@ -113,20 +120,20 @@ class BlockTable:
         if old > new:
             self.block_table_np[row, new:old] = NULL_BLOCK_ID
         self.num_blocks_per_row[row] = new
-        self.storage.mark_row(self.group, row, 0, max(old, new))
+        self._record(row, 0, max(old, new))
 
     def _write_append(self, row: int, kernel_ids: np.ndarray) -> None:
         start = int(self.num_blocks_per_row[row])
         stop = start + len(kernel_ids)
         self.block_table_np[row, start:stop] = kernel_ids
         self.num_blocks_per_row[row] = stop
-        self.storage.mark_row(self.group, row, start, stop)
+        self._record(row, start, stop)
 
     def _write_clear_row(self, row: int) -> None:
         old = int(self.num_blocks_per_row[row])
         self.block_table_np[row, :old] = NULL_BLOCK_ID
         self.num_blocks_per_row[row] = 0
-        self.storage.mark_row(self.group, row, 0, old)
+        self._record(row, 0, old)
 
     def _write_move(self, src: int, dst: int) -> None:
         n_src = int(self.num_blocks_per_row[src])
@@ -135,23 +142,21 @@ class BlockTable:
         if n_dst > n_src:
             self.block_table_np[dst, n_src:n_dst] = NULL_BLOCK_ID
         self.num_blocks_per_row[dst] = n_src
-        self.storage.mark_row(self.group, dst, 0, max(n_src, n_dst))
+        self._record(dst, 0, max(n_src, n_dst))
         self._write_clear_row(src)
 
     def _write_swap(self, a: int, b: int) -> None:
         n = max(int(self.num_blocks_per_row[a]), int(self.num_blocks_per_row[b]))
         self.block_table_np[[a, b], :n] = self.block_table_np[[b, a], :n]
         self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
-        self.storage.mark_row(self.group, a, 0, n)
-        self.storage.mark_row(self.group, b, 0, n)
+        self._record(a, 0, n)
+        self._record(b, 0, n)
 
     def _write_clear(self) -> None:
         counts = self.num_blocks_per_row
         rows = np.nonzero(counts)[0]
-        if len(rows):
-            self.storage.mark_unique_rows(
-                self.group, rows, np.zeros(len(rows), np.int32), counts[rows].copy()
-            )
+        idx = ragged_indices(self.offset + rows * self.width, counts[rows].astype(np.int64))
+        self.storage.record(self.group, rows, idx)
         self.block_table_np[rows] = NULL_BLOCK_ID
         counts[:] = 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 
 if HAS_TRITON:
@@ -102,7 +102,8 @@ def launch_slot_mapping(
     num_groups, max_num_tokens = out.shape
     num_reqs = query_start_loc.numel() - 1
     grid = (triton.cdiv(max_num_tokens, block),)
-    _slot_mapping_kernel[grid](
+    _launch(
+        grid,
         flat_table,
         params,
         query_start_loc,
@@ -111,11 +112,14 @@ def launch_slot_mapping(
         out,
         positions.numel() if num_reqs > 0 else 0,  # no request: every token is padding
         num_reqs,
-        max_num_tokens=max_num_tokens,
-        max_num_reqs=max_num_reqs,
-        NUM_GROUPS=num_groups,
-        SEARCH_STEPS=search_steps(max_num_reqs),
-        INDEXED=row_of_batch is not None,
-        BLOCK=block,
+        max_num_tokens,
+        max_num_reqs,
+        num_groups,
+        search_steps(max_num_reqs),
+        row_of_batch is not None,
+        block,
         num_warps=num_warps,
     )
+
+
+_launch = Launcher(_slot_mapping_kernel, dynamic=(6, 7)) if HAS_TRITON else None

@@ -1,0 +1,309 @@
+"""Per-step cost of the block table (issue 3): slot mapping, commit, whole step, batched adds.
+
+Scenarios follow SPEC §6: manager block 16, 1024 max requests, width 8192 (128K context),
+8192 max batched tokens. On CUDA, kernel times are medians of CUDA-graph replays and of eager
+calls (``triton.testing.do_bench``); host times are medians of ``perf_counter`` over many calls.
+
+    PYTHONPATH=src python benchmarks/bench_step.py                # CUDA
+    PYTHONPATH=src python benchmarks/bench_step.py --device cpu   # the CPU path
+    ... --json out.json
+
+Prints a table at the end; ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+
+MAX_REQS = 1024
+MAX_MODEL_LEN = 131072
+MAX_TOKENS = 8192
+BLOCK = 16
+
+# SPEC §6 anchors (vLLM on one H200): graph / eager slot map (0.25.1, 0.33.0), µs
+ANCHORS = {
+    "decode-256": "2.5/6.1 (0.25.1), 2.2/9.9 (0.33.0)",
+    "decode-1024": "3.8/7.4 (0.25.1), 2.9/6.1 (0.33.0)",
+    "prefill-1x8192": "14.0/23.5 (0.25.1), 14.9/29.8 (0.33.0)",
+    "prefill-4x2048": "4.4/9.5 (0.25.1), 4.5/11.7 (0.33.0)",
+    "mixed-255+7937": "14.3/25.0 (0.25.1), 14.8/30.9 (0.33.0)",
+    "3groups-mixed": "41.2/90.1 (0.25.1, 3 launches), 38.4/77.3 (0.33.0)",
+}
+
+
+def median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def build_table(specs, device, rng, seq_lens):
+    """A table whose first len(seq_lens) rows hold enough blocks for those sequence lengths."""
+    bt = MultiGroupBlockTable(specs, MAX_REQS, MAX_MODEL_LEN, MAX_TOKENS, device)
+    rows = np.arange(len(seq_lens), dtype=np.int32)
+    added = []
+    for spec in specs:
+        nb = (-(-np.asarray(seq_lens) // spec.block_size)).astype(np.int32)
+        ids = rng.integers(1, 2**20, int(nb.sum()), dtype=np.int32)
+        added.append(RowBlocks(rows, nb, ids))
+    bt.apply(StepUpdate.make(len(specs), added=added))
+    bt.commit()
+    return bt
+
+
+def batch(device, seq_lens, query_lens):
+    """query_start_loc (int32) and positions (int64) on the device, plus the host qsl."""
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    pos = np.concatenate(
+        [np.arange(s - q, s) for s, q in zip(seq_lens, query_lens)]
+    ).astype(np.int64)
+    qsl_cpu = torch.from_numpy(qsl)
+    return qsl_cpu.to(device), torch.from_numpy(pos).to(device), qsl_cpu
+
+
+def scenarios(rng):
+    dec256 = rng.integers(512, 32768, 256)
+    dec1024 = rng.integers(512, 32768, 1024)
+    mixed = np.concatenate([rng.integers(512, 32768, 255), [7937]])
+    return {
+        "decode-256": (dec256, np.ones(256, np.int64)),
+        "decode-1024": (dec1024, np.ones(1024, np.int64)),
+        "prefill-1x8192": (np.array([8192]), np.array([8192])),
+        "prefill-4x2048": (np.full(4, 2048), np.full(4, 2048)),
+        "mixed-255+7937": (mixed, np.concatenate([np.ones(255, np.int64), [7937]])),
+    }
+
+
+def time_graph_us(fn, replays=200):
+    """Median device time of one replay of a graph holding one call of ``fn``, and the
+    amortized time per call of a graph holding 20 calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g1, g20 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        fn()
+    with torch.cuda.graph(g20):
+        for _ in range(20):
+            fn()
+    for _ in range(10):
+        g1.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g1.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    amort = []
+    for _ in range(50):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g20.replay()
+        b.record()
+        b.synchronize()
+        amort.append(a.elapsed_time(b) * 1e3 / 20)
+    return statistics.median(times), statistics.median(amort)
+
+
+def time_host_us(fn, n=300, sync=None):
+    for _ in range(10):
+        fn()
+    if sync:
+        sync()
+    t = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    if sync:
+        sync()
+    return median_us(t)
+
+
+def bench_slot_mapping(device, rng, results):
+    cuda = device == "cuda"
+    specs1 = [GroupSpec(BLOCK)]
+    specs3 = [GroupSpec(16), GroupSpec(32, kernel_block_size=16), GroupSpec(64)]
+    cases = scenarios(rng)
+    cases["3groups-mixed"] = cases["mixed-255+7937"]
+    for name, (seq_lens, q_lens) in cases.items():
+        specs = specs3 if name == "3groups-mixed" else specs1
+        bt = build_table(specs, device, rng, seq_lens)
+        qsl, pos, qsl_cpu = batch(device, seq_lens, q_lens)
+
+        def call():
+            bt.compute_slot_mapping(qsl, pos, query_start_loc_cpu=qsl_cpu)
+
+        row = {"scenario": name, "tokens": int(pos.numel()), "groups": len(specs)}
+        if cuda:
+            import triton.testing
+
+            row["graph_us"], row["graph_amortized_us"] = time_graph_us(call)
+            row["eager_us"] = triton.testing.do_bench(call, warmup=50, rep=300,
+                                                      return_mode="median") * 1e3
+            row["host_us"] = time_host_us(call, sync=torch.cuda.synchronize)
+        else:
+            row["host_us"] = time_host_us(call, n=50)
+        row["vllm_anchor_graph_eager_us"] = ANCHORS[name]
+        results["slot_mapping"].append(row)
+        del bt
+
+
+def decode_updates(rng, num_steps, rows_per_step=64):
+    ups = []
+    for _ in range(num_steps):
+        rows = rng.choice(1024, rows_per_step, replace=False).astype(np.int32)
+        ids = rng.integers(1, 2**20, rows_per_step, dtype=np.int32)
+        ups.append(StepUpdate.make(1, appended=[RowBlocks(rows, np.ones(rows_per_step, np.int32), ids)]))
+    return ups
+
+
+def bench_step(device, rng, results):
+    """decode-1024 steady state: 64 rows gain a block; apply + commit + slot map + sync."""
+    cuda = device == "cuda"
+    seq_lens, q_lens = scenarios(rng)["decode-1024"]
+    bt = build_table([GroupSpec(BLOCK)], device, rng, seq_lens)
+    qsl, pos, qsl_cpu = batch(device, seq_lens, q_lens)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    n = 400
+    ups = decode_updates(rng, n + 20)
+    # commit alone: device time (events) and bytes
+    commit_dev, commit_host, apply_host, bytes_moved = [], [], [], []
+    for u in ups[:200]:
+        t0 = time.perf_counter()
+        bt.apply(u)
+        t1 = time.perf_counter()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        stats = bt.commit()
+        t2 = time.perf_counter()
+        if cuda:
+            b.record()
+            b.synchronize()
+            commit_dev.append(a.elapsed_time(b) * 1e3)
+        apply_host.append(t1 - t0)
+        commit_host.append(t2 - t1)
+        bytes_moved.append(stats.bytes_h2d)
+    sync()
+    row = {
+        "apply_host_us": median_us(apply_host),
+        "commit_host_us": median_us(commit_host),
+        "commit_bytes": int(statistics.median(bytes_moved)),
+        "commit_anchor": "614 us, 32 MiB (vLLM full copy)",
+    }
+    if cuda:
+        row["commit_device_us"] = statistics.median(commit_dev)
+    # whole step
+    issue, total = [], []
+    for u in ups[200:]:
+        sync()
+        t0 = time.perf_counter()
+        bt.apply(u)
+        bt.commit()
+        bt.compute_slot_mapping(qsl, pos, query_start_loc_cpu=qsl_cpu)
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        issue.append(t1 - t0)
+        total.append(t2 - t0)
+    row.update({
+        "step_us": median_us(total),
+        "step_issue_us": median_us(issue),
+        "step_anchor": "805 / 703 us (issue 258 / 130 us)",
+    })
+    assert bt.device_equals_host()
+    results["step"] = row
+
+
+def bench_batched_add(device, rng, results):
+    """1024 rows x 512 ids: one batched apply vs 1024 add_row calls (host)."""
+    bt = MultiGroupBlockTable([GroupSpec(BLOCK)], MAX_REQS, MAX_MODEL_LEN, MAX_TOKENS, device)
+    rows = np.arange(1024, dtype=np.int32)
+    ids = rng.integers(1, 2**20, 1024 * 512, dtype=np.int32)
+    upd = StepUpdate.make(1, added=[RowBlocks(rows, np.full(1024, 512, np.int32), ids)])
+    lists = [ids[i * 512 : (i + 1) * 512] for i in range(1024)]
+    per_row, batched = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for r in range(1024):
+            bt.add_row((lists[r],), r)
+        per_row.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        bt.apply(upd)
+        batched.append(time.perf_counter() - t0)
+    results["batched_add"] = {
+        "per_row_ms": statistics.median(per_row) * 1e3,
+        "batched_ms": statistics.median(batched) * 1e3,
+        "speedup": statistics.median(per_row) / statistics.median(batched),
+    }
+    st = bt.storage
+    table_bytes = MAX_REQS * bt[0].width * 4
+    pinned = st.host_tensor.numel() * 4 + bt.committer._staging_host.numel() * 4
+    dev = st.device_tensor.numel() * 4 + bt.committer._staging_dev.numel() * 4
+    results["memory"] = {
+        "table_bytes": table_bytes,
+        "pinned_over_table": pinned / table_bytes,
+        "device_over_table": dev / table_bytes,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = np.random.default_rng(args.seed)
+    results: dict = {"device": args.device, "slot_mapping": []}
+    if args.device == "cuda":
+        results["card"] = torch.cuda.get_device_name()
+    results["torch"] = torch.__version__
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    bench_slot_mapping(args.device, rng, results)
+    bench_step(args.device, rng, results)
+    bench_batched_add(args.device, rng, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"\nblocktable per-step benchmark on {results.get('card', 'cpu')} "
+          f"(torch {results['torch']}, triton {results.get('triton')})")
+    print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'eager µs':>10}"
+          f"{'host µs':>9}   vLLM graph/eager µs")
+    for r in results["slot_mapping"]:
+        print(f"{r['scenario']:<16}{r['tokens']:>7}{r.get('graph_us', float('nan')):>10.2f}"
+              f"{r.get('graph_amortized_us', float('nan')):>10.2f}"
+              f"{r.get('eager_us', float('nan')):>10.2f}{r['host_us']:>9.1f}   "
+              f"{r['vllm_anchor_graph_eager_us']}")
+    s = results["step"]
+    print(f"decode-1024 step: apply {s['apply_host_us']:.1f} µs host, commit "
+          f"{s['commit_host_us']:.1f} µs host / {s.get('commit_device_us', float('nan')):.1f} µs "
+          f"device, {s['commit_bytes']} B (vLLM {s['commit_anchor']})")
+    print(f"decode-1024 whole step: {s['step_us']:.1f} µs, issue {s['step_issue_us']:.1f} µs "
+          f"(vLLM {s['step_anchor']})")
+    b, m = results["batched_add"], results["memory"]
+    print(f"batched add 1024x512: {b['batched_ms']:.2f} ms vs per-row {b['per_row_ms']:.2f} ms "
+          f"({b['speedup']:.1f}x); memory: pinned {m['pinned_over_table']:.3f}x, device "
+          f"{m['device_over_table']:.3f}x table")
+
+
+if __name__ == "__main__":
+    main()
