@@ -119,6 +119,9 @@ CASES = [
     for world in (1, 2, 4)
     for inter in sorted({1, kbs, bs})
     if world > 1 or inter == 1
+] + [
+    # sizes that are not powers of two take the kernel's division path
+    (24, 8, 3, 8), (24, 12, 1, 1), (48, 16, 3, 16), (12, 12, 2, 4), (40, 40, 3, 1), (6, 3, 1, 1),
 ]
 
 

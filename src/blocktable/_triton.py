@@ -50,15 +50,15 @@ class Launcher:
 
     ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call
     (~10 µs of host time). This keeps the compiled kernel for each specialization seen (pointer
-    alignment and dtype of tensor arguments, values of the other non-dynamic arguments) and
-    calls its launcher directly. Under the interpreter, or when a launch hook is installed (a
-    profiler), it always takes the ordinary path.
+    alignment of tensor arguments, values of the other non-dynamic arguments) and calls its
+    launcher directly. Under the interpreter, or when a launch hook is installed (a profiler),
+    it always takes the ordinary path.
 
     Parameters
     ----------
     kernel : triton.JITFunction
         The kernel. Every call passes *all* its arguments positionally, constexprs included,
-        in signature order.
+        in signature order, with tensors always in the same positions.
     dynamic : tuple of int
         Positions of the ``do_not_specialize`` integer arguments (left out of the key).
     """
@@ -67,20 +67,25 @@ class Launcher:
         self.kernel = kernel
         self.dynamic = frozenset(dynamic)
         self._compiled: dict[tuple, object] = {}
+        self._tensor_pos: list[int] | None = None
+        self._static_pos: list[int] = []
+        self._interpret = interpreting()
 
     def _key(self, args: tuple, num_warps: int) -> tuple:
-        key: list[object] = [num_warps]
-        for i, a in enumerate(args):
-            if i in self.dynamic:
-                continue
-            if isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0))
-            else:
-                key.append(a)
-        return tuple(key)
+        if self._tensor_pos is None:
+            self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            self._static_pos = [
+                i for i, a in enumerate(args)
+                if not isinstance(a, torch.Tensor) and i not in self.dynamic
+            ]
+        return (
+            num_warps,
+            *[args[i] for i in self._static_pos],
+            *[args[i].data_ptr() & 15 == 0 for i in self._tensor_pos],
+        )
 
     def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
-        if interpreting() or _launch_hook_installed():
+        if self._interpret or _launch_hook_installed():
             self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
             return
         key = self._key(args, num_warps)
@@ -91,14 +96,26 @@ class Launcher:
                 self._compiled[key] = compiled
             return
         g = (tuple(grid) + (1, 1))[:3]
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = _current_stream(args[0].device.index)  # type: ignore[attr-defined]
         compiled.run(  # type: ignore[attr-defined]
             g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,  # type: ignore[attr-defined]
             None, None, None, *args,
         )
 
 
+def _current_stream(device_index: int) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
 def _launch_hook_installed() -> bool:
+    """True when a profiler hooked kernel launches (Triton >= 3.4 keeps an empty HookChain)."""
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
-    return runtime is not None and runtime.launch_enter_hook is not None
+    hook = getattr(runtime, "launch_enter_hook", None)
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True

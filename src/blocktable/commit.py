@@ -58,9 +58,19 @@ class Committer:
         # on cpu (pinned with CUDA), int32 [2, 2*capacity]: indices then values, two buffers
         self._staging_host = torch.zeros(2, 2 * self.capacity, dtype=torch.int32, pin_memory=pin)
         self._staging_np = self._staging_host.numpy()
-        # on device, int32 [2*capacity]
-        self._staging_dev = torch.zeros(2 * self.capacity, dtype=torch.int32, device=storage.device)
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        # on device, int32 [2*capacity]; only the copy path needs it (made on first use)
+        self._staging_dev: torch.Tensor | None = None
+        cuda = storage.device.type == "cuda"
+        # one reusable event per staging buffer: recorded after the copy that reads it
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._in_flight = [False, False]
+        self._staging_rows = [self._staging_host[0], self._staging_host[1]]  # sliced once
+        # Pinned memory is mapped into the device's address space (unified addressing), so the
+        # scatter kernel can read the staging buffer itself: no separate copy to issue. If the
+        # platform refuses, the first commit falls back to copy + scatter for good.
+        self._zero_copy = cuda and backend == "triton"
+        self._stream_raw: int | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._next = 0
         self.last: CommitStats = CommitStats(0, 0, False)
 
@@ -91,19 +101,40 @@ class Committer:
         slot = self._next
         self._next ^= 1
         event = self._events[slot]
-        if event is not None:
+        if self._in_flight[slot] and event is not None:
             event.synchronize()  # the copy that last read this buffer must be done
         buf = self._staging_np[slot]
         buf[:n] = idx
         buf[n : 2 * n] = st.host[idx]
-        dev = self._staging_dev[: 2 * n]
-        dev.copy_(self._staging_host[slot, : 2 * n], non_blocking=True)
-        _launch_scatter(st.device_tensor, dev, n)
-        if st.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
+        if not (self._zero_copy and self._scatter_from_host(slot, n)):
+            if self._staging_dev is None:
+                self._staging_dev = torch.zeros(
+                    2 * self.capacity, dtype=torch.int32, device=st.device
+                )
+            dev = self._staging_dev[: 2 * n]
+            dev.copy_(self._staging_host[slot, : 2 * n], non_blocking=True)
+            _launch_scatter(st.device_tensor, dev, n)
+        if event is not None:
+            event.record(self._current_stream())
+            self._in_flight[slot] = True
         return CommitStats(n, 8 * n, False)
+
+    def _scatter_from_host(self, slot: int, n: int) -> bool:
+        try:
+            _launch_scatter(self.storage.device_tensor, self._staging_rows[slot], n)
+        except Exception:  # noqa: BLE001 - any refusal means: use the copy path
+            self._zero_copy = False
+            return False
+        return True
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The current stream, without building a new Stream object on every call."""
+        index = self.storage.device.index or 0
+        raw = int(torch._C._cuda_getCurrentRawStream(index))
+        if raw != self._stream_raw or self._stream is None:
+            self._stream = torch.cuda.current_stream(index)
+            self._stream_raw = raw
+        return self._stream
 
     # ---- large change: copy each group's changed row span -------------------------------
     def _copy_spans(self, groups: np.ndarray, rows: np.ndarray) -> CommitStats:

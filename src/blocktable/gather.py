@@ -38,6 +38,7 @@ def gather_rows(
 
 
 if HAS_TRITON:
+    _NULL = tl.constexpr(NULL_BLOCK_ID)  # kernels read globals only as constexprs
 
     @triton.jit(do_not_specialize=["num_reqs"])
     def _gather_rows_kernel(
@@ -49,5 +50,5 @@ if HAS_TRITON:
         row = tl.load(row_of_batch_ptr + i, mask=i < num_reqs, other=-1).to(tl.int64)
         row = tl.full([BLOCK], 0, tl.int64) + row  # a vector, so the mask below is one
         live = (row >= 0) & (row < max_num_reqs)
-        ids = tl.load(table_ptr + row * width + cols, mask=in_row & live, other=NULL_BLOCK_ID)
+        ids = tl.load(table_ptr + row * width + cols, mask=in_row & live, other=_NULL)
         tl.store(out_ptr + i * width + cols, ids, mask=in_row)

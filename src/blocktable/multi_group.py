@@ -94,6 +94,8 @@ class MultiGroupBlockTable:
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(backend, self.device)
         self.debug = debug
         widths = []
@@ -114,6 +116,8 @@ class MultiGroupBlockTable:
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
         self._packed_params = pack_params(self.slot_params, self.device)
+        self._pow2 = all(p.powers_of_two for p in self.slot_params)
+        self._has_cp = any(p.cp_world_size > 1 for p in self.slot_params)
         # on device, int64 [num_slot_groups, max_num_batched_tokens]: persistent slot buffers
         self._slots = torch.full(
             (len(self._slot_groups), self.max_num_batched_tokens),
@@ -323,6 +327,8 @@ class MultiGroupBlockTable:
             row_of_batch,
             self._slots,
             max_num_reqs=self.max_num_reqs,
+            pow2=self._pow2,
+            has_cp=self._has_cp,
         )
         if self.debug:
             self._debug_report(query_start_loc, positions, row_of_batch)
@@ -338,8 +344,14 @@ class MultiGroupBlockTable:
         row_of_batch: torch.Tensor | None,
         qsl_cpu: torch.Tensor | None,
     ) -> tuple[int, int]:
-        check_tensor("query_start_loc", qsl, dtype=torch.int32, ndim=1, device=self.device)
-        check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=self.device)
+        dev = self.device
+        # The common case in one cheap test; the helper then names what is wrong.
+        if not (isinstance(qsl, torch.Tensor) and qsl.dtype == torch.int32 and qsl.dim() == 1
+                and qsl.device == dev):
+            check_tensor("query_start_loc", qsl, dtype=torch.int32, ndim=1, device=dev)
+        if not (isinstance(positions, torch.Tensor) and positions.dtype == torch.int64
+                and positions.dim() == 1 and positions.device == dev):
+            check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=dev)
         num_reqs = qsl.numel() - 1
         num_tokens = positions.numel()
         if num_reqs < 0:
@@ -356,22 +368,25 @@ class MultiGroupBlockTable:
             )
         host_qsl = None
         if qsl_cpu is not None:
-            check_tensor("query_start_loc_cpu", qsl_cpu, dtype=torch.int32, shape=[num_reqs + 1],
-                         device="cpu")
+            if not (isinstance(qsl_cpu, torch.Tensor) and qsl_cpu.dtype == torch.int32
+                    and qsl_cpu.shape == qsl.shape and qsl_cpu.device.type == "cpu"):
+                check_tensor("query_start_loc_cpu", qsl_cpu, dtype=torch.int32,
+                             shape=[num_reqs + 1], device="cpu")
             host_qsl = qsl_cpu
         elif qsl.device.type == "cpu" or self.debug:
             host_qsl = qsl.cpu()
         if host_qsl is not None:
             q = host_qsl.numpy()
-            if q[0] != 0 or (np.diff(q) < 0).any() or q[-1] != num_tokens:
+            decreasing = bool((q[1:] < q[:-1]).any())
+            if int(q[0]) != 0 or int(q[-1]) != num_tokens or decreasing:
                 raise ValueError(
                     "query_start_loc must start at 0, never decrease and end at num_tokens="
                     f"{num_tokens} (positions.numel()), got first {int(q[0])}, last {int(q[-1])}"
-                    + (", decreasing" if (np.diff(q) < 0).any() else "")
+                    + (", decreasing" if decreasing else "")
                 )
         if row_of_batch is not None:
             check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                         device=self.device)
+                         device=dev)
             if row_of_batch.device.type == "cpu" or self.debug:
                 rows = row_of_batch.cpu().numpy()
                 if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):

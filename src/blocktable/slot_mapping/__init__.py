@@ -28,8 +28,14 @@ def compute_slots(
     out: torch.Tensor,
     *,
     max_num_reqs: int,
+    pow2: bool = False,
+    has_cp: bool = True,
 ) -> None:
-    """Fill ``out`` (int64 ``[num_groups, max_num_tokens]``) with the chosen backend."""
+    """Fill ``out`` (int64 ``[num_groups, max_num_tokens]``) with the chosen backend.
+
+    ``pow2`` (every size a power of two) and ``has_cp`` (some group sharded over ranks) select
+    the Triton kernel's cheaper index math; the defaults are always correct.
+    """
     if not params:
         return
     if backend == "triton":
@@ -38,6 +44,8 @@ def compute_slots(
         launch_slot_mapping(
             flat_table, packed_params, query_start_loc, positions, row_of_batch, out,
             max_num_reqs=max_num_reqs,
+            pow2=pow2,
+            has_cp=has_cp,
         )
     else:
         slot_mapping_torch(flat_table, params, query_start_loc, positions, row_of_batch, out)

@@ -1,10 +1,14 @@
 """The fused slot-mapping kernel: every token-slot group and the padded tail in one launch.
 
 Work is split over tokens, not requests: program ``i`` handles tokens ``[i*BLOCK, (i+1)*BLOCK)``
-of the whole ``max_num_tokens`` buffer, finds each token's request by binary search over
-``query_start_loc``, and writes that token's slot in every group (PAD past ``num_tokens``). The
-grid depends only on ``max_num_tokens``, so one compiled kernel and one grid serve every step
-(CUDA-graph safe); ``num_tokens`` and ``num_reqs`` are runtime values that never recompile.
+of the whole ``max_num_tokens`` buffer, finds each token's request by a ``RADIX``-ary search over
+``query_start_loc`` (a short chain of dependent loads: 2 levels for 1024 requests at radix 32,
+against 11 for a binary search), and writes that token's slot in every group (PAD past
+``num_tokens``). The grid depends only on ``max_num_tokens``, so one compiled kernel and one
+grid serve every step (CUDA-graph safe); ``num_tokens`` and ``num_reqs`` are runtime values
+that never recompile. Index math is int32 (the flat table has < 2**31 entries, positions past
+2**31 are PAD); when every size is a power of two (``POW2``) it shifts and masks instead of
+dividing, and without context parallelism (``HAS_CP`` false) the ownership math is skipped.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 
 if HAS_TRITON:
+    _NULL = tl.constexpr(NULL_BLOCK_ID)  # kernels read globals only as constexprs
+    _PAD = tl.constexpr(PAD_SLOT_ID)
 
     @triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
     def _slot_mapping_kernel(
         table_ptr,  # int32 [num_entries]: every group's table, then the counts
-        params_ptr,  # int64 [NUM_GROUPS, 8]
+        params_ptr,  # int32 [NUM_GROUPS, 12] (see params.pack_params)
         query_start_loc_ptr,  # int32 [num_reqs + 1]
         positions_ptr,  # int64 [num_tokens]
         row_of_batch_ptr,  # int32 [num_reqs] (read only when INDEXED)
@@ -29,61 +35,114 @@ if HAS_TRITON:
         max_num_tokens: tl.constexpr,
         max_num_reqs: tl.constexpr,
         NUM_GROUPS: tl.constexpr,
-        SEARCH_STEPS: tl.constexpr,
+        RADIX: tl.constexpr,
+        LEVELS: tl.constexpr,
         INDEXED: tl.constexpr,
+        POW2: tl.constexpr,
+        HAS_CP: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_buffer = tokens < max_num_tokens
         valid = tokens < num_tokens
-        # Binary search: req = the largest r < num_reqs with qsl[r] <= token.
+        # Loads that do not depend on the request come first, so their latency overlaps.
+        position = tl.load(positions_ptr + tokens, mask=valid, other=-1)
+        # Guess req = token (true for every token of a decode-only prefix of the batch): it is
+        # right exactly when qsl[token] <= token < qsl[token + 1].
+        guess_ok = valid & (tokens < num_reqs)
+        g_start = tl.load(query_start_loc_ptr + tokens, mask=guess_ok, other=1)
+        g_end = tl.load(query_start_loc_ptr + tokens + 1, mask=guess_ok, other=0)
+        found = guess_ok & (g_start <= tokens) & (tokens < g_end)
+        # Otherwise: req = the largest r < num_reqs with qsl[r] <= token, RADIX lanes a level.
+        search = valid & (found == 0)
         req = tl.zeros([BLOCK], dtype=tl.int32)
-        for step in tl.static_range(SEARCH_STEPS):
-            cand = req + (1 << (SEARCH_STEPS - 1 - step))
-            start = tl.load(query_start_loc_ptr + cand, mask=valid & (cand < num_reqs), other=0)
-            take = valid & (cand < num_reqs) & (start <= tokens)
-            req = tl.where(take, cand, req)
-        req_start = tl.load(query_start_loc_ptr + req, mask=valid, other=0)
-        req_end = tl.load(query_start_loc_ptr + req + 1, mask=valid, other=0)
-        valid = valid & (tokens >= req_start) & (tokens < req_end)
+        lanes = tl.arange(0, RADIX)
+        for level in tl.static_range(LEVELS):
+            stride = RADIX ** (LEVELS - 1 - level)
+            cand = req[:, None] + lanes[None, :] * stride
+            ok = search[:, None] & (cand < num_reqs)
+            start = tl.load(query_start_loc_ptr + cand, mask=ok, other=0)
+            hits = tl.sum((ok & (start <= tokens[:, None])).to(tl.int32), axis=1)
+            req = req + tl.maximum(hits - 1, 0) * stride
+        req_start = tl.load(query_start_loc_ptr + req, mask=search, other=0)
+        req_end = tl.load(query_start_loc_ptr + req + 1, mask=search, other=0)
+        req = tl.where(found, tokens, req)
+        valid = found | (search & (tokens >= req_start) & (tokens < req_end))
         if INDEXED:
-            row = tl.load(row_of_batch_ptr + req, mask=valid, other=0).to(tl.int64)
+            row = tl.load(row_of_batch_ptr + req, mask=valid, other=0)
         else:
-            row = req.to(tl.int64)
+            row = req
         valid = valid & (row >= 0) & (row < max_num_reqs)
-        position = tl.load(positions_ptr + tokens, mask=valid, other=0)
-        valid = valid & (position >= 0)
+        valid = valid & (position >= 0) & (position < 2147483648)
+        pos = position.to(tl.int32)
         for g in tl.static_range(NUM_GROUPS):
-            p = params_ptr + g * 8
+            p = params_ptr + g * 12
             table_offset = tl.load(p)
             width = tl.load(p + 1)
             counts_offset = tl.load(p + 2)
             kernel_block_size = tl.load(p + 3)
-            blocks_per_manager = tl.load(p + 4)
-            world = tl.load(p + 5)
-            rank = tl.load(p + 6)
-            interleave = tl.load(p + 7)
-            virtual_block_size = kernel_block_size * blocks_per_manager * world
-            v = position % virtual_block_size
-            owned = valid & ((v // interleave) % world == rank)
-            local = (v // (world * interleave)) * interleave + v % interleave
-            block_index = (position // virtual_block_size) * blocks_per_manager + (
-                local // kernel_block_size
-            )
+            owned = valid
+            if HAS_CP:
+                world = tl.load(p + 5)
+                rank = tl.load(p + 6)
+                if POW2:
+                    k_log = tl.load(p + 8)
+                    kpm_log = tl.load(p + 9)
+                    w_log = tl.load(p + 10)
+                    i_log = tl.load(p + 11)
+                    virt_log = k_log + kpm_log + w_log
+                    v = pos & ((1 << virt_log) - 1)
+                    owned = owned & (((v >> i_log) & (world - 1)) == rank)
+                    local = ((v >> (w_log + i_log)) << i_log) | (v & ((1 << i_log) - 1))
+                    block_index = ((pos >> virt_log) << kpm_log) + (local >> k_log)
+                    offset = local & (kernel_block_size - 1)
+                else:
+                    blocks_per_manager = tl.load(p + 4)
+                    interleave = tl.load(p + 7)
+                    virtual_block_size = kernel_block_size * blocks_per_manager * world
+                    v = pos % virtual_block_size
+                    owned = owned & ((v // interleave) % world == rank)
+                    local = (v // (world * interleave)) * interleave + v % interleave
+                    block_index = (pos // virtual_block_size) * blocks_per_manager + (
+                        local // kernel_block_size
+                    )
+                    offset = local % kernel_block_size
+            else:
+                if POW2:
+                    k_log = tl.load(p + 8)
+                    block_index = pos >> k_log
+                    offset = pos & (kernel_block_size - 1)
+                else:
+                    block_index = pos // kernel_block_size
+                    offset = pos % kernel_block_size
+            # The count and the entry are loaded together (the entry's mask does not wait for
+            # the count): entries past the count are null on the device anyway.
+            in_row = owned & (block_index < width)
             num_filled = tl.load(table_ptr + counts_offset + row, mask=owned, other=0)
-            owned = owned & (block_index < num_filled) & (block_index < width)
             block_id = tl.load(
-                table_ptr + table_offset + row * width + block_index, mask=owned, other=0
-            ).to(tl.int64)
-            owned = owned & (block_id != NULL_BLOCK_ID)
-            slot = block_id * kernel_block_size + local % kernel_block_size
-            slot = tl.where(owned, slot, PAD_SLOT_ID)
+                table_ptr + table_offset + row * width + block_index, mask=in_row, other=0
+            )
+            owned = in_row & (block_index < num_filled) & (block_id != _NULL)
+            slot = block_id.to(tl.int64) * kernel_block_size + offset
+            slot = tl.where(owned, slot, _PAD)
             tl.store(out_ptr + g * max_num_tokens + tokens, slot, mask=in_buffer)
 
+    _launch = Launcher(_slot_mapping_kernel, dynamic=(6, 7))
 
-def search_steps(max_num_reqs: int) -> int:
-    """Binary-search steps that reach every request index below ``max_num_reqs``."""
-    return max(1, int(max_num_reqs).bit_length())
+
+def search_levels(max_num_reqs: int, radix: int) -> int:
+    """Levels of a ``radix``-ary search that reach every request index below ``max_num_reqs``."""
+    levels, reach = 1, radix
+    while reach < max_num_reqs:
+        levels += 1
+        reach *= radix
+    return levels
+
+
+# Tuned on an H200 (BENCHMARKS.md): tokens per program, search radix, warps.
+DEFAULT_BLOCK = 128
+DEFAULT_RADIX = 8
+DEFAULT_NUM_WARPS = 8
 
 
 def launch_slot_mapping(
@@ -95,15 +154,17 @@ def launch_slot_mapping(
     out: torch.Tensor,
     *,
     max_num_reqs: int,
-    block: int = 256,
-    num_warps: int = 4,
+    pow2: bool,
+    has_cp: bool,
+    block: int = DEFAULT_BLOCK,
+    radix: int = DEFAULT_RADIX,
+    num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """Launch :func:`_slot_mapping_kernel` over ``out`` (int64 ``[num_groups, max_num_tokens]``)."""
     num_groups, max_num_tokens = out.shape
     num_reqs = query_start_loc.numel() - 1
-    grid = (triton.cdiv(max_num_tokens, block),)
     _launch(
-        grid,
+        (triton.cdiv(max_num_tokens, block),),
         flat_table,
         params,
         query_start_loc,
@@ -115,11 +176,11 @@ def launch_slot_mapping(
         max_num_tokens,
         max_num_reqs,
         num_groups,
-        search_steps(max_num_reqs),
+        radix,
+        search_levels(max_num_reqs, radix),
         row_of_batch is not None,
+        pow2,
+        has_cp,
         block,
         num_warps=num_warps,
     )
-
-
-_launch = Launcher(_slot_mapping_kernel, dynamic=(6, 7)) if HAS_TRITON else None
