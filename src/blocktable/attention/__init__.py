@@ -1,0 +1,13 @@
+"""Paged attention that reads K/V through the block table.
+
+- :func:`paged_attention_reference`: varlen causal attention in plain torch (float64), the
+  definition every kernel is tested against.
+- :func:`paged_decode_attention`: one query token per request, a Triton kernel on CUDA.
+"""
+
+from __future__ import annotations
+
+from blocktable.attention.decode import paged_decode_attention
+from blocktable.attention.reference import paged_attention_reference
+
+__all__ = ["paged_attention_reference", "paged_decode_attention"]
