@@ -144,7 +144,7 @@ def bench_slot_mapping(device, rng, results):
         bt = build_table(specs, device, rng, seq_lens)
         qsl, pos, qsl_cpu = batch(device, seq_lens, q_lens)
 
-        def call():
+        def call(bt=bt, qsl=qsl, pos=pos, qsl_cpu=qsl_cpu):
             bt.compute_slot_mapping(qsl, pos, query_start_loc_cpu=qsl_cpu)
 
         row = {"scenario": name, "tokens": int(pos.numel()), "groups": len(specs)}
@@ -159,7 +159,6 @@ def bench_slot_mapping(device, rng, results):
             row["host_us"] = time_host_us(call, n=50)
         row["vllm_anchor_graph_eager_us"] = ANCHORS[name]
         results["slot_mapping"].append(row)
-        del bt
 
 
 def decode_updates(rng, num_steps, rows_per_step=64):

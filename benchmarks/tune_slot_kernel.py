@@ -61,14 +61,13 @@ def tune(rng, out):
         bt = build_table(specs, "cuda", rng, seq_lens)
         qsl, pos, _ = batch("cuda", seq_lens, q_lens)
         for block, radix, warps in variants:
-            def call():
+            def call(bt=bt, qsl=qsl, pos=pos, block=block, radix=radix, warps=warps):
                 launch_slot_mapping(bt.storage.device_tensor, bt._packed_params, qsl, pos, None,
                                     bt._slots, max_num_reqs=bt.max_num_reqs, pow2=True,
                                     has_cp=False, block=block, radix=radix, num_warps=warps)
             us = graph_time_us(call)
             rows.append({"scenario": name, "block": block, "radix": radix, "warps": warps,
                          "us": us})
-        del bt
     out["variants"] = rows
     best = {}
     for r in rows:
@@ -98,13 +97,14 @@ def profile_host(rng, out):
     pinned = torch.zeros(4096, dtype=torch.int32, pin_memory=True)
     dev = torch.zeros(4096, dtype=torch.int32, device="cuda")
     ev = torch.cuda.Event()
+    stream = torch.cuda.current_stream()
     a = np.zeros(1024, np.int32)
     prims = [
         prim("numpy a[idx] (64 of 1024)", lambda: a[ups[0].appended[0].rows]),
         prim("torch.cuda.current_stream()", torch.cuda.current_stream),
         prim("torch._C._cuda_getCurrentRawStream(0)", lambda: torch._C._cuda_getCurrentRawStream(0)),
         prim("event.record()", ev.record),
-        prim("event.record(cached stream)", lambda st=torch.cuda.current_stream(): ev.record(st)),
+        prim("event.record(cached stream)", lambda: ev.record(stream)),
         prim("event.query()", ev.query),
         prim("copy_ 1 KiB pinned->device non_blocking", lambda: dev[:256].copy_(pinned[:256], non_blocking=True)),
         prim("tensor slice [:256]", lambda: pinned[:256]),

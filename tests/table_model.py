@@ -92,8 +92,8 @@ def snapshot(bt) -> tuple:  # type: ignore[no-untyped-def]
         st.host.copy(),
         st.device_tensor.cpu().numpy().copy(),
         st.dirty_rows.copy(),
-        np.concatenate([np.zeros(0, np.int64), *st.journal]),
-        st.overflow,
+        st.journal[: max(0, int(st.journal_len[0]))].copy(),
+        st.journal_len.copy(),
     )
 
 

@@ -29,10 +29,10 @@ def check_tensor(
         raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
-    if shape is not None:
-        if value.dim() != len(shape) or any(
-            want is not None and got != want for got, want in zip(value.shape, shape)
-        ):
+    if shape is not None and (
+        value.dim() != len(shape)
+        or any(want is not None and got != want for got, want in zip(value.shape, shape))
+    ):
             want_s = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want_s}, got {list(value.shape)}")
     if device is not None:

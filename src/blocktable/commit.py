@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from blocktable._host_loops import fill_staging
 from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 from blocktable.storage import TableStorage
 
@@ -53,7 +54,7 @@ class Committer:
             1024, storage.num_entries // 40
         )
         self.capacity = int(cap)
-        storage.journal_limit = self.capacity
+        storage.set_journal_capacity(self.capacity)
         pin = storage.pinned
         # on cpu (pinned with CUDA), int32 [2, 2*capacity]: indices then values, two buffers
         self._staging_host = torch.zeros(2, 2 * self.capacity, dtype=torch.int32, pin_memory=pin)
@@ -77,35 +78,36 @@ class Committer:
     def commit(self) -> CommitStats:
         """Move every change since the last commit to the device (asynchronously on CUDA)."""
         st = self.storage
-        if not st.dirty_rows.any():
+        if not st.changed:
             self.last = CommitStats(0, 0, False)
             return self.last
-        groups, rows = np.nonzero(st.dirty_rows)
-        count_idx = st.counts_offset + groups * st.max_num_reqs + rows
-        idx = None if st.overflow else np.concatenate([*st.journal, count_idx])
-        if idx is None or len(idx) > self.capacity:
-            self.last = self._copy_spans(groups, rows)
-        else:
-            self.last = self._scatter(idx)
-        st.reset_changes()
-        return self.last
-
-    # ---- small change: staged scatter -------------------------------------------------
-    def _scatter(self, idx: np.ndarray) -> CommitStats:
-        st = self.storage
-        n = len(idx)
-        if self.backend == "torch":
-            index = torch.from_numpy(idx)
-            st.device_tensor[index.to(st.device)] = st.host_tensor[index].to(st.device)
-            return CommitStats(n, 8 * n, False)
         slot = self._next
-        self._next ^= 1
         event = self._events[slot]
         if self._in_flight[slot] and event is not None:
             event.synchronize()  # the copy that last read this buffer must be done
         buf = self._staging_np[slot]
-        buf[:n] = idx
-        buf[n : 2 * n] = st.host[idx]
+        n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
+                         st.host, buf, self.capacity)
+        if n < 0:
+            groups, rows = np.nonzero(st.dirty_rows)
+            self.last = self._copy_spans(groups, rows)
+        else:
+            self._next ^= 1
+            self._scatter(slot, n)
+            self.last = CommitStats(n, 8 * n, False)
+        st.reset_changes()
+        return self.last
+
+    # ---- small change: staged scatter -------------------------------------------------
+    def _scatter(self, slot: int, n: int) -> None:
+        """Write the ``n`` staged pairs of buffer ``slot`` into the device table."""
+        st = self.storage
+        if self.backend == "torch":
+            index = torch.from_numpy(self._staging_np[slot, :n].astype(np.int64))
+            st.device_tensor[index.to(st.device)] = self._staging_host[slot, n : 2 * n].to(
+                st.device
+            )
+            return
         if not (self._zero_copy and self._scatter_from_host(slot, n)):
             if self._staging_dev is None:
                 self._staging_dev = torch.zeros(
@@ -114,10 +116,10 @@ class Committer:
             dev = self._staging_dev[: 2 * n]
             dev.copy_(self._staging_host[slot, : 2 * n], non_blocking=True)
             _launch_scatter(st.device_tensor, dev, n)
+        event = self._events[slot]
         if event is not None:
             event.record(self._current_stream())
             self._in_flight[slot] = True
-        return CommitStats(n, 8 * n, False)
 
     def _scatter_from_host(self, slot: int, n: int) -> bool:
         try:

@@ -9,8 +9,8 @@ import torch
 
 from blocktable._checks import as_index_array, check_index, check_positive, check_tensor
 from blocktable._triton import resolve_backend
-from blocktable.batch import plan_group_update, write_group_update
-from blocktable.commit import Committer, CommitStats
+from blocktable.batch import check_group_update, write_group_update
+from blocktable.commit import CommitStats, Committer
 from blocktable.config import (
     CPConfig,
     GroupKind,
@@ -244,12 +244,6 @@ class MultiGroupBlockTable:
                     f"update.{name} must hold one entry per group ({self.num_groups}), got "
                     f"{len(getattr(update, name))}"
                 )
-        cleared = as_index_array("update.cleared_rows", update.cleared_rows)
-        if len(cleared) and (cleared.min() < 0 or cleared.max() >= self.max_num_reqs):
-            bad = int(cleared.min() if cleared.min() < 0 else cleared.max())
-            raise IndexError(
-                f"update.cleared_rows holds row {bad}, outside [0, {self.max_num_reqs})"
-            )
         plans = []
         for g, table in enumerate(self.tables):
             if table is None:
@@ -257,8 +251,9 @@ class MultiGroupBlockTable:
                     raise ValueError(f"update for group {g} must be empty: it is encoder-only")
                 continue
             plans.append(
-                (table, plan_group_update(
-                    table, cleared, update.added[g], update.appended[g], update.nulled[g]
+                (table, check_group_update(
+                    table, update.cleared_rows, update.added[g], update.appended[g],
+                    update.nulled[g],
                 ))
             )
         self.storage.before_host_write()
@@ -314,9 +309,7 @@ class MultiGroupBlockTable:
             Per group: int64 ``[max_num_batched_tokens]`` (the persistent buffer, tail set to
             ``PAD_SLOT_ID``), or ``None`` for groups without slots.
         """
-        num_reqs, num_tokens = self._check_slot_inputs(
-            query_start_loc, positions, row_of_batch, query_start_loc_cpu
-        )
+        self._check_slot_inputs(query_start_loc, positions, row_of_batch, query_start_loc_cpu)
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -563,4 +556,4 @@ class MultiGroupBlockTable:
         )
 
 
-__all__ = ["MultiGroupBlockTable", "NULL_BLOCK_ID", "GroupKind"]
+__all__ = ["NULL_BLOCK_ID", "GroupKind", "MultiGroupBlockTable"]

@@ -52,14 +52,13 @@ class TableStorage:
         self.device_tensor = torch.zeros(  # on device, int32 [num_entries]
             self.num_entries, dtype=torch.int32, device=device
         )
-        # What changed since the last commit: the rows (for counts and checks) and the flat
-        # indices written (a journal; may repeat an index). Past ``journal_limit`` entries the
-        # journal is dropped and the commit copies each group's changed row span instead.
+        # What changed since the last commit: the rows (for counts and checks) and a journal of
+        # the flat indices written (may repeat an index). When the journal overflows
+        # (``journal_len[0] == -1``) the commit copies each group's changed row span instead.
         self.dirty_rows = np.zeros((self.num_groups, max_num_reqs), dtype=bool)
-        self.journal: list[np.ndarray] = []
-        self.journal_size = 0
-        self.journal_limit = self.num_entries
-        self.overflow = False
+        self.journal = np.zeros((0, 2), dtype=np.int64)  # runs (start, length); see below
+        self.journal_len = np.zeros(2, dtype=np.int64)  # runs, indices; -1 runs: overflow
+        self.changed = False
         # An asynchronous copy that reads ``host_tensor`` directly (the large-commit path):
         # host writes must wait for it.
         self.host_read_event: torch.cuda.Event | None = None
@@ -98,22 +97,51 @@ class TableStorage:
             self.host_read_event.synchronize()
             self.host_read_event = None
 
-    def record(self, group: int, rows: np.ndarray | int, flat_indices: np.ndarray) -> None:
-        """Note that ``rows`` of ``group`` changed, writing host entries ``flat_indices``."""
-        self.dirty_rows[group, rows] = True
-        if self.overflow:
+    def set_journal_capacity(self, capacity: int) -> None:
+        """Journal at most ``capacity`` written indices between commits (then overflow)."""
+        self.journal = np.zeros((capacity, 2), dtype=np.int64)
+
+    def record_run(self, group: int, row: int, start: int, length: int) -> None:
+        """Note that ``row`` of ``group`` changed, writing flat entries ``[start, start+length)``."""
+        self.dirty_rows[group, row] = True
+        self.changed = True
+        runs = int(self.journal_len[0])
+        if runs < 0 or length <= 0:
             return
-        self.journal.append(flat_indices)
-        self.journal_size += len(flat_indices)
-        if self.journal_size > self.journal_limit:
-            self.overflow = True
-            self.journal = []
+        total = int(self.journal_len[1]) + length
+        if runs >= len(self.journal) or total > len(self.journal):
+            self.journal_len[0] = -1
+            return
+        self.journal[runs] = (start, length)
+        self.journal_len[0] = runs + 1
+        self.journal_len[1] = total
+
+    def record_rows(self, group: int, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Vectorized :meth:`record_run` for several rows (flat ``starts``)."""
+        self.dirty_rows[group, rows] = True
+        self.changed = True
+        runs = int(self.journal_len[0])
+        keep = lengths > 0
+        starts, lengths = starts[keep], lengths[keep]
+        total = int(self.journal_len[1]) + int(lengths.sum())
+        if runs < 0 or not len(lengths):
+            return
+        if runs + len(lengths) > len(self.journal) or total > len(self.journal):
+            self.journal_len[0] = -1
+            return
+        self.journal[runs : runs + len(lengths), 0] = starts
+        self.journal[runs : runs + len(lengths), 1] = lengths
+        self.journal_len[0] = runs + len(lengths)
+        self.journal_len[1] = total
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self.journal_len[0] < 0)
 
     def has_changes(self) -> bool:
-        return bool(self.dirty_rows.any())
+        return self.changed
 
     def reset_changes(self) -> None:
         self.dirty_rows[:] = False
-        self.journal = []
-        self.journal_size = 0
-        self.overflow = False
+        self.journal_len[:] = 0
+        self.changed = False

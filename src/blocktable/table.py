@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from blocktable._arrays import ragged_indices
 from blocktable._checks import as_index_array, check_index
 from blocktable.config import GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
@@ -78,6 +77,9 @@ class BlockTable:
         self.k = self.spec.blocks_per_manager_block
         self.block_table_np = self.storage.host_table(group)
         self.num_blocks_per_row = self.storage.host_counts(group)
+        # work space of the compiled batched-update check (int64 / bool [max_num_reqs])
+        self.scratch_counts = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self.scratch_seen = np.zeros(self.max_num_reqs, dtype=bool)
         self.max_manager_id = self.spec.num_blocks if self.spec.num_blocks is not None else (
             (_INT32_MAX - self.k + 1) // self.k + 1
         )
@@ -110,8 +112,7 @@ class BlockTable:
     # ---- writes (inputs already checked) -----------------------------------------------
     def _record(self, row: int, lo: int, hi: int) -> None:
         """Note for the next commit that columns ``[lo, hi)`` of ``row`` changed."""
-        base = self.offset + row * self.width
-        self.storage.record(self.group, row, np.arange(base + lo, base + max(lo, hi)))
+        self.storage.record_run(self.group, row, self.offset + row * self.width + lo, hi - lo)
 
     def _write_add(self, row: int, kernel_ids: np.ndarray) -> None:
         old = int(self.num_blocks_per_row[row])
@@ -155,8 +156,9 @@ class BlockTable:
     def _write_clear(self) -> None:
         counts = self.num_blocks_per_row
         rows = np.nonzero(counts)[0]
-        idx = ragged_indices(self.offset + rows * self.width, counts[rows].astype(np.int64))
-        self.storage.record(self.group, rows, idx)
+        self.storage.record_rows(
+            self.group, rows, self.offset + rows * self.width, counts[rows].astype(np.int64)
+        )
         self.block_table_np[rows] = NULL_BLOCK_ID
         counts[:] = 0
 
