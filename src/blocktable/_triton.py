@@ -49,10 +49,12 @@ class Launcher:
     """Launch a ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
 
     ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call
-    (~10 µs of host time). This keeps the compiled kernel for each specialization seen (pointer
-    alignment of tensor arguments, values of the other non-dynamic arguments) and calls its
-    launcher directly. Under the interpreter, or when a launch hook is installed (a profiler),
-    it always takes the ordinary path.
+    (~10-40 µs of host time). This keeps the compiled kernel for each combination of the
+    non-tensor, non-dynamic arguments seen and calls its launcher directly. Pointer alignment
+    is not part of the key: a kernel launched through it must list every pointer whose
+    alignment may vary in ``do_not_specialize_on_alignment`` (the others must always be
+    16-byte aligned, e.g. allocation bases). Under the interpreter, or when a profiler hooked
+    launches, it takes the ordinary path.
 
     Parameters
     ----------
@@ -67,28 +69,19 @@ class Launcher:
         self.kernel = kernel
         self.dynamic = frozenset(dynamic)
         self._compiled: dict[tuple, object] = {}
-        self._tensor_pos: list[int] | None = None
-        self._static_pos: list[int] = []
+        self._static_pos: list[int] | None = None
         self._interpret = interpreting()
-
-    def _key(self, args: tuple, num_warps: int) -> tuple:
-        if self._tensor_pos is None:
-            self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            self._static_pos = [
-                i for i, a in enumerate(args)
-                if not isinstance(a, torch.Tensor) and i not in self.dynamic
-            ]
-        return (
-            num_warps,
-            *[args[i] for i in self._static_pos],
-            *[args[i].data_ptr() & 15 == 0 for i in self._tensor_pos],
-        )
 
     def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
         if self._interpret or _launch_hook_installed():
             self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
             return
-        key = self._key(args, num_warps)
+        if self._static_pos is None:
+            self._static_pos = [
+                i for i, a in enumerate(args)
+                if not isinstance(a, torch.Tensor) and i not in self.dynamic
+            ]
+        key = (num_warps, *[args[i] for i in self._static_pos])
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]

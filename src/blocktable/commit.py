@@ -162,7 +162,7 @@ class Committer:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_entries"])
+    @triton.jit(do_not_specialize=["num_entries"], do_not_specialize_on_alignment=["staging_ptr"])
     def _scatter_kernel(dst_ptr, staging_ptr, num_entries, BLOCK: tl.constexpr):
         """``dst[staging[i]] = staging[num_entries + i]`` for ``i < num_entries``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

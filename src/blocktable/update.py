@@ -59,7 +59,7 @@ class RowBlocks:
         return cls(_int32(rows), _int32(num), _int32(flat))
 
     def __len__(self) -> int:
-        return int(len(self.rows))
+        return len(self.rows)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class RowEntries:
     block_indices: np.ndarray = field(default_factory=lambda: _EMPTY)
 
     def __len__(self) -> int:
-        return int(len(self.rows))
+        return len(self.rows)
 
 
 @dataclass(frozen=True)

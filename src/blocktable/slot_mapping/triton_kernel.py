@@ -13,6 +13,8 @@ dividing, and without context parallelism (``HAS_CP`` false) the ownership math 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from blocktable._triton import HAS_TRITON, Launcher, tl, triton
@@ -22,7 +24,10 @@ if HAS_TRITON:
     _NULL = tl.constexpr(NULL_BLOCK_ID)  # kernels read globals only as constexprs
     _PAD = tl.constexpr(PAD_SLOT_ID)
 
-    @triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
+    @triton.jit(
+        do_not_specialize=["num_tokens", "num_reqs"],
+        do_not_specialize_on_alignment=["query_start_loc_ptr", "positions_ptr", "row_of_batch_ptr"],
+    )
     def _slot_mapping_kernel(
         table_ptr,  # int32 [num_entries]: every group's table, then the counts
         params_ptr,  # int32 [NUM_GROUPS, 12] (see params.pack_params)
@@ -130,6 +135,7 @@ if HAS_TRITON:
     _launch = Launcher(_slot_mapping_kernel, dynamic=(6, 7))
 
 
+@functools.lru_cache(maxsize=64)
 def search_levels(max_num_reqs: int, radix: int) -> int:
     """Levels of a ``radix``-ary search that reach every request index below ``max_num_reqs``."""
     levels, reach = 1, radix
