@@ -110,3 +110,33 @@ def test_state_indices(device, num_spec, indexed):
     want = state_reference(bt[1].block_table_np, bt[1].num_blocks_per_row, seq_lens, 8,
                            1 + num_spec, 5, rows)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_build_metadata_shares_common_fields(indexed):
+    specs = [GroupSpec(16), GroupSpec(16), GroupSpec(32, 16), GroupSpec(16, kind="encoder_only")]
+    bt = MultiGroupBlockTable(specs, 4, 256, 16)
+    bt.add_row(([1, 2], [3, 4], [5], []), 2)
+    bt.add_row(([6], [7], [8], []), 0)
+    bt.commit()
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([20, 3])
+    if not indexed:
+        bt.swap_row(0, 2)  # condensed: batch entry i is row i
+        bt.move_row(2, 1)
+        bt.commit()
+    slots = bt.compute_slot_mapping(qsl, pos, row_of_batch=rows if indexed else None)
+    metas = bt.build_metadata(qsl, slots, num_tokens=2, num_reqs_padded=3,
+                              row_of_batch=rows if indexed else None)
+    assert [m.group for m in metas] == [0, 1, 2, 3]
+    assert all(m.query_start_loc is metas[0].query_start_loc for m in metas)
+    first = [2, 0] if indexed else [0, 1]
+    for g, m in enumerate(metas[:3]):
+        want = bt[g].block_table_np[first]
+        np.testing.assert_array_equal(m.block_table_tensor[:2].numpy(), want)
+        assert not m.block_table_tensor[2].any()
+        assert m.slot_mapping is slots[g]
+        np.testing.assert_array_equal(m.num_blocks_per_row_cpu, bt[g].num_blocks_per_row[first])
+    assert metas[3].block_table_tensor.shape == (3, 1) and metas[3].slot_mapping is None
+    assert metas[1].slot_mapping[0] == 4 * 16 + 4  # group 1, row 2: position 20 -> block 4

@@ -20,6 +20,7 @@ from blocktable.config import (
     row_width,
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from blocktable.metadata import AttentionMetadata
 from blocktable.slot_mapping import SlotGroupParams, SlotMappingError, compute_slots, pack_params
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
@@ -543,6 +544,51 @@ class MultiGroupBlockTable:
             table.spec.kernel_size, row_of_batch, out[:padded],
         )
         return out[:padded]
+
+    def build_metadata(
+        self,
+        query_start_loc: torch.Tensor,
+        slot_mappings: list[torch.Tensor | None],
+        *,
+        num_tokens: int,
+        num_reqs_padded: int | None = None,
+        query_start_loc_cpu: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+        row_of_batch: torch.Tensor | None = None,
+        row_of_batch_cpu: np.ndarray | None = None,
+    ) -> list[AttentionMetadata]:
+        """Per group, what attention reads this step (see :class:`AttentionMetadata`).
+
+        The fields every group shares are built once; each group then swaps in its own view
+        (``device_view`` in condensed mode, ``gather_view`` with ``row_of_batch``) and slots.
+        ``row_of_batch_cpu`` (host rows) gives the host counts without a device copy in
+        indexed mode.
+        """
+        num_reqs = query_start_loc.numel() - 1
+        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+        if row_of_batch is not None and row_of_batch_cpu is None:
+            row_of_batch_cpu = row_of_batch.cpu().numpy()
+        rows = np.arange(num_reqs) if row_of_batch_cpu is None else np.asarray(row_of_batch_cpu)
+        out: list[AttentionMetadata] = []
+        common: AttentionMetadata | None = None
+        for g in range(self.num_groups):
+            if row_of_batch is None:
+                view = self.device_view(g, num_reqs, padded)
+            else:
+                view = self.gather_view(g, row_of_batch, padded)
+            table = self.tables[g]
+            counts = (np.zeros(num_reqs, np.int32) if table is None
+                      else table.num_blocks_per_row[rows].copy())
+            if common is None:
+                common = AttentionMetadata(
+                    g, num_reqs, padded, num_tokens, query_start_loc, query_start_loc_cpu,
+                    seq_lens, seq_lens_cpu, view, slot_mappings[g], counts,
+                )
+                out.append(common)
+            else:
+                out.append(common.for_group(g, view, slot_mappings[g], counts))
+        return out
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of any group's host table does not hold."""
