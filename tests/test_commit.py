@@ -89,3 +89,42 @@ def test_single_group_blocktable_api():
     bt.commit()
     assert bt.compute_slot_mapping(qsl, torch.tensor([0, 70]))[:2].tolist() == [64, 8 * 16 + 6]
     assert bt.get_device_tensor(1).shape == (1, bt.width)
+
+
+def test_single_group_apply_matches_multi_group_path():
+    """A one-group table applies updates in one compiled call; it must agree with the
+    check-all-then-write path, rejections included."""
+    rng = np.random.default_rng(7)
+    spec = GroupSpec(8, kernel_block_size=4, max_num_blocks=4, num_blocks=30)
+    one = MultiGroupBlockTable([spec], 6, None, 8)
+    two = MultiGroupBlockTable([spec, GroupSpec(4, max_num_blocks=2)], 6, None, 8)
+    accepted = rejected = 0
+    for _ in range(300):
+        rows = rng.choice(6, int(rng.integers(0, 4)), replace=False)
+        nums = rng.integers(0, 3, len(rows))
+        ids = rng.integers(-1 if rng.random() < 0.1 else 0, 31, int(nums.sum()))
+        part = RowBlocks(rows.astype(np.int32), nums.astype(np.int32), ids.astype(np.int32))
+        cleared = rng.choice(6, int(rng.integers(0, 2))).astype(np.int32)
+        kind = rng.integers(0, 2)
+        upd1 = StepUpdate.make(1, cleared_rows=cleared, **{("added", "appended")[kind]: [part]})
+        upd2 = StepUpdate.make(2, cleared_rows=cleared,
+                               **{("added", "appended")[kind]: [part, RowBlocks()]})
+        errors = []
+        for bt, upd in ((one, upd1), (two, upd2)):
+            before = bt.storage.host.copy()
+            try:
+                bt.apply(upd)
+                errors.append(None)
+            except (ValueError, IndexError) as e:
+                errors.append(type(e))
+                np.testing.assert_array_equal(bt.storage.host, before)
+        assert errors[0] == errors[1]
+        accepted += errors[0] is None
+        rejected += errors[0] is not None
+        np.testing.assert_array_equal(one[0].block_table_np, two[0].block_table_np)
+        np.testing.assert_array_equal(one[0].num_blocks_per_row, two[0].num_blocks_per_row)
+        if rng.random() < 0.3:
+            for bt in (one, two):
+                bt.commit()
+                assert bt.device_equals_host()
+    assert accepted > 50 and rejected > 20

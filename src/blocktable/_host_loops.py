@@ -227,3 +227,23 @@ def fill_staging(  # type: ignore[no-untyped-def]
     for i in range(total):
         staging[total + i] = host[staging[i]]
     return total
+
+
+@njit(cache=True)
+def check_and_write_group_update(  # type: ignore[no-untyped-def]
+    table, counts, width, k, max_id, offset, cleared, add_rows, add_num, add_ids,
+    app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen, dirty, journal,
+    journal_len,
+):
+    """:func:`check_group_update`, then (only if it passed) :func:`write_group_update`: one
+    call for a one-group table's whole step."""
+    res = check_group_update(
+        counts, width, k, max_id, cleared, add_rows, add_num, add_ids,
+        app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen,
+    )
+    if res[0] == OK:
+        write_group_update(
+            table, counts, width, k, offset, cleared, add_rows, add_num, add_ids,
+            app_rows, app_num, app_ids, null_rows, null_blocks, dirty, journal, journal_len,
+        )
+    return res

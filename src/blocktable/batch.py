@@ -37,14 +37,13 @@ def _same_length(name_a: str, a: np.ndarray, name_b: str, b: np.ndarray) -> None
         raise ValueError(f"{name_a} has {len(a)} entries but {name_b} has {len(b)}")
 
 
-def check_group_update(
+def _group_arrays(
     table: BlockTable,
     cleared_rows: np.ndarray,
     added: RowBlocks,
     appended: RowBlocks,
     nulled: RowEntries,
-) -> GroupArrays:
-    """Validate one group's changes against ``table``; return the arrays to write."""
+) -> list[np.ndarray]:
     g = table.group
     arrays = [as_int32("update.cleared_rows", cleared_rows)]
     for name, part in ((f"added[{g}]", added), (f"appended[{g}]", appended)):
@@ -56,13 +55,45 @@ def check_group_update(
     null_blocks = as_int32(f"nulled[{g}].block_indices", nulled.block_indices)
     _same_length(f"nulled[{g}].block_indices", null_blocks, f"nulled[{g}].rows", null_rows)
     arrays += [null_rows, null_blocks]
+    return arrays
+
+
+def check_group_update(
+    table: BlockTable,
+    cleared_rows: np.ndarray,
+    added: RowBlocks,
+    appended: RowBlocks,
+    nulled: RowEntries,
+) -> GroupArrays:
+    """Validate one group's changes against ``table``; return the arrays to write."""
+    arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     code, part, i, value, bound = loops.check_group_update(
         table.num_blocks_per_row, table.width, table.k, table.max_manager_id, *arrays,
         table.scratch_counts, table.scratch_seen,
     )
     if code != loops.OK:
-        raise _error(g, code, part, i, value, bound, table.spec.num_blocks is not None)
+        raise _error(table.group, code, part, i, value, bound, table.spec.num_blocks is not None)
     return tuple(arrays)
+
+
+def apply_group_update(
+    table: BlockTable,
+    cleared_rows: np.ndarray,
+    added: RowBlocks,
+    appended: RowBlocks,
+    nulled: RowEntries,
+) -> None:
+    """Check and apply in one compiled call (a table with one group: nothing else to wait for)."""
+    arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
+    st = table.storage
+    code, part, i, value, bound = loops.check_and_write_group_update(
+        table.block_table_np.reshape(-1), table.num_blocks_per_row, table.width, table.k,
+        table.max_manager_id, table.offset, *arrays, table.scratch_counts, table.scratch_seen,
+        st.dirty_rows[table.group], st.journal, st.journal_len,
+    )
+    if code != loops.OK:
+        raise _error(table.group, code, part, i, value, bound, table.spec.num_blocks is not None)
+    st.changed = True
 
 
 def write_group_update(table: BlockTable, arrays: GroupArrays) -> None:

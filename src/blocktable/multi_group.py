@@ -9,7 +9,7 @@ import torch
 
 from blocktable._checks import as_index_array, check_index, check_positive, check_tensor
 from blocktable._triton import resolve_backend
-from blocktable.batch import check_group_update, write_group_update
+from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer
 from blocktable.config import (
     CPConfig,
@@ -245,6 +245,12 @@ class MultiGroupBlockTable:
                     f"update.{name} must hold one entry per group ({self.num_groups}), got "
                     f"{len(getattr(update, name))}"
                 )
+        live = self._live_tables()
+        if len(live) == 1 and self.num_groups == 1:
+            self.storage.before_host_write()
+            apply_group_update(live[0], update.cleared_rows, update.added[0],
+                               update.appended[0], update.nulled[0])
+            return
         plans = []
         for g, table in enumerate(self.tables):
             if table is None:

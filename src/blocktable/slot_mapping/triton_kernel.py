@@ -40,6 +40,7 @@ if HAS_TRITON:
         max_num_tokens: tl.constexpr,
         max_num_reqs: tl.constexpr,
         NUM_GROUPS: tl.constexpr,
+        GROUPS: tl.constexpr,  # NUM_GROUPS rounded up to a power of two
         RADIX: tl.constexpr,
         LEVELS: tl.constexpr,
         INDEXED: tl.constexpr,
@@ -80,57 +81,61 @@ if HAS_TRITON:
         valid = valid & (row >= 0) & (row < max_num_reqs)
         valid = valid & (position >= 0) & (position < 2147483648)
         pos = position.to(tl.int32)
-        for g in tl.static_range(NUM_GROUPS):
-            p = params_ptr + g * 12
-            table_offset = tl.load(p)
-            width = tl.load(p + 1)
-            counts_offset = tl.load(p + 2)
-            kernel_block_size = tl.load(p + 3)
-            owned = valid
-            if HAS_CP:
-                world = tl.load(p + 5)
-                rank = tl.load(p + 6)
-                if POW2:
-                    k_log = tl.load(p + 8)
-                    kpm_log = tl.load(p + 9)
-                    w_log = tl.load(p + 10)
-                    i_log = tl.load(p + 11)
-                    virt_log = k_log + kpm_log + w_log
-                    v = pos & ((1 << virt_log) - 1)
-                    owned = owned & (((v >> i_log) & (world - 1)) == rank)
-                    local = ((v >> (w_log + i_log)) << i_log) | (v & ((1 << i_log) - 1))
-                    block_index = ((pos >> virt_log) << kpm_log) + (local >> k_log)
-                    offset = local & (kernel_block_size - 1)
-                else:
-                    blocks_per_manager = tl.load(p + 4)
-                    interleave = tl.load(p + 7)
-                    virtual_block_size = kernel_block_size * blocks_per_manager * world
-                    v = pos % virtual_block_size
-                    owned = owned & ((v // interleave) % world == rank)
-                    local = (v // (world * interleave)) * interleave + v % interleave
-                    block_index = (pos // virtual_block_size) * blocks_per_manager + (
-                        local // kernel_block_size
-                    )
-                    offset = local % kernel_block_size
+        # Every group at once, as [BLOCK, GROUPS] tensors: all loads are issued before the one
+        # store (a store between them would serialize the groups' memory round trips).
+        g = tl.arange(0, GROUPS)
+        g_ok = g < NUM_GROUPS
+        p = params_ptr + g * 12
+        table_offset = tl.load(p, mask=g_ok, other=0)[None, :]
+        width = tl.load(p + 1, mask=g_ok, other=0)[None, :]
+        counts_offset = tl.load(p + 2, mask=g_ok, other=0)[None, :]
+        kernel_block_size = tl.load(p + 3, mask=g_ok, other=1)[None, :]
+        pos = pos[:, None]
+        row = row[:, None]
+        owned = valid[:, None] & g_ok[None, :]
+        if HAS_CP:
+            world = tl.load(p + 5, mask=g_ok, other=1)[None, :]
+            rank = tl.load(p + 6, mask=g_ok, other=0)[None, :]
+            if POW2:
+                k_log = tl.load(p + 8, mask=g_ok, other=0)[None, :]
+                kpm_log = tl.load(p + 9, mask=g_ok, other=0)[None, :]
+                w_log = tl.load(p + 10, mask=g_ok, other=0)[None, :]
+                i_log = tl.load(p + 11, mask=g_ok, other=0)[None, :]
+                virt_log = k_log + kpm_log + w_log
+                v = pos & ((1 << virt_log) - 1)
+                owned = owned & (((v >> i_log) & (world - 1)) == rank)
+                local = ((v >> (w_log + i_log)) << i_log) | (v & ((1 << i_log) - 1))
+                block_index = ((pos >> virt_log) << kpm_log) + (local >> k_log)
+                offset = local & (kernel_block_size - 1)
             else:
-                if POW2:
-                    k_log = tl.load(p + 8)
-                    block_index = pos >> k_log
-                    offset = pos & (kernel_block_size - 1)
-                else:
-                    block_index = pos // kernel_block_size
-                    offset = pos % kernel_block_size
-            # The count and the entry are loaded together (the entry's mask does not wait for
-            # the count): entries past the count are null on the device anyway.
-            in_row = owned & (block_index < width)
-            num_filled = tl.load(table_ptr + counts_offset + row, mask=owned, other=0)
-            block_id = tl.load(
-                table_ptr + table_offset + row * width + block_index, mask=in_row, other=0
-            )
-            owned = in_row & (block_index < num_filled) & (block_id != _NULL)
-            slot = block_id.to(tl.int64) * kernel_block_size + offset
-            slot = tl.where(owned, slot, _PAD)
-            tl.store(out_ptr + g * max_num_tokens + tokens, slot, mask=in_buffer)
+                blocks_per_manager = tl.load(p + 4, mask=g_ok, other=1)[None, :]
+                interleave = tl.load(p + 7, mask=g_ok, other=1)[None, :]
+                virtual_block_size = kernel_block_size * blocks_per_manager * world
+                v = pos % virtual_block_size
+                owned = owned & ((v // interleave) % world == rank)
+                local = (v // (world * interleave)) * interleave + v % interleave
+                block_index = (pos // virtual_block_size) * blocks_per_manager + (
+                    local // kernel_block_size
+                )
+                offset = local % kernel_block_size
+        else:
+            if POW2:
+                k_log = tl.load(p + 8, mask=g_ok, other=0)[None, :]
+                block_index = pos >> k_log
+                offset = pos & (kernel_block_size - 1)
+            else:
+                block_index = pos // kernel_block_size
+                offset = pos % kernel_block_size
+        # The count and the entry are loaded together (the entry's mask does not wait for the
+        # count): entries past the count are null on the device anyway.
+        in_row = owned & (block_index < width)
+        num_filled = tl.load(table_ptr + counts_offset + row, mask=owned, other=0)
+        block_id = tl.load(table_ptr + table_offset + row * width + block_index, mask=in_row,
+                           other=0)
+        owned = in_row & (block_index < num_filled) & (block_id != _NULL)
+        slot = tl.where(owned, block_id.to(tl.int64) * kernel_block_size + offset, _PAD)
+        tl.store(out_ptr + g[None, :] * max_num_tokens + tokens[:, None], slot,
+                 mask=in_buffer[:, None] & g_ok[None, :])
 
     _launch = Launcher(_slot_mapping_kernel, dynamic=(6, 7))
 
@@ -182,6 +187,7 @@ def launch_slot_mapping(
         max_num_tokens,
         max_num_reqs,
         num_groups,
+        triton.next_power_of_2(num_groups),
         radix,
         search_levels(max_num_reqs, radix),
         row_of_batch is not None,
