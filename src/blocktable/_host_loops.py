@@ -194,12 +194,13 @@ def write_group_update(  # type: ignore[no-untyped-def]
 def fill_staging(  # type: ignore[no-untyped-def]
     journal, journal_len, dirty, counts_offset, host, staging, capacity,
 ):
-    """Gather a commit's ``(flat index, value)`` pairs into ``staging``; reset ``dirty``.
+    """Gather a commit's ``(flat index, value)`` pairs into ``staging``; reset the changes.
 
     ``staging`` (int32 ``[2*capacity]``) receives the indices first, then the values. Entries
     are the journal's runs plus the count of every dirty row (``dirty`` bool
-    ``[groups, rows]``). Returns the number of pairs, or -1 (nothing written, ``dirty`` kept)
-    when they exceed ``capacity`` or the journal overflowed.
+    ``[groups, rows]``); on success ``dirty`` and the journal are reset. Returns the number of
+    pairs, or -1 (nothing written or reset) when they exceed ``capacity`` or the journal
+    overflowed.
     """
     num_runs = journal_len[0]
     if num_runs < 0:
@@ -226,6 +227,8 @@ def fill_staging(  # type: ignore[no-untyped-def]
                 i += 1
     for i in range(total):
         staging[total + i] = host[staging[i]]
+    journal_len[0] = 0
+    journal_len[1] = 0
     return total
 
 

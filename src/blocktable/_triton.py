@@ -103,11 +103,12 @@ def _current_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _launch_hook_installed() -> bool:
     """True when a profiler hooked kernel launches (Triton >= 3.4 keeps an empty HookChain)."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    hook = getattr(runtime, "launch_enter_hook", None)
+    hook = getattr(_RUNTIME_KNOBS, "launch_enter_hook", None)
     if hook is None:
         return False
     calls = getattr(hook, "calls", None)

@@ -11,7 +11,7 @@ then wait for that copy (:meth:`TableStorage.before_host_write`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,13 +21,15 @@ from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 from blocktable.storage import TableStorage
 
 
-@dataclass(frozen=True)
-class CommitStats:
+class CommitStats(NamedTuple):
     """What one commit moved."""
 
     num_entries: int  # table entries and counts written on the device
     bytes_h2d: int  # host-to-device bytes
     full_copy: bool  # True when the changed row spans were copied instead of scattered
+
+
+_NOTHING = CommitStats(0, 0, False)
 
 
 class Committer:
@@ -73,13 +75,13 @@ class Committer:
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
         self._next = 0
-        self.last: CommitStats = CommitStats(0, 0, False)
+        self.last: CommitStats = _NOTHING
 
     def commit(self) -> CommitStats:
         """Move every change since the last commit to the device (asynchronously on CUDA)."""
         st = self.storage
         if not st.changed:
-            self.last = CommitStats(0, 0, False)
+            self.last = _NOTHING
             return self.last
         slot = self._next
         event = self._events[slot]
@@ -95,6 +97,8 @@ class Committer:
             self._next ^= 1
             self._scatter(slot, n)
             self.last = CommitStats(n, 8 * n, False)
+            st.changed = False  # fill_staging reset the dirty rows and the journal
+            return self.last
         st.reset_changes()
         return self.last
 

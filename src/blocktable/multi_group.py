@@ -126,6 +126,10 @@ class MultiGroupBlockTable:
             dtype=torch.int64,
             device=self.device,
         )
+        self._slot_views: list[torch.Tensor | None] = [
+            self._slots[self._slot_index[g]] if g in self._slot_index else None
+            for g in range(self.num_groups)
+        ]
         # on device, int32 [max_num_reqs, 1]: the encoder-only placeholder
         self._encoder_placeholder = torch.zeros(
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
@@ -332,10 +336,7 @@ class MultiGroupBlockTable:
         )
         if self.debug:
             self._debug_report(query_start_loc, positions, row_of_batch)
-        result: list[torch.Tensor | None] = [None] * self.num_groups
-        for g, i in self._slot_index.items():
-            result[g] = self._slots[i]
-        return result
+        return list(self._slot_views)
 
     def _check_slot_inputs(
         self,
