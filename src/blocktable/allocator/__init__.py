@@ -1,0 +1,35 @@
+"""The block allocator: where block ids come from (SPEC §3.8).
+
+:class:`KVCacheManager` hands out manager block ids per request and KV cache group, with a
+null block, LRU eviction, reference counts, exact prefix caching over chained block hashes,
+forking and sliding windows; :meth:`KVCacheManager.take_step_update` returns a step's row
+changes as one :class:`~blocktable.update.StepUpdate` for the table's batched update.
+"""
+
+from __future__ import annotations
+
+from blocktable.allocator.errors import IntegrityError, OutOfBlocksError, OutOfRowsError
+from blocktable.allocator.hashing import (
+    ROOT_BLOCK_HASH,
+    HashFn,
+    hash_block_tokens,
+    sha256_block_hash,
+)
+from blocktable.allocator.manager import KVCacheManager
+from blocktable.allocator.pool import BlockPool
+from blocktable.allocator.spec import AllocatorGroupSpec
+from blocktable.allocator.stats import PrefixCacheStats
+
+__all__ = [
+    "ROOT_BLOCK_HASH",
+    "AllocatorGroupSpec",
+    "BlockPool",
+    "HashFn",
+    "IntegrityError",
+    "KVCacheManager",
+    "OutOfBlocksError",
+    "OutOfRowsError",
+    "PrefixCacheStats",
+    "hash_block_tokens",
+    "sha256_block_hash",
+]

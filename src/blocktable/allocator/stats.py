@@ -1,0 +1,29 @@
+"""Prefix-cache counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since the manager was built (tokens, not blocks).
+
+    Attributes
+    ----------
+    num_queries : int
+        Admissions looked up (new and resumed requests).
+    num_query_tokens : int
+        Their prompt tokens.
+    num_hit_tokens : int
+        Tokens served from the cache.
+    """
+
+    num_queries: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``num_hit_tokens / num_query_tokens`` (0.0 before the first query)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0

@@ -1,0 +1,167 @@
+"""take_step_update: how the operations of one step merge into one StepUpdate."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+from blocktable.update import RowBlocks, StepUpdate
+
+
+def make(num_groups: int = 1, max_num_reqs: int = 4) -> KVCacheManager:
+    return KVCacheManager([AllocatorGroupSpec(4, 32)] * num_groups, max_num_reqs)
+
+
+def as_lists(blocks: RowBlocks) -> dict[int, list[int]]:
+    out, start = {}, 0
+    for row, num in zip(blocks.rows.tolist(), blocks.num_blocks.tolist()):
+        out[row] = blocks.block_ids[start : start + num].tolist()
+        start += num
+    return out
+
+
+def is_empty(update: StepUpdate) -> bool:
+    blocks = (*update.added, *update.appended)
+    return (
+        len(update.cleared_rows) == 0
+        and all(len(b) == 0 for b in blocks)
+        and all(len(e) == 0 for e in update.nulled)
+    )
+
+
+def test_admitted_and_allocated_in_one_step_is_one_added_row() -> None:
+    mgr = make()
+    mgr.add_request("a", list(range(9)))
+    mgr.allocate("a", 9)
+    mgr.mark_computed("a", 9)
+    mgr.take_step_update()
+    assert mgr.add_request("b", list(range(10))) == 8  # hits blocks 1, 2
+    mgr.allocate("b", 2)
+    update = mgr.take_step_update()
+    assert as_lists(update.added[0]) == {1: [1, 2, 4]}
+    assert len(update.appended[0]) == 0 and len(update.cleared_rows) == 0
+    for arr in (update.cleared_rows, update.added[0].rows, update.added[0].num_blocks):
+        assert arr.dtype == np.int32
+    assert update.added[0].block_ids.dtype == np.int32
+    assert is_empty(mgr.take_step_update())
+
+
+def test_appends_of_a_step_are_merged_per_row() -> None:
+    mgr = make(num_groups=2)
+    mgr.add_request("a", list(range(20)))
+    mgr.allocate("a", 4)
+    mgr.mark_computed("a", 4)
+    mgr.take_step_update()
+    mgr.allocate("a", 4)
+    mgr.mark_computed("a", 4)
+    mgr.allocate("a", 8)
+    update = mgr.take_step_update()
+    assert [as_lists(a) for a in update.appended] == [{0: [2, 3, 4]}] * 2
+    assert len(update.added[0]) == 0
+
+
+def test_freed_after_append_in_the_same_step_is_only_cleared() -> None:
+    mgr = make()
+    mgr.add_request("a", [1, 2, 3])
+    mgr.allocate("a", 3)
+    mgr.take_step_update()
+    mgr.allocate("a", 8)
+    mgr.free("a")
+    update = mgr.take_step_update()
+    assert update.cleared_rows.tolist() == [0]
+    assert len(update.appended[0]) == 0 and len(update.added[0]) == 0
+
+
+def test_row_freed_and_taken_by_another_request_in_the_same_step_is_replaced() -> None:
+    mgr = make(max_num_reqs=2)
+    mgr.add_request("a", [1, 2, 3])
+    mgr.allocate("a", 3)
+    mgr.add_request("b", [1])
+    mgr.take_step_update()
+    mgr.allocate("a", 8)  # appended to row 0 ...
+    mgr.free("a")  # ... which is freed ...
+    mgr.add_request("c", [7, 7])  # ... and given to c
+    mgr.allocate("c", 2)
+    assert mgr.row_of("c") == 0
+    update = mgr.take_step_update()
+    assert as_lists(update.added[0]) == {0: [3]}  # replaces the row fully: no stale append
+    assert update.cleared_rows.tolist() == [] and len(update.appended[0]) == 0
+
+
+def test_admitted_and_freed_in_the_same_step_leaves_no_trace() -> None:
+    mgr = make()
+    mgr.add_request("a", [1, 2])
+    mgr.allocate("a", 2)
+    mgr.free("a")
+    assert is_empty(mgr.take_step_update())
+
+
+def test_preempted_and_resumed_in_the_same_step_is_replaced() -> None:
+    mgr = make()
+    mgr.add_request("a", list(range(6)))
+    mgr.allocate("a", 6)
+    mgr.mark_computed("a", 6)
+    mgr.take_step_update()
+    mgr.preempt("a")
+    mgr.add_request("a", list(range(6)))
+    update = mgr.take_step_update()
+    assert as_lists(update.added[0]) == {0: [1]}
+    assert len(update.cleared_rows) == 0
+
+
+def test_fork_adds_the_child_row() -> None:
+    mgr = make()
+    mgr.add_request("p", list(range(6)))
+    mgr.allocate("p", 6)
+    mgr.mark_computed("p", 6)
+    mgr.take_step_update()
+    assert mgr.fork("p", "c") == ([(2, 3)],)
+    update = mgr.take_step_update()
+    assert as_lists(update.added[0]) == {1: [1, 3]}
+    assert len(update.appended[0]) == 0
+
+
+def test_replayed_updates_rebuild_every_row() -> None:
+    """Replay a scripted sequence of steps on a numpy table; compare with block_ids."""
+    mgr = KVCacheManager(
+        [AllocatorGroupSpec(2, 64), AllocatorGroupSpec(4, 32, sliding_window=6)], 3
+    )
+    table = [np.zeros((3, 32), np.int32) for _ in range(2)]
+    counts = [np.zeros(3, np.int32) for _ in range(2)]
+
+    def replay() -> None:
+        update = mgr.take_step_update()
+        for g in range(2):
+            for row in update.cleared_rows.tolist():
+                table[g][row], counts[g][row] = 0, 0
+            for row, ids in as_lists(update.added[g]).items():
+                table[g][row] = 0
+                table[g][row, : len(ids)], counts[g][row] = ids, len(ids)
+            for row, ids in as_lists(update.appended[g]).items():
+                table[g][row, counts[g][row] : counts[g][row] + len(ids)] = ids
+                counts[g][row] += len(ids)
+            for row, idx in zip(update.nulled[g].rows.tolist(), update.nulled[g].block_indices):
+                table[g][row, idx] = 0
+        for req_id in list(mgr._requests):
+            row = mgr.row_of(req_id)
+            for g, ids in enumerate(mgr.block_ids(req_id)):
+                assert table[g][row, : counts[g][row]].tolist() == ids
+
+    prompts = {"a": list(range(30)), "b": list(range(17)), "c": [5] * 11}
+    for req_id, prompt in prompts.items():
+        mgr.add_request(req_id, prompt)
+    for chunk in (5, 7, 1, 9, 3):
+        for r in list(mgr._requests):
+            n = min(chunk, mgr.num_tokens(r) - mgr.num_computed_tokens(r))
+            if n == 0:
+                mgr.append_token_ids(r, 1)
+                n = 1
+            mgr.allocate(r, n)
+            mgr.mark_computed(r, n)
+        replay()
+    mgr.free("b")
+    mgr.add_request("d", list(range(17)))
+    mgr.allocate("d", 1)
+    mgr.preempt("a")
+    replay()
+    mgr.check_integrity()

@@ -1,0 +1,428 @@
+"""Stateful property test of the allocator against a plain-Python model.
+
+Hypothesis drives random arrivals (with shared prefixes and namespaces), steps (chunked
+prefill, decode, lookahead allocation, running out of blocks), forks, preemptions and resumes,
+finishes, bad calls and step boundaries. The model keeps:
+
+* a simulated KV cache: every slot of every block holds the identity of the exact prefix
+  (namespace, tokens[:p+1]) whose K/V a forward wrote there, so a block shared by mistake, a
+  stale prefix hit or a copy-on-write gone wrong shows up as a slot holding the wrong prefix;
+* each request's tokens, computed count and namespace, and the preempted requests;
+* a numpy block table (rows x manager blocks, counts) that only ever changes by replaying
+  ``take_step_update()`` results, compared with ``block_ids`` at every step boundary.
+
+After every rule: ``check_integrity()``, the KV check, and the sliding-window null entries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from blocktable.allocator import (
+    AllocatorGroupSpec,
+    KVCacheManager,
+    OutOfBlocksError,
+    OutOfRowsError,
+)
+from blocktable.constants import NULL_BLOCK_ID
+from blocktable.update import StepUpdate
+
+MAX_REQS = 4
+MAX_MODEL_LEN = 40
+VOCAB = 3  # few distinct tokens: many shared prefixes
+_rng = np.random.default_rng(1234)
+BASES = [_rng.integers(0, VOCAB, MAX_MODEL_LEN).tolist() for _ in range(3)]
+
+
+def _collide(data: bytes) -> bytes:
+    return b"same"  # every block hash collides
+
+
+CONFIGS = {
+    "one group": {"groups": [AllocatorGroupSpec(4, 24)]},
+    "two sizes + window": {
+        "groups": [AllocatorGroupSpec(2, 48), AllocatorGroupSpec(4, 24, sliding_window=6)]
+    },
+    "same size + window": {
+        "groups": [AllocatorGroupSpec(4, 20), AllocatorGroupSpec(4, 20, sliding_window=5)]
+    },
+    "no caching": {"groups": [AllocatorGroupSpec(4, 20)], "enable_prefix_caching": False},
+    "colliding hash": {"groups": [AllocatorGroupSpec(2, 40)], "hash_fn": _collide},
+    "tiny pool": {"groups": [AllocatorGroupSpec(3, 6)]},
+    "pressure": {"groups": [AllocatorGroupSpec(2, 14)]},
+}
+
+
+@dataclass
+class ModelReq:
+    tokens: list[int]
+    namespace: object
+    computed: int = 0
+    blocks: tuple[list[int], ...] = field(default_factory=tuple)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    reqs = Bundle("reqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: KVCacheManager | None = None
+
+    @initialize(name=st.sampled_from(sorted(CONFIGS)))
+    def setup(self, name: str) -> None:
+        cfg = CONFIGS[name]
+        self.mgr = KVCacheManager(
+            max_num_reqs=MAX_REQS,
+            max_model_len=MAX_MODEL_LEN,
+            **cfg,  # type: ignore[arg-type]
+        )
+        self.specs = self.mgr.groups
+        self.align = math.lcm(*(s.block_size for s in self.specs))
+        self.caching = self.mgr.enable_prefix_caching
+        self.live: dict[int, ModelReq] = {}
+        self.pending: dict[int, int] = {}  # scheduled, not yet computed: request -> tokens
+        self.preempted: dict[int, ModelReq] = {}
+        self.next_id = 0
+        self.intern: dict[tuple[object, int], int] = {}
+        # kv[g][block] = prefix identity per slot (None: never written)
+        self.kv: list[list[list[int | None]]] = [
+            [[None] * s.block_size for _ in range(s.num_blocks)] for s in self.specs
+        ]
+        self.width = [-(-MAX_MODEL_LEN // s.block_size) + 1 for s in self.specs]
+        self.table = [np.zeros((MAX_REQS, w), dtype=np.int32) for w in self.width]
+        self.counts = [np.zeros(MAX_REQS, dtype=np.int32) for _ in self.specs]
+
+    # ------------------------------------------------------------------ model helpers
+    def ident(self, namespace: object, tokens: list[int], pos: int) -> int:
+        node: object = ("root", namespace)
+        for t in tokens[: pos + 1]:
+            key = (node, t)
+            if key not in self.intern:
+                self.intern[key] = len(self.intern) + 1
+            node = self.intern[key]
+        assert isinstance(node, int)
+        return node
+
+    def skipped(self, g: int, computed: int) -> int:
+        window = self.specs[g].sliding_window
+        return 0 if window is None else max(0, (computed - window + 1) // self.specs[g].block_size)
+
+    def snapshot(self) -> tuple:
+        mgr = self.mgr
+        assert mgr is not None
+        return (
+            {r: (mgr.block_ids(r), mgr.num_computed_tokens(r), mgr.row_of(r)) for r in self.live},
+            [(p.num_free_blocks, p.num_cached_blocks, p.eviction_order()) for p in mgr.pools],
+            mgr.num_free_rows,
+        )
+
+    def min_expected_hit(self, tokens: list[int], namespace: object) -> int:
+        """Tokens any lookup must find: prefixes computed by running requests (full attention)."""
+        if not self.caching or any(s.sliding_window for s in self.specs):
+            return 0
+        best = 0
+        for other in self.live.values():
+            if other.namespace != namespace:
+                continue
+            lcp = 0
+            limit = min(len(tokens) - 1, other.computed)
+            while lcp < limit and tokens[lcp] == other.tokens[lcp]:
+                lcp += 1
+            best = max(best, lcp)
+        return best // self.align * self.align
+
+    def admit(self, req_id: int, tokens: list[int], namespace: object) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        if mgr.num_free_rows == 0:
+            before = self.snapshot()
+            with pytest.raises(OutOfRowsError):
+                mgr.add_request(req_id, tokens, cache_namespace=namespace)
+            assert self.snapshot() == before
+            return
+        want_min = self.min_expected_hit(tokens, namespace)
+        cached = mgr.add_request(req_id, tokens, cache_namespace=namespace)
+        event(f"admit: hit={cached > 0}, lower bound={want_min > 0}")
+        assert cached % self.align == 0
+        assert want_min <= cached <= len(tokens) - 1
+        if not self.caching:
+            assert cached == 0
+        self.live[req_id] = ModelReq(list(tokens), namespace, cached)
+        assert mgr.num_computed_tokens(req_id) == cached
+
+    # ------------------------------------------------------------------ rules
+    @rule(
+        target=reqs,
+        base=st.integers(0, len(BASES) - 1),
+        cut=st.integers(0, 30),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=6),
+        namespace=st.sampled_from([None, None, "lora-1"]),
+    )
+    def arrive(self, base: int, cut: int, tail: list[int], namespace: object) -> int:
+        tokens = (BASES[base][:cut] + tail)[:MAX_MODEL_LEN] or [0]
+        req_id = self.next_id
+        self.next_id += 1
+        self.admit(req_id, tokens, namespace)
+        return req_id
+
+    @rule(
+        params=st.lists(
+            st.tuples(st.integers(1, 12), st.integers(0, 3), st.integers(0, VOCAB - 1)),
+            min_size=MAX_REQS,
+            max_size=MAX_REQS,
+        ),
+        reverse=st.booleans(),
+    )
+    def schedule(self, params: list[tuple[int, int, int]], reverse: bool) -> None:
+        """Scheduler pass: each running request without a pending chunk gets blocks for one."""
+        waiting = [r for r in sorted(self.live, reverse=reverse) if r not in self.pending]
+        for req_id, (chunk, lookahead, token) in zip(waiting, params):
+            self.schedule_one(req_id, chunk, lookahead, token)
+
+    def schedule_one(self, req_id: int, chunk: int, lookahead: int, token: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        model = self.live[req_id]
+        if model.computed == len(model.tokens):
+            if len(model.tokens) == MAX_MODEL_LEN:
+                with pytest.raises(ValueError, match="max_model_len"):
+                    mgr.append_token_ids(req_id, token)
+                return
+            mgr.append_token_ids(req_id, token)  # the token sampled last step
+            model.tokens.append(token)
+        n = min(chunk, len(model.tokens) - model.computed)
+        want = n + lookahead
+        if model.computed + want > MAX_MODEL_LEN:
+            with pytest.raises(ValueError, match="max_model_len"):
+                mgr.allocate(req_id, want)
+            want = n
+        before_ids = mgr.block_ids(req_id)
+        owned_elsewhere = {
+            (g, b)
+            for r in self.live
+            if r != req_id
+            for g, ids in enumerate(mgr.block_ids(r))
+            for b in ids
+        }
+        if not mgr.can_allocate(req_id, want):
+            event("schedule: out of blocks")
+            before = self.snapshot()
+            with pytest.raises(OutOfBlocksError):
+                mgr.allocate(req_id, want)
+            assert self.snapshot() == before
+            return
+        cached_before = [p.num_cached_blocks for p in mgr.pools]
+        new = mgr.allocate(req_id, want)
+        evicted = max(b - p.num_cached_blocks for b, p in zip(cached_before, mgr.pools))
+        event(f"schedule: evicted {min(evicted, 2)}+ blocks")
+        after_ids = mgr.block_ids(req_id)
+        for g, ids in enumerate(new):
+            assert after_ids[g] == before_ids[g] + ids
+            assert NULL_BLOCK_ID not in ids
+            assert not {(g, b) for b in ids} & owned_elsewhere
+            assert len(after_ids[g]) * self.specs[g].block_size >= model.computed + want
+        self.pending[req_id] = n
+
+    @rule(
+        params=st.lists(
+            st.tuples(st.integers(1, 12), st.integers(0, 3), st.integers(0, VOCAB - 1)),
+            min_size=MAX_REQS,
+            max_size=MAX_REQS,
+        ),
+    )
+    def engine_step(self, params: list[tuple[int, int, int]]) -> None:
+        """A whole step without arrivals in between: schedule, forward, take the update."""
+        self.schedule(params, reverse=False)
+        self.forward()
+        self.end_step()
+
+    @rule()
+    def forward(self) -> None:
+        """The model runs the pending chunks: each token's K/V lands in its slot."""
+        mgr = self.mgr
+        assert mgr is not None
+        for req_id, n in self.pending.items():
+            model = self.live[req_id]
+            ids = mgr.block_ids(req_id)
+            for g, spec in enumerate(self.specs):
+                for p in range(model.computed, model.computed + n):
+                    block = ids[g][p // spec.block_size]
+                    self.kv[g][block][p % spec.block_size] = self.ident(
+                        model.namespace, model.tokens, p
+                    )
+            mgr.mark_computed(req_id, n)
+            model.computed += n
+        self.pending.clear()
+
+    @precondition(lambda self: self.mgr is not None and self.mgr.num_free_rows > 0)
+    @rule(target=reqs, parent=reqs)
+    def fork(self, parent: int) -> int:
+        mgr = self.mgr
+        assert mgr is not None
+        model = self.live.get(parent)
+        child = self.next_id
+        self.next_id += 1
+        if model is None:
+            with pytest.raises(KeyError):
+                mgr.fork(parent, child)
+            return child
+        partial = [model.computed % s.block_size != 0 for s in self.specs]
+        if any(p and pool.num_free_blocks == 0 for p, pool in zip(partial, mgr.pools)):
+            before = self.snapshot()
+            with pytest.raises(OutOfBlocksError):
+                mgr.fork(parent, child)
+            assert self.snapshot() == before
+            return child
+        copies = mgr.fork(parent, child)
+        event(f"fork: copies={sum(map(len, copies))}")
+        for g, (spec, group_copies) in enumerate(zip(self.specs, copies)):
+            assert len(group_copies) == int(partial[g])
+            parent_ids, child_ids = mgr.block_ids(parent)[g], mgr.block_ids(child)[g]
+            num_full = model.computed // spec.block_size
+            assert child_ids[:num_full] == parent_ids[:num_full]
+            for src, dst in group_copies:
+                assert (src, dst) == (parent_ids[num_full], child_ids[num_full])
+                self.kv[g][dst] = list(self.kv[g][src])
+        self.live[child] = ModelReq(list(model.tokens), model.namespace, model.computed)
+        return child
+
+    @rule(req_id=consumes(reqs))
+    def finish(self, req_id: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        if req_id in self.live or req_id in self.preempted:
+            mgr.free(req_id)
+            self.pending.pop(req_id, None)
+            self.live.pop(req_id, None)
+            self.preempted.pop(req_id, None)
+        before = self.snapshot()
+        with pytest.raises(KeyError, match=repr(req_id)):
+            mgr.free(req_id)  # twice, or never known
+        assert self.snapshot() == before
+
+    @rule(req_id=reqs)
+    def preempt(self, req_id: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        if req_id not in self.live:
+            return
+        mgr.preempt(req_id)
+        self.pending.pop(req_id, None)
+        self.preempted[req_id] = self.live.pop(req_id)
+        assert mgr.is_preempted(req_id)
+        with pytest.raises(KeyError, match="preempted"):
+            mgr.allocate(req_id, 1)
+
+    @rule(req_id=reqs)
+    def resume(self, req_id: int) -> None:
+        model = self.preempted.get(req_id)
+        if model is None:
+            return
+        tokens = model.tokens[: max(model.computed, 1)]  # all tokens computed so far
+        self.admit(req_id, tokens, model.namespace)
+        if req_id in self.live:
+            del self.preempted[req_id]
+
+    @rule()
+    def end_step(self) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        update = mgr.take_step_update()
+        event(
+            f"update: cleared={len(update.cleared_rows) > 0}, nulled={any(map(len, update.nulled))}"
+        )
+        self.replay(update)
+        rows = {mgr.row_of(r) for r in self.live}
+        for r in self.live:
+            row = mgr.row_of(r)
+            for g, ids in enumerate(mgr.block_ids(r)):
+                assert self.counts[g][row] == len(ids)
+                assert self.table[g][row, : len(ids)].tolist() == ids
+        for g in range(len(self.specs)):
+            for row in set(range(MAX_REQS)) - rows:
+                assert self.counts[g][row] == 0
+        again = mgr.take_step_update()  # nothing changed since
+        assert len(again.cleared_rows) == 0
+        assert all(len(a) == 0 for a in (*again.added, *again.appended))
+        assert all(len(a) == 0 for a in again.nulled)
+
+    def replay(self, update: StepUpdate) -> None:
+        """Apply an update to the model table in the documented order."""
+        assert update.num_groups == len(self.specs)
+        for g in range(len(self.specs)):
+            table, counts = self.table[g], self.counts[g]
+            for row in update.cleared_rows.tolist():
+                table[row] = NULL_BLOCK_ID
+                counts[row] = 0
+            added, appended, nulled = update.added[g], update.appended[g], update.nulled[g]
+            assert len(set(added.rows.tolist())) == len(added)
+            assert not set(added.rows.tolist()) & set(update.cleared_rows.tolist())
+            start = 0
+            for row, num in zip(added.rows.tolist(), added.num_blocks.tolist()):
+                table[row] = NULL_BLOCK_ID
+                table[row, :num] = added.block_ids[start : start + num]
+                counts[row] = num
+                start += num
+            assert start == len(added.block_ids)
+            assert len(set(appended.rows.tolist())) == len(appended)
+            start = 0
+            for row, num in zip(appended.rows.tolist(), appended.num_blocks.tolist()):
+                assert num > 0
+                table[row, counts[row] : counts[row] + num] = appended.block_ids[
+                    start : start + num
+                ]
+                counts[row] += num
+                start += num
+            assert start == len(appended.block_ids)
+            for row, idx in zip(nulled.rows.tolist(), nulled.block_indices.tolist()):
+                assert idx < counts[row]
+                table[row, idx] = NULL_BLOCK_ID
+            for arr in (added.rows, added.num_blocks, added.block_ids, appended.block_ids):
+                assert arr.dtype == np.int32
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def integrity(self) -> None:
+        if self.mgr is not None:
+            self.mgr.check_integrity()
+
+    @invariant()
+    def kv_holds_each_requests_own_prefix(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        assert mgr.num_requests == len(self.live)
+        for req_id, model in self.live.items():
+            assert mgr.num_computed_tokens(req_id) == model.computed
+            assert mgr.num_tokens(req_id) == len(model.tokens)
+            for g, (spec, ids) in enumerate(zip(self.specs, mgr.block_ids(req_id))):
+                skip = self.skipped(g, model.computed)
+                assert ids[:skip] == [NULL_BLOCK_ID] * skip
+                assert NULL_BLOCK_ID not in ids[skip:]
+                for p in range(skip * spec.block_size, model.computed):
+                    got = self.kv[g][ids[p // spec.block_size]][p % spec.block_size]
+                    assert got == self.ident(model.namespace, model.tokens, p), (req_id, g, p)
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=350,
+    stateful_step_count=70,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestAllocatorStateful = AllocatorMachine.TestCase
