@@ -1,0 +1,39 @@
+"""A minimal continuous-batching engine on blocktable: how the pieces fit in a real loop.
+
+- :mod:`~blocktable.engine.request`: a request's tokens and state;
+- :mod:`~blocktable.engine.scheduler`: token budget, chunked prefill, preemption;
+- :mod:`~blocktable.engine.engine`: the step loop (allocator -> table -> commit -> slot
+  mapping -> KV write + paged attention -> sampling);
+- :mod:`~blocktable.engine.model`: a Llama forward over the paged KV cache;
+- :mod:`~blocktable.engine.workload`: a synthetic workload and the loop that feeds it;
+- :mod:`~blocktable.engine.verify`: the check against transformers' own ``generate``.
+"""
+
+from __future__ import annotations
+
+from blocktable.engine.engine import EngineConfig, LLMEngine, StepResult
+from blocktable.engine.model import AttentionInputs, PagedLlama, tiny_llama
+from blocktable.engine.request import Request, RequestStatus
+from blocktable.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from blocktable.engine.verify import Verification, reference_generate, verify_requests
+from blocktable.engine.workload import WorkloadRequest, make_workload, run_workload
+
+__all__ = [
+    "AttentionInputs",
+    "EngineConfig",
+    "LLMEngine",
+    "PagedLlama",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "StepResult",
+    "Verification",
+    "WorkloadRequest",
+    "make_workload",
+    "reference_generate",
+    "run_workload",
+    "tiny_llama",
+    "verify_requests",
+]

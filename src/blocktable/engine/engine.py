@@ -1,0 +1,275 @@
+"""The step loop of a continuous-batching engine built on blocktable (SPEC §4).
+
+One :meth:`LLMEngine.step`:
+
+1. the :class:`~blocktable.engine.scheduler.Scheduler` picks the batch and the allocator
+   (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
+2. ``table.apply(manager.take_step_update())``: the step's row changes, in one batched call;
+3. ``table.commit()``: the changed entries go to the device;
+4. positions and ``query_start_loc`` are built on the device and ``compute_slot_mapping`` turns
+   them into cache slots (indexed mode: each request keeps the allocator's row for its
+   lifetime and ``row_of_batch`` says which row each batch entry reads);
+5. the model writes K/V by slot mapping and attends through ``gather_view`` (the table rows in
+   batch order);
+6. greedy sampling, ``mark_computed``, and finished requests free their blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from blocktable._triton import resolve_backend
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+from blocktable.config import GroupSpec
+from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
+from blocktable.engine.request import Request
+from blocktable.engine.scheduler import Scheduler, SchedulerOutput
+from blocktable.multi_group import MultiGroupBlockTable
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine's KV cache, table and batches.
+
+    Attributes
+    ----------
+    block_size : int
+        Tokens per KV-cache block (allocator, table and kernels use the same size here).
+    num_blocks : int
+        Blocks in the KV-cache pool, the null block 0 included.
+    max_num_reqs : int
+        Table rows: the most requests running at once.
+    token_budget : int
+        Most tokens computed per step; prompts longer than this are prefilled in chunks.
+    max_model_len : int
+        Longest sequence (prompt plus generated tokens) a request may reach.
+    enable_prefix_caching : bool
+        Share full blocks between requests with the same prompt prefix.
+    record_logits : bool
+        Keep each sampled token's logits on the request (for verification).
+    backend : {"auto", "triton", "torch"}
+        Kernels for slot mapping, KV writes and decode-only attention steps. ``"auto"``:
+        Triton on CUDA, torch on the CPU. ``"triton"`` on the CPU needs ``TRITON_INTERPRET=1``
+        (tests use it to run the GPU code path without a GPU).
+    """
+
+    block_size: int = 4
+    num_blocks: int = 64
+    max_num_reqs: int = 16
+    token_budget: int = 32
+    max_model_len: int = 256
+    enable_prefix_caching: bool = True
+    record_logits: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_reqs", "token_budget", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did."""
+
+    step: int
+    num_reqs: int  # requests in the batch
+    num_tokens: int  # tokens computed
+    num_blocks_used: int  # blocks held by running requests after scheduling
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    table_time_s: float  # host time of apply + commit + slot mapping
+
+
+StepHook = Callable[["LLMEngine", SchedulerOutput], None]
+
+
+class LLMEngine:
+    """Greedy generation for many requests at once over a paged KV cache.
+
+    Parameters
+    ----------
+    hf_model : LlamaForCausalLM
+        The model (weights, norms, MLPs); its device is the engine's device.
+    config : EngineConfig
+        KV-cache and batch sizes.
+
+    Examples
+    --------
+    >>> from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
+    >>> engine = LLMEngine(tiny_llama(), EngineConfig(block_size=4, num_blocks=32))
+    >>> req = engine.add_request("a", [1, 2, 3, 4, 5], max_new_tokens=3)
+    >>> while engine.has_unfinished():
+    ...     _ = engine.step()
+    >>> len(req.output_token_ids)
+    3
+    """
+
+    def __init__(self, hf_model: HFLlama, config: EngineConfig) -> None:
+        self.config = config
+        self.device: torch.device = hf_model.lm_head.weight.device
+        backend = resolve_backend(config.backend, self.device)
+        self.model = PagedLlama(hf_model, config.num_blocks, config.block_size, backend)
+        self.manager = KVCacheManager(
+            [AllocatorGroupSpec(config.block_size, config.num_blocks)],
+            config.max_num_reqs,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_model_len=config.max_model_len,
+        )
+        self.table = MultiGroupBlockTable(
+            [GroupSpec(config.block_size, num_blocks=config.num_blocks)],
+            max_num_reqs=config.max_num_reqs,
+            max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.token_budget,
+            device=self.device,
+            backend=backend,
+        )
+        self.scheduler = Scheduler(self.manager, config.token_budget)
+        self.requests: dict[str, Request] = {}
+        self.step_index = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int
+    ) -> Request:
+        """Queue a request; it is admitted by a later :meth:`step`.
+
+        Raises
+        ------
+        ValueError
+            Duplicate id, empty prompt, ``max_new_tokens < 1``, or a request that could not
+            fit: longer than ``max_model_len`` or needing more blocks than the pool has.
+        """
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} was already added")
+        if not prompt_token_ids or max_new_tokens < 1:
+            raise ValueError(
+                f"request {req_id!r}: need a non-empty prompt and max_new_tokens >= 1, got "
+                f"{len(prompt_token_ids)} tokens and max_new_tokens={max_new_tokens}"
+            )
+        # The last generated token is never fed back, so the cache holds one token less.
+        num_kv_tokens = len(prompt_token_ids) + max_new_tokens - 1
+        num_blocks_needed = math.ceil(num_kv_tokens / self.config.block_size)
+        too_long = num_kv_tokens > self.config.max_model_len
+        if too_long or num_blocks_needed > self.config.num_blocks - 1:
+            raise ValueError(
+                f"request {req_id!r} needs {num_kv_tokens} tokens = {num_blocks_needed} blocks; "
+                f"max_model_len={self.config.max_model_len}, the pool has "
+                f"{self.config.num_blocks - 1} blocks (num_blocks={self.config.num_blocks} "
+                "minus the null block)"
+            )
+        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index)
+        self.requests[req_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- one step
+    def step(self, hook: StepHook | None = None) -> StepResult:
+        """Schedule, update the table, run the model, sample: one engine step.
+
+        ``hook(engine, batch)``, if given, runs after the table is committed and before the
+        forward, when the table and the allocator hold exactly what this step reads.
+        """
+        batch = self.scheduler.schedule()
+        num_blocks_used = self.config.num_blocks - 1 - self.manager.num_free_blocks()
+        t0 = time.perf_counter()
+        self.table.apply(self.manager.take_step_update())
+        self.table.commit()
+        finished: list[str] = []
+        table_time_s = time.perf_counter() - t0
+        if batch.scheduled:
+            positions, query_start_loc, row_of_batch, seq_lens, qsl_cpu = self._batch_tensors(batch)
+            t1 = time.perf_counter()
+            slot_mapping = self.table.compute_slot_mapping(
+                query_start_loc, positions, row_of_batch=row_of_batch, query_start_loc_cpu=qsl_cpu
+            )[0]
+            table_time_s += time.perf_counter() - t1
+            assert slot_mapping is not None  # an attention group always has slots
+            attn = AttentionInputs(
+                slot_mapping=slot_mapping,
+                block_table=self.table.gather_view(0, row_of_batch),
+                seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                decode_only=batch.num_tokens == len(batch.scheduled),
+            )
+            if hook is not None:
+                hook(self, batch)
+            input_ids = torch.tensor(
+                [t for s in batch.scheduled
+                 for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]],
+                dtype=torch.int64,
+            ).to(self.device)
+            # Each request's last token of the step predicts its next token.
+            logits = self.model(input_ids, positions, attn, query_start_loc[1:].long() - 1)
+            finished = self._update(batch, logits.cpu())
+        elif hook is not None:
+            hook(self, batch)
+        result = StepResult(
+            step=self.step_index,
+            num_reqs=len(batch.scheduled),
+            num_tokens=batch.num_tokens,
+            num_blocks_used=num_blocks_used,
+            preempted=tuple(r.req_id for r in batch.preempted),
+            finished=tuple(finished),
+            table_time_s=table_time_s,
+        )
+        self.step_index += 1
+        return result
+
+    def _batch_tensors(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions, query_start_loc, row_of_batch and seq_lens on the device (+ host qsl).
+
+        Only per-request vectors ``[num_reqs]`` cross to the device; the per-token positions
+        are expanded there: token ``t`` of request ``r`` sits at ``start[r] + t - qsl[r]``.
+        """
+        per_req = np.array(
+            [(s.start, s.num_new_tokens, self.manager.row_of(s.request.req_id))
+             for s in batch.scheduled],
+            dtype=np.int64,
+        ).T  # int64 [3, num_reqs]: start, num_new_tokens, row
+        qsl_cpu = torch.zeros(per_req.shape[1] + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.from_numpy(np.cumsum(per_req[1]))
+        start, num_new, row = torch.from_numpy(per_req).to(self.device)
+        query_start_loc = qsl_cpu.to(self.device)
+        num_tokens = int(qsl_cpu[-1])
+        positions = torch.repeat_interleave(
+            start - query_start_loc[:-1], num_new, output_size=num_tokens
+        ) + torch.arange(num_tokens, device=self.device)
+        seq_lens = (start + num_new).to(torch.int32)
+        return positions, query_start_loc, row.to(torch.int32), seq_lens, qsl_cpu
+
+    def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
+        """After the forward: record computed tokens, sample, finish. ``logits`` on cpu."""
+        finished = []
+        for i, s in enumerate(batch.scheduled):
+            req = s.request
+            if req.first_step is None:
+                req.first_step = self.step_index
+            self.manager.mark_computed(req.req_id, s.num_new_tokens)
+            if not s.completes:
+                req.num_prefill_chunks += 1
+                continue  # a prefill chunk: nothing to sample yet
+            token = int(logits[i].argmax())
+            req.output_token_ids.append(token)
+            if self.config.record_logits:
+                req.logits.append(logits[i].clone())
+            if len(req.output_token_ids) == req.max_new_tokens:
+                self.scheduler.finish(req)
+                req.finish_step = self.step_index
+                finished.append(req.req_id)
+            else:
+                self.manager.append_token_ids(req.req_id, token)
+        return finished

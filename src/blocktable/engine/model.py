@@ -1,0 +1,196 @@
+"""A Llama forward over a paged KV cache: blocktable's slot mapping writes, its table reads.
+
+The weights (and the norm, MLP and rotary modules) come from a Hugging Face
+``LlamaForCausalLM``; the attention is ours, so nothing here depends on transformers' attention
+or cache internals. One step's tokens of all requests are flattened into ``[num_tokens]``
+(varlen, no padding); per layer, K and V are scattered into the cache by slot mapping
+(:func:`blocktable.kv_write.write_kv_cache`) and attention reads them back through the block
+table (:mod:`blocktable.attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from blocktable.attention import paged_attention_reference, paged_decode_attention
+from blocktable.kv_write import write_kv_cache
+
+HFLlama = Any
+"""A transformers ``LlamaForCausalLM`` (typed loosely: its submodules are found by name)."""
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What attention needs for one step, all on the model's device.
+
+    Attributes
+    ----------
+    slot_mapping : torch.Tensor
+        int64 ``[>= num_tokens]``: cache slot of each token (``PAD_SLOT_ID`` past the end).
+    block_table : torch.Tensor
+        int32 ``[num_reqs, width]``: block ids of each request, in batch order.
+    seq_lens : torch.Tensor
+        int32 ``[num_reqs]``: tokens in the cache per request after this step.
+    query_start_loc : torch.Tensor
+        int32 ``[num_reqs + 1]``: request ``r``'s tokens are ``[qsl[r], qsl[r+1])``.
+    decode_only : bool
+        Host flag: every request has exactly one token this step.
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    decode_only: bool
+
+
+def tiny_llama(
+    *,
+    seed: int = 0,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    device: str | torch.device = "cpu",
+) -> HFLlama:
+    """A randomly initialized float32 ``LlamaForCausalLM`` small enough for a CPU test.
+
+    ``initializer_range=0.2`` (instead of 0.02) spreads the logits so that greedy choices are
+    not near-ties that float rounding could flip. No EOS token: generation runs to its length.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model: HFLlama = LlamaForCausalLM(config)
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """Runs a ``LlamaForCausalLM``'s layers over flattened varlen tokens and a paged KV cache.
+
+    Parameters
+    ----------
+    hf_model : LlamaForCausalLM
+        Source of weights and of the norm, MLP and rotary-embedding modules.
+    num_blocks, block_size : int
+        KV-cache geometry: ``num_blocks`` blocks (block 0 is the null block) of ``block_size``
+        token slots, the block size the table's ids refer to.
+    backend : {"torch", "triton"}
+        Kernels for the KV write and for decode-only steps' attention (the Triton decode
+        kernel needs a power-of-two ``block_size >= 16``; smaller blocks use the reference).
+        Prefill and mixed steps always use the torch reference attention.
+
+    Attributes
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` on the model's
+        device, the model's dtype; ``kv_cache[layer, 0]`` holds keys, ``[layer, 1]`` values.
+    """
+
+    def __init__(
+        self, hf_model: HFLlama, num_blocks: int, block_size: int, backend: str = "torch"
+    ) -> None:
+        config = hf_model.config
+        self.backend = backend
+        self.use_decode_kernel = (
+            backend == "triton" and block_size >= 16 and not block_size & (block_size - 1)
+        )
+        self.hf = hf_model.eval()
+        self.layers = hf_model.model.layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale: float = self.head_dim**-0.5
+        weight = hf_model.lm_head.weight
+        self.kv_cache = torch.zeros(
+            len(self.layers), 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            dtype=weight.dtype, device=weight.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step; return the logits of the tokens at ``logits_indices``.
+
+        Parameters
+        ----------
+        input_ids, positions : torch.Tensor
+            int64 ``[num_tokens]`` on the model's device: this step's tokens, request after
+            request, and their positions in their sequences.
+        attn : AttentionInputs
+            Slot mapping, block table and lengths of this step.
+        logits_indices : torch.Tensor
+            int64 ``[n]``: which tokens need logits (usually each request's last).
+
+        Returns
+        -------
+        torch.Tensor
+            float32 ``[n, vocab_size]`` on the model's device.
+        """
+        num_tokens = input_ids.shape[0]
+        hidden = self.hf.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        # cos/sin: [1, num_tokens, head_dim] -> [num_tokens, 1, head_dim], shared by all heads.
+        cos, sin = self.hf.model.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        for layer_idx, layer in enumerate(self.layers):
+            attn_mod = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn_mod.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+            k = attn_mod.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = attn_mod.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
+            write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping, backend=self.backend)
+            out = self._attend(q, k_cache, v_cache, attn)
+            hidden = hidden + attn_mod.o_proj(out.reshape(num_tokens, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self.hf.model.norm(hidden[logits_indices])
+        return self.hf.lm_head(hidden).float()
+
+    __call__ = forward
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionInputs
+    ) -> torch.Tensor:
+        if attn.decode_only and self.use_decode_kernel:
+            # The Triton decode kernel: one query token per request.
+            return paged_decode_attention(
+                q, k_cache, v_cache, attn.block_table, attn.seq_lens, scale=self.scale,
+                backend="triton",
+            )
+        # Prefill chunks and mixed steps (and every step on the CPU): the torch reference.
+        return paged_attention_reference(
+            q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
+            scale=self.scale,
+        )

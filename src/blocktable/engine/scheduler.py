@@ -1,0 +1,140 @@
+"""Continuous batching: which requests run this step, and with how many tokens.
+
+Every step has a token budget. Running requests go first, oldest first: a decoding request
+takes one token, a request still in its (chunked) prefill takes what is left of its prompt, cut
+to the budget. When the allocator cannot give a running request its blocks, the *newest*
+running request is preempted (its blocks go back to the pool, its full blocks stay in the
+prefix cache) and waits at the head of the queue; it resumes by recomputing its tokens, most of
+them usually found in the prefix cache. Waiting requests are admitted, in arrival order, while
+budget, rows and blocks last, and never in a step that preempted (that would only thrash).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from blocktable.allocator import KVCacheManager
+from blocktable.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)`` of it."""
+
+    request: Request
+    start: int  # tokens already in the KV cache (computed or prefix-cache hits)
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether this step reaches the end of the known tokens (so a token is sampled)."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs, in batch order, and who lost their blocks to make room."""
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`~blocktable.allocator.KVCacheManager`.
+
+    The scheduler is the only caller of the allocator's admission and allocation methods; the
+    engine reads the resulting table changes with ``manager.take_step_update()``.
+
+    Parameters
+    ----------
+    manager : KVCacheManager
+        The block allocator (it also assigns each running request its table row).
+    token_budget : int
+        Most tokens computed in one step (prefill chunks and decodes together).
+    """
+
+    def __init__(self, manager: KVCacheManager, token_budget: int) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.manager = manager
+        self.token_budget = token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first; preemption takes from the end
+        # Prefix-cache counters over successful admissions (the allocator's own stats also
+        # count the admissions undone for lack of blocks).
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a new request behind the others."""
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Drop a finished request and free its row and blocks (cached blocks stay findable)."""
+        self.running.remove(request)
+        self.manager.free(request.req_id)
+        request.status = RequestStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of admitted requests' tokens served by the prefix cache (0.0 if none)."""
+        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch, allocating its blocks (preempting if they run out)."""
+        budget = self.token_budget
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            start = self.manager.num_computed_tokens(req.req_id)
+            num_new = min(req.num_tokens - start, budget)
+            while not self.manager.can_allocate(req.req_id, num_new):
+                victim = self.running.pop()  # the newest, possibly `req` itself
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # `req` was the newest left: nobody after it to schedule
+            self.manager.allocate(req.req_id, num_new)
+            scheduled.append(ScheduledRequest(req, start, num_new))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted and self.manager.num_free_rows:
+            req = self.waiting[0]
+            num_cached = self.manager.add_request(req.req_id, req.all_token_ids)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.manager.can_allocate(req.req_id, num_new):
+                # Only admission can tell how much the prefix cache serves, so admit, ask, and
+                # undo when the pool is short; the request retries next step.
+                self.manager.free(req.req_id)
+                break
+            self.manager.allocate(req.req_id, num_new)
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_cached_tokens += num_cached
+            self.num_lookup_tokens += req.num_tokens
+            self.num_hit_tokens += num_cached
+            scheduled.append(ScheduledRequest(req, num_cached, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.manager.preempt(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        # Preempted requests resume before new ones; when several are preempted in one step
+        # (newest first), the older ends up in front.
+        self.waiting.appendleft(req)

@@ -1,0 +1,209 @@
+"""A picture of the block table and the block pool at one engine step (matplotlib, Agg).
+
+Top: the table, one line per row (request) and one cell per logical block, colored by the
+request that owns the physical block and labelled with its id; hatched cells are shared
+(prefix-cached, reference count > 1), grey cells hold the null block. Bottom: the pool, one
+cell per physical block: owned (the owner's color), free but still cached (reusable by a prefix
+hit until evicted), free, and the reserved null block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from blocktable.constants import NULL_BLOCK_ID
+
+if TYPE_CHECKING:
+    from blocktable.engine import LLMEngine, SchedulerOutput
+
+_NULL_COLOR = "#d9d9d9"
+_FREE_COLOR = "#ffffff"
+_CACHED_COLOR = "#fff2b3"
+_NULL_BLOCK_COLOR = "#404040"
+_POOL_CELLS_PER_LINE = 32
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """Host-side copy of the table and the pool at one step (what its forward read).
+
+    Attributes
+    ----------
+    step : int
+        Engine step.
+    block_size : int
+        Tokens per block.
+    req_of_row : dict of int to str
+        Rows held by running requests, and their ids.
+    num_new_tokens_of_row : dict of int to int
+        Rows in this step's batch, and how many tokens each computes.
+    block_table : np.ndarray
+        int32 ``[num_rows, width]``: the host table's first rows (manager = kernel blocks).
+    num_blocks_per_row : np.ndarray
+        int32 ``[num_rows]``: filled entries per row.
+    ref_counts : np.ndarray
+        int32 ``[num_blocks]``: requests holding each block.
+    cached : np.ndarray
+        bool ``[num_blocks]``: block content findable by a prefix lookup.
+    """
+
+    step: int
+    block_size: int
+    req_of_row: dict[int, str]
+    num_new_tokens_of_row: dict[int, int]
+    block_table: np.ndarray
+    num_blocks_per_row: np.ndarray
+    ref_counts: np.ndarray
+    cached: np.ndarray
+
+    @property
+    def num_reqs_in_batch(self) -> int:
+        return len(self.num_new_tokens_of_row)
+
+
+def take_snapshot(engine: LLMEngine, batch: SchedulerOutput) -> TableSnapshot:
+    """Copy what the picture needs; call it from a step hook (see :meth:`LLMEngine.step`)."""
+    manager, table = engine.manager, engine.table[0]
+    req_of_row = {manager.row_of(r.req_id): r.req_id for r in engine.scheduler.running}
+    num_rows = max(req_of_row, default=-1) + 1
+    pool = manager.pools[0]
+    num_blocks = pool.num_blocks
+    return TableSnapshot(
+        step=engine.step_index,
+        block_size=engine.config.block_size,
+        req_of_row=req_of_row,
+        num_new_tokens_of_row={
+            manager.row_of(s.request.req_id): s.num_new_tokens for s in batch.scheduled
+        },
+        block_table=table.block_table_np[:num_rows].copy(),
+        num_blocks_per_row=table.num_blocks_per_row[:num_rows].copy(),
+        ref_counts=np.array([pool.ref_count(b) for b in range(num_blocks)], dtype=np.int32),
+        cached=np.array([pool.content_id(b) is not None for b in range(num_blocks)]),
+    )
+
+
+def pick_step(snapshots: list[TableSnapshot]) -> TableSnapshot:
+    """The snapshot with the most requests in its batch, the one nearest the middle on ties."""
+    if not snapshots:
+        raise ValueError("no snapshot to pick from")
+    middle = snapshots[len(snapshots) // 2].step
+    return max(snapshots, key=lambda s: (s.num_reqs_in_batch, -abs(s.step - middle)))
+
+
+def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:
+    """Draw ``snap`` to a PNG at ``path`` (parent folders are created); return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    rows = sorted(snap.req_of_row)
+    cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    color_of_row = {row: cmap(i % cmap.N) for i, row in enumerate(rows)}
+    # A physical block has one color everywhere: that of the first row (in row order) holding
+    # it, so a shared prefix shows up as the same colored, hatched cells in several rows.
+    owner_color: dict[int, object] = {}
+    for row in rows:
+        for b in snap.block_table[row, : snap.num_blocks_per_row[row]]:
+            owner_color.setdefault(int(b), color_of_row[row])
+
+    num_rows = len(snap.block_table)
+    num_cols = int(snap.num_blocks_per_row.max(initial=0)) + 1  # one null column past the end
+    num_cols = min(num_cols, snap.block_table.shape[1]) if num_rows else 1
+    num_blocks = len(snap.ref_counts)
+    num_pool_lines = -(-num_blocks // _POOL_CELLS_PER_LINE)
+    pool_cols = min(num_blocks, _POOL_CELLS_PER_LINE)
+
+    fig_w = max(8.0, 1.8 + 0.42 * max(num_cols, pool_cols))
+    fig_h = 1.6 + 0.42 * (max(num_rows, 1) + num_pool_lines) + 1.0
+    fig, (ax_t, ax_p) = plt.subplots(
+        2, 1, figsize=(fig_w, fig_h),
+        gridspec_kw={"height_ratios": [max(num_rows, 1), num_pool_lines + 0.6]},
+    )
+
+    def cell(ax: object, x: float, y: float, color: object, text: str, shared: bool) -> None:
+        ax.add_patch(Rectangle(  # type: ignore[attr-defined]
+            (x, y), 1, 1, facecolor=color, edgecolor="black" if shared else "#808080",
+            linewidth=1.4 if shared else 0.5, hatch="///" if shared else None,
+        ))
+        box = {"facecolor": "white", "edgecolor": "none", "pad": 0.8} if shared else None
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7,  # type: ignore[attr-defined]
+                bbox=box)
+
+    def block_text(b: int) -> str:  # a shared block shows its reference count: "7 ×3"
+        return f"{b} ×{snap.ref_counts[b]}" if snap.ref_counts[b] > 1 else str(b)
+
+    for row in range(num_rows):
+        y = num_rows - 1 - row
+        count = int(snap.num_blocks_per_row[row])
+        for j in range(num_cols):
+            b = int(snap.block_table[row, j])
+            if j >= count or b == NULL_BLOCK_ID:
+                cell(ax_t, j, y, _NULL_COLOR, "·", False)
+            else:
+                cell(ax_t, j, y, owner_color[b], block_text(b), snap.ref_counts[b] > 1)
+    labels = []
+    for row in range(num_rows):
+        req = snap.req_of_row.get(row)
+        label = f"row {row}: " + ("(free)" if req is None else req)
+        if row in snap.num_new_tokens_of_row:
+            label += f"  +{snap.num_new_tokens_of_row[row]} tok"
+        labels.append(label)
+    ax_t.set_yticks([num_rows - 1 - r + 0.5 for r in range(num_rows)], labels, fontsize=8)
+    ax_t.set_xticks([j + 0.5 for j in range(num_cols)], [str(j) for j in range(num_cols)],
+                    fontsize=7)
+    ax_t.set_xlabel(f"logical block (tokens {snap.block_size}·j .. {snap.block_size}·j+"
+                    f"{snap.block_size - 1})", fontsize=8)
+    ax_t.set_xlim(0, num_cols)
+    ax_t.set_ylim(0, max(num_rows, 1))
+    ax_t.set_title(
+        f"block table at step {snap.step}: {snap.num_reqs_in_batch} requests in the batch, "
+        f"{len(snap.req_of_row)} holding rows", fontsize=10,
+    )
+
+    for b in range(num_blocks):
+        x, y = b % _POOL_CELLS_PER_LINE, num_pool_lines - 1 - b // _POOL_CELLS_PER_LINE
+        if b == NULL_BLOCK_ID:
+            ax_p.add_patch(Rectangle((x, y), 1, 1, facecolor=_NULL_BLOCK_COLOR))
+            ax_p.text(x + 0.5, y + 0.5, "0", ha="center", va="center", fontsize=7, color="white")
+        elif snap.ref_counts[b] > 0:
+            cell(ax_p, x, y, owner_color.get(b, "#999999"), block_text(b), snap.ref_counts[b] > 1)
+        else:
+            cell(ax_p, x, y, _CACHED_COLOR if snap.cached[b] else _FREE_COLOR, str(b), False)
+    ax_p.set_xlim(0, pool_cols)
+    ax_p.set_ylim(0, num_pool_lines)
+    ax_p.set_xticks([])
+    ax_p.set_yticks([])
+    num_owned = int((snap.ref_counts[1:] > 0).sum())
+    num_free_cached = int(((snap.ref_counts == 0) & snap.cached)[1:].sum())
+    ax_p.set_title(
+        f"block pool: {num_blocks} blocks, {num_owned} owned, {num_free_cached} free but "
+        f"cached, {num_blocks - 1 - num_owned - num_free_cached} free", fontsize=10,
+    )
+    ax_p.legend(
+        handles=[
+            Patch(facecolor="#cccccc", edgecolor="black", hatch="///",
+                  label="shared (prefix-cached, refcount > 1)"),
+            Patch(facecolor=_CACHED_COLOR, edgecolor="#808080", label="free, cached"),
+            Patch(facecolor=_FREE_COLOR, edgecolor="#808080", label="free"),
+            Patch(facecolor=_NULL_COLOR, edgecolor="#808080", label="null entry (·)"),
+            Patch(facecolor=_NULL_BLOCK_COLOR, label="null block 0"),
+        ],
+        loc="upper center", bbox_to_anchor=(0.5, -0.05), ncol=5, fontsize=7, frameon=False,
+    )
+    for ax in (ax_t, ax_p):
+        ax.set_aspect("equal")
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
+        ax.tick_params(length=0)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
