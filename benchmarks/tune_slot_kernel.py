@@ -53,7 +53,7 @@ def graph_time_us(fn, n_inner=20, reps=30):
 def tune(rng, out):
     cases = scenarios(rng)
     cases["3groups-mixed"] = cases["mixed-255+7937"]
-    variants = [(b, r, w) for b in (64, 128, 256) for r in (4, 8, 32) for w in (4, 8)]
+    variants = [(b, r, w) for b in (64, 128, 256) for r in (2, 4, 16) for w in (4, 8)]
     rows = []
     for name, (seq_lens, q_lens) in cases.items():
         specs = ([GroupSpec(16), GroupSpec(32, 16), GroupSpec(64)] if name == "3groups-mixed"

@@ -152,8 +152,8 @@ def search_levels(max_num_reqs: int, radix: int) -> int:
 
 # Tuned on an H200 (BENCHMARKS.md): tokens per program, search radix, warps.
 DEFAULT_BLOCK = 128
-DEFAULT_RADIX = 8
-DEFAULT_NUM_WARPS = 8
+DEFAULT_RADIX = 4
+DEFAULT_NUM_WARPS = 4
 
 
 def launch_slot_mapping(
