@@ -48,14 +48,19 @@ def longest_request_blocks(opts: DemoOptions) -> int:
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
-    """Run the demo; return the exit code (0: every request verified, 1: a mismatch)."""
-    import transformers
+    """Run the demo; return the exit code (0: every request verified, 1: a mismatch, 2: the
+    demo's extra dependency is missing)."""
+    console = console or Console()
+    try:
+        import transformers
+    except ImportError:
+        console.print("blocktable demo needs transformers: pip install 'blocktable[demo]'")
+        return 2
 
     from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
     from blocktable.engine.verify import LOGITS_RTOL, verify_requests
     from blocktable.picture import draw_snapshot, pick_step, take_snapshot
 
-    console = console or Console()
     say = (lambda *a: None) if opts.quiet else console.print
     transformers.logging.set_verbosity_error()
     model = tiny_llama(seed=opts.seed, device=opts.device)
