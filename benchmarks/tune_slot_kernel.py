@@ -19,35 +19,10 @@ import time
 
 import numpy as np
 import torch
-from bench_step import BLOCK, batch, build_table, decode_updates, scenarios
+from bench_step import BLOCK, batch, build_table, decode_updates, scenarios, time_graph_us
 
 from blocktable import GroupSpec
 from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
-
-
-def graph_time_us(fn, n_inner=20, reps=30):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        t.append(a.elapsed_time(b) * 1e3 / n_inner)
-    return statistics.median(t)
 
 
 def tune(rng, out):
@@ -65,7 +40,7 @@ def tune(rng, out):
                 launch_slot_mapping(bt.storage.device_tensor, bt._packed_params, qsl, pos, None,
                                     bt._slots, max_num_reqs=bt.max_num_reqs, pow2=True,
                                     has_cp=False, block=block, radix=radix, num_warps=warps)
-            us = graph_time_us(call)
+            us = time_graph_us(call, replays=30)[1]  # per launch, 20 launches a graph
             rows.append({"scenario": name, "block": block, "radix": radix, "warps": warps,
                          "us": us})
     out["variants"] = rows
