@@ -67,7 +67,7 @@ def check_group_update(
 ) -> GroupArrays:
     """Validate one group's changes against ``table``; return the arrays to write."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
-    code, part, i, value, bound = loops.check_group_update(
+    code, part, i, value, bound = loops.check_group_update(  # type: ignore[call-arg]
         table.num_blocks_per_row, table.width, table.k, table.max_manager_id, *arrays,
         table.scratch_counts, table.scratch_seen,
     )
@@ -86,7 +86,7 @@ def apply_group_update(
     """Check and apply in one compiled call (a table with one group: nothing else to wait for)."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     st = table.storage
-    code, part, i, value, bound = loops.check_and_write_group_update(
+    code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
         table.block_table_np.reshape(-1), table.num_blocks_per_row, table.width, table.k,
         table.max_manager_id, table.offset, *arrays, table.scratch_counts, table.scratch_seen,
         st.dirty_rows[table.group], st.journal, st.journal_len,
@@ -99,7 +99,7 @@ def apply_group_update(
 def write_group_update(table: BlockTable, arrays: GroupArrays) -> None:
     """Apply arrays returned by :func:`check_group_update`; records them for the next commit."""
     st = table.storage
-    loops.write_group_update(
+    loops.write_group_update(  # type: ignore[call-arg]
         table.block_table_np.reshape(-1), table.num_blocks_per_row, table.width, table.k,
         table.offset, *arrays, st.dirty_rows[table.group], st.journal, st.journal_len,
     )
