@@ -230,3 +230,23 @@ def test_no_requests_pads_everything(device):
         torch.zeros(0, dtype=torch.int64, device=device),
     )[0]
     assert (got.cpu() == PAD_SLOT_ID).all()
+
+
+def test_debug_mode_reports_tokens_past_their_blocks(device):
+    from blocktable import SlotMappingError
+
+    bt = MultiGroupBlockTable([GroupSpec(16)], 2, 256, 16, device, cp=CPConfig(2, 0, 16),
+                              debug=True)
+    bt.add_row(([3, 0],), 0)  # block 1 nulled (sliding window); positions 0..63 on two ranks
+    bt.commit()
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+
+    def call(*positions):
+        return bt.compute_slot_mapping(qsl, torch.tensor(positions, device=device))
+
+    assert call(0, 1, 16)[0][:3].tolist() == [48, 49, PAD_SLOT_ID]  # 16: rank 1's, fine
+    with pytest.raises(SlotMappingError, match=r"1 token\(s\).*token 2 \(request 0, row 0, "
+                                               r"position 64\)"):
+        call(0, 1, 64)  # rank 0's offset 32..47 of manager block 2: never allocated
+    with pytest.raises(SlotMappingError, match="position 33"):
+        call(0, 33, 17)  # rank 0's token in the nulled block

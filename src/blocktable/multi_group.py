@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_index, check_positive, check_tensor
+from blocktable._checks import as_index_array, check_index, check_positive
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer
@@ -20,14 +20,15 @@ from blocktable.config import (
     row_width,
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from blocktable.metadata import AttentionMetadata
-from blocktable.slot_mapping import SlotGroupParams, SlotMappingError, compute_slots, pack_params
+from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
+from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
+from blocktable.views import AttentionViews
 
 
-class MultiGroupBlockTable:
+class MultiGroupBlockTable(AttentionViews):
     """One block table per KV cache group, one commit and one slot-mapping launch for all.
 
     Parameters
@@ -150,17 +151,6 @@ class MultiGroupBlockTable:
             cp_rank=cp.rank,
             cp_interleave=cp.interleave,
         )
-
-    # ---- shape -------------------------------------------------------------------------
-    @property
-    def num_groups(self) -> int:
-        return len(self.specs)
-
-    def __getitem__(self, group: int) -> BlockTable:
-        table = self.tables[check_index("group", group, self.num_groups)]
-        if table is None:
-            raise ValueError(f"group {group} is encoder-only and has no table")
-        return table
 
     def _live_tables(self) -> list[BlockTable]:
         return [t for t in self.tables if t is not None]
@@ -320,7 +310,11 @@ class MultiGroupBlockTable:
             Per group: int64 ``[max_num_batched_tokens]`` (the persistent buffer, tail set to
             ``PAD_SLOT_ID``), or ``None`` for groups without slots.
         """
-        self._check_slot_inputs(query_start_loc, positions, row_of_batch, query_start_loc_cpu)
+        check_slot_inputs(
+            query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
+            max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
+            check_device_values=self.debug,
+        )
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -335,267 +329,11 @@ class MultiGroupBlockTable:
             has_cp=self._has_cp,
         )
         if self.debug:
-            self._debug_report(query_start_loc, positions, row_of_batch)
+            report_unmapped_tokens(
+                self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,
+                self.max_num_reqs, query_start_loc, positions, row_of_batch,
+            )
         return list(self._slot_views)
-
-    def _check_slot_inputs(
-        self,
-        qsl: torch.Tensor,
-        positions: torch.Tensor,
-        row_of_batch: torch.Tensor | None,
-        qsl_cpu: torch.Tensor | None,
-    ) -> tuple[int, int]:
-        dev = self.device
-        # The common case in one cheap test; the helper then names what is wrong.
-        if not (isinstance(qsl, torch.Tensor) and qsl.dtype == torch.int32 and qsl.dim() == 1
-                and qsl.device == dev):
-            check_tensor("query_start_loc", qsl, dtype=torch.int32, ndim=1, device=dev)
-        if not (isinstance(positions, torch.Tensor) and positions.dtype == torch.int64
-                and positions.dim() == 1 and positions.device == dev):
-            check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=dev)
-        num_reqs = qsl.numel() - 1
-        num_tokens = positions.numel()
-        if num_reqs < 0:
-            raise ValueError("query_start_loc must have num_reqs + 1 >= 1 entries, got 0")
-        if num_reqs > self.max_num_reqs:
-            raise ValueError(
-                f"query_start_loc describes {num_reqs} requests, more than max_num_reqs="
-                f"{self.max_num_reqs}"
-            )
-        if num_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"positions holds {num_tokens} tokens, more than max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
-            )
-        host_qsl = None
-        if qsl_cpu is not None:
-            if not (isinstance(qsl_cpu, torch.Tensor) and qsl_cpu.dtype == torch.int32
-                    and qsl_cpu.shape == qsl.shape and qsl_cpu.device.type == "cpu"):
-                check_tensor("query_start_loc_cpu", qsl_cpu, dtype=torch.int32,
-                             shape=[num_reqs + 1], device="cpu")
-            host_qsl = qsl_cpu
-        elif qsl.device.type == "cpu" or self.debug:
-            host_qsl = qsl.cpu()
-        if host_qsl is not None:
-            q = host_qsl.numpy()
-            decreasing = bool((q[1:] < q[:-1]).any())
-            if int(q[0]) != 0 or int(q[-1]) != num_tokens or decreasing:
-                raise ValueError(
-                    "query_start_loc must start at 0, never decrease and end at num_tokens="
-                    f"{num_tokens} (positions.numel()), got first {int(q[0])}, last {int(q[-1])}"
-                    + (", decreasing" if decreasing else "")
-                )
-        if row_of_batch is not None:
-            check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                         device=dev)
-            if row_of_batch.device.type == "cpu" or self.debug:
-                rows = row_of_batch.cpu().numpy()
-                if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
-                    raise IndexError(
-                        f"row_of_batch holds a row outside [0, {self.max_num_reqs})"
-                    )
-        return num_reqs, num_tokens
-
-    def _debug_report(
-        self, qsl: torch.Tensor, positions: torch.Tensor, row_of_batch: torch.Tensor | None
-    ) -> None:
-        """Raise SlotMappingError for tokens this rank owns whose block is missing."""
-        from blocktable.slot_mapping.reference import slot_of_position
-
-        q = qsl.cpu().numpy()
-        pos = positions.cpu().numpy()
-        rows = None if row_of_batch is None else row_of_batch.cpu().numpy()
-        host_flat = self.storage.device_tensor.cpu().numpy()
-        problems = []
-        for g, p in zip(self._slot_groups, self.slot_params):
-            table = host_flat[p.table_offset : p.table_offset + self.max_num_reqs * p.width]
-            table = table.reshape(self.max_num_reqs, p.width)
-            counts = host_flat[p.counts_offset : p.counts_offset + self.max_num_reqs]
-            for r in range(len(q) - 1):
-                row = r if rows is None else int(rows[r])
-                for t in range(int(q[r]), int(q[r + 1])):
-                    full_row = np.full(p.width + 1, 1, dtype=np.int64)
-                    owned = slot_of_position(
-                        int(pos[t]), full_row, p.width + 1,
-                        kernel_block_size=p.kernel_block_size,
-                        manager_block_size=p.manager_block_size,
-                        cp_world_size=p.cp_world_size, cp_rank=p.cp_rank,
-                        cp_interleave=p.cp_interleave,
-                    ) != PAD_SLOT_ID
-                    got = slot_of_position(
-                        int(pos[t]), table[row], int(counts[row]),
-                        kernel_block_size=p.kernel_block_size,
-                        manager_block_size=p.manager_block_size,
-                        cp_world_size=p.cp_world_size, cp_rank=p.cp_rank,
-                        cp_interleave=p.cp_interleave,
-                    )
-                    if owned and got == PAD_SLOT_ID:
-                        problems.append((g, t, r, row, int(pos[t])))
-        if problems:
-            shown = ", ".join(
-                f"group {g} token {t} (request {r}, row {row}, position {p})"
-                for g, t, r, row, p in problems[:8]
-            )
-            raise SlotMappingError(
-                f"{len(problems)} token(s) lie past their row's blocks (mapped to PAD_SLOT_ID): "
-                f"{shown}" + (" ..." if len(problems) > 8 else "")
-            )
-
-    # ---- views handed to attention ---------------------------------------------------------
-    def device_view(self, group: int, num_reqs: int, num_reqs_padded: int | None = None) -> torch.Tensor:
-        """int32 ``[num_reqs_padded, width]`` committed device table of ``group`` (condensed mode).
-
-        Rows ``[num_reqs, num_reqs_padded)`` hold ``NULL_BLOCK_ID``; they must be empty rows of
-        the table (a ``ValueError`` says so otherwise). Encoder-only groups get a zero
-        ``[num_reqs_padded, 1]`` placeholder.
-        """
-        check_index("group", group, self.num_groups)
-        num_reqs = check_index("num_reqs", num_reqs, self.max_num_reqs + 1)
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if isinstance(padded, bool) or not isinstance(padded, int) or not (
-            num_reqs <= padded <= self.max_num_reqs
-        ):
-            raise ValueError(
-                f"num_reqs_padded={padded} must be an int in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
-        if not self.specs[group].has_table:
-            return self._encoder_placeholder[:padded]
-        if padded > num_reqs:
-            counts = self.storage.host_counts(group)[num_reqs:padded]
-            dirty = self.storage.dirty_rows[group, num_reqs:padded]
-            if counts.any() or dirty.any():
-                row = num_reqs + int(np.argmax(counts.astype(bool) | dirty))
-                raise ValueError(
-                    f"pad row {row} in [num_reqs={num_reqs}, num_reqs_padded={padded}) of group "
-                    f"{group} is not an empty committed row; clear it (clear_row) and commit"
-                )
-        return self.storage.device_table(group)[:padded]
-
-    def gather_view(
-        self, group: int, row_of_batch: torch.Tensor, num_reqs_padded: int | None = None
-    ) -> torch.Tensor:
-        """int32 ``[num_reqs_padded, width]`` table of ``group`` in batch order (indexed mode).
-
-        Row ``i < num_reqs`` is table row ``row_of_batch[i]``; pad rows hold ``NULL_BLOCK_ID``.
-        Written on the device into a persistent buffer (allocated on first use; fixed address).
-        """
-        from blocktable.gather import gather_rows
-
-        check_index("group", group, self.num_groups)
-        num_reqs = row_of_batch.numel() if isinstance(row_of_batch, torch.Tensor) else -1
-        check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, ndim=1, device=self.device)
-        if num_reqs > self.max_num_reqs:
-            raise ValueError(f"row_of_batch has {num_reqs} rows, more than max_num_reqs")
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if not num_reqs <= padded <= self.max_num_reqs:
-            raise ValueError(
-                f"num_reqs_padded={padded} must be in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
-        if not self.specs[group].has_table:
-            return self._encoder_placeholder[:padded]
-        if row_of_batch.device.type == "cpu" or self.debug:
-            rows = row_of_batch.cpu().numpy()
-            if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
-                raise IndexError(f"row_of_batch holds a row outside [0, {self.max_num_reqs})")
-        out = self._gathered.get(group)
-        if out is None:
-            out = torch.zeros_like(self.storage.device_table(group))
-            self._gathered[group] = out
-        gather_rows(self.backend, self.storage.device_table(group), row_of_batch, out[:padded])
-        return out[:padded]
-
-    def state_indices(
-        self,
-        group: int,
-        seq_lens: torch.Tensor,
-        num_reqs_padded: int | None = None,
-        *,
-        num_speculative_blocks: int = 0,
-        row_of_batch: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """int32 ``[num_reqs_padded, 1 + num_speculative_blocks]`` state blocks per request.
-
-        For a state (Mamba-like) group: the block holding each request's last token,
-        ``(seq_len - 1) // block_size`` clamped at 0, then the ``num_speculative_blocks`` blocks
-        after it; ``NULL_BLOCK_ID`` past the row's entries and in pad rows. Written on the device
-        into a persistent buffer (fixed address per ``num_speculative_blocks``).
-        """
-        from blocktable.state_indices import gather_state_indices
-
-        table = self[group]
-        num_reqs = check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1,
-                                device=self.device).numel()
-        if num_reqs > self.max_num_reqs:
-            raise ValueError(f"seq_lens has {num_reqs} entries, more than max_num_reqs")
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if not num_reqs <= padded <= self.max_num_reqs:
-            raise ValueError(
-                f"num_reqs_padded={padded} must be in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
-        if num_speculative_blocks < 0:
-            raise ValueError(f"num_speculative_blocks must be >= 0, got {num_speculative_blocks}")
-        if row_of_batch is not None:
-            check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                         device=self.device)
-        key = (group, num_speculative_blocks)
-        out = self._state_out.get(key)
-        if out is None:
-            out = torch.zeros(self.max_num_reqs, 1 + num_speculative_blocks, dtype=torch.int32,
-                              device=self.device)
-            self._state_out[key] = out
-        gather_state_indices(
-            self.storage.device_table(group), self.storage.device_counts(group), seq_lens,
-            table.spec.kernel_size, row_of_batch, out[:padded],
-        )
-        return out[:padded]
-
-    def build_metadata(
-        self,
-        query_start_loc: torch.Tensor,
-        slot_mappings: list[torch.Tensor | None],
-        *,
-        num_tokens: int,
-        num_reqs_padded: int | None = None,
-        query_start_loc_cpu: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-        row_of_batch: torch.Tensor | None = None,
-        row_of_batch_cpu: np.ndarray | None = None,
-    ) -> list[AttentionMetadata]:
-        """Per group, what attention reads this step (see :class:`AttentionMetadata`).
-
-        The fields every group shares are built once; each group then swaps in its own view
-        (``device_view`` in condensed mode, ``gather_view`` with ``row_of_batch``) and slots.
-        ``row_of_batch_cpu`` (host rows) gives the host counts without a device copy in
-        indexed mode.
-        """
-        num_reqs = query_start_loc.numel() - 1
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if row_of_batch is not None and row_of_batch_cpu is None:
-            row_of_batch_cpu = row_of_batch.cpu().numpy()
-        rows = np.arange(num_reqs) if row_of_batch_cpu is None else np.asarray(row_of_batch_cpu)
-        out: list[AttentionMetadata] = []
-        common: AttentionMetadata | None = None
-        for g in range(self.num_groups):
-            if row_of_batch is None:
-                view = self.device_view(g, num_reqs, padded)
-            else:
-                view = self.gather_view(g, row_of_batch, padded)
-            table = self.tables[g]
-            counts = (np.zeros(num_reqs, np.int32) if table is None
-                      else table.num_blocks_per_row[rows].copy())
-            if common is None:
-                common = AttentionMetadata(
-                    g, num_reqs, padded, num_tokens, query_start_loc, query_start_loc_cpu,
-                    seq_lens, seq_lens_cpu, view, slot_mappings[g], counts,
-                )
-                out.append(common)
-            else:
-                out.append(common.for_group(g, view, slot_mappings[g], counts))
-        return out
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of any group's host table does not hold."""

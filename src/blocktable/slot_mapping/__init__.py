@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from blocktable.slot_mapping.inputs import SlotMappingError
 from blocktable.slot_mapping.params import SlotGroupParams, pack_params
 from blocktable.slot_mapping.reference import slot_mapping_reference, slot_of_position
 from blocktable.slot_mapping.torch_impl import slot_mapping_torch
-
-
-class SlotMappingError(ValueError):
-    """Debug mode found tokens whose position lies past their row's blocks."""
 
 
 def compute_slots(
