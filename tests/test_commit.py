@@ -128,3 +128,24 @@ def test_single_group_apply_matches_multi_group_path():
                 bt.commit()
                 assert bt.device_equals_host()
     assert accepted > 50 and rejected > 20
+
+
+def test_device_addresses_are_fixed(device):
+    """CUDA graphs capture addresses: no operation may reallocate a device buffer."""
+    bt = MultiGroupBlockTable([GroupSpec(16), GroupSpec(32, 16)], 4, 512, 16, device,
+                              commit_staging_entries=4)
+    views = [bt.device_view(g, 4).data_ptr() for g in range(2)] + [
+        bt.slot_mapping(g).data_ptr() for g in range(2)]
+    assert bt.storage.pinned == torch.cuda.is_available()
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for r in range(4):
+        bt.add_row((list(range(1, 9)), list(range(1, 5))), r)  # beyond staging: span copies
+        bt.commit()
+        bt.append_row(([20], []), r)
+        bt.commit()
+        bt.compute_slot_mapping(qsl, torch.tensor([3], device=device))
+    bt.clear()
+    bt.commit()
+    assert [bt.device_view(g, 4).data_ptr() for g in range(2)] + [
+        bt.slot_mapping(g).data_ptr() for g in range(2)] == views
+    assert bt.device_equals_host()

@@ -1,12 +1,14 @@
 """Incremental commit: move only what changed on the host to the device (SPEC §3.2).
 
-Each commit gathers the changed entries of every group (and their rows' counts) as
-``(flat index, value)`` pairs into a pinned staging buffer, issues *one* asynchronous
-host-to-device copy and *one* scatter kernel. Bytes moved are ``8 * changed entries``, not
-``4 * num_reqs * width``. Two staging buffers alternate; a buffer is refilled only after the copy
-that read it has finished (a CUDA event says so). When the change outgrows the staging buffer,
-the changed row span of each group is copied directly from the host table instead; host writes
-then wait for that copy (:meth:`TableStorage.before_host_write`).
+Each commit gathers the changed entries of every group (the storage's journal of written runs)
+and their rows' counts as ``(flat index, value)`` pairs into a pinned staging buffer, then
+launches *one* scatter kernel that reads the staging buffer directly (pinned memory is mapped
+into the device's address space; where that is refused, one asynchronous copy to a device
+buffer comes first). Bytes moved are ``8 * changed entries``, not ``4 * num_reqs * width``. Two
+staging buffers alternate; a buffer is refilled only after the kernel that read it has finished
+(a CUDA event says so). When the change outgrows the staging buffer, the changed row span of
+each group is copied directly from the host table instead; host writes then wait for that copy
+(:meth:`TableStorage.before_host_write`).
 """
 
 from __future__ import annotations
