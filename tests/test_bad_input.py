@@ -139,3 +139,13 @@ def test_pad_rows_must_be_empty(bt):
     bt.commit()
     view = bt.device_view(0, 2, 4)
     assert view.shape == (4, bt[0].width) and not view[2:].any()
+
+
+def test_commit_after_rejected_batch_moves_nothing_extra(bt):
+    upd = StepUpdate.make(2, cleared_rows=[0, 1],
+                          added=[RowBlocks.from_lists([2], [[9] * 99]), RowBlocks()])
+    rejected(bt, ValueError, "row width", bt.apply, upd)
+    stats = bt.commit()  # only the append made in the fixture: 1 id + 2 kernel ids + 2 counts
+    assert stats.num_entries == 5 and not stats.full_copy
+    assert bt.device_equals_host()
+    assert bt.commit().num_entries == 0
