@@ -32,11 +32,6 @@ def as_int32(name: str, value: object) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def _same_length(name_a: str, a: np.ndarray, name_b: str, b: np.ndarray) -> None:
-    if len(a) != len(b):
-        raise ValueError(f"{name_a} has {len(a)} entries but {name_b} has {len(b)}")
-
-
 def _group_arrays(
     table: BlockTable,
     cleared_rows: np.ndarray,
@@ -44,17 +39,27 @@ def _group_arrays(
     appended: RowBlocks,
     nulled: RowEntries,
 ) -> list[np.ndarray]:
-    g = table.group
-    arrays = [as_int32("update.cleared_rows", cleared_rows)]
-    for name, part in ((f"added[{g}]", added), (f"appended[{g}]", appended)):
-        rows = as_int32(f"{name}.rows", part.rows)
-        num = as_int32(f"{name}.num_blocks", part.num_blocks)
-        _same_length(f"{name}.num_blocks", num, f"{name}.rows", rows)
-        arrays += [rows, num, as_int32(f"{name}.block_ids", part.block_ids)]
-    null_rows = as_int32(f"nulled[{g}].rows", nulled.rows)
-    null_blocks = as_int32(f"nulled[{g}].block_indices", nulled.block_indices)
-    _same_length(f"nulled[{g}].block_indices", null_blocks, f"nulled[{g}].rows", null_rows)
-    arrays += [null_rows, null_blocks]
+    raw = [cleared_rows, added.rows, added.num_blocks, added.block_ids, appended.rows,
+           appended.num_blocks, appended.block_ids, nulled.rows, nulled.block_indices]
+    if all(type(a) is np.ndarray and a.dtype == np.int32 and a.ndim == 1 for a in raw):
+        arrays = raw  # the allocator's format: nothing to convert
+    else:
+        g = table.group
+        names = ["update.cleared_rows"] + [
+            f"{part}[{g}].{field}"
+            for part, fields in (("added", ("rows", "num_blocks", "block_ids")),
+                                 ("appended", ("rows", "num_blocks", "block_ids")),
+                                 ("nulled", ("rows", "block_indices")))
+            for field in fields
+        ]
+        arrays = [as_int32(name, a) for name, a in zip(names, raw)]
+    for rows, other, name in ((1, 2, "added"), (4, 5, "appended"), (7, 8, "nulled")):
+        if len(arrays[rows]) != len(arrays[other]):
+            field = "block_indices" if name == "nulled" else "num_blocks"
+            raise ValueError(
+                f"{name}[{table.group}].{field} has {len(arrays[other])} entries but "
+                f"{name}[{table.group}].rows has {len(arrays[rows])}"
+            )
     return arrays
 
 

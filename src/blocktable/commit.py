@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from blocktable._host_loops import fill_staging
-from blocktable._triton import HAS_TRITON, Launcher, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, tl, triton
 from blocktable.storage import TableStorage
 
 
@@ -187,5 +187,5 @@ _scatter_launcher = Launcher(_scatter_kernel, dynamic=(2,)) if HAS_TRITON else N
 def _launch_scatter(dst: torch.Tensor, staging: torch.Tensor, num_entries: int) -> None:
     if _scatter_launcher is None:
         raise RuntimeError("the Triton commit path needs the triton package")
-    grid = (triton.cdiv(num_entries, _SCATTER_BLOCK),)
+    grid = (cdiv(num_entries, _SCATTER_BLOCK),)
     _scatter_launcher(grid, dst, staging, num_entries, _SCATTER_BLOCK)

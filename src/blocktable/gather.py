@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton
 from blocktable.constants import NULL_BLOCK_ID
 
 
@@ -25,8 +25,8 @@ def gather_rows(
     num_reqs = row_of_batch.numel()
     if backend == "triton":
         width = table.shape[1]
-        block = min(1024, triton.next_power_of_2(max(width, 16)))
-        grid = (out.shape[0], triton.cdiv(width, block))
+        block = min(1024, next_power_of_2(max(width, 16)))
+        grid = (out.shape[0], cdiv(width, block))
         if out.shape[0] == 0:
             return
         _gather_rows_kernel[grid](

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_tensor
-from blocktable._triton import HAS_TRITON, resolve_backend, tl, triton
+from blocktable._triton import HAS_TRITON, next_power_of_2, resolve_backend, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -202,6 +202,6 @@ def _write_kv_cache_triton(
         *value.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
     )

@@ -233,16 +233,17 @@ class MultiGroupBlockTable(AttentionViews):
         """
         if not isinstance(update, StepUpdate):
             raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
-        for name in ("added", "appended", "nulled"):
-            if len(getattr(update, name)) != self.num_groups:
-                raise ValueError(
-                    f"update.{name} must hold one entry per group ({self.num_groups}), got "
-                    f"{len(getattr(update, name))}"
-                )
-        live = self._live_tables()
-        if len(live) == 1 and self.num_groups == 1:
+        n = self.num_groups
+        if not len(update.added) == len(update.appended) == len(update.nulled) == n:
+            for name in ("added", "appended", "nulled"):
+                if len(getattr(update, name)) != n:
+                    raise ValueError(
+                        f"update.{name} must hold one entry per group ({n}), got "
+                        f"{len(getattr(update, name))}"
+                    )
+        if n == 1 and self.tables[0] is not None:  # one group: check and write in one call
             self.storage.before_host_write()
-            apply_group_update(live[0], update.cleared_rows, update.added[0],
+            apply_group_update(self.tables[0], update.cleared_rows, update.added[0],
                                update.appended[0], update.nulled[0])
             return
         plans = []

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from blocktable._triton import HAS_TRITON, interpreting, tl, triton
+from blocktable._triton import HAS_TRITON, interpreting, next_power_of_2, tl, triton
 
 if HAS_TRITON:
 
@@ -228,7 +228,7 @@ def launch_paged_decode(
     num_reqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     if num_kv_splits > 1:
         partial_acc = torch.empty(
             (num_reqs, num_heads, num_kv_splits, block_d), dtype=torch.float32, device=query.device
@@ -259,7 +259,7 @@ def launch_paged_decode(
         *v_cache.stride(),
         *block_table.stride(),
         GROUP_SIZE=group_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
+        BLOCK_G=max(16, next_power_of_2(group_size)),
         BLOCK_SIZE=block_size,
         BLOCK_D=block_d,
         DOT_IN_FP32=query.dtype == torch.bfloat16 and interpreting(),

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from blocktable._triton import HAS_TRITON, Launcher, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, next_power_of_2, tl, triton
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 
 if HAS_TRITON:
@@ -175,7 +175,7 @@ def launch_slot_mapping(
     num_groups, max_num_tokens = out.shape
     num_reqs = query_start_loc.numel() - 1
     _launch(
-        (triton.cdiv(max_num_tokens, block),),
+        (cdiv(max_num_tokens, block),),
         flat_table,
         params,
         query_start_loc,
@@ -187,7 +187,7 @@ def launch_slot_mapping(
         max_num_tokens,
         max_num_reqs,
         num_groups,
-        triton.next_power_of_2(num_groups),
+        next_power_of_2(num_groups),
         radix,
         search_levels(max_num_reqs, radix),
         row_of_batch is not None,
