@@ -55,6 +55,15 @@ def check_index(name: str, value: object, bound: int) -> int:
     return int(value)
 
 
+def check_count(name: str, value: object, bound: int, bound_name: str) -> int:
+    """Check ``0 <= value <= bound`` (a count, where ``bound`` itself is allowed); return it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= bound:
+        raise IndexError(f"{name}={int(value)} is out of range [0, {bound_name}={bound}]")
+    return int(value)
+
+
 def check_positive(name: str, value: object) -> int:
     """Check that ``value`` is an int >= 1; return it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

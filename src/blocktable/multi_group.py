@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_index, check_positive
+from blocktable._checks import as_index_array, check_count, check_index, check_positive
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer
@@ -270,7 +270,7 @@ class MultiGroupBlockTable(AttentionViews):
         moves exactly what changed, in whichever rows.
         """
         if num_reqs is not None:
-            check_index("num_reqs", num_reqs, self.max_num_reqs + 1)
+            check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         return self.committer.commit()
 
     # ---- slot mapping ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from blocktable._checks import check_index, check_tensor
+from blocktable._checks import check_count, check_index, check_tensor
 from blocktable.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class AttentionViews:
         ``[num_reqs_padded, 1]`` placeholder.
         """
         check_index("group", group, self.num_groups)
-        num_reqs = check_index("num_reqs", num_reqs, self.max_num_reqs + 1)
+        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         padded = num_reqs if num_reqs_padded is None else num_reqs_padded
         if isinstance(padded, bool) or not isinstance(padded, int) or not (
             num_reqs <= padded <= self.max_num_reqs
