@@ -19,6 +19,7 @@ A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces i
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,9 +27,19 @@ import numpy as np
 from blocktable.allocator.request import RequestState
 from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
+_EMPTY = np.zeros(0, dtype=np.int32)
+
 
 def _int32(values: list[int]) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int32, count=len(values))
+    """A writable int32 copy of ``values``; empty lists share one empty array.
+
+    ``struct.pack`` converts a list of ints in one C loop, about twice as fast as
+    ``np.fromiter`` (a step's ``added`` holds ~1000 ids).
+    """
+    if not values:
+        return _EMPTY
+    packed = bytearray(struct.pack(f"={len(values)}i", *values))
+    return np.frombuffer(packed, dtype=np.int32)
 
 
 def _row_blocks(rows: list[int], counts: list[int], ids: list[int]) -> RowBlocks:
@@ -73,24 +84,27 @@ class StepJournal:
         app_ids: list[list[int]] = [[] for _ in range(num_groups)]
         null_rows: list[list[int]] = [[] for _ in range(num_groups)]
         null_idx: list[list[int]] = [[] for _ in range(num_groups)]
+        nulled = self._nulled
+        groups = range(num_groups)
         for row, (start, lengths) in self.marks.items():
             live = holders[row]
             if live is None:
                 if start is not None:
                     cleared.append(row)
             elif live is start:
-                for g in range(num_groups):
-                    if len(live.blocks[g]) > lengths[g]:
-                        new = live.blocks[g][lengths[g] :]
+                for g in groups:
+                    blocks = live.blocks[g]
+                    if len(blocks) > lengths[g]:
                         app_rows[g].append(row)
-                        app_counts[g].append(len(new))
-                        app_ids[g] += new
-                for g, indices in enumerate(self._nulled.get(row, ())):
-                    null_rows[g] += [row] * len(indices)
-                    null_idx[g] += indices
+                        app_counts[g].append(len(blocks) - lengths[g])
+                        app_ids[g] += blocks[lengths[g] :]
+                if row in nulled:
+                    for g, indices in enumerate(nulled[row]):
+                        null_rows[g] += [row] * len(indices)
+                        null_idx[g] += indices
             else:
                 add_rows.append(row)
-                for g in range(num_groups):
+                for g in groups:
                     add_counts[g].append(len(live.blocks[g]))
                     add_ids[g] += live.blocks[g]
         self.marks = {}

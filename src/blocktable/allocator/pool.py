@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.hashing import CacheKey
 from blocktable.allocator.integrity import check_pool_integrity
+from blocktable.allocator.lru import LruQueue
 
 INDEX_LIMIT_FACTOR = 2  # the index may keep this many keys per block before dropping dead ones
 _DROP_PER_INSERT = 2  # keys re-examined per newly cached block while over the limit
@@ -63,7 +64,7 @@ class BlockPool:
         self._dup_of = [0] * num_blocks  # content id an owned duplicate holds, 0 = none
         self._block_hashes: list[bytes | None] = [None] * num_blocks  # valid where cached/dup
         self._free_uncached: deque[int] = deque(range(1, num_blocks))  # FIFO
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._free_cached = LruQueue(num_blocks)  # least recently used first
         self._index: dict[CacheKey, Hit] = {}  # key -> (content id, holder); holder maybe evicted
         self._index_order: deque[CacheKey] = deque()  # the index's keys, oldest first
         self._dups: dict[int, tuple[CacheKey, list[int]]] = {}  # content id -> key, duplicates
@@ -127,7 +128,7 @@ class BlockPool:
             if uncached:
                 block_id = uncached.popleft()
             else:
-                block_id = self._free_cached.popitem(last=False)[0]
+                block_id = self._free_cached.pop_one()
                 self._content[block_id] = 0
                 self._num_cached_blocks -= 1
             self._ref_counts[block_id] = 1
@@ -143,12 +144,11 @@ class BlockPool:
         else:
             block_ids = list(uncached)
             uncached.clear()
-            popitem = self._free_cached.popitem
+            evicted = self._free_cached.pop_front(num_evict)
             content = self._content
-            for _ in range(num_evict):
-                block_id = popitem(last=False)[0]
+            for block_id in evicted:
                 content[block_id] = 0
-                block_ids.append(block_id)
+            block_ids += evicted
             self._num_cached_blocks -= num_evict
         ref_counts = self._ref_counts
         for block_id in block_ids:
@@ -161,13 +161,14 @@ class BlockPool:
         free_cached = self._free_cached
         for block_id in block_ids:
             if ref_counts[block_id] == 0:
-                del free_cached[block_id]
+                free_cached.remove(block_id)
             ref_counts[block_id] += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching 0 join the free queue in order."""
         ref_counts = self._ref_counts
         content = self._content
+        newly_free_cached: list[int] = []  # queued at the end: the other queue is independent
         for block_id in block_ids:
             count = ref_counts[block_id] - 1
             ref_counts[block_id] = count
@@ -181,7 +182,9 @@ class BlockPool:
                 self._promote_duplicate(block_id)
                 self._free_uncached.append(block_id)
             else:
-                self._free_cached[block_id] = None
+                newly_free_cached.append(block_id)
+        if newly_free_cached:
+            self._free_cached.extend(newly_free_cached)
 
     def _forget_duplicate(self, block_id: int) -> None:
         content_id = self._dup_of[block_id]
@@ -252,7 +255,7 @@ class BlockPool:
                     self._dups.setdefault(content_id, (key, []))[1].append(block_id)
                     return content_id
                 # The holder is free: keep the owned copy; the free one is just a free block.
-                del self._free_cached[holder]
+                self._free_cached.remove(holder)
                 content[holder] = 0
                 self._free_uncached.append(holder)
                 self._num_cached_blocks -= 1

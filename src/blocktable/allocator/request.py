@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from blocktable._checks import as_index_array
-from blocktable.allocator.hashing import ROOT_BLOCK_HASH, encode_namespace, root_prefix
+from blocktable.allocator.hashing import ROOT_BLOCK_HASH, encode_namespace
 
 TOKEN_BYTES = 8  # token ids are stored and hashed as little-endian int64
 
@@ -101,7 +101,8 @@ class RequestState:
         self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_skipped_blocks = [0] * num_groups
         self.num_hashed_blocks = [0] * num_groups
-        self.parent_prefixes = [root_prefix(namespace)] * num_groups
+        # hashing.root_prefix, without encoding the namespace a second time
+        self.parent_prefixes = [b"R" + self.namespace_bytes] * num_groups
         self.parent_hashes = [ROOT_BLOCK_HASH] * num_groups
 
     @property
