@@ -36,6 +36,18 @@ class AttentionViews:
     _gathered: dict[int, torch.Tensor]
     _state_out: dict[tuple[int, int], torch.Tensor]
 
+    def _padded(self, num_reqs: int, num_reqs_padded: int | None) -> int:
+        """``num_reqs_padded`` (default ``num_reqs``), checked to lie in [num_reqs, max]."""
+        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+        if isinstance(padded, bool) or not isinstance(padded, (int, np.integer)) or not (
+            num_reqs <= padded <= self.max_num_reqs
+        ):
+            raise ValueError(
+                f"num_reqs_padded={padded} must be an int in [num_reqs={num_reqs}, "
+                f"max_num_reqs={self.max_num_reqs}]"
+            )
+        return int(padded)
+
     @property
     def num_groups(self) -> int:
         return len(self.specs)
@@ -55,14 +67,7 @@ class AttentionViews:
         """
         check_index("group", group, self.num_groups)
         num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if isinstance(padded, bool) or not isinstance(padded, int) or not (
-            num_reqs <= padded <= self.max_num_reqs
-        ):
-            raise ValueError(
-                f"num_reqs_padded={padded} must be an int in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
+        padded = self._padded(num_reqs, num_reqs_padded)
         if not self.specs[group].has_table:
             return self._encoder_placeholder[:padded]
         if padded > num_reqs:
@@ -91,12 +96,7 @@ class AttentionViews:
         check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, ndim=1, device=self.device)
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"row_of_batch has {num_reqs} rows, more than max_num_reqs")
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if not num_reqs <= padded <= self.max_num_reqs:
-            raise ValueError(
-                f"num_reqs_padded={padded} must be in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
+        padded = self._padded(num_reqs, num_reqs_padded)
         if not self.specs[group].has_table:
             return self._encoder_placeholder[:padded]
         if row_of_batch.device.type == "cpu" or self.debug:
@@ -133,12 +133,7 @@ class AttentionViews:
                                 device=self.device).numel()
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"seq_lens has {num_reqs} entries, more than max_num_reqs")
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if not num_reqs <= padded <= self.max_num_reqs:
-            raise ValueError(
-                f"num_reqs_padded={padded} must be in [num_reqs={num_reqs}, "
-                f"max_num_reqs={self.max_num_reqs}]"
-            )
+        padded = self._padded(num_reqs, num_reqs_padded)
         if num_speculative_blocks < 0:
             raise ValueError(f"num_speculative_blocks must be >= 0, got {num_speculative_blocks}")
         if row_of_batch is not None:
