@@ -134,13 +134,6 @@ class TableStorage:
         self.journal_len[0] = runs + len(lengths)
         self.journal_len[1] = total
 
-    @property
-    def overflow(self) -> bool:
-        return bool(self.journal_len[0] < 0)
-
-    def has_changes(self) -> bool:
-        return self.changed
-
     def reset_changes(self) -> None:
         self.dirty_rows[:] = False
         self.journal_len[:] = 0
