@@ -250,3 +250,36 @@ def test_debug_mode_reports_tokens_past_their_blocks(device):
         call(0, 1, 64)  # rank 0's offset 32..47 of manager block 2: never allocated
     with pytest.raises(SlotMappingError, match="position 33"):
         call(0, 33, 17)  # rank 0's token in the nulled block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_and_no_recompile():
+    """Captured once, replayed with new batch contents: exact slots, padded tail, one compile."""
+    from blocktable.slot_mapping import triton_kernel
+
+    rng = np.random.default_rng(3)
+    bt = MultiGroupBlockTable([GroupSpec(16), GroupSpec(32, 16)], 8, 1024, MAX_TOKENS, "cuda")
+    fill_random([bt], rng, max_manager_blocks=8)
+    num_reqs, num_tokens = 8, 48  # the graph's (padded) sizes; engines pad to these
+    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(num_tokens, dtype=torch.int64, device="cuda")
+    bt.compute_slot_mapping(qsl, pos)  # compile before capture
+    compiled_before = len(triton_kernel._launch._compiled)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        slots = bt.compute_slot_mapping(qsl, pos)
+    for _ in range(5):
+        # a new batch in the same buffers: requests' token counts vary, padding fills the rest
+        lens = rng.multinomial(num_tokens, np.ones(num_reqs) / num_reqs)
+        q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        p = np.concatenate([rng.integers(0, 100, n) for n in lens]).astype(np.int64)
+        qsl.copy_(torch.from_numpy(q))
+        pos.copy_(torch.from_numpy(p))
+        graph.replay()
+        want = reference_for(bt, q, p, None, False)
+        for g in range(2):
+            np.testing.assert_array_equal(slots[g].cpu().numpy(), want[g])
+    for n in (1, 17, 40):  # eager calls with other token and request counts
+        q = np.array([0, n], np.int32)
+        bt.compute_slot_mapping(torch.from_numpy(q).cuda(), torch.arange(n, device="cuda"))
+    assert len(triton_kernel._launch._compiled) == compiled_before
