@@ -46,13 +46,20 @@ def slot_mapping_torch(
     pos = positions.clamp(min=0)
     valid &= positions >= 0
     for g, p in enumerate(params):
-        virtual_block_size = p.manager_block_size * p.cp_world_size
-        v = pos % virtual_block_size
-        owned = valid & ((v // p.cp_interleave) % p.cp_world_size == p.cp_rank)
-        local = (v // (p.cp_world_size * p.cp_interleave)) * p.cp_interleave + v % p.cp_interleave
-        block_index = (pos // virtual_block_size) * p.blocks_per_manager_block + local // (
-            p.kernel_block_size
-        )
+        if p.cp_world_size == 1:  # every token is this rank's: fewer ops (each costs µs on CPU)
+            owned = valid.clone()  # updated in place below; valid serves every group
+            local = pos
+            block_index = pos // p.kernel_block_size
+        else:
+            virtual_block_size = p.manager_block_size * p.cp_world_size
+            v = pos % virtual_block_size
+            owned = valid & ((v // p.cp_interleave) % p.cp_world_size == p.cp_rank)
+            local = (v // (p.cp_world_size * p.cp_interleave)) * p.cp_interleave + (
+                v % p.cp_interleave
+            )
+            block_index = (pos // virtual_block_size) * p.blocks_per_manager_block + local // (
+                p.kernel_block_size
+            )
         num_filled = flat_table[p.counts_offset + row].to(torch.int64)
         owned &= block_index < num_filled
         block_index = block_index.clamp(max=p.width - 1)
