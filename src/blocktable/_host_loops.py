@@ -128,6 +128,18 @@ def _log(journal, journal_len, start, length):  # type: ignore[no-untyped-def]
     journal_len[1] = total
 
 
+@njit(cache=True, inline="always")
+def _write_kernel_ids(table, base, manager_ids, k):  # type: ignore[no-untyped-def]
+    """``table[base:]`` = the kernel ids of ``manager_ids`` (``k`` each; null stays null)."""
+    if k == 1:
+        table[base : base + len(manager_ids)] = manager_ids
+        return
+    for j in range(len(manager_ids)):
+        b = manager_ids[j]
+        for q in range(k):
+            table[base + j * k + q] = 0 if b == 0 else b * k + q
+
+
 @njit(cache=True)
 def write_group_update(  # type: ignore[no-untyped-def]
     table, counts, width, k, offset, cleared, add_rows, add_num, add_ids,
@@ -153,13 +165,7 @@ def write_group_update(  # type: ignore[no-untyped-def]
         base = r * width
         new = add_num[i] * k
         old = counts[r]
-        if k == 1:
-            table[base : base + new] = add_ids[pos : pos + new]
-        else:
-            for j in range(add_num[i]):
-                b = add_ids[pos + j]
-                for q in range(k):
-                    table[base + j * k + q] = 0 if b == 0 else b * k + q
+        _write_kernel_ids(table, base, add_ids[pos : pos + add_num[i]], k)
         pos += add_num[i]
         if old > new:
             table[base + new : base + old] = 0
@@ -170,13 +176,7 @@ def write_group_update(  # type: ignore[no-untyped-def]
     for i in range(len(app_rows)):
         r = app_rows[i]
         base = r * width + counts[r]
-        if k == 1:
-            table[base : base + app_num[i]] = app_ids[pos : pos + app_num[i]]
-        else:
-            for j in range(app_num[i]):
-                b = app_ids[pos + j]
-                for q in range(k):
-                    table[base + j * k + q] = 0 if b == 0 else b * k + q
+        _write_kernel_ids(table, base, app_ids[pos : pos + app_num[i]], k)
         pos += app_num[i]
         _log(journal, journal_len, offset + base, app_num[i] * k)
         counts[r] += app_num[i] * k
