@@ -496,3 +496,28 @@ def test_bad_construction(kwargs: dict, error: type, match: str) -> None:
     args = {"groups": [AllocatorGroupSpec(4, 16)], "max_num_reqs": 2} | kwargs
     with pytest.raises(error, match=match):
         KVCacheManager(**args)  # type: ignore[arg-type]
+
+
+def test_lookup_prefix_matches_add_request_and_changes_nothing():
+    mgr = KVCacheManager([AllocatorGroupSpec(block_size=4, num_blocks=16)], max_num_reqs=3)
+    prompt = list(range(10))
+    assert mgr.lookup_prefix(prompt) == 0
+    mgr.add_request("a", prompt)
+    mgr.allocate("a", len(prompt))
+    mgr.mark_computed("a", len(prompt))
+    mgr.free("a")  # its full blocks stay cached (and free)
+    stats = mgr.prefix_cache_stats
+    free, cached = mgr.num_free_blocks(), mgr.num_cached_blocks()
+    order = list(mgr.pools[0].eviction_order())
+    assert mgr.lookup_prefix(prompt[:9] + [99]) == 8
+    assert mgr.lookup_prefix(prompt, cache_namespace="lora-1") == 0  # other namespace: no hit
+    assert mgr.lookup_prefix(prompt[:8]) == 4  # at least one token is always computed
+    assert (mgr.prefix_cache_stats, mgr.num_free_blocks(), mgr.num_cached_blocks()) == (
+        stats, free, cached)
+    assert list(mgr.pools[0].eviction_order()) == order
+    mgr.check_integrity()
+    assert mgr.add_request("b", prompt[:9] + [99]) == 8
+    with pytest.raises(TypeError):
+        mgr.lookup_prefix([1.5, 2.0])
+    with pytest.raises(ValueError, match="empty"):
+        mgr.lookup_prefix([])

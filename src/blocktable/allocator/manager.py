@@ -123,6 +123,26 @@ class KVCacheManager:
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- admission
+    def lookup_prefix(
+        self, prompt_token_ids: TokenIds, *, cache_namespace: object = None
+    ) -> int:
+        """Tokens of this prompt the prefix cache would serve now; changes nothing.
+
+        The number :meth:`add_request` would return for the same prompt and namespace (while
+        the pools stay as they are), for schedulers that plan admissions before making them.
+        Prefix-cache statistics are not updated.
+        """
+        tokens = bytearray(token_bytes("prompt_token_ids", prompt_token_ids))
+        if not tokens:
+            raise ValueError("prompt_token_ids is empty")
+        check_namespace(cache_namespace)
+        if not self.enable_prefix_caching:
+            return 0
+        num_cached_tokens, _ = find_cached_prefix(
+            self.pools, self.block_sizes, tokens, cache_namespace, self._align_tokens
+        )
+        return num_cached_tokens
+
     def add_request(
         self,
         req_id: ReqId,
