@@ -267,13 +267,9 @@ class KVCacheManager:
     ) -> tuple[list[int], ...]:
         """:meth:`allocate` for the common one-group model: a decode step's call is ~1 us.
 
-        Same checks in the same order as :meth:`_blocks_needed`, inlined.
+        Same checks as :meth:`_blocks_needed` (through :meth:`_tokens_after`).
         """
-        if type(num_new_tokens) is not int or num_new_tokens < 0:
-            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        num_tokens = req.num_computed_tokens + num_new_tokens
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            self._check_model_len(req.req_id, "allocation", num_tokens)
+        num_tokens = self._tokens_after(req, num_new_tokens)
         if num_tokens <= req.num_slots:
             return ([],)
         block_size = self._block_size0
@@ -482,13 +478,18 @@ class KVCacheManager:
                 f"max_model_len={self.max_model_len}"
             )
 
-    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int] | None:
-        """New blocks per group for ``num_new_tokens`` more tokens; None when none at all."""
+    def _tokens_after(self, req: RequestState, num_new_tokens: int) -> int:
+        """The request's token count once ``num_new_tokens`` more are computed (checked)."""
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         num_tokens = req.num_computed_tokens + num_new_tokens
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             self._check_model_len(req.req_id, "allocation", num_tokens)
+        return num_tokens
+
+    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int] | None:
+        """New blocks per group for ``num_new_tokens`` more tokens; None when none at all."""
+        num_tokens = self._tokens_after(req, num_new_tokens)
         if num_tokens <= req.num_slots:
             return None
         if len(req.blocks) == 1:
