@@ -2,12 +2,15 @@
 
 - :func:`paged_attention_reference`: varlen causal attention in plain torch (float64), the
   definition every kernel is tested against.
+- :func:`paged_attention`: any mix of prefill, chunks and decode in one call, with optional
+  log-sum-exp output and context-parallel shards.
 - :func:`paged_decode_attention`: one query token per request, a Triton kernel on CUDA.
 """
 
 from __future__ import annotations
 
 from blocktable.attention.decode import paged_decode_attention
+from blocktable.attention.paged import paged_attention
 from blocktable.attention.reference import paged_attention_reference
 
-__all__ = ["paged_attention_reference", "paged_decode_attention"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_decode_attention"]
