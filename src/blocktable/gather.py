@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton
+from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, on_device, tl, triton
 from blocktable.constants import NULL_BLOCK_ID
 
 
@@ -29,9 +29,10 @@ def gather_rows(
         grid = (out.shape[0], cdiv(width, block))
         if out.shape[0] == 0:
             return
-        _gather_rows_kernel[grid](
-            table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
-        )
+        with on_device(table):
+            _gather_rows_kernel[grid](
+                table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
+            )
         return
     out[:num_reqs] = table[row_of_batch.long()]
     out[num_reqs:] = NULL_BLOCK_ID

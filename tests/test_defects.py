@@ -1,0 +1,153 @@
+"""Defects found by a review: each test here failed before its fix."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from table_model import assert_unchanged, snapshot
+
+from blocktable import (
+    BlockTable,
+    GroupSpec,
+    MultiGroupBlockTable,
+    RowBlocks,
+    RowEntries,
+    SlotMappingError,
+    StepUpdate,
+)
+from blocktable import _triton
+
+# ---- the cached launcher: keyed by device; fast path only on verified Triton versions ----
+
+
+class _FakeCompiled:
+    """A compiled kernel loaded on one device: launching it with another device's stream fails
+    (as ``invalid resource handle`` does on a GPU)."""
+
+    def __init__(self, device: int, launches: list) -> None:
+        self.device = device
+        self.function = f"function@{device}"
+        self.packed_metadata = ()
+        self.launches = launches
+
+    def run(self, gx, gy, gz, stream, function, *rest):  # noqa: ANN001, ANN002
+        assert stream == f"stream@{self.device}" and function == self.function
+        self.launches.append(("fast", self.device))
+
+
+class _FakeKernel:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+        self.compiled: list[int] = []
+        self.launches: list = []
+
+    def __getitem__(self, grid):  # noqa: ANN001
+        def call(*args, num_warps):  # noqa: ANN002
+            device = self.state["current"]  # Triton compiles and launches on the current device
+            self.compiled.append(device)
+            self.launches.append(("ordinary", device))
+            return _FakeCompiled(device, self.launches)
+
+        return call
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """Two fake CUDA devices: a tensor's device is its ``fake_device`` attribute."""
+    state = {"current": 0}
+
+    @contextlib.contextmanager
+    def guard(device):
+        before, state["current"] = state["current"], device
+        try:
+            yield
+        finally:
+            state["current"] = before
+
+    monkeypatch.setattr(_triton, "_device_index", lambda t: t.fake_device, raising=False)
+    monkeypatch.setattr(_triton, "_current_device", lambda: state["current"], raising=False)
+    monkeypatch.setattr(_triton, "_device_guard", guard, raising=False)
+    monkeypatch.setattr(_triton, "_current_stream", lambda d: f"stream@{d}")
+    return state
+
+
+def _on(device: int) -> torch.Tensor:
+    t = torch.zeros(1)
+    t.fake_device = device
+    return t
+
+
+def test_launcher_compiled_cache_is_keyed_by_device(fake_devices):
+    kernel = _FakeKernel(fake_devices)
+    launch = _triton.Launcher(kernel, dynamic=(1,))
+    launch._interpret = False
+    launch.fast = True
+    for device in (0, 0, 1, 1, 0, 1):
+        launch((1,), _on(device), 7, 16)
+    # one compile per device; every launch on the tensors' device, which was made current
+    assert kernel.compiled == [0, 1]
+    assert kernel.launches == [("ordinary", 0), ("fast", 0), ("ordinary", 1), ("fast", 1),
+                               ("fast", 0), ("fast", 1)]
+    assert fake_devices["current"] == 0
+
+
+def test_launcher_public_path_launches_on_the_tensors_device(fake_devices):
+    kernel = _FakeKernel(fake_devices)
+    launch = _triton.Launcher(kernel, fast=False)
+    launch._interpret = False
+    for device in (1, 0, 1):
+        launch((1,), _on(device), 16)
+    assert kernel.launches == [("ordinary", 1), ("ordinary", 0), ("ordinary", 1)]
+
+
+def test_fast_launch_only_on_verified_triton_versions():
+    assert _triton.fast_launch_enabled((3, 6), "") and _triton.fast_launch_enabled((3, 9), "")
+    assert not _triton.fast_launch_enabled((3, 0), "")
+    assert not _triton.fast_launch_enabled((3, 10), "")
+    installed = _triton.triton_version() in _triton.FAST_LAUNCH_TRITON_VERSIONS
+    assert _triton.fast_launch_enabled(None, "") == installed
+    assert not _triton.fast_launch_enabled((3, 6), "0")
+    assert _triton.fast_launch_enabled((3, 10), "1")
+    with pytest.raises(ValueError, match="BLOCKTABLE_TRITON_FAST_LAUNCH must be 0, 1"):
+        _triton.fast_launch_enabled((3, 6), "yes")
+    assert _triton.parse_version("3.6.0+git9a3b") == (3, 6)
+    assert _triton.parse_version("nightly") is None
+
+
+def test_fast_launch_env_var(monkeypatch):
+    monkeypatch.setenv("BLOCKTABLE_TRITON_FAST_LAUNCH", "0")
+    assert not _triton.Launcher(object()).fast
+    monkeypatch.setenv("BLOCKTABLE_TRITON_FAST_LAUNCH", "1")
+    assert _triton.Launcher(object()).fast
+
+
+def test_public_launch_path_gives_identical_slots(triton_device):
+    from blocktable.slot_mapping import triton_kernel
+
+    def slots():
+        bt = MultiGroupBlockTable([GroupSpec(4), GroupSpec(8, 4)], 4, 64, 16,
+                                  triton_device, backend="triton")
+        bt.add_row(([3, 5], [2]), 0)
+        bt.add_row(([7], [4, 6]), 2)
+        bt.commit()
+        qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=triton_device)
+        pos = torch.tensor([0, 4, 6, 2, 9], device=triton_device)
+        rob = torch.tensor([0, 2], dtype=torch.int32, device=triton_device)
+        return [s.cpu().clone() for s in bt.compute_slot_mapping(qsl, pos, row_of_batch=rob)]
+
+    launcher = triton_kernel._launch
+    fast = launcher.fast
+    try:
+        launcher.fast = True
+        a = slots()
+        b = slots()  # second time: the cached kernel (on CUDA)
+        launcher.fast = False
+        c = slots()
+    finally:
+        launcher.fast = fast
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    assert a[0][:5].tolist() == [12, 20, 22, 30, -1]
