@@ -151,3 +151,78 @@ def test_public_launch_path_gives_identical_slots(triton_device):
     for x, y, z in zip(a, b, c):
         assert torch.equal(x, y) and torch.equal(x, z)
     assert a[0][:5].tolist() == [12, 20, 22, 30, -1]
+
+
+# ---- block ids: one bound, checked by every entry point before any write ----------------
+
+
+def _two_groups(num_blocks: int | None = None) -> MultiGroupBlockTable:
+    bt = MultiGroupBlockTable(
+        [GroupSpec(16, num_blocks=num_blocks), GroupSpec(32, 16, num_blocks=num_blocks)],
+        max_num_reqs=4, max_model_len=256, max_num_batched_tokens=32,
+    )
+    bt.add_row(([1, 2], [3]), 0)
+    bt.commit()
+    bt.append_row(([6], [7]), 0)  # an uncommitted change must survive rejected calls too
+    return bt
+
+
+def _rejected(bt, exc, match, fn, *args):
+    before = snapshot(bt)
+    with pytest.raises(exc, match=match):
+        fn(*args)
+    assert_unchanged(before, bt)
+
+
+def test_block_id_bound_without_num_blocks():
+    # kernel ids id*k + k - 1 must fit int32: ids < 2**31 // k
+    assert GroupSpec(16).block_id_bound == 2**31
+    assert GroupSpec(32, 16).block_id_bound == 2**30
+    assert GroupSpec(64, 16, num_blocks=1000).block_id_bound == 1000
+    with pytest.raises(ValueError, match=r"num_blocks=1073741825 .* 1073741824"):
+        GroupSpec(32, 16, num_blocks=2**30 + 1)
+    bt = _two_groups()
+    bt.add_row(([2**31 - 1], [2**30 - 1]), 1)  # the largest ids
+    assert bt[0].row(1).tolist() == [2**31 - 1]
+    assert bt[1].row(1).tolist() == [2**31 - 2, 2**31 - 1]
+
+
+@pytest.mark.parametrize("num_blocks", [None, 100])
+def test_batched_update_does_not_wrap_block_ids(num_blocks):
+    bt = _two_groups(num_blocks)
+    bound = num_blocks or 2**31
+    for bad in (2**32 + 5, 2**31, -1):
+        if num_blocks is None and bad == 2**31:
+            bad = 2**31 + 7
+        upd = StepUpdate.make(2, added=[RowBlocks.from_lists([1], [[bad]]), RowBlocks()])
+        _rejected(bt, ValueError, rf"added\[0\].block_ids holds block id {bad}, outside "
+                  rf"\[0, {bound}\)", bt.apply, upd)
+        upd = StepUpdate.make(2, appended=[RowBlocks(), RowBlocks.from_lists([0], [[3, bad]])])
+        _rejected(bt, ValueError, r"appended\[1\].block_ids holds block id", bt.apply, upd)
+        upd = StepUpdate.make(2, added=[RowBlocks(np.array([1]), np.array([1]), np.array([bad])),
+                                        RowBlocks()])
+        _rejected(bt, ValueError, rf"added\[0\].block_ids holds block id {bad}", bt.apply, upd)
+        _rejected(bt, ValueError, rf"block_ids\[0\] holds block id {bad}, outside \[0, {bound}\)",
+                  bt.add_row, ([bad], [1]), 1)
+        _rejected(bt, ValueError, rf"block_ids holds block id {bad}", bt[0].append_row, [bad], 1)
+
+
+def test_one_group_batched_update_does_not_wrap():
+    bt = BlockTable(16, 4, 256, 32)
+    upd = StepUpdate.make(1, added=[RowBlocks.from_lists([1], [[2**32 + 5]])])
+    _rejected(bt.owner, ValueError, r"added\[0\].block_ids holds block id 4294967301, outside "
+              r"\[0, 2147483648\)", bt.owner.apply, upd)
+    assert bt.row(1).tolist() == []
+
+
+def test_batched_update_does_not_wrap_rows_or_floats():
+    bt = _two_groups()
+    upd = StepUpdate.make(2, added=[RowBlocks.from_lists([2**32 + 1], [[5]]), RowBlocks()])
+    _rejected(bt, IndexError, r"added\[0\].rows holds row 4294967297, outside \[0, 4\)",
+              bt.apply, upd)
+    upd = StepUpdate.make(2, cleared_rows=[2**32])
+    _rejected(bt, IndexError, r"update.cleared_rows holds row 4294967296", bt.apply, upd)
+    upd = StepUpdate.make(2, added=[RowBlocks.from_lists([1], [[1.5]]), RowBlocks()])
+    _rejected(bt, TypeError, r"added\[0\].block_ids must hold integers", bt.apply, upd)
+    upd = StepUpdate.make(2, nulled=[RowEntries(np.array([0]), np.array([2**32])), RowEntries()])
+    _rejected(bt, IndexError, r"nulled\[0\].block_indices", bt.apply, upd)

@@ -64,6 +64,23 @@ def check_count(name: str, value: object, bound: int, bound_name: str) -> int:
     return int(value)
 
 
+def block_id_error(name: str, block_id: int, bound: int, declared: bool) -> ValueError:
+    """The error for a block id outside ``[0, bound)`` (``declared``: the bound is the group's
+    ``num_blocks``); every entry point that takes ids words it this way."""
+    return ValueError(
+        f"{name} holds block id {int(block_id)}, outside [0, {bound})"
+        + (" (num_blocks)" if declared else "")
+    )
+
+
+def check_block_ids(name: str, ids: np.ndarray, bound: int, declared: bool) -> None:
+    """Raise :func:`block_id_error` unless every id of the 1-D integer array is in ``[0, bound)``."""
+    if len(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= bound:
+            raise block_id_error(name, lo if lo < 0 else hi, bound, declared)
+
+
 def check_positive(name: str, value: object) -> int:
     """Check that ``value`` is an int >= 1; return it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

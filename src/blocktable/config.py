@@ -9,6 +9,9 @@ from enum import Enum
 from blocktable._checks import check_positive
 from blocktable.constants import ROW_ALIGN_TOKENS
 
+KERNEL_ID_LIMIT = 2**31
+"""Kernel block ids are stored as int32: every kernel id lies in ``[0, KERNEL_ID_LIMIT)``."""
+
 
 class GroupKind(str, Enum):
     """What a KV cache group's table is used for."""
@@ -98,7 +101,8 @@ class GroupSpec:
     max_num_blocks : int or None
         Explicit row width in manager blocks; overrides the derivation from ``max_model_len``.
     num_blocks : int or None
-        Declared number of manager blocks; when given, ids must be in ``[0, num_blocks)``.
+        Declared number of manager blocks in the pool; when given, ids must be in
+        ``[0, num_blocks)``. See :attr:`block_id_bound`.
     """
 
     block_size: int
@@ -122,6 +126,13 @@ class GroupSpec:
             check_positive("max_num_blocks", self.max_num_blocks)
         if self.num_blocks is not None:
             check_positive("num_blocks", self.num_blocks)
+            limit = KERNEL_ID_LIMIT // self.blocks_per_manager_block
+            if self.num_blocks > limit:
+                raise ValueError(
+                    f"num_blocks={self.num_blocks} exceeds {limit}, the most manager blocks whose "
+                    f"kernel ids fit int32 (2**31 // {self.blocks_per_manager_block} kernel blocks "
+                    "per manager block)"
+                )
 
     @property
     def kernel_size(self) -> int:
@@ -132,6 +143,16 @@ class GroupSpec:
     def blocks_per_manager_block(self) -> int:
         """``k``: kernel blocks per manager block."""
         return self.block_size // self.kernel_size
+
+    @property
+    def block_id_bound(self) -> int:
+        """Manager block ids lie in ``[0, block_id_bound)``: ``num_blocks`` when declared, else
+        ``2**31 // k``, the largest bound whose kernel ids ``id*k .. id*k + k - 1`` fit the
+        int32 table (``k`` kernel blocks per manager block). Slots ``kernel_id *
+        kernel_block_size + offset`` are int64 and always fit."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return KERNEL_ID_LIMIT // self.blocks_per_manager_block
 
     @property
     def has_table(self) -> bool:

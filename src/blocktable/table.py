@@ -17,16 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_index
+from blocktable._checks import as_index_array, check_block_ids, check_index
 from blocktable.config import GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.storage import TableStorage
 
 if TYPE_CHECKING:
     from blocktable.multi_group import MultiGroupBlockTable
-
-_INT32_MAX = np.iinfo(np.int32).max
-
 
 class BlockTable:
     """Rows of kernel block ids for one KV cache group.
@@ -80,22 +77,14 @@ class BlockTable:
         # work space of the compiled batched-update check (int64 / bool [max_num_reqs])
         self.scratch_counts = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.scratch_seen = np.zeros(self.max_num_reqs, dtype=bool)
-        self.max_manager_id = self.spec.num_blocks if self.spec.num_blocks is not None else (
-            (_INT32_MAX - self.k + 1) // self.k + 1
-        )
+        self.block_id_bound = self.spec.block_id_bound
+        self.num_blocks_declared = self.spec.num_blocks is not None
 
     # ---- checks (no writes) -------------------------------------------------------------
     def kernel_ids(self, block_ids: object, name: str = "block_ids") -> np.ndarray:
         """Validate manager ids and expand them to int32 kernel ids (null stays null)."""
         ids = as_index_array(name, block_ids)
-        if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.max_manager_id:
-                bad = lo if lo < 0 else hi
-                raise ValueError(
-                    f"{name} holds block id {bad}, outside [0, {self.max_manager_id})"
-                    + (" (num_blocks)" if self.spec.num_blocks is not None else "")
-                )
+        check_block_ids(name, ids, self.block_id_bound, self.num_blocks_declared)
         if self.k == 1:
             return ids.astype(np.int32)
         expanded = ids[:, None] * self.k + np.arange(self.k)
