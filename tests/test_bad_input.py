@@ -102,7 +102,7 @@ def test_slot_inputs_dtype_device_shape(bt):
              torch.tensor([0, 2, 1, 3], dtype=torch.int32), pos)
     rejected(bt, ValueError, "row_of_batch must have shape", bt.compute_slot_mapping, qsl, pos,
              row_of_batch=torch.zeros(2, dtype=torch.int32))
-    rejected(bt, IndexError, "row_of_batch holds a row outside", bt.compute_slot_mapping, qsl,
+    rejected(bt, IndexError, "row_of_batch holds row 4, outside", bt.compute_slot_mapping, qsl,
              pos, row_of_batch=torch.tensor([4], dtype=torch.int32))
 
 

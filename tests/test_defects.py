@@ -226,3 +226,94 @@ def test_batched_update_does_not_wrap_rows_or_floats():
     _rejected(bt, TypeError, r"added\[0\].block_ids must hold integers", bt.apply, upd)
     upd = StepUpdate.make(2, nulled=[RowEntries(np.array([0]), np.array([2**32])), RowEntries()])
     _rejected(bt, IndexError, r"nulled\[0\].block_indices", bt.apply, upd)
+
+
+# ---- row_of_batch out of range: masked on the device, checked from a host copy ----------
+
+
+def _indexed_table() -> MultiGroupBlockTable:
+    bt = MultiGroupBlockTable([GroupSpec(4), GroupSpec(8, kind="state")], 4, 64, 16)
+    bt.add_row(([3, 5], [2, 6]), 0)
+    bt.add_row(([7], [4]), 2)
+    bt.commit()
+    return bt
+
+
+def test_torch_gathers_treat_rows_out_of_range_as_empty():
+    from blocktable.gather import gather_rows
+    from blocktable.state_indices import gather_state_indices
+
+    bt = _indexed_table()
+    rows = torch.tensor([2, 4, -1, 0], dtype=torch.int32)  # 4 and -1 are outside [0, 4)
+    out = torch.full((5, bt[0].width), 99, dtype=torch.int32)
+    gather_rows("torch", bt.storage.device_table(0), rows, out)
+    assert out[:, 0].tolist() == [7, 0, 0, 3, 0] and not out[1:3].any() and not out[4].any()
+    state = torch.full((5, 2), 99, dtype=torch.int32)
+    seq_lens = torch.tensor([1, 1, 9, 9], dtype=torch.int32)
+    gather_state_indices(bt.storage.device_table(1), bt.storage.device_counts(1), seq_lens, 8,
+                         rows, state)
+    assert state.tolist() == [[4, 0], [0, 0], [0, 0], [6, 0], [0, 0]]
+
+
+def test_torch_slot_mapping_masks_rows_out_of_range():
+    """The caller's masking around the torch slot mapping (used on CUDA, where the rows'
+    values are not read on the host): tokens of an out-of-range row get PAD."""
+    from blocktable.slot_mapping import compute_slots
+    from blocktable.slot_mapping.inputs import mask_rows, pad_tokens_of_dead_rows
+
+    bt = _indexed_table()
+    qsl = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
+    pos = torch.tensor([0, 5, 1, 2, 3])
+    rows = torch.tensor([0, 9, 2], dtype=torch.int32)
+    safe, live = mask_rows(rows, bt.max_num_reqs)
+    assert safe.tolist() == [0, 0, 2] and live.tolist() == [True, False, True]
+    out = torch.zeros(1, 16, dtype=torch.int64)
+    compute_slots("torch", bt.storage.device_tensor, bt.slot_params, bt._packed_params, qsl, pos,
+                  safe, out, max_num_reqs=bt.max_num_reqs)
+    pad_tokens_of_dead_rows(out, qsl, live, pos.numel())
+    assert out[0, :6].tolist() == [12, 21, -1, 30, 31, -1]
+
+
+def test_row_of_batch_checked_from_host_copy():
+    bt = _indexed_table()
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([0, 1])
+    rows = torch.tensor([0, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([1, 1], dtype=torch.int32)
+    bad = np.array([0, 4], np.int32)
+    with pytest.raises(IndexError, match=r"row_of_batch_cpu holds row 4, outside \[0, 4\)"):
+        bt.compute_slot_mapping(qsl, pos, row_of_batch=rows, row_of_batch_cpu=bad)
+    with pytest.raises(IndexError, match=r"row_of_batch_cpu holds row 4, outside \[0, 4\)"):
+        bt.gather_view(0, rows, row_of_batch_cpu=bad)
+    with pytest.raises(IndexError, match=r"row_of_batch_cpu holds row -1, outside \[0, 4\)"):
+        bt.state_indices(1, seq_lens, row_of_batch=rows, row_of_batch_cpu=np.array([-1, 0]))
+    with pytest.raises(ValueError, match=r"row_of_batch_cpu must have shape \[2\], got \[3\]"):
+        bt.gather_view(0, rows, row_of_batch_cpu=np.array([0, 1, 2]))
+    # a CPU row_of_batch is its own host copy
+    with pytest.raises(IndexError, match=r"row_of_batch holds row 7, outside \[0, 4\)"):
+        bt.state_indices(1, seq_lens, row_of_batch=torch.tensor([0, 7], dtype=torch.int32))
+    with pytest.raises(IndexError, match=r"row_of_batch holds row 7, outside \[0, 4\)"):
+        bt.compute_slot_mapping(qsl, pos, row_of_batch=torch.tensor([7, 0], dtype=torch.int32))
+
+
+def test_debug_mode_compares_row_of_batch_with_its_host_copy():
+    bt = MultiGroupBlockTable([GroupSpec(4)], 4, 64, 16, debug=True)
+    rows = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row_of_batch_cpu\[1\]=1 differs from row_of_batch"):
+        bt.gather_view(0, rows, row_of_batch_cpu=np.array([0, 1]))
+
+
+def test_build_metadata_checks_row_of_batch():
+    bt = _indexed_table()
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    slots = bt.compute_slot_mapping(qsl, torch.tensor([0, 1]),
+                                    row_of_batch=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"row_of_batch must have shape \[2\], got \[3\]"):
+        bt.build_metadata(qsl, slots, num_tokens=2,
+                          row_of_batch=torch.tensor([0, 2, 1], dtype=torch.int32))
+    with pytest.raises(IndexError, match=r"row_of_batch_cpu holds row 5"):
+        bt.build_metadata(qsl, slots, num_tokens=2, row_of_batch=torch.tensor([0, 2]).int(),
+                          row_of_batch_cpu=np.array([0, 5]))
+    metas = bt.build_metadata(qsl, slots, num_tokens=2, row_of_batch=torch.tensor([2, 0]).int(),
+                              row_of_batch_cpu=np.array([2, 0], np.int32))
+    assert metas[0].num_blocks_per_row_cpu.tolist() == [1, 2]

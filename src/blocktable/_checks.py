@@ -81,6 +81,60 @@ def check_block_ids(name: str, ids: np.ndarray, bound: int, declared: bool) -> N
             raise block_id_error(name, lo if lo < 0 else hi, bound, declared)
 
 
+def check_row_of_batch(
+    row_of_batch: object,
+    row_of_batch_cpu: object,
+    *,
+    num_reqs: int,
+    max_num_reqs: int,
+    device: torch.device,
+    debug: bool,
+) -> np.ndarray | None:
+    """Check indexed mode's row vector; return its rows on the host when known without a sync.
+
+    ``row_of_batch`` must be an int32 ``[num_reqs]`` tensor on ``device``. Its values must lie in
+    ``[0, max_num_reqs)``; they are checked (``IndexError`` naming the bound) from
+    ``row_of_batch_cpu`` (a host copy: array or CPU tensor, ``[num_reqs]``) when given, from the
+    tensor itself when it is on the CPU, and in ``debug`` mode from a synchronizing copy, which
+    must equal ``row_of_batch_cpu``. Otherwise nothing is read: device code treats a row outside
+    the range as an empty row (null blocks, ``PAD_SLOT_ID`` slots).
+
+    Returns
+    -------
+    np.ndarray or None
+        int64 ``[num_reqs]`` rows (checked), or ``None`` when no host copy was at hand.
+    """
+    if not (isinstance(row_of_batch, torch.Tensor) and row_of_batch.dtype == torch.int32
+            and row_of_batch.shape == (num_reqs,) and row_of_batch.device == device):
+        check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
+                     device=device)
+    assert isinstance(row_of_batch, torch.Tensor)
+    host = None
+    if row_of_batch_cpu is not None:
+        host = as_index_array("row_of_batch_cpu", row_of_batch_cpu)
+        if len(host) != num_reqs:
+            raise ValueError(f"row_of_batch_cpu must have shape [{num_reqs}], got [{len(host)}]")
+        _check_rows("row_of_batch_cpu", host, max_num_reqs)
+    if row_of_batch.device.type == "cpu" or debug:
+        rows = row_of_batch.cpu().numpy().astype(np.int64)
+        if host is not None and not np.array_equal(rows, host):
+            i = int(np.argmax(rows != host))
+            raise ValueError(
+                f"row_of_batch_cpu[{i}]={int(host[i])} differs from row_of_batch[{i}]="
+                f"{int(rows[i])}"
+            )
+        _check_rows("row_of_batch", rows, max_num_reqs)
+        host = rows
+    return host
+
+
+def _check_rows(name: str, rows: np.ndarray, bound: int) -> None:
+    if len(rows):
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= bound:
+            raise IndexError(f"{name} holds row {lo if lo < 0 else hi}, outside [0, {bound})")
+
+
 def check_positive(name: str, value: object) -> int:
     """Check that ``value`` is an int >= 1; return it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

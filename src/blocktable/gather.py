@@ -13,6 +13,9 @@ def gather_rows(
 ) -> None:
     """``out[i] = table[row_of_batch[i]]`` for ``i < num_reqs``; ``out[num_reqs:] = NULL``.
 
+    A row outside ``[0, max_num_reqs)`` reads as an empty row (all ``NULL_BLOCK_ID``): no
+    read outside the table, no device-side assert.
+
     Parameters
     ----------
     table : torch.Tensor
@@ -34,7 +37,10 @@ def gather_rows(
                 table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
             )
         return
-    out[:num_reqs] = table[row_of_batch.long()]
+    rows = row_of_batch.long()
+    live = (rows >= 0) & (rows < table.shape[0])
+    gathered = table[torch.where(live, rows, 0)]
+    out[:num_reqs] = torch.where(live[:, None], gathered, NULL_BLOCK_ID)
     out[num_reqs:] = NULL_BLOCK_ID
 
 

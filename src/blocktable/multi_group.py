@@ -21,7 +21,12 @@ from blocktable.config import (
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
-from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
+from blocktable.slot_mapping.inputs import (
+    check_slot_inputs,
+    mask_rows,
+    pad_tokens_of_dead_rows,
+    report_unmapped_tokens,
+)
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
@@ -288,6 +293,7 @@ class MultiGroupBlockTable(AttentionViews):
         *,
         row_of_batch: torch.Tensor | None = None,
         query_start_loc_cpu: torch.Tensor | None = None,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> list[torch.Tensor | None]:
         """Slots of this step's tokens for every token-slot group, in one launch.
 
@@ -300,10 +306,14 @@ class MultiGroupBlockTable(AttentionViews):
             int64 ``[num_tokens]`` on the table's device; ``num_tokens <= max_num_batched_tokens``.
         row_of_batch : torch.Tensor or None
             int32 ``[num_reqs]`` on the device: table row of each request (indexed mode).
-            ``None``: request ``r`` is row ``r`` (condensed mode).
+            ``None``: request ``r`` is row ``r`` (condensed mode). A row outside
+            ``[0, max_num_reqs)`` that no check caught reads as an empty row (``PAD_SLOT_ID``).
         query_start_loc_cpu : torch.Tensor or None
             Host copy of ``query_start_loc``; when given, its contents are checked on the host
             (free). Without it, CUDA inputs are checked only in debug mode.
+        row_of_batch_cpu : np.ndarray or torch.Tensor or None
+            Host copy of ``row_of_batch``; when given, its rows are checked on the host (free).
+            Without it, rows on CUDA are checked only in debug mode.
 
         Returns
         -------
@@ -314,8 +324,13 @@ class MultiGroupBlockTable(AttentionViews):
         check_slot_inputs(
             query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
-            check_device_values=self.debug,
+            check_device_values=self.debug, row_of_batch_cpu=row_of_batch_cpu,
         )
+        live = None
+        if row_of_batch is not None and self.backend == "torch" and self.device.type != "cpu":
+            # The torch path indexes with the rows: keep them in range (a device-side assert
+            # would kill the context); tokens of an out-of-range row become PAD below.
+            row_of_batch, live = mask_rows(row_of_batch, self.max_num_reqs)
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -329,6 +344,8 @@ class MultiGroupBlockTable(AttentionViews):
             pow2=self._pow2,
             has_cp=self._has_cp,
         )
+        if live is not None:
+            pad_tokens_of_dead_rows(self._slots, query_start_loc, live, positions.numel())
         if self.debug:
             report_unmapped_tokens(
                 self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,

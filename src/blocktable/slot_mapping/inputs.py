@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blocktable._checks import check_tensor
+from blocktable._checks import check_row_of_batch, check_tensor
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.slot_mapping.params import SlotGroupParams
 from blocktable.slot_mapping.reference import slot_of_position
@@ -25,13 +25,15 @@ def check_slot_inputs(
     max_num_reqs: int,
     max_num_tokens: int,
     check_device_values: bool,
+    row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
 ) -> None:
     """Raise if the inputs of :meth:`MultiGroupBlockTable.compute_slot_mapping` are bad.
 
     Types, shapes, devices and sizes are always checked. The *values* of ``query_start_loc``
     (starts at 0, never decreases, ends at ``num_tokens``) are checked from ``qsl_cpu`` when
-    given or when the tensors are on the CPU; values of device tensors (and ``row_of_batch``'s
-    range) only with ``check_device_values`` (debug mode: a device-to-host copy).
+    given or when the tensors are on the CPU, and ``row_of_batch``'s rows from
+    ``row_of_batch_cpu`` or a CPU ``row_of_batch``; values of device tensors only with
+    ``check_device_values`` (debug mode: a device-to-host copy).
     """
     # The common case in one cheap test; the helper then names what is wrong.
     if not (isinstance(qsl, torch.Tensor) and qsl.dtype == torch.int32 and qsl.dim() == 1
@@ -73,12 +75,38 @@ def check_slot_inputs(
                 + (", decreasing" if decreasing else "")
             )
     if row_of_batch is not None:
-        check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                     device=device)
-        if row_of_batch.device.type == "cpu" or check_device_values:
-            rows = row_of_batch.cpu().numpy()
-            if len(rows) and (rows.min() < 0 or rows.max() >= max_num_reqs):
-                raise IndexError(f"row_of_batch holds a row outside [0, {max_num_reqs})")
+        check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
+                           max_num_reqs=max_num_reqs, device=device, debug=check_device_values)
+    elif row_of_batch_cpu is not None:
+        raise ValueError("row_of_batch_cpu is given without row_of_batch")
+
+
+def mask_rows(row_of_batch: torch.Tensor, max_num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows safe to index with, and which were in range, computed on the device (no sync).
+
+    Returns int32 ``[num_reqs]`` rows (those outside ``[0, max_num_reqs)`` replaced by row 0)
+    and bool ``[num_reqs]``, true where the row was in range. With
+    :func:`pad_tokens_of_dead_rows` afterwards, a row out of range reads as an empty row, as in
+    the Triton kernel.
+    """
+    live = (row_of_batch >= 0) & (row_of_batch < max_num_reqs)
+    return torch.where(live, row_of_batch, 0), live
+
+
+def pad_tokens_of_dead_rows(
+    out: torch.Tensor, qsl: torch.Tensor, live: torch.Tensor, num_tokens: int
+) -> None:
+    """Set the slots of every token whose request's row was out of range to ``PAD_SLOT_ID``.
+
+    ``out`` is int64 ``[num_groups, max_num_tokens]``; ``qsl`` int32 ``[num_reqs + 1]`` and
+    ``live`` bool ``[num_reqs]`` (from :func:`mask_rows`) on ``out``'s device. No sync.
+    """
+    num_reqs = live.numel()
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    tokens = torch.arange(num_tokens, device=out.device, dtype=torch.int32)
+    req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=num_reqs - 1)
+    out[:, :num_tokens].masked_fill_(~live[req][None, :], PAD_SLOT_ID)
 
 
 def _owned(position: int, p: SlotGroupParams) -> bool:
