@@ -317,3 +317,26 @@ def test_build_metadata_checks_row_of_batch():
     metas = bt.build_metadata(qsl, slots, num_tokens=2, row_of_batch=torch.tensor([2, 0]).int(),
                               row_of_batch_cpu=np.array([2, 0], np.int32))
     assert metas[0].num_blocks_per_row_cpu.tolist() == [1, 2]
+
+
+# ---- debug mode reports negative positions ------------------------------------------------
+
+
+def test_debug_mode_reports_negative_positions():
+    bt = MultiGroupBlockTable([GroupSpec(4), GroupSpec(8, 4)], 2, 64, 16, debug=True)
+    bt.add_row(([3], [2]), 0)
+    bt.commit()
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(SlotMappingError, match=r"1 token\(s\) have a negative position "
+                                               r"\(mapped to PAD_SLOT_ID\): token 0 "
+                                               r"\(request 0, row 0, position -5\)"):
+        bt.compute_slot_mapping(qsl, torch.tensor([-5]))
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(SlotMappingError, match=r"negative position.*token 1 .*position -1\).*"
+                                               r"past their row's blocks.*position 9"):
+        bt.compute_slot_mapping(qsl, torch.tensor([1, -1, 9]))
+    quiet = MultiGroupBlockTable([GroupSpec(4)], 2, 64, 16)
+    quiet.add_row(([3],), 0)
+    quiet.commit()
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    assert quiet.compute_slot_mapping(qsl, torch.tensor([-5]))[0][0] == -1  # PAD, silently

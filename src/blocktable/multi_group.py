@@ -56,8 +56,8 @@ class MultiGroupBlockTable(AttentionViews):
     commit_staging_entries : int or None
         Staging capacity of the incremental commit (see :class:`blocktable.commit.Committer`).
     debug : bool
-        Validate device inputs with host copies and report tokens whose position lies past
-        their row's blocks (synchronizes every step).
+        Validate device inputs with host copies and report tokens whose position is negative
+        or lies past their row's blocks (synchronizes every step).
 
     Examples
     --------

@@ -12,7 +12,7 @@ from blocktable.slot_mapping.reference import slot_of_position
 
 
 class SlotMappingError(ValueError):
-    """Debug mode found tokens whose position lies past their row's blocks."""
+    """Debug mode found tokens with a negative position or a position past their row's blocks."""
 
 
 def check_slot_inputs(
@@ -126,7 +126,8 @@ def report_unmapped_tokens(
     positions: torch.Tensor,
     row_of_batch: torch.Tensor | None,
 ) -> None:
-    """Raise :class:`SlotMappingError` naming tokens this rank owns that have no block.
+    """Raise :class:`SlotMappingError` naming tokens with a negative position (always an engine
+    bug) and tokens this rank owns that have no block.
 
     ``flat_table`` is a host copy of the committed device buffer, so the report describes what
     the kernel read: a position past the row's filled blocks, or in a null block.
@@ -134,6 +135,12 @@ def report_unmapped_tokens(
     q = qsl.cpu().numpy()
     pos = positions.cpu().numpy()
     rows = None if row_of_batch is None else row_of_batch.cpu().numpy()
+    negative = [
+        (t, r, r if rows is None else int(rows[r]), int(pos[t]))
+        for r in range(len(q) - 1)
+        for t in range(int(q[r]), int(q[r + 1]))
+        if pos[t] < 0
+    ]
     problems = []
     for g, p in zip(groups, params):
         table = flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width]
@@ -153,12 +160,22 @@ def report_unmapped_tokens(
                 )
                 if slot == PAD_SLOT_ID:
                     problems.append((g, t, r, row, int(pos[t])))
+    parts = []
+    if negative:
+        shown = ", ".join(f"token {t} (request {r}, row {row}, position {p})"
+                          for t, r, row, p in negative[:8])
+        parts.append(
+            f"{len(negative)} token(s) have a negative position (mapped to PAD_SLOT_ID): "
+            f"{shown}" + (" ..." if len(negative) > 8 else "")
+        )
     if problems:
         shown = ", ".join(
             f"group {g} token {t} (request {r}, row {row}, position {p})"
             for g, t, r, row, p in problems[:8]
         )
-        raise SlotMappingError(
+        parts.append(
             f"{len(problems)} token(s) lie past their row's blocks (mapped to PAD_SLOT_ID): "
             f"{shown}" + (" ..." if len(problems) > 8 else "")
         )
+    if parts:
+        raise SlotMappingError("; ".join(parts))
