@@ -340,3 +340,22 @@ def test_debug_mode_reports_negative_positions():
     quiet.commit()
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     assert quiet.compute_slot_mapping(qsl, torch.tensor([-5]))[0][0] == -1  # PAD, silently
+
+
+# ---- a flat id list for a table of several groups -----------------------------------------
+
+
+def test_flat_id_list_for_two_groups_names_the_groups():
+    bt = _two_groups()
+    want = (r"block_ids must hold one id list per group: the table has 2 groups, e\.g\. "
+            r"add_row\(\(\[3, 5\], \[4\]\), 1\); got a flat list of 2 ids")
+    _rejected(bt, ValueError, want, bt.add_row, [3, 5], 1)
+    _rejected(bt, ValueError, want.replace("add_row", "append_row"), bt.append_row, [3, 5], 1)
+    _rejected(bt, ValueError, r"the table has 2 groups.*; got an array", bt.add_row,
+              np.array([3, 5]), 1)
+    _rejected(bt, ValueError, r"the table has 2 groups.*; got 3 entries", bt.add_row,
+              ([3], [4], [5]), 1)
+    one = MultiGroupBlockTable([GroupSpec(4)], 2, 64, 16)
+    with pytest.raises(ValueError, match=r"the table has 1 group, e\.g\. add_row\(\(\[3, 5\],\), "
+                                         r"1\); got a flat list of 2 ids"):
+        one.add_row([3, 5], 1)

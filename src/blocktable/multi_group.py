@@ -161,12 +161,25 @@ class MultiGroupBlockTable(AttentionViews):
         return [t for t in self.tables if t is not None]
 
     # ---- row operations, fanned out to every group ---------------------------------------
-    def _per_group(self, name: str, block_ids: Sequence[object]) -> list[np.ndarray | None]:
+    def _per_group(
+        self, op: str, name: str, block_ids: Sequence[object]
+    ) -> list[np.ndarray | None]:
         """One kernel-id array per group (None for encoder-only), every group checked."""
-        if isinstance(block_ids, (np.ndarray, torch.Tensor)) or len(block_ids) != self.num_groups:
+        n = self.num_groups
+        got = None
+        if isinstance(block_ids, (np.ndarray, torch.Tensor)):
+            got = f"an array of shape {list(block_ids.shape)}"
+        elif not hasattr(block_ids, "__len__") or isinstance(block_ids, (str, bytes)):
+            got = repr(block_ids)
+        elif any(isinstance(ids, (int, np.integer)) for ids in block_ids):
+            got = f"a flat list of {len(block_ids)} ids"
+        elif len(block_ids) != n:
+            got = f"{len(block_ids)} entries"
+        if got is not None:
+            lists = ", ".join(["[3, 5]"] + ["[4]"] * (n - 1)) + ("," if n == 1 else "")
             raise ValueError(
-                f"{name} must hold one id list per group ({self.num_groups}), got "
-                f"{len(block_ids) if hasattr(block_ids, '__len__') else block_ids!r}"
+                f"{name} must hold one id list per group: the table has {n} group"
+                f"{'s' if n > 1 else ''}, e.g. {op}(({lists}), 1); got {got}"
             )
         out: list[np.ndarray | None] = []
         for g, (table, ids) in enumerate(zip(self.tables, block_ids)):
@@ -181,7 +194,7 @@ class MultiGroupBlockTable(AttentionViews):
     def add_row(self, block_ids: Sequence[Sequence[int]], row_idx: int) -> None:
         """Replace row ``row_idx`` in every group; ``block_ids[g]`` are group ``g``'s manager ids."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        ids = self._per_group("block_ids", block_ids)
+        ids = self._per_group("add_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
                 table._check_fits(row, len(k_ids), "add_row")
@@ -193,7 +206,7 @@ class MultiGroupBlockTable(AttentionViews):
     def append_row(self, block_ids: Sequence[Sequence[int]], row_idx: int) -> None:
         """Append ``block_ids[g]`` to row ``row_idx`` of each group ``g`` (empty lists: no-op)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        ids = self._per_group("block_ids", block_ids)
+        ids = self._per_group("append_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
                 table._check_fits(
