@@ -95,9 +95,10 @@ def test_single_group_apply_matches_multi_group_path():
     """A one-group table applies updates in one compiled call; it must agree with the
     check-all-then-write path, rejections included."""
     rng = np.random.default_rng(7)
-    spec = GroupSpec(8, kernel_block_size=4, max_num_blocks=4, num_blocks=30)
+    # block 128: explicit widths stay as given (a row of 4 blocks already spans 128 tokens)
+    spec = GroupSpec(128, kernel_block_size=64, max_num_blocks=4, num_blocks=30)
     one = MultiGroupBlockTable([spec], 6, None, 8)
-    two = MultiGroupBlockTable([spec, GroupSpec(4, max_num_blocks=2)], 6, None, 8)
+    two = MultiGroupBlockTable([spec, GroupSpec(128, max_num_blocks=2)], 6, None, 8)
     accepted = rejected = 0
     for _ in range(300):
         rows = rng.choice(6, int(rng.integers(0, 4)), replace=False)

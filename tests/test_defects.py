@@ -359,3 +359,18 @@ def test_flat_id_list_for_two_groups_names_the_groups():
     with pytest.raises(ValueError, match=r"the table has 1 group, e\.g\. add_row\(\(\[3, 5\],\), "
                                          r"1\); got a flat list of 2 ids"):
         one.add_row([3, 5], 1)
+
+
+# ---- explicit widths are aligned to 128 tokens too ---------------------------------------
+
+
+def test_explicit_width_is_aligned_to_128_tokens():
+    from blocktable import CPConfig, row_width
+
+    assert row_width(GroupSpec(64, max_num_blocks=1875), 0, CPConfig()) == 1876
+    assert row_width(GroupSpec(64, 16, max_num_blocks=1875), 0, CPConfig()) == 1876 * 4
+    assert row_width(GroupSpec(128, max_num_blocks=5), 0, CPConfig()) == 5
+    assert row_width(GroupSpec(256, max_num_blocks=5), 0, CPConfig()) == 5
+    assert row_width(GroupSpec(16, max_num_blocks=8), 0, CPConfig()) == 8
+    assert row_width(GroupSpec(16, max_num_blocks=9), 0, CPConfig(2, 0)) == 16
+    assert BlockTable(64, 2, max_num_blocks=1875).width == 1876

@@ -27,7 +27,8 @@ def test_row_width(block_size, kernel, max_model_len, world, want):
 
 
 def test_explicit_max_num_blocks_overrides():
-    assert row_width(GroupSpec(32, 16, max_num_blocks=5), 10**6, CPConfig()) == 10
+    # 5 manager blocks of 32 tokens, aligned to 128 tokens: 8, i.e. 16 kernel blocks
+    assert row_width(GroupSpec(32, 16, max_num_blocks=5), 10**6, CPConfig()) == 16
 
 
 def test_cp_from_dcp_pcp():

@@ -100,6 +100,8 @@ class GroupSpec:
         Whether context parallelism shards this group's KV (only then does CP apply to it).
     max_num_blocks : int or None
         Explicit row width in manager blocks; overrides the derivation from ``max_model_len``.
+        Rounded up like the derived width, so a row spans a multiple of 128 tokens (some
+        attention kernels need it): ``max_num_blocks=1875`` at ``block_size=64`` gives 1876.
     num_blocks : int or None
         Declared number of manager blocks in the pool; when given, ids must be in
         ``[0, num_blocks)``. See :attr:`block_id_bound`.
@@ -182,9 +184,9 @@ def check_cp_for_group(spec: GroupSpec, cp: CPConfig) -> None:
 def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
     """Row width in kernel blocks.
 
-    ``ceil(max_model_len / (block_size * cp_world))`` manager blocks, rounded up to a multiple of
-    ``128 // gcd(128, block_size)`` so a row spans a multiple of 128 tokens, then times ``k``.
-    ``spec.max_num_blocks`` (manager blocks) overrides the derivation.
+    ``ceil(max_model_len / (block_size * cp_world))`` manager blocks, or ``spec.max_num_blocks``
+    when given, rounded up to a multiple of ``128 // gcd(128, block_size)`` so a row spans a
+    multiple of 128 tokens, then times ``k``.
     """
     if spec.max_num_blocks is not None:
         manager_width = spec.max_num_blocks
@@ -192,6 +194,6 @@ def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
         check_positive("max_model_len", max_model_len)
         world = effective_cp(spec, cp).world_size
         manager_width = -(-max_model_len // (spec.block_size * world))
-        align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
-        manager_width = -(-manager_width // align) * align
+    align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
+    manager_width = -(-manager_width // align) * align
     return manager_width * spec.blocks_per_manager_block
