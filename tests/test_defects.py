@@ -258,7 +258,7 @@ def test_torch_gathers_treat_rows_out_of_range_as_empty():
 def test_torch_slot_mapping_masks_rows_out_of_range():
     """The caller's masking around the torch slot mapping (used on CUDA, where the rows'
     values are not read on the host): tokens of an out-of-range row get PAD."""
-    from blocktable.slot_mapping import compute_slots
+    from blocktable.slot_mapping import compute_slots, pack_params
     from blocktable.slot_mapping.inputs import mask_rows, pad_tokens_of_dead_rows
 
     bt = _indexed_table()
@@ -268,8 +268,9 @@ def test_torch_slot_mapping_masks_rows_out_of_range():
     safe, live = mask_rows(rows, bt.max_num_reqs)
     assert safe.tolist() == [0, 0, 2] and live.tolist() == [True, False, True]
     out = torch.zeros(1, 16, dtype=torch.int64)
-    compute_slots("torch", bt.storage.device_tensor, bt.slot_params, bt._packed_params, qsl, pos,
-                  safe, out, max_num_reqs=bt.max_num_reqs)
+    packed = pack_params(bt.slot_params, bt.device)
+    compute_slots("torch", bt.storage.device_tensor, bt.slot_params, packed, qsl, pos, safe, out,
+                  max_num_reqs=bt.max_num_reqs)
     pad_tokens_of_dead_rows(out, qsl, live, pos.numel())
     assert out[0, :6].tolist() == [12, 21, -1, 30, 31, -1]
 
@@ -374,3 +375,47 @@ def test_explicit_width_is_aligned_to_128_tokens():
     assert row_width(GroupSpec(16, max_num_blocks=8), 0, CPConfig()) == 8
     assert row_width(GroupSpec(16, max_num_blocks=9), 0, CPConfig(2, 0)) == 16
     assert BlockTable(64, 2, max_num_blocks=1875).width == 1876
+
+
+# ---- names and surfaces -------------------------------------------------------------------
+
+
+def test_block_table_signature_is_explicit():
+    import inspect
+
+    params = inspect.signature(BlockTable.__init__).parameters.values()
+    assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    params = inspect.signature(BlockTable.compute_slot_mapping).parameters.values()
+    assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    bt = BlockTable(32, 2, 256, 16, kernel_block_size=16, num_blocks=50, debug=True)
+    assert (bt.width, bt.k, bt.block_id_bound, bt.owner.debug) == (16, 2, 50, True)
+
+
+def test_no_class_calls_another_objects_private_methods():
+    """``obj._method(...)`` only for a method of the calling class itself (``self``, ``cls``,
+    another instance of it) or of a library module such as ``torch._C``."""
+    import ast
+    import pathlib
+
+    import blocktable
+
+    modules = {"torch", "triton", "np", "os", "sys"}
+    found = []
+
+    def visit(node: ast.AST, own: set[str], path: pathlib.Path) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            base = node.func.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if (name.startswith("_") and not name.startswith("__") and name not in own
+                    and not (isinstance(base, ast.Name) and base.id in modules)):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, own, path)
+
+    for path in pathlib.Path(blocktable.__file__).parent.rglob("*.py"):
+        visit(ast.parse(path.read_text()), set(), path)
+    assert not found, found

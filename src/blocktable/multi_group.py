@@ -115,9 +115,10 @@ class MultiGroupBlockTable(AttentionViews):
             widths.append(row_width(spec, max_model_len or 0, self.cp))
         self.storage = TableStorage(widths, self.max_num_reqs, self.device)
         self.tables: list[BlockTable | None] = [
-            BlockTable._for_group(self, g) if spec.has_table else None
+            BlockTable.for_group(self, g) if spec.has_table else None
             for g, spec in enumerate(self.specs)
         ]
+        self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
         self.committer = Committer(self.storage, self.backend, commit_staging_entries)
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
@@ -197,11 +198,11 @@ class MultiGroupBlockTable(AttentionViews):
         ids = self._per_group("add_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
-                table._check_fits(row, len(k_ids), "add_row")
+                table.check_fits(row, len(k_ids), "add_row")
         self.storage.before_host_write()
-        for table, k_ids in zip(self.tables, ids):
-            if table is not None and k_ids is not None:
-                table._write_add(row, k_ids)
+        for g, k_ids in enumerate(ids):
+            if k_ids is not None:
+                self.storage.write_add(g, row, k_ids)
 
     def append_row(self, block_ids: Sequence[Sequence[int]], row_idx: int) -> None:
         """Append ``block_ids[g]`` to row ``row_idx`` of each group ``g`` (empty lists: no-op)."""
@@ -209,40 +210,40 @@ class MultiGroupBlockTable(AttentionViews):
         ids = self._per_group("append_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
-                table._check_fits(
+                table.check_fits(
                     row, int(table.num_blocks_per_row[row]) + len(k_ids), "append_row"
                 )
         self.storage.before_host_write()
-        for table, k_ids in zip(self.tables, ids):
-            if table is not None and k_ids is not None and len(k_ids):
-                table._write_append(row, k_ids)
+        for g, k_ids in enumerate(ids):
+            if k_ids is not None and len(k_ids):
+                self.storage.write_append(g, row, k_ids)
 
     def clear_row(self, row_idx: int) -> None:
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         self.storage.before_host_write()
-        for table in self._live_tables():
-            table._write_clear_row(row)
+        for g in self._table_groups:
+            self.storage.write_clear_row(g, row)
 
     def move_row(self, src: int, tgt: int) -> None:
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
             self.storage.before_host_write()
-            for table in self._live_tables():
-                table._write_move(s, t)
+            for g in self._table_groups:
+                self.storage.write_move(g, s, t)
 
     def swap_row(self, src: int, tgt: int) -> None:
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
             self.storage.before_host_write()
-            for table in self._live_tables():
-                table._write_swap(s, t)
+            for g in self._table_groups:
+                self.storage.write_swap(g, s, t)
 
     def clear(self) -> None:
         self.storage.before_host_write()
-        for table in self._live_tables():
-            table._write_clear()
+        for g in self._table_groups:
+            self.storage.write_clear(g)
 
     def apply(self, update: StepUpdate) -> None:
         """Apply a whole step's changes (see :class:`~blocktable.update.StepUpdate`), all groups.
