@@ -17,8 +17,8 @@ from blocktable import (
     RowEntries,
     SlotMappingError,
     StepUpdate,
+    _triton,
 )
-from blocktable import _triton
 
 # ---- the cached launcher: keyed by device; fast path only on verified Triton versions ----
 
@@ -33,7 +33,7 @@ class _FakeCompiled:
         self.packed_metadata = ()
         self.launches = launches
 
-    def run(self, gx, gy, gz, stream, function, *rest):  # noqa: ANN001, ANN002
+    def run(self, gx, gy, gz, stream, function, *rest):
         assert stream == f"stream@{self.device}" and function == self.function
         self.launches.append(("fast", self.device))
 
@@ -44,8 +44,8 @@ class _FakeKernel:
         self.compiled: list[int] = []
         self.launches: list = []
 
-    def __getitem__(self, grid):  # noqa: ANN001
-        def call(*args, num_warps):  # noqa: ANN002
+    def __getitem__(self, grid):
+        def call(*args, num_warps):
             device = self.state["current"]  # Triton compiles and launches on the current device
             self.compiled.append(device)
             self.launches.append(("ordinary", device))
@@ -419,3 +419,17 @@ def test_no_class_calls_another_objects_private_methods():
     for path in pathlib.Path(blocktable.__file__).parent.rglob("*.py"):
         visit(ast.parse(path.read_text()), set(), path)
     assert not found, found
+
+
+def test_one_count_check():
+    from blocktable import _checks
+    from blocktable.allocator import manager
+
+    assert manager.check_count is _checks.check_count
+    assert _checks.check_count("n", 3) == 3
+    with pytest.raises(ValueError, match="n must be >= 0, got -1"):
+        _checks.check_count("n", -1, 4, "max_num_reqs")
+    with pytest.raises(IndexError, match=r"n=5 is out of range \[0, max_num_reqs=4\]"):
+        _checks.check_count("n", 5, 4, "max_num_reqs")
+    with pytest.raises(TypeError, match="n must be an int"):
+        _checks.check_count("n", 1.0)

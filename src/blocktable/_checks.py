@@ -55,12 +55,19 @@ def check_index(name: str, value: object, bound: int) -> int:
     return int(value)
 
 
-def check_count(name: str, value: object, bound: int, bound_name: str) -> int:
-    """Check ``0 <= value <= bound`` (a count, where ``bound`` itself is allowed); return it."""
+def check_count(
+    name: str, value: object, bound: int | None = None, bound_name: str | None = None
+) -> int:
+    """Check a count: an int ``>= 0`` (``ValueError``) and, with ``bound``, ``<= bound``
+    (``IndexError`` naming ``bound_name``; the bound itself is allowed). Return it as ``int``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= bound:
-        raise IndexError(f"{name}={int(value)} is out of range [0, {bound_name}={bound}]")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(value)}")
+    if bound is not None and value > bound:
+        raise IndexError(
+            f"{name}={int(value)} is out of range [0, {bound_name or 'bound'}={bound}]"
+        )
     return int(value)
 
 

@@ -147,8 +147,7 @@ class AttentionViews:
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"seq_lens has {num_reqs} entries, more than max_num_reqs")
         padded = self._padded(num_reqs, num_reqs_padded)
-        if num_speculative_blocks < 0:
-            raise ValueError(f"num_speculative_blocks must be >= 0, got {num_speculative_blocks}")
+        check_count("num_speculative_blocks", num_speculative_blocks)
         if row_of_batch is not None:
             check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
                                max_num_reqs=self.max_num_reqs, device=self.device,
