@@ -433,3 +433,11 @@ def test_one_count_check():
         _checks.check_count("n", 5, 4, "max_num_reqs")
     with pytest.raises(TypeError, match="n must be an int"):
         _checks.check_count("n", 1.0)
+
+
+def test_kernel_block_size_is_always_an_int():
+    assert GroupSpec(32).kernel_block_size == 32
+    assert GroupSpec(32, None).kernel_block_size == 32
+    assert GroupSpec(32, 16).kernel_block_size == 16
+    assert GroupSpec(32) == GroupSpec(32, 32)
+    assert not hasattr(GroupSpec(32), "kernel_size")  # one name for one thing

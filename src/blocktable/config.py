@@ -82,7 +82,7 @@ class CPConfig:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GroupSpec:
     """One KV cache group's table.
 
@@ -90,10 +90,11 @@ class GroupSpec:
     ----------
     block_size : int
         Manager block size in tokens (the allocator's unit; block ids given to the table).
-    kernel_block_size : int or None
-        Block size the attention kernel reads; must divide ``block_size``; defaults to it. One
-        manager block ``b`` becomes kernel blocks ``b*k .. b*k+k-1`` with ``k = block_size //
-        kernel_block_size`` (the null block stays null).
+    kernel_block_size : int
+        Block size the attention kernel reads; must divide ``block_size``. Given as ``None``
+        (the default) it is ``block_size``. One manager block ``b`` becomes kernel blocks
+        ``b*k .. b*k+k-1`` with ``k = block_size // kernel_block_size`` (the null block stays
+        null).
     kind : GroupKind
         Token slots, state indices, or encoder-only (no table).
     cp_sharded : bool
@@ -108,22 +109,33 @@ class GroupSpec:
     """
 
     block_size: int
-    kernel_block_size: int | None = None
-    kind: GroupKind = GroupKind.ATTENTION
-    cp_sharded: bool = True
-    max_num_blocks: int | None = None
-    num_blocks: int | None = None
+    kernel_block_size: int
+    kind: GroupKind
+    cp_sharded: bool
+    max_num_blocks: int | None
+    num_blocks: int | None
 
-    def __post_init__(self) -> None:
-        check_positive("block_size", self.block_size)
-        kbs = self.kernel_block_size
-        if kbs is not None:
-            check_positive("kernel_block_size", kbs)
-            if self.block_size % kbs != 0:
-                raise ValueError(
-                    f"kernel_block_size={kbs} must divide block_size={self.block_size}"
-                )
-        object.__setattr__(self, "kind", GroupKind(self.kind))
+    def __init__(
+        self,
+        block_size: int,
+        kernel_block_size: int | None = None,
+        kind: GroupKind | str = GroupKind.ATTENTION,
+        cp_sharded: bool = True,
+        max_num_blocks: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        check_positive("block_size", block_size)
+        if kernel_block_size is None:
+            kernel_block_size = block_size
+        check_positive("kernel_block_size", kernel_block_size)
+        if block_size % kernel_block_size != 0:
+            raise ValueError(
+                f"kernel_block_size={kernel_block_size} must divide block_size={block_size}"
+            )
+        for name, value in (("block_size", block_size), ("kernel_block_size", kernel_block_size),
+                            ("kind", GroupKind(kind)), ("cp_sharded", cp_sharded),
+                            ("max_num_blocks", max_num_blocks), ("num_blocks", num_blocks)):
+            object.__setattr__(self, name, value)
         if self.max_num_blocks is not None:
             check_positive("max_num_blocks", self.max_num_blocks)
         if self.num_blocks is not None:
@@ -138,8 +150,8 @@ class GroupSpec:
 
     @property
     def kernel_size(self) -> int:
-        """Kernel block size in tokens (``kernel_block_size`` or ``block_size``)."""
-        return self.kernel_block_size or self.block_size
+        """Kernel block size in tokens (the same as ``kernel_block_size``)."""
+        return self.kernel_block_size
 
     @property
     def blocks_per_manager_block(self) -> int:
