@@ -149,14 +149,9 @@ class GroupSpec:
                 )
 
     @property
-    def kernel_size(self) -> int:
-        """Kernel block size in tokens (the same as ``kernel_block_size``)."""
-        return self.kernel_block_size
-
-    @property
     def blocks_per_manager_block(self) -> int:
         """``k``: kernel blocks per manager block."""
-        return self.block_size // self.kernel_size
+        return self.block_size // self.kernel_block_size
 
     @property
     def block_id_bound(self) -> int:

@@ -151,7 +151,7 @@ class MultiGroupBlockTable(AttentionViews):
             table_offset=int(st.table_offsets[g]),
             width=st.widths[g],
             counts_offset=st.counts_offset + g * self.max_num_reqs,
-            kernel_block_size=spec.kernel_size,
+            kernel_block_size=spec.kernel_block_size,
             manager_block_size=spec.block_size,
             cp_world_size=cp.world_size,
             cp_rank=cp.rank,

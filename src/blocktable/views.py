@@ -160,7 +160,7 @@ class AttentionViews:
             self._state_out[key] = out
         gather_state_indices(
             self.storage.device_table(group), self.storage.device_counts(group), seq_lens,
-            table.spec.kernel_size, row_of_batch, out[:padded],
+            table.spec.kernel_block_size, row_of_batch, out[:padded],
         )
         return out[:padded]
 
