@@ -61,9 +61,9 @@ def test_batched_update_rejected_whole(bt):
     upd = StepUpdate.make(2, appended=[RowBlocks.from_lists([0, 0], [[1], [2]]), RowBlocks()])
     rejected(bt, ValueError, "lists a row twice", bt.apply, upd)
     upd = StepUpdate.make(2, added=[RowBlocks(rows=torch.tensor([1]).numpy().astype("int32"),
-                                              num_blocks=torch.tensor([2]).numpy(),
+                                              num_manager_blocks=torch.tensor([2]).numpy(),
                                               block_ids=torch.tensor([3]).numpy()), RowBlocks()])
-    rejected(bt, ValueError, "num_blocks sums to 2", bt.apply, upd)
+    rejected(bt, ValueError, "num_manager_blocks sums to 2", bt.apply, upd)
 
 
 def test_num_reqs_over_max(bt):

@@ -441,3 +441,9 @@ def test_kernel_block_size_is_always_an_int():
     assert GroupSpec(32, 16).kernel_block_size == 16
     assert GroupSpec(32) == GroupSpec(32, 32)
     assert not hasattr(GroupSpec(32), "kernel_size")  # one name for one thing
+
+
+def test_row_blocks_counts_manager_blocks():
+    blocks = RowBlocks.from_lists([1, 3], [[3, 4], [5]])
+    assert blocks.num_manager_blocks.tolist() == [2, 1]
+    assert not hasattr(blocks, "num_blocks")  # num_blocks names the pool size only

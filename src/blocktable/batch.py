@@ -57,16 +57,16 @@ def _group_arrays(
     appended: RowBlocks,
     nulled: RowEntries,
 ) -> list[np.ndarray]:
-    raw = [cleared_rows, added.rows, added.num_blocks, added.block_ids, appended.rows,
-           appended.num_blocks, appended.block_ids, nulled.rows, nulled.block_indices]
+    raw = [cleared_rows, added.rows, added.num_manager_blocks, added.block_ids, appended.rows,
+           appended.num_manager_blocks, appended.block_ids, nulled.rows, nulled.block_indices]
     if all(type(a) is np.ndarray and a.dtype == np.int32 and a.ndim == 1 for a in raw):
         arrays = raw  # the allocator's format: nothing to convert
     else:
         g = table.group
         names = ["update.cleared_rows"] + [
             f"{part}[{g}].{field}"
-            for part, fields in (("added", ("rows", "num_blocks", "block_ids")),
-                                 ("appended", ("rows", "num_blocks", "block_ids")),
+            for part, fields in (("added", ("rows", "num_manager_blocks", "block_ids")),
+                                 ("appended", ("rows", "num_manager_blocks", "block_ids")),
                                  ("nulled", ("rows", "block_indices")))
             for field in fields
         ]
@@ -78,7 +78,7 @@ def _group_arrays(
         ]
     for rows, other, name in ((1, 2, "added"), (4, 5, "appended"), (7, 8, "nulled")):
         if len(arrays[rows]) != len(arrays[other]):
-            field = "block_indices" if name == "nulled" else "num_blocks"
+            field = "block_indices" if name == "nulled" else "num_manager_blocks"
             raise ValueError(
                 f"{name}[{table.group}].{field} has {len(arrays[other])} entries but "
                 f"{name}[{table.group}].rows has {len(arrays[rows])}"
@@ -144,9 +144,9 @@ def _error(g: int, code: int, part: int, i: int, value: int, bound: int, declare
     if code == loops.ROW_TWICE:
         return ValueError(f"{name}.rows lists a row twice (row {value})")
     if code == loops.NEG_COUNT:
-        return ValueError(f"{name}.num_blocks holds a negative count {value}")
+        return ValueError(f"{name}.num_manager_blocks holds a negative count {value}")
     if code == loops.ID_SUM:
-        return ValueError(f"{name}.block_ids has {i} ids but {name}.num_blocks sums to {value}")
+        return ValueError(f"{name}.block_ids has {i} ids but {name}.num_manager_blocks sums to {value}")
     if code == loops.ID_RANGE:
         return block_id_error(f"{name}.block_ids", value, bound, declared)
     if code == loops.WIDTH:

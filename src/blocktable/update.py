@@ -41,14 +41,14 @@ class RowBlocks:
     ----------
     rows : np.ndarray
         int32 ``[n]``, table rows.
-    num_blocks : np.ndarray
+    num_manager_blocks : np.ndarray
         int32 ``[n]``, how many manager blocks each row gets.
     block_ids : np.ndarray
-        int32 ``[num_blocks.sum()]``, the ids, those of ``rows[0]`` first.
+        int32 ``[num_manager_blocks.sum()]``, the ids, those of ``rows[0]`` first.
     """
 
     rows: np.ndarray = field(default_factory=lambda: _EMPTY)
-    num_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
+    num_manager_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     block_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
 
     @classmethod
