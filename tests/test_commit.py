@@ -56,7 +56,7 @@ def test_random_ops_keep_device_equal(staging, triton_device):
         for bt in bts:
             if op == 0:
                 bt.add_row((list(range(1, 1 + row % 6)), [9] * (other % 3)), row)
-            elif op == 1 and bt[0].num_blocks_per_row[row] < 5 and bt[1].num_blocks_per_row[row] < 6:
+            elif op == 1 and bt[0].num_kernel_blocks[row] < 5 and bt[1].num_kernel_blocks[row] < 6:
                 bt.append_row(([3], [4]), row)
             elif op == 2:
                 bt.move_row(row, other)
@@ -123,7 +123,7 @@ def test_single_group_apply_matches_multi_group_path():
         accepted += errors[0] is None
         rejected += errors[0] is not None
         np.testing.assert_array_equal(one[0].block_table_np, two[0].block_table_np)
-        np.testing.assert_array_equal(one[0].num_blocks_per_row, two[0].num_blocks_per_row)
+        np.testing.assert_array_equal(one[0].num_kernel_blocks, two[0].num_kernel_blocks)
         if rng.random() < 0.3:
             for bt in (one, two):
                 bt.commit()

@@ -317,7 +317,7 @@ def test_build_metadata_checks_row_of_batch():
                           row_of_batch_cpu=np.array([0, 5]))
     metas = bt.build_metadata(qsl, slots, num_tokens=2, row_of_batch=torch.tensor([2, 0]).int(),
                               row_of_batch_cpu=np.array([2, 0], np.int32))
-    assert metas[0].num_blocks_per_row_cpu.tolist() == [1, 2]
+    assert metas[0].num_kernel_blocks_cpu.tolist() == [1, 2]
 
 
 # ---- debug mode reports negative positions ------------------------------------------------

@@ -193,8 +193,8 @@ def test_rows_out_of_range_on_cuda_read_as_empty_rows() -> None:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize(device)
         assert slots[0][:4].tolist() == [48, 81, -1, -1]
-        assert metas[0].num_blocks_per_row_cpu is None
+        assert metas[0].num_kernel_blocks_cpu is None
         assert metas[0].block_table_tensor[1].abs().sum().item() == 0
         assert metas[0].block_table_tensor[0, :2].tolist() == [3, 5]
         assert state.tolist() == [[6], [0]]
-        assert with_host[0].num_blocks_per_row_cpu.tolist() == [2, 0]
+        assert with_host[0].num_kernel_blocks_cpu.tolist() == [2, 0]

@@ -108,7 +108,7 @@ def test_state_indices(device, num_spec, indexed):
     got = bt.state_indices(
         1, torch.from_numpy(seq_lens).to(device), 5, num_speculative_blocks=num_spec,
         row_of_batch=torch.from_numpy(rows).to(device) if indexed else None).cpu().numpy()
-    want = state_reference(bt[1].block_table_np, bt[1].num_blocks_per_row, seq_lens, 8,
+    want = state_reference(bt[1].block_table_np, bt[1].num_kernel_blocks, seq_lens, 8,
                            1 + num_spec, 5, rows)
     np.testing.assert_array_equal(got, want)
 
@@ -138,6 +138,6 @@ def test_build_metadata_shares_common_fields(indexed):
         np.testing.assert_array_equal(m.block_table_tensor[:2].numpy(), want)
         assert not m.block_table_tensor[2].any()
         assert m.slot_mapping is slots[g]
-        np.testing.assert_array_equal(m.num_blocks_per_row_cpu, bt[g].num_blocks_per_row[first])
+        np.testing.assert_array_equal(m.num_kernel_blocks_cpu, bt[g].num_kernel_blocks[first])
     assert metas[3].block_table_tensor.shape == (3, 1) and metas[3].slot_mapping is None
     assert metas[1].slot_mapping[0] == 4 * 16 + 4  # group 1, row 2: position 20 -> block 4

@@ -96,7 +96,7 @@ def check_group_update(
     """Validate one group's changes against ``table``; return the arrays to write."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     code, part, i, value, bound = loops.check_group_update(  # type: ignore[call-arg]
-        table.num_blocks_per_row, table.width, table.k, table.block_id_bound, *arrays,
+        table.num_kernel_blocks, table.width, table.k, table.block_id_bound, *arrays,
         table.scratch_counts, table.scratch_seen,
     )
     if code != loops.OK:
@@ -115,7 +115,7 @@ def apply_group_update(
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     st = table.storage
     code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
-        table.block_table_np.reshape(-1), table.num_blocks_per_row, table.width, table.k,
+        table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
         table.block_id_bound, table.offset, *arrays, table.scratch_counts, table.scratch_seen,
         st.dirty_rows[table.group], st.journal, st.journal_len,
     )
@@ -128,7 +128,7 @@ def write_group_update(table: BlockTable, arrays: GroupArrays) -> None:
     """Apply arrays returned by :func:`check_group_update`; records them for the next commit."""
     st = table.storage
     loops.write_group_update(  # type: ignore[call-arg]
-        table.block_table_np.reshape(-1), table.num_blocks_per_row, table.width, table.k,
+        table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
         table.offset, *arrays, st.dirty_rows[table.group], st.journal, st.journal_len,
     )
     st.changed = True

@@ -211,7 +211,7 @@ class MultiGroupBlockTable(AttentionViews):
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
                 table.check_fits(
-                    row, int(table.num_blocks_per_row[row]) + len(k_ids), "append_row"
+                    row, int(table.num_kernel_blocks[row]) + len(k_ids), "append_row"
                 )
         self.storage.before_host_write()
         for g, k_ids in enumerate(ids):

@@ -36,7 +36,7 @@ class BlockTable:
         Row width in kernel blocks.
     block_table_np : np.ndarray
         int32 ``[max_num_reqs, width]`` on cpu: the host table (read it; write through the ops).
-    num_blocks_per_row : np.ndarray
+    num_kernel_blocks : np.ndarray
         int32 ``[max_num_reqs]`` on cpu: filled kernel blocks per row.
     """
 
@@ -93,7 +93,7 @@ class BlockTable:
         self.offset = int(self.storage.table_offsets[group])  # of this table in the flat buffer
         self.k = self.spec.blocks_per_manager_block
         self.block_table_np = self.storage.host_table(group)
-        self.num_blocks_per_row = self.storage.host_counts(group)
+        self.num_kernel_blocks = self.storage.host_counts(group)
         # work space of the compiled batched-update check (int64 / bool [max_num_reqs])
         self.scratch_counts = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.scratch_seen = np.zeros(self.max_num_reqs, dtype=bool)
@@ -134,7 +134,7 @@ class BlockTable:
         ids = self.kernel_ids(block_ids)
         if len(ids) == 0:
             return
-        self.check_fits(row, int(self.num_blocks_per_row[row]) + len(ids), "append_row")
+        self.check_fits(row, int(self.num_kernel_blocks[row]) + len(ids), "append_row")
         self.storage.before_host_write()
         self.storage.write_append(self.group, row, ids)
 
@@ -171,7 +171,7 @@ class BlockTable:
     def row(self, row_idx: int) -> np.ndarray:
         """The filled kernel block ids of a row (a copy; int32)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        return self.block_table_np[row, : self.num_blocks_per_row[row]].copy()
+        return self.block_table_np[row, : self.num_kernel_blocks[row]].copy()
 
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         """int32 ``[num_reqs, width]`` device view of the committed table (condensed mode)."""
@@ -213,7 +213,7 @@ class BlockTable:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of the host table does not hold."""
-        counts = self.num_blocks_per_row
+        counts = self.num_kernel_blocks
         if counts.min(initial=0) < 0 or counts.max(initial=0) > self.width:
             raise AssertionError(f"group {self.group}: a count is outside [0, {self.width}]")
         cols = np.arange(self.width)

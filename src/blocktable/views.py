@@ -183,7 +183,7 @@ class AttentionViews:
         (``device_view`` in condensed mode, ``gather_view`` with ``row_of_batch``) and slots.
         In indexed mode ``row_of_batch`` (int32 ``[num_reqs]``, device) must have one row per
         request. ``row_of_batch_cpu`` (its host copy) is checked and gives the host counts
-        (``num_blocks_per_row_cpu``) without a device-to-host copy; without it, on CUDA, the
+        (``num_kernel_blocks_cpu``) without a device-to-host copy; without it, on CUDA, the
         counts are ``None`` and the rows are checked only in debug mode (a synchronizing copy).
         """
         check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1,
@@ -210,7 +210,7 @@ class AttentionViews:
                 view = self._gather(g, row_of_batch, padded)
             table = self.tables[g]
             counts = (None if rows is None else np.zeros(num_reqs, np.int32) if table is None
-                      else table.num_blocks_per_row[rows])
+                      else table.num_kernel_blocks[rows])
             if common is None:
                 common = AttentionMetadata(
                     g, num_reqs, padded, num_tokens, query_start_loc, query_start_loc_cpu,
