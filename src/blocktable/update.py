@@ -28,6 +28,8 @@ def _int32(values: object) -> np.ndarray:
     arr = np.asarray(values)
     if arr.size == 0:
         return _EMPTY
+    if arr.dtype == np.int32:
+        return arr  # nothing to convert (the allocator's arrays)
     if arr.dtype.kind in "iu" and _I32.min <= int(arr.min()) and int(arr.max()) <= _I32.max:
         return arr.astype(np.int32, copy=False)
     return arr
