@@ -78,7 +78,7 @@ def assert_table_matches(bt, model: TableModel, *, device_too: bool = False) -> 
         if table is None:
             continue
         want_table, want_counts = model.dense(g)
-        np.testing.assert_array_equal(table.num_blocks_per_row, want_counts, err_msg=f"group {g}")
+        np.testing.assert_array_equal(table.num_kernel_blocks, want_counts, err_msg=f"group {g}")
         np.testing.assert_array_equal(table.block_table_np, want_table, err_msg=f"group {g}")
     bt.check_integrity()
     if device_too:

@@ -14,7 +14,7 @@ def make(num_groups: int = 1, max_num_reqs: int = 4) -> KVCacheManager:
 
 def as_lists(blocks: RowBlocks) -> dict[int, list[int]]:
     out, start = {}, 0
-    for row, num in zip(blocks.rows.tolist(), blocks.num_blocks.tolist()):
+    for row, num in zip(blocks.rows.tolist(), blocks.num_manager_blocks.tolist()):
         out[row] = blocks.block_ids[start : start + num].tolist()
         start += num
     return out
@@ -40,7 +40,7 @@ def test_admitted_and_allocated_in_one_step_is_one_added_row() -> None:
     update = mgr.take_step_update()
     assert as_lists(update.added[0]) == {1: [1, 2, 4]}
     assert len(update.appended[0]) == 0 and len(update.cleared_rows) == 0
-    for arr in (update.cleared_rows, update.added[0].rows, update.added[0].num_blocks):
+    for arr in (update.cleared_rows, update.added[0].rows, update.added[0].num_manager_blocks):
         assert arr.dtype == np.int32
     assert update.added[0].block_ids.dtype == np.int32
     assert is_empty(mgr.take_step_update())

@@ -373,7 +373,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert len(set(added.rows.tolist())) == len(added)
             assert not set(added.rows.tolist()) & set(update.cleared_rows.tolist())
             start = 0
-            for row, num in zip(added.rows.tolist(), added.num_blocks.tolist()):
+            for row, num in zip(added.rows.tolist(), added.num_manager_blocks.tolist()):
                 table[row] = NULL_BLOCK_ID
                 table[row, :num] = added.block_ids[start : start + num]
                 counts[row] = num
@@ -381,7 +381,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert start == len(added.block_ids)
             assert len(set(appended.rows.tolist())) == len(appended)
             start = 0
-            for row, num in zip(appended.rows.tolist(), appended.num_blocks.tolist()):
+            for row, num in zip(appended.rows.tolist(), appended.num_manager_blocks.tolist()):
                 assert num > 0
                 table[row, counts[row] : counts[row] + num] = appended.block_ids[
                     start : start + num
@@ -392,7 +392,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             for row, idx in zip(nulled.rows.tolist(), nulled.block_indices.tolist()):
                 assert idx < counts[row]
                 table[row, idx] = NULL_BLOCK_ID
-            for arr in (added.rows, added.num_blocks, added.block_ids, appended.block_ids):
+            for arr in (added.rows, added.num_manager_blocks, added.block_ids, appended.block_ids):
                 assert arr.dtype == np.int32
 
     # ------------------------------------------------------------------ invariants

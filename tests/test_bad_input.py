@@ -61,9 +61,9 @@ def test_batched_update_rejected_whole(bt):
     upd = StepUpdate.make(2, appended=[RowBlocks.from_lists([0, 0], [[1], [2]]), RowBlocks()])
     rejected(bt, ValueError, "lists a row twice", bt.apply, upd)
     upd = StepUpdate.make(2, added=[RowBlocks(rows=torch.tensor([1]).numpy().astype("int32"),
-                                              num_blocks=torch.tensor([2]).numpy(),
+                                              num_manager_blocks=torch.tensor([2]).numpy(),
                                               block_ids=torch.tensor([3]).numpy()), RowBlocks()])
-    rejected(bt, ValueError, "num_blocks sums to 2", bt.apply, upd)
+    rejected(bt, ValueError, "num_manager_blocks sums to 2", bt.apply, upd)
 
 
 def test_num_reqs_over_max(bt):
@@ -102,7 +102,7 @@ def test_slot_inputs_dtype_device_shape(bt):
              torch.tensor([0, 2, 1, 3], dtype=torch.int32), pos)
     rejected(bt, ValueError, "row_of_batch must have shape", bt.compute_slot_mapping, qsl, pos,
              row_of_batch=torch.zeros(2, dtype=torch.int32))
-    rejected(bt, IndexError, "row_of_batch holds a row outside", bt.compute_slot_mapping, qsl,
+    rejected(bt, IndexError, "row_of_batch holds row 4, outside", bt.compute_slot_mapping, qsl,
              pos, row_of_batch=torch.tensor([4], dtype=torch.int32))
 
 

@@ -56,7 +56,7 @@ def test_random_ops_keep_device_equal(staging, triton_device):
         for bt in bts:
             if op == 0:
                 bt.add_row((list(range(1, 1 + row % 6)), [9] * (other % 3)), row)
-            elif op == 1 and bt[0].num_blocks_per_row[row] < 5 and bt[1].num_blocks_per_row[row] < 6:
+            elif op == 1 and bt[0].num_kernel_blocks[row] < 5 and bt[1].num_kernel_blocks[row] < 6:
                 bt.append_row(([3], [4]), row)
             elif op == 2:
                 bt.move_row(row, other)
@@ -95,9 +95,10 @@ def test_single_group_apply_matches_multi_group_path():
     """A one-group table applies updates in one compiled call; it must agree with the
     check-all-then-write path, rejections included."""
     rng = np.random.default_rng(7)
-    spec = GroupSpec(8, kernel_block_size=4, max_num_blocks=4, num_blocks=30)
+    # block 128: explicit widths stay as given (a row of 4 blocks already spans 128 tokens)
+    spec = GroupSpec(128, kernel_block_size=64, max_num_blocks=4, num_blocks=30)
     one = MultiGroupBlockTable([spec], 6, None, 8)
-    two = MultiGroupBlockTable([spec, GroupSpec(4, max_num_blocks=2)], 6, None, 8)
+    two = MultiGroupBlockTable([spec, GroupSpec(128, max_num_blocks=2)], 6, None, 8)
     accepted = rejected = 0
     for _ in range(300):
         rows = rng.choice(6, int(rng.integers(0, 4)), replace=False)
@@ -122,7 +123,7 @@ def test_single_group_apply_matches_multi_group_path():
         accepted += errors[0] is None
         rejected += errors[0] is not None
         np.testing.assert_array_equal(one[0].block_table_np, two[0].block_table_np)
-        np.testing.assert_array_equal(one[0].num_blocks_per_row, two[0].num_blocks_per_row)
+        np.testing.assert_array_equal(one[0].num_kernel_blocks, two[0].num_kernel_blocks)
         if rng.random() < 0.3:
             for bt in (one, two):
                 bt.commit()

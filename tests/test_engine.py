@@ -58,7 +58,7 @@ def _check_step(engine: LLMEngine, batch: SchedulerOutput, seen: Observed) -> No
         seen.mixed_steps += 1
     for req in engine.scheduler.running:
         row = manager.row_of(req.req_id)
-        got = table.block_table_np[row, : table.num_blocks_per_row[row]].tolist()
+        got = table.block_table_np[row, : table.num_kernel_blocks[row]].tolist()
         if got != manager.block_ids(req.req_id)[0]:
             seen.errors.append(f"step {engine.step_index} row {row}: {got}")
     manager.check_integrity()

@@ -53,7 +53,7 @@ def random_batch(bt, rng, *, indexed: bool, overshoot: bool = False):
     for i, r in enumerate(rows):
         # tokens this row covers (every group must cover them: use the smallest)
         covered = min(
-            (int(t.num_blocks_per_row[r]) // t.k) * t.spec.block_size * p.cp_world_size
+            (int(t.num_kernel_blocks[r]) // t.k) * t.spec.block_size * p.cp_world_size
             for t, p in zip(bt.tables, bt.slot_params)
         )
         kind = rng.choice(3, p=[0.15, 0.45, 0.4])  # empty, decode, prefill chunk
@@ -78,7 +78,7 @@ def reference_for(bt, qsl, pos, rows, indexed):
         out.append(
             slot_mapping_reference(
                 t.block_table_np,
-                t.num_blocks_per_row,
+                t.num_kernel_blocks,
                 qsl,
                 pos,
                 max_num_tokens=MAX_TOKENS,

@@ -18,12 +18,15 @@ from blocktable.slot_mapping import slot_mapping_reference
 NUM_BLOCKS = 40
 R = 5
 MAX_TOKENS = 48
+# Block sizes of 128 tokens and more keep the explicit widths as given (widths are aligned to
+# 128 tokens), so rows fill up and the width checks are exercised.
 SPECS = [
-    GroupSpec(4, max_num_blocks=5, num_blocks=NUM_BLOCKS),
-    GroupSpec(8, kernel_block_size=4, max_num_blocks=3, num_blocks=NUM_BLOCKS),
+    GroupSpec(128, max_num_blocks=5, num_blocks=NUM_BLOCKS),
+    GroupSpec(256, kernel_block_size=128, max_num_blocks=3, num_blocks=NUM_BLOCKS),
     GroupSpec(4, kind="encoder_only"),
-    GroupSpec(2, kind="state", max_num_blocks=4, num_blocks=NUM_BLOCKS),
+    GroupSpec(128, kind="state", max_num_blocks=4, num_blocks=NUM_BLOCKS),
 ]
+MAX_POSITION = 960  # past every row's last block
 TABLE_GROUPS = [0, 1, 3]
 STEPS = [0]  # invariant checks run, for a look at how much a run covered
 
@@ -193,7 +196,7 @@ class TableMachine(RuleBasedStateMachine):
         qsl, pos = [0], []
         for r in rows:
             n = data.draw(st.integers(0, 6))
-            top = data.draw(st.integers(n, 30))
+            top = data.draw(st.integers(n, MAX_POSITION))
             pos.extend(range(top - n, top))
             qsl.append(len(pos))
         qsl_np, pos_np = np.array(qsl, np.int32), np.array(pos, np.int64)

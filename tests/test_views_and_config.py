@@ -27,7 +27,8 @@ def test_row_width(block_size, kernel, max_model_len, world, want):
 
 
 def test_explicit_max_num_blocks_overrides():
-    assert row_width(GroupSpec(32, 16, max_num_blocks=5), 10**6, CPConfig()) == 10
+    # 5 manager blocks of 32 tokens, aligned to 128 tokens: 8, i.e. 16 kernel blocks
+    assert row_width(GroupSpec(32, 16, max_num_blocks=5), 10**6, CPConfig()) == 16
 
 
 def test_cp_from_dcp_pcp():
@@ -107,7 +108,7 @@ def test_state_indices(device, num_spec, indexed):
     got = bt.state_indices(
         1, torch.from_numpy(seq_lens).to(device), 5, num_speculative_blocks=num_spec,
         row_of_batch=torch.from_numpy(rows).to(device) if indexed else None).cpu().numpy()
-    want = state_reference(bt[1].block_table_np, bt[1].num_blocks_per_row, seq_lens, 8,
+    want = state_reference(bt[1].block_table_np, bt[1].num_kernel_blocks, seq_lens, 8,
                            1 + num_spec, 5, rows)
     np.testing.assert_array_equal(got, want)
 
@@ -137,6 +138,6 @@ def test_build_metadata_shares_common_fields(indexed):
         np.testing.assert_array_equal(m.block_table_tensor[:2].numpy(), want)
         assert not m.block_table_tensor[2].any()
         assert m.slot_mapping is slots[g]
-        np.testing.assert_array_equal(m.num_blocks_per_row_cpu, bt[g].num_blocks_per_row[first])
+        np.testing.assert_array_equal(m.num_kernel_blocks_cpu, bt[g].num_kernel_blocks[first])
     assert metas[3].block_table_tensor.shape == (3, 1) and metas[3].slot_mapping is None
     assert metas[1].slot_mapping[0] == 4 * 16 + 4  # group 1, row 2: position 20 -> block 4

@@ -55,13 +55,91 @@ def check_index(name: str, value: object, bound: int) -> int:
     return int(value)
 
 
-def check_count(name: str, value: object, bound: int, bound_name: str) -> int:
-    """Check ``0 <= value <= bound`` (a count, where ``bound`` itself is allowed); return it."""
+def check_count(
+    name: str, value: object, bound: int | None = None, bound_name: str | None = None
+) -> int:
+    """Check a count: an int ``>= 0`` (``ValueError``) and, with ``bound``, ``<= bound``
+    (``IndexError`` naming ``bound_name``; the bound itself is allowed). Return it as ``int``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= bound:
-        raise IndexError(f"{name}={int(value)} is out of range [0, {bound_name}={bound}]")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(value)}")
+    if bound is not None and value > bound:
+        raise IndexError(
+            f"{name}={int(value)} is out of range [0, {bound_name or 'bound'}={bound}]"
+        )
     return int(value)
+
+
+def block_id_error(name: str, block_id: int, bound: int, declared: bool) -> ValueError:
+    """The error for a block id outside ``[0, bound)`` (``declared``: the bound is the group's
+    ``num_blocks``); every entry point that takes ids words it this way."""
+    return ValueError(
+        f"{name} holds block id {int(block_id)}, outside [0, {bound})"
+        + (" (num_blocks)" if declared else "")
+    )
+
+
+def check_block_ids(name: str, ids: np.ndarray, bound: int, declared: bool) -> None:
+    """Raise :func:`block_id_error` unless every id of the 1-D integer array is in ``[0, bound)``."""
+    if len(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= bound:
+            raise block_id_error(name, lo if lo < 0 else hi, bound, declared)
+
+
+def check_row_of_batch(
+    row_of_batch: object,
+    row_of_batch_cpu: object,
+    *,
+    num_reqs: int,
+    max_num_reqs: int,
+    device: torch.device,
+    debug: bool,
+) -> np.ndarray | None:
+    """Check indexed mode's row vector; return its rows on the host when known without a sync.
+
+    ``row_of_batch`` must be an int32 ``[num_reqs]`` tensor on ``device``. Its values must lie in
+    ``[0, max_num_reqs)``; they are checked (``IndexError`` naming the bound) from
+    ``row_of_batch_cpu`` (a host copy: array or CPU tensor, ``[num_reqs]``) when given, from the
+    tensor itself when it is on the CPU, and in ``debug`` mode from a synchronizing copy, which
+    must equal ``row_of_batch_cpu``. Otherwise nothing is read: device code treats a row outside
+    the range as an empty row (null blocks, ``PAD_SLOT_ID`` slots).
+
+    Returns
+    -------
+    np.ndarray or None
+        int64 ``[num_reqs]`` rows (checked), or ``None`` when no host copy was at hand.
+    """
+    if not (isinstance(row_of_batch, torch.Tensor) and row_of_batch.dtype == torch.int32
+            and row_of_batch.shape == (num_reqs,) and row_of_batch.device == device):
+        check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
+                     device=device)
+    assert isinstance(row_of_batch, torch.Tensor)
+    host = None
+    if row_of_batch_cpu is not None:
+        host = as_index_array("row_of_batch_cpu", row_of_batch_cpu)
+        if len(host) != num_reqs:
+            raise ValueError(f"row_of_batch_cpu must have shape [{num_reqs}], got [{len(host)}]")
+        _check_rows("row_of_batch_cpu", host, max_num_reqs)
+    if row_of_batch.device.type == "cpu" or debug:
+        rows = row_of_batch.cpu().numpy().astype(np.int64)
+        if host is not None and not np.array_equal(rows, host):
+            i = int(np.argmax(rows != host))
+            raise ValueError(
+                f"row_of_batch_cpu[{i}]={int(host[i])} differs from row_of_batch[{i}]="
+                f"{int(rows[i])}"
+            )
+        _check_rows("row_of_batch", rows, max_num_reqs)
+        host = rows
+    return host
+
+
+def _check_rows(name: str, rows: np.ndarray, bound: int) -> None:
+    if len(rows):
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= bound:
+            raise IndexError(f"{name} holds row {lo if lo < 0 else hi}, outside [0, {bound})")
 
 
 def check_positive(name: str, value: object) -> int:

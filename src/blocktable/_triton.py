@@ -7,6 +7,8 @@ before ``triton`` was imported (that is how CI tests them). Without Triton, CPU 
 from __future__ import annotations
 
 import os
+import re
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -56,35 +58,102 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+# Triton versions whose private launcher ABI (``CompiledKernel.run(gridX, gridY, gridZ, stream,
+# function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``) the fast path was
+# verified against: 3.6 on the GPU machine, 3.9 in CI. Other versions take the public
+# ``kernel[grid](...)`` path; add a version here only after running the GPU tests on it.
+FAST_LAUNCH_TRITON_VERSIONS: frozenset[tuple[int, int]] = frozenset({(3, 6), (3, 9)})
+FAST_LAUNCH_ENV = "BLOCKTABLE_TRITON_FAST_LAUNCH"  # "0": never, "1": always, unset: allow-list
+
+
+def triton_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed Triton, or ``None`` without Triton."""
+    return parse_version(triton.__version__) if HAS_TRITON else None
+
+
+def parse_version(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string such as ``"3.6.0+git1234"``; ``None`` if unparsable."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def fast_launch_enabled(
+    version: tuple[int, int] | None = None, env: str | None = None
+) -> bool:
+    """Whether :class:`Launcher` may call Triton's private launcher directly.
+
+    Parameters
+    ----------
+    version : tuple of int or None
+        ``(major, minor)`` of Triton; default the installed one.
+    env : str or None
+        Value of ``BLOCKTABLE_TRITON_FAST_LAUNCH``; default read from the environment. ``"0"``
+        forces the public path, ``"1"`` the fast path (on an unverified version at your own
+        risk); unset or empty: the fast path only on :data:`FAST_LAUNCH_TRITON_VERSIONS`.
+    """
+    if env is None:
+        env = os.environ.get(FAST_LAUNCH_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{FAST_LAUNCH_ENV} must be 0, 1 or unset, got {env!r}")
+    if env:
+        return env == "1"
+    return (version if version is not None else triton_version()) in FAST_LAUNCH_TRITON_VERSIONS
+
+
 class Launcher:
     """Launch a ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
 
     ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call
-    (~10-40 µs of host time). This keeps the compiled kernel for each combination of the
-    non-tensor, non-dynamic arguments seen and calls its launcher directly. Pointer alignment
-    is not part of the key: a kernel launched through it must list every pointer whose
-    alignment may vary in ``do_not_specialize_on_alignment`` (the others must always be
-    16-byte aligned, e.g. allocation bases). Under the interpreter, or when a profiler hooked
-    launches, it takes the ordinary path.
+    (~10-40 µs of host time). This keeps the compiled kernel for each device and each
+    combination of the non-tensor, non-dynamic arguments seen, and calls its launcher directly
+    (Triton's private launcher ABI: only on :data:`FAST_LAUNCH_TRITON_VERSIONS`, see
+    :func:`fast_launch_enabled`). A compiled kernel holds module and function handles of the
+    device it was loaded on, so the device (of the first tensor argument) is part of the key,
+    and every launch runs with that device current, as Triton expects. Pointer alignment is
+    not part of the key: a kernel launched through it must list every pointer whose alignment
+    may vary in ``do_not_specialize_on_alignment`` (the others must always be 16-byte aligned,
+    e.g. allocation bases). Under the interpreter, when a profiler hooked launches, or when
+    the fast path is off, it takes the ordinary path.
 
     Parameters
     ----------
     kernel : triton.JITFunction
         The kernel. Every call passes *all* its arguments positionally, constexprs included,
-        in signature order, with tensors always in the same positions.
+        in signature order, with tensors always in the same positions; the first argument is
+        a tensor on the device to launch on.
     dynamic : tuple of int
         Positions of the ``do_not_specialize`` integer arguments (left out of the key).
+    fast : bool or None
+        Use the fast path; default :func:`fast_launch_enabled`.
     """
 
-    def __init__(self, kernel: object, dynamic: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, kernel: object, dynamic: tuple[int, ...] = (), fast: bool | None = None
+    ) -> None:
         self.kernel = kernel
         self.dynamic = frozenset(dynamic)
+        self.fast = fast_launch_enabled() if fast is None else fast
+        # (device index, num_warps, static args...) -> compiled kernel loaded on that device
         self._compiled: dict[tuple, object] = {}
         self._static_pos: list[int] | None = None
         self._interpret = interpreting()
 
     def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
-        if self._interpret or _launch_hook_installed():
+        if self._interpret:
+            self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
+            return
+        device = _device_index(args[0])  # type: ignore[arg-type]
+        if device == _current_device():
+            self._launch(device, grid, args, num_warps)
+        else:
+            with _device_guard(device):
+                self._launch(device, grid, args, num_warps)
+
+    def _launch(
+        self, device: int, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int
+    ) -> None:
+        """Launch on ``device``, which is current."""
+        if not self.fast or _launch_hook_installed():
             self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
             return
         if self._static_pos is None:
@@ -92,7 +161,7 @@ class Launcher:
                 i for i, a in enumerate(args)
                 if not isinstance(a, torch.Tensor) and i not in self.dynamic
             ]
-        key = (num_warps, *[args[i] for i in self._static_pos])
+        key = (device, num_warps, *[args[i] for i in self._static_pos])
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
@@ -100,11 +169,33 @@ class Launcher:
                 self._compiled[key] = compiled
             return
         g = (tuple(grid) + (1, 1))[:3]
-        stream = _current_stream(args[0].device.index)  # type: ignore[attr-defined]
         compiled.run(  # type: ignore[attr-defined]
-            g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,  # type: ignore[attr-defined]
-            None, None, None, *args,
+            g[0], g[1], g[2], _current_stream(device), compiled.function,  # type: ignore[attr-defined]
+            compiled.packed_metadata, None, None, None, *args,  # type: ignore[attr-defined]
         )
+
+
+def on_device(tensor: torch.Tensor) -> AbstractContextManager[object]:
+    """Make ``tensor``'s CUDA device current for a Triton launch (Triton launches on the
+    current device); a no-op when it already is, or for a CPU tensor."""
+    if tensor.device.type != "cuda":
+        return nullcontext()
+    device = _device_index(tensor)
+    return nullcontext() if device == _current_device() else _device_guard(device)
+
+
+def _device_index(tensor: torch.Tensor) -> int:
+    index = tensor.device.index
+    return 0 if index is None else int(index)
+
+
+def _current_device() -> int:
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return int(get()) if get is not None else torch.cuda.current_device()
+
+
+def _device_guard(device: int) -> AbstractContextManager[object]:
+    return torch.cuda.device(device)
 
 
 def _current_stream(device_index: int) -> int:

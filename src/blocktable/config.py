@@ -9,6 +9,9 @@ from enum import Enum
 from blocktable._checks import check_positive
 from blocktable.constants import ROW_ALIGN_TOKENS
 
+KERNEL_ID_LIMIT = 2**31
+"""Kernel block ids are stored as int32: every kernel id lies in ``[0, KERNEL_ID_LIMIT)``."""
+
 
 class GroupKind(str, Enum):
     """What a KV cache group's table is used for."""
@@ -26,7 +29,7 @@ class CPConfig:
     """Context parallelism: this rank's place among ``world_size`` ranks sharding the KV cache.
 
     A token belongs to rank ``(v // interleave) % world_size`` where ``v`` is its offset in its
-    virtual block of ``manager_block_size * world_size`` tokens (SPEC §2).
+    virtual block of ``manager_block_size * world_size`` tokens.
     """
 
     world_size: int = 1
@@ -79,7 +82,7 @@ class CPConfig:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GroupSpec:
     """One KV cache group's table.
 
@@ -87,51 +90,78 @@ class GroupSpec:
     ----------
     block_size : int
         Manager block size in tokens (the allocator's unit; block ids given to the table).
-    kernel_block_size : int or None
-        Block size the attention kernel reads; must divide ``block_size``; defaults to it. One
-        manager block ``b`` becomes kernel blocks ``b*k .. b*k+k-1`` with ``k = block_size //
-        kernel_block_size`` (the null block stays null).
+    kernel_block_size : int
+        Block size the attention kernel reads; must divide ``block_size``. Given as ``None``
+        (the default) it is ``block_size``. One manager block ``b`` becomes kernel blocks
+        ``b*k .. b*k+k-1`` with ``k = block_size // kernel_block_size`` (the null block stays
+        null).
     kind : GroupKind
         Token slots, state indices, or encoder-only (no table).
     cp_sharded : bool
         Whether context parallelism shards this group's KV (only then does CP apply to it).
     max_num_blocks : int or None
         Explicit row width in manager blocks; overrides the derivation from ``max_model_len``.
+        Rounded up like the derived width, so a row spans a multiple of 128 tokens (some
+        attention kernels need it): ``max_num_blocks=1875`` at ``block_size=64`` gives 1876.
     num_blocks : int or None
-        Declared number of manager blocks; when given, ids must be in ``[0, num_blocks)``.
+        Declared number of manager blocks in the pool; when given, ids must be in
+        ``[0, num_blocks)``. See :attr:`block_id_bound`.
     """
 
     block_size: int
-    kernel_block_size: int | None = None
-    kind: GroupKind = GroupKind.ATTENTION
-    cp_sharded: bool = True
-    max_num_blocks: int | None = None
-    num_blocks: int | None = None
+    kernel_block_size: int
+    kind: GroupKind
+    cp_sharded: bool
+    max_num_blocks: int | None
+    num_blocks: int | None
 
-    def __post_init__(self) -> None:
-        check_positive("block_size", self.block_size)
-        kbs = self.kernel_block_size
-        if kbs is not None:
-            check_positive("kernel_block_size", kbs)
-            if self.block_size % kbs != 0:
-                raise ValueError(
-                    f"kernel_block_size={kbs} must divide block_size={self.block_size}"
-                )
-        object.__setattr__(self, "kind", GroupKind(self.kind))
+    def __init__(
+        self,
+        block_size: int,
+        kernel_block_size: int | None = None,
+        kind: GroupKind | str = GroupKind.ATTENTION,
+        cp_sharded: bool = True,
+        max_num_blocks: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        check_positive("block_size", block_size)
+        if kernel_block_size is None:
+            kernel_block_size = block_size
+        check_positive("kernel_block_size", kernel_block_size)
+        if block_size % kernel_block_size != 0:
+            raise ValueError(
+                f"kernel_block_size={kernel_block_size} must divide block_size={block_size}"
+            )
+        for name, value in (("block_size", block_size), ("kernel_block_size", kernel_block_size),
+                            ("kind", GroupKind(kind)), ("cp_sharded", cp_sharded),
+                            ("max_num_blocks", max_num_blocks), ("num_blocks", num_blocks)):
+            object.__setattr__(self, name, value)
         if self.max_num_blocks is not None:
             check_positive("max_num_blocks", self.max_num_blocks)
         if self.num_blocks is not None:
             check_positive("num_blocks", self.num_blocks)
-
-    @property
-    def kernel_size(self) -> int:
-        """Kernel block size in tokens (``kernel_block_size`` or ``block_size``)."""
-        return self.kernel_block_size or self.block_size
+            limit = KERNEL_ID_LIMIT // self.blocks_per_manager_block
+            if self.num_blocks > limit:
+                raise ValueError(
+                    f"num_blocks={self.num_blocks} exceeds {limit}, the most manager blocks whose "
+                    f"kernel ids fit int32 (2**31 // {self.blocks_per_manager_block} kernel blocks "
+                    "per manager block)"
+                )
 
     @property
     def blocks_per_manager_block(self) -> int:
         """``k``: kernel blocks per manager block."""
-        return self.block_size // self.kernel_size
+        return self.block_size // self.kernel_block_size
+
+    @property
+    def block_id_bound(self) -> int:
+        """Manager block ids lie in ``[0, block_id_bound)``: ``num_blocks`` when declared, else
+        ``2**31 // k``, the largest bound whose kernel ids ``id*k .. id*k + k - 1`` fit the
+        int32 table (``k`` kernel blocks per manager block). Slots ``kernel_id *
+        kernel_block_size + offset`` are int64 and always fit."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return KERNEL_ID_LIMIT // self.blocks_per_manager_block
 
     @property
     def has_table(self) -> bool:
@@ -161,9 +191,9 @@ def check_cp_for_group(spec: GroupSpec, cp: CPConfig) -> None:
 def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
     """Row width in kernel blocks.
 
-    ``ceil(max_model_len / (block_size * cp_world))`` manager blocks, rounded up to a multiple of
-    ``128 // gcd(128, block_size)`` so a row spans a multiple of 128 tokens, then times ``k``.
-    ``spec.max_num_blocks`` (manager blocks) overrides the derivation.
+    ``ceil(max_model_len / (block_size * cp_world))`` manager blocks, or ``spec.max_num_blocks``
+    when given, rounded up to a multiple of ``128 // gcd(128, block_size)`` so a row spans a
+    multiple of 128 tokens, then times ``k``.
     """
     if spec.max_num_blocks is not None:
         manager_width = spec.max_num_blocks
@@ -171,6 +201,6 @@ def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
         check_positive("max_model_len", max_model_len)
         world = effective_cp(spec, cp).world_size
         manager_width = -(-max_model_len // (spec.block_size * world))
-        align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
-        manager_width = -(-manager_width // align) * align
+    align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
+    manager_width = -(-manager_width // align) * align
     return manager_width * spec.blocks_per_manager_block

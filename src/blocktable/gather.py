@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton
+from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, on_device, tl, triton
 from blocktable.constants import NULL_BLOCK_ID
 
 
@@ -12,6 +12,9 @@ def gather_rows(
     backend: str, table: torch.Tensor, row_of_batch: torch.Tensor, out: torch.Tensor
 ) -> None:
     """``out[i] = table[row_of_batch[i]]`` for ``i < num_reqs``; ``out[num_reqs:] = NULL``.
+
+    A row outside ``[0, max_num_reqs)`` reads as an empty row (all ``NULL_BLOCK_ID``): no
+    read outside the table, no device-side assert.
 
     Parameters
     ----------
@@ -29,11 +32,15 @@ def gather_rows(
         grid = (out.shape[0], cdiv(width, block))
         if out.shape[0] == 0:
             return
-        _gather_rows_kernel[grid](
-            table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
-        )
+        with on_device(table):
+            _gather_rows_kernel[grid](
+                table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
+            )
         return
-    out[:num_reqs] = table[row_of_batch.long()]
+    rows = row_of_batch.long()
+    live = (rows >= 0) & (rows < table.shape[0])
+    gathered = table[torch.where(live, rows, 0)]
+    out[:num_reqs] = torch.where(live[:, None], gathered, NULL_BLOCK_ID)
     out[num_reqs:] = NULL_BLOCK_ID
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_tensor
-from blocktable._triton import HAS_TRITON, next_power_of_2, resolve_backend, tl, triton
+from blocktable._triton import HAS_TRITON, next_power_of_2, on_device, resolve_backend, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -147,7 +147,8 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     if backend == "triton":
-        _write_kv_cache_triton(key, value, k_cache, v_cache, slots, num_slots)
+        with on_device(k_cache):
+            _write_kv_cache_triton(key, value, k_cache, v_cache, slots, num_slots)
     else:
         _write_kv_cache_torch(key, value, k_cache, v_cache, slots, num_slots)
 

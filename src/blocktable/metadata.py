@@ -15,7 +15,7 @@ class AttentionMetadata:
     """What one KV cache group's attention reads in one step.
 
     Groups share every field but ``group``, ``block_table_tensor``, ``slot_mapping`` and
-    ``num_blocks_per_row_cpu``; :meth:`for_group` swaps those in and rebuilds nothing else.
+    ``num_kernel_blocks_cpu``; :meth:`for_group` swaps those in and rebuilds nothing else.
 
     Attributes
     ----------
@@ -34,8 +34,9 @@ class AttentionMetadata:
         int32 ``[num_reqs_padded, width]`` on the device (kernel block ids).
     slot_mapping : torch.Tensor or None
         int64 ``[max_num_batched_tokens]`` on the device (``None`` for state groups).
-    num_blocks_per_row_cpu : np.ndarray
-        int32 ``[num_reqs]`` on the host: filled kernel blocks of each request's row.
+    num_kernel_blocks_cpu : np.ndarray or None
+        int32 ``[num_reqs]`` on the host: filled kernel blocks of each request's row. ``None``
+        in indexed mode on CUDA without a host copy of ``row_of_batch``.
     """
 
     group: int
@@ -48,14 +49,14 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor | None
     block_table_tensor: torch.Tensor
     slot_mapping: torch.Tensor | None
-    num_blocks_per_row_cpu: np.ndarray
+    num_kernel_blocks_cpu: np.ndarray | None
 
     def for_group(
         self,
         group: int,
         block_table_tensor: torch.Tensor,
         slot_mapping: torch.Tensor | None,
-        num_blocks_per_row_cpu: np.ndarray,
+        num_kernel_blocks_cpu: np.ndarray | None,
     ) -> AttentionMetadata:
         """This step's metadata for another group: only its table and slots change."""
         return dataclasses.replace(
@@ -63,5 +64,5 @@ class AttentionMetadata:
             group=group,
             block_table_tensor=block_table_tensor,
             slot_mapping=slot_mapping,
-            num_blocks_per_row_cpu=num_blocks_per_row_cpu,
+            num_kernel_blocks_cpu=num_kernel_blocks_cpu,
         )

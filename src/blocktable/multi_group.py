@@ -21,7 +21,12 @@ from blocktable.config import (
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
-from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
+from blocktable.slot_mapping.inputs import (
+    check_slot_inputs,
+    mask_rows,
+    pad_tokens_of_dead_rows,
+    report_unmapped_tokens,
+)
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
@@ -51,8 +56,8 @@ class MultiGroupBlockTable(AttentionViews):
     commit_staging_entries : int or None
         Staging capacity of the incremental commit (see :class:`blocktable.commit.Committer`).
     debug : bool
-        Validate device inputs with host copies and report tokens whose position lies past
-        their row's blocks (synchronizes every step).
+        Validate device inputs with host copies and report tokens whose position is negative
+        or lies past their row's blocks (synchronizes every step).
 
     Examples
     --------
@@ -110,9 +115,10 @@ class MultiGroupBlockTable(AttentionViews):
             widths.append(row_width(spec, max_model_len or 0, self.cp))
         self.storage = TableStorage(widths, self.max_num_reqs, self.device)
         self.tables: list[BlockTable | None] = [
-            BlockTable._for_group(self, g) if spec.has_table else None
+            BlockTable.for_group(self, g) if spec.has_table else None
             for g, spec in enumerate(self.specs)
         ]
+        self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
         self.committer = Committer(self.storage, self.backend, commit_staging_entries)
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
@@ -145,7 +151,7 @@ class MultiGroupBlockTable(AttentionViews):
             table_offset=int(st.table_offsets[g]),
             width=st.widths[g],
             counts_offset=st.counts_offset + g * self.max_num_reqs,
-            kernel_block_size=spec.kernel_size,
+            kernel_block_size=spec.kernel_block_size,
             manager_block_size=spec.block_size,
             cp_world_size=cp.world_size,
             cp_rank=cp.rank,
@@ -156,12 +162,25 @@ class MultiGroupBlockTable(AttentionViews):
         return [t for t in self.tables if t is not None]
 
     # ---- row operations, fanned out to every group ---------------------------------------
-    def _per_group(self, name: str, block_ids: Sequence[object]) -> list[np.ndarray | None]:
+    def _per_group(
+        self, op: str, name: str, block_ids: Sequence[object]
+    ) -> list[np.ndarray | None]:
         """One kernel-id array per group (None for encoder-only), every group checked."""
-        if isinstance(block_ids, (np.ndarray, torch.Tensor)) or len(block_ids) != self.num_groups:
+        n = self.num_groups
+        got = None
+        if isinstance(block_ids, (np.ndarray, torch.Tensor)):
+            got = f"an array of shape {list(block_ids.shape)}"
+        elif not hasattr(block_ids, "__len__") or isinstance(block_ids, (str, bytes)):
+            got = repr(block_ids)
+        elif any(isinstance(ids, (int, np.integer)) for ids in block_ids):
+            got = f"a flat list of {len(block_ids)} ids"
+        elif len(block_ids) != n:
+            got = f"{len(block_ids)} entries"
+        if got is not None:
+            lists = ", ".join(["[3, 5]"] + ["[4]"] * (n - 1)) + ("," if n == 1 else "")
             raise ValueError(
-                f"{name} must hold one id list per group ({self.num_groups}), got "
-                f"{len(block_ids) if hasattr(block_ids, '__len__') else block_ids!r}"
+                f"{name} must hold one id list per group: the table has {n} group"
+                f"{'s' if n > 1 else ''}, e.g. {op}(({lists}), 1); got {got}"
             )
         out: list[np.ndarray | None] = []
         for g, (table, ids) in enumerate(zip(self.tables, block_ids)):
@@ -176,55 +195,55 @@ class MultiGroupBlockTable(AttentionViews):
     def add_row(self, block_ids: Sequence[Sequence[int]], row_idx: int) -> None:
         """Replace row ``row_idx`` in every group; ``block_ids[g]`` are group ``g``'s manager ids."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        ids = self._per_group("block_ids", block_ids)
+        ids = self._per_group("add_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
-                table._check_fits(row, len(k_ids), "add_row")
+                table.check_fits(row, len(k_ids), "add_row")
         self.storage.before_host_write()
-        for table, k_ids in zip(self.tables, ids):
-            if table is not None and k_ids is not None:
-                table._write_add(row, k_ids)
+        for g, k_ids in enumerate(ids):
+            if k_ids is not None:
+                self.storage.write_add(g, row, k_ids)
 
     def append_row(self, block_ids: Sequence[Sequence[int]], row_idx: int) -> None:
         """Append ``block_ids[g]`` to row ``row_idx`` of each group ``g`` (empty lists: no-op)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        ids = self._per_group("block_ids", block_ids)
+        ids = self._per_group("append_row", "block_ids", block_ids)
         for table, k_ids in zip(self.tables, ids):
             if table is not None and k_ids is not None:
-                table._check_fits(
-                    row, int(table.num_blocks_per_row[row]) + len(k_ids), "append_row"
+                table.check_fits(
+                    row, int(table.num_kernel_blocks[row]) + len(k_ids), "append_row"
                 )
         self.storage.before_host_write()
-        for table, k_ids in zip(self.tables, ids):
-            if table is not None and k_ids is not None and len(k_ids):
-                table._write_append(row, k_ids)
+        for g, k_ids in enumerate(ids):
+            if k_ids is not None and len(k_ids):
+                self.storage.write_append(g, row, k_ids)
 
     def clear_row(self, row_idx: int) -> None:
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         self.storage.before_host_write()
-        for table in self._live_tables():
-            table._write_clear_row(row)
+        for g in self._table_groups:
+            self.storage.write_clear_row(g, row)
 
     def move_row(self, src: int, tgt: int) -> None:
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
             self.storage.before_host_write()
-            for table in self._live_tables():
-                table._write_move(s, t)
+            for g in self._table_groups:
+                self.storage.write_move(g, s, t)
 
     def swap_row(self, src: int, tgt: int) -> None:
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
             self.storage.before_host_write()
-            for table in self._live_tables():
-                table._write_swap(s, t)
+            for g in self._table_groups:
+                self.storage.write_swap(g, s, t)
 
     def clear(self) -> None:
         self.storage.before_host_write()
-        for table in self._live_tables():
-            table._write_clear()
+        for g in self._table_groups:
+            self.storage.write_clear(g)
 
     def apply(self, update: StepUpdate) -> None:
         """Apply a whole step's changes (see :class:`~blocktable.update.StepUpdate`), all groups.
@@ -288,6 +307,7 @@ class MultiGroupBlockTable(AttentionViews):
         *,
         row_of_batch: torch.Tensor | None = None,
         query_start_loc_cpu: torch.Tensor | None = None,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> list[torch.Tensor | None]:
         """Slots of this step's tokens for every token-slot group, in one launch.
 
@@ -300,10 +320,14 @@ class MultiGroupBlockTable(AttentionViews):
             int64 ``[num_tokens]`` on the table's device; ``num_tokens <= max_num_batched_tokens``.
         row_of_batch : torch.Tensor or None
             int32 ``[num_reqs]`` on the device: table row of each request (indexed mode).
-            ``None``: request ``r`` is row ``r`` (condensed mode).
+            ``None``: request ``r`` is row ``r`` (condensed mode). A row outside
+            ``[0, max_num_reqs)`` that no check caught reads as an empty row (``PAD_SLOT_ID``).
         query_start_loc_cpu : torch.Tensor or None
             Host copy of ``query_start_loc``; when given, its contents are checked on the host
             (free). Without it, CUDA inputs are checked only in debug mode.
+        row_of_batch_cpu : np.ndarray or torch.Tensor or None
+            Host copy of ``row_of_batch``; when given, its rows are checked on the host (free).
+            Without it, rows on CUDA are checked only in debug mode.
 
         Returns
         -------
@@ -314,8 +338,13 @@ class MultiGroupBlockTable(AttentionViews):
         check_slot_inputs(
             query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
-            check_device_values=self.debug,
+            check_device_values=self.debug, row_of_batch_cpu=row_of_batch_cpu,
         )
+        live = None
+        if row_of_batch is not None and self.backend == "torch" and self.device.type != "cpu":
+            # The torch path indexes with the rows: keep them in range (a device-side assert
+            # would kill the context); tokens of an out-of-range row become PAD below.
+            row_of_batch, live = mask_rows(row_of_batch, self.max_num_reqs)
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -329,6 +358,8 @@ class MultiGroupBlockTable(AttentionViews):
             pow2=self._pow2,
             has_cp=self._has_cp,
         )
+        if live is not None:
+            pad_tokens_of_dead_rows(self._slots, query_start_loc, live, positions.numel())
         if self.debug:
             report_unmapped_tokens(
                 self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,

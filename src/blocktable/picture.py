@@ -43,7 +43,7 @@ class TableSnapshot:
         Rows in this step's batch, and how many tokens each computes.
     block_table : np.ndarray
         int32 ``[num_rows, width]``: the host table's first rows (manager = kernel blocks).
-    num_blocks_per_row : np.ndarray
+    num_kernel_blocks : np.ndarray
         int32 ``[num_rows]``: filled entries per row.
     ref_counts : np.ndarray
         int32 ``[num_blocks]``: requests holding each block.
@@ -56,7 +56,7 @@ class TableSnapshot:
     req_of_row: dict[int, str]
     num_new_tokens_of_row: dict[int, int]
     block_table: np.ndarray
-    num_blocks_per_row: np.ndarray
+    num_kernel_blocks: np.ndarray
     ref_counts: np.ndarray
     cached: np.ndarray
 
@@ -80,7 +80,7 @@ def take_snapshot(engine: LLMEngine, batch: SchedulerOutput) -> TableSnapshot:
             manager.row_of(s.request.req_id): s.num_new_tokens for s in batch.scheduled
         },
         block_table=table.block_table_np[:num_rows].copy(),
-        num_blocks_per_row=table.num_blocks_per_row[:num_rows].copy(),
+        num_kernel_blocks=table.num_kernel_blocks[:num_rows].copy(),
         ref_counts=np.array([pool.ref_count(b) for b in range(num_blocks)], dtype=np.int32),
         cached=np.array([pool.content_id(b) is not None for b in range(num_blocks)]),
     )
@@ -109,11 +109,11 @@ def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:
     # it, so a shared prefix shows up as the same colored, hatched cells in several rows.
     owner_color: dict[int, object] = {}
     for row in rows:
-        for b in snap.block_table[row, : snap.num_blocks_per_row[row]]:
+        for b in snap.block_table[row, : snap.num_kernel_blocks[row]]:
             owner_color.setdefault(int(b), color_of_row[row])
 
     num_rows = len(snap.block_table)
-    num_cols = int(snap.num_blocks_per_row.max(initial=0)) + 1  # one null column past the end
+    num_cols = int(snap.num_kernel_blocks.max(initial=0)) + 1  # one null column past the end
     num_cols = min(num_cols, snap.block_table.shape[1]) if num_rows else 1
     num_blocks = len(snap.ref_counts)
     num_pool_lines = -(-num_blocks // _POOL_CELLS_PER_LINE)
@@ -140,7 +140,7 @@ def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:
 
     for row in range(num_rows):
         y = num_rows - 1 - row
-        count = int(snap.num_blocks_per_row[row])
+        count = int(snap.num_kernel_blocks[row])
         for j in range(num_cols):
             b = int(snap.block_table[row, j])
             if j >= count or b == NULL_BLOCK_ID:

@@ -5,16 +5,20 @@ commit moves every group's changes in a single host-to-device copy. Layout::
 
     [ table of group 0 : R x W0 | table of group 1 : R x W1 | ... | counts : G x R ]
 
-Three views of it (SPEC §2): a numpy array that row operations write, the CPU tensor it views
-(pinned when CUDA is present), and the device tensor kernels read. The device tensor is
-allocated once, so its address is fixed for CUDA graphs. Its contents change only in
-:meth:`blocktable.commit.Committer.commit`.
+Three views of it: a numpy array that row operations write, the CPU tensor it views (pinned
+when CUDA is present), and the device tensor kernels read. The device tensor is allocated once,
+so its address is fixed for CUDA graphs. Its contents change only in
+:meth:`blocktable.commit.Committer.commit`. The ``write_*`` methods are the row writes of every
+table; they trust their input (:class:`~blocktable.table.BlockTable` and
+:class:`~blocktable.MultiGroupBlockTable` check everything first) and record what they change.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from blocktable.constants import NULL_BLOCK_ID
 
 
 class TableStorage:
@@ -62,6 +66,8 @@ class TableStorage:
         # An asynchronous copy that reads ``host_tensor`` directly (the large-commit path):
         # host writes must wait for it.
         self.host_read_event: torch.cuda.Event | None = None
+        self._tables = [self.host_table(g) for g in range(self.num_groups)]
+        self._counts = [self.host_counts(g) for g in range(self.num_groups)]
 
     # ---- views -------------------------------------------------------------------------
     def host_table(self, group: int) -> np.ndarray:
@@ -133,6 +139,68 @@ class TableStorage:
         self.journal[runs : runs + len(lengths), 1] = lengths
         self.journal_len[0] = runs + len(lengths)
         self.journal_len[1] = total
+
+    # ---- row writes (inputs already checked; every change recorded) -------------------
+    def _record(self, group: int, row: int, lo: int, hi: int) -> None:
+        """Note for the next commit that columns ``[lo, hi)`` of ``row`` of ``group`` changed."""
+        start = int(self.table_offsets[group]) + row * self.widths[group] + lo
+        self.record_run(group, row, start, hi - lo)
+
+    def write_add(self, group: int, row: int, kernel_ids: np.ndarray) -> None:
+        """Replace ``row`` with ``kernel_ids`` (int32, fits the width); null the stale tail."""
+        table, counts = self._tables[group], self._counts[group]
+        old, new = int(counts[row]), len(kernel_ids)
+        table[row, :new] = kernel_ids
+        if old > new:
+            table[row, new:old] = NULL_BLOCK_ID
+        counts[row] = new
+        self._record(group, row, 0, max(old, new))
+
+    def write_append(self, group: int, row: int, kernel_ids: np.ndarray) -> None:
+        """Append ``kernel_ids`` (int32, fits the width) after the row's filled entries."""
+        table, counts = self._tables[group], self._counts[group]
+        start = int(counts[row])
+        stop = start + len(kernel_ids)
+        table[row, start:stop] = kernel_ids
+        counts[row] = stop
+        self._record(group, row, start, stop)
+
+    def write_clear_row(self, group: int, row: int) -> None:
+        """Null the row's filled entries and set its count to 0."""
+        table, counts = self._tables[group], self._counts[group]
+        old = int(counts[row])
+        table[row, :old] = NULL_BLOCK_ID
+        counts[row] = 0
+        self._record(group, row, 0, old)
+
+    def write_move(self, group: int, src: int, dst: int) -> None:
+        """Move row ``src`` to ``dst`` (``src != dst``); ``src`` is left empty."""
+        table, counts = self._tables[group], self._counts[group]
+        n_src, n_dst = int(counts[src]), int(counts[dst])
+        table[dst, :n_src] = table[src, :n_src]
+        if n_dst > n_src:
+            table[dst, n_src:n_dst] = NULL_BLOCK_ID
+        counts[dst] = n_src
+        self._record(group, dst, 0, max(n_src, n_dst))
+        self.write_clear_row(group, src)
+
+    def write_swap(self, group: int, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` (``a != b``)."""
+        table, counts = self._tables[group], self._counts[group]
+        n = max(int(counts[a]), int(counts[b]))
+        table[[a, b], :n] = table[[b, a], :n]
+        counts[[a, b]] = counts[[b, a]]
+        self._record(group, a, 0, n)
+        self._record(group, b, 0, n)
+
+    def write_clear(self, group: int) -> None:
+        """Empty every row of ``group``."""
+        table, counts = self._tables[group], self._counts[group]
+        rows = np.nonzero(counts)[0]
+        starts = int(self.table_offsets[group]) + rows * self.widths[group]
+        self.record_rows(group, rows, starts, counts[rows].astype(np.int64))
+        table[rows] = NULL_BLOCK_ID
+        counts[:] = 0
 
     def reset_changes(self) -> None:
         self.dirty_rows[:] = False

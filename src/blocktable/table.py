@@ -6,27 +6,24 @@ the buffers, the commit and the slot mapping. Build a single-group table directl
 one-group :class:`MultiGroupBlockTable` and forwards ``commit``/``compute_slot_mapping`` to it.
 
 Every operation validates all of its input before the first write, so a rejected call leaves the
-table exactly as it was (SPEC §3.1). Block ids are manager ids; each becomes ``k`` kernel ids.
+table exactly as it was. Block ids are manager ids; each becomes ``k`` kernel ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_index
-from blocktable.config import GroupSpec
+from blocktable._checks import as_index_array, check_block_ids, check_index
+from blocktable.config import CPConfig, GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.storage import TableStorage
 
 if TYPE_CHECKING:
     from blocktable.multi_group import MultiGroupBlockTable
-
-_INT32_MAX = np.iinfo(np.int32).max
-
 
 class BlockTable:
     """Rows of kernel block ids for one KV cache group.
@@ -39,29 +36,49 @@ class BlockTable:
         Row width in kernel blocks.
     block_table_np : np.ndarray
         int32 ``[max_num_reqs, width]`` on cpu: the host table (read it; write through the ops).
-    num_blocks_per_row : np.ndarray
+    num_kernel_blocks : np.ndarray
         int32 ``[max_num_reqs]`` on cpu: filled kernel blocks per row.
     """
 
     owner: MultiGroupBlockTable
     group: int
 
-    def __init__(self, block_size: int, max_num_reqs: int, *args: Any, **kwargs: Any) -> None:
-        """Standalone single-group table; arguments as :class:`MultiGroupBlockTable` plus
-        ``kernel_block_size``, ``max_num_blocks`` and ``num_blocks`` for the one group."""
+    def __init__(
+        self,
+        block_size: int,
+        max_num_reqs: int,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        device: str | torch.device = "cpu",
+        *,
+        kernel_block_size: int | None = None,
+        max_num_blocks: int | None = None,
+        num_blocks: int | None = None,
+        cp: CPConfig | None = None,
+        backend: str = "auto",
+        commit_staging_entries: int | None = None,
+        debug: bool = False,
+    ) -> None:
+        """Standalone single-group table: ``block_size``, ``kernel_block_size``,
+        ``max_num_blocks`` and ``num_blocks`` as in :class:`GroupSpec`, the rest as in
+        :class:`MultiGroupBlockTable`."""
         from blocktable.multi_group import MultiGroupBlockTable
 
         spec = GroupSpec(
             block_size=block_size,
-            kernel_block_size=kwargs.pop("kernel_block_size", None),
-            max_num_blocks=kwargs.pop("max_num_blocks", None),
-            num_blocks=kwargs.pop("num_blocks", None),
+            kernel_block_size=kernel_block_size,
+            max_num_blocks=max_num_blocks,
+            num_blocks=num_blocks,
         )
-        owner = MultiGroupBlockTable([spec], max_num_reqs, *args, **kwargs)
+        owner = MultiGroupBlockTable(
+            [spec], max_num_reqs, max_model_len, max_num_batched_tokens, device, cp=cp,
+            backend=backend, commit_staging_entries=commit_staging_entries, debug=debug,
+        )
         self._bind(owner, 0)
 
     @classmethod
-    def _for_group(cls, owner: MultiGroupBlockTable, group: int) -> BlockTable:
+    def for_group(cls, owner: MultiGroupBlockTable, group: int) -> BlockTable:
+        """The table of ``group`` inside ``owner`` (how the owner builds its per-group views)."""
         table = cls.__new__(cls)
         table._bind(owner, group)
         return table
@@ -76,100 +93,40 @@ class BlockTable:
         self.offset = int(self.storage.table_offsets[group])  # of this table in the flat buffer
         self.k = self.spec.blocks_per_manager_block
         self.block_table_np = self.storage.host_table(group)
-        self.num_blocks_per_row = self.storage.host_counts(group)
+        self.num_kernel_blocks = self.storage.host_counts(group)
         # work space of the compiled batched-update check (int64 / bool [max_num_reqs])
         self.scratch_counts = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.scratch_seen = np.zeros(self.max_num_reqs, dtype=bool)
-        self.max_manager_id = self.spec.num_blocks if self.spec.num_blocks is not None else (
-            (_INT32_MAX - self.k + 1) // self.k + 1
-        )
+        self.block_id_bound = self.spec.block_id_bound
+        self.num_blocks_declared = self.spec.num_blocks is not None
 
     # ---- checks (no writes) -------------------------------------------------------------
     def kernel_ids(self, block_ids: object, name: str = "block_ids") -> np.ndarray:
         """Validate manager ids and expand them to int32 kernel ids (null stays null)."""
         ids = as_index_array(name, block_ids)
-        if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.max_manager_id:
-                bad = lo if lo < 0 else hi
-                raise ValueError(
-                    f"{name} holds block id {bad}, outside [0, {self.max_manager_id})"
-                    + (" (num_blocks)" if self.spec.num_blocks is not None else "")
-                )
+        check_block_ids(name, ids, self.block_id_bound, self.num_blocks_declared)
         if self.k == 1:
             return ids.astype(np.int32)
         expanded = ids[:, None] * self.k + np.arange(self.k)
         expanded[ids == NULL_BLOCK_ID] = NULL_BLOCK_ID
         return expanded.reshape(-1).astype(np.int32)
 
-    def _check_fits(self, row: int, num_kernel_blocks: int, what: str) -> None:
+    def check_fits(self, row: int, num_kernel_blocks: int, op: str) -> None:
+        """Raise ``ValueError`` (naming ``op``) if ``row`` cannot hold ``num_kernel_blocks``."""
         if num_kernel_blocks > self.width:
             raise ValueError(
-                f"{what}: row {row} would hold {num_kernel_blocks} kernel blocks, more than the "
+                f"{op}: row {row} would hold {num_kernel_blocks} kernel blocks, more than the "
                 f"row width {self.width} (group {self.group})"
             )
-
-    # ---- writes (inputs already checked) -----------------------------------------------
-    def _record(self, row: int, lo: int, hi: int) -> None:
-        """Note for the next commit that columns ``[lo, hi)`` of ``row`` changed."""
-        self.storage.record_run(self.group, row, self.offset + row * self.width + lo, hi - lo)
-
-    def _write_add(self, row: int, kernel_ids: np.ndarray) -> None:
-        old = int(self.num_blocks_per_row[row])
-        new = len(kernel_ids)
-        self.block_table_np[row, :new] = kernel_ids
-        if old > new:
-            self.block_table_np[row, new:old] = NULL_BLOCK_ID
-        self.num_blocks_per_row[row] = new
-        self._record(row, 0, max(old, new))
-
-    def _write_append(self, row: int, kernel_ids: np.ndarray) -> None:
-        start = int(self.num_blocks_per_row[row])
-        stop = start + len(kernel_ids)
-        self.block_table_np[row, start:stop] = kernel_ids
-        self.num_blocks_per_row[row] = stop
-        self._record(row, start, stop)
-
-    def _write_clear_row(self, row: int) -> None:
-        old = int(self.num_blocks_per_row[row])
-        self.block_table_np[row, :old] = NULL_BLOCK_ID
-        self.num_blocks_per_row[row] = 0
-        self._record(row, 0, old)
-
-    def _write_move(self, src: int, dst: int) -> None:
-        n_src = int(self.num_blocks_per_row[src])
-        n_dst = int(self.num_blocks_per_row[dst])
-        self.block_table_np[dst, :n_src] = self.block_table_np[src, :n_src]
-        if n_dst > n_src:
-            self.block_table_np[dst, n_src:n_dst] = NULL_BLOCK_ID
-        self.num_blocks_per_row[dst] = n_src
-        self._record(dst, 0, max(n_src, n_dst))
-        self._write_clear_row(src)
-
-    def _write_swap(self, a: int, b: int) -> None:
-        n = max(int(self.num_blocks_per_row[a]), int(self.num_blocks_per_row[b]))
-        self.block_table_np[[a, b], :n] = self.block_table_np[[b, a], :n]
-        self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
-        self._record(a, 0, n)
-        self._record(b, 0, n)
-
-    def _write_clear(self) -> None:
-        counts = self.num_blocks_per_row
-        rows = np.nonzero(counts)[0]
-        self.storage.record_rows(
-            self.group, rows, self.offset + rows * self.width, counts[rows].astype(np.int64)
-        )
-        self.block_table_np[rows] = NULL_BLOCK_ID
-        counts[:] = 0
 
     # ---- public row operations (this group only) ----------------------------------------
     def add_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
         """Replace row ``row_idx`` with ``block_ids`` (manager ids); entries past them become null."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         ids = self.kernel_ids(block_ids)
-        self._check_fits(row, len(ids), "add_row")
+        self.check_fits(row, len(ids), "add_row")
         self.storage.before_host_write()
-        self._write_add(row, ids)
+        self.storage.write_add(self.group, row, ids)
 
     def append_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
         """Append ``block_ids`` (manager ids) after the row's filled entries; empty is a no-op."""
@@ -177,15 +134,15 @@ class BlockTable:
         ids = self.kernel_ids(block_ids)
         if len(ids) == 0:
             return
-        self._check_fits(row, int(self.num_blocks_per_row[row]) + len(ids), "append_row")
+        self.check_fits(row, int(self.num_kernel_blocks[row]) + len(ids), "append_row")
         self.storage.before_host_write()
-        self._write_append(row, ids)
+        self.storage.write_append(self.group, row, ids)
 
     def clear_row(self, row_idx: int) -> None:
         """Set the row's filled entries to the null block and its count to 0."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         self.storage.before_host_write()
-        self._write_clear_row(row)
+        self.storage.write_clear_row(self.group, row)
 
     def move_row(self, src: int, tgt: int) -> None:
         """Move row ``src`` to ``tgt`` (batch condense); ``src`` is left empty."""
@@ -194,7 +151,7 @@ class BlockTable:
         if s == t:
             return
         self.storage.before_host_write()
-        self._write_move(s, t)
+        self.storage.write_move(self.group, s, t)
 
     def swap_row(self, src: int, tgt: int) -> None:
         """Exchange rows ``src`` and ``tgt`` (batch reorder)."""
@@ -203,18 +160,18 @@ class BlockTable:
         if s == t:
             return
         self.storage.before_host_write()
-        self._write_swap(s, t)
+        self.storage.write_swap(self.group, s, t)
 
     def clear(self) -> None:
         """Empty every row (entries and counts)."""
         self.storage.before_host_write()
-        self._write_clear()
+        self.storage.write_clear(self.group)
 
     # ---- reading --------------------------------------------------------------------------
     def row(self, row_idx: int) -> np.ndarray:
         """The filled kernel block ids of a row (a copy; int32)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
-        return self.block_table_np[row, : self.num_blocks_per_row[row]].copy()
+        return self.block_table_np[row, : self.num_kernel_blocks[row]].copy()
 
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         """int32 ``[num_reqs, width]`` device view of the committed table (condensed mode)."""
@@ -230,10 +187,20 @@ class BlockTable:
         self.owner.commit(num_reqs)
 
     def compute_slot_mapping(
-        self, query_start_loc: torch.Tensor, positions: torch.Tensor, **kwargs: Any
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        row_of_batch: torch.Tensor | None = None,
+        query_start_loc_cpu: torch.Tensor | None = None,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This group's int64 ``[max_num_batched_tokens]`` slot mapping (see the owner)."""
-        slots = self.owner.compute_slot_mapping(query_start_loc, positions, **kwargs)
+        """This group's int64 ``[max_num_batched_tokens]`` slot mapping (arguments as in
+        :meth:`MultiGroupBlockTable.compute_slot_mapping`)."""
+        slots = self.owner.compute_slot_mapping(
+            query_start_loc, positions, row_of_batch=row_of_batch,
+            query_start_loc_cpu=query_start_loc_cpu, row_of_batch_cpu=row_of_batch_cpu,
+        )
         result = slots[self.group]
         if result is None:
             raise ValueError(f"group {self.group} ({self.spec.kind.value}) has no slot mapping")
@@ -246,7 +213,7 @@ class BlockTable:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of the host table does not hold."""
-        counts = self.num_blocks_per_row
+        counts = self.num_kernel_blocks
         if counts.min(initial=0) < 0 or counts.max(initial=0) > self.width:
             raise AssertionError(f"group {self.group}: a count is outside [0, {self.width}]")
         cols = np.arange(self.width)

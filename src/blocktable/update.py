@@ -19,13 +19,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_I32 = np.iinfo(np.int32)
 
 
 def _int32(values: object) -> np.ndarray:
+    """``values`` as an int32 array when they are integers that fit; otherwise as given (never
+    wrapped: the table names the bad value when it applies the update)."""
     arr = np.asarray(values)
     if arr.size == 0:
         return _EMPTY
-    return arr.astype(np.int32, copy=False)
+    if arr.dtype == np.int32:
+        return arr  # nothing to convert (the allocator's arrays)
+    if arr.dtype.kind in "iu" and _I32.min <= int(arr.min()) and int(arr.max()) <= _I32.max:
+        return arr.astype(np.int32, copy=False)
+    return arr
 
 
 @dataclass(frozen=True)
@@ -36,14 +43,14 @@ class RowBlocks:
     ----------
     rows : np.ndarray
         int32 ``[n]``, table rows.
-    num_blocks : np.ndarray
+    num_manager_blocks : np.ndarray
         int32 ``[n]``, how many manager blocks each row gets.
     block_ids : np.ndarray
-        int32 ``[num_blocks.sum()]``, the ids, those of ``rows[0]`` first.
+        int32 ``[num_manager_blocks.sum()]``, the ids, those of ``rows[0]`` first.
     """
 
     rows: np.ndarray = field(default_factory=lambda: _EMPTY)
-    num_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
+    num_manager_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     block_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
 
     @classmethod
@@ -55,7 +62,7 @@ class RowBlocks:
                 f"{len(ids_per_row)}"
             )
         num = [len(ids) for ids in ids_per_row]
-        flat = [int(b) for ids in ids_per_row for b in ids]
+        flat = [b for ids in ids_per_row for b in ids]
         return cls(_int32(rows), _int32(num), _int32(flat))
 
     def __len__(self) -> int:

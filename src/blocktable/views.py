@@ -1,5 +1,5 @@
 """What attention reads, per group: padded device views, indexed-mode gathers, state indices
-and the per-step metadata (SPEC §2 "hand-off to attention", §4 step 5).
+and the per-step metadata handed to attention.
 
 :class:`AttentionViews` is a base of :class:`~blocktable.MultiGroupBlockTable`; its methods use
 the table's storage and sizes.
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from blocktable._checks import check_count, check_index, check_tensor
+from blocktable._checks import check_count, check_index, check_row_of_batch, check_tensor
 from blocktable.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -82,27 +82,37 @@ class AttentionViews:
         return self.storage.device_table(group)[:padded]
 
     def gather_view(
-        self, group: int, row_of_batch: torch.Tensor, num_reqs_padded: int | None = None
+        self,
+        group: int,
+        row_of_batch: torch.Tensor,
+        num_reqs_padded: int | None = None,
+        *,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """int32 ``[num_reqs_padded, width]`` table of ``group`` in batch order (indexed mode).
 
-        Row ``i < num_reqs`` is table row ``row_of_batch[i]``; pad rows hold ``NULL_BLOCK_ID``.
-        Written on the device into a persistent buffer (allocated on first use; fixed address).
+        Row ``i < num_reqs`` is table row ``row_of_batch[i]`` (int32 ``[num_reqs]`` on the
+        device); pad rows hold ``NULL_BLOCK_ID``. Written on the device into a persistent buffer
+        (allocated on first use; fixed address). Rows are checked against ``max_num_reqs`` from
+        ``row_of_batch_cpu`` (its host copy) when given, and in debug mode; unchecked, a row out
+        of range reads as an empty row.
         """
-        from blocktable.gather import gather_rows
-
         check_index("group", group, self.num_groups)
-        num_reqs = row_of_batch.numel() if isinstance(row_of_batch, torch.Tensor) else -1
         check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, ndim=1, device=self.device)
+        num_reqs = row_of_batch.numel()
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"row_of_batch has {num_reqs} rows, more than max_num_reqs")
         padded = self._padded(num_reqs, num_reqs_padded)
+        check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
+                           max_num_reqs=self.max_num_reqs, device=self.device, debug=self.debug)
+        return self._gather(group, row_of_batch, padded)
+
+    def _gather(self, group: int, row_of_batch: torch.Tensor, padded: int) -> torch.Tensor:
+        """:meth:`gather_view` on checked arguments."""
+        from blocktable.gather import gather_rows
+
         if not self.specs[group].has_table:
             return self._encoder_placeholder[:padded]
-        if row_of_batch.device.type == "cpu" or self.debug:
-            rows = row_of_batch.cpu().numpy()
-            if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
-                raise IndexError(f"row_of_batch holds a row outside [0, {self.max_num_reqs})")
         out = self._gathered.get(group)
         if out is None:
             out = torch.zeros_like(self.storage.device_table(group))
@@ -118,13 +128,16 @@ class AttentionViews:
         *,
         num_speculative_blocks: int = 0,
         row_of_batch: torch.Tensor | None = None,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """int32 ``[num_reqs_padded, 1 + num_speculative_blocks]`` state blocks per request.
 
         For a state (Mamba-like) group: the block holding each request's last token,
         ``(seq_len - 1) // block_size`` clamped at 0, then the ``num_speculative_blocks`` blocks
         after it; ``NULL_BLOCK_ID`` past the row's entries and in pad rows. Written on the device
-        into a persistent buffer (fixed address per ``num_speculative_blocks``).
+        into a persistent buffer (fixed address per ``num_speculative_blocks``). In indexed mode
+        (``row_of_batch``, int32 ``[num_reqs]`` on the device) rows are checked as in
+        :meth:`gather_view`; unchecked, a row out of range reads as an empty row.
         """
         from blocktable.state_indices import gather_state_indices
 
@@ -134,11 +147,11 @@ class AttentionViews:
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"seq_lens has {num_reqs} entries, more than max_num_reqs")
         padded = self._padded(num_reqs, num_reqs_padded)
-        if num_speculative_blocks < 0:
-            raise ValueError(f"num_speculative_blocks must be >= 0, got {num_speculative_blocks}")
+        check_count("num_speculative_blocks", num_speculative_blocks)
         if row_of_batch is not None:
-            check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                         device=self.device)
+            check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
+                               max_num_reqs=self.max_num_reqs, device=self.device,
+                               debug=self.debug)
         key = (group, num_speculative_blocks)
         out = self._state_out.get(key)
         if out is None:
@@ -147,7 +160,7 @@ class AttentionViews:
             self._state_out[key] = out
         gather_state_indices(
             self.storage.device_table(group), self.storage.device_counts(group), seq_lens,
-            table.spec.kernel_size, row_of_batch, out[:padded],
+            table.spec.kernel_block_size, row_of_batch, out[:padded],
         )
         return out[:padded]
 
@@ -162,30 +175,42 @@ class AttentionViews:
         seq_lens: torch.Tensor | None = None,
         seq_lens_cpu: torch.Tensor | None = None,
         row_of_batch: torch.Tensor | None = None,
-        row_of_batch_cpu: np.ndarray | None = None,
+        row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
     ) -> list[AttentionMetadata]:
         """Per group, what attention reads this step (see :class:`AttentionMetadata`).
 
         The fields every group shares are built once; each group then swaps in its own view
         (``device_view`` in condensed mode, ``gather_view`` with ``row_of_batch``) and slots.
-        ``row_of_batch_cpu`` (host rows) gives the host counts without a device copy in
-        indexed mode.
+        In indexed mode ``row_of_batch`` (int32 ``[num_reqs]``, device) must have one row per
+        request. ``row_of_batch_cpu`` (its host copy) is checked and gives the host counts
+        (``num_kernel_blocks_cpu``) without a device-to-host copy; without it, on CUDA, the
+        counts are ``None`` and the rows are checked only in debug mode (a synchronizing copy).
         """
+        check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1,
+                     device=self.device)
         num_reqs = query_start_loc.numel() - 1
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
-        if row_of_batch is not None and row_of_batch_cpu is None:
-            row_of_batch_cpu = row_of_batch.cpu().numpy()
-        rows = np.arange(num_reqs) if row_of_batch_cpu is None else np.asarray(row_of_batch_cpu)
+        if len(slot_mappings) != self.num_groups:
+            raise ValueError(
+                f"slot_mappings must hold one entry per group ({self.num_groups}), got "
+                f"{len(slot_mappings)}"
+            )
+        if row_of_batch is None:
+            rows: np.ndarray | None = np.arange(num_reqs)
+        else:
+            rows = check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
+                                      max_num_reqs=self.max_num_reqs, device=self.device,
+                                      debug=self.debug)
+        padded = self._padded(num_reqs, num_reqs_padded)
         out: list[AttentionMetadata] = []
         common: AttentionMetadata | None = None
         for g in range(self.num_groups):
             if row_of_batch is None:
                 view = self.device_view(g, num_reqs, padded)
             else:
-                view = self.gather_view(g, row_of_batch, padded)
+                view = self._gather(g, row_of_batch, padded)
             table = self.tables[g]
-            counts = (np.zeros(num_reqs, np.int32) if table is None
-                      else table.num_blocks_per_row[rows].copy())
+            counts = (None if rows is None else np.zeros(num_reqs, np.int32) if table is None
+                      else table.num_kernel_blocks[rows])
             if common is None:
                 common = AttentionMetadata(
                     g, num_reqs, padded, num_tokens, query_start_loc, query_start_loc_cpu,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from blocktable._checks import check_positive
+from blocktable._checks import check_count, check_positive
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.hashing import HashFn, check_namespace, sha256_block_hash
 from blocktable.allocator.integrity import check_manager_integrity
@@ -20,7 +20,6 @@ from blocktable.allocator.request import (
     TOKEN_BYTES,
     RequestState,
     TokenIds,
-    check_count,
     check_req_id,
     token_bytes,
 )

@@ -23,15 +23,6 @@ def check_req_id(name: str, req_id: object) -> None:
         raise TypeError(f"{name} must be a str or int, got {type(req_id).__name__}")
 
 
-def check_count(name: str, value: object) -> int:
-    """Check a token count: an int >= 0; return it as ``int``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {int(value)}")
-    return int(value)
-
-
 def token_bytes(name: str, value: object) -> bytes:
     """Token ids as little-endian int64 bytes; ``TypeError`` naming ``name`` if not integers.
 

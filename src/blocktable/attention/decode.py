@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_positive, check_tensor
-from blocktable._triton import resolve_backend
+from blocktable._triton import on_device, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.reference import paged_attention_reference
 from blocktable.attention.triton_decode import default_num_kv_splits, launch_paged_decode
@@ -124,9 +124,10 @@ def paged_decode_attention(
     if num_kv_splits is None:
         width = block_table.shape[1]
         num_kv_splits = default_num_kv_splits(num_reqs, num_kv_heads, width, query.device)
-    launch_paged_decode(
-        out, query, k_cache, v_cache, block_table, seq_lens, scale, window, num_kv_splits
-    )
+    with on_device(query):
+        launch_paged_decode(
+            out, query, k_cache, v_cache, block_table, seq_lens, scale, window, num_kv_splits
+        )
     return out
 
 

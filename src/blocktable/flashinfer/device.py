@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_positive, check_tensor
-from blocktable._triton import resolve_backend
+from blocktable._triton import on_device, resolve_backend
 from blocktable.flashinfer.host import num_pages_host
 from blocktable.flashinfer.triton_kernel import launch_flashinfer_page_table
 
@@ -112,9 +112,10 @@ def write_flashinfer_page_table(
     if num_reqs == 0:
         kv_indptr.zero_()
     elif backend == "triton":
-        launch_flashinfer_page_table(
-            block_table, seq_lens, page_size, kv_indptr, kv_indices, kv_last_page_len
-        )
+        with on_device(block_table):
+            launch_flashinfer_page_table(
+                block_table, seq_lens, page_size, kv_indptr, kv_indices, kv_last_page_len
+            )
     else:
         _write_torch(
             block_table[:num_reqs], seq_lens, page_size, kv_indptr, kv_indices, kv_last_page_len

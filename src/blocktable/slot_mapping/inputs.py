@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blocktable._checks import check_tensor
+from blocktable._checks import check_row_of_batch, check_tensor
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.slot_mapping.params import SlotGroupParams
 from blocktable.slot_mapping.reference import slot_of_position
 
 
 class SlotMappingError(ValueError):
-    """Debug mode found tokens whose position lies past their row's blocks."""
+    """Debug mode found tokens with a negative position or a position past their row's blocks."""
 
 
 def check_slot_inputs(
@@ -25,13 +25,15 @@ def check_slot_inputs(
     max_num_reqs: int,
     max_num_tokens: int,
     check_device_values: bool,
+    row_of_batch_cpu: np.ndarray | torch.Tensor | None = None,
 ) -> None:
     """Raise if the inputs of :meth:`MultiGroupBlockTable.compute_slot_mapping` are bad.
 
     Types, shapes, devices and sizes are always checked. The *values* of ``query_start_loc``
     (starts at 0, never decreases, ends at ``num_tokens``) are checked from ``qsl_cpu`` when
-    given or when the tensors are on the CPU; values of device tensors (and ``row_of_batch``'s
-    range) only with ``check_device_values`` (debug mode: a device-to-host copy).
+    given or when the tensors are on the CPU, and ``row_of_batch``'s rows from
+    ``row_of_batch_cpu`` or a CPU ``row_of_batch``; values of device tensors only with
+    ``check_device_values`` (debug mode: a device-to-host copy).
     """
     # The common case in one cheap test; the helper then names what is wrong.
     if not (isinstance(qsl, torch.Tensor) and qsl.dtype == torch.int32 and qsl.dim() == 1
@@ -73,12 +75,38 @@ def check_slot_inputs(
                 + (", decreasing" if decreasing else "")
             )
     if row_of_batch is not None:
-        check_tensor("row_of_batch", row_of_batch, dtype=torch.int32, shape=[num_reqs],
-                     device=device)
-        if row_of_batch.device.type == "cpu" or check_device_values:
-            rows = row_of_batch.cpu().numpy()
-            if len(rows) and (rows.min() < 0 or rows.max() >= max_num_reqs):
-                raise IndexError(f"row_of_batch holds a row outside [0, {max_num_reqs})")
+        check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
+                           max_num_reqs=max_num_reqs, device=device, debug=check_device_values)
+    elif row_of_batch_cpu is not None:
+        raise ValueError("row_of_batch_cpu is given without row_of_batch")
+
+
+def mask_rows(row_of_batch: torch.Tensor, max_num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows safe to index with, and which were in range, computed on the device (no sync).
+
+    Returns int32 ``[num_reqs]`` rows (those outside ``[0, max_num_reqs)`` replaced by row 0)
+    and bool ``[num_reqs]``, true where the row was in range. With
+    :func:`pad_tokens_of_dead_rows` afterwards, a row out of range reads as an empty row, as in
+    the Triton kernel.
+    """
+    live = (row_of_batch >= 0) & (row_of_batch < max_num_reqs)
+    return torch.where(live, row_of_batch, 0), live
+
+
+def pad_tokens_of_dead_rows(
+    out: torch.Tensor, qsl: torch.Tensor, live: torch.Tensor, num_tokens: int
+) -> None:
+    """Set the slots of every token whose request's row was out of range to ``PAD_SLOT_ID``.
+
+    ``out`` is int64 ``[num_groups, max_num_tokens]``; ``qsl`` int32 ``[num_reqs + 1]`` and
+    ``live`` bool ``[num_reqs]`` (from :func:`mask_rows`) on ``out``'s device. No sync.
+    """
+    num_reqs = live.numel()
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    tokens = torch.arange(num_tokens, device=out.device, dtype=torch.int32)
+    req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=num_reqs - 1)
+    out[:, :num_tokens].masked_fill_(~live[req][None, :], PAD_SLOT_ID)
 
 
 def _owned(position: int, p: SlotGroupParams) -> bool:
@@ -98,7 +126,8 @@ def report_unmapped_tokens(
     positions: torch.Tensor,
     row_of_batch: torch.Tensor | None,
 ) -> None:
-    """Raise :class:`SlotMappingError` naming tokens this rank owns that have no block.
+    """Raise :class:`SlotMappingError` naming tokens with a negative position (always an engine
+    bug) and tokens this rank owns that have no block.
 
     ``flat_table`` is a host copy of the committed device buffer, so the report describes what
     the kernel read: a position past the row's filled blocks, or in a null block.
@@ -106,6 +135,12 @@ def report_unmapped_tokens(
     q = qsl.cpu().numpy()
     pos = positions.cpu().numpy()
     rows = None if row_of_batch is None else row_of_batch.cpu().numpy()
+    negative = [
+        (t, r, r if rows is None else int(rows[r]), int(pos[t]))
+        for r in range(len(q) - 1)
+        for t in range(int(q[r]), int(q[r + 1]))
+        if pos[t] < 0
+    ]
     problems = []
     for g, p in zip(groups, params):
         table = flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width]
@@ -125,12 +160,22 @@ def report_unmapped_tokens(
                 )
                 if slot == PAD_SLOT_ID:
                     problems.append((g, t, r, row, int(pos[t])))
+    parts = []
+    if negative:
+        shown = ", ".join(f"token {t} (request {r}, row {row}, position {p})"
+                          for t, r, row, p in negative[:8])
+        parts.append(
+            f"{len(negative)} token(s) have a negative position (mapped to PAD_SLOT_ID): "
+            f"{shown}" + (" ..." if len(negative) > 8 else "")
+        )
     if problems:
         shown = ", ".join(
             f"group {g} token {t} (request {r}, row {row}, position {p})"
             for g, t, r, row, p in problems[:8]
         )
-        raise SlotMappingError(
+        parts.append(
             f"{len(problems)} token(s) lie past their row's blocks (mapped to PAD_SLOT_ID): "
             f"{shown}" + (" ..." if len(problems) > 8 else "")
         )
+    if parts:
+        raise SlotMappingError("; ".join(parts))
