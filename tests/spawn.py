@@ -25,7 +25,10 @@ def _child(
     fn: Callable[..., Any], rank: int, world_size: int, tmp_dir: str, pg_timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share the cores: spinning intra-op threads starve peers
 
     result_path = Path(tmp_dir) / f"rank{rank}.json"
     try:
