@@ -31,9 +31,9 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 # vLLM 0.33's own merge, 2 H200s, NCCL, 32 heads x 128, bf16, fp32 LSE; µs per call replayed
 # from a CUDA graph, by batch size.
@@ -47,23 +47,17 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 def bare_collectives(merger, out: torch.Tensor, lse: torch.Tensor, gather: bool) -> Callable[[], None]:
     """The collectives ``merger.merge`` issues for these inputs, on its own buffers, no math."""
-    comm, t = merger._comm, out.shape[0]
-    w, r, h, d, hpr = (merger.world_size, merger.rank, merger.num_heads, merger.head_dim,
-                       merger.heads_per_rank)
-    n = t * hpr * d
+    comm, v = merger._comm, merger._views(out.shape[0])
     if merger.pattern == "all_to_all":
-        numel = merger._layout.numel(t)
-        steps = [lambda: comm.all_to_all(merger._recv[:numel], merger._send[:numel])]
+        steps = [lambda: comm.all_to_all(v["recv"], v["send"])]
     else:
-        steps = [lambda: comm.all_gather(merger._lse_all[: w * t * h], lse.view(-1))]
+        steps = [lambda: comm.all_gather(v["lse_all"], lse)]
         if merger.pattern == "all_reduce":
-            steps.append(lambda: comm.all_reduce(merger._send[: t * h * d]))
+            steps.append(lambda: comm.all_reduce(v["send"]))
         else:
-            steps.append(lambda: comm.reduce_scatter(merger._slices[r * n: (r + 1) * n],
-                                                     merger._send[: w * n]))
+            steps.append(lambda: comm.reduce_scatter(v["mine"], v["send"]))
     if gather and merger.head_sliced:
-        steps.append(lambda: comm.all_gather(merger._slices[: w * n],
-                                             merger._slices[r * n: (r + 1) * n]))
+        steps.append(lambda: comm.all_gather(v["slices"], v["mine"]))
 
     def run() -> None:
         for step in steps:
@@ -135,7 +129,7 @@ def time_cpu(
 
 def worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
     os.environ.update(NO_MULTICAST)
-    from blocktable.context_parallel import AttentionMerger, merge_attention_reference
+    from blocktable.context_parallel import AttentionMerger
 
     cuda = args.device == "cuda"
     if cuda:
@@ -146,7 +140,7 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/rendezvous",
                             rank=rank, world_size=args.world, timeout=timedelta(seconds=120))
     dtype = getattr(torch, args.dtype)
-    rows, failed = [], False
+    rows = []
     for pattern in args.patterns:
         for gather in ([False, True] if args.gather_heads else [False]):
             if gather and pattern == "all_reduce":
@@ -154,53 +148,57 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
             merger = AttentionMerger(None, max_num_tokens=max(args.tokens), num_heads=args.heads,
                                      head_dim=args.head_dim, dtype=dtype, device=device,
                                      pattern=pattern)
-            for num_tokens in args.tokens:
-                g = torch.Generator().manual_seed(num_tokens)
-                shape = (args.world, num_tokens, args.heads)
-                outs = torch.randn(*shape, args.head_dim, generator=g).to(dtype)
-                lses = 4 * torch.randn(*shape, generator=g)
-                lses[-1, : num_tokens // 2] = float("-inf")  # an empty shard for half the tokens
-                want, want_lse = merge_attention_reference(list(outs), list(lses))
-                out, lse = outs[rank].to(device), lses[rank].to(device)
-                heads = slice(None) if gather else merger.head_slice
-                got, got_lse = merger.merge(out, lse, gather_heads=gather, return_lse=True)
-                lse_err = lse_error(got_lse, want_lse[:, heads])
-                got = merger.merge(out, lse, gather_heads=gather)
-
-                def verify() -> float:
-                    return ((got.double().cpu() - want[:, heads]).abs().max()
-                            / want.abs().max().clamp_min(1.0)).item()
-
-                def reset() -> None:
-                    for buf in (merger._send, merger._slices):
-                        buf.fill_(float("nan"))
-
-                err = verify()
-                timer = time_cuda if cuda else time_cpu
-                calls, repeats = (args.calls, args.repeats) if cuda else (5, 5)
-                graph_us, eager_us, graph_err = timer(
-                    lambda: merger.merge(out, lse, gather_heads=gather), calls, repeats,
-                    verify, reset)
-                err = max(err, graph_err if graph_err is not None else 0.0)
-                ok = err <= TOLERANCE[dtype] and lse_err <= 1e-5
-                failed |= not ok
-                bare = bare_collectives(merger, out, lse, gather)
-                bare_graph, bare_eager, _ = timer(bare, calls, repeats)
-                rows.append({
-                    "pattern": pattern + ("+gather" if gather else ""), "tokens": num_tokens,
-                    "graph_us": graph_us, "eager_us": eager_us, "bare_graph_us": bare_graph,
-                    "bare_eager_us": bare_eager,
-                    "vllm_graph_us": None if gather else VLLM_GRAPH_US[pattern].get(num_tokens),
-                    "max_rel_err": err, "lse_max_err": lse_err, "graph_checked": graph_err
-                    is not None, "ok": ok,
-                })
+            rows += [measure(merger, n, gather, args) for n in args.tokens]
             del merger
     if rank == 0:
         report(rows, args)
     dist.barrier()
     dist.destroy_process_group()
-    if failed:
+    if not all(row["ok"] for row in rows):
         raise SystemExit(f"rank {rank}: merge differs from the float64 reference")
+
+
+def measure(merger, num_tokens: int, gather: bool, args: argparse.Namespace) -> dict:
+    """Check one (pattern, batch) against the float64 reference, then time it and its bare
+    collectives."""
+    from blocktable.context_parallel import merge_attention_reference
+
+    dtype, rank, cuda = merger.dtype, merger.rank, merger.device.type == "cuda"
+    g = torch.Generator().manual_seed(num_tokens)
+    shape = (args.world, num_tokens, args.heads)
+    outs = torch.randn(*shape, args.head_dim, generator=g).to(dtype)
+    lses = 4 * torch.randn(*shape, generator=g)
+    lses[-1, : num_tokens // 2] = float("-inf")  # an empty shard for half the tokens
+    want, want_lse = merge_attention_reference(list(outs), list(lses))
+    out, lse = outs[rank].to(merger.device), lses[rank].to(merger.device)
+    heads = slice(None) if gather else merger.head_slice
+    _, got_lse = merger.merge(out, lse, gather_heads=gather, return_lse=True)
+    lse_err = lse_error(got_lse, want_lse[:, heads])
+    got = merger.merge(out, lse, gather_heads=gather)
+
+    def verify() -> float:
+        err = (got.double().cpu() - want[:, heads]).abs().max() / want.abs().max().clamp_min(1)
+        return err.item()
+
+    def reset() -> None:  # so that a graph replay that writes nothing cannot pass
+        for buf in (merger._send, merger._slices):
+            buf.fill_(float("nan"))
+
+    err = verify()
+    timer = time_cuda if cuda else time_cpu
+    calls, repeats = (args.calls, args.repeats) if cuda else (5, 5)
+    graph_us, eager_us, graph_err = timer(
+        lambda: merger.merge(out, lse, gather_heads=gather), calls, repeats, verify, reset)
+    err = max(err, graph_err if graph_err is not None else 0.0)
+    bare_graph, bare_eager, _ = timer(bare_collectives(merger, out, lse, gather), calls, repeats)
+    return {
+        "pattern": merger.pattern + ("+gather" if gather else ""), "tokens": num_tokens,
+        "graph_us": graph_us, "eager_us": eager_us, "bare_graph_us": bare_graph,
+        "bare_eager_us": bare_eager,
+        "vllm_graph_us": None if gather else VLLM_GRAPH_US[merger.pattern].get(num_tokens),
+        "max_rel_err": err, "lse_max_err": lse_err, "graph_checked": graph_err is not None,
+        "ok": err <= TOLERANCE[dtype] and lse_err <= 1e-5,
+    }
 
 
 def lse_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -283,7 +281,7 @@ def _run(rank: int, args: argparse.Namespace, tmp: str) -> None:
         worker(rank, args, tmp)
     except SystemExit:
         raise
-    except BaseException:
+    except Exception:  # noqa: BLE001 - printed here, the exit code tells the parent
         traceback.print_exc()
         raise SystemExit(1) from None
 

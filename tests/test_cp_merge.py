@@ -118,18 +118,19 @@ def expect_error(name: str, exc: type[Exception], words: tuple[str, ...], fn, fa
 
 def bad_input_cases(rank: int, world: int, failures: list[str]) -> None:
     """Errors raised before any collective (every rank raises alike, so no rank hangs)."""
-    kw = dict(max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS, head_dim=HEAD_DIM,
-              dtype=torch.float32, device="cpu")
-    expect_error("cp world mismatch", ValueError, ("cp", f"world_size={world + 1}", f"world_size={world}"),
+    kw: dict[str, object] = {"max_num_tokens": MAX_TOKENS, "num_heads": NUM_HEADS,
+                             "head_dim": HEAD_DIM, "dtype": torch.float32, "device": "cpu"}
+    expect_error("cp world mismatch", ValueError,
+                 ("cp", f"world_size={world + 1}", f"world_size={world}"),
                  lambda: AttentionMerger(None, cp=CPConfig(world + 1, rank), **kw), failures)
-    expect_error("cp rank mismatch", ValueError, ("cp", f"rank={(rank + 1) % world}", f"rank={rank}"),
-                 lambda: AttentionMerger(None, cp=CPConfig(world, (rank + 1) % world), **kw),
-                 failures)
+    other = (rank + 1) % world
+    expect_error("cp rank mismatch", ValueError, ("cp", f"rank={other}", f"rank={rank}"),
+                 lambda: AttentionMerger(None, cp=CPConfig(world, other), **kw), failures)
     AttentionMerger(None, cp=CPConfig(world, rank), **kw)  # agreeing: accepted
-    odd = dict(kw, num_heads=world + 1)
+    odd = {**kw, "num_heads": world + 1}
     for pattern in ("all_gather_reduce_scatter", "all_to_all"):
         expect_error(f"heads not divisible {pattern}", ValueError, ("num_heads", "world_size"),
-                     lambda: AttentionMerger(None, pattern=pattern, **odd), failures)
+                     lambda p=pattern: AttentionMerger(None, pattern=p, **odd), failures)
     AttentionMerger(None, pattern="all_reduce", **odd)  # heads replicated: any count
     expect_error("bad pattern", ValueError, ("pattern",),
                  lambda: AttentionMerger(None, pattern="ring", **kw), failures)
@@ -155,6 +156,7 @@ def bad_input_cases(rank: int, world: int, failures: list[str]) -> None:
 
 def merge_job(rank: int, world: int, triton_cases: bool) -> dict[str, object]:
     """Every merge case of one world size on this rank; returns failures and counts."""
+    started = time.monotonic()
     failures: list[str] = []
     cases = 0
     seed = 0
@@ -197,16 +199,16 @@ def merge_job(rank: int, world: int, triton_cases: bool) -> dict[str, object]:
         failures.append(f"zero tokens: shapes {list(got.shape)} {list(got_lse.shape)}")
     bad_input_cases(rank, world, failures)
     dead_peer = None
-    if world == 2:  # rank 1 leaves; rank 0's next merge must fail, not hang
-        if rank == 0:
-            time.sleep(0.5)
-            start = time.monotonic()
-            try:
-                merger.merge(torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_HEADS))
-                failures.append("dead peer: merge returned")
-            except RuntimeError:
-                dead_peer = time.monotonic() - start
-    return {"failures": failures, "cases": cases, "dead_peer_s": dead_peer}
+    if world == 2 and rank == 0:  # rank 1 has left: the next merge must fail, not hang
+        time.sleep(0.5)
+        start = time.monotonic()
+        try:
+            merger.merge(torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_HEADS))
+            failures.append("dead peer: merge returned")
+        except RuntimeError:
+            dead_peer = time.monotonic() - start
+    return {"failures": failures, "cases": cases, "dead_peer_s": dead_peer,
+            "seconds": time.monotonic() - started}
 
 
 @pytest.mark.parametrize("world", [2, 4])
