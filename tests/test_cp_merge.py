@@ -273,29 +273,34 @@ def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
     num_tokens = 5
     out = torch.randn(num_tokens, num_heads, head_dim + 2, generator=g)[:, :, :head_dim]
     out = out.to(dtype).to(dev)
+    # The same values at an address that is not 16-byte aligned: the launchers must not reuse
+    # a kernel compiled for aligned pointers.
+    base = torch.zeros(out.numel() + 1, dtype=dtype, device=dev)
+    out_unaligned = base[1:].view(out.shape).copy_(out)
     lse_all = 3 * torch.randn(world * num_tokens * num_heads, generator=g)
     lse_all[:7] = float("-inf")  # rank 0 empty for some rows, every rank for row 0 when world 2
     lse_all[num_tokens * num_heads: num_tokens * num_heads + 1] = float("-inf")
     lse_all = lse_all.to(dev)
     ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    for hpg in (1, num_heads):
+    for hpg, src in ((1, out), (num_heads, out), (1, out_unaligned)):
         res = {}
         for name, k in kernels.items():
             dst = torch.zeros(num_tokens * num_heads * head_dim, dtype=dtype, device=dev)
             lse_out = torch.zeros(num_tokens * num_heads, device=dev)
-            k.correct(out, lse_all, dst, lse_out, rank=world - 1, world_size=world,
+            k.correct(src, lse_all, dst, lse_out, rank=world - 1, world_size=world,
                       heads_per_group=hpg)
             res[name] = (dst.float(), lse_out)
         torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
         torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
     layout = A2ALayout(world, num_heads // world, head_dim, out.element_size())
     lse = lse_all[: num_tokens * num_heads].view(num_heads, num_tokens).t()  # strided
-    sends = {}
-    for name, k in kernels.items():
-        send = torch.zeros(layout.numel(num_tokens), dtype=dtype, device=dev)
-        k.pack(out, lse, send, send.view(torch.float32), layout)
-        sends[name] = send
-    assert torch.equal(sends["triton"].view(torch.uint8), sends["torch"].view(torch.uint8))
+    for src in (out, out_unaligned):
+        sends = {}
+        for name, k in kernels.items():
+            send = torch.zeros(layout.numel(num_tokens), dtype=dtype, device=dev)
+            k.pack(src, lse, send, send.view(torch.float32), layout)
+            sends[name] = send
+        assert torch.equal(sends["triton"].view(torch.uint8), sends["torch"].view(torch.uint8))
     recv = sends["torch"]
     res = {}
     for name, k in kernels.items():
