@@ -10,6 +10,8 @@ merge), and can be captured in a CUDA graph with its collectives.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -149,6 +151,18 @@ class AttentionMerger:
         # Head slices of every rank [world, T, hpr, D]; this rank's result is slot `rank`.
         self._slices = buf(t * h * d, self.dtype) if self.head_sliced else self._send
 
+    @overload
+    def merge(
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
+        return_lse: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def merge(
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
+        return_lse: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def merge(
         self,
         out: torch.Tensor,
@@ -163,8 +177,8 @@ class AttentionMerger:
         ----------
         out : torch.Tensor
             ``[num_tokens, num_heads, head_dim]``, the merger's dtype and device, unit stride in
-            the last dim; ``num_tokens <= max_num_tokens``. Zeros (or anything finite) in rows
-            whose ``lse`` is ``-inf``.
+            the last dim; ``num_tokens <= max_num_tokens``. Rows whose ``lse`` is ``-inf``
+            are never used (zeros by convention; even NaN there cannot leak).
         lse : torch.Tensor
             float32 ``[num_tokens, num_heads]``, natural log; ``-inf`` where this rank holds no
             visible key of the query.
