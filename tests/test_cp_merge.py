@@ -312,3 +312,42 @@ def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
         res[name] = (dst.float(), lse_out)
     torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
     torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_graph_no_sync_no_allocation(pattern, tmp_path):
+    """World 1 over NCCL: every call is capturable, makes no host sync and allocates nothing."""
+    path = tmp_path / "rendezvous"
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        merger = AttentionMerger(None, max_num_tokens=64, num_heads=32, head_dim=128,
+                                 dtype=torch.bfloat16, device="cuda", pattern=pattern)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        out = torch.randn(33, 32, 128, device="cuda", generator=g).bfloat16()
+        lse = torch.randn(33, 32, device="cuda", generator=g)
+        lse[0] = float("-inf")
+        want = out.clone()
+        want[0] = 0
+        for gather in (False, True):
+            merger.merge(out, lse, gather_heads=gather, return_lse=True)  # compile, warm up
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for gather in (False, True):
+                merger.merge(out, lse, gather_heads=gather, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+        for gather in (False, True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = merger.merge(out, lse, gather_heads=gather)
+            merger._send.fill_(float("nan"))
+            merger._slices.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    finally:
+        dist.destroy_process_group()
