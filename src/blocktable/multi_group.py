@@ -96,6 +96,12 @@ class MultiGroupBlockTable(AttentionViews):
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(device)!r} but torch sees no CUDA device "
+                "(torch.cuda.is_available() is False): use device='cpu', whose backend gives "
+                "the same results, or a CUDA build of torch on a machine with a GPU"
+            )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(backend, self.device)
@@ -200,12 +206,20 @@ class MultiGroupBlockTable(AttentionViews):
                 table._write_append(row, k_ids)
 
     def clear_row(self, row_idx: int) -> None:
+        """Empty row ``row_idx`` in every group: its filled entries become the null block and
+        its count 0 (a finished or preempted request in condensed mode)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         self.storage.before_host_write()
         for table in self._live_tables():
             table._write_clear_row(row)
 
     def move_row(self, src: int, tgt: int) -> None:
+        """Move row ``src`` to row ``tgt`` in every group (batch condense).
+
+        ``tgt`` gets ``src``'s entries and count, replacing what it held; ``src`` is left empty
+        (null entries, count 0), so a stale row can never be read as a live request. vLLM
+        v0.25.1 left ``src`` intact. ``src == tgt`` is a no-op.
+        """
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
@@ -214,6 +228,8 @@ class MultiGroupBlockTable(AttentionViews):
                 table._write_move(s, t)
 
     def swap_row(self, src: int, tgt: int) -> None:
+        """Exchange rows ``src`` and ``tgt`` (entries and counts) in every group (batch reorder).
+        ``src == tgt`` is a no-op."""
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
@@ -222,6 +238,9 @@ class MultiGroupBlockTable(AttentionViews):
                 table._write_swap(s, t)
 
     def clear(self) -> None:
+        """Empty every row of every group: entries become the null block, counts 0 (vLLM
+        v0.25.1's ``clear`` kept the counts). The device copy follows at the next
+        :meth:`commit`."""
         self.storage.before_host_write()
         for table in self._live_tables():
             table._write_clear()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -101,6 +101,17 @@ def pick_step(snapshots: list[TableSnapshot]) -> TableSnapshot:
 
 def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:
     """Draw ``snap`` to a PNG at ``path`` (its folder must exist); return the path."""
+    import matplotlib.pyplot as plt
+
+    fig = snapshot_figure(snap)
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def snapshot_figure(snap: TableSnapshot) -> Any:
+    """The matplotlib ``Figure`` of ``snap`` (Agg backend): the table above, the pool below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,11 +234,8 @@ def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:
         for side in ("top", "right", "bottom", "left"):
             ax.spines[side].set_visible(False)
         ax.tick_params(length=0)
-    out = Path(path)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _plural(n: int, noun: str) -> str:

@@ -6,7 +6,7 @@ the buffers, the commit and the slot mapping. Build a single-group table directl
 one-group :class:`MultiGroupBlockTable` and forwards ``commit``/``compute_slot_mapping`` to it.
 
 Every operation validates all of its input before the first write, so a rejected call leaves the
-table exactly as it was (SPEC §3.1). Block ids are manager ids; each becomes ``k`` kernel ids.
+table exactly as it was. Block ids are manager ids; each becomes ``k`` kernel ids.
 """
 
 from __future__ import annotations
@@ -46,18 +46,46 @@ class BlockTable:
     owner: MultiGroupBlockTable
     group: int
 
-    def __init__(self, block_size: int, max_num_reqs: int, *args: Any, **kwargs: Any) -> None:
-        """Standalone single-group table; arguments as :class:`MultiGroupBlockTable` plus
-        ``kernel_block_size``, ``max_num_blocks`` and ``num_blocks`` for the one group."""
+    def __init__(
+        self,
+        block_size: int,
+        max_num_reqs: int,
+        *positional: object,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        device: str | torch.device = "cpu",
+        kernel_block_size: int | None = None,
+        max_num_blocks: int | None = None,
+        num_blocks: int | None = None,
+        **options: Any,
+    ) -> None:
+        """Standalone single-group table.
+
+        Everything after ``max_num_reqs`` is keyword-only: vLLM's ``BlockTable`` takes
+        ``max_num_blocks_per_req`` third, where a positional ``max_model_len`` would silently
+        give another width. ``blocktable.compat.BlockTable`` takes vLLM's positional form.
+        ``max_num_blocks`` is the width in manager blocks; ``options`` are
+        :class:`MultiGroupBlockTable`'s keyword options (``cp``, ``backend``, ...).
+        """
         from blocktable.multi_group import MultiGroupBlockTable
 
+        if positional:
+            raise TypeError(
+                f"BlockTable(block_size, max_num_reqs, *, max_model_len=..., ...) takes "
+                f"2 positional arguments, got {2 + len(positional)}: pass the others by "
+                "keyword. For vLLM's positional form (block_size, max_num_reqs, "
+                "max_num_blocks_per_req, max_num_batched_tokens, pin_memory, device, "
+                "kernel_block_size, cp_kv_cache_interleave_size) use blocktable.compat.BlockTable"
+            )
         spec = GroupSpec(
             block_size=block_size,
-            kernel_block_size=kwargs.pop("kernel_block_size", None),
-            max_num_blocks=kwargs.pop("max_num_blocks", None),
-            num_blocks=kwargs.pop("num_blocks", None),
+            kernel_block_size=kernel_block_size,
+            max_num_blocks=max_num_blocks,
+            num_blocks=num_blocks,
         )
-        owner = MultiGroupBlockTable([spec], max_num_reqs, *args, **kwargs)
+        owner = MultiGroupBlockTable(
+            [spec], max_num_reqs, max_model_len, max_num_batched_tokens, device, **options
+        )
         self._bind(owner, 0)
 
     @classmethod
@@ -212,7 +240,12 @@ class BlockTable:
 
     # ---- reading --------------------------------------------------------------------------
     def row(self, row_idx: int) -> np.ndarray:
-        """The filled kernel block ids of a row (a copy; int32)."""
+        """The filled entries of a row as *kernel* block ids (a copy; int32 ``[count]``).
+
+        With ``kernel_block_size < block_size`` each manager id ``b`` given to ``add_row`` /
+        ``append_row`` appears as ``k`` kernel ids ``b*k .. b*k+k-1``; the null block as ``k``
+        zeros.
+        """
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         return self.block_table_np[row, : self.num_blocks_per_row[row]].copy()
 
