@@ -84,10 +84,11 @@ def test_multi_group_v0_33_widths_and_state_groups() -> None:
         NONE = "none"
 
     bt = compat.MultiGroupBlockTableV033(
-        4, 64, False, "cpu", [16, 32, 16], [16, 16, 16], [10, 10, 10], 1,
+        4, 64, False, "cpu", [16, 32, 16], [16, 16, 16], [10, 10, 8], 1,
         [SlotMappingMode.TOKEN_TO_KV_SLOT, "token_to_kv_slot", SlotMappingMode.NONE],
     )
-    assert [t.width for t in bt.tables if t is not None] == [16, 12 * 2, 10]
+    # rows span a multiple of 128 tokens: 10 blocks of 16 -> 16, 10 of 32 -> 12 (x2 kernel)
+    assert [t.width for t in bt.tables if t is not None] == [16, 12 * 2, 8]
     assert [s.kind for s in bt.specs] == [GroupKind.ATTENTION, GroupKind.ATTENTION,
                                          GroupKind.STATE]
     default = compat.MultiGroupBlockTableV033(2, 8, False, "cpu", [16], [16], [3])
@@ -139,3 +140,16 @@ def test_public_surface_for_porters() -> None:
     bt.owner.move_row(0, 1)  # vLLM v0.25.1 kept row 0; here it is emptied
     assert bt.row(0).tolist() == [] and bt.row(1).tolist() == [6, 7]
     assert np.all(bt.block_table_np[0] == blocktable.NULL_BLOCK_ID)
+
+
+def test_a_default_process_group_does_not_turn_cp_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    # as in a tensor-parallel job of 2 ranks: an initialized default group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    bt = MultiGroupBlockTable([blocktable.GroupSpec(16)], 2, 256, 8)
+    assert bt.cp == CPConfig(1, 0, 1)
+    assert bt.tables[0] is not None and bt.tables[0].width == 16  # the whole 256 tokens
+    assert CPConfig.from_process_group() == CPConfig(2, 1, 1)  # read only when asked

@@ -69,8 +69,9 @@ def BlockTable(  # noqa: N802 - vLLM's class name, so that a port changes only t
     max_num_reqs : int
         Rows.
     max_num_blocks_per_req : int
-        Row width in manager blocks, used as given (``width = max_num_blocks_per_req * k``
-        kernel blocks with ``k = block_size // kernel_block_size``), as in vLLM.
+        Row width in manager blocks, as in vLLM: ``width = max_num_blocks_per_req * k`` kernel
+        blocks with ``k = block_size // kernel_block_size``. Our tables round every width up
+        so a row spans a multiple of 128 tokens (16 blocks of 16 stay 16; 10 become 16).
     max_num_batched_tokens : int
         Length of the slot-mapping buffer.
     pin_memory : bool
@@ -162,9 +163,9 @@ def MultiGroupBlockTableV033(  # noqa: N802 - vLLM's class name, with the versio
 ) -> _MultiGroupBlockTable:
     """All groups' tables from vLLM 0.33's ``MultiGroupBlockTable`` arguments.
 
-    The caller gives each group's width in manager blocks (``max_num_blocks``); token-slot
-    groups are rounded up to a multiple of 128 tokens, state groups (``slot_mapping_modes``
-    ``"none"``) are used as given; then times ``k`` kernel blocks.
+    The caller gives each group's width in manager blocks (``max_num_blocks``), rounded up so
+    a row spans a multiple of 128 tokens (vLLM leaves state groups, ``slot_mapping_modes``
+    ``"none"``, unrounded; here every row is rounded), then times ``k`` kernel blocks.
     """
     _check_bool("pin_memory", pin_memory)
     modes = list(slot_mapping_modes) if slot_mapping_modes is not None else (
@@ -177,7 +178,7 @@ def MultiGroupBlockTableV033(  # noqa: N802 - vLLM's class name, with the versio
                                                modes)):
         kind = _slot_kind(f"slot_mapping_modes[{g}]", mode)
         n = _positive(f"max_num_blocks[{g}]", n)
-        width = _align(n, _positive(f"block_sizes[{g}]", bs)) if kind is GroupKind.ATTENTION else n
+        width = _align(n, _positive(f"block_sizes[{g}]", bs))
         specs.append(GroupSpec(block_size=bs, kernel_block_size=kbs, kind=kind,
                                max_num_blocks=width))
     return _build(specs, max_num_reqs, max_num_batched_tokens, device,

@@ -45,7 +45,8 @@ class MultiGroupBlockTable(AttentionViews):
     device : str or torch.device
         Where the device copy and slot mappings live; ``"cpu"`` runs the CPU backend.
     cp : CPConfig or None
-        Context parallelism; ``None`` reads an initialized process group, else world 1 rank 0.
+        Context parallelism, on only when given (``CPConfig.from_process_group(group)`` reads
+        a group you choose); ``None``: world 1, rank 0, whatever process groups exist.
     backend : {"auto", "triton", "torch"}
         Kernels for commit and slot mapping; ``auto`` is Triton on CUDA, torch on the CPU.
     commit_staging_entries : int or None
@@ -92,7 +93,8 @@ class MultiGroupBlockTable(AttentionViews):
         self.max_num_batched_tokens = check_positive(
             "max_num_batched_tokens", max_num_batched_tokens
         )
-        self.cp = cp if cp is not None else CPConfig.from_process_group()
+        # Only when asked: a tensor-parallel job's default process group must not shard the KV.
+        self.cp = cp if cp is not None else CPConfig()
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
         self.device = torch.device(device)

@@ -5,7 +5,7 @@ commit moves every group's changes in a single host-to-device copy. Layout::
 
     [ table of group 0 : R x W0 | table of group 1 : R x W1 | ... | counts : G x R ]
 
-Three views of it (SPEC §2): a numpy array that row operations write, the CPU tensor it views
+Three views of it: a numpy array that row operations write, the CPU tensor it views
 (pinned when CUDA is present), and the device tensor kernels read. The device tensor is
 allocated once, so its address is fixed for CUDA graphs. Its contents change only in
 :meth:`blocktable.commit.Committer.commit`.

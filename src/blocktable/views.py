@@ -1,5 +1,5 @@
 """What attention reads, per group: padded device views, indexed-mode gathers, state indices
-and the per-step metadata (SPEC §2 "hand-off to attention", §4 step 5).
+and the per-step metadata (what attention reads each step).
 
 :class:`AttentionViews` is a base of :class:`~blocktable.MultiGroupBlockTable`; its methods use
 the table's storage and sizes.
