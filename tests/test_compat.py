@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import blocktable
-import blocktable.compat as compat
-from blocktable import CPConfig, GroupKind, MultiGroupBlockTable
+from blocktable import CPConfig, GroupKind, MultiGroupBlockTable, compat
 
 
 def _aligned(num_blocks: int, block_size: int) -> int:

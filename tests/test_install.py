@@ -40,7 +40,8 @@ def test_import_blocktable_is_light_and_every_name_resolves() -> None:
         "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
         "from blocktable import *\n"
         "import blocktable.compat\n"
-        "print(all(getattr(blocktable, n) is not None for n in blocktable.__all__))\n"
+        "print(all(getattr(blocktable, n) is not None for n in blocktable.__all__)\n"
+        "      and sorted(blocktable.__all__) == sorted(blocktable._EXPORTS))\n"
         "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))\n"
     )
     assert out.split("\n")[:3] == ["False False", "True", "[]"]

@@ -44,7 +44,33 @@ _EXPORTS: dict[str, str] = {
     "StepUpdate": "blocktable.update",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "AllocatorGroupSpec",
+    "AttentionMetadata",
+    "BlockTable",
+    "CPConfig",
+    "CommitStats",
+    "GroupKind",
+    "GroupSpec",
+    "KVCacheManager",
+    "MultiGroupBlockTable",
+    "OutOfBlocksError",
+    "OutOfRowsError",
+    "RowBlocks",
+    "RowEntries",
+    "SlotMappingError",
+    "StepUpdate",
+    "flashinfer_indptr_host",
+    "flashinfer_page_table_host",
+    "paged_attention_reference",
+    "paged_decode_attention",
+    "row_width",
+    "slot_mapping_reference",
+    "write_flashinfer_page_table",
+    "write_kv_cache",
+]
 
 
 def __getattr__(name: str) -> Any:

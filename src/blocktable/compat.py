@@ -46,7 +46,7 @@ __all__ = ["BlockTable", "MultiGroupBlockTable", "MultiGroupBlockTableV033"]
 _SLOT_MODES = {"token_to_kv_slot": GroupKind.ATTENTION, "none": GroupKind.STATE}
 
 
-def BlockTable(  # noqa: N802 - vLLM's class name, so that a port changes only the import
+def BlockTable(  # vLLM's class name: a port changes only the import
     block_size: int,
     max_num_reqs: int,
     max_num_blocks_per_req: int,
@@ -108,7 +108,7 @@ def BlockTable(  # noqa: N802 - vLLM's class name, so that a port changes only t
     )
 
 
-def MultiGroupBlockTable(  # noqa: N802 - vLLM's class name
+def MultiGroupBlockTable(  # vLLM's class name
     max_num_reqs: int,
     max_model_len: int,
     max_num_batched_tokens: int,
@@ -148,7 +148,7 @@ def MultiGroupBlockTable(  # noqa: N802 - vLLM's class name
     return _build(specs, max_num_reqs, max_num_batched_tokens, device, cp_config)
 
 
-def MultiGroupBlockTableV033(  # noqa: N802 - vLLM's class name, with the version
+def MultiGroupBlockTableV033(  # vLLM's class name, with the version
     max_num_reqs: int,
     max_num_batched_tokens: int,
     pin_memory: bool,

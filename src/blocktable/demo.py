@@ -189,8 +189,8 @@ REQUEST_COLUMNS = (
     ("ran", "step it first ran"),
     ("done", "step it finished"),
     ("hits", "prompt tokens served by the prefix cache at its first admission"),
-    ("chunks", "steps that computed part of its tokens without reaching their end "
-               "(chunked prefill, or the recompute after a preemption)"),
+    ("chunks", ("steps that computed part of its tokens without reaching their end "
+                "(chunked prefill, or the recompute after a preemption)")),
     ("preempt", "times it lost its blocks and was recomputed"),
     ("ok", "tokens and logits match transformers.generate"),
 )
@@ -245,8 +245,8 @@ def _summary_table(engine: LLMEngine, results: list[StepResult], checks: list[Ve
         ("blocks used (peak)", f"{peak_blocks_used} of {config.num_blocks - 1}"),
         ("blocks at the end",
          f"{manager.num_free_blocks()} free, {manager.num_cached_blocks()} of them cached"),
-        ("prefix cache", f"{scheduler.prefix_hit_rate:.1%} of admitted tokens hit ({hits}; "
-                         "re-admissions after a preemption count again)"),
+        ("prefix cache", (f"{scheduler.prefix_hit_rate:.1%} of admitted tokens hit ({hits}; "
+                          "re-admissions after a preemption count again)")),
         ("preemptions", str(manager.num_preemptions)),
         ("prefill chunks", f"{num_chunks} (token budget {config.token_budget}/step)"),
         ("block-table time / step", table_time),
