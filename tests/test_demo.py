@@ -65,7 +65,8 @@ def test_picture_step_past_the_last_step(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.png"
     with pytest.raises(SystemExit) as exc:
-        main(["demo", *SMALL, "--picture-step", "999", "--quiet", "--out", str(out)])
+        main(["demo", "--num-requests", "2", "--max-new-tokens", "2", "--picture-step", "999",
+              "--quiet", "--out", str(out)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: blocktable demo ")
