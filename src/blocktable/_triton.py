@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from contextlib import AbstractContextManager, nullcontext
+import warnings
 
 import torch
 
@@ -23,6 +24,10 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
+TRITON_MISSING = (
+    "backend='triton' needs the triton package; CUDA builds of torch bring it: pip install triton"
+)
+_warned_no_triton = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,14 +47,32 @@ def interpreting() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Pick ``"triton"`` or ``"torch"``: ``auto`` means Triton on CUDA, torch on the CPU."""
+    """Pick ``"triton"`` or ``"torch"``: ``auto`` means Triton on CUDA, torch on the CPU.
+
+    ``auto`` on CUDA without Triton falls back to the torch kernels (same results, more
+    launches per step) and warns once per process.
+    """
+    global _warned_no_triton
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+        if device.type != "cuda":
+            return "torch"
+        if HAS_TRITON:
+            return "triton"
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn(
+                "blocktable: triton is not installed, so backend='auto' on CUDA uses the torch "
+                "kernels (same results, slower); CUDA builds of torch bring triton: "
+                "pip install triton",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return "torch"
     if backend == "triton":
         if not HAS_TRITON:
-            raise RuntimeError("backend='triton' needs the triton package")
+            raise RuntimeError(TRITON_MISSING)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton "

@@ -1,4 +1,4 @@
-"""Incremental commit: move only what changed on the host to the device (SPEC §3.2).
+"""Incremental commit: move only what changed on the host to the device.
 
 Each commit gathers the changed entries of every group (the storage's journal of written runs)
 and their rows' counts as ``(flat index, value)`` pairs into a pinned staging buffer, then

@@ -29,7 +29,7 @@ class CPConfig:
     """Context parallelism: this rank's place among ``world_size`` ranks sharding the KV cache.
 
     A token belongs to rank ``(v // interleave) % world_size`` where ``v`` is its offset in its
-    virtual block of ``manager_block_size * world_size`` tokens.
+    virtual block of ``manager_block_size * world_size`` tokens (``docs/layout.md``).
     """
 
     world_size: int = 1

@@ -1,4 +1,4 @@
-"""Constants shared by every layer of blocktable (SPEC §1)."""
+"""Constants shared by every layer of blocktable."""
 
 from __future__ import annotations
 

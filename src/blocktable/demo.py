@@ -1,7 +1,9 @@
 """``blocktable demo``: run the engine on a synthetic workload, verify it, summarize, draw.
 
 Every request's greedy tokens and logits are checked against transformers' ``generate`` on
-that prompt alone; the run exits 1 if any differs.
+that prompt alone; the run exits 1 if any differs. This module imports nothing heavy at the
+top (the command line reads :class:`DemoOptions` before deciding to run anything); rich,
+numpy, torch and matplotlib are imported when the demo runs.
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
     from blocktable.engine import LLMEngine, StepResult, Verification
+
+# The demo's model (blocktable.engine.model.tiny_llama's defaults; a test keeps them in step):
+# 2 layers x (K and V) x 2 KV heads x head dim 16 x 4 bytes (float32) per token.
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+MODEL_MAX_POSITIONS = 512
+
+
+class DemoUsageError(ValueError):
+    """An option that only the run could check (``--picture-step`` past the last step)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ class DemoOptions:
     out: Path = Path("blocktable_demo.png")
     picture_step: int | None = None
     quiet: bool = False
+    dcp: int = 1
+    cp_interleave: int = 1
 
 
 def longest_request_blocks(opts: DemoOptions) -> int:
@@ -48,14 +59,34 @@ def longest_request_blocks(opts: DemoOptions) -> int:
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
-    """Run the demo; return the exit code (0: every request verified, 1: a mismatch, 2: the
-    demo's extra dependency is missing)."""
-    console = console or Console()
+    """Run the demo; return the exit code (0: every request verified, 1: a mismatch, 2: a
+    dependency of the demo is missing).
+
+    Raises
+    ------
+    DemoUsageError
+        ``opts.picture_step`` is past the run's last step (checked when the engine finishes,
+        before verification and drawing).
+    """
     try:
+        import matplotlib  # noqa: F401 - checked here, used by the picture
         import transformers
-    except ImportError:
-        console.print("blocktable demo needs transformers: pip install 'blocktable[demo]'")
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError as exc:
+        print(f"blocktable demo needs {exc.name}: pip install 'blocktable[demo]'")
         return 2
+    console = console or Console()
+    if opts.dcp > 1:
+        from blocktable.engine.dcp_demo import run_dcp_demo
+
+        return run_dcp_demo(opts, console)
 
     from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
     from blocktable.engine.verify import LOGITS_RTOL, verify_requests
@@ -72,15 +103,23 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         block_size=opts.block_size, num_blocks=opts.num_blocks, max_num_reqs=opts.num_requests,
         token_budget=opts.token_budget, max_model_len=max_model_len,
     ))
-    say(f"[bold]blocktable demo[/]: {opts.num_requests} requests on a tiny Llama "
+    say(f"[bold]blocktable demo[/]: {_plural(opts.num_requests, 'request')} on a tiny Llama "
         f"({model.config.num_hidden_layers} layers, {model.config.num_attention_heads} heads, "
         f"{model.config.num_key_value_heads} KV heads) on {opts.device}; "
         f"{opts.num_blocks} blocks of {opts.block_size} tokens, {opts.token_budget} tokens/step")
 
     snapshots = []
+    first_hits: dict[str, int] = {}  # request -> prompt tokens the prefix cache served first
     peak_blocks_used = 0
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=opts.quiet, transient=False)
+
+    def hook(eng: LLMEngine, batch: object) -> None:
+        for s in batch.scheduled:  # type: ignore[attr-defined]
+            # A request's first scheduling is its first admission: the count is that hit.
+            first_hits.setdefault(s.request.req_id, s.request.num_cached_tokens)
+        snapshots.append(take_snapshot(eng, batch))  # type: ignore[arg-type]
+
     t_start = time.perf_counter()
     with progress:
         task = progress.add_task("generating", total=opts.num_requests)
@@ -90,12 +129,17 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
             peak_blocks_used = max(peak_blocks_used, result.num_blocks_used)
             note = f" [red]preempted {', '.join(result.preempted)}[/]" if result.preempted else ""
             progress.update(task, advance=len(result.finished),
-                            description=f"step {result.step:3d}: {result.num_reqs} requests, "
+                            description=f"step {result.step:3d}: "
+                                        f"{_plural(result.num_reqs, 'request')}, "
                                         f"{result.num_tokens:3d} tokens{note}")
 
-        results = run_workload(engine, workload, on_step=on_step,
-                               hook=lambda eng, batch: snapshots.append(take_snapshot(eng, batch)))
+        results = run_workload(engine, workload, on_step=on_step, hook=hook)
         t_engine = time.perf_counter() - t_start
+        if opts.picture_step is not None and opts.picture_step >= len(results):
+            raise DemoUsageError(
+                f"--picture-step {opts.picture_step} is past the last step: this run took "
+                f"{len(results)} steps (0..{len(results) - 1})"
+            )
         vtask = progress.add_task("verifying against transformers.generate",
                                   total=opts.num_requests)
         checks: list[Verification] = []
@@ -106,47 +150,79 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
 
     engine.manager.check_integrity()
     engine.table.check_integrity()
+    by_step = {s.step: s for s in snapshots}
     if opts.picture_step is None:
         snap = pick_step(snapshots)
-    else:
-        by_step = {s.step: s for s in snapshots}
-        snap = by_step.get(opts.picture_step) or pick_step(snapshots)
-        if snap.step != opts.picture_step:
-            say(f"[yellow]--picture-step {opts.picture_step}: no such step "
-                f"(steps 0..{len(results) - 1}); drawing step {snap.step}[/]")
+    elif opts.picture_step in by_step:
+        snap = by_step[opts.picture_step]
+    else:  # a step without a batch (nothing scheduled): draw the nearest one that had one
+        snap = min(snapshots, key=lambda s: abs(s.step - opts.picture_step))  # type: ignore[operator]
+        say(f"[yellow]--picture-step {opts.picture_step}: nothing ran in that step; drawing "
+            f"step {snap.step}[/]")
     picture = draw_snapshot(snap, opts.out)
 
     num_ok = sum(c.ok for c in checks)
     if not opts.quiet:
-        console.print(_request_table(engine, checks))
+        for part in request_table(engine, checks, first_hits):
+            console.print(part)
         console.print(_summary_table(engine, results, checks, peak_blocks_used, t_engine,
                                      t_verify, LOGITS_RTOL))
     console.print(
-        f"{'[green]OK[/]' if num_ok == len(checks) else '[red]FAILED[/]'}: {num_ok}/{len(checks)} "
-        f"requests match transformers.generate; picture of step {snap.step} -> {picture}"
+        f"{'[green]OK[/]' if num_ok == len(checks) else '[red]FAILED[/]'}: {num_ok}/"
+        f"{_plural(len(checks), 'request')} {'matches' if len(checks) == 1 else 'match'} "
+        "transformers.generate; picture of step "
+        f"{snap.step} -> {picture}"
     )
     return 0 if num_ok == len(checks) else 1
 
 
-def _request_table(engine: LLMEngine, checks: list[Verification]) -> Table:
-    t = Table(title="requests (arrived/ran/done: steps; hits: prefix-cached tokens)",
-              title_justify="left")
-    for col in ("request", "prompt", "new", "arrived", "ran", "done", "hits", "chunks",
-                "preempts", "ok"):
-        t.add_column(col, justify="right")
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# column header, its meaning (printed under the table)
+REQUEST_COLUMNS = (
+    ("req", "request id"),
+    ("prompt", "prompt tokens"),
+    ("new", "generated tokens"),
+    ("arrived", "step it arrived"),
+    ("ran", "step it first ran"),
+    ("done", "step it finished"),
+    ("hits", "prompt tokens served by the prefix cache at its first admission"),
+    ("chunks", ("steps that computed part of its tokens without reaching their end "
+                "(chunked prefill, or the recompute after a preemption)")),
+    ("preempt", "times it lost its blocks and was recomputed"),
+    ("ok", "tokens and logits match transformers.generate"),
+)
+
+
+def request_table(engine: LLMEngine, checks: list[Verification],
+                  first_hits: dict[str, int]) -> list[object]:
+    """The per-request table and the legend lines under it (rich renderables)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="requests", title_justify="left")
+    for header, _ in REQUEST_COLUMNS:
+        # whole headers at 80 columns: short names, never wrapped or cut
+        t.add_column(header, justify="right", no_wrap=True, min_width=max(3, len(header)))
     ok = {c.req_id: c for c in checks}
     for req in engine.requests.values():
         c = ok[req.req_id]
         numbers = (len(req.prompt_token_ids), len(req.output_token_ids), req.arrival_step,
-                   req.first_step, req.finish_step, req.num_cached_tokens,
+                   req.first_step, req.finish_step, first_hits.get(req.req_id, 0),
                    req.num_prefill_chunks, req.num_preemptions)
         t.add_row(req.req_id, *map(str, numbers), "[green]yes[/]" if c.ok else "[red]NO[/]")
-    return t
+    legend = Text("\n".join(f"{h}: {m}" for h, m in REQUEST_COLUMNS), style="dim")
+    return [t, legend]
 
 
 def _summary_table(engine: LLMEngine, results: list[StepResult], checks: list[Verification],
                    peak_blocks_used: int,
                    t_engine: float, t_verify: float, logits_rtol: float) -> Table:
+    import numpy as np
+    from rich.table import Table
+
     manager, config, scheduler = engine.manager, engine.config, engine.scheduler
     requests = list(engine.requests.values())
     busy = [r.table_time_s * 1e6 for r in results if r.num_reqs]
@@ -169,7 +245,8 @@ def _summary_table(engine: LLMEngine, results: list[StepResult], checks: list[Ve
         ("blocks used (peak)", f"{peak_blocks_used} of {config.num_blocks - 1}"),
         ("blocks at the end",
          f"{manager.num_free_blocks()} free, {manager.num_cached_blocks()} of them cached"),
-        ("prefix cache", f"{scheduler.prefix_hit_rate:.1%} of admitted tokens hit ({hits})"),
+        ("prefix cache", (f"{scheduler.prefix_hit_rate:.1%} of admitted tokens hit ({hits}; "
+                          "re-admissions after a preemption count again)")),
         ("preemptions", str(manager.num_preemptions)),
         ("prefill chunks", f"{num_chunks} (token budget {config.token_budget}/step)"),
         ("block-table time / step", table_time),
@@ -177,7 +254,7 @@ def _summary_table(engine: LLMEngine, results: list[StepResult], checks: list[Ve
         ("wall time", f"engine {t_engine:.1f} s, reference {t_verify:.1f} s"),
     ]
     t = Table(title="summary", title_justify="left", show_header=False)
-    t.add_column(style="bold")
+    t.add_column(style="bold", no_wrap=True)
     t.add_column()
     for k, v in rows:
         t.add_row(k, v)

@@ -1,5 +1,5 @@
 """The hand-off to attention: per group, the block table view and slot mapping of one step,
-plus the host-side mirrors planners read without a device-to-host copy (SPEC §2, §4 step 5)."""
+plus the host-side mirrors planners read without a device-to-host copy."""
 
 from __future__ import annotations
 

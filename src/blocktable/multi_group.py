@@ -50,7 +50,8 @@ class MultiGroupBlockTable(AttentionViews):
     device : str or torch.device
         Where the device copy and slot mappings live; ``"cpu"`` runs the CPU backend.
     cp : CPConfig or None
-        Context parallelism; ``None`` reads an initialized process group, else world 1 rank 0.
+        Context parallelism, on only when given (``CPConfig.from_process_group(group)`` reads
+        a group you choose); ``None``: world 1, rank 0, whatever process groups exist.
     backend : {"auto", "triton", "torch"}
         Kernels for commit and slot mapping; ``auto`` is Triton on CUDA, torch on the CPU.
     commit_staging_entries : int or None
@@ -97,10 +98,17 @@ class MultiGroupBlockTable(AttentionViews):
         self.max_num_batched_tokens = check_positive(
             "max_num_batched_tokens", max_num_batched_tokens
         )
-        self.cp = cp if cp is not None else CPConfig.from_process_group()
+        # Only when asked: a tensor-parallel job's default process group must not shard the KV.
+        self.cp = cp if cp is not None else CPConfig()
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(device)!r} but torch sees no CUDA device "
+                "(torch.cuda.is_available() is False): use device='cpu', whose backend gives "
+                "the same results, or a CUDA build of torch on a machine with a GPU"
+            )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(backend, self.device)
@@ -219,12 +227,20 @@ class MultiGroupBlockTable(AttentionViews):
                 self.storage.write_append(g, row, k_ids)
 
     def clear_row(self, row_idx: int) -> None:
+        """Empty row ``row_idx`` in every group: its filled entries become the null block and
+        its count 0 (a finished or preempted request in condensed mode)."""
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         self.storage.before_host_write()
         for g in self._table_groups:
             self.storage.write_clear_row(g, row)
 
     def move_row(self, src: int, tgt: int) -> None:
+        """Move row ``src`` to row ``tgt`` in every group (batch condense).
+
+        ``tgt`` gets ``src``'s entries and count, replacing what it held; ``src`` is left empty
+        (null entries, count 0), so a stale row can never be read as a live request. vLLM
+        v0.25.1 left ``src`` intact. ``src == tgt`` is a no-op.
+        """
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
@@ -233,6 +249,8 @@ class MultiGroupBlockTable(AttentionViews):
                 self.storage.write_move(g, s, t)
 
     def swap_row(self, src: int, tgt: int) -> None:
+        """Exchange rows ``src`` and ``tgt`` (entries and counts) in every group (batch reorder).
+        ``src == tgt`` is a no-op."""
         s = check_index("src", src, self.max_num_reqs)
         t = check_index("tgt", tgt, self.max_num_reqs)
         if s != t:
@@ -241,6 +259,9 @@ class MultiGroupBlockTable(AttentionViews):
                 self.storage.write_swap(g, s, t)
 
     def clear(self) -> None:
+        """Empty every row of every group: entries become the null block, counts 0 (vLLM
+        v0.25.1's ``clear`` kept the counts). The device copy follows at the next
+        :meth:`commit`."""
         self.storage.before_host_write()
         for g in self._table_groups:
             self.storage.write_clear(g)

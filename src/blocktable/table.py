@@ -47,10 +47,10 @@ class BlockTable:
         self,
         block_size: int,
         max_num_reqs: int,
+        *,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 8192,
         device: str | torch.device = "cpu",
-        *,
         kernel_block_size: int | None = None,
         max_num_blocks: int | None = None,
         num_blocks: int | None = None,
@@ -59,9 +59,15 @@ class BlockTable:
         commit_staging_entries: int | None = None,
         debug: bool = False,
     ) -> None:
-        """Standalone single-group table: ``block_size``, ``kernel_block_size``,
-        ``max_num_blocks`` and ``num_blocks`` as in :class:`GroupSpec`, the rest as in
-        :class:`MultiGroupBlockTable`."""
+        """Standalone single-group table.
+
+        Everything after ``max_num_reqs`` is keyword-only: vLLM's ``BlockTable`` takes
+        ``max_num_blocks_per_req`` third, where a positional ``max_model_len`` would silently
+        give another width (``blocktable.compat.BlockTable`` takes vLLM's positional form).
+        ``block_size``, ``kernel_block_size``, ``max_num_blocks`` (the width in manager
+        blocks) and ``num_blocks`` as in :class:`GroupSpec`, the rest as in
+        :class:`MultiGroupBlockTable`.
+        """
         from blocktable.multi_group import MultiGroupBlockTable
 
         spec = GroupSpec(
@@ -169,7 +175,12 @@ class BlockTable:
 
     # ---- reading --------------------------------------------------------------------------
     def row(self, row_idx: int) -> np.ndarray:
-        """The filled kernel block ids of a row (a copy; int32)."""
+        """The filled entries of a row as *kernel* block ids (a copy; int32 ``[count]``).
+
+        With ``kernel_block_size < block_size`` each manager id ``b`` given to ``add_row`` /
+        ``append_row`` appears as ``k`` kernel ids ``b*k .. b*k+k-1``; the null block as ``k``
+        zeros.
+        """
         row = check_index("row_idx", row_idx, self.max_num_reqs)
         return self.block_table_np[row, : self.num_kernel_blocks[row]].copy()
 

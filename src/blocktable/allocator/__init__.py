@@ -1,4 +1,4 @@
-"""The block allocator: where block ids come from (SPEC §3.8).
+"""The block allocator: where block ids come from.
 
 :class:`KVCacheManager` hands out manager block ids per request and KV cache group, with a
 null block, LRU eviction, reference counts, exact prefix caching over chained block hashes,

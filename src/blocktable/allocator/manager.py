@@ -36,7 +36,7 @@ class KVCacheManager:
     """Block allocation for every KV cache group, per request, with prefix caching.
 
     Every running request holds one table row (``0 .. max_num_reqs - 1``, lowest free row first)
-    from :meth:`add_request` until :meth:`free`/:meth:`preempt` (SPEC §3.5, indexed mode); the
+    from :meth:`add_request` until :meth:`free`/:meth:`preempt` (indexed mode); the
     rows of :meth:`take_step_update` are these rows, and the block ids are manager block ids.
 
     Per step, an engine calls:

@@ -1,4 +1,4 @@
-"""The step loop of a continuous-batching engine built on blocktable (SPEC §4).
+"""The step loop of a continuous-batching engine built on blocktable (``docs/integration.md``).
 
 One :meth:`LLMEngine.step`:
 

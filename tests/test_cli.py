@@ -1,0 +1,141 @@
+"""The command line: help, --version and every refusal answer fast (no torch), with the
+demo's usage and one error line, exit 2; every number has a bound checked before the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blocktable import cli
+from blocktable.cli import main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Runs each argv through main() in one fresh interpreter and reports, per argv, the exit code
+# and whether torch or numpy had been imported by then.
+_PROBE = """
+import json, sys
+from blocktable.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out.append([code, "torch" in sys.modules, "numpy" in sys.modules])
+print("PROBE" + json.dumps(out))
+"""
+
+
+def _probe(argvs: list[list[str]], cwd: Path) -> list[list[object]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argvs)], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=cwd, check=False)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE")]
+    assert line, proc.stdout + proc.stderr
+    return json.loads(line[0][5:])  # type: ignore[no-any-return]
+
+
+def test_help_version_and_refusals_never_import_torch(tmp_path: Path) -> None:
+    argvs = [
+        ["--help"], ["demo", "--help"], ["--version"], [], ["demo", "--bogus"],
+        ["demo", "--num-blocks", "99999999999999999999"], ["demo", "--token-budget", "99999999999"],
+        ["demo", "--block-size", "100000"], ["demo", "--num-requests", "100000"],
+        ["demo", "--out", "/proc/x.png"], ["demo", "--dcp", "9"],
+    ]
+    results = _probe(argvs, tmp_path)
+    for argv, (code, torch_loaded, numpy_loaded) in zip(argvs, results):
+        assert code == (0 if argv in (["--help"], ["demo", "--help"], ["--version"]) else 2), argv
+        assert not torch_loaded and not numpy_loaded, argv
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import blocktable
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"blocktable {blocktable.__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--num-blocks", "1000000000000"], "--num-blocks 1000000000000 is out of range [2, 1024]"),
+        (["--num-blocks", "99999999999999999999"], "out of range [2, 1024]"),
+        (["--token-budget", "99999999999"], "--token-budget 99999999999 is out of range"),
+        (["--block-size", "100000"], "prompts grow to 6 blocks"),
+        (["--num-requests", "100000"], "--num-requests 100000 is out of range [1, 32]"),
+        (["--max-new-tokens", "100000"], "out of range [1, 64]"),
+        (["--num-requests", "32", "--max-new-tokens", "64"], "generated tokens is over 1024"),
+        (["--seed", "-1"], "--seed -1 is out of range"),
+        (["--seed", str(2**40)], "seeds are 32-bit"),
+        (["--picture-step", "-2"], "--picture-step -2 is out of range"),
+        (["--dcp", "0"], "--dcp 0 is out of range [1, 8]"),
+        (["--dcp", "9"], "--dcp 9 is out of range [1, 8]"),
+        (["--cp-interleave", "3"], "--cp-interleave 3 must divide --block-size 4"),
+        (["--num-requests", "-1"], "--num-requests -1 is out of range"),
+        (["--block-size", "0"], "--block-size 0 is out of range"),
+        (["--token-budget", "0"], "--token-budget 0 is out of range"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
+        (["--num-blocks", "3"], "the longest request needs"),  # needs the workload
+        (["--out", "picture.jpg"], "must name a .png file"),
+        (["--out", "/proc/x.png"], "cannot be written"),
+        (["--out", "/no/such/folder/x.png"], "does not exist"),
+        (["--device", "tpu"], "invalid choice"),
+        (["--num-requests", "two"], "invalid int value"),
+    ],
+)
+def test_bad_option_exits_2_with_the_demo_usage(argv: list[str], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: blocktable demo ")
+    error_lines = [x for x in err.splitlines() if "error:" in x]
+    assert len(error_lines) == 1 and error_lines[0].startswith("blocktable demo: error: ")
+    assert needle in error_lines[0]
+
+
+def test_out_directory_and_probe_leaves_nothing(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "is a directory" in capsys.readouterr().err
+    # a valid --out with a bad option after the probe: the probe's file is removed again
+    out = tmp_path / "x.png"
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(out), "--num-blocks", "3"])
+    assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--device", "cuda", "--out", "/tmp/never.png"])
+    assert exc.value.code == 2 and "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_no_top_level_heavy_imports() -> None:
+    names = set(vars(cli))
+    assert not {"torch", "numpy", "np", "DemoOptions", "run_demo"} & names
+
+
+def test_help_documents_every_option_and_the_prompt_growth(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--num-requests", "--seed", "--block-size", "--num-blocks", "--max-new-tokens",
+                   "--token-budget", "--device", "--dcp", "--cp-interleave", "--out",
+                   "--picture-step", "--quiet"):
+        assert option in text
+    assert "prompt lengths grow with it" in text
+    assert "Exit codes: 0" in text

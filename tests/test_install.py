@@ -1,0 +1,92 @@
+"""What a fresh install brings: torch and numpy only; the demo's rich and matplotlib stay out
+of ``import blocktable``; without Triton the GPU path says so, and ``auto`` falls back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_core_dependencies_are_torch_and_numpy() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split(";")[0].strip() for d in project["dependencies"]}
+    assert names == {"torch", "numpy"}
+    extras = project["optional-dependencies"]
+    assert {"rich", "matplotlib", "transformers"} <= {d.split(">")[0] for d in extras["demo"]}
+    triton = [d for d in extras["test"] if d.startswith("triton")]
+    assert len(triton) == 1 and "aarch64" in triton[0] and "x86_64" in triton[0]
+
+
+def test_import_blocktable_is_light_and_every_name_resolves() -> None:
+    out = _run(
+        "import sys, blocktable\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
+        "from blocktable import *\n"
+        "import blocktable.compat\n"
+        "print(all(getattr(blocktable, n) is not None for n in blocktable.__all__)\n"
+        "      and sorted(blocktable.__all__) == sorted(blocktable._EXPORTS))\n"
+        "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))\n"
+    )
+    assert out.split("\n")[:3] == ["False False", "True", "[]"]
+
+
+def test_without_triton_the_gpu_path_says_so() -> None:
+    out = _run(
+        "import sys, warnings\n"
+        "sys.modules['triton'] = None  # as if not installed\n"
+        "import torch\n"
+        "from blocktable import GroupSpec, MultiGroupBlockTable\n"
+        "from blocktable._triton import HAS_TRITON, resolve_backend\n"
+        "assert not HAS_TRITON\n"
+        "try:\n"
+        "    MultiGroupBlockTable([GroupSpec(16)], 2, 64, backend='triton')\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    picks = [resolve_backend('auto', torch.device('cuda', 0)) for _ in range(3)]\n"
+        "print(picks, len(caught), caught[0].category.__name__)\n"
+        "print(resolve_backend('auto', torch.device('cpu')))\n"
+        "bt = MultiGroupBlockTable([GroupSpec(4)], 2, 64, 8)  # the CPU path needs no triton\n"
+        "bt.add_row(([3],), 0); bt.commit()\n"
+        "qsl = torch.tensor([0, 1], dtype=torch.int32)\n"
+        "print(bt.compute_slot_mapping(qsl, torch.tensor([2]))[0][:2].tolist())\n"
+    )
+    lines = out.splitlines()
+    assert lines[0] == ("backend='triton' needs the triton package; CUDA builds of torch bring "
+                        "it: pip install triton")
+    assert lines[1] == "['torch', 'torch', 'torch'] 1 RuntimeWarning"  # warned once
+    assert lines[2] == "torch"
+    assert lines[3] == "[14, -1]"
+
+
+def test_demo_model_constants_match_the_model() -> None:
+    pytest.importorskip("transformers")
+    from blocktable.demo import KV_BYTES_PER_TOKEN, MODEL_MAX_POSITIONS
+    from blocktable.engine import tiny_llama
+
+    config = tiny_llama().config
+    per_token = (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+                 * torch.finfo(torch.float32).bits // 8)
+    assert KV_BYTES_PER_TOKEN == per_token
+    assert MODEL_MAX_POSITIONS == config.max_position_embeddings
+    from blocktable.cli import MAX_BLOCK_SIZE, MAX_NEW_TOKENS
+
+    assert 6 * MAX_BLOCK_SIZE + MAX_NEW_TOKENS <= MODEL_MAX_POSITIONS
