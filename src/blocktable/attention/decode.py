@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_positive, check_tensor
-from blocktable._triton import resolve_backend
+from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.launch import launch_paged_attention
-from blocktable.attention.paged import check_outputs, check_triton_common
+from blocktable.attention.paged import check_outputs, check_triton_common, inputs_look_valid
 from blocktable.attention.reference import paged_attention_reference
 from blocktable.config import CPConfig
 
@@ -106,21 +106,25 @@ def paged_decode_attention(
     >>> out.shape
     torch.Size([2, 4, 64])
     """
-    check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, DECODE_DTYPES)
+    if not inputs_look_valid(
+        query, k_cache, v_cache, block_table, seq_lens, None, row_of_batch, out, lse_out
+    ):  # the slow checks say what is wrong
+        check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, DECODE_DTYPES)
+        if row_of_batch is not None:
+            check_tensor(
+                "row_of_batch", row_of_batch, dtype=torch.int32, shape=(seq_lens.shape[0],),
+                device=query.device,
+            )
     num_reqs = seq_lens.shape[0]
     if query.shape[0] != num_reqs:
         raise ValueError(
             f"query must have one token per request (num_reqs={num_reqs} from seq_lens), "
             f"got shape {list(query.shape)}"
         )
-    if row_of_batch is not None:
-        check_tensor(
-            "row_of_batch", row_of_batch, dtype=torch.int32, shape=(num_reqs,),
-            device=query.device,
-        )
     window = check_sliding_window(sliding_window)
     scale = resolve_scale(scale, query.shape[2])
-    backend = resolve_backend(backend, query.device)
+    if not (backend == "auto" and HAS_TRITON and query.is_cuda):  # (the per-step case: fast)
+        backend = resolve_backend(backend, query.device)
     if num_kv_splits is not None:
         num_kv_splits = check_positive("num_kv_splits", num_kv_splits)
         if num_kv_splits & (num_kv_splits - 1):

@@ -20,6 +20,7 @@ if HAS_TRITON:
     from blocktable.attention import triton_prefill as _pre
 
 SEARCH_RADIX = 16
+_INTERPRET = interpreting()
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class KernelConfig:
 @functools.lru_cache(maxsize=64)
 def default_config(head_dim: int, group_size: int) -> KernelConfig:
     """The configuration used unless one is given, by head size."""
-    if interpreting():  # small tiles: the interpreter's cost grows with tile area
+    if _INTERPRET:  # small tiles: the interpreter's cost grows with tile area
         return KernelConfig(16 * max(1, next_power_of_2(group_size) // 4), 16, 4, 1, 16, 4, 1)
     block_d = max(16, next_power_of_2(head_dim))
     if block_d <= 64:
@@ -59,12 +60,19 @@ class CPLayout:
     block_size: int = 1  # the manager block size: the unit of ownership
 
 
+@functools.lru_cache(maxsize=256)
 def decode_rows(group_size: int) -> tuple[int, int, int]:
     """``(GROUP_PAD, BLOCK_M, BLOCK_Q)`` of the decode tile: the GQA group padded to a power
     of two, rows padded to 16 (``tl.dot``'s minimum), query tokens that fit."""
     group_pad = next_power_of_2(group_size)
     block_m = max(16, group_pad)
     return group_pad, block_m, block_m // group_pad
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_sizes(head_dim: int, group_size: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_D, GROUP_PAD, decode BLOCK_M, decode BLOCK_Q)``."""
+    return (max(16, next_power_of_2(head_dim)), *decode_rows(group_size))
 
 
 @functools.lru_cache(maxsize=16)
@@ -146,9 +154,9 @@ def launch_paged_attention(
     group = num_heads // num_kv_heads
     if config is None:
         config = default_config(head_dim, group)
-    block_d = max(16, next_power_of_2(head_dim))
+    block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
     dtype = _DTYPE_NAMES[query.dtype]
-    dot_fp32 = interpreting() and query.dtype != torch.float32
+    dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
     lse_arg = lse_out if lse_out is not None else seq_lens  # never read without HAS_LSE
     lse_strides = lse_out.stride() if lse_out is not None else (0, 0)
@@ -163,7 +171,6 @@ def launch_paged_attention(
     strides = (*out.stride(), *lse_strides, *query.stride(), *k_cache.stride(),
                *v_cache.stride(), *block_table.stride())
     cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)
-    group_pad, dec_m, dec_q = decode_rows(group)
 
     # With qsl, program num_reqs zeros the pad tokens when the prefill kernel does not run.
     extra = 1 if has_qsl and decode_only else 0

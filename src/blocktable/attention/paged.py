@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from blocktable._checks import as_index_array, check_positive, check_tensor
-from blocktable._triton import resolve_backend
+from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.cp_layout import local_seq_len
 from blocktable.attention.launch import CPLayout, decode_rows, launch_paged_attention
@@ -21,6 +21,7 @@ from blocktable.config import CPConfig
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+NO_CP = CPLayout()
 
 
 def paged_attention(
@@ -98,24 +99,29 @@ def paged_attention(
     >>> out.shape, lse.shape
     (torch.Size([4, 2, 8]), torch.Size([4, 2]))
     """
-    backend = resolve_backend(backend, query.device)
+    if not (backend == "auto" and HAS_TRITON and query.is_cuda):  # (the per-step case: fast)
+        backend = resolve_backend(backend, query.device)
     want_lse = return_lse or lse_out is not None
     if backend == "torch":
         return _with_reference(
             query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
             sliding_window, row_of_batch, cp, cp_block_size, out, lse_out, want_lse,
         )
-    check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, TRITON_DTYPES)
-    num_reqs = seq_lens.shape[0]
-    device = query.device
-    check_tensor(
-        "query_start_loc", query_start_loc, dtype=torch.int32, shape=(num_reqs + 1,),
-        device=device,
-    )
-    if row_of_batch is not None:
+    if not inputs_look_valid(
+        query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch, out,
+        lse_out,
+    ):  # the slow checks say what is wrong
+        check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, TRITON_DTYPES)
         check_tensor(
-            "row_of_batch", row_of_batch, dtype=torch.int32, shape=(num_reqs,), device=device
+            "query_start_loc", query_start_loc, dtype=torch.int32,
+            shape=(seq_lens.shape[0] + 1,), device=query.device,
         )
+        if row_of_batch is not None:
+            check_tensor(
+                "row_of_batch", row_of_batch, dtype=torch.int32, shape=(seq_lens.shape[0],),
+                device=query.device,
+            )
+    num_reqs = seq_lens.shape[0]
     layout = check_triton_common(query, k_cache, cp, cp_block_size, num_kv_splits)
     out, lse_out = check_outputs(query, out, lse_out, want_lse)
     window = check_sliding_window(sliding_window)
@@ -124,7 +130,9 @@ def paged_attention(
     # Every query length is at most num_tokens: with few tokens the decode kernel serves all.
     bound = query.shape[0]
     if max_query_len is not None:
-        bound = min(bound, check_positive("max_query_len", max_query_len))
+        if type(max_query_len) is not int or max_query_len < 1:
+            check_positive("max_query_len", max_query_len)
+        bound = min(bound, int(max_query_len))
     decode_only = bound <= decode_rows(query.shape[1] // k_cache.shape[2])[2]
     launch_paged_attention(
         out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
@@ -132,6 +140,67 @@ def paged_attention(
         decode_only=decode_only, num_kv_splits=num_kv_splits,
     )
     return (out, lse_out) if want_lse else out
+
+
+def inputs_look_valid(
+    query: object,
+    k_cache: object,
+    v_cache: object,
+    block_table: object,
+    seq_lens: object,
+    query_start_loc: object,
+    row_of_batch: object,
+    out: object,
+    lse_out: object,
+) -> bool:
+    """A fast yes to the checks of the Triton path (a no is explained by the slow checks)."""
+    try:
+        dtype = k_cache.dtype  # type: ignore[attr-defined]
+        dev = k_cache.device  # type: ignore[attr-defined]
+        kshape = k_cache.shape  # type: ignore[attr-defined]
+        qshape = query.shape  # type: ignore[attr-defined]
+        num_reqs = seq_lens.shape[0]  # type: ignore[attr-defined]
+        i32 = torch.int32
+        ok = (
+            dtype in TRITON_DTYPES
+            and len(kshape) == 4
+            and v_cache.dtype is dtype  # type: ignore[attr-defined]
+            and v_cache.shape == kshape  # type: ignore[attr-defined]
+            and query.dtype is dtype  # type: ignore[attr-defined]
+            and len(qshape) == 3
+            and qshape[2] == kshape[3]
+            and qshape[1] > 0
+            and qshape[1] % kshape[2] == 0
+            and seq_lens.dtype is i32  # type: ignore[attr-defined]
+            and seq_lens.dim() == 1  # type: ignore[attr-defined]
+            and block_table.dtype is i32  # type: ignore[attr-defined]
+            and block_table.dim() == 2  # type: ignore[attr-defined]
+            and block_table.shape[0] >= num_reqs  # type: ignore[attr-defined]
+            and (
+                query_start_loc is None
+                or (query_start_loc.dtype is i32  # type: ignore[attr-defined]
+                    and query_start_loc.shape == (num_reqs + 1,))  # type: ignore[attr-defined]
+            )
+            and (
+                row_of_batch is None
+                or (row_of_batch.dtype is i32  # type: ignore[attr-defined]
+                    and row_of_batch.shape == (num_reqs,))  # type: ignore[attr-defined]
+            )
+        )
+        if not ok:
+            return False
+        tensors = [v_cache, query, seq_lens, block_table]
+        if query_start_loc is not None:
+            tensors.append(query_start_loc)
+        if row_of_batch is not None:
+            tensors.append(row_of_batch)
+        if out is not None:
+            tensors.append(out)
+        if lse_out is not None:
+            tensors.append(lse_out)
+        return all(t.device == dev for t in tensors)  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
 
 
 def check_triton_common(
@@ -147,7 +216,7 @@ def check_triton_common(
     if num_kv_splits is not None:
         check_positive("num_kv_splits", num_kv_splits)
     if cp is None and cp_block_size is None:
-        return CPLayout()
+        return NO_CP
     layout = _cp_layout(cp, cp_block_size, k_cache.shape[1])
     return CPLayout(
         layout["world_size"], layout["rank"], layout["interleave"], layout["manager_block_size"]
@@ -160,7 +229,8 @@ def check_outputs(
     """The caller's output buffers (checked), or new ones."""
     if out is None:
         out = torch.empty_like(query)
-    else:
+    elif not (out.dtype is query.dtype and out.shape == query.shape
+              and out.device == query.device):
         check_tensor("out", out, dtype=query.dtype, shape=query.shape, device=query.device)
     if lse_out is not None:
         check_tensor(
