@@ -272,10 +272,15 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
         best: tuple[float, str] | None = None
         for config in tune_configs(tune_kind, base, splits):
             fn = batch.run(config)
-            fn()
-            cerr = batch.check(batch.out)
-            ce, cg = timed(fn, graph=decode, smoke=args.smoke, rep_ms=30)
             name = describe(config, tune_kind)
+            try:
+                fn()
+                cerr = batch.check(batch.out)
+                ce, cg = timed(fn, graph=decode, smoke=args.smoke, rep_ms=30)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip it
+                rows.append(Row(kind, label, f"tune:{name}", None, None,
+                                note=f"failed: {exc}"[:120]))
+                continue
             t = cg if cg is not None else ce
             rows.append(Row(kind, label, f"tune:{name}", ce, cg, None, cerr))
             if t is not None and (best is None or t < best[0]):

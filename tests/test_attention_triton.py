@@ -326,3 +326,24 @@ def test_mixed_step_replays_in_a_cuda_graph() -> None:
     ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)
+
+
+def test_many_requests_search_and_all_padding(triton_device: str) -> None:
+    """More requests than one search level holds (16), random lengths; then a batch with no
+    request at all (every token is padding) and an empty one."""
+    gen = np.random.default_rng(7)
+    reqs = [(int(q + gen.integers(0, 9)), int(q)) for q in gen.integers(0, 9, size=21)]
+    args = make_case(reqs, 4, 1, 4, 16, torch.float32, triton_device, pad_tokens=5, seed=7)
+    out, lse = paged_attention(*args, return_lse=True, backend="triton")
+    ref, ref_lse = reference(*args)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+    query, k_cache, v_cache, table, _, _ = args
+    no_reqs = (torch.zeros(0, dtype=torch.int32, device=triton_device),
+               torch.zeros(1, dtype=torch.int32, device=triton_device))
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, k_cache, v_cache, table, *no_reqs, out=out, backend="triton")
+    assert (out == 0).all()
+    empty = paged_attention(query[:0], k_cache, v_cache, table, *no_reqs, backend="triton")
+    assert empty.shape == (0, *query.shape[1:])
