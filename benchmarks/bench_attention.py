@@ -26,18 +26,18 @@ from dataclasses import asdict, dataclass
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
-import triton.testing  # noqa: E402
+import torch
+import triton.testing
 
-from blocktable.attention import paged_attention  # noqa: E402
-from blocktable.attention.launch import (  # noqa: E402
+from blocktable.attention import paged_attention
+from blocktable.attention.launch import (
     CPLayout,
     KernelConfig,
     default_config,
     launch_paged_attention,
 )
-from blocktable.attention.triton_decode import default_num_kv_splits  # noqa: E402
-from blocktable.flashinfer import write_flashinfer_page_table  # noqa: E402
+from blocktable.attention.triton_decode import default_num_kv_splits
+from blocktable.flashinfer import write_flashinfer_page_table
 
 try:  # pragma: no cover - GPU machine only
     import flashinfer

@@ -13,7 +13,12 @@ from blocktable._checks import check_positive, check_tensor
 from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.launch import launch_paged_attention
-from blocktable.attention.paged import check_outputs, check_triton_common, inputs_look_valid
+from blocktable.attention.paged import (
+    check_outputs,
+    check_triton_common,
+    inputs_look_valid,
+    with_lse,
+)
 from blocktable.attention.reference import paged_attention_reference
 from blocktable.config import CPConfig
 
@@ -133,7 +138,7 @@ def paged_decode_attention(
     layout = check_triton_common(query, k_cache, cp, cp_block_size, None)
     out, lse_out = check_outputs(query, out, lse_out, want_lse)
     if num_reqs == 0:
-        return (out, lse_out) if want_lse else out
+        return with_lse(out, lse_out)
     if backend == "torch":
         _decode_with_reference(
             query, k_cache, v_cache, block_table, seq_lens, scale, window, row_of_batch, cp,
@@ -144,7 +149,7 @@ def paged_decode_attention(
             out, lse_out, query, k_cache, v_cache, block_table, seq_lens, None, row_of_batch,
             scale, window, layout, decode_only=True, num_kv_splits=num_kv_splits,
         )
-    return (out, lse_out) if want_lse else out
+    return with_lse(out, lse_out)
 
 
 def _decode_with_reference(

@@ -139,7 +139,13 @@ def paged_attention(
         row_of_batch, resolve_scale(scale, query.shape[2]), window, layout,
         decode_only=decode_only, num_kv_splits=num_kv_splits,
     )
-    return (out, lse_out) if want_lse else out
+    return with_lse(out, lse_out)
+
+
+def with_lse(
+    out: torch.Tensor, lse_out: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return out if lse_out is None else (out, lse_out)
 
 
 def inputs_look_valid(
