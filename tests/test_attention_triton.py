@@ -342,8 +342,10 @@ def test_many_requests_search_and_all_padding(triton_device: str) -> None:
     query, k_cache, v_cache, table, _, _ = args
     no_reqs = (torch.zeros(0, dtype=torch.int32, device=triton_device),
                torch.zeros(1, dtype=torch.int32, device=triton_device))
-    out = torch.full_like(query, float("nan"))
-    paged_attention(query, k_cache, v_cache, table, *no_reqs, out=out, backend="triton")
-    assert (out == 0).all()
+    for max_query_len in (None, 1):  # the prefill kernel's pad tiles, the decode kernel's
+        out = torch.full_like(query, float("nan"))
+        paged_attention(query, k_cache, v_cache, table, *no_reqs, out=out,
+                        max_query_len=max_query_len, backend="triton")
+        assert query.shape[0] > 64 and (out == 0).all()
     empty = paged_attention(query[:0], k_cache, v_cache, table, *no_reqs, backend="triton")
     assert empty.shape == (0, *query.shape[1:])

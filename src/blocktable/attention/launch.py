@@ -20,6 +20,7 @@ if HAS_TRITON:
     from blocktable.attention import triton_prefill as _pre
 
 SEARCH_RADIX = 16
+PAD_ITERS = 16
 _INTERPRET = interpreting()
 
 
@@ -75,14 +76,22 @@ def _tile_sizes(head_dim: int, group_size: int) -> tuple[int, int, int, int]:
     return (max(16, next_power_of_2(head_dim)), *decode_rows(group_size))
 
 
-@functools.lru_cache(maxsize=16)
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _workspace(
     device: torch.device, slots: int, num_heads: int, splits: int, block_d: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV partials, allocated once per (device, shape) and reused by every call."""
-    part_o = torch.empty((slots, num_heads, splits, block_d), dtype=torch.float32, device=device)
-    part_lse = torch.empty((slots, num_heads, splits), dtype=torch.float32, device=device)
-    return part_o, part_lse
+    """Split-KV partials, allocated once per (device, shape) and reused by every call. Never
+    freed: a captured CUDA graph may hold their addresses."""
+    key = (device, slots, num_heads, splits, block_d)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        part_o = torch.empty((slots, num_heads, splits, block_d), dtype=torch.float32,
+                             device=device)
+        part_lse = torch.empty((slots, num_heads, splits), dtype=torch.float32, device=device)
+        found = _WORKSPACES[key] = (part_o, part_lse)
+    return found
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,8 +181,8 @@ def launch_paged_attention(
                *v_cache.stride(), *block_table.stride())
     cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)
 
-    # With qsl, program num_reqs zeros the pad tokens when the prefill kernel does not run.
-    extra = 1 if has_qsl and decode_only else 0
+    # With qsl, programs num_reqs, ... zero the pad tokens when the prefill kernel does not run.
+    extra = cdiv(num_tokens, PAD_ITERS * dec_q) if has_qsl and decode_only else 0
     if num_reqs + extra > 0:
         splits = num_kv_splits or config.num_kv_splits or _dec.default_num_kv_splits(
             num_reqs, num_kv_heads, width, query.device, block_size
@@ -193,7 +202,8 @@ def launch_paged_attention(
             out, lse_arg, part_o, part_lse, query, k_cache, v_cache, block_table, seq_lens,
             qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
             splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
-            group, group_pad, dec_m, dec_q, slots, config.decode_block_n, head_dim, block_d,
+            group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
+            block_d,
             block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
             config.decode_num_stages, dtype,
             num_warps=config.decode_num_warps,

@@ -62,6 +62,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         SLOTS: tl.constexpr,  # workspace rows per request: BLOCK_Q, or 1 without qsl
+        PAD_ITERS: tl.constexpr,  # pad tokens zeroed per extra program, in BLOCK_Q steps
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -85,18 +86,20 @@ if HAS_TRITON:
         heads = kv_head * GROUP + g
         head_ok = (g < GROUP) & (qi < BLOCK_Q)
         if HAS_QSL:
-            q_start = tl.load(qsl_ptr + req)
-            if req == num_reqs:  # the extra program: zero the pad tokens after the last request
+            if req >= num_reqs:  # extra programs: zero PAD_ITERS * BLOCK_Q tokens each
                 if split == 0:
-                    for t0 in range(q_start, num_tokens, BLOCK_Q):
-                        tokens = t0 + qi
-                        pad = head_ok & (tokens < num_tokens)
+                    first_pad = tl.load(qsl_ptr + num_reqs)
+                    base = (req - num_reqs) * (PAD_ITERS * BLOCK_Q)
+                    for it in range(PAD_ITERS):
+                        tokens = base + it * BLOCK_Q + qi
+                        pad = head_ok & (tokens >= first_pad) & (tokens < num_tokens)
                         zero_rows(
                             out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h,
                             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D,
                             HEAD_DIM, HAS_LSE,
                         )
                 return
+            q_start = tl.load(qsl_ptr + req)
             query_len = tl.load(qsl_ptr + req + 1) - q_start
             if query_len > BLOCK_Q:
                 return
