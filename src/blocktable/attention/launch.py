@@ -39,11 +39,18 @@ class KernelConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def default_config(head_dim: int, group_size: int) -> KernelConfig:
-    """The configuration used unless one is given, by head size."""
+def default_config(head_dim: int, group_size: int, element_size: int = 2) -> KernelConfig:
+    """The configuration used unless one is given, by head size (and 4-byte elements:
+    smaller tiles, so that float32 tiles fit in shared memory)."""
     if _INTERPRET:  # small tiles: the interpreter's cost grows with tile area
         return KernelConfig(16 * max(1, next_power_of_2(group_size) // 4), 16, 4, 1, 16, 4, 1)
     block_d = max(16, next_power_of_2(head_dim))
+    if element_size > 2:
+        if block_d <= 64:
+            return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+        if block_d <= 128:
+            return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+        return KernelConfig(32, 32, 4, 1, 16, 4, 2)
     if block_d <= 64:
         return KernelConfig(128, 64, 4, 3, 64, 4, 3)
     if block_d <= 128:
@@ -162,7 +169,7 @@ def launch_paged_attention(
     num_rows, width = block_table.shape
     group = num_heads // num_kv_heads
     if config is None:
-        config = default_config(head_dim, group)
+        config = default_config(head_dim, group, query.element_size())
     block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
