@@ -319,6 +319,30 @@ def print_table(rows: list[Row]) -> None:
               f"{f(r.tflops):>8} {f(r.max_err, 4):>8} {r.note}")
 
 
+def print_ratios(rows: list[Row]) -> None:
+    """The targets' ratios: Triton over FlashInfer (time), over SDPA (TFLOP/s), over parts."""
+    by = {(r.kind, r.case, r.impl): r for r in rows}
+    print("\nratios (time: lower is better; TFLOP/s: higher is better)")
+    for (kind, case, impl), r in by.items():
+        if impl != "triton":
+            continue
+        parts = []
+        for other in ("flashinfer", "triton-parts"):
+            o = by.get((kind, case, other))
+            if o is None:
+                continue
+            for name, a, b in (("eager", r.eager_us, o.eager_us), ("graph", r.graph_us,
+                                                                    o.graph_us)):
+                if a and b:
+                    parts.append(f"{name} time / {other} {a / b:.2f}")
+        for other in ("flashinfer", "sdpa"):
+            o = by.get((kind, case, other))
+            if o is not None and r.tflops and o.tflops:
+                parts.append(f"TFLOP/s / {other} {r.tflops / o.tflops:.2f}")
+        if parts:
+            print(f"  {kind:<8} {case:<34} " + ", ".join(parts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -356,6 +380,7 @@ def main() -> int:
     if args.only in (None, "mixed"):
         bench_mixed(rows, shape, device, args, *mixed)
     print_table(rows)
+    print_ratios(rows)
     if args.json:
         with open(args.json, "w") as f:
             meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
