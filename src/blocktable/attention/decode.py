@@ -65,7 +65,8 @@ def paged_decode_attention(
         int32 ``[num_reqs]`` on the cache's device, tokens in the sequence per request (on all
         CP ranks together), this step's included. A request with ``seq_len`` 0 (a pad row)
         gets zeros. On the Triton path ``seq_len`` is clamped to the row and a block id
-        outside ``[0, num_blocks)`` is skipped: never a read outside the table or the cache.
+        outside ``[0, num_blocks)`` is never dereferenced: never a read outside the table or
+        the cache.
     scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     sliding_window : int, optional

@@ -59,7 +59,8 @@ def paged_attention(
         As in :func:`~blocktable.attention.reference.paged_attention_reference`; on the Triton
         path float32, float16 or bfloat16, ``head_dim <= 256``, any kernel block size and any
         strides. A ``seq_len`` beyond the row is clamped to the row on the device and a block
-        id outside ``[0, num_blocks)`` is masked out: never a read outside the table or cache.
+        id outside ``[0, num_blocks)`` is never dereferenced (its keys read as zeros): never
+        a read outside the table or the cache.
     scale, sliding_window, row_of_batch, cp, cp_block_size
         As in the reference.
     out : torch.Tensor, optional

@@ -79,13 +79,15 @@ if HAS_TRITON:
             keys = start + n
             if MASKED:
                 in_row = (keys >= kv_lo) & (keys < kv_cap)
-            else:
-                in_row = keys < kv_cap
-            block_id = tl.load(
-                table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c, mask=in_row, other=-1
-            )
-            # An id outside the cache is never dereferenced: its keys are masked out.
-            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+                block_id = tl.load(
+                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c, mask=in_row, other=-1
+                )
+                kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+            else:  # every key of an unmasked tile lies in the row
+                block_id = tl.load(table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c)
+                kv_ok = (block_id >= 0) & (block_id < num_blocks)
+            # An id outside the cache is never dereferenced: its K and V read as zeros (and
+            # its scores are masked in masked tiles).
             block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
             offset = keys % BLOCK_SIZE
             kv_mask = kv_ok[:, None]
@@ -108,9 +110,9 @@ if HAS_TRITON:
                     & (keys[None, :] < row_hi[:, None])
                     & kv_ok[None, :]
                 )
+                qk = tl.where(visible, qk * qk_scale, float("-inf"))
             else:
-                visible = kv_ok[None, :]
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+                qk = qk * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
