@@ -75,17 +75,28 @@ if HAS_TRITON:
         outside ``[kv_lo, kv_cap)`` are never loaded (entries before a window may be null)."""
         n = tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
+        # The block ids of tile i+1 are loaded while tile i computes: the K/V addresses of the
+        # next tile never wait on a table read.
+        next_keys = kv_start + n
+        next_ids = tl.load(
+            table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+            mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+            other=-1,
+        )
         for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
             keys = start + n
+            block_id = next_ids
+            next_keys = keys + BLOCK_N
+            next_ids = tl.load(
+                table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+                mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+                other=-1,
+            )
             if MASKED:
                 in_row = (keys >= kv_lo) & (keys < kv_cap)
-                block_id = tl.load(
-                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c, mask=in_row, other=-1
-                )
-                kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
             else:  # every key of an unmasked tile lies in the row
-                block_id = tl.load(table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c)
-                kv_ok = (block_id >= 0) & (block_id < num_blocks)
+                in_row = keys < kv_cap
+            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
             # An id outside the cache is never dereferenced: its K and V read as zeros (and
             # its scores are masked in masked tiles).
             block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
