@@ -148,9 +148,9 @@ def test_window_never_reads_null_entries_before_it(triton_device: str, max_query
 
 
 def test_row_of_batch_strided_inputs_and_buffers_in_place(triton_device: str) -> None:
-    """Indexed rows; K/V halves of one [num_blocks, 2, ...] tensor (not 16-byte aligned for
-    V... they are: only the strides differ); a query sliced from a wider tensor; out and
-    lse_out filled with garbage beforehand and written in place."""
+    """Indexed rows; K/V halves of one [num_blocks, 2, ...] tensor (interleaved strides); a
+    query sliced from a wider tensor (not 16-byte aligned); out and lse_out filled with
+    garbage beforehand and written in place."""
     reqs = [(10, 3), (7, 1), (18, 18)]
     query, k_cache, v_cache, table, seq, qsl = make_case(
         reqs, 4, 2, 2, 16, torch.float32, "cpu", pad_tokens=1, seed=4, extra_rows=2
@@ -160,12 +160,12 @@ def test_row_of_batch_strided_inputs_and_buffers_in_place(triton_device: str) ->
     row_of_batch = perm[:3].int()
     kv = torch.stack([k_cache, v_cache], dim=1)  # [num_blocks, 2, block, heads, dim]
     wide = torch.randn(query.shape[0], query.shape[1], 40)
-    wide[..., 8:24] = query
+    wide[..., 5:21] = query
     dev = triton_device
     out = torch.full(query.shape, float("nan"), device=dev)
     lse_out = torch.full(query.shape[:2], 7.0, device=dev)
     result, lse = paged_attention(
-        wide[..., 8:24].to(dev), kv[:, 0].to(dev), kv[:, 1].to(dev), table.to(dev),
+        wide.to(dev)[..., 5:21], kv[:, 0].to(dev), kv[:, 1].to(dev), table.to(dev),
         seq.to(dev), qsl.to(dev), row_of_batch=row_of_batch.to(dev), out=out,
         lse_out=lse_out, backend="triton",
     )

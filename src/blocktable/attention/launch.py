@@ -183,7 +183,8 @@ def launch_paged_attention(
     has_cp = cp.world_size > 1
     window = sliding_window or 0
     qk_scale = scale * LOG2_E
-    aligned = k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+    pointers = k_cache.data_ptr() | v_cache.data_ptr() | query.data_ptr() | out.data_ptr()
+    aligned = pointers % 16 == 0  # else the compilation that assumes nothing
     strides = (*out.stride(), *lse_strides, *query.stride(), *k_cache.stride(),
                *v_cache.stride(), *block_table.stride())
     cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)

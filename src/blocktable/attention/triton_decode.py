@@ -256,14 +256,15 @@ if HAS_TRITON:
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
 
-    _UNALIGNED = ["out_ptr", "lse_ptr", "query_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr",
-                  "row_of_batch_ptr"]
+    _UNALIGNED = ["lse_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr", "row_of_batch_ptr"]
     decode_kernel = triton.jit(
         do_not_specialize=list(DECODE_DYNAMIC_ARGS), do_not_specialize_on_alignment=_UNALIGNED
     )(_decode_kernel)
     decode_kernel_unaligned = triton.jit(
         do_not_specialize=list(DECODE_DYNAMIC_ARGS),
-        do_not_specialize_on_alignment=[*_UNALIGNED, "k_cache_ptr", "v_cache_ptr"],
+        do_not_specialize_on_alignment=[
+            *_UNALIGNED, "out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr"
+        ],
     )(_decode_kernel)
 
 
