@@ -287,20 +287,21 @@ def test_decode_bad_inputs_name_the_argument() -> None:
         paged_decode_attention(query, k_cache, v_cache, block_table, seq, sliding_window=0)
     with pytest.raises(ValueError, match=r"out must have shape \[2, 4, 64\]"):
         paged_decode_attention(query, k_cache, v_cache, block_table, seq, out=query[:1])
-    with pytest.raises(ValueError, match="block_size must be a power of two, got 12"):
-        odd = k_cache[:, :12]
-        paged_decode_attention(query, odd, odd, block_table, seq)
     with pytest.raises(ValueError, match="num_kv_splits must be a power of two, got 3"):
         paged_decode_attention(query, k_cache, v_cache, block_table, seq, num_kv_splits=3)
     with pytest.raises(ValueError, match="num_kv_splits must be >= 1, got 0"):
         paged_decode_attention(query, k_cache, v_cache, block_table, seq, num_kv_splits=0)
 
 
-def test_decode_triton_needs_blocks_of_16(triton_device: str) -> None:
-    k_cache, _, block_table, seq = make_paged([20, 3], 2, 64, 8, device=triton_device)
-    query = torch.randn(2, 4, 64, device=triton_device)
-    with pytest.raises(ValueError, match="block_size must be >= 16 for the Triton kernel, got 8"):
-        paged_decode_attention(query, k_cache, k_cache, block_table, seq, backend="triton")
+def test_decode_triton_takes_any_block_size(triton_device: str) -> None:
+    """Tiles are decoupled from blocks: block sizes 8 and 12 (not a power of two) work."""
+    for block_size in (8, 12):
+        k_cache, v_cache, block_table, seq = make_paged([20, 3], 2, 64, block_size)
+        query = torch.randn(2, 4, 64)
+        ref = reference_decode(query, k_cache, v_cache, block_table, seq)
+        args = [t.to(triton_device) for t in (query, k_cache, v_cache, block_table, seq)]
+        out = paged_decode_attention(*args, backend="triton")
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

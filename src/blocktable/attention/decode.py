@@ -1,7 +1,8 @@
 """Paged decode attention: one query token per request, read through the block table.
 
-On CUDA it launches the Triton kernel of :mod:`blocktable.attention.triton_decode`; on CPU it
-computes :func:`~blocktable.attention.reference.paged_attention_reference` (same contract).
+On CUDA (or with ``backend="triton"``) it launches the decode kernel of
+:mod:`blocktable.attention.triton_decode` (one launch, plus a combine when the keys are split);
+on the CPU it computes :func:`~blocktable.attention.reference.paged_attention_reference`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,17 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_positive, check_tensor
-from blocktable._triton import on_device, resolve_backend
+from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
+from blocktable.attention.launch import launch_paged_attention
+from blocktable.attention.paged import (
+    check_outputs,
+    check_triton_common,
+    inputs_look_valid,
+    with_lse,
+)
 from blocktable.attention.reference import paged_attention_reference
-from blocktable.attention.triton_decode import default_num_kv_splits, launch_paged_decode
+from blocktable.config import CPConfig
 
 DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -29,13 +37,18 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     num_kv_splits: int | None = None,
-) -> torch.Tensor:
+    row_of_batch: torch.Tensor | None = None,
+    cp: CPConfig | None = None,
+    cp_block_size: int | None = None,
+    lse_out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per request over its paged KV cache (decode).
 
-    Request ``r``'s query sits at position ``seq_lens[r] - 1`` and attends positions
-    ``[max(0, seq_len - sliding_window), seq_len)``, read through ``block_table[r]``. Launch
-    shapes depend on tensor shapes only and no value is read on the host, so it can be
-    captured in a CUDA graph.
+    Request ``r``'s query sits at global position ``seq_lens[r] - 1`` and attends positions
+    ``[max(0, seq_len - sliding_window), seq_len)``, read through ``block_table[r]`` (or
+    ``block_table[row_of_batch[r]]``). Launch shapes depend on tensor shapes only and no value
+    is read on the host, so it can be captured in a CUDA graph.
 
     Parameters
     ----------
@@ -44,16 +57,16 @@ def paged_decode_attention(
         strides. ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention).
     k_cache, v_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32, float16 or bfloat16, any
-        strides. ``block_size`` (the kernel block size) must be a power of two, ``>= 16`` on
-        the Triton path.
+        strides, any block size (the kernel block size).
     block_table : torch.Tensor
         int32 ``[>= num_reqs, width]`` on the cache's device, kernel block ids. Entries before
         the window may be ``NULL_BLOCK_ID``: they are not read.
     seq_lens : torch.Tensor
-        int32 ``[num_reqs]`` on the cache's device, tokens in the cache per request, this
-        step's included. A request with ``seq_len`` 0 (a pad row) gets zeros. On the Triton
-        path ``seq_len`` is clamped to ``width * block_size`` and a block id outside
-        ``[0, num_blocks)`` is skipped: never a read outside the table or the cache.
+        int32 ``[num_reqs]`` on the cache's device, tokens in the sequence per request (on all
+        CP ranks together), this step's included. A request with ``seq_len`` 0 (a pad row)
+        gets zeros. On the Triton path ``seq_len`` is clamped to the row and a block id
+        outside ``[0, num_blocks)`` is never dereferenced: never a read outside the table or
+        the cache.
     scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     sliding_window : int, optional
@@ -65,16 +78,26 @@ def paged_decode_attention(
         :func:`paged_attention_reference` (slow, synchronizes). ``"triton"`` on CPU tensors
         needs ``TRITON_INTERPRET=1``.
     num_kv_splits : int, optional
-        Programs sharing each request's blocks (flash-decoding), a power of two. ``None``
+        Programs sharing each request's keys (flash-decoding), a power of two. ``None``
         (default) picks enough to fill the GPU from ``num_reqs``, ``num_kv_heads`` and
-        ``width`` alone, so a captured CUDA graph stays valid. With more than one split a
-        float32 workspace of ``num_reqs * num_heads * num_kv_splits * head_dim`` is allocated.
+        ``width`` alone. The split workspace is allocated once per device and shape.
+    row_of_batch : torch.Tensor, optional
+        int32 ``[num_reqs]``, the table row of each request (indexed mode).
+    cp, cp_block_size : optional
+        Context parallelism, as in :func:`paged_attention_reference`: the cache holds this
+        rank's keys at local positions, masked by global position.
+    lse_out : torch.Tensor, optional
+        float32 ``[num_reqs, num_heads]``, written in place with the log-sum-exp (implies
+        ``return_lse``).
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each query's visible scores (``-inf`` where
+        none is visible).
 
     Returns
     -------
-    torch.Tensor
-        ``out`` (or a new tensor), ``[num_reqs, num_heads, head_dim]``. Scores, softmax and the
-        weighted sum accumulate in float32.
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        ``out`` (or a new tensor), ``[num_reqs, num_heads, head_dim]`` (and the LSE). Scores,
+        softmax and the weighted sum accumulate in float32.
 
     Examples
     --------
@@ -89,46 +112,45 @@ def paged_decode_attention(
     >>> out.shape
     torch.Size([2, 4, 64])
     """
-    check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, DECODE_DTYPES)
+    if not inputs_look_valid(
+        query, k_cache, v_cache, block_table, seq_lens, None, row_of_batch, out, lse_out
+    ):  # the slow checks say what is wrong
+        check_paged_inputs(query, k_cache, v_cache, block_table, seq_lens, DECODE_DTYPES)
+        if row_of_batch is not None:
+            check_tensor(
+                "row_of_batch", row_of_batch, dtype=torch.int32, shape=(seq_lens.shape[0],),
+                device=query.device,
+            )
     num_reqs = seq_lens.shape[0]
     if query.shape[0] != num_reqs:
         raise ValueError(
             f"query must have one token per request (num_reqs={num_reqs} from seq_lens), "
             f"got shape {list(query.shape)}"
         )
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"k_cache's block_size must be a power of two, got {block_size}")
     window = check_sliding_window(sliding_window)
-    scale = resolve_scale(scale, head_dim)
-    backend = resolve_backend(backend, query.device)
+    scale = resolve_scale(scale, query.shape[2])
+    if not (backend == "auto" and HAS_TRITON and query.is_cuda):  # (the per-step case: fast)
+        backend = resolve_backend(backend, query.device)
     if num_kv_splits is not None:
         num_kv_splits = check_positive("num_kv_splits", num_kv_splits)
         if num_kv_splits & (num_kv_splits - 1):
             raise ValueError(f"num_kv_splits must be a power of two, got {num_kv_splits}")
-    if out is None:
-        out = torch.empty_like(query)
-    else:
-        check_tensor("out", out, dtype=query.dtype, shape=query.shape, device=query.device)
+    want_lse = return_lse or lse_out is not None
+    layout = check_triton_common(query, k_cache, cp, cp_block_size, None)
+    out, lse_out = check_outputs(query, out, lse_out, want_lse)
     if num_reqs == 0:
-        return out
-
+        return with_lse(out, lse_out)
     if backend == "torch":
-        return _decode_with_reference(
-            query, k_cache, v_cache, block_table, seq_lens, scale, window, out
+        _decode_with_reference(
+            query, k_cache, v_cache, block_table, seq_lens, scale, window, row_of_batch, cp,
+            cp_block_size, out, lse_out,
         )
-    if block_size < 16:
-        raise ValueError(
-            f"k_cache's block_size must be >= 16 for the Triton kernel, got {block_size}"
+    else:
+        launch_paged_attention(
+            out, lse_out, query, k_cache, v_cache, block_table, seq_lens, None, row_of_batch,
+            scale, window, layout, decode_only=True, num_kv_splits=num_kv_splits,
         )
-    if num_kv_splits is None:
-        width = block_table.shape[1]
-        num_kv_splits = default_num_kv_splits(num_reqs, num_kv_heads, width, query.device)
-    with on_device(query):
-        launch_paged_decode(
-            out, query, k_cache, v_cache, block_table, seq_lens, scale, window, num_kv_splits
-        )
-    return out
+    return with_lse(out, lse_out)
 
 
 def _decode_with_reference(
@@ -139,21 +161,26 @@ def _decode_with_reference(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    row_of_batch: torch.Tensor | None,
+    cp: CPConfig | None,
+    cp_block_size: int | None,
     out: torch.Tensor,
-) -> torch.Tensor:
+    lse_out: torch.Tensor | None,
+) -> None:
     # The reference has no query for pad rows (seq_len 0): leave them out, they get zeros.
     live = (seq_lens > 0).nonzero().squeeze(1)
     out.zero_()
-    if live.numel():
-        query_start_loc = torch.arange(live.numel() + 1, dtype=torch.int32, device=query.device)
-        out[live] = paged_attention_reference(
-            query[live],
-            k_cache,
-            v_cache,
-            block_table[live],
-            seq_lens[live],
-            query_start_loc,
-            scale=scale,
-            sliding_window=window,
-        )
-    return out
+    if lse_out is not None:
+        lse_out.fill_(float("-inf"))
+    if not live.numel():
+        return
+    query_start_loc = torch.arange(live.numel() + 1, dtype=torch.int32, device=query.device)
+    rows = row_of_batch[live] if row_of_batch is not None else None
+    result, lse = paged_attention_reference(
+        query[live], k_cache, v_cache, block_table if rows is not None else block_table[live],
+        seq_lens[live], query_start_loc, scale=scale, sliding_window=window, row_of_batch=rows,
+        cp=cp, cp_block_size=cp_block_size, return_lse=True,
+    )
+    out[live] = result
+    if lse_out is not None:
+        lse_out[live] = lse

@@ -1,13 +1,12 @@
-"""Triton kernels of paged decode attention, and the function that launches them.
+"""The decode kernels: requests of at most ``BLOCK_Q`` query tokens, KV split over programs.
 
-One program per (request, KV head, split) computes all query heads of that KV head's group at
-once, walking its share of the request's blocks through the block table with an online softmax
-in float32. Only blocks holding visible positions (inside the sliding window and before
-``seq_len``) are visited and masked positions are never loaded, so out-of-window
-``NULL_BLOCK_ID`` entries and the null block's contents never reach the output.
-
-When requests x KV heads are too few to fill the GPU, each request's blocks are split over
-``num_kv_splits`` programs (flash-decoding) and a second kernel combines their partial sums.
+One program per (request, KV head, split) holds all of the request's query tokens and the
+query heads of its KV head in one ``BLOCK_M``-row tile (decode: one token, the GQA group), and
+walks its share of the request's visible keys through the block table. With one split it
+writes the output directly; with more (flash-decoding) each split writes its normalized
+partial output and log2-sum-exp into a workspace, and :func:`combine_kernel` merges them (and
+produces the log-sum-exp). The split count is a runtime argument: changing it never
+recompiles. Requests longer than ``BLOCK_Q`` are left to the prefill kernel.
 """
 
 from __future__ import annotations
@@ -16,263 +15,284 @@ import functools
 
 import torch
 
-from blocktable._triton import HAS_TRITON, interpreting, next_power_of_2, tl, triton
+from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable.attention.triton_tiles import attend_segments, local_len, store_rows, zero_rows
+
+DECODE_DYNAMIC_ARGS = (
+    "window", "num_reqs", "num_tokens", "num_splits", "max_splits", "num_blocks", "num_rows",
+    "width", "cp_world", "cp_rank", "cp_interleave", "cp_block",
+)
+COMBINE_DYNAMIC_ARGS = ("num_splits", "max_splits")
 
 if HAS_TRITON:
 
-    @triton.jit
-    def _paged_decode_kernel(
-        out_ptr,
-        partial_acc_ptr,  # float32 [num_reqs, num_heads, NUM_SPLITS, BLOCK_D], if NUM_SPLITS > 1
-        partial_m_ptr,  # float32 [num_reqs, num_heads, NUM_SPLITS]: running max of the scores
-        partial_l_ptr,  # float32 [num_reqs, num_heads, NUM_SPLITS]: softmax denominator
+    def _decode_kernel(
+        out_ptr,  # [num_tokens, num_heads, head_dim]
+        lse_ptr,  # float32 [num_tokens, num_heads] (when HAS_LSE)
+        part_o_ptr,  # float32 [num_reqs * SLOTS, num_heads, max_splits, BLOCK_D] (when SPLIT)
+        part_lse_ptr,  # float32 [num_reqs * SLOTS, num_heads, max_splits], log2 domain
         query_ptr,
         k_cache_ptr,
         v_cache_ptr,
-        block_table_ptr,
+        table_ptr,
         seq_lens_ptr,
-        scale,
-        sliding_window,  # 0: full attention
+        qsl_ptr,  # int32 [num_reqs + 1] (when HAS_QSL; else token r is request r's query)
+        row_of_batch_ptr,
+        qk_scale,
+        window,
+        num_reqs,
+        num_tokens,
+        num_splits,
+        max_splits,
         num_blocks,
+        num_rows,
         width,
-        num_heads,
-        head_dim,
-        out_stride_b,
-        out_stride_h,
-        out_stride_d,
-        query_stride_b,
-        query_stride_h,
-        query_stride_d,
-        k_cache_stride_b,
-        k_cache_stride_s,
-        k_cache_stride_h,
-        k_cache_stride_d,
-        v_cache_stride_b,
-        v_cache_stride_s,
-        v_cache_stride_h,
-        v_cache_stride_d,
-        block_table_stride_r,
-        block_table_stride_c,
-        GROUP_SIZE: tl.constexpr,  # query heads per KV head
-        BLOCK_G: tl.constexpr,  # GROUP_SIZE padded to a power of two >= 16 (tl.dot's minimum)
-        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        cp_world,
+        cp_rank,
+        cp_interleave,
+        cp_block,
+        out_stride_t, out_stride_h, out_stride_d,
+        lse_stride_t, lse_stride_h,
+        q_stride_t, q_stride_h, q_stride_d,
+        k_stride_b, k_stride_s, k_stride_h, k_stride_d,
+        v_stride_b, v_stride_s, v_stride_h, v_stride_d,
+        table_stride_r, table_stride_c,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        SLOTS: tl.constexpr,  # workspace rows per request: BLOCK_Q, or 1 without qsl
+        PAD_ITERS: tl.constexpr,  # pad tokens zeroed per extra program, in BLOCK_Q steps
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr,  # upcast dot operands (Triton's interpreter cannot dot bf16)
-        NUM_SPLITS: tl.constexpr,  # programs sharing one request's blocks (flash-decoding)
+        BLOCK_SIZE: tl.constexpr,
+        HAS_QSL: tl.constexpr,
+        INDEXED: tl.constexpr,
+        HAS_CP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
-        seq_len = tl.load(seq_lens_ptr + req)
+        split = tl.program_id(2)
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        heads = kv_head * GROUP + g
+        head_ok = (g < GROUP) & (qi < BLOCK_Q)
+        if HAS_QSL:
+            if req >= num_reqs:  # extra programs: zero PAD_ITERS * BLOCK_Q tokens each
+                if split == 0:
+                    first_pad = tl.load(qsl_ptr + num_reqs)
+                    base = (req - num_reqs) * (PAD_ITERS * BLOCK_Q)
+                    for it in range(PAD_ITERS):
+                        tokens = base + it * BLOCK_Q + qi
+                        pad = head_ok & (tokens >= first_pad) & (tokens < num_tokens)
+                        zero_rows(
+                            out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h,
+                            out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D,
+                            HEAD_DIM, HAS_LSE,
+                        )
+                return
+            q_start = tl.load(qsl_ptr + req)
+            query_len = tl.load(qsl_ptr + req + 1) - q_start
+            if query_len > BLOCK_Q:
+                return
+        else:
+            q_start = req
+            query_len = 1
 
-        g = tl.arange(0, BLOCK_G)
+        seq_len = tl.load(seq_lens_ptr + req)
+        row = req
+        if INDEXED:
+            row = tl.load(row_of_batch_ptr + req)
+        row_ok = (row >= 0) & (row < num_rows)
+        row = tl.where(row_ok, row, 0)
+        kv_cap = tl.minimum(
+            local_len(seq_len, cp_world, cp_rank, cp_interleave, cp_block, HAS_CP),
+            width * BLOCK_SIZE,
+        )
+        kv_cap = tl.where(row_ok, kv_cap, 0)
+
+        row_valid = (qi < query_len) & head_ok
+        q_pos = seq_len - query_len + qi
+        row_hi = tl.minimum(
+            local_len(q_pos + 1, cp_world, cp_rank, cp_interleave, cp_block, HAS_CP), kv_cap
+        )
+        row_hi = tl.where(row_valid, row_hi, 0)
+        q_min = seq_len - query_len
+        full_hi = tl.minimum(
+            local_len(q_min + 1, cp_world, cp_rank, cp_interleave, cp_block, HAS_CP), kv_cap
+        )
+        if HAS_WINDOW:
+            row_lo = local_len(q_pos - window + 1, cp_world, cp_rank, cp_interleave, cp_block,
+                               HAS_CP)
+            kv_lo = local_len(q_min - window + 1, cp_world, cp_rank, cp_interleave, cp_block,
+                              HAS_CP)
+            full_lo = local_len(seq_len - window, cp_world, cp_rank, cp_interleave, cp_block,
+                                HAS_CP)
+        else:
+            row_lo = qi * 0
+            kv_lo = 0
+            full_lo = 0
+        # This split's share of the key tiles [kv_lo, kv_cap).
+        kv_start = (kv_lo // BLOCK_N) * BLOCK_N
+        kv_end = kv_cap
+        if SPLIT:
+            tiles_per_split = tl.cdiv(tl.cdiv(kv_cap - kv_start, BLOCK_N), num_splits)
+            kv_start = kv_start + split * tiles_per_split * BLOCK_N
+            kv_end = tl.minimum(kv_start + tiles_per_split * BLOCK_N, kv_cap)
+
+        tokens = q_start + qi
         d = tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_SIZE)
-        heads = kv_head * GROUP_SIZE + g
-        qo_mask = (g[:, None] < GROUP_SIZE) & (d[None, :] < head_dim)
+        q_mask = row_valid[:, None]
+        if HEAD_DIM != BLOCK_D:
+            q_mask = q_mask & (d[None, :] < HEAD_DIM)
         q = tl.load(
             query_ptr
-            + req.to(tl.int64) * query_stride_b
-            + heads[:, None] * query_stride_h
-            + d[None, :] * query_stride_d,
-            mask=qo_mask,
+            + tokens.to(tl.int64)[:, None] * q_stride_t
+            + heads[:, None] * q_stride_h
+            + d[None, :] * q_stride_d,
+            mask=q_mask,
             other=0.0,
         )
-        if DOT_IN_FP32:
+        if DOT_FP32:
             q = q.to(tl.float32)
-
-        # Visible positions: [window_start, seq_len).
-        window_start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
-        first_block = window_start // BLOCK_SIZE
-        # Never read past the row, whatever seq_len says.
-        end_block = tl.minimum(tl.cdiv(seq_len, BLOCK_SIZE), width)
-        if NUM_SPLITS > 1:  # this program's share of the visible blocks, sized per request
-            split = tl.program_id(2)
-            blocks_per_split = tl.cdiv(end_block - first_block, NUM_SPLITS)
-            first_block = first_block + split * blocks_per_split
-            end_block = tl.minimum(first_block + blocks_per_split, end_block)
-
-        m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: exp(m - m_new) is never NaN
-        l = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        row_ptr = block_table_ptr + req.to(tl.int64) * block_table_stride_r
-        for j in range(first_block, end_block):
-            block_id = tl.load(row_ptr + j * block_table_stride_c).to(tl.int64)
-            # A corrupt id outside the cache is never dereferenced: its positions count as past
-            # the end. (Folded into a bound because tensor & scalar-bool breaks the interpreter.)
-            pos_end = tl.where((block_id >= 0) & (block_id < num_blocks), seq_len, 0)
-            pos = j * BLOCK_SIZE + n
-            n_mask = (pos >= window_start) & (pos < pos_end)
-            kv_mask = n_mask[None, :] & (d[:, None] < head_dim)
-            k_t = tl.load(  # [BLOCK_D, BLOCK_SIZE]
-                k_cache_ptr
-                + block_id * k_cache_stride_b
-                + n[None, :] * k_cache_stride_s
-                + kv_head * k_cache_stride_h
-                + d[:, None] * k_cache_stride_d,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if DOT_IN_FP32:
-                k_t = k_t.to(tl.float32)
-            s = tl.dot(q, k_t, input_precision="ieee") * scale  # [BLOCK_G, BLOCK_SIZE], float32
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(  # [BLOCK_SIZE, BLOCK_D]
-                v_cache_ptr
-                + block_id * v_cache_stride_b
-                + n[:, None] * v_cache_stride_s
-                + kv_head * v_cache_stride_h
-                + d[None, :] * v_cache_stride_d,
-                mask=n_mask[:, None] & (d[None, :] < head_dim),
-                other=0.0,
-            )
-            if DOT_IN_FP32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m = m_new
-
-        if NUM_SPLITS == 1:
-            # seq_len 0 (a pad row) visits no block: l stays 0 and the output is 0.
-            out = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1.0e-30)[:, None], 0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = attend_segments(
+            acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, full_lo, full_hi, kv_cap,
+            table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
+            k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
+            k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks,
+            qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, NUM_STAGES,
+        )
+        if SPLIT:
+            num_heads = tl.num_programs(1) * GROUP
+            slot = req * SLOTS + qi
+            part = (slot.to(tl.int64) * num_heads + heads) * max_splits + split
+            seen = l_i > 0
+            lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse2, mask=row_valid)
             tl.store(
-                out_ptr
-                + req.to(tl.int64) * out_stride_b
-                + heads[:, None] * out_stride_h
-                + d[None, :] * out_stride_d,
-                out.to(out_ptr.dtype.element_ty),
-                mask=qo_mask,
+                part_o_ptr + part[:, None] * BLOCK_D + d[None, :],
+                acc / tl.where(seen, l_i, 1.0)[:, None],
+                mask=row_valid[:, None],
             )
         else:
-            partial = (req.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-            g_mask = g < GROUP_SIZE
-            tl.store(partial_m_ptr + partial, m, mask=g_mask)
-            tl.store(partial_l_ptr + partial, l, mask=g_mask)
-            tl.store(
-                partial_acc_ptr + partial[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None]
+            store_rows(
+                out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,
+                out_stride_h, out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM,
+                HAS_LSE,
             )
 
-    @triton.jit
-    def _combine_splits_kernel(
+    @triton.jit(do_not_specialize=list(COMBINE_DYNAMIC_ARGS),
+                do_not_specialize_on_alignment=["out_ptr", "lse_ptr", "qsl_ptr"])
+    def combine_kernel(
         out_ptr,
-        partial_acc_ptr,
-        partial_m_ptr,
-        partial_l_ptr,
-        head_dim,
-        out_stride_b,
-        out_stride_h,
-        out_stride_d,
-        NUM_SPLITS: tl.constexpr,
+        lse_ptr,
+        part_o_ptr,
+        part_lse_ptr,
+        qsl_ptr,
+        num_splits,
+        max_splits,
+        out_stride_t, out_stride_h, out_stride_d,
+        lse_stride_t, lse_stride_h,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        SLOTS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        HAS_QSL: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        DTYPE: tl.constexpr,
     ):
-        # One program per (request, query head): rescale each split's sums to the common max.
-        req = tl.program_id(0)
-        head = tl.program_id(1)
-        first = (req.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
-        s = tl.arange(0, NUM_SPLITS)
+        # One program per (workspace row, KV head): merge the splits of GROUP query heads.
+        slot = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        req = slot // SLOTS
+        i = slot % SLOTS
+        if HAS_QSL:
+            q_start = tl.load(qsl_ptr + req)
+            query_len = tl.load(qsl_ptr + req + 1) - q_start
+            if query_len > BLOCK_Q:
+                return
+        else:
+            q_start = req
+            query_len = 1
+        if i >= query_len:
+            return
+        g = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
         d = tl.arange(0, BLOCK_D)
-        m = tl.load(partial_m_ptr + first + s)
-        l = tl.load(partial_l_ptr + first + s)
-        acc = tl.load(partial_acc_ptr + (first + s)[:, None] * BLOCK_D + d[None, :])
-        weight = tl.exp(m - tl.max(m, axis=0))  # empty splits: m = -1e30, l = 0, acc = 0
-        l_sum = tl.sum(l * weight, axis=0)
-        out = tl.sum(acc * weight[:, None], axis=0) / tl.maximum(l_sum, 1.0e-30)
-        tl.store(
-            out_ptr + req.to(tl.int64) * out_stride_b + head * out_stride_h + d * out_stride_d,
-            out.to(out_ptr.dtype.element_ty),
-            mask=d < head_dim,
+        base = (slot.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits
+        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        for s in range(num_splits):
+            lse_s = tl.load(part_lse_ptr + base + s, mask=head_ok, other=float("-inf"))
+            o_s = tl.load(
+                part_o_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+                mask=head_ok[:, None],
+                other=0.0,
+            )
+            m_new = tl.maximum(m_i, lse_s)
+            alpha = tl.exp2(m_i - m_new)
+            w = tl.exp2(lse_s - m_new)
+            l_i = l_i * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o_s
+            m_i = m_new
+        tokens = q_start + i + g * 0
+        store_rows(
+            out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, head_ok, out_stride_t, out_stride_h,
+            out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
+
+    _UNALIGNED = ["lse_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr", "row_of_batch_ptr"]
+    decode_kernel = triton.jit(
+        do_not_specialize=list(DECODE_DYNAMIC_ARGS), do_not_specialize_on_alignment=_UNALIGNED
+    )(_decode_kernel)
+    decode_kernel_unaligned = triton.jit(
+        do_not_specialize=list(DECODE_DYNAMIC_ARGS),
+        do_not_specialize_on_alignment=[
+            *_UNALIGNED, "out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr"
+        ],
+    )(_decode_kernel)
 
 
 MAX_KV_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 256
 
 
 @functools.lru_cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_num_kv_splits(
-    num_reqs: int, num_kv_heads: int, width: int, device: torch.device
+    num_reqs: int, num_kv_heads: int, width: int, device: torch.device, block_size: int = 16
 ) -> int:
     """Splits per request so that about two programs run per multiprocessor.
 
-    Depends on shapes only (never on ``seq_lens``), so a captured CUDA graph stays valid. A
-    split gets at least 8 blocks of the widest possible row. 1 off CUDA.
+    Depends on shapes only (never on ``seq_lens``), so a captured CUDA graph stays valid: a
+    power of two, at most 64, each split covering at least 256 keys of the widest possible row
+    (``width * block_size``). 1 off CUDA.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or num_reqs == 0:
         return 1
     programs = num_reqs * num_kv_heads
-    wanted = -(-2 * _num_sms(device) // programs)
-    cap = min(MAX_KV_SPLITS, max(1, width // 8))
+    wanted = -(-2 * num_sms(device) // programs)
+    cap = min(MAX_KV_SPLITS, max(1, width * block_size // MIN_KEYS_PER_SPLIT))
     splits = 1
     while splits < wanted and splits * 2 <= cap:
         splits *= 2
     return splits
-
-
-def launch_paged_decode(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    num_kv_splits: int,
-) -> None:
-    """Launch the decode kernel(s) on checked inputs (see :func:`paged_decode_attention`)."""
-    num_reqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    group_size = num_heads // num_kv_heads
-    block_d = max(16, next_power_of_2(head_dim))
-    if num_kv_splits > 1:
-        partial_acc = torch.empty(
-            (num_reqs, num_heads, num_kv_splits, block_d), dtype=torch.float32, device=query.device
-        )
-        partial_m = torch.empty(partial_acc.shape[:3], dtype=torch.float32, device=query.device)
-        partial_l = torch.empty_like(partial_m)
-    else:
-        partial_acc = partial_m = partial_l = out  # not touched
-    _paged_decode_kernel[(num_reqs, num_kv_heads, num_kv_splits)](
-        out,
-        partial_acc,
-        partial_m,
-        partial_l,
-        query,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        scale,
-        sliding_window or 0,
-        num_blocks,
-        block_table.shape[1],
-        num_heads,
-        head_dim,
-        *out.stride(),
-        *query.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *block_table.stride(),
-        GROUP_SIZE=group_size,
-        BLOCK_G=max(16, next_power_of_2(group_size)),
-        BLOCK_SIZE=block_size,
-        BLOCK_D=block_d,
-        DOT_IN_FP32=query.dtype == torch.bfloat16 and interpreting(),
-        NUM_SPLITS=num_kv_splits,
-    )
-    if num_kv_splits > 1:
-        _combine_splits_kernel[(num_reqs, num_heads)](
-            out,
-            partial_acc,
-            partial_m,
-            partial_l,
-            head_dim,
-            *out.stride(),
-            NUM_SPLITS=num_kv_splits,
-            BLOCK_D=block_d,
-        )

@@ -1,0 +1,241 @@
+"""Host side of the Triton paged attention: configurations, workspace, one launch path.
+
+Everything here depends on tensor shapes only (never on values held on the device), so the
+launches can be captured in a CUDA graph, and the cached :class:`~blocktable._triton.Launcher`
+keeps the host work per call to a few microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting, next_power_of_2
+from blocktable.attention.triton_tiles import LOG2_E
+
+if HAS_TRITON:
+    from blocktable.attention import triton_decode as _dec
+    from blocktable.attention import triton_prefill as _pre
+
+SEARCH_RADIX = 16
+PAD_ITERS = 16
+_INTERPRET = interpreting()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and schedules of the two kernels (see :func:`default_config`)."""
+
+    prefill_block_m: int = 128  # query rows (tokens x GQA group) per prefill tile
+    prefill_block_n: int = 64  # keys per tile
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 2
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    num_kv_splits: int | None = None  # None: chosen from shapes (default_num_kv_splits)
+
+
+@functools.lru_cache(maxsize=64)
+def default_config(head_dim: int, group_size: int, element_size: int = 2) -> KernelConfig:
+    """The configuration used unless one is given, by head size (and 4-byte elements:
+    smaller tiles, so that float32 tiles fit in shared memory)."""
+    if _INTERPRET:  # small tiles: the interpreter's cost grows with tile area
+        return KernelConfig(16 * max(1, next_power_of_2(group_size) // 4), 16, 4, 1, 16, 4, 1)
+    block_d = max(16, next_power_of_2(head_dim))
+    if element_size > 2:
+        if block_d <= 64:
+            return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+        if block_d <= 128:
+            return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+        return KernelConfig(32, 32, 4, 1, 16, 4, 2)
+    if block_d <= 64:
+        return KernelConfig(128, 64, 4, 3, 64, 4, 3)
+    if block_d <= 128:
+        return KernelConfig(128, 64, 8, 2, 64, 4, 2)
+    return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """Where this rank's keys sit (see :mod:`blocktable.attention.cp_layout`)."""
+
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
+    block_size: int = 1  # the manager block size: the unit of ownership
+
+
+@functools.lru_cache(maxsize=256)
+def decode_rows(group_size: int) -> tuple[int, int, int]:
+    """``(GROUP_PAD, BLOCK_M, BLOCK_Q)`` of the decode tile: the GQA group padded to a power
+    of two, rows padded to 16 (``tl.dot``'s minimum), query tokens that fit."""
+    group_pad = next_power_of_2(group_size)
+    block_m = max(16, group_pad)
+    return group_pad, block_m, block_m // group_pad
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_sizes(head_dim: int, group_size: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_D, GROUP_PAD, decode BLOCK_M, decode BLOCK_Q)``."""
+    return (max(16, next_power_of_2(head_dim)), *decode_rows(group_size))
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(
+    device: torch.device, slots: int, num_heads: int, splits: int, block_d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials, allocated once per (device, shape) and reused by every call. Never
+    freed: a captured CUDA graph may hold their addresses."""
+    key = (device, slots, num_heads, splits, block_d)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        part_o = torch.empty((slots, num_heads, splits, block_d), dtype=torch.float32,
+                             device=device)
+        part_lse = torch.empty((slots, num_heads, splits), dtype=torch.float32, device=device)
+        found = _WORKSPACES[key] = (part_o, part_lse)
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _search_stride(num_reqs: int) -> int:
+    """``SEARCH_RADIX ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
+    stride = 1
+    while stride * SEARCH_RADIX < num_reqs + 1:
+        stride *= SEARCH_RADIX
+    return stride
+
+
+def _dynamic_positions(kernel: object, names: tuple[str, ...]) -> tuple[int, ...]:
+    arg_names = list(kernel.arg_names)  # type: ignore[attr-defined]
+    return tuple(arg_names.index(n) for n in names)
+
+
+if HAS_TRITON:
+    _prefill_launch = Launcher(
+        _pre.prefill_kernel, _dynamic_positions(_pre.prefill_kernel, _pre.PREFILL_DYNAMIC_ARGS)
+    )
+    _prefill_launch_unaligned = Launcher(
+        _pre.prefill_kernel_unaligned,
+        _dynamic_positions(_pre.prefill_kernel_unaligned, _pre.PREFILL_DYNAMIC_ARGS),
+    )
+    _decode_launch = Launcher(
+        _dec.decode_kernel, _dynamic_positions(_dec.decode_kernel, _dec.DECODE_DYNAMIC_ARGS)
+    )
+    _decode_launch_unaligned = Launcher(
+        _dec.decode_kernel_unaligned,
+        _dynamic_positions(_dec.decode_kernel_unaligned, _dec.DECODE_DYNAMIC_ARGS),
+    )
+    _combine_launch = Launcher(
+        _dec.combine_kernel, _dynamic_positions(_dec.combine_kernel, _dec.COMBINE_DYNAMIC_ARGS)
+    )
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def launch_paged_attention(
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    row_of_batch: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    cp: CPLayout,
+    *,
+    decode_only: bool,
+    config: KernelConfig | None = None,
+    num_kv_splits: int | None = None,
+) -> None:
+    """Launch the kernels on checked inputs.
+
+    ``query_start_loc`` ``None`` means one query per request (token ``r`` of request ``r``).
+    ``decode_only``: every request has at most ``decode_rows(group)[2]`` query tokens, so the
+    prefill kernel is not launched (it is, for the pad tokens, only when there are some).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, width = block_table.shape
+    group = num_heads // num_kv_heads
+    if config is None:
+        config = default_config(head_dim, group, query.element_size())
+    block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
+    dtype = _DTYPE_NAMES[query.dtype]
+    dot_fp32 = _INTERPRET and dtype != "fp32"
+    has_lse = lse_out is not None
+    lse_arg = lse_out if lse_out is not None else seq_lens  # never read without HAS_LSE
+    lse_strides = lse_out.stride() if lse_out is not None else (0, 0)
+    indexed = row_of_batch is not None
+    rob_arg = row_of_batch if row_of_batch is not None else seq_lens
+    has_qsl = query_start_loc is not None
+    qsl_arg = query_start_loc if query_start_loc is not None else seq_lens
+    has_cp = cp.world_size > 1
+    window = sliding_window or 0
+    qk_scale = scale * LOG2_E
+    pointers = k_cache.data_ptr() | v_cache.data_ptr() | query.data_ptr() | out.data_ptr()
+    aligned = pointers % 16 == 0  # else the compilation that assumes nothing
+    strides = (*out.stride(), *lse_strides, *query.stride(), *k_cache.stride(),
+               *v_cache.stride(), *block_table.stride())
+    cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)
+
+    # With qsl, programs num_reqs, ... zero the pad tokens when the prefill kernel does not run.
+    extra = cdiv(num_tokens, PAD_ITERS * dec_q) if has_qsl and decode_only else 0
+    if num_reqs + extra > 0:
+        splits = num_kv_splits or config.num_kv_splits or _dec.default_num_kv_splits(
+            num_reqs, num_kv_heads, width, query.device, block_size
+        )
+        splits = splits if num_reqs > 0 else 1
+        split = splits > 1
+        slots = dec_q if has_qsl else 1
+        if split:
+            part_o, part_lse = _workspace(
+                query.device, num_reqs * slots, num_heads, splits, block_d
+            )
+        else:
+            part_o = part_lse = out  # never touched
+        launch = _decode_launch if aligned else _decode_launch_unaligned
+        launch(
+            (num_reqs + extra, num_kv_heads, splits),
+            out, lse_arg, part_o, part_lse, query, k_cache, v_cache, block_table, seq_lens,
+            qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
+            splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
+            group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
+            block_d,
+            block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
+            config.decode_num_stages, dtype,
+            num_warps=config.decode_num_warps,
+        )
+        if split:
+            _combine_launch(
+                (num_reqs * slots, num_kv_heads),
+                out, lse_arg, part_o, part_lse, qsl_arg, splits, splits, *out.stride(),
+                *lse_strides, group, group_pad, dec_q, slots, head_dim, block_d, has_qsl,
+                has_lse, dtype,
+                num_warps=4,
+            )
+    if decode_only:
+        return
+    block_m = max(config.prefill_block_m, group_pad)
+    block_q = block_m // group_pad
+    launch = _prefill_launch if aligned else _prefill_launch_unaligned
+    launch(
+        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads),
+        out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
+        qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
+        num_rows, width, *cp_args, _search_stride(num_reqs), *strides,
+        group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
+        block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
+        config.prefill_num_stages, dtype,
+        num_warps=config.prefill_num_warps,
+    )

@@ -1,0 +1,269 @@
+"""Triton building blocks shared by the prefill and decode kernels.
+
+A *tile* is ``BLOCK_M`` rows of queries against ``BLOCK_N`` keys. Rows pack the query heads of
+one KV head: row ``m`` is query token ``m // GROUP_PAD`` of the tile and query head
+``kv_head * GROUP + m % GROUP_PAD`` (rows with ``m % GROUP_PAD >= GROUP`` are padding), so one
+load of a K/V tile serves the whole group. Keys are *local* positions (see
+:mod:`blocktable.attention.cp_layout`); key ``l`` is read from
+``cache[block_table[row, l // BLOCK_SIZE], l % BLOCK_SIZE]``, one block id per key, so tiles
+are independent of the cache's block size.
+
+Every row sees the local keys ``[row_lo, row_hi)``: causal and sliding-window masks by
+*global* position become a key range because global positions grow with local ones, and
+``local_len(p)`` (how many of this rank's keys lie before global position ``p``) turns a global
+bound into a local one. Tiles wholly inside every row's range skip the mask.
+"""
+
+from __future__ import annotations
+
+from blocktable._triton import HAS_TRITON, tl, triton
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+if HAS_TRITON:
+    _LN_2 = tl.constexpr(LN_2)
+
+    @triton.jit
+    def local_len(pos, cp_world, cp_rank, cp_interleave, cp_block, HAS_CP: tl.constexpr):
+        """This rank's keys at global positions ``[0, pos)`` (``pos`` clamped at 0)."""
+        pos = tl.maximum(pos, 0)
+        if HAS_CP:
+            virtual = cp_block * cp_world
+            stride = cp_world * cp_interleave
+            rem = pos % virtual
+            in_round = tl.minimum(
+                tl.maximum(rem % stride - cp_rank * cp_interleave, 0), cp_interleave
+            )
+            pos = (pos // virtual) * cp_block + (rem // stride) * cp_interleave + in_round
+        return pos
+
+    @triton.jit
+    def attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_hi,
+        kv_start,
+        kv_end,
+        kv_lo,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,  # scale * log2(e): scores live in the log2 domain
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """Online softmax over the key tiles starting at ``kv_start, kv_start + BLOCK_N, ...``
+        below ``kv_end``. Unmasked (``MASKED`` false) tiles must be visible to every row. Keys
+        outside ``[kv_lo, kv_cap)`` are never loaded (entries before a window may be null)."""
+        n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        # The block ids of tile i+1 are loaded while tile i computes: the K/V addresses of the
+        # next tile never wait on a table read.
+        next_keys = kv_start + n
+        next_ids = tl.load(
+            table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+            mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+            other=-1,
+        )
+        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+            keys = start + n
+            block_id = next_ids
+            next_keys = keys + BLOCK_N
+            next_ids = tl.load(
+                table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+                mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+                other=-1,
+            )
+            if MASKED:
+                in_row = (keys >= kv_lo) & (keys < kv_cap)
+            else:  # every key of an unmasked tile lies in the row
+                in_row = keys < kv_cap
+            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+            # An id outside the cache is never dereferenced: its K and V read as zeros (and
+            # its scores are masked in masked tiles).
+            block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
+            offset = keys % BLOCK_SIZE
+            kv_mask = kv_ok[:, None]
+            if HEAD_DIM != BLOCK_D:
+                kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+            k = tl.load(
+                k_base
+                + block_id[:, None] * k_stride_b
+                + offset[:, None] * k_stride_s
+                + d[None, :] * k_stride_d,
+                mask=kv_mask,
+                other=0.0,
+            )
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if MASKED:
+                visible = (
+                    (keys[None, :] >= row_lo[:, None])
+                    & (keys[None, :] < row_hi[:, None])
+                    & kv_ok[None, :]
+                )
+                qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            else:
+                qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base
+                + block_id[:, None] * v_stride_b
+                + offset[:, None] * v_stride_s
+                + d[None, :] * v_stride_d,
+                mask=kv_mask,
+                other=0.0,
+            )
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def attend_segments(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_hi,
+        kv_start,
+        kv_end,
+        kv_lo,
+        full_lo,
+        full_hi,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,
+        HAS_WINDOW: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """Keys ``[max(kv_start, kv_lo), kv_end)`` (``kv_start`` a multiple of ``BLOCK_N``) in
+        three runs:
+        masked tiles before ``full_lo`` (the window's edge), unmasked tiles inside
+        ``[full_lo, full_hi)`` (seen by every row), masked tiles after (the causal diagonal)."""
+        a1 = kv_start
+        if HAS_WINDOW:
+            a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
+            acc, m_i, l_i = attend_tiles(
+                acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
+                table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
+                v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES,
+            )
+        b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
+        acc, m_i, l_i = attend_tiles(
+            acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
+            k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
+            v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+            DOT_FP32, NUM_STAGES,
+        )
+        acc, m_i, l_i = attend_tiles(
+            acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr, table_stride_c,
+            k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
+            v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+            DOT_FP32, NUM_STAGES,
+        )
+        return acc, m_i, l_i
+
+    @triton.jit
+    def store_rows(
+        out_ptr,
+        lse_ptr,
+        acc,
+        m_i,
+        l_i,
+        tokens,
+        heads,
+        row_ok,
+        out_stride_t,
+        out_stride_h,
+        out_stride_d,
+        lse_stride_t,
+        lse_stride_h,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+    ):
+        """Normalize and store rows; a row that saw no key gets zeros and LSE ``-inf``."""
+        d = tl.arange(0, BLOCK_D)
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        tokens = tokens.to(tl.int64)
+        mask = row_ok[:, None]
+        if HEAD_DIM != BLOCK_D:
+            mask = mask & (d[None, :] < HEAD_DIM)
+        tl.store(
+            out_ptr
+            + tokens[:, None] * out_stride_t
+            + heads[:, None] * out_stride_h
+            + d[None, :] * out_stride_d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        if HAS_LSE:
+            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN_2, float("-inf"))
+            tl.store(lse_ptr + tokens * lse_stride_t + heads * lse_stride_h, lse, mask=row_ok)
+
+    @triton.jit
+    def zero_rows(
+        out_ptr,
+        lse_ptr,
+        tokens,
+        heads,
+        row_ok,
+        out_stride_t,
+        out_stride_h,
+        out_stride_d,
+        lse_stride_t,
+        lse_stride_h,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+    ):
+        """Zeros (and LSE ``-inf``) for pad tokens."""
+        zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        store_rows(
+            out_ptr, lse_ptr, zero, m_i, m_i, tokens, heads, row_ok, out_stride_t, out_stride_h,
+            out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
+        )

@@ -1,0 +1,351 @@
+"""The Triton paged attention (prefill, chunks, decode, mixed) against the float64 reference.
+
+Runs on CUDA when present, else on CPU tensors under Triton's interpreter (tiny shapes). Errors
+are relative: ``||out - ref|| / ||ref||``; LSEs are compared where finite and must be ``-inf``
+exactly where the reference's are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from blocktable.attention import paged_attention, paged_attention_reference, paged_decode_attention
+from blocktable.attention.cp_layout import global_positions, local_seq_len
+from blocktable.config import CPConfig
+from blocktable.constants import NULL_BLOCK_ID
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+LSE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / max(float(ref.norm()), 1e-30))
+
+
+def check_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    lse, ref = lse.cpu().double(), ref.cpu().double()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref))
+    finite = torch.isfinite(ref)
+    assert (lse[finite] - ref[finite]).abs().max().item() <= LSE_TOLERANCE[dtype]
+
+
+def make_case(
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    pad_tokens: int = 0,
+    seed: int = 0,
+    extra_rows: int = 0,
+):
+    """Requests ``(seq_len, query_len)`` with their blocks at random distinct ids (never the
+    null block); the null block holds NaN (a read of it poisons the output)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(s / block_size) for s, _ in reqs]
+    width = max(blocks + [1]) + 1
+    num_blocks = sum(blocks) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.full((len(reqs) + extra_rows, width), NULL_BLOCK_ID, dtype=torch.int32)
+    for r, n in enumerate(blocks):
+        table[r, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache[NULL_BLOCK_ID] = float("nan")
+    v_cache[NULL_BLOCK_ID] = float("nan")
+    num_tokens = sum(q for _, q in reqs) + pad_tokens
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    qsl = torch.tensor(np.cumsum([0] + [q for _, q in reqs]), dtype=torch.int32)
+    seq = torch.tensor([s for s, _ in reqs], dtype=torch.int32)
+    return [t.to(device) for t in (query, k_cache, v_cache, table, seq, qsl)]
+
+
+def reference(query, k_cache, v_cache, table, seq, qsl, **kwargs):
+    return paged_attention_reference(
+        query.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), table.cpu(),
+        seq.cpu(), qsl.cpu(), return_lse=True, **kwargs,
+    )
+
+
+# decode, prefill, a chunk over a cached prefix crossing blocks, an empty request, decode.
+MIXED = [(13, 1), (9, 9), (23, 6), (0, 0), (5, 0), (2, 1)]
+
+CASES = [
+    # block_size, num_kv_heads, group, head_dim, dtype
+    (4, 1, 1, 16, torch.float32),
+    (6, 2, 2, 16, torch.float32),
+    (16, 1, 4, 64, torch.float16),
+    (32, 1, 8, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
+@pytest.mark.parametrize("window", [None, 7])
+def test_mixed_batch_matches_reference(triton_device: str, case, window) -> None:
+    block_size, num_kv_heads, group, head_dim, dtype = case
+    args = make_case(MIXED, block_size, num_kv_heads, group, head_dim, dtype, triton_device,
+                     pad_tokens=3, seed=block_size)
+    out, lse = paged_attention(*args, sliding_window=window, scale=0.3, return_lse=True,
+                               backend="triton")
+    ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    check_lse(lse, ref_lse, dtype)
+    num_real = int(args[5][-1])
+    assert (out[num_real:] == 0).all() and torch.isneginf(lse[num_real:]).all()
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_step_split_kv(triton_device: str, num_kv_splits: int) -> None:
+    """max_query_len=1: the decode kernel alone, keys split over programs (more splits than
+    some requests have tiles), pad tokens after the last request."""
+    reqs = [(37, 1), (1, 1), (0, 0), (20, 1)]
+    args = make_case(reqs, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=2, seed=1)
+    out, lse = paged_attention(*args, max_query_len=1, num_kv_splits=num_kv_splits,
+                               return_lse=True, backend="triton")
+    ref, ref_lse = reference(*args)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+
+def test_short_queries_and_a_long_one_split(triton_device: str) -> None:
+    """Spec-decode-like queries of 2 and 4 tokens (decode kernel, split) beside a prefill."""
+    reqs = [(30, 2), (17, 17), (11, 4), (6, 3)]
+    args = make_case(reqs, 6, 1, 4, 16, torch.float32, triton_device, seed=2)
+    out, lse = paged_attention(*args, num_kv_splits=2, return_lse=True, backend="triton")
+    ref, ref_lse = reference(*args)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1])
+def test_window_never_reads_null_entries_before_it(triton_device: str, max_query_len) -> None:
+    """Blocks wholly before every query's window are NULL in the table; the null block holds
+    NaN; the window (5) cuts through blocks of 4."""
+    window, block_size = 5, 4
+    reqs = [(29, 1), (22, 1), (9, 1)] if max_query_len else [(29, 1), (22, 6), (9, 9)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, block_size, 1, 2, 16, torch.float32, "cpu", seed=3
+    )
+    full_ref, full_lse = reference(query, k_cache, v_cache, table, seq, qsl, sliding_window=window)
+    for r, (seq_len, query_len) in enumerate(reqs):
+        first_seen = max(0, seq_len - query_len - window + 1)
+        table[r, : first_seen // block_size] = NULL_BLOCK_ID
+    args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
+    out, lse = paged_attention(*args, sliding_window=window, max_query_len=max_query_len,
+                               return_lse=True, backend="triton")
+    assert torch.isfinite(out).all()
+    assert rel_err(out, full_ref) < TOLERANCE[torch.float32]
+    check_lse(lse, full_lse, torch.float32)
+
+
+def test_row_of_batch_strided_inputs_and_buffers_in_place(triton_device: str) -> None:
+    """Indexed rows; K/V halves of one [num_blocks, 2, ...] tensor (interleaved strides); a
+    query sliced from a wider tensor (not 16-byte aligned); out and lse_out filled with
+    garbage beforehand and written in place."""
+    reqs = [(10, 3), (7, 1), (18, 18)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 4, 2, 2, 16, torch.float32, "cpu", pad_tokens=1, seed=4, extra_rows=2
+    )
+    perm = torch.tensor([4, 0, 2, 1, 3])
+    table = table[perm.argsort()]  # request r's row is now perm[r]
+    row_of_batch = perm[:3].int()
+    kv = torch.stack([k_cache, v_cache], dim=1)  # [num_blocks, 2, block, heads, dim]
+    wide = torch.randn(query.shape[0], query.shape[1], 40)
+    wide[..., 5:21] = query
+    dev = triton_device
+    out = torch.full(query.shape, float("nan"), device=dev)
+    lse_out = torch.full(query.shape[:2], 7.0, device=dev)
+    result, lse = paged_attention(
+        wide.to(dev)[..., 5:21], kv[:, 0].to(dev), kv[:, 1].to(dev), table.to(dev),
+        seq.to(dev), qsl.to(dev), row_of_batch=row_of_batch.to(dev), out=out,
+        lse_out=lse_out, backend="triton",
+    )
+    assert result is out and lse is lse_out
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl, row_of_batch=row_of_batch)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse_out, ref_lse, torch.float32)
+
+
+def test_out_of_range_block_ids_are_never_read(triton_device: str) -> None:
+    """Corrupt table entries (beyond the cache, negative) and a seq_len beyond the row: no
+    read outside the cache, finite output; the rest of the batch is unaffected."""
+    reqs = [(12, 4), (9, 1), (6, 6)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(reqs, 4, 1, 2, 16, torch.float32, "cpu")
+    ref, _ = reference(query, k_cache, v_cache, table, seq, qsl)
+    table[0, 1] = k_cache.shape[0] + 1000
+    table[0, 2] = -5
+    seq_bad = seq.clone()
+    seq_bad[2] = 4 * table.shape[1] + 40  # beyond the row: clamped on the device
+    args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq_bad, qsl)]
+    out = paged_attention(*args, backend="triton")
+    assert torch.isfinite(out[:4]).all()
+    assert rel_err(out[4:5], ref[4:5]) < TOLERANCE[torch.float32]
+
+
+def place_sharded(keys, values, table, block_size, world, rank, interleave, cp_block):
+    """Caches holding rank ``rank``'s keys at its local positions through ``table``."""
+    num_blocks = int(table.max()) + 1
+    shape = (num_blocks, block_size, keys[0].shape[1], keys[0].shape[2])
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    kw = {"world_size": world, "rank": rank, "interleave": interleave,
+          "manager_block_size": cp_block}
+    for r, (k, v) in enumerate(zip(keys, values)):
+        n = local_seq_len(k.shape[0], **kw)
+        local = np.arange(n)
+        glob = torch.from_numpy(global_positions(local, **kw))
+        local_t = torch.from_numpy(local)
+        ids = table[r, local_t // block_size].long()
+        k_cache[ids, local_t % block_size] = k[glob]
+        v_cache[ids, local_t % block_size] = v[glob]
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize(("world", "interleave"), [(2, 1), (2, 4), (3, 1), (3, 4)])
+def test_cp_shards_merge_to_unsharded(triton_device: str, world: int, interleave: int) -> None:
+    """Every rank's kernel output equals the reference on its shard, and the ranks' outputs
+    merged by their LSEs equal attention over the unsharded sequence (LSE too)."""
+    gen = torch.Generator().manual_seed(world * 10 + interleave)
+    block_size, cp_block, heads, kv_heads, dim = 4, 8, 4, 2, 16
+    reqs = [(21, 1), (11, 11), (26, 6), (2, 2), (0, 0)]  # a request shorter than I * W
+    keys = [torch.randn(s, kv_heads, dim, generator=gen) for s, _ in reqs]
+    values = [torch.randn(s, kv_heads, dim, generator=gen) for s, _ in reqs]
+    qsl = torch.tensor(np.cumsum([0] + [q for _, q in reqs]), dtype=torch.int32)
+    seq = torch.tensor([s for s, _ in reqs], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]) + 1, heads, dim, generator=gen)
+    width = 8
+    table = (torch.randperm(len(reqs) * width, generator=gen) + 1).int().view(len(reqs), width)
+    full_k, full_v = place_sharded(keys, values, table, block_size, 1, 0, 1, cp_block)
+    expected, expected_lse = reference(query, full_k, full_v, table, seq, qsl, sliding_window=9)
+    outs, lses = [], []
+    for rank in range(world):
+        cp = CPConfig(world, rank, interleave)
+        k_cache, v_cache = place_sharded(keys, values, table, block_size, world, rank,
+                                         interleave, cp_block)
+        args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
+        out, lse = paged_attention(*args, cp=cp, cp_block_size=cp_block, sliding_window=9,
+                                   return_lse=True, backend="triton")
+        ref, ref_lse = reference(*args, cp=cp, cp_block_size=cp_block, sliding_window=9)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        check_lse(lse, ref_lse, torch.float32)
+        outs.append(out.cpu().double())
+        lses.append(lse.cpu().double())
+    lse_all = torch.stack(lses)
+    total = torch.logsumexp(lse_all, dim=0)
+    weights = torch.where(torch.isfinite(lse_all), (lse_all - total).exp(), 0.0)
+    merged = (weights[..., None] * torch.stack(outs)).sum(0)
+    assert rel_err(merged, expected) < 1e-5
+    check_lse(total, expected_lse, torch.float32)
+
+
+def test_paged_decode_attention_lse_cp_and_row_of_batch(triton_device: str) -> None:
+    """The decode entry point: block size 6, pad row (seq_len 0), CP rank 1 of 2, LSE."""
+    reqs = [(30, 1), (0, 0), (13, 1)]
+    query, k_cache, v_cache, table, seq, _ = make_case(reqs, 6, 1, 4, 16, torch.float32, "cpu")
+    query = torch.randn(3, 4, 16)
+    cp = CPConfig(2, 1, 2)
+    dev = triton_device
+    out, lse = paged_decode_attention(
+        query.to(dev), k_cache.to(dev), v_cache.to(dev), table.to(dev), seq.to(dev),
+        cp=cp, cp_block_size=12, return_lse=True, backend="triton", num_kv_splits=2,
+    )
+    torch_out, torch_lse = paged_decode_attention(
+        query, k_cache, v_cache, table, seq, cp=cp, cp_block_size=12, return_lse=True,
+        backend="torch",
+    )
+    assert rel_err(out, torch_out) < TOLERANCE[torch.float32]
+    check_lse(lse, torch_lse, torch.float32)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_bad_inputs_are_clear_errors_before_the_launch(triton_device: str) -> None:
+    args = make_case([(10, 2), (5, 1)], 4, 1, 2, 16, torch.float32, triton_device)
+    query, k_cache, v_cache, table, seq, qsl = args
+    with pytest.raises(TypeError, match="query must have dtype torch.float32"):
+        paged_attention(query.half(), *args[1:], backend="triton")
+    with pytest.raises(TypeError, match="k_cache must have dtype float32, float16, bfloat16"):
+        paged_attention(*[a.double() if a.is_floating_point() else a for a in args],
+                        backend="triton")
+    with pytest.raises(ValueError, match=r"query_start_loc must have shape \[3\]"):
+        paged_attention(*args[:5], qsl[:2], backend="triton")
+    with pytest.raises(ValueError, match=r"row_of_batch must have shape \[2\]"):
+        paged_attention(*args, row_of_batch=qsl, backend="triton")
+    with pytest.raises(ValueError, match=r"out must have shape"):
+        paged_attention(*args, out=query[:1], backend="triton")
+    with pytest.raises(TypeError, match="lse_out must have dtype torch.float32"):
+        paged_attention(*args, lse_out=query[:, :, 0].double(), backend="triton")
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        paged_attention(*args, sliding_window=0, backend="triton")
+    with pytest.raises(ValueError, match="max_query_len must be >= 1"):
+        paged_attention(*args, max_query_len=0, backend="triton")
+    with pytest.raises(ValueError, match="cp_block_size=6 must be a multiple"):
+        paged_attention(*args, cp=CPConfig(2, 0, 2), cp_block_size=6, backend="triton")
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\]=100 must be >= 0 and put at most"):
+        paged_attention(*args, seq_lens_cpu=[100, 5], backend="triton")
+    with pytest.raises(ValueError, match="head_dim must be <= 256"):
+        big = torch.zeros(2, 1, 1, 512, device=triton_device)
+        paged_attention(torch.zeros(3, 2, 512, device=triton_device), big, big, table, seq, qsl,
+                        backend="triton")
+    if triton_device == "cpu":
+        with pytest.raises(ValueError, match="v_cache must be on device"):
+            paged_attention(query, k_cache, v_cache.to("meta"), table, seq, qsl,
+                            backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_mixed_step_replays_in_a_cuda_graph() -> None:
+    """Captured once with one batch, replayed with other lengths (same shapes)."""
+    reqs = [(40, 1), (33, 20), (9, 1), (0, 0)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 16, 2, 4, 64, torch.bfloat16, "cuda", pad_tokens=4
+    )
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device="cuda")
+
+    def step() -> None:
+        paged_attention(query, k_cache, v_cache, table, seq, qsl, out=out, lse_out=lse)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_reqs = [(41, 2), (45, 3), (16, 15), (0, 0)]  # within each row's blocks; more padding
+    seq.copy_(torch.tensor([s for s, _ in new_reqs], dtype=torch.int32))
+    qsl.copy_(torch.tensor(np.cumsum([0] + [q for _, q in new_reqs]), dtype=torch.int32))
+    query.normal_()
+    graph.replay()
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+
+
+def test_many_requests_search_and_all_padding(triton_device: str) -> None:
+    """More requests than one search level holds (16), random lengths; then a batch with no
+    request at all (every token is padding) and an empty one."""
+    gen = np.random.default_rng(7)
+    reqs = [(int(q + gen.integers(0, 9)), int(q)) for q in gen.integers(0, 7, size=17)]
+    args = make_case(reqs, 4, 1, 4, 16, torch.float32, triton_device, pad_tokens=30, seed=7)
+    out, lse = paged_attention(*args, return_lse=True, backend="triton")
+    ref, ref_lse = reference(*args)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+    query, k_cache, v_cache, table, _, _ = args
+    no_reqs = (torch.zeros(0, dtype=torch.int32, device=triton_device),
+               torch.zeros(1, dtype=torch.int32, device=triton_device))
+    for max_query_len in (None, 1):  # the prefill kernel's pad tiles, the decode kernel's
+        out = torch.full_like(query, float("nan"))
+        paged_attention(query, k_cache, v_cache, table, *no_reqs, out=out,
+                        max_query_len=max_query_len, backend="triton")
+        assert query.shape[0] > 64 and (out == 0).all()
+    empty = paged_attention(query[:0], k_cache, v_cache, table, *no_reqs, backend="triton")
+    assert empty.shape == (0, *query.shape[1:])
