@@ -1,4 +1,4 @@
-"""The block allocator: where block ids come from (SPEC §3.8).
+"""The block allocator: where block ids come from.
 
 :class:`KVCacheManager` hands out manager block ids per request and KV cache group, with a
 null block, LRU eviction, reference counts, exact prefix caching over chained block hashes,
@@ -12,6 +12,7 @@ from blocktable.allocator.errors import IntegrityError, OutOfBlocksError, OutOfR
 from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
     HashFn,
+    fast_block_keys,
     hash_block_tokens,
     sha256_block_hash,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "OutOfBlocksError",
     "OutOfRowsError",
     "PrefixCacheStats",
+    "fast_block_keys",
     "hash_block_tokens",
     "sha256_block_hash",
 ]

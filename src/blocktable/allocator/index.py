@@ -1,0 +1,156 @@
+"""The prefix index of one pool: content records found by block key, verified exactly.
+
+A **record** (a slot in these arrays) describes one block content: its unique content id
+(``cid``, never reused), the content id of its parent (the previous block of the prefix; the
+first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
+holds it now (0 once the block was evicted: the record is then *dead*). ``keys`` maps a block key
+(:mod:`blocktable.allocator.hashing`) to the record filed under it.
+
+A lookup shares block ``i`` of a prompt only when the record found under key ``i`` holds
+exactly the prompt's tokens of block ``i`` and its parent content id is the content id verified
+for block ``i - 1``: by induction the whole prefix is equal, whatever the keys. Dead records keep
+their content (tokens, parent id), so the prefix *before* a sliding window is still verified
+exactly after its blocks were evicted; only the blocks a group needs must be alive.
+
+Dead records are kept up to ``max_records`` records in all (``max(4 * num_blocks, 4096)`` by
+default) and then recycled, least recently killed first; a record whose parent was recycled
+can no longer be reached (a cache miss, never a wrong hit). When a content is computed whose
+key is filed under a *different* content (a key collision, or the same tokens under a parent
+whose record was recycled), the new content takes the key: the old record leaves the index.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+_MIN_RECORDS = 4096
+RECORDS_PER_BLOCK = 4  # dead records are kept up to this many records per block
+
+
+class PrefixIndex:
+    """Records of block contents for one pool of ``block_size``-token blocks (all on cpu).
+
+    Parameters
+    ----------
+    num_blocks : int
+        Pool size (live records never outnumber its blocks).
+    block_size : int
+        Tokens per block.
+    max_records : int, optional
+        Records kept, live or dead (default ``max(4 * num_blocks, 4096)``); at least
+        ``num_blocks``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_records: int | None = None) -> None:
+        if max_records is None:
+            max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
+        self.block_size = block_size
+        self.max_records = max(int(max_records), num_blocks)
+        self.keys: dict[int, int] = {}  # block key -> record slot
+        capacity = min(self.max_records, max(num_blocks, 64))
+        self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
+        self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
+        self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
+        self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
+        self.key = np.zeros(capacity, dtype=np.uint64)
+        self.hashes: list[object] = [None] * capacity  # block hash, when not the key
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # unused slots (stack)
+        self._dead: deque[int] = deque()  # slots in the order they died (may repeat/revive)
+        self.next_cid = 1
+        self.num_records = 0
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    # ----------------------------------------------------------------- lookup
+    def find(self, keys: list[int]) -> np.ndarray:
+        """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
+        get = self.keys.get
+        return np.array([get(k, -1) for k in keys], dtype=np.int64)
+
+    def verify(self, slots: np.ndarray, tokens: np.ndarray, root: int) -> np.ndarray:
+        """Content ids of the leading blocks whose records match exactly (int64 ``[n]``).
+
+        ``slots`` (int64 ``[m]``) from :meth:`find` for a prompt's blocks ``0 .. m-1``,
+        ``tokens`` its int64 ``[m, block_size]`` token ids, ``root`` the parent id of block 0.
+        The result stops before the first block without a matching record (dead or alive).
+        """
+        if not len(slots):
+            return slots[:0]
+        safe = np.maximum(slots, 0)
+        cids = self.cid[safe]
+        ok = (slots >= 0) & (self.tokens[safe] == tokens).all(axis=1)
+        ok[0] &= self.parent[safe[0]] == root
+        ok[1:] &= self.parent[safe[1:]] == cids[:-1]
+        bad = np.flatnonzero(~ok)
+        return cids[: bad[0]] if len(bad) else cids
+
+    # ----------------------------------------------------------------- records
+    def take_slots(self, num: int) -> np.ndarray:
+        """``num`` unused slots (int64), recycling dead records or growing the arrays."""
+        free = self._free
+        while len(free) < num:
+            capacity = len(self.cid)
+            if capacity < self.max_records:
+                self._grow(min(self.max_records, max(2 * capacity, capacity + num)))
+            elif not self._recycle(num - len(free)):
+                raise AssertionError("no dead record to recycle")  # live <= num_blocks
+        out = free[-num:][::-1] if num else []
+        del free[len(free) - num :]
+        self.num_records += num
+        return np.array(out, dtype=np.int64)
+
+    def drop(self, slot: int) -> None:
+        """Forget a record now (it leaves the index; its slot becomes unused)."""
+        key = int(self.key[slot])
+        if self.keys.get(key) == slot:
+            del self.keys[key]
+        self.cid[slot] = 0
+        self.holder[slot] = 0
+        self.hashes[slot] = None
+        self._free.append(slot)
+        self.num_records -= 1
+
+    def kill(self, slots: np.ndarray) -> None:
+        """Their blocks were evicted: the records stay, dead, until recycled."""
+        self.holder[slots] = 0
+        self._dead.extend(slots.tolist())
+
+    def _recycle(self, want: int) -> bool:
+        dead, holder, cid = self._dead, self.holder, self.cid
+        found = 0
+        while dead and found < want:
+            slot = dead.popleft()
+            if cid[slot] and not holder[slot]:  # still dead (not revived, not dropped)
+                self.drop(slot)
+                found += 1
+        return found > 0
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.cid)
+        for name in ("cid", "parent", "holder", "key"):
+            arr = getattr(self, name)
+            new = np.zeros(capacity, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        tokens = np.zeros((capacity, self.block_size), dtype=np.int64)
+        tokens[:old] = self.tokens
+        self.tokens = tokens
+        self.hashes += [None] * (capacity - old)
+        self._free[:0] = range(capacity - 1, old - 1, -1)
+
+    def live_slots(self) -> np.ndarray:
+        """Slots of live records (for checks)."""
+        return np.flatnonzero((self.cid != 0) & (self.holder != 0))
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.keys.clear()
+        self.cid[:] = 0
+        self.holder[:] = 0
+        self.hashes = [None] * len(self.cid)
+        self._free = list(range(len(self.cid) - 1, -1, -1))
+        self._dead.clear()
+        self.num_records = 0
