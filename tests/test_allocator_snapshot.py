@@ -66,7 +66,8 @@ def test_full_state_sees_every_kind_of_change() -> None:
         lambda: mgr._journal.marks.clear(),
         lambda: setattr(mgr, "_num_hit_tokens", 5),
         lambda: mgr.pools[0].uncached.pop(1),
-        lambda: mgr._requests["a"].rows[0].__setitem__(15, 9),  # unused capacity counts too
+        lambda: setattr(mgr._requests["a"], "num_tokens", 3),
+        lambda: mgr._requests["a"].blocks[0].append(9),
     ]
     for mutate in mutations:
         mutate()

@@ -12,7 +12,7 @@ for block ``i - 1``: by induction the whole prefix is equal, whatever the keys. 
 their content (tokens, parent id), so the prefix *before* a sliding window is still verified
 exactly after its blocks were evicted; only the blocks a group needs must be alive.
 
-Dead records are kept up to ``max_records`` records in all (``max(4 * num_blocks, 4096)`` by
+Dead records are kept up to ``max_records`` records in all (``max(2 * num_blocks, 4096)`` by
 default) and then recycled, least recently killed first; a record whose parent was recycled
 can no longer be reached (a cache miss, never a wrong hit). When a content is computed whose
 key is filed under a *different* content (a key collision, or the same tokens under a parent
@@ -22,11 +22,14 @@ whose record was recycled), the new content takes the key: the old record leaves
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
+
+from blocktable.allocator.arrays import last_occurrences
 
 import numpy as np
 
 _MIN_RECORDS = 4096
-RECORDS_PER_BLOCK = 4  # dead records are kept up to this many records per block
+RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
 
 
 class PrefixIndex:
@@ -39,7 +42,7 @@ class PrefixIndex:
     block_size : int
         Tokens per block.
     max_records : int, optional
-        Records kept, live or dead (default ``max(4 * num_blocks, 4096)``); at least
+        Records kept, live or dead (default ``max(2 * num_blocks, 4096)``); at least
         ``num_blocks``.
     """
 
@@ -56,8 +59,10 @@ class PrefixIndex:
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
         self.key = np.zeros(capacity, dtype=np.uint64)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
+        self.any_hashes = False  # whether hashes holds anything
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # unused slots (stack)
-        self._dead: deque[int] = deque()  # slots in the order they died (may repeat/revive)
+        self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
+        self._dead_head = 0  # _dead[:_dead_head] were examined already
         self.next_cid = 1
         self.num_records = 0
 
@@ -67,8 +72,7 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        get = self.keys.get
-        return np.array([get(k, -1) for k in keys], dtype=np.int64)
+        return np.fromiter(map(self.keys.get, keys, repeat(-1)), np.int64, len(keys))
 
     def verify(self, slots: np.ndarray, tokens: np.ndarray, root: int) -> np.ndarray:
         """Content ids of the leading blocks whose records match exactly (int64 ``[n]``).
@@ -102,30 +106,39 @@ class PrefixIndex:
         self.num_records += num
         return np.array(out, dtype=np.int64)
 
-    def drop(self, slot: int) -> None:
-        """Forget a record now (it leaves the index; its slot becomes unused)."""
-        key = int(self.key[slot])
-        if self.keys.get(key) == slot:
-            del self.keys[key]
-        self.cid[slot] = 0
-        self.holder[slot] = 0
-        self.hashes[slot] = None
-        self._free.append(slot)
-        self.num_records -= 1
+    def drop(self, slots: np.ndarray) -> None:
+        """Forget records now (they leave the index; their slots become unused)."""
+        deque(map(self.keys.pop, self.key[slots].tolist()), maxlen=0)
+        self.cid[slots] = 0
+        self.holder[slots] = 0
+        if self.any_hashes:
+            for slot in slots.tolist():
+                self.hashes[slot] = None
+        self._free += slots.tolist()
+        self.num_records -= len(slots)
 
     def kill(self, slots: np.ndarray) -> None:
         """Their blocks were evicted: the records stay, dead, until recycled."""
         self.holder[slots] = 0
-        self._dead.extend(slots.tolist())
+        self._dead += slots.tolist()
 
     def _recycle(self, want: int) -> bool:
-        dead, holder, cid = self._dead, self.holder, self.cid
+        """Drop at least ``want`` dead records, those that died first (False if none left)."""
         found = 0
-        while dead and found < want:
-            slot = dead.popleft()
-            if cid[slot] and not holder[slot]:  # still dead (not revived, not dropped)
-                self.drop(slot)
-                found += 1
+        while found < want and self._dead_head < len(self._dead):
+            head = self._dead_head
+            batch = np.array(self._dead[head : head + max(2 * want, 1024)], dtype=np.int64)
+            self._dead_head = head + len(batch)
+            if self._dead_head > 4096 and 2 * self._dead_head > len(self._dead):
+                del self._dead[: self._dead_head]
+                self._dead_head = 0
+            batch = last_occurrences(batch)
+            # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
+            # again later, with a later entry)
+            batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]
+            if len(batch):
+                self.drop(batch)
+                found += len(batch)
         return found > 0
 
     def _grow(self, capacity: int) -> None:
@@ -152,5 +165,5 @@ class PrefixIndex:
         self.holder[:] = 0
         self.hashes = [None] * len(self.cid)
         self._free = list(range(len(self.cid) - 1, -1, -1))
-        self._dead.clear()
+        self._dead, self._dead_head = [], 0
         self.num_records = 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from blocktable.allocator.arrays import has_repeats
 from blocktable.allocator.errors import IntegrityError
 from blocktable.allocator.hashing import (
     ChainPowers,
@@ -29,18 +30,18 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
 
     if req.num_computed_tokens > req.num_tokens:
         fail(f"{req.num_computed_tokens} tokens computed but {req.num_tokens} known")
-    if req.num_slots != min(n * bs for n, bs in zip(req.num_blocks, mgr.block_sizes)):
+    if req.num_slots != min(len(b) * bs for b, bs in zip(req.blocks, mgr.block_sizes)):
         fail("num_slots does not match the rows")
     tokens = req.tokens[: req.num_tokens]
     for g, (pool, bs) in enumerate(zip(mgr.pools, mgr.block_sizes)):
-        blocks = req.rows[g][: req.num_blocks[g]]
+        blocks = np.array(req.blocks[g], dtype=np.int64)
         skip = req.num_skipped_blocks[g]
         if len(blocks) * bs < req.num_computed_tokens:
             fail(f"group {g}: {len(blocks)} blocks cannot hold {req.num_computed_tokens} tokens")
         if (blocks[:skip] != NULL_BLOCK_ID).any() or (blocks[skip:] == NULL_BLOCK_ID).any():
             fail(f"group {g}: null entries are not exactly the first {skip}: {blocks.tolist()}")
         owned = blocks[skip:]
-        if len(np.unique(owned)) != len(owned):
+        if has_repeats(owned):
             fail(f"group {g}: a block appears twice in {blocks.tolist()}")
         if ((owned <= 0) | (owned >= pool.num_blocks)).any():
             fail(f"group {g}: block id out of range in {blocks.tolist()}")
@@ -80,15 +81,16 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
 
 
 def _check_keys(req: RequestState, bs: int, fail) -> None:  # type: ignore[no-untyped-def]
-    """The stored block keys equal a fresh computation from the tokens."""
+    """The stored prompt keys and the chain state equal a fresh computation from the tokens."""
     num_keys = req.num_keys[bs]
-    if num_keys < req.num_computed_tokens // bs or num_keys > req.num_tokens // bs:
-        fail(f"{num_keys} block keys for block size {bs}")
+    stored = len(req.keys[bs])
+    if num_keys < stored or num_keys > req.num_tokens // bs:
+        fail(f"key chain at block {num_keys} for block size {bs}, {stored} stored")
     powers = ChainPowers(bs)
     hashes = block_content_hashes(req.tokens[: num_keys * bs].reshape(-1, bs), powers)
     seed = np.array([namespace_seed(encode_namespace(req.namespace))], dtype=np.uint64)
     keys, states = chain_keys(hashes, np.array([num_keys]), seed, powers)
-    if not np.array_equal(keys, req.keys[bs][:num_keys]):
+    if not np.array_equal(keys[:stored], req.keys[bs]):
         fail(f"block keys for block size {bs} do not match the tokens")
     if num_keys and states[-1] != req.key_states[bs]:
         fail(f"key chain state for block size {bs} does not match the tokens")
@@ -163,7 +165,7 @@ def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | n
         fail("the null block is cached or owned")
     holders = np.flatnonzero(record >= 0)
     slots = record[holders]
-    if len(np.unique(slots)) != len(slots):
+    if has_repeats(slots):
         fail("two blocks hold one record")
     if not np.array_equal(index.holder[slots], holders) or (index.cid[slots] == 0).any():
         fail("a cached block and its record do not point to each other")
@@ -178,7 +180,7 @@ def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | n
     for key, slot in index.keys.items():
         if index.cid[slot] == 0 or int(index.key[slot]) != key:
             fail(f"key {key} is filed under record {slot} of another key")
-    if len(np.unique(index.cid[used])) != len(used):
+    if has_repeats(index.cid[used]):
         fail("two records share a content id")
     if len(used) > index.max_records:
         fail(f"{len(used)} records exceed max_records={index.max_records}")

@@ -19,6 +19,7 @@ A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces i
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,14 +31,21 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 def _int32(values: list[int]) -> np.ndarray:
-    """A writable int32 array of ``values``; empty lists share one empty array."""
-    return np.array(values, dtype=np.int32) if values else _EMPTY
+    """A writable int32 copy of ``values``; empty lists share one empty array.
+
+    ``struct.pack`` converts a list of ints in one C loop, about twice as fast as
+    ``np.fromiter`` (a step's ``added`` holds ~1000 ids).
+    """
+    if not values:
+        return _EMPTY
+    packed = bytearray(struct.pack(f"={len(values)}i", *values))
+    return np.frombuffer(packed, dtype=np.int32)
 
 
-def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
+def _row_blocks(rows: list[int], counts: list[int], ids: list[int]) -> RowBlocks:
     if not rows:
         return RowBlocks()
-    return RowBlocks(_int32(rows), _int32(counts), np.concatenate(ids))
+    return RowBlocks(_int32(rows), _int32(counts), _int32(ids))
 
 
 class StepJournal:
@@ -53,7 +61,7 @@ class StepJournal:
     def touch(self, row: int, holder: RequestState | None) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
         if row not in self.marks:
-            lengths = () if holder is None else tuple(holder.num_blocks)
+            lengths = () if holder is None else tuple(map(len, holder.blocks))
             self.marks[row] = (holder, lengths)
 
     def null(self, req: RequestState, group: int, block_index: int) -> None:
@@ -70,10 +78,10 @@ class StepJournal:
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        add_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
+        add_ids: list[list[int]] = [[] for _ in range(num_groups)]
         app_rows: list[list[int]] = [[] for _ in range(num_groups)]
         app_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        app_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
+        app_ids: list[list[int]] = [[] for _ in range(num_groups)]
         null_rows: list[list[int]] = [[] for _ in range(num_groups)]
         null_idx: list[list[int]] = [[] for _ in range(num_groups)]
         nulled = self._nulled
@@ -85,11 +93,11 @@ class StepJournal:
                     cleared.append(row)
             elif live is start:
                 for g in groups:
-                    num = live.num_blocks[g]
-                    if num > lengths[g]:
+                    blocks = live.blocks[g]
+                    if len(blocks) > lengths[g]:
                         app_rows[g].append(row)
-                        app_counts[g].append(num - lengths[g])
-                        app_ids[g].append(live.rows[g][lengths[g] : num])
+                        app_counts[g].append(len(blocks) - lengths[g])
+                        app_ids[g] += blocks[lengths[g] :]
                 if row in nulled:
                     for g, indices in enumerate(nulled[row]):
                         null_rows[g] += [row] * len(indices)
@@ -97,9 +105,8 @@ class StepJournal:
             else:
                 add_rows.append(row)
                 for g in groups:
-                    num = live.num_blocks[g]
-                    add_counts[g].append(num)
-                    add_ids[g].append(live.rows[g][:num])
+                    add_counts[g].append(len(live.blocks[g]))
+                    add_ids[g] += live.blocks[g]
         self.marks = {}
         self._nulled = {}
         return StepUpdate.make(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable._checks import check_positive
+from blocktable.allocator.arrays import distinct_counts
 from blocktable.allocator.checks import (
     as_list,
     check_same_length,
@@ -279,7 +280,7 @@ class KVCacheManager:
             self._num_hit_tokens += plan.num_cached_tokens
         for pool, blocks in zip(self.pools, shared):
             if blocks:
-                ids, counts = np.unique(np.concatenate(blocks), return_counts=True)
+                ids, counts = distinct_counts(np.concatenate(blocks))
                 pool.share(ids, counts)
         return [plan.num_cached_tokens for plan in plans]
 
@@ -304,7 +305,7 @@ class KVCacheManager:
                 skip = plan.num_skipped[g]
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
-                req.append_blocks(g, np.concatenate((np.zeros(skip, np.int32), blocks)))
+                req.blocks[g] = [NULL_BLOCK_ID] * skip + blocks.tolist()
                 req.num_skipped_blocks[g] = skip
                 req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
@@ -374,12 +375,12 @@ class KVCacheManager:
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             if need == 1:
                 block_id = pool.take_one()
-                req.append_blocks(g, np.array([block_id], dtype=np.int32))
+                req.blocks[g].append(block_id)
                 out.append([block_id])
             elif need:
-                new = pool.take(need)
-                req.append_blocks(g, new)
-                out.append(new.tolist())
+                new = pool.take(need).tolist()
+                req.blocks[g] += new
+                out.append(new)
             else:
                 out.append([])
         self._update_num_slots(req)
@@ -422,11 +423,13 @@ class KVCacheManager:
                 out.append(RowBlocks())
                 continue
             new = pool.take(total)
+            new_list = new.tolist()
             rows, nums, start = [], [], 0
+            touch = self._journal.touch
             for req, count in zip(reqs, counts):
                 if count:
-                    self._journal.touch(req.row, req)
-                    req.append_blocks(g, new[start : start + count])
+                    touch(req.row, req)
+                    req.blocks[g] += new_list[start : start + count]
                     rows.append(req.row)
                     nums.append(count)
                     start += count
@@ -487,10 +490,10 @@ class KVCacheManager:
                     f"{req.num_tokens} token ids are known (append_token_ids first)"
                 )
             for g, bs in enumerate(self.block_sizes):
-                if num_computed > req.num_blocks[g] * bs:
+                if num_computed > len(req.blocks[g]) * bs:
                     raise ValueError(
                         f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                        f"group {g} has blocks for {req.num_blocks[g] * bs} (allocate first)"
+                        f"group {g} has blocks for {len(req.blocks[g]) * bs} (allocate first)"
                     )
         for req, count in zip(reqs, counts):
             req.num_computed_tokens += count
@@ -571,15 +574,15 @@ class KVCacheManager:
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
-            shared = parent.rows[g][:num_full]
-            real = shared[shared != NULL_BLOCK_ID]
+            shared = parent.blocks[g][:num_full]
+            real = np.array([b for b in shared if b != NULL_BLOCK_ID], dtype=np.int32)
             pool.share(real, np.ones(len(real), dtype=np.int32))
-            child.append_blocks(g, shared)
+            child.blocks[g] = shared
             copies.append([])
             if num_computed % bs:
                 dst = pool.take_one()
-                child.append_blocks(g, np.array([dst], dtype=np.int32))
-                copies[g].append((int(parent.rows[g][num_full]), dst))
+                shared.append(dst)
+                copies[g].append((parent.blocks[g][num_full], dst))
         self._update_num_slots(child)
         self._requests[child_id] = child
         return tuple(copies)
@@ -622,7 +625,7 @@ class KVCacheManager:
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
         req = self._get(req_id)
-        return tuple(req.row_list(g) for g in range(len(self.pools)))
+        return tuple(list(blocks) for blocks in req.blocks)
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
@@ -722,41 +725,42 @@ class KVCacheManager:
         if num_tokens <= req.num_slots:
             return [0] * len(self.pools)
         return [
-            max(0, -(-num_tokens // bs) - n) for n, bs in zip(req.num_blocks, self.block_sizes)
+            max(0, -(-num_tokens // bs) - len(blocks))
+            for blocks, bs in zip(req.blocks, self.block_sizes)
         ]
 
     def _update_num_slots(self, req: RequestState) -> None:
-        req.num_slots = min(n * bs for n, bs in zip(req.num_blocks, self.block_sizes))
+        req.num_slots = min(len(b) * bs for b, bs in zip(req.blocks, self.block_sizes))
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
-        released = []
+        released: list[int] = []
         for req in reqs:
             first = req.num_skipped_blocks[g]
             skip = max(0, (req.num_computed_tokens - window + 1) // bs)
             if skip <= first:
                 continue
             self._journal.touch(req.row, req)
-            row = req.rows[g]
-            released.append(row[first:skip].copy())  # oldest first
-            row[first:skip] = NULL_BLOCK_ID
+            row = req.blocks[g]
+            released += row[first:skip]  # oldest first
+            row[first:skip] = [NULL_BLOCK_ID] * (skip - first)
             for i in range(first, skip):
                 self._journal.null(req, g, i)
             req.num_skipped_blocks[g] = skip
         if released:
-            self.pools[g].release(np.concatenate(released), may_repeat=True)
+            self.pools[g].release(np.array(released, dtype=np.int32), may_repeat=len(reqs) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        per_group: list[list[np.ndarray]] = [[] for _ in self.pools]
+        per_group: list[list[int]] = [[] for _ in self.pools]
         for req in reqs:
             self._journal.touch(req.row, req)
-            for g in range(len(self.pools)):
-                per_group[g].append(req.rows[g][req.num_skipped_blocks[g] : req.num_blocks[g]][::-1])
+            for g, blocks in enumerate(req.blocks):
+                per_group[g] += reversed(blocks[req.num_skipped_blocks[g] :])  # tail first
             self._rows.release(req.row)
             del self._requests[req.req_id]
-        for pool, rows in zip(self.pools, per_group):
-            if rows:
-                pool.release(np.concatenate(rows), may_repeat=len(rows) > 1)
+        for pool, ids in zip(self.pools, per_group):
+            if ids:
+                pool.release(np.array(ids, dtype=np.int32), may_repeat=len(reqs) > 1)
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable.allocator.arrays import decrement
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -158,12 +159,7 @@ class BlockPool:
         """
         ref_counts = self.ref_counts
         if may_repeat:
-            np.subtract.at(ref_counts, block_ids, 1)
-            freed = block_ids[ref_counts[block_ids] == 0]
-            if len(freed) > 1:
-                backwards = freed[::-1]
-                _, first = np.unique(backwards, return_index=True)
-                freed = backwards[np.sort(first)][::-1]
+            freed = decrement(ref_counts, block_ids)
         else:
             ref_counts[block_ids] -= 1
             freed = block_ids[ref_counts[block_ids] == 0]
@@ -220,8 +216,7 @@ class BlockPool:
         n = len(block_ids)
         index = self.index
         key_list = keys.tolist()
-        get = index.keys.get
-        if all(get(k) is None for k in key_list) and len(set(key_list)) == n:
+        if index.keys.keys().isdisjoint(key_list) and len(set(key_list)) == n:
             slots = index.take_slots(n)
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             index.next_cid += n
@@ -234,6 +229,7 @@ class BlockPool:
             index.holder[slots] = block_ids
             index.key[slots] = keys
             if hashes is not None:
+                index.any_hashes = True
                 for slot, block_hash in zip(slots.tolist(), hashes):
                     index.hashes[slot] = block_hash
             self.record[block_ids] = slots
@@ -285,6 +281,7 @@ class BlockPool:
             index.holder[slot] = block_id
             index.key[slot] = key
             index.hashes[slot] = None if hashes is None else hashes[i]
+            index.any_hashes |= hashes is not None
             index.keys[key] = slot
             record[block_id] = slot
             self.num_cached_blocks += 1
@@ -301,7 +298,7 @@ class BlockPool:
             self.num_cached_blocks -= 1
         for block_id in self.dups.pop(slot, []):
             self.dup_of[block_id] = -1
-        self.index.drop(slot)
+        self.index.drop(np.array([slot]))
 
     def reset_cache(self) -> None:
         """Forget every cached content (every block must be free): all become uncached."""

@@ -85,6 +85,11 @@ def find_hits(
     per_group = []
     for pool, bs in zip(pools, block_sizes):
         usable = np.array([lim // bs for lim in limits], dtype=np.int64)
+        # a prompt whose first block is not filed has no hit: look up only the others' keys
+        candidates = np.flatnonzero(usable)
+        if len(candidates):
+            firsts = pool.index.find([plans[j].keys[bs][0] for j in candidates.tolist()])
+            usable[candidates[firsts < 0]] = 0
         keys = [k for p, u in zip(plans, usable.tolist()) for k in p.keys[bs][:u].tolist()]
         slots = pool.index.find(keys)
         tokens = np.concatenate(

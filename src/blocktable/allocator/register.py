@@ -1,9 +1,9 @@
 """Registering a step's newly full computed blocks in the prefix index, in one pass per group.
 
-Block keys of a prompt are computed at admission; keys of blocks filled later (decode) are
-computed here from the request's chain state, for every request of the call in one
-:func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files all its new blocks
-with one :meth:`BlockPool.cache` call.
+Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
+(generated tokens) are computed here from each request's key chain state, for every request of
+the call in one :func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files
+all its new blocks with one :meth:`BlockPool.cache` call.
 """
 
 from __future__ import annotations
@@ -20,28 +20,47 @@ from blocktable.allocator.hashing import (
     chain_keys,
 )
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.request import RequestState, grown
+from blocktable.allocator.request import RequestState
 
 _U64 = np.uint64
+Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
-def _extend_keys(
-    todo: list[tuple[RequestState, int, int]], block_size: int, powers: ChainPowers
-) -> None:
-    """Compute keys ``have .. full - 1`` of each ``(req, have, full)`` in one pass."""
-    bs = block_size
-    lengths = np.array([full - have for _, have, full in todo], dtype=np.int64)
-    tokens = np.concatenate([req.tokens[have * bs : full * bs] for req, have, full in todo])
-    hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-    starts = np.array([req.key_states[bs] for req, _, _ in todo], dtype=_U64)
-    keys, states = chain_keys(hashes, lengths, starts, powers)
-    end = 0
-    for req, have, full in todo:
-        begin, end = end, end + full - have
-        buffer = req.keys[bs] = grown(req.keys[bs], full)
-        buffer[have:full] = keys[begin:end]
-        req.num_keys[bs] = full
-        req.key_states[bs] = states[end - 1]
+def _segment_keys(segments: list[Segment], bs: int, powers: ChainPowers) -> np.ndarray:
+    """Keys of blocks ``first .. stop-1`` of each segment, concatenated (uint64).
+
+    Stored prompt keys are sliced; keys past them are chained from the request's state (every
+    request's new blocks in one pass), which then moves to the segment's end.
+    """
+    parts: list[np.ndarray] = []
+    todo: list[Segment] = []
+    for req, first, stop in segments:
+        stored = len(req.keys[bs])
+        if stop <= stored:
+            parts.append(req.keys[bs][first:stop])
+        else:
+            if first < stored:
+                parts.append(req.keys[bs][first:stored])
+            parts.append(None)  # type: ignore[arg-type]  # filled below
+            todo.append((req, max(first, stored), stop))
+    if todo:
+        # the chain state is at num_keys; blocks between it and `first` were keyed already
+        lengths = np.array([stop - req.num_keys[bs] for req, _, stop in todo], dtype=np.int64)
+        tokens = np.concatenate([req.tokens[req.num_keys[bs] * bs : stop * bs] for req, _, stop in todo])
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        starts = np.array([req.key_states[bs] for req, _, _ in todo], dtype=_U64)
+        keys, states = chain_keys(hashes, lengths, starts, powers)
+        ends = np.cumsum(lengths)
+        last_states = states[ends - 1].tolist()
+        new_parts = iter(
+            keys[end - (stop - first) : end]
+            for (_, first, stop), end in zip(todo, ends.tolist())
+        )
+        parts = [next(new_parts) if part is None else part for part in parts]
+        for (req, _, stop), state in zip(todo, last_states):
+            req.num_keys[bs] = stop
+            req.key_states[bs] = _U64(state)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def register_computed_blocks(
@@ -54,38 +73,51 @@ def register_computed_blocks(
     """File every full computed block of ``reqs`` not filed yet, in every group."""
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
-        todo = []
+        union = []
+        g0 = groups[0]
         for req in reqs:
-            full = req.num_computed_tokens // bs
-            if full > req.num_keys[bs] and any(req.num_hashed_blocks[g] < full for g in groups):
-                todo.append((req, req.num_keys[bs], full))
-        if todo:
-            _extend_keys(todo, bs, powers[bs])
+            hashed = req.num_hashed_blocks
+            first = hashed[g0] if len(groups) == 1 else min(hashed[g] for g in groups)
+            stop = req.num_computed_tokens // bs
+            if stop > first:
+                union.append((req, first, stop))
+        if not union:
+            continue
+        keys = _segment_keys(union, bs, powers[bs])
+        offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
         for g in groups:
-            segments = [
-                (req, req.num_hashed_blocks[g], req.num_computed_tokens // bs)
-                for req in reqs
-                if req.num_computed_tokens // bs > req.num_hashed_blocks[g]
-            ]
-            if segments:
-                _cache_segments(pools[g], g, bs, segments, byte_hash_fn)
+            segments, parts = [], []
+            for (req, first, stop), offset in zip(union, offsets):
+                first_g = req.num_hashed_blocks[g]
+                if stop > first_g:
+                    segments.append((req, first_g, stop))
+                    parts.append((offset + first_g - first, offset + stop - first))
+            if not segments:
+                continue
+            if len(segments) == len(union) and all(
+                seg[1] == whole[1] for seg, whole in zip(segments, union)
+            ):
+                keys_g = keys  # the common case: every group of this size is equally far
+            else:
+                keys_g = np.concatenate([keys[a:b] for a, b in parts])
+            _cache_segments(pools[g], g, bs, segments, keys_g, byte_hash_fn)
 
 
 def _cache_segments(
     pool: BlockPool,
     g: int,
     bs: int,
-    segments: list[tuple[RequestState, int, int]],
+    segments: list[Segment],
+    keys: np.ndarray,
     byte_hash_fn: HashFn | None,
 ) -> None:
+    block_ids: list[int] = []
+    for req, first, stop in segments:
+        block_ids += req.blocks[g][first:stop]
     if len(segments) == 1:
         req, first, stop = segments[0]
-        block_ids = req.rows[g][first:stop]
-        keys = req.keys[bs][first:stop]
         tokens = req.tokens[first * bs : stop * bs]
     else:
-        block_ids = np.concatenate([req.rows[g][first:stop] for req, first, stop in segments])
-        keys = np.concatenate([req.keys[bs][first:stop] for req, first, stop in segments])
         tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in segments])
     parents = np.zeros(len(block_ids), dtype=np.int64)
     lengths = [stop - first for _, first, stop in segments]
@@ -99,9 +131,12 @@ def _cache_segments(
                 req.tokens, first, stop, bs, req.parent_hashes[g], req.namespace_bytes,
                 byte_hash_fn,
             )
-    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
-    for (req, _, stop), end in zip(segments, ends):
-        req.parent_cids[g] = int(cids[end - 1])
+    cids = pool.cache(
+        np.array(block_ids, dtype=np.int32), keys, tokens.reshape(-1, bs), parents, hashes
+    )
+    last_cids = cids[np.array(ends) - 1].tolist()
+    for (req, _, stop), end, cid in zip(segments, ends, last_cids):
+        req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = stop
         if hashes is not None:
             req.parent_hashes[g] = hashes[end - 1]
