@@ -92,7 +92,9 @@ def _check_keys(req: RequestState, bs: int, fail) -> None:  # type: ignore[no-un
     keys, states = chain_keys(hashes, np.array([num_keys]), seed, powers)
     if not np.array_equal(keys[:stored], req.keys[bs]):
         fail(f"block keys for block size {bs} do not match the tokens")
-    if num_keys and states[-1] != req.key_states[bs]:
+    if not np.array_equal(states[:stored], req.prompt_states[bs]):
+        fail(f"prompt key chain states for block size {bs} do not match the tokens")
+    if num_keys and int(states[-1]) != req.key_states[bs]:
         fail(f"key chain state for block size {bs} does not match the tokens")
 
 

@@ -289,15 +289,18 @@ class KVCacheManager:
     ) -> RequestState:
         ns_bytes = encode_namespace(namespace)
         tokens = plan.tokens
-        req = RequestState(req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools))
+        req = RequestState(
+            req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools), plan.seed
+        )
         req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
         req.row = self._rows.take(req)
         self._journal.touch(req.row, None)
         if self.enable_prefix_caching:
             for bs, keys in plan.keys.items():
                 req.keys[bs] = keys
+                req.prompt_states[bs] = plan.states[bs]
                 req.num_keys[bs] = len(keys)
-                req.key_states[bs] = plan.states[bs]
+                req.key_states[bs] = int(plan.states[bs][-1]) if len(keys) else plan.seed
         n = plan.num_cached_tokens
         req.num_computed_tokens = n
         if n:

@@ -36,7 +36,7 @@ class PromptPlan:
     root: int  # parent content id of block 0
     seed: int  # K_{-1} of the key chain
     keys: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
-    states: dict[int, np.uint64] = field(default_factory=dict)  # block size -> K of last full
+    states: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
     num_cached_tokens: int = 0
     hit_slots: list[np.ndarray] = field(default_factory=list)  # per group: record slots
     num_skipped: list[int] = field(default_factory=list)  # per group: null entries first
@@ -56,7 +56,7 @@ def prompt_keys(
         ends = np.cumsum(counts)
         for plan, end, count in zip(plans, ends.tolist(), counts.tolist()):
             plan.keys[bs] = keys[end - count : end]
-            plan.states[bs] = states[end - 1] if count else _U64(plan.seed)
+            plan.states[bs] = states[end - count : end]
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray) -> np.ndarray:

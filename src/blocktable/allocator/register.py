@@ -26,41 +26,42 @@ _U64 = np.uint64
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
-def _segment_keys(segments: list[Segment], bs: int, powers: ChainPowers) -> np.ndarray:
-    """Keys of blocks ``first .. stop-1`` of each segment, concatenated (uint64).
+def _segment_keys(
+    segments: list[Segment], bs: int, powers: ChainPowers
+) -> tuple[list[Segment], np.ndarray]:
+    """The segments reordered (prompt blocks first) and their keys, concatenated (uint64).
 
-    Stored prompt keys are sliced; keys past them are chained from the request's state (every
-    request's new blocks in one pass), which then moves to the segment's end.
+    Keys of prompt blocks were stored at admission; the others are chained, for every request
+    at once, from the chain state before the segment (the prompt's state there, or the state
+    where the last computation stopped), which then moves to the segment's end.
     """
-    parts: list[np.ndarray] = []
-    todo: list[Segment] = []
-    for req, first, stop in segments:
-        stored = len(req.keys[bs])
-        if stop <= stored:
-            parts.append(req.keys[bs][first:stop])
-        else:
-            if first < stored:
-                parts.append(req.keys[bs][first:stored])
-            parts.append(None)  # type: ignore[arg-type]  # filled below
-            todo.append((req, max(first, stored), stop))
-    if todo:
-        # the chain state is at num_keys; blocks between it and `first` were keyed already
-        lengths = np.array([stop - req.num_keys[bs] for req, _, stop in todo], dtype=np.int64)
-        tokens = np.concatenate([req.tokens[req.num_keys[bs] * bs : stop * bs] for req, _, stop in todo])
+    stored: list[Segment] = []
+    fresh: list[Segment] = []
+    for seg in segments:
+        (stored if seg[2] <= len(seg[0].keys[bs]) else fresh).append(seg)
+    parts = [req.keys[bs][first:stop] for req, first, stop in stored]
+    if fresh:
+        lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
+        tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in fresh])
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        starts = np.array([req.key_states[bs] for req, _, _ in todo], dtype=_U64)
+        starts = np.array([_state_before(req, first, bs) for req, first, _ in fresh], dtype=_U64)
         keys, states = chain_keys(hashes, lengths, starts, powers)
-        ends = np.cumsum(lengths)
-        last_states = states[ends - 1].tolist()
-        new_parts = iter(
-            keys[end - (stop - first) : end]
-            for (_, first, stop), end in zip(todo, ends.tolist())
-        )
-        parts = [next(new_parts) if part is None else part for part in parts]
-        for (req, _, stop), state in zip(todo, last_states):
+        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
             req.num_keys[bs] = stop
-            req.key_states[bs] = _U64(state)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            req.key_states[bs] = state
+        parts.append(keys)
+    return stored + fresh, parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _state_before(req: RequestState, first: int, bs: int) -> int:
+    """The key chain state after block ``first - 1`` (the namespace seed for ``first == 0``)."""
+    if first == 0:
+        return req.seed
+    if first <= len(req.prompt_states[bs]):
+        return int(req.prompt_states[bs][first - 1])
+    if first != req.num_keys[bs]:
+        raise AssertionError(f"key chain of request {req.req_id!r} is at {req.num_keys[bs]}")
+    return req.key_states[bs]
 
 
 def register_computed_blocks(
@@ -83,7 +84,10 @@ def register_computed_blocks(
                 union.append((req, first, stop))
         if not union:
             continue
-        keys = _segment_keys(union, bs, powers[bs])
+        union, keys = _segment_keys(union, bs, powers[bs])
+        if len(groups) == 1:
+            _cache_segments(pools[g0], g0, bs, union, keys, byte_hash_fn)
+            continue
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
         for g in groups:
             segments, parts = [], []
@@ -91,16 +95,9 @@ def register_computed_blocks(
                 first_g = req.num_hashed_blocks[g]
                 if stop > first_g:
                     segments.append((req, first_g, stop))
-                    parts.append((offset + first_g - first, offset + stop - first))
-            if not segments:
-                continue
-            if len(segments) == len(union) and all(
-                seg[1] == whole[1] for seg, whole in zip(segments, union)
-            ):
-                keys_g = keys  # the common case: every group of this size is equally far
-            else:
-                keys_g = np.concatenate([keys[a:b] for a, b in parts])
-            _cache_segments(pools[g], g, bs, segments, keys_g, byte_hash_fn)
+                    parts.append(keys[offset + first_g - first : offset + stop - first])
+            if segments:
+                _cache_segments(pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn)
 
 
 def _cache_segments(

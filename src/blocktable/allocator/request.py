@@ -78,9 +78,10 @@ class RequestState:
     ``num_hashed_blocks[g]`` blocks are full, computed and registered in the prefix index (when
     caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
     next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
-    ``keys[bs]`` are the block keys of the prompt's full blocks for block size ``bs`` (computed
-    at admission); ``key_states[bs]`` is the key chain state after block ``num_keys[bs] - 1``
-    (keys of later blocks are computed when they are registered, from that state).
+    ``keys[bs]`` and ``prompt_states[bs]`` are the block keys and key chain states of the
+    prompt's full blocks for block size ``bs`` (computed at admission, read-only);
+    ``key_states[bs]`` is the chain state after block ``num_keys[bs] - 1`` once blocks past the
+    prompt were keyed (they are keyed when registered, from that state).
     """
 
     __slots__ = (
@@ -97,9 +98,11 @@ class RequestState:
         "num_tokens",
         "parent_cids",
         "parent_hashes",
+        "prompt_states",
         "req_id",
         "root",
         "row",
+        "seed",
         "tokens",
     )
 
@@ -111,6 +114,7 @@ class RequestState:
         namespace_bytes: bytes,
         root: int,
         num_groups: int,
+        seed: int = 0,
     ) -> None:
         self.req_id = req_id
         self.row = -1  # set by the manager
@@ -119,6 +123,7 @@ class RequestState:
         self.namespace = namespace
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
+        self.seed = seed  # key chain state before the first block (the namespace's)
         self.num_computed_tokens = 0
         self.num_slots = 0  # tokens the allocated blocks of every group can hold
         self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
@@ -128,7 +133,8 @@ class RequestState:
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
         self.num_keys: dict[int, int] = {}
-        self.key_states: dict[int, np.uint64] = {}
+        self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.key_states: dict[int, int] = {}
 
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
@@ -144,7 +150,7 @@ class RequestState:
         """A copy under a new id, without a row and blocks (the caller fills them)."""
         child = RequestState(
             req_id, self.tokens[: self.num_tokens].copy(), self.namespace,
-            self.namespace_bytes, self.root, len(self.blocks),
+            self.namespace_bytes, self.root, len(self.blocks), self.seed,
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_skipped_blocks = list(self.num_skipped_blocks)
@@ -152,6 +158,7 @@ class RequestState:
         child.parent_cids = list(self.parent_cids)
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
+        child.prompt_states = dict(self.prompt_states)
         child.num_keys = dict(self.num_keys)
         child.key_states = dict(self.key_states)
         return child
