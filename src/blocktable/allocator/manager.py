@@ -16,7 +16,7 @@ from blocktable.allocator.checks import (
     running_requests,
     token_counts,
 )
-from blocktable.allocator.errors import OutOfBlocksError
+from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
     ChainPowers,
@@ -263,12 +263,17 @@ class KVCacheManager:
             cache_namespaces = [None] * len(req_ids)
         cache_namespaces = as_list("cache_namespaces", cache_namespaces)
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
+        pending: dict[bytes, tuple[int, int]] = {}
         plans = [
-            self._new_plan(f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}")
+            self._new_plan(f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending)
             for r, p, ns in zip(req_ids, prompts, cache_namespaces)
         ]
         if len(req_ids) > self._rows.num_free:
-            self._rows.check_free(f"request {req_ids[self._rows.num_free]!r}")
+            raise OutOfRowsError(
+                f"no free row for request {req_ids[self._rows.num_free]!r}: "
+                f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
+            )
+        self._namespaces.update(pending)
         self._find(plans)
         shared: list[list[np.ndarray]] = [[] for _ in self.pools]
         for req_id, plan, ns in zip(req_ids, plans, cache_namespaces):
@@ -686,24 +691,34 @@ class KVCacheManager:
                 f"max_model_len={self.max_model_len}"
             )
 
-    def _namespace(self, namespace: object) -> tuple[int, int]:
-        """``(root content id, key seed)`` of a namespace (interned)."""
+    def _namespace(
+        self, namespace: object, pending: dict[bytes, tuple[int, int]]
+    ) -> tuple[int, int]:
+        """``(root content id, key seed)`` of a namespace; a new one is added to ``pending``
+        (interned only when a request with it is admitted, so rejected calls change nothing)."""
         check_namespace(namespace)
         encoded = encode_namespace(namespace)
-        found = self._namespaces.get(encoded)
+        found = self._namespaces.get(encoded) or pending.get(encoded)
         if found is None:
-            found = (-(len(self._namespaces) + 1), namespace_seed(encoded))
-            self._namespaces[encoded] = found
+            found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
+            pending[encoded] = found
         return found
 
-    def _new_plan(self, name: str, prompt: TokenIds, namespace: object, who: str) -> PromptPlan:
+    def _new_plan(
+        self,
+        name: str,
+        prompt: TokenIds,
+        namespace: object,
+        who: str,
+        pending: dict[bytes, tuple[int, int]],
+    ) -> PromptPlan:
         tokens = token_array(name, prompt)
         if not len(tokens):
             raise ValueError(f"{name} is empty")
         if not isinstance(prompt, (list, tuple)):
             tokens = tokens.copy()  # the caller's array stays the caller's
         self._check_model_len(who, "prompt", len(tokens))
-        root, seed = self._namespace(namespace)
+        root, seed = self._namespace(namespace, pending)
         return PromptPlan(tokens, root, seed)
 
     def _find(self, plans: list[PromptPlan]) -> None:
@@ -715,7 +730,9 @@ class KVCacheManager:
         find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
 
     def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
-        plan = self._new_plan("prompt_token_ids", prompt_token_ids, cache_namespace, "new request")
+        plan = self._new_plan(
+            "prompt_token_ids", prompt_token_ids, cache_namespace, "new request", {}
+        )
         self._find([plan])
         return plan
 
