@@ -461,9 +461,12 @@ class KVCacheManager:
         for g, pool in enumerate(self.pools):
             total = sum(need[g] for need in needs)
             if total > pool.num_free_blocks:
-                who = f"request {reqs[0].req_id!r}" if len(reqs) == 1 else f"{len(reqs)} requests"
+                who = (
+                    f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
+                    else f"{len(reqs)} requests need"
+                )
                 raise OutOfBlocksError(
-                    f"{who} needs {total} new blocks in group {g}, {pool.num_free_blocks} free"
+                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free"
                 )
 
     # ----------------------------------------------------------------- computed tokens
