@@ -39,7 +39,12 @@ from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 clock = time.perf_counter_ns  # --clock cpu: time.process_time_ns (for a loaded machine)
 
 STEP_PHASES = (
-    "free", "append_token_ids", "add_requests", "allocate", "take_step_update", "mark_computed"
+    "free",
+    "append_token_ids",
+    "add_requests",
+    "allocate",
+    "take_step_update",
+    "mark_computed",
 )
 
 
@@ -49,11 +54,13 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     shared = rng.integers(0, 32000, args.shared_prefix_len)
     mgr = KVCacheManager(
         [AllocatorGroupSpec(block_size=bs, num_blocks=args.num_blocks)],
-        max_num_reqs=args.num_reqs, hash_fn=args.hash,
+        max_num_reqs=args.num_reqs,
+        hash_fn=args.hash,
     )
     max_model_len = args.prompt_len + bs * (args.warmup + args.steps + 2)
-    table = MultiGroupBlockTable([GroupSpec(bs, num_blocks=args.num_blocks)], args.num_reqs,
-                                 max_model_len, 8192, "cpu")
+    table = MultiGroupBlockTable(
+        [GroupSpec(bs, num_blocks=args.num_blocks)], args.num_reqs, max_model_len, 8192, "cpu"
+    )
     next_id = 0
     arrivals_made = 0
     batched = args.api == "batched"
@@ -160,16 +167,20 @@ def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
     num_tokens = args.long_prompt_len
     prompt = np.random.default_rng(args.seed).integers(0, 32000, num_tokens)
     prompt_list = prompt.tolist()
-    results: dict[str, list[float]] = {"one call, numpy prompt": [], "one call, list prompt": [],
-                                       "2048-token chunks, numpy prompt": []}
+    results: dict[str, list[float]] = {
+        "one call, numpy prompt": [],
+        "one call, list prompt": [],
+        "2048-token chunks, numpy prompt": [],
+    }
 
     def fresh() -> KVCacheManager:
-        return KVCacheManager([AllocatorGroupSpec(bs, num_tokens // bs + 2)], 4,
-                              hash_fn=args.hash)
+        return KVCacheManager([AllocatorGroupSpec(bs, num_tokens // bs + 2)], 4, hash_fn=args.hash)
 
     for _ in range(args.long_reps):
-        for name, tokens in (("one call, numpy prompt", prompt),
-                             ("one call, list prompt", prompt_list)):
+        for name, tokens in (
+            ("one call, numpy prompt", prompt),
+            ("one call, list prompt", prompt_list),
+        ):
             mgr = fresh()
             t0 = clock()
             mgr.add_request("long", tokens)
@@ -202,7 +213,8 @@ def run_free(args: argparse.Namespace) -> dict[str, object]:
         ids = [f"{rep}-{i}" for i in range(n)]
         prompts = [
             np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
-            if i % 2 else rng.integers(0, 32000, args.prompt_len)
+            if i % 2
+            else rng.integers(0, 32000, args.prompt_len)
             for i in range(n)
         ]
         cached = mgr.add_requests(ids, prompts)
@@ -218,8 +230,12 @@ def run_free(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _stats(v: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(v), "mean": statistics.fmean(v),
-            "p90": float(np.percentile(v, 90)), "n": len(v)}
+    return {
+        "median": statistics.median(v),
+        "mean": statistics.fmean(v),
+        "p90": float(np.percentile(v, 90)),
+        "n": len(v),
+    }
 
 
 def main() -> None:
@@ -236,15 +252,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api", choices=("batched", "per-request"), default="batched")
     p.add_argument("--hash", choices=("fast", "sha256"), default="fast")
-    p.add_argument("--token-format", choices=("list", "numpy"), default="numpy",
-                   help="how prompts reach the allocator (a list costs ~7 ns per token more)")
+    p.add_argument(
+        "--token-format",
+        choices=("list", "numpy"),
+        default="numpy",
+        help="how prompts reach the allocator (a list costs ~7 ns per token more)",
+    )
     p.add_argument("--long-prompt-len", type=int, default=1_000_000)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--long-reps", type=int, default=7)
     p.add_argument("--free-reps", type=int, default=200)
     p.add_argument("--skip", nargs="*", default=[], choices=("step", "long", "free"))
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu: process CPU time, less disturbed by other loads on a shared host")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time, less disturbed by other loads on a shared host",
+    )
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args()
     global clock
@@ -270,16 +294,20 @@ def main() -> None:
             print(f"{name:34s} {s['median']:9.1f} {s['mean']:9.1f} {s['p90']:9.1f}")
     if "long" not in args.skip:
         result["long_prompt"] = long = run_long_prompt(args)
-        print(f"\n{args.long_prompt_len}-token prompt, admitted + allocated + hashed "
-              f"({args.long_reps} reps)")
+        print(
+            f"\n{args.long_prompt_len}-token prompt, admitted + allocated + hashed "
+            f"({args.long_reps} reps)"
+        )
         print(f"{'case (ms)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
         for name, s in long["ms"].items():  # type: ignore[union-attr]
             print(f"{name:34s} {s['median']:9.2f} {s['mean']:9.2f} {s['p90']:9.2f}")
     if "free" not in args.skip:
         result["free"] = free = run_free(args)
         s = free["us"]
-        print(f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
-              f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}")  # type: ignore[index]
+        print(
+            f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
+            f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}"
+        )  # type: ignore[index]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

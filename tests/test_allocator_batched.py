@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_allocator_snapshot import full_state
 
 from blocktable.allocator import (
     AllocatorGroupSpec,
@@ -11,7 +12,6 @@ from blocktable.allocator import (
     OutOfBlocksError,
     OutOfRowsError,
 )
-from test_allocator_snapshot import full_state
 
 GROUPS = [AllocatorGroupSpec(4, 40), AllocatorGroupSpec(8, 16, sliding_window=12)]
 
@@ -46,7 +46,9 @@ def test_batched_calls_equal_per_request_calls(seed: int) -> None:
         arrivals = []
         while len(live) + len(arrivals) < 6 and rng.random() < 0.6:
             cut = int(rng.integers(0, 40))
-            arrivals.append((next_id, base[:cut] + rng.integers(0, 4, int(rng.integers(1, 9))).tolist()))
+            arrivals.append(
+                (next_id, base[:cut] + rng.integers(0, 4, int(rng.integers(1, 9))).tolist())
+            )
             next_id += 1
         if arrivals:
             ids, prompts = [a for a, _ in arrivals], [p for _, p in arrivals]
@@ -67,7 +69,9 @@ def test_batched_calls_equal_per_request_calls(seed: int) -> None:
             for g in range(2):
                 assert new[g].block_ids.tolist() == [b for p in per for b in p[g]]
                 assert new[g].num_blocks.tolist() == [len(p[g]) for p in per if p[g]]
-            computed = [min(n, len(live[r]) - batched.num_computed_tokens(r)) for r, n in zip(sched, nums)]
+            computed = [
+                min(n, len(live[r]) - batched.num_computed_tokens(r)) for r, n in zip(sched, nums)
+            ]
             batched.mark_computed_many(sched, computed)
             for r, n in zip(sched, computed):
                 single.mark_computed(r, n)
@@ -75,7 +79,9 @@ def test_batched_calls_equal_per_request_calls(seed: int) -> None:
             with pytest.raises(OutOfBlocksError):
                 batched.allocate_many(sched, nums)
         assert as_lists(batched.take_step_update()) == as_lists(single.take_step_update())
-        finished = [r for r in live if batched.num_computed_tokens(r) == len(live[r]) and rng.random() < 0.4]
+        finished = [
+            r for r in live if batched.num_computed_tokens(r) == len(live[r]) and rng.random() < 0.4
+        ]
         batched.free_many(finished)
         for r in finished:
             single.free(r)
@@ -106,36 +112,100 @@ def running_pair() -> KVCacheManager:
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda m: m.add_requests(["x", "x"], [[1], [2]]), ValueError, "req_ids holds a request twice: 'x'"),
-        (lambda m: m.add_requests(["x", "a"], [[1], [2]]), ValueError, "request 'a' is already running"),
-        (lambda m: m.add_requests(["x", "y"], [[1]]), ValueError, "prompts has 1 entries but req_ids has 2"),
-        (lambda m: m.add_requests(["x", "y"], [[1], [2.5]]), TypeError, "request 'y' must hold int64"),
+        (
+            lambda m: m.add_requests(["x", "x"], [[1], [2]]),
+            ValueError,
+            "req_ids holds a request twice: 'x'",
+        ),
+        (
+            lambda m: m.add_requests(["x", "a"], [[1], [2]]),
+            ValueError,
+            "request 'a' is already running",
+        ),
+        (
+            lambda m: m.add_requests(["x", "y"], [[1]]),
+            ValueError,
+            "prompts has 1 entries but req_ids has 2",
+        ),
+        (
+            lambda m: m.add_requests(["x", "y"], [[1], [2.5]]),
+            TypeError,
+            "request 'y' must hold int64",
+        ),
         (lambda m: m.add_requests(["x", "y"], [[1], []]), ValueError, "request 'y' is empty"),
         (lambda m: m.add_requests(["x", "y"], [[1], [1] * 81]), ValueError, "prompt of 81 tokens"),
-        (lambda m: m.add_requests(["x"], [[1]], ["ns", "ns"]), ValueError, "cache_namespaces has 2"),
+        (
+            lambda m: m.add_requests(["x"], [[1]], ["ns", "ns"]),
+            ValueError,
+            "cache_namespaces has 2",
+        ),
         (lambda m: m.add_requests(["x"], [[1]], [1.5]), TypeError, "cache_namespace"),
-        (lambda m: m.add_requests([f"n{i}" for i in range(5)], [[1]] * 5), OutOfRowsError, "5 requests, 4 free rows"),
+        (
+            lambda m: m.add_requests([f"n{i}" for i in range(5)], [[1]] * 5),
+            OutOfRowsError,
+            "5 requests, 4 free rows",
+        ),
         (lambda m: m.add_requests("xy", [[1], [2]]), TypeError, "req_ids must be a list"),
         (lambda m: m.allocate_many(["a", "zz"], [1, 1]), KeyError, "unknown request 'zz'"),
         (lambda m: m.allocate_many(["a", "b"], [1, 1]), KeyError, "request 'b' is preempted"),
         (lambda m: m.allocate_many(["a", "c", "a"], [1, 1, 1]), ValueError, "twice: 'a'"),
-        (lambda m: m.allocate_many(["a", "c"], [1]), ValueError, "num_new_tokens has 1 entries but req_ids has 2"),
+        (
+            lambda m: m.allocate_many(["a", "c"], [1]),
+            ValueError,
+            "num_new_tokens has 1 entries but req_ids has 2",
+        ),
         (lambda m: m.allocate_many(["a", "c"], [1, -1]), ValueError, "must be >= 0"),
-        (lambda m: m.allocate_many(["a", "c"], [1, 1.0]), TypeError, "num_new_tokens entries must be an int"),
-        (lambda m: m.allocate_many(["a", "c"], np.array([1.0, 2.0])), TypeError, "1-D integer array"),
-        (lambda m: m.allocate_many(["c", "a"], [1, 70]), ValueError, "request 'a': allocation of 82 tokens"),
-        (lambda m: m.allocate_many(["c", "a"], [60, 60]), OutOfBlocksError, "2 requests need 15 new blocks in group 1, 13 free"),
-        (lambda m: m.mark_computed_many(["a", "c"], [0, 4]), ValueError, "request 'c': cannot mark 4"),
+        (
+            lambda m: m.allocate_many(["a", "c"], [1, 1.0]),
+            TypeError,
+            "num_new_tokens entries must be an int",
+        ),
+        (
+            lambda m: m.allocate_many(["a", "c"], np.array([1.0, 2.0])),
+            TypeError,
+            "1-D integer array",
+        ),
+        (
+            lambda m: m.allocate_many(["c", "a"], [1, 70]),
+            ValueError,
+            "request 'a': allocation of 82 tokens",
+        ),
+        (
+            lambda m: m.allocate_many(["c", "a"], [60, 60]),
+            OutOfBlocksError,
+            "2 requests need 15 new blocks in group 1, 13 free",
+        ),
+        (
+            lambda m: m.mark_computed_many(["a", "c"], [0, 4]),
+            ValueError,
+            "request 'c': cannot mark 4",
+        ),
         (lambda m: m.mark_computed_many(["a", "a"], [0, 0]), ValueError, "twice"),
         (lambda m: m.mark_computed_many(["a"], [1, 2]), ValueError, "num_tokens has 2 entries"),
         (lambda m: m.free_many(["a", "zz"]), KeyError, "unknown request 'zz'"),
         (lambda m: m.free_many(["a", "a"]), ValueError, "twice"),
         (lambda m: m.free_many(["b", "b"]), ValueError, "twice"),
-        (lambda m: m.append_token_ids_many(["a", "zz"], [[1], [2]]), KeyError, "unknown request 'zz'"),
-        (lambda m: m.append_token_ids_many(["a", "c"], [[1]]), ValueError, "token_ids has 1 entries"),
-        (lambda m: m.append_token_ids_many(["a", "c"], [[1], [1] * 78]), ValueError, "sequence of 81"),
+        (
+            lambda m: m.append_token_ids_many(["a", "zz"], [[1], [2]]),
+            KeyError,
+            "unknown request 'zz'",
+        ),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], [[1]]),
+            ValueError,
+            "token_ids has 1 entries",
+        ),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], [[1], [1] * 78]),
+            ValueError,
+            "sequence of 81",
+        ),
         (lambda m: m.append_token_ids_many(["a", "c"], [[1], ["x"]]), TypeError, "request 'c'"),
-        (lambda m: m.append_token_ids_many(["a", "c"], np.ones((3, 2), np.int64)), ValueError, "has 3 entries"),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], np.ones((3, 2), np.int64)),
+            ValueError,
+            "has 3 entries",
+        ),
     ],
 )
 def test_bad_batched_calls_change_nothing(call: object, error: type, match: str) -> None:

@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from test_allocator_snapshot import full_state
 
 import blocktable.allocator.hashing
 import blocktable.allocator.manager
@@ -21,7 +22,6 @@ from blocktable.allocator import (
     hash_block_tokens,
 )
 from blocktable.constants import NULL_BLOCK_ID
-from test_allocator_snapshot import full_state
 
 
 def make(
@@ -456,9 +456,12 @@ def test_bad_calls_name_the_request_and_change_nothing() -> None:
         mgr.allocate("a", 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot mark 7 tokens computed, only 6 token ids"):
         mgr.mark_computed("a", 1)
+    assert state(mgr) == before
     mgr.append_token_ids("a", [1, 2, 3])
+    before = state(mgr)
     with pytest.raises(ValueError, match="cannot mark 9 tokens computed, group 0 has blocks for 8"):
         mgr.mark_computed("a", 3)
+    assert state(mgr) == before
     mgr.free("a")
     with pytest.raises(KeyError, match="unknown request 'a' \\(never added, or already freed\\)"):
         mgr.free("a")

@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from test_allocator_snapshot import full_state
 
 import blocktable.allocator.prefix
 import blocktable.allocator.register
@@ -24,7 +25,6 @@ from blocktable.allocator.hashing import (
     namespace_seed,
 )
 from blocktable.constants import NULL_BLOCK_ID
-from test_allocator_snapshot import full_state
 
 
 def compute_in_chunks(mgr: KVCacheManager, req_id: str, prompt: list[int], chunk: int) -> None:
@@ -94,9 +94,7 @@ def mgr_keys(tokens: list[int], block_size: int) -> list[int]:
 def test_hybrid_groups_serve_the_longest_point_all_groups_can_serve() -> None:
     """A full-attention group (block 4) and a sliding-window group (block 8, window 8): the
     window group's evicted prefix must not cap the full-attention hit."""
-    mgr = KVCacheManager(
-        [AllocatorGroupSpec(4, 64), AllocatorGroupSpec(8, 7, sliding_window=8)], 4
-    )
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 64), AllocatorGroupSpec(8, 7, sliding_window=8)], 4)
     prompt = list(range(48))
     compute_in_chunks(mgr, "a", prompt, 8)
     mgr.free("a")
@@ -151,7 +149,9 @@ def test_can_admit_without_rows_and_bad_input() -> None:
 
 
 def test_reset_prefix_cache_refuses_while_blocks_are_held() -> None:
-    mgr = KVCacheManager([AllocatorGroupSpec(4, 16), AllocatorGroupSpec(4, 16, sliding_window=4)], 2)
+    mgr = KVCacheManager(
+        [AllocatorGroupSpec(4, 16), AllocatorGroupSpec(4, 16, sliding_window=4)], 2
+    )
     compute_in_chunks(mgr, "a", list(range(12)), 12)
     before = full_state(mgr)
     assert mgr.reset_prefix_cache() is False
@@ -211,7 +211,10 @@ def test_fast_block_hashes_are_the_keys_and_stable() -> None:
 
 def test_sha256_and_callable_block_hashes_chain_with_the_namespace() -> None:
     prompt = list(range(7, 20))
-    for hash_fn, fn in (("sha256", hashlib.sha256), (lambda d: hashlib.md5(d).digest(), hashlib.md5)):
+    for hash_fn, fn in (
+        ("sha256", hashlib.sha256),
+        (lambda d: hashlib.md5(d).digest(), hashlib.md5),
+    ):
         mgr = KVCacheManager([AllocatorGroupSpec(4, 16)], 2, hash_fn=hash_fn)
         mgr.add_request("a", prompt, cache_namespace=("tenant", 3))
         for _ in range(3):  # in chunks: the chain continues across calls
@@ -219,7 +222,9 @@ def test_sha256_and_callable_block_hashes_chain_with_the_namespace() -> None:
             mgr.mark_computed("a", 4)
         parent, want = ROOT_BLOCK_HASH, []
         for i in range(3):
-            data = parent + np.asarray(prompt[4 * i : 4 * i + 4], "<i8").tobytes() + b"('tenant', 3)"
+            data = (
+                parent + np.asarray(prompt[4 * i : 4 * i + 4], "<i8").tobytes() + b"('tenant', 3)"
+            )
             parent = fn(data).digest()
             want.append(parent)
         got = [mgr.pools[0].block_hash(b) for b in mgr.block_ids("a")[0]]
@@ -227,7 +232,9 @@ def test_sha256_and_callable_block_hashes_chain_with_the_namespace() -> None:
         if hash_fn == "sha256":
             assert got == hash_block_tokens(prompt, 4, namespace=("tenant", 3))
         # a hit continues the chain from the shared blocks
-        assert mgr.add_request("b", [*prompt[:8], 1, 1, 1, 1, 1], cache_namespace=("tenant", 3)) == 8
+        assert (
+            mgr.add_request("b", [*prompt[:8], 1, 1, 1, 1, 1], cache_namespace=("tenant", 3)) == 8
+        )
         mgr.allocate("b", 5)
         mgr.mark_computed("b", 5)
         third = mgr.pools[0].block_hash(mgr.block_ids("b")[0][2])

@@ -3,10 +3,11 @@ leaves the allocator exactly as it was (no LRU reordering, no prefix-cache count
 
 from __future__ import annotations
 
+from test_allocator_snapshot import full_state
+
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.engine.request import Request, RequestStatus
 from blocktable.engine.scheduler import Scheduler
-from test_allocator_snapshot import full_state
 
 
 def test_a_request_that_does_not_fit_waits_and_changes_nothing() -> None:
@@ -42,4 +43,3 @@ def test_a_request_that_does_not_fit_waits_and_changes_nothing() -> None:
     out = sched.schedule()
     assert [(s.request.req_id, s.start) for s in out.scheduled] == [("new", 16)]
     mgr.check_integrity()
-

@@ -41,6 +41,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_allocator_snapshot import full_state
 
 from blocktable.allocator import (
     AllocatorGroupSpec,
@@ -50,7 +51,6 @@ from blocktable.allocator import (
 )
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import StepUpdate
-from test_allocator_snapshot import full_state
 
 MAX_REQS = 4
 MAX_MODEL_LEN = 40
@@ -151,7 +151,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         per_group = []
         for g, spec in enumerate(self.specs):
             bs = spec.block_size
-            ids = [self.ident(namespace, tokens, (j + 1) * bs - 1) for j in range(len(tokens) // bs)]
+            ids = [
+                self.ident(namespace, tokens, (j + 1) * bs - 1) for j in range(len(tokens) // bs)
+            ]
             per_group.append((ids, self.cached_contents(g), self.computed_once[g]))
         for n in range((len(tokens) - 1) // self.align * self.align, 0, -self.align):
             ok = True
@@ -227,7 +229,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def arrive_many(self, prompts: list[tuple[int, int, list[int], object]]) -> object:
         arrivals = []
         for base, cut, tail, namespace in prompts:
-            arrivals.append((self.next_id, (BASES[base][:cut] + tail)[:MAX_MODEL_LEN] or [0], namespace))
+            arrivals.append(
+                (self.next_id, (BASES[base][:cut] + tail)[:MAX_MODEL_LEN] or [0], namespace)
+            )
             self.next_id += 1
         self.admit_many(arrivals, batched=True)
         return multiple(*(req_id for req_id, _, _ in arrivals))
@@ -443,7 +447,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             for g, spec in enumerate(self.specs):
                 bs = spec.block_size
                 for j in range(model.computed // bs):
-                    self.computed_once[g].add(self.ident(model.namespace, model.tokens, (j + 1) * bs - 1))
+                    self.computed_once[g].add(
+                        self.ident(model.namespace, model.tokens, (j + 1) * bs - 1)
+                    )
         self.pending.clear()
 
     @precondition(lambda self: self.mgr is not None and self.mgr.num_free_rows > 0)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sized
+from typing import Any
 
 import numpy as np
 
@@ -20,13 +21,13 @@ def as_list(name: str, value: object) -> list:
     raise TypeError(f"{name} must be a list, tuple or 1-D array, got {type(value).__name__}")
 
 
-def check_same_length(name: str, value: Sequence[object], num_reqs: int) -> None:
+def check_same_length(name: str, value: Sized, num_reqs: int) -> None:
     if len(value) != num_reqs:
         raise ValueError(f"{name} has {len(value)} entries but req_ids has {num_reqs}")
 
 
 def running_requests(
-    requests: Mapping[object, RequestState], preempted: set[object], req_ids: list
+    requests: Mapping[Any, RequestState], preempted: set[Any], req_ids: list
 ) -> list[RequestState]:
     """The running requests of ``req_ids`` (distinct); ``KeyError`` naming an unknown one."""
     out = []
@@ -43,7 +44,7 @@ def running_requests(
     return out
 
 
-def distinct_new_ids(requests: Mapping[object, RequestState], req_ids: list) -> None:
+def distinct_new_ids(requests: Mapping[Any, RequestState], req_ids: list) -> None:
     """New request ids: valid, not running, no repeats."""
     for req_id in req_ids:
         check_req_id("req_id", req_id)

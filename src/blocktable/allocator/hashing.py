@@ -228,8 +228,13 @@ def hash_block_tokens(
 
 
 def byte_chain(
-    tokens: np.ndarray, first: int, stop: int, block_size: int, parent: bytes,
-    namespace_bytes: bytes, hash_fn: HashFn,
+    tokens: np.ndarray,
+    first: int,
+    stop: int,
+    block_size: int,
+    parent: bytes,
+    namespace_bytes: bytes,
+    hash_fn: HashFn,
 ) -> list[bytes]:
     """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` (int64), after ``parent``."""
     data = tokens[first * block_size : stop * block_size].astype("<i8", copy=False).tobytes()

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections import deque
 from itertools import repeat
 
-from blocktable.allocator.arrays import last_occurrences
-
 import numpy as np
+
+from blocktable.allocator.arrays import last_occurrences
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block

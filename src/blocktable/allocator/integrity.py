@@ -67,8 +67,8 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
                 continue
             if not (index.tokens[slot] == tokens[i * bs : (i + 1) * bs]).all():
                 fail(f"group {g}: block {b} (index {i}) is indexed as other content")
-            want_parent = req.root if i == 0 else (
-                int(index.cid[prev_slot]) if prev_slot >= 0 else None
+            want_parent = (
+                req.root if i == 0 else (int(index.cid[prev_slot]) if prev_slot >= 0 else None)
             )
             if want_parent is not None and int(index.parent[slot]) != want_parent:
                 fail(f"group {g}: block {b} (index {i}) has another parent in the index")

@@ -133,8 +133,10 @@ class KVCacheManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.pools = tuple(
             BlockPool(
-                spec.num_blocks, spec.block_size,
-                enable_caching=self.enable_prefix_caching, max_records=max_records,
+                spec.num_blocks,
+                spec.block_size,
+                enable_caching=self.enable_prefix_caching,
+                max_records=max_records,
             )
             for spec in groups
         )
@@ -319,7 +321,7 @@ class KVCacheManager:
                 last = plan.last_slots[g]
                 req.parent_cids[g] = int(pool.index.cid[last])
                 if self.byte_hash_fn is not None:
-                    req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[assignment]
+                    req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
             self._update_num_slots(req)
         return req
 
@@ -398,7 +400,7 @@ class KVCacheManager:
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
-        reqs, needs = self._needs_many(req_ids, num_new_tokens)
+        _, needs = self._needs_many(req_ids, num_new_tokens)
         totals = [sum(col) for col in zip(*needs)] if needs else [0] * len(self.pools)
         return all(t <= pool.num_free_blocks for t, pool in zip(totals, self.pools))
 
@@ -441,9 +443,7 @@ class KVCacheManager:
                     rows.append(req.row)
                     nums.append(count)
                     start += count
-            out.append(
-                RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
-            )
+            out.append(RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new))
         for req, need in zip(reqs, needs):
             if any(need):
                 self._update_num_slots(req)
@@ -462,7 +462,8 @@ class KVCacheManager:
             total = sum(need[g] for need in needs)
             if total > pool.num_free_blocks:
                 who = (
-                    f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
+                    f"request {reqs[0].req_id!r} needs"
+                    if len(reqs) == 1
                     else f"{len(reqs)} requests need"
                 )
                 raise OutOfBlocksError(
@@ -690,8 +691,7 @@ class KVCacheManager:
     def _check_model_len(self, who: str, what: str, num_tokens: int) -> None:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             raise ValueError(
-                f"{who}: {what} of {num_tokens} tokens exceeds "
-                f"max_model_len={self.max_model_len}"
+                f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
             )
 
     def _namespace(
@@ -793,7 +793,9 @@ def _byte_hash_fn(hash_fn: object) -> HashFn | None:
     if hash_fn == "sha256":
         return sha256_block_hash
     if isinstance(hash_fn, str):
-        raise ValueError(f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}")
+        raise ValueError(  # noqa: TRY004 (a str of the right type, naming no hash)
+            f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}"
+        )
     if not callable(hash_fn):
         raise TypeError(
             f"hash_fn must be 'fast', 'sha256' or a callable, got {type(hash_fn).__name__}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -121,9 +122,7 @@ def find_hits(
             continue
         candidates = align_tokens * np.arange(best, -1, -1, dtype=np.int64)
         servable = np.ones(len(candidates), dtype=bool)
-        for (slots, starts, verified, _, alive), bs, window in zip(
-            per_group, block_sizes, windows
-        ):
+        for (slots, starts, verified, _, alive), bs, window in zip(per_group, block_sizes, windows):
             if window is None:
                 continue
             v = int(verified[i])
@@ -141,7 +140,7 @@ def find_hits(
 def _take_hit(
     plan: PromptPlan,
     n: int,
-    per_group: list[tuple[np.ndarray, ...]],
+    per_group: Sequence[tuple[Any, ...]],
     i: int,
     block_sizes: Sequence[int],
     windows: Sequence[int | None],

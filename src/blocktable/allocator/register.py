@@ -115,17 +115,26 @@ def _cache_segments(
         req, first, stop = segments[0]
         tokens = req.tokens[first * bs : stop * bs]
     else:
-        tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in segments])
+        tokens = np.concatenate(
+            [req.tokens[first * bs : stop * bs] for req, first, stop in segments]
+        )
     parents = np.zeros(len(block_ids), dtype=np.int64)
     lengths = [stop - first for _, first, stop in segments]
     ends = np.cumsum(lengths).tolist()
-    parents[[end - n for end, n in zip(ends, lengths)]] = [req.parent_cids[g] for req, _, _ in segments]
+    parents[[end - n for end, n in zip(ends, lengths)]] = [
+        req.parent_cids[g] for req, _, _ in segments
+    ]
     hashes = None
     if byte_hash_fn is not None:
         hashes = []
         for req, first, stop in segments:
             hashes += byte_chain(
-                req.tokens, first, stop, bs, req.parent_hashes[g], req.namespace_bytes,
+                req.tokens,
+                first,
+                stop,
+                bs,
+                req.parent_hashes[g],
+                req.namespace_bytes,
                 byte_hash_fn,
             )
     cids = pool.cache(

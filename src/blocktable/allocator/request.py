@@ -73,8 +73,8 @@ class RequestState:
 
     ``blocks[g]`` is the request's row in group ``g`` (a list: a decode step appends one id to
     many rows, which costs ~50 ns on a list and ~1 us as a numpy write; batched calls convert
-    a whole step's ids at once): manager block ids, logical block ``j`` at index ``j``; entries of sliding-window groups that left the window hold
-    ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
+    a whole step's ids at once): manager block ids, logical block ``j`` at index ``j``; entries
+    of sliding-window groups that left the window hold ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
     ``num_hashed_blocks[g]`` blocks are full, computed and registered in the prefix index (when
     caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
     next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
@@ -85,8 +85,8 @@ class RequestState:
     """
 
     __slots__ = (
-        "key_states",
         "blocks",
+        "key_states",
         "keys",
         "namespace",
         "namespace_bytes",
@@ -149,8 +149,13 @@ class RequestState:
     def fork(self, req_id: str | int) -> RequestState:
         """A copy under a new id, without a row and blocks (the caller fills them)."""
         child = RequestState(
-            req_id, self.tokens[: self.num_tokens].copy(), self.namespace,
-            self.namespace_bytes, self.root, len(self.blocks), self.seed,
+            req_id,
+            self.tokens[: self.num_tokens].copy(),
+            self.namespace,
+            self.namespace_bytes,
+            self.root,
+            len(self.blocks),
+            self.seed,
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_skipped_blocks = list(self.num_skipped_blocks)
