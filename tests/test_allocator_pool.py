@@ -7,6 +7,7 @@ import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
 from blocktable.allocator.arrays import decrement, distinct_counts, last_occurrences
+from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
@@ -247,3 +248,33 @@ def test_array_helpers_against_plain_python() -> None:
         assert dict(zip(u.tolist(), c.tolist())) == {
             v: values.tolist().count(v) for v in set(values.tolist())
         }
+
+
+@pytest.mark.parametrize("spread", ["random", "clustered"])
+def test_key_table_against_a_dict(spread: str) -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(8):
+        table, model = KeyTable(int(rng.integers(1, 40))), {}
+        universe = rng.integers(0, 2**64 - 1, 150, dtype=np.uint64)
+        if spread == "clustered":  # long probe runs: few home positions
+            universe = (universe & np.uint64(3)) * np.uint64(16) + (universe >> np.uint64(58))
+        universe = np.unique(universe)
+        for _ in range(200):
+            op = rng.integers(0, 3)
+            if op == 0:
+                new = [k for k in rng.choice(universe, 12).tolist() if k not in model]
+                new = list(dict.fromkeys(new))
+                values = rng.integers(0, 1000, len(new))
+                table.insert(np.array(new, dtype=np.uint64), values)
+                model.update(zip(new, values.tolist()))
+            elif op == 1 and model:
+                held = list(model)
+                gone = [held[i] for i in rng.permutation(len(held))[: rng.integers(0, 8)]]
+                table.delete(np.array(gone, dtype=np.uint64))
+                for k in gone:
+                    del model[k]
+            query = rng.choice(universe, 30)
+            assert table.get(query).tolist() == [model.get(k, -1) for k in query.tolist()]
+            keys, values = table.items()
+            assert dict(zip(keys.tolist(), values.tolist())) == model
+            assert len(table) == len(model)

@@ -61,7 +61,7 @@ def test_full_state_sees_every_kind_of_change() -> None:
     assert full_state(mgr) == before
     mutations = [
         lambda: mgr.pools[0].ref_counts.__setitem__(3, 7),
-        lambda: mgr.pools[0].index.keys.pop(next(iter(mgr.pools[0].index.keys))),
+        lambda: mgr.pools[0].index.keys.delete(mgr.pools[0].index.keys.items()[0][:1]),
         lambda: mgr._requests["a"].num_hashed_blocks.__setitem__(0, 0),
         lambda: mgr._journal.marks.clear(),
         lambda: setattr(mgr, "_num_hit_tokens", 5),

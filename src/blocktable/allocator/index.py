@@ -3,7 +3,8 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``keys`` maps a block key
+holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
+:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
 (:mod:`blocktable.allocator.hashing`) to the record filed under it.
 
 A lookup shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -21,12 +22,10 @@ whose record was recycled), the new content takes the key: the old record leaves
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import repeat
-
 import numpy as np
 
 from blocktable.allocator.arrays import last_occurrences
+from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
@@ -51,7 +50,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys: dict[int, int] = {}  # block key -> record slot
+        self.keys = KeyTable(self.max_records)  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -70,9 +69,9 @@ class PrefixIndex:
         return self.num_records
 
     # ----------------------------------------------------------------- lookup
-    def find(self, keys: list[int]) -> np.ndarray:
+    def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        return np.fromiter(map(self.keys.get, keys, repeat(-1)), np.int64, len(keys))
+        return self.keys.get(np.asarray(keys, dtype=np.uint64))
 
     def verify(self, slots: np.ndarray, tokens: np.ndarray, root: int) -> np.ndarray:
         """Content ids of the leading blocks whose records match exactly (int64 ``[n]``).
@@ -108,7 +107,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        deque(map(self.keys.pop, self.key[slots].tolist()), maxlen=0)
+        self.keys.delete(self.key[slots])
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:

@@ -179,9 +179,9 @@ def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | n
     used = np.flatnonzero(index.cid != 0)
     if len(used) != len(index.keys) or len(used) != len(index):
         fail(f"{len(used)} records, {len(index.keys)} keys, counter {len(index)}")
-    for key, slot in index.keys.items():
-        if index.cid[slot] == 0 or int(index.key[slot]) != key:
-            fail(f"key {key} is filed under record {slot} of another key")
+    keys, slots = index.keys.items()
+    if (index.cid[slots] == 0).any() or not np.array_equal(index.key[slots], keys):
+        fail("a key is filed under a record of another key")
     if has_repeats(index.cid[used]):
         fail("two records share a content id")
     if len(used) > index.max_records:

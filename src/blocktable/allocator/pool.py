@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import decrement
+from blocktable.allocator.arrays import decrement, has_repeats
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -215,8 +215,7 @@ class BlockPool:
         """
         n = len(block_ids)
         index = self.index
-        key_list = keys.tolist()
-        if index.keys.keys().isdisjoint(key_list) and len(set(key_list)) == n:
+        if (index.keys.get(keys) < 0).all() and not has_repeats(keys):
             slots = index.take_slots(n)
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             index.next_cid += n
@@ -233,15 +232,15 @@ class BlockPool:
                 for slot, block_hash in zip(slots.tolist(), hashes):
                     index.hashes[slot] = block_hash
             self.record[block_ids] = slots
-            index.keys.update(zip(key_list, slots.tolist()))
+            index.keys.insert(keys, slots)
             self.num_cached_blocks += n
             return cids
-        return self._cache_one_by_one(block_ids, key_list, tokens, parents, hashes)
+        return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
     def _cache_one_by_one(
         self,
         block_ids: np.ndarray,
-        key_list: list[int],
+        keys: np.ndarray,
         tokens: np.ndarray,
         parents: np.ndarray,
         hashes: Sequence[object] | None,
@@ -250,10 +249,11 @@ class BlockPool:
         index, record, ref_counts = self.index, self.record, self.ref_counts
         cids = np.zeros(len(block_ids), dtype=np.int64)
         prev = 0
-        for i, (block_id, key) in enumerate(zip(block_ids.tolist(), key_list)):
+        for i, block_id in enumerate(block_ids.tolist()):
             parent = int(parents[i]) or prev
-            slot = index.keys.get(key)
-            if slot is not None:
+            key = keys[i : i + 1]
+            slot = int(index.keys.get(key)[0])
+            if slot >= 0:
                 if int(index.parent[slot]) == parent and (index.tokens[slot] == tokens[i]).all():
                     prev = cids[i] = int(index.cid[slot])
                     holder = int(index.holder[slot])
@@ -279,10 +279,10 @@ class BlockPool:
             index.parent[slot] = parent
             index.tokens[slot] = tokens[i]
             index.holder[slot] = block_id
-            index.key[slot] = key
+            index.key[slot] = key[0]
             index.hashes[slot] = None if hashes is None else hashes[i]
             index.any_hashes |= hashes is not None
-            index.keys[key] = slot
+            index.keys.insert(key, np.array([slot]))
             record[block_id] = slot
             self.num_cached_blocks += 1
         return cids

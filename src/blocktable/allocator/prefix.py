@@ -89,9 +89,11 @@ def find_hits(
         # a prompt whose first block is not filed has no hit: look up only the others' keys
         candidates = np.flatnonzero(usable)
         if len(candidates):
-            firsts = pool.index.find([plans[j].keys[bs][0] for j in candidates.tolist()])
+            firsts = pool.index.find(
+                np.array([plans[j].keys[bs][0] for j in candidates.tolist()], dtype=_U64)
+            )
             usable[candidates[firsts < 0]] = 0
-        keys = [k for p, u in zip(plans, usable.tolist()) for k in p.keys[bs][:u].tolist()]
+        keys = np.concatenate([p.keys[bs][:u] for p, u in zip(plans, usable.tolist())])
         slots = pool.index.find(keys)
         tokens = np.concatenate(
             [p.tokens[: u * bs] for p, u in zip(plans, usable.tolist())]
