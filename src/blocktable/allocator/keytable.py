@@ -57,8 +57,15 @@ class KeyTable:
             return found
         mask = int(self._mask)
         start = (keys & self._mask).astype(np.int64)
-        todo = np.arange(n)
-        want = keys
+        # most keys are settled at their home position (a hit, or empty: absent)
+        v = self.values[start]
+        hit = (v >= 0) & (self.keys[start] == keys)
+        found[hit] = start[hit]
+        rest = ~hit & (v != EMPTY)
+        if not rest.any():
+            return found
+        todo = np.flatnonzero(rest)
+        want, start = keys[todo], start[todo] + 1
         while True:
             pos = (start[:, None] + _OFFSETS) & mask
             v = self.values[pos]
