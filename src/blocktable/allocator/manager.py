@@ -423,6 +423,8 @@ class KVCacheManager:
             Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
             blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32).
         """
+        if len(self.pools) == 1:
+            return (self._allocate_many_one_group(req_ids, num_new_tokens),)
         reqs, needs = self._needs_many(req_ids, num_new_tokens)
         self._check_free(needs, reqs)
         out = []
@@ -448,6 +450,42 @@ class KVCacheManager:
             if any(need):
                 self._update_num_slots(req)
         return tuple(out)
+
+    def _allocate_many_one_group(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> RowBlocks:
+        """:meth:`allocate_many` for the common one-group model: the same checks, inlined."""
+        req_ids = as_list("req_ids", req_ids)
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
+        bs, max_len = self.block_sizes[0], self.max_model_len
+        needs, total = [], 0
+        for req, n in zip(reqs, counts):
+            num_tokens = req.num_computed_tokens + n
+            if max_len is not None and num_tokens > max_len:
+                self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
+            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - len(req.blocks[0])
+            needs.append(need)
+            total += need
+        pool = self.pools[0]
+        if total > pool.num_free_blocks:
+            self._check_free([[need] for need in needs], reqs)
+        if not total:
+            return RowBlocks()
+        new = pool.take(total)
+        new_list = new.tolist()
+        rows, nums, start = [], [], 0
+        touch = self._journal.touch
+        for req, need in zip(reqs, needs):
+            if need:
+                touch(req.row, req)
+                blocks = req.blocks[0]
+                blocks += new_list[start : start + need]
+                req.num_slots = len(blocks) * bs
+                rows.append(req.row)
+                nums.append(need)
+                start += need
+        return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
 
     def _needs_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
