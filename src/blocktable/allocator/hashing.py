@@ -44,8 +44,8 @@ BlockHash = int | bytes
 ROOT_BLOCK_HASH: bytes = bytes(32)
 """The parent hash of the first block of every prompt (byte-chained hashes)."""
 
-_MASK = (1 << 64) - 1
-_BASE = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+MASK64 = _MASK = (1 << 64) - 1
+CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
 _U64 = np.uint64
 

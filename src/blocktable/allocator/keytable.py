@@ -87,6 +87,32 @@ class KeyTable:
         out[pos < 0] = -1
         return out
 
+    def get_one(self, key: int) -> int:
+        """:meth:`get` of one key (a Python loop: cheaper than numpy calls for one key)."""
+        mask, values, keys = int(self._mask), self.values, self.keys
+        pos = key & mask
+        while True:
+            value = int(values[pos])
+            if value == EMPTY:
+                return -1
+            if value >= 0 and int(keys[pos]) == key:
+                return value
+            pos = (pos + 1) & mask
+
+    def insert_one(self, key: int, value: int) -> None:
+        """:meth:`insert` of one key that is not held."""
+        if 2 * (self.num_keys + self._num_deleted + 1) > len(self.values):
+            self._rebuild(1)
+        mask, values = int(self._mask), self.values
+        pos = key & mask
+        while values[pos] >= 0:
+            pos = (pos + 1) & mask
+        if values[pos] == DELETED:
+            self._num_deleted -= 1
+        self.keys[pos] = key
+        values[pos] = value
+        self.num_keys += 1
+
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """File distinct keys that are not held yet."""
         n = len(keys)

@@ -13,11 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable.allocator.hashing import (
+    CHAIN_BASE,
+    MASK64,
     ChainPowers,
     HashFn,
     block_content_hashes,
     byte_chain,
     chain_keys,
+    fmix64_int,
 )
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import RequestState
@@ -72,6 +75,15 @@ def register_computed_blocks(
     byte_hash_fn: HashFn | None,
 ) -> None:
     """File every full computed block of ``reqs`` not filed yet, in every group."""
+    if len(reqs) == 1 and byte_hash_fn is None:
+        req = reqs[0]
+        counts = [
+            req.num_computed_tokens // bs - req.num_hashed_blocks[g]
+            for g, bs in enumerate(block_sizes)
+        ]
+        if max(counts) <= 1:  # a decode step filled at most one block per group
+            _register_one_block(req, counts, pools, block_sizes, powers)
+            return
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
         union = []
@@ -146,3 +158,38 @@ def _cache_segments(
         req.num_hashed_blocks[g] = stop
         if hashes is not None:
             req.parent_hashes[g] = hashes[end - 1]
+
+
+def _register_one_block(
+    req: RequestState,
+    counts: list[int],
+    pools: Sequence[BlockPool],
+    block_sizes: Sequence[int],
+    powers: dict[int, ChainPowers],
+) -> None:
+    """:func:`register_computed_blocks` of one request's one new block per group, in plain
+    Python (a few numpy calls cost more than hashing one block's tokens one by one)."""
+    keys: dict[int, int] = {}  # block size -> key of the new block
+    for g, (pool, bs) in enumerate(zip(pools, block_sizes)):
+        if not counts[g]:
+            continue
+        i = req.num_hashed_blocks[g]
+        key = keys.get(bs)
+        if key is None:
+            if i < len(req.keys[bs]):
+                key = int(req.keys[bs][i])
+            else:
+                state = _state_before(req, i, bs)
+                h = 0
+                for t in req.tokens[i * bs : (i + 1) * bs].tolist():
+                    h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
+                state = (state * powers[bs].block_base + h) & MASK64
+                req.num_keys[bs] = i + 1
+                req.key_states[bs] = state
+                key = fmix64_int(state)
+            keys[bs] = key
+        cid = pool.cache_one(
+            req.blocks[g][i], key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
+        )
+        req.parent_cids[g] = cid
+        req.num_hashed_blocks[g] = i + 1
