@@ -87,7 +87,7 @@ class KVCacheManager:
         When given, a request may not grow past this many tokens (``ValueError``).
     max_records : int, optional
         Per pool, block contents the prefix index remembers, live or evicted (default
-        ``max(4 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
+        ``max(2 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
 
     Examples
     --------
