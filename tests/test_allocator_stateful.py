@@ -603,7 +603,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("ALLOCATOR_STATEFUL_EXAMPLES", "250")),
+    max_examples=int(os.environ.get("ALLOCATOR_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=70,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -122,7 +122,19 @@ class KeyTable:
             self._rebuild(n)
         tkeys, tvalues, mask = self.keys, self.values, int(self._mask)
         start = (keys & self._mask).astype(np.int64)
-        todo = np.arange(n)
+        # most keys find their home position free: of several keys wanting one position, the
+        # last write wins, and the keys whose write survived are placed
+        home = np.flatnonzero(tvalues[start] < 0)
+        hpos = start[home]
+        tkeys[hpos] = keys[home]
+        won = tkeys[hpos] == keys[home]
+        wpos = hpos[won]
+        self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
+        tvalues[wpos] = values[home[won]]
+        placed = np.zeros(n, dtype=bool)
+        placed[home[won]] = True
+        todo = np.flatnonzero(~placed)
+        start = start[todo]
         while len(todo):
             pos = (start[:, None] + _OFFSETS) & mask
             free = tvalues[pos] < 0
