@@ -278,3 +278,19 @@ def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch)
     mgr.mark_computed_many(["a", "b"], [32, 40])
     assert hashed_rows == [1250, 2, 2]  # b's prompt at admission, then a's two new blocks
     mgr.check_integrity()
+
+
+def test_reset_while_a_request_holds_only_null_entries_keeps_hits_exact() -> None:
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 16, sliding_window=1)], 2)
+    mgr.add_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    mgr.allocate("a", 8)
+    mgr.mark_computed("a", 8)  # the token at 8 attends to itself only: both blocks released
+    assert mgr.block_ids("a") == ([NULL_BLOCK_ID, NULL_BLOCK_ID],)
+    assert mgr.reset_prefix_cache() is True
+    mgr.allocate("a", 5)
+    mgr.append_token_ids("a", [10, 11, 12])
+    mgr.mark_computed("a", 4)  # block 2 (tokens 9..12) is registered after the reset
+    mgr.check_integrity()
+    # its parent's record is gone: no prompt may hit it, even one starting with its tokens
+    assert mgr.lookup_prefix([9, 10, 11, 12, 0]) == 0
+    assert mgr.lookup_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0]) == 0

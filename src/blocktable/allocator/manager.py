@@ -649,8 +649,13 @@ class KVCacheManager:
             return False
         for pool in self.pools:
             pool.reset_cache()
-        for req in self._requests.values():  # hold no block: nothing hashed to forget
-            req.parent_cids = [req.root] * len(self.pools)
+        for req in self._requests.values():
+            for g, pool in enumerate(self.pools):
+                if req.num_hashed_blocks[g]:
+                    # Its blocks all left a window: the parent's record is gone, so later
+                    # blocks chain to a content id no record has (never findable, never wrong).
+                    req.parent_cids[g] = pool.index.next_cid
+                    pool.index.next_cid += 1
         return True
 
     # ----------------------------------------------------------------- step result
