@@ -7,7 +7,8 @@ holds it now (0 once the block was evicted: the record is then *dead*). ``keys``
 :class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
 (:mod:`blocktable.allocator.hashing`) to the record filed under it.
 
-A lookup shares block ``i`` of a prompt only when the record found under key ``i`` holds
+A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
+shares block ``i`` of a prompt only when the record found under key ``i`` holds
 exactly the prompt's tokens of block ``i`` and its parent content id is the content id verified
 for block ``i - 1``: by induction the whole prefix is equal, whatever the keys. Dead records keep
 their content (tokens, parent id), so the prefix *before* a sliding window is still verified
@@ -72,23 +73,6 @@ class PrefixIndex:
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
         return self.keys.get(np.asarray(keys, dtype=np.uint64))
-
-    def verify(self, slots: np.ndarray, tokens: np.ndarray, root: int) -> np.ndarray:
-        """Content ids of the leading blocks whose records match exactly (int64 ``[n]``).
-
-        ``slots`` (int64 ``[m]``) from :meth:`find` for a prompt's blocks ``0 .. m-1``,
-        ``tokens`` its int64 ``[m, block_size]`` token ids, ``root`` the parent id of block 0.
-        The result stops before the first block without a matching record (dead or alive).
-        """
-        if not len(slots):
-            return slots[:0]
-        safe = np.maximum(slots, 0)
-        cids = self.cid[safe]
-        ok = (slots >= 0) & (self.tokens[safe] == tokens).all(axis=1)
-        ok[0] &= self.parent[safe[0]] == root
-        ok[1:] &= self.parent[safe[1:]] == cids[:-1]
-        bad = np.flatnonzero(~ok)
-        return cids[: bad[0]] if len(bad) else cids
 
     # ----------------------------------------------------------------- records
     def take_slots(self, num: int) -> np.ndarray:
