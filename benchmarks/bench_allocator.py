@@ -1,20 +1,25 @@
-"""Host time of one scheduling step of the block allocator (SPEC §3.8, issue 4).
+"""Host time of the block allocator: one scheduling step, a 1M-token prompt, freeing.
 
-Scenario: manager block size 16, 1024 running requests; every step 8 requests finish and 8
-arrive with 2048-token prompts, half of them sharing a 1024-token prefix (64 cached blocks),
-and 64 running requests cross a block boundary while decoding (one new block each). The pool
-is small enough that allocation evicts cached blocks in the steady state.
+Step scenario: manager block size 16, 1024 running requests; every step 8 requests finish and 8
+arrive with 2048-token prompts, half of them sharing a 1024-token prefix (64 cached blocks), and
+64 running requests cross a block boundary while decoding (16 sampled tokens appended, one new
+block each). The pool is small enough that allocation evicts cached blocks in the steady state.
 
-Timed per step (host microseconds): ``free`` of the finished requests, ``add_request`` of the
-arrivals (token conversion and prefix lookup), ``allocate`` of their prompts, ``allocate`` of
-the 64 decode blocks, ``take_step_update``, and the table's batched ``apply`` of that update
-(host table, CPU backend). The target (200 us, issue 4) is for admission,
-allocation and the StepUpdate; ``free`` and ``mark_computed`` (hashing newly full blocks,
-after the forward) are reported too. ``append_token_ids`` is not timed.
+Timed per step (host microseconds), with the batched calls (``--api batched``, default) or the
+per-request ones (``--api per-request``): ``free`` of the finished requests,
+``append_token_ids`` of the sampled tokens, admission of the arrivals (token conversion, key
+hashing, prefix lookup), ``allocate`` of their prompts and of the 64 decode blocks (one call
+for all in batched mode), ``take_step_update``, ``mark_computed`` (hashing and indexing newly
+full blocks). "allocator step" sums them (the target); the table's batched ``apply`` of the
+update is reported beside it.
+
+Long prompt: one 1,000,000-token prompt admitted, allocated and marked computed (every full
+block hashed and indexed) in one call each, and the same prompt as 2048-token chunks (one
+``allocate`` + ``mark_computed`` per chunk); median of ``--long-reps`` fresh managers.
 
 Usage::
 
-    python benchmarks/bench_allocator.py [--steps 200] [--json out.json]
+    python benchmarks/bench_allocator.py [--steps 300] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,12 +36,206 @@ import numpy as np
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 
-PHASES = (
-    "free", "add_request", "allocate_prefill", "allocate_decode", "take_step_update", "table_apply"
+clock = time.perf_counter_ns  # --clock cpu: time.process_time_ns (for a loaded machine)
+
+STEP_PHASES = (
+    "free",
+    "append_token_ids",
+    "add_requests",
+    "allocate",
+    "take_step_update",
+    "mark_computed",
 )
-TARGET_PHASES = (
-    "add_request", "allocate_prefill", "allocate_decode", "take_step_update", "table_apply"
-)
+
+
+def run_steps(args: argparse.Namespace) -> dict[str, object]:
+    rng = np.random.default_rng(args.seed)
+    bs = args.block_size
+    shared = rng.integers(0, 32000, args.shared_prefix_len)
+    mgr = KVCacheManager(
+        [AllocatorGroupSpec(block_size=bs, num_blocks=args.num_blocks)],
+        max_num_reqs=args.num_reqs,
+        hash_fn=args.hash,
+    )
+    max_model_len = args.prompt_len + bs * (args.warmup + args.steps + 2)
+    table = MultiGroupBlockTable(
+        [GroupSpec(bs, num_blocks=args.num_blocks)], args.num_reqs, max_model_len, 8192, "cpu"
+    )
+    next_id = 0
+    arrivals_made = 0
+    batched = args.api == "batched"
+
+    def new_prompt() -> list[int] | np.ndarray:
+        nonlocal arrivals_made
+        arrivals_made += 1
+        if arrivals_made % 2:
+            prompt = np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
+        else:
+            prompt = rng.integers(0, 32000, args.prompt_len)
+        return prompt.tolist() if args.token_format == "list" else prompt
+
+    running: deque[int] = deque()  # oldest first
+    decode_cursor: deque[int] = deque()
+    times: dict[str, list[float]] = {name: [] for name in (*STEP_PHASES, "table_apply")}
+    for _ in range(args.num_reqs):  # fill the batch
+        prompt = new_prompt()
+        cached = mgr.add_request(next_id, prompt)
+        mgr.allocate(next_id, len(prompt) - cached)
+        mgr.mark_computed(next_id, len(prompt) - cached)
+        running.append(next_id)
+        decode_cursor.append(next_id)
+        next_id += 1
+    table.apply(mgr.take_step_update())
+
+    for step in range(args.warmup + args.steps):
+        t: dict[str, int] = {}
+        finished = [running.popleft() for _ in range(args.arrivals)]
+        finished_set = set(finished)
+        decode_cursor = deque(r for r in decode_cursor if r not in finished_set)
+        prompts = [new_prompt() for _ in range(args.arrivals)]
+        new_ids = list(range(next_id, next_id + args.arrivals))
+        next_id += args.arrivals
+        decoding = []
+        for _ in range(args.decode_blocks):
+            req_id = decode_cursor.popleft()
+            decode_cursor.append(req_id)
+            decoding.append(req_id)
+        sampled = rng.integers(0, 32000, (len(decoding), bs))
+
+        t0 = clock()
+        if batched:
+            mgr.free_many(finished)
+        else:
+            for req_id in finished:
+                mgr.free(req_id)
+        t1 = clock()
+        if batched:
+            mgr.append_token_ids_many(decoding, sampled)
+        else:
+            for req_id, tokens in zip(decoding, sampled):
+                mgr.append_token_ids(req_id, tokens)
+        t2 = clock()
+        if batched:
+            cached = mgr.add_requests(new_ids, prompts)
+        else:
+            cached = [mgr.add_request(r, p) for r, p in zip(new_ids, prompts)]
+        t3 = clock()
+        scheduled = new_ids + decoding
+        num_new = [len(p) - c for p, c in zip(prompts, cached)] + [bs] * len(decoding)
+        if batched:
+            mgr.allocate_many(scheduled, num_new)
+        else:
+            for r, n in zip(scheduled, num_new):
+                mgr.allocate(r, n)
+        t4 = clock()
+        update = mgr.take_step_update()
+        t5 = clock()
+        table.apply(update)
+        t6 = clock()
+        if batched:
+            mgr.mark_computed_many(scheduled, num_new)
+        else:
+            for r, n in zip(scheduled, num_new):
+                mgr.mark_computed(r, n)
+        t7 = clock()
+        t.update(free=t1 - t0, append_token_ids=t2 - t1, add_requests=t3 - t2, allocate=t4 - t3)
+        t.update(take_step_update=t5 - t4, table_apply=t6 - t5, mark_computed=t7 - t6)
+        running.extend(new_ids)
+        decode_cursor.extend(new_ids)
+        if step >= args.warmup:
+            for name, ns in t.items():
+                times[name].append(ns / 1e3)
+
+    mgr.check_integrity()
+    for req_id in running:  # the table holds exactly the allocator's blocks
+        row = table[0].row(mgr.row_of(req_id))
+        assert row.tolist() == mgr.block_ids(req_id)[0], f"request {req_id}: table != allocator"
+    times["allocator step"] = [sum(v) for v in zip(*(times[n] for n in STEP_PHASES))]
+    times["allocator step + table apply"] = [
+        a + b for a, b in zip(times["allocator step"], times["table_apply"])
+    ]
+    return {
+        "hit_rate": mgr.prefix_cache_stats.hit_rate,
+        "free_blocks_at_end": mgr.num_free_blocks(),
+        "cached_blocks_at_end": mgr.num_cached_blocks(),
+        "us_per_step": {name: _stats(v) for name, v in times.items()},
+    }
+
+
+def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
+    bs = args.block_size
+    num_tokens = args.long_prompt_len
+    prompt = np.random.default_rng(args.seed).integers(0, 32000, num_tokens)
+    prompt_list = prompt.tolist()
+    results: dict[str, list[float]] = {
+        "one call, numpy prompt": [],
+        "one call, list prompt": [],
+        "2048-token chunks, numpy prompt": [],
+    }
+
+    def fresh() -> KVCacheManager:
+        return KVCacheManager([AllocatorGroupSpec(bs, num_tokens // bs + 2)], 4, hash_fn=args.hash)
+
+    for _ in range(args.long_reps):
+        for name, tokens in (
+            ("one call, numpy prompt", prompt),
+            ("one call, list prompt", prompt_list),
+        ):
+            mgr = fresh()
+            t0 = clock()
+            mgr.add_request("long", tokens)
+            mgr.allocate("long", num_tokens)
+            mgr.mark_computed("long", num_tokens)
+            results[name].append((clock() - t0) / 1e6)
+        mgr.check_integrity() if args.long_reps == 1 else None
+        assert mgr.num_cached_blocks() == num_tokens // bs
+        mgr = fresh()
+        t0 = clock()
+        mgr.add_request("long", prompt)
+        for start in range(0, num_tokens, args.chunk):
+            n = min(args.chunk, num_tokens - start)
+            mgr.allocate("long", n)
+            mgr.mark_computed("long", n)
+        results["2048-token chunks, numpy prompt"].append((clock() - t0) / 1e6)
+        assert mgr.num_cached_blocks() == num_tokens // bs
+    return {"ms": {name: _stats(v) for name, v in results.items()}}
+
+
+def run_free(args: argparse.Namespace) -> dict[str, object]:
+    """free_many of 8 finished 2048-token requests (fully computed, half sharing a prefix)."""
+    rng = np.random.default_rng(args.seed)
+    bs, n = args.block_size, args.arrivals
+    shared = rng.integers(0, 32000, args.shared_prefix_len)
+    times = []
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 64 * 1024)], 64, hash_fn=args.hash)
+    for rep in range(args.free_reps):
+        ids = [(rep, i) for i in range(n)]
+        ids = [f"{rep}-{i}" for i in range(n)]
+        prompts = [
+            np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
+            if i % 2
+            else rng.integers(0, 32000, args.prompt_len)
+            for i in range(n)
+        ]
+        cached = mgr.add_requests(ids, prompts)
+        num_new = [len(p) - c for p, c in zip(prompts, cached)]
+        mgr.allocate_many(ids, num_new)
+        mgr.mark_computed_many(ids, num_new)
+        mgr.take_step_update()
+        t0 = clock()
+        mgr.free_many(ids)
+        times.append((clock() - t0) / 1e3)
+    mgr.check_integrity()
+    return {"us": _stats(times[len(times) // 5 :])}
+
+
+def _stats(v: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(v),
+        "mean": statistics.fmean(v),
+        "p90": float(np.percentile(v, 90)),
+        "n": len(v),
+    }
 
 
 def main() -> None:
@@ -48,146 +247,67 @@ def main() -> None:
     p.add_argument("--arrivals", type=int, default=8, help="admissions (and finishes) per step")
     p.add_argument("--decode-blocks", type=int, default=64, help="decode blocks per step")
     p.add_argument("--num-blocks", type=int, default=131072)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api", choices=("batched", "per-request"), default="batched")
+    p.add_argument("--hash", choices=("fast", "sha256"), default="fast")
     p.add_argument(
         "--token-format",
         choices=("list", "numpy"),
-        default="list",
-        help="how prompts reach add_request (a list costs ~7 ns per token to convert)",
+        default="numpy",
+        help="how prompts reach the allocator (a list costs ~7 ns per token more)",
+    )
+    p.add_argument("--long-prompt-len", type=int, default=1_000_000)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--long-reps", type=int, default=7)
+    p.add_argument("--free-reps", type=int, default=200)
+    p.add_argument("--skip", nargs="*", default=[], choices=("step", "long", "free"))
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time, less disturbed by other loads on a shared host",
     )
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args()
+    global clock
+    clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
-    rng = np.random.default_rng(args.seed)
-    bs = args.block_size
-    shared = rng.integers(0, 32000, args.shared_prefix_len).tolist()
-    mgr = KVCacheManager(
-        [AllocatorGroupSpec(block_size=bs, num_blocks=args.num_blocks)], max_num_reqs=args.num_reqs
-    )
-    # the table the step's update lands in: rows wide enough for every request's growth
-    max_model_len = args.prompt_len + bs * (args.warmup + args.steps + 2)
-    table = MultiGroupBlockTable([GroupSpec(bs, num_blocks=args.num_blocks)], args.num_reqs,
-                                 max_model_len, 8192, "cpu")
-    next_id = 0
-    arrivals_made = 0
-
-    def new_prompt() -> list[int] | np.ndarray:
-        nonlocal arrivals_made
-        arrivals_made += 1
-        if arrivals_made % 2:
-            tail = rng.integers(0, 32000, args.prompt_len - len(shared)).tolist()
-            prompt = shared + tail
-        else:
-            prompt = rng.integers(0, 32000, args.prompt_len).tolist()
-        return np.array(prompt, dtype=np.int64) if args.token_format == "numpy" else prompt
-
-    running: deque[int] = deque()  # oldest first
-    decode_cursor: deque[int] = deque()
-    times: dict[str, list[float]] = {name: [] for name in (*PHASES, "mark_computed")}
-
-    def admit(req_id: int, prompt: list[int] | np.ndarray) -> None:
-        cached = mgr.add_request(req_id, prompt)
-        mgr.allocate(req_id, len(prompt) - cached)
-
-    # Fill the batch.
-    for _ in range(args.num_reqs):
-        admit(next_id, prompt := new_prompt())
-        mgr.mark_computed(next_id, len(prompt) - mgr.num_computed_tokens(next_id))
-        running.append(next_id)
-        decode_cursor.append(next_id)
-        next_id += 1
-    table.apply(mgr.take_step_update())
-
-    for step in range(args.warmup + args.steps):
-        t: dict[str, int] = {}
-        finished = [running.popleft() for _ in range(args.arrivals)]
-        t0 = time.perf_counter_ns()
-        for req_id in finished:
-            mgr.free(req_id)
-        t1 = time.perf_counter_ns()
-        t["free"] = t1 - t0
-        finished_set = set(finished)
-        decode_cursor = deque(r for r in decode_cursor if r not in finished_set)
-
-        prompts = [new_prompt() for _ in range(args.arrivals)]
-        new_ids = list(range(next_id, next_id + args.arrivals))
-        next_id += args.arrivals
-        decoding = []
-        for _ in range(args.decode_blocks):
-            req_id = decode_cursor.popleft()
-            decode_cursor.append(req_id)
-            mgr.append_token_ids(req_id, rng.integers(0, 32000, bs).tolist())
-            decoding.append(req_id)
-
-        t0 = time.perf_counter_ns()
-        cached = [mgr.add_request(r, prompt) for r, prompt in zip(new_ids, prompts)]
-        t1 = time.perf_counter_ns()
-        for r, prompt, num_cached in zip(new_ids, prompts, cached):
-            mgr.allocate(r, len(prompt) - num_cached)
-        t2 = time.perf_counter_ns()
-        for r in decoding:
-            mgr.allocate(r, 1)
-        t3 = time.perf_counter_ns()
-        update = mgr.take_step_update()
-        t4 = time.perf_counter_ns()
-        table.apply(update)
-        t5 = time.perf_counter_ns()
-        t.update(add_request=t1 - t0, allocate_prefill=t2 - t1, allocate_decode=t3 - t2)
-        t["take_step_update"] = t4 - t3
-        t["table_apply"] = t5 - t4
-
-        t0 = time.perf_counter_ns()
-        for r, prompt, num_cached in zip(new_ids, prompts, cached):
-            mgr.mark_computed(r, len(prompt) - num_cached)
-        for r in decoding:
-            mgr.mark_computed(r, bs)
-        t["mark_computed"] = time.perf_counter_ns() - t0
-        running.extend(new_ids)
-        decode_cursor.extend(new_ids)
-        if step >= args.warmup:
-            for name, ns in t.items():
-                times[name].append(ns / 1e3)
-
-    mgr.check_integrity()
-    for req_id in running:  # the table holds exactly the allocator's blocks
-        row = table[0].row(mgr.row_of(req_id))
-        assert row.tolist() == mgr.block_ids(req_id)[0], f"request {req_id}: table != allocator"
-
-    def summed(names: tuple[str, ...]) -> list[float]:
-        return [sum(v) for v in zip(*(times[n] for n in names))]
-
-    rows = [(name, times[name]) for name in (*PHASES, "mark_computed")]
-    rows.append(("allocate + update (no admission)", summed(TARGET_PHASES[1:])))
-    rows.append(("target: admit + allocate + update", summed(TARGET_PHASES)))
-    rows.append(("all allocator host work", summed((*PHASES, "mark_computed"))))
-    us_per_step = {
-        name: {
-            "median": statistics.median(v),
-            "mean": statistics.fmean(v),
-            "p90": float(np.percentile(v, 90)),
-        }
-        for name, v in rows
-    }
-    result = {
+    result: dict[str, object] = {
         "scenario": vars(args) | {"json": None},
         "host": platform.processor() or platform.machine(),
         "python": platform.python_version(),
-        "hit_rate": mgr.prefix_cache_stats.hit_rate,
-        "free_blocks_at_end": mgr.num_free_blocks(),
-        "cached_blocks_at_end": mgr.num_cached_blocks(),
-        "us_per_step": us_per_step,
+        "numpy": np.__version__,
     }
-    print(
-        f"\nallocator step: {args.num_reqs} running, {args.arrivals} arrivals x {args.prompt_len} "
-        f"tokens ({args.shared_prefix_len}-token shared prefix on half), {args.decode_blocks} "
-        f"decode blocks, block size {bs}, {args.steps} steps, {args.token_format} prompts; "
-        f"hit rate {result['hit_rate']:.3f}"
-    )
-    print(f"{'phase (us/step)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
-    for name, stats in us_per_step.items():
-        print(f"{name:34s} {stats['median']:9.1f} {stats['mean']:9.1f} {stats['p90']:9.1f}")
+    if "step" not in args.skip:
+        result["step"] = step = run_steps(args)
+        print(
+            f"\nallocator step ({args.api} calls, {args.hash} hash, {args.token_format} prompts): "
+            f"{args.num_reqs} running, {args.arrivals} arrivals x {args.prompt_len} tokens "
+            f"({args.shared_prefix_len}-token shared prefix on half), {args.decode_blocks} "
+            f"decode blocks, block size {args.block_size}, {args.steps} steps; "
+            f"hit rate {step['hit_rate']:.3f}"
+        )
+        print(f"{'phase (us/step)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
+        for name, s in step["us_per_step"].items():  # type: ignore[union-attr]
+            print(f"{name:34s} {s['median']:9.1f} {s['mean']:9.1f} {s['p90']:9.1f}")
+    if "long" not in args.skip:
+        result["long_prompt"] = long = run_long_prompt(args)
+        print(
+            f"\n{args.long_prompt_len}-token prompt, admitted + allocated + hashed "
+            f"({args.long_reps} reps)"
+        )
+        print(f"{'case (ms)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
+        for name, s in long["ms"].items():  # type: ignore[union-attr]
+            print(f"{name:34s} {s['median']:9.2f} {s['mean']:9.2f} {s['p90']:9.2f}")
+    if "free" not in args.skip:
+        result["free"] = free = run_free(args)
+        s = free["us"]
+        print(
+            f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
+            f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}"
+        )  # type: ignore[index]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

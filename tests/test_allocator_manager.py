@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from test_allocator_snapshot import full_state
 
 import blocktable.allocator.hashing
 import blocktable.allocator.manager
@@ -48,17 +49,9 @@ def decode(mgr: KVCacheManager, req_id: object, token: int) -> None:
     mgr.mark_computed(req_id, 1)  # type: ignore[arg-type]
 
 
-def state(mgr: KVCacheManager) -> tuple:
-    """Everything observable about the pools and requests (for 'unchanged' checks)."""
-    reqs = {
-        r: (mgr.block_ids(r), mgr.num_computed_tokens(r), mgr.num_tokens(r), mgr.row_of(r))
-        for r in list(mgr._requests)
-    }
-    pools = [
-        (p.num_free_blocks, p.num_cached_blocks, p.eviction_order(), p._ref_counts[:])
-        for p in mgr.pools
-    ]
-    return reqs, pools, mgr.num_free_rows, mgr.prefix_cache_stats
+def state(mgr: KVCacheManager) -> object:
+    """Everything the manager holds (for 'unchanged' checks)."""
+    return full_state(mgr)
 
 
 def test_docstring_examples() -> None:
@@ -201,7 +194,7 @@ def test_namespaces_do_not_share() -> None:
 
 
 def test_block_hashes_are_a_stable_sha256_chain() -> None:
-    mgr = make()
+    mgr = make(hash_fn="sha256")
     prompt = list(range(100, 111))
     run(mgr, "a", prompt, cache_namespace="salt")
     want = []
@@ -463,10 +456,12 @@ def test_bad_calls_name_the_request_and_change_nothing() -> None:
         mgr.allocate("a", 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot mark 7 tokens computed, only 6 token ids"):
         mgr.mark_computed("a", 1)
+    assert state(mgr) == before
     mgr.append_token_ids("a", [1, 2, 3])
+    before = state(mgr)
     with pytest.raises(ValueError, match="cannot mark 9 tokens computed, group 0 has blocks for 8"):
         mgr.mark_computed("a", 3)
-    assert state(mgr)[1:] == before[1:]
+    assert state(mgr) == before
     mgr.free("a")
     with pytest.raises(KeyError, match="unknown request 'a' \\(never added, or already freed\\)"):
         mgr.free("a")
@@ -488,7 +483,8 @@ def test_free_of_a_preempted_request_forgets_it() -> None:
         ({"groups": []}, ValueError, "groups must hold at least one"),
         ({"groups": [(4, 16)]}, TypeError, r"groups\[0\] must be an AllocatorGroupSpec"),
         ({"max_num_reqs": 0}, ValueError, "max_num_reqs must be >= 1"),
-        ({"hash_fn": "sha256"}, TypeError, "hash_fn must be callable"),
+        ({"hash_fn": 3}, TypeError, "hash_fn must be 'fast', 'sha256' or a callable, got int"),
+        ({"hash_fn": "md5"}, ValueError, "hash_fn must be 'fast', 'sha256' or a callable"),
         ({"max_model_len": 0}, ValueError, "max_model_len must be >= 1"),
     ],
 )

@@ -1,30 +1,39 @@
-"""BlockPool: null block, free-queue order, reference counts, eviction and the prefix index."""
+"""BlockPool: null block, free-queue order, reference counts, eviction, records and the index."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.hashing import content_prefix, root_prefix
-from blocktable.allocator.pool import INDEX_LIMIT_FACTOR
+from blocktable.allocator.arrays import decrement, distinct_counts, last_occurrences
+from blocktable.allocator.keytable import KeyTable
+from blocktable.allocator.queue import BlockQueue
+
+ROOT = -1  # parent content id of a first block (namespace 1)
 
 
-def _key(parent: bytes, token: int) -> bytes:
-    return parent + token.to_bytes(8, "little")
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
 
 
-def _refs(pool: BlockPool) -> list[int]:
-    return [pool.ref_count(b) for b in range(pool.num_blocks)]
+def cache(pool: BlockPool, blocks: list[int], tokens: list[int], parent: int = ROOT) -> list[int]:
+    """File ``blocks`` as one chain (block size 1: one token each) with keys = token ids."""
+    keys = np.array([t * 1000 + 7 for t in tokens], dtype=np.uint64)
+    parents = np.zeros(len(blocks), dtype=np.int64)
+    parents[0] = parent
+    toks = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+    return pool.cache(ids(*blocks), keys, toks, parents).tolist()
 
 
 def test_null_block_is_never_handed_out() -> None:
     pool = BlockPool(5)
     assert pool.num_free_blocks == 4
-    assert pool.take(4) == [1, 2, 3, 4]
+    assert pool.take(4).tolist() == [1, 2, 3, 4]
     with pytest.raises(OutOfBlocksError, match="need 1 blocks, 0 free of 4"):
         pool.take(1)
-    pool.release([4, 3, 2, 1])
-    assert sorted(pool.take(4)) == [1, 2, 3, 4]
+    pool.release(ids(4, 3, 2, 1))
+    assert sorted(pool.take(4).tolist()) == [1, 2, 3, 4]
     pool.check_integrity([0, 1, 1, 1, 1])
 
 
@@ -58,105 +67,124 @@ def test_take_failure_changes_nothing() -> None:
 
 def test_uncached_free_blocks_are_reused_least_recently_freed_first() -> None:
     pool = BlockPool(6)
-    a = pool.take(5)
-    assert a == [1, 2, 3, 4, 5]
-    pool.release([2])
-    pool.release([5, 4])
+    assert pool.take(5).tolist() == [1, 2, 3, 4, 5]
+    pool.release(ids(2))
+    pool.release(ids(5, 4))
     assert pool.eviction_order() == [2, 5, 4]
-    assert pool.take(2) == [2, 5]
+    assert pool.take(2).tolist() == [2, 5]
+    assert pool.take_one() == 4
 
 
 def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
     pool = BlockPool(8)
-    blocks = pool.take(7)
-    parent = root_prefix(None)
-    for i, b in enumerate(blocks[:4]):  # blocks 1..4 cached (one chain)
-        content_id = pool.cache_block(b, _key(parent, i), b"h%d" % i)
-        parent = content_prefix(content_id)
+    blocks = pool.take(7).tolist()
+    cache(pool, blocks[:4], [0, 1, 2, 3])  # blocks 1..4 cached (one chain)
     # A request frees its tail first: 4, 3 become evictable before 2, 1.
-    pool.release([4, 3])
-    pool.release([7])  # uncached
-    pool.release([2, 1])
-    pool.release([6, 5])  # uncached
+    pool.release(ids(4, 3))
+    pool.release(ids(7))  # uncached
+    pool.release(ids(2, 1))
+    pool.release(ids(6, 5))  # uncached
     assert pool.eviction_order() == [7, 6, 5, 4, 3, 2, 1]
     assert pool.num_cached_blocks == 4
     # Reusing a cached block (a hit) refreshes its recency.
-    pool.share([3])
-    pool.release([3])
+    pool.share(ids(3), ids(1))
+    pool.release(ids(3))
     assert pool.eviction_order() == [7, 6, 5, 4, 2, 1, 3]
-    assert pool.take(4) == [7, 6, 5, 4]  # the last one evicted block 4
+    assert pool.take(4).tolist() == [7, 6, 5, 4]  # the last one evicted block 4
     assert pool.num_cached_blocks == 3
     assert pool.block_hash(4) is None and pool.content_id(4) is None
-    pool.check_integrity([0, 0, 0, 0, 1, 1, 1, 1])
+    assert pool.take_one() == 2  # evicts too
+    pool.check_integrity([0, 0, 1, 0, 1, 1, 1, 1])
 
 
 def test_share_takes_a_free_cached_block_out_of_the_free_queue() -> None:
     pool = BlockPool(4)
-    [b] = pool.take(1)
-    pool.cache_block(b, _key(root_prefix(None), 7), b"h")
-    pool.release([b])
+    [b] = pool.take(1).tolist()
+    cache(pool, [b], [7])
+    pool.release(ids(b))
     assert pool.num_free_blocks == 3
-    pool.share([b])
-    pool.share([b])
+    pool.share(ids(b), ids(2))
     assert pool.ref_count(b) == 2 and pool.num_free_blocks == 2
     assert b not in pool.eviction_order()
-    pool.release([b])
+    pool.release(ids(b))
     assert b not in pool.eviction_order()
-    pool.release([b])
+    pool.release(ids(b))
     assert pool.eviction_order()[-1] == b
     pool.check_integrity([0, 0, 0, 0])
 
 
-def test_eviction_drops_the_block_from_the_index_before_reuse() -> None:
+def test_release_with_repeats_queues_each_block_where_its_last_reference_went() -> None:
+    pool = BlockPool(6)
+    pool.take(5)
+    pool.share(ids(2, 3), ids(1, 1))
+    pool.release(ids(3, 2, 1, 5, 3, 4, 2), may_repeat=True)
+    assert pool.eviction_order() == [1, 5, 3, 4, 2]
+    pool.check_integrity([0] * 6)
+
+
+def test_eviction_kills_the_record_and_recomputing_revives_it() -> None:
     pool = BlockPool(3)
-    key = _key(root_prefix(None), 42)
-    a, b = pool.take(2)
-    content_id = pool.cache_block(a, key, b"h")
-    assert pool.lookup(key) == (content_id, a)
-    pool.release([a])
-    assert pool.lookup(key) == (content_id, a)  # freed blocks stay findable
-    assert pool.take(1) == [a]  # evicts it (no uncached block left)
-    assert pool.lookup(key) is None
+    a, b = pool.take(2).tolist()
+    [cid] = cache(pool, [a], [42])
+    slot = int(pool.record[a])
+    pool.release(ids(a))
+    assert pool.index.holder[slot] == a  # freed blocks stay findable
+    assert pool.take(1).tolist() == [a]  # evicts it (no uncached block left)
+    assert pool.index.holder[slot] == 0 and pool.index.cid[slot] == cid  # dead, kept
     assert pool.num_cached_blocks == 0
-    # Computing the same content again revives the key with its content id, so children
-    # cached under that id stay reachable.
-    assert pool.cache_block(b, key, b"h") == content_id
-    assert pool.lookup(key) == (content_id, b)
+    # Computing the same content again revives the record with its content id, so children
+    # filed under that id stay reachable.
+    assert cache(pool, [b], [42]) == [cid]
+    assert pool.index.holder[slot] == b
     pool.check_integrity([0, 1, 1])
 
 
 def test_same_content_in_two_owned_blocks_keeps_one_findable_until_both_are_freed() -> None:
     pool = BlockPool(4)
-    key = _key(root_prefix(None), 1)
-    a, b, c = pool.take(3)
-    content_id = pool.cache_block(a, key, b"h")
-    assert pool.cache_block(b, key, b"h") == content_id  # b duplicates a
-    assert pool.num_cached_blocks == 1 and pool.duplicate_key(b) == (key, content_id)
-    assert pool.block_hash(b) == b"h"
-    pool.release([a])  # the holder is freed while b is owned: b becomes the holder
-    assert pool.lookup(key) == (content_id, b)
+    a, b, c = pool.take(3).tolist()
+    [cid] = cache(pool, [a], [1])
+    assert cache(pool, [b], [1]) == [cid]  # b duplicates a
+    assert pool.num_cached_blocks == 1 and pool.dup_of[b] == pool.record[a]
+    assert pool.block_hash(b) == pool.block_hash(a)
+    slot = int(pool.record[a])
+    pool.release(ids(a))  # the holder is freed while b is owned: b becomes the holder
+    assert pool.index.holder[slot] == b
     assert pool.eviction_order() == [a]  # a is now a plain free block, reused first
     pool.check_integrity([0, 0, 1, 1])
     # A copy computed while the holder is free replaces it (the free one is then uncached).
-    pool.release([b])
-    assert pool.cache_block(c, key, b"h") == content_id
-    assert pool.lookup(key) == (content_id, c)
+    pool.release(ids(b))
+    assert cache(pool, [c], [1]) == [cid]
+    assert pool.index.holder[slot] == c
     assert pool.eviction_order() == [a, b]
     assert pool.num_cached_blocks == 1
     pool.check_integrity([0, 0, 0, 1])
 
 
-def test_dead_keys_are_bounded() -> None:
-    pool = BlockPool(5)
+def test_a_key_filed_under_other_content_goes_to_the_new_content() -> None:
+    pool = BlockPool(4)
+    a, b = pool.take(2).tolist()
+    keys = np.array([5], dtype=np.uint64)
+    pool.cache(ids(a), keys, np.array([[1]]), np.array([ROOT]))
+    # same key, other tokens (a collision): the new content takes the key, a loses its record
+    [cid] = pool.cache(ids(b), keys, np.array([[2]]), np.array([ROOT])).tolist()
+    assert pool.record[a] == -1 and pool.content_id(b) == cid
+    assert pool.index.find([5]).tolist() == [int(pool.record[b])]
+    pool.release(ids(a, b))
+    assert pool.eviction_order() == [3, a, b]  # a is uncached, b cached
+    pool.check_integrity([0, 0, 0, 0])
+
+
+def test_dead_records_are_bounded_and_recycled_oldest_first() -> None:
+    pool = BlockPool(5, max_records=8)
     for i in range(200):  # every block computed with new content, then evicted
-        [b] = pool.take(1)
-        pool.cache_block(b, _key(root_prefix(None), i), b"h")
-        pool.release([b])
+        [b] = pool.take(1).tolist()
+        cache(pool, [b], [i])
+        pool.release(ids(b))
         pool.check_integrity([0] * 5)
-    assert len(pool._index) <= INDEX_LIMIT_FACTOR * pool.num_blocks
-    assert pool.num_cached_blocks == 4
-    for i in range(196, 200):
-        assert pool.lookup(_key(root_prefix(None), i)) is not None
+    assert len(pool.index) <= 8 and len(pool.index.keys) <= 8
+    for i in range(196, 200):  # the live ones are findable
+        assert pool.index.find([i * 1000 + 7])[0] >= 0
+    assert pool.index.find([190 * 1000 + 7])[0] == -1  # recycled
 
 
 def test_no_caching_pool_never_caches() -> None:
@@ -165,4 +193,88 @@ def test_no_caching_pool_never_caches() -> None:
     pool.release(blocks)
     assert pool.num_cached_blocks == 0
     pool.check_integrity([0, 0, 0])
-    assert _refs(pool) == [0, 0, 0]
+
+
+def test_reset_cache_makes_every_free_block_uncached() -> None:
+    pool = BlockPool(5)
+    blocks = pool.take(4).tolist()
+    cache(pool, blocks[:3], [1, 2, 3])
+    pool.release(ids(*reversed(blocks)))
+    pool.reset_cache()
+    assert pool.num_cached_blocks == 0 and len(pool.index) == 0
+    assert pool.eviction_order() == [4, 3, 2, 1]
+    pool.check_integrity([0] * 5)
+
+
+def test_block_queue_against_a_list() -> None:
+    rng = np.random.default_rng(0)
+    q, model = BlockQueue(40), []
+    for _ in range(2000):
+        op = rng.integers(0, 4)
+        outside = [b for b in range(1, 40) if b not in model]
+        if op == 0 and outside:
+            new = rng.permutation(outside)[: rng.integers(1, 6)].astype(np.int32)
+            q.extend(new)
+            model += new.tolist()
+        elif op == 1 and model:
+            gone = rng.permutation(model)[: rng.integers(1, 4)].astype(np.int32)
+            q.remove(gone)
+            model = [b for b in model if b not in set(gone.tolist())]
+        elif op == 2 and model:
+            n = int(rng.integers(1, len(model) + 1))
+            assert q.pop(n).tolist() == model[:n]
+            model = model[n:]
+        elif op == 3 and model:
+            assert q.pop_one() == model.pop(0)
+        assert q.ids().tolist() == model and len(q) == len(model)
+        assert q.contains(np.array(model, dtype=np.int64)).all()
+
+
+def test_array_helpers_against_plain_python() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        values = rng.integers(1, 12, int(rng.integers(1, 30)))
+        counts = np.bincount(values, minlength=12).astype(np.int32) + rng.integers(0, 2, 12)
+        want_counts, want = counts.copy(), []
+        for v in values.tolist():
+            want_counts[v] -= 1
+            if want_counts[v] == 0:
+                want.append(v)
+        got = decrement(counts, values)
+        assert got.tolist() == want and (counts == want_counts).all()
+        last = {v: i for i, v in enumerate(values.tolist())}
+        assert last_occurrences(values).tolist() == sorted(last, key=last.get)
+        u, c = distinct_counts(values)
+        assert dict(zip(u.tolist(), c.tolist())) == {
+            v: values.tolist().count(v) for v in set(values.tolist())
+        }
+
+
+@pytest.mark.parametrize("spread", ["random", "clustered"])
+def test_key_table_against_a_dict(spread: str) -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(8):
+        table, model = KeyTable(int(rng.integers(1, 40))), {}
+        universe = rng.integers(0, 2**64 - 1, 150, dtype=np.uint64)
+        if spread == "clustered":  # long probe runs: few home positions
+            universe = (universe & np.uint64(3)) * np.uint64(16) + (universe >> np.uint64(58))
+        universe = np.unique(universe)
+        for _ in range(200):
+            op = rng.integers(0, 3)
+            if op == 0:
+                new = [k for k in rng.choice(universe, 12).tolist() if k not in model]
+                new = list(dict.fromkeys(new))
+                values = rng.integers(0, 1000, len(new))
+                table.insert(np.array(new, dtype=np.uint64), values)
+                model.update(zip(new, values.tolist()))
+            elif op == 1 and model:
+                held = list(model)
+                gone = [held[i] for i in rng.permutation(len(held))[: rng.integers(0, 8)]]
+                table.delete(np.array(gone, dtype=np.uint64))
+                for k in gone:
+                    del model[k]
+            query = rng.choice(universe, 30)
+            assert table.get(query).tolist() == [model.get(k, -1) for k in query.tolist()]
+            keys, values = table.items()
+            assert dict(zip(keys.tolist(), values.tolist())) == model
+            assert len(table) == len(model)

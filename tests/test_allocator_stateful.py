@@ -2,14 +2,21 @@
 
 Hypothesis drives random arrivals (with shared prefixes and namespaces), steps (chunked
 prefill, decode, lookahead allocation, running out of blocks), forks, preemptions and resumes,
-finishes, bad calls and step boundaries. The model keeps:
+finishes, prefix-cache resets, bad calls and step boundaries, through the per-request calls and
+the batched ones (``add_requests``, ``allocate_many``, ``mark_computed_many``, ``free_many``)
+mixed. The model keeps:
 
 * a simulated KV cache: every slot of every block holds the identity of the exact prefix
   (namespace, tokens[:p+1]) whose K/V a forward wrote there, so a block shared by mistake, a
   stale prefix hit or a copy-on-write gone wrong shows up as a slot holding the wrong prefix;
 * each request's tokens, computed count and namespace, and the preempted requests;
 * a numpy block table (rows x manager blocks, counts) that only ever changes by replaying
-  ``take_step_update()`` results, compared with ``block_ids`` at every step boundary.
+  ``take_step_update()`` results, compared with ``block_ids`` at every step boundary;
+* per group, the set of block contents (prefix identities) ever computed, from which it
+  predicts every prefix hit exactly: the longest ``n`` (a multiple of every block size, at
+  least one token left) such that in every group the blocks the token at ``n`` attends to
+  hold cached contents of this prompt and the blocks before them were computed once. Which
+  blocks are cached now is read from the pools (LRU state); the rule is the model's own.
 
 After every rule: ``check_integrity()``, the KV check, and the sliding-window null entries.
 """
@@ -17,6 +24,7 @@ After every rule: ``check_integrity()``, the KV check, and the sliding-window nu
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,9 +37,11 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    multiple,
     precondition,
     rule,
 )
+from test_allocator_snapshot import full_state
 
 from blocktable.allocator import (
     AllocatorGroupSpec,
@@ -103,6 +113,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.kv: list[list[list[int | None]]] = [
             [[None] * s.block_size for _ in range(s.num_blocks)] for s in self.specs
         ]
+        self.computed_once: list[set[int]] = [set() for _ in self.specs]  # content identities
         self.width = [-(-MAX_MODEL_LEN // s.block_size) + 1 for s in self.specs]
         self.table = [np.zeros((MAX_REQS, w), dtype=np.int32) for w in self.width]
         self.counts = [np.zeros(MAX_REQS, dtype=np.int32) for _ in self.specs]
@@ -122,48 +133,70 @@ class AllocatorMachine(RuleBasedStateMachine):
         window = self.specs[g].sliding_window
         return 0 if window is None else max(0, (computed - window + 1) // self.specs[g].block_size)
 
-    def snapshot(self) -> tuple:
-        mgr = self.mgr
-        assert mgr is not None
-        return (
-            {r: (mgr.block_ids(r), mgr.num_computed_tokens(r), mgr.row_of(r)) for r in self.live},
-            [(p.num_free_blocks, p.num_cached_blocks, p.eviction_order()) for p in mgr.pools],
-            mgr.num_free_rows,
-        )
+    def snapshot(self) -> object:
+        assert self.mgr is not None
+        return full_state(self.mgr)
 
-    def min_expected_hit(self, tokens: list[int], namespace: object) -> int:
-        """Tokens any lookup must find: prefixes computed by running requests (full attention)."""
-        if not self.caching or any(s.sliding_window for s in self.specs):
+    def cached_contents(self, g: int) -> set[int]:
+        """Prefix identities the pool of group ``g`` holds findable now (from the model's KV)."""
+        assert self.mgr is not None
+        pool, bs = self.mgr.pools[g], self.specs[g].block_size
+        held = np.flatnonzero(pool.record >= 0).tolist()
+        return {self.kv[g][b][bs - 1] for b in held}  # type: ignore[misc]
+
+    def expected_hit(self, tokens: list[int], namespace: object) -> int:
+        """The exact hit, by the model's rule (see the module docstring)."""
+        if not self.caching:
             return 0
-        best = 0
-        for other in self.live.values():
-            if other.namespace != namespace:
-                continue
-            lcp = 0
-            limit = min(len(tokens) - 1, other.computed)
-            while lcp < limit and tokens[lcp] == other.tokens[lcp]:
-                lcp += 1
-            best = max(best, lcp)
-        return best // self.align * self.align
+        per_group = []
+        for g, spec in enumerate(self.specs):
+            bs = spec.block_size
+            ids = [
+                self.ident(namespace, tokens, (j + 1) * bs - 1) for j in range(len(tokens) // bs)
+            ]
+            per_group.append((ids, self.cached_contents(g), self.computed_once[g]))
+        for n in range((len(tokens) - 1) // self.align * self.align, 0, -self.align):
+            ok = True
+            for (ids, cached, once), spec in zip(per_group, self.specs):
+                hi = n // spec.block_size
+                if spec.sliding_window is None:
+                    lo = 0
+                else:
+                    lo = max(0, (n - spec.sliding_window + 1) // spec.block_size)
+                if not all(i in once for i in ids[:lo]) or not all(i in cached for i in ids[lo:hi]):
+                    ok = False
+                    break
+            if ok:
+                return n
+        return 0
 
     def admit(self, req_id: int, tokens: list[int], namespace: object) -> None:
+        self.admit_many([(req_id, tokens, namespace)], batched=False)
+
+    def admit_many(self, arrivals: list[tuple[int, list[int], object]], batched: bool) -> None:
         mgr = self.mgr
         assert mgr is not None
-        if mgr.num_free_rows == 0:
+        if mgr.num_free_rows < len(arrivals):
             before = self.snapshot()
             with pytest.raises(OutOfRowsError):
-                mgr.add_request(req_id, tokens, cache_namespace=namespace)
+                if batched:
+                    mgr.add_requests(*map(list, zip(*arrivals)))
+                else:
+                    mgr.add_request(*arrivals[0][:2], cache_namespace=arrivals[0][2])
             assert self.snapshot() == before
             return
-        want_min = self.min_expected_hit(tokens, namespace)
-        cached = mgr.add_request(req_id, tokens, cache_namespace=namespace)
-        event(f"admit: hit={cached > 0}, lower bound={want_min > 0}")
-        assert cached % self.align == 0
-        assert want_min <= cached <= len(tokens) - 1
-        if not self.caching:
-            assert cached == 0
-        self.live[req_id] = ModelReq(list(tokens), namespace, cached)
-        assert mgr.num_computed_tokens(req_id) == cached
+        want = [self.expected_hit(tokens, ns) for _, tokens, ns in arrivals]
+        for (_, tokens, ns), hit in zip(arrivals, want):
+            assert mgr.lookup_prefix(tokens, cache_namespace=ns) == hit
+        if batched:
+            got = mgr.add_requests(*map(list, zip(*arrivals)))
+        else:
+            got = [mgr.add_request(arrivals[0][0], arrivals[0][1], cache_namespace=arrivals[0][2])]
+        event(f"admit: hit={any(got)}, window={any(s.sliding_window for s in self.specs)}")
+        assert got == want
+        for (req_id, tokens, ns), cached in zip(arrivals, got):
+            self.live[req_id] = ModelReq(list(tokens), ns, cached)
+            assert mgr.num_computed_tokens(req_id) == cached
 
     # ------------------------------------------------------------------ rules
     @rule(
@@ -179,6 +212,89 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.admit(req_id, tokens, namespace)
         return req_id
+
+    @rule(
+        target=reqs,
+        prompts=st.lists(
+            st.tuples(
+                st.integers(0, len(BASES) - 1),
+                st.integers(0, 30),
+                st.lists(st.integers(0, VOCAB - 1), max_size=6),
+                st.sampled_from([None, None, "lora-1"]),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    )
+    def arrive_many(self, prompts: list[tuple[int, int, list[int], object]]) -> object:
+        arrivals = []
+        for base, cut, tail, namespace in prompts:
+            arrivals.append(
+                (self.next_id, (BASES[base][:cut] + tail)[:MAX_MODEL_LEN] or [0], namespace)
+            )
+            self.next_id += 1
+        self.admit_many(arrivals, batched=True)
+        return multiple(*(req_id for req_id, _, _ in arrivals))
+
+    @rule(data=st.data())
+    def finish_many(self, data: st.DataObject) -> None:
+        """free_many of some running and preempted requests."""
+        mgr = self.mgr
+        assert mgr is not None
+        known = sorted(self.live) + sorted(self.preempted)
+        if not known:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(known), unique=True, max_size=3))
+        mgr.free_many(chosen)
+        for req_id in chosen:
+            self.pending.pop(req_id, None)
+            self.live.pop(req_id, None)
+            self.preempted.pop(req_id, None)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        in_use = any(int(pool.ref_counts.max()) > 0 for pool in mgr.pools)
+        before = self.snapshot()
+        done = mgr.reset_prefix_cache()
+        assert done == (not in_use)
+        event(f"reset_prefix_cache: done={done}")
+        if not done:
+            assert self.snapshot() == before
+            return
+        self.computed_once = [set() for _ in self.specs]
+        assert all(pool.num_cached_blocks == 0 for pool in mgr.pools)
+
+    @rule(data=st.data())
+    def bad_batched_calls(self, data: st.DataObject) -> None:
+        """Unknown or repeated ids and lengths that disagree change nothing."""
+        mgr = self.mgr
+        assert mgr is not None
+        live = sorted(self.live)
+        before = self.snapshot()
+        unknown = self.next_id + 1000
+        with pytest.raises(KeyError, match="unknown request"):
+            mgr.allocate_many([*live, unknown], [1] * (len(live) + 1))
+        with pytest.raises(KeyError, match="unknown request"):
+            mgr.mark_computed_many([*live, unknown], [0] * (len(live) + 1))
+        with pytest.raises(KeyError, match="unknown request"):
+            mgr.free_many([*live, unknown])
+        if live:
+            r = data.draw(st.sampled_from(live))
+            with pytest.raises(ValueError, match="twice"):
+                mgr.allocate_many([r, r], [1, 1])
+            with pytest.raises(ValueError, match="twice"):
+                mgr.free_many([*live, r])
+            with pytest.raises(ValueError, match="has 2 entries but req_ids has 1"):
+                mgr.allocate_many([r], [1, 2])
+            with pytest.raises(ValueError, match="already running"):
+                mgr.add_requests([unknown, r], [[1], [2]])
+            with pytest.raises(ValueError, match="twice"):
+                mgr.add_requests([unknown, unknown], [[1], [2]])
+            with pytest.raises(ValueError, match="cannot mark"):
+                mgr.mark_computed_many(live, [MAX_MODEL_LEN + 1] * len(live))
+        assert self.snapshot() == before
 
     @rule(
         params=st.lists(
@@ -246,13 +362,69 @@ class AllocatorMachine(RuleBasedStateMachine):
         ),
     )
     def engine_step(self, params: list[tuple[int, int, int]]) -> None:
-        """A whole step without arrivals in between: schedule, forward, take the update."""
-        self.schedule(params, reverse=False)
-        self.forward()
+        """A whole step with the batched calls: allocate_many, forward, mark_computed_many."""
+        self.schedule_batched(params)
+        self.forward(batched=True)
         self.end_step()
 
-    @rule()
-    def forward(self) -> None:
+    @rule(
+        params=st.lists(
+            st.tuples(st.integers(1, 12), st.integers(0, 3), st.integers(0, VOCAB - 1)),
+            min_size=MAX_REQS,
+            max_size=MAX_REQS,
+        ),
+    )
+    def schedule_batched(self, params: list[tuple[int, int, int]]) -> None:
+        """One allocate_many for every running request without a pending chunk."""
+        mgr = self.mgr
+        assert mgr is not None
+        req_ids, wants, chunks = [], [], []
+        for req_id, (chunk, lookahead, token) in zip(sorted(self.live), params):
+            if req_id in self.pending:
+                continue
+            model = self.live[req_id]
+            if model.computed == len(model.tokens):
+                if len(model.tokens) == MAX_MODEL_LEN:
+                    continue
+                mgr.append_token_ids_many([req_id], [[token]])
+                model.tokens.append(token)
+            n = min(chunk, len(model.tokens) - model.computed)
+            want = n + lookahead if model.computed + n + lookahead <= MAX_MODEL_LEN else n
+            req_ids.append(req_id)
+            wants.append(want)
+            chunks.append(n)
+        if not req_ids:
+            return
+        needs = [
+            sum(
+                max(0, -(-(self.live[r].computed + w) // s.block_size) - len(mgr.block_ids(r)[g]))
+                for r, w in zip(req_ids, wants)
+            )
+            for g, s in enumerate(self.specs)
+        ]
+        fits = all(need <= pool.num_free_blocks for need, pool in zip(needs, mgr.pools))
+        assert mgr.can_allocate_many(req_ids, wants) == fits
+        if not fits:
+            event("schedule_batched: out of blocks")
+            before = self.snapshot()
+            with pytest.raises(OutOfBlocksError):
+                mgr.allocate_many(req_ids, wants)
+            assert self.snapshot() == before
+            return
+        before_ids = {r: mgr.block_ids(r) for r in req_ids}
+        new = mgr.allocate_many(req_ids, wants)
+        for g, blocks in enumerate(new):
+            start = 0
+            for row, num in zip(blocks.rows.tolist(), blocks.num_manager_blocks.tolist()):
+                [r] = [r for r in req_ids if mgr.row_of(r) == row]
+                got = blocks.block_ids[start : start + num].tolist()
+                assert mgr.block_ids(r)[g] == before_ids[r][g] + got
+                start += num
+        for r, n in zip(req_ids, chunks):
+            self.pending[r] = n
+
+    @rule(batched=st.booleans())
+    def forward(self, batched: bool = False) -> None:
         """The model runs the pending chunks: each token's K/V lands in its slot."""
         mgr = self.mgr
         assert mgr is not None
@@ -265,8 +437,19 @@ class AllocatorMachine(RuleBasedStateMachine):
                     self.kv[g][block][p % spec.block_size] = self.ident(
                         model.namespace, model.tokens, p
                     )
-            mgr.mark_computed(req_id, n)
+            if not batched:
+                mgr.mark_computed(req_id, n)
+        if batched and self.pending:
+            mgr.mark_computed_many(list(self.pending), list(self.pending.values()))
+        for req_id, n in self.pending.items():
+            model = self.live[req_id]
             model.computed += n
+            for g, spec in enumerate(self.specs):
+                bs = spec.block_size
+                for j in range(model.computed // bs):
+                    self.computed_once[g].add(
+                        self.ident(model.namespace, model.tokens, (j + 1) * bs - 1)
+                    )
         self.pending.clear()
 
     @precondition(lambda self: self.mgr is not None and self.mgr.num_free_rows > 0)
@@ -420,7 +603,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=350,
+    max_examples=int(os.environ.get("ALLOCATOR_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=70,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -111,7 +111,7 @@ def _snapshot(block_size: int):  # type: ignore[no-untyped-def]
     ref[[5, 6]] = 1
     return TableSnapshot(step=4, block_size=block_size, req_of_row={0: "a", 1: "b", 2: "c"},
                          num_new_tokens_of_row={0: 3, 2: 1}, block_table=table,
-                         num_blocks_per_row=np.array([3, 3, 1], dtype=np.int32),
+                         num_kernel_blocks=np.array([3, 3, 1], dtype=np.int32),
                          ref_counts=ref, cached=np.isin(np.arange(8), [1, 2, 3]))
 
 

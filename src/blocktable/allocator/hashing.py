@@ -1,23 +1,31 @@
-"""Chained block hashes and the exact keys of the prefix cache.
+"""Chained block hashes: the fast vectorized one (the index key) and SHA-256 (identity).
 
-Two identities are kept for every cached (full, computed) block:
+Every full block ``i`` of a prompt gets a **block key**, a 64-bit chained hash of the whole
+prefix up to the end of the block, namespace included::
 
-* The **block hash**, a stable digest chained over the prefix:
-  ``hash_i = hash_fn(hash_{i-1} + token_bytes_i + namespace_bytes)`` with
-  ``hash_{-1} = ROOT_BLOCK_HASH`` and ``token_bytes_i`` the block's token ids as little-endian
-  int64. It is the same in every process and on every machine, so it can name a block outside
-  this process (KV-cache events, offloading, a cache shared by several engines).
-* The **cache key**, ``parent_prefix + token_bytes`` (bytes), used by the in-process index:
-  ``parent_prefix`` names the exact content of the previous block of the prefix by its
-  *content id* (``b"C" + id as 8 bytes``), or the namespace for the first block
-  (``b"R" + namespace_bytes``). Looking a block up by its key compares the block's token ids
-  and, through the parent's content id, its whole prefix *exactly*, so a hash collision can
-  never share wrong KV: two blocks with the same tokens but different prefixes (whose hashes
-  may collide) have different keys. A content id names one exact content for as long as its
-  key stays in the index, and is never reused.
+    h_i = sum_j x[i*bs + j] * B**(bs-1-j)          (mod 2**64; x = token id as uint64)
+    K_i = K_{i-1} * B**bs + h_i                    (K_{-1} = namespace seed)
+    key_i = fmix64(K_i)                            (murmur3's 64-bit finalizer)
 
-A block's hash is computed once, when the block first becomes full and computed; a prefix hit
-inherits the hashes of the blocks it reuses instead of recomputing them.
+``K_i`` is the polynomial hash of the whole prefix, so the keys of ``n`` blocks cost a few
+numpy passes over the tokens (no Python loop per block), and a chunk of a long prompt continues
+from the last key instead of re-reading the prefix. The keys of several requests are computed
+in one pass: the recurrence is a segmented scan (see :func:`chain_keys`).
+
+The key is only a *name* for the prefix index; it is not trusted. A lookup shares a block only
+when the block's stored token ids equal the prompt's and its stored parent content id equals
+the content id found for the previous block (see :mod:`blocktable.allocator.index`), so a
+colliding key costs a cache miss, never wrong KV. The key is deterministic (fixed constants, no
+per-process seed) but not collision resistant: prompts built to collide only lose hits.
+
+The **block hash** a pool reports for a cached block (``BlockPool.block_hash``) is selected by
+``KVCacheManager(hash_fn=...)``:
+
+* ``"fast"`` (default): the block key itself (a Python int < 2**64), the same in every process;
+* ``"sha256"``: ``sha256(parent_hash + token_bytes + namespace_bytes)`` chained from
+  :data:`ROOT_BLOCK_HASH`, token bytes little-endian int64 (32 bytes, collision resistant; about
+  1 us per block on top of the key, computed only in this mode);
+* any ``callable(bytes) -> bytes``: the same chain with that function.
 """
 
 from __future__ import annotations
@@ -30,17 +38,20 @@ import numpy as np
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
 
-CacheKey = bytes
-"""``parent_prefix + token_bytes``; see :func:`root_prefix` and :func:`content_prefix`."""
+BlockHash = int | bytes
+"""A block hash as reported: an int for the fast hash, bytes for SHA-256 or a callable."""
 
 ROOT_BLOCK_HASH: bytes = bytes(32)
-"""The parent hash of the first block of every prompt."""
+"""The parent hash of the first block of every prompt (byte-chained hashes)."""
 
+MASK64 = _MASK = (1 << 64) - 1
+CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
+_U64 = np.uint64
 
 
 def sha256_block_hash(data: bytes) -> bytes:
-    """The default ``hash_fn``: SHA-256 of ``data`` (32 bytes, stable across processes)."""
+    """SHA-256 of ``data`` (32 bytes, stable across processes)."""
     return hashlib.sha256(data).digest()
 
 
@@ -67,14 +78,123 @@ def encode_namespace(namespace: object) -> bytes:
     return b"" if namespace is None else repr(namespace).encode("utf-8")
 
 
-def root_prefix(namespace: object) -> bytes:
-    """The parent part of the cache key of a prompt's first block."""
-    return b"R" + encode_namespace(namespace)
+def namespace_seed(namespace_bytes: bytes) -> int:
+    """``K_{-1}`` of the fast chain for a namespace (its encoding's first 8 blake2b bytes)."""
+    digest = hashlib.blake2b(b"blocktable" + namespace_bytes, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
-def content_prefix(content_id: int) -> bytes:
-    """The parent part of the cache key of a block whose parent holds ``content_id``."""
-    return b"C" + content_id.to_bytes(8, "little")
+def fmix64_int(k: int) -> int:
+    """murmur3's 64-bit finalizer on a Python int (the reference of :func:`fmix64`)."""
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & _MASK
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & _MASK
+    return k ^ (k >> 33)
+
+
+def fmix64(k: np.ndarray) -> np.ndarray:
+    """murmur3's 64-bit finalizer, elementwise on a uint64 array (a new array)."""
+    k = k ^ (k >> _U64(33))
+    k *= _U64(0xFF51AFD7ED558CCD)
+    k ^= k >> _U64(33)
+    k *= _U64(0xC4CEB9FE1A85EC53)
+    k ^= k >> _U64(33)
+    return k
+
+
+class ChainPowers:
+    """Powers of ``B`` for one block size, grown on demand (uint64, on cpu).
+
+    ``token_powers[j] = B**(bs-1-j)``; ``block_powers[k] = (B**bs)**k`` and
+    ``inverse_powers[k] = (B**bs)**-k`` mod 2**64 for ``k`` up to the longest scan so far.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.token_powers = np.array(
+            [pow(_BASE, block_size - 1 - j, 1 << 64) for j in range(block_size)], dtype=_U64
+        )
+        self.block_base = pow(_BASE, block_size, 1 << 64)
+        self.block_powers = np.ones(1, dtype=_U64)
+        self.inverse_powers = np.ones(1, dtype=_U64)
+
+    def ensure(self, num_blocks: int) -> None:
+        """Make ``block_powers``/``inverse_powers`` hold at least ``num_blocks + 1`` entries."""
+        if len(self.block_powers) > num_blocks:
+            return
+        size = max(num_blocks + 1, 2 * len(self.block_powers), 1024)
+        self.block_powers = _power_table(self.block_base, size)
+        self.inverse_powers = _power_table(pow(self.block_base, -1, 1 << 64), size)
+
+
+def _power_table(base: int, size: int) -> np.ndarray:
+    """``[base**0, ..., base**(size-1)]`` mod 2**64 (uint64; cumprod wraps like C)."""
+    factors = np.full(size, base, dtype=_U64)
+    factors[0] = 1
+    return np.cumprod(factors, dtype=_U64)
+
+
+def block_content_hashes(tokens: np.ndarray, powers: ChainPowers) -> np.ndarray:
+    """``h_i`` of every row of ``tokens`` (int64 ``[n, block_size]``), uint64 ``[n]``."""
+    return (tokens.view(_U64) * powers.token_powers).sum(axis=1, dtype=_U64)
+
+
+def chain_keys(
+    content_hashes: np.ndarray,
+    segment_lengths: np.ndarray,
+    start_states: np.ndarray,
+    powers: ChainPowers,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Chain ``content_hashes`` per segment; return ``(keys, states)``, both uint64 ``[n]``.
+
+    ``content_hashes`` (uint64 ``[n]``) are several requests' consecutive blocks, segment ``r``
+    ``segment_lengths[r]`` long (int64, sum ``n``) and continuing from state ``start_states[r]``
+    (uint64: ``K`` of the block before it, or the namespace seed). ``states[i]`` is ``K_i``;
+    ``keys[i] = fmix64(K_i)``. One pass: with ``Q = (B**bs)**-1``,
+    ``K_g = S_r * Bb**(g-s+1) + Bb**g * sum_{s<=g'<=g} h_g' * Q**g'`` for block ``g`` of a segment
+    starting at ``s``.
+    """
+    n = len(content_hashes)
+    powers.ensure(n)
+    if n == 0:
+        return content_hashes.copy(), content_hashes.copy()
+    scaled = content_hashes * powers.inverse_powers[:n]
+    sums = np.cumsum(scaled, dtype=_U64)
+    seg_starts = np.cumsum(segment_lengths) - segment_lengths
+    before = np.concatenate((np.zeros(1, dtype=_U64), sums))[seg_starts]
+    seg_of = np.repeat(np.arange(len(segment_lengths)), segment_lengths)
+    g = np.arange(n)
+    offset = g - seg_starts[seg_of]
+    states = start_states[seg_of] * powers.block_powers[offset + 1]
+    states += powers.block_powers[:n] * (sums - before[seg_of])
+    return fmix64(states), states
+
+
+def fast_block_keys(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, *, namespace: object = None
+) -> list[int]:
+    """The fast block keys of every full block of ``token_ids``, in plain Python (reference).
+
+    Equal to the keys the manager computes with numpy, and to the block hashes it reports with
+    ``hash_fn="fast"``.
+
+    Examples
+    --------
+    >>> keys = fast_block_keys(list(range(40)), 16)
+    >>> len(keys), all(0 <= k < 2**64 for k in keys)
+    (2, True)
+    """
+    state = namespace_seed(encode_namespace(namespace))
+    keys: list[int] = []
+    base_bs = pow(_BASE, block_size, 1 << 64)
+    for i in range(len(token_ids) // block_size):
+        h = 0
+        for t in token_ids[i * block_size : (i + 1) * block_size]:
+            h = (h * _BASE + (int(t) & _MASK)) & _MASK
+        state = (state * base_bs + h) & _MASK
+        keys.append(fmix64_int(state))
+    return keys
 
 
 def hash_block_tokens(
@@ -84,9 +204,10 @@ def hash_block_tokens(
     namespace: object = None,
     hash_fn: HashFn = sha256_block_hash,
 ) -> list[bytes]:
-    """The chained hashes of every full block of ``token_ids`` (a reference, not the hot path).
+    """The byte-chained hashes of every full block of ``token_ids`` (a reference).
 
-    Returns the same hashes the manager assigns to these blocks once they are computed.
+    Returns the block hashes the manager reports with ``hash_fn="sha256"`` (the default here)
+    or with the given callable.
 
     Examples
     --------
@@ -104,3 +225,22 @@ def hash_block_tokens(
         )
         hashes.append(parent)
     return hashes
+
+
+def byte_chain(
+    tokens: np.ndarray,
+    first: int,
+    stop: int,
+    block_size: int,
+    parent: bytes,
+    namespace_bytes: bytes,
+    hash_fn: HashFn,
+) -> list[bytes]:
+    """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` (int64), after ``parent``."""
+    data = tokens[first * block_size : stop * block_size].astype("<i8", copy=False).tobytes()
+    step = block_size * 8
+    out: list[bytes] = []
+    for i in range(stop - first):
+        parent = hash_fn(parent + data[i * step : (i + 1) * step] + namespace_bytes)
+        out.append(parent)
+    return out

@@ -5,9 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
+import numpy as np
+
+from blocktable.allocator.arrays import has_repeats
 from blocktable.allocator.errors import IntegrityError
-from blocktable.allocator.hashing import CacheKey, content_prefix, root_prefix
-from blocktable.allocator.request import RequestState, block_token_bytes
+from blocktable.allocator.hashing import (
+    ChainPowers,
+    block_content_hashes,
+    chain_keys,
+    encode_namespace,
+    namespace_seed,
+)
+from blocktable.allocator.request import RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -15,64 +24,78 @@ if TYPE_CHECKING:
     from blocktable.allocator.pool import BlockPool
 
 
-def _check_request(
-    mgr: KVCacheManager,
-    req: RequestState,
-    ref_counts: list[list[int]],
-    live_keys: list[dict[int, tuple[CacheKey, int]]],
-) -> None:
+def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.ndarray]) -> None:
     def fail(msg: str) -> NoReturn:
         raise IntegrityError(f"request {req.req_id!r}: {msg}")
 
     if req.num_computed_tokens > req.num_tokens:
         fail(f"{req.num_computed_tokens} tokens computed but {req.num_tokens} known")
-    for g, (pool, blocks) in enumerate(zip(mgr.pools, req.blocks)):
-        block_size = mgr.block_sizes[g]
+    if req.num_slots != min(len(b) * bs for b, bs in zip(req.blocks, mgr.block_sizes)):
+        fail("num_slots does not match the rows")
+    tokens = req.tokens[: req.num_tokens]
+    for g, (pool, bs) in enumerate(zip(mgr.pools, mgr.block_sizes)):
+        blocks = np.array(req.blocks[g], dtype=np.int64)
         skip = req.num_skipped_blocks[g]
-        if len(blocks) * block_size < req.num_computed_tokens:
+        if len(blocks) * bs < req.num_computed_tokens:
             fail(f"group {g}: {len(blocks)} blocks cannot hold {req.num_computed_tokens} tokens")
-        if any(b != NULL_BLOCK_ID for b in blocks[:skip]) or NULL_BLOCK_ID in blocks[skip:]:
-            fail(f"group {g}: null entries are not exactly the first {skip}: {blocks}")
+        if (blocks[:skip] != NULL_BLOCK_ID).any() or (blocks[skip:] == NULL_BLOCK_ID).any():
+            fail(f"group {g}: null entries are not exactly the first {skip}: {blocks.tolist()}")
         owned = blocks[skip:]
-        if len(set(owned)) != len(owned):
-            fail(f"group {g}: a block appears twice in {blocks}")
-        if any(not 0 < b < pool.num_blocks for b in owned):
-            fail(f"group {g}: block id out of range in {blocks}")
-        counts = ref_counts[g]
-        for b in owned:
-            counts[b] += 1
+        if has_repeats(owned):
+            fail(f"group {g}: a block appears twice in {blocks.tolist()}")
+        if ((owned <= 0) | (owned >= pool.num_blocks)).any():
+            fail(f"group {g}: block id out of range in {blocks.tolist()}")
+        np.add.at(ref_counts[g], owned, 1)
         num_hashed = req.num_hashed_blocks[g]
         if not mgr.enable_prefix_caching:
             if num_hashed:
                 fail(f"group {g}: blocks hashed with prefix caching off")
             continue
-        if num_hashed != req.num_computed_tokens // block_size:
+        if num_hashed != req.num_computed_tokens // bs:
             fail(f"group {g}: {num_hashed} blocks hashed, want every full computed block")
-        # Every owned full computed block holds its content for the index: as the holder
-        # (live key) or as a duplicate, under exactly its tokens and its prefix's content id.
-        token_bytes = block_token_bytes(req.tokens, block_size, 0, num_hashed)
-        parent: bytes | None = root_prefix(req.namespace)
+        _check_keys(req, bs, fail)
+        # Every owned full computed block holds its content for the index (as the holder or a
+        # duplicate, under exactly its tokens and its parent's content id), unless a colliding
+        # key displaced it; blocks past it are not in the index.
+        index = pool.index
+        prev_slot = -1
         for i in range(skip, num_hashed):
-            if i and i == skip:
-                parent = None  # the content id of a block left behind the window is not kept
-            b = blocks[i]
-            found = live_keys[g].get(b) or pool.duplicate_key(b)
-            if found is None:
-                fail(f"group {g}: full computed block {b} (index {i}) is not in the index")
-            key, content_id = found
-            if not key.endswith(token_bytes[i]) or (
-                parent is not None and key != parent + token_bytes[i]
-            ):
+            b = int(blocks[i])
+            slot = int(pool.record[b]) if pool.record[b] >= 0 else int(pool.dup_of[b])
+            if slot < 0:
+                prev_slot = -1
+                continue
+            if not (index.tokens[slot] == tokens[i * bs : (i + 1) * bs]).all():
                 fail(f"group {g}: block {b} (index {i}) is indexed as other content")
-            parent = content_prefix(content_id)
-        for b in blocks[max(num_hashed, skip) :]:
-            if b in live_keys[g] or pool.duplicate_key(b) is not None:
-                fail(f"group {g}: block {b} is not full and computed but is in the index")
-        if num_hashed > skip:
-            if req.parent_prefixes[g] != parent:
-                fail(f"group {g}: the cache key chain does not continue from its last block")
-            if req.parent_hashes[g] != pool.block_hash(blocks[num_hashed - 1]):
-                fail(f"group {g}: the hash chain does not continue from its last block")
+            want_parent = (
+                req.root if i == 0 else (int(index.cid[prev_slot]) if prev_slot >= 0 else None)
+            )
+            if want_parent is not None and int(index.parent[slot]) != want_parent:
+                fail(f"group {g}: block {b} (index {i}) has another parent in the index")
+            prev_slot = slot
+        if num_hashed > skip and prev_slot >= 0 and req.parent_cids[g] != index.cid[prev_slot]:
+            fail(f"group {g}: the content id chain does not continue from its last block")
+        rest = blocks[max(num_hashed, skip) :]
+        if (pool.record[rest] >= 0).any() or (pool.dup_of[rest] >= 0).any():
+            fail(f"group {g}: a block that is not full and computed is in the index")
+
+
+def _check_keys(req: RequestState, bs: int, fail) -> None:  # type: ignore[no-untyped-def]
+    """The stored prompt keys and the chain state equal a fresh computation from the tokens."""
+    num_keys = req.num_keys[bs]
+    stored = len(req.keys[bs])
+    if num_keys < stored or num_keys > req.num_tokens // bs:
+        fail(f"key chain at block {num_keys} for block size {bs}, {stored} stored")
+    powers = ChainPowers(bs)
+    hashes = block_content_hashes(req.tokens[: num_keys * bs].reshape(-1, bs), powers)
+    seed = np.array([namespace_seed(encode_namespace(req.namespace))], dtype=np.uint64)
+    keys, states = chain_keys(hashes, np.array([num_keys]), seed, powers)
+    if not np.array_equal(keys[:stored], req.keys[bs]):
+        fail(f"block keys for block size {bs} do not match the tokens")
+    if not np.array_equal(states[:stored], req.prompt_states[bs]):
+        fail(f"prompt key chain states for block size {bs} do not match the tokens")
+    if num_keys and int(states[-1]) != req.key_states[bs]:
+        fail(f"key chain state for block size {bs} does not match the tokens")
 
 
 def check_manager_integrity(
@@ -87,18 +110,16 @@ def check_manager_integrity(
       free rows are the others, each listed once;
     * each request's rows: null entries exactly where a sliding window released blocks, no
       block twice, enough blocks for the computed tokens; with prefix caching, every full
-      computed block hashed, and those in the index filed under the request's own tokens and
-      prefix;
-    * per pool: refcount of each block = number of requests holding it; the free queues hold
-      exactly the unowned blocks, cached ones in the cached queue; each cached block has a
-      live index key; the null block is never free, owned or cached.
+      computed block hashed, its key equal to a fresh computation, and blocks in the index
+      filed under the request's own tokens and parent;
+    * per pool (:func:`check_pool_integrity`): refcount of each block = number of requests
+      holding it, the queues, the records and the index agree.
     """
-    ref_counts = [[0] * pool.num_blocks for pool in mgr.pools]
-    live_keys = [pool.live_keys() for pool in mgr.pools]
+    ref_counts = [np.zeros(pool.num_blocks, dtype=np.int64) for pool in mgr.pools]
     for req_id, req in requests.items():
         if req.req_id != req_id or not 0 <= req.row < len(holders) or holders[req.row] is not req:
             raise IntegrityError(f"request {req_id!r} and row {req.row} do not point to each other")
-        _check_request(mgr, req, ref_counts, live_keys)
+        _check_request(mgr, req, ref_counts)
     held = {row for row, req in enumerate(holders) if req is not None}
     if len(held) != len(requests):
         raise IntegrityError(f"{len(held)} rows held by {len(requests)} running requests")
@@ -108,58 +129,73 @@ def check_manager_integrity(
         pool.check_integrity(counts)
 
 
-def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int]) -> None:
+def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
     """Raise :class:`IntegrityError` unless the pool's structures agree with each other.
 
     Refcounts equal ``expected_ref_counts``; the free queues hold exactly the unowned blocks
-    (never the null block), the cached ones in the cached queue; every cached block is the
-    live holder of exactly one index key; content ids are unique; duplicates are owned,
-    uncached, and their content has an owned holder.
+    (never the null block), the cached ones in the cached queue; every cached block holds a
+    live record filed under its key; the index files every used record under its own key;
+    content ids are unique; duplicates are owned, uncached, and their record has an owned
+    holder.
     """
 
     def fail(msg: str) -> NoReturn:
         raise IntegrityError(f"BlockPool({pool.num_blocks}): {msg}")
 
-    ref_counts, content, dup_of = pool._ref_counts, pool._content, pool._dup_of
-    if list(expected_ref_counts) != ref_counts:
-        b = next(b for b in range(pool.num_blocks) if expected_ref_counts[b] != ref_counts[b])
-        fail(f"block {b} has refcount {ref_counts[b]} but {expected_ref_counts[b]} holders")
-    uncached, cached = list(pool._free_uncached), list(pool._free_cached)
+    ref_counts, record, dup_of, index = pool.ref_counts, pool.record, pool.dup_of, pool.index
+    expected = np.asarray(expected_ref_counts)
+    if not np.array_equal(expected, ref_counts):
+        b = int(np.flatnonzero(expected != ref_counts)[0])
+        fail(f"block {b} has refcount {ref_counts[b]} but {expected[b]} holders")
+    uncached, cached = pool.uncached.ids().tolist(), pool.cached.ids().tolist()
+    if len(uncached) != len(pool.uncached) or len(cached) != len(pool.cached):
+        fail("a queue's length disagrees with its live slots")
     free = set(uncached) | set(cached)
     if len(free) != len(uncached) + len(cached):
         fail("a block is queued twice")
-    want_free = {b for b in range(1, pool.num_blocks) if ref_counts[b] == 0}
+    want_free = set((np.flatnonzero(ref_counts[1:] == 0) + 1).tolist())
     if free != want_free:
         fail(
             f"free queue and refcounts disagree: queued but owned {sorted(free - want_free)[:8]}"
             f", unowned but not queued {sorted(want_free - free)[:8]}"
         )
-    if any(content[b] or dup_of[b] for b in uncached) or not all(content[b] for b in cached):
-        fail("a free block is in the wrong queue for its cached state")
-    if content[NULL_BLOCK_ID] or dup_of[NULL_BLOCK_ID] or ref_counts[NULL_BLOCK_ID]:
+    if any(record[b] >= 0 or dup_of[b] >= 0 for b in uncached):
+        fail("an uncached free block holds a record")
+    if any(record[b] < 0 for b in cached):
+        fail("a cached free block holds no record")
+    if ref_counts[NULL_BLOCK_ID] or record[NULL_BLOCK_ID] >= 0 or dup_of[NULL_BLOCK_ID] >= 0:
         fail("the null block is cached or owned")
-    content_ids = [content_id for content_id, _ in pool._index.values()]
-    if len(set(content_ids)) != len(content_ids):
-        fail("two index keys share a content id")
-    order = pool._index_order
-    if len(order) != len(pool._index) or set(order) != set(pool._index):
-        fail("the index and its key order disagree")
-    live = pool.live_keys()
-    cached_blocks = {b for b, c in enumerate(content) if c}
-    if set(live) != cached_blocks:
-        fail(f"cached blocks without a live index key: {sorted(cached_blocks - set(live))[:8]}")
-    if len(cached_blocks) != pool.num_cached_blocks:
-        fail(f"{len(cached_blocks)} blocks cached, the counter says {pool.num_cached_blocks}")
-    if not pool.enable_caching and (cached_blocks or pool._index):
+    holders = np.flatnonzero(record >= 0)
+    slots = record[holders]
+    if has_repeats(slots):
+        fail("two blocks hold one record")
+    if not np.array_equal(index.holder[slots], holders) or (index.cid[slots] == 0).any():
+        fail("a cached block and its record do not point to each other")
+    live = index.live_slots()
+    if len(live) != len(holders):
+        fail(f"{len(live)} live records but {len(holders)} cached blocks")
+    if len(holders) != pool.num_cached_blocks:
+        fail(f"{len(holders)} blocks cached, the counter says {pool.num_cached_blocks}")
+    used = np.flatnonzero(index.cid != 0)
+    if len(used) != len(index.keys) or len(used) != len(index):
+        fail(f"{len(used)} records, {len(index.keys)} keys, counter {len(index)}")
+    keys, slots = index.keys.items()
+    if (index.cid[slots] == 0).any() or not np.array_equal(index.key[slots], keys):
+        fail("a key is filed under a record of another key")
+    if has_repeats(index.cid[used]):
+        fail("two records share a content id")
+    if len(used) > index.max_records:
+        fail(f"{len(used)} records exceed max_records={index.max_records}")
+    if not pool.enable_caching and len(used):
         fail("caching is disabled but blocks are cached")
     listed: set[int] = set()
-    for content_id, (key, duplicates) in pool._dups.items():
-        holder = pool._index[key][1] if key in pool._index else -1
-        if live.get(holder, (b"", -1))[1] != content_id or not ref_counts[holder]:
-            fail(f"duplicates of content {content_id} have no owned live holder")
-        for b in duplicates:
-            if b in listed or content[b] or dup_of[b] != content_id or not ref_counts[b]:
-                fail(f"duplicate block {b} of content {content_id} is inconsistent")
+    for slot, copies in pool.dups.items():
+        holder = int(index.holder[slot])
+        if not copies or index.cid[slot] == 0 or not holder or not ref_counts[holder]:
+            fail(f"duplicates of record {slot} have no owned live holder")
+        for b in copies:
+            if b in listed or record[b] >= 0 or dup_of[b] != slot or not ref_counts[b]:
+                fail(f"duplicate block {b} of record {slot} is inconsistent")
             listed.add(b)
-    if listed != {b for b, c in enumerate(dup_of) if c}:
+    if listed != set(np.flatnonzero(dup_of >= 0).tolist()):
         fail("the duplicate marks and the duplicate lists disagree")

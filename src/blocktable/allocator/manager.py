@@ -1,33 +1,47 @@
-"""The per-request allocator API an engine's scheduler calls every step."""
+"""The allocator API an engine's scheduler calls every step: batched calls and per-request ones."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from blocktable._checks import check_count, check_positive
-from blocktable.allocator.errors import OutOfBlocksError
-from blocktable.allocator.hashing import HashFn, check_namespace, sha256_block_hash
+from blocktable.allocator.arrays import distinct_counts
+from blocktable.allocator.checks import (
+    as_list,
+    check_same_length,
+    distinct_new_ids,
+    running_requests,
+    token_counts,
+)
+from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
+from blocktable.allocator.hashing import (
+    ROOT_BLOCK_HASH,
+    ChainPowers,
+    HashFn,
+    check_namespace,
+    encode_namespace,
+    namespace_seed,
+    sha256_block_hash,
+)
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.prefix import (
-    cache_full_blocks,
-    find_cached_prefix,
-    share_cached_prefix,
-)
+from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
+from blocktable.allocator.register import register_computed_blocks
 from blocktable.allocator.request import (
-    TOKEN_BYTES,
     RequestState,
     TokenIds,
     check_req_id,
-    token_bytes,
+    token_array,
 )
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
-from blocktable.update import StepUpdate
+from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
 
@@ -36,18 +50,24 @@ class KVCacheManager:
     """Block allocation for every KV cache group, per request, with prefix caching.
 
     Every running request holds one table row (``0 .. max_num_reqs - 1``, lowest free row first)
-    from :meth:`add_request` until :meth:`free`/:meth:`preempt` (indexed mode); the
-    rows of :meth:`take_step_update` are these rows, and the block ids are manager block ids.
+    from admission until :meth:`free`/:meth:`preempt` (indexed mode); the rows of
+    :meth:`take_step_update` are these rows, and the block ids are manager block ids.
 
-    Per step, an engine calls:
+    Per step, an engine calls (each call has a batched form taking every request of the step,
+    and a per-request form with the same semantics for simple engines):
 
-    1. ``free``/``preempt`` for finished or preempted requests;
-    2. ``add_request`` for admitted (or resumed) ones: it returns the number of prompt tokens
-       found in the prefix cache, which need no compute;
-    3. ``can_allocate``/``allocate`` for every request's tokens of this step (all-or-nothing);
-    4. ``take_step_update()`` and hand it to the table's batched update;
-    5. after the forward: ``mark_computed`` (full blocks become findable; sliding-window groups
-       release blocks that left the window) and ``append_token_ids`` for sampled tokens.
+    1. :meth:`free_many` for finished requests, :meth:`preempt` for preempted ones;
+    2. :meth:`can_admit` to plan, then :meth:`add_requests` for admitted (or resumed) ones: it
+       returns the number of prompt tokens found in the prefix cache, which need no compute;
+    3. :meth:`allocate_many` for every request's tokens of this step (all-or-nothing);
+    4. :meth:`take_step_update` and hand it to the table's batched update;
+    5. after the forward: :meth:`mark_computed_many` (newly full blocks are hashed in one
+       vectorized pass and become findable; sliding-window groups release blocks that left the
+       window) and :meth:`append_token_ids_many` for sampled tokens.
+
+    Rows and token ids are numpy arrays per request; a batched call costs a few numpy passes
+    over its tokens and blocks plus ~1 us per request, and a long prompt's chunks cost what one
+    allocation of the whole prompt costs (keys are computed once, at admission).
 
     Parameters
     ----------
@@ -57,12 +77,16 @@ class KVCacheManager:
         Number of table rows.
     enable_prefix_caching : bool
         Index full computed blocks so later requests with the same prefix share them.
-    hash_fn : callable, optional
-        ``hash_fn(bytes) -> bytes`` for the chained block hashes (default SHA-256). Lookups
-        compare tokens and prefixes exactly, so a weak or colliding ``hash_fn`` never shares
-        wrong KV.
+    hash_fn : "fast", "sha256" or callable, optional
+        The block hash reported for cached blocks (see :mod:`blocktable.allocator.hashing`):
+        ``"fast"`` (default, the 64-bit block key), ``"sha256"`` (stable, collision-resistant
+        identity across processes, namespace included) or ``callable(bytes) -> bytes`` chained
+        like SHA-256. Lookups never trust a hash: they compare tokens and parents exactly.
     max_model_len : int, optional
         When given, a request may not grow past this many tokens (``ValueError``).
+    max_records : int, optional
+        Per pool, block contents the prefix index remembers, live or evicted (default
+        ``max(2 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
 
     Examples
     --------
@@ -84,8 +108,9 @@ class KVCacheManager:
         max_num_reqs: int,
         *,
         enable_prefix_caching: bool = True,
-        hash_fn: HashFn | None = None,
+        hash_fn: str | HashFn | None = None,
         max_model_len: int | None = None,
+        max_records: int | None = None,
     ) -> None:
         groups = tuple(groups)
         if not groups:
@@ -96,64 +121,100 @@ class KVCacheManager:
                     f"groups[{i}] must be an AllocatorGroupSpec, got {type(spec).__name__}"
                 )
         check_positive("max_num_reqs", max_num_reqs)
-        if hash_fn is not None and not callable(hash_fn):
-            raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         if max_model_len is not None:
             check_positive("max_model_len", max_model_len)
+        if max_records is not None:
+            check_positive("max_records", max_records)
+        self.byte_hash_fn = _byte_hash_fn(hash_fn)
         self.groups = groups
         self.max_num_reqs = int(max_num_reqs)
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.hash_fn: HashFn = sha256_block_hash if hash_fn is None else hash_fn
         self.pools = tuple(
-            BlockPool(spec.num_blocks, enable_caching=self.enable_prefix_caching) for spec in groups
+            BlockPool(
+                spec.num_blocks,
+                spec.block_size,
+                enable_caching=self.enable_prefix_caching,
+                max_records=max_records,
+            )
+            for spec in groups
         )
         self.block_sizes = tuple(spec.block_size for spec in groups)
-        self._windows = tuple(spec.sliding_window for spec in groups)
+        self.windows = tuple(spec.sliding_window for spec in groups)
         self._align_tokens = math.lcm(*self.block_sizes)
-        self._single_group = len(groups) == 1  # allocate's fast path
-        self._block_size0 = self.block_sizes[0]
+        self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._journal = StepJournal(len(groups))
+        self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
         self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- admission
-    def lookup_prefix(
-        self, prompt_token_ids: TokenIds, *, cache_namespace: object = None
-    ) -> int:
+    def lookup_prefix(self, prompt_token_ids: TokenIds, *, cache_namespace: object = None) -> int:
         """Tokens of this prompt the prefix cache would serve now; changes nothing.
 
         The number :meth:`add_request` would return for the same prompt and namespace (while
-        the pools stay as they are), for schedulers that plan admissions before making them.
-        Prefix-cache statistics are not updated.
+        the pools stay as they are). Prefix-cache statistics are not updated.
         """
-        tokens = bytearray(token_bytes("prompt_token_ids", prompt_token_ids))
-        if not tokens:
-            raise ValueError("prompt_token_ids is empty")
-        check_namespace(cache_namespace)
-        if not self.enable_prefix_caching:
-            return 0
-        num_cached_tokens, _ = find_cached_prefix(
-            self.pools, self.block_sizes, tokens, cache_namespace, self._align_tokens
-        )
-        return num_cached_tokens
+        plan = self._plan_one(prompt_token_ids, cache_namespace)
+        return plan.num_cached_tokens
 
-    def add_request(
+    def can_admit(
         self,
-        req_id: ReqId,
         prompt_token_ids: TokenIds,
+        num_new_tokens: int | None = None,
         *,
         cache_namespace: object = None,
+    ) -> bool:
+        """Whether admitting this prompt and allocating its first chunk would succeed now.
+
+        No side effects (no LRU reordering, no statistics). Counts a free row, the prefix hit
+        (cached blocks are shared, not allocated) and, per group, the blocks for
+        ``num_cached + num_new_tokens`` tokens; a hit block that sits in the free queue
+        (reference count 0) leaves it on admission, so it counts as taken from the free pool.
+
+        Parameters
+        ----------
+        prompt_token_ids : sequence of int, int numpy array or tensor ``[num_tokens]``
+        num_new_tokens : int, optional
+            Tokens computed in the first step after the hit (default: the rest of the prompt).
+            Find the hit first with :meth:`lookup_prefix` to cut a chunk to a budget.
+        cache_namespace : as in :meth:`add_request`
+
+        Raises
+        ------
+        ValueError
+            Empty prompt, or prompt or allocation longer than ``max_model_len``.
+        """
+        plan = self._plan_one(prompt_token_ids, cache_namespace)
+        num_cached = plan.num_cached_tokens
+        if num_new_tokens is None:
+            num_new_tokens = len(plan.tokens) - num_cached
+        num_tokens = num_cached + check_count("num_new_tokens", num_new_tokens)
+        self._check_model_len("new request", "allocation", num_tokens)
+        if not self._rows.num_free:
+            return False
+        for pool, bs, slots in zip(self.pools, self.block_sizes, plan.hit_slots):
+            hit_blocks = pool.index.holder[slots]
+            taken_from_free = int(np.count_nonzero(pool.ref_counts[hit_blocks] == 0))
+            need = -(-num_tokens // bs) - num_cached // bs
+            if need > pool.num_free_blocks - taken_from_free:
+                return False
+        return True
+
+    def add_request(
+        self, req_id: ReqId, prompt_token_ids: TokenIds, *, cache_namespace: object = None
     ) -> int:
         """Admit a request (or re-admit a preempted one with all its tokens so far).
 
-        Assigns the lowest free row and shares the longest cached prefix: full blocks only, a
-        multiple of every group's block size, at least one prompt token left to compute. The
-        request starts with ``num_computed_tokens`` equal to the return value.
+        Assigns the lowest free row and shares the longest cached prefix every group can serve
+        (see :mod:`blocktable.allocator.prefix`): full blocks only, a multiple of every group's
+        block size, at least one prompt token left to compute. The request starts with
+        ``num_computed_tokens`` equal to the return value. Same as
+        ``add_requests([req_id], [prompt_token_ids])[0]``.
 
         Parameters
         ----------
@@ -177,50 +238,123 @@ class KVCacheManager:
         OutOfRowsError
             No free row; nothing changed.
         """
-        check_req_id("req_id", req_id)
-        if req_id in self._requests:
-            raise ValueError(f"request {req_id!r} is already running")
-        tokens = bytearray(token_bytes(f"prompt_token_ids of request {req_id!r}", prompt_token_ids))
-        num_tokens = len(tokens) // TOKEN_BYTES
-        if not num_tokens:
-            raise ValueError(f"prompt_token_ids of request {req_id!r} is empty")
-        self._check_model_len(req_id, "prompt", num_tokens)
-        check_namespace(cache_namespace)
-        self._rows.check_free(f"request {req_id!r}")
-        num_cached_tokens, hits = 0, None
-        if self.enable_prefix_caching:
-            num_cached_tokens, hits = find_cached_prefix(
-                self.pools, self.block_sizes, tokens, cache_namespace, self._align_tokens
+        return self.add_requests([req_id], [prompt_token_ids], [cache_namespace])[0]
+
+    def add_requests(
+        self,
+        req_ids: Sequence[ReqId],
+        prompts: Sequence[TokenIds],
+        cache_namespaces: Sequence[object] | None = None,
+    ) -> list[int]:
+        """Admit several requests at once (one hashing pass, one lookup pass, one share).
+
+        The same as :meth:`add_request` for each, in order; every argument is checked first, so
+        a bad one (or too few free rows) changes nothing.
+
+        Returns
+        -------
+        list of int
+            Per request, the tokens served by the prefix cache.
+        """
+        req_ids = as_list("req_ids", req_ids)
+        distinct_new_ids(self._requests, req_ids)
+        prompts = as_list("prompts", prompts)
+        check_same_length("prompts", prompts, len(req_ids))
+        if cache_namespaces is None:
+            cache_namespaces = [None] * len(req_ids)
+        cache_namespaces = as_list("cache_namespaces", cache_namespaces)
+        check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
+        pending: dict[bytes, tuple[int, int]] = {}
+        plans = [
+            self._new_plan(f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending)
+            for r, p, ns in zip(req_ids, prompts, cache_namespaces)
+        ]
+        if len(req_ids) > self._rows.num_free:
+            raise OutOfRowsError(
+                f"no free row for request {req_ids[self._rows.num_free]!r}: "
+                f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
-        req = RequestState(req_id, tokens, cache_namespace, len(self.groups))
+        self._namespaces.update(pending)
+        self._find(plans)
+        shared: list[list[np.ndarray]] = [[] for _ in self.pools]
+        for req_id, plan, ns in zip(req_ids, plans, cache_namespaces):
+            req = self._admit(req_id, plan, ns, shared)
+            self._requests[req_id] = req
+            self._preempted.discard(req_id)
+            self._num_queries += 1
+            self._num_query_tokens += len(plan.tokens)
+            self._num_hit_tokens += plan.num_cached_tokens
+        for pool, blocks in zip(self.pools, shared):
+            if blocks:
+                ids, counts = distinct_counts(np.concatenate(blocks))
+                pool.share(ids, counts)
+        return [plan.num_cached_tokens for plan in plans]
+
+    def _admit(
+        self, req_id: ReqId, plan: PromptPlan, namespace: object, shared: list[list[np.ndarray]]
+    ) -> RequestState:
+        ns_bytes = encode_namespace(namespace)
+        tokens = plan.tokens
+        req = RequestState(
+            req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools), plan.seed
+        )
+        req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
         req.row = self._rows.take(req)
         self._journal.touch(req.row, None)
-        if num_cached_tokens and hits is not None:
-            skips = [self._num_skipped_blocks(g, num_cached_tokens) for g in range(len(hits))]
-            share_cached_prefix(req, self.pools, hits, num_cached_tokens, skips)
+        if self.enable_prefix_caching:
+            for bs, keys in plan.keys.items():
+                req.keys[bs] = keys
+                req.prompt_states[bs] = plan.states[bs]
+                req.num_keys[bs] = len(keys)
+                req.key_states[bs] = int(plan.states[bs][-1]) if len(keys) else plan.seed
+        n = plan.num_cached_tokens
+        req.num_computed_tokens = n
+        if n:
+            for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+                skip = plan.num_skipped[g]
+                blocks = pool.index.holder[plan.hit_slots[g]]
+                shared[g].append(blocks)
+                req.blocks[g] = [NULL_BLOCK_ID] * skip + blocks.tolist()
+                req.num_skipped_blocks[g] = skip
+                req.num_hashed_blocks[g] = n // bs
+                last = plan.last_slots[g]
+                req.parent_cids[g] = int(pool.index.cid[last])
+                if self.byte_hash_fn is not None:
+                    req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
             self._update_num_slots(req)
-        self._requests[req_id] = req
-        self._preempted.discard(req_id)
-        self._num_queries += 1
-        self._num_query_tokens += num_tokens
-        self._num_hit_tokens += num_cached_tokens
-        return num_cached_tokens
+        return req
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
         req = self._get(req_id)
-        new = token_bytes(f"token_ids of request {req_id!r}", token_ids)
-        self._check_model_len(req_id, "sequence", (len(req.tokens) + len(new)) // TOKEN_BYTES)
-        req.tokens += new
+        new = token_array(f"token_ids of request {req_id!r}", token_ids)
+        self._check_model_len(f"request {req_id!r}", "sequence", req.num_tokens + len(new))
+        req.append_tokens(new)
+
+    def append_token_ids_many(
+        self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
+    ) -> None:
+        """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
+        of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
+        req_ids = as_list("req_ids", req_ids)
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        if not (isinstance(token_ids, np.ndarray) and token_ids.ndim == 2):
+            token_ids = as_list("token_ids", token_ids)
+        check_same_length("token_ids", token_ids, len(req_ids))
+        rows = [
+            token_array(f"token_ids of request {r!r}", row) for r, row in zip(req_ids, token_ids)
+        ]
+        for req, new in zip(reqs, rows):
+            self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + len(new))
+        for req, new in zip(reqs, rows):
+            req.append_tokens(new)
 
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
         """Whether :meth:`allocate` would succeed now (no side effects)."""
-        req = self._requests.get(req_id) or self._get(req_id)
+        req = self._get(req_id)
         needs = self._blocks_needed(req, num_new_tokens)
-        return needs is None or all(
-            need <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
-        )
+        return all(need <= pool.num_free_blocks for need, pool in zip(needs, self.pools))
 
     def allocate(self, req_id: ReqId, num_new_tokens: int) -> tuple[list[int], ...]:
         """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
@@ -240,89 +374,185 @@ class KVCacheManager:
         ValueError
             The request would exceed ``max_model_len``.
         """
-        req = self._requests.get(req_id) or self._get(req_id)
-        if self._single_group:
-            return self._allocate_single_group(req, num_new_tokens)
+        req = self._get(req_id)
         needs = self._blocks_needed(req, num_new_tokens)
-        if needs is None:
+        if not any(needs):
             return tuple([] for _ in self.pools)
-        pools = self.pools
-        for g, need in enumerate(needs):
-            if need > pools[g].num_free_blocks:
-                raise OutOfBlocksError(
-                    f"request {req_id!r} needs {need} new blocks in group {g}, "
-                    f"{pools[g].num_free_blocks} free"
-                )
-        if req.row not in self._journal.marks:
-            self._journal.touch(req.row, req)
-        result = tuple(pool.take(need) if need else [] for pool, need in zip(pools, needs))
-        for blocks, new in zip(req.blocks, result):
-            blocks += new
+        self._check_free([needs], [req])
+        self._journal.touch(req.row, req)
+        out = []
+        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+            if need == 1:
+                block_id = pool.take_one()
+                req.blocks[g].append(block_id)
+                out.append([block_id])
+            elif need:
+                new = pool.take(need).tolist()
+                req.blocks[g] += new
+                out.append(new)
+            else:
+                out.append([])
         self._update_num_slots(req)
-        return result
+        return tuple(out)
 
-    def _allocate_single_group(
-        self, req: RequestState, num_new_tokens: int
-    ) -> tuple[list[int], ...]:
-        """:meth:`allocate` for the common one-group model: a decode step's call is ~1 us.
+    def can_allocate_many(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> bool:
+        """Whether :meth:`allocate_many` would succeed now (no side effects)."""
+        _, needs = self._needs_many(req_ids, num_new_tokens)
+        totals = [sum(col) for col in zip(*needs)] if needs else [0] * len(self.pools)
+        return all(t <= pool.num_free_blocks for t, pool in zip(totals, self.pools))
 
-        Same checks as :meth:`_blocks_needed` (through :meth:`_tokens_after`).
+    def allocate_many(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> tuple[RowBlocks, ...]:
+        """:meth:`allocate` for every request of a step at once: one take per group.
+
+        All-or-nothing over every request and group: on any error (unknown or repeated request,
+        lengths that disagree, ``max_model_len``, too few free blocks) nothing changes.
+
+        Parameters
+        ----------
+        req_ids : sequence of request ids ``[n]``, distinct
+        num_new_tokens : sequence of int or int array ``[n]``
+
+        Returns
+        -------
+        tuple of RowBlocks
+            Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
+            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32).
         """
-        num_tokens = self._tokens_after(req, num_new_tokens)
-        if num_tokens <= req.num_slots:
-            return ([],)
-        block_size = self._block_size0
-        blocks = req.blocks[0]
-        need = -(-num_tokens // block_size) - len(blocks)
-        pool = self.pools[0]
-        if need > pool.num_free_blocks:
-            raise OutOfBlocksError(
-                f"request {req.req_id!r} needs {need} new blocks in group 0, "
-                f"{pool.num_free_blocks} free"
-            )
-        marks = self._journal.marks
-        if req.row not in marks:
-            marks[req.row] = (req, (len(blocks),))  # StepJournal.touch, inlined
-        new = pool.take(need)
-        blocks += new
-        req.num_slots = len(blocks) * block_size
-        return (new,)
+        if len(self.pools) == 1:
+            return (self._allocate_many_one_group(req_ids, num_new_tokens),)
+        reqs, needs = self._needs_many(req_ids, num_new_tokens)
+        self._check_free(needs, reqs)
+        out = []
+        for g, pool in enumerate(self.pools):
+            counts = [need[g] for need in needs]
+            total = sum(counts)
+            if not total:
+                out.append(RowBlocks())
+                continue
+            new = pool.take(total)
+            new_list = new.tolist()
+            rows, nums, start = [], [], 0
+            touch = self._journal.touch
+            for req, count in zip(reqs, counts):
+                if count:
+                    touch(req.row, req)
+                    req.blocks[g] += new_list[start : start + count]
+                    rows.append(req.row)
+                    nums.append(count)
+                    start += count
+            out.append(RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new))
+        for req, need in zip(reqs, needs):
+            if any(need):
+                self._update_num_slots(req)
+        return tuple(out)
 
+    def _allocate_many_one_group(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> RowBlocks:
+        """:meth:`allocate_many` for the common one-group model: the same checks, inlined."""
+        req_ids = as_list("req_ids", req_ids)
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
+        bs, max_len = self.block_sizes[0], self.max_model_len
+        needs, total = [], 0
+        for req, n in zip(reqs, counts):
+            num_tokens = req.num_computed_tokens + n
+            if max_len is not None and num_tokens > max_len:
+                self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
+            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - len(req.blocks[0])
+            needs.append(need)
+            total += need
+        pool = self.pools[0]
+        if total > pool.num_free_blocks:
+            self._check_free([[need] for need in needs], reqs)
+        if not total:
+            return RowBlocks()
+        new = pool.take(total)
+        new_list = new.tolist()
+        rows, nums, start = [], [], 0
+        touch = self._journal.touch
+        for req, need in zip(reqs, needs):
+            if need:
+                touch(req.row, req)
+                blocks = req.blocks[0]
+                blocks += new_list[start : start + need]
+                req.num_slots = len(blocks) * bs
+                rows.append(req.row)
+                nums.append(need)
+                start += need
+        return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
+
+    def _needs_many(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> tuple[list[RequestState], list[list[int]]]:
+        req_ids = as_list("req_ids", req_ids)
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
+        return reqs, [self._blocks_needed(req, n) for req, n in zip(reqs, counts)]
+
+    def _check_free(self, needs: list[list[int]], reqs: list[RequestState]) -> None:
+        for g, pool in enumerate(self.pools):
+            total = sum(need[g] for need in needs)
+            if total > pool.num_free_blocks:
+                who = (
+                    f"request {reqs[0].req_id!r} needs"
+                    if len(reqs) == 1
+                    else f"{len(reqs)} requests need"
+                )
+                raise OutOfBlocksError(
+                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free"
+                )
+
+    # ----------------------------------------------------------------- computed tokens
     def mark_computed(self, req_id: ReqId, num_tokens: int) -> None:
         """Record that the next ``num_tokens`` tokens are now in the KV cache.
 
         Full blocks become findable by later requests; sliding-window groups release the
         blocks wholly outside the window of the next token to compute (their entries become
-        ``NULL_BLOCK_ID`` and show up in ``StepUpdate.nulled``).
+        ``NULL_BLOCK_ID`` and show up in ``StepUpdate.nulled``). Same as
+        ``mark_computed_many([req_id], [num_tokens])``.
 
         Raises
         ------
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        req = self._get(req_id)
-        num_computed = req.num_computed_tokens + check_count("num_tokens", num_tokens)
-        if num_computed > req.num_tokens:
-            raise ValueError(
-                f"request {req_id!r}: cannot mark {num_computed} tokens computed, only "
-                f"{req.num_tokens} token ids are known (append_token_ids first)"
-            )
-        for g, (blocks, block_size) in enumerate(zip(req.blocks, self.block_sizes)):
-            if num_computed > len(blocks) * block_size:
+        self.mark_computed_many([req_id], [check_count("num_tokens", num_tokens)])
+
+    def mark_computed_many(
+        self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
+    ) -> None:
+        """:meth:`mark_computed` for every request of a step: one hashing pass for all newly
+        full blocks, one registration and one release per group. Checked fully first."""
+        req_ids = as_list("req_ids", req_ids)
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        counts = token_counts("num_tokens", num_tokens, len(reqs))
+        for req, count in zip(reqs, counts):
+            num_computed = req.num_computed_tokens + count
+            if num_computed > req.num_tokens:
                 raise ValueError(
-                    f"request {req_id!r}: cannot mark {num_computed} tokens computed, group {g} "
-                    f"has blocks for {len(blocks) * block_size} (allocate first)"
+                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+                    f"{req.num_tokens} token ids are known (append_token_ids first)"
                 )
-        req.num_computed_tokens = num_computed
+            for g, bs in enumerate(self.block_sizes):
+                if num_computed > len(req.blocks[g]) * bs:
+                    raise ValueError(
+                        f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                        f"group {g} has blocks for {len(req.blocks[g]) * bs} (allocate first)"
+                    )
+        for req, count in zip(reqs, counts):
+            req.num_computed_tokens += count
         if self.enable_prefix_caching:
-            memo: dict[tuple[int, int], bytes] | None = {} if len(self.groups) > 1 else None
-            for g, (pool, block_size) in enumerate(zip(self.pools, self.block_sizes)):
-                cache_full_blocks(
-                    pool, req, g, block_size, num_computed // block_size, self.hash_fn, memo
-                )
-        for g, window in enumerate(self._windows):
+            register_computed_blocks(
+                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+            )
+        for g, window in enumerate(self.windows):
             if window is not None:
-                self._release_outside_window(req, g, self._num_skipped_blocks(g, num_computed))
+                self._release_outside_window(reqs, g, window)
 
     # ----------------------------------------------------------------- release
     def free(self, req_id: ReqId) -> None:
@@ -336,10 +566,18 @@ class KVCacheManager:
         KeyError
             Unknown request, or freed twice.
         """
-        if req_id in self._preempted:
+        self.free_many([req_id])
+
+    def free_many(self, req_ids: Sequence[ReqId]) -> None:
+        """:meth:`free` of several requests at once (in order); checked fully first."""
+        req_ids = as_list("req_ids", req_ids)
+        running = [r for r in req_ids if r not in self._preempted]
+        reqs = running_requests(self._requests, self._preempted, running)
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
+        for req_id in req_ids:
             self._preempted.discard(req_id)
-            return
-        self._release(self._get(req_id))
+        self._release(reqs)
 
     def preempt(self, req_id: ReqId) -> None:
         """Release the request's blocks and row; it may come back with :meth:`add_request`.
@@ -347,7 +585,7 @@ class KVCacheManager:
         Its computed full blocks stay cached, so re-admission with all its tokens so far
         (prompt and generated) usually hits them.
         """
-        self._release(self._get(req_id))
+        self._release([self._get(req_id)])
         self._preempted.add(req_id)
         self.num_preemptions += 1
 
@@ -376,26 +614,48 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already a known request")
         self._rows.check_free(f"request {child_id!r}")
         num_computed = parent.num_computed_tokens
-        for g, (pool, block_size) in enumerate(zip(self.pools, self.block_sizes)):
-            if num_computed % block_size and pool.num_free_blocks < 1:
+        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+            if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         child = parent.fork(child_id)
         child.row = self._rows.take(child)
         self._journal.touch(child.row, None)
         copies: list[list[tuple[int, int]]] = []
-        for g, (pool, block_size) in enumerate(zip(self.pools, self.block_sizes)):
-            num_full = num_computed // block_size
+        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+            num_full = num_computed // bs
             shared = parent.blocks[g][:num_full]
-            pool.share([b for b in shared if b != NULL_BLOCK_ID])
+            real = np.array([b for b in shared if b != NULL_BLOCK_ID], dtype=np.int32)
+            pool.share(real, np.ones(len(real), dtype=np.int32))
             child.blocks[g] = shared
             copies.append([])
-            if num_computed % block_size:
-                dst = pool.take(1)[0]
+            if num_computed % bs:
+                dst = pool.take_one()
                 shared.append(dst)
                 copies[g].append((parent.blocks[g][num_full], dst))
         self._update_num_slots(child)
         self._requests[child_id] = child
         return tuple(copies)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block content, so nothing is found by later lookups.
+
+        Refused while any request holds blocks (running requests own them and their rows
+        refer to the index): returns False and changes nothing. Otherwise every free cached
+        block becomes a plain free block and True is returned. The prefix-cache counters are
+        not reset (they count since the manager was built).
+        """
+        if any(int(pool.ref_counts.max()) > 0 for pool in self.pools):
+            return False
+        for pool in self.pools:
+            pool.reset_cache()
+        for req in self._requests.values():
+            for g, pool in enumerate(self.pools):
+                if req.num_hashed_blocks[g]:
+                    # Its blocks all left a window: the parent's record is gone, so later
+                    # blocks chain to a content id no record has (never findable, never wrong).
+                    req.parent_cids[g] = pool.index.next_cid
+                    pool.index.next_cid += 1
+        return True
 
     # ----------------------------------------------------------------- step result
     def take_step_update(self) -> StepUpdate:
@@ -417,9 +677,9 @@ class KVCacheManager:
         return self._get(req_id).row
 
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
-        """Per group, a copy of the request's manager block ids (``NULL_BLOCK_ID`` outside a
-        sliding window)."""
-        return tuple(list(blocks) for blocks in self._get(req_id).blocks)
+        """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
+        req = self._get(req_id)
+        return tuple(list(blocks) for blocks in req.blocks)
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
@@ -457,7 +717,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Verify every invariant (refcounts, queues, index, rows); raise ``IntegrityError``.
 
-        O(num_blocks + index size + requests' blocks): for tests and debug modes.
+        O(num_blocks + records + requests' blocks): for tests and debug modes.
         """
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
 
@@ -470,61 +730,116 @@ class KVCacheManager:
             raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
         return req
 
-    def _check_model_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
+    def _check_model_len(self, who: str, what: str, num_tokens: int) -> None:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             raise ValueError(
-                f"request {req_id!r}: {what} of {num_tokens} tokens exceeds "
-                f"max_model_len={self.max_model_len}"
+                f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
             )
 
-    def _tokens_after(self, req: RequestState, num_new_tokens: int) -> int:
-        """The request's token count once ``num_new_tokens`` more are computed (checked)."""
+    def _namespace(
+        self, namespace: object, pending: dict[bytes, tuple[int, int]]
+    ) -> tuple[int, int]:
+        """``(root content id, key seed)`` of a namespace; a new one is added to ``pending``
+        (interned only when a request with it is admitted, so rejected calls change nothing)."""
+        check_namespace(namespace)
+        encoded = encode_namespace(namespace)
+        found = self._namespaces.get(encoded) or pending.get(encoded)
+        if found is None:
+            found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
+            pending[encoded] = found
+        return found
+
+    def _new_plan(
+        self,
+        name: str,
+        prompt: TokenIds,
+        namespace: object,
+        who: str,
+        pending: dict[bytes, tuple[int, int]],
+    ) -> PromptPlan:
+        tokens = token_array(name, prompt)
+        if not len(tokens):
+            raise ValueError(f"{name} is empty")
+        if not isinstance(prompt, (list, tuple)):
+            tokens = tokens.copy()  # the caller's array stays the caller's
+        self._check_model_len(who, "prompt", len(tokens))
+        root, seed = self._namespace(namespace, pending)
+        return PromptPlan(tokens, root, seed)
+
+    def _find(self, plans: list[PromptPlan]) -> None:
+        if not self.enable_prefix_caching:
+            for plan in plans:
+                plan.hit_slots = [np.zeros(0, np.int64) for _ in self.pools]
+            return
+        prompt_keys(plans, self.block_sizes, self._powers)
+        find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
+
+    def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
+        plan = self._new_plan(
+            "prompt_token_ids", prompt_token_ids, cache_namespace, "new request", {}
+        )
+        self._find([plan])
+        return plan
+
+    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int]:
+        """New blocks per group for ``num_new_tokens`` more tokens (checked)."""
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         num_tokens = req.num_computed_tokens + num_new_tokens
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            self._check_model_len(req.req_id, "allocation", num_tokens)
-        return num_tokens
-
-    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int] | None:
-        """New blocks per group for ``num_new_tokens`` more tokens; None when none at all."""
-        num_tokens = self._tokens_after(req, num_new_tokens)
+        self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
         if num_tokens <= req.num_slots:
-            return None
-        if len(req.blocks) == 1:
-            return [-(-num_tokens // self.block_sizes[0]) - len(req.blocks[0])]
+            return [0] * len(self.pools)
         return [
-            max(0, -(-num_tokens // block_size) - len(blocks))
-            for blocks, block_size in zip(req.blocks, self.block_sizes)
+            max(0, -(-num_tokens // bs) - len(blocks))
+            for blocks, bs in zip(req.blocks, self.block_sizes)
         ]
 
     def _update_num_slots(self, req: RequestState) -> None:
-        req.num_slots = min(
-            len(blocks) * block_size for blocks, block_size in zip(req.blocks, self.block_sizes)
+        req.num_slots = min(len(b) * bs for b, bs in zip(req.blocks, self.block_sizes))
+
+    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
+        bs = self.block_sizes[g]
+        released: list[int] = []
+        for req in reqs:
+            first = req.num_skipped_blocks[g]
+            skip = max(0, (req.num_computed_tokens - window + 1) // bs)
+            if skip <= first:
+                continue
+            self._journal.touch(req.row, req)
+            row = req.blocks[g]
+            released += row[first:skip]  # oldest first
+            row[first:skip] = [NULL_BLOCK_ID] * (skip - first)
+            for i in range(first, skip):
+                self._journal.null(req, g, i)
+            req.num_skipped_blocks[g] = skip
+        if released:
+            self.pools[g].release(np.array(released, dtype=np.int32), may_repeat=len(reqs) > 1)
+
+    def _release(self, reqs: list[RequestState]) -> None:
+        per_group: list[list[int]] = [[] for _ in self.pools]
+        for req in reqs:
+            self._journal.touch(req.row, req)
+            for g, blocks in enumerate(req.blocks):
+                per_group[g] += reversed(blocks[req.num_skipped_blocks[g] :])  # tail first
+            self._rows.release(req.row)
+            del self._requests[req.req_id]
+        for pool, ids in zip(self.pools, per_group):
+            if ids:
+                pool.release(np.array(ids, dtype=np.int32), may_repeat=len(reqs) > 1)
+
+
+def _byte_hash_fn(hash_fn: object) -> HashFn | None:
+    """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""
+    if hash_fn is None or hash_fn == "fast":
+        return None
+    if hash_fn == "sha256":
+        return sha256_block_hash
+    if isinstance(hash_fn, str):
+        raise ValueError(  # noqa: TRY004 (a str of the right type, naming no hash)
+            f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}"
         )
-
-    def _num_skipped_blocks(self, group: int, num_computed_tokens: int) -> int:
-        window = self._windows[group]
-        if window is None:
-            return 0
-        return max(0, (num_computed_tokens - window + 1) // self.block_sizes[group])
-
-    def _release_outside_window(self, req: RequestState, group: int, num_skipped: int) -> None:
-        first = req.num_skipped_blocks[group]
-        if num_skipped <= first:
-            return
-        self._journal.touch(req.row, req)
-        blocks = req.blocks[group]
-        # Entries before ``first`` are already null; these are real blocks, oldest first.
-        self.pools[group].release(blocks[first:num_skipped])
-        for i in range(first, num_skipped):
-            blocks[i] = NULL_BLOCK_ID
-            self._journal.null(req, group, i)
-        req.num_skipped_blocks[group] = num_skipped
-
-    def _release(self, req: RequestState) -> None:
-        self._journal.touch(req.row, req)
-        for pool, blocks in zip(self.pools, req.blocks):
-            pool.release([b for b in reversed(blocks) if b != NULL_BLOCK_ID])
-        self._rows.release(req.row)
-        del self._requests[req.req_id]
+    if not callable(hash_fn):
+        raise TypeError(
+            f"hash_fn must be 'fast', 'sha256' or a callable, got {type(hash_fn).__name__}"
+        )
+    return hash_fn  # type: ignore[return-value]

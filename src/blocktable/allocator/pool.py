@@ -1,19 +1,16 @@
-"""The blocks of one KV cache group: reference counts, the free queue and the prefix index."""
+"""The blocks of one KV cache group: reference counts, the free queues and the prefix index."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
+from blocktable.allocator.arrays import decrement, has_repeats
 from blocktable.allocator.errors import OutOfBlocksError
-from blocktable.allocator.hashing import CacheKey
+from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
-from blocktable.allocator.lru import LruQueue
-
-INDEX_LIMIT_FACTOR = 2  # the index may keep this many keys per block before dropping dead ones
-_DROP_PER_INSERT = 2  # keys re-examined per newly cached block while over the limit
-
-Hit = tuple[int, int]  # (content_id, block_id)
+from blocktable.allocator.queue import BlockQueue
 
 
 class BlockPool:
@@ -23,33 +20,37 @@ class BlockPool:
     wait in two queues, and :meth:`take` empties them in this order:
 
     1. free blocks holding no cached content, least recently freed first;
-    2. free cached blocks, least recently used first. Taking one *evicts* it: its content id is
-       reset before it is handed out, so the prefix index never returns it for its old content.
+    2. free cached blocks, least recently used first. Taking one *evicts* it: its record dies
+       (see :mod:`blocktable.allocator.index`), so no lookup returns it for its old content.
 
-    Cached content therefore survives as long as possible, least recently used first.
     :meth:`release` queues blocks in the order given; the manager passes a request's blocks
     tail first, so its tail is evicted before the prefix other requests may share.
 
-    The prefix index maps a cache key (see :mod:`blocktable.allocator.hashing`) to its content
-    id and the one block, the *holder*, that lookups return. A block computed with content
-    that is already cached becomes the holder if the old holder is free (the old one becomes
-    an uncached free block), else a *duplicate*: owned, not indexed, and promoted to holder
-    when the holder is freed, so content stays findable while any request owns a copy.
-
-    Eviction only resets the block's content id (O(1), no index memory touched). The key stays,
-    dead, until its content is computed again (it keeps its content id, so cached children
-    stay reachable) or the index holds more than ``INDEX_LIMIT_FACTOR * num_blocks`` keys;
-    then each newly cached block also drops up to two dead keys, oldest first.
+    A block computed with content that an owned block already holds becomes a *duplicate*:
+    owned, not indexed, and promoted to holder when the holder is freed, so content stays
+    findable while any request owns a copy. A content computed while its holder is free moves
+    to the new block (the old one becomes an uncached free block).
 
     Parameters
     ----------
     num_blocks : int
         Pool size including the null block; at least 2.
+    block_size : int
+        Tokens per block (the records of the prefix index store them).
     enable_caching : bool
         When False, nothing is ever cached and every free block is uncached.
+    max_records : int, optional
+        Records the prefix index keeps, live or dead (see :class:`PrefixIndex`).
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 1,
+        *,
+        enable_caching: bool = True,
+        max_records: int | None = None,
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks < 2:
@@ -57,225 +58,286 @@ class BlockPool:
                 f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}"
             )
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.enable_caching = enable_caching
         # Per block id, on cpu:
-        self._ref_counts = [0] * num_blocks
-        self._content = [0] * num_blocks  # content id the block holds for the index, 0 = none
-        self._dup_of = [0] * num_blocks  # content id an owned duplicate holds, 0 = none
-        self._block_hashes: list[bytes | None] = [None] * num_blocks  # valid where cached/dup
-        self._free_uncached: deque[int] = deque(range(1, num_blocks))  # FIFO
-        self._free_cached = LruQueue(num_blocks)  # least recently used first
-        self._index: dict[CacheKey, Hit] = {}  # key -> (content id, holder); holder maybe evicted
-        self._index_order: deque[CacheKey] = deque()  # the index's keys, oldest first
-        self._dups: dict[int, tuple[CacheKey, list[int]]] = {}  # content id -> key, duplicates
-        self._num_cached_blocks = 0
-        self._next_content_id = 1
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.record = np.full(num_blocks, -1, dtype=np.int64)  # record slot held, -1 = none
+        self.dup_of = np.full(num_blocks, -1, dtype=np.int64)  # record an owned copy duplicates
+        self.dups: dict[int, list[int]] = {}  # record slot -> its owned duplicate blocks
+        self.uncached = BlockQueue(num_blocks, np.arange(1, num_blocks, dtype=np.int32))
+        self.cached = BlockQueue(num_blocks)  # least recently used first
+        self.index = PrefixIndex(num_blocks, block_size, max_records)
+        self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
 
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
         """Blocks that :meth:`take` can hand out now (uncached or evictable)."""
-        return len(self._free_uncached) + len(self._free_cached)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks whose content is findable by prefix lookup (owned or free)."""
-        return self._num_cached_blocks
+        return len(self.uncached) + len(self.cached)
 
     def ref_count(self, block_id: int) -> int:
         """How many requests hold ``block_id``."""
-        return self._ref_counts[block_id]
+        return int(self.ref_counts[block_id])
 
     def content_id(self, block_id: int) -> int | None:
-        """The content id of a cached block, else None."""
-        return self._content[block_id] or None
+        """The content id of a cached block (its holder's record), else None."""
+        slot = int(self.record[block_id])
+        return int(self.index.cid[slot]) if slot >= 0 else None
 
-    def block_hash(self, block_id: int) -> bytes | None:
-        """The chained hash of the content of a cached or duplicate block, else None."""
-        if self._content[block_id] or self._dup_of[block_id]:
-            return self._block_hashes[block_id]
-        return None
+    def block_hash(self, block_id: int) -> int | bytes | None:
+        """The block hash of the content a cached or duplicate block holds, else None.
 
-    def duplicate_key(self, block_id: int) -> tuple[CacheKey, int] | None:
-        """``(key, content_id)`` of the content a duplicate block holds, else None."""
-        content_id = self._dup_of[block_id]
-        return (self._dups[content_id][0], content_id) if content_id else None
+        The fast block key (int) unless the manager keeps byte-chained hashes.
+        """
+        slot = int(self.record[block_id])
+        if slot < 0:
+            slot = int(self.dup_of[block_id])
+        if slot < 0:
+            return None
+        stored = self.index.hashes[slot]
+        return int(self.index.key[slot]) if stored is None else stored  # type: ignore[return-value]
 
     def eviction_order(self) -> list[int]:
         """Free block ids in the order :meth:`take` hands them out (for tests and debugging)."""
-        return [*self._free_uncached, *self._free_cached]
-
-    def live_keys(self) -> dict[int, tuple[CacheKey, int]]:
-        """``{block_id: (key, content_id)}`` for every cached block (O(index); for checks)."""
-        content = self._content
-        return {
-            block_id: (key, content_id)
-            for key, (content_id, block_id) in self._index.items()
-            if content[block_id] == content_id
-        }
+        return [*self.uncached.ids().tolist(), *self.cached.ids().tolist()]
 
     # ----------------------------------------------------------------- blocks
-    def take(self, num_blocks: int) -> list[int]:
-        """Hand out ``num_blocks`` free blocks with reference count 1 (evicting cached ones).
+    def take(self, num_blocks: int) -> np.ndarray:
+        """Hand out ``num_blocks`` free blocks with reference count 1 (int32, evicting cached).
 
         Raises
         ------
         OutOfBlocksError
             When fewer blocks are free; nothing is taken.
         """
-        uncached = self._free_uncached
-        if num_blocks == 1 and (uncached or self._free_cached):  # the decode fast path
-            if uncached:
-                block_id = uncached.popleft()
-            else:
-                block_id = self._free_cached.pop_one()
-                self._content[block_id] = 0
-                self._num_cached_blocks -= 1
-            self._ref_counts[block_id] = 1
-            return [block_id]
-        num_evict = num_blocks - len(uncached)
-        if num_evict <= 0:
-            popleft = uncached.popleft
-            block_ids = [popleft() for _ in range(num_blocks)]
-        elif num_evict > len(self._free_cached):
-            raise OutOfBlocksError(
-                f"need {num_blocks} blocks, {self.num_free_blocks} free of {self.num_blocks - 1}"
-            )
+        num_uncached = len(self.uncached)
+        if num_blocks <= num_uncached:
+            block_ids = self.uncached.pop(num_blocks)
         else:
-            block_ids = list(uncached)
-            uncached.clear()
-            evicted = self._free_cached.pop_front(num_evict)
-            content = self._content
-            for block_id in evicted:
-                content[block_id] = 0
-            block_ids += evicted
-            self._num_cached_blocks -= num_evict
-        ref_counts = self._ref_counts
-        for block_id in block_ids:
-            ref_counts[block_id] = 1
+            num_evict = num_blocks - num_uncached
+            if num_evict > len(self.cached):
+                raise OutOfBlocksError(
+                    f"need {num_blocks} blocks, {self.num_free_blocks} free of "
+                    f"{self.num_blocks - 1}"
+                )
+            evicted = self.cached.pop(num_evict)
+            self._evict(evicted)
+            block_ids = np.concatenate((self.uncached.pop(num_uncached), evicted))
+        self.ref_counts[block_ids] = 1
         return block_ids
 
-    def share(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on each block; a free cached block leaves the free queue."""
-        ref_counts = self._ref_counts
-        free_cached = self._free_cached
-        for block_id in block_ids:
-            if ref_counts[block_id] == 0:
-                free_cached.remove(block_id)
-            ref_counts[block_id] += 1
+    def take_one(self) -> int:
+        """:meth:`take` of one block (the pool must have a free block); the decode fast path."""
+        if len(self.uncached):
+            block_id = self.uncached.pop_one()
+        else:
+            block_id = self.cached.pop_one()
+            self._evict(np.array([block_id]))
+        self.ref_counts[block_id] = 1
+        return block_id
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block; blocks reaching 0 join the free queue in order."""
-        ref_counts = self._ref_counts
-        content = self._content
-        newly_free_cached: list[int] = []  # queued at the end: the other queue is independent
-        for block_id in block_ids:
-            count = ref_counts[block_id] - 1
-            ref_counts[block_id] = count
-            if count:
+    def _evict(self, block_ids: np.ndarray) -> None:
+        self.index.kill(self.record[block_ids])
+        self.record[block_ids] = -1
+        self.num_cached_blocks -= len(block_ids)
+
+    def share(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        """``counts[i]`` more references on block ``block_ids[i]`` (distinct, cached or owned);
+        free ones leave the free queue."""
+        ref_counts = self.ref_counts
+        was_free = block_ids[ref_counts[block_ids] == 0]
+        if len(was_free):
+            self.cached.remove(was_free)
+        ref_counts[block_ids] += counts
+
+    def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
+        """Drop one reference per entry; blocks reaching 0 join the free queues in order.
+
+        ``block_ids`` (int32) may repeat an id only with ``may_repeat`` (several requests
+        released at once); such a block is queued where its last reference was dropped.
+        """
+        ref_counts = self.ref_counts
+        if may_repeat:
+            freed = decrement(ref_counts, block_ids)
+        else:
+            ref_counts[block_ids] -= 1
+            freed = block_ids[ref_counts[block_ids] == 0]
+        if not len(freed):
+            return
+        if self.dups:
+            self._release_duplicates(freed)
+        cached = self.record[freed] >= 0
+        if cached.all():
+            self.cached.extend(freed)
+        else:
+            self.uncached.extend(freed[~cached])
+            self.cached.extend(freed[cached])
+
+    def _release_duplicates(self, freed: np.ndarray) -> None:
+        """Freed duplicates are forgotten; freed holders with an owned duplicate hand over."""
+        record, dup_of, dups = self.record, self.dup_of, self.dups
+        for block_id in freed.tolist():
+            slot = int(dup_of[block_id])
+            if slot >= 0:
+                copies = dups[slot]
+                copies.remove(block_id)
+                if not copies:
+                    del dups[slot]
+                dup_of[block_id] = -1
                 continue
-            if not content[block_id]:
-                if self._dups and self._dup_of[block_id]:
-                    self._forget_duplicate(block_id)
-                self._free_uncached.append(block_id)
-            elif self._dups and content[block_id] in self._dups:
-                self._promote_duplicate(block_id)
-                self._free_uncached.append(block_id)
-            else:
-                newly_free_cached.append(block_id)
-        if newly_free_cached:
-            self._free_cached.extend(newly_free_cached)
-
-    def _forget_duplicate(self, block_id: int) -> None:
-        content_id = self._dup_of[block_id]
-        duplicates = self._dups[content_id][1]
-        duplicates.remove(block_id)
-        if not duplicates:
-            del self._dups[content_id]
-        self._dup_of[block_id] = 0
-
-    def _promote_duplicate(self, holder: int) -> None:
-        """The holder of a content is freed while a duplicate is owned: index the duplicate."""
-        content_id = self._content[holder]
-        key, duplicates = self._dups[content_id]
-        block_id = duplicates.pop()
-        if not duplicates:
-            del self._dups[content_id]
-        self._dup_of[block_id] = 0
-        self._index[key] = (content_id, block_id)
-        self._content[block_id] = content_id
-        self._content[holder] = 0
+            slot = int(record[block_id])
+            if slot >= 0 and slot in dups:
+                copies = dups[slot]
+                new_holder = copies.pop()
+                if not copies:
+                    del dups[slot]
+                dup_of[new_holder] = -1
+                record[new_holder] = slot
+                self.index.holder[slot] = new_holder
+                record[block_id] = -1
 
     # ----------------------------------------------------------------- prefix index
-    def lookup(self, key: CacheKey) -> Hit | None:
-        """``(content_id, block_id)`` of the block holding exactly the content of ``key``."""
-        hit = self._index.get(key)
-        if hit is None or self._content[hit[1]] != hit[0]:
-            return None  # never cached, or evicted (the key keeps its id for a recomputation)
-        return hit
+    def cache(
+        self,
+        block_ids: np.ndarray,
+        keys: np.ndarray,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        hashes: Sequence[object] | None = None,
+    ) -> np.ndarray:
+        """Make owned, full, computed blocks findable; return their content ids (int64).
 
-    def find_chain(
-        self, parent: bytes, tokens: memoryview, block_bytes: int, stop: int
-    ) -> list[Hit]:
-        """The cached blocks ``0, 1, ...`` (up to ``stop``) of a prompt, as long as they chain.
-
-        ``parent`` is the root prefix of the prompt's first key (see
-        :func:`~blocktable.allocator.hashing.root_prefix`); block ``i`` is
-        ``tokens[i * block_bytes : (i + 1) * block_bytes]``.
+        ``block_ids`` (int32 ``[n]``), their ``keys`` (uint64), ``tokens`` (int64
+        ``[n, block_size]``) and ``parents`` (int64 ``[n]``): the parent content id of each
+        block, or ``0`` for "the content id returned for the previous entry" (a chain).
+        ``hashes``: block hashes to keep when they are not the keys.
         """
-        get, content = self._index.get, self._content
-        hits: list[Hit] = []
-        for i in range(stop):
-            hit = get(parent + tokens[i * block_bytes : (i + 1) * block_bytes])
-            if hit is None or content[hit[1]] != hit[0]:
-                break
-            hits.append(hit)
-            parent = b"C" + hit[0].to_bytes(8, "little")  # hashing.content_prefix, inlined
-        return hits
+        n = len(block_ids)
+        index = self.index
+        if (index.keys.get(keys) < 0).all() and not has_repeats(keys):
+            slots = index.take_slots(n)
+            cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
+            index.next_cid += n
+            chained = parents == 0
+            parent_ids = parents.copy()
+            parent_ids[1:][chained[1:]] = cids[:-1][chained[1:]]
+            index.cid[slots] = cids
+            index.parent[slots] = parent_ids
+            index.tokens[slots] = tokens
+            index.holder[slots] = block_ids
+            index.key[slots] = keys
+            if hashes is not None:
+                index.any_hashes = True
+                for slot, block_hash in zip(slots.tolist(), hashes):
+                    index.hashes[slot] = block_hash
+            self.record[block_ids] = slots
+            index.keys.insert(keys, slots)
+            self.num_cached_blocks += n
+            return cids
+        return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
-    def cache_block(self, block_id: int, key: CacheKey, block_hash: bytes) -> int:
-        """Make an owned, full, computed block findable under ``key``; return its content id.
+    def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
+        """:meth:`cache` of one block (the decode path: scalar operations only)."""
+        index = self.index
+        if index.keys.get_one(key) >= 0:
+            keys = np.array([key], dtype=np.uint64)
+            return int(
+                self._cache_one_by_one(
+                    np.array([block_id], dtype=np.int32),
+                    keys,
+                    tokens[None],
+                    np.array([parent]),
+                    None,
+                )[0]
+            )
+        [slot] = index.take_slots(1).tolist()
+        cid = index.next_cid
+        index.next_cid += 1
+        index.cid[slot] = cid
+        index.parent[slot] = parent
+        index.tokens[slot] = tokens
+        index.holder[slot] = block_id
+        index.key[slot] = key
+        index.hashes[slot] = None
+        index.keys.insert_one(key, slot)
+        self.record[block_id] = slot
+        self.num_cached_blocks += 1
+        return cid
 
-        If an owned block already holds this content, ``block_id`` becomes its duplicate.
-        """
-        index, content = self._index, self._content
-        hit = index.get(key)
-        if hit is None:
-            content_id = self._next_content_id
-            self._next_content_id += 1
-            self._index_order.append(key)
-            if len(index) >= INDEX_LIMIT_FACTOR * self.num_blocks:
-                self._drop_dead_keys(_DROP_PER_INSERT)
-        else:
-            content_id, holder = hit
-            if content[holder] == content_id:
-                self._block_hashes[block_id] = block_hash
-                if self._ref_counts[holder]:
-                    self._dup_of[block_id] = content_id
-                    self._dups.setdefault(content_id, (key, []))[1].append(block_id)
-                    return content_id
-                # The holder is free: keep the owned copy; the free one is just a free block.
-                self._free_cached.remove(holder)
-                content[holder] = 0
-                self._free_uncached.append(holder)
-                self._num_cached_blocks -= 1
-        index[key] = (content_id, block_id)
-        content[block_id] = content_id
-        self._block_hashes[block_id] = block_hash
-        self._num_cached_blocks += 1
-        return content_id
+    def _cache_one_by_one(
+        self,
+        block_ids: np.ndarray,
+        keys: np.ndarray,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        hashes: Sequence[object] | None,
+    ) -> np.ndarray:
+        """:meth:`cache` when some key is already filed (recomputed, duplicated or colliding)."""
+        index, record, ref_counts = self.index, self.record, self.ref_counts
+        cids = np.zeros(len(block_ids), dtype=np.int64)
+        prev = 0
+        for i, block_id in enumerate(block_ids.tolist()):
+            parent = int(parents[i]) or prev
+            key = keys[i : i + 1]
+            slot = int(index.keys.get(key)[0])
+            if slot >= 0:
+                if int(index.parent[slot]) == parent and (index.tokens[slot] == tokens[i]).all():
+                    prev = cids[i] = int(index.cid[slot])
+                    holder = int(index.holder[slot])
+                    if holder == 0:  # evicted: this block holds it again
+                        index.holder[slot] = block_id
+                        record[block_id] = slot
+                        self.num_cached_blocks += 1
+                    elif ref_counts[holder]:
+                        self.dup_of[block_id] = slot
+                        self.dups.setdefault(slot, []).append(block_id)
+                    else:  # the holder is free: keep the owned copy
+                        self.cached.remove(np.array([holder]))
+                        self.uncached.append(holder)
+                        record[holder] = -1
+                        index.holder[slot] = block_id
+                        record[block_id] = slot
+                    continue
+                self._displace(slot)
+            [slot] = index.take_slots(1).tolist()
+            prev = cids[i] = index.next_cid
+            index.next_cid += 1
+            index.cid[slot] = prev
+            index.parent[slot] = parent
+            index.tokens[slot] = tokens[i]
+            index.holder[slot] = block_id
+            index.key[slot] = key[0]
+            index.hashes[slot] = None if hashes is None else hashes[i]
+            index.any_hashes |= hashes is not None
+            index.keys.insert(key, np.array([slot]))
+            record[block_id] = slot
+            self.num_cached_blocks += 1
+        return cids
 
-    def _drop_dead_keys(self, num_keys: int) -> None:
-        order, index, content = self._index_order, self._index, self._content
-        for _ in range(num_keys):
-            key = order.popleft()
-            content_id, block_id = index[key]
-            if content[block_id] == content_id:
-                order.append(key)
-            else:
-                del index[key]
+    def _displace(self, slot: int) -> None:
+        """Another content takes ``slot``'s key: the record and its holder's cache state go."""
+        holder = int(self.index.holder[slot])
+        if holder:
+            if not self.ref_counts[holder]:
+                self.cached.remove(np.array([holder]))
+                self.uncached.append(holder)
+            self.record[holder] = -1
+            self.num_cached_blocks -= 1
+        for block_id in self.dups.pop(slot, []):
+            self.dup_of[block_id] = -1
+        self.index.drop(np.array([slot]))
 
-    def check_integrity(self, expected_ref_counts: Sequence[int]) -> None:
+    def reset_cache(self) -> None:
+        """Forget every cached content (every block must be free): all become uncached."""
+        cached = self.cached.ids()
+        self.cached.remove(cached)
+        self.uncached.extend(cached)
+        self.record[:] = -1
+        self.index.clear()
+        self.num_cached_blocks = 0
+
+    def check_integrity(self, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
         """Check refcounts against ``expected_ref_counts`` and the queues against the index.
 
         See :func:`blocktable.allocator.integrity.check_pool_integrity`.

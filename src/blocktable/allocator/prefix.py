@@ -1,111 +1,158 @@
-"""Prefix caching: finding a prompt's cached blocks and registering newly computed ones.
+"""Prefix caching for a batch of prompts: their block keys in one pass, and their cache hits.
 
-See :mod:`blocktable.allocator.hashing` for the two identities of a cached block (the stable
-chained hash and the exact cache key).
+A prompt's hit is a *resume point* ``n``: the tokens before it need no compute. ``n`` is a
+multiple of every group's block size (their lcm), leaves at least one token to compute, and
+every group must be able to serve it:
+
+* a full-attention group serves ``n`` when blocks ``0 .. n/bs - 1`` are cached (alive);
+* a sliding-window group (window ``w``) serves ``n`` when the blocks the token at ``n`` attends
+  to, ``skip(n) .. n/bs - 1`` with ``skip(n) = max(0, (n - w + 1) // bs)``, are cached, and the
+  records of the blocks before them still verify (their content may have been evicted: those
+  entries become the null block). Servable points of such a group are not prefix-closed: a
+  longer ``n`` may be served when a shorter one is not.
+
+The request's hit is the largest ``n`` that every group serves, so a sliding-window group never
+caps a full-attention group's hit below what both can serve.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from blocktable.allocator.hashing import HashFn, content_prefix, root_prefix
-from blocktable.allocator.pool import BlockPool, Hit
-from blocktable.allocator.request import TOKEN_BYTES, RequestState
-from blocktable.constants import NULL_BLOCK_ID
+import numpy as np
+
+from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
+from blocktable.allocator.pool import BlockPool
+
+_U64 = np.uint64
 
 
-def find_cached_prefix(
+@dataclass
+class PromptPlan:
+    """One prompt's tokens, keys and cache hit, found without side effects."""
+
+    tokens: np.ndarray  # int64 [num_tokens]
+    root: int  # parent content id of block 0
+    seed: int  # K_{-1} of the key chain
+    keys: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
+    states: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
+    num_cached_tokens: int = 0
+    hit_slots: list[np.ndarray] = field(default_factory=list)  # per group: record slots
+    num_skipped: list[int] = field(default_factory=list)  # per group: null entries first
+    last_slots: list[int] = field(default_factory=list)  # per group: record of block n/bs-1
+
+
+def prompt_keys(
+    plans: Sequence[PromptPlan], block_sizes: Sequence[int], powers: dict[int, ChainPowers]
+) -> None:
+    """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size."""
+    for bs in sorted(set(block_sizes)):
+        counts = np.array([len(p.tokens) // bs for p in plans], dtype=np.int64)
+        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts.tolist())])
+        hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
+        seeds = np.array([p.seed for p in plans], dtype=_U64)
+        keys, states = chain_keys(hashes, counts, seeds, powers[bs])
+        ends = np.cumsum(counts)
+        for plan, end, count in zip(plans, ends.tolist(), counts.tolist()):
+            plan.keys[bs] = keys[end - count : end]
+            plan.states[bs] = states[end - count : end]
+
+
+def _segment_first(fail: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per segment (``lengths``, int64), the local index of its first True, else its length."""
+    n = len(fail)
+    out = lengths.copy()
+    if not n:
+        return out
+    starts = np.cumsum(lengths) - lengths
+    local = np.arange(n) - np.repeat(starts, lengths)
+    first = np.where(fail, local, n)
+    nonempty = lengths > 0
+    out[nonempty] = np.minimum(np.minimum.reduceat(first, starts[nonempty]), lengths[nonempty])
+    return out
+
+
+def find_hits(
+    plans: Sequence[PromptPlan],
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
-    tokens: bytearray,
-    namespace: object,
+    windows: Sequence[int | None],
     align_tokens: int,
-) -> tuple[int, list[list[Hit]]]:
-    """The longest cached prefix of ``tokens`` found in every group; no side effects.
-
-    ``tokens`` are little-endian int64 token ids. The prefix is made of full blocks, is a
-    multiple of ``align_tokens`` (the lcm of the block sizes, so every group covers it exactly)
-    and leaves at least one token to compute.
-
-    Returns
-    -------
-    num_tokens : int
-        Length of the prefix in tokens.
-    hits : list of list of (content_id, block_id)
-        Per group, the blocks holding its ``num_tokens // block_size`` blocks.
-    """
-    max_tokens = len(tokens) // TOKEN_BYTES - 1
-    found: list[list[Hit]] = []
-    root = root_prefix(namespace)
-    with memoryview(tokens) as view:
-        for pool, block_size in zip(pools, block_sizes):
-            hits = pool.find_chain(root, view, block_size * TOKEN_BYTES, max_tokens // block_size)
-            found.append(hits)
-            max_tokens = min(max_tokens, len(hits) * block_size)
-    num_tokens = max_tokens // align_tokens * align_tokens
-    return num_tokens, [hits[: num_tokens // bs] for hits, bs in zip(found, block_sizes)]
-
-
-def share_cached_prefix(
-    req: RequestState,
-    pools: Sequence[BlockPool],
-    hits: Sequence[Sequence[Hit]],
-    num_cached_tokens: int,
-    num_skipped_blocks: Sequence[int],
 ) -> None:
-    """Give a new request the blocks found by :func:`find_cached_prefix`.
+    """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
+    limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
+    per_group = []
+    for pool, bs in zip(pools, block_sizes):
+        usable = np.array([lim // bs for lim in limits], dtype=np.int64)
+        # a prompt whose first block is not filed has no hit: look up only the others' keys
+        candidates = np.flatnonzero(usable)
+        if len(candidates):
+            firsts = pool.index.find(
+                np.array([plans[j].keys[bs][0] for j in candidates.tolist()], dtype=_U64)
+            )
+            usable[candidates[firsts < 0]] = 0
+        keys = np.concatenate([p.keys[bs][:u] for p, u in zip(plans, usable.tolist())])
+        slots = pool.index.find(keys)
+        tokens = np.concatenate(
+            [p.tokens[: u * bs] for p, u in zip(plans, usable.tolist())]
+        ).reshape(-1, bs)
+        index = pool.index
+        safe = np.maximum(slots, 0)
+        cids = index.cid[safe]
+        starts = np.cumsum(usable) - usable
+        expected_parent = np.empty_like(cids)
+        expected_parent[1:] = cids[:-1]
+        nonempty = usable > 0
+        expected_parent[starts[nonempty]] = [p.root for p, ne in zip(plans, nonempty) if ne]
+        ok = (slots >= 0) & (index.parent[safe] == expected_parent)
+        ok &= (index.tokens[safe] == tokens).all(axis=1)
+        alive = index.holder[safe] != 0
+        verified = _segment_first(~ok, usable)
+        cached = _segment_first(~(ok & alive), usable)
+        per_group.append((slots, starts, verified, cached, alive))
+    for i, plan in enumerate(plans):
+        cap = limits[i]
+        for (_, _, _, cached, _), bs, window in zip(per_group, block_sizes, windows):
+            if window is None:
+                cap = min(cap, int(cached[i]) * bs)
+        best = cap // align_tokens
+        if all(w is None for w in windows):
+            n = best * align_tokens
+            _take_hit(plan, n, per_group, i, block_sizes, windows)
+            continue
+        candidates = align_tokens * np.arange(best, -1, -1, dtype=np.int64)
+        servable = np.ones(len(candidates), dtype=bool)
+        for (slots, starts, verified, _, alive), bs, window in zip(per_group, block_sizes, windows):
+            if window is None:
+                continue
+            v = int(verified[i])
+            seg_alive = alive[starts[i] : starts[i] + v]
+            dead_before = np.concatenate(([0], np.cumsum(~seg_alive)))
+            hi = candidates // bs
+            lo = np.maximum(0, (candidates - window + 1) // bs)
+            inside = hi <= v
+            hi_c, lo_c = np.minimum(hi, v), np.minimum(lo, v)
+            servable &= inside & (dead_before[hi_c] == dead_before[lo_c])
+        n = int(candidates[np.argmax(servable)]) if servable.any() else 0
+        _take_hit(plan, n, per_group, i, block_sizes, windows)
 
-    Per group, the first ``num_skipped_blocks[g]`` hits are outside a sliding window: their
-    entries are the null block and no reference is taken. The request continues the hash
-    chain from the last hit.
-    """
-    req.num_computed_tokens = num_cached_tokens
-    for g, (pool, group_hits, skip) in enumerate(zip(pools, hits, num_skipped_blocks)):
-        block_ids = [block_id for _, block_id in group_hits[skip:]]
-        pool.share(block_ids)
-        req.blocks[g] = [NULL_BLOCK_ID] * skip + block_ids
-        req.num_skipped_blocks[g] = skip
-        req.num_hashed_blocks[g] = len(group_hits)
-        last_content, last_block = group_hits[-1]
-        last_hash = pool.block_hash(last_block)
-        assert last_hash is not None  # a hit is a cached block
-        req.parent_prefixes[g] = content_prefix(last_content)
-        req.parent_hashes[g] = last_hash
 
-
-def cache_full_blocks(
-    pool: BlockPool,
-    req: RequestState,
-    group: int,
-    block_size: int,
-    num_full_blocks: int,
-    hash_fn: HashFn,
-    hash_memo: dict[tuple[int, int], bytes] | None = None,
+def _take_hit(
+    plan: PromptPlan,
+    n: int,
+    per_group: Sequence[tuple[Any, ...]],
+    i: int,
+    block_sizes: Sequence[int],
+    windows: Sequence[int | None],
 ) -> None:
-    """Hash and index ``req``'s blocks ``num_hashed_blocks[group] .. num_full_blocks - 1``.
-
-    ``hash_memo`` shares hashes between groups of equal block size within one call (their
-    chains are identical: same tokens, same namespace).
-    """
-    first = req.num_hashed_blocks[group]
-    if num_full_blocks <= first:
-        return
-    blocks = req.blocks[group]
-    parent = req.parent_prefixes[group]
-    parent_hash = req.parent_hashes[group]
-    namespace_bytes = req.namespace_bytes
-    step = block_size * TOKEN_BYTES
-    with memoryview(req.tokens) as view:
-        for i in range(first, num_full_blocks):
-            block_bytes = view[i * step : (i + 1) * step].tobytes()
-            block_hash = None if hash_memo is None else hash_memo.get((block_size, i))
-            if block_hash is None:
-                block_hash = hash_fn(parent_hash + block_bytes + namespace_bytes)
-                if hash_memo is not None:
-                    hash_memo[(block_size, i)] = block_hash
-            content_id = pool.cache_block(blocks[i], parent + block_bytes, block_hash)
-            parent = content_prefix(content_id)
-            parent_hash = block_hash
-    req.num_hashed_blocks[group] = num_full_blocks
-    req.parent_prefixes[group] = parent
-    req.parent_hashes[group] = parent_hash
+    plan.num_cached_tokens = n
+    plan.hit_slots, plan.num_skipped, plan.last_slots = [], [], []
+    for (slots, starts, _, _, _), bs, window in zip(per_group, block_sizes, windows):
+        hi = n // bs
+        lo = 0 if window is None else max(0, (n - window + 1) // bs)
+        seg = slots[int(starts[i]) : int(starts[i]) + hi]
+        plan.hit_slots.append(seg[lo:])
+        plan.num_skipped.append(lo)
+        plan.last_slots.append(int(seg[-1]) if hi else -1)

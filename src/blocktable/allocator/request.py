@@ -1,4 +1,4 @@
-"""Per-request bookkeeping of the manager, and the conversion of token ids."""
+"""Per-request bookkeeping of the manager (numpy rows and tokens), and token-id conversion."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import numpy as np
 import torch
 
 from blocktable._checks import as_index_array
-from blocktable.allocator.hashing import ROOT_BLOCK_HASH, encode_namespace
-
-TOKEN_BYTES = 8  # token ids are stored and hashed as little-endian int64
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 """Token ids as the manager accepts them: a list/tuple of ints, an int array or tensor."""
+
+_EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 def check_req_id(name: str, req_id: object) -> None:
@@ -23,95 +22,139 @@ def check_req_id(name: str, req_id: object) -> None:
         raise TypeError(f"{name} must be a str or int, got {type(req_id).__name__}")
 
 
-def token_bytes(name: str, value: object) -> bytes:
-    """Token ids as little-endian int64 bytes; ``TypeError`` naming ``name`` if not integers.
+def token_array(name: str, value: object) -> np.ndarray:
+    """Token ids as an int64 array (1-D, on cpu); ``TypeError`` naming ``name`` if not integers.
 
     Accepts one int, lists and tuples of ints, 1-D integer numpy arrays and CPU integer
-    tensors. (``struct.pack`` validates and converts a Python list in one C loop.)
+    tensors. (``struct.pack`` validates and converts a Python list in one C loop, faster than
+    ``np.array``.) An int64 array is returned as is, not copied: callers copy what they keep.
     """
+    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1:
+        return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = (int(value),)
     elif isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0:
         value = value.reshape(1)
     if isinstance(value, (list, tuple)):
+        if not value:
+            return _EMPTY_TOKENS
         try:
-            return struct.pack(f"<{len(value)}q", *value)
+            return np.frombuffer(struct.pack(f"={len(value)}q", *value), dtype=np.int64)
         except struct.error as exc:
             raise TypeError(f"{name} must hold int64 token ids: {exc}") from None
     if isinstance(value, (np.ndarray, torch.Tensor)):
-        return as_index_array(name, value).astype("<i8", copy=False).tobytes()
+        return as_index_array(name, value).astype(np.int64, copy=False)
     raise TypeError(
         f"{name} must be an int, list, tuple, numpy array or tensor of ints, "
         f"got {type(value).__name__}"
     )
 
 
-def block_token_bytes(tokens: bytearray, block_size: int, first: int, stop: int) -> list[bytes]:
-    """The token bytes of full blocks ``first .. stop-1``."""
-    step = block_size * TOKEN_BYTES
-    with memoryview(tokens) as view:
-        return [view[i * step : (i + 1) * step].tobytes() for i in range(first, stop)]
+def grown(buffer: np.ndarray, size: int) -> np.ndarray:
+    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``."""
+    if len(buffer) >= size:
+        return buffer
+    new = np.zeros(max(size, 2 * len(buffer), 16), dtype=buffer.dtype)
+    new[: len(buffer)] = buffer
+    return new
 
 
 class RequestState:
     """What the manager knows about one running request.
 
-    ``blocks[g]`` is the request's row in group ``g``: manager block ids, logical block ``j`` at
-    index ``j``; entries of sliding-window groups that left the window hold ``NULL_BLOCK_ID``
-    (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
-    ``num_hashed_blocks[g]`` blocks are full, computed and in the prefix index (when caching is
-    on); ``parent_prefixes[g]``/``parent_hashes[g]`` name the content of the last of them (the
-    parent part of the next block's cache key) and its hash.
+    ``blocks[g]`` is the request's row in group ``g`` (a list: a decode step appends one id to
+    many rows, which costs ~50 ns on a list and ~1 us as a numpy write; batched calls convert
+    a whole step's ids at once): manager block ids, logical block ``j`` at index ``j``; entries
+    of sliding-window groups that left the window hold ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
+    ``num_hashed_blocks[g]`` blocks are full, computed and registered in the prefix index (when
+    caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
+    next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
+    ``keys[bs]`` and ``prompt_states[bs]`` are the block keys and key chain states of the
+    prompt's full blocks for block size ``bs`` (computed at admission, read-only);
+    ``key_states[bs]`` is the chain state after block ``num_keys[bs] - 1`` once blocks past the
+    prompt were keyed (they are keyed when registered, from that state).
     """
 
     __slots__ = (
         "blocks",
+        "key_states",
+        "keys",
         "namespace",
         "namespace_bytes",
         "num_computed_tokens",
         "num_hashed_blocks",
+        "num_keys",
         "num_skipped_blocks",
         "num_slots",
+        "num_tokens",
+        "parent_cids",
         "parent_hashes",
-        "parent_prefixes",
+        "prompt_states",
         "req_id",
+        "root",
         "row",
+        "seed",
         "tokens",
     )
 
     def __init__(
-        self, req_id: str | int, tokens: bytearray, namespace: object, num_groups: int
+        self,
+        req_id: str | int,
+        tokens: np.ndarray,
+        namespace: object,
+        namespace_bytes: bytes,
+        root: int,
+        num_groups: int,
+        seed: int = 0,
     ) -> None:
         self.req_id = req_id
         self.row = -1  # set by the manager
-        self.tokens = tokens  # on cpu, little-endian int64 [num_tokens], as bytes
+        self.tokens = tokens  # on cpu, int64 [capacity]; the first num_tokens are the ids
+        self.num_tokens = len(tokens)
         self.namespace = namespace
-        self.namespace_bytes = encode_namespace(namespace)
+        self.namespace_bytes = namespace_bytes
+        self.root = root  # parent content id of the first block (negative: the namespace)
+        self.seed = seed  # key chain state before the first block (the namespace's)
         self.num_computed_tokens = 0
         self.num_slots = 0  # tokens the allocated blocks of every group can hold
         self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_skipped_blocks = [0] * num_groups
         self.num_hashed_blocks = [0] * num_groups
-        # hashing.root_prefix, without encoding the namespace a second time
-        self.parent_prefixes = [b"R" + self.namespace_bytes] * num_groups
-        self.parent_hashes = [ROOT_BLOCK_HASH] * num_groups
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) // TOKEN_BYTES
+        self.parent_cids = [root] * num_groups
+        self.parent_hashes: list[bytes] = [b""] * num_groups
+        self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
+        self.num_keys: dict[int, int] = {}
+        self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.key_states: dict[int, int] = {}
 
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
-        return np.frombuffer(self.tokens, dtype="<i8").tolist()
+        return self.tokens[: self.num_tokens].tolist()
+
+    def append_tokens(self, new: np.ndarray) -> None:
+        n = self.num_tokens
+        tokens = self.tokens = grown(self.tokens, n + len(new))
+        tokens[n : n + len(new)] = new
+        self.num_tokens = n + len(new)
 
     def fork(self, req_id: str | int) -> RequestState:
-        """A copy under a new id, without a row (blocks copied as lists; refs are the caller's)."""
-        child = RequestState(req_id, bytearray(self.tokens), self.namespace, 0)
+        """A copy under a new id, without a row and blocks (the caller fills them)."""
+        child = RequestState(
+            req_id,
+            self.tokens[: self.num_tokens].copy(),
+            self.namespace,
+            self.namespace_bytes,
+            self.root,
+            len(self.blocks),
+            self.seed,
+        )
         child.num_computed_tokens = self.num_computed_tokens
-        child.num_slots = self.num_slots
-        child.blocks = [list(b) for b in self.blocks]
         child.num_skipped_blocks = list(self.num_skipped_blocks)
         child.num_hashed_blocks = list(self.num_hashed_blocks)
-        child.parent_prefixes = list(self.parent_prefixes)
+        child.parent_cids = list(self.parent_cids)
         child.parent_hashes = list(self.parent_hashes)
+        child.keys = dict(self.keys)  # read-only arrays
+        child.prompt_states = dict(self.prompt_states)
+        child.num_keys = dict(self.num_keys)
+        child.key_states = dict(self.key_states)
         return child

@@ -65,8 +65,8 @@ class Scheduler:
         self.token_budget = token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; preemption takes from the end
-        # Prefix-cache counters over successful admissions (the allocator's own stats also
-        # count the admissions undone for lack of blocks).
+        # Prefix-cache counters over admissions (equal to the allocator's own, which only
+        # count admissions too).
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
 
@@ -113,13 +113,14 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted and self.manager.num_free_rows:
             req = self.waiting[0]
-            num_cached = self.manager.add_request(req.req_id, req.all_token_ids)
+            tokens = req.all_token_ids
+            # Plan without side effects (no LRU reordering, no counters); when the pool is
+            # short the request stays at the head of the queue and retries next step.
+            num_cached = self.manager.lookup_prefix(tokens)
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.manager.can_allocate(req.req_id, num_new):
-                # Only admission can tell how much the prefix cache serves, so admit, ask, and
-                # undo when the pool is short; the request retries next step.
-                self.manager.free(req.req_id)
+            if not self.manager.can_admit(tokens, num_new):
                 break
+            num_cached = self.manager.add_request(req.req_id, tokens)
             self.manager.allocate(req.req_id, num_new)
             self.waiting.popleft()
             self.running.append(req)

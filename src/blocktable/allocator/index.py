@@ -1,0 +1,152 @@
+"""The prefix index of one pool: content records found by block key, verified exactly.
+
+A **record** (a slot in these arrays) describes one block content: its unique content id
+(``cid``, never reused), the content id of its parent (the previous block of the prefix; the
+first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
+holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
+:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
+(:mod:`blocktable.allocator.hashing`) to the record filed under it.
+
+A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
+shares block ``i`` of a prompt only when the record found under key ``i`` holds
+exactly the prompt's tokens of block ``i`` and its parent content id is the content id verified
+for block ``i - 1``: by induction the whole prefix is equal, whatever the keys. Dead records keep
+their content (tokens, parent id), so the prefix *before* a sliding window is still verified
+exactly after its blocks were evicted; only the blocks a group needs must be alive.
+
+Dead records are kept up to ``max_records`` records in all (``max(2 * num_blocks, 4096)`` by
+default) and then recycled, least recently killed first; a record whose parent was recycled
+can no longer be reached (a cache miss, never a wrong hit). When a content is computed whose
+key is filed under a *different* content (a key collision, or the same tokens under a parent
+whose record was recycled), the new content takes the key: the old record leaves the index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blocktable.allocator.arrays import last_occurrences
+from blocktable.allocator.keytable import KeyTable
+
+_MIN_RECORDS = 4096
+RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
+
+
+class PrefixIndex:
+    """Records of block contents for one pool of ``block_size``-token blocks (all on cpu).
+
+    Parameters
+    ----------
+    num_blocks : int
+        Pool size (live records never outnumber its blocks).
+    block_size : int
+        Tokens per block.
+    max_records : int, optional
+        Records kept, live or dead (default ``max(2 * num_blocks, 4096)``); at least
+        ``num_blocks``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_records: int | None = None) -> None:
+        if max_records is None:
+            max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
+        self.block_size = block_size
+        self.max_records = max(int(max_records), num_blocks)
+        self.keys = KeyTable(self.max_records)  # block key -> record slot
+        capacity = min(self.max_records, max(num_blocks, 64))
+        self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
+        self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
+        self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
+        self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
+        self.key = np.zeros(capacity, dtype=np.uint64)
+        self.hashes: list[object] = [None] * capacity  # block hash, when not the key
+        self.any_hashes = False  # whether hashes holds anything
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # unused slots (stack)
+        self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
+        self._dead_head = 0  # _dead[:_dead_head] were examined already
+        self.next_cid = 1
+        self.num_records = 0
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    # ----------------------------------------------------------------- lookup
+    def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
+        """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
+        return self.keys.get(np.asarray(keys, dtype=np.uint64))
+
+    # ----------------------------------------------------------------- records
+    def take_slots(self, num: int) -> np.ndarray:
+        """``num`` unused slots (int64), recycling dead records or growing the arrays."""
+        free = self._free
+        while len(free) < num:
+            capacity = len(self.cid)
+            if capacity < self.max_records:
+                self._grow(min(self.max_records, max(2 * capacity, capacity + num)))
+            elif not self._recycle(num - len(free)):
+                raise AssertionError("no dead record to recycle")  # live <= num_blocks
+        out = free[-num:][::-1] if num else []
+        del free[len(free) - num :]
+        self.num_records += num
+        return np.array(out, dtype=np.int64)
+
+    def drop(self, slots: np.ndarray) -> None:
+        """Forget records now (they leave the index; their slots become unused)."""
+        self.keys.delete(self.key[slots])
+        self.cid[slots] = 0
+        self.holder[slots] = 0
+        if self.any_hashes:
+            for slot in slots.tolist():
+                self.hashes[slot] = None
+        self._free += slots.tolist()
+        self.num_records -= len(slots)
+
+    def kill(self, slots: np.ndarray) -> None:
+        """Their blocks were evicted: the records stay, dead, until recycled."""
+        self.holder[slots] = 0
+        self._dead += slots.tolist()
+
+    def _recycle(self, want: int) -> bool:
+        """Drop at least ``want`` dead records, those that died first (False if none left)."""
+        found = 0
+        while found < want and self._dead_head < len(self._dead):
+            head = self._dead_head
+            batch = np.array(self._dead[head : head + max(2 * want, 1024)], dtype=np.int64)
+            self._dead_head = head + len(batch)
+            if self._dead_head > 4096 and 2 * self._dead_head > len(self._dead):
+                del self._dead[: self._dead_head]
+                self._dead_head = 0
+            batch = last_occurrences(batch)
+            # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
+            # again later, with a later entry)
+            batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]
+            if len(batch):
+                self.drop(batch)
+                found += len(batch)
+        return found > 0
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.cid)
+        for name in ("cid", "parent", "holder", "key"):
+            arr = getattr(self, name)
+            new = np.zeros(capacity, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        tokens = np.zeros((capacity, self.block_size), dtype=np.int64)
+        tokens[:old] = self.tokens
+        self.tokens = tokens
+        self.hashes += [None] * (capacity - old)
+        self._free[:0] = range(capacity - 1, old - 1, -1)
+
+    def live_slots(self) -> np.ndarray:
+        """Slots of live records (for checks)."""
+        return np.flatnonzero((self.cid != 0) & (self.holder != 0))
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.keys.clear()
+        self.cid[:] = 0
+        self.holder[:] = 0
+        self.hashes = [None] * len(self.cid)
+        self._free = list(range(len(self.cid) - 1, -1, -1))
+        self._dead, self._dead_head = [], 0
+        self.num_records = 0

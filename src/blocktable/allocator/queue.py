@@ -1,0 +1,117 @@
+"""A queue of free block ids, oldest first, filled and emptied many at a time with numpy.
+
+Prefill frees and evicts hundreds of blocks per step, so every operation takes an array of ids:
+``extend`` writes them at the tail, ``pop`` slices them off the head, ``remove`` (a prefix hit
+reusing a free cached block) only marks the slot stale. A slot is live while
+``position[id] == slot``; ``pop`` skips stale slots, and the array is compacted (live slots moved
+to the front, positions rewritten) when the tail reaches its end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockQueue:
+    """Block ids ``1 .. num_blocks - 1`` in queue order, each at most once.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Block ids are ``< num_blocks``.
+    initial : np.ndarray, optional
+        int32 ids queued at the start, oldest first.
+    """
+
+    def __init__(self, num_blocks: int, initial: np.ndarray | None = None) -> None:
+        self._slots = np.zeros(2 * num_blocks + 2, dtype=np.int32)  # on cpu, block ids
+        self._position = np.full(num_blocks, -1, dtype=np.int64)  # block id -> slot, -1 = none
+        self._head = 0  # first slot not popped
+        self._tail = 0  # first unused slot
+        self._len = 0  # live slots
+        if initial is not None and len(initial):
+            self.extend(initial)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def ids(self) -> np.ndarray:
+        """The queued ids, oldest first (int32, a copy; for checks and tests)."""
+        window = self._slots[self._head : self._tail]
+        live = self._position[window] == np.arange(self._head, self._tail)
+        return window[live]
+
+    def contains(self, block_ids: np.ndarray) -> np.ndarray:
+        """Whether each id is queued (bool, same shape)."""
+        return self._position[block_ids] >= 0
+
+    def extend(self, block_ids: np.ndarray) -> None:
+        """Queue ``block_ids`` (int32, none of them queued, no repeats) last, in order."""
+        n = len(block_ids)
+        if not n:
+            return
+        if self._tail + n > len(self._slots):
+            self._compact()
+        tail = self._tail
+        self._slots[tail : tail + n] = block_ids
+        self._position[block_ids] = np.arange(tail, tail + n)
+        self._tail = tail + n
+        self._len += n
+
+    def append(self, block_id: int) -> None:
+        """Queue one id last."""
+        if self._tail == len(self._slots):
+            self._compact()
+        self._slots[self._tail] = block_id
+        self._position[block_id] = self._tail
+        self._tail += 1
+        self._len += 1
+
+    def remove(self, block_ids: np.ndarray) -> None:
+        """Take queued ``block_ids`` (no repeats) out of the queue, wherever they are."""
+        self._position[block_ids] = -1
+        self._len -= len(block_ids)
+        if self._tail - self._head - self._len > max(self._len, 1024):
+            self._compact()  # stale slots outnumber live ones: keep pops short
+
+    def pop(self, num_blocks: int) -> np.ndarray:
+        """Pop the ``num_blocks`` oldest ids (at most ``len(self)``), oldest first (int32)."""
+        if num_blocks <= 0:
+            return self._slots[:0].copy()
+        head, tail = self._head, self._tail
+        end = min(tail, head + num_blocks)
+        window = self._slots[head:end]
+        live = self._position[window] == np.arange(head, end)
+        if not live.all():
+            # Stale slots in the way: a window wider by the number of stale slots holds enough.
+            end = min(tail, head + num_blocks + (tail - head - self._len))
+            window = self._slots[head:end]
+            live_at = np.flatnonzero(self._position[window] == np.arange(head, end))
+            live_at = live_at[:num_blocks]
+            taken = window[live_at]
+            end = head + int(live_at[-1]) + 1
+        else:
+            taken = window.copy()
+        self._position[taken] = -1
+        self._head = end
+        self._len -= num_blocks
+        return taken
+
+    def pop_one(self) -> int:
+        """Pop the oldest id (the queue must not be empty); the decode fast path."""
+        slots, position, head = self._slots, self._position, self._head
+        block_id = int(slots[head])
+        while position[block_id] != head:
+            head += 1
+            block_id = int(slots[head])
+        position[block_id] = -1
+        self._head = head + 1
+        self._len -= 1
+        return block_id
+
+    def _compact(self) -> None:
+        live = self.ids()
+        n = len(live)
+        self._slots[:n] = live
+        self._position[live] = np.arange(n)
+        self._head, self._tail = 0, n

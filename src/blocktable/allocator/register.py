@@ -1,0 +1,195 @@
+"""Registering a step's newly full computed blocks in the prefix index, in one pass per group.
+
+Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
+(generated tokens) are computed here from each request's key chain state, for every request of
+the call in one :func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files
+all its new blocks with one :meth:`BlockPool.cache` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from blocktable.allocator.hashing import (
+    CHAIN_BASE,
+    MASK64,
+    ChainPowers,
+    HashFn,
+    block_content_hashes,
+    byte_chain,
+    chain_keys,
+    fmix64_int,
+)
+from blocktable.allocator.pool import BlockPool
+from blocktable.allocator.request import RequestState
+
+_U64 = np.uint64
+Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
+
+
+def _segment_keys(
+    segments: list[Segment], bs: int, powers: ChainPowers
+) -> tuple[list[Segment], np.ndarray]:
+    """The segments reordered (prompt blocks first) and their keys, concatenated (uint64).
+
+    Keys of prompt blocks were stored at admission; the others are chained, for every request
+    at once, from the chain state before the segment (the prompt's state there, or the state
+    where the last computation stopped), which then moves to the segment's end.
+    """
+    stored: list[Segment] = []
+    fresh: list[Segment] = []
+    for seg in segments:
+        (stored if seg[2] <= len(seg[0].keys[bs]) else fresh).append(seg)
+    parts = [req.keys[bs][first:stop] for req, first, stop in stored]
+    if fresh:
+        lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
+        tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in fresh])
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        starts = np.array([_state_before(req, first, bs) for req, first, _ in fresh], dtype=_U64)
+        keys, states = chain_keys(hashes, lengths, starts, powers)
+        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
+            req.num_keys[bs] = stop
+            req.key_states[bs] = state
+        parts.append(keys)
+    return stored + fresh, parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _state_before(req: RequestState, first: int, bs: int) -> int:
+    """The key chain state after block ``first - 1`` (the namespace seed for ``first == 0``)."""
+    if first == 0:
+        return req.seed
+    if first <= len(req.prompt_states[bs]):
+        return int(req.prompt_states[bs][first - 1])
+    if first != req.num_keys[bs]:
+        raise AssertionError(f"key chain of request {req.req_id!r} is at {req.num_keys[bs]}")
+    return req.key_states[bs]
+
+
+def register_computed_blocks(
+    reqs: Sequence[RequestState],
+    pools: Sequence[BlockPool],
+    block_sizes: Sequence[int],
+    powers: dict[int, ChainPowers],
+    byte_hash_fn: HashFn | None,
+) -> None:
+    """File every full computed block of ``reqs`` not filed yet, in every group."""
+    if len(reqs) == 1 and byte_hash_fn is None:
+        req = reqs[0]
+        counts = [
+            req.num_computed_tokens // bs - req.num_hashed_blocks[g]
+            for g, bs in enumerate(block_sizes)
+        ]
+        if max(counts) <= 1:  # a decode step filled at most one block per group
+            _register_one_block(req, counts, pools, block_sizes, powers)
+            return
+    for bs in sorted(set(block_sizes)):
+        groups = [g for g, size in enumerate(block_sizes) if size == bs]
+        union = []
+        g0 = groups[0]
+        for req in reqs:
+            hashed = req.num_hashed_blocks
+            first = hashed[g0] if len(groups) == 1 else min(hashed[g] for g in groups)
+            stop = req.num_computed_tokens // bs
+            if stop > first:
+                union.append((req, first, stop))
+        if not union:
+            continue
+        union, keys = _segment_keys(union, bs, powers[bs])
+        if len(groups) == 1:
+            _cache_segments(pools[g0], g0, bs, union, keys, byte_hash_fn)
+            continue
+        offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
+        for g in groups:
+            segments, parts = [], []
+            for (req, first, stop), offset in zip(union, offsets):
+                first_g = req.num_hashed_blocks[g]
+                if stop > first_g:
+                    segments.append((req, first_g, stop))
+                    parts.append(keys[offset + first_g - first : offset + stop - first])
+            if segments:
+                _cache_segments(pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn)
+
+
+def _cache_segments(
+    pool: BlockPool,
+    g: int,
+    bs: int,
+    segments: list[Segment],
+    keys: np.ndarray,
+    byte_hash_fn: HashFn | None,
+) -> None:
+    block_ids: list[int] = []
+    for req, first, stop in segments:
+        block_ids += req.blocks[g][first:stop]
+    if len(segments) == 1:
+        req, first, stop = segments[0]
+        tokens = req.tokens[first * bs : stop * bs]
+    else:
+        tokens = np.concatenate(
+            [req.tokens[first * bs : stop * bs] for req, first, stop in segments]
+        )
+    parents = np.zeros(len(block_ids), dtype=np.int64)
+    lengths = [stop - first for _, first, stop in segments]
+    ends = np.cumsum(lengths).tolist()
+    parents[[end - n for end, n in zip(ends, lengths)]] = [
+        req.parent_cids[g] for req, _, _ in segments
+    ]
+    hashes = None
+    if byte_hash_fn is not None:
+        hashes = []
+        for req, first, stop in segments:
+            hashes += byte_chain(
+                req.tokens,
+                first,
+                stop,
+                bs,
+                req.parent_hashes[g],
+                req.namespace_bytes,
+                byte_hash_fn,
+            )
+    cids = pool.cache(
+        np.array(block_ids, dtype=np.int32), keys, tokens.reshape(-1, bs), parents, hashes
+    )
+    last_cids = cids[np.array(ends) - 1].tolist()
+    for (req, _, stop), end, cid in zip(segments, ends, last_cids):
+        req.parent_cids[g] = cid
+        req.num_hashed_blocks[g] = stop
+        if hashes is not None:
+            req.parent_hashes[g] = hashes[end - 1]
+
+
+def _register_one_block(
+    req: RequestState,
+    counts: list[int],
+    pools: Sequence[BlockPool],
+    block_sizes: Sequence[int],
+    powers: dict[int, ChainPowers],
+) -> None:
+    """:func:`register_computed_blocks` of one request's one new block per group, in plain
+    Python (a few numpy calls cost more than hashing one block's tokens one by one)."""
+    keys: dict[int, int] = {}  # block size -> key of the new block
+    for g, (pool, bs) in enumerate(zip(pools, block_sizes)):
+        if not counts[g]:
+            continue
+        i = req.num_hashed_blocks[g]
+        key = keys.get(bs)
+        if key is None:
+            if i < len(req.keys[bs]):
+                key = int(req.keys[bs][i])
+            else:
+                state = _state_before(req, i, bs)
+                h = 0
+                for t in req.tokens[i * bs : (i + 1) * bs].tolist():
+                    h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
+                state = (state * powers[bs].block_base + h) & MASK64
+                req.num_keys[bs] = i + 1
+                req.key_states[bs] = state
+                key = fmix64_int(state)
+            keys[bs] = key
+        cid = pool.cache_one(
+            req.blocks[g][i], key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
+        )
+        req.parent_cids[g] = cid
+        req.num_hashed_blocks[g] = i + 1

@@ -1,0 +1,240 @@
+"""Batched calls: the same results as the per-request calls, and bad input changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_allocator_snapshot import full_state
+
+from blocktable.allocator import (
+    AllocatorGroupSpec,
+    KVCacheManager,
+    OutOfBlocksError,
+    OutOfRowsError,
+)
+
+GROUPS = [AllocatorGroupSpec(4, 40), AllocatorGroupSpec(8, 16, sliding_window=12)]
+
+
+def make(**kwargs: object) -> KVCacheManager:
+    return KVCacheManager(GROUPS, 6, max_model_len=80, **kwargs)  # type: ignore[arg-type]
+
+
+def observable(mgr: KVCacheManager) -> tuple:
+    reqs = {r: (mgr.block_ids(r), mgr.num_computed_tokens(r), mgr.row_of(r)) for r in mgr._requests}
+    pools = [(p.eviction_order(), p.num_cached_blocks, p.ref_counts.tolist()) for p in mgr.pools]
+    return reqs, pools, mgr.prefix_cache_stats
+
+
+def as_lists(update: object) -> tuple:
+    out = [update.cleared_rows.tolist()]  # type: ignore[attr-defined]
+    for blocks in (*update.added, *update.appended):  # type: ignore[attr-defined]
+        out.append((blocks.rows.tolist(), blocks.num_manager_blocks.tolist(), blocks.block_ids.tolist()))
+    for entries in update.nulled:  # type: ignore[attr-defined]
+        out.append((entries.rows.tolist(), entries.block_indices.tolist()))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_calls_equal_per_request_calls(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batched, single = make(), make()
+    base = rng.integers(0, 4, 60).tolist()
+    live: dict[int, list[int]] = {}
+    next_id = 0
+    for _step in range(40):
+        arrivals = []
+        while len(live) + len(arrivals) < 6 and rng.random() < 0.6:
+            cut = int(rng.integers(0, 40))
+            arrivals.append(
+                (next_id, base[:cut] + rng.integers(0, 4, int(rng.integers(1, 9))).tolist())
+            )
+            next_id += 1
+        if arrivals:
+            ids, prompts = [a for a, _ in arrivals], [p for _, p in arrivals]
+            got = batched.add_requests(ids, prompts)
+            assert got == [single.add_request(r, p) for r, p in arrivals]
+            live.update(arrivals)
+        sched, nums = [], []
+        for r, tokens in live.items():
+            done = batched.num_computed_tokens(r)
+            n = min(len(tokens) - done, int(rng.integers(1, 10)))
+            if n and done + n + 3 <= 80:
+                sched.append(r)
+                nums.append(n + int(rng.integers(0, 4)))  # with lookahead
+        fits = batched.can_allocate_many(sched, nums)
+        if fits:
+            new = batched.allocate_many(sched, nums)
+            per = [single.allocate(r, n) for r, n in zip(sched, nums)]
+            for g in range(2):
+                assert new[g].block_ids.tolist() == [b for p in per for b in p[g]]
+                assert new[g].num_manager_blocks.tolist() == [len(p[g]) for p in per if p[g]]
+            computed = [
+                min(n, len(live[r]) - batched.num_computed_tokens(r)) for r, n in zip(sched, nums)
+            ]
+            batched.mark_computed_many(sched, computed)
+            for r, n in zip(sched, computed):
+                single.mark_computed(r, n)
+        else:
+            with pytest.raises(OutOfBlocksError):
+                batched.allocate_many(sched, nums)
+        assert as_lists(batched.take_step_update()) == as_lists(single.take_step_update())
+        finished = [
+            r for r in live if batched.num_computed_tokens(r) == len(live[r]) and rng.random() < 0.4
+        ]
+        batched.free_many(finished)
+        for r in finished:
+            single.free(r)
+            del live[r]
+        growing = [r for r in live if batched.num_computed_tokens(r) == len(live[r])]
+        tokens = rng.integers(0, 4, (len(growing), 2))
+        if growing and all(len(live[r]) + 2 <= 80 for r in growing):
+            batched.append_token_ids_many(growing, tokens)
+            for r, t in zip(growing, tokens.tolist()):
+                single.append_token_ids(r, t)
+                live[r] += t
+        assert observable(batched) == observable(single)
+    batched.check_integrity()
+    single.check_integrity()
+
+
+def running_pair() -> KVCacheManager:
+    mgr = make()
+    mgr.add_requests(["a", "b"], [list(range(20)), list(range(10, 25))])
+    mgr.allocate_many(["a", "b"], [12, 15])
+    mgr.mark_computed_many(["a", "b"], [12, 15])
+    mgr.preempt("b")
+    mgr.add_request("c", [3, 3, 3])
+    mgr.take_step_update()
+    return mgr
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda m: m.add_requests(["x", "x"], [[1], [2]]),
+            ValueError,
+            "req_ids holds a request twice: 'x'",
+        ),
+        (
+            lambda m: m.add_requests(["x", "a"], [[1], [2]]),
+            ValueError,
+            "request 'a' is already running",
+        ),
+        (
+            lambda m: m.add_requests(["x", "y"], [[1]]),
+            ValueError,
+            "prompts has 1 entries but req_ids has 2",
+        ),
+        (
+            lambda m: m.add_requests(["x", "y"], [[1], [2.5]]),
+            TypeError,
+            "request 'y' must hold int64",
+        ),
+        (lambda m: m.add_requests(["x", "y"], [[1], []]), ValueError, "request 'y' is empty"),
+        (lambda m: m.add_requests(["x", "y"], [[1], [1] * 81]), ValueError, "prompt of 81 tokens"),
+        (
+            lambda m: m.add_requests(["x"], [[1]], ["ns", "ns"]),
+            ValueError,
+            "cache_namespaces has 2",
+        ),
+        (lambda m: m.add_requests(["x"], [[1]], [1.5]), TypeError, "cache_namespace"),
+        (
+            lambda m: m.add_requests([f"n{i}" for i in range(5)], [[1]] * 5),
+            OutOfRowsError,
+            "5 requests, 4 free rows",
+        ),
+        (lambda m: m.add_requests("xy", [[1], [2]]), TypeError, "req_ids must be a list"),
+        (lambda m: m.allocate_many(["a", "zz"], [1, 1]), KeyError, "unknown request 'zz'"),
+        (lambda m: m.allocate_many(["a", "b"], [1, 1]), KeyError, "request 'b' is preempted"),
+        (lambda m: m.allocate_many(["a", "c", "a"], [1, 1, 1]), ValueError, "twice: 'a'"),
+        (
+            lambda m: m.allocate_many(["a", "c"], [1]),
+            ValueError,
+            "num_new_tokens has 1 entries but req_ids has 2",
+        ),
+        (lambda m: m.allocate_many(["a", "c"], [1, -1]), ValueError, "must be >= 0"),
+        (
+            lambda m: m.allocate_many(["a", "c"], [1, 1.0]),
+            TypeError,
+            "num_new_tokens entries must be an int",
+        ),
+        (
+            lambda m: m.allocate_many(["a", "c"], np.array([1.0, 2.0])),
+            TypeError,
+            "1-D integer array",
+        ),
+        (
+            lambda m: m.allocate_many(["c", "a"], [1, 70]),
+            ValueError,
+            "request 'a': allocation of 82 tokens",
+        ),
+        (
+            lambda m: m.allocate_many(["c", "a"], [60, 60]),
+            OutOfBlocksError,
+            "2 requests need 15 new blocks in group 1, 13 free",
+        ),
+        (
+            lambda m: m.mark_computed_many(["a", "c"], [0, 4]),
+            ValueError,
+            "request 'c': cannot mark 4",
+        ),
+        (lambda m: m.mark_computed_many(["a", "a"], [0, 0]), ValueError, "twice"),
+        (lambda m: m.mark_computed_many(["a"], [1, 2]), ValueError, "num_tokens has 2 entries"),
+        (lambda m: m.free_many(["a", "zz"]), KeyError, "unknown request 'zz'"),
+        (lambda m: m.free_many(["a", "a"]), ValueError, "twice"),
+        (lambda m: m.free_many(["b", "b"]), ValueError, "twice"),
+        (
+            lambda m: m.append_token_ids_many(["a", "zz"], [[1], [2]]),
+            KeyError,
+            "unknown request 'zz'",
+        ),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], [[1]]),
+            ValueError,
+            "token_ids has 1 entries",
+        ),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], [[1], [1] * 78]),
+            ValueError,
+            "sequence of 81",
+        ),
+        (lambda m: m.append_token_ids_many(["a", "c"], [[1], ["x"]]), TypeError, "request 'c'"),
+        (
+            lambda m: m.append_token_ids_many(["a", "c"], np.ones((3, 2), np.int64)),
+            ValueError,
+            "has 3 entries",
+        ),
+    ],
+)
+def test_bad_batched_calls_change_nothing(call: object, error: type, match: str) -> None:
+    mgr = running_pair()
+    before = full_state(mgr)
+    with pytest.raises(error, match=match):
+        call(mgr)  # type: ignore[operator]
+    assert full_state(mgr) == before
+    mgr.check_integrity()
+
+
+def test_batched_free_of_requests_sharing_blocks_queues_tails_first() -> None:
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 16)], 4)
+    mgr.add_request("a", list(range(12)))
+    mgr.allocate("a", 12)
+    mgr.mark_computed("a", 12)
+    assert mgr.add_requests(["b", "c"], [[*range(8), 50, 51], [*range(8), 60]]) == [8, 8]
+    mgr.allocate_many(["b", "c"], [2, 1])
+    mgr.mark_computed_many(["b", "c"], [2, 1])
+    single = KVCacheManager([AllocatorGroupSpec(4, 16)], 4)
+    single.add_request("a", list(range(12)))
+    single.allocate("a", 12)
+    single.mark_computed("a", 12)
+    for r, p in (("b", [*range(8), 50, 51]), ("c", [*range(8), 60])):
+        single.add_request(r, p)
+    single.allocate("b", 2)
+    single.allocate("c", 1)
+    mgr.free_many(["c", "a", "b"])
+    for r in ("c", "a", "b"):
+        single.free(r)
+    assert mgr.pools[0].eviction_order() == single.pools[0].eviction_order()
+    mgr.check_integrity()
