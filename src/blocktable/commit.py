@@ -77,6 +77,9 @@ class Committer:
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
         self._next = 0
+        # on cpu, int32 [num_entries]: the CPU "device" copy as numpy (same memory), so a CPU
+        # commit is numpy work on one thread, whatever torch's intra-op thread pool is doing
+        self._device_np = storage.device_tensor.numpy() if storage.device.type == "cpu" else None
         self.last: CommitStats = _NOTHING
 
     def commit(self) -> CommitStats:
@@ -108,6 +111,10 @@ class Committer:
     def _scatter(self, slot: int, n: int) -> None:
         """Write the ``n`` staged pairs of buffer ``slot`` into the device table."""
         st = self.storage
+        if self._device_np is not None:
+            buf = self._staging_np[slot]
+            self._device_np.put(buf[:n], buf[n : 2 * n])
+            return
         if self.backend == "torch":
             index = torch.from_numpy(self._staging_np[slot, :n].astype(np.int64))
             st.device_tensor[index.to(st.device)] = self._staging_host[slot, n : 2 * n].to(
@@ -157,7 +164,10 @@ class Committer:
         spans.append((st.counts_offset, st.num_entries))
         moved = 0
         for start, stop in spans:
-            st.device_tensor[start:stop].copy_(st.host_tensor[start:stop], non_blocking=True)
+            if self._device_np is not None:
+                self._device_np[start:stop] = st.host[start:stop]
+            else:
+                st.device_tensor[start:stop].copy_(st.host_tensor[start:stop], non_blocking=True)
             moved += stop - start
         if st.device.type == "cuda":
             event = torch.cuda.Event()
