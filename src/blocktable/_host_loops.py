@@ -113,10 +113,7 @@ def check_group_update(
     if not (len(cleared) or len(add_rows) or len(null_rows)):
         # appends only (a decode step): counts after = counts + appended
         if len(app_rows):
-            if len(app_ids) == len(app_rows):  # one block a row (checked above)
-                after = counts[app_rows] + k
-            else:
-                after = counts[app_rows] + app_num.astype(np.int64) * k
+            after = counts.take(app_rows) + app_num.astype(np.int64) * k
             if after.max() > width:
                 i = _first(after > width)
                 return WIDTH, 0, int(app_rows[i]), int(after[i]), width
@@ -273,7 +270,7 @@ def write_group_update(
              np.maximum(num, old))
         counts[add_rows] = num
         dirty[add_rows] = True
-    if len(app_rows) and len(app_ids) == len(app_rows):  # one block a row (decode steps)
+    if len(app_rows) and np.count_nonzero(app_num == 1) == len(app_rows):  # decode steps
         filled = counts[app_rows]
         starts = app_rows * width  # int32: the flat table has < 2**31 entries
         starts += filled
