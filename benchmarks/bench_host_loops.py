@@ -31,9 +31,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate, batch, commit
 from blocktable import _host_loops as numpy_loops
-from blocktable import batch, commit
 
 NUMBA_COMMIT = "29d6d58"  # the last commit with the numba loops
 MAX_REQS = 1024
