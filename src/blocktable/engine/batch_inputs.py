@@ -90,7 +90,7 @@ class BatchInputBuffers:
         n = len(starts)
         if n > self.max_num_reqs:
             raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
-        if self._in_flight:
+        if self._in_flight and self._copied is not None:
             self._copied.synchronize()  # the last copy must have read the host buffer
         qsl = self._qsl[: n + 1]
         qsl[0] = 0
