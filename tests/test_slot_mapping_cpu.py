@@ -132,3 +132,16 @@ def test_buffers_keep_their_address_across_steps():
         qsl, pos, _ = random_batch(rng, indexed=False)
         slots = bt.compute_slot_mapping(torch.from_numpy(qsl), torch.from_numpy(pos))
         assert [bt.storage.device_tensor.data_ptr()] + [s.data_ptr() for s in slots] == ptrs
+
+
+def test_more_requests_than_rows_condensed():
+    """Condensed mode, called directly with more requests than rows: the extra ones are PAD."""
+    rng = np.random.default_rng(8)
+    bt = random_table(SPECS[0], rng)
+    qsl = np.arange(MAX_REQS + 3, dtype=np.int32)
+    pos = rng.integers(0, 300, MAX_REQS + 2).astype(np.int64)
+    out = torch.zeros(1, MAX_TOKENS, dtype=torch.int64)
+    slot_mapping_torch(bt.storage.device_tensor, bt.slot_params, torch.from_numpy(qsl),
+                       torch.from_numpy(pos), None, out, max_num_reqs=MAX_REQS)
+    rows = np.arange(MAX_REQS + 2, dtype=np.int32)  # rows 8 and 9 lie outside the table
+    np.testing.assert_array_equal(out.numpy(), reference(bt, qsl, pos, rows))

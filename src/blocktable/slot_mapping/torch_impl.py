@@ -84,8 +84,13 @@ def _token_rows(
         no_row = (req >= num_reqs) | (tokens < qsl[0])
         np.minimum(req, num_reqs - 1, out=req)
     # (well formed: qsl[-1] == num_tokens > every token, so req < num_reqs already)
-    rows = req if rows_of_batch is None else rows_of_batch.take(req).astype(np.int64)
-    if rows.view(np.uint64).max() >= max_num_reqs:
+    if rows_of_batch is None:
+        rows = req  # < num_reqs
+        checked = num_reqs <= max_num_reqs
+    else:
+        rows = rows_of_batch.take(req).astype(np.int64)
+        checked = False
+    if not checked and rows.view(np.uint64).max() >= max_num_reqs:
         bad = (rows < 0) | (rows >= max_num_reqs)  # an empty row: never a read outside
         no_row = bad if no_row is None else no_row | bad
         rows[bad] = 0
