@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 131072
 MAX_TOKENS = 8192
 BLOCK = 16
 
-# SPEC §6 anchors (vLLM on one H200): graph / eager slot map (0.25.1, 0.33.0), µs
+# vLLM anchors (its own code on one H200, 2026-11-29): graph / eager slot map (0.25.1, 0.33.0), µs
 ANCHORS = {
     "decode-256": "2.5/6.1 (0.25.1), 2.2/9.9 (0.33.0)",
     "decode-1024": "3.8/7.4 (0.25.1), 2.9/6.1 (0.33.0)",

@@ -1,4 +1,4 @@
-"""Incremental commit: move only what changed on the host to the device (SPEC §3.2).
+"""Incremental commit: move only what changed on the host to the device.
 
 Each commit gathers the changed entries of every group (the storage's journal of written runs)
 and their rows' counts as ``(flat index, value)`` pairs into a pinned staging buffer, then
@@ -8,7 +8,8 @@ buffer comes first). Bytes moved are ``8 * changed entries``, not ``4 * num_reqs
 staging buffers alternate; a buffer is refilled only after the kernel that read it has finished
 (a CUDA event says so). When the change outgrows the staging buffer, the changed row span of
 each group is copied directly from the host table instead; host writes then wait for that copy
-(:meth:`TableStorage.before_host_write`).
+(:meth:`TableStorage.before_host_write`). On the CPU the pairs are written with numpy into
+the CPU copy, on the calling thread (no torch op, so no intra-op thread pool).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Committer:
         # scatter kernel can read the staging buffer itself: no separate copy to issue. If the
         # platform refuses, the first commit falls back to copy + scatter for good.
         self._zero_copy = cuda and backend == "triton"
+        self._device_index = storage.device.index or 0
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
         self._next = 0
@@ -144,7 +146,7 @@ class Committer:
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The current stream, without building a new Stream object on every call."""
-        index = self.storage.device.index or 0
+        index = self._device_index
         raw = int(torch._C._cuda_getCurrentRawStream(index))
         if raw != self._stream_raw or self._stream is None:
             self._stream = torch.cuda.current_stream(index)

@@ -1,7 +1,7 @@
 """KV-cache write: scatter one step's keys and values into the paged cache by slot mapping.
 
 Token ``t`` goes to ``block = slot // block_size``, ``offset = slot % block_size`` of the cache,
-where ``slot = slot_mapping[t]`` (SPEC §1). ``PAD_SLOT_ID`` entries are skipped. This is vLLM's
+where ``slot = slot_mapping[t]``. ``PAD_SLOT_ID`` entries are skipped. This is vLLM's
 ``reshape_and_cache_flash`` for the ``[num_blocks, block_size, num_kv_heads, head_dim]`` layout.
 """
 

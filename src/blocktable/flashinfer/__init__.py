@@ -1,4 +1,4 @@
-"""FlashInfer's CSR page table from the block table (SPEC §3.7).
+"""FlashInfer's CSR page table from the block table.
 
 FlashInfer's paged KV cache describes request ``r`` by its pages
 ``kv_indices[kv_indptr[r] : kv_indptr[r+1]]`` and the number of tokens in its last page::

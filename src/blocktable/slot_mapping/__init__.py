@@ -1,4 +1,4 @@
-"""Slot mapping: position -> KV slot for every scheduled token (SPEC §2).
+"""Slot mapping: position -> KV slot for every scheduled token.
 
 ``reference`` defines the math in plain Python; ``torch_impl`` is the CPU backend (numpy);
 ``triton_kernel`` is the fused one-launch kernel for CUDA (and CPU under the interpreter).
