@@ -184,6 +184,17 @@ def _log(journal: np.ndarray, journal_len: np.ndarray, starts: np.ndarray,
     journal_len[1] = total
 
 
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """``rows`` without repeats, sorted (``np.unique`` costs ~100x more on tiny arrays)."""
+    if len(rows) < 2:
+        return rows
+    rows = np.sort(rows)
+    keep = np.empty(len(rows), dtype=bool)
+    keep[0] = True
+    np.not_equal(rows[1:], rows[:-1], out=keep[1:])
+    return rows[keep]
+
+
 def _log_same(journal: np.ndarray, journal_len: np.ndarray, starts: np.ndarray, offset: int,
               length: int) -> None:
     """:func:`_log` for runs that all have ``length`` > 0 entries, at ``starts + offset``."""
@@ -254,7 +265,7 @@ def write_group_update(
     are marked in ``dirty``.
     """
     if len(cleared):
-        rows = np.unique(cleared)  # a row may be listed twice; clear (and journal) it once
+        rows = _distinct(cleared)  # a row may be listed twice; clear (and journal) it once
         old = counts[rows].astype(np.int64)
         starts = rows.astype(np.int64) * width
         if old.any():
