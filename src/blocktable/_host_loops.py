@@ -327,7 +327,7 @@ def fill_staging(
         return -1
     num_indices = int(journal_len[1])
     flat_dirty = dirty.reshape(-1)
-    dirty_rows = np.flatnonzero(flat_dirty)
+    dirty_rows = flat_dirty.nonzero()[0]
     total = num_indices + len(dirty_rows)
     if total > capacity:
         return -1
