@@ -9,7 +9,8 @@ Two workloads on a 1024-row table 8192 blocks wide (manager block 16, CPU device
 
 ``--numba`` also times the compiled loops this library used before (loaded from the git history
 at ``NUMBA_COMMIT``; needs ``numba`` and ``git``), swapped in for the numpy ones in the same
-process, interleaved, so both columns see the same machine state. Their compile time is reported
+process, interleaved, so both columns see the same machine state (``--numba-file PATH``: a copy
+of that module, where the git history is not at hand). Their compile time is reported
 apart (the first call compiles; numba's on-disk cache is off here).
 
     PYTHONPATH=src python benchmarks/bench_host_loops.py [--numba] [--json out.json]
@@ -39,12 +40,18 @@ MAX_REQS = 1024
 MAX_MODEL_LEN = 131072
 
 
-def load_numba_loops() -> ModuleType:
-    src = subprocess.run(
-        ["git", "show", f"{NUMBA_COMMIT}:src/blocktable/_host_loops.py"],
-        check=True, capture_output=True, text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
-    ).stdout.replace("cache=True", "cache=False")
+def load_numba_loops(path: str | None = None) -> ModuleType:
+    """The old numba module: from ``path`` (a copy of it), else from the git history."""
+    if path is not None:
+        with open(path) as f:
+            src = f.read()
+    else:
+        src = subprocess.run(
+            ["git", "show", f"{NUMBA_COMMIT}:src/blocktable/_host_loops.py"],
+            check=True, capture_output=True, text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout
+    src = src.replace("cache=True", "cache=False")
     path = os.path.join(tempfile.mkdtemp(), "_numba_host_loops.py")
     with open(path, "w") as f:
         f.write(src)
@@ -98,6 +105,9 @@ def bench_add(bt: MultiGroupBlockTable, upd: StepUpdate) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--numba", action="store_true", help="also time the old numba loops")
+    ap.add_argument("--numba-file", default=None,
+                    help="a copy of the old module (git show %s:src/blocktable/_host_loops.py)"
+                    % NUMBA_COMMIT)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -105,7 +115,7 @@ def main() -> None:
     versions: dict[str, ModuleType] = {"numpy": numpy_loops}
     compile_s = None
     if args.numba:
-        nb = load_numba_loops()
+        nb = load_numba_loops(args.numba_file)
         use(nb)
         t0 = time.perf_counter()
         warm = table()
