@@ -106,8 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--numba", action="store_true", help="also time the old numba loops")
     ap.add_argument("--numba-file", default=None,
-                    help="a copy of the old module (git show %s:src/blocktable/_host_loops.py)"
-                    % NUMBA_COMMIT)
+                    help=f"a copy of the old module (git show {NUMBA_COMMIT}:src/blocktable/"
+                    "_host_loops.py)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
