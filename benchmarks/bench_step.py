@@ -1,8 +1,12 @@
-"""Per-step cost of the block table (issue 3): slot mapping, commit, whole step, batched adds.
+"""Per-step cost of the block table: slot mapping, commit, whole step, batched adds.
 
-Scenarios follow SPEC §6: manager block 16, 1024 max requests, width 8192 (128K context),
-8192 max batched tokens. On CUDA, kernel times are medians of CUDA-graph replays and of eager
-calls (``triton.testing.do_bench``); host times are medians of ``perf_counter`` over many calls.
+Scenarios: manager block 16, 1024 max requests, width 8192 (128K context), 8192 max batched
+tokens. On CUDA, kernel times are medians of CUDA-graph replays and of eager calls
+(``triton.testing.do_bench``); host times are medians of ``perf_counter`` over many calls. The
+host-time floors of the machine (an empty torch op; on CUDA ``current_stream()`` and an empty
+Triton launch) are measured in the same run and printed beside the step's host issue time. On
+the CPU, slot mapping is timed with torch's default intra-op threads and with one thread (the
+CPU backend must not depend on them); only what was measured is printed.
 
     PYTHONPATH=src python benchmarks/bench_step.py                # CUDA
     PYTHONPATH=src python benchmarks/bench_step.py --device cpu   # the CPU path
@@ -20,6 +24,7 @@ import time
 
 import numpy as np
 import torch
+from floors import format_floors, measure_floors
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 
@@ -28,7 +33,7 @@ MAX_MODEL_LEN = 131072
 MAX_TOKENS = 8192
 BLOCK = 16
 
-# SPEC §6 anchors (vLLM on one H200): graph / eager slot map (0.25.1, 0.33.0), µs
+# vLLM anchors (its own code on one H200, 2026-11-29): graph / eager slot map (0.25.1, 0.33.0), µs
 ANCHORS = {
     "decode-256": "2.5/6.1 (0.25.1), 2.2/9.9 (0.33.0)",
     "decode-1024": "3.8/7.4 (0.25.1), 2.9/6.1 (0.33.0)",
@@ -155,9 +160,14 @@ def bench_slot_mapping(device, rng, results):
             row["eager_us"] = triton.testing.do_bench(call, warmup=50, rep=300,
                                                       return_mode="median") * 1e3
             row["host_us"] = time_host_us(call, sync=torch.cuda.synchronize)
+            row["vllm_anchor_graph_eager_us"] = ANCHORS[name]
         else:
-            row["host_us"] = time_host_us(call, n=50)
-        row["vllm_anchor_graph_eager_us"] = ANCHORS[name]
+            threads = torch.get_num_threads()
+            row["host_us"] = time_host_us(call, n=200)
+            torch.set_num_threads(1)
+            row["host_1thread_us"] = time_host_us(call, n=200)
+            torch.set_num_threads(threads)
+            row["torch_threads"] = threads
         results["slot_mapping"].append(row)
 
 
@@ -205,28 +215,36 @@ def bench_step(device, rng, results):
         "apply_host_us": median_us(apply_host),
         "commit_host_us": median_us(commit_host),
         "commit_bytes": int(statistics.median(bytes_moved)),
-        "commit_anchor": "614 us, 32 MiB (vLLM full copy)",
     }
     if cuda:
+        row["commit_anchor"] = "614 us, 32 MiB (vLLM full copy)"
+    if cuda:
         row["commit_device_us"] = statistics.median(commit_dev)
-    # whole step
-    issue, total = [], []
+    # whole step: host time to issue apply + commit + slot mapping, then wall time to done
+    issue, total, parts = [], [], {"apply": [], "commit": [], "slot_mapping": []}
     for u in ups[200:]:
         sync()
         t0 = time.perf_counter()
         bt.apply(u)
+        ta = time.perf_counter()
         bt.commit()
+        tc = time.perf_counter()
         bt.compute_slot_mapping(qsl, pos, query_start_loc_cpu=qsl_cpu)
         t1 = time.perf_counter()
         sync()
         t2 = time.perf_counter()
         issue.append(t1 - t0)
         total.append(t2 - t0)
+        parts["apply"].append(ta - t0)
+        parts["commit"].append(tc - ta)
+        parts["slot_mapping"].append(t1 - tc)
     row.update({
         "step_us": median_us(total),
         "step_issue_us": median_us(issue),
-        "step_anchor": "805 / 703 us (issue 258 / 130 us)",
+        **{f"step_{k}_host_us": median_us(v) for k, v in parts.items()},
     })
+    if cuda:
+        row["step_anchor"] = "805 / 703 us (issue 258 / 130 us)"
     assert bt.device_equals_host()
     results["step"] = row
 
@@ -281,27 +299,48 @@ def main() -> None:
         results["triton"] = triton.__version__
     except ImportError:
         pass
+    results["floors"] = measure_floors(args.device)
     bench_slot_mapping(args.device, rng, results)
     bench_step(args.device, rng, results)
     bench_batched_add(args.device, rng, results)
+    results["floors_after"] = measure_floors(args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"\nblocktable per-step benchmark on {results.get('card', 'cpu')} "
-          f"(torch {results['torch']}, triton {results.get('triton')})")
-    print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'eager µs':>10}"
-          f"{'host µs':>9}   vLLM graph/eager µs")
-    for r in results["slot_mapping"]:
-        print(f"{r['scenario']:<16}{r['tokens']:>7}{r.get('graph_us', float('nan')):>10.2f}"
-              f"{r.get('graph_amortized_us', float('nan')):>10.2f}"
-              f"{r.get('eager_us', float('nan')):>10.2f}{r['host_us']:>9.1f}   "
-              f"{r['vllm_anchor_graph_eager_us']}")
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    cuda = results["device"] == "cuda"
+    where = results.get(
+        "card", f"cpu ({results['slot_mapping'][0].get('torch_threads')} torch threads)")
+    print(f"\nblocktable per-step benchmark on {where} (torch {results['torch']}, triton "
+          f"{results.get('triton')})")
+    if cuda:
+        print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'eager µs':>10}"
+              f"{'host µs':>9}   vLLM graph/eager µs")
+        for r in results["slot_mapping"]:
+            print(f"{r['scenario']:<16}{r['tokens']:>7}{r['graph_us']:>10.2f}"
+                  f"{r['graph_amortized_us']:>10.2f}{r['eager_us']:>10.2f}{r['host_us']:>9.1f}   "
+                  f"{r['vllm_anchor_graph_eager_us']}")
+    else:
+        print(f"{'scenario':<16}{'tokens':>7}{'host µs':>9}{'1 thread':>10}")
+        for r in results["slot_mapping"]:
+            print(f"{r['scenario']:<16}{r['tokens']:>7}{r['host_us']:>9.1f}"
+                  f"{r['host_1thread_us']:>10.1f}")
     s = results["step"]
-    print(f"decode-1024 step: apply {s['apply_host_us']:.1f} µs host, commit "
-          f"{s['commit_host_us']:.1f} µs host / {s.get('commit_device_us', float('nan')):.1f} µs "
-          f"device, {s['commit_bytes']} B (vLLM {s['commit_anchor']})")
-    print(f"decode-1024 whole step: {s['step_us']:.1f} µs, issue {s['step_issue_us']:.1f} µs "
-          f"(vLLM {s['step_anchor']})")
+    commit = f"commit {s['commit_host_us']:.1f} µs host"
+    if cuda:
+        commit += (f" / {s['commit_device_us']:.1f} µs device, {s['commit_bytes']} B "
+                   f"(vLLM {s['commit_anchor']})")
+    else:
+        commit += f", {s['commit_bytes']} B"
+    print(f"decode-1024 step: apply {s['apply_host_us']:.1f} µs host, {commit}")
+    print(f"decode-1024 whole step: {s['step_us']:.1f} µs wall, host issue "
+          f"{s['step_issue_us']:.1f} µs (apply {s['step_apply_host_us']:.1f} + commit "
+          f"{s['step_commit_host_us']:.1f} + slot mapping {s['step_slot_mapping_host_us']:.1f})"
+          + (f" (vLLM {s['step_anchor']})" if cuda else ""))
+    print(format_floors(results["floors"]))
     b, m = results["batched_add"], results["memory"]
     print(f"batched add 1024x512: {b['batched_ms']:.2f} ms vs per-row {b['per_row_ms']:.2f} ms "
           f"({b['speedup']:.1f}x); memory: pinned {m['pinned_over_table']:.3f}x, device "

@@ -145,3 +145,21 @@ def test_bad_inputs_name_the_argument() -> None:
     with pytest.raises(ValueError, match="slot_mapping must be on device meta"):
         meta = [t.to("meta") for t in (key, value, k_cache, v_cache)]
         write_kv_cache(*meta, slot_mapping)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_any_pointer_alignment(triton_device: str, aligned: bool) -> None:
+    """Keys, values and slots at addresses that are not 16-byte aligned take the build that
+    assumes nothing; both builds match the reference (and neither serves the other's calls)."""
+    key, value, kv_cache, slot_mapping = make_case(torch.float32, triton_device, seed=3)
+    shift = 0 if aligned else 1  # one element: 4 or 8 bytes off the allocation's alignment
+    flat = torch.zeros(key.numel() + 4, dtype=key.dtype, device=triton_device)
+    key_u = flat[shift : shift + key.numel()].view(key.shape)
+    key_u.copy_(key)
+    slots_buf = torch.zeros(slot_mapping.numel() + 4, dtype=torch.int64, device=triton_device)
+    slots_u = slots_buf[shift : shift + slot_mapping.numel()]
+    slots_u.copy_(slot_mapping)
+    assert (key_u.data_ptr() % 16 == 0) == aligned
+    before = kv_cache.clone()
+    write_kv_cache(key_u, value, kv_cache[0], kv_cache[1], slots_u, backend="triton")
+    check_against_reference(key_u, value, kv_cache, slots_u, before)

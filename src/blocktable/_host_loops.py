@@ -1,16 +1,16 @@
-"""Compiled host loops (numba) for the per-step hot path: batched updates and commit staging.
+"""Vectorized host work of the per-step hot path: batched updates and commit staging.
 
-A step's update touches a few hundred entries; in numpy that is ~20 calls of ~1-2 µs each, in a
-compiled loop it is a few microseconds in all. Every function here is plain loops over numpy
-arrays; the pure-Python model in ``tests/`` defines what they must do.
+Plain numpy, no compiler: a step's update is a few dozen numpy calls whatever its size, with
+fast paths for the common shapes (empty parts, one block per row, rows of equal length). The
+pure-Python model in ``tests/`` defines what these functions must do.
 
-Error reporting: checks return ``(code, part, index, value, bound)`` instead of raising (numba
-cannot format our messages); :mod:`blocktable.batch` turns a nonzero code into the exception.
+Error reporting: checks return ``(code, part, index, value, bound)`` instead of raising;
+:mod:`blocktable.batch` turns a nonzero code into the exception that names the argument.
 """
 
 from __future__ import annotations
 
-from numba import njit
+import numpy as np
 
 OK = 0
 ROW_RANGE = 1  # part, i, row, bound
@@ -23,52 +23,75 @@ NULL_RANGE = 7  # i, block index, row, blocks in row
 
 CLEARED, ADDED, APPENDED, NULLED = 0, 1, 2, 3
 
-
-@njit(cache=True)
-def _check_rows(rows, num_rows, part, unique, seen):  # type: ignore[no-untyped-def]
-    for i in range(len(rows)):
-        r = rows[i]
-        if r < 0 or r >= num_rows:
-            for j in range(i):
-                seen[rows[j]] = False
-            return ROW_RANGE, part, i, r, num_rows
-        if unique and seen[r]:
-            for j in range(i):
-                seen[rows[j]] = False
-            return ROW_TWICE, part, i, r, 0
-        seen[r] = True
-    for i in range(len(rows)):
-        seen[rows[i]] = False
-    return OK, 0, 0, 0, 0
+Result = tuple[int, int, int, int, int]
+_PASS: Result = (OK, 0, 0, 0, 0)
+_U32 = np.dtype(np.uint32)
 
 
-@njit(cache=True)
-def _check_blocks(rows, num, ids, max_id, part, num_rows, seen):  # type: ignore[no-untyped-def]
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def _out_of_range(values: np.ndarray, bound: int) -> bool:
+    """Whether an int32 value lies outside ``[0, bound)`` (one reduction: negatives wrap to
+    values >= 2**31 as uint32, and ``bound <= 2**31``)."""
+    return bool(values.view(_U32).max() >= bound)
+
+
+def _check_rows(rows: np.ndarray, num_rows: int, part: int, unique: bool,
+                seen: np.ndarray) -> Result:
+    """int32 rows in ``[0, num_rows)`` and, with ``unique``, listed once. ``seen`` (bool
+    ``[num_rows]``, all False) is work space, left all False."""
+    n = len(rows)
+    if n == 0:
+        return _PASS
+    if _out_of_range(rows, num_rows):
+        i = _first((rows < 0) | (rows >= num_rows))
+        return ROW_RANGE, part, i, int(rows[i]), num_rows
+    if unique and n > 1:
+        if num_rows <= 64 * n:  # a histogram is cheaper than two scatters into `seen`
+            distinct = np.count_nonzero(np.bincount(rows, minlength=num_rows))
+        else:
+            seen[rows] = True
+            distinct = np.count_nonzero(seen)
+            seen[rows] = False
+        if distinct != n:
+            order = np.argsort(rows, kind="stable")
+            twice = order[1:][rows[order[1:]] == rows[order[:-1]]]
+            i = int(twice.min())  # the first listing that repeats an earlier row
+            return ROW_TWICE, part, i, int(rows[i]), 0
+    return _PASS
+
+
+def _check_blocks(rows: np.ndarray, num: np.ndarray, ids: np.ndarray, max_id: int, part: int,
+                  num_rows: int, seen: np.ndarray) -> Result:
     res = _check_rows(rows, num_rows, part, True, seen)
     if res[0] != OK:
         return res
-    total = 0
-    for i in range(len(num)):
-        if num[i] < 0:
-            return NEG_COUNT, part, i, num[i], 0
-        total += num[i]
+    n = len(num)
+    if n and np.count_nonzero(num == 1) == n:  # one block a row (decode steps)
+        total = n
+    elif n:
+        if num.min() < 0:
+            i = _first(num < 0)
+            return NEG_COUNT, part, i, int(num[i]), 0
+        total = int(num.sum())
+    else:
+        total = 0
     if total != len(ids):
         return ID_SUM, part, len(ids), total, 0
-    bad = False
-    for i in range(len(ids)):  # one branch-free pass; find the culprit only on failure
-        bad |= (ids[i] < 0) | (ids[i] >= max_id)
-    if bad:
-        for i in range(len(ids)):
-            if ids[i] < 0 or ids[i] >= max_id:
-                return ID_RANGE, part, i, ids[i], max_id
-    return OK, 0, 0, 0, 0
+    if total and _out_of_range(ids, max_id):
+        i = _first((ids < 0) | (ids >= max_id))
+        return ID_RANGE, part, i, int(ids[i]), max_id
+    return _PASS
 
 
-@njit(cache=True)
-def check_group_update(  # type: ignore[no-untyped-def]
-    counts, width, k, max_id, cleared, add_rows, add_num, add_ids,
-    app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen,
-):
+def check_group_update(
+    counts: np.ndarray, width: int, k: int, max_id: int,
+    cleared: np.ndarray, add_rows: np.ndarray, add_num: np.ndarray, add_ids: np.ndarray,
+    app_rows: np.ndarray, app_num: np.ndarray, app_ids: np.ndarray,
+    null_rows: np.ndarray, null_blocks: np.ndarray, scratch: np.ndarray, seen: np.ndarray,
+) -> Result:
     """Validate one group's part of a step update against ``counts``; writes nothing visible.
 
     ``scratch`` (int64 ``[num_rows]``) and ``seen`` (bool ``[num_rows]``, all False) are work
@@ -87,113 +110,210 @@ def check_group_update(  # type: ignore[no-untyped-def]
     res = _check_rows(null_rows, num_rows, NULLED, False, seen)
     if res[0] != OK:
         return res
+    if not (len(cleared) or len(add_rows) or len(null_rows)):
+        # appends only (a decode step): counts after = counts + appended
+        if len(app_rows):
+            after = counts.take(app_rows) + app_num.astype(np.int64) * k
+            if after.max() > width:
+                i = _first(after > width)
+                return WIDTH, 0, int(app_rows[i]), int(after[i]), width
+        return _PASS
     # the rows' counts after the update, in scratch (only touched rows are read)
-    for rows in (cleared, add_rows, app_rows, null_rows):
-        for i in range(len(rows)):
-            scratch[rows[i]] = counts[rows[i]]
-    for i in range(len(cleared)):
-        scratch[cleared[i]] = 0
-    for i in range(len(add_rows)):
-        scratch[add_rows[i]] = add_num[i] * k
-    for i in range(len(app_rows)):
-        scratch[app_rows[i]] += app_num[i] * k
+    for rows in (add_rows, app_rows, null_rows):
+        if len(rows):
+            scratch[rows] = counts[rows]
+    if len(cleared):
+        scratch[cleared] = 0
+    if len(add_rows):
+        scratch[add_rows] = add_num.astype(np.int64) * k
+    if len(app_rows):
+        scratch[app_rows] += app_num.astype(np.int64) * k
     for rows in (add_rows, app_rows):
-        for i in range(len(rows)):
-            if scratch[rows[i]] > width:
-                return WIDTH, 0, rows[i], scratch[rows[i]], width
-    for i in range(len(null_rows)):
-        j = null_blocks[i]
-        if j < 0 or j * k >= scratch[null_rows[i]]:
-            return NULL_RANGE, i, j, null_rows[i], scratch[null_rows[i]] // k
-    return OK, 0, 0, 0, 0
+        if len(rows):
+            after = scratch[rows]
+            if after.max() > width:
+                i = _first(after > width)
+                return WIDTH, 0, int(rows[i]), int(after[i]), width
+    if len(null_rows):
+        j = null_blocks.astype(np.int64)
+        filled = scratch[null_rows]
+        bad = (j < 0) | (j * k >= filled)
+        if bad.any():
+            i = _first(bad)
+            return NULL_RANGE, i, int(j[i]), int(null_rows[i]), int(filled[i]) // k
+    return _PASS
 
 
-@njit(cache=True, inline="always")
-def _log(journal, journal_len, start, length):  # type: ignore[no-untyped-def]
-    """Journal the run of ``length`` flat indices from ``start``; past capacity, overflow.
+def runs(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+    """int64 ``[total]``: the flat indices ``starts[i] .. starts[i]+lengths[i]-1``, run after run.
+
+    ``lengths`` are >= 0 and sum to ``total``.
+    """
+    n = len(starts)
+    if total == n and (n == 0 or lengths.min() == 1):
+        return starts.astype(np.int64, copy=False)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(starts.astype(np.int64) - (ends - lengths), lengths)
+    shift += np.arange(total, dtype=np.int64)
+    return shift
+
+
+def _log(journal: np.ndarray, journal_len: np.ndarray, starts: np.ndarray,
+         lengths: np.ndarray) -> None:
+    """Journal the runs ``(starts[i], lengths[i])`` of flat indices; past capacity, overflow.
 
     ``journal`` is int64 ``[capacity, 2]`` (start, length); ``journal_len`` int64 ``[2]`` holds
-    the number of runs and of indices, or -1 runs after an overflow.
+    the number of runs and of indices, or -1 runs after an overflow. Empty runs are skipped.
     """
-    n = journal_len[0]
-    if n < 0 or length <= 0:
+    num_runs = int(journal_len[0])
+    if num_runs < 0 or len(lengths) == 0:
         return
-    total = journal_len[1] + length
-    if n >= journal.shape[0] or total > journal.shape[0]:
+    if lengths.min() <= 0:
+        keep = lengths > 0
+        starts, lengths = starts[keep], lengths[keep]
+        if len(lengths) == 0:
+            return
+    end = num_runs + len(lengths)
+    total = int(journal_len[1]) + int(lengths.sum())
+    if end > len(journal) or total > len(journal):
         journal_len[0] = -1  # overflow: the commit copies row spans instead
         return
-    journal[n, 0] = start
-    journal[n, 1] = length
-    journal_len[0] = n + 1
+    journal[num_runs:end, 0] = starts
+    journal[num_runs:end, 1] = lengths
+    journal_len[0] = end
     journal_len[1] = total
 
 
-@njit(cache=True, inline="always")
-def _write_kernel_ids(table, base, manager_ids, k):  # type: ignore[no-untyped-def]
-    """``table[base:]`` = the kernel ids of ``manager_ids`` (``k`` each; null stays null)."""
-    if k == 1:
-        table[base : base + len(manager_ids)] = manager_ids
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """``rows`` without repeats, sorted (``np.unique`` costs ~100x more on tiny arrays)."""
+    if len(rows) < 2:
+        return rows
+    rows = np.sort(rows)
+    keep = np.empty(len(rows), dtype=bool)
+    keep[0] = True
+    np.not_equal(rows[1:], rows[:-1], out=keep[1:])
+    return rows[keep]
+
+
+def _log_same(journal: np.ndarray, journal_len: np.ndarray, starts: np.ndarray, offset: int,
+              length: int) -> None:
+    """:func:`_log` for runs that all have ``length`` > 0 entries, at ``starts + offset``."""
+    num_runs = int(journal_len[0])
+    if num_runs < 0:
         return
-    for j in range(len(manager_ids)):
-        b = manager_ids[j]
-        for q in range(k):
-            table[base + j * k + q] = 0 if b == 0 else b * k + q
+    end = num_runs + len(starts)
+    total = int(journal_len[1]) + length * len(starts)
+    if end > len(journal) or total > len(journal):
+        journal_len[0] = -1
+        return
+    journal[num_runs:end, 0] = starts
+    journal[num_runs:end, 0] += offset
+    journal[num_runs:end, 1] = length
+    journal_len[0] = end
+    journal_len[1] = total
 
 
-@njit(cache=True)
-def write_group_update(  # type: ignore[no-untyped-def]
-    table, counts, width, k, offset, cleared, add_rows, add_num, add_ids,
-    app_rows, app_num, app_ids, null_rows, null_blocks, dirty, journal, journal_len,
-):
+def kernel_ids(manager_ids: np.ndarray, k: int) -> np.ndarray:
+    """int32: each manager id ``b`` as ``b*k .. b*k+k-1`` (null stays null)."""
+    if k == 1:
+        return manager_ids
+    out = manager_ids[:, None] * np.int32(k) + np.arange(k, dtype=np.int32)
+    out[manager_ids == 0] = 0
+    return out.reshape(-1)
+
+
+def _write_rows(table: np.ndarray, width: int, rows: np.ndarray, num: np.ndarray,
+                ids: np.ndarray, old: np.ndarray) -> None:
+    """Replace ``rows`` of the flat ``table`` by ``num[i]`` ids each; entries up to ``old[i]``
+    past them become null."""
+    m = len(rows)
+    table2d = table.reshape(-1, width)
+    most = int(num.max())
+    if most == int(num.min()):  # rows of equal length: one 2-D assignment
+        if most:
+            table2d[rows, :most] = ids.reshape(m, most)
+        tail = old > most
+        if tail.any():
+            stale = int(old.max())
+            table2d[rows[tail], most:stale] = 0  # entries past a row's count are null already
+        return
+    span = max(most, int(old.max()))
+    if m * span <= 4 * len(ids) + 4096:
+        # pad every row to the longest with nulls: past a row's old count they already are
+        padded = np.zeros((m, span), dtype=table.dtype)
+        padded[np.arange(span) < num[:, None]] = ids
+        table2d[rows, :span] = padded
+        return
+    starts = rows.astype(np.int64) * width
+    table[runs(starts, num, len(ids))] = ids
+    gap = np.maximum(old - num, 0)
+    if gap.any():
+        table[runs(starts + num, gap, int(gap.sum()))] = 0
+
+
+def write_group_update(
+    table: np.ndarray, counts: np.ndarray, width: int, k: int, offset: int,
+    cleared: np.ndarray, add_rows: np.ndarray, add_num: np.ndarray, add_ids: np.ndarray,
+    app_rows: np.ndarray, app_num: np.ndarray, app_ids: np.ndarray,
+    null_rows: np.ndarray, null_blocks: np.ndarray,
+    dirty: np.ndarray, journal: np.ndarray, journal_len: np.ndarray,
+) -> None:
     """Apply a checked update to one group's flat host ``table`` (int32 ``[rows*width]``).
 
     Manager ids become ``k`` kernel ids each (the null block stays null). Every written run of
     entries goes to the ``journal`` as flat indices (``offset`` + local index); touched rows
     are marked in ``dirty``.
     """
-    for i in range(len(cleared)):
-        r = cleared[i]
-        base = r * width
-        for c in range(counts[r]):
-            table[base + c] = 0
-        _log(journal, journal_len, offset + base, counts[r])
-        counts[r] = 0
-        dirty[r] = True
-    pos = 0
-    for i in range(len(add_rows)):
-        r = add_rows[i]
-        base = r * width
-        new = add_num[i] * k
-        old = counts[r]
-        _write_kernel_ids(table, base, add_ids[pos : pos + add_num[i]], k)
-        pos += add_num[i]
-        if old > new:
-            table[base + new : base + old] = 0
-        _log(journal, journal_len, offset + base, max(new, old))
-        counts[r] = new
-        dirty[r] = True
-    pos = 0
-    for i in range(len(app_rows)):
-        r = app_rows[i]
-        base = r * width + counts[r]
-        _write_kernel_ids(table, base, app_ids[pos : pos + app_num[i]], k)
-        pos += app_num[i]
-        _log(journal, journal_len, offset + base, app_num[i] * k)
-        counts[r] += app_num[i] * k
-        dirty[r] = True
-    for i in range(len(null_rows)):
-        r = null_rows[i]
-        base = r * width + null_blocks[i] * k
-        for q in range(k):
-            table[base + q] = 0
-        _log(journal, journal_len, offset + base, k)
-        dirty[r] = True
+    if len(cleared):
+        rows = _distinct(cleared)  # a row may be listed twice; clear (and journal) it once
+        old = counts[rows].astype(np.int64)
+        starts = rows.astype(np.int64) * width
+        if old.any():
+            table[runs(starts, old, int(old.sum()))] = 0
+        _log(journal, journal_len, starts + offset, old)
+        counts[rows] = 0
+        dirty[rows] = True
+    if len(add_rows):
+        num = add_num.astype(np.int64) * k
+        old = counts[add_rows].astype(np.int64)
+        _write_rows(table, width, add_rows, num, kernel_ids(add_ids, k), old)
+        _log(journal, journal_len, add_rows.astype(np.int64) * width + offset,
+             np.maximum(num, old))
+        counts[add_rows] = num
+        dirty[add_rows] = True
+    if len(app_rows) and np.count_nonzero(app_num == 1) == len(app_rows):  # decode steps
+        filled = counts[app_rows]
+        starts = app_rows * width  # int32: the flat table has < 2**31 entries
+        starts += filled
+        if k == 1:
+            table[starts] = app_ids
+        else:
+            table[(starts[:, None] + np.arange(k, dtype=np.int32)).reshape(-1)] = kernel_ids(
+                app_ids, k
+            )
+        _log_same(journal, journal_len, starts, offset, k)
+        filled += k
+        counts[app_rows] = filled
+        dirty[app_rows] = True
+    elif len(app_rows):
+        num = app_num.astype(np.int64) * k
+        starts = app_rows.astype(np.int64) * width + counts[app_rows]
+        table[runs(starts, num, len(app_ids) * k)] = kernel_ids(app_ids, k)
+        _log(journal, journal_len, starts + offset, num)
+        counts[app_rows] += num.astype(counts.dtype)
+        dirty[app_rows] = True
+    if len(null_rows):
+        starts = null_rows.astype(np.int64) * width + null_blocks.astype(np.int64) * k
+        lengths = np.full(len(starts), k, dtype=np.int64)
+        table[runs(starts, lengths, len(starts) * k)] = 0
+        _log(journal, journal_len, starts + offset, lengths)
+        dirty[null_rows] = True
 
 
-@njit(cache=True)
-def fill_staging(  # type: ignore[no-untyped-def]
-    journal, journal_len, dirty, counts_offset, host, staging, capacity,
-):
+def fill_staging(
+    journal: np.ndarray, journal_len: np.ndarray, dirty: np.ndarray, counts_offset: int,
+    host: np.ndarray, staging: np.ndarray, capacity: int,
+) -> int:
     """Gather a commit's ``(flat index, value)`` pairs into ``staging``; reset the changes.
 
     ``staging`` (int32 ``[2*capacity]``) receives the indices first, then the values. Entries
@@ -202,44 +322,86 @@ def fill_staging(  # type: ignore[no-untyped-def]
     pairs, or -1 (nothing written or reset) when they exceed ``capacity`` or the journal
     overflowed.
     """
-    num_runs = journal_len[0]
+    num_runs = int(journal_len[0])
     if num_runs < 0:
         return -1
-    num_groups, num_rows = dirty.shape
-    total = journal_len[1]
-    for g in range(num_groups):
-        for r in range(num_rows):
-            if dirty[g, r]:
-                total += 1
+    num_indices = int(journal_len[1])
+    flat_dirty = dirty.reshape(-1)
+    dirty_rows = flat_dirty.nonzero()[0]
+    total = num_indices + len(dirty_rows)
     if total > capacity:
         return -1
-    i = 0
-    for run in range(num_runs):
-        start = journal[run, 0]
-        for c in range(journal[run, 1]):
-            staging[i] = start + c
-            i += 1
-    for g in range(num_groups):
-        for r in range(num_rows):
-            if dirty[g, r]:
-                staging[i] = counts_offset + g * num_rows + r
-                dirty[g, r] = False
-                i += 1
-    for i in range(total):
-        staging[total + i] = host[staging[i]]
+    if num_runs == num_indices:  # runs of one entry each (journaled runs are never empty)
+        staging[:num_indices] = journal[:num_runs, 0]
+    elif num_runs:
+        staging[:num_indices] = runs(journal[:num_runs, 0], journal[:num_runs, 1], num_indices)
+    # dirty[g, r] is row r of group g: its count sits at counts_offset + g * num_rows + r
+    index = staging[:total]
+    index[num_indices:] = dirty_rows
+    index[num_indices:] += counts_offset
+    flat_dirty.put(dirty_rows, False)
+    host.take(index, out=staging[total : 2 * total])
     journal_len[0] = 0
     journal_len[1] = 0
     return total
 
 
-@njit(cache=True)
-def check_and_write_group_update(  # type: ignore[no-untyped-def]
-    table, counts, width, k, max_id, offset, cleared, add_rows, add_num, add_ids,
-    app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen, dirty, journal,
-    journal_len,
-):
+def _append_one_block(
+    table: np.ndarray, counts: np.ndarray, width: int, k: int, max_id: int,
+    rows: np.ndarray, num: np.ndarray, ids: np.ndarray, dirty: np.ndarray,
+    journal: np.ndarray, journal_len: np.ndarray,
+) -> bool:
+    """A decode step's update for a table at offset 0 (one group): one manager block appended to
+    each of ``rows``. Writes and returns True only when every check passes; returns False,
+    having written nothing, when the general path must look (an error, or another shape).
+
+    Array methods (``take``/``put``) cost a third of fancy indexing for arrays this small.
+    """
+    n = len(rows)
+    if len(ids) != n or np.count_nonzero(num == 1) != n:
+        return False
+    try:
+        filled = counts.take(rows)  # raises for a row >= num_rows, so bincount stays small
+        distinct = np.count_nonzero(np.bincount(rows, minlength=len(counts)))  # raises if < 0
+    except (IndexError, ValueError):
+        return False
+    if distinct != n or _out_of_range(ids, max_id) or filled.max() > width - k:
+        return False
+    num_runs = int(journal_len[0])
+    end = num_runs + n
+    total = int(journal_len[1]) + n * k
+    starts = rows * width  # int32: the flat table has < 2**31 entries
+    starts += filled
+    if k == 1:
+        table.put(starts, ids)
+    else:
+        table.put((starts[:, None] + np.arange(k, dtype=np.int32)).reshape(-1), kernel_ids(ids, k))
+    if num_runs >= 0 and (end > len(journal) or total > len(journal)):
+        journal_len[0] = -1  # overflow: the commit copies row spans instead
+    elif num_runs >= 0:
+        journal[num_runs:end, 0] = starts
+        journal[num_runs:end, 1] = k
+        journal_len[0] = end
+        journal_len[1] = total
+    filled += k
+    counts.put(rows, filled)
+    dirty.put(rows, True)
+    return True
+
+
+def check_and_write_group_update(
+    table: np.ndarray, counts: np.ndarray, width: int, k: int, max_id: int, offset: int,
+    cleared: np.ndarray, add_rows: np.ndarray, add_num: np.ndarray, add_ids: np.ndarray,
+    app_rows: np.ndarray, app_num: np.ndarray, app_ids: np.ndarray,
+    null_rows: np.ndarray, null_blocks: np.ndarray, scratch: np.ndarray, seen: np.ndarray,
+    dirty: np.ndarray, journal: np.ndarray, journal_len: np.ndarray,
+) -> Result:
     """:func:`check_group_update`, then (only if it passed) :func:`write_group_update`: one
     call for a one-group table's whole step."""
+    if (offset == 0 and len(app_rows) and not (len(cleared) or len(add_rows) or len(null_rows))
+            and _append_one_block(table, counts, width, k, max_id, app_rows, app_num, app_ids,
+                                  dirty, journal, journal_len)):
+        return _PASS
     res = check_group_update(
         counts, width, k, max_id, cleared, add_rows, add_num, add_ids,
         app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen,

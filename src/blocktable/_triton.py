@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-from contextlib import AbstractContextManager, nullcontext
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 

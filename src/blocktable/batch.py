@@ -2,8 +2,9 @@
 
 :func:`check_group_update` validates everything without touching the table;
 :func:`write_group_update` performs the writes. The owner checks every group before writing any,
-so a rejected :class:`~blocktable.update.StepUpdate` changes nothing in any group. Both run as
-compiled loops (:mod:`blocktable._host_loops`): a decode step's update costs microseconds.
+so a rejected :class:`~blocktable.update.StepUpdate` changes nothing in any group. Both are a
+few vectorized numpy calls (:mod:`blocktable._host_loops`): a decode step's update costs
+microseconds.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def apply_group_update(
     appended: RowBlocks,
     nulled: RowEntries,
 ) -> None:
-    """Check and apply in one compiled call (a table with one group: nothing else to wait for)."""
+    """Check and apply in one call (a table with one group: nothing else to wait for)."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     st = table.storage
     code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]

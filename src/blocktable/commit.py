@@ -8,7 +8,8 @@ buffer comes first). Bytes moved are ``8 * changed entries``, not ``4 * num_reqs
 staging buffers alternate; a buffer is refilled only after the kernel that read it has finished
 (a CUDA event says so). When the change outgrows the staging buffer, the changed row span of
 each group is copied directly from the host table instead; host writes then wait for that copy
-(:meth:`TableStorage.before_host_write`).
+(:meth:`TableStorage.before_host_write`). On the CPU the pairs are written with numpy into
+the CPU copy, on the calling thread (no torch op, so no intra-op thread pool).
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ class Committer:
         # scatter kernel can read the staging buffer itself: no separate copy to issue. If the
         # platform refuses, the first commit falls back to copy + scatter for good.
         self._zero_copy = cuda and backend == "triton"
+        self._device_index = storage.device.index or 0
         self._stream_raw: int | None = None
         self._stream: torch.cuda.Stream | None = None
         self._next = 0
+        # on cpu, int32 [num_entries]: the CPU "device" copy as numpy (same memory), so a CPU
+        # commit is numpy work on one thread, whatever torch's intra-op thread pool is doing
+        self._device_np = storage.device_tensor.numpy() if storage.device.type == "cpu" else None
         self.last: CommitStats = _NOTHING
 
     def commit(self) -> CommitStats:
@@ -108,6 +113,10 @@ class Committer:
     def _scatter(self, slot: int, n: int) -> None:
         """Write the ``n`` staged pairs of buffer ``slot`` into the device table."""
         st = self.storage
+        if self._device_np is not None:
+            buf = self._staging_np[slot]
+            self._device_np.put(buf[:n], buf[n : 2 * n])
+            return
         if self.backend == "torch":
             index = torch.from_numpy(self._staging_np[slot, :n].astype(np.int64))
             st.device_tensor[index.to(st.device)] = self._staging_host[slot, n : 2 * n].to(
@@ -137,7 +146,7 @@ class Committer:
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The current stream, without building a new Stream object on every call."""
-        index = self.storage.device.index or 0
+        index = self._device_index
         raw = int(torch._C._cuda_getCurrentRawStream(index))
         if raw != self._stream_raw or self._stream is None:
             self._stream = torch.cuda.current_stream(index)
@@ -157,7 +166,10 @@ class Committer:
         spans.append((st.counts_offset, st.num_entries))
         moved = 0
         for start, stop in spans:
-            st.device_tensor[start:stop].copy_(st.host_tensor[start:stop], non_blocking=True)
+            if self._device_np is not None:
+                self._device_np[start:stop] = st.host[start:stop]
+            else:
+                st.device_tensor[start:stop].copy_(st.host_tensor[start:stop], non_blocking=True)
             moved += stop - start
         if st.device.type == "cuda":
             event = torch.cuda.Event()

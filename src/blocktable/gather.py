@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, cdiv, next_power_of_2, on_device, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, next_power_of_2, tl, triton
 from blocktable.constants import NULL_BLOCK_ID
 
 
@@ -32,10 +32,7 @@ def gather_rows(
         grid = (out.shape[0], cdiv(width, block))
         if out.shape[0] == 0:
             return
-        with on_device(table):
-            _gather_rows_kernel[grid](
-                table, row_of_batch, out, num_reqs, width, table.shape[0], BLOCK=block
-            )
+        _launch_gather(grid, table, row_of_batch, out, num_reqs, width, table.shape[0], block)
         return
     rows = row_of_batch.long()
     live = (rows >= 0) & (rows < table.shape[0])
@@ -47,7 +44,12 @@ def gather_rows(
 if HAS_TRITON:
     _NULL = tl.constexpr(NULL_BLOCK_ID)  # kernels read globals only as constexprs
 
-    @triton.jit(do_not_specialize=["num_reqs"])
+    # table: a group's view inside the flat buffer; row_of_batch: the caller's tensor. Neither
+    # address is specialized on its alignment (the cached launcher does not key on it).
+    @triton.jit(
+        do_not_specialize=["num_reqs"],
+        do_not_specialize_on_alignment=["table_ptr", "row_of_batch_ptr"],
+    )
     def _gather_rows_kernel(
         table_ptr, row_of_batch_ptr, out_ptr, num_reqs, width, max_num_reqs, BLOCK: tl.constexpr
     ):
@@ -59,3 +61,5 @@ if HAS_TRITON:
         live = (row >= 0) & (row < max_num_reqs)
         ids = tl.load(table_ptr + row * width + cols, mask=in_row & live, other=_NULL)
         tl.store(out_ptr + i * width + cols, ids, mask=in_row)
+
+    _launch_gather = Launcher(_gather_rows_kernel, dynamic=(3,))

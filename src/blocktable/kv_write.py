@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 
 from blocktable._checks import check_tensor
-from blocktable._triton import HAS_TRITON, next_power_of_2, on_device, resolve_backend, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, next_power_of_2, resolve_backend, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+_POINTERS = ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr")
+
 if HAS_TRITON:
 
-    @triton.jit
-    def _write_kv_kernel(
+    def _write_kv(
         key_ptr,
         value_ptr,
         k_cache_ptr,
@@ -69,6 +70,12 @@ if HAS_TRITON:
         v_dst = v_cache_stride_b * block + v_cache_stride_s * offset
         tl.store(k_cache_ptr + k_dst + h * k_cache_stride_h + d * k_cache_stride_d, k, mask=mask)
         tl.store(v_cache_ptr + v_dst + h * v_cache_stride_h + d * v_cache_stride_d, v, mask=mask)
+
+    # Through the cached launcher, which does not key on pointer alignment: one build for
+    # pointers that are all 16-byte aligned (vector loads), one that assumes nothing.
+    _write_kv_kernel = triton.jit(_write_kv)
+    _launch_aligned = Launcher(_write_kv_kernel)
+    _launch_any = Launcher(triton.jit(do_not_specialize_on_alignment=list(_POINTERS))(_write_kv))
 
 
 def write_kv_cache(
@@ -147,8 +154,7 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     if backend == "triton":
-        with on_device(k_cache):
-            _write_kv_cache_triton(key, value, k_cache, v_cache, slots, num_slots)
+        _write_kv_cache_triton(key, value, k_cache, v_cache, slots, num_slots)
     else:
         _write_kv_cache_torch(key, value, k_cache, v_cache, slots, num_slots)
 
@@ -189,7 +195,9 @@ def _write_kv_cache_triton(
     num_slots: int,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
-    _write_kv_kernel[(num_tokens,)](
+    aligned = all(t.data_ptr() % 16 == 0 for t in (key, value, k_cache, v_cache, slots))
+    (_launch_aligned if aligned else _launch_any)(
+        (num_tokens,),
         key,
         value,
         k_cache,
@@ -203,6 +211,6 @@ def _write_kv_cache_triton(
         *value.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_dim),
+        next_power_of_2(num_kv_heads),
+        next_power_of_2(head_dim),
     )

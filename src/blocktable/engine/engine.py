@@ -6,8 +6,9 @@ One :meth:`LLMEngine.step`:
    (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
 2. ``table.apply(manager.take_step_update())``: the step's row changes, in one batched call;
 3. ``table.commit()``: the changed entries go to the device;
-4. positions and ``query_start_loc`` are built on the device and ``compute_slot_mapping`` turns
-   them into cache slots (indexed mode: each request keeps the allocator's row for its
+4. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
+   persistent (pinned) buffers and cross in one copy; ``compute_slot_mapping`` turns them into
+   cache slots (indexed mode: each request keeps the allocator's row for its
    lifetime and ``row_of_batch`` says which row each batch entry reads);
 5. the model writes K/V by slot mapping and attends through ``gather_view`` (the table rows in
    batch order);
@@ -27,6 +28,7 @@ import torch
 from blocktable._triton import resolve_backend
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.config import GroupSpec
+from blocktable.engine.batch_inputs import BatchInputBuffers, BatchInputs
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
 from blocktable.engine.request import Request
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
@@ -87,6 +89,7 @@ class StepResult:
     preempted: tuple[str, ...]
     finished: tuple[str, ...]
     table_time_s: float  # host time of apply + commit + slot mapping
+    inputs_time_s: float = 0.0  # host time building the step's input tensors
 
 
 StepHook = Callable[["LLMEngine", SchedulerOutput], None]
@@ -133,6 +136,7 @@ class LLMEngine:
             backend=backend,
         )
         self.scheduler = Scheduler(self.manager, config.token_budget)
+        self._inputs = BatchInputBuffers(config.max_num_reqs, config.token_budget, self.device)
         self.requests: dict[str, Request] = {}
         self.step_index = 0
 
@@ -188,30 +192,29 @@ class LLMEngine:
         self.table.commit()
         finished: list[str] = []
         table_time_s = time.perf_counter() - t0
+        inputs_time_s = 0.0
         if batch.scheduled:
-            positions, query_start_loc, row_of_batch, seq_lens, qsl_cpu = self._batch_tensors(batch)
             t1 = time.perf_counter()
+            inputs = self._batch_tensors(batch)
+            t2 = time.perf_counter()
             slot_mapping = self.table.compute_slot_mapping(
-                query_start_loc, positions, row_of_batch=row_of_batch, query_start_loc_cpu=qsl_cpu
+                inputs.query_start_loc, inputs.positions, row_of_batch=inputs.row_of_batch,
+                query_start_loc_cpu=inputs.query_start_loc_cpu,
             )[0]
-            table_time_s += time.perf_counter() - t1
+            table_time_s += time.perf_counter() - t2
+            inputs_time_s = t2 - t1
             assert slot_mapping is not None  # an attention group always has slots
             attn = AttentionInputs(
                 slot_mapping=slot_mapping,
-                block_table=self.table.gather_view(0, row_of_batch),
-                seq_lens=seq_lens,
-                query_start_loc=query_start_loc,
-                decode_only=batch.num_tokens == len(batch.scheduled),
+                block_table=self.table.gather_view(0, inputs.row_of_batch),
+                seq_lens=inputs.seq_lens,
+                query_start_loc=inputs.query_start_loc,
+                decode_only=inputs.num_tokens == len(batch.scheduled),
             )
             if hook is not None:
                 hook(self, batch)
-            input_ids = torch.tensor(
-                [t for s in batch.scheduled
-                 for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]],
-                dtype=torch.int64,
-            ).to(self.device)
             # Each request's last token of the step predicts its next token.
-            logits = self.model(input_ids, positions, attn, query_start_loc[1:].long() - 1)
+            logits = self.model(inputs.input_ids, inputs.positions, attn, inputs.logits_indices)
             finished = self._update(batch, logits.cpu())
         elif hook is not None:
             hook(self, batch)
@@ -223,33 +226,30 @@ class LLMEngine:
             preempted=tuple(r.req_id for r in batch.preempted),
             finished=tuple(finished),
             table_time_s=table_time_s,
+            inputs_time_s=inputs_time_s,
         )
         self.step_index += 1
         return result
 
-    def _batch_tensors(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Positions, query_start_loc, row_of_batch and seq_lens on the device (+ host qsl).
+    def _batch_tensors(self, batch: SchedulerOutput) -> BatchInputs:
+        """This step's inputs on the device, through persistent buffers (one copy on CUDA).
 
-        Only per-request vectors ``[num_reqs]`` cross to the device; the per-token positions
-        are expanded there: token ``t`` of request ``r`` sits at ``start[r] + t - qsl[r]``.
+        Only per-request numbers are gathered in Python; positions are expanded with numpy:
+        token ``t`` of request ``r`` sits at ``start[r] + t - qsl[r]``.
         """
-        per_req = np.array(
-            [(s.start, s.num_new_tokens, self.manager.row_of(s.request.req_id))
-             for s in batch.scheduled],
-            dtype=np.int64,
-        ).T  # int64 [3, num_reqs]: start, num_new_tokens, row
-        qsl_cpu = torch.zeros(per_req.shape[1] + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.from_numpy(np.cumsum(per_req[1]))
-        start, num_new, row = torch.from_numpy(per_req).to(self.device)
-        query_start_loc = qsl_cpu.to(self.device)
-        num_tokens = int(qsl_cpu[-1])
-        positions = torch.repeat_interleave(
-            start - query_start_loc[:-1], num_new, output_size=num_tokens
-        ) + torch.arange(num_tokens, device=self.device)
-        seq_lens = (start + num_new).to(torch.int32)
-        return positions, query_start_loc, row.to(torch.int32), seq_lens, qsl_cpu
+        row_of = self.manager.row_of
+        starts: list[int] = []
+        num_new: list[int] = []
+        rows: list[int] = []
+        input_ids: list[int] = []
+        for s in batch.scheduled:  # one pass, flat lists: cheaper than tuples per request
+            starts.append(s.start)
+            num_new.append(s.num_new_tokens)
+            rows.append(row_of(s.request.req_id))
+            input_ids += s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+        return self._inputs.fill(np.array(starts, dtype=np.int64),
+                                 np.array(num_new, dtype=np.int64),
+                                 np.array(rows, dtype=np.int32), input_ids)
 
     def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
         """After the forward: record computed tokens, sample, finish. ``logits`` on cpu."""

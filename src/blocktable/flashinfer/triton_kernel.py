@@ -1,14 +1,24 @@
-"""The Triton kernel that writes FlashInfer's CSR page table, one program per request."""
+"""The Triton kernel that writes FlashInfer's CSR page table, one program per request.
+
+Launched through the cached :class:`~blocktable._triton.Launcher` (no argument binding per
+call). Every pointer may be any slice of a caller's buffer, so none is specialized on its
+alignment; the kernel reads and writes int32 elements one by one anyway.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable._triton import HAS_TRITON, Launcher, tl, triton
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "block_table_ptr", "seq_lens_ptr", "kv_indptr_ptr", "kv_indices_ptr",
+            "kv_last_page_len_ptr",
+        ],
+    )
     def _flashinfer_page_table_kernel(
         block_table_ptr,
         seq_lens_ptr,
@@ -51,6 +61,11 @@ if HAS_TRITON:
             ids = tl.load(row_ptr + p * block_table_stride_c, mask=mask)
             tl.store(kv_indices_ptr + start + p, ids, mask=mask)
 
+    _launch = Launcher(_flashinfer_page_table_kernel)
+
+_BLOCK_R = 1024
+_BLOCK_P = 1024
+
 
 def launch_flashinfer_page_table(
     block_table: torch.Tensor,
@@ -61,7 +76,9 @@ def launch_flashinfer_page_table(
     kv_last_page_len: torch.Tensor,
 ) -> None:
     """One launch over ``seq_lens.shape[0] >= 1`` requests, on checked inputs."""
-    _flashinfer_page_table_kernel[(seq_lens.shape[0],)](
+    stride_r, stride_c = block_table.stride()
+    _launch(
+        (seq_lens.shape[0],),
         block_table,
         seq_lens,
         kv_indptr,
@@ -70,7 +87,8 @@ def launch_flashinfer_page_table(
         block_table.shape[1],
         page_size,
         kv_indices.shape[0],
-        *block_table.stride(),
-        BLOCK_R=1024,
-        BLOCK_P=1024,
+        stride_r,
+        stride_c,
+        _BLOCK_R,
+        _BLOCK_P,
     )

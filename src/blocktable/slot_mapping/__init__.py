@@ -1,6 +1,6 @@
 """Slot mapping: position -> KV slot for every scheduled token (``docs/layout.md``).
 
-``reference`` defines the math in plain Python; ``torch_impl`` is the CPU backend;
+``reference`` defines the math in plain Python; ``torch_impl`` is the CPU backend (numpy);
 ``triton_kernel`` is the fused one-launch kernel for CUDA (and CPU under the interpreter).
 """
 
@@ -45,7 +45,8 @@ def compute_slots(
             has_cp=has_cp,
         )
     else:
-        slot_mapping_torch(flat_table, params, query_start_loc, positions, row_of_batch, out)
+        slot_mapping_torch(flat_table, params, query_start_loc, positions, row_of_batch, out,
+                           max_num_reqs=max_num_reqs)
 
 
 __all__ = [

@@ -1,0 +1,120 @@
+"""One step's per-request and per-token inputs, built with numpy in persistent buffers.
+
+Everything a step sends to the device (``query_start_loc``, ``row_of_batch``, ``seq_lens``,
+positions, input ids, the logits' token indices) lives in *one* int32 host buffer, pinned on
+CUDA, and crosses in *one* asynchronous copy into one device buffer of the same layout::
+
+    [ qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T | input_ids : 2T | last : 2R ]
+
+(``R`` = max requests, ``T`` = max tokens; the int64 parts are int32 pairs viewed as int64).
+No torch tensor is allocated per step, only views of the fixed buffers; on the CPU the device
+buffer is the host buffer itself. A step may refill the host buffer only once the previous
+step's copy has read it: an event recorded after the copy says so.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+class BatchInputs(NamedTuple):
+    """Views of this step's inputs (valid until the next :meth:`BatchInputBuffers.fill`)."""
+
+    query_start_loc: torch.Tensor  # on device, int32 [num_reqs + 1]
+    positions: torch.Tensor  # on device, int64 [num_tokens]
+    row_of_batch: torch.Tensor  # on device, int32 [num_reqs]
+    seq_lens: torch.Tensor  # on device, int32 [num_reqs]
+    input_ids: torch.Tensor  # on device, int64 [num_tokens]
+    logits_indices: torch.Tensor  # on device, int64 [num_reqs]: each request's last token
+    query_start_loc_cpu: torch.Tensor  # on cpu (pinned with CUDA), int32 [num_reqs + 1]
+    num_tokens: int
+
+
+class BatchInputBuffers:
+    """Persistent host and device buffers for steps of at most ``max_num_reqs`` requests and
+    ``max_num_tokens`` tokens on ``device``."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device) -> None:
+        R, T = max_num_reqs, max_num_tokens
+        self.max_num_reqs, self.max_num_tokens = R, T
+        cuda = device.type == "cuda"
+        pos = 3 * R + 1 + (3 * R + 1) % 2  # int64 parts start at an even int32 offset
+        ids = pos + 2 * T
+        last = ids + 2 * T
+        size = last + 2 * R
+        # on cpu, int32 [size], pinned with CUDA
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
+        # on device, int32 [size]: the host buffer itself on the CPU
+        self._device = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self._host
+        h = self._host.numpy()
+        self._qsl = h[: R + 1]
+        self._rows = h[R + 1 : 2 * R + 1]
+        self._seq_lens = h[2 * R + 1 : 3 * R + 1]
+        self._positions = h[pos:ids].view(np.int64)
+        self._input_ids = h[ids:last].view(np.int64)
+        self._last = h[last:].view(np.int64)
+        d = self._device
+        self._d_qsl = d[: R + 1]
+        self._d_rows = d[R + 1 : 2 * R + 1]
+        self._d_seq_lens = d[2 * R + 1 : 3 * R + 1]
+        self._d_positions = d[pos:ids].view(torch.int64)
+        self._d_input_ids = d[ids:last].view(torch.int64)
+        self._d_last = d[last:].view(torch.int64)
+        self._arange = np.arange(max(R, T), dtype=np.int64)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._in_flight = False
+
+    def fill(
+        self,
+        starts: np.ndarray,
+        num_new_tokens: np.ndarray,
+        rows: np.ndarray,
+        input_ids: list[int],
+    ) -> BatchInputs:
+        """Write a step's inputs and start their copy to the device.
+
+        Parameters
+        ----------
+        starts : np.ndarray
+            int64 ``[num_reqs]``: tokens of each request already in the KV cache.
+        num_new_tokens : np.ndarray
+            int64 ``[num_reqs]``: tokens each request computes this step (>= 1).
+        rows : np.ndarray
+            int32 ``[num_reqs]``: each request's table row.
+        input_ids : list of int
+            ``[num_tokens]``: the step's tokens, request after request.
+        """
+        n = len(starts)
+        if n > self.max_num_reqs:
+            raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
+        if self._in_flight and self._copied is not None:
+            self._copied.synchronize()  # the last copy must have read the host buffer
+        qsl = self._qsl[: n + 1]
+        qsl[0] = 0
+        np.cumsum(num_new_tokens, out=qsl[1:])
+        num_tokens = int(qsl[n])
+        if num_tokens > self.max_num_tokens or len(input_ids) != num_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens ({len(input_ids)} input ids), more than "
+                f"max_num_tokens={self.max_num_tokens} or not one id per token"
+            )
+        # token t of request r sits at starts[r] + t - qsl[r]
+        positions = self._positions[:num_tokens]
+        positions[:] = np.repeat(starts - qsl[:-1], num_new_tokens)
+        positions += self._arange[:num_tokens]
+        self._rows[:n] = rows
+        np.add(starts, num_new_tokens, out=self._seq_lens[:n], casting="unsafe")
+        np.subtract(qsl[1:], 1, out=self._last[:n])
+        self._input_ids[:num_tokens] = input_ids
+        if self._copied is not None:
+            self._device.copy_(self._host, non_blocking=True)
+            self._copied.record()
+            self._in_flight = True
+        return BatchInputs(
+            self._d_qsl[: n + 1], self._d_positions[:num_tokens], self._d_rows[:n],
+            self._d_seq_lens[:n], self._d_input_ids[:num_tokens], self._d_last[:n],
+            self._host[: n + 1], num_tokens,
+        )
