@@ -1,0 +1,13 @@
+"""Context parallelism across processes: merging the partial attention of every rank.
+
+- :func:`merge_attention_reference`: the exact merge in float64, the definition.
+- :class:`AttentionMerger`: the merge over a ``torch.distributed`` group (gloo on CPU, NCCL on
+  GPUs) with persistent buffers, one Triton launch on CUDA, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from blocktable.context_parallel.merge import PATTERNS, AttentionMerger
+from blocktable.context_parallel.reference import merge_attention_reference
+
+__all__ = ["PATTERNS", "AttentionMerger", "merge_attention_reference"]

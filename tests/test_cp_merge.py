@@ -1,0 +1,307 @@
+"""The context-parallel attention merge against the float64 reference, on spawned gloo ranks.
+
+Spawning a process costs seconds here, so each world size is one spawned job that runs every
+case and reports the failures back (``spawn.run_ranks``); every child is killed on a timeout.
+Every rank builds the same random partial states of all ranks from one seed, merges its own
+through the group and compares its result with the reference over all of them.
+"""
+
+from __future__ import annotations
+
+import doctest
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import run_ranks
+
+from blocktable.config import CPConfig
+from blocktable.context_parallel import PATTERNS, AttentionMerger, merge_attention_reference
+from blocktable.context_parallel import merge as merge_module
+from blocktable.context_parallel.correction import A2ALayout, MergeKernels
+
+NUM_HEADS, HEAD_DIM, MAX_TOKENS = 4, 8, 8
+SCENARIOS = ("random", "equal", "dominant", "empty", "all_inf", "strided")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def partial_states(
+    scenario: str, world: int, num_tokens: int, dtype: torch.dtype, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's partial output and LSE for one scenario (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (world, num_tokens, NUM_HEADS)
+    outs = torch.randn(*shape, HEAD_DIM, generator=g)
+    lses = 2 * torch.randn(*shape, generator=g)
+    if scenario == "equal":
+        lses[:] = lses[0].clone()
+    elif scenario == "dominant":
+        lses[0] += 30.0  # the others weigh ~1e-13: the result is rank 0's output
+    elif scenario == "empty":  # the last rank holds no key; rank 0 none for token 0, head 1
+        lses[-1] = float("-inf")
+        outs[-1] = float("nan")  # never read: a zero weight contributes exactly nothing
+        lses[0, 0, 1] = float("-inf")
+        outs[0, 0, 1] = 0.0
+    elif scenario == "all_inf":  # token 0 is seen by no rank; token 1 by rank 0 only, head 0
+        lses[:, 0] = float("-inf")
+        outs[:, 0] = 0.0
+        if num_tokens > 1:
+            lses[1:, 1, 0] = float("-inf")
+            outs[1:, 1, 0] = 0.0
+    return [o.to(dtype) for o in outs], list(lses)
+
+
+def compare(
+    name: str, got: torch.Tensor, want: torch.Tensor, tol: float, failures: list[str]
+) -> None:
+    """Record a failure unless ``got`` equals ``want`` to ``tol`` relative to max |want|."""
+    got64 = got.to(torch.float64)
+    if got.shape != want.shape:
+        failures.append(f"{name}: shape {list(got.shape)} != {list(want.shape)}")
+        return
+    if not torch.equal(torch.isneginf(got64), torch.isneginf(want)):
+        failures.append(f"{name}: -inf entries differ")
+        return
+    finite = torch.isfinite(want)
+    if not torch.isfinite(got64[finite]).all():
+        failures.append(f"{name}: non-finite values where the reference is finite")
+        return
+    scale = max(1.0, want[finite].abs().max().item()) if finite.any() else 1.0
+    err = (got64[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    if err > tol * scale:
+        failures.append(f"{name}: max error {err:.3g} > {tol} * {scale:.3g}")
+
+
+def check_merge(
+    merger: AttentionMerger, scenario: str, num_tokens: int, seed: int, failures: list[str],
+    *, gather_heads: bool, return_lse: bool = True,
+) -> int:
+    """One merge on this rank, compared with the reference; returns 1 (cases run)."""
+    world, rank = merger.world_size, merger.rank
+    outs, lses = partial_states(scenario, world, num_tokens, merger.dtype, seed)
+    want_out, want_lse = merge_attention_reference(outs, lses)
+    out, lse = outs[rank], lses[rank]
+    if scenario == "strided":  # views with padding between rows, lse transposed
+        big = torch.zeros(num_tokens, NUM_HEADS + 1, HEAD_DIM + 3, dtype=merger.dtype)
+        big[:, :NUM_HEADS, :HEAD_DIM] = out
+        out = big[:, :NUM_HEADS, :HEAD_DIM]
+        lse = lse.t().contiguous().t()
+    result = merger.merge(out, lse, gather_heads=gather_heads, return_lse=return_lse)
+    got_out, got_lse = result if return_lse else (result, None)
+    heads = slice(None) if gather_heads else merger.head_slice
+    name = (f"{merger.pattern} {merger._kernels.backend} {merger.dtype} {scenario} "
+            f"T={num_tokens} gather={gather_heads} rank={rank}")
+    if got_out.dtype != merger.dtype:
+        failures.append(f"{name}: dtype {got_out.dtype}")
+    compare(name + " out", got_out, want_out[:, heads], TOLERANCE[merger.dtype], failures)
+    if got_lse is not None:
+        compare(name + " lse", got_lse, want_lse[:, heads], 1e-5, failures)
+    return 1
+
+
+def expect_error(name: str, exc: type[Exception], words: tuple[str, ...], fn, failures: list[str]) -> None:
+    try:
+        fn()
+    except exc as err:
+        missing = [w for w in words if w not in str(err)]
+        if missing:
+            failures.append(f"{name}: message {str(err)!r} lacks {missing}")
+        return
+    except Exception as err:  # noqa: BLE001
+        failures.append(f"{name}: raised {type(err).__name__}: {err}")
+        return
+    failures.append(f"{name}: did not raise {exc.__name__}")
+
+
+def bad_input_cases(rank: int, world: int, failures: list[str]) -> None:
+    """Errors raised before any collective (every rank raises alike, so no rank hangs)."""
+    kw = dict(max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS, head_dim=HEAD_DIM,
+              dtype=torch.float32, device="cpu")
+    expect_error("cp world mismatch", ValueError, ("cp", f"world_size={world + 1}", f"world_size={world}"),
+                 lambda: AttentionMerger(None, cp=CPConfig(world + 1, rank), **kw), failures)
+    expect_error("cp rank mismatch", ValueError, ("cp", f"rank={(rank + 1) % world}", f"rank={rank}"),
+                 lambda: AttentionMerger(None, cp=CPConfig(world, (rank + 1) % world), **kw),
+                 failures)
+    AttentionMerger(None, cp=CPConfig(world, rank), **kw)  # agreeing: accepted
+    odd = dict(kw, num_heads=world + 1)
+    for pattern in ("all_gather_reduce_scatter", "all_to_all"):
+        expect_error(f"heads not divisible {pattern}", ValueError, ("num_heads", "world_size"),
+                     lambda: AttentionMerger(None, pattern=pattern, **odd), failures)
+    AttentionMerger(None, pattern="all_reduce", **odd)  # heads replicated: any count
+    expect_error("bad pattern", ValueError, ("pattern",),
+                 lambda: AttentionMerger(None, pattern="ring", **kw), failures)
+    merger = AttentionMerger(None, **kw)
+    out, lse = torch.zeros(3, NUM_HEADS, HEAD_DIM), torch.zeros(3, NUM_HEADS)
+    calls = {
+        "out dtype": (TypeError, ("out", "dtype"), lambda: merger.merge(out.half(), lse)),
+        "out shape": (ValueError, ("out", "shape"), lambda: merger.merge(out[:, :2], lse)),
+        "out not a tensor": (TypeError, ("out",), lambda: merger.merge(out.tolist(), lse)),
+        "lse dtype": (TypeError, ("lse", "dtype"), lambda: merger.merge(out, lse.double())),
+        "lse tokens": (ValueError, ("lse", "shape"), lambda: merger.merge(out, lse[:2])),
+        "lse heads": (ValueError, ("lse", "shape"), lambda: merger.merge(out, lse[:, :2])),
+        "too many tokens": (ValueError, ("max_num_tokens",),
+                            lambda: merger.merge(torch.zeros(MAX_TOKENS + 1, NUM_HEADS, HEAD_DIM),
+                                                 torch.zeros(MAX_TOKENS + 1, NUM_HEADS))),
+        "out last stride": (ValueError, ("out", "stride"),
+                            lambda: merger.merge(out.transpose(1, 2).contiguous().transpose(1, 2),
+                                                 lse)),
+    }
+    for name, (exc, words, fn) in calls.items():
+        expect_error(name, exc, words, fn, failures)
+
+
+def merge_job(rank: int, world: int, triton_cases: bool) -> dict[str, object]:
+    """Every merge case of one world size on this rank; returns failures and counts."""
+    failures: list[str] = []
+    cases = 0
+    seed = 0
+    for pattern in PATTERNS:
+        for dtype in (torch.float32, torch.bfloat16):
+            merger = AttentionMerger(None, max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS,
+                                     head_dim=HEAD_DIM, dtype=dtype, device="cpu",
+                                     pattern=pattern, backend="torch")
+            for i, scenario in enumerate(SCENARIOS):
+                num_tokens = (1, 5, MAX_TOKENS)[i % 3]  # 1 and 5 are padded rows of 8
+                for gather in (False, True):
+                    seed += 1
+                    cases += check_merge(merger, scenario, num_tokens, seed, failures,
+                                         gather_heads=gather)
+            cases += check_merge(merger, "random", 3, seed, failures, gather_heads=False,
+                                 return_lse=False)
+    # gloo builds without reduce-scatter take the all-reduce route: force it once.
+    merger = AttentionMerger(None, max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS,
+                             head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+    merger._comm.reduce_scatter_via_all_reduce = True
+    cases += check_merge(merger, "empty", 5, 99, failures, gather_heads=False)
+    if triton_cases:  # the CUDA path's buffers and launches, under the Triton interpreter
+        for pattern in PATTERNS:
+            merger = AttentionMerger(None, max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS,
+                                     head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
+                                     pattern=pattern, backend="triton")
+            for scenario, num_tokens, gather, want_lse in (
+                ("empty", 5, False, True), ("all_inf", 3, True, True),
+                ("strided", MAX_TOKENS, False, False), ("random", 1, True, True),
+            ):
+                seed += 1
+                cases += check_merge(merger, scenario, num_tokens, seed, failures,
+                                     gather_heads=gather, return_lse=want_lse)
+    # Zero tokens: no collective, empty results of the right shape.
+    merger = AttentionMerger(None, max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS,
+                             head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+    got, got_lse = merger.merge(torch.zeros(0, NUM_HEADS, HEAD_DIM), torch.zeros(0, NUM_HEADS),
+                                return_lse=True)
+    if got.shape != (0, NUM_HEADS // world, HEAD_DIM) or got_lse.shape != (0, NUM_HEADS // world):
+        failures.append(f"zero tokens: shapes {list(got.shape)} {list(got_lse.shape)}")
+    bad_input_cases(rank, world, failures)
+    dead_peer = None
+    if world == 2:  # rank 1 leaves; rank 0's next merge must fail, not hang
+        if rank == 0:
+            time.sleep(0.5)
+            start = time.monotonic()
+            try:
+                merger.merge(torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_HEADS))
+                failures.append("dead peer: merge returned")
+            except RuntimeError:
+                dead_peer = time.monotonic() - start
+    return {"failures": failures, "cases": cases, "dead_peer_s": dead_peer}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_merge_matches_reference_across_ranks(world, tmp_path):
+    results = run_ranks(merge_job, world, tmp_path, args=(world == 2,), timeout_s=150.0,
+                        pg_timeout_s=30.0)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:40])
+    assert all(r["cases"] >= 3 * 2 * len(SCENARIOS) * 2 for r in results)
+    if world == 2:
+        assert results[0]["dead_peer_s"] is not None and results[0]["dead_peer_s"] < 30.0
+
+
+def test_single_rank_group_and_docstring_example():
+    """World 1 in this process: the merge is the identity; the class example runs."""
+    result = doctest.testmod(merge_module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+    path = Path(tempfile.mkdtemp()) / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        failures: list[str] = []
+        for pattern in PATTERNS:
+            merger = AttentionMerger(None, max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS,
+                                     head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
+                                     pattern=pattern)
+            for scenario in SCENARIOS:
+                check_merge(merger, scenario, 5, 1, failures, gather_heads=False)
+        assert not failures, "\n".join(failures)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_process_group_is_an_error():
+    with pytest.raises(ValueError, match="process group"):
+        AttentionMerger(None, max_num_tokens=4, num_heads=2, head_dim=4, dtype=torch.float32,
+                        device="cpu")
+
+
+def test_reference_edge_cases():
+    o = [torch.ones(2, 1, 3), torch.full((2, 1, 3), 5.0)]
+    lse = [torch.tensor([[0.0], [float("-inf")]]), torch.tensor([[0.0], [float("-inf")]])]
+    out, merged = merge_attention_reference(o, lse)
+    assert torch.equal(out[0], torch.full((1, 3), 3.0, dtype=torch.float64))
+    assert torch.equal(out[1], torch.zeros(1, 3, dtype=torch.float64))
+    assert merged[1, 0] == float("-inf")
+    with pytest.raises(ValueError, match="lses"):
+        merge_attention_reference(o, lse[:1])
+    with pytest.raises(ValueError, match=r"lses\[1\]"):
+        merge_attention_reference(o, [lse[0], torch.zeros(3, 1)])
+
+
+KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("world", "num_heads", "head_dim"), [(2, 4, 24), (4, 8, 5), (3, 3, 16)])
+def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
+    """The Triton launches (interpreter on CPU) against the torch versions, same buffers."""
+    g = torch.Generator().manual_seed(world * 100 + head_dim)
+    dev = torch.device(triton_device)
+    kernels = {b: MergeKernels(b, dev) for b in ("triton", "torch")}
+    num_tokens = 5
+    out = torch.randn(num_tokens, num_heads, head_dim + 2, generator=g)[:, :, :head_dim]
+    out = out.to(dtype).to(dev)
+    lse_all = 3 * torch.randn(world * num_tokens * num_heads, generator=g)
+    lse_all[:7] = float("-inf")  # rank 0 empty for some rows, every rank for row 0 when world 2
+    lse_all[num_tokens * num_heads: num_tokens * num_heads + 1] = float("-inf")
+    lse_all = lse_all.to(dev)
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for hpg in (1, num_heads):
+        res = {}
+        for name, k in kernels.items():
+            dst = torch.zeros(num_tokens * num_heads * head_dim, dtype=dtype, device=dev)
+            lse_out = torch.zeros(num_tokens * num_heads, device=dev)
+            k.correct(out, lse_all, dst, lse_out, rank=world - 1, world_size=world,
+                      heads_per_group=hpg)
+            res[name] = (dst.float(), lse_out)
+        torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
+        torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
+    layout = A2ALayout(world, num_heads // world, head_dim, out.element_size())
+    lse = lse_all[: num_tokens * num_heads].view(num_heads, num_tokens).t()  # strided
+    sends = {}
+    for name, k in kernels.items():
+        send = torch.zeros(layout.numel(num_tokens), dtype=dtype, device=dev)
+        k.pack(out, lse, send, send.view(torch.float32), layout)
+        sends[name] = send
+    assert torch.equal(sends["triton"].view(torch.uint8), sends["torch"].view(torch.uint8))
+    recv = sends["torch"]
+    res = {}
+    for name, k in kernels.items():
+        dst = torch.zeros(2 * num_tokens * layout.heads_per_rank * head_dim, dtype=dtype,
+                          device=dev)
+        lse_out = torch.zeros(2 * num_tokens * layout.heads_per_rank, device=dev)
+        k.merge(recv, recv.view(torch.float32), dst, lse_out, layout, num_tokens=num_tokens,
+                dst_slot=1)
+        res[name] = (dst.float(), lse_out)
+    torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
+    torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
