@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -182,15 +183,16 @@ def _rank_of(obj: object, procs: list[Any], conns: list[Connection]) -> int:
 
 def _receive(rank: int, proc: Any, conn: Connection) -> tuple[bool | None, Any]:
     """``(True, result)``, ``(False, traceback)``, or ``(None, None)`` if nothing is there yet."""
+    why = "without a result"
     if conn.poll():
         try:
-            return conn.recv()  # type: ignore[no-any-return]
-        except (EOFError, OSError):
-            pass  # the child died before (or while) sending
+            return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
+        except (EOFError, OSError) as err:  # the child died before (or while) sending
+            why = f"without a result ({type(err).__name__}: {err})"
     elif proc.is_alive():
         return None, None
     proc.join(_JOIN_S)
-    return False, f"the process exited with code {proc.exitcode} without a result"
+    return False, f"the process exited with code {proc.exitcode} {why}"
 
 
 def _end_all(procs: list[Any]) -> None:
@@ -232,12 +234,16 @@ def _child(
         )
         initialized = True
         result = fn(rank, world_size, *args)
-        conn.send((True, result))
+        # Plain pickle: multiprocessing's pickler would pass tensors as shared memory that
+        # vanishes with this process.
+        conn.send_bytes(pickle.dumps((True, result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
-            conn.send((False, traceback.format_exc()))
+            conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
         except Exception:  # noqa: BLE001 - e.g. a result that does not pickle
-            conn.send((False, "could not send the rank's error:\n" + traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(
+                (False, "could not send the rank's error:\n" + traceback.format_exc())
+            ))
         initialized = False  # peers may be gone: tearing the group down could block
     finally:
         conn.close()
