@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--picture-step", metavar="STEP", type=int, default=None,
                       help="step to draw (default: the step with the most requests in its "
                            "batch, nearest the middle of the run)")
+    demo.add_argument("--dcp", metavar="N", type=int, default=_DEFAULTS.dcp,
+                      help="decode context parallelism: run N processes (1..8), each holding "
+                           "its shard of every request's KV, one GPU each with --device cuda "
+                           "(default %(default)s: one process)")
+    demo.add_argument("--cp-interleave", metavar="TOKENS", type=int,
+                      default=_DEFAULTS.cp_interleave,
+                      help="with --dcp: consecutive tokens on one rank before the next rank's; "
+                           "must divide --block-size (default %(default)s)")
     demo.add_argument("--quiet", action="store_true",
                       help="print only the final line (no progress or tables)")
     return parser
@@ -62,6 +70,11 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Demo
         value = getattr(args, name)
         if value < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if not 1 <= args.dcp <= 8:
+        parser.error(f"--dcp must be in [1, 8], got {args.dcp}")
+    if args.cp_interleave < 1 or args.block_size % args.cp_interleave:
+        parser.error(f"--cp-interleave must be >= 1 and divide --block-size {args.block_size}, "
+                     f"got {args.cp_interleave}")
     if args.picture_step is not None and args.picture_step < 0:
         parser.error(f"--picture-step must be >= 0, got {args.picture_step}")
     if args.out.suffix.lower() != ".png":
@@ -70,19 +83,24 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Demo
         num_requests=args.num_requests, seed=args.seed, block_size=args.block_size,
         num_blocks=args.num_blocks, max_new_tokens=args.max_new_tokens,
         token_budget=args.token_budget, device=args.device, out=args.out,
-        picture_step=args.picture_step, quiet=args.quiet,
+        picture_step=args.picture_step, quiet=args.quiet, dcp=args.dcp,
+        cp_interleave=args.cp_interleave,
     )
     need = longest_request_blocks(opts)
     if need > opts.num_blocks - 1:
         parser.error(
             f"--num-blocks {opts.num_blocks} is too small: the longest request needs {need} "
-            f"blocks of {opts.block_size} tokens, plus the null block (use >= {need + 1})"
+            f"blocks of {opts.block_size * opts.dcp} tokens, plus the null block "
+            f"(use >= {need + 1})"
         )
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is visible")
+        if torch.cuda.device_count() < args.dcp:
+            parser.error(f"--dcp {args.dcp} needs {args.dcp} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
     return opts
 
 

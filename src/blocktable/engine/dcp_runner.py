@@ -12,7 +12,7 @@ the workload on rank 0 and follows on the others, and returns what each rank mea
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from blocktable.engine.distributed import DistributedEngine, RankStats, StepHook
 from blocktable.engine.engine import EngineConfig, StepResult
 from blocktable.engine.model import tiny_llama
 from blocktable.engine.request import Request
+from blocktable.engine.scheduler import SchedulerOutput
 from blocktable.engine.workload import WorkloadRequest
 
 MergerFactory = Callable[..., Any]
@@ -45,6 +46,7 @@ class DCPRun:
     model_seed: int = 0
     device: str = "cpu"
     check_consistency: bool = True
+    take_snapshots: bool = False  # the driver keeps a picture snapshot of every step
     make_merger: MergerFactory | None = None  # default: blocktable.context_parallel's merger
 
 
@@ -61,6 +63,7 @@ class DCPResult:
     num_free_blocks: int = 0  # at the end (driver)
     num_cached_blocks: int = 0
     allocator_block_size: int = 0
+    snapshots: list[Any] = field(default_factory=list)  # picture.TableSnapshot per step (driver)
 
 
 def run_dcp_rank(rank: int, world_size: int, runs: Sequence[DCPRun]) -> list[DCPResult]:
@@ -88,7 +91,7 @@ def run_dcp_rank(rank: int, world_size: int, runs: Sequence[DCPRun]) -> list[DCP
             merge_pattern=run.merge_pattern, check_consistency=run.check_consistency,
         )
         if engine.is_driver:
-            results.append(_drive(engine, run.workload))
+            results.append(_drive(engine, run.workload, run.take_snapshots))
         else:
             results.append(DCPResult(engine.serve()))
     return results
@@ -118,8 +121,19 @@ def drive_workload(
     return steps
 
 
-def _drive(engine: DistributedEngine, workload: Sequence[WorkloadRequest]) -> DCPResult:
-    steps = drive_workload(engine, workload)
+def _drive(
+    engine: DistributedEngine, workload: Sequence[WorkloadRequest], take_snapshots: bool
+) -> DCPResult:
+    snapshots: list[Any] = []
+
+    def snap(eng: DistributedEngine, batch: SchedulerOutput) -> None:
+        from blocktable.picture import take_snapshot
+
+        # The allocator's view: one block id stands for block_size * world tokens.
+        shot = take_snapshot(eng, batch)  # type: ignore[arg-type]
+        snapshots.append(replace(shot, block_size=eng.allocator_block_size))
+
+    steps = drive_workload(engine, workload, hook=snap if take_snapshots else None)
     manager, scheduler = engine.manager, engine.scheduler
     assert manager is not None and scheduler is not None
     manager.check_integrity()
@@ -129,5 +143,5 @@ def _drive(engine: DistributedEngine, workload: Sequence[WorkloadRequest]) -> DC
         num_hit_tokens=scheduler.num_hit_tokens, num_lookup_tokens=scheduler.num_lookup_tokens,
         num_preemptions=manager.num_preemptions, num_free_blocks=manager.num_free_blocks(),
         num_cached_blocks=manager.num_cached_blocks(),
-        allocator_block_size=engine.allocator_block_size,
+        allocator_block_size=engine.allocator_block_size, snapshots=snapshots,
     )

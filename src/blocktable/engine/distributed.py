@@ -85,7 +85,7 @@ class RankStats:
     world_size: int
     num_steps: int = 0
     kv_tokens_written: int = 0  # tokens whose K/V this rank wrote (non-PAD slots), all steps
-    peak_kv_tokens: int = 0  # most keys this rank held for one step's batch
+    peak_kv_tokens: int = 0  # most keys this rank held for (and attended in) one step's batch
     num_empty_queries: int = 0  # query tokens for which this rank held no visible key
     kv_cache_bytes: int = 0  # this rank's KV cache (all layers, K and V)
 
