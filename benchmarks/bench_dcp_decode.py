@@ -165,9 +165,6 @@ def _bench_rank(rank: int, world: int, case: Case) -> dict[str, Any]:
         dst_blocks = local_table[i, local // bs].long()
         k_local[dst_blocks, local % bs] = k_global[src_blocks, glob % bs]
         v_local[dst_blocks, local % bs] = v_global[src_blocks, glob % bs]
-    del k_global, v_global
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     out = torch.empty_like(query)
     lse = torch.empty(n, case.num_heads, dtype=torch.float32, device=device)
 

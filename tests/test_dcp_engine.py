@@ -9,6 +9,7 @@ through chunked prefill, a prefix-cache hit, a preemption and a request shorter 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,15 @@ def _run(world: int, block_size: int, num_blocks: int, interleave: int,
     return DCPRun(config, work, interleave=interleave, kernel_block_size=kernel_block_size,
                   merge_pattern=pattern)
 
+
+# The GPU code path (Triton slot mapping, commit and KV write; under the interpreter on the
+# CPU) on a small workload: a prefill, a chunk and decodes.
+TRITON_RUN = DCPRun(
+    EngineConfig(block_size=4, num_blocks=8, max_num_reqs=2, token_budget=8, max_model_len=32,
+                 backend="triton"),
+    (WorkloadRequest("t0", tuple(range(1, 11)), 3, 0), WorkloadRequest("t1", (5, 6, 7), 3, 1)),
+    interleave=2,
+)
 
 RUNS = {
     2: [
@@ -107,15 +117,30 @@ def _job(rank: int, world: int, runs: list[DCPRun]) -> tuple[dict[str, Any], lis
     return _probes(rank, world), run_dcp_rank(rank, world, runs)
 
 
+# CPU with gloo always; on a machine with 2+ GPUs also NCCL, one GPU per rank.
+JOBS = [(w, "cpu") for w in sorted(RUNS)] + [
+    (w, "cuda") for w in sorted(RUNS) if torch.cuda.device_count() >= w
+]
+
+
+def _runs_for(world: int, device: str) -> list[DCPRun]:
+    runs = [replace(r, device=device) for r in RUNS[world]]
+    if world == 2:
+        runs.append(replace(TRITON_RUN, device=device))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_llama(seed=0)
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
+@pytest.fixture(scope="module", params=JOBS, ids=[f"{d}-world{w}" for w, d in JOBS])
 def job(request: pytest.FixtureRequest) -> tuple[int, list[tuple[dict[str, Any], list[DCPResult]]]]:
-    world = request.param
-    return world, run_ranks(_job, world, args=(RUNS[world],), timeout_s=TIMEOUT_S)
+    world, device = request.param
+    results = run_ranks(_job, world, args=(_runs_for(world, device),), device=device,
+                        timeout_s=TIMEOUT_S)
+    return world, results
 
 
 def test_tensor_parallel_table_maps_every_token(job: Any) -> None:
@@ -154,6 +179,19 @@ def test_engine_equals_one_process_and_generate(job: Any, model: torch.nn.Module
         checks = verify_requests(model, driver.requests)
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
         _assert_every_path_ran(run, world, per_rank)
+
+
+def test_gpu_code_path(job: Any, model: torch.nn.Module) -> None:
+    world, results = job
+    if world != 2:
+        pytest.skip("the Triton-path run is in the world-2 job")
+    per_rank = [res[len(RUNS[2])] for _, res in results]
+    driver = per_rank[0]
+    checks = verify_requests(model, driver.requests)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert sum(r.num_prefill_chunks for r in driver.requests) >= 1
+    written = [r.stats.kv_tokens_written for r in per_rank]
+    assert sum(written) == sum(s.num_tokens for s in driver.steps) and min(written) > 0
 
 
 def _assert_every_path_ran(run: DCPRun, world: int, per_rank: list[DCPResult]) -> None:

@@ -16,6 +16,7 @@ from blocktable.flashinfer import (
     flashinfer_page_table_host,
     write_flashinfer_page_table,
 )
+from blocktable.group_layout import GroupLayout
 from blocktable.kv_write import write_kv_cache
 from blocktable.metadata import AttentionMetadata
 from blocktable.multi_group import MultiGroupBlockTable
@@ -34,6 +35,7 @@ __all__ = [
     "CPConfig",
     "CommitStats",
     "GroupKind",
+    "GroupLayout",
     "GroupSpec",
     "KVCacheManager",
     "MultiGroupBlockTable",

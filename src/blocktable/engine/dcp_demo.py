@@ -140,25 +140,25 @@ def _summary_table(opts: DemoOptions, d: DCPResult, checks: list[Verification], 
     hit_rate = d.num_hit_tokens / max(1, d.num_lookup_tokens)
     rows = [
         ("requests", f"{len(requests)} ({sum(r.is_finished for r in requests)} finished)"),
-        ("tokens", f"{sum(len(r.prompt_token_ids) for r in requests)} prompt, "
-                   f"{sum(len(r.output_token_ids) for r in requests)} generated"),
+        ("tokens", (f"{sum(len(r.prompt_token_ids) for r in requests)} prompt, "
+                   f"{sum(len(r.output_token_ids) for r in requests)} generated")),
         ("steps", f"{len(steps)} ({sum(s.num_tokens for s in steps)} tokens computed)"),
-        ("KV pool", f"{opts.num_blocks} blocks per rank (block 0 null), the same ids on every "
+        ("KV pool", (f"{opts.num_blocks} blocks per rank (block 0 null), the same ids on every "
                     f"rank; block = {opts.block_size} tokens per rank, "
-                    f"{opts.block_size * opts.dcp} tokens over all {opts.dcp} ranks"),
+                    f"{opts.block_size * opts.dcp} tokens over all {opts.dcp} ranks")),
         ("blocks used (peak)", f"{peak_blocks} of {opts.num_blocks - 1}"),
         ("blocks at the end", f"{d.num_free_blocks} free, {d.num_cached_blocks} of them cached"),
         ("prefix cache", f"{hit_rate:.1%} of admitted tokens hit ({hits})"),
         ("preemptions", str(d.num_preemptions)),
-        ("prefill chunks", f"{sum(r.num_prefill_chunks for r in requests)} "
-                           f"(token budget {opts.token_budget}/step)"),
+        ("prefill chunks", (f"{sum(r.num_prefill_chunks for r in requests)} "
+                           f"(token budget {opts.token_budget}/step)")),
         ("block-table time / step",
-         f"mean {np.mean(busy):.1f} µs, p50 {np.median(busy):.1f} µs (rank 0 host: apply + "
-         "commit + slot mapping; first step left out)"),
-        ("verification", f"{num_ok}/{len(checks)} match generate; max |Δlogits| {max_diff:.2e} "
-                         f"(bound {logits_rtol:g} x max(1, |logits|))"),
-        ("wall time", f"{opts.dcp} ranks {t_engine:.1f} s (process start included), "
-                      f"reference {t_verify:.1f} s"),
+         (f"mean {np.mean(busy):.1f} µs, p50 {np.median(busy):.1f} µs (rank 0 host: apply + "
+         "commit + slot mapping; first step left out)")),
+        ("verification", (f"{num_ok}/{len(checks)} match generate; max |Δlogits| {max_diff:.2e} "
+                         f"(bound {logits_rtol:g} x max(1, |logits|))")),
+        ("wall time", (f"{opts.dcp} ranks {t_engine:.1f} s (process start included), "
+                      f"reference {t_verify:.1f} s")),
     ]
     t = Table(title="summary", title_justify="left", show_header=False)
     t.add_column(style="bold")

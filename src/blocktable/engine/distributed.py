@@ -361,7 +361,7 @@ class DistributedEngine:
         dist.broadcast_object_list(box, src=self._driver_rank, group=self.control_group)
         plan = box[0]
         if not isinstance(plan, StepPlan):
-            raise RuntimeError(f"rank {self.cp.rank}: expected a StepPlan, got {type(plan).__name__}")
+            raise TypeError(f"rank {self.cp.rank}: expected a StepPlan, got {type(plan).__name__}")
         if plan.step != self.step_index:
             raise RuntimeError(
                 f"rank {self.cp.rank} expected the plan of step {self.step_index}, got step "
