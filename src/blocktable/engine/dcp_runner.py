@@ -3,10 +3,11 @@
 :func:`run_dcp_rank` is the per-rank function handed to
 :func:`blocktable.context_parallel.launch.run_ranks`: it builds the model and the engine for
 each :class:`DCPRun` in turn (several runs share one process start, which costs seconds), drives
-the workload on rank 0 and follows on the others, and returns what each rank measured.
+the workload on rank 0 and follows on the others, and returns what each rank measured::
 
->>> from blocktable.context_parallel.launch import run_ranks            # doctest: +SKIP
->>> results = run_ranks(run_dcp_rank, 2, args=([DCPRun(EngineConfig(), workload)],))  # +SKIP
+    from blocktable.context_parallel.launch import run_ranks
+    results = run_ranks(run_dcp_rank, 2, args=([DCPRun(EngineConfig(), workload)],))
+    driver = results[0][0]  # rank 0, first run: requests, steps, allocator counters
 """
 
 from __future__ import annotations
