@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import TRITON_DEVICE
 
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.attention.cp_layout import local_seq_len
@@ -84,7 +85,8 @@ def _probes(rank: int, world: int) -> dict[str, Any]:
     """Table and group checks run inside the spawned job (the group is initialized)."""
     import torch.distributed as dist
 
-    from blocktable.engine.distributed import DistributedEngine, check_cp_group
+    from blocktable.engine.distributed import DistributedEngine, StepPlan, check_cp_group
+    from blocktable.update import StepUpdate
 
     out: dict[str, Any] = {}
     qsl, pos = torch.tensor([0, 4], dtype=torch.int32), torch.arange(4)
@@ -110,6 +112,13 @@ def _probes(rank: int, world: int) -> dict[str, Any]:
         with pytest.raises(ValueError, match="disagrees"):
             DistributedEngine(tiny_llama(), EngineConfig(), bad, dist.group.WORLD)
     out["errors"] = errors
+    # A rank handed the plan of another step stops instead of computing garbage.
+    engine = DistributedEngine(tiny_llama(), EngineConfig(), cp, dist.group.WORLD)
+    if rank == 0:
+        engine._broadcast(StepPlan(5, StepUpdate.empty(1)))
+    else:
+        with pytest.raises(RuntimeError, match="expected the plan of step 0, got step 5"):
+            engine._receive()
     return out
 
 
@@ -125,7 +134,7 @@ JOBS = [(w, "cpu") for w in sorted(RUNS)] + [
 
 def _runs_for(world: int, device: str) -> list[DCPRun]:
     runs = [replace(r, device=device) for r in RUNS[world]]
-    if world == 2:
+    if world == 2 and device == TRITON_DEVICE:  # CUDA if present, else the interpreter
         runs.append(replace(TRITON_RUN, device=device))
     return runs
 
@@ -183,9 +192,9 @@ def test_engine_equals_one_process_and_generate(job: Any, model: torch.nn.Module
 
 def test_gpu_code_path(job: Any, model: torch.nn.Module) -> None:
     world, results = job
-    if world != 2:
-        pytest.skip("the Triton-path run is in the world-2 job")
-    per_rank = [res[len(RUNS[2])] for _, res in results]
+    if len(results[0][1]) == len(RUNS[world]):
+        pytest.skip("the Triton-path run is in the world-2 job on TRITON_DEVICE")
+    per_rank = [res[len(RUNS[world])] for _, res in results]
     driver = per_rank[0]
     checks = verify_requests(model, driver.requests)
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
