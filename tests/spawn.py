@@ -10,6 +10,7 @@ timed out or died. ``fn`` must be a module-level function (the children import i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -25,7 +26,10 @@ def _child(
     fn: Callable[..., Any], rank: int, world_size: int, tmp_dir: str, pg_timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share the cores: spinning intra-op threads starve peers
 
     result_path = Path(tmp_dir) / f"rank{rank}.json"
     try:
@@ -38,11 +42,9 @@ def _child(
     except BaseException:  # noqa: BLE001 - reported to the parent
         report = {"ok": False, "error": traceback.format_exc()}
     result_path.write_text(json.dumps(report))
-    try:
+    with contextlib.suppress(Exception):  # a dead peer may fail teardown; the result is written
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a dead peer may make teardown fail; the result is written
-        pass
 
 
 def run_ranks(

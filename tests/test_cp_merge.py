@@ -118,18 +118,19 @@ def expect_error(name: str, exc: type[Exception], words: tuple[str, ...], fn, fa
 
 def bad_input_cases(rank: int, world: int, failures: list[str]) -> None:
     """Errors raised before any collective (every rank raises alike, so no rank hangs)."""
-    kw = dict(max_num_tokens=MAX_TOKENS, num_heads=NUM_HEADS, head_dim=HEAD_DIM,
-              dtype=torch.float32, device="cpu")
-    expect_error("cp world mismatch", ValueError, ("cp", f"world_size={world + 1}", f"world_size={world}"),
+    kw: dict[str, object] = {"max_num_tokens": MAX_TOKENS, "num_heads": NUM_HEADS,
+                             "head_dim": HEAD_DIM, "dtype": torch.float32, "device": "cpu"}
+    expect_error("cp world mismatch", ValueError,
+                 ("cp", f"world_size={world + 1}", f"world_size={world}"),
                  lambda: AttentionMerger(None, cp=CPConfig(world + 1, rank), **kw), failures)
-    expect_error("cp rank mismatch", ValueError, ("cp", f"rank={(rank + 1) % world}", f"rank={rank}"),
-                 lambda: AttentionMerger(None, cp=CPConfig(world, (rank + 1) % world), **kw),
-                 failures)
+    other = (rank + 1) % world
+    expect_error("cp rank mismatch", ValueError, ("cp", f"rank={other}", f"rank={rank}"),
+                 lambda: AttentionMerger(None, cp=CPConfig(world, other), **kw), failures)
     AttentionMerger(None, cp=CPConfig(world, rank), **kw)  # agreeing: accepted
-    odd = dict(kw, num_heads=world + 1)
+    odd = {**kw, "num_heads": world + 1}
     for pattern in ("all_gather_reduce_scatter", "all_to_all"):
         expect_error(f"heads not divisible {pattern}", ValueError, ("num_heads", "world_size"),
-                     lambda: AttentionMerger(None, pattern=pattern, **odd), failures)
+                     lambda p=pattern: AttentionMerger(None, pattern=p, **odd), failures)
     AttentionMerger(None, pattern="all_reduce", **odd)  # heads replicated: any count
     expect_error("bad pattern", ValueError, ("pattern",),
                  lambda: AttentionMerger(None, pattern="ring", **kw), failures)
@@ -155,6 +156,7 @@ def bad_input_cases(rank: int, world: int, failures: list[str]) -> None:
 
 def merge_job(rank: int, world: int, triton_cases: bool) -> dict[str, object]:
     """Every merge case of one world size on this rank; returns failures and counts."""
+    started = time.monotonic()
     failures: list[str] = []
     cases = 0
     seed = 0
@@ -197,16 +199,16 @@ def merge_job(rank: int, world: int, triton_cases: bool) -> dict[str, object]:
         failures.append(f"zero tokens: shapes {list(got.shape)} {list(got_lse.shape)}")
     bad_input_cases(rank, world, failures)
     dead_peer = None
-    if world == 2:  # rank 1 leaves; rank 0's next merge must fail, not hang
-        if rank == 0:
-            time.sleep(0.5)
-            start = time.monotonic()
-            try:
-                merger.merge(torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_HEADS))
-                failures.append("dead peer: merge returned")
-            except RuntimeError:
-                dead_peer = time.monotonic() - start
-    return {"failures": failures, "cases": cases, "dead_peer_s": dead_peer}
+    if world == 2 and rank == 0:  # rank 1 has left: the next merge must fail, not hang
+        time.sleep(0.5)
+        start = time.monotonic()
+        try:
+            merger.merge(torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_HEADS))
+            failures.append("dead peer: merge returned")
+        except RuntimeError:
+            dead_peer = time.monotonic() - start
+    return {"failures": failures, "cases": cases, "dead_peer_s": dead_peer,
+            "seconds": time.monotonic() - started}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -271,29 +273,34 @@ def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
     num_tokens = 5
     out = torch.randn(num_tokens, num_heads, head_dim + 2, generator=g)[:, :, :head_dim]
     out = out.to(dtype).to(dev)
+    # The same values at an address that is not 16-byte aligned: the launchers must not reuse
+    # a kernel compiled for aligned pointers.
+    base = torch.zeros(out.numel() + 1, dtype=dtype, device=dev)
+    out_unaligned = base[1:].view(out.shape).copy_(out)
     lse_all = 3 * torch.randn(world * num_tokens * num_heads, generator=g)
     lse_all[:7] = float("-inf")  # rank 0 empty for some rows, every rank for row 0 when world 2
     lse_all[num_tokens * num_heads: num_tokens * num_heads + 1] = float("-inf")
     lse_all = lse_all.to(dev)
     ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    for hpg in (1, num_heads):
+    for hpg, src in ((1, out), (num_heads, out), (1, out_unaligned)):
         res = {}
         for name, k in kernels.items():
             dst = torch.zeros(num_tokens * num_heads * head_dim, dtype=dtype, device=dev)
             lse_out = torch.zeros(num_tokens * num_heads, device=dev)
-            k.correct(out, lse_all, dst, lse_out, rank=world - 1, world_size=world,
+            k.correct(src, lse_all, dst, lse_out, rank=world - 1, world_size=world,
                       heads_per_group=hpg)
             res[name] = (dst.float(), lse_out)
         torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
         torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
     layout = A2ALayout(world, num_heads // world, head_dim, out.element_size())
     lse = lse_all[: num_tokens * num_heads].view(num_heads, num_tokens).t()  # strided
-    sends = {}
-    for name, k in kernels.items():
-        send = torch.zeros(layout.numel(num_tokens), dtype=dtype, device=dev)
-        k.pack(out, lse, send, send.view(torch.float32), layout)
-        sends[name] = send
-    assert torch.equal(sends["triton"].view(torch.uint8), sends["torch"].view(torch.uint8))
+    for src in (out, out_unaligned):
+        sends = {}
+        for name, k in kernels.items():
+            send = torch.zeros(layout.numel(num_tokens), dtype=dtype, device=dev)
+            k.pack(src, lse, send, send.view(torch.float32), layout)
+            sends[name] = send
+        assert torch.equal(sends["triton"].view(torch.uint8), sends["torch"].view(torch.uint8))
     recv = sends["torch"]
     res = {}
     for name, k in kernels.items():
@@ -305,3 +312,42 @@ def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
         res[name] = (dst.float(), lse_out)
     torch.testing.assert_close(res["triton"][0], res["torch"][0], rtol=2 * ulp, atol=2 * ulp)
     torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_graph_no_sync_no_allocation(pattern, tmp_path):
+    """World 1 over NCCL: every call is capturable, makes no host sync and allocates nothing."""
+    path = tmp_path / "rendezvous"
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        merger = AttentionMerger(None, max_num_tokens=64, num_heads=32, head_dim=128,
+                                 dtype=torch.bfloat16, device="cuda", pattern=pattern)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        out = torch.randn(33, 32, 128, device="cuda", generator=g).bfloat16()
+        lse = torch.randn(33, 32, device="cuda", generator=g)
+        lse[0] = float("-inf")
+        want = out.clone()
+        want[0] = 0
+        for gather in (False, True):
+            merger.merge(out, lse, gather_heads=gather, return_lse=True)  # compile, warm up
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for gather in (False, True):
+                merger.merge(out, lse, gather_heads=gather, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+        for gather in (False, True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = merger.merge(out, lse, gather_heads=gather)
+            merger._send.fill_(float("nan"))
+            merger._slices.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    finally:
+        dist.destroy_process_group()

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktable._triton import HAS_TRITON, Launcher, cdiv, next_power_of_2, resolve_backend, tl, triton
+from blocktable._triton import (
+    HAS_TRITON,
+    Launcher,
+    cdiv,
+    next_power_of_2,
+    resolve_backend,
+    tl,
+    triton,
+)
 
 NEG_INF = float("-inf")
 # Elements a program handles: ROWS (token, head) rows of BLOCK_D.

@@ -10,11 +10,14 @@ merge), and can be captured in a CUDA graph with its collectives.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
 from blocktable._checks import check_positive, check_tensor
 from blocktable.config import CPConfig
+from blocktable.context_parallel.collectives import Collectives
 from blocktable.context_parallel.correction import A2ALayout, MergeKernels
 
 PATTERNS = ("all_gather_reduce_scatter", "all_reduce", "all_to_all")
@@ -102,7 +105,7 @@ class AttentionMerger:
         self.head_dim = check_positive("head_dim", head_dim)
         self.dtype, self.pattern = dtype, pattern
         self.device = _resolve_device(device)
-        self._comm = _Collectives(group)
+        self._comm = Collectives(group)
         self.world_size, self.rank = self._comm.world_size, self._comm.rank
         if cp is not None and (cp.world_size, cp.rank) != (self.world_size, self.rank):
             raise ValueError(
@@ -118,6 +121,7 @@ class AttentionMerger:
         self.heads_per_rank = num_heads // self.world_size if self.head_sliced else num_heads
         self._kernels = MergeKernels(backend, self.device)
         self._shape_tail = (num_heads, head_dim)
+        self._view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._alloc()
 
     @property
@@ -148,6 +152,18 @@ class AttentionMerger:
         # Head slices of every rank [world, T, hpr, D]; this rank's result is slot `rank`.
         self._slices = buf(t * h * d, self.dtype) if self.head_sliced else self._send
 
+    @overload
+    def merge(
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
+        return_lse: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def merge(
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
+        return_lse: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def merge(
         self,
         out: torch.Tensor,
@@ -162,8 +178,8 @@ class AttentionMerger:
         ----------
         out : torch.Tensor
             ``[num_tokens, num_heads, head_dim]``, the merger's dtype and device, unit stride in
-            the last dim; ``num_tokens <= max_num_tokens``. Zeros (or anything finite) in rows
-            whose ``lse`` is ``-inf``.
+            the last dim; ``num_tokens <= max_num_tokens``. Rows whose ``lse`` is ``-inf``
+            are never used (zeros by convention; even NaN there cannot leak).
         lse : torch.Tensor
             float32 ``[num_tokens, num_heads]``, natural log; ``-inf`` where this rank holds no
             visible key of the query.
@@ -187,67 +203,99 @@ class AttentionMerger:
             empty = out[:, : self.heads_per_rank if self.head_sliced and not gather_heads
                         else self.num_heads]
             return (empty, lse[:, : empty.shape[1]]) if return_lse else empty
+        v = self._view_cache.get(num_tokens) or self._views(num_tokens)
         if self.pattern == "all_to_all":
-            res, res_lse = self._all_to_all(out, lse, num_tokens, gather_heads, return_lse)
+            res, res_lse = self._all_to_all(out, lse, v, gather_heads, return_lse)
         else:
-            res, res_lse = self._corrected(out, lse, num_tokens, gather_heads, return_lse)
+            res, res_lse = self._corrected(out, lse, v, gather_heads, return_lse)
         return (res, res_lse) if return_lse else res
 
     def _corrected(
-        self, out: torch.Tensor, lse: torch.Tensor, num_tokens: int, gather: bool, want_lse: bool
+        self, out: torch.Tensor, lse: torch.Tensor, v: dict[str, torch.Tensor], gather: bool,
+        want_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t, h, d, w, r = num_tokens, self.num_heads, self.head_dim, self.world_size, self.rank
         if not lse.is_contiguous():
-            lse = self._lse_stage[: t * h].view(t, h).copy_(lse)
-        self._comm.all_gather(self._lse_all[: w * t * h], lse.view(-1))
-        hpg = self.heads_per_rank
+            lse = v["lse_stage"].copy_(lse)
+        self._comm.all_gather(v["lse_all"], lse)
         self._kernels.correct(out, self._lse_all, self._send, self._lse_out if want_lse else None,
-                              rank=r, world_size=w, heads_per_group=hpg)
-        merged_lse = self._lse_out[: t * h].view(t, h)
+                              rank=self.rank, world_size=self.world_size,
+                              heads_per_group=self.heads_per_rank)
         if not self.head_sliced:
-            self._comm.all_reduce(self._send[: t * h * d])
-            return self._send[: t * h * d].view(t, h, d), merged_lse
-        n = t * hpg * d
-        mine = self._slices[r * n: (r + 1) * n]
-        self._comm.reduce_scatter(mine, self._send[: w * n])
+            self._comm.all_reduce(v["send"])
+            return v["res"], v["lse"]
+        self._comm.reduce_scatter(v["mine"], v["send"])
         if not gather:
-            return mine.view(t, hpg, d), merged_lse[:, self.head_slice]
-        return self._gather_slices(t), merged_lse
+            return v["res"], v["lse_mine"]
+        return self._gather_slices(v), v["lse"]
 
     def _all_to_all(
-        self, out: torch.Tensor, lse: torch.Tensor, num_tokens: int, gather: bool, want_lse: bool
+        self, out: torch.Tensor, lse: torch.Tensor, v: dict[str, torch.Tensor], gather: bool,
+        want_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t, h, d, w, r = num_tokens, self.num_heads, self.head_dim, self.world_size, self.rank
-        hpr, layout = self.heads_per_rank, self._layout
-        self._kernels.pack(out, lse, self._send, self._send_f32, layout)
-        numel = layout.numel(t)
-        self._comm.all_to_all(self._recv[:numel], self._send[:numel])
+        num_tokens = out.shape[0]
+        self._kernels.pack(out, lse, self._send, self._send_f32, self._layout)
+        self._comm.all_to_all(v["recv"], v["send"])
         self._kernels.merge(self._recv, self._recv_f32, self._slices,
-                            self._lse_out if want_lse else None, layout, num_tokens=t, dst_slot=r)
-        n = t * hpr
-        merged_lse = self._lse_out[r * n: (r + 1) * n].view(t, hpr)
+                            self._lse_out if want_lse else None, self._layout,
+                            num_tokens=num_tokens, dst_slot=self.rank)
         if not gather:
-            return self._slices[r * n * d: (r + 1) * n * d].view(t, hpr, d), merged_lse
-        res = self._gather_slices(t)
-        if want_lse:
-            self._comm.all_gather(self._lse_out[: w * n], self._lse_out[r * n: (r + 1) * n])
-            full = self._lse_full[: t * h].view(t, w, hpr)
-            full.copy_(self._lse_out[: w * n].view(w, t, hpr).transpose(0, 1))
-            merged_lse = full.view(t, h)
-        return res, merged_lse
+            return v["res"], v["lse_mine"]
+        res = self._gather_slices(v)
+        if not want_lse:
+            return res, v["lse_mine"]
+        self._comm.all_gather(v["lse_slices"], v["lse_mine_flat"])
+        v["lse_full_twh"].copy_(v["lse_slices_twh"])
+        return res, v["lse"]
 
-    def _gather_slices(self, t: int) -> torch.Tensor:
+    def _gather_slices(self, v: dict[str, torch.Tensor]) -> torch.Tensor:
         """All-gather every rank's head slice (in place) and lay them out ``[T, H, D]``."""
-        w, r, hpr, d = self.world_size, self.rank, self.heads_per_rank, self.head_dim
-        n = t * hpr * d
-        self._comm.all_gather(self._slices[: w * n], self._slices[r * n: (r + 1) * n])
-        if t == 1:  # [world, 1, hpr, D] is already [1, H, D]
-            return self._slices[: w * n].view(1, self.num_heads, d)
-        full = self._send[: w * n].view(t, w, hpr, d)  # the send buffer is free again
-        full.copy_(self._slices[: w * n].view(w, t, hpr, d).transpose(0, 1))
-        return full.view(t, self.num_heads, d)
+        self._comm.all_gather(v["slices"], v["mine"])
+        if "full_twhd" in v:  # [world, T, hpr, D] -> [T, world, hpr, D], unless T = 1
+            v["full_twhd"].copy_(v["slices_twhd"])
+        return v["full"]
 
-    def _check(self, out: object, lse: object) -> int:
+    def _views(self, t: int) -> dict[str, torch.Tensor]:
+        """Views of the buffers for ``t`` tokens, built once per size (a view costs host time)."""
+        cached = self._view_cache.get(t)
+        if cached is not None:
+            return cached
+        if len(self._view_cache) >= 256:
+            self._view_cache.clear()
+        h, d, w, r = self.num_heads, self.head_dim, self.world_size, self.rank
+        hpr = self.heads_per_rank
+        n = t * hpr * d  # elements of one head slice
+        v: dict[str, torch.Tensor] = {}
+        if self.head_sliced:
+            v["mine"], v["slices"] = self._slices[r * n: (r + 1) * n], self._slices[: w * n]
+            v["res"] = v["mine"].view(t, hpr, d)
+            if t == 1:  # [world, 1, hpr, D] is already [1, H, D]
+                v["full"] = v["slices"].view(1, h, d)
+            else:  # the send buffer is free again once the slices are reduced or exchanged
+                v["full_twhd"] = self._send[: w * n].view(t, w, hpr, d)
+                v["slices_twhd"] = v["slices"].view(w, t, hpr, d).transpose(0, 1)
+                v["full"] = self._send[: w * n].view(t, h, d)
+        if self.pattern == "all_to_all":
+            numel = self._layout.numel(t)
+            v["send"], v["recv"] = self._send[:numel], self._recv[:numel]
+            m = t * hpr
+            v["lse_mine_flat"] = self._lse_out[r * m: (r + 1) * m]
+            v["lse_mine"] = v["lse_mine_flat"].view(t, hpr)
+            v["lse_slices"] = self._lse_out[: w * m]
+            v["lse_slices_twh"] = v["lse_slices"].view(w, t, hpr).transpose(0, 1)
+            v["lse_full_twh"] = self._lse_full[: t * h].view(t, w, hpr)
+            v["lse"] = self._lse_full[: t * h].view(t, h)
+        else:
+            v["lse_stage"] = self._lse_stage[: t * h].view(t, h)
+            v["lse_all"] = self._lse_all[: w * t * h].view(w * t, h)
+            v["lse"] = self._lse_out[: t * h].view(t, h)
+            v["lse_mine"] = v["lse"][:, self.head_slice]
+            v["send"] = self._send[: t * h * d]
+            if not self.head_sliced:
+                v["res"] = v["send"].view(t, h, d)
+        self._view_cache[t] = v
+        return v
+
+    def _check(self, out: torch.Tensor, lse: torch.Tensor) -> int:
         """Cheap checks of both inputs (no sync); return ``num_tokens``."""
         if not (
             isinstance(out, torch.Tensor) and out.dtype == self.dtype and out.dim() == 3
@@ -255,12 +303,12 @@ class AttentionMerger:
         ):
             check_tensor("out", out, dtype=self.dtype, shape=[None, *self._shape_tail],
                          device=self.device)
-        num_tokens = out.shape[0]  # type: ignore[union-attr]
+        num_tokens = out.shape[0]
         if num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"out has num_tokens={num_tokens} > max_num_tokens={self.max_num_tokens}"
             )
-        if out.stride(2) != 1 and self.head_dim > 1:  # type: ignore[union-attr]
+        if out.stride(2) != 1 and self.head_dim > 1:
             raise ValueError("out must have unit stride in its last (head_dim) dimension")
         if not (
             isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.dim() == 2
@@ -270,82 +318,6 @@ class AttentionMerger:
             check_tensor("lse", lse, dtype=torch.float32, shape=[num_tokens, self.num_heads],
                          device=self.device)
         return int(num_tokens)
-
-
-class _Collectives:
-    """The four collectives of the merge on one process group, with the least host work.
-
-    Calls the group's own methods with options built once (the ``torch.distributed``
-    functions add checks and warnings per call); falls back to those functions where a torch
-    version lacks a method. A gloo build without reduce-scatter gets all-reduce then a slice.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("group: torch.distributed has no initialized process group")
-        pg = dist.group.WORLD if group is None else group
-        if pg is None:
-            raise ValueError("group=None needs an initialized default process group")
-        self.group: dist.ProcessGroup = pg  # type: ignore[assignment]
-        self.world_size = dist.get_world_size(pg)
-        self.rank = dist.get_rank(pg)
-        if self.rank < 0:
-            raise ValueError("group: this process is not a member of the process group")
-        c10d = dist.distributed_c10d
-        self._opts = {
-            "ag": c10d.AllgatherOptions(),
-            "rs": c10d.ReduceScatterOptions(),
-            "ar": c10d.AllreduceOptions(),
-            "a2a": c10d.AllToAllOptions(),
-        }
-        self._opts["rs"].reduceOp = dist.ReduceOp.SUM
-        self._opts["ar"].reduceOp = dist.ReduceOp.SUM
-        for opts in self._opts.values():
-            if hasattr(opts, "asyncOp"):  # run on the current stream, as a blocking call does
-                opts.asyncOp = False
-        self._direct = all(
-            hasattr(pg, name)
-            for name in ("_allgather_base", "_reduce_scatter_base", "allreduce", "alltoall_base")
-        )
-        self.reduce_scatter_via_all_reduce = False
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if self._direct:
-            _wait(self.group._allgather_base(output, input, self._opts["ag"]))
-        else:
-            dist.all_gather_into_tensor(output, input, group=self.group)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if not self.reduce_scatter_via_all_reduce:
-            try:
-                if self._direct:
-                    _wait(self.group._reduce_scatter_base(output, input, self._opts["rs"]))
-                else:
-                    dist.reduce_scatter_tensor(output, input, group=self.group)
-                return
-            except (RuntimeError, NotImplementedError) as err:
-                if "support" not in str(err).lower():
-                    raise
-                self.reduce_scatter_via_all_reduce = True  # same on every rank of the group
-        self.all_reduce(input)
-        output.copy_(input.view(self.world_size, -1)[self.rank])
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        if self._direct:
-            _wait(self.group.allreduce([tensor], self._opts["ar"]))
-        else:
-            dist.all_reduce(tensor, group=self.group)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if self._direct:
-            _wait(self.group.alltoall_base(output, input, [], [], self._opts["a2a"]))
-        else:
-            dist.all_to_all_single(output, input, group=self.group)
-
-
-def _wait(work: object) -> None:
-    if work is not None:
-        work.wait()  # type: ignore[attr-defined]
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:
