@@ -58,7 +58,8 @@ def test_a_stuck_rank_times_out() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"world_size": 0}, "world_size"), ({"world_size": 2, "device": "tpu"}, "device"),
-     ({"world_size": 2, "timeout_s": 0}, "timeout_s")],
+     ({"world_size": 2, "timeout_s": 0}, "timeout_s"),
+     ({"world_size": torch.cuda.device_count() + 1, "device": "cuda"}, "GPUs")],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -104,6 +104,14 @@ def run_ranks(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if timeout_s <= 0 or pg_timeout_s <= 0:
         raise ValueError(f"timeout_s and pg_timeout_s must be > 0, got {timeout_s}, {pg_timeout_s}")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"world_size={world_size} ranks need {world_size} GPUs (one each), "
+                f"{torch.cuda.device_count()} visible"
+            )
     backend = backend or default_backend(device)
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -227,7 +235,7 @@ def _child(
 
         torch.set_num_threads(num_threads)
         if device == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend, init_method=init_method, world_size=world_size, rank=rank,
             timeout=timedelta(seconds=pg_timeout_s),

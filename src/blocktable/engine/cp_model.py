@@ -23,9 +23,8 @@ class Merger(Protocol):
     """What the model needs of an attention merger (``blocktable.context_parallel``)."""
 
     def merge(
-        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = False,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = False
+    ) -> torch.Tensor: ...
 
 
 class CPPagedLlama(PagedLlama):
@@ -82,6 +81,4 @@ class CPPagedLlama(PagedLlama):
         )
         if k_cache.data_ptr() == self.kv_cache[0, 0].data_ptr():  # layer 0: once per step
             self.num_empty_queries += torch.isinf(lse[:num_tokens, 0]).sum()  # no host sync
-        merged = self.merger.merge(out, lse, gather_heads=True)
-        assert isinstance(merged, torch.Tensor)
-        return merged[:num_tokens]
+        return self.merger.merge(out, lse, gather_heads=True)[:num_tokens]
