@@ -222,10 +222,10 @@ class DistributedEngine:
                 num_heads=num_heads, head_dim=head_dim, dtype=hf_model.lm_head.weight.dtype,
                 device=self.device,
             )
+        kernel_block_size = table_spec.kernel_block_size or table_spec.block_size
         self.model = CPPagedLlama(
-            hf_model, config.num_blocks * table_spec.blocks_per_manager_block,
-            table_spec.kernel_size, backend, cp=cp, cp_block_size=config.block_size,
-            merger=merger,
+            hf_model, config.num_blocks * (config.block_size // kernel_block_size),
+            kernel_block_size, backend, cp=cp, cp_block_size=config.block_size, merger=merger,
         )
         if control_group is None:
             control_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
