@@ -85,7 +85,8 @@ def _probes(rank: int, world: int) -> dict[str, Any]:
     """Table and group checks run inside the spawned job (the group is initialized)."""
     import torch.distributed as dist
 
-    from blocktable.engine.distributed import DistributedEngine, StepPlan, check_cp_group
+    from blocktable.engine.dcp_plan import StepPlan, check_cp_group
+    from blocktable.engine.distributed import DistributedEngine
     from blocktable.update import StepUpdate
 
     out: dict[str, Any] = {}

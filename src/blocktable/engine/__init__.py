@@ -13,7 +13,8 @@
 
 from __future__ import annotations
 
-from blocktable.engine.distributed import DistributedEngine, RankStats, StepPlan
+from blocktable.engine.dcp_plan import RankStats, StepPlan
+from blocktable.engine.distributed import DistributedEngine
 from blocktable.engine.engine import EngineConfig, LLMEngine, StepResult
 from blocktable.engine.model import AttentionInputs, PagedLlama, tiny_llama
 from blocktable.engine.request import Request, RequestStatus

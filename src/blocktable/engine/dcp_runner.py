@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from blocktable.config import CPConfig
-from blocktable.engine.distributed import DistributedEngine, RankStats, StepHook
+from blocktable.engine.dcp_plan import RankStats
+from blocktable.engine.distributed import DistributedEngine, StepHook
 from blocktable.engine.engine import EngineConfig, StepResult
 from blocktable.engine.model import tiny_llama
 from blocktable.engine.request import Request
