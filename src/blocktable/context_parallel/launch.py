@@ -9,6 +9,8 @@ same way with a :class:`TimeoutError`.
 
 On CUDA each rank gets GPU ``rank`` and NCCL; NVLink multicast stays off in every child
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
+Gloo talks over the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise (every
+rank is on this host).
 """
 
 from __future__ import annotations
@@ -228,6 +230,7 @@ def _child(
     conn: Connection,
 ) -> None:
     os.environ.update(MULTICAST_OFF_ENV)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the DNS
     initialized = False
     try:
         import torch
