@@ -33,8 +33,8 @@ def test_dcp_demo_runs_verifies_and_reports_each_rank(
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--dcp", "9"], "--dcp must be in [1, 8]"),
-     (["--dcp", "2", "--cp-interleave", "3"], "--cp-interleave must be >= 1 and divide"),
+    [(["--dcp", "9"], "--dcp 9 is out of range [1, 8]"),
+     (["--dcp", "2", "--cp-interleave", "3"], "--cp-interleave 3 must divide --block-size 4"),
      (["--dcp", "2", "--num-blocks", "2"], "--num-blocks 2 is too small")],
 )
 def test_dcp_bad_options_exit_2(

@@ -71,10 +71,11 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Demo
         if value < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if not 1 <= args.dcp <= 8:
-        parser.error(f"--dcp must be in [1, 8], got {args.dcp}")
+        parser.error(f"--dcp {args.dcp} is out of range [1, 8]: one process per share of the "
+                     "KV cache")
     if args.cp_interleave < 1 or args.block_size % args.cp_interleave:
-        parser.error(f"--cp-interleave must be >= 1 and divide --block-size {args.block_size}, "
-                     f"got {args.cp_interleave}")
+        parser.error(f"--cp-interleave {args.cp_interleave} must divide --block-size "
+                     f"{args.block_size}")
     if args.picture_step is not None and args.picture_step < 0:
         parser.error(f"--picture-step must be >= 0, got {args.picture_step}")
     if args.out.suffix.lower() != ".png":
