@@ -100,7 +100,7 @@ def test_sharded_attention_merges_to_unsharded(
 
 def test_local_layout_partitions_the_sequence() -> None:
     for world, interleave, block in [(2, 1, 4), (2, 2, 4), (4, 2, 8), (3, 3, 6)]:
-        for seq_len in range(0, 60):
+        for seq_len in range(60):
             seen = []
             for rank in range(world):
                 kw = {"world_size": world, "rank": rank, "interleave": interleave,

@@ -151,4 +151,5 @@ def test_a_default_process_group_does_not_turn_cp_on(monkeypatch: pytest.MonkeyP
     bt = MultiGroupBlockTable([blocktable.GroupSpec(16)], 2, 256, 8)
     assert bt.cp == CPConfig(1, 0, 1)
     assert bt.tables[0] is not None and bt.tables[0].width == 16  # the whole 256 tokens
-    assert CPConfig.from_process_group() == CPConfig(2, 1, 1)  # read only when asked
+    with pytest.raises(TypeError):  # a group is read only when the caller names it
+        CPConfig.from_process_group(None)  # type: ignore[arg-type]

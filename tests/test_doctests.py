@@ -17,6 +17,7 @@ MODULES = [
     "blocktable.allocator.manager",
     "blocktable.allocator.hashing",
     "blocktable.allocator.spec",
+    "blocktable.group_layout",
 ]
 
 

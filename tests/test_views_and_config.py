@@ -35,7 +35,8 @@ def test_cp_from_dcp_pcp():
     cp = CPConfig.from_dcp_pcp(dcp_world_size=4, dcp_rank=3, pcp_world_size=2, pcp_rank=1,
                                interleave=8)
     assert (cp.world_size, cp.rank, cp.interleave) == (8, 7, 8)
-    assert CPConfig.from_process_group() == CPConfig(1, 0, 1)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        CPConfig.from_process_group(None)  # never the default group implicitly
 
 
 def test_unsharded_group_ignores_cp():

@@ -21,9 +21,13 @@ _EXPORTS: dict[str, str] = {
     "KVCacheManager": "blocktable.allocator",
     "OutOfBlocksError": "blocktable.allocator",
     "OutOfRowsError": "blocktable.allocator",
+    "paged_attention": "blocktable.attention",
     "paged_attention_reference": "blocktable.attention",
     "paged_decode_attention": "blocktable.attention",
     "CommitStats": "blocktable.commit",
+    "AttentionMerger": "blocktable.context_parallel",
+    "merge_attention_reference": "blocktable.context_parallel",
+    "GroupLayout": "blocktable.group_layout",
     "CPConfig": "blocktable.config",
     "GroupKind": "blocktable.config",
     "GroupSpec": "blocktable.config",
@@ -48,11 +52,13 @@ __all__ = [
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "AllocatorGroupSpec",
+    "AttentionMerger",
     "AttentionMetadata",
     "BlockTable",
     "CPConfig",
     "CommitStats",
     "GroupKind",
+    "GroupLayout",
     "GroupSpec",
     "KVCacheManager",
     "MultiGroupBlockTable",
@@ -64,6 +70,8 @@ __all__ = [
     "StepUpdate",
     "flashinfer_indptr_host",
     "flashinfer_page_table_host",
+    "merge_attention_reference",
+    "paged_attention",
     "paged_attention_reference",
     "paged_decode_attention",
     "row_width",
@@ -93,15 +101,21 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         OutOfBlocksError,
         OutOfRowsError,
     )
-    from blocktable.attention import paged_attention_reference, paged_decode_attention
+    from blocktable.attention import (
+        paged_attention,
+        paged_attention_reference,
+        paged_decode_attention,
+    )
     from blocktable.commit import CommitStats
     from blocktable.config import CPConfig, GroupKind, GroupSpec, row_width
     from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+    from blocktable.context_parallel import AttentionMerger, merge_attention_reference
     from blocktable.flashinfer import (
         flashinfer_indptr_host,
         flashinfer_page_table_host,
         write_flashinfer_page_table,
     )
+    from blocktable.group_layout import GroupLayout
     from blocktable.kv_write import write_kv_cache
     from blocktable.metadata import AttentionMetadata
     from blocktable.multi_group import MultiGroupBlockTable

@@ -222,7 +222,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
     if need > opts.num_blocks - 1:
         demo.error(
             f"--num-blocks {opts.num_blocks} is too small: the longest request needs {need} "
-            f"blocks of {opts.block_size} tokens, plus the null block (use >= {need + 1})"
+            f"blocks of {opts.block_size * opts.dcp} tokens (all ranks), plus the null block "
+            f"(use >= {need + 1})"
         )
     if args.device == "cuda":
         import torch

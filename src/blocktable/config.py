@@ -69,15 +69,32 @@ class CPConfig:
         )
 
     @classmethod
-    def from_process_group(cls, group: object = None, interleave: int = 1) -> CPConfig:
-        """World size and rank of an initialized ``torch.distributed`` group; else world 1 rank 0."""
+    def from_process_group(cls, group: object, interleave: int = 1) -> CPConfig:
+        """World size and rank of ``group``, an initialized ``torch.distributed`` process group.
+
+        The group is required: context parallelism is never read implicitly from the default
+        process group (a tensor-parallel job would otherwise drop part of its KV). Pass
+        ``torch.distributed.group.WORLD`` to shard over every process.
+
+        Raises
+        ------
+        TypeError
+            When ``group`` is ``None`` or not a ``torch.distributed.ProcessGroup``.
+        RuntimeError
+            When ``torch.distributed`` is not initialized.
+        """
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls(1, 0, interleave)
+        if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                "group must be a torch.distributed.ProcessGroup (e.g. "
+                f"torch.distributed.group.WORLD), got {type(group).__name__}"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: no process group to read")
         return cls(
-            world_size=dist.get_world_size(group),  # type: ignore[arg-type]
-            rank=dist.get_rank(group),  # type: ignore[arg-type]
+            world_size=dist.get_world_size(group),
+            rank=dist.get_rank(group),
             interleave=interleave,
         )
 

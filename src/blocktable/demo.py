@@ -44,8 +44,8 @@ class DemoOptions:
     out: Path = Path("blocktable_demo.png")
     picture_step: int | None = None
     quiet: bool = False
-    dcp: int = 1
-    cp_interleave: int = 1
+    dcp: int = 1  # decode context parallelism: processes sharding every request's KV
+    cp_interleave: int = 1  # tokens in a row on one rank before the next rank's run
 
 
 def longest_request_blocks(opts: DemoOptions) -> int:
@@ -55,7 +55,7 @@ def longest_request_blocks(opts: DemoOptions) -> int:
     workload = make_workload(opts.num_requests, seed=opts.seed, block_size=opts.block_size,
                              max_new_tokens=opts.max_new_tokens)
     longest = max(len(w.prompt_token_ids) for w in workload) + opts.max_new_tokens - 1
-    return math.ceil(longest / opts.block_size)
+    return math.ceil(longest / (opts.block_size * opts.dcp))  # an allocator block: all ranks
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:

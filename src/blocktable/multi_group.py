@@ -20,6 +20,7 @@ from blocktable.config import (
     row_width,
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from blocktable.group_layout import check_update_block_sizes
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
 from blocktable.slot_mapping.inputs import (
     check_slot_inputs,
@@ -50,8 +51,10 @@ class MultiGroupBlockTable(AttentionViews):
     device : str or torch.device
         Where the device copy and slot mappings live; ``"cpu"`` runs the CPU backend.
     cp : CPConfig or None
-        Context parallelism, on only when given (``CPConfig.from_process_group(group)`` reads
-        a group you choose); ``None``: world 1, rank 0, whatever process groups exist.
+        Context parallelism: this rank's place in the CP group (build it from a process group
+        with :meth:`CPConfig.from_process_group`). ``None`` means no context parallelism
+        (world 1, rank 0), even when a default process group is initialized: a tensor-parallel
+        job maps every token on every rank.
     backend : {"auto", "triton", "torch"}
         Kernels for commit and slot mapping; ``auto`` is Triton on CUDA, torch on the CPU.
     commit_staging_entries : int or None
@@ -99,6 +102,8 @@ class MultiGroupBlockTable(AttentionViews):
             "max_num_batched_tokens", max_num_batched_tokens
         )
         # Only when asked: a tensor-parallel job's default process group must not shard the KV.
+        if cp is not None and not isinstance(cp, CPConfig):
+            raise TypeError(f"cp must be a CPConfig or None, got {type(cp).__name__}")
         self.cp = cp if cp is not None else CPConfig()
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
@@ -269,10 +274,12 @@ class MultiGroupBlockTable(AttentionViews):
     def apply(self, update: StepUpdate) -> None:
         """Apply a whole step's changes (see :class:`~blocktable.update.StepUpdate`), all groups.
 
-        Everything is validated first; a rejected update changes nothing.
+        Everything is validated first; a rejected update changes nothing. An update stamped
+        with the allocator's block sizes must match ``block_size * cp world`` of every group.
         """
         if not isinstance(update, StepUpdate):
             raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
+        check_update_block_sizes(self.specs, self.cp, update)
         n = self.num_groups
         if not len(update.added) == len(update.appended) == len(update.nulled) == n:
             for name in ("added", "appended", "nulled"):

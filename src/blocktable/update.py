@@ -86,12 +86,19 @@ class RowEntries:
 
 @dataclass(frozen=True)
 class StepUpdate:
-    """One step's changes for every KV cache group (tuples hold one entry per group)."""
+    """One step's changes for every KV cache group (tuples hold one entry per group).
+
+    ``allocator_block_sizes`` (tokens per allocator block, one per group), when set, says which
+    allocator the ids came from: the table refuses the update unless each group's
+    ``block_size * cp_world_size`` equals it (a block id must mean the same tokens on both
+    sides). ``None`` skips that check.
+    """
 
     cleared_rows: np.ndarray
     added: tuple[RowBlocks, ...]
     appended: tuple[RowBlocks, ...]
     nulled: tuple[RowEntries, ...]
+    allocator_block_sizes: tuple[int, ...] | None = None
 
     @classmethod
     def empty(cls, num_groups: int) -> StepUpdate:

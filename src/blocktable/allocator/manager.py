@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -666,7 +667,9 @@ class KVCacheManager:
         new blocks together); a freed row is in ``cleared_rows`` unless another request took
         it in the same step, in which case it is only in ``added``.
         """
-        return self._journal.take(self._rows.holders)
+        update = self._journal.take(self._rows.holders)
+        # Stamp the block sizes so a table built for another block size refuses the ids.
+        return dataclasses.replace(update, allocator_block_sizes=self.block_sizes)
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, req_id: object) -> bool:

@@ -6,11 +6,15 @@
   mapping -> KV write + paged attention -> sampling);
 - :mod:`~blocktable.engine.model`: a Llama forward over the paged KV cache;
 - :mod:`~blocktable.engine.workload`: a synthetic workload and the loop that feeds it;
-- :mod:`~blocktable.engine.verify`: the check against transformers' own ``generate``.
+- :mod:`~blocktable.engine.verify`: the check against transformers' own ``generate``;
+- :mod:`~blocktable.engine.distributed`: the same engine with each request's KV sharded over
+  the processes of a context-parallel group (:mod:`~blocktable.engine.dcp_runner` runs it).
 """
 
 from __future__ import annotations
 
+from blocktable.engine.dcp_plan import RankStats, StepPlan
+from blocktable.engine.distributed import DistributedEngine
 from blocktable.engine.engine import EngineConfig, LLMEngine, StepResult
 from blocktable.engine.model import AttentionInputs, PagedLlama, tiny_llama
 from blocktable.engine.request import Request, RequestStatus
@@ -20,14 +24,17 @@ from blocktable.engine.workload import WorkloadRequest, make_workload, run_workl
 
 __all__ = [
     "AttentionInputs",
+    "DistributedEngine",
     "EngineConfig",
     "LLMEngine",
     "PagedLlama",
+    "RankStats",
     "Request",
     "RequestStatus",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
+    "StepPlan",
     "StepResult",
     "Verification",
     "WorkloadRequest",

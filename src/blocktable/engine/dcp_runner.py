@@ -1,0 +1,149 @@
+"""Run workloads on a :class:`~blocktable.engine.distributed.DistributedEngine`, one rank each.
+
+:func:`run_dcp_rank` is the per-rank function handed to
+:func:`blocktable.context_parallel.launch.run_ranks`: it builds the model and the engine for
+each :class:`DCPRun` in turn (several runs share one process start, which costs seconds), drives
+the workload on rank 0 and follows on the others, and returns what each rank measured::
+
+    from blocktable.context_parallel.launch import run_ranks
+    results = run_ranks(run_dcp_rank, 2, args=([DCPRun(EngineConfig(), workload)],))
+    driver = results[0][0]  # rank 0, first run: requests, steps, allocator counters
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from blocktable.config import CPConfig
+from blocktable.engine.dcp_plan import RankStats
+from blocktable.engine.distributed import DistributedEngine, StepHook
+from blocktable.engine.engine import EngineConfig, StepResult
+from blocktable.engine.model import tiny_llama
+from blocktable.engine.request import Request
+from blocktable.engine.scheduler import SchedulerOutput
+from blocktable.engine.workload import WorkloadRequest
+
+MergerFactory = Callable[..., Any]
+"""``factory(group, cp, *, pattern, max_num_tokens, num_heads, head_dim, dtype, device)``."""
+
+
+@dataclass(frozen=True)
+class DCPRun:
+    """One engine run over a CP group: model, sizes, CP layout and workload.
+
+    ``config.block_size`` and ``config.num_blocks`` are per rank (the table's block and each
+    rank's pool); the allocator's block is ``block_size * world`` tokens. The model is
+    :func:`~blocktable.engine.model.tiny_llama` with ``model_seed`` (4 heads, 2 KV heads).
+    """
+
+    config: EngineConfig
+    workload: tuple[WorkloadRequest, ...]
+    interleave: int = 1
+    kernel_block_size: int | None = None
+    merge_pattern: str = "all_reduce"
+    model_seed: int = 0
+    device: str = "cpu"
+    check_consistency: bool = True
+    take_snapshots: bool = False  # the driver keeps a picture snapshot of every step
+    make_merger: MergerFactory | None = None  # default: blocktable.context_parallel's merger
+
+
+@dataclass
+class DCPResult:
+    """What one rank returns for one run (the driver's fields are empty on other ranks)."""
+
+    stats: RankStats
+    requests: list[Request] = field(default_factory=list)
+    steps: list[StepResult] = field(default_factory=list)
+    num_hit_tokens: int = 0  # prefix-cache hits over admitted tokens (driver)
+    num_lookup_tokens: int = 0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0  # at the end (driver)
+    num_cached_blocks: int = 0
+    allocator_block_size: int = 0
+    snapshots: list[Any] = field(default_factory=list)  # picture.TableSnapshot per step (driver)
+
+
+def run_dcp_rank(rank: int, world_size: int, runs: Sequence[DCPRun]) -> list[DCPResult]:
+    """Run every ``runs[i]`` on this rank of the default process group; return its results."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    results = []
+    for run in runs:
+        device = torch.device(run.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        model = tiny_llama(seed=run.model_seed, device=device)
+        cp = CPConfig.from_process_group(group, run.interleave)
+        merger = None
+        if run.make_merger is not None:
+            cfg = model.config
+            merger = run.make_merger(
+                group, cp, pattern=run.merge_pattern, max_num_tokens=run.config.token_budget,
+                num_heads=cfg.num_attention_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+                dtype=model.lm_head.weight.dtype, device=device,
+            )
+        engine = DistributedEngine(
+            model, run.config, cp, group, kernel_block_size=run.kernel_block_size, merger=merger,
+            merge_pattern=run.merge_pattern, check_consistency=run.check_consistency,
+        )
+        if engine.is_driver:
+            results.append(_drive(engine, run.workload, run.take_snapshots))
+        else:
+            results.append(DCPResult(engine.serve()))
+    return results
+
+
+def drive_workload(
+    engine: DistributedEngine,
+    workload: Sequence[WorkloadRequest],
+    *,
+    hook: StepHook | None = None,
+    on_step: Callable[[StepResult], None] | None = None,
+    max_steps: int = 100_000,
+) -> list[StepResult]:
+    """Step the driver until every request arrived and finished, then stop the followers."""
+    pending = sorted(workload, key=lambda w: w.arrival_step)
+    steps: list[StepResult] = []
+    while pending or engine.has_unfinished():
+        if len(steps) >= max_steps:
+            raise RuntimeError(f"workload not done after max_steps={max_steps} steps")
+        while pending and pending[0].arrival_step <= engine.step_index:
+            w = pending.pop(0)
+            engine.add_request(w.req_id, w.prompt_token_ids, w.max_new_tokens)
+        steps.append(engine.step(hook))
+        if on_step is not None:
+            on_step(steps[-1])
+    engine.shutdown()
+    return steps
+
+
+def _drive(
+    engine: DistributedEngine, workload: Sequence[WorkloadRequest], take_snapshots: bool
+) -> DCPResult:
+    snapshots: list[Any] = []
+
+    def snap(eng: DistributedEngine, batch: SchedulerOutput) -> None:
+        from blocktable.picture import take_snapshot
+
+        # The allocator's view: one block id stands for block_size * world tokens.
+        shot = take_snapshot(eng, batch)  # type: ignore[arg-type]
+        snapshots.append(replace(shot, block_size=eng.allocator_block_size))
+
+    steps = drive_workload(engine, workload, hook=snap if take_snapshots else None)
+    manager, scheduler = engine.manager, engine.scheduler
+    assert manager is not None and scheduler is not None
+    manager.check_integrity()
+    engine.table.check_integrity()
+    return DCPResult(
+        engine.finish_stats(), list(engine.requests.values()), steps,
+        num_hit_tokens=scheduler.num_hit_tokens, num_lookup_tokens=scheduler.num_lookup_tokens,
+        num_preemptions=manager.num_preemptions, num_free_blocks=manager.num_free_blocks(),
+        num_cached_blocks=manager.num_cached_blocks(),
+        allocator_block_size=engine.allocator_block_size, snapshots=snapshots,
+    )

@@ -1,0 +1,387 @@
+"""Decode context parallelism across processes: one scheduler on rank 0, a KV shard per rank.
+
+One :meth:`DistributedEngine.step`:
+
+1. rank 0 (the *driver*) schedules: its :class:`~blocktable.engine.scheduler.Scheduler` and
+   allocator (blocks of ``block_size * world`` tokens, see :mod:`blocktable.group_layout`)
+   decide the batch and its blocks, packed into a :class:`StepPlan` (the table update, the
+   token ids, each request's start, new-token count and table row);
+2. the plan is broadcast to every rank over a CPU (gloo) group; every rank checks that it is
+   the plan of the step it expects, so no rank can run ahead or fall behind;
+3. every rank applies the same update to its own table (the same block ids on every rank; its
+   ``CPConfig`` maps the tokens of other ranks to ``PAD_SLOT_ID``), commits, maps slots and
+   runs the model: it writes only the KV it owns, attends its shard, and the ranks merge the
+   attention of every layer (:class:`~blocktable.engine.cp_model.CPPagedLlama`);
+4. rank 0 samples (the other ranks get the sampled tokens as the next plan's token ids).
+
+The other ranks run :meth:`DistributedEngine.serve` until the driver calls
+:meth:`DistributedEngine.shutdown`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from blocktable._triton import resolve_backend
+from blocktable.allocator import KVCacheManager
+from blocktable.attention.cp_layout import local_seq_len
+from blocktable.config import CPConfig
+from blocktable.constants import PAD_SLOT_ID
+from blocktable.engine.cp_model import CPPagedLlama, Merger
+from blocktable.engine.dcp_plan import RankStats, StepPlan, check_cp_group
+from blocktable.engine.engine import EngineConfig, StepResult
+from blocktable.engine.model import AttentionInputs, HFLlama
+from blocktable.engine.request import Request
+from blocktable.engine.scheduler import Scheduler, SchedulerOutput
+from blocktable.group_layout import GroupLayout, build_specs
+from blocktable.multi_group import MultiGroupBlockTable
+
+MERGE_PATTERNS = ("all_reduce", "all_gather_reduce_scatter", "all_to_all")
+
+
+def make_merger(
+    group: Any, cp: CPConfig, *, pattern: str, max_num_tokens: int, num_heads: int,
+    head_dim: int, dtype: torch.dtype, device: torch.device,
+) -> Merger:
+    """The :class:`blocktable.context_parallel.AttentionMerger` the engine uses by default."""
+    from blocktable.context_parallel import AttentionMerger
+
+    merger: Merger = AttentionMerger(
+        group, max_num_tokens=max_num_tokens, num_heads=num_heads, head_dim=head_dim,
+        dtype=dtype, device=device, pattern=pattern, cp=cp,
+    )
+    return merger
+
+
+StepHook = Callable[["DistributedEngine", SchedulerOutput], None]
+
+
+class DistributedEngine:
+    """Greedy generation with each request's KV sharded over the ranks of a CP group.
+
+    Every rank of ``group`` constructs one, at the same time (collective set-up). Rank 0
+    accepts requests and calls :meth:`step`; the others call :meth:`serve`.
+
+    Parameters
+    ----------
+    hf_model : LlamaForCausalLM
+        The model, with the same weights on every rank, on this rank's device.
+    config : EngineConfig
+        ``block_size`` is the table's block size (tokens per physical block on each rank);
+        ``num_blocks`` is each rank's pool (the same ids on every rank). The allocator uses
+        blocks of ``block_size * world`` tokens, so the ranks together hold
+        ``(num_blocks - 1) * block_size * world`` tokens.
+    cp : CPConfig
+        This rank's world size, rank and interleave; must agree with ``group``.
+    group : torch.distributed.ProcessGroup
+        The CP group (gloo on the CPU, NCCL on GPUs): attention is merged over it.
+    kernel_block_size : int or None
+        Block size of the KV cache and attention kernel; divides ``config.block_size``.
+    merger : Merger or None
+        Attention merger; default an ``AttentionMerger`` with ``merge_pattern``.
+    merge_pattern : str
+        ``"all_reduce"`` (default: the model is replicated, every rank needs all heads),
+        ``"all_gather_reduce_scatter"`` or ``"all_to_all"`` (then gathered over heads).
+    control_group : torch.distributed.ProcessGroup or None
+        A gloo group over the same ranks for the step plans; default ``group`` if it is gloo,
+        else a new gloo group (``torch.distributed.new_group``, collective over all processes).
+    check_consistency : bool
+        Every step, gather every rank's greedy tokens and raise if any rank differs (debug).
+
+    Raises
+    ------
+    ValueError
+        ``cp`` disagrees with ``group`` (see :func:`check_cp_group`), or the interleave does
+        not divide ``config.block_size``.
+    """
+
+    def __init__(
+        self,
+        hf_model: HFLlama,
+        config: EngineConfig,
+        cp: CPConfig,
+        group: Any,
+        *,
+        kernel_block_size: int | None = None,
+        merger: Merger | None = None,
+        merge_pattern: str = "all_reduce",
+        control_group: Any = None,
+        check_consistency: bool = False,
+    ) -> None:
+        import torch.distributed as dist
+
+        check_cp_group(cp, group)
+        if merge_pattern not in MERGE_PATTERNS:
+            raise ValueError(f"merge_pattern must be one of {MERGE_PATTERNS}, got {merge_pattern!r}")
+        self.config, self.cp, self.group = config, cp, group
+        self.device: torch.device = hf_model.lm_head.weight.device
+        self.is_driver = cp.rank == 0
+        self.check_consistency = check_consistency
+        backend = resolve_backend(config.backend, self.device)
+        self.layout = GroupLayout(config.block_size, config.num_blocks, kernel_block_size)
+        (alloc_spec,), (table_spec,) = build_specs([self.layout], cp)
+        self.allocator_block_size = alloc_spec.block_size
+        self.manager: KVCacheManager | None = None
+        self.scheduler: Scheduler | None = None
+        if self.is_driver:
+            self.manager = KVCacheManager(
+                [alloc_spec], config.max_num_reqs,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_model_len=config.max_model_len,
+            )
+            self.scheduler = Scheduler(self.manager, config.token_budget)
+        self.table = MultiGroupBlockTable(
+            [table_spec], max_num_reqs=config.max_num_reqs, max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.token_budget, device=self.device, cp=cp,
+            backend=backend,
+        )
+        hf_config = hf_model.config
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if merger is None:
+            merger = make_merger(
+                group, cp, pattern=merge_pattern, max_num_tokens=config.token_budget,
+                num_heads=num_heads, head_dim=head_dim, dtype=hf_model.lm_head.weight.dtype,
+                device=self.device,
+            )
+        kernel_block_size = table_spec.kernel_block_size or table_spec.block_size
+        self.model = CPPagedLlama(
+            hf_model, config.num_blocks * (config.block_size // kernel_block_size),
+            kernel_block_size, backend, cp=cp, cp_block_size=config.block_size, merger=merger,
+        )
+        if control_group is None:
+            control_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
+                dist.get_process_group_ranks(group), backend="gloo"
+            )
+        elif dist.get_process_group_ranks(control_group) != dist.get_process_group_ranks(group):
+            raise ValueError("control_group must hold the same ranks as group")
+        self.control_group = control_group
+        self._driver_rank = dist.get_global_rank(control_group, 0)
+        self.requests: dict[str, Request] = {}
+        self.step_index = 0
+        self.stats = RankStats(
+            cp.rank, cp.world_size,
+            kv_cache_bytes=self.model.kv_cache.numel() * self.model.kv_cache.element_size(),
+        )
+        self._kv_tokens_written = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    # ---------------------------------------------------------------- driver: requests
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int
+    ) -> Request:
+        """Queue a request (driver only); it is admitted by a later :meth:`step`.
+
+        Raises
+        ------
+        ValueError
+            Duplicate id, empty prompt, ``max_new_tokens < 1``, or a request longer than
+            ``max_model_len`` or needing more allocator blocks than the pool has.
+        """
+        scheduler = self._driver_part("add_request")
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} was already added")
+        if not prompt_token_ids or max_new_tokens < 1:
+            raise ValueError(
+                f"request {req_id!r}: need a non-empty prompt and max_new_tokens >= 1, got "
+                f"{len(prompt_token_ids)} tokens and max_new_tokens={max_new_tokens}"
+            )
+        num_kv_tokens = len(prompt_token_ids) + max_new_tokens - 1
+        num_blocks_needed = math.ceil(num_kv_tokens / self.allocator_block_size)
+        if num_kv_tokens > self.config.max_model_len or num_blocks_needed > self.config.num_blocks - 1:
+            raise ValueError(
+                f"request {req_id!r} needs {num_kv_tokens} tokens = {num_blocks_needed} blocks "
+                f"of {self.allocator_block_size} tokens; max_model_len="
+                f"{self.config.max_model_len}, the pool has {self.config.num_blocks - 1} blocks"
+            )
+        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index)
+        self.requests[req_id] = req
+        scheduler.add(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self._driver_part("has_unfinished").has_unfinished()
+
+    # ---------------------------------------------------------------- driver: steps
+    def step(self, hook: StepHook | None = None) -> StepResult:
+        """Schedule, broadcast the plan, run the sharded model, sample (driver only).
+
+        ``hook(engine, batch)`` runs after the table is committed and before the forward.
+        """
+        scheduler = self._driver_part("step")
+        assert self.manager is not None
+        batch = scheduler.schedule()
+        num_blocks_used = self.config.num_blocks - 1 - self.manager.num_free_blocks()
+        plan = self._plan(batch)
+        self._broadcast(plan)
+        logits, table_time_s = self._execute(plan, lambda: hook(self, batch) if hook else None)
+        finished = self._update(batch, logits) if logits is not None else []
+        result = StepResult(
+            step=self.step_index, num_reqs=len(batch.scheduled), num_tokens=batch.num_tokens,
+            num_blocks_used=num_blocks_used, preempted=tuple(r.req_id for r in batch.preempted),
+            finished=tuple(finished), table_time_s=table_time_s,
+        )
+        self.step_index += 1
+        return result
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to leave :meth:`serve` (driver only; call once, at the end)."""
+        self._driver_part("shutdown")
+        self._broadcast(StepPlan(self.step_index, None, stop=True))
+
+    # ---------------------------------------------------------------- followers
+    def serve(self) -> RankStats:
+        """Run the driver's plans until it calls :meth:`shutdown` (ranks other than 0)."""
+        if self.is_driver:
+            raise RuntimeError("serve() is for ranks other than 0; rank 0 calls step()")
+        while True:
+            plan = self._receive()
+            if plan.stop:
+                return self.finish_stats()
+            self._execute(plan, None)
+            self.step_index += 1
+
+    def finish_stats(self) -> RankStats:
+        """This rank's :class:`RankStats` (synchronizes with the device)."""
+        self.stats.kv_tokens_written = int(self._kv_tokens_written)
+        self.stats.num_empty_queries = int(self.model.num_empty_queries)
+        self.stats.num_steps = self.step_index
+        return self.stats
+
+    # ---------------------------------------------------------------- internals
+    def _driver_part(self, what: str) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError(f"{what}() runs on rank 0 (the driver); this is rank {self.cp.rank}")
+        return self.scheduler
+
+    def _plan(self, batch: SchedulerOutput) -> StepPlan:
+        assert self.manager is not None
+        update = self.manager.take_step_update()
+        if not batch.scheduled:
+            return StepPlan(self.step_index, update)
+        per_req = np.array(
+            [(s.start, s.num_new_tokens, self.manager.row_of(s.request.req_id))
+             for s in batch.scheduled],
+            dtype=np.int64,
+        ).T
+        input_ids = np.fromiter(
+            (t for s in batch.scheduled
+             for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]),
+            dtype=np.int64, count=batch.num_tokens,
+        )
+        return StepPlan(self.step_index, update, input_ids, per_req[0], per_req[1],
+                        per_req[2].astype(np.int32))
+
+    def _broadcast(self, plan: StepPlan) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([plan], src=self._driver_rank, group=self.control_group)
+
+    def _receive(self) -> StepPlan:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self._driver_rank, group=self.control_group)
+        plan = box[0]
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"rank {self.cp.rank}: expected a StepPlan, got {type(plan).__name__}")
+        if plan.step != self.step_index:
+            raise RuntimeError(
+                f"rank {self.cp.rank} expected the plan of step {self.step_index}, got step "
+                f"{plan.step}: the ranks diverged"
+            )
+        return plan
+
+    def _execute(
+        self, plan: StepPlan, hook: Callable[[], None] | None
+    ) -> tuple[torch.Tensor | None, float]:
+        """Apply, commit, map slots, run the model: the same on every rank. Logits on cpu."""
+        t0 = time.perf_counter()
+        assert plan.update is not None
+        self.table.apply(plan.update)
+        self.table.commit()
+        table_time_s = time.perf_counter() - t0
+        num_reqs = len(plan.rows)
+        if num_reqs == 0:
+            if hook is not None:
+                hook()
+            return None, table_time_s
+        dev = self.device
+        num_new = torch.from_numpy(plan.num_new_tokens)
+        qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(num_new, 0)
+        num_tokens = int(qsl_cpu[-1])
+        query_start_loc = qsl_cpu.to(dev)
+        start = torch.from_numpy(plan.starts).to(dev)
+        positions = torch.repeat_interleave(
+            start - query_start_loc[:-1], num_new.to(dev), output_size=num_tokens
+        ) + torch.arange(num_tokens, device=dev)
+        seq_lens = (start + num_new.to(dev)).to(torch.int32)
+        row_of_batch = torch.from_numpy(plan.rows).to(dev)
+        t1 = time.perf_counter()
+        slot_mapping = self.table.compute_slot_mapping(
+            query_start_loc, positions, row_of_batch=row_of_batch, query_start_loc_cpu=qsl_cpu
+        )[0]
+        table_time_s += time.perf_counter() - t1
+        assert slot_mapping is not None
+        self._kv_tokens_written += (slot_mapping[:num_tokens] != PAD_SLOT_ID).sum()
+        local = local_seq_len(
+            plan.starts + plan.num_new_tokens, world_size=self.cp.world_size, rank=self.cp.rank,
+            interleave=self.cp.interleave, manager_block_size=self.config.block_size,
+        )
+        self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, int(np.sum(local)))
+        attn = AttentionInputs(
+            slot_mapping=slot_mapping,
+            block_table=self.table.gather_view(0, row_of_batch),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            decode_only=num_tokens == num_reqs,
+        )
+        if hook is not None:
+            hook()
+        input_ids = torch.from_numpy(plan.input_ids).to(dev)
+        logits = self.model(input_ids, positions, attn, query_start_loc[1:].long() - 1).cpu()
+        if self.check_consistency:
+            self._check_same_tokens(logits.argmax(-1))
+        return logits, table_time_s
+
+    def _check_same_tokens(self, tokens: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.cp.world_size
+        dist.all_gather_object(gathered, tokens.tolist(), group=self.control_group)
+        for r, other in enumerate(gathered):
+            if other != gathered[0]:
+                raise RuntimeError(
+                    f"step {self.step_index}: rank {r} would sample {other}, rank 0 samples "
+                    f"{gathered[0]}: the merged attention differs between ranks"
+                )
+
+    def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
+        """Record computed tokens, sample greedily, finish (as the single-process engine)."""
+        assert self.manager is not None and self.scheduler is not None
+        finished = []
+        for i, s in enumerate(batch.scheduled):
+            req = s.request
+            if req.first_step is None:
+                req.first_step = self.step_index
+            self.manager.mark_computed(req.req_id, s.num_new_tokens)
+            if not s.completes:
+                req.num_prefill_chunks += 1
+                continue
+            token = int(logits[i].argmax())
+            req.output_token_ids.append(token)
+            if self.config.record_logits:
+                req.logits.append(logits[i].clone())
+            if len(req.output_token_ids) == req.max_new_tokens:
+                self.scheduler.finish(req)
+                req.finish_step = self.step_index
+                finished.append(req.req_id)
+            else:
+                self.manager.append_token_ids(req.req_id, token)
+        return finished
