@@ -145,23 +145,31 @@ def test_request_that_cannot_fit_is_rejected(model: torch.nn.Module) -> None:
 
 
 def test_gpu_code_path_under_the_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``backend="triton"``: slot mapping, KV writes and the decode kernel as on a GPU (on
-    CUDA when there is one, else on CPU tensors under Triton's interpreter)."""
+    """``backend="triton"``: slot mapping, KV writes and attention of every step (prefill,
+    chunks, mixed, decode) through the Triton kernels, never the reference (on CUDA when there
+    is one, else on CPU tensors under Triton's interpreter)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest) or CUDA")
     model = tiny_llama(seed=0, device=device)
+    import blocktable.attention.paged as paged_mod
     import blocktable.engine.model as model_mod
 
-    num_decode_calls = 0
-    real_decode = model_mod.paged_decode_attention
+    def no_reference(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the engine's triton backend reached the reference attention")
 
-    def counting_decode(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal num_decode_calls
-        num_decode_calls += 1
-        return real_decode(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(paged_mod, "paged_attention_reference", no_reference)
+    num_decode_calls = num_calls = 0
+    real_attention = model_mod.paged_attention
 
-    monkeypatch.setattr(model_mod, "paged_decode_attention", counting_decode)
+    def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal num_decode_calls, num_calls
+        num_calls += 1
+        num_decode_calls += kwargs["max_query_len"] == 1
+        assert kwargs["backend"] == "triton"
+        return real_attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_mod, "paged_attention", counting_attention)
     workload = make_workload(5, seed=0, block_size=16, max_new_tokens=6, num_prefix_blocks=2,
                              max_suffix_len=8)
     engine = LLMEngine(model, EngineConfig(
@@ -170,6 +178,6 @@ def test_gpu_code_path_under_the_triton_interpreter(monkeypatch: pytest.MonkeyPa
     ))
     run_workload(engine, workload)
     assert engine.table.backend == "triton"
-    assert num_decode_calls > 0
+    assert num_calls > num_decode_calls > 0
     assert engine.manager.num_preemptions >= 1 and engine.scheduler.num_hit_tokens > 0
     assert all(c.ok for c in verify_requests(model, engine.requests.values()))

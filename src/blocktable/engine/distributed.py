@@ -337,10 +337,11 @@ class DistributedEngine:
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, int(np.sum(local)))
         attn = AttentionInputs(
             slot_mapping=slot_mapping,
-            block_table=self.table.gather_view(0, row_of_batch),
+            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            row_of_batch=row_of_batch,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            decode_only=num_tokens == num_reqs,
+            max_query_len=int(plan.num_new_tokens.max()),
         )
         if hook is not None:
             hook()

@@ -10,8 +10,8 @@ One :meth:`LLMEngine.step`:
    persistent (pinned) buffers and cross in one copy; ``compute_slot_mapping`` turns them into
    cache slots (indexed mode: each request keeps the allocator's row for its
    lifetime and ``row_of_batch`` says which row each batch entry reads);
-5. the model writes K/V by slot mapping and attends through ``gather_view`` (the table rows in
-   batch order);
+5. the model writes K/V by slot mapping and attends through the table, each request reading
+   its own row (``row_of_batch``: no copy of the table per step);
 6. greedy sampling, ``mark_computed``, and finished requests free their blocks.
 """
 
@@ -206,10 +206,11 @@ class LLMEngine:
             assert slot_mapping is not None  # an attention group always has slots
             attn = AttentionInputs(
                 slot_mapping=slot_mapping,
-                block_table=self.table.gather_view(0, inputs.row_of_batch),
+                block_table=self.table.device_view(0, self.table.max_num_reqs),
+                row_of_batch=inputs.row_of_batch,
                 seq_lens=inputs.seq_lens,
                 query_start_loc=inputs.query_start_loc,
-                decode_only=inputs.num_tokens == len(batch.scheduled),
+                max_query_len=max(s.num_new_tokens for s in batch.scheduled),
             )
             if hook is not None:
                 hook(self, batch)

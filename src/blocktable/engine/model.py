@@ -5,7 +5,9 @@ The weights (and the norm, MLP and rotary modules) come from a Hugging Face
 or cache internals. One step's tokens of all requests are flattened into ``[num_tokens]``
 (varlen, no padding); per layer, K and V are scattered into the cache by slot mapping
 (:func:`blocktable.kv_write.write_kv_cache`) and attention reads them back through the block
-table (:mod:`blocktable.attention`).
+table (:func:`blocktable.attention.paged_attention`: the Triton kernels on CUDA, the float64
+reference on the CPU), each request through its own table row (``row_of_batch``): no per-step
+copy of the table.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from blocktable.attention import paged_attention_reference, paged_decode_attention
+from blocktable.attention import paged_attention
 from blocktable.kv_write import write_kv_cache
 
 HFLlama = Any
@@ -31,20 +33,23 @@ class AttentionInputs:
     slot_mapping : torch.Tensor
         int64 ``[>= num_tokens]``: cache slot of each token (``PAD_SLOT_ID`` past the end).
     block_table : torch.Tensor
-        int32 ``[num_reqs, width]``: block ids of each request, in batch order.
+        int32 ``[max_num_reqs, width]``: the whole committed device table.
+    row_of_batch : torch.Tensor
+        int32 ``[num_reqs]``: the table row of each request of the batch.
     seq_lens : torch.Tensor
         int32 ``[num_reqs]``: tokens in the cache per request after this step.
     query_start_loc : torch.Tensor
         int32 ``[num_reqs + 1]``: request ``r``'s tokens are ``[qsl[r], qsl[r+1])``.
-    decode_only : bool
-        Host flag: every request has exactly one token this step.
+    max_query_len : int
+        Host value: the most tokens any request has this step (1 on decode steps).
     """
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
+    row_of_batch: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    decode_only: bool
+    max_query_len: int
 
 
 def tiny_llama(
@@ -101,9 +106,8 @@ class PagedLlama:
         KV-cache geometry: ``num_blocks`` blocks (block 0 is the null block) of ``block_size``
         token slots, the block size the table's ids refer to.
     backend : {"torch", "triton"}
-        Kernels for the KV write and for decode-only steps' attention (the Triton decode
-        kernel needs a power-of-two ``block_size >= 16``; smaller blocks use the reference).
-        Prefill and mixed steps always use the torch reference attention.
+        Kernels for the KV write and attention: Triton (every step, any block size), or torch
+        (the float64 reference attention: CPU engines and tests).
 
     Attributes
     ----------
@@ -117,9 +121,6 @@ class PagedLlama:
     ) -> None:
         config = hf_model.config
         self.backend = backend
-        self.use_decode_kernel = (
-            backend == "triton" and block_size >= 16 and not block_size & (block_size - 1)
-        )
         self.hf = hf_model.eval()
         self.layers = hf_model.model.layers
         self.num_heads = config.num_attention_heads
@@ -183,14 +184,8 @@ class PagedLlama:
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionInputs
     ) -> torch.Tensor:
-        if attn.decode_only and self.use_decode_kernel:
-            # The Triton decode kernel: one query token per request.
-            return paged_decode_attention(
-                q, k_cache, v_cache, attn.block_table, attn.seq_lens, scale=self.scale,
-                backend="triton",
-            )
-        # Prefill chunks and mixed steps (and every step on the CPU): the torch reference.
-        return paged_attention_reference(
+        return paged_attention(
             q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
-            scale=self.scale,
+            scale=self.scale, row_of_batch=attn.row_of_batch, max_query_len=attn.max_query_len,
+            backend=self.backend,
         )
