@@ -14,6 +14,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty_kernel(x_ptr, BLOCK: tl.constexpr):  # module level: Triton reads `tl` here
+        pass
+
+except ImportError:  # pragma: no cover - no triton
+    _empty_kernel = None
+
 
 def host_us(fn: Callable[[], object], n: int = 2000, warmup: int = 50) -> float:
     """Median host time of one call of ``fn`` in µs."""
@@ -37,17 +48,9 @@ def measure_floors(device: str) -> dict[str, float]:
     }
     if device == "cuda":
         out["current_stream_us"] = host_us(torch.cuda.current_stream)
-        try:
-            import triton
-            import triton.language as tl
-
-            from blocktable._triton import Launcher
-        except ImportError:
+        if _empty_kernel is None:
             return out
-
-        @triton.jit
-        def _empty_kernel(x_ptr, BLOCK: tl.constexpr):
-            pass
+        from blocktable._triton import Launcher
 
         launch = Launcher(_empty_kernel)
         out["empty_triton_launch_cached_us"] = host_us(lambda: launch((1,), t, 16))

@@ -94,6 +94,21 @@ def test_launcher_compiled_cache_is_keyed_by_device(fake_devices):
     assert fake_devices["current"] == 0
 
 
+def test_launcher_compiled_cache_is_keyed_by_tensor_dtype(fake_devices):
+    """A kernel compiled for float32 tensors must never run on float16 ones (the KV write of
+    a float16 cache after a float32 one wrote garbage on CUDA before dtypes were keyed)."""
+    kernel = _FakeKernel(fake_devices)
+    launch = _triton.Launcher(kernel)
+    launch._interpret = False
+    launch.fast = True
+    for dtype in (torch.float32, torch.float32, torch.float16, torch.float16, torch.float32):
+        t = torch.zeros(1, dtype=dtype)
+        t.fake_device = 0
+        launch((1,), t, 16)
+    assert kernel.launches == [("ordinary", 0), ("fast", 0), ("ordinary", 0), ("fast", 0),
+                               ("fast", 0)]
+
+
 def test_launcher_public_path_launches_on_the_tensors_device(fake_devices):
     kernel = _FakeKernel(fake_devices)
     launch = _triton.Launcher(kernel, fast=False)

@@ -128,7 +128,8 @@ class Launcher:
 
     ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call
     (~10-40 µs of host time). This keeps the compiled kernel for each device and each
-    combination of the non-tensor, non-dynamic arguments seen, and calls its launcher directly
+    combination of the non-tensor, non-dynamic arguments and tensor dtypes seen, and calls its
+    launcher directly
     (Triton's private launcher ABI: only on :data:`FAST_LAUNCH_TRITON_VERSIONS`, see
     :func:`fast_launch_enabled`). A compiled kernel holds module and function handles of the
     device it was loaded on, so the device (of the first tensor argument) is part of the key,
@@ -156,9 +157,11 @@ class Launcher:
         self.kernel = kernel
         self.dynamic = frozenset(dynamic)
         self.fast = fast_launch_enabled() if fast is None else fast
-        # (device index, num_warps, static args...) -> compiled kernel loaded on that device
+        # (device index, num_warps, static args..., tensor dtypes...) -> compiled kernel loaded
+        # on that device
         self._compiled: dict[tuple, object] = {}
         self._static_pos: list[int] | None = None
+        self._tensor_pos: list[int] = []
         self._interpret = interpreting()
 
     def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
@@ -184,7 +187,14 @@ class Launcher:
                 i for i, a in enumerate(args)
                 if not isinstance(a, torch.Tensor) and i not in self.dynamic
             ]
-        key = (device, num_warps, *[args[i] for i in self._static_pos])
+            self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # A kernel compiled for one tensor dtype computes garbage on another: dtypes are keyed.
+        key = (
+            device,
+            num_warps,
+            *[args[i] for i in self._static_pos],
+            *[args[i].dtype for i in self._tensor_pos],  # type: ignore[attr-defined]
+        )
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
