@@ -358,6 +358,7 @@ VARIANTS = {
     "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
     "ids-per-block": {"prefill_ids_mode": 2, "decode_ids_mode": 2},
     "original-loop": {"prefill_fa_loop": False, "decode_fa_loop": False},
+    "loop-combine": {"decode_wide_combine": False},
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
 }
 

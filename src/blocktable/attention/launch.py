@@ -44,12 +44,15 @@ class KernelConfig:
     prefill_ids_mode: int = 0
     decode_ids_mode: int = 0
     # fa_loop: the softmax scale in one FMA per score and P @ V accumulated into the rescaled
-    # accumulator in place; False: the original order (scale, then a separate add).
+    # accumulator in place; False: the original order (scores scaled, then a separate add).
     prefill_fa_loop: bool = True
     decode_fa_loop: bool = True
     # pack_gqa: a prefill tile is BLOCK_M // GROUP_PAD tokens x the query heads of one KV head
     # (one K/V read serves the group); False: BLOCK_M tokens of one query head.
     prefill_pack_gqa: bool = True
+    # decode_wide_combine: the combine kernel loads every split of a head at once (up to
+    # MAX_KV_SPLITS splits; more fall back to the loop); False: one split after the other.
+    decode_wide_combine: bool = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,11 +245,12 @@ def launch_paged_attention(
             num_warps=config.decode_num_warps,
         )
         if split:
+            wide = config.decode_wide_combine and splits <= _dec.MAX_KV_SPLITS
             _combine_launch(
                 (num_reqs * slots, num_kv_heads),
                 out, lse_arg, part_o, part_lse, qsl_arg, splits, splits, *out.stride(),
                 *lse_strides, group, group_pad, dec_q, slots, head_dim, block_d, has_qsl,
-                has_lse, dtype,
+                has_lse, wide, _dec.MAX_KV_SPLITS if wide else 1, dtype,
                 num_warps=4,
             )
     if decode_only:

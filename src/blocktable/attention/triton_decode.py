@@ -16,7 +16,7 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
-from blocktable.attention.triton_tiles import attend_segments, local_len, store_rows, zero_rows
+from blocktable.attention.triton_tiles import LN_2, attend_segments, local_len, store_rows, zero_rows
 
 DECODE_DYNAMIC_ARGS = (
     "window", "num_reqs", "num_tokens", "num_splits", "max_splits", "num_blocks", "num_rows",
@@ -25,6 +25,7 @@ DECODE_DYNAMIC_ARGS = (
 COMBINE_DYNAMIC_ARGS = ("num_splits", "max_splits")
 
 if HAS_TRITON:
+    _LN_2 = tl.constexpr(LN_2)
 
     def _decode_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
@@ -215,6 +216,8 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         HAS_QSL: tl.constexpr,
         HAS_LSE: tl.constexpr,
+        WIDE: tl.constexpr,  # all splits of a head in one [SPLITS_PAD, BLOCK_D] tile
+        SPLITS_PAD: tl.constexpr,  # a power of two >= max_splits (when WIDE)
         DTYPE: tl.constexpr,
     ):
         # One program per (workspace row, KV head): merge the splits of GROUP query heads.
@@ -232,10 +235,39 @@ if HAS_TRITON:
             query_len = 1
         if i >= query_len:
             return
+        d = tl.arange(0, BLOCK_D)
+        if WIDE:  # one load of every split per head: no chain of dependent loads
+            sp = tl.arange(0, SPLITS_PAD)
+            sp_ok = sp < num_splits
+            d_ok = d < HEAD_DIM
+            token = (q_start + i).to(tl.int64)
+            for gi in tl.static_range(GROUP):
+                head = kv_head * GROUP + gi
+                base_h = (slot.to(tl.int64) * (tl.num_programs(1) * GROUP) + head) * max_splits
+                lse_sp = tl.load(part_lse_ptr + base_h + sp, mask=sp_ok, other=float("-inf"))
+                m_sp = tl.maximum(tl.max(lse_sp, 0), -1.0e30)
+                w_sp = tl.exp2(lse_sp - m_sp)
+                l_sp = tl.sum(w_sp, 0)
+                o_sp = tl.load(
+                    part_o_ptr + (base_h + sp)[:, None] * BLOCK_D + d[None, :],
+                    mask=(sp_ok & (w_sp > 0))[:, None],
+                    other=0.0,
+                )
+                seen_sp = l_sp > 0
+                o_h = tl.sum(w_sp[:, None] * o_sp, 0) / tl.where(seen_sp, l_sp, 1.0)
+                tl.store(
+                    out_ptr + token * out_stride_t + head * out_stride_h + d * out_stride_d,
+                    o_h.to(out_ptr.dtype.element_ty),
+                    mask=d_ok,
+                )
+                if HAS_LSE:
+                    lse_h = m_sp + tl.log2(tl.where(seen_sp, l_sp, 1.0))
+                    lse_h = tl.where(seen_sp, lse_h * _LN_2, float("-inf"))
+                    tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse_h)
+            return
         g = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + g
         head_ok = g < GROUP
-        d = tl.arange(0, BLOCK_D)
         base = (slot.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits
         m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
