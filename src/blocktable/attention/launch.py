@@ -53,6 +53,9 @@ class KernelConfig:
     # decode_wide_combine: the combine kernel loads every split of a head at once (up to
     # MAX_KV_SPLITS splits; more fall back to the loop); False: one split after the other.
     decode_wide_combine: bool = True
+    # decode_fused_combine: no combine launch; the last split program of each (request, KV
+    # head) to finish (an atomic counter) merges the partials (up to MAX_KV_SPLITS splits).
+    decode_fused_combine: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,6 +113,17 @@ def _tile_sizes(head_dim: int, group_size: int) -> tuple[int, int, int, int]:
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the fused combine, per (device, size); the kernel
+    leaves them at zero. Never freed (a captured CUDA graph may hold their address)."""
+    key = (device, size)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return found
 
 
 def _workspace(
@@ -230,10 +244,12 @@ def launch_paged_attention(
             )
         else:
             part_o = part_lse = out  # never touched
+        fused = split and config.decode_fused_combine and splits <= _dec.MAX_KV_SPLITS
+        counters = _counters(query.device, num_reqs * num_kv_heads) if fused else seq_lens
         launch = _decode_launch if aligned else _decode_launch_unaligned
         launch(
             (num_reqs + extra, num_kv_heads, splits),
-            out, lse_arg, part_o, part_lse, query, k_cache, v_cache, block_table, seq_lens,
+            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table, seq_lens,
             qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
             splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
@@ -241,10 +257,10 @@ def launch_paged_attention(
             block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
             config.decode_num_stages,
             _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size),
-            config.decode_fa_loop, dtype,
+            config.decode_fa_loop, fused, _dec.MAX_KV_SPLITS if fused else 1, dtype,
             num_warps=config.decode_num_warps,
         )
-        if split:
+        if split and not fused:
             wide = config.decode_wide_combine and splits <= _dec.MAX_KV_SPLITS
             _combine_launch(
                 (num_reqs * slots, num_kv_heads),
