@@ -16,7 +16,13 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
-from blocktable.attention.triton_tiles import LN_2, attend_segments, local_len, store_rows, zero_rows
+from blocktable.attention.triton_tiles import (
+    LN_2,
+    attend_segments,
+    local_len,
+    store_rows,
+    zero_rows,
+)
 
 DECODE_DYNAMIC_ARGS = (
     "window", "num_reqs", "num_tokens", "num_splits", "max_splits", "num_blocks", "num_rows",
