@@ -249,8 +249,8 @@ def launch_paged_attention(
         launch = _decode_launch if aligned else _decode_launch_unaligned
         launch(
             (num_reqs + extra, num_kv_heads, splits),
-            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table, seq_lens,
-            qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
+            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table,
+            seq_lens, qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
             splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
             block_d,
