@@ -240,8 +240,8 @@ if HAS_TRITON:
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
-            v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
+            v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
         )
         return acc, m_i, l_i
 
