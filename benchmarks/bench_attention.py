@@ -224,10 +224,10 @@ def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]
         ]
     return [
         base,
-        rep(base, prefill_fa_loop=False),
         rep(base, prefill_ids_mode=1),
         rep(base, prefill_ids_mode=2),
         rep(base, prefill_block_n=128, prefill_num_stages=2),
+        rep(base, prefill_block_n=128, prefill_num_stages=3, prefill_ids_mode=2),
         rep(base, prefill_pack_gqa=False, prefill_ids_mode=2),
         rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=2),
         rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=3,
