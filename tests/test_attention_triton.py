@@ -387,3 +387,17 @@ def test_kernel_variants_match_reference(triton_device: str, variant: str, block
         )
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
+
+
+def test_bad_ids_mode_is_a_clear_error_before_the_launch(triton_device: str) -> None:
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(5, 2)], 4, 1, 2, 16, torch.float32, triton_device
+    )
+    out = torch.zeros_like(query)
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_ids_mode=3)
+    with pytest.raises(ValueError, match="ids_mode"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+    assert (out == 0).all()

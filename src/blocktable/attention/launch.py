@@ -78,6 +78,7 @@ def default_config(head_dim: int, group_size: int, element_size: int = 2) -> Ker
     return KernelConfig(64, 32, 4, 2, 32, 4, 2)
 
 
+@functools.lru_cache(maxsize=256)
 def _ids_mode(mode: int, block_n: int, block_size: int) -> int:
     """``mode``, or 1 where one id per block does not apply (see :class:`KernelConfig`)."""
     if mode not in (0, 1, 2):
@@ -211,6 +212,9 @@ def launch_paged_attention(
     if config is None:
         config = default_config(head_dim, group, query.element_size())
     block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
+    # Checked before any launch, so that a bad configuration writes nothing.
+    dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
+    pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
@@ -256,8 +260,7 @@ def launch_paged_attention(
             block_d,
             block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
             config.decode_num_stages,
-            _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size),
-            config.decode_fa_loop, fused, _dec.MAX_KV_SPLITS if fused else 1, dtype,
+            dec_ids, config.decode_fa_loop, fused, _dec.MAX_KV_SPLITS if fused else 1, dtype,
             num_warps=config.decode_num_warps,
         )
         if split and not fused:
@@ -286,7 +289,6 @@ def launch_paged_attention(
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
-        _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size),
-        config.prefill_fa_loop, pack, dtype,
+        pre_ids, config.prefill_fa_loop, pack, dtype,
         num_warps=config.prefill_num_warps,
     )
