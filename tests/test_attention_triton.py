@@ -401,3 +401,25 @@ def test_bad_ids_mode_is_a_clear_error_before_the_launch(triton_device: str) -> 
             decode_only=False, config=config,
         )
     assert (out == 0).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> None:
+    """20 splits (two chunks of the merge, most of them without keys) on a decode step."""
+    reqs = [(90, 1), (3, 1), (0, 0)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=3
+    )
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
+    config = dataclasses.replace(
+        default_config(16, 2, 4), num_kv_splits=20, decode_fused_combine=fused
+    )
+    for _ in range(2):
+        out = torch.full_like(query, float("nan"))
+        lse = torch.full(query.shape[:2], float("nan"), device=triton_device)
+        launch_paged_attention(
+            out, lse, query, k_cache, v_cache, table, seq, qsl, None, 0.25, None, CPLayout(),
+            decode_only=True, config=config,
+        )
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        check_lse(lse, ref_lse, torch.float32)

@@ -50,11 +50,11 @@ class KernelConfig:
     # pack_gqa: a prefill tile is BLOCK_M // GROUP_PAD tokens x the query heads of one KV head
     # (one K/V read serves the group); False: BLOCK_M tokens of one query head.
     prefill_pack_gqa: bool = True
-    # decode_wide_combine: the combine kernel loads every split of a head at once (up to
-    # MAX_KV_SPLITS splits; more fall back to the loop); False: one split after the other.
+    # decode_wide_combine: the combine kernel loads MERGE_CHUNK splits of a head at once;
+    # False: one split after the other.
     decode_wide_combine: bool = True
     # decode_fused_combine: no combine launch; the last split program of each (request, KV
-    # head) to finish (an atomic counter) merges the partials (up to MAX_KV_SPLITS splits).
+    # head) to finish (an atomic counter) merges the partials.
     decode_fused_combine: bool = False
 
 
@@ -248,7 +248,7 @@ def launch_paged_attention(
             )
         else:
             part_o = part_lse = out  # never touched
-        fused = split and config.decode_fused_combine and splits <= _dec.MAX_KV_SPLITS
+        fused = split and config.decode_fused_combine
         counters = _counters(query.device, num_reqs * num_kv_heads) if fused else seq_lens
         launch = _decode_launch if aligned else _decode_launch_unaligned
         launch(
@@ -260,16 +260,16 @@ def launch_paged_attention(
             block_d,
             block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
             config.decode_num_stages,
-            dec_ids, config.decode_fa_loop, fused, _dec.MAX_KV_SPLITS if fused else 1, dtype,
+            dec_ids, config.decode_fa_loop, fused, _dec.MERGE_CHUNK, dtype,
             num_warps=config.decode_num_warps,
         )
         if split and not fused:
-            wide = config.decode_wide_combine and splits <= _dec.MAX_KV_SPLITS
+            wide = config.decode_wide_combine
             _combine_launch(
                 (num_reqs * slots, num_kv_heads),
                 out, lse_arg, part_o, part_lse, qsl_arg, splits, splits, *out.stride(),
                 *lse_strides, group, group_pad, dec_q, slots, head_dim, block_d, has_qsl,
-                has_lse, wide, _dec.MAX_KV_SPLITS if wide else 1, dtype,
+                has_lse, wide, _dec.MERGE_CHUNK, dtype,
                 num_warps=4,
             )
     if decode_only:

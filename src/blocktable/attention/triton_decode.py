@@ -41,37 +41,44 @@ if HAS_TRITON:
         SPLITS_PAD: tl.constexpr, HAS_LSE: tl.constexpr,
     ):
         """Merge the ``num_splits`` partials of workspace row ``slot`` for the ``GROUP`` query
-        heads of ``kv_head`` (each head's splits in one ``[SPLITS_PAD, BLOCK_D]`` load) and
+        heads of ``kv_head``, ``SPLITS_PAD`` splits per ``[SPLITS_PAD, BLOCK_D]`` load, and
         store the output (and LSE) of ``token``."""
         d = tl.arange(0, BLOCK_D)
         sp = tl.arange(0, SPLITS_PAD)
-        sp_ok = sp < num_splits
         d_ok = d < HEAD_DIM
         token = token.to(tl.int64)
         for gi in tl.static_range(GROUP):
             head = kv_head * GROUP + gi
             base_h = (slot.to(tl.int64) * num_heads + head) * max_splits
-            # .cg: from L2, where the other programs' partials are (never a stale L1 line).
-            lse_sp = tl.load(part_lse_ptr + base_h + sp, mask=sp_ok, other=float("-inf"),
-                             cache_modifier=".cg")
-            m_sp = tl.maximum(tl.max(lse_sp, 0), -1.0e30)
-            w_sp = tl.exp2(lse_sp - m_sp)
-            l_sp = tl.sum(w_sp, 0)
-            o_sp = tl.load(
-                part_o_ptr + (base_h + sp)[:, None] * BLOCK_D + d[None, :],
-                mask=(sp_ok & (w_sp > 0))[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            seen_sp = l_sp > 0
-            o_h = tl.sum(w_sp[:, None] * o_sp, 0) / tl.where(seen_sp, l_sp, 1.0)
+            m_h = tl.max(tl.full([SPLITS_PAD], -1.0e30, dtype=tl.float32), 0)
+            l_h = tl.sum(tl.zeros([SPLITS_PAD], dtype=tl.float32), 0)
+            acc_h = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for c in range(0, num_splits, SPLITS_PAD):
+                sp_ok = c + sp < num_splits
+                # .cg: from L2, where the other programs' partials are (never a stale L1 line).
+                lse_sp = tl.load(part_lse_ptr + base_h + c + sp, mask=sp_ok,
+                                 other=float("-inf"), cache_modifier=".cg")
+                m_new = tl.maximum(m_h, tl.max(lse_sp, 0))
+                w_sp = tl.exp2(lse_sp - m_new)
+                alpha = tl.exp2(m_h - m_new)
+                o_sp = tl.load(
+                    part_o_ptr + (base_h + c + sp)[:, None] * BLOCK_D + d[None, :],
+                    mask=(sp_ok & (w_sp > 0))[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                l_h = l_h * alpha + tl.sum(w_sp, 0)
+                acc_h = acc_h * alpha + tl.sum(w_sp[:, None] * o_sp, 0)
+                m_h = m_new
+            seen_sp = l_h > 0
+            o_h = acc_h / tl.where(seen_sp, l_h, 1.0)
             tl.store(
                 out_ptr + token * out_stride_t + head * out_stride_h + d * out_stride_d,
                 o_h.to(out_ptr.dtype.element_ty),
                 mask=d_ok,
             )
             if HAS_LSE:
-                lse_h = m_sp + tl.log2(tl.where(seen_sp, l_sp, 1.0))
+                lse_h = m_h + tl.log2(tl.where(seen_sp, l_h, 1.0))
                 lse_h = tl.where(seen_sp, lse_h * _LN_2, float("-inf"))
                 tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse_h)
 
@@ -128,7 +135,7 @@ if HAS_TRITON:
         IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
         FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
         FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
-        SPLITS_PAD: tl.constexpr,  # a power of two >= max_splits (when FUSED_COMBINE)
+        SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
         DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -283,8 +290,8 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         HAS_QSL: tl.constexpr,
         HAS_LSE: tl.constexpr,
-        WIDE: tl.constexpr,  # all splits of a head in one [SPLITS_PAD, BLOCK_D] tile
-        SPLITS_PAD: tl.constexpr,  # a power of two >= max_splits (when WIDE)
+        WIDE: tl.constexpr,  # SPLITS_PAD splits of a head per [SPLITS_PAD, BLOCK_D] load
+        SPLITS_PAD: tl.constexpr,
         DTYPE: tl.constexpr,
     ):
         # One program per (workspace row, KV head): merge the splits of GROUP query heads.
@@ -353,6 +360,7 @@ if HAS_TRITON:
 
 
 MAX_KV_SPLITS = 64
+MERGE_CHUNK = 16  # splits per load in the wide and fused combines
 MIN_KEYS_PER_SPLIT = 256
 
 
