@@ -36,7 +36,7 @@ from blocktable.attention.launch import (
     default_config,
     launch_paged_attention,
 )
-from blocktable.attention.triton_decode import default_num_kv_splits
+from blocktable.attention.triton_decode import MAX_KV_SPLITS, default_num_kv_splits
 from blocktable.flashinfer import write_flashinfer_page_table
 
 try:  # pragma: no cover - GPU machine only
@@ -209,27 +209,43 @@ def tune_configs(kind: str, base: KernelConfig, splits: int) -> list[KernelConfi
 
 
 def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]:
+    """The defaults, then one variant at a time (see ``KernelConfig``): at most 8 prefill and 6
+    decode compilations per case."""
     rep = dataclasses.replace
     if kind == "decode":
-        out = [rep(base, num_kv_splits=splits)]
-        out += [rep(base, decode_block_n=n, num_kv_splits=splits) for n in (32, 128)]
-        out += [rep(base, decode_num_warps=w, num_kv_splits=splits) for w in (2, 8)]
-        out += [rep(base, decode_num_stages=s, num_kv_splits=splits) for s in (1, 3, 4)]
-        out += [rep(base, num_kv_splits=max(1, s)) for s in (splits // 2, splits * 2)]
-        return out
-    return [base] + [rep(base, prefill_block_m=m) for m in (64,)] + [
-        rep(base, prefill_block_n=n) for n in (32, 128)
-    ] + [rep(base, prefill_num_warps=w) for w in (4,)] + [
-        rep(base, prefill_num_stages=s) for s in (3, 4)
+        b = rep(base, num_kv_splits=splits)
+        return [
+            b,
+            rep(b, decode_ids_mode=2),
+            rep(b, decode_fused_combine=True),
+            rep(b, num_kv_splits=min(splits * 2, MAX_KV_SPLITS)),
+            rep(b, num_kv_splits=max(1, splits // 2)),
+            rep(b, decode_wide_combine=False),
+        ]
+    return [
+        base,
+        rep(base, prefill_ids_mode=1),
+        rep(base, prefill_ids_mode=2),
+        rep(base, prefill_block_n=128, prefill_num_stages=2),
+        rep(base, prefill_block_n=128, prefill_num_stages=3, prefill_ids_mode=2),
+        rep(base, prefill_pack_gqa=False, prefill_ids_mode=2),
+        rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=2),
+        rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=3,
+            prefill_ids_mode=2),
     ]
 
 
 def describe(c: KernelConfig, kind: str) -> str:
     if kind == "decode":
         return (f"n{c.decode_block_n} w{c.decode_num_warps} s{c.decode_num_stages} "
-                f"splits{c.num_kv_splits}")
+                f"splits{c.num_kv_splits} ids{c.decode_ids_mode}"
+                + ("" if c.decode_fa_loop else " oldloop")
+                + ("" if c.decode_wide_combine else " loopcombine")
+                + (" fused" if c.decode_fused_combine else ""))
     return (f"m{c.prefill_block_m} n{c.prefill_block_n} w{c.prefill_num_warps} "
-            f"s{c.prefill_num_stages}")
+            f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
+            + ("" if c.prefill_fa_loop else " oldloop")
+            + ("" if c.prefill_pack_gqa else " nopack"))
 
 
 def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argparse.Namespace,
@@ -283,6 +299,10 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
                 continue
             t = cg if cg is not None else ce
             rows.append(Row(kind, label, f"tune:{name}", ce, cg, None, cerr))
+            if t is not None:
+                print(f"  tune {kind} {label}: {name} eager {ce:.1f} us"
+                      + ("" if cg is None else f" graph {cg:.1f} us")
+                      + f" err {cerr:.4f}", flush=True)
             if t is not None and (best is None or t < best[0]):
                 best = (t, name)
         if best is not None:
@@ -343,6 +363,17 @@ def print_ratios(rows: list[Row]) -> None:
             print(f"  {kind:<8} {case:<34} " + ", ".join(parts))
 
 
+def write_json(path: str | None, rows: list[Row], device: str) -> None:
+    """The rows so far (rewritten after every case, so a crash keeps what was measured)."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "triton": triton.__version__,
+                "flashinfer": getattr(flashinfer, "__version__", None)}
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -372,21 +403,18 @@ def main() -> int:
             batch = Batch(shape, [n] * b, [1] * b, device)
             bench_case(rows, "decode", f"B={b} x {n}", batch, args)
             del batch
+            write_json(args.json, rows, device)
     if args.only in (None, "prefill"):
         for b, n in prefill_cases:
             batch = Batch(shape, [n] * b, [n] * b, device, seed=1)
             bench_case(rows, "prefill", f"{b} x {n} causal", batch, args, sdpa=True)
             del batch
+            write_json(args.json, rows, device)
     if args.only in (None, "mixed"):
         bench_mixed(rows, shape, device, args, *mixed)
     print_table(rows)
     print_ratios(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__, "triton": triton.__version__,
-                    "flashinfer": getattr(flashinfer, "__version__", None)}
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    write_json(args.json, rows, device)
     return 0
 
 

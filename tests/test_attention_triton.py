@@ -7,6 +7,7 @@ exactly where the reference's are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from blocktable.attention import paged_attention, paged_attention_reference, paged_decode_attention
 from blocktable.attention.cp_layout import global_positions, local_seq_len
+from blocktable.attention.launch import CPLayout, default_config, launch_paged_attention
 from blocktable.config import CPConfig
 from blocktable.constants import NULL_BLOCK_ID
 
@@ -349,3 +351,75 @@ def test_many_requests_search_and_all_padding(triton_device: str) -> None:
         assert query.shape[0] > 64 and (out == 0).all()
     empty = paged_attention(query[:0], k_cache, v_cache, table, *no_reqs, backend="triton")
     assert empty.shape == (0, *query.shape[1:])
+
+
+VARIANTS = {
+    "ids-prefetch": {"prefill_ids_mode": 0, "decode_ids_mode": 0},
+    "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
+    "ids-per-block": {"prefill_ids_mode": 2, "decode_ids_mode": 2},
+    "original-loop": {"prefill_fa_loop": False, "decode_fa_loop": False},
+    "loop-combine": {"decode_wide_combine": False},
+    "fused-combine": {"decode_fused_combine": True},
+    "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
+}
+
+
+@pytest.mark.parametrize("block_size", [4, 6])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_variants_match_reference(triton_device: str, variant: str, block_size: int) -> None:
+    """Every inner-loop variant of KernelConfig (block-id loads, loop order, GQA packing) on a
+    mixed batch with a window, pad tokens, split decode keys and a corrupt block id (never
+    read); block size 6 does not divide the tile (one id per block falls back to per key)."""
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        MIXED, block_size, 2, 2, 16, torch.float32, "cpu", pad_tokens=2, seed=7
+    )
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl, sliding_window=7,
+                             scale=0.3)
+    table[3, table.shape[1] - 1] = k_cache.shape[0] + 99  # past request 3's keys: never used
+    args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
+    base = default_config(16, 2, 4)
+    config = dataclasses.replace(base, num_kv_splits=2, **VARIANTS[variant])
+    for _ in range(2):  # the second call finds the workspace (and fused counters) reused
+        out = torch.full_like(args[0], float("nan"))
+        lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
+        launch_paged_attention(
+            out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False, config=config
+        )
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        check_lse(lse, ref_lse, torch.float32)
+
+
+def test_bad_ids_mode_is_a_clear_error_before_the_launch(triton_device: str) -> None:
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(5, 2)], 4, 1, 2, 16, torch.float32, triton_device
+    )
+    out = torch.zeros_like(query)
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_ids_mode=3)
+    with pytest.raises(ValueError, match="ids_mode"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> None:
+    """20 splits (two chunks of the merge, most of them without keys) on a decode step."""
+    reqs = [(90, 1), (3, 1), (0, 0)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=3
+    )
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
+    config = dataclasses.replace(
+        default_config(16, 2, 4), num_kv_splits=20, decode_fused_combine=fused
+    )
+    for _ in range(2):
+        out = torch.full_like(query, float("nan"))
+        lse = torch.full(query.shape[:2], float("nan"), device=triton_device)
+        launch_paged_attention(
+            out, lse, query, k_cache, v_cache, table, seq, qsl, None, 0.25, None, CPLayout(),
+            decode_only=True, config=config,
+        )
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        check_lse(lse, ref_lse, torch.float32)

@@ -31,11 +31,31 @@ class KernelConfig:
     prefill_block_m: int = 128  # query rows (tokens x GQA group) per prefill tile
     prefill_block_n: int = 64  # keys per tile
     prefill_num_warps: int = 8
-    prefill_num_stages: int = 2
+    prefill_num_stages: int = 3
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     num_kv_splits: int | None = None  # None: chosen from shapes (default_num_kv_splits)
+    # Variants of the inner loop (attend_tiles), one compilation each:
+    # ids_mode 0: each tile's block ids are prefetched one tile ahead (loop-carried);
+    # 1: loaded in the tile's own iteration, one per key (the pipeliner schedules them);
+    # 2: as 1, one id per block broadcast over its keys (when the block size is a power of
+    # two dividing block_n; else 1).
+    prefill_ids_mode: int = 0
+    decode_ids_mode: int = 0
+    # fa_loop: the softmax scale in one FMA per score and P @ V accumulated into the rescaled
+    # accumulator in place; False: the original order (scores scaled, then a separate add).
+    prefill_fa_loop: bool = True
+    decode_fa_loop: bool = True
+    # pack_gqa: a prefill tile is BLOCK_M // GROUP_PAD tokens x the query heads of one KV head
+    # (one K/V read serves the group); False: BLOCK_M tokens of one query head.
+    prefill_pack_gqa: bool = True
+    # decode_wide_combine: the combine kernel loads MERGE_CHUNK splits of a head at once;
+    # False: one split after the other.
+    decode_wide_combine: bool = True
+    # decode_fused_combine: no combine launch; the last split program of each (request, KV
+    # head) to finish (an atomic counter) merges the partials.
+    decode_fused_combine: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -54,8 +74,18 @@ def default_config(head_dim: int, group_size: int, element_size: int = 2) -> Ker
     if block_d <= 64:
         return KernelConfig(128, 64, 4, 3, 64, 4, 3)
     if block_d <= 128:
-        return KernelConfig(128, 64, 8, 2, 64, 4, 2)
+        return KernelConfig(128, 64, 8, 3, 64, 4, 2)
     return KernelConfig(64, 32, 4, 2, 32, 4, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _ids_mode(mode: int, block_n: int, block_size: int) -> int:
+    """``mode``, or 1 where one id per block does not apply (see :class:`KernelConfig`)."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"ids_mode must be 0, 1 or 2, got {mode}")
+    if mode == 2 and (block_n % block_size or block_size & (block_size - 1)):
+        return 1
+    return mode
 
 
 @dataclass(frozen=True)
@@ -84,6 +114,17 @@ def _tile_sizes(head_dim: int, group_size: int) -> tuple[int, int, int, int]:
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the fused combine, per (device, size); the kernel
+    leaves them at zero. Never freed (a captured CUDA graph may hold their address)."""
+    key = (device, size)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return found
 
 
 def _workspace(
@@ -171,6 +212,9 @@ def launch_paged_attention(
     if config is None:
         config = default_config(head_dim, group, query.element_size())
     block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
+    # Checked before any launch, so that a bad configuration writes nothing.
+    dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
+    pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
@@ -204,38 +248,47 @@ def launch_paged_attention(
             )
         else:
             part_o = part_lse = out  # never touched
+        fused = split and config.decode_fused_combine
+        counters = _counters(query.device, num_reqs * num_kv_heads) if fused else seq_lens
         launch = _decode_launch if aligned else _decode_launch_unaligned
         launch(
             (num_reqs + extra, num_kv_heads, splits),
-            out, lse_arg, part_o, part_lse, query, k_cache, v_cache, block_table, seq_lens,
-            qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
+            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table,
+            seq_lens, qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
             splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
             block_d,
             block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
-            config.decode_num_stages, dtype,
+            config.decode_num_stages,
+            dec_ids, config.decode_fa_loop, fused, _dec.MERGE_CHUNK, dtype,
             num_warps=config.decode_num_warps,
         )
-        if split:
+        if split and not fused:
+            wide = config.decode_wide_combine
             _combine_launch(
                 (num_reqs * slots, num_kv_heads),
                 out, lse_arg, part_o, part_lse, qsl_arg, splits, splits, *out.stride(),
                 *lse_strides, group, group_pad, dec_q, slots, head_dim, block_d, has_qsl,
-                has_lse, dtype,
+                has_lse, wide, _dec.MERGE_CHUNK, dtype,
                 num_warps=4,
             )
     if decode_only:
         return
-    block_m = max(config.prefill_block_m, group_pad)
-    block_q = block_m // group_pad
+    pack = config.prefill_pack_gqa
+    if pack:
+        block_m = max(config.prefill_block_m, group_pad)
+        block_q = block_m // group_pad
+    else:
+        block_m = block_q = max(config.prefill_block_m, 16)
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
-        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads),
+        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
         out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
         qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
         num_rows, width, *cp_args, _search_stride(num_reqs), *strides,
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
-        config.prefill_num_stages, dtype,
+        config.prefill_num_stages,
+        pre_ids, config.prefill_fa_loop, pack, dtype,
         num_warps=config.prefill_num_warps,
     )

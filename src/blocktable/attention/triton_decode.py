@@ -16,7 +16,13 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
-from blocktable.attention.triton_tiles import attend_segments, local_len, store_rows, zero_rows
+from blocktable.attention.triton_tiles import (
+    LN_2,
+    attend_segments,
+    local_len,
+    store_rows,
+    zero_rows,
+)
 
 DECODE_DYNAMIC_ARGS = (
     "window", "num_reqs", "num_tokens", "num_splits", "max_splits", "num_blocks", "num_rows",
@@ -25,12 +31,63 @@ DECODE_DYNAMIC_ARGS = (
 COMBINE_DYNAMIC_ARGS = ("num_splits", "max_splits")
 
 if HAS_TRITON:
+    _LN_2 = tl.constexpr(LN_2)
+
+    @triton.jit
+    def merge_splits(
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, token, kv_head, num_heads, num_splits,
+        max_splits, out_stride_t, out_stride_h, out_stride_d, lse_stride_t, lse_stride_h,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, HAS_LSE: tl.constexpr,
+    ):
+        """Merge the ``num_splits`` partials of workspace row ``slot`` for the ``GROUP`` query
+        heads of ``kv_head``, ``SPLITS_PAD`` splits per ``[SPLITS_PAD, BLOCK_D]`` load, and
+        store the output (and LSE) of ``token``."""
+        d = tl.arange(0, BLOCK_D)
+        sp = tl.arange(0, SPLITS_PAD)
+        d_ok = d < HEAD_DIM
+        token = token.to(tl.int64)
+        for gi in tl.static_range(GROUP):
+            head = kv_head * GROUP + gi
+            base_h = (slot.to(tl.int64) * num_heads + head) * max_splits
+            m_h = tl.max(tl.full([SPLITS_PAD], -1.0e30, dtype=tl.float32), 0)
+            l_h = tl.sum(tl.zeros([SPLITS_PAD], dtype=tl.float32), 0)
+            acc_h = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for c in range(0, num_splits, SPLITS_PAD):
+                sp_ok = c + sp < num_splits
+                # .cg: from L2, where the other programs' partials are (never a stale L1 line).
+                lse_sp = tl.load(part_lse_ptr + base_h + c + sp, mask=sp_ok,
+                                 other=float("-inf"), cache_modifier=".cg")
+                m_new = tl.maximum(m_h, tl.max(lse_sp, 0))
+                w_sp = tl.exp2(lse_sp - m_new)
+                alpha = tl.exp2(m_h - m_new)
+                o_sp = tl.load(
+                    part_o_ptr + (base_h + c + sp)[:, None] * BLOCK_D + d[None, :],
+                    mask=(sp_ok & (w_sp > 0))[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                l_h = l_h * alpha + tl.sum(w_sp, 0)
+                acc_h = acc_h * alpha + tl.sum(w_sp[:, None] * o_sp, 0)
+                m_h = m_new
+            seen_sp = l_h > 0
+            o_h = acc_h / tl.where(seen_sp, l_h, 1.0)
+            tl.store(
+                out_ptr + token * out_stride_t + head * out_stride_h + d * out_stride_d,
+                o_h.to(out_ptr.dtype.element_ty),
+                mask=d_ok,
+            )
+            if HAS_LSE:
+                lse_h = m_h + tl.log2(tl.where(seen_sp, l_h, 1.0))
+                lse_h = tl.where(seen_sp, lse_h * _LN_2, float("-inf"))
+                tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse_h)
 
     def _decode_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         lse_ptr,  # float32 [num_tokens, num_heads] (when HAS_LSE)
         part_o_ptr,  # float32 [num_reqs * SLOTS, num_heads, max_splits, BLOCK_D] (when SPLIT)
         part_lse_ptr,  # float32 [num_reqs * SLOTS, num_heads, max_splits], log2 domain
+        counter_ptr,  # int32 [num_reqs * num_kv_heads], zero between calls (FUSED_COMBINE)
         query_ptr,
         k_cache_ptr,
         v_cache_ptr,
@@ -75,6 +132,10 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
+        FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
+        FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
+        SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
         DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -172,6 +233,7 @@ if HAS_TRITON:
             k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
             k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks,
             qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, NUM_STAGES,
+            IDS_MODE, FA_LOOP,
         )
         if SPLIT:
             num_heads = tl.num_programs(1) * GROUP
@@ -185,6 +247,22 @@ if HAS_TRITON:
                 acc / tl.where(seen, l_i, 1.0)[:, None],
                 mask=row_valid[:, None],
             )
+            if FUSED_COMBINE:
+                # Every thread's partials are written before one release-add counts this split;
+                # the split that counts last (acquire) merges them and re-arms the counter.
+                tl.debug_barrier()
+                counter = counter_ptr + req * tl.num_programs(1) + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == num_splits - 1:
+                    for i in tl.static_range(SLOTS):
+                        if i < query_len:
+                            merge_splits(
+                                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, req * SLOTS + i,
+                                q_start + i, kv_head, num_heads, num_splits, max_splits,
+                                out_stride_t, out_stride_h, out_stride_d, lse_stride_t,
+                                lse_stride_h, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD, HAS_LSE,
+                            )
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
             store_rows(
                 out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,
@@ -212,6 +290,8 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         HAS_QSL: tl.constexpr,
         HAS_LSE: tl.constexpr,
+        WIDE: tl.constexpr,  # SPLITS_PAD splits of a head per [SPLITS_PAD, BLOCK_D] load
+        SPLITS_PAD: tl.constexpr,
         DTYPE: tl.constexpr,
     ):
         # One program per (workspace row, KV head): merge the splits of GROUP query heads.
@@ -229,10 +309,18 @@ if HAS_TRITON:
             query_len = 1
         if i >= query_len:
             return
+        d = tl.arange(0, BLOCK_D)
+        if WIDE:  # one load of every split per head: no chain of dependent loads
+            merge_splits(
+                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, q_start + i, kv_head,
+                tl.num_programs(1) * GROUP, num_splits, max_splits, out_stride_t, out_stride_h,
+                out_stride_d, lse_stride_t, lse_stride_h, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD,
+                HAS_LSE,
+            )
+            return
         g = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + g
         head_ok = g < GROUP
-        d = tl.arange(0, BLOCK_D)
         base = (slot.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits
         m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -256,7 +344,10 @@ if HAS_TRITON:
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
 
-    _UNALIGNED = ["lse_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr", "row_of_batch_ptr"]
+    _UNALIGNED = [
+        "lse_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr", "row_of_batch_ptr", "part_o_ptr",
+        "part_lse_ptr", "counter_ptr",
+    ]
     decode_kernel = triton.jit(
         do_not_specialize=list(DECODE_DYNAMIC_ARGS), do_not_specialize_on_alignment=_UNALIGNED
     )(_decode_kernel)
@@ -269,6 +360,7 @@ if HAS_TRITON:
 
 
 MAX_KV_SPLITS = 64
+MERGE_CHUNK = 16  # splits per load in the wide and fused combines
 MIN_KEYS_PER_SPLIT = 256
 
 

@@ -1,6 +1,8 @@
 """The varlen paged attention kernel: prefill, chunks over cached prefixes, any query length.
 
-The grid is ``(cdiv(num_tokens, BLOCK_Q) + num_reqs, num_kv_heads)``, from shapes only. Request
+The grid is ``(cdiv(num_tokens, BLOCK_Q) + num_reqs, num_kv_heads)``, from shapes only (with
+``PACK_GQA`` false: ``num_heads`` programs per tile, ``BLOCK_Q = BLOCK_M`` tokens of one
+query head each). Request
 ``r`` owns the query tiles ``[qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1)`` (at least
 ``ceil(query_len / BLOCK_Q)`` of them); a program finds its request with a ``RADIX``-ary
 search over ``query_start_loc`` on the device, and tiles past the last request zero the pad
@@ -64,15 +66,24 @@ if HAS_TRITON:
         HAS_LSE: tl.constexpr,
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
+        FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
+        PACK_GQA: tl.constexpr,  # rows pack the GQA group (grid dim 1: KV heads) or not
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        kv_head = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
-        qi = rows // GROUP_PAD
-        g = rows % GROUP_PAD
-        heads = kv_head * GROUP + g
-        head_ok = g < GROUP
+        if PACK_GQA:  # program (tile, KV head): rows are (token, query head of the group)
+            kv_head = tl.program_id(1)
+            qi = rows // GROUP_PAD
+            g = rows % GROUP_PAD
+            heads = kv_head * GROUP + g
+            head_ok = g < GROUP
+        else:  # program (tile, query head): rows are BLOCK_M tokens of one head
+            kv_head = tl.program_id(1) // GROUP
+            qi = rows
+            heads = tl.program_id(1) + rows * 0
+            head_ok = rows >= 0
 
         # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile.
         lanes = tl.arange(0, RADIX)
@@ -165,6 +176,7 @@ if HAS_TRITON:
             k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
             k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks,
             qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, NUM_STAGES,
+            IDS_MODE, FA_LOOP,
         )
         store_rows(
             out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,

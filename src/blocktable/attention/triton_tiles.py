@@ -69,29 +69,53 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        IDS_MODE: tl.constexpr,
+        FA_LOOP: tl.constexpr,
     ):
         """Online softmax over the key tiles starting at ``kv_start, kv_start + BLOCK_N, ...``
         below ``kv_end``. Unmasked (``MASKED`` false) tiles must be visible to every row. Keys
         outside ``[kv_lo, kv_cap)`` are never loaded (entries before a window may be null)."""
         n = tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
-        # The block ids of tile i+1 are loaded while tile i computes: the K/V addresses of the
-        # next tile never wait on a table read.
-        next_keys = kv_start + n
-        next_ids = tl.load(
-            table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
-            mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
-            other=-1,
-        )
-        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-            keys = start + n
-            block_id = next_ids
-            next_keys = keys + BLOCK_N
+        # IDS_MODE 0: the block ids of tile i+1 are loaded while tile i computes (a
+        # loop-carried prefetch). 1: each tile loads its ids (one per key) in the loop, which
+        # lets the software pipeliner issue the table and K/V loads stages ahead. 2: as 1 with
+        # one id per block (BLOCK_SIZE divides BLOCK_N), broadcast over its keys.
+        next_ids = n
+        if IDS_MODE == 0:
+            next_keys = kv_start + n
             next_ids = tl.load(
                 table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
                 mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
                 other=-1,
             )
+        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+            keys = start + n
+            if IDS_MODE == 0:
+                block_id = next_ids
+                next_keys = keys + BLOCK_N
+                next_ids = tl.load(
+                    table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+                    mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+                    other=-1,
+                )
+            elif IDS_MODE == 1:
+                block_id = tl.load(
+                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c,
+                    mask=(keys >= kv_lo) & (keys < kv_cap),
+                    other=-1,
+                )
+            else:
+                PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+                page = start // BLOCK_SIZE + tl.arange(0, PAGES)
+                page_ids = tl.load(
+                    table_row_ptr + page * table_stride_c,
+                    mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
+                    other=-1,
+                )
+                block_id = tl.reshape(
+                    tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
+                )
             if MASKED:
                 in_row = (keys >= kv_lo) & (keys < kv_cap)
             else:  # every key of an unmasked tile lies in the row
@@ -100,7 +124,10 @@ if HAS_TRITON:
             # An id outside the cache is never dereferenced: its K and V read as zeros (and
             # its scores are masked in masked tiles).
             block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
-            offset = keys % BLOCK_SIZE
+            if IDS_MODE == 2:  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
+                offset = n % BLOCK_SIZE
+            else:
+                offset = keys % BLOCK_SIZE
             kv_mask = kv_ok[:, None]
             if HEAD_DIM != BLOCK_D:
                 kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
@@ -121,12 +148,21 @@ if HAS_TRITON:
                     & (keys[None, :] < row_hi[:, None])
                     & kv_ok[None, :]
                 )
-                qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            if FA_LOOP:
+                # The scale rides in one FMA per score (qk_scale > 0, so max commutes with
+                # it), and P @ V accumulates into the rescaled accumulator in place.
+                if MASKED:
+                    qk = tl.where(visible, qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                p = tl.exp2(qk * qk_scale - m_new[:, None])
             else:
-                qk = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+                if MASKED:
+                    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+                else:
+                    qk = qk * qk_scale
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_base
@@ -138,7 +174,10 @@ if HAS_TRITON:
             )
             if DOT_FP32:
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if FA_LOOP:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         return acc, m_i, l_i
 
@@ -175,6 +214,8 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        IDS_MODE: tl.constexpr,
+        FA_LOOP: tl.constexpr,
     ):
         """Keys ``[max(kv_start, kv_lo), kv_end)`` (``kv_start`` a multiple of ``BLOCK_N``) in
         three runs:
@@ -187,20 +228,20 @@ if HAS_TRITON:
                 acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES,
+            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
         )
         acc, m_i, l_i = attend_tiles(
-            acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr, table_stride_c,
-            k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
-            v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES,
+            acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
+            table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
+            v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
         )
         return acc, m_i, l_i
 
