@@ -137,7 +137,7 @@ def paged_attention_reference(
                 )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    local_lens = [local_seq_len(n, **layout) for n in lens]
+    local_lens = [int(local_seq_len(n, **layout)) for n in lens]
     _check_lengths(starts, lens, local_lens, query.shape[0], block_table.shape[1] * block_size)
 
     group_size = query.shape[1] // num_kv_heads

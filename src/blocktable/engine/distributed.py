@@ -35,7 +35,7 @@ from blocktable.config import CPConfig
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.engine.cp_model import CPPagedLlama, Merger
 from blocktable.engine.dcp_plan import RankStats, StepPlan, check_cp_group
-from blocktable.engine.engine import EngineConfig, StepResult
+from blocktable.engine.engine import EngineConfig, StepResult, sample_and_finish
 from blocktable.engine.model import AttentionInputs, HFLlama
 from blocktable.engine.request import Request
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
@@ -366,23 +366,7 @@ class DistributedEngine:
     def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
         """Record computed tokens, sample greedily, finish (as the single-process engine)."""
         assert self.manager is not None and self.scheduler is not None
-        finished = []
-        for i, s in enumerate(batch.scheduled):
-            req = s.request
-            if req.first_step is None:
-                req.first_step = self.step_index
-            self.manager.mark_computed(req.req_id, s.num_new_tokens)
-            if not s.completes:
-                req.num_prefill_chunks += 1
-                continue
-            token = int(logits[i].argmax())
-            req.output_token_ids.append(token)
-            if self.config.record_logits:
-                req.logits.append(logits[i].clone())
-            if len(req.output_token_ids) == req.max_new_tokens:
-                self.scheduler.finish(req)
-                req.finish_step = self.step_index
-                finished.append(req.req_id)
-            else:
-                self.manager.append_token_ids(req.req_id, token)
-        return finished
+        return sample_and_finish(
+            self.manager, self.scheduler, batch, logits, self.step_index,
+            self.config.record_logits,
+        )

@@ -254,23 +254,42 @@ class LLMEngine:
 
     def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
         """After the forward: record computed tokens, sample, finish. ``logits`` on cpu."""
-        finished = []
-        for i, s in enumerate(batch.scheduled):
-            req = s.request
-            if req.first_step is None:
-                req.first_step = self.step_index
-            self.manager.mark_computed(req.req_id, s.num_new_tokens)
-            if not s.completes:
-                req.num_prefill_chunks += 1
-                continue  # a prefill chunk: nothing to sample yet
-            token = int(logits[i].argmax())
-            req.output_token_ids.append(token)
-            if self.config.record_logits:
-                req.logits.append(logits[i].clone())
-            if len(req.output_token_ids) == req.max_new_tokens:
-                self.scheduler.finish(req)
-                req.finish_step = self.step_index
-                finished.append(req.req_id)
-            else:
-                self.manager.append_token_ids(req.req_id, token)
-        return finished
+        return sample_and_finish(
+            self.manager, self.scheduler, batch, logits, self.step_index,
+            self.config.record_logits,
+        )
+
+
+def sample_and_finish(
+    manager: KVCacheManager,
+    scheduler: Scheduler,
+    batch: SchedulerOutput,
+    logits: torch.Tensor,
+    step_index: int,
+    record_logits: bool,
+) -> list[str]:
+    """After a step's forward: mark its tokens computed, sample greedily for the requests whose
+    step reached the end of their tokens, finish those that are done; return their ids.
+
+    ``logits``: float32 ``[num_reqs, vocab_size]`` on cpu, one row per scheduled request.
+    """
+    finished = []
+    for i, s in enumerate(batch.scheduled):
+        req = s.request
+        if req.first_step is None:
+            req.first_step = step_index
+        manager.mark_computed(req.req_id, s.num_new_tokens)
+        if not s.completes:
+            req.num_prefill_chunks += 1
+            continue  # a prefill chunk: nothing to sample yet
+        token = int(logits[i].argmax())
+        req.output_token_ids.append(token)
+        if record_logits:
+            req.logits.append(logits[i].clone())
+        if len(req.output_token_ids) == req.max_new_tokens:
+            scheduler.finish(req)
+            req.finish_step = step_index
+            finished.append(req.req_id)
+        else:
+            manager.append_token_ids(req.req_id, token)
+    return finished
