@@ -271,23 +271,20 @@ def test_torch_gathers_treat_rows_out_of_range_as_empty():
 
 
 def test_torch_slot_mapping_masks_rows_out_of_range():
-    """The caller's masking around the torch slot mapping (used on CUDA, where the rows'
-    values are not read on the host): tokens of an out-of-range row get PAD."""
+    """The torch slot mapping (used on CUDA with ``backend="torch"``, where the rows' values are
+    not read on the host) never indexes with an out-of-range row: its tokens get PAD."""
     from blocktable.slot_mapping import compute_slots, pack_params
-    from blocktable.slot_mapping.inputs import mask_rows, pad_tokens_of_dead_rows
 
     bt = _indexed_table()
     qsl = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
     pos = torch.tensor([0, 5, 1, 2, 3])
-    rows = torch.tensor([0, 9, 2], dtype=torch.int32)
-    safe, live = mask_rows(rows, bt.max_num_reqs)
-    assert safe.tolist() == [0, 0, 2] and live.tolist() == [True, False, True]
-    out = torch.zeros(1, 16, dtype=torch.int64)
-    packed = pack_params(bt.slot_params, bt.device)
-    compute_slots("torch", bt.storage.device_tensor, bt.slot_params, packed, qsl, pos, safe, out,
-                  max_num_reqs=bt.max_num_reqs)
-    pad_tokens_of_dead_rows(out, qsl, live, pos.numel())
-    assert out[0, :6].tolist() == [12, 21, -1, 30, 31, -1]
+    for bad_row in (9, -1):
+        rows = torch.tensor([0, bad_row, 2], dtype=torch.int32)
+        out = torch.zeros(1, 16, dtype=torch.int64)
+        packed = pack_params(bt.slot_params, bt.device)
+        compute_slots("torch", bt.storage.device_tensor, bt.slot_params, packed, qsl, pos, rows,
+                      out, max_num_reqs=bt.max_num_reqs)
+        assert out[0, :6].tolist() == [12, 21, -1, 30, 31, -1]
 
 
 def test_row_of_batch_checked_from_host_copy():

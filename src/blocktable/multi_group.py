@@ -22,12 +22,7 @@ from blocktable.config import (
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
-from blocktable.slot_mapping.inputs import (
-    check_slot_inputs,
-    mask_rows,
-    pad_tokens_of_dead_rows,
-    report_unmapped_tokens,
-)
+from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
@@ -368,11 +363,6 @@ class MultiGroupBlockTable(AttentionViews):
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
             check_device_values=self.debug, row_of_batch_cpu=row_of_batch_cpu,
         )
-        live = None
-        if row_of_batch is not None and self.backend == "torch" and self.device.type != "cpu":
-            # The torch path indexes with the rows: keep them in range (a device-side assert
-            # would kill the context); tokens of an out-of-range row become PAD below.
-            row_of_batch, live = mask_rows(row_of_batch, self.max_num_reqs)
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -386,8 +376,6 @@ class MultiGroupBlockTable(AttentionViews):
             pow2=self._pow2,
             has_cp=self._has_cp,
         )
-        if live is not None:
-            pad_tokens_of_dead_rows(self._slots, query_start_loc, live, positions.numel())
         if self.debug:
             report_unmapped_tokens(
                 self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,

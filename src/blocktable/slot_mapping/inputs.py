@@ -81,34 +81,6 @@ def check_slot_inputs(
         raise ValueError("row_of_batch_cpu is given without row_of_batch")
 
 
-def mask_rows(row_of_batch: torch.Tensor, max_num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows safe to index with, and which were in range, computed on the device (no sync).
-
-    Returns int32 ``[num_reqs]`` rows (those outside ``[0, max_num_reqs)`` replaced by row 0)
-    and bool ``[num_reqs]``, true where the row was in range. With
-    :func:`pad_tokens_of_dead_rows` afterwards, a row out of range reads as an empty row, as in
-    the Triton kernel.
-    """
-    live = (row_of_batch >= 0) & (row_of_batch < max_num_reqs)
-    return torch.where(live, row_of_batch, 0), live
-
-
-def pad_tokens_of_dead_rows(
-    out: torch.Tensor, qsl: torch.Tensor, live: torch.Tensor, num_tokens: int
-) -> None:
-    """Set the slots of every token whose request's row was out of range to ``PAD_SLOT_ID``.
-
-    ``out`` is int64 ``[num_groups, max_num_tokens]``; ``qsl`` int32 ``[num_reqs + 1]`` and
-    ``live`` bool ``[num_reqs]`` (from :func:`mask_rows`) on ``out``'s device. No sync.
-    """
-    num_reqs = live.numel()
-    if num_tokens == 0 or num_reqs == 0:
-        return
-    tokens = torch.arange(num_tokens, device=out.device, dtype=torch.int32)
-    req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=num_reqs - 1)
-    out[:, :num_tokens].masked_fill_(~live[req][None, :], PAD_SLOT_ID)
-
-
 def _owned(position: int, p: SlotGroupParams) -> bool:
     """Whether this rank owns the token at ``position`` (whatever the table holds)."""
     if position < 0:
