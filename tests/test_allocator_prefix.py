@@ -22,6 +22,7 @@ from blocktable.allocator.hashing import (
     block_content_hashes,
     chain_keys,
     encode_namespace,
+    fmix64_int,
     namespace_seed,
 )
 from blocktable.constants import NULL_BLOCK_ID
@@ -294,3 +295,25 @@ def test_reset_while_a_request_holds_only_null_entries_keeps_hits_exact() -> Non
     # its parent's record is gone: no prompt may hit it, even one starting with its tokens
     assert mgr.lookup_prefix([9, 10, 11, 12, 0]) == 0
     assert mgr.lookup_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0]) == 0
+
+
+@pytest.mark.parametrize(
+    "lengths", [[1] * 7, [1], [0, 1], [1, 0, 2], [3, 1, 1], [0], [2, 2]], ids=str
+)
+def test_chain_keys_match_the_recurrence_in_python_ints(lengths: list[int]) -> None:
+    """Segmented chaining (one block per segment included: the decode shortcut) equals
+    ``K = S * B**bs + h`` block after block, mod 2**64, with ``key = fmix64(K)``."""
+    rng = np.random.default_rng(len(lengths))
+    powers = ChainPowers(16)
+    seg = np.array(lengths, dtype=np.int64)
+    hashes = rng.integers(0, 2**63, int(seg.sum())).astype(np.uint64) * np.uint64(3)
+    starts = rng.integers(0, 2**63, len(seg)).astype(np.uint64) * np.uint64(3)
+    keys, states = chain_keys(hashes, seg, starts, powers)
+    want, i = [], 0
+    for length, state in zip(lengths, starts.tolist()):
+        for _ in range(length):
+            state = (state * powers.block_base + int(hashes[i])) % 2**64
+            want.append(state)
+            i += 1
+    assert states.dtype == np.uint64 and states.tolist() == want
+    assert keys.tolist() == [fmix64_int(s) for s in want]

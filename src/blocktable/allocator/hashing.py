@@ -137,7 +137,8 @@ def _power_table(base: int, size: int) -> np.ndarray:
 
 def block_content_hashes(tokens: np.ndarray, powers: ChainPowers) -> np.ndarray:
     """``h_i`` of every row of ``tokens`` (int64 ``[n, block_size]``), uint64 ``[n]``."""
-    return (tokens.view(_U64) * powers.token_powers).sum(axis=1, dtype=_U64)
+    # an integer matmul wraps mod 2**64 like the elementwise form, at half its cost
+    return np.matmul(tokens.view(_U64), powers.token_powers)
 
 
 def chain_keys(
@@ -156,6 +157,10 @@ def chain_keys(
     starting at ``s``.
     """
     n = len(content_hashes)
+    if n and n == len(segment_lengths) and (segment_lengths == 1).all():  # a decode step
+        states = start_states * _U64(powers.block_base)
+        states += content_hashes
+        return fmix64(states), states
     powers.ensure(n)
     if n == 0:
         return content_hashes.copy(), content_hashes.copy()

@@ -60,7 +60,9 @@ class PrefixIndex:
         self.key = np.zeros(capacity, dtype=np.uint64)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
-        self._free: list[int] = list(range(capacity - 1, -1, -1))  # unused slots (stack)
+        # unused slots, a stack: the top is _free[_num_free - 1]
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._num_free = capacity
         self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
         self.next_cid = 1
@@ -77,17 +79,16 @@ class PrefixIndex:
     # ----------------------------------------------------------------- records
     def take_slots(self, num: int) -> np.ndarray:
         """``num`` unused slots (int64), recycling dead records or growing the arrays."""
-        free = self._free
-        while len(free) < num:
+        while self._num_free < num:
             capacity = len(self.cid)
             if capacity < self.max_records:
                 self._grow(min(self.max_records, max(2 * capacity, capacity + num)))
-            elif not self._recycle(num - len(free)):
+            elif not self._recycle(num - self._num_free):
                 raise AssertionError("no dead record to recycle")  # live <= num_blocks
-        out = free[-num:][::-1] if num else []
-        del free[len(free) - num :]
+        top = self._num_free
+        self._num_free = top - num
         self.num_records += num
-        return np.array(out, dtype=np.int64)
+        return self._free[top - num : top][::-1].copy()
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
@@ -97,8 +98,10 @@ class PrefixIndex:
         if self.any_hashes:
             for slot in slots.tolist():
                 self.hashes[slot] = None
-        self._free += slots.tolist()
-        self.num_records -= len(slots)
+        n, top = len(slots), self._num_free
+        self._free[top : top + n] = slots
+        self._num_free = top + n
+        self.num_records -= n
 
     def kill(self, slots: np.ndarray) -> None:
         """Their blocks were evicted: the records stay, dead, until recycled."""
@@ -135,7 +138,11 @@ class PrefixIndex:
         tokens[:old] = self.tokens
         self.tokens = tokens
         self.hashes += [None] * (capacity - old)
-        self._free[:0] = range(capacity - 1, old - 1, -1)
+        free = np.empty(capacity, dtype=np.int64)  # the new slots at the bottom of the stack
+        free[: capacity - old] = np.arange(capacity - 1, old - 1, -1)
+        free[capacity - old : capacity - old + self._num_free] = self._free[: self._num_free]
+        self._free = free
+        self._num_free += capacity - old
 
     def live_slots(self) -> np.ndarray:
         """Slots of live records (for checks)."""
@@ -147,6 +154,7 @@ class PrefixIndex:
         self.cid[:] = 0
         self.holder[:] = 0
         self.hashes = [None] * len(self.cid)
-        self._free = list(range(len(self.cid) - 1, -1, -1))
+        self._free = np.arange(len(self.cid) - 1, -1, -1, dtype=np.int64)
+        self._num_free = len(self.cid)
         self._dead, self._dead_head = [], 0
         self.num_records = 0

@@ -36,6 +36,7 @@ from blocktable.allocator.request import (
     RequestState,
     TokenIds,
     check_req_id,
+    grown,
     token_array,
 )
 from blocktable.allocator.rows import RowAllocator
@@ -339,8 +340,14 @@ class KVCacheManager:
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
         req_ids = as_list("req_ids", req_ids)
         reqs = running_requests(self._requests, self._preempted, req_ids)
-        if not (isinstance(token_ids, np.ndarray) and token_ids.ndim == 2):
-            token_ids = as_list("token_ids", token_ids)
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
+            check_same_length("token_ids", token_ids, len(req_ids))
+            # one conversion of the whole array; then every request appends a row of width k
+            name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
+            block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
+            self._append_rows(reqs, block)
+            return
+        token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
         rows = [
             token_array(f"token_ids of request {r!r}", row) for r, row in zip(req_ids, token_ids)
@@ -349,6 +356,23 @@ class KVCacheManager:
             self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + len(new))
         for req, new in zip(reqs, rows):
             req.append_tokens(new)
+
+    def _append_rows(self, reqs: list[RequestState], block: np.ndarray) -> None:
+        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
+        against ``max_model_len`` before any write."""
+        k = block.shape[1]
+        if self.max_model_len is not None:
+            for req in reqs:
+                self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + k)
+        if not k:
+            return
+        for req, new in zip(reqs, block):
+            n = req.num_tokens
+            tokens = req.tokens
+            if len(tokens) < n + k:
+                tokens = req.tokens = grown(tokens, n + k)
+            tokens[n : n + k] = new
+            req.num_tokens = n + k
 
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:

@@ -96,10 +96,10 @@ def register_computed_blocks(
                 union.append((req, first, stop))
         if not union:
             continue
-        union, keys = _segment_keys(union, bs, powers[bs])
         if len(groups) == 1:
-            _cache_segments(pools[g0], g0, bs, union, keys, byte_hash_fn)
+            _register_group(union, pools[g0], g0, bs, powers[bs], byte_hash_fn)
             continue
+        union, keys = _segment_keys(union, bs, powers[bs])
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
         for g in groups:
             segments, parts = [], []
@@ -112,6 +112,59 @@ def register_computed_blocks(
                 _cache_segments(pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn)
 
 
+def _register_group(
+    union: list[Segment],
+    pool: BlockPool,
+    g: int,
+    bs: int,
+    powers: ChainPowers,
+    byte_hash_fn: HashFn | None,
+) -> None:
+    """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
+    in one pass over the segments: each request's tokens and block ids are sliced once."""
+    stored: list[Segment] = []
+    fresh: list[Segment] = []
+    parts: list[np.ndarray] = []  # keys of the stored segments, then the fresh keys
+    stored_tokens: list[np.ndarray] = []
+    fresh_tokens: list[np.ndarray] = []
+    stored_ids: list[int] = []
+    fresh_ids: list[int] = []
+    starts: list[int] = []
+    for seg in union:
+        req, first, stop = seg
+        keys = req.keys[bs]
+        if stop <= len(keys):
+            stored.append(seg)
+            parts.append(keys[first:stop])
+            stored_tokens.append(req.tokens[first * bs : stop * bs])
+            stored_ids += req.blocks[g][first:stop]
+        else:
+            fresh.append(seg)
+            fresh_tokens.append(req.tokens[first * bs : stop * bs])
+            fresh_ids += req.blocks[g][first:stop]
+            starts.append(_state_before(req, first, bs))
+    if fresh:
+        tokens = fresh_tokens[0] if len(fresh_tokens) == 1 else np.concatenate(fresh_tokens)
+        lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        keys, states = chain_keys(hashes, lengths, np.array(starts, dtype=_U64), powers)
+        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
+            req.num_keys[bs] = stop
+            req.key_states[bs] = state
+        parts.append(keys)
+        stored_tokens.append(tokens)
+    _cache_segments(
+        pool,
+        g,
+        bs,
+        stored + fresh,
+        parts[0] if len(parts) == 1 else np.concatenate(parts),
+        byte_hash_fn,
+        stored_ids + fresh_ids,
+        stored_tokens[0] if len(stored_tokens) == 1 else np.concatenate(stored_tokens),
+    )
+
+
 def _cache_segments(
     pool: BlockPool,
     g: int,
@@ -119,11 +172,18 @@ def _cache_segments(
     segments: list[Segment],
     keys: np.ndarray,
     byte_hash_fn: HashFn | None,
+    block_ids: list[int] | None = None,
+    tokens: np.ndarray | None = None,
 ) -> None:
-    block_ids: list[int] = []
-    for req, first, stop in segments:
-        block_ids += req.blocks[g][first:stop]
-    if len(segments) == 1:
+    """File the blocks of ``segments`` in group ``g`` (``block_ids`` and ``tokens``, the
+    segments' block ids and token ids concatenated, are sliced here when not given)."""
+    if block_ids is None:
+        block_ids = []
+        for req, first, stop in segments:
+            block_ids += req.blocks[g][first:stop]
+    if tokens is not None:
+        pass
+    elif len(segments) == 1:
         req, first, stop = segments[0]
         tokens = req.tokens[first * bs : stop * bs]
     else:
