@@ -25,7 +25,7 @@ from blocktable.engine.engine import EngineConfig, StepResult
 from blocktable.engine.model import tiny_llama
 from blocktable.engine.request import Request
 from blocktable.engine.scheduler import SchedulerOutput
-from blocktable.engine.workload import WorkloadRequest
+from blocktable.engine.workload import WorkloadRequest, run_workload
 
 MergerFactory = Callable[..., Any]
 """``factory(group, cp, *, pattern, max_num_tokens, num_heads, head_dim, dtype, device)``."""
@@ -108,17 +108,7 @@ def drive_workload(
     max_steps: int = 100_000,
 ) -> list[StepResult]:
     """Step the driver until every request arrived and finished, then stop the followers."""
-    pending = sorted(workload, key=lambda w: w.arrival_step)
-    steps: list[StepResult] = []
-    while pending or engine.has_unfinished():
-        if len(steps) >= max_steps:
-            raise RuntimeError(f"workload not done after max_steps={max_steps} steps")
-        while pending and pending[0].arrival_step <= engine.step_index:
-            w = pending.pop(0)
-            engine.add_request(w.req_id, w.prompt_token_ids, w.max_new_tokens)
-        steps.append(engine.step(hook))
-        if on_step is not None:
-            on_step(steps[-1])
+    steps = run_workload(engine, workload, hook=hook, on_step=on_step, max_steps=max_steps)
     engine.shutdown()
     return steps
 

@@ -6,8 +6,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from blocktable.engine.engine import LLMEngine, StepHook, StepResult
+
+if TYPE_CHECKING:
+    from blocktable.engine.distributed import DistributedEngine
+    from blocktable.engine.distributed import StepHook as DistributedStepHook
 
 
 @dataclass(frozen=True)
@@ -51,17 +56,18 @@ def make_workload(
 
 
 def run_workload(
-    engine: LLMEngine,
+    engine: LLMEngine | DistributedEngine,
     workload: Sequence[WorkloadRequest],
     *,
-    hook: StepHook | None = None,
+    hook: StepHook | DistributedStepHook | None = None,
     on_step: Callable[[StepResult], None] | None = None,
     max_steps: int = 100_000,
 ) -> list[StepResult]:
     """Step ``engine`` until every request of ``workload`` arrived and finished.
 
-    Requests are added at the start of their arrival step. ``hook`` is passed to
-    :meth:`LLMEngine.step`; ``on_step`` sees each step's result.
+    Requests are added at the start of their arrival step. ``hook`` is passed to the engine's
+    ``step``; ``on_step`` sees each step's result. A :class:`DistributedEngine` is driven from
+    its driver rank the same way.
 
     Raises
     ------
@@ -76,7 +82,7 @@ def run_workload(
         while pending and pending[0].arrival_step <= engine.step_index:
             w = pending.pop(0)
             engine.add_request(w.req_id, w.prompt_token_ids, w.max_new_tokens)
-        results.append(engine.step(hook))
+        results.append(engine.step(hook))  # type: ignore[arg-type]
         if on_step is not None:
             on_step(results[-1])
     return results
