@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -182,19 +183,7 @@ class Launcher:
         if not self.fast or _launch_hook_installed():
             self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
             return
-        if self._static_pos is None:
-            self._static_pos = [
-                i for i, a in enumerate(args)
-                if not isinstance(a, torch.Tensor) and i not in self.dynamic
-            ]
-            self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        # A kernel compiled for one tensor dtype computes garbage on another: dtypes are keyed.
-        key = (
-            device,
-            num_warps,
-            *[args[i] for i in self._static_pos],
-            *[args[i].dtype for i in self._tensor_pos],  # type: ignore[attr-defined]
-        )
+        key = self._key(device, args, num_warps)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps)  # type: ignore[index]
@@ -206,6 +195,49 @@ class Launcher:
             g[0], g[1], g[2], _current_stream(device), compiled.function,  # type: ignore[attr-defined]
             compiled.packed_metadata, None, None, None, *args,  # type: ignore[attr-defined]
         )
+
+
+    def _key(self, device: int, args: tuple[object, ...], num_warps: int) -> tuple:
+        if self._static_pos is None:
+            self._static_pos = [
+                i for i, a in enumerate(args)
+                if not isinstance(a, torch.Tensor) and i not in self.dynamic
+            ]
+            self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # A kernel compiled for one tensor dtype computes garbage on another: dtypes are keyed.
+        return (
+            device,
+            num_warps,
+            *[args[i] for i in self._static_pos],
+            *[args[i].dtype for i in self._tensor_pos],  # type: ignore[attr-defined]
+        )
+
+    def bind(
+        self, args: tuple[object, ...], num_warps: int = 4
+    ) -> Callable[..., None] | None:
+        """A launch function, ``launch(grid, *args)``, for later calls whose static (non-tensor,
+        non-dynamic) arguments and tensor dtypes equal those of ``args``: it skips the
+        per-call key. The caller guarantees the equality (e.g. by caching the result under its
+        own key). ``None`` when the kernel was not compiled for ``args`` yet (launch once
+        through ``__call__`` first), under the interpreter, or when the fast path is off."""
+        if self._interpret or not self.fast:
+            return None
+        device = _device_index(args[0])  # type: ignore[arg-type]
+        compiled = self._compiled.get(self._key(device, args, num_warps))
+        if compiled is None:
+            return None
+        run = compiled.run  # type: ignore[attr-defined]
+        function = compiled.function  # type: ignore[attr-defined]
+        packed = compiled.packed_metadata  # type: ignore[attr-defined]
+
+        def launch(grid: tuple[int, int, int], *call_args: object) -> None:
+            if device != _current_device() or _launch_hook_installed():
+                self(grid, *call_args, num_warps=num_warps)
+                return
+            run(grid[0], grid[1], grid[2], _current_stream(device), function, packed, None, None,
+                None, *call_args)
+
+        return launch
 
 
 def on_device(tensor: torch.Tensor) -> AbstractContextManager[object]:

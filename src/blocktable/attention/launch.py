@@ -8,6 +8,7 @@ keeps the host work per call to a few microseconds.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,166 @@ if HAS_TRITON:
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+class DecodePlan:
+    """Everything the decode launch (and its split-KV combine) takes that depends on shapes,
+    strides, dtypes and options only, worked out once: the grid, the workspace, the arguments
+    after the tensors, and, after the first call, launch functions bound to the compiled
+    kernels (no per-call key). :meth:`run` is the whole host work of a call on tensors with
+    the metadata the plan was built from (the caller keys plans by that metadata)."""
+
+    def __init__(
+        self,
+        grid: tuple[int, int, int],
+        combine_grid: tuple[int, int, int] | None,
+        workspace: tuple[torch.Tensor, torch.Tensor] | None,
+        counters: torch.Tensor | None,
+        tail: tuple[object, ...],
+        combine_tail: tuple[object, ...],
+        num_warps: int,
+    ) -> None:
+        self.grid = grid
+        self.combine_grid = combine_grid  # None: one split, or the fused combine
+        self.workspace = workspace  # float32 (part_o, part_lse) on the device, or None
+        self.counters = counters  # int32 arrival counters of the fused combine, or None
+        self.tail = tail  # decode kernel arguments after the tensors
+        self.combine_tail = combine_tail
+        self.num_warps = num_warps
+        # [aligned decode, unaligned decode, combine] bound launch functions, once compiled
+        self._bound: list[Callable[..., None] | None] = [None, None, None]
+
+    @classmethod
+    def build(
+        cls,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None,
+        row_of_batch: torch.Tensor | None,
+        scale: float,
+        sliding_window: int | None,
+        cp: CPLayout,
+        *,
+        decode_only: bool,
+        config: KernelConfig | None = None,
+        num_kv_splits: int | None = None,
+        strides: tuple[int, ...] | None = None,
+    ) -> DecodePlan | None:
+        """The plan of checked inputs (``strides``: those of :func:`_strides`, when known), or
+        ``None`` when no decode program runs."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_reqs = seq_lens.shape[0]
+        has_qsl = query_start_loc is not None
+        block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, num_heads // k_cache.shape[2])
+        # With qsl, programs num_reqs, ... zero the pad tokens when the prefill kernel does not
+        # run.
+        extra = cdiv(num_tokens, PAD_ITERS * dec_q) if has_qsl and decode_only else 0
+        if num_tokens == 0 or num_reqs + extra == 0:
+            return None
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        num_rows, width = block_table.shape
+        group = num_heads // num_kv_heads
+        if config is None:
+            config = default_config(head_dim, group, query.element_size())
+        dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
+        splits = num_kv_splits or config.num_kv_splits or _dec.default_num_kv_splits(
+            num_reqs, num_kv_heads, width, query.device, block_size
+        )
+        splits = splits if num_reqs > 0 else 1
+        split = splits > 1
+        slots = dec_q if has_qsl else 1
+        workspace = None
+        if split:
+            workspace = _workspace(query.device, num_reqs * slots, num_heads, splits, block_d)
+        fused = split and config.decode_fused_combine
+        counters = _counters(query.device, num_reqs * num_kv_heads) if fused else None
+        has_lse = lse_out is not None
+        lse_strides = lse_out.stride() if lse_out is not None else (0, 0)
+        if strides is None:
+            strides = _strides(out, lse_out, query, k_cache, v_cache, block_table)
+        window = sliding_window or 0
+        dtype = _DTYPE_NAMES[query.dtype]
+        chunk = _dec.merge_chunk(group_pad, block_d)
+        tail = (
+            scale * LOG2_E, window, num_reqs, num_tokens, splits, splits, num_blocks, num_rows,
+            width, cp.world_size, cp.rank, cp.interleave, cp.block_size, *strides,
+            group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
+            block_d, block_size, has_qsl, row_of_batch is not None, cp.world_size > 1,
+            window > 0, has_lse, split, _INTERPRET and dtype != "fp32", config.decode_num_stages,
+            dec_ids, config.decode_fa_loop, fused, chunk, dtype,
+        )
+        combine_grid = None
+        combine_tail: tuple[object, ...] = ()
+        if split and not fused:
+            combine_grid = (num_reqs * slots, num_kv_heads, 1)
+            combine_tail = (
+                splits, splits, *out.stride(), *lse_strides, group, group_pad, dec_q, slots,
+                head_dim, block_d, has_qsl, has_lse, config.decode_wide_combine, chunk, dtype,
+            )
+        return cls(
+            (num_reqs + extra, num_kv_heads, splits), combine_grid, workspace, counters, tail,
+            combine_tail, config.decode_num_warps,
+        )
+
+    def run(
+        self,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None,
+        row_of_batch: torch.Tensor | None,
+        aligned: bool,
+    ) -> None:
+        """Launch on tensors with the plan's metadata (``aligned``: the data pointers of
+        ``query``, the caches and ``out`` are multiples of 16 bytes)."""
+        lse_arg = seq_lens if lse_out is None else lse_out  # never read without HAS_LSE
+        qsl_arg = seq_lens if query_start_loc is None else query_start_loc
+        rob_arg = seq_lens if row_of_batch is None else row_of_batch
+        part_o, part_lse = (out, out) if self.workspace is None else self.workspace
+        counters = seq_lens if self.counters is None else self.counters
+        args = (
+            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table,
+            seq_lens, qsl_arg, rob_arg, *self.tail,
+        )
+        which = 0 if aligned else 1
+        launch = self._bound[which]
+        if launch is not None:
+            launch(self.grid, *args)
+        else:
+            launcher = _decode_launch if aligned else _decode_launch_unaligned
+            launcher(self.grid, *args, num_warps=self.num_warps)
+            self._bound[which] = launcher.bind(args, self.num_warps)
+        if self.combine_grid is None:
+            return
+        args = (out, lse_arg, part_o, part_lse, qsl_arg, *self.combine_tail)
+        launch = self._bound[2]
+        if launch is not None:
+            launch(self.combine_grid, *args)
+        else:
+            _combine_launch(self.combine_grid, *args, num_warps=4)
+            self._bound[2] = _combine_launch.bind(args, 4)
+
+
+def _strides(
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+) -> tuple[int, ...]:
+    lse_strides = lse_out.stride() if lse_out is not None else (0, 0)
+    return (*out.stride(), *lse_strides, *query.stride(), *k_cache.stride(), *v_cache.stride(),
+            *block_table.stride())
+
+
 def launch_paged_attention(
     out: torch.Tensor,
     lse_out: torch.Tensor | None,
@@ -212,67 +373,33 @@ def launch_paged_attention(
     group = num_heads // num_kv_heads
     if config is None:
         config = default_config(head_dim, group, query.element_size())
-    block_d, group_pad, dec_m, dec_q = _tile_sizes(head_dim, group)
-    # Checked before any launch, so that a bad configuration writes nothing.
-    dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
+    block_d, group_pad, _, dec_q = _tile_sizes(head_dim, group)
+    # Checked before any launch, so that a bad configuration writes nothing (DecodePlan.build
+    # checks the decode ids mode).
     pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
     lse_arg = lse_out if lse_out is not None else seq_lens  # never read without HAS_LSE
-    lse_strides = lse_out.stride() if lse_out is not None else (0, 0)
     indexed = row_of_batch is not None
     rob_arg = row_of_batch if row_of_batch is not None else seq_lens
-    has_qsl = query_start_loc is not None
     qsl_arg = query_start_loc if query_start_loc is not None else seq_lens
     has_cp = cp.world_size > 1
     window = sliding_window or 0
     qk_scale = scale * LOG2_E
     pointers = k_cache.data_ptr() | v_cache.data_ptr() | query.data_ptr() | out.data_ptr()
     aligned = pointers % 16 == 0  # else the compilation that assumes nothing
-    strides = (*out.stride(), *lse_strides, *query.stride(), *k_cache.stride(),
-               *v_cache.stride(), *block_table.stride())
+    strides = _strides(out, lse_out, query, k_cache, v_cache, block_table)
     cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)
 
-    # With qsl, programs num_reqs, ... zero the pad tokens when the prefill kernel does not run.
-    extra = cdiv(num_tokens, PAD_ITERS * dec_q) if has_qsl and decode_only else 0
-    if num_reqs + extra > 0:
-        splits = num_kv_splits or config.num_kv_splits or _dec.default_num_kv_splits(
-            num_reqs, num_kv_heads, width, query.device, block_size
-        )
-        splits = splits if num_reqs > 0 else 1
-        split = splits > 1
-        slots = dec_q if has_qsl else 1
-        if split:
-            part_o, part_lse = _workspace(
-                query.device, num_reqs * slots, num_heads, splits, block_d
-            )
-        else:
-            part_o = part_lse = out  # never touched
-        fused = split and config.decode_fused_combine
-        counters = _counters(query.device, num_reqs * num_kv_heads) if fused else seq_lens
-        launch = _decode_launch if aligned else _decode_launch_unaligned
-        launch(
-            (num_reqs + extra, num_kv_heads, splits),
-            out, lse_arg, part_o, part_lse, counters, query, k_cache, v_cache, block_table,
-            seq_lens, qsl_arg, rob_arg, qk_scale, window, num_reqs, num_tokens,
-            splits, splits, num_blocks, num_rows, width, *cp_args, *strides,
-            group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
-            block_d,
-            block_size, has_qsl, indexed, has_cp, window > 0, has_lse, split, dot_fp32,
-            config.decode_num_stages,
-            dec_ids, config.decode_fa_loop, fused, _dec.MERGE_CHUNK, dtype,
-            num_warps=config.decode_num_warps,
-        )
-        if split and not fused:
-            wide = config.decode_wide_combine
-            _combine_launch(
-                (num_reqs * slots, num_kv_heads),
-                out, lse_arg, part_o, part_lse, qsl_arg, splits, splits, *out.stride(),
-                *lse_strides, group, group_pad, dec_q, slots, head_dim, block_d, has_qsl,
-                has_lse, wide, _dec.MERGE_CHUNK, dtype,
-                num_warps=4,
-            )
+    plan = DecodePlan.build(
+        out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch,
+        scale, sliding_window, cp, decode_only=decode_only, config=config,
+        num_kv_splits=num_kv_splits, strides=strides,
+    )
+    if plan is not None:
+        plan.run(out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                 row_of_batch, aligned)
     if decode_only:
         return
     pack = config.prefill_pack_gqa

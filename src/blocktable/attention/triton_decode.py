@@ -37,50 +37,45 @@ if HAS_TRITON:
     def merge_splits(
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, token, kv_head, num_heads, num_splits,
         max_splits, out_stride_t, out_stride_h, out_stride_d, lse_stride_t, lse_stride_h,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, HAS_LSE: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_LSE: tl.constexpr,
     ):
         """Merge the ``num_splits`` partials of workspace row ``slot`` for the ``GROUP`` query
-        heads of ``kv_head``, ``SPLITS_PAD`` splits per ``[SPLITS_PAD, BLOCK_D]`` load, and
-        store the output (and LSE) of ``token``."""
-        d = tl.arange(0, BLOCK_D)
+        heads of ``kv_head`` and store the output (and LSE) of ``token``. Each step loads
+        ``SPLITS_PAD`` splits of every head at once (``[GROUP_PAD, SPLITS_PAD, BLOCK_D]``), the
+        LSEs and the partial outputs independently of each other: one round trip to L2 per
+        step."""
+        g = tl.arange(0, GROUP_PAD)
         sp = tl.arange(0, SPLITS_PAD)
-        d_ok = d < HEAD_DIM
-        token = token.to(tl.int64)
-        for gi in tl.static_range(GROUP):
-            head = kv_head * GROUP + gi
-            base_h = (slot.to(tl.int64) * num_heads + head) * max_splits
-            m_h = tl.max(tl.full([SPLITS_PAD], -1.0e30, dtype=tl.float32), 0)
-            l_h = tl.sum(tl.zeros([SPLITS_PAD], dtype=tl.float32), 0)
-            acc_h = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for c in range(0, num_splits, SPLITS_PAD):
-                sp_ok = c + sp < num_splits
-                # .cg: from L2, where the other programs' partials are (never a stale L1 line).
-                lse_sp = tl.load(part_lse_ptr + base_h + c + sp, mask=sp_ok,
-                                 other=float("-inf"), cache_modifier=".cg")
-                m_new = tl.maximum(m_h, tl.max(lse_sp, 0))
-                w_sp = tl.exp2(lse_sp - m_new)
-                alpha = tl.exp2(m_h - m_new)
-                o_sp = tl.load(
-                    part_o_ptr + (base_h + c + sp)[:, None] * BLOCK_D + d[None, :],
-                    mask=(sp_ok & (w_sp > 0))[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                l_h = l_h * alpha + tl.sum(w_sp, 0)
-                acc_h = acc_h * alpha + tl.sum(w_sp[:, None] * o_sp, 0)
-                m_h = m_new
-            seen_sp = l_h > 0
-            o_h = acc_h / tl.where(seen_sp, l_h, 1.0)
-            tl.store(
-                out_ptr + token * out_stride_t + head * out_stride_h + d * out_stride_d,
-                o_h.to(out_ptr.dtype.element_ty),
-                mask=d_ok,
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
+        base = (slot.to(tl.int64) * num_heads + heads) * max_splits  # [GROUP_PAD]
+        m_h = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+        l_h = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        for c in range(0, num_splits, SPLITS_PAD):
+            ok = head_ok[:, None] & (c + sp < num_splits)[None, :]  # [GROUP_PAD, SPLITS_PAD]
+            at = base[:, None] + c + sp[None, :]
+            # .cg: from L2, where the other programs' partials are (never a stale L1 line).
+            lse_s = tl.load(part_lse_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o_s = tl.load(
+                part_o_ptr + at[:, :, None] * BLOCK_D + d[None, None, :],
+                mask=ok[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
             )
-            if HAS_LSE:
-                lse_h = m_h + tl.log2(tl.where(seen_sp, l_h, 1.0))
-                lse_h = tl.where(seen_sp, lse_h * _LN_2, float("-inf"))
-                tl.store(lse_ptr + token * lse_stride_t + head * lse_stride_h, lse_h)
+            m_new = tl.maximum(m_h, tl.max(lse_s, 1))
+            w = tl.exp2(lse_s - m_new[:, None])  # 0 for splits that saw no key
+            alpha = tl.exp2(m_h - m_new)
+            l_h = l_h * alpha + tl.sum(w, 1)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 1)
+            m_h = m_new
+        tokens = token + g * 0
+        store_rows(
+            out_ptr, lse_ptr, acc, m_h, l_h, tokens, heads, head_ok, out_stride_t, out_stride_h,
+            out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
+        )
 
     def _decode_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
@@ -260,7 +255,8 @@ if HAS_TRITON:
                                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, req * SLOTS + i,
                                 q_start + i, kv_head, num_heads, num_splits, max_splits,
                                 out_stride_t, out_stride_h, out_stride_d, lse_stride_t,
-                                lse_stride_h, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD, HAS_LSE,
+                                lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS_PAD,
+                                HAS_LSE,
                             )
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
@@ -314,8 +310,8 @@ if HAS_TRITON:
             merge_splits(
                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, q_start + i, kv_head,
                 tl.num_programs(1) * GROUP, num_splits, max_splits, out_stride_t, out_stride_h,
-                out_stride_d, lse_stride_t, lse_stride_h, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD,
-                HAS_LSE,
+                out_stride_d, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D,
+                SPLITS_PAD, HAS_LSE,
             )
             return
         g = tl.arange(0, GROUP_PAD)
@@ -360,7 +356,14 @@ if HAS_TRITON:
 
 
 MAX_KV_SPLITS = 64
-MERGE_CHUNK = 16  # splits per load in the wide and fused combines
+MERGE_CHUNK = 16  # at most this many splits per load in the wide and fused combines
+MERGE_TILE_ELEMENTS = 4096  # ... and at most this many floats per load (32 per thread)
+
+
+@functools.lru_cache(maxsize=64)
+def merge_chunk(group_pad: int, block_d: int) -> int:
+    """Splits per ``[group_pad, splits, block_d]`` load of the merge: a power of two."""
+    return max(1, min(MERGE_CHUNK, MERGE_TILE_ELEMENTS // (group_pad * block_d)))
 MIN_KEYS_PER_SPLIT = 256
 
 
