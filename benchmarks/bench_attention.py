@@ -217,10 +217,10 @@ def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]
         return [
             b,
             rep(b, decode_ids_mode=2),
-            rep(b, decode_fused_combine=True),
+            rep(b, decode_fused_combine=False),
             rep(b, num_kv_splits=min(splits * 2, MAX_KV_SPLITS)),
             rep(b, num_kv_splits=max(1, splits // 2)),
-            rep(b, decode_wide_combine=False),
+            rep(b, decode_fused_combine=False, decode_wide_combine=True),
         ]
     return [
         base,
@@ -240,8 +240,8 @@ def describe(c: KernelConfig, kind: str) -> str:
         return (f"n{c.decode_block_n} w{c.decode_num_warps} s{c.decode_num_stages} "
                 f"splits{c.num_kv_splits} ids{c.decode_ids_mode}"
                 + ("" if c.decode_fa_loop else " oldloop")
-                + ("" if c.decode_wide_combine else " loopcombine")
-                + (" fused" if c.decode_fused_combine else ""))
+                + (" fused" if c.decode_fused_combine
+                   else " widecombine" if c.decode_wide_combine else " loopcombine"))
     return (f"m{c.prefill_block_m} n{c.prefill_block_n} w{c.prefill_num_warps} "
             f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
             + ("" if c.prefill_fa_loop else " oldloop")

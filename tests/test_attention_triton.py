@@ -358,7 +358,8 @@ VARIANTS = {
     "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
     "ids-per-block": {"prefill_ids_mode": 2, "decode_ids_mode": 2},
     "original-loop": {"prefill_fa_loop": False, "decode_fa_loop": False},
-    "loop-combine": {"decode_wide_combine": False},
+    "loop-combine": {"decode_fused_combine": False, "decode_wide_combine": False},
+    "wide-combine": {"decode_fused_combine": False, "decode_wide_combine": True},
     "fused-combine": {"decode_fused_combine": True},
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
 }
@@ -403,16 +404,21 @@ def test_bad_ids_mode_is_a_clear_error_before_the_launch(triton_device: str) -> 
     assert (out == 0).all()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> None:
-    """20 splits (two chunks of the merge, most of them without keys) on a decode step."""
+@pytest.mark.parametrize("group, head_dim", [(2, 16), (3, 24)])
+@pytest.mark.parametrize("combine", ["fused", "loop", "wide"])
+def test_more_splits_than_one_merge_chunk(
+    triton_device: str, combine: str, group: int, head_dim: int
+) -> None:
+    """20 splits (two chunks of the merge, most of them without keys) on a decode step; a
+    group of 3 pads the merged heads to 4 and head dim 24 the rows to 32."""
     reqs = [(90, 1), (3, 1), (0, 0)]
     query, k_cache, v_cache, table, seq, qsl = make_case(
-        reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=3
+        reqs, 4, 2, group, head_dim, torch.float32, triton_device, seed=3
     )
-    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl, scale=0.25)
     config = dataclasses.replace(
-        default_config(16, 2, 4), num_kv_splits=20, decode_fused_combine=fused
+        default_config(head_dim, group, 4), num_kv_splits=20,
+        decode_fused_combine=combine == "fused", decode_wide_combine=combine == "wide",
     )
     for _ in range(2):
         out = torch.full_like(query, float("nan"))
@@ -423,3 +429,51 @@ def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> No
         )
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
+
+
+def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatch) -> None:
+    """A call whose inputs have the metadata of a checked one skips the checks and the launch
+    set-up, yet reads the new values: new K/V, query and lengths give the new reference."""
+    from blocktable.attention import paged
+
+    reqs = [(29, 1), (0, 0), (7, 1)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=5
+    )
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device=triton_device)
+    kwargs = {"out": out, "lse_out": lse, "max_query_len": 1, "num_kv_splits": 3,
+              "backend": "triton"}
+    paged_attention(query, k_cache, v_cache, table, seq, qsl, **kwargs)
+
+    def not_again(*args: object) -> bool:
+        raise AssertionError("the checks ran again")
+
+    monkeypatch.setattr(paged, "inputs_look_valid", not_again)
+    gen = torch.Generator().manual_seed(6)
+    for lens in ([29, 0, 7], [12, 0, 30]):
+        k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+        v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+        new_query = torch.randn(query.shape, generator=gen).to(triton_device)
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        paged_attention(new_query, k_cache, v_cache, table, seq, qsl, **kwargs)
+        ref, ref_lse = reference(new_query, k_cache, v_cache, table, seq, qsl)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        check_lse(lse, ref_lse, torch.float32)
+    monkeypatch.undo()
+    # Other metadata is checked (and planned) afresh: a strided query view, then bad outputs.
+    wide = torch.randn(query.shape[0], query.shape[1], 32, generator=gen).to(triton_device)
+    view = wide[:, :, :16]
+    result = paged_attention(view, k_cache, v_cache, table, seq, qsl, max_query_len=1,
+                             num_kv_splits=3, backend="triton")
+    assert rel_err(result, reference(view, k_cache, v_cache, table, seq, qsl)[0]) < 1e-4
+    before = out.clone()
+    with pytest.raises(TypeError, match="out must have dtype torch.float32"):
+        paged_attention(query, k_cache, v_cache, table, seq, qsl,
+                        **{**kwargs, "out": out.double()})
+    with pytest.raises(ValueError, match="max_query_len must be >= 1"):
+        paged_attention(query, k_cache, v_cache, table, seq, qsl, **{**kwargs, "max_query_len": 0})
+    with pytest.raises(TypeError, match="query must have dtype torch.float32"):
+        paged_attention(query.half(), k_cache, v_cache, table, seq, qsl, **kwargs)
+    assert torch.equal(out.isnan(), before.isnan()) and torch.equal(out.nan_to_num(), before.nan_to_num())

@@ -15,7 +15,12 @@ from blocktable._checks import as_index_array, check_positive, check_tensor
 from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.cp_layout import local_seq_len
-from blocktable.attention.launch import CPLayout, decode_rows, launch_paged_attention
+from blocktable.attention.launch import (
+    CPLayout,
+    DecodePlan,
+    decode_rows,
+    launch_paged_attention,
+)
 from blocktable.attention.reference import _cp_layout, paged_attention_reference
 from blocktable.config import CPConfig
 
@@ -108,6 +113,27 @@ def paged_attention(
             query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
             sliding_window, row_of_batch, cp, cp_block_size, out, lse_out, want_lse,
         )
+    key = None
+    if seq_lens_cpu is None:  # (host values are checked on every call)
+        key = _call_key(
+            query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch, out,
+            lse_out, scale, sliding_window, cp, cp_block_size, max_query_len, num_kv_splits,
+            want_lse,
+        )
+        try:
+            call = _CALLS.get(key) if key is not None else None
+        except TypeError:  # an option that cannot be hashed
+            call = key = None
+        if call is not None:  # inputs with this metadata passed every check before
+            if out is None:
+                out = torch.empty_like(query)
+            if want_lse and lse_out is None:
+                lse_out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+            call.run(
+                out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                row_of_batch,
+            )
+            return with_lse(out, lse_out)
     if not inputs_look_valid(
         query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch, out,
         lse_out,
@@ -135,12 +161,109 @@ def paged_attention(
             check_positive("max_query_len", max_query_len)
         bound = min(bound, int(max_query_len))
     decode_only = bound <= decode_rows(query.shape[1] // k_cache.shape[2])[2]
-    launch_paged_attention(
+    call = CheckedCall(
+        resolve_scale(scale, query.shape[2]), window, layout, num_kv_splits, decode_only
+    )
+    if decode_only:
+        call.plan = DecodePlan.build(
+            out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+            row_of_batch, call.scale, window, layout, decode_only=True,
+            num_kv_splits=num_kv_splits,
+        )
+    if key is not None:
+        if len(_CALLS) >= MAX_CACHED_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    call.run(
         out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        row_of_batch, resolve_scale(scale, query.shape[2]), window, layout,
-        decode_only=decode_only, num_kv_splits=num_kv_splits,
+        row_of_batch,
     )
     return with_lse(out, lse_out)
+
+
+class CheckedCall:
+    """What a checked call worked out from its inputs' metadata: options and, for a decode
+    step, the launch plan. Reused by every later call whose inputs have the same metadata."""
+
+    def __init__(
+        self,
+        scale: float,
+        window: int | None,
+        layout: CPLayout,
+        num_kv_splits: int | None,
+        decode_only: bool,
+    ) -> None:
+        self.scale = scale
+        self.window = window
+        self.layout = layout
+        self.num_kv_splits = num_kv_splits
+        self.decode_only = decode_only
+        self.plan: DecodePlan | None = None  # decode_only: None when nothing is launched
+
+    def run(
+        self,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        row_of_batch: torch.Tensor | None,
+    ) -> None:
+        if not self.decode_only:
+            launch_paged_attention(
+                out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                row_of_batch, self.scale, self.window, self.layout, decode_only=False,
+                num_kv_splits=self.num_kv_splits,
+            )
+        elif self.plan is not None:
+            pointers = query.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()
+            self.plan.run(
+                out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                row_of_batch, pointers % 16 == 0,
+            )
+
+
+# Checked calls by their inputs' metadata (devices included); cleared when full.
+_CALLS: dict[tuple, CheckedCall] = {}
+MAX_CACHED_CALLS = 256
+
+
+def _call_key(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    row_of_batch: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    *options: object,
+) -> tuple | None:
+    """Everything the checks and the launch read from the inputs except data: shapes,
+    strides, dtypes, devices and the options (with their types: ``True`` is not ``1``).
+    ``None`` for inputs that are not tensors."""
+    try:
+        key = (
+            query.shape, query.stride(), query.dtype, query.device,
+            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+            block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+            seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+            query_start_loc.shape, query_start_loc.dtype, query_start_loc.device,
+            None if row_of_batch is None
+            else (row_of_batch.shape, row_of_batch.dtype, row_of_batch.device),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+            None if lse_out is None
+            else (lse_out.shape, lse_out.stride(), lse_out.dtype, lse_out.device),
+            options, tuple(map(type, options)),
+        )
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def with_lse(
