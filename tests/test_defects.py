@@ -118,6 +118,27 @@ def test_launcher_public_path_launches_on_the_tensors_device(fake_devices):
     assert kernel.launches == [("ordinary", 1), ("ordinary", 0), ("ordinary", 1)]
 
 
+
+def test_bound_launch_skips_the_key_but_keeps_the_device(fake_devices):
+    """``Launcher.bind`` gives nothing before the first compile, then launches the compiled
+    kernel directly, making its device current when another one is."""
+    kernel = _FakeKernel(fake_devices)
+    launch = _triton.Launcher(kernel, dynamic=(1,))
+    launch._interpret = False
+    launch.fast = True
+    args = (_on(1), 7, 16)
+    assert launch.bind(args) is None
+    launch((1,), *args)
+    bound = launch.bind(args)
+    assert bound is not None
+    bound((2, 1, 1), _on(1), 9, 16)  # device 0 is current: through the guard
+    fake_devices["current"] = 1
+    bound((2, 1, 1), _on(1), 9, 16)
+    assert kernel.compiled == [1]
+    assert kernel.launches == [("ordinary", 1), ("fast", 1), ("fast", 1)]
+    launch.fast = False
+    assert launch.bind(args) is None
+
 def test_fast_launch_only_on_verified_triton_versions():
     assert _triton.fast_launch_enabled((3, 6), "") and _triton.fast_launch_enabled((3, 9), "")
     assert not _triton.fast_launch_enabled((3, 0), "")
