@@ -1,0 +1,276 @@
+"""Sweep the decode kernel's configurations on one GPU: splits, tiles, warps, stages, combine.
+
+bf16, 32 query / 8 KV heads, head dim 128, page 16, one query per request. For each case and
+each configuration of the grid it checks the output against a float32 computation on sampled
+requests, then times it two ways:
+
+- ``graph``: a CUDA graph of 20 calls replayed; the median replay over 20 (device time, L2
+  warm, no host work);
+- ``eager``: one call between two CUDA events with L2 flushed before it (``do_bench``, median),
+  host work of the launch included where the device waits for it. Configurations other than
+  the default run through a prebuilt :class:`~blocktable.attention.launch.DecodePlan` (the
+  launch path of a repeated public call, without its metadata lookup).
+
+For the default configuration it also times the public ``paged_attention`` call: ``eager``
+as above, ``host`` (the host time of one call with the GPU idle, median) and ``loop`` (100
+calls back to back between two events, per call: what a host-bound step sees).
+
+Grid (``--quick`` keeps the two middle values of each axis, one warp count):
+num_kv_splits {16, 32, 64, 128} x decode_block_n {32, 64, 128} x num_warps {4, 8} x
+num_stages {2, 3, 4} x combine {fused, loop}; then the default with other block-id loads
+(ids1, ids2) and the wide combine. A configuration that does not compile (shared memory) is
+reported as failed and skipped. ``--smoke`` runs tiny shapes under Triton's interpreter (no
+timing).
+
+    python benchmarks/sweep_decode.py [--quick] [--json out.json] [--cases 1x8192 8x32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import triton
+import triton.testing
+from bench_attention import Batch, Shape
+
+from blocktable.attention import paged_attention
+from blocktable.attention.launch import CPLayout, DecodePlan, KernelConfig, default_config
+from blocktable.attention.triton_decode import default_num_kv_splits
+
+CASES = {"1x8192": (1, 8192), "1x131072": (1, 131072), "8x32768": (8, 32768),
+         "64x4096": (64, 4096)}
+GRAPH_CALLS = 20
+BF16_TOLERANCE = 3e-2  # max abs error against float32 on unit-variance values
+
+
+@dataclass
+class Row:
+    case: str
+    config: str
+    graph_us: float | None
+    eager_us: float | None
+    max_err: float | None = None
+    host_us: float | None = None
+    loop_us: float | None = None
+    note: str = ""
+
+
+def graph_us(fn: Callable[[], object], replays: int = 10) -> float:
+    """Median time per call of a CUDA graph of ``GRAPH_CALLS`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiled and planned before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    for _ in range(2):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+    return statistics.median(times)
+
+
+def eager_us(fn: Callable[[], object]) -> float:
+    """``do_bench``'s median: L2 flushed before each call, CUDA events around it."""
+    return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median") * 1e3
+
+
+def host_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Median host time of one call issued to an idle GPU."""
+    samples = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def loop_us(fn: Callable[[], object], n: int = 100) -> float:
+    """Per call of ``n`` calls back to back (no flush): max of host and device time."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def grid(base: KernelConfig, quick: bool) -> list[KernelConfig]:
+    splits = (32, 64) if quick else (16, 32, 64, 128)
+    block_n = (64, 128) if quick else (32, 64, 128)
+    warps = (4,) if quick else (4, 8)
+    stages = (2, 3) if quick else (2, 3, 4)
+    rep = dataclasses.replace
+    configs = [
+        rep(base, num_kv_splits=s, decode_block_n=n, decode_num_warps=w, decode_num_stages=st,
+            decode_fused_combine=fused)
+        for s, n, w, st, fused in itertools.product(splits, block_n, warps, stages,
+                                                     (True, False))
+    ]
+    configs += [rep(base, decode_ids_mode=1), rep(base, decode_ids_mode=2),
+                rep(base, decode_fused_combine=False, decode_wide_combine=True)]
+    return configs
+
+
+def describe(c: KernelConfig) -> str:
+    combine = ("fused" if c.decode_fused_combine
+               else "wide" if c.decode_wide_combine else "loop")
+    splits = "(default)" if c.num_kv_splits is None else c.num_kv_splits
+    return (f"splits{splits} n{c.decode_block_n} w{c.decode_num_warps} "
+            f"s{c.decode_num_stages} ids{c.decode_ids_mode} {combine}")
+
+
+def plan_runner(batch: Batch, config: KernelConfig) -> Callable[[], None]:
+    """A repeated decode call with ``config``: the plan's launches only."""
+    args = (batch.out, None, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, None)
+    plan = DecodePlan.build(*args, 1.0 / math.sqrt(batch.shape.head_dim), None, CPLayout(),
+                            decode_only=True, config=config)
+    assert plan is not None
+    ptrs = (batch.query.data_ptr() | batch.k_cache.data_ptr() | batch.v_cache.data_ptr()
+            | batch.out.data_ptr())
+    aligned = ptrs % 16 == 0
+    return lambda: plan.run(*args, aligned)
+
+
+def public_runner(batch: Batch) -> Callable[[], object]:
+    return lambda: paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+        batch.query_start_loc, out=batch.out, max_query_len=1,
+    )
+
+
+def checked(batch: Batch, fn: Callable[[], object]) -> float:
+    batch.out.fill_(float("nan"))
+    fn()
+    err = batch.check(batch.out)
+    if not err <= BF16_TOLERANCE:  # NaN too
+        raise AssertionError(f"max abs error {err} against float32")
+    return err
+
+
+def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[KernelConfig],
+               smoke: bool) -> None:
+    public = public_runner(batch)
+    err = checked(batch, public)
+    row = Row(name, "default (public call)", None, None, err)
+    if not smoke:
+        row.graph_us, row.eager_us = graph_us(public), eager_us(public)
+        row.host_us, row.loop_us = host_us(public), loop_us(public)
+    rows.append(row)
+    print(f"{name}: default graph {row.graph_us} eager {row.eager_us} host {row.host_us} "
+          f"loop {row.loop_us}", flush=True)
+    for config in configs:
+        label = describe(config)
+        try:
+            fn = plan_runner(batch, config)
+            err = checked(batch, fn)
+            g = e = None
+            if not smoke:
+                g, e = graph_us(fn), eager_us(fn)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            rows.append(Row(name, label, None, None, note=f"failed: {exc}"[:100]))
+            continue
+        rows.append(Row(name, label, g, e, err))
+
+
+def print_table(rows: list[Row]) -> None:
+    def f(v: float | None, d: int = 1) -> str:
+        return "" if v is None else f"{v:.{d}f}"
+
+    print(f"\n{'case':<9} {'config':<34} {'graph us':>9} {'eager us':>9} {'host us':>8} "
+          f"{'loop us':>8} {'max err':>8} note")
+    print("-" * 100)
+    for r in rows:
+        print(f"{r.case:<9} {r.config:<34} {f(r.graph_us):>9} {f(r.eager_us):>9} "
+              f"{f(r.host_us):>8} {f(r.loop_us):>8} {f(r.max_err, 4):>8} {r.note}")
+    print("\nbest per case (graph / eager):")
+    for case in dict.fromkeys(r.case for r in rows):
+        timed = [r for r in rows if r.case == case and r.graph_us is not None]
+        if not timed:
+            continue
+        bg = min(timed, key=lambda r: r.graph_us)  # type: ignore[arg-type, return-value]
+        be = min(timed, key=lambda r: r.eager_us)  # type: ignore[arg-type, return-value]
+        print(f"  {case:<9} graph {bg.graph_us:.1f} us ({bg.config}); "
+              f"eager {be.eager_us:.1f} us ({be.config})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="16 grid points per case, not 144")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    args = parser.parse_args()
+    if args.smoke:
+        device = "cpu"
+        shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                      dtype=torch.float32)
+        cases = {"2x40": (2, 40), "1x9": (1, 9)}
+    else:
+        if not torch.cuda.is_available():
+            print("needs CUDA (or --smoke)", file=sys.stderr)
+            return 2
+        device, shape = "cuda", Shape()
+        cases = {name: CASES[name] for name in args.cases}
+    base = default_config(shape.head_dim, shape.num_heads // shape.num_kv_heads,
+                          torch.tensor([], dtype=shape.dtype).element_size())
+    configs = grid(base, args.quick or args.smoke)
+    if args.smoke:
+        configs = [dataclasses.replace(c, decode_block_n=16, decode_num_stages=1)
+                   for c in configs[::3]]
+    rows: list[Row] = []
+    t0 = time.monotonic()
+    for name, (num_reqs, seq_len) in cases.items():
+        batch = Batch(shape, [seq_len] * num_reqs, [1] * num_reqs, device)
+        if device == "cuda":
+            splits = default_num_kv_splits(num_reqs, shape.num_kv_heads, batch.width,
+                                           batch.query.device, shape.page_size)
+            print(f"{name}: default num_kv_splits {splits}", flush=True)
+        sweep_case(rows, name, batch, configs, args.smoke)
+        del batch
+        if args.json:
+            write_json(args.json, rows, device)
+    print_table(rows)
+    print(f"\n{len(rows)} rows in {time.monotonic() - t0:.0f} s")
+    if args.json:
+        write_json(args.json, rows, device)
+    return 0
+
+
+def write_json(path: str, rows: list[Row], device: str) -> None:
+    with open(path, "w") as f:
+        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "triton": triton.__version__}
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
