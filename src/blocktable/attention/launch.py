@@ -298,9 +298,11 @@ class DecodePlan:
         query_start_loc: torch.Tensor | None,
         row_of_batch: torch.Tensor | None,
         aligned: bool,
+        bind: bool = True,
     ) -> None:
         """Launch on tensors with the plan's metadata (``aligned``: the data pointers of
-        ``query``, the caches and ``out`` are multiples of 16 bytes)."""
+        ``query``, the caches and ``out`` are multiples of 16 bytes; ``bind``: bind the
+        launches for the next call, when the plan is kept)."""
         lse_arg = seq_lens if lse_out is None else lse_out  # never read without HAS_LSE
         qsl_arg = seq_lens if query_start_loc is None else query_start_loc
         rob_arg = seq_lens if row_of_batch is None else row_of_batch
@@ -317,7 +319,8 @@ class DecodePlan:
         else:
             launcher = _decode_launch if aligned else _decode_launch_unaligned
             launcher(self.grid, *args, num_warps=self.num_warps)
-            self._bound[which] = launcher.bind(args, self.num_warps)
+            if bind:
+                self._bound[which] = launcher.bind(args, self.num_warps)
         if self.combine_grid is None:
             return
         args = (out, lse_arg, part_o, part_lse, qsl_arg, *self.combine_tail)
@@ -326,7 +329,8 @@ class DecodePlan:
             launch(self.combine_grid, *args)
         else:
             _combine_launch(self.combine_grid, *args, num_warps=4)
-            self._bound[2] = _combine_launch.bind(args, 4)
+            if bind:
+                self._bound[2] = _combine_launch.bind(args, 4)
 
 
 def _strides(
@@ -401,7 +405,7 @@ def launch_paged_attention(
     )
     if plan is not None:
         plan.run(out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                 row_of_batch, aligned)
+                 row_of_batch, aligned, bind=False)
     if decode_only:
         return
     pack = config.prefill_pack_gqa

@@ -141,6 +141,13 @@ if HAS_TRITON:
         g = rows % GROUP_PAD
         heads = kv_head * GROUP + g
         head_ok = (g < GROUP) & (qi < BLOCK_Q)
+        # Issued before the query range is known, so that the two loads overlap (extra programs
+        # read nothing).
+        is_req = req < num_reqs
+        seq_len = tl.load(seq_lens_ptr + req, mask=is_req, other=0)
+        row = req
+        if INDEXED:
+            row = tl.load(row_of_batch_ptr + req, mask=is_req, other=0)
         if HAS_QSL:
             if req >= num_reqs:  # extra programs: zero PAD_ITERS * BLOCK_Q tokens each
                 if split == 0:
@@ -163,10 +170,6 @@ if HAS_TRITON:
             q_start = req
             query_len = 1
 
-        seq_len = tl.load(seq_lens_ptr + req)
-        row = req
-        if INDEXED:
-            row = tl.load(row_of_batch_ptr + req)
         row_ok = (row >= 0) & (row < num_rows)
         row = tl.where(row_ok, row, 0)
         kv_cap = tl.minimum(
@@ -357,7 +360,7 @@ if HAS_TRITON:
 
 MAX_KV_SPLITS = 64
 MERGE_CHUNK = 16  # at most this many splits per load in the wide and fused combines
-MERGE_TILE_ELEMENTS = 4096  # ... and at most this many floats per load (32 per thread)
+MERGE_TILE_ELEMENTS = 8192  # ... and at most this many floats per load (64 a thread at 4 warps)
 
 
 @functools.lru_cache(maxsize=64)
