@@ -1,7 +1,7 @@
 """Paged decode attention: one query token per request, read through the block table.
 
 On CUDA (or with ``backend="triton"``) it launches the decode kernel of
-:mod:`blocktable.attention.triton_decode` (one launch, plus a combine when the keys are split);
+:mod:`blocktable.attention.triton_decode` (one launch; split keys merged by the last split);
 on the CPU it computes :func:`~blocktable.attention.reference.paged_attention_reference`.
 """
 

@@ -1,7 +1,9 @@
 """``paged_attention``: one entry point for every step (prefill, chunks, decode, mixed batches).
 
 The Triton backend runs the kernels of :mod:`blocktable.attention.launch` (one launch for the
-long queries, one for the short ones, plus a combine when the decode keys are split); the
+long queries, one for the short ones, whose split keys are merged by the last split to
+finish); a call whose inputs have the shapes, strides, dtypes, devices and options of an
+earlier checked call skips the checks and reuses that call's launch plan. The
 torch backend computes :func:`~blocktable.attention.reference.paged_attention_reference`
 (float64, slow, synchronizes: CPU engines and tests).
 """
@@ -56,7 +58,9 @@ def paged_attention(
     (shapes, ``row_of_batch``, context parallelism, log-sum-exp), plus caller-owned outputs.
     On the Triton path nothing is read on the host and nothing is allocated per call (the
     split-KV workspace is cached per device and shape), so a call can be captured in a CUDA
-    graph; new lengths and request counts never recompile.
+    graph; new lengths and request counts never recompile. The checks run once per new
+    combination of the inputs' metadata (shapes, strides, dtypes, devices, options): a
+    decode step that repeats it costs one kernel launch and a dictionary lookup on the host.
 
     Parameters
     ----------
@@ -252,7 +256,7 @@ def _call_key(
             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
             block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
-            seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+            seq_lens.shape, seq_lens.dtype, seq_lens.device,
             query_start_loc.shape, query_start_loc.dtype, query_start_loc.device,
             None if row_of_batch is None
             else (row_of_batch.shape, row_of_batch.dtype, row_of_batch.device),
