@@ -361,6 +361,8 @@ VARIANTS = {
     "loop-combine": {"decode_fused_combine": False, "decode_wide_combine": False},
     "wide-combine": {"decode_fused_combine": False, "decode_wide_combine": True},
     "fused-combine": {"decode_fused_combine": True},
+    "decode-single-loop": {"decode_single_loop": True, "decode_ids_mode": 1},
+    "decode-single-loop-ids-per-block": {"decode_single_loop": True, "decode_ids_mode": 2},
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
 }
 
@@ -477,3 +479,32 @@ def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatc
     with pytest.raises(TypeError, match="query must have dtype torch.float32"):
         paged_attention(query.half(), k_cache, v_cache, table, seq, qsl, **kwargs)
     assert torch.equal(out.isnan(), before.isnan()) and torch.equal(out.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("ids_mode", [1, 2])
+def test_decode_single_loop_with_cp_window_and_splits(triton_device: str, ids_mode: int) -> None:
+    """The decode kernel's own loop on rank 1 of 2 (interleave 4), a window cutting through
+    blocks, keys split three ways, a pad row, and a NaN block before the window (never read)."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, cp_block, kv_heads, group, dim = 4, 8, 2, 2, 16
+    reqs = [(37, 1), (26, 1), (2, 1), (0, 0)]
+    keys = [torch.randn(s, kv_heads, dim, generator=gen) for s, _ in reqs]
+    values = [torch.randn(s, kv_heads, dim, generator=gen) for s, _ in reqs]
+    qsl = torch.tensor(np.cumsum([0] + [q for _, q in reqs]), dtype=torch.int32)
+    seq = torch.tensor([s for s, _ in reqs], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), kv_heads * group, dim, generator=gen)
+    table = (torch.randperm(len(reqs) * 8, generator=gen) + 1).int().view(len(reqs), 8)
+    cp = CPConfig(2, 1, 4)
+    k_cache, v_cache = place_sharded(keys, values, table, block_size, 2, 1, 4, cp_block)
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl, cp=cp,
+                             cp_block_size=cp_block, sliding_window=9)
+    table[0, 0] = 0  # NaN block: rank 1 holds 17 of request 0's keys, the window starts at 12
+    args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
+    config = dataclasses.replace(default_config(dim, group, 4), num_kv_splits=3,
+                                 decode_single_loop=True, decode_ids_mode=ids_mode)
+    out = torch.full_like(args[0], float("nan"))
+    lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
+    launch_paged_attention(out, lse, *args, None, 0.25, 9, CPLayout(2, 1, 4, cp_block),
+                           decode_only=True, config=config)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)

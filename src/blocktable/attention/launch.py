@@ -60,6 +60,10 @@ class KernelConfig:
     # load. On by default: one launch per decode step saves a launch's host time (the
     # eager single-request step is host-bound) and the gap between two kernels on the device.
     decode_fused_combine: bool = True
+    # decode_single_loop: the decode kernel's own inner loop (attend_decode_tiles: one masked
+    # loop, each tile's V loaded beside its K, block ids per tile: ids_mode 2 where it applies,
+    # else 1); False: the loop shared with the prefill kernel (attend_segments).
+    decode_single_loop: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -271,7 +275,7 @@ class DecodePlan:
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
             block_d, block_size, has_qsl, row_of_batch is not None, cp.world_size > 1,
             window > 0, has_lse, split, _INTERPRET and dtype != "fp32", config.decode_num_stages,
-            dec_ids, config.decode_fa_loop, fused, chunk, dtype,
+            dec_ids, config.decode_fa_loop, fused, chunk, config.decode_single_loop, dtype,
         )
         combine_grid = None
         combine_tail: tuple[object, ...] = ()

@@ -78,6 +78,80 @@ if HAS_TRITON:
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
 
+    @triton.jit
+    def attend_decode_tiles(
+        acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, kv_cap, table_row_ptr,
+        table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
+        v_stride_s, v_stride_d, num_blocks, qk_scale,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PER_BLOCK_IDS: tl.constexpr,
+    ):
+        """Online softmax over the key tiles ``kv_start, kv_start + BLOCK_N, ...`` below
+        ``kv_end`` in one masked loop (decode rows see almost every key: the mask costs little
+        beside the loads), each tile's block ids loaded in its own iteration and its V tile
+        loaded beside its K tile, so that the two loads wait for memory together. Keys outside
+        ``[kv_lo, kv_cap)`` are never loaded. ``PER_BLOCK_IDS``: one id per block (the block
+        size a power of two dividing ``BLOCK_N``), else one per key."""
+        n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+            keys = start + n
+            in_row = (keys >= kv_lo) & (keys < kv_cap)
+            if PER_BLOCK_IDS:  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
+                PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+                page = start // BLOCK_SIZE + tl.arange(0, PAGES)
+                page_ids = tl.load(
+                    table_row_ptr + page * table_stride_c,
+                    mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
+                    other=-1,
+                )
+                block_id = tl.reshape(
+                    tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
+                )
+                offset = n % BLOCK_SIZE
+            else:
+                block_id = tl.load(
+                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c, mask=in_row, other=-1
+                )
+                offset = keys % BLOCK_SIZE
+            # An id outside the cache is never dereferenced: its keys are masked.
+            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+            block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
+            kv_mask = kv_ok[:, None]
+            if HEAD_DIM != BLOCK_D:
+                kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+            k = tl.load(
+                k_base + block_id[:, None] * k_stride_b + offset[:, None] * k_stride_s
+                + d[None, :] * k_stride_d,
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + block_id[:, None] * v_stride_b + offset[:, None] * v_stride_s
+                + d[None, :] * v_stride_d,
+                mask=kv_mask,
+                other=0.0,
+            )
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            visible = (
+                (keys[None, :] >= row_lo[:, None])
+                & (keys[None, :] < row_hi[:, None])
+                & kv_ok[None, :]
+            )
+            qk = tl.where(visible, qk, float("-inf"))
+            # The scale rides in one FMA per score (qk_scale > 0, so max commutes with it).
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+            m_i = m_new
+        return acc, m_i, l_i
+
     def _decode_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         lse_ptr,  # float32 [num_tokens, num_heads] (when HAS_LSE)
@@ -132,6 +206,7 @@ if HAS_TRITON:
         FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
         FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
         SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
+        SINGLE_LOOP: tl.constexpr,  # attend_decode_tiles, not attend_segments
         DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -226,14 +301,24 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = attend_segments(
-            acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, full_lo, full_hi, kv_cap,
-            table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
-            k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
-            k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks,
-            qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, NUM_STAGES,
-            IDS_MODE, FA_LOOP,
-        )
+        if SINGLE_LOOP:
+            acc, m_i, l_i = attend_decode_tiles(
+                acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, kv_cap,
+                table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
+                k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
+                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
+                num_blocks, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32,
+                NUM_STAGES, IDS_MODE == 2,
+            )
+        else:
+            acc, m_i, l_i = attend_segments(
+                acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, full_lo, full_hi,
+                kv_cap, table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
+                k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
+                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
+                num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
+            )
         if SPLIT:
             num_heads = tl.num_programs(1) * GROUP
             slot = req * SLOTS + qi
