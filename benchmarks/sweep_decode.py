@@ -18,9 +18,11 @@ calls back to back between two events, per call: what a host-bound step sees).
 Grid (``--quick`` keeps the two middle values of each axis, one warp count):
 num_kv_splits {16, 32, 64, 128} x decode_block_n {32, 64, 128} x num_warps {4, 8} x
 num_stages {2, 3, 4} x combine {fused, loop}; then the default with other block-id loads
-(ids1, ids2) and the wide combine. A configuration that does not compile (shared memory) is
+(ids1, ids2) and the wide combine, and the decode kernel's own loop (``decode_single_loop``)
+at 32/64 splits x ids 1/2 x 2/3 stages. A configuration that does not compile (shared memory) is
 reported as failed and skipped. ``--smoke`` runs tiny shapes under Triton's interpreter (no
-timing).
+timing); ``--host-cpu`` times the public call's host work on the CPU with the launches
+replaced by no-ops.
 
     python benchmarks/sweep_decode.py [--quick] [--json out.json] [--cases 1x8192 8x32768]
 """
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-if "--smoke" in sys.argv:
+if "--smoke" in sys.argv or "--host-cpu" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
@@ -69,7 +71,7 @@ class Row:
     note: str = ""
 
 
-def graph_us(fn: Callable[[], object], replays: int = 10) -> float:
+def graph_us(fn: Callable[[], object], replays: int = 7) -> float:
     """Median time per call of a CUDA graph of ``GRAPH_CALLS`` calls."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -95,7 +97,7 @@ def graph_us(fn: Callable[[], object], replays: int = 10) -> float:
 
 def eager_us(fn: Callable[[], object]) -> float:
     """``do_bench``'s median: L2 flushed before each call, CUDA events around it."""
-    return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median") * 1e3
 
 
 def host_us(fn: Callable[[], object], n: int = 200) -> float:
@@ -136,6 +138,11 @@ def grid(base: KernelConfig, quick: bool) -> list[KernelConfig]:
     ]
     configs += [rep(base, decode_ids_mode=1), rep(base, decode_ids_mode=2),
                 rep(base, decode_fused_combine=False, decode_wide_combine=True)]
+    configs += [
+        rep(base, num_kv_splits=s, decode_single_loop=True, decode_ids_mode=ids,
+            decode_num_stages=st)
+        for s, ids, st in itertools.product((32, 64), (1, 2), (2, 3))
+    ]
     return configs
 
 
@@ -144,7 +151,8 @@ def describe(c: KernelConfig) -> str:
                else "wide" if c.decode_wide_combine else "loop")
     splits = "(default)" if c.num_kv_splits is None else c.num_kv_splits
     return (f"splits{splits} n{c.decode_block_n} w{c.decode_num_warps} "
-            f"s{c.decode_num_stages} ids{c.decode_ids_mode} {combine}")
+            f"s{c.decode_num_stages} ids{c.decode_ids_mode} {combine}"
+            + (" single-loop" if c.decode_single_loop else ""))
 
 
 def plan_runner(batch: Batch, config: KernelConfig) -> Callable[[], None]:
@@ -205,11 +213,11 @@ def print_table(rows: list[Row]) -> None:
     def f(v: float | None, d: int = 1) -> str:
         return "" if v is None else f"{v:.{d}f}"
 
-    print(f"\n{'case':<9} {'config':<34} {'graph us':>9} {'eager us':>9} {'host us':>8} "
+    print(f"\n{'case':<9} {'config':<46} {'graph us':>9} {'eager us':>9} {'host us':>8} "
           f"{'loop us':>8} {'max err':>8} note")
-    print("-" * 100)
+    print("-" * 112)
     for r in rows:
-        print(f"{r.case:<9} {r.config:<34} {f(r.graph_us):>9} {f(r.eager_us):>9} "
+        print(f"{r.case:<9} {r.config:<46} {f(r.graph_us):>9} {f(r.eager_us):>9} "
               f"{f(r.host_us):>8} {f(r.loop_us):>8} {f(r.max_err, 4):>8} {r.note}")
     print("\nbest per case (graph / eager):")
     for case in dict.fromkeys(r.case for r in rows):
@@ -222,13 +230,56 @@ def print_table(rows: list[Row]) -> None:
               f"eager {be.eager_us:.1f} us ({be.config})")
 
 
+class _NoLaunch:
+    """Stands for a :class:`~blocktable._triton.Launcher` whose kernel launch costs nothing."""
+
+    def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
+        pass
+
+    def bind(self, args: tuple[object, ...], num_warps: int = 4) -> Callable[..., None]:
+        return lambda grid, *call_args: None
+
+
+def host_cpu(n: int = 5000) -> None:
+    """Host work of the public decode call at B=1 x 8192 (bf16, 32/8 heads, dim 128, 32
+    splits) on CPU tensors, the kernel launches replaced by no-ops: checks, metadata lookup,
+    argument assembly (not the launcher's own C code and driver call)."""
+    from blocktable.attention import launch
+
+    for name in ("_decode_launch", "_decode_launch_unaligned", "_combine_launch"):
+        setattr(launch, name, _NoLaunch())
+    batch = Batch(Shape(), [8192], [1], "cpu")
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+            batch.query_start_loc)
+    empty = torch.zeros(0)
+    calls = {
+        "public call, 32 splits": lambda: paged_attention(
+            *args, out=batch.out, max_query_len=1, num_kv_splits=32, backend="triton"),
+        "empty torch op (floor)": lambda: empty.add_(0),
+    }
+    for label, fn in calls.items():
+        for _ in range(200):
+            fn()
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        print(f"{label}: {statistics.median(samples) * 1e6:.2f} us (median of {n})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--quick", action="store_true", help="16 grid points per case, not 144")
+    parser.add_argument("--quick", action="store_true", help="16 grid points per case, not 144 (plus 11 others)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--host-cpu", action="store_true",
+                        help="only the public call's host work on the CPU, launches no-ops")
     args = parser.parse_args()
+    if args.host_cpu:
+        host_cpu()
+        return 0
     if args.smoke:
         device = "cpu"
         shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
