@@ -209,7 +209,7 @@ def tune_configs(kind: str, base: KernelConfig, splits: int) -> list[KernelConfi
 
 
 def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]:
-    """The defaults, then one variant at a time (see ``KernelConfig``): at most 8 prefill and 6
+    """The defaults, then one variant at a time (see ``KernelConfig``): at most 8 prefill and 7
     decode compilations per case."""
     rep = dataclasses.replace
     if kind == "decode":
@@ -221,6 +221,7 @@ def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]
             rep(b, num_kv_splits=min(splits * 2, MAX_KV_SPLITS)),
             rep(b, num_kv_splits=max(1, splits // 2)),
             rep(b, decode_fused_combine=False, decode_wide_combine=True),
+            rep(b, decode_single_loop=True, decode_ids_mode=2),
         ]
     return [
         base,
@@ -241,7 +242,8 @@ def describe(c: KernelConfig, kind: str) -> str:
                 f"splits{c.num_kv_splits} ids{c.decode_ids_mode}"
                 + ("" if c.decode_fa_loop else " oldloop")
                 + (" fused" if c.decode_fused_combine
-                   else " widecombine" if c.decode_wide_combine else " loopcombine"))
+                   else " widecombine" if c.decode_wide_combine else " loopcombine")
+                + (" single-loop" if c.decode_single_loop else ""))
     return (f"m{c.prefill_block_m} n{c.prefill_block_n} w{c.prefill_num_warps} "
             f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
             + ("" if c.prefill_fa_loop else " oldloop")
