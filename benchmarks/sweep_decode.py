@@ -271,7 +271,8 @@ def host_cpu(n: int = 5000) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--quick", action="store_true", help="16 grid points per case, not 144 (plus 11 others)")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 grid points per case, not 144 (plus 11 others)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--host-cpu", action="store_true",

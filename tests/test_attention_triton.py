@@ -478,7 +478,7 @@ def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatc
         paged_attention(query, k_cache, v_cache, table, seq, qsl, **{**kwargs, "max_query_len": 0})
     with pytest.raises(TypeError, match="query must have dtype torch.float32"):
         paged_attention(query.half(), k_cache, v_cache, table, seq, qsl, **kwargs)
-    assert torch.equal(out.isnan(), before.isnan()) and torch.equal(out.nan_to_num(), before.nan_to_num())
+    assert torch.equal(out, before)  # nothing written by the rejected calls (no NaN left)
 
 
 @pytest.mark.parametrize("ids_mode", [1, 2])

@@ -196,7 +196,6 @@ class Launcher:
             compiled.packed_metadata, None, None, None, *args,  # type: ignore[attr-defined]
         )
 
-
     def _key(self, device: int, args: tuple[object, ...], num_warps: int) -> tuple:
         if self._static_pos is None:
             self._static_pos = [

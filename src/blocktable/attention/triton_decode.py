@@ -6,8 +6,9 @@ walks its share of the request's visible keys through the block table. With one 
 writes the output directly; with more (flash-decoding) each split writes its normalized
 partial output and log2-sum-exp into a workspace, and the last split of each (request, KV
 head) to finish merges them (an atomic counter; or, in the configurations without the fused
-combine, :func:`combine_kernel` in a second launch) and produces the log-sum-exp. The split count is a runtime argument: changing it never
-recompiles. Requests longer than ``BLOCK_Q`` are left to the prefill kernel.
+combine, :func:`combine_kernel` in a second launch) and produces the log-sum-exp. The split
+count is a runtime argument: changing it never recompiles. Requests longer than ``BLOCK_Q``
+are left to the prefill kernel.
 """
 
 from __future__ import annotations
