@@ -175,8 +175,8 @@ def paged_attention(
             num_kv_splits=num_kv_splits,
         )
     if key is not None:
-        if len(_CALLS) >= MAX_CACHED_CALLS:
-            _CALLS.clear()
+        if len(_CALLS) >= MAX_CACHED_CALLS:  # the oldest goes
+            _CALLS.pop(next(iter(_CALLS)), None)
         _CALLS[key] = call
     call.run(
         out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
@@ -230,7 +230,7 @@ class CheckedCall:
             )
 
 
-# Checked calls by their inputs' metadata (devices included); cleared when full.
+# Checked calls by their inputs' metadata (devices included), oldest first.
 _CALLS: dict[tuple, CheckedCall] = {}
 MAX_CACHED_CALLS = 256
 
