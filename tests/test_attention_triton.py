@@ -361,6 +361,12 @@ VARIANTS = {
     "loop-combine": {"decode_wide_combine": False},
     "fused-combine": {"decode_fused_combine": True},
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
+    "prescaled-q": {"prefill_prescale_q": True},
+    "prescaled-q-per-block": {"prefill_prescale_q": True, "prefill_ids_mode": 2},
+    "warp-specialized": {"prefill_warp_specialize": True, "prefill_ids_mode": 2},
+    "paired-tiles": {"prefill_pair_tiles": True},
+    "paired-unpacked-prescaled": {"prefill_pair_tiles": True, "prefill_pack_gqa": False,
+                                  "prefill_prescale_q": True},
 }
 
 
@@ -423,3 +429,30 @@ def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> No
         )
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"prefill_pair_tiles": True},
+        {"prefill_pair_tiles": True, "prefill_pack_gqa": False, "prefill_block_m": 16},
+        {"prefill_prescale_q": True, "prefill_warp_specialize": True, "prefill_ids_mode": 2},
+    ],
+    ids=["paired", "paired-unpacked", "prescaled-ws"],
+)
+def test_prefill_loop_options_on_long_prefills(triton_device: str, options, window) -> None:
+    """Prefills of 5, 4, 3 and 1 query tiles (odd and even pair counts), a chunk over a cached
+    prefix that crosses blocks, a decode and a pad token: the new schedules and loop options
+    against the float64 reference (LSE too)."""
+    reqs = [(40, 40), (37, 29), (30, 21), (13, 1), (9, 8)]
+    args = make_case(reqs, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=1, seed=11)
+    config = dataclasses.replace(default_config(16, 2, 4), **options)
+    out = torch.full_like(args[0], float("nan"))
+    lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
+    launch_paged_attention(
+        out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False, config=config
+    )
+    ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)

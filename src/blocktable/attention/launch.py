@@ -18,6 +18,9 @@ from blocktable.attention.triton_tiles import LOG2_E
 if HAS_TRITON:
     from blocktable.attention import triton_decode as _dec
     from blocktable.attention import triton_prefill as _pre
+    from blocktable.attention.triton_tiles import HAS_WARP_SPECIALIZE
+else:
+    HAS_WARP_SPECIALIZE = False
 
 SEARCH_RADIX = 16
 PAD_ITERS = 16
@@ -57,6 +60,17 @@ class KernelConfig:
     # decode_fused_combine: no combine launch; the last split program of each (request, KV
     # head) to finish (an atomic counter) merges the partials.
     decode_fused_combine: bool = False
+    # Prefill loop options (any of the first two selects attend_prefill_tiles, whose block ids
+    # are read in each tile's iteration: ids_mode 0 there means 1):
+    # prefill_prescale_q: q multiplied by scale * log2(e) once, before the loop (scores leave
+    # the product in the log2 domain);
+    prefill_prescale_q: bool = False
+    # prefill_warp_specialize: Triton's warp-specialized loop (tl.range(warp_specialize=True),
+    # Triton >= 3.4; how much of it a backend implements depends on the GPU and version);
+    prefill_warp_specialize: bool = False
+    # prefill_pair_tiles: each program runs query tiles j and n - 1 - j of its request, so
+    # that every program of a causal prefill has the same work (half as many programs).
+    prefill_pair_tiles: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,6 +295,11 @@ def launch_paged_attention(
         block_q = block_m // group_pad
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
+    new_loop = config.prefill_prescale_q or config.prefill_warp_specialize
+    if config.prefill_warp_specialize and not HAS_WARP_SPECIALIZE:
+        raise ValueError(
+            "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
+        )
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
         (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
@@ -290,6 +309,7 @@ def launch_paged_attention(
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
-        pre_ids, config.prefill_fa_loop, pack, dtype,
+        pre_ids, config.prefill_fa_loop, pack, int(new_loop), config.prefill_prescale_q,
+        config.prefill_warp_specialize, config.prefill_pair_tiles, dtype,
         num_warps=config.prefill_num_warps,
     )
