@@ -60,6 +60,8 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
         "pair": rep(base, prefill_pair_tiles=True),
         "pair-prescale-m64": rep(base, prefill_pair_tiles=True, prefill_block_m=64,
                                  prefill_num_warps=4, **pre),
+        "pair-m64-w4-s2": rep(base, prefill_pair_tiles=True, prefill_block_m=64,
+                              prefill_num_warps=4, prefill_num_stages=2, **pre),
         "nopack-prescale": rep(base, prefill_pack_gqa=False, **pre),
         "n128-s2-prescale": rep(base, prefill_block_n=128, prefill_num_stages=2, **pre),
         "m64-w4-prescale": rep(base, prefill_block_m=64, prefill_num_warps=4, **pre),

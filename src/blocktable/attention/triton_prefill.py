@@ -153,7 +153,7 @@ if HAS_TRITON:
             BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE, HAS_CP, HAS_WINDOW,
             HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP, PRESCALED, WARP_SPEC,
         )
-        if PAIR_TILES:
+        if PAIR_TILES:  # noqa: SIM102 - a compile-time branch around a run-time one
             if j_long != j:
                 _prefill_tile(
                     j * BLOCK_Q, qi, heads, head_ok, q_start, query_len, seq_len, row, kv_cap,
