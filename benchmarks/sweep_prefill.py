@@ -6,9 +6,11 @@ bf16, 32 query / 8 KV heads, head dim 128, page 16, causal prefills 1 x 8192, 4 
 run on the same K/V gathered contiguous (a variant that fails the check is reported, not
 timed), then timed with ``triton.testing.do_bench`` (median); TFLOP/s are counted exactly from
 the causal mask. SDPA (dense, contiguous K/V, ``is_causal=True``) is timed in the same run.
-Variants are compiled once and reused by every case; a variant that does not compile is
-reported and skipped. ``--smoke`` runs tiny float32 shapes on the CPU under Triton's
-interpreter (checks only, no timing).
+Variants are compiled once and reused by every case. Before the sweep, one child process per
+variant compiles and runs it on a small batch of the same shapes (in parallel: Triton's cache
+then serves the sweep's compilations), so that a variant whose compilation crashes the
+process (or fails) is reported and skipped without ending the sweep. ``--smoke`` runs tiny
+float32 shapes on the CPU under Triton's interpreter (checks only, no timing).
 
     PYTHONPATH=src python benchmarks/sweep_prefill.py [--quick] [--json out.json]
         [--only NAME,NAME] [--smoke]
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +49,7 @@ from blocktable.attention.launch import (
 # makes O(1) errors), and the relative error of the whole output.
 MAX_ABS_ERR = {torch.bfloat16: 6.25e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 MAX_REL_ERR = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+SMOKE_SHAPE = Shape(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
 
 
 def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
@@ -223,6 +227,51 @@ def print_summary(rows: list[Row]) -> None:
         print("  " + " ".join(parts))
 
 
+def probe(name: str, smoke: bool) -> int:
+    """Child process: compile and run variant ``name`` on one 256-token prefill (the table's
+    width a multiple of 16, as in the sweep's equal-length cases) and on a small mixed step
+    (a width that is not), so that the sweep finds both specializations in Triton's cache."""
+    shape, device = (SMOKE_SHAPE, "cpu") if smoke else (Shape(), "cuda")
+    base = default_config(shape.head_dim, shape.num_heads // shape.num_kv_heads,
+                          shape.dtype.itemsize)
+    config = variants(base, False)[name]
+    batch = Batch(shape, [256], [256], device, seed=2)
+    k, v = dense_kv(batch)
+    ref = sdpa_out(batch, k, v)().float()
+    launcher(batch, config)()
+    err = float((batch.out.float() - ref).abs().max())
+    # The mixed step's specialization too (a table width that is not a multiple of 16).
+    mixed = Batch(shape, [40] * 3 + [263], [1] * 3 + [63], device, seed=3)
+    launcher(mixed, config)()
+    err = max(err, mixed.check(mixed.out))
+    print(f"probe {name}: max abs err {err:.4f}")
+    return 0 if err <= MAX_ABS_ERR[shape.dtype] else 3
+
+
+def warm(names: list[str], timeout_s: float, smoke: bool) -> dict[str, str]:
+    """Probe every variant in its own process, all at once; the failures: name -> note."""
+    extra = ["--smoke"] if smoke else []
+    procs = {
+        n: subprocess.Popen([sys.executable, __file__, "--probe", n, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in names
+    }
+    failed: dict[str, str] = {}
+    deadline = time.perf_counter() + timeout_s
+    for n, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failed[n] = f"probe timed out after {timeout_s:.0f} s"
+            continue
+        if proc.returncode != 0:
+            tail = " | ".join(out.strip().splitlines()[-2:])
+            failed[n] = f"probe rc {proc.returncode}: {tail}"[:200]
+    return failed
+
+
 def write_json(path: str | None, rows: list[Row], meta: dict[str, object]) -> None:
     if path:
         with open(path, "w") as f:
@@ -238,12 +287,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=230.0,
                         help="start no new case after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--no-warm", action="store_true",
+                        help="no child processes: compile in this process only")
+    parser.add_argument("--warm", action="store_true", help="probe in child processes even "
+                        "with --smoke (on CUDA they always run, unless --no-warm)")
+    parser.add_argument("--probe", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        return probe(args.probe, args.smoke)
     t_start = time.perf_counter()
     if args.smoke:
-        device = "cpu"
-        shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                      dtype=torch.float32)
+        device, shape = "cpu", SMOKE_SHAPE
         cases = [(1, 40), (3, 19)]
         mixed = (5, 12, 9, 7)
     else:
@@ -276,6 +330,13 @@ def main() -> int:
           f"{HAS_WARP_SPECIALIZE}, tl.make_tensor_descriptor: {meta['tensor_descriptors']}")
     rows: list[Row] = []
     broken: set[str] = set()
+    if (device == "cuda" or args.warm) and not args.no_warm:
+        failed = warm(list(configs), min(180.0, args.budget_s), args.smoke)
+        for name, note in failed.items():
+            broken.add(name)
+            rows.append(Row("probe", name, describe(configs[name]), None, None, None, note))
+            print_row(rows[-1])
+        print(f"probes done after {time.perf_counter() - t_start:.0f} s", flush=True)
     for b, n in cases:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget spent: {b} x {n} skipped", flush=True)
