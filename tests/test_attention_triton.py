@@ -456,3 +456,23 @@ def test_prefill_loop_options_on_long_prefills(triton_device: str, options, wind
     ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     check_lse(lse, ref_lse, torch.float32)
+
+
+def test_warp_specialize_without_support_is_a_clear_error(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Triton without tl.range(warp_specialize=...): ValueError before any launch."""
+    from blocktable.attention import launch
+
+    monkeypatch.setattr(launch, "HAS_WARP_SPECIALIZE", False)
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(5, 2), (7, 1)], 4, 1, 2, 16, torch.float32, triton_device
+    )
+    out = torch.zeros_like(query)
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_warp_specialize=True)
+    with pytest.raises(ValueError, match="prefill_warp_specialize needs"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+    assert (out == 0).all()

@@ -230,6 +230,10 @@ def launch_paged_attention(
     # Checked before any launch, so that a bad configuration writes nothing.
     dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
     pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
+    if config.prefill_warp_specialize and not HAS_WARP_SPECIALIZE and not decode_only:
+        raise ValueError(
+            "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
+        )
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
@@ -296,10 +300,6 @@ def launch_paged_attention(
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
     new_loop = config.prefill_prescale_q or config.prefill_warp_specialize
-    if config.prefill_warp_specialize and not HAS_WARP_SPECIALIZE:
-        raise ValueError(
-            "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
-        )
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
         (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
