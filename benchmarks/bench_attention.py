@@ -249,7 +249,7 @@ def describe(c: KernelConfig, kind: str) -> str:
             + ("" if c.prefill_fa_loop else " oldloop")
             + ("" if c.prefill_pack_gqa else " nopack")
             + (" prescale" if c.prefill_prescale_q else "")
-            + (" ws" if c.prefill_warp_specialize else "")
+            + (f" ws{c.prefill_warp_specialize}" if c.prefill_warp_specialize else "")
             + (" pair" if c.prefill_pair_tiles else ""))
 
 

@@ -57,7 +57,7 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
     compile). ``quick``: the few most likely to matter."""
     rep = dataclasses.replace
     pre = {"prefill_prescale_q": True, "prefill_ids_mode": 2}
-    ws = {**pre, "prefill_warp_specialize": True}
+    ws = {**pre, "prefill_warp_specialize": 1}
     out = {
         "default": base,
         "prescale": rep(base, **pre),
@@ -72,7 +72,7 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
         "n128-s2-prescale": rep(base, prefill_block_n=128, prefill_num_stages=2, **pre),
         "m64-w4-prescale": rep(base, prefill_block_m=64, prefill_num_warps=4, **pre),
         "ws": rep(base, **ws),
-        "ws-s2": rep(base, prefill_num_stages=2, **ws),
+        "ws-main": rep(base, **{**ws, "prefill_warp_specialize": 2}),
         "ws-w4": rep(base, prefill_num_warps=4, **ws),
         "ws-nopack": rep(base, prefill_pack_gqa=False, **ws),
         "ws-n128-s2": rep(base, prefill_block_n=128, prefill_num_stages=2, **ws),
@@ -90,7 +90,7 @@ def describe(c: KernelConfig) -> str:
             f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
             + ("" if c.prefill_pack_gqa else " nopack")
             + (" prescale" if c.prefill_prescale_q else "")
-            + (" ws" if c.prefill_warp_specialize else "")
+            + (f" ws{c.prefill_warp_specialize}" if c.prefill_warp_specialize else "")
             + (" pair" if c.prefill_pair_tiles else ""))
 
 

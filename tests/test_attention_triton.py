@@ -363,7 +363,7 @@ VARIANTS = {
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
     "prescaled-q": {"prefill_prescale_q": True},
     "prescaled-q-per-block": {"prefill_prescale_q": True, "prefill_ids_mode": 2},
-    "warp-specialized": {"prefill_warp_specialize": True, "prefill_ids_mode": 2},
+    "warp-specialized": {"prefill_warp_specialize": 1, "prefill_ids_mode": 2},
     "paired-tiles": {"prefill_pair_tiles": True},
     "paired-unpacked-prescaled": {"prefill_pair_tiles": True, "prefill_pack_gqa": False,
                                   "prefill_prescale_q": True},
@@ -437,9 +437,10 @@ def test_more_splits_than_one_merge_chunk(triton_device: str, fused: bool) -> No
     [
         {"prefill_pair_tiles": True},
         {"prefill_pair_tiles": True, "prefill_pack_gqa": False, "prefill_block_m": 16},
-        {"prefill_prescale_q": True, "prefill_warp_specialize": True, "prefill_ids_mode": 2},
+        {"prefill_prescale_q": True, "prefill_warp_specialize": 1, "prefill_ids_mode": 2},
+        {"prefill_warp_specialize": 2, "prefill_pair_tiles": True},
     ],
-    ids=["paired", "paired-unpacked", "prescaled-ws"],
+    ids=["paired", "paired-unpacked", "prescaled-ws", "ws-unmasked-paired"],
 )
 def test_prefill_loop_options_on_long_prefills(triton_device: str, options, window) -> None:
     """Prefills of 5, 4, 3 and 1 query tiles (odd and even pair counts), a chunk over a cached
@@ -461,7 +462,8 @@ def test_prefill_loop_options_on_long_prefills(triton_device: str, options, wind
 def test_warp_specialize_without_support_is_a_clear_error(
     triton_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Triton without tl.range(warp_specialize=...): ValueError before any launch."""
+    """A Triton without tl.range(warp_specialize=...), or a mode outside 0..2: ValueError
+    before any launch."""
     from blocktable.attention import launch
 
     monkeypatch.setattr(launch, "HAS_WARP_SPECIALIZE", False)
@@ -474,5 +476,10 @@ def test_warp_specialize_without_support_is_a_clear_error(
         launch_paged_attention(
             out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
             decode_only=False, config=config,
+        )
+    with pytest.raises(ValueError, match="prefill_warp_specialize must be 0, 1 or 2, got 3"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=dataclasses.replace(config, prefill_warp_specialize=3),
         )
     assert (out == 0).all()

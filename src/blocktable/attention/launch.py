@@ -65,9 +65,10 @@ class KernelConfig:
     # prefill_prescale_q: q multiplied by scale * log2(e) once, before the loop (scores leave
     # the product in the log2 domain);
     prefill_prescale_q: bool = False
-    # prefill_warp_specialize: Triton's warp-specialized loop (tl.range(warp_specialize=True),
-    # Triton >= 3.4; how much of it a backend implements depends on the GPU and version);
-    prefill_warp_specialize: bool = False
+    # prefill_warp_specialize: Triton's warp-specialized loops (tl.range(warp_specialize=True),
+    # Triton >= 3.4; how much of it a backend implements depends on the GPU and version):
+    # 0 none, 1 every loop, 2 only the loop over unmasked tiles;
+    prefill_warp_specialize: int = 0
     # prefill_pair_tiles: each program runs query tiles j and n - 1 - j of its request, so
     # that every program of a causal prefill has the same work (half as many programs).
     prefill_pair_tiles: bool = False
@@ -230,6 +231,10 @@ def launch_paged_attention(
     # Checked before any launch, so that a bad configuration writes nothing.
     dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
     pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
+    if config.prefill_warp_specialize not in (0, 1, 2):
+        raise ValueError(
+            f"prefill_warp_specialize must be 0, 1 or 2, got {config.prefill_warp_specialize}"
+        )
     if config.prefill_warp_specialize and not HAS_WARP_SPECIALIZE and not decode_only:
         raise ValueError(
             "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
@@ -299,7 +304,7 @@ def launch_paged_attention(
         block_q = block_m // group_pad
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
-    new_loop = config.prefill_prescale_q or config.prefill_warp_specialize
+    new_loop = bool(config.prefill_prescale_q or config.prefill_warp_specialize)
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
         (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
@@ -310,6 +315,6 @@ def launch_paged_attention(
         block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
         pre_ids, config.prefill_fa_loop, pack, int(new_loop), config.prefill_prescale_q,
-        config.prefill_warp_specialize, config.prefill_pair_tiles, dtype,
+        int(config.prefill_warp_specialize), config.prefill_pair_tiles, dtype,
         num_warps=config.prefill_num_warps,
     )

@@ -80,7 +80,7 @@ if HAS_TRITON:
         PACK_GQA: tl.constexpr,  # rows pack the GQA group (grid dim 1: KV heads) or not
         LOOP: tl.constexpr,  # 0: attend_segments (IDS_MODE, FA_LOOP); 1: attend_prefill_segments
         PRESCALED: tl.constexpr,  # LOOP 1: q scaled by qk_scale once, before the loop
-        WARP_SPEC: tl.constexpr,  # LOOP 1: Triton's warp-specialized loop
+        WARP_SPEC: tl.constexpr,  # LOOP 1: warp-specialized loops: 0 none, 1 all, 2 unmasked
         PAIR_TILES: tl.constexpr,  # a program runs tiles j and n - 1 - j of its request
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):

@@ -512,7 +512,8 @@ if HAS_TRITON:
         PRESCALED: tl.constexpr,
         WARP_SPEC: tl.constexpr,
     ):
-        """:func:`attend_segments` over :func:`attend_prefill_tiles`."""
+        """:func:`attend_segments` over :func:`attend_prefill_tiles`. ``WARP_SPEC``: 0 no
+        warp specialization, 1 in every loop, 2 in the unmasked loop only."""
         a1 = kv_start
         if HAS_WINDOW:
             a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
@@ -520,19 +521,19 @@ if HAS_TRITON:
                 acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC == 1,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_prefill_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC,
+            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC > 0,
         )
         acc, m_i, l_i = attend_prefill_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
             v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC == 1,
         )
         return acc, m_i, l_i
