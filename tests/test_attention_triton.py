@@ -483,3 +483,21 @@ def test_warp_specialize_without_support_is_a_clear_error(
             decode_only=False, config=dataclasses.replace(config, prefill_warp_specialize=3),
         )
     assert (out == 0).all()
+
+
+def test_paired_tiles_zero_every_pad_token(triton_device: str) -> None:
+    """With two tiles per program, the slots past the last request still cover every pad
+    token: a batch of one short prefill and 37 pad tokens, then one of padding only."""
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(11, 9)], 4, 1, 2, 16, torch.float32, triton_device, pad_tokens=37, seed=5
+    )
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_pair_tiles=True)
+    ref, _ = reference(query, k_cache, v_cache, table, seq, qsl)
+    for lens in ((seq, qsl), (seq[:0], qsl[:1])):
+        out = torch.full_like(query, float("nan"))
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, *lens, None, 1.0 / 4, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+        expected = ref if lens[0].numel() else torch.zeros_like(ref)
+        assert rel_err(out, expected) < TOLERANCE[torch.float32]

@@ -305,9 +305,10 @@ def launch_paged_attention(
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
     new_loop = bool(config.prefill_prescale_q or config.prefill_warp_specialize)
+    slot_q = 2 * block_q if config.prefill_pair_tiles else block_q  # tokens per program
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
-        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
+        (cdiv(num_tokens, slot_q) + num_reqs, num_kv_heads if pack else num_heads),
         out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
         qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
         num_rows, width, *cp_args, _search_stride(num_reqs), *strides,

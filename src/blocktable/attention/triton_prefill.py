@@ -7,9 +7,9 @@ query head each). Request
 ``ceil(query_len / BLOCK_Q)`` of them); a program finds its request with a ``RADIX``-ary
 search over ``query_start_loc`` on the device, and tiles past the last request zero the pad
 tokens. Programs run in reverse tile order so the longest (last) tiles of a causal prefill
-start first; with ``PAIR_TILES`` the program of tile ``j < ceil(n / 2)`` of a request of ``n``
-tiles also runs tile ``n - 1 - j`` (and the others return), so that every program of a causal
-prefill has the same work. Requests of at most ``short_query_len`` tokens are left to the
+start first. With ``PAIR_TILES`` the grid's unit is a slot of two tiles (``2 * BLOCK_Q`` in
+the formulas above): slot ``j`` of a request of ``n`` tiles runs tiles ``n - 1 - j`` and ``j``,
+so that every program of a causal prefill has the same work. Requests of at most ``short_query_len`` tokens are left to the
 decode kernel.
 """
 
@@ -98,28 +98,31 @@ if HAS_TRITON:
             heads = tl.program_id(1) + rows * 0
             head_ok = rows >= 0
 
-        # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile.
+        # A slot is one query tile, or with PAIR_TILES two (tiles j and n - 1 - j).
+        SLOT_Q: tl.constexpr = 2 * BLOCK_Q if PAIR_TILES else BLOCK_Q
+        # The request: the largest r <= num_reqs with qsl[r] // SLOT_Q + r <= tile.
         lanes = tl.arange(0, RADIX)
         req = tile * 0
         stride = search_stride
         while stride > 0:
             cand = req + lanes * stride
             ok = cand <= num_reqs
-            first = tl.load(qsl_ptr + cand, mask=ok, other=0) // BLOCK_Q + cand
+            first = tl.load(qsl_ptr + cand, mask=ok, other=0) // SLOT_Q + cand
             hits = tl.sum((ok & (first <= tile)).to(tl.int32), 0)
             req = req + (hits - 1) * stride
             stride = stride // RADIX
         q_start = tl.load(qsl_ptr + req)
         if req == num_reqs:  # past the last request: zero the pad tokens of this tile
-            tokens = (tile - num_reqs) * BLOCK_Q + qi
-            pad = head_ok & (tokens >= q_start) & (tokens < num_tokens)
-            zero_rows(
-                out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h, out_stride_d,
-                lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D, HEAD_DIM, HAS_LSE,
-            )
+            for half in tl.static_range(SLOT_Q // BLOCK_Q):
+                tokens = (tile - num_reqs) * SLOT_Q + half * BLOCK_Q + qi
+                pad = head_ok & (tokens >= q_start) & (tokens < num_tokens)
+                zero_rows(
+                    out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h,
+                    out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D, HEAD_DIM, HAS_LSE,
+                )
             return
         query_len = tl.load(qsl_ptr + req + 1) - q_start
-        j = tile - q_start // BLOCK_Q - req  # the tile's index in its request
+        j = tile - q_start // SLOT_Q - req  # the slot's index in its request
         if query_len <= short_query_len:
             return
         seq_len = tl.load(seq_lens_ptr + req)
@@ -136,7 +139,7 @@ if HAS_TRITON:
         kv_cap = tl.where(row_ok, kv_cap, 0)
         if PAIR_TILES:  # tiles j and n - 1 - j: equal causal work in every program
             n_tiles = tl.cdiv(query_len, BLOCK_Q)
-            if 2 * j >= n_tiles:
+            if 2 * j >= n_tiles:  # the request's spare slot
                 return
             j_long = n_tiles - 1 - j
         else:
