@@ -69,6 +69,7 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
         "m64-n32-w4-s2": rep(base, prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,
                              prefill_num_stages=2, **pre),
         "nopack-prescale": rep(base, prefill_pack_gqa=False, **pre),
+        "prescale-radix64": rep(base, prefill_search_radix=64, **pre),
         "n128-s2-prescale": rep(base, prefill_block_n=128, prefill_num_stages=2, **pre),
         "m64-w4-prescale": rep(base, prefill_block_m=64, prefill_num_warps=4, **pre),
         "ws": rep(base, **ws),
@@ -91,7 +92,8 @@ def describe(c: KernelConfig) -> str:
             + ("" if c.prefill_pack_gqa else " nopack")
             + (" prescale" if c.prefill_prescale_q else "")
             + (f" ws{c.prefill_warp_specialize}" if c.prefill_warp_specialize else "")
-            + (" pair" if c.prefill_pair_tiles else ""))
+            + (" pair" if c.prefill_pair_tiles else "")
+            + (f" radix{c.prefill_search_radix}" if c.prefill_search_radix != 16 else ""))
 
 
 @dataclass

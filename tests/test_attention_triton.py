@@ -365,6 +365,8 @@ VARIANTS = {
     "prescaled-q-per-block": {"prefill_prescale_q": True, "prefill_ids_mode": 2},
     "warp-specialized": {"prefill_warp_specialize": 1, "prefill_ids_mode": 2},
     "paired-tiles": {"prefill_pair_tiles": True},
+    "search-radix-2": {"prefill_search_radix": 2, "prefill_pair_tiles": True},
+    "search-radix-64": {"prefill_search_radix": 64},
     "paired-unpacked-prescaled": {"prefill_pair_tiles": True, "prefill_pack_gqa": False,
                                   "prefill_prescale_q": True},
 }
@@ -459,11 +461,11 @@ def test_prefill_loop_options_on_long_prefills(triton_device: str, options, wind
     check_lse(lse, ref_lse, torch.float32)
 
 
-def test_warp_specialize_without_support_is_a_clear_error(
+def test_bad_prefill_options_are_clear_errors(
     triton_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Triton without tl.range(warp_specialize=...), or a mode outside 0..2: ValueError
-    before any launch."""
+    """A Triton without tl.range(warp_specialize=...), a mode outside 0..2, a search radix
+    that is not a power of two: ValueError before any launch."""
     from blocktable.attention import launch
 
     monkeypatch.setattr(launch, "HAS_WARP_SPECIALIZE", False)
@@ -481,6 +483,11 @@ def test_warp_specialize_without_support_is_a_clear_error(
         launch_paged_attention(
             out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
             decode_only=False, config=dataclasses.replace(config, prefill_warp_specialize=3),
+        )
+    with pytest.raises(ValueError, match="prefill_search_radix must be a power of two"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=dataclasses.replace(config, prefill_search_radix=3),
         )
     assert (out == 0).all()
 

@@ -72,6 +72,9 @@ class KernelConfig:
     # prefill_pair_tiles: each program runs query tiles j and n - 1 - j of its request, so
     # that every program of a causal prefill has the same work (half as many programs).
     prefill_pair_tiles: bool = False
+    # prefill_search_radix: lanes per level of the device search for a program's request (a
+    # power of two >= 2); one level serves up to radix - 1 requests.
+    prefill_search_radix: int = SEARCH_RADIX
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,11 +162,11 @@ def _workspace(
 
 
 @functools.lru_cache(maxsize=4096)
-def _search_stride(num_reqs: int) -> int:
-    """``SEARCH_RADIX ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
+def _search_stride(num_reqs: int, radix: int = SEARCH_RADIX) -> int:
+    """``radix ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
     stride = 1
-    while stride * SEARCH_RADIX < num_reqs + 1:
-        stride *= SEARCH_RADIX
+    while stride * radix < num_reqs + 1:
+        stride *= radix
     return stride
 
 
@@ -231,6 +234,9 @@ def launch_paged_attention(
     # Checked before any launch, so that a bad configuration writes nothing.
     dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
     pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
+    radix = config.prefill_search_radix
+    if radix < 2 or radix & (radix - 1):
+        raise ValueError(f"prefill_search_radix must be a power of two >= 2, got {radix}")
     if config.prefill_warp_specialize not in (0, 1, 2):
         raise ValueError(
             f"prefill_warp_specialize must be 0, 1 or 2, got {config.prefill_warp_specialize}"
@@ -311,9 +317,9 @@ def launch_paged_attention(
         (cdiv(num_tokens, slot_q) + num_reqs, num_kv_heads if pack else num_heads),
         out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
         qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
-        num_rows, width, *cp_args, _search_stride(num_reqs), *strides,
+        num_rows, width, *cp_args, _search_stride(num_reqs, radix), *strides,
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
-        block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
+        block_size, radix, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
         pre_ids, config.prefill_fa_loop, pack, int(new_loop), config.prefill_prescale_q,
         int(config.prefill_warp_specialize), config.prefill_pair_tiles, dtype,

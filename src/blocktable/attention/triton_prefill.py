@@ -111,7 +111,15 @@ if HAS_TRITON:
             hits = tl.sum((ok & (first <= tile)).to(tl.int32), 0)
             req = req + (hits - 1) * stride
             stride = stride // RADIX
+        # The request's scalars, loaded together before any branch (one memory round trip;
+        # a pad slot, req == num_reqs, reads only qsl).
+        real = req < num_reqs
         q_start = tl.load(qsl_ptr + req)
+        q_end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
+        seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
+        row = req
+        if INDEXED:
+            row = tl.load(row_of_batch_ptr + req, mask=real, other=0)
         if req == num_reqs:  # past the last request: zero the pad tokens of this tile
             for half in tl.static_range(SLOT_Q // BLOCK_Q):
                 tokens = (tile - num_reqs) * SLOT_Q + half * BLOCK_Q + qi
@@ -121,14 +129,10 @@ if HAS_TRITON:
                     out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D, HEAD_DIM, HAS_LSE,
                 )
             return
-        query_len = tl.load(qsl_ptr + req + 1) - q_start
+        query_len = q_end - q_start
         j = tile - q_start // SLOT_Q - req  # the slot's index in its request
         if query_len <= short_query_len:
             return
-        seq_len = tl.load(seq_lens_ptr + req)
-        row = req
-        if INDEXED:
-            row = tl.load(row_of_batch_ptr + req)
         row_ok = (row >= 0) & (row < num_rows)
         row = tl.where(row_ok, row, 0)
         # Never read past the row, whatever seq_len says.
