@@ -79,7 +79,7 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
         "ws-n128-s2": rep(base, prefill_block_n=128, prefill_num_stages=2, **ws),
     }
     if quick:
-        keep = ("default", "prescale", "pair", "nopack-prescale", "ws")
+        keep = ("default", "prescale", "pair", "m64-n32-w4-s2", "ws", "ws-main")
         out = {k: v for k, v in out.items() if k in keep}
     if not HAS_WARP_SPECIALIZE:
         out = {k: v for k, v in out.items() if not v.prefill_warp_specialize}
@@ -286,7 +286,7 @@ def write_json(path: str | None, rows: list[Row], meta: dict[str, object]) -> No
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--quick", action="store_true", help="5 variants, no mixed step")
+    parser.add_argument("--quick", action="store_true", help="6 variants, no mixed step")
     parser.add_argument("--only", help="comma-separated variant names (default: all)")
     parser.add_argument("--rep-ms", type=int, default=60, help="do_bench rep per timing")
     parser.add_argument("--budget-s", type=float, default=230.0,
