@@ -38,7 +38,7 @@ import triton.testing
 from bench_attention import Batch, Shape
 
 from blocktable.attention.launch import (
-    HAS_WARP_SPECIALIZE,
+    HAS_WS_RANGE,
     CPLayout,
     KernelConfig,
     default_config,
@@ -81,7 +81,7 @@ def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
     if quick:
         keep = ("default", "prescale", "pair", "m64-n32-w4-s2", "ws", "ws-main")
         out = {k: v for k, v in out.items() if k in keep}
-    if not HAS_WARP_SPECIALIZE:
+    if not HAS_WS_RANGE:
         out = {k: v for k, v in out.items() if not v.prefill_warp_specialize}
     return out
 
@@ -327,12 +327,12 @@ def main() -> int:
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "capability": cap, "torch": torch.__version__, "triton": triton.__version__,
-        "warp_specialize_arg": HAS_WARP_SPECIALIZE,
+        "warp_specialize_arg": HAS_WS_RANGE,
         "tensor_descriptors": hasattr(triton.language, "make_tensor_descriptor"),
         "variants": {k: describe(v) for k, v in configs.items()},
     }
     print(f"triton {triton.__version__}, capability {cap}, tl.range(warp_specialize): "
-          f"{HAS_WARP_SPECIALIZE}, tl.make_tensor_descriptor: {meta['tensor_descriptors']}")
+          f"{HAS_WS_RANGE}, tl.make_tensor_descriptor: {meta['tensor_descriptors']}")
     rows: list[Row] = []
     broken: set[str] = set()
     if (device == "cuda" or args.warm) and not args.no_warm:

@@ -468,7 +468,7 @@ def test_bad_prefill_options_are_clear_errors(
     that is not a power of two: ValueError before any launch."""
     from blocktable.attention import launch
 
-    monkeypatch.setattr(launch, "HAS_WARP_SPECIALIZE", False)
+    monkeypatch.setattr(launch, "HAS_WS_RANGE", False)
     query, k_cache, v_cache, table, seq, qsl = make_case(
         [(5, 2), (7, 1)], 4, 1, 2, 16, torch.float32, triton_device
     )

@@ -18,9 +18,9 @@ from blocktable.attention.triton_tiles import LOG2_E
 if HAS_TRITON:
     from blocktable.attention import triton_decode as _dec
     from blocktable.attention import triton_prefill as _pre
-    from blocktable.attention.triton_tiles import HAS_WARP_SPECIALIZE
+    from blocktable.attention.triton_tiles import HAS_WS_RANGE
 else:
-    HAS_WARP_SPECIALIZE = False
+    HAS_WS_RANGE = False
 
 SEARCH_RADIX = 16
 PAD_ITERS = 16
@@ -241,7 +241,7 @@ def launch_paged_attention(
         raise ValueError(
             f"prefill_warp_specialize must be 0, 1 or 2, got {config.prefill_warp_specialize}"
         )
-    if config.prefill_warp_specialize and not HAS_WARP_SPECIALIZE and not decode_only:
+    if config.prefill_warp_specialize and not HAS_WS_RANGE and not decode_only:
         raise ValueError(
             "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
         )

@@ -80,7 +80,7 @@ if HAS_TRITON:
         PACK_GQA: tl.constexpr,  # rows pack the GQA group (grid dim 1: KV heads) or not
         LOOP: tl.constexpr,  # 0: attend_segments (IDS_MODE, FA_LOOP); 1: attend_prefill_segments
         PRESCALED: tl.constexpr,  # LOOP 1: q scaled by qk_scale once, before the loop
-        WARP_SPEC: tl.constexpr,  # LOOP 1: warp-specialized loops: 0 none, 1 all, 2 unmasked
+        WS_MODE: tl.constexpr,  # LOOP 1: warp-specialized loops: 0 none, 1 all, 2 unmasked
         PAIR_TILES: tl.constexpr,  # a program runs tiles j and n - 1 - j of its request
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):
@@ -158,7 +158,7 @@ if HAS_TRITON:
             q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h, k_stride_d,
             v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r, table_stride_c,
             BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE, HAS_CP, HAS_WINDOW,
-            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP, PRESCALED, WARP_SPEC,
+            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP, PRESCALED, WS_MODE,
         )
         if PAIR_TILES:  # noqa: SIM102 - a compile-time branch around a run-time one
             if j_long != j:
@@ -171,7 +171,7 @@ if HAS_TRITON:
                     k_stride_d, v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r,
                     table_stride_c, BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                     HAS_CP, HAS_WINDOW, HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP,
-                    PRESCALED, WARP_SPEC,
+                    PRESCALED, WS_MODE,
                 )
 
     @triton.jit
@@ -197,7 +197,7 @@ if HAS_TRITON:
         FA_LOOP: tl.constexpr,
         LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
-        WARP_SPEC: tl.constexpr,
+        WS_MODE: tl.constexpr,
     ):
         """Query tokens ``[i0, i0 + BLOCK_Q)`` of one request (rows ``qi``, heads ``heads``)
         against their visible keys; stores their output rows (and LSE)."""
@@ -265,7 +265,7 @@ if HAS_TRITON:
                 full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
                 k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
                 num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE == 2, PRESCALED, WARP_SPEC,
+                DOT_FP32, NUM_STAGES, IDS_MODE == 2, PRESCALED, WS_MODE,
             )
         store_rows(
             out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,

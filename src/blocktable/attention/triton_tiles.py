@@ -21,7 +21,7 @@ import inspect
 from blocktable._triton import HAS_TRITON, tl, triton
 
 # tl.range(..., warp_specialize=...) exists (Triton >= 3.4).
-HAS_WARP_SPECIALIZE = HAS_TRITON and "warp_specialize" in inspect.signature(tl.range).parameters
+HAS_WS_RANGE = HAS_TRITON and "warp_specialize" in inspect.signature(tl.range).parameters
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -448,14 +448,14 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr,
         PAGE_IDS: tl.constexpr,
         PRESCALED: tl.constexpr,
-        WARP_SPEC: tl.constexpr,
+        WS_LOOP: tl.constexpr,
     ):
         """The prefill kernel's loop, as :func:`attend_tiles` (block ids read in each tile's
         iteration, the FMA loop order) with two options: ``PRESCALED`` (``q`` already holds
-        ``scale * log2(e)``: one multiply per score less) and ``WARP_SPEC`` (Triton's warp
+        ``scale * log2(e)``: one multiply per score less) and ``WS_LOOP`` (Triton's warp
         specialization of the loop: producer warps issue the K/V loads, consumer warps the
         products and the softmax; Triton >= 3.4, where its backend implements it)."""
-        if WARP_SPEC:
+        if WS_LOOP:
             for start in tl.range(
                 kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=True
             ):
@@ -510,9 +510,9 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr,
         PAGE_IDS: tl.constexpr,
         PRESCALED: tl.constexpr,
-        WARP_SPEC: tl.constexpr,
+        WS_MODE: tl.constexpr,
     ):
-        """:func:`attend_segments` over :func:`attend_prefill_tiles`. ``WARP_SPEC``: 0 no
+        """:func:`attend_segments` over :func:`attend_prefill_tiles`. ``WS_MODE``: 0 no
         warp specialization, 1 in every loop, 2 in the unmasked loop only."""
         a1 = kv_start
         if HAS_WINDOW:
@@ -521,19 +521,19 @@ if HAS_TRITON:
                 acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC == 1,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_prefill_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC > 0,
+            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE > 0,
         )
         acc, m_i, l_i = attend_prefill_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
             v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WARP_SPEC == 1,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
         )
         return acc, m_i, l_i
