@@ -353,6 +353,19 @@ def test_many_requests_search_and_all_padding(triton_device: str) -> None:
     assert empty.shape == (0, *query.shape[1:])
 
 
+def launch_or_skip(config, *args, **kwargs) -> None:
+    """``launch_paged_attention``; on CUDA, a warp-specialized prefill loop that this Triton
+    cannot compile for this GPU is a skip (the option is an experiment), never a pass."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        launch_paged_attention(*args, config=config, **kwargs)
+    except (RuntimeError, CompilationError) as exc:
+        if not (config.prefill_warp_specialize and args[2].is_cuda):
+            raise
+        pytest.skip(f"this Triton cannot warp-specialize the prefill loop here: {exc}"[:300])
+
+
 VARIANTS = {
     "ids-prefetch": {"prefill_ids_mode": 0, "decode_ids_mode": 0},
     "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
@@ -390,9 +403,7 @@ def test_kernel_variants_match_reference(triton_device: str, variant: str, block
     for _ in range(2):  # the second call finds the workspace (and fused counters) reused
         out = torch.full_like(args[0], float("nan"))
         lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-        launch_paged_attention(
-            out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False, config=config
-        )
+        launch_or_skip(config, out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False)
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
 
@@ -453,9 +464,7 @@ def test_prefill_loop_options_on_long_prefills(triton_device: str, options, wind
     config = dataclasses.replace(default_config(16, 2, 4), **options)
     out = torch.full_like(args[0], float("nan"))
     lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-    launch_paged_attention(
-        out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False, config=config
-    )
+    launch_or_skip(config, out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False)
     ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     check_lse(lse, ref_lse, torch.float32)
