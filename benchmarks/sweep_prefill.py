@@ -54,7 +54,15 @@ SMOKE_SHAPE = Shape(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype
 
 def variants(base: KernelConfig, quick: bool) -> dict[str, KernelConfig]:
     """Named configurations: the default first, warp-specialized ones last (the riskiest to
-    compile). ``quick``: the few most likely to matter."""
+    compile). ``quick``: the few most likely to matter.
+
+    What each one asks: ``prescale`` (one multiply per score less; q computed in registers),
+    ``pair*`` (equal causal work per program, half the programs: for 16 x 512, where each
+    program's start-up latency is exposed), ``m64*``/``*n32*`` (smaller tiles, so that several
+    programs share an SM and hide each other's latency and softmax), ``nopack`` (128 tokens of
+    one head per tile, K/V of the group shared through L2), ``radix64`` (one level of request
+    search up to 63 requests), ``ws*`` (Triton's warp specialization: ``ws`` every loop,
+    ``ws-main`` the unmasked loop only)."""
     rep = dataclasses.replace
     pre = {"prefill_prescale_q": True, "prefill_ids_mode": 2}
     ws = {**pre, "prefill_warp_specialize": 1}
