@@ -209,7 +209,7 @@ def tune_configs(kind: str, base: KernelConfig, splits: int) -> list[KernelConfi
 
 
 def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]:
-    """The defaults, then one variant at a time (see ``KernelConfig``): at most 8 prefill and 7
+    """The defaults, then one variant at a time (see ``KernelConfig``): at most 10 prefill and 7
     decode compilations per case."""
     rep = dataclasses.replace
     if kind == "decode":
@@ -233,6 +233,8 @@ def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]
         rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=2),
         rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=3,
             prefill_ids_mode=2),
+        rep(base, prefill_prescale_q=True, prefill_ids_mode=2),
+        rep(base, prefill_pair_tiles=True),
     ]
 
 
@@ -247,7 +249,10 @@ def describe(c: KernelConfig, kind: str) -> str:
     return (f"m{c.prefill_block_m} n{c.prefill_block_n} w{c.prefill_num_warps} "
             f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
             + ("" if c.prefill_fa_loop else " oldloop")
-            + ("" if c.prefill_pack_gqa else " nopack"))
+            + ("" if c.prefill_pack_gqa else " nopack")
+            + (" prescale" if c.prefill_prescale_q else "")
+            + (f" ws{c.prefill_warp_specialize}" if c.prefill_warp_specialize else "")
+            + (" pair" if c.prefill_pair_tiles else ""))
 
 
 def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argparse.Namespace,

@@ -353,6 +353,19 @@ def test_many_requests_search_and_all_padding(triton_device: str) -> None:
     assert empty.shape == (0, *query.shape[1:])
 
 
+def launch_or_skip(config, *args, **kwargs) -> None:
+    """``launch_paged_attention``; on CUDA, a warp-specialized prefill loop that this Triton
+    cannot compile for this GPU is a skip (the option is an experiment), never a pass."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        launch_paged_attention(*args, config=config, **kwargs)
+    except (RuntimeError, CompilationError) as exc:
+        if not (config.prefill_warp_specialize and args[2].is_cuda):
+            raise
+        pytest.skip(f"this Triton cannot warp-specialize the prefill loop here: {exc}"[:300])
+
+
 VARIANTS = {
     "ids-prefetch": {"prefill_ids_mode": 0, "decode_ids_mode": 0},
     "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
@@ -364,6 +377,14 @@ VARIANTS = {
     "decode-single-loop": {"decode_single_loop": True, "decode_ids_mode": 1},
     "decode-single-loop-ids-per-block": {"decode_single_loop": True, "decode_ids_mode": 2},
     "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
+    "prescaled-q": {"prefill_prescale_q": True},
+    "prescaled-q-per-block": {"prefill_prescale_q": True, "prefill_ids_mode": 2},
+    "warp-specialized": {"prefill_warp_specialize": 1, "prefill_ids_mode": 2},
+    "paired-tiles": {"prefill_pair_tiles": True},
+    "search-radix-2": {"prefill_search_radix": 2, "prefill_pair_tiles": True},
+    "search-radix-64": {"prefill_search_radix": 64},
+    "paired-unpacked-prescaled": {"prefill_pair_tiles": True, "prefill_pack_gqa": False,
+                                  "prefill_prescale_q": True},
 }
 
 
@@ -385,9 +406,7 @@ def test_kernel_variants_match_reference(triton_device: str, variant: str, block
     for _ in range(2):  # the second call finds the workspace (and fused counters) reused
         out = torch.full_like(args[0], float("nan"))
         lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-        launch_paged_attention(
-            out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False, config=config
-        )
+        launch_or_skip(config, out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False)
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
 
@@ -508,3 +527,78 @@ def test_decode_single_loop_with_cp_window_and_splits(triton_device: str, ids_mo
                            decode_only=True, config=config)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     check_lse(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"prefill_pair_tiles": True},
+        {"prefill_pair_tiles": True, "prefill_pack_gqa": False, "prefill_block_m": 16},
+        {"prefill_prescale_q": True, "prefill_warp_specialize": 1, "prefill_ids_mode": 2},
+        {"prefill_warp_specialize": 2, "prefill_pair_tiles": True},
+    ],
+    ids=["paired", "paired-unpacked", "prescaled-ws", "ws-unmasked-paired"],
+)
+def test_prefill_loop_options_on_long_prefills(triton_device: str, options, window) -> None:
+    """Prefills of 5, 4, 3 and 1 query tiles (odd and even pair counts), a chunk over a cached
+    prefix that crosses blocks, a decode and a pad token: the new schedules and loop options
+    against the float64 reference (LSE too)."""
+    reqs = [(40, 40), (37, 29), (30, 21), (13, 1), (9, 8)]
+    args = make_case(reqs, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=1, seed=11)
+    config = dataclasses.replace(default_config(16, 2, 4), **options)
+    out = torch.full_like(args[0], float("nan"))
+    lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
+    launch_or_skip(config, out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False)
+    ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+
+def test_bad_prefill_options_are_clear_errors(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Triton without tl.range(warp_specialize=...), a mode outside 0..2, a search radix
+    that is not a power of two: ValueError before any launch."""
+    from blocktable.attention import launch
+
+    monkeypatch.setattr(launch, "HAS_WS_RANGE", False)
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(5, 2), (7, 1)], 4, 1, 2, 16, torch.float32, triton_device
+    )
+    out = torch.zeros_like(query)
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_warp_specialize=True)
+    with pytest.raises(ValueError, match="prefill_warp_specialize needs"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+    with pytest.raises(ValueError, match="prefill_warp_specialize must be 0, 1 or 2, got 3"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=dataclasses.replace(config, prefill_warp_specialize=3),
+        )
+    with pytest.raises(ValueError, match="prefill_search_radix must be a power of two"):
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
+            decode_only=False, config=dataclasses.replace(config, prefill_search_radix=3),
+        )
+    assert (out == 0).all()
+
+
+def test_paired_tiles_zero_every_pad_token(triton_device: str) -> None:
+    """With two tiles per program, the slots past the last request still cover every pad
+    token: a batch of one short prefill and 37 pad tokens, then one of padding only."""
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        [(11, 9)], 4, 1, 2, 16, torch.float32, triton_device, pad_tokens=37, seed=5
+    )
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_pair_tiles=True)
+    ref, _ = reference(query, k_cache, v_cache, table, seq, qsl)
+    for lens in ((seq, qsl), (seq[:0], qsl[:1])):
+        out = torch.full_like(query, float("nan"))
+        launch_paged_attention(
+            out, None, query, k_cache, v_cache, table, *lens, None, 1.0 / 4, None, CPLayout(),
+            decode_only=False, config=config,
+        )
+        expected = ref if lens[0].numel() else torch.zeros_like(ref)
+        assert rel_err(out, expected) < TOLERANCE[torch.float32]

@@ -19,6 +19,9 @@ from blocktable.attention.triton_tiles import LOG2_E
 if HAS_TRITON:
     from blocktable.attention import triton_decode as _dec
     from blocktable.attention import triton_prefill as _pre
+    from blocktable.attention.triton_tiles import HAS_WS_RANGE
+else:
+    HAS_WS_RANGE = False
 
 SEARCH_RADIX = 16
 PAD_ITERS = 16
@@ -64,6 +67,21 @@ class KernelConfig:
     # loop, each tile's V loaded beside its K, block ids per tile: ids_mode 2 where it applies,
     # else 1); False: the loop shared with the prefill kernel (attend_segments).
     decode_single_loop: bool = False
+    # Prefill loop options (any of the first two selects attend_prefill_tiles, whose block ids
+    # are read in each tile's iteration: ids_mode 0 there means 1):
+    # prefill_prescale_q: q multiplied by scale * log2(e) once, before the loop (scores leave
+    # the product in the log2 domain);
+    prefill_prescale_q: bool = False
+    # prefill_warp_specialize: Triton's warp-specialized loops (tl.range(warp_specialize=True),
+    # Triton >= 3.4; how much of it a backend implements depends on the GPU and version):
+    # 0 none, 1 every loop, 2 only the loop over unmasked tiles;
+    prefill_warp_specialize: int = 0
+    # prefill_pair_tiles: each program runs query tiles j and n - 1 - j of its request, so
+    # that every program of a causal prefill has the same work (half as many programs).
+    prefill_pair_tiles: bool = False
+    # prefill_search_radix: lanes per level of the device search for a program's request (a
+    # power of two >= 2); one level serves up to radix - 1 requests.
+    prefill_search_radix: int = SEARCH_RADIX
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,11 +169,11 @@ def _workspace(
 
 
 @functools.lru_cache(maxsize=4096)
-def _search_stride(num_reqs: int) -> int:
-    """``SEARCH_RADIX ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
+def _search_stride(num_reqs: int, radix: int = SEARCH_RADIX) -> int:
+    """``radix ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
     stride = 1
-    while stride * SEARCH_RADIX < num_reqs + 1:
-        stride *= SEARCH_RADIX
+    while stride * radix < num_reqs + 1:
+        stride *= radix
     return stride
 
 
@@ -387,6 +405,17 @@ def launch_paged_attention(
     # Checked before any launch, so that a bad configuration writes nothing (DecodePlan.build
     # checks the decode ids mode).
     pre_ids = _ids_mode(config.prefill_ids_mode, config.prefill_block_n, block_size)
+    radix = config.prefill_search_radix
+    if radix < 2 or radix & (radix - 1):
+        raise ValueError(f"prefill_search_radix must be a power of two >= 2, got {radix}")
+    if config.prefill_warp_specialize not in (0, 1, 2):
+        raise ValueError(
+            f"prefill_warp_specialize must be 0, 1 or 2, got {config.prefill_warp_specialize}"
+        )
+    if config.prefill_warp_specialize and not HAS_WS_RANGE and not decode_only:
+        raise ValueError(
+            "prefill_warp_specialize needs tl.range(warp_specialize=...) (Triton >= 3.4)"
+        )
     dtype = _DTYPE_NAMES[query.dtype]
     dot_fp32 = _INTERPRET and dtype != "fp32"
     has_lse = lse_out is not None
@@ -418,15 +447,18 @@ def launch_paged_attention(
         block_q = block_m // group_pad
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
+    new_loop = bool(config.prefill_prescale_q or config.prefill_warp_specialize)
+    slot_q = 2 * block_q if config.prefill_pair_tiles else block_q  # tokens per program
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
-        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads if pack else num_heads),
+        (cdiv(num_tokens, slot_q) + num_reqs, num_kv_heads if pack else num_heads),
         out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
         qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
-        num_rows, width, *cp_args, _search_stride(num_reqs), *strides,
+        num_rows, width, *cp_args, _search_stride(num_reqs, radix), *strides,
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
-        block_size, SEARCH_RADIX, indexed, has_cp, window > 0, has_lse, dot_fp32,
+        block_size, radix, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
-        pre_ids, config.prefill_fa_loop, pack, dtype,
+        pre_ids, config.prefill_fa_loop, pack, int(new_loop), config.prefill_prescale_q,
+        int(config.prefill_warp_specialize), config.prefill_pair_tiles, dtype,
         num_warps=config.prefill_num_warps,
     )

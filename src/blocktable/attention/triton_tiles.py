@@ -16,8 +16,12 @@ bound into a local one. Tiles wholly inside every row's range skip the mask.
 
 from __future__ import annotations
 
+import inspect
+
 from blocktable._triton import HAS_TRITON, tl, triton
 
+# tl.range(..., warp_specialize=...) exists (Triton >= 3.4).
+HAS_WS_RANGE = HAS_TRITON and "warp_specialize" in inspect.signature(tl.range).parameters
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -308,3 +312,228 @@ if HAS_TRITON:
             out_ptr, lse_ptr, zero, m_i, m_i, tokens, heads, row_ok, out_stride_t, out_stride_h,
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
+
+    @triton.jit
+    def _prefill_step(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_hi,
+        start,
+        kv_lo,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        PAGE_IDS: tl.constexpr,
+        PRESCALED: tl.constexpr,
+    ):
+        """One key tile of :func:`attend_prefill_tiles` (block ids loaded in the tile's own
+        iteration: per key, or with ``PAGE_IDS`` one per block broadcast over its keys)."""
+        n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        keys = start + n
+        if PAGE_IDS:
+            PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            page = start // BLOCK_SIZE + tl.arange(0, PAGES)
+            page_ids = tl.load(
+                table_row_ptr + page * table_stride_c,
+                mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
+                other=-1,
+            )
+            block_id = tl.reshape(
+                tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
+            )
+            offset = n % BLOCK_SIZE  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
+        else:
+            block_id = tl.load(
+                table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c,
+                mask=(keys >= kv_lo) & (keys < kv_cap),
+                other=-1,
+            )
+            offset = keys % BLOCK_SIZE
+        if MASKED:
+            in_row = (keys >= kv_lo) & (keys < kv_cap)
+        else:  # every key of an unmasked tile lies in the row
+            in_row = keys < kv_cap
+        # An id outside the cache is never dereferenced: its K and V read as zeros (a NaN
+        # there would poison P @ V even with its scores masked).
+        kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+        block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
+        kv_mask = kv_ok[:, None]
+        if HEAD_DIM != BLOCK_D:
+            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+        k = tl.load(
+            k_base + block_id[:, None] * k_stride_b + offset[:, None] * k_stride_s
+            + d[None, :] * k_stride_d,
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if MASKED:
+            visible = (
+                (keys[None, :] >= row_lo[:, None])
+                & (keys[None, :] < row_hi[:, None])
+                & kv_ok[None, :]
+            )
+            qk = tl.where(visible, qk, float("-inf"))
+        if PRESCALED:  # q carries scale * log2(e): scores are in the log2 domain already
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + block_id[:, None] * v_stride_b + offset[:, None] * v_stride_s
+            + d[None, :] * v_stride_d,
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        return acc, m_new, l_i
+
+    @triton.jit
+    def attend_prefill_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_hi,
+        kv_start,
+        kv_end,
+        kv_lo,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        PAGE_IDS: tl.constexpr,
+        PRESCALED: tl.constexpr,
+        WS_LOOP: tl.constexpr,
+    ):
+        """The prefill kernel's loop, as :func:`attend_tiles` (block ids read in each tile's
+        iteration, the FMA loop order) with two options: ``PRESCALED`` (``q`` already holds
+        ``scale * log2(e)``: one multiply per score less) and ``WS_LOOP`` (Triton's warp
+        specialization of the loop: producer warps issue the K/V loads, consumer warps the
+        products and the softmax; Triton >= 3.4, where its backend implements it)."""
+        if WS_LOOP:
+            for start in tl.range(
+                kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=True
+            ):
+                acc, m_i, l_i = _prefill_step(
+                    acc, m_i, l_i, q, row_lo, row_hi, start, kv_lo, kv_cap, table_row_ptr,
+                    table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d,
+                    v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale, MASKED, BLOCK_N,
+                    BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, PAGE_IDS, PRESCALED,
+                )
+        else:
+            for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, m_i, l_i = _prefill_step(
+                    acc, m_i, l_i, q, row_lo, row_hi, start, kv_lo, kv_cap, table_row_ptr,
+                    table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d,
+                    v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale, MASKED, BLOCK_N,
+                    BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, PAGE_IDS, PRESCALED,
+                )
+        return acc, m_i, l_i
+
+    @triton.jit
+    def attend_prefill_segments(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_hi,
+        kv_start,
+        kv_end,
+        kv_lo,
+        full_lo,
+        full_hi,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,
+        HAS_WINDOW: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        PAGE_IDS: tl.constexpr,
+        PRESCALED: tl.constexpr,
+        WS_MODE: tl.constexpr,
+    ):
+        """:func:`attend_segments` over :func:`attend_prefill_tiles`. ``WS_MODE``: 0 no
+        warp specialization, 1 in every loop, 2 in the unmasked loop only."""
+        a1 = kv_start
+        if HAS_WINDOW:
+            a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
+            acc, m_i, l_i = attend_prefill_tiles(
+                acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
+                table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
+                v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
+            )
+        b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
+        acc, m_i, l_i = attend_prefill_tiles(
+            acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
+            k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
+            v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE > 0,
+        )
+        acc, m_i, l_i = attend_prefill_tiles(
+            acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
+            table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
+            v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
+        )
+        return acc, m_i, l_i
