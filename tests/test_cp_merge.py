@@ -351,3 +351,71 @@ def test_cuda_graph_no_sync_no_allocation(pattern, tmp_path):
             assert torch.equal(got, want)
     finally:
         dist.destroy_process_group()
+
+
+# --- The peer-to-peer transport ------------------------------------------------------------
+
+P2P_CALLS = (  # (scenario, num_tokens, all_heads, return_lse): sizes and modes alternate
+    ("random", 1, False, True), ("empty", MAX_TOKENS, True, True), ("strided", 3, False, False),
+    ("all_inf", 5, False, True), ("dominant", 2, True, True), ("equal", MAX_TOKENS, False, True),
+)
+
+
+def p2p_kernel_job(
+    rank: int, world: int, path: str, programs: int, tile_tokens: int
+) -> dict[str, object]:
+    """The p2p kernel on CPU ranks under the Triton interpreter: each rank's "symmetric"
+    buffer is its slice of one file mapped by every process (a peer is ``delta`` bytes away),
+    so pushes, flags and waits really cross processes."""
+    from blocktable.context_parallel.p2p import P2PLayout, P2PMerge, SymmetricBuffer
+
+    failures: list[str] = []
+    cases = 0
+    offset = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        elem = torch.empty((), dtype=dtype).element_size()
+        layout = P2PLayout(world, programs, MAX_TOKENS, NUM_HEADS, HEAD_DIM, elem)
+        nbytes = layout.nbytes
+        whole = torch.from_file(path, shared=True, size=offset + world * nbytes,
+                                dtype=torch.uint8)
+        local = whole[offset + rank * nbytes: offset + (rank + 1) * nbytes]
+        buffer = SymmetricBuffer(local, tuple((q - rank) * nbytes // 16 for q in range(world)))
+        offset += world * nbytes
+        hpr = NUM_HEADS // world
+        p2p = P2PMerge(rank=rank, world_size=world, max_num_tokens=MAX_TOKENS,
+                       num_heads=NUM_HEADS, head_dim=HEAD_DIM, dtype=dtype, heads_per_rank=hpr,
+                       buffer=buffer, programs=programs, timeout_s=None,
+                       tile_tokens=tile_tokens)
+        for seed, (scenario, num_tokens, all_heads, want_lse) in enumerate(P2P_CALLS):
+            outs, lses = partial_states(scenario, world, num_tokens, dtype, seed)
+            want_out, want_lse_ = merge_attention_reference(outs, lses)
+            out, lse = outs[rank], lses[rank]
+            if scenario == "strided":
+                big = torch.zeros(num_tokens, NUM_HEADS + 1, HEAD_DIM + 3, dtype=dtype)
+                big[:, :NUM_HEADS, :HEAD_DIM] = out
+                out = big[:, :NUM_HEADS, :HEAD_DIM]
+                lse = lse.t().contiguous().t()
+            got, got_lse = p2p.run(out, lse, all_heads=all_heads, want_lse=want_lse)
+            heads = slice(None) if all_heads else slice(rank * hpr, (rank + 1) * hpr)
+            name = f"p2p {dtype} {scenario} T={num_tokens} all_heads={all_heads} rank={rank}"
+            compare(name + " out", got, want_out[:, heads], TOLERANCE[dtype], failures)
+            if want_lse:
+                compare(name + " lse", got_lse, want_lse_[:, heads], 1e-5, failures)
+            cases += 1
+        p2p.handshake(out, lse)  # flags only; the next call must still line up
+        got, _ = p2p.run(outs[rank], lses[rank], all_heads=True, want_lse=False)
+        compare(f"p2p {dtype} after handshake", got, want_out, TOLERANCE[dtype], failures)
+        if p2p._epoch.tolist() != [len(P2P_CALLS) + 2] * programs:
+            failures.append(f"p2p epochs {p2p._epoch.tolist()}")
+    return {"failures": failures, "cases": cases}
+
+
+@pytest.mark.parametrize(("world", "programs", "tile_tokens"), [(2, 3, 1), (3, 2, 3)])
+def test_p2p_kernel_across_processes(world, programs, tile_tokens, tmp_path):
+    path = tmp_path / "symmetric.bin"
+    path.write_bytes(bytes(1 << 20))  # zeroed flags: no call made yet
+    results = run_ranks(p2p_kernel_job, world, tmp_path, args=(str(path), programs, tile_tokens),
+                        timeout_s=150.0)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:40])
+    assert all(r["cases"] == 2 * len(P2P_CALLS) for r in results)
