@@ -172,6 +172,9 @@ class P2PMerge:
         self._timeout_ns = 0 if (timeout_s is None or interp) else max(1, int(timeout_s * 1e9))
         self._launch = Launcher(_p2p_merge_kernel, dynamic=(9,))
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tails: dict[tuple[bool, bool, bool], tuple[object, ...]] = {}
+        self._bufs = (self._sym_out, self._sym_f32, self._sym_i32, self._delta16, self._epoch,
+                      self.result, self.result_lse)
 
     def run(
         self, out: torch.Tensor, lse: torch.Tensor, *, all_heads: bool, want_lse: bool
@@ -193,6 +196,21 @@ class P2PMerge:
             self._views[key] = views
         return views
 
+    def precompile(self, all_heads_modes: tuple[bool, ...]) -> None:
+        """Compile the kernel's variants now (no launch), so that a rank compiling late cannot
+        leave its peers waiting into their timeout at a first call. No-op under the
+        interpreter or where this Triton lacks ``warmup``."""
+        warmup = getattr(_p2p_merge_kernel, "warmup", None)
+        if interpreting() or self.device.type != "cuda" or warmup is None:
+            return
+        out = torch.zeros(1, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        lse = torch.zeros(1, self.num_heads, dtype=torch.float32, device=self.device)
+        with torch.cuda.device(self.device):
+            for all_heads in all_heads_modes:
+                for want_lse in (False, True):
+                    warmup(*self._args(out, lse, 1, all_heads, want_lse), grid=(self.programs,),
+                           num_warps=4)
+
     def handshake(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """The kernel with no token: only its flags (the transport's floor)."""
         self._kernel(out[:0], lse[:0], 0, False, False)
@@ -201,20 +219,32 @@ class P2PMerge:
         self, out: torch.Tensor, lse: torch.Tensor, num_tokens: int, all_heads: bool,
         want_lse: bool,
     ) -> None:
+        self._launch((self.programs,), *self._args(out, lse, num_tokens, all_heads, want_lse))
+
+    def _args(
+        self, out: torch.Tensor, lse: torch.Tensor, num_tokens: int, all_heads: bool,
+        want_lse: bool,
+    ) -> tuple[object, ...]:
+        aligned = out.data_ptr() % 16 == 0
+        tail = self._tails.get((all_heads, want_lse, aligned))
+        if tail is None:
+            tail = self._tails[(all_heads, want_lse, aligned)] = self._tail(
+                all_heads, want_lse, aligned)
+        return (out, lse, *self._bufs, num_tokens, out.stride(0), out.stride(1), lse.stride(0),
+                lse.stride(1), *tail)
+
+    def _tail(self, all_heads: bool, want_lse: bool, aligned: bool) -> tuple[object, ...]:
+        """The kernel's constexpr arguments of one mode."""
         hr = self.num_heads if all_heads else self.heads_per_rank
         lay, tok = self.layout, self._tok
         elem = lay.elem_bytes
-        self._launch(
-            (self.programs,),
-            out, lse, self._sym_out, self._sym_f32, self._sym_i32, self._delta16, self._epoch,
-            self.result, self.result_lse,
-            num_tokens, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        return (
             self.world_size, self.rank, self.num_heads, self.head_dim,
             next_power_of_2(self.head_dim), self.heads_per_rank, all_heads, hr,
             0 if all_heads else self.rank * self.heads_per_rank, tok,
             next_power_of_2(tok * self.num_heads), next_power_of_2(tok * hr),
             self.max_num_tokens, lay.lse_offset_bytes // 4, lay.out_offset_bytes // elem,
-            16 // elem, want_lse, self._timeout_ns, out.data_ptr() % 16 == 0,
+            16 // elem, want_lse, self._timeout_ns, aligned,
         )
 
 
@@ -282,6 +312,12 @@ def open_symmetric_buffer(
             ) from err
         ptrs = [int(p) for p in handle.buffer_ptrs]
         offset = tensor.data_ptr() - ptrs[rank]
+        size = int(getattr(handle, "buffer_size", offset + nbytes))
+        if offset < 0 or offset + nbytes > size:
+            raise RuntimeError(
+                f"transport='p2p': the buffer ({nbytes} bytes at offset {offset}) is not inside "
+                f"its symmetric allocation ({size} bytes)"
+            )
         tensor.zero_()
         torch.cuda.synchronize(device)
         offsets: list[object] = [None] * world
