@@ -88,7 +88,8 @@ class AttentionMerger:
     p2p_timeout_s : float or None
         ``"p2p"`` only: how long the kernel waits for a peer before it traps (the CUDA context
         is then lost, so a dead peer ends the process with a CUDA error instead of a hang);
-        ``None`` waits forever.
+        ``None`` waits forever. Keep it well above the time ranks may drift apart (a first
+        call's compilation on a slow rank, for instance): a trap is fatal to the process.
 
     Examples
     --------
@@ -120,7 +121,7 @@ class AttentionMerger:
         cp: CPConfig | None = None,
         backend: str = "auto",
         transport: str = "collectives",
-        p2p_timeout_s: float | None = 10.0,
+        p2p_timeout_s: float | None = 60.0,
     ) -> None:
         if pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
