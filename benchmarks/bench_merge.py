@@ -6,6 +6,10 @@ medians over many calls replayed from one CUDA graph and issued eagerly (CUDA ev
 same for the pattern's collectives alone on the merger's own buffers. vLLM's figures for its
 own merge on 2 H200s (graph, same shapes) are printed beside ours for comparison.
 
+Two transports: ``collectives`` (the pattern's NCCL collectives) and ``p2p`` (symmetric memory,
+one Triton kernel per call; CUDA only). For ``p2p`` the "bare" column is that kernel with no
+token: only its flag exchange with the peers (the transport's floor).
+
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src python benchmarks/bench_merge.py --json merge.json
     PYTHONPATH=src python benchmarks/bench_merge.py --device cpu --world 2   # gloo smoke test
 
@@ -46,7 +50,10 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
 def bare_collectives(merger, out: torch.Tensor, lse: torch.Tensor, gather: bool) -> Callable[[], None]:
-    """The collectives ``merger.merge`` issues for these inputs, on its own buffers, no math."""
+    """The collectives ``merger.merge`` issues for these inputs, on its own buffers, no math
+    (for the p2p transport: its kernel's flag exchange alone)."""
+    if merger._p2p is not None:
+        return lambda: merger._p2p.handshake(out, lse)
     comm, v = merger._comm, merger._views(out.shape[0])
     if merger.pattern == "all_to_all":
         steps = [lambda: comm.all_to_all(v["recv"], v["send"])]
@@ -141,15 +148,19 @@ def worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
                             rank=rank, world_size=args.world, timeout=timedelta(seconds=120))
     dtype = getattr(torch, args.dtype)
     rows = []
-    for pattern in args.patterns:
-        for gather in ([False, True] if args.gather_heads else [False]):
-            if gather and pattern == "all_reduce":
-                continue
-            merger = AttentionMerger(None, max_num_tokens=max(args.tokens), num_heads=args.heads,
-                                     head_dim=args.head_dim, dtype=dtype, device=device,
-                                     pattern=pattern)
-            rows += [measure(merger, n, gather, args) for n in args.tokens]
-            del merger
+    for transport in args.transports:
+        if transport == "p2p" and not cuda:
+            continue  # symmetric memory needs GPUs
+        for pattern in args.patterns:
+            for gather in ([False, True] if args.gather_heads else [False]):
+                if gather and pattern == "all_reduce":
+                    continue
+                merger = AttentionMerger(None, max_num_tokens=max(args.tokens),
+                                         num_heads=args.heads, head_dim=args.head_dim,
+                                         dtype=dtype, device=device, pattern=pattern,
+                                         transport=transport)
+                rows += [measure(merger, n, gather, args) for n in args.tokens]
+                del merger
     if rank == 0:
         report(rows, args)
     dist.barrier()
@@ -181,7 +192,9 @@ def measure(merger, num_tokens: int, gather: bool, args: argparse.Namespace) -> 
         return err.item()
 
     def reset() -> None:  # so that a graph replay that writes nothing cannot pass
-        for buf in (merger._send, merger._slices):
+        bufs = (merger._p2p.result,) if merger._p2p is not None else (merger._send,
+                                                                      merger._slices)
+        for buf in bufs:
             buf.fill_(float("nan"))
 
     err = verify()
@@ -192,6 +205,7 @@ def measure(merger, num_tokens: int, gather: bool, args: argparse.Namespace) -> 
     err = max(err, graph_err if graph_err is not None else 0.0)
     bare_graph, bare_eager, _ = timer(bare_collectives(merger, out, lse, gather), calls, repeats)
     return {
+        "transport": merger.transport,
         "pattern": merger.pattern + ("+gather" if gather else ""), "tokens": num_tokens,
         "graph_us": graph_us, "eager_us": eager_us, "bare_graph_us": bare_graph,
         "bare_eager_us": bare_eager,
@@ -220,11 +234,13 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (gloo)"
     print(f"\nattention merge, world {args.world}, {args.heads} heads x {args.head_dim}, "
           f"{args.dtype} out, fp32 LSE, {dev}; µs per call (medians)")
-    head = ("pattern", "B", "graph", "eager", "bare graph", "bare eager", "vLLM graph", "rel err")
+    head = ("transport", "pattern", "B", "graph", "eager", "bare graph", "bare eager",
+            "vLLM graph", "rel err")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['pattern']} | {r['tokens']} | {fmt(r['graph_us'])} | {fmt(r['eager_us'])} | "
+        print(f"| {r['transport']} | {r['pattern']} | {r['tokens']} | {fmt(r['graph_us'])} | "
+              f"{fmt(r['eager_us'])} | "
               f"{fmt(r['bare_graph_us'])} | {fmt(r['bare_eager_us'])} | "
               f"{fmt(r['vllm_graph_us'])} | {r['max_rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |")
     if args.json:
@@ -246,6 +262,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--patterns", type=lambda s: s.split(","),
                         default=["all_to_all", "all_gather_reduce_scatter", "all_reduce"])
+    parser.add_argument("--transports", type=lambda s: s.split(","),
+                        default=["collectives", "p2p"],
+                        help="collectives (NCCL/gloo) and/or p2p (symmetric memory, CUDA)")
     parser.add_argument("--gather-heads", action="store_true",
                         help="also time the head-sliced patterns with gather_heads=True")
     parser.add_argument("--calls", type=int, default=50, help="merges per graph / timed run")

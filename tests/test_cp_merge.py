@@ -9,6 +9,7 @@ through the group and compares its result with the reference over all of them.
 from __future__ import annotations
 
 import doctest
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from spawn import run_ranks
 from blocktable.config import CPConfig
 from blocktable.context_parallel import PATTERNS, AttentionMerger, merge_attention_reference
 from blocktable.context_parallel import merge as merge_module
+from blocktable.context_parallel import p2p as p2p_module
 from blocktable.context_parallel.correction import A2ALayout, MergeKernels
 
 NUM_HEADS, HEAD_DIM, MAX_TOKENS = 4, 8, 8
@@ -351,3 +353,306 @@ def test_cuda_graph_no_sync_no_allocation(pattern, tmp_path):
             assert torch.equal(got, want)
     finally:
         dist.destroy_process_group()
+
+
+# --- The peer-to-peer transport ------------------------------------------------------------
+
+P2P_CALLS = (  # (scenario, num_tokens, all_heads, return_lse): sizes and modes alternate
+    ("random", 1, False, True), ("empty", MAX_TOKENS, True, True), ("strided", 3, False, False),
+    ("all_inf", 5, False, True), ("dominant", 2, True, True), ("equal", MAX_TOKENS, False, True),
+)
+
+
+def p2p_kernel_job(
+    rank: int, world: int, path: str, programs: int, tile_tokens: int
+) -> dict[str, object]:
+    """The p2p kernel on CPU ranks under the Triton interpreter: each rank's "symmetric"
+    buffer is its slice of one file mapped by every process (a peer is ``delta`` bytes away),
+    so pushes, flags and waits really cross processes."""
+    from blocktable.context_parallel.p2p import P2PLayout, P2PMerge, SymmetricBuffer
+
+    failures: list[str] = []
+    cases = 0
+    offset = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        elem = torch.empty((), dtype=dtype).element_size()
+        layout = P2PLayout(world, programs, MAX_TOKENS, NUM_HEADS, HEAD_DIM, elem)
+        nbytes = layout.nbytes
+        whole = torch.from_file(path, shared=True, size=offset + world * nbytes,
+                                dtype=torch.uint8)
+        local = whole[offset + rank * nbytes: offset + (rank + 1) * nbytes]
+        buffer = SymmetricBuffer(local, tuple((q - rank) * nbytes // 16 for q in range(world)))
+        offset += world * nbytes
+        hpr = NUM_HEADS // world
+        p2p = P2PMerge(rank=rank, world_size=world, max_num_tokens=MAX_TOKENS,
+                       num_heads=NUM_HEADS, head_dim=HEAD_DIM, dtype=dtype, heads_per_rank=hpr,
+                       buffer=buffer, programs=programs, timeout_s=None,
+                       tile_tokens=tile_tokens)
+        for seed, (scenario, num_tokens, all_heads, want_lse) in enumerate(P2P_CALLS):
+            outs, lses = partial_states(scenario, world, num_tokens, dtype, seed)
+            want_out, want_lse_ = merge_attention_reference(outs, lses)
+            out, lse = outs[rank], lses[rank]
+            if scenario == "strided":
+                big = torch.zeros(num_tokens, NUM_HEADS + 1, HEAD_DIM + 3, dtype=dtype)
+                big[:, :NUM_HEADS, :HEAD_DIM] = out
+                out = big[:, :NUM_HEADS, :HEAD_DIM]
+                lse = lse.t().contiguous().t()
+            got, got_lse = p2p.run(out, lse, all_heads=all_heads, want_lse=want_lse)
+            heads = slice(None) if all_heads else slice(rank * hpr, (rank + 1) * hpr)
+            name = f"p2p {dtype} {scenario} T={num_tokens} all_heads={all_heads} rank={rank}"
+            compare(name + " out", got, want_out[:, heads], TOLERANCE[dtype], failures)
+            if want_lse:
+                compare(name + " lse", got_lse, want_lse_[:, heads], 1e-5, failures)
+            cases += 1
+        p2p.handshake(out, lse)  # flags only; the next call must still line up
+        got, _ = p2p.run(outs[rank], lses[rank], all_heads=True, want_lse=False)
+        compare(f"p2p {dtype} after handshake", got, want_out, TOLERANCE[dtype], failures)
+        if p2p._epoch.tolist() != [len(P2P_CALLS) + 2] * programs:
+            failures.append(f"p2p epochs {p2p._epoch.tolist()}")
+    return {"failures": failures, "cases": cases}
+
+
+@pytest.mark.parametrize(("world", "programs", "tile_tokens"), [(2, 3, 1), (3, 2, 3)])
+def test_p2p_kernel_across_processes(world, programs, tile_tokens, tmp_path):
+    path = tmp_path / "symmetric.bin"
+    path.write_bytes(bytes(1 << 20))  # zeroed flags: no call made yet
+    results = run_ranks(p2p_kernel_job, world, tmp_path, args=(str(path), programs, tile_tokens),
+                        timeout_s=150.0)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:40])
+    assert all(r["cases"] == 2 * len(P2P_CALLS) for r in results)
+
+
+def test_p2p_transport_errors(monkeypatch, tmp_path):
+    """Refused with a clear error where it cannot run: CPU/gloo, no symmetric memory, ranks on
+    several nodes, a bad transport name."""
+    p2p = p2p_module
+    path = tmp_path / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        kw: dict[str, object] = {"max_num_tokens": 4, "num_heads": 2, "head_dim": 4,
+                                 "dtype": torch.float32}
+        with pytest.raises(ValueError, match=r"transport='p2p' needs CUDA.*device=cpu"):
+            AttentionMerger(None, device="cpu", transport="p2p", **kw)
+        with pytest.raises(ValueError, match="transport must be one of"):
+            AttentionMerger(None, device="cpu", transport="nvlink", **kw)
+        with pytest.raises(ValueError, match="CUDA"):
+            p2p.open_symmetric_buffer(dist.group.WORLD, 1024, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert p2p.p2p_unavailable_reason(torch.device("cpu")) is not None
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)
+    reason = p2p.p2p_unavailable_reason(torch.device("cuda", 0))
+    if p2p.HAS_TRITON:
+        assert reason is not None and "_symmetric_memory" in reason
+    with pytest.raises(ValueError, match=r"one node \(rank 0: a, rank 1: b\)"):
+        p2p.check_one_node(["a", "b"])
+    p2p.check_one_node(["a", "a"])
+
+
+def test_p2p_layout_and_grid():
+    lay = p2p_module
+    layout = lay.P2PLayout(2, 128, 1024, 32, 128, 2)
+    assert layout.lse_offset_bytes == 2 * 128 * 2 * 4
+    assert layout.out_offset_bytes == layout.lse_offset_bytes + 2 * 1024 * 32 * 4
+    assert layout.nbytes == layout.out_offset_bytes + 2 * 1024 * 32 * 128 * 2
+    assert all(x % 16 == 0 for x in (layout.lse_offset_bytes, layout.out_offset_bytes))
+    assert lay.tokens_per_tile(32, 128) == 1 and lay.tokens_per_tile(4, 8) == 128
+    assert lay.default_programs(1, 32, 128) == 1 and lay.default_programs(4096, 32, 128) == 128
+
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_states(
+    world: int, num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's partial state: random, with a rank empty for some rows, a row seen by no
+    rank, and NaN in an empty row's output (it must not leak)."""
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(world, num_tokens, num_heads, head_dim, generator=g)
+    lses = 3 * torch.randn(world, num_tokens, num_heads, generator=g)
+    lses[-1, : num_tokens // 2] = float("-inf")
+    outs[-1, : num_tokens // 2] = float("nan")
+    lses[:, 0, 0] = float("-inf")
+    outs[:, 0, 0] = 0.0
+    return [o.to(dtype) for o in outs], list(lses)
+
+
+def p2p_cuda_job(rank: int, world: int) -> dict[str, object]:
+    """transport='p2p' on GPUs: every pattern, B in {1, 7, 64}, bf16 and fp32, with and without
+    gather_heads, eagerly (no sync, no allocation) and replayed from a CUDA graph."""
+    dev = torch.device("cuda", rank)
+    heads, head_dim, max_tokens = 32, 128, 64
+    failures: list[str] = []
+    cases = 0
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for pattern in PATTERNS:
+            merger = AttentionMerger(None, max_num_tokens=max_tokens, num_heads=heads,
+                                     head_dim=head_dim, dtype=dtype, device=dev,
+                                     pattern=pattern, transport="p2p")
+            gathers = (False,) if pattern == "all_reduce" else (False, True)
+            for num_tokens in (1, 7, 64):
+                for gather in gathers:
+                    seed += 1
+                    outs, lses = cuda_states(world, num_tokens, heads, head_dim, dtype, seed)
+                    want, want_lse = merge_attention_reference(outs, lses)
+                    heads_got = slice(None) if gather else merger.head_slice
+                    out, lse = outs[rank].to(dev), lses[rank].to(dev)
+                    got, got_lse = merger.merge(out, lse, gather_heads=gather, return_lse=True)
+                    name = f"p2p {pattern} {dtype} B={num_tokens} gather={gather} rank={rank}"
+                    compare(name, got.cpu(), want[:, heads_got], TOLERANCE[dtype], failures)
+                    compare(name + " lse", got_lse.cpu(), want_lse[:, heads_got], 1e-5,
+                            failures)
+                    cases += 1
+            # Eager: no host sync, no allocation.
+            out = outs[rank].to(dev)
+            lse = lses[rank].to(dev)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_stats()["allocation.all.allocated"]
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for gather in gathers:
+                    merger.merge(out, lse, gather_heads=gather, return_lse=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if torch.cuda.memory_stats()["allocation.all.allocated"] != before:
+                failures.append(f"p2p {pattern} {dtype}: a merge allocated")
+            # A graph of three merges of different sizes and modes, replayed on new inputs.
+            sizes = [(7, False), (64, gathers[-1]), (1, False)]
+            static = [(torch.zeros(n, heads, head_dim, dtype=dtype, device=dev),
+                       torch.zeros(n, heads, device=dev)) for n, _ in sizes]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for (o, l), (_, g) in zip(static, sizes):
+                    merger.merge(o, l, gather_heads=g)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            results = []
+            with torch.cuda.graph(graph):
+                for (o, l), (_, g) in zip(static, sizes):
+                    res = merger.merge(o, l, gather_heads=g)
+                    results.append(res.clone())  # the next merge may reuse the result buffer
+            for replay in range(3):
+                wants = []
+                for i, ((o, l), (n, g)) in enumerate(zip(static, sizes)):
+                    outs, lses = cuda_states(world, n, heads, head_dim, dtype, 1000 + 10 * replay + i)
+                    o.copy_(outs[rank])
+                    l.copy_(lses[rank])
+                    wants.append(merge_attention_reference(outs, lses)[0][
+                        :, slice(None) if g else merger.head_slice])
+                graph.replay()
+                torch.cuda.synchronize()
+                for i, (res, want) in enumerate(zip(results, wants)):
+                    compare(f"p2p graph {pattern} {dtype} replay {replay} merge {i} rank {rank}",
+                            res.cpu(), want, TOLERANCE[dtype], failures)
+                    cases += 1
+            del graph
+    return {"failures": failures, "cases": cases}
+
+
+def p2p_dead_peer_job(rank: int, world: int) -> dict[str, object]:
+    """Rank 1 builds the merger, then leaves: rank 0's merge must fail within seconds."""
+    dev = torch.device("cuda", rank)
+    merger = AttentionMerger(None, max_num_tokens=8, num_heads=4, head_dim=64,
+                             dtype=torch.bfloat16, device=dev, transport="p2p",
+                             p2p_timeout_s=2.0)
+    if rank != 0:
+        return {"error": None, "seconds": 0.0}
+    start = time.monotonic()
+    try:
+        merger.merge(torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=dev),
+                     torch.zeros(1, 4, device=dev))
+        torch.cuda.synchronize()
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs two CUDA devices")
+def test_p2p_transport_on_two_gpus():
+    from blocktable.context_parallel.launch import run_ranks as run_gpu_ranks
+
+    results = run_gpu_ranks(p2p_cuda_job, 2, device="cuda", timeout_s=400.0)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:40])
+    assert all(r["cases"] == 2 * (3 * 5 + 3 * 3 * 3) for r in results)
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs two CUDA devices")
+def test_p2p_dead_peer_fails_instead_of_hanging():
+    from blocktable.context_parallel.launch import run_ranks as run_gpu_ranks
+
+    results = run_gpu_ranks(p2p_dead_peer_job, 2, device="cuda", timeout_s=120.0)
+    assert results[0]["error"] is not None and results[0]["seconds"] < 30.0, results[0]
+
+
+P2P_AOT_SCRIPT = r'''
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+if "nvidia" not in getattr(triton.backends, "backends", {}):
+    sys.exit(77)
+from blocktable.context_parallel.p2p_kernel import _p2p_merge_kernel as kernel
+
+def compile_ptx(out_ty, world, all_heads, timeout_ns):
+    heads, hpr = 32, 32 // world
+    hr = heads if all_heads else hpr
+    elem = {"bf16": 2, "fp32": 4}[out_ty]
+    ptrs = {"out_ptr": out_ty, "lse_ptr": "fp32", "sym_out_ptr": out_ty, "sym_f32_ptr": "fp32",
+            "sym_i32_ptr": "i32", "delta16_ptr": "i64", "epoch_ptr": "i32", "res_ptr": out_ty,
+            "res_lse_ptr": "fp32"}
+    consts = dict(WORLD=world, RANK=world - 1, NUM_HEADS=heads, HEAD_DIM=128, BLOCK_D=128,
+                  HPR=hpr, ALL_HEADS=all_heads, HR=hr, HEAD_LO=0 if all_heads else (world - 1) * hpr,
+                  TOK=1, PUSH_ROWS=32, MERGE_ROWS=hr, MAX_TOKENS=64, LSE_OFF=64,
+                  OUT_OFF=64 * 16 // elem, ELEMS_16B=16 // elem, WRITE_LSE=True,
+                  TIMEOUT_NS=timeout_ns, OUT_ALIGNED=True)
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in ptrs:
+            sig[name] = "*" + ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i32"
+            if name in ("stride_out_t", "stride_out_h", "stride_lse_t"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compiled.asm["ptx"]
+
+for args in (("bf16", 2, False, 10**10), ("fp32", 4, True, 0)):
+    ptx = compile_ptx(*args)
+    peers = args[1] - 1
+    acquire = len(re.findall(r"atom\.global\.(acquire\.sys|sys\.acquire)\.cas", ptx))
+    release = len(re.findall(r"atom\.global\.(release\.sys|sys\.release)\.exch", ptx))
+    assert release == 2 * peers, (args, release)  # ready and done, to every peer
+    assert acquire >= 2 * peers, (args, acquire)
+    assert ("trap;" in ptx) == (args[3] > 0) and ("%globaltimer" in ptx) == (args[3] > 0)
+    assert "st.global.v4" in ptx, "remote stores must be 16-byte vectors"
+print("ok")
+'''
+
+
+def test_p2p_kernel_compiles_for_hopper(tmp_path):
+    """The CUDA kernel compiles for sm_90 without a GPU (Triton's bundled ptxas): system-scope
+    acquire polls and release flags to every peer, the timeout trap, 16-byte remote stores."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", P2P_AOT_SCRIPT], env=env, capture_output=True,
+                          check=False,
+                          text=True, timeout=300)
+    if proc.returncode == 77:
+        pytest.skip("this Triton has no NVIDIA backend")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

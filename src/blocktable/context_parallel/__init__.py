@@ -2,12 +2,14 @@
 
 - :func:`merge_attention_reference`: the exact merge in float64, the definition.
 - :class:`AttentionMerger`: the merge over a ``torch.distributed`` group (gloo on CPU, NCCL on
-  GPUs) with persistent buffers, one Triton launch on CUDA, capturable in a CUDA graph.
+  GPUs) with persistent buffers, one Triton launch on CUDA, capturable in a CUDA graph; with
+  ``transport="p2p"`` (GPUs of one node) no collective at all: one kernel per call that writes
+  into the peers' symmetric memory.
 """
 
 from __future__ import annotations
 
-from blocktable.context_parallel.merge import PATTERNS, AttentionMerger
+from blocktable.context_parallel.merge import PATTERNS, TRANSPORTS, AttentionMerger
 from blocktable.context_parallel.reference import merge_attention_reference
 
-__all__ = ["PATTERNS", "AttentionMerger", "merge_attention_reference"]
+__all__ = ["PATTERNS", "TRANSPORTS", "AttentionMerger", "merge_attention_reference"]

@@ -19,8 +19,16 @@ from blocktable._checks import check_positive, check_tensor
 from blocktable.config import CPConfig
 from blocktable.context_parallel.collectives import Collectives
 from blocktable.context_parallel.correction import A2ALayout, MergeKernels
+from blocktable.context_parallel.p2p import (
+    P2PLayout,
+    P2PMerge,
+    default_programs,
+    open_symmetric_buffer,
+    p2p_unavailable_reason,
+)
 
 PATTERNS = ("all_gather_reduce_scatter", "all_reduce", "all_to_all")
+TRANSPORTS = ("collectives", "p2p")
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -39,6 +47,14 @@ class AttentionMerger:
 
     With ``gather_heads=True`` the head-sliced patterns also all-gather the slices, so every
     rank gets ``[T, H, D]`` (an engine whose model is replicated over the group needs that).
+
+    Transports: ``"collectives"`` (default) issues the pattern's collectives on the group (NCCL
+    or gloo). ``"p2p"`` (CUDA, every rank a GPU of one node) allocates a symmetric buffer per
+    rank (``torch.distributed._symmetric_memory``, peer-to-peer over NVLink, no multicast) and
+    merges with one Triton launch per call: each rank stores its rows straight into the peers'
+    buffers, raises a flag, waits for the peers' flags and merges what it received, in float32
+    with one rounding (so every pattern computes like ``"all_to_all"``). The patterns keep
+    their results (which heads each rank gets); no collective runs per call.
 
     Every rank must call :meth:`merge` in the same order with the same ``num_tokens``. A rank
     that dies or never calls leaves the others blocked in a collective until the process
@@ -65,6 +81,15 @@ class AttentionMerger:
         When given, its world size and rank must equal the group's.
     backend : str
         ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+    transport : str
+        ``"collectives"`` or ``"p2p"`` (needs CUDA, Triton, symmetric memory in torch and
+        every rank on one node; otherwise a ``ValueError``/``RuntimeError`` says which is
+        missing). Constructing a p2p merger is a collective over the group.
+    p2p_timeout_s : float or None
+        ``"p2p"`` only: how long the kernel waits for a peer before it traps (the CUDA context
+        is then lost, so a dead peer ends the process with a CUDA error instead of a hang);
+        ``None`` waits forever. Keep it well above the time ranks may drift apart (a first
+        call's compilation on a slow rank, for instance): a trap is fatal to the process.
 
     Examples
     --------
@@ -95,9 +120,13 @@ class AttentionMerger:
         pattern: str = "all_gather_reduce_scatter",
         cp: CPConfig | None = None,
         backend: str = "auto",
+        transport: str = "collectives",
+        p2p_timeout_s: float | None = 60.0,
     ) -> None:
         if pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if dtype not in OUT_DTYPES:
             raise TypeError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens)
@@ -105,6 +134,15 @@ class AttentionMerger:
         self.head_dim = check_positive("head_dim", head_dim)
         self.dtype, self.pattern = dtype, pattern
         self.device = _resolve_device(device)
+        self.transport = transport
+        if transport == "p2p":
+            reason = p2p_unavailable_reason(self.device)
+            if reason is not None:
+                raise (ValueError if self.device.type != "cuda" else RuntimeError)(reason)
+            if backend == "torch":
+                raise ValueError("transport='p2p' runs Triton: backend must be 'auto' or 'triton'")
+            if p2p_timeout_s is not None and not p2p_timeout_s > 0:
+                raise ValueError(f"p2p_timeout_s must be > 0 or None, got {p2p_timeout_s}")
         self._comm = Collectives(group)
         self.world_size, self.rank = self._comm.world_size, self._comm.rank
         if cp is not None and (cp.world_size, cp.rank) != (self.world_size, self.rank):
@@ -122,13 +160,35 @@ class AttentionMerger:
         self._kernels = MergeKernels(backend, self.device)
         self._shape_tail = (num_heads, head_dim)
         self._view_cache: dict[int, dict[str, torch.Tensor]] = {}
-        self._alloc()
+        self._p2p: P2PMerge | None = None
+        if transport == "p2p":
+            self._open_p2p(p2p_timeout_s)
+        else:
+            self._alloc()
 
     @property
     def head_slice(self) -> slice:
         """The heads of the result of :meth:`merge` without ``gather_heads``."""
         start = self.rank * self.heads_per_rank if self.head_sliced else 0
         return slice(start, start + self.heads_per_rank)
+
+    def _open_p2p(self, timeout_s: float | None) -> None:
+        """Allocate and exchange the symmetric buffers (a collective over the group)."""
+        programs = default_programs(self.max_num_tokens, self.num_heads, self.head_dim)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        layout = P2PLayout(self.world_size, programs, self.max_num_tokens, self.num_heads,
+                           self.head_dim, elem)
+        buffer = open_symmetric_buffer(self._comm.group, layout.nbytes, self.device)
+        self._p2p = P2PMerge(
+            rank=self.rank, world_size=self.world_size, max_num_tokens=self.max_num_tokens,
+            num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
+            heads_per_rank=self.num_heads // self.world_size if self.head_sliced else
+            self.num_heads, buffer=buffer, programs=programs, timeout_s=timeout_s,
+        )
+        self._p2p.precompile((False, True) if self.head_sliced else (True,))
+        done: list[object] = [None] * self.world_size  # every rank compiled: first calls line up
+        with torch.cuda.device(self.device):
+            dist.all_gather_object(done, True, group=self._comm.group)
 
     def _alloc(self) -> None:
         t, h, d, w = self.max_num_tokens, self.num_heads, self.head_dim, self.world_size
@@ -203,6 +263,10 @@ class AttentionMerger:
             empty = out[:, : self.heads_per_rank if self.head_sliced and not gather_heads
                         else self.num_heads]
             return (empty, lse[:, : empty.shape[1]]) if return_lse else empty
+        if self._p2p is not None:
+            res, res_lse = self._p2p.run(out, lse, all_heads=gather_heads or not self.head_sliced,
+                                         want_lse=return_lse)
+            return (res, res_lse) if return_lse else res
         v = self._view_cache.get(num_tokens) or self._views(num_tokens)
         if self.pattern == "all_to_all":
             res, res_lse = self._all_to_all(out, lse, v, gather_heads, return_lse)
