@@ -257,3 +257,32 @@ def test_cuda_replay_never_synchronizes_and_matches():
         reference_step(ref, update, qsl, positions, rows)
     *_, (update, qsl, positions, rows, seq_lens) = steps
     check_same(bt, ref, outs[-1], qsl, positions, rows, seq_lens)
+
+
+def test_engine_captured_step_equals_three_calls():
+    """The engine's captured path and its apply/commit/compute_slot_mapping path see the same
+    table and slot mapping at every step and generate the same tokens."""
+    from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
+
+    model = tiny_llama(seed=0)
+    workload = make_workload(4, seed=2, block_size=4, max_new_tokens=5)
+    max_model_len = max(len(w.prompt_token_ids) for w in workload) + 5
+    seen: dict[bool, list] = {}
+    for captured in (True, False):
+        engine = LLMEngine(model, EngineConfig(
+            block_size=4, num_blocks=14, max_num_reqs=4, token_budget=12,
+            max_model_len=max_model_len, record_logits=False, captured_step=captured,
+        ))
+        assert (engine.captured_step is not None) == captured
+        snaps: list = []
+        run_workload(engine, workload, hook=lambda eng, batch: snaps.append((
+            eng.table.storage.host.copy(), eng.table.slot_buffers[0, : batch.num_tokens].clone(),
+        )))
+        assert engine.table.device_equals_host()
+        tokens = {k: r.output_token_ids for k, r in engine.requests.items()}
+        seen[captured] = [snaps, tokens]
+    (snaps_a, tokens_a), (snaps_b, tokens_b) = seen[True], seen[False]
+    assert tokens_a == tokens_b and len(snaps_a) == len(snaps_b) > 5
+    for (host_a, slots_a), (host_b, slots_b) in zip(snaps_a, snaps_b):
+        np.testing.assert_array_equal(host_a, host_b)
+        assert torch.equal(slots_a, slots_b)
