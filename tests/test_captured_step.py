@@ -286,3 +286,12 @@ def test_engine_captured_step_equals_three_calls():
     for (host_a, slots_a), (host_b, slots_b) in zip(snaps_a, snaps_b):
         np.testing.assert_array_equal(host_a, host_b)
         assert torch.equal(slots_a, slots_b)
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import blocktable.step.runner as runner
+
+    result = doctest.testmod(runner, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

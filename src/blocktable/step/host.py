@@ -59,12 +59,14 @@ def _decode_rows(ref: _GroupRef, part: RowBlocks, num_rows: int) -> np.ndarray |
     n = len(rows)
     if not (_is_int32(rows) and _is_int32(num) and _is_int32(ids)) or len(ids) != n:
         return None
-    if np.count_nonzero(num == 1) != n or rows.view(_U32).max() >= num_rows:
+    if np.count_nonzero(num == 1) != n or ids.view(_U32).max() >= ref.block_id_bound:
         return None
-    if ids.view(_U32).max() >= ref.block_id_bound:
+    try:  # one histogram checks the range (negative rows raise) and that no row repeats
+        listed = np.bincount(rows, minlength=num_rows)
+    except ValueError:
         return None
-    if n > 1 and np.count_nonzero(np.bincount(rows, minlength=num_rows)) != n:
-        return None  # a row listed twice
+    if len(listed) != num_rows or (n > 1 and np.count_nonzero(listed) != n):
+        return None
     filled = ref.counts.take(rows)
     if filled.max() > ref.width - ref.k:
         return None
@@ -114,14 +116,16 @@ def stage_decode(
     for ref, part, filled in plans:
         rows, ids, k = part.rows, part.block_ids, ref.k
         n = len(rows)
-        starts = rows * np.int32(ref.width)  # int32: the flat buffer has < 2**31 entries
-        starts += filled
-        starts += np.int32(ref.table_offset)
-        if k == 1:
+        if k == 1:  # the entries' flat indices, written straight into the staging buffer
+            starts = index[at : at + n]
+            np.multiply(rows, ref.width, out=starts)  # int32: the buffer has < 2**31 entries
+            starts += filled
+            if ref.table_offset:
+                starts += np.int32(ref.table_offset)
             host.put(starts, ids)
-            index[at : at + n] = starts
             value[at : at + n] = ids
         else:
+            starts = rows * np.int32(ref.width) + filled + np.int32(ref.table_offset)
             entries = (starts[:, None] + np.arange(k, dtype=np.int32)).reshape(-1)
             kids = kernel_ids(ids, k)
             host.put(entries, kids)
@@ -130,8 +134,7 @@ def stage_decode(
         at += n * k
         filled += np.int32(k)
         ref.counts.put(rows, filled)
-        index[at : at + n] = rows
-        index[at : at + n] += np.int32(ref.counts_offset)
+        np.add(rows, ref.counts_offset, out=index[at : at + n])
         value[at : at + n] = filled
         at += n
     return total

@@ -125,6 +125,7 @@ class CapturedStep:
         self._expect: list[int | None] = [None] * num_slots  # seq each slot's copy will post
         self._slot = 0
         self._seq = 0
+        self._padded: list[tuple[int, int] | None] = [None] * num_slots  # qsl padding written
         self._arange = np.arange(R, dtype=np.int32)
         numpy_mode = self.mode == "numpy"
         self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
@@ -195,8 +196,9 @@ class CapturedStep:
         if num_pairs < 0:
             num_pairs = stage_general(self.table, update, v.pairs, P)
         v.qsl[: num_reqs + 1] = query_start_loc
-        if self._flat_np is None:
+        if self._flat_np is None and self._padded[slot] != (num_reqs, num_tokens):
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+            self._padded[slot] = (num_reqs, num_tokens)
         v.rows[:num_reqs] = self._arange[:num_reqs] if row_of_batch is None else row_of_batch
         if seq_lens is not None:
             v.seq_lens[:num_reqs] = seq_lens
