@@ -44,7 +44,7 @@ _WAIT_WARN_S = 60.0
 class StepOutputs(NamedTuple):
     """This step's device tensors (valid until the next step's device work, in stream order)."""
 
-    slot_mappings: list[torch.Tensor | None]  # per group: int64 [max_num_batched_tokens] or None
+    slot_mappings: tuple[torch.Tensor | None, ...]  # per group: int64 [max_num_batched_tokens]
     query_start_loc: torch.Tensor  # on device, int32 [num_reqs + 1]
     positions: torch.Tensor  # on device, int64 [num_tokens]
     row_of_batch: torch.Tensor  # on device, int32 [num_reqs]
@@ -138,10 +138,10 @@ class CapturedStep:
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
         self._by_reqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._by_tokens: dict[int, torch.Tensor] = {}
-        self._slot_views = [
+        self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
-        ]
+        )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         if cuda:
             self._prepare_cuda(use_graph)
