@@ -295,3 +295,22 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(runner, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_graph, mailbox", [(False, True), (True, False), (False, False)])
+def test_cuda_eager_and_event_paths_match(use_graph, mailbox, monkeypatch):
+    """Eager launches instead of the graph, and events instead of the mailbox, give the same
+    results (many steps back to back, so both staging buffers are reused while in flight)."""
+    monkeypatch.setattr(CapturedStep, "try_mailbox", mailbox)
+    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt, use_graph=use_graph)
+    assert step.uses_mailbox == mailbox and (step._graphs is not None) == use_graph
+    model = Model(bt, np.random.default_rng(11))
+    for i in range(12):
+        update = model.decode() if i % 4 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+    torch.cuda.synchronize()
+    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
