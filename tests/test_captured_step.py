@@ -164,16 +164,16 @@ def _snapshot(bt: MultiGroupBlockTable) -> tuple[np.ndarray, np.ndarray]:
 
 
 BAD_BATCHES = [
-    (dict(query_start_loc=np.array([0, 1], np.int64)), TypeError, "query_start_loc"),
-    (dict(positions=[5]), TypeError, "positions"),
-    (dict(query_start_loc=np.zeros(ROWS + 2, np.int32), positions=np.zeros(0, np.int64),
-          row_of_batch=None), ValueError, "max_num_reqs"),
-    (dict(query_start_loc=np.array([0, TOKENS + 1], np.int32),
-          positions=np.zeros(TOKENS + 1, np.int64)), ValueError, "max_num_tokens"),
-    (dict(query_start_loc=np.array([0, 2], np.int32)), ValueError, "end at num_tokens"),
-    (dict(row_of_batch=np.array([ROWS], np.int32)), IndexError, "outside"),
-    (dict(row_of_batch=np.array([0, 1], np.int32)), ValueError, "row_of_batch"),
-    (dict(seq_lens=np.array([1], np.int64)), TypeError, "seq_lens"),
+    ({"query_start_loc": np.array([0, 1], np.int64)}, TypeError, "query_start_loc"),
+    ({"positions": [5]}, TypeError, "positions"),
+    ({"query_start_loc": np.zeros(ROWS + 2, np.int32), "positions": np.zeros(0, np.int64),
+          "row_of_batch": None}, ValueError, "max_num_reqs"),
+    ({"query_start_loc": np.array([0, TOKENS + 1], np.int32),
+          "positions": np.zeros(TOKENS + 1, np.int64)}, ValueError, "max_num_tokens"),
+    ({"query_start_loc": np.array([0, 2], np.int32)}, ValueError, "end at num_tokens"),
+    ({"row_of_batch": np.array([ROWS], np.int32)}, IndexError, "outside"),
+    ({"row_of_batch": np.array([0, 1], np.int32)}, ValueError, "row_of_batch"),
+    ({"seq_lens": np.array([1], np.int64)}, TypeError, "seq_lens"),
 ]
 
 
@@ -183,8 +183,8 @@ def test_bad_batch_is_rejected_before_any_write(bad, error, match):
     step = CapturedStep(bt)
     before = _snapshot(bt)
     update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
-    args = dict(update=update, query_start_loc=np.array([0, 1], np.int32),
-                positions=np.array([0], np.int64), row_of_batch=np.array([0], np.int32))
+    args = {"update": update, "query_start_loc": np.array([0, 1], np.int32),
+                "positions": np.array([0], np.int64), "row_of_batch": np.array([0], np.int32)}
     args.update(bad)
     with pytest.raises(error, match=match):
         step.run(**args)
@@ -275,7 +275,7 @@ def test_engine_captured_step_equals_three_calls():
         ))
         assert (engine.captured_step is not None) == captured
         snaps: list = []
-        run_workload(engine, workload, hook=lambda eng, batch: snaps.append((
+        run_workload(engine, workload, hook=lambda eng, batch, snaps=snaps: snaps.append((
             eng.table.storage.host.copy(), eng.table.slot_buffers[0, : batch.num_tokens].clone(),
         )))
         assert engine.table.device_equals_host()
@@ -291,7 +291,7 @@ def test_engine_captured_step_equals_three_calls():
 def test_docstring_example_runs():
     import doctest
 
-    import blocktable.step.runner as runner
+    from blocktable.step import runner
 
     result = doctest.testmod(runner, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

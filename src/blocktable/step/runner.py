@@ -218,36 +218,36 @@ class CapturedStep:
             self._slot = slot ^ (len(self._views) - 1)
         return self._outputs(num_reqs, num_tokens, seq_lens is not None, num_pairs)
 
-    def _check_batch(self, qsl: object, positions: object, rows: object,
-                     seq_lens: object) -> tuple[int, int]:
+    def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
+                     seq_lens: np.ndarray | None) -> tuple[int, int]:
+        """``(num_reqs, num_tokens)`` of a well-formed batch within the capacities, or raise."""
         L = self.layout
         _check_array("query_start_loc", qsl, np.int32)
         _check_array("positions", positions, np.int64)
-        num_reqs = len(qsl) - 1  # type: ignore[arg-type]
-        num_tokens = len(positions)  # type: ignore[arg-type]
+        num_reqs = len(qsl) - 1
+        num_tokens = len(positions)
         if num_reqs < 0 or num_reqs > L.max_num_reqs:
             raise ValueError(f"query_start_loc has {num_reqs + 1} entries; it must have "
                              f"num_reqs + 1 with 0 <= num_reqs <= max_num_reqs={L.max_num_reqs}")
         if num_tokens > L.max_num_tokens:
             raise ValueError(f"positions holds {num_tokens} tokens, more than "
                              f"max_num_tokens={L.max_num_tokens}")
-        q = qsl  # type: np.ndarray
-        if q[0] != 0 or q[num_reqs] != num_tokens or (
-            num_reqs > 1 and (q[1:] < q[:-1]).any()
+        if qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
+            num_reqs > 1 and (qsl[1:] < qsl[:-1]).any()
         ):
             raise ValueError("query_start_loc must start at 0, never decrease and end at "
-                             f"num_tokens={num_tokens} (len(positions)), got first {int(q[0])}, "
-                             f"last {int(q[num_reqs])}")
+                             f"num_tokens={num_tokens} (len(positions)), got first "
+                             f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
         for name, arr in (("row_of_batch", rows), ("seq_lens", seq_lens)):
             if arr is not None:
                 _check_array(name, arr, np.int32)
-                if len(arr) != num_reqs:  # type: ignore[arg-type]
-                    raise ValueError(f"{name} has {len(arr)} entries, query_start_loc describes "  # type: ignore[arg-type]
-                                     f"{num_reqs} requests")
-        if rows is not None and num_reqs and rows.view(_U32).max() >= self.table.max_num_reqs:  # type: ignore[attr-defined]
-            bad = int(rows[(rows < 0) | (rows >= self.table.max_num_reqs)][0])  # type: ignore[index, operator]
-            raise IndexError(f"row_of_batch holds row {bad}, outside [0, "
-                             f"{self.table.max_num_reqs})")
+                if len(arr) != num_reqs:
+                    raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
+                                     f"describes {num_reqs} requests")
+        bound = self.table.max_num_reqs
+        if rows is not None and num_reqs and rows.view(_U32).max() >= bound:
+            bad = int(rows[(rows < 0) | (rows >= bound)][0])
+            raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
         return num_reqs, num_tokens
 
     # ---------------------------------------------------------------- device work
@@ -369,4 +369,4 @@ def _check_array(name: str, value: object, dtype: type) -> None:
                         f"{value.ndim}-D {value.dtype}")
 
 
-__all__ = ["CapturedStep", "StepOutputs", "FULL"]
+__all__ = ["FULL", "CapturedStep", "StepOutputs"]
