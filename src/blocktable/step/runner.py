@@ -146,7 +146,8 @@ class CapturedStep:
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         if cuda:
-            self._prepare_cuda(use_graph)
+            with torch.cuda.device(self.device):  # capture on the table's device
+                self._prepare_cuda(use_graph)
 
     # ---------------------------------------------------------------- one step
     def run(
