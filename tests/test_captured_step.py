@@ -314,3 +314,22 @@ def test_cuda_eager_and_event_paths_match(use_graph, mailbox, monkeypatch):
         reference_step(ref, update, qsl, positions, rows)
     torch.cuda.synchronize()
     check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_slot_tail_is_pad_after_longer_steps_and_direct_calls(device):
+    """A short step after a long one, or after the table's own compute_slot_mapping, leaves
+    every slot past its tokens PAD."""
+    backend = "torch" if device == "cpu" else "triton"
+    bt = make_table(device, backend)
+    step = CapturedStep(bt)
+    step.run(StepUpdate.make(2, added=[RowBlocks.from_lists([0], [[3, 4, 5]]), RowBlocks()]),
+             np.array([0, 10], np.int32), np.arange(10, dtype=np.int64))
+    short = (StepUpdate.empty(2), np.array([0, 1], np.int32), np.array([2], np.int64))
+    for longer in ("step", "direct"):
+        if longer == "direct":
+            bt.compute_slot_mapping(torch.tensor([0, 12], dtype=torch.int32, device=device),
+                                    torch.arange(12, device=device))
+        out = step.run(*short)
+        got = bt.slot_buffers.cpu().numpy()
+        assert out.slot_mappings[0][0].item() == 3 * 4 + 2
+        assert (got[:, 1:] == -1).all() and got[1, 0] == -1

@@ -149,6 +149,7 @@ class MultiGroupBlockTable(AttentionViews):
         self._encoder_placeholder = torch.zeros(
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
         )
+        self.slot_mapping_calls = 0  # compute_slot_mapping calls so far
         self._gathered: dict[int, torch.Tensor] = {}  # group -> indexed-mode view buffer
         self._state_out: dict[tuple[int, int], torch.Tensor] = {}  # (group, spec) -> buffer
 
@@ -358,6 +359,7 @@ class MultiGroupBlockTable(AttentionViews):
             Per group: int64 ``[max_num_batched_tokens]`` (the persistent buffer, tail set to
             ``PAD_SLOT_ID``), or ``None`` for groups without slots.
         """
+        self.slot_mapping_calls += 1  # a CapturedStep learns that the slot buffers changed
         check_slot_inputs(
             query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,

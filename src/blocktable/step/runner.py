@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from blocktable._checks import check_positive
+from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.step.host import FULL, group_refs, stage_decode, stage_general
@@ -128,6 +129,8 @@ class CapturedStep:
         self._slot = 0
         self._seq = 0
         self._padded: list[tuple[int, int] | None] = [None] * num_slots  # qsl padding written
+        self._tokens_filled = table.max_num_batched_tokens  # slots past it are PAD (numpy)
+        self._calls_seen = -1  # table.slot_mapping_calls when the slots were last ours
         self._arange = np.arange(R, dtype=np.int32)
         numpy_mode = self.mode == "numpy"
         self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
@@ -253,12 +256,23 @@ class CapturedStep:
 
     # ---------------------------------------------------------------- device work
     def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int) -> None:
-        assert self._flat_np is not None and self._slots_np is not None
-        scatter_numpy(self._flat_np, v.pairs, num_pairs)
-        if self.table.slot_params:
-            slot_mapping_numpy(self._flat_np, self.table.slot_params, v.qsl[: num_reqs + 1],
-                               v.positions[:num_tokens], v.rows[:num_reqs], self._slots_np,
-                               self.table.max_num_reqs)
+        """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
+        the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
+        flat, out, table = self._flat_np, self._slots_np, self.table
+        assert flat is not None and out is not None
+        scatter_numpy(flat, v.pairs, num_pairs)
+        if not table.slot_params:
+            return
+        if table.slot_mapping_calls != self._calls_seen:
+            self._calls_seen = table.slot_mapping_calls
+            self._tokens_filled = out.shape[1]
+        if self._tokens_filled > num_tokens:
+            out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
+        self._tokens_filled = num_tokens
+        if num_tokens:
+            slot_mapping_numpy(flat, table.slot_params, v.qsl[: num_reqs + 1],
+                               v.positions[:num_tokens], v.rows[:num_reqs], out[:, :num_tokens],
+                               table.max_num_reqs)
 
     def _device_work(self, slot: int) -> None:
         """Copy staging ``slot`` to the device, scatter the pairs, map the slots (padded)."""
