@@ -1,10 +1,12 @@
 """Per-step cost of the block table: slot mapping, commit, whole step, batched adds.
 
 Scenarios: manager block 16, 1024 max requests, width 8192 (128K context), 8192 max batched
-tokens. On CUDA, kernel times are medians of CUDA-graph replays and of eager calls
+tokens. The captured step (:class:`blocktable.step.CapturedStep`: the update and the batch
+staged in a pinned buffer, one CUDA-graph replay) is timed for decode-1024 and decode-256
+beside the three-call step. On CUDA, kernel times are medians of CUDA-graph replays and of eager calls
 (``triton.testing.do_bench``); host times are medians of ``perf_counter`` over many calls. The
 host-time floors of the machine (an empty torch op; on CUDA ``current_stream()`` and an empty
-Triton launch) are measured in the same run and printed beside the step's host issue time. On
+Triton launch, an empty graph replay) are measured in the same run and printed beside the step's host issue time. On
 the CPU, slot mapping is timed with torch's default intra-op threads and with one thread (the
 CPU backend must not depend on them); only what was measured is printed.
 
@@ -27,6 +29,7 @@ import torch
 from floors import format_floors, measure_floors
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+from blocktable.step import CapturedStep
 
 MAX_REQS = 1024
 MAX_MODEL_LEN = 131072
@@ -171,10 +174,10 @@ def bench_slot_mapping(device, rng, results):
         results["slot_mapping"].append(row)
 
 
-def decode_updates(rng, num_steps, rows_per_step=64):
+def decode_updates(rng, num_steps, rows_per_step=64, num_rows=1024):
     ups = []
     for _ in range(num_steps):
-        rows = rng.choice(1024, rows_per_step, replace=False).astype(np.int32)
+        rows = rng.choice(num_rows, rows_per_step, replace=False).astype(np.int32)
         ids = rng.integers(1, 2**20, rows_per_step, dtype=np.int32)
         ups.append(StepUpdate.make(1, appended=[RowBlocks(rows, np.ones(rows_per_step, np.int32), ids)]))
     return ups
@@ -249,6 +252,69 @@ def bench_step(device, rng, results):
     results["step"] = row
 
 
+def graph_floors(results):
+    """Host time of replaying a graph that holds one empty Triton kernel, and of an eager
+    pinned 64 KiB host-to-device copy (CUDA only)."""
+    from floors import _empty_kernel
+
+    from blocktable._triton import Launcher
+
+    results["graph_floors"] = {}
+    t = torch.zeros(1, device="cuda")
+    launch = Launcher(_empty_kernel)
+    launch((1,), t, 16)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch((1,), t, 16)
+    sync = torch.cuda.synchronize
+    results["graph_floors"]["empty_graph_replay_us"] = time_host_us(g.replay, n=2000, sync=sync)
+    src = torch.zeros(16384, dtype=torch.int32, pin_memory=True)
+    dst = torch.zeros(16384, dtype=torch.int32, device="cuda")
+    results["graph_floors"]["pinned_copy_64k_us"] = time_host_us(
+        lambda: dst.copy_(src, non_blocking=True), n=2000, sync=sync)
+
+
+def bench_captured(device, rng, results):
+    """The captured step (``CapturedStep.run``: update + staged batch + one replay) for
+    decode-1024 (64 rows gain a block) and decode-256 (16 rows): host issue time and wall."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    results["captured"] = []
+    for name, num_rows, rows_per_step in (("decode-1024", 1024, 64), ("decode-256", 256, 16)):
+        seq_lens = rng.integers(512, 32768, num_rows)
+        bt = build_table([GroupSpec(BLOCK)], device, rng, seq_lens)
+        step = CapturedStep(bt)
+        qsl = np.arange(num_rows + 1, dtype=np.int32)
+        pos = (seq_lens - 1).astype(np.int64)
+        rows = np.arange(num_rows, dtype=np.int32)
+        n = 400
+        ups = decode_updates(rng, n + 20, rows_per_step, num_rows)
+        for u in ups[:20]:
+            step.run(u, qsl, pos, rows)
+        issue, wall = [], []
+        for u in ups[20:]:
+            sync()
+            t0 = time.perf_counter()
+            step.run(u, qsl, pos, rows)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            issue.append(t1 - t0)
+            wall.append(t2 - t0)
+        row = {"scenario": name, "rows_gaining_a_block": rows_per_step,
+               "step_us": median_us(wall), "step_issue_us": median_us(issue),
+               "graph": step._graphs is not None, "mailbox": step.uses_mailbox}
+        if step._graphs is not None:
+            sync()
+            step._views[0].header[0] = 0  # replays scatter no (stale) pair
+            graph = step._graphs[0]
+            row["replay_alone_host_us"] = time_host_us(graph.replay, n=400, sync=sync)
+        sync()
+        assert bt.device_equals_host()
+        results["captured"].append(row)
+
+
 def bench_batched_add(device, rng, results):
     """1024 rows x 512 ids: one batched apply vs 1024 add_row calls (host)."""
     bt = MultiGroupBlockTable([GroupSpec(BLOCK)], MAX_REQS, MAX_MODEL_LEN, MAX_TOKENS, device)
@@ -302,6 +368,9 @@ def main() -> None:
     results["floors"] = measure_floors(args.device)
     bench_slot_mapping(args.device, rng, results)
     bench_step(args.device, rng, results)
+    bench_captured(args.device, rng, results)
+    if args.device == "cuda":
+        graph_floors(results)
     bench_batched_add(args.device, rng, results)
     results["floors_after"] = measure_floors(args.device)
     if args.json:
@@ -340,7 +409,17 @@ def print_table(results: dict) -> None:
           f"{s['step_issue_us']:.1f} µs (apply {s['step_apply_host_us']:.1f} + commit "
           f"{s['step_commit_host_us']:.1f} + slot mapping {s['step_slot_mapping_host_us']:.1f})"
           + (f" (vLLM {s['step_anchor']})" if cuda else ""))
+    for c in results["captured"]:
+        extra = (f", replay alone {c['replay_alone_host_us']:.1f} µs host"
+                 if "replay_alone_host_us" in c else "")
+        print(f"captured {c['scenario']} step ({c['rows_gaining_a_block']} rows gain a block): "
+              f"{c['step_us']:.1f} µs wall, host issue {c['step_issue_us']:.1f} µs{extra}"
+              + (" (one graph replay)" if c["graph"] else " (numpy)"))
     print(format_floors(results["floors"]))
+    if cuda:
+        f = results["graph_floors"]
+        print(f"floors: empty graph replay {f['empty_graph_replay_us']:.2f} µs, pinned 64 KiB "
+              f"copy {f['pinned_copy_64k_us']:.2f} µs (host)")
     b, m = results["batched_add"], results["memory"]
     print(f"batched add 1024x512: {b['batched_ms']:.2f} ms vs per-row {b['per_row_ms']:.2f} ms "
           f"({b['speedup']:.1f}x); memory: pinned {m['pinned_over_table']:.3f}x, device "

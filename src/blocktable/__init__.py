@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "MultiGroupBlockTable": "blocktable.multi_group",
     "SlotMappingError": "blocktable.slot_mapping",
     "slot_mapping_reference": "blocktable.slot_mapping",
+    "CapturedStep": "blocktable.step",
     "BlockTable": "blocktable.table",
     "RowBlocks": "blocktable.update",
     "RowEntries": "blocktable.update",
@@ -56,6 +57,7 @@ __all__ = [
     "AttentionMetadata",
     "BlockTable",
     "CPConfig",
+    "CapturedStep",
     "CommitStats",
     "GroupKind",
     "GroupLayout",
@@ -120,5 +122,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from blocktable.metadata import AttentionMetadata
     from blocktable.multi_group import MultiGroupBlockTable
     from blocktable.slot_mapping import SlotMappingError, slot_mapping_reference
+    from blocktable.step import CapturedStep
     from blocktable.table import BlockTable
     from blocktable.update import RowBlocks, RowEntries, StepUpdate

@@ -149,6 +149,7 @@ class MultiGroupBlockTable(AttentionViews):
         self._encoder_placeholder = torch.zeros(
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
         )
+        self.slot_mapping_calls = 0  # compute_slot_mapping calls so far
         self._gathered: dict[int, torch.Tensor] = {}  # group -> indexed-mode view buffer
         self._state_out: dict[tuple[int, int], torch.Tensor] = {}  # (group, spec) -> buffer
 
@@ -358,6 +359,7 @@ class MultiGroupBlockTable(AttentionViews):
             Per group: int64 ``[max_num_batched_tokens]`` (the persistent buffer, tail set to
             ``PAD_SLOT_ID``), or ``None`` for groups without slots.
         """
+        self.slot_mapping_calls += 1  # a CapturedStep learns that the slot buffers changed
         check_slot_inputs(
             query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
@@ -382,6 +384,30 @@ class MultiGroupBlockTable(AttentionViews):
                 self.max_num_reqs, query_start_loc, positions, row_of_batch,
             )
         return list(self._slot_views)
+
+    @property
+    def slot_buffers(self) -> torch.Tensor:
+        """int64 ``[num_slot_groups, max_num_batched_tokens]`` on the device: every persistent
+        slot buffer, one row per token-slot group (rows of :meth:`slot_mapping`)."""
+        return self._slots
+
+    def launch_slot_mapping_unchecked(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        row_of_batch: torch.Tensor | None,
+    ) -> None:
+        """:meth:`compute_slot_mapping`'s launch alone: no input check, no debug report.
+
+        For callers that validated the step on the host and hand the kernel padded inputs
+        (:class:`blocktable.step.CapturedStep`: ``query_start_loc`` padded with
+        ``num_tokens``, so that padding requests own no token). Never reads outside the table.
+        """
+        compute_slots(
+            self.backend, self.storage.device_tensor, self.slot_params, self._packed_params,
+            query_start_loc, positions, row_of_batch, self._slots,
+            max_num_reqs=self.max_num_reqs, pow2=self._pow2, has_cp=self._has_cp,
+        )
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of any group's host table does not hold."""

@@ -67,6 +67,15 @@ class BatchInputBuffers:
         self._copied = torch.cuda.Event() if cuda else None
         self._in_flight = False
 
+    def host_views(
+        self, num_reqs: int, num_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """numpy views of the last :meth:`fill`'s host buffer (on cpu, valid until the next
+        fill): ``query_start_loc`` int32 ``[num_reqs + 1]``, positions int64 ``[num_tokens]``,
+        rows int32 ``[num_reqs]``, ``seq_lens`` int32 ``[num_reqs]``."""
+        return (self._qsl[: num_reqs + 1], self._positions[:num_tokens], self._rows[:num_reqs],
+                self._seq_lens[:num_reqs])
+
     def fill(
         self,
         starts: np.ndarray,

@@ -41,6 +41,7 @@ from blocktable.engine.request import Request
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.group_layout import GroupLayout, build_specs
 from blocktable.multi_group import MultiGroupBlockTable
+from blocktable.step import CapturedStep
 
 MERGE_PATTERNS = ("all_reduce", "all_gather_reduce_scatter", "all_to_all")
 
@@ -141,6 +142,8 @@ class DistributedEngine:
             max_num_batched_tokens=config.token_budget, device=self.device, cp=cp,
             backend=backend,
         )
+        captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
+        self.captured_step = CapturedStep(self.table) if captured else None
         hf_config = hf_model.config
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -301,33 +304,54 @@ class DistributedEngine:
         self, plan: StepPlan, hook: Callable[[], None] | None
     ) -> tuple[torch.Tensor | None, float]:
         """Apply, commit, map slots, run the model: the same on every rank. Logits on cpu."""
-        t0 = time.perf_counter()
         assert plan.update is not None
-        self.table.apply(plan.update)
-        self.table.commit()
-        table_time_s = time.perf_counter() - t0
         num_reqs = len(plan.rows)
-        if num_reqs == 0:
-            if hook is not None:
-                hook()
-            return None, table_time_s
         dev = self.device
-        num_new = torch.from_numpy(plan.num_new_tokens)
-        qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.cumsum(num_new, 0)
-        num_tokens = int(qsl_cpu[-1])
-        query_start_loc = qsl_cpu.to(dev)
-        start = torch.from_numpy(plan.starts).to(dev)
-        positions = torch.repeat_interleave(
-            start - query_start_loc[:-1], num_new.to(dev), output_size=num_tokens
-        ) + torch.arange(num_tokens, device=dev)
-        seq_lens = (start + num_new.to(dev)).to(torch.int32)
-        row_of_batch = torch.from_numpy(plan.rows).to(dev)
-        t1 = time.perf_counter()
-        slot_mapping = self.table.compute_slot_mapping(
-            query_start_loc, positions, row_of_batch=row_of_batch, query_start_loc_cpu=qsl_cpu
-        )[0]
-        table_time_s += time.perf_counter() - t1
+        step = self.captured_step
+        if step is not None:  # one staged write and one replay (numpy on the CPU)
+            qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+            qsl[1:] = np.cumsum(plan.num_new_tokens)
+            num_tokens = int(qsl[-1])
+            positions_np = np.repeat(plan.starts - qsl[:-1], plan.num_new_tokens)
+            positions_np += np.arange(num_tokens, dtype=np.int64)
+            seq_lens_np = (plan.starts + plan.num_new_tokens).astype(np.int32)
+            t0 = time.perf_counter()
+            out = step.run(plan.update, qsl, positions_np, plan.rows.astype(np.int32),
+                           seq_lens_np)
+            table_time_s = time.perf_counter() - t0
+            if num_reqs == 0:
+                if hook is not None:
+                    hook()
+                return None, table_time_s
+            slot_mapping, query_start_loc = out.slot_mappings[0], out.query_start_loc
+            positions, row_of_batch, seq_lens = out.positions, out.row_of_batch, out.seq_lens
+            assert seq_lens is not None
+        else:
+            t0 = time.perf_counter()
+            self.table.apply(plan.update)
+            self.table.commit()
+            table_time_s = time.perf_counter() - t0
+            if num_reqs == 0:
+                if hook is not None:
+                    hook()
+                return None, table_time_s
+            num_new = torch.from_numpy(plan.num_new_tokens)
+            qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+            qsl_cpu[1:] = torch.cumsum(num_new, 0)
+            num_tokens = int(qsl_cpu[-1])
+            query_start_loc = qsl_cpu.to(dev)
+            start = torch.from_numpy(plan.starts).to(dev)
+            positions = torch.repeat_interleave(
+                start - query_start_loc[:-1], num_new.to(dev), output_size=num_tokens
+            ) + torch.arange(num_tokens, device=dev)
+            seq_lens = (start + num_new.to(dev)).to(torch.int32)
+            row_of_batch = torch.from_numpy(plan.rows).to(dev)
+            t1 = time.perf_counter()
+            slot_mapping = self.table.compute_slot_mapping(
+                query_start_loc, positions, row_of_batch=row_of_batch,
+                query_start_loc_cpu=qsl_cpu,
+            )[0]
+            table_time_s += time.perf_counter() - t1
         assert slot_mapping is not None
         self._kv_tokens_written += (slot_mapping[:num_tokens] != PAD_SLOT_ID).sum()
         local = local_seq_len(

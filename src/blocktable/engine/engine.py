@@ -4,12 +4,15 @@ One :meth:`LLMEngine.step`:
 
 1. the :class:`~blocktable.engine.scheduler.Scheduler` picks the batch and the allocator
    (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
-2. ``table.apply(manager.take_step_update())``: the step's row changes, in one batched call;
-3. ``table.commit()``: the changed entries go to the device;
-4. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
-   persistent (pinned) buffers and cross in one copy; ``compute_slot_mapping`` turns them into
-   cache slots (indexed mode: each request keeps the allocator's row for its
-   lifetime and ``row_of_batch`` says which row each batch entry reads);
+2. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
+   persistent (pinned) buffers and cross in one copy;
+3. the block-table step (:class:`~blocktable.step.CapturedStep`): the allocator's update is
+   applied to the host table, its changed entries and the batch's ``query_start_loc``, rows,
+   ``seq_lens`` and positions are staged in a pinned buffer, and one CUDA-graph replay copies
+   them, commits the table and computes the slot mapping (numpy on the CPU). Indexed mode:
+   each request keeps the allocator's row for its lifetime and ``row_of_batch`` says which row
+   each batch entry reads. With ``captured_step=False``: ``table.apply``, ``table.commit`` and
+   ``compute_slot_mapping``;
 5. the model writes K/V by slot mapping and attends through the table, each request reading
    its own row (``row_of_batch``: no copy of the table per step);
 6. greedy sampling, ``mark_computed``, and finished requests free their blocks.
@@ -33,6 +36,7 @@ from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
 from blocktable.engine.request import Request
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.multi_group import MultiGroupBlockTable
+from blocktable.step import CapturedStep
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ class EngineConfig:
         Kernels for slot mapping, KV writes and decode-only attention steps. ``"auto"``:
         Triton on CUDA, torch on the CPU. ``"triton"`` on the CPU needs ``TRITON_INTERPRET=1``
         (tests use it to run the GPU code path without a GPU).
+    captured_step : bool
+        Run the block-table part of each step through :class:`blocktable.step.CapturedStep`
+        (one staged write and one CUDA-graph replay on CUDA, numpy on the CPU); ``False``:
+        ``apply``, ``commit`` and ``compute_slot_mapping`` one after the other. CUDA with the
+        torch backend always takes the three calls.
     """
 
     block_size: int = 4
@@ -69,6 +78,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     record_logits: bool = True
     backend: str = "auto"
+    captured_step: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_reqs", "token_budget", "max_model_len"):
@@ -88,7 +98,7 @@ class StepResult:
     num_blocks_used: int  # blocks held by running requests after scheduling
     preempted: tuple[str, ...]
     finished: tuple[str, ...]
-    table_time_s: float  # host time of apply + commit + slot mapping
+    table_time_s: float  # host time of the table's step (update, commit, slot mapping)
     inputs_time_s: float = 0.0  # host time building the step's input tensors
 
 
@@ -137,6 +147,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.manager, config.token_budget)
         self._inputs = BatchInputBuffers(config.max_num_reqs, config.token_budget, self.device)
+        captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
+        self.captured_step = CapturedStep(self.table) if captured else None
+        self._no_batch = (np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int64))
         self.requests: dict[str, Request] = {}
         self.step_index = 0
 
@@ -187,31 +200,12 @@ class LLMEngine:
         """
         batch = self.scheduler.schedule()
         num_blocks_used = self.config.num_blocks - 1 - self.manager.num_free_blocks()
-        t0 = time.perf_counter()
-        self.table.apply(self.manager.take_step_update())
-        self.table.commit()
+        if self.captured_step is not None:
+            attn, inputs, table_time_s, inputs_time_s = self._captured_table_step(batch)
+        else:
+            attn, inputs, table_time_s, inputs_time_s = self._table_step(batch)
         finished: list[str] = []
-        table_time_s = time.perf_counter() - t0
-        inputs_time_s = 0.0
-        if batch.scheduled:
-            t1 = time.perf_counter()
-            inputs = self._batch_tensors(batch)
-            t2 = time.perf_counter()
-            slot_mapping = self.table.compute_slot_mapping(
-                inputs.query_start_loc, inputs.positions, row_of_batch=inputs.row_of_batch,
-                query_start_loc_cpu=inputs.query_start_loc_cpu,
-            )[0]
-            table_time_s += time.perf_counter() - t2
-            inputs_time_s = t2 - t1
-            assert slot_mapping is not None  # an attention group always has slots
-            attn = AttentionInputs(
-                slot_mapping=slot_mapping,
-                block_table=self.table.device_view(0, self.table.max_num_reqs),
-                row_of_batch=inputs.row_of_batch,
-                seq_lens=inputs.seq_lens,
-                query_start_loc=inputs.query_start_loc,
-                max_query_len=max(s.num_new_tokens for s in batch.scheduled),
-            )
+        if attn is not None and inputs is not None:
             if hook is not None:
                 hook(self, batch)
             # Each request's last token of the step predicts its next token.
@@ -231,6 +225,68 @@ class LLMEngine:
         )
         self.step_index += 1
         return result
+
+    def _table_step(
+        self, batch: SchedulerOutput
+    ) -> tuple[AttentionInputs | None, BatchInputs | None, float, float]:
+        """apply, commit, then compute_slot_mapping on the step's device inputs; returns the
+        attention inputs, the batch inputs, the table's and the inputs' host times (s)."""
+        t0 = time.perf_counter()
+        self.table.apply(self.manager.take_step_update())
+        self.table.commit()
+        table_time_s = time.perf_counter() - t0
+        if not batch.scheduled:
+            return None, None, table_time_s, 0.0
+        t1 = time.perf_counter()
+        inputs = self._batch_tensors(batch)
+        t2 = time.perf_counter()
+        slot_mapping = self.table.compute_slot_mapping(
+            inputs.query_start_loc, inputs.positions, row_of_batch=inputs.row_of_batch,
+            query_start_loc_cpu=inputs.query_start_loc_cpu,
+        )[0]
+        table_time_s += time.perf_counter() - t2
+        assert slot_mapping is not None  # an attention group always has slots
+        attn = AttentionInputs(
+            slot_mapping=slot_mapping,
+            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            row_of_batch=inputs.row_of_batch,
+            seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc,
+            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+        )
+        return attn, inputs, table_time_s, t2 - t1
+
+    def _captured_table_step(
+        self, batch: SchedulerOutput
+    ) -> tuple[AttentionInputs | None, BatchInputs | None, float, float]:
+        """The same through the captured step: the update, ``query_start_loc``, rows,
+        ``seq_lens`` and positions are staged with numpy, then one replay (its host time, the
+        staging writes included, is the table's time)."""
+        step = self.captured_step
+        assert step is not None
+        t0 = time.perf_counter()
+        update = self.manager.take_step_update()
+        if not batch.scheduled:
+            step.run(update, *self._no_batch)
+            return None, None, time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        inputs = self._batch_tensors(batch)
+        t2 = time.perf_counter()
+        qsl, positions, rows, seq_lens = self._inputs.host_views(len(batch.scheduled),
+                                                                 inputs.num_tokens)
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        table_time_s = (t1 - t0) + (time.perf_counter() - t2)
+        slot_mapping = out.slot_mappings[0]
+        assert slot_mapping is not None and out.seq_lens is not None
+        attn = AttentionInputs(
+            slot_mapping=slot_mapping,
+            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            row_of_batch=out.row_of_batch,
+            seq_lens=out.seq_lens,
+            query_start_loc=out.query_start_loc,
+            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+        )
+        return attn, inputs, table_time_s, t2 - t1
 
     def _batch_tensors(self, batch: SchedulerOutput) -> BatchInputs:
         """This step's inputs on the device, through persistent buffers (one copy on CUDA).

@@ -1,0 +1,69 @@
+"""The layout of a captured step's staging buffer: one int32 buffer that crosses in one copy.
+
+::
+
+    [ header : 4 | pairs : 2P | qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T ]
+
+``header`` = (number of staged pairs ``n``, step sequence number, staging slot, spare).
+``pairs`` holds the commit's ``n`` flat table indices, then their ``n`` values (packed: the
+values start at ``pairs + n``). ``qsl`` is padded past the batch with ``num_tokens``, so the
+padding requests own no token. ``positions`` is int64 (int32 pairs), at an even word offset.
+``P`` = most staged pairs, ``R`` = most requests, ``T`` = most tokens per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+HEADER_WORDS = 4
+NUM_PAIRS, SEQ, SLOT = 0, 1, 2  # header fields
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Word offsets of the staging buffer for ``max_pairs``, ``max_num_reqs``, ``max_num_tokens``."""
+
+    max_pairs: int
+    max_num_reqs: int
+    max_num_tokens: int
+
+    @property
+    def pairs(self) -> int:
+        return HEADER_WORDS
+
+    @property
+    def qsl(self) -> int:
+        return self.pairs + 2 * self.max_pairs
+
+    @property
+    def rows(self) -> int:
+        return self.qsl + self.max_num_reqs + 1
+
+    @property
+    def seq_lens(self) -> int:
+        return self.rows + self.max_num_reqs
+
+    @property
+    def positions(self) -> int:
+        end = self.seq_lens + self.max_num_reqs
+        return end + end % 2  # int64 values need an even int32 offset
+
+    @property
+    def num_words(self) -> int:
+        return self.positions + 2 * self.max_num_tokens
+
+
+class StagingViews:
+    """numpy views of one staging buffer (int32 ``[num_words]``, on cpu) by field."""
+
+    def __init__(self, buffer: np.ndarray, layout: StepLayout) -> None:
+        L = layout
+        self.buffer = buffer
+        self.header = buffer[:HEADER_WORDS]
+        self.pairs = buffer[L.pairs : L.qsl]  # int32 [2P]: indices, then values (packed)
+        self.qsl = buffer[L.qsl : L.rows]  # int32 [R+1]
+        self.rows = buffer[L.rows : L.seq_lens]  # int32 [R]
+        self.seq_lens = buffer[L.seq_lens : L.seq_lens + L.max_num_reqs]  # int32 [R]
+        self.positions = buffer[L.positions : L.num_words].view(np.int64)  # int64 [T]

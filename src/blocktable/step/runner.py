@@ -1,0 +1,387 @@
+"""A whole block-table step from one CUDA graph: the host only fills a pinned buffer.
+
+Per step the host applies the update to its table (the truth) and writes, with numpy, into a
+pinned staging buffer: the changed entries as ``(flat index, value)`` pairs, and the batch's
+``query_start_loc``, ``row_of_batch``, ``seq_lens`` and positions. Then it replays one CUDA
+graph, captured once, that holds the copy of the staging buffer to the device, the commit
+scatter, and the slot mapping of every group. Launch shapes come from the capacities only, so
+one graph serves every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding
+requests own no token and every token past ``num_tokens`` maps to ``PAD_SLOT_ID``.
+
+Two staging buffers alternate, each with its own graph. The host refills a buffer only after
+the copy that read it two steps ago has finished: the graph's first kernel writes the step's
+sequence number into pinned host memory (a *mailbox*), and the host reads it with numpy (no
+CUDA call; it spins only when the device runs two steps behind). Where the device cannot write
+host memory, an event recorded after each replay is waited on instead.
+
+On the CPU backend the same object does the same work eagerly with numpy on one thread (no
+torch op, so no intra-op thread pool). With ``backend="triton"`` on CPU tensors (under
+``TRITON_INTERPRET=1``) it launches the graph's kernels eagerly: the tests' way to run the
+CUDA path's kernels on padded inputs without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from blocktable._checks import check_positive
+from blocktable.constants import PAD_SLOT_ID
+from blocktable.multi_group import MultiGroupBlockTable
+from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
+from blocktable.step.host import FULL, group_refs, stage_decode, stage_general
+from blocktable.step.kernels import launch_staged_scatter, scatter_numpy
+from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
+from blocktable.update import StepUpdate
+
+_U32 = np.dtype(np.uint32)
+_SEQ_MASK = 0x7FFFFFFF
+_WAIT_WARN_S = 60.0
+
+
+class StepOutputs(NamedTuple):
+    """This step's device tensors (valid until the next step's device work, in stream order)."""
+
+    slot_mappings: tuple[torch.Tensor | None, ...]  # per group: int64 [max_num_batched_tokens]
+    query_start_loc: torch.Tensor  # on device, int32 [num_reqs + 1]
+    positions: torch.Tensor  # on device, int64 [num_tokens]
+    row_of_batch: torch.Tensor  # on device, int32 [num_reqs]
+    seq_lens: torch.Tensor | None  # on device, int32 [num_reqs]; None if not given
+    num_pairs: int  # table entries the step's commit moved (-1: the table's own commit did)
+
+
+class CapturedStep:
+    """The block-table part of an engine step, replayed from one CUDA graph.
+
+    Parameters
+    ----------
+    table : MultiGroupBlockTable
+        The table (all its groups). Not in debug mode (debug synchronizes every step).
+    max_num_reqs : int or None
+        Most requests in a step's batch; default and upper bound ``table.max_num_reqs``.
+    max_num_tokens : int or None
+        Most tokens in a step; default and upper bound ``table.max_num_batched_tokens``.
+    max_pairs : int or None
+        Most changed table entries (ids and counts) one step moves through the graph; a step
+        that changes more is still correct: the table's own commit moves it, before the graph.
+        Default ``max(1024, 4 * max_num_reqs)``.
+    use_graph : bool
+        On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+    >>> from blocktable.step import CapturedStep
+    >>> bt = MultiGroupBlockTable([GroupSpec(block_size=4)], 2, 32, max_num_batched_tokens=8)
+    >>> step = CapturedStep(bt)
+    >>> up = StepUpdate.make(1, added=[RowBlocks.from_lists([0], [[7, 9]])])
+    >>> out = step.run(up, np.array([0, 3], np.int32), np.array([3, 4, 5], np.int64))
+    >>> out.slot_mappings[0][:4].tolist()
+    [31, 36, 37, -1]
+    """
+
+    try_mailbox = True  # False: always wait on events (tests of that path)
+
+    def __init__(
+        self,
+        table: MultiGroupBlockTable,
+        *,
+        max_num_reqs: int | None = None,
+        max_num_tokens: int | None = None,
+        max_pairs: int | None = None,
+        use_graph: bool = True,
+    ) -> None:
+        if not isinstance(table, MultiGroupBlockTable):
+            raise TypeError(f"table must be a MultiGroupBlockTable, got {type(table).__name__}")
+        if table.debug:
+            raise ValueError("a captured step needs a table without debug=True (debug mode "
+                             "copies device tensors to the host every step)")
+        R = _capacity("max_num_reqs", max_num_reqs, table.max_num_reqs)
+        T = _capacity("max_num_tokens", max_num_tokens, table.max_num_batched_tokens)
+        P = check_positive("max_pairs", max_pairs) if max_pairs is not None else max(1024, 4 * R)
+        self.table = table
+        self.layout = StepLayout(P, R, T)
+        self.device = table.device
+        cuda = self.device.type == "cuda"
+        self.mode = "numpy" if table.backend == "torch" else "kernels"
+        if cuda and self.mode == "numpy":
+            raise ValueError("a captured step on CUDA needs the table's triton backend, got "
+                             "backend='torch'")
+        self._refs = group_refs(table)
+        words = self.layout.num_words
+        num_slots = 2 if cuda else 1
+        # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
+        self._host = torch.zeros(num_slots, words, dtype=torch.int32, pin_memory=cuda)
+        self._views = [StagingViews(self._host[s].numpy(), self.layout) for s in range(num_slots)]
+        # on device, int32 [num_words]: the staging copy kernels read (numpy mode: staging 0)
+        self._dev = (self._host[0] if self.mode == "numpy"
+                     else torch.zeros(words, dtype=torch.int32, device=self.device))
+        # on cpu (pinned with CUDA), int32 [2]: each slot's last sequence number the device saw
+        self._mailbox_host = torch.full((2,), -1, dtype=torch.int32, pin_memory=cuda)
+        self._mailbox_np = self._mailbox_host.numpy()
+        self._mailbox: torch.Tensor = self._mailbox_host
+        self._events: list[torch.cuda.Event] | None = None  # when the mailbox cannot be used
+        self._expect: list[int | None] = [None] * num_slots  # seq each slot's copy will post
+        self._slot = 0
+        self._seq = 0
+        self._padded: list[tuple[int, int] | None] = [None] * num_slots  # qsl padding written
+        self._tokens_filled = table.max_num_batched_tokens  # slots past it are PAD (numpy)
+        self._calls_seen = -1  # table.slot_mapping_calls when the slots were last ours
+        self._arange = np.arange(R, dtype=np.int32)
+        numpy_mode = self.mode == "numpy"
+        self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
+        self._slots_np = table.slot_buffers.numpy() if numpy_mode else None
+        L = self.layout
+        d = self._dev
+        self._d_qsl = d[L.qsl : L.rows]
+        self._d_rows = d[L.rows : L.seq_lens]
+        self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
+        self._d_positions = d[L.positions : L.num_words].view(torch.int64)
+        self._by_reqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._by_tokens: dict[int, torch.Tensor] = {}
+        self._slot_views = tuple(
+            table.slot_mapping(g) if spec.has_slots else None
+            for g, spec in enumerate(table.specs)
+        )
+        self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        if cuda:
+            with torch.cuda.device(self.device):  # capture on the table's device
+                self._prepare_cuda(use_graph)
+
+    # ---------------------------------------------------------------- one step
+    def run(
+        self,
+        update: StepUpdate,
+        query_start_loc: np.ndarray,
+        positions: np.ndarray,
+        row_of_batch: np.ndarray | None = None,
+        seq_lens: np.ndarray | None = None,
+    ) -> StepOutputs:
+        """Apply ``update`` to the table and issue the step's device work (asynchronous).
+
+        Parameters
+        ----------
+        update : StepUpdate
+            The step's row changes (``StepUpdate.empty`` for none).
+        query_start_loc : np.ndarray
+            int32 ``[num_reqs + 1]`` on cpu: starts at 0, never decreases, ends at
+            ``num_tokens``; ``num_reqs <= max_num_reqs``.
+        positions : np.ndarray
+            int64 ``[num_tokens]`` on cpu, ``num_tokens <= max_num_tokens``.
+        row_of_batch : np.ndarray or None
+            int32 ``[num_reqs]`` on cpu: each request's table row, in ``[0, table rows)``.
+            ``None``: request ``r`` reads row ``r`` (condensed mode).
+        seq_lens : np.ndarray or None
+            int32 ``[num_reqs]`` on cpu, handed through to the device for attention.
+
+        Returns
+        -------
+        StepOutputs
+            The slot mappings (the table's persistent buffers) and the batch on the device.
+
+        Raises
+        ------
+        TypeError, ValueError, IndexError
+            Before any write, for inputs of the wrong type, shape or dtype, a batch past the
+            capacities, a malformed ``query_start_loc``, rows out of range, or a bad update.
+        """
+        if not isinstance(update, StepUpdate):
+            raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
+        num_reqs, num_tokens = self._check_batch(query_start_loc, positions, row_of_batch,
+                                                 seq_lens)
+        slot = self._slot
+        if self._expect[slot] is not None:
+            self._wait_free(slot)
+        v = self._views[slot]
+        P = self.layout.max_pairs
+        num_pairs = stage_decode(self.table, self._refs, update, v.pairs, P)
+        if num_pairs < 0:
+            num_pairs = stage_general(self.table, update, v.pairs, P)
+        v.qsl[: num_reqs + 1] = query_start_loc
+        if self._flat_np is None and self._padded[slot] != (num_reqs, num_tokens):
+            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+            self._padded[slot] = (num_reqs, num_tokens)
+        v.rows[:num_reqs] = self._arange[:num_reqs] if row_of_batch is None else row_of_batch
+        if seq_lens is not None:
+            v.seq_lens[:num_reqs] = seq_lens
+        v.positions[:num_tokens] = positions
+        header = v.header
+        header[NUM_PAIRS] = max(num_pairs, 0)
+        seq = self._seq = (self._seq + 1) & _SEQ_MASK
+        header[SEQ] = seq
+        header[SLOT] = slot
+        if self._flat_np is not None:
+            self._run_numpy(v, max(num_pairs, 0), num_reqs, num_tokens)
+        else:
+            self._run_device(slot)
+            self._expect[slot] = seq
+            self._slot = slot ^ (len(self._views) - 1)
+        return self._outputs(num_reqs, num_tokens, seq_lens is not None, num_pairs)
+
+    def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
+                     seq_lens: np.ndarray | None) -> tuple[int, int]:
+        """``(num_reqs, num_tokens)`` of a well-formed batch within the capacities, or raise."""
+        L = self.layout
+        _check_array("query_start_loc", qsl, np.int32)
+        _check_array("positions", positions, np.int64)
+        num_reqs = len(qsl) - 1
+        num_tokens = len(positions)
+        if num_reqs < 0 or num_reqs > L.max_num_reqs:
+            raise ValueError(f"query_start_loc has {num_reqs + 1} entries; it must have "
+                             f"num_reqs + 1 with 0 <= num_reqs <= max_num_reqs={L.max_num_reqs}")
+        if num_tokens > L.max_num_tokens:
+            raise ValueError(f"positions holds {num_tokens} tokens, more than "
+                             f"max_num_tokens={L.max_num_tokens}")
+        if qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
+            num_reqs > 1 and (qsl[1:] < qsl[:-1]).any()
+        ):
+            raise ValueError("query_start_loc must start at 0, never decrease and end at "
+                             f"num_tokens={num_tokens} (len(positions)), got first "
+                             f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
+        for name, arr in (("row_of_batch", rows), ("seq_lens", seq_lens)):
+            if arr is not None:
+                _check_array(name, arr, np.int32)
+                if len(arr) != num_reqs:
+                    raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
+                                     f"describes {num_reqs} requests")
+        bound = self.table.max_num_reqs
+        if rows is not None and num_reqs and rows.view(_U32).max() >= bound:
+            bad = int(rows[(rows < 0) | (rows >= bound)][0])
+            raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
+        return num_reqs, num_tokens
+
+    # ---------------------------------------------------------------- device work
+    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int) -> None:
+        """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
+        the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
+        flat, out, table = self._flat_np, self._slots_np, self.table
+        assert flat is not None and out is not None
+        scatter_numpy(flat, v.pairs, num_pairs)
+        if not table.slot_params:
+            return
+        if table.slot_mapping_calls != self._calls_seen:
+            self._calls_seen = table.slot_mapping_calls
+            self._tokens_filled = out.shape[1]
+        if self._tokens_filled > num_tokens:
+            out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
+        self._tokens_filled = num_tokens
+        if num_tokens:
+            slot_mapping_numpy(flat, table.slot_params, v.qsl[: num_reqs + 1],
+                               v.positions[:num_tokens], v.rows[:num_reqs], out[:, :num_tokens],
+                               table.max_num_reqs)
+
+    def _device_work(self, slot: int) -> None:
+        """Copy staging ``slot`` to the device, scatter the pairs, map the slots (padded)."""
+        self._dev.copy_(self._host[slot], non_blocking=True)
+        launch_staged_scatter(self.table.storage.device_tensor, self._dev, self._mailbox,
+                              self.layout.max_pairs)
+        if self.table.slot_params:
+            self.table.launch_slot_mapping_unchecked(self._d_qsl, self._d_positions,
+                                                     self._d_rows)
+
+    def _run_device(self, slot: int) -> None:
+        if self._graphs is not None:
+            self._graphs[slot].replay()
+        else:
+            self._device_work(slot)
+        if self._events is not None:
+            self._events[slot].record()
+
+    def _wait_free(self, slot: int) -> None:
+        """Block until the copy that last read staging ``slot`` has finished."""
+        if self._events is not None:
+            self._events[slot].synchronize()
+            return
+        expect = self._expect[slot]
+        mailbox = self._mailbox_np
+        if mailbox[slot] == expect:
+            return
+        start = time.perf_counter()
+        while mailbox[slot] != expect:  # the device runs two steps behind: wait for it
+            if time.perf_counter() - start > _WAIT_WARN_S:
+                raise RuntimeError(
+                    f"the device did not finish the step copy of {_WAIT_WARN_S:.0f} s ago "
+                    "(a failed launch, or a stream that never runs)"
+                )
+            time.sleep(0)
+
+    # ---------------------------------------------------------------- cuda setup
+    def _prepare_cuda(self, use_graph: bool) -> None:
+        """Warm up (compiles the kernels, proves the mailbox) on a side stream, then capture."""
+        device = self.device
+        for s, v in enumerate(self._views):  # a harmless step: no pairs, no request
+            v.header[NUM_PAIRS], v.header[SEQ], v.header[SLOT] = 0, _SEQ_MASK - s, s
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            mapped = False
+            try:
+                if self.try_mailbox:
+                    for s in range(len(self._views)):
+                        self._device_work(s)
+                    side.synchronize()
+                    mapped = all(int(self._mailbox_np[s]) == _SEQ_MASK - s
+                                 for s in range(len(self._views)))
+            except Exception:  # noqa: BLE001 - the device may refuse host memory: use events
+                mapped = False
+            if not mapped:
+                self._mailbox = torch.zeros(2, dtype=torch.int32, device=device)
+                self._events = [torch.cuda.Event() for _ in self._views]
+                for s in range(len(self._views)):
+                    self._device_work(s)
+                side.synchronize()
+        current.wait_stream(side)
+        if use_graph:
+            graphs = []
+            for s in range(len(self._views)):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._device_work(s)
+                graphs.append(graph)
+            self._graphs = graphs
+        torch.cuda.synchronize(device)
+
+    @property
+    def uses_mailbox(self) -> bool:
+        """True when the device posts finished copies to pinned host memory (CUDA)."""
+        return self.device.type == "cuda" and self._events is None
+
+    # ---------------------------------------------------------------- outputs
+    def _outputs(self, num_reqs: int, num_tokens: int, with_seq_lens: bool,
+                 num_pairs: int) -> StepOutputs:
+        views = self._by_reqs.get(num_reqs)
+        if views is None:
+            views = self._by_reqs[num_reqs] = (
+                self._d_qsl[: num_reqs + 1], self._d_rows[:num_reqs],
+                self._d_seq_lens[:num_reqs],
+            )
+        positions = self._by_tokens.get(num_tokens)
+        if positions is None:
+            positions = self._by_tokens[num_tokens] = self._d_positions[:num_tokens]
+        return StepOutputs(self._slot_views, views[0], positions, views[1],
+                           views[2] if with_seq_lens else None, num_pairs)
+
+
+def _capacity(name: str, value: int | None, bound: int) -> int:
+    if value is None:
+        return bound
+    check_positive(name, value)
+    if value > bound:
+        raise ValueError(f"{name}={value} is more than the table's {bound}")
+    return int(value)
+
+
+def _check_array(name: str, value: object, dtype: type) -> None:
+    if not (type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1):
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"{name} must be a numpy array, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a 1-D {np.dtype(dtype).name} array, got "
+                        f"{value.ndim}-D {value.dtype}")
+
+
+__all__ = ["FULL", "CapturedStep", "StepOutputs"]

@@ -1,0 +1,335 @@
+"""CapturedStep gives exactly what apply + commit + compute_slot_mapping give, step after step,
+and rejects bad input before any write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, RowEntries, StepUpdate
+from blocktable.step import CapturedStep
+
+ROWS, TOKENS, NUM_BLOCKS = 6, 16, 200
+SPECS = [GroupSpec(4, max_num_blocks=6, num_blocks=NUM_BLOCKS),
+         GroupSpec(8, kernel_block_size=4, max_num_blocks=3, num_blocks=NUM_BLOCKS)]
+
+
+def make_table(device: str, backend: str, specs: list[GroupSpec] = SPECS) -> MultiGroupBlockTable:
+    return MultiGroupBlockTable(specs, ROWS, None, TOKENS, device, backend=backend)
+
+
+class Model:
+    """Manager blocks per row and group, to draw valid random updates and batches."""
+
+    def __init__(self, bt: MultiGroupBlockTable, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.groups = len(bt.specs)
+        self.cap = [bt[g].width // bt[g].k for g in range(self.groups)]
+        self.count = np.zeros((self.groups, ROWS), dtype=np.int64)
+        self.block_size = [s.block_size for s in bt.specs]
+
+    def ids(self, n: int) -> np.ndarray:
+        return self.rng.integers(1, NUM_BLOCKS, n).astype(np.int32)
+
+    def decode(self) -> StepUpdate:
+        rng = self.rng
+        appended = []
+        for g in range(self.groups):
+            free = np.nonzero(self.count[g] < self.cap[g])[0]
+            rows = rng.permutation(free)[: rng.integers(0, len(free) + 1)].astype(np.int32)
+            if g and rng.random() < 0.3:
+                rows = rows[:0]
+            self.count[g, rows] += 1
+            appended.append(RowBlocks(rows, np.ones(len(rows), np.int32), self.ids(len(rows))))
+        return StepUpdate.make(self.groups, appended=appended)
+
+    def general(self) -> StepUpdate:
+        rng = self.rng
+        cleared = rng.choice(ROWS, rng.integers(0, 3), replace=True).astype(np.int32)
+        self.count[:, cleared] = 0
+        added, appended, nulled = [], [], []
+        for g in range(self.groups):
+            rows = rng.choice(ROWS, rng.integers(0, 3), replace=False).astype(np.int32)
+            num = rng.integers(0, self.cap[g] + 1, len(rows)).astype(np.int32)
+            self.count[g, rows] = num
+            added.append(RowBlocks(rows, num, self.ids(int(num.sum()))))
+            rows = rng.choice(ROWS, rng.integers(0, 3), replace=False).astype(np.int32)
+            num = np.minimum(rng.integers(0, 3, len(rows)), self.cap[g] - self.count[g, rows])
+            self.count[g, rows] += num
+            appended.append(RowBlocks(rows, num.astype(np.int32), self.ids(int(num.sum()))))
+            full = np.nonzero(self.count[g])[0]
+            rows = rng.choice(full, min(len(full), 2), replace=False).astype(np.int32)
+            blocks = (rng.random(len(rows)) * self.count[g, rows]).astype(np.int32)
+            nulled.append(RowEntries(rows, blocks))
+        return StepUpdate.make(self.groups, cleared_rows=cleared, added=added,
+                               appended=appended, nulled=nulled)
+
+    def batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        rng = self.rng
+        rows = rng.permutation(ROWS)[: rng.integers(0, ROWS + 1)].astype(np.int32)
+        num_new = rng.integers(1, 4, len(rows))
+        while num_new.sum() > TOKENS:
+            num_new[np.argmax(num_new)] -= 1
+        qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+        most = self.count[0, rows] * self.block_size[0] + 2  # a few past the blocks: PAD
+        positions = np.concatenate(
+            [rng.integers(0, m, n) for m, n in zip(most, num_new)] + [np.zeros(0)]
+        ).astype(np.int64)
+        seq_lens = rng.integers(1, 100, len(rows)).astype(np.int32)
+        return qsl, positions, rows, seq_lens
+
+
+def reference_step(ref: MultiGroupBlockTable, update: StepUpdate, qsl: np.ndarray,
+                   positions: np.ndarray, rows: np.ndarray | None) -> None:
+    ref.apply(update)
+    ref.commit()
+    ref.compute_slot_mapping(
+        torch.from_numpy(qsl), torch.from_numpy(positions),
+        row_of_batch=None if rows is None else torch.from_numpy(rows),
+    )
+
+
+def check_same(bt: MultiGroupBlockTable, ref: MultiGroupBlockTable, out, qsl, positions, rows,
+               seq_lens) -> None:
+    np.testing.assert_array_equal(bt.storage.host, ref.storage.host)
+    np.testing.assert_array_equal(bt.storage.device_tensor.cpu().numpy(), ref.storage.host)
+    np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
+    for g, slots in enumerate(out.slot_mappings):
+        assert slots is not None and slots.data_ptr() == bt.slot_mapping(g).data_ptr()
+    np.testing.assert_array_equal(out.query_start_loc.cpu().numpy(), qsl)
+    np.testing.assert_array_equal(out.positions.cpu().numpy(), positions)
+    want_rows = np.arange(len(qsl) - 1) if rows is None else rows
+    np.testing.assert_array_equal(out.row_of_batch.cpu().numpy(), want_rows)
+    np.testing.assert_array_equal(out.seq_lens.cpu().numpy(), seq_lens)
+    bt.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("max_pairs", [None, 6])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_steps_match_apply_commit_slot_mapping(backend, max_pairs, seed, triton_device):
+    """Random decode and general steps, condensed and indexed batches, small and ample pair
+    capacity: table, device table and slot mapping equal the three-call path's, exactly."""
+    device = "cpu" if backend == "torch" else triton_device
+    bt, ref = make_table(device, backend), make_table("cpu", "torch")
+    step = CapturedStep(bt, max_pairs=max_pairs)
+    model = Model(bt, np.random.default_rng(seed))
+    for i in range(14):
+        update = model.decode() if i % 3 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        indexed = i % 4 != 1
+        if not indexed:
+            rows = np.arange(len(rows), dtype=np.int32)
+        out = step.run(update, qsl, positions, rows if indexed else None, seq_lens)
+        reference_step(ref, update, qsl, positions, rows if indexed else None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
+    """Row operations made directly on the table before a step are committed by that step."""
+    bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    for t in (bt, ref):
+        t.add_row(([5, 6], [7]), 2)
+        t.move_row(2, 4)
+    model = Model(bt, np.random.default_rng(3))
+    model.count[:, 4] = (2, 1)
+    update = model.decode()
+    qsl, positions, rows, seq_lens = model.batch()
+    out = step.run(update, qsl, positions, rows, seq_lens)
+    reference_step(ref, update, qsl, positions, rows)
+    if triton_device == "cuda":
+        torch.cuda.synchronize()
+    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_decode_path_skips_the_journal():
+    """A decode step stages its pairs directly: ids then counts, nothing left to commit."""
+    bt = MultiGroupBlockTable([GroupSpec(16)], 8, 16 * 64, 8)
+    step = CapturedStep(bt)
+    rows = np.array([3, 1], np.int32)
+    update = StepUpdate.make(1, appended=[RowBlocks(rows, np.ones(2, np.int32),
+                                                    np.array([9, 4], np.int32))])
+    out = step.run(update, np.array([0, 1, 2], np.int32), np.array([0, 5], np.int64), rows)
+    assert out.num_pairs == 4
+    assert not bt.storage.changed and bt.commit().num_entries == 0
+    assert out.slot_mappings[0][:3].tolist() == [9 * 16, 4 * 16 + 5, -1]
+
+
+def _snapshot(bt: MultiGroupBlockTable) -> tuple[np.ndarray, np.ndarray]:
+    return bt.storage.host.copy(), bt.slot_buffers.cpu().numpy().copy()
+
+
+BAD_BATCHES = [
+    ({"query_start_loc": np.array([0, 1], np.int64)}, TypeError, "query_start_loc"),
+    ({"positions": [5]}, TypeError, "positions"),
+    ({"query_start_loc": np.zeros(ROWS + 2, np.int32), "positions": np.zeros(0, np.int64),
+          "row_of_batch": None}, ValueError, "max_num_reqs"),
+    ({"query_start_loc": np.array([0, TOKENS + 1], np.int32),
+          "positions": np.zeros(TOKENS + 1, np.int64)}, ValueError, "max_num_tokens"),
+    ({"query_start_loc": np.array([0, 2], np.int32)}, ValueError, "end at num_tokens"),
+    ({"row_of_batch": np.array([ROWS], np.int32)}, IndexError, "outside"),
+    ({"row_of_batch": np.array([0, 1], np.int32)}, ValueError, "row_of_batch"),
+    ({"seq_lens": np.array([1], np.int64)}, TypeError, "seq_lens"),
+]
+
+
+@pytest.mark.parametrize("bad, error, match", BAD_BATCHES)
+def test_bad_batch_is_rejected_before_any_write(bad, error, match):
+    bt = make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    before = _snapshot(bt)
+    update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
+    args = {"update": update, "query_start_loc": np.array([0, 1], np.int32),
+                "positions": np.array([0], np.int64), "row_of_batch": np.array([0], np.int32)}
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        step.run(**args)
+    after = _snapshot(bt)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("update, error", [
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([0, 0], [[3], [4]]), RowBlocks()]),
+     ValueError),  # a row twice
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[NUM_BLOCKS]]), RowBlocks()]),
+     ValueError),  # an id past the pool
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([ROWS], [[3]]), RowBlocks()]),
+     IndexError),
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3] * 99]), RowBlocks()]),
+     ValueError),  # past the row width
+])
+def test_bad_update_is_rejected_before_any_write(update, error, triton_device):
+    bt = make_table(triton_device, "triton")
+    step = CapturedStep(bt)
+    qsl, positions = np.array([0, 1], np.int32), np.array([0], np.int64)
+    step.run(StepUpdate.make(2, added=[RowBlocks.from_lists([0], [[1]]), RowBlocks()]), qsl,
+             positions)
+    before = bt.storage.host.copy()
+    with pytest.raises(error):
+        step.run(update, qsl, positions)
+    np.testing.assert_array_equal(bt.storage.host, before)
+    out = step.run(StepUpdate.empty(2), qsl, positions)  # the next good step is exact
+    if triton_device == "cuda":
+        torch.cuda.synchronize()
+    assert out.slot_mappings[0][:2].tolist() == [4, -1]
+    assert bt.device_equals_host()
+
+
+def test_bad_construction():
+    bt = make_table("cpu", "torch")
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        CapturedStep(bt, max_num_reqs=ROWS + 1)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        CapturedStep(bt, max_num_tokens=TOKENS + 1)
+    with pytest.raises(ValueError, match="debug"):
+        CapturedStep(MultiGroupBlockTable(SPECS, ROWS, None, TOKENS, debug=True))
+    with pytest.raises(TypeError, match="MultiGroupBlockTable"):
+        CapturedStep(bt[0])  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replay_never_synchronizes_and_matches():
+    """Graph replays issue no host-device synchronization, and the device posts each finished
+    staging copy to the pinned mailbox; results equal the three-call path's."""
+    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    assert step.uses_mailbox and step._graphs is not None
+    model = Model(bt, np.random.default_rng(7))
+    steps = []
+    for i in range(12):
+        update = model.decode() if i % 4 else model.general()
+        steps.append((update, *model.batch()))
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for update, qsl, positions, rows, seq_lens in steps:
+            outs.append(step.run(update, qsl, positions, rows, seq_lens))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for update, qsl, positions, rows, _ in steps:
+        reference_step(ref, update, qsl, positions, rows)
+    *_, (update, qsl, positions, rows, seq_lens) = steps
+    check_same(bt, ref, outs[-1], qsl, positions, rows, seq_lens)
+
+
+def test_engine_captured_step_equals_three_calls():
+    """The engine's captured path and its apply/commit/compute_slot_mapping path see the same
+    table and slot mapping at every step and generate the same tokens."""
+    from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
+
+    model = tiny_llama(seed=0)
+    workload = make_workload(4, seed=2, block_size=4, max_new_tokens=5)
+    max_model_len = max(len(w.prompt_token_ids) for w in workload) + 5
+    seen: dict[bool, list] = {}
+    for captured in (True, False):
+        engine = LLMEngine(model, EngineConfig(
+            block_size=4, num_blocks=14, max_num_reqs=4, token_budget=12,
+            max_model_len=max_model_len, record_logits=False, captured_step=captured,
+        ))
+        assert (engine.captured_step is not None) == captured
+        snaps: list = []
+        run_workload(engine, workload, hook=lambda eng, batch, snaps=snaps: snaps.append((
+            eng.table.storage.host.copy(), eng.table.slot_buffers[0, : batch.num_tokens].clone(),
+        )))
+        assert engine.table.device_equals_host()
+        tokens = {k: r.output_token_ids for k, r in engine.requests.items()}
+        seen[captured] = [snaps, tokens]
+    (snaps_a, tokens_a), (snaps_b, tokens_b) = seen[True], seen[False]
+    assert tokens_a == tokens_b and len(snaps_a) == len(snaps_b) > 5
+    for (host_a, slots_a), (host_b, slots_b) in zip(snaps_a, snaps_b):
+        np.testing.assert_array_equal(host_a, host_b)
+        assert torch.equal(slots_a, slots_b)
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from blocktable.step import runner
+
+    result = doctest.testmod(runner, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_graph, mailbox", [(False, True), (True, False), (False, False)])
+def test_cuda_eager_and_event_paths_match(use_graph, mailbox, monkeypatch):
+    """Eager launches instead of the graph, and events instead of the mailbox, give the same
+    results (many steps back to back, so both staging buffers are reused while in flight)."""
+    monkeypatch.setattr(CapturedStep, "try_mailbox", mailbox)
+    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt, use_graph=use_graph)
+    assert step.uses_mailbox == mailbox and (step._graphs is not None) == use_graph
+    model = Model(bt, np.random.default_rng(11))
+    for i in range(12):
+        update = model.decode() if i % 4 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+    torch.cuda.synchronize()
+    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_slot_tail_is_pad_after_longer_steps_and_direct_calls(device):
+    """A short step after a long one, or after the table's own compute_slot_mapping, leaves
+    every slot past its tokens PAD."""
+    backend = "torch" if device == "cpu" else "triton"
+    bt = make_table(device, backend)
+    step = CapturedStep(bt)
+    step.run(StepUpdate.make(2, added=[RowBlocks.from_lists([0], [[3, 4, 5]]), RowBlocks()]),
+             np.array([0, 10], np.int32), np.arange(10, dtype=np.int64))
+    short = (StepUpdate.empty(2), np.array([0, 1], np.int32), np.array([2], np.int64))
+    for longer in ("step", "direct"):
+        if longer == "direct":
+            bt.compute_slot_mapping(torch.tensor([0, 12], dtype=torch.int32, device=device),
+                                    torch.arange(12, device=device))
+        out = step.run(*short)
+        got = bt.slot_buffers.cpu().numpy()
+        assert out.slot_mappings[0][0].item() == 3 * 4 + 2
+        assert (got[:, 1:] == -1).all() and got[1, 0] == -1
