@@ -90,6 +90,11 @@ class PrefixIndex:
         self.num_records += num
         return self._free[top - num : top][::-1].copy()
 
+    def untake_slots(self, slots: np.ndarray) -> None:
+        """Give back the slots of the last :meth:`take_slots`, unused (the stack is as before)."""
+        self._num_free += len(slots)
+        self.num_records -= len(slots)
+
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
         self.keys.delete(self.key[slots])

@@ -42,10 +42,10 @@ def _int32(values: list[int]) -> np.ndarray:
     return np.frombuffer(packed, dtype=np.int32)
 
 
-def _row_blocks(rows: list[int], counts: list[int], ids: list[int]) -> RowBlocks:
+def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
     if not rows:
         return RowBlocks()
-    return RowBlocks(_int32(rows), _int32(counts), _int32(ids))
+    return RowBlocks(_int32(rows), _int32(counts), np.concatenate(ids))  # a copy
 
 
 class StepJournal:
@@ -61,7 +61,7 @@ class StepJournal:
     def touch(self, row: int, holder: RequestState | None) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
         if row not in self.marks:
-            lengths = () if holder is None else tuple(map(len, holder.blocks))
+            lengths = () if holder is None else tuple(holder.row_len)
             self.marks[row] = (holder, lengths)
 
     def null(self, req: RequestState, group: int, block_index: int) -> None:
@@ -78,10 +78,10 @@ class StepJournal:
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        add_ids: list[list[int]] = [[] for _ in range(num_groups)]
+        add_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
         app_rows: list[list[int]] = [[] for _ in range(num_groups)]
         app_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        app_ids: list[list[int]] = [[] for _ in range(num_groups)]
+        app_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
         null_rows: list[list[int]] = [[] for _ in range(num_groups)]
         null_idx: list[list[int]] = [[] for _ in range(num_groups)]
         nulled = self._nulled
@@ -93,11 +93,11 @@ class StepJournal:
                     cleared.append(row)
             elif live is start:
                 for g in groups:
-                    blocks = live.blocks[g]
-                    if len(blocks) > lengths[g]:
+                    n, old = live.row_len[g], lengths[g]
+                    if n > old:
                         app_rows[g].append(row)
-                        app_counts[g].append(len(blocks) - lengths[g])
-                        app_ids[g] += blocks[lengths[g] :]
+                        app_counts[g].append(n - old)
+                        app_ids[g].append(live.block_buf[g][old:n])
                 if row in nulled:
                     for g, indices in enumerate(nulled[row]):
                         null_rows[g] += [row] * len(indices)
@@ -105,8 +105,8 @@ class StepJournal:
             else:
                 add_rows.append(row)
                 for g in groups:
-                    add_counts[g].append(len(live.blocks[g]))
-                    add_ids[g] += live.blocks[g]
+                    add_counts[g].append(live.row_len[g])
+                    add_ids[g].append(live.blocks(g))
         self.marks = {}
         self._nulled = {}
         return StepUpdate.make(

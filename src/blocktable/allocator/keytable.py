@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable.allocator.arrays import has_repeats as _repeats
+
 EMPTY = -1
 DELETED = -2
 WINDOW = 8  # positions probed per gather
@@ -112,6 +114,58 @@ class KeyTable:
         self.keys[pos] = key
         values[pos] = value
         self.num_keys += 1
+
+    def insert_absent(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """File ``keys`` (``values`` distinct) if none is held and none repeats (return True);
+        else change nothing and return False.
+
+        One pass over the table for the common case, new keys whose home position is empty
+        (an empty home proves a key absent): the check and the insert read the same positions.
+        """
+        n = len(keys)
+        if not n:
+            return True
+        if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
+            self._rebuild(n)
+        tkeys, tvalues = self.keys, self.values
+        home = (keys & self._mask).astype(np.int64)
+        empty = tvalues[home] == EMPTY
+        if empty.all():
+            probe = None
+        else:
+            # occupied homes: probe for the key (held: refuse), then insert these with the rest
+            probe = np.flatnonzero(~empty)
+            if (self._positions(keys[probe]) >= 0).any() or _repeats(keys[probe]):
+                return False
+            home_at = np.flatnonzero(empty)
+            home, keys_e, values_e = home[home_at], keys[home_at], values[home_at]
+        if probe is None:
+            keys_e, values_e = keys, values
+        # of several keys with one empty home, one write survives: it is placed there
+        tvalues[home] = values_e
+        won = tvalues[home] == values_e
+        if won.all():
+            tkeys[home] = keys_e
+            self.num_keys += len(keys_e)
+            if probe is not None:
+                self.insert(keys[probe], values[probe])
+            return True
+        wpos = home[won]
+        tkeys[wpos] = keys_e[won]
+        lost = np.flatnonzero(~won)
+        lost_keys = keys_e[lost]
+        if (tkeys[home[lost]] == lost_keys).any() or _repeats(lost_keys):
+            tvalues[wpos] = EMPTY  # a key given twice: undo
+            return False
+        self.num_keys += len(wpos)
+        rest = lost_keys, values_e[lost]
+        if probe is not None:
+            rest = (
+                np.concatenate((rest[0], keys[probe])),
+                np.concatenate((rest[1], values[probe])),
+            )
+        self.insert(*rest)
+        return True
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """File distinct keys that are not held yet."""

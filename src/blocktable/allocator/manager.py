@@ -316,7 +316,10 @@ class KVCacheManager:
                 skip = plan.num_skipped[g]
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
-                req.blocks[g] = [NULL_BLOCK_ID] * skip + blocks.tolist()
+                row = np.empty(skip + len(blocks), dtype=np.int32)
+                row[:skip] = NULL_BLOCK_ID
+                row[skip:] = blocks
+                req.set_blocks(g, row)
                 req.num_skipped_blocks[g] = skip
                 req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
@@ -409,12 +412,12 @@ class KVCacheManager:
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             if need == 1:
                 block_id = pool.take_one()
-                req.blocks[g].append(block_id)
+                req.append_block(g, block_id)
                 out.append([block_id])
             elif need:
-                new = pool.take(need).tolist()
-                req.blocks[g] += new
-                out.append(new)
+                new = pool.take(need)
+                req.append_blocks(g, new)
+                out.append(new.tolist())
             else:
                 out.append([])
         self._update_num_slots(req)
@@ -459,13 +462,12 @@ class KVCacheManager:
                 out.append(RowBlocks())
                 continue
             new = pool.take(total)
-            new_list = new.tolist()
             rows, nums, start = [], [], 0
             touch = self._journal.touch
             for req, count in zip(reqs, counts):
                 if count:
                     touch(req.row, req)
-                    req.blocks[g] += new_list[start : start + count]
+                    req.append_blocks(g, new[start : start + count])
                     rows.append(req.row)
                     nums.append(count)
                     start += count
@@ -488,7 +490,7 @@ class KVCacheManager:
             num_tokens = req.num_computed_tokens + n
             if max_len is not None and num_tokens > max_len:
                 self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
-            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - len(req.blocks[0])
+            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - req.row_len[0]
             needs.append(need)
             total += need
         pool = self.pools[0]
@@ -497,15 +499,13 @@ class KVCacheManager:
         if not total:
             return RowBlocks()
         new = pool.take(total)
-        new_list = new.tolist()
         rows, nums, start = [], [], 0
         touch = self._journal.touch
         for req, need in zip(reqs, needs):
             if need:
                 touch(req.row, req)
-                blocks = req.blocks[0]
-                blocks += new_list[start : start + need]
-                req.num_slots = len(blocks) * bs
+                req.append_blocks(0, new[start : start + need])
+                req.num_slots = req.row_len[0] * bs
                 rows.append(req.row)
                 nums.append(need)
                 start += need
@@ -564,10 +564,10 @@ class KVCacheManager:
                     f"{req.num_tokens} token ids are known (append_token_ids first)"
                 )
             for g, bs in enumerate(self.block_sizes):
-                if num_computed > len(req.blocks[g]) * bs:
+                if num_computed > req.row_len[g] * bs:
                     raise ValueError(
                         f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                        f"group {g} has blocks for {len(req.blocks[g]) * bs} (allocate first)"
+                        f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
                     )
         for req, count in zip(reqs, counts):
             req.num_computed_tokens += count
@@ -648,15 +648,15 @@ class KVCacheManager:
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
-            shared = parent.blocks[g][:num_full]
-            real = np.array([b for b in shared if b != NULL_BLOCK_ID], dtype=np.int32)
+            shared = parent.blocks(g)[:num_full]
+            real = shared[parent.num_skipped_blocks[g] :]
             pool.share(real, np.ones(len(real), dtype=np.int32))
-            child.blocks[g] = shared
+            child.set_blocks(g, shared.copy())
             copies.append([])
             if num_computed % bs:
                 dst = pool.take_one()
-                shared.append(dst)
-                copies[g].append((parent.blocks[g][num_full], dst))
+                child.append_block(g, dst)
+                copies[g].append((int(parent.block_buf[g][num_full]), dst))
         self._update_num_slots(child)
         self._requests[child_id] = child
         return tuple(copies)
@@ -706,7 +706,7 @@ class KVCacheManager:
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
         req = self._get(req_id)
-        return tuple(list(blocks) for blocks in req.blocks)
+        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
@@ -817,42 +817,48 @@ class KVCacheManager:
         if num_tokens <= req.num_slots:
             return [0] * len(self.pools)
         return [
-            max(0, -(-num_tokens // bs) - len(blocks))
-            for blocks, bs in zip(req.blocks, self.block_sizes)
+            max(0, -(-num_tokens // bs) - row_len)
+            for row_len, bs in zip(req.row_len, self.block_sizes)
         ]
 
     def _update_num_slots(self, req: RequestState) -> None:
-        req.num_slots = min(len(b) * bs for b, bs in zip(req.blocks, self.block_sizes))
+        req.num_slots = min(n * bs for n, bs in zip(req.row_len, self.block_sizes))
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
-        released: list[int] = []
+        released: list[np.ndarray] = []
         for req in reqs:
             first = req.num_skipped_blocks[g]
             skip = max(0, (req.num_computed_tokens - window + 1) // bs)
             if skip <= first:
                 continue
             self._journal.touch(req.row, req)
-            row = req.blocks[g]
-            released += row[first:skip]  # oldest first
-            row[first:skip] = [NULL_BLOCK_ID] * (skip - first)
+            row = req.block_buf[g]
+            released.append(row[first:skip].copy())  # oldest first
+            row[first:skip] = NULL_BLOCK_ID
             for i in range(first, skip):
                 self._journal.null(req, g, i)
             req.num_skipped_blocks[g] = skip
         if released:
-            self.pools[g].release(np.array(released, dtype=np.int32), may_repeat=len(reqs) > 1)
+            ids = released[0] if len(released) == 1 else np.concatenate(released)
+            self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        per_group: list[list[int]] = [[] for _ in self.pools]
+        per_group: list[list[np.ndarray]] = [[] for _ in self.pools]
+        touch, release_row, requests = self._journal.touch, self._rows.release, self._requests
         for req in reqs:
-            self._journal.touch(req.row, req)
-            for g, blocks in enumerate(req.blocks):
-                per_group[g] += reversed(blocks[req.num_skipped_blocks[g] :])  # tail first
-            self._rows.release(req.row)
-            del self._requests[req.req_id]
-        for pool, ids in zip(self.pools, per_group):
-            if ids:
-                pool.release(np.array(ids, dtype=np.int32), may_repeat=len(reqs) > 1)
+            touch(req.row, req)
+            for parts, buf, skip, n in zip(
+                per_group, req.block_buf, req.num_skipped_blocks, req.row_len
+            ):
+                if n > skip:
+                    parts.append(buf[n - 1 : skip - 1 if skip else None : -1])  # tail first
+            release_row(req.row)
+            del requests[req.req_id]
+        for pool, parts in zip(self.pools, per_group):
+            if parts:
+                ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                pool.release(ids, may_repeat=len(parts) > 1)
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:

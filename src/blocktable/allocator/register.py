@@ -127,8 +127,8 @@ def _register_group(
     parts: list[np.ndarray] = []  # keys of the stored segments, then the fresh keys
     stored_tokens: list[np.ndarray] = []
     fresh_tokens: list[np.ndarray] = []
-    stored_ids: list[int] = []
-    fresh_ids: list[int] = []
+    stored_ids: list[np.ndarray] = []
+    fresh_ids: list[np.ndarray] = []
     starts: list[int] = []
     for seg in union:
         req, first, stop = seg
@@ -137,12 +137,14 @@ def _register_group(
             stored.append(seg)
             parts.append(keys[first:stop])
             stored_tokens.append(req.tokens[first * bs : stop * bs])
-            stored_ids += req.blocks[g][first:stop]
+            stored_ids.append(req.block_buf[g][first:stop])
         else:
             fresh.append(seg)
             fresh_tokens.append(req.tokens[first * bs : stop * bs])
-            fresh_ids += req.blocks[g][first:stop]
-            starts.append(_state_before(req, first, bs))
+            fresh_ids.append(req.block_buf[g][first:stop])
+            starts.append(
+                req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
+            )
     if fresh:
         tokens = fresh_tokens[0] if len(fresh_tokens) == 1 else np.concatenate(fresh_tokens)
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
@@ -160,7 +162,7 @@ def _register_group(
         stored + fresh,
         parts[0] if len(parts) == 1 else np.concatenate(parts),
         byte_hash_fn,
-        stored_ids + fresh_ids,
+        np.concatenate(stored_ids + fresh_ids),
         stored_tokens[0] if len(stored_tokens) == 1 else np.concatenate(stored_tokens),
     )
 
@@ -172,15 +174,13 @@ def _cache_segments(
     segments: list[Segment],
     keys: np.ndarray,
     byte_hash_fn: HashFn | None,
-    block_ids: list[int] | None = None,
+    block_ids: np.ndarray | None = None,
     tokens: np.ndarray | None = None,
 ) -> None:
     """File the blocks of ``segments`` in group ``g`` (``block_ids`` and ``tokens``, the
     segments' block ids and token ids concatenated, are sliced here when not given)."""
     if block_ids is None:
-        block_ids = []
-        for req, first, stop in segments:
-            block_ids += req.blocks[g][first:stop]
+        block_ids = np.concatenate([req.block_buf[g][first:stop] for req, first, stop in segments])
     if tokens is not None:
         pass
     elif len(segments) == 1:
@@ -209,9 +209,7 @@ def _cache_segments(
                 req.namespace_bytes,
                 byte_hash_fn,
             )
-    cids = pool.cache(
-        np.array(block_ids, dtype=np.int32), keys, tokens.reshape(-1, bs), parents, hashes
-    )
+    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
     last_cids = cids[np.array(ends) - 1].tolist()
     for (req, _, stop), end, cid in zip(segments, ends, last_cids):
         req.parent_cids[g] = cid
@@ -249,7 +247,7 @@ def _register_one_block(
                 key = fmix64_int(state)
             keys[bs] = key
         cid = pool.cache_one(
-            req.blocks[g][i], key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
+            int(req.block_buf[g][i]), key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
         )
         req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = i + 1
