@@ -260,7 +260,7 @@ def test_array_helpers_against_plain_python() -> None:
 def test_key_table_against_a_dict(spread: str) -> None:
     rng = np.random.default_rng(3)
     for _ in range(8):
-        table, model = KeyTable(int(rng.integers(1, 40))), {}
+        table, model = KeyTable(int(rng.integers(1, 40)), num_values=1000), {}
         universe = rng.integers(0, 2**64 - 1, 150, dtype=np.uint64)
         if spread == "clustered":  # long probe runs: few home positions
             universe = (universe & np.uint64(3)) * np.uint64(16) + (universe >> np.uint64(58))
@@ -270,18 +270,25 @@ def test_key_table_against_a_dict(spread: str) -> None:
             if op == 0:
                 new = [k for k in rng.choice(universe, 12).tolist() if k not in model]
                 new = list(dict.fromkeys(new))
-                values = rng.integers(0, 1000, len(new))
+                values = rng.permutation(1000)[: len(new)]  # values are distinct
+                values = values[~np.isin(values, list(model.values()))]
+                new = new[: len(values)]
                 table.insert(np.array(new, dtype=np.uint64), values)
                 model.update(zip(new, values.tolist()))
             elif op == 1 and model:
                 held = list(model)
                 gone = [held[i] for i in rng.permutation(len(held))[: rng.integers(0, 8)]]
-                table.delete(np.array(gone, dtype=np.uint64))
+                if rng.integers(2):
+                    table.delete(np.array(gone, dtype=np.uint64))
+                else:
+                    table.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
                 for k in gone:
                     del model[k]
             elif op == 2:  # all or nothing: refused when a key is held or given twice
                 keys = rng.choice(universe, int(rng.integers(1, 12)))
                 values = rng.permutation(1000)[: len(keys)]
+                values = values[~np.isin(values, list(model.values()))]
+                keys = keys[: len(values)]
                 ok = table.insert_absent(keys, values)
                 fresh = not any(k in model for k in keys.tolist())
                 assert ok == (fresh and len(set(keys.tolist())) == len(keys))

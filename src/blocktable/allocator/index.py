@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
+from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
@@ -65,6 +65,7 @@ class PrefixIndex:
         self._num_free = capacity
         self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
+        self._seen = LastSeen(self.max_records)  # scratch of _recycle()
         self.next_cid = 1
         self.num_records = 0
 
@@ -97,7 +98,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        self.keys.delete(self.key[slots])
+        self.keys.delete_values(slots)
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:
@@ -123,7 +124,7 @@ class PrefixIndex:
             if self._dead_head > 4096 and 2 * self._dead_head > len(self._dead):
                 del self._dead[: self._dead_head]
                 self._dead_head = 0
-            batch = last_occurrences(batch)
+            batch = self._seen.last_occurrences(batch)
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
             batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]

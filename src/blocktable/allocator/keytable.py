@@ -3,7 +3,10 @@
 A Python dict pays a dependent cache miss and a Python int per key, three times per newly
 cached block (is it new, insert, and later delete when its record is recycled). This table is
 two flat arrays probed linearly for all keys of a call at once: one gather reads a window of
-``WINDOW`` positions per key, so the cache misses of a call overlap.
+``WINDOW`` positions per key, so the cache misses of a call overlap. Checking that new keys
+are absent and filing them is one such pass (:meth:`KeyTable.insert_absent`), and a value's
+position is remembered (values are distinct record slots), so deleting by value probes
+nothing.
 
 Keys are block keys (:mod:`blocktable.allocator.hashing`), already mixed, so their low bits
 index the table directly. ``values[pos]`` is a record slot (>= 0), ``EMPTY`` or ``DELETED``
@@ -27,19 +30,23 @@ _U64 = np.uint64
 
 
 class KeyTable:
-    """Distinct uint64 keys -> int64 values (>= 0), on cpu.
+    """Distinct uint64 keys -> distinct int64 values in ``[0, num_values)``, on cpu.
 
     Parameters
     ----------
     max_keys : int
         The most keys held at once (the capacity is ``>= 4 * max_keys``).
+    num_values : int, optional
+        Values are below this (default ``max_keys``).
     """
 
-    def __init__(self, max_keys: int) -> None:
+    def __init__(self, max_keys: int, num_values: int | None = None) -> None:
         capacity = 1 << max(4, (4 * max(max_keys, 1) - 1).bit_length())
         self._mask = _U64(capacity - 1)
         self.keys = np.zeros(capacity, dtype=_U64)  # key at each position
         self.values = np.full(capacity, EMPTY, dtype=np.int64)  # value, EMPTY or DELETED
+        # value -> its position (meaningful for held values only)
+        self.where = np.zeros(max(max_keys, 1) if num_values is None else num_values, np.int64)
         self.num_keys = 0
         self._num_deleted = 0
 
@@ -113,14 +120,16 @@ class KeyTable:
             self._num_deleted -= 1
         self.keys[pos] = key
         values[pos] = value
+        self.where[value] = pos
         self.num_keys += 1
 
     def insert_absent(self, keys: np.ndarray, values: np.ndarray) -> bool:
-        """File ``keys`` (``values`` distinct) if none is held and none repeats (return True);
-        else change nothing and return False.
+        """File ``keys`` if none is held and none repeats (return True); else change nothing
+        and return False.
 
-        One pass over the table for the common case, new keys whose home position is empty
-        (an empty home proves a key absent): the check and the insert read the same positions.
+        One windowed pass: a key is absent when its probe run reaches an empty position
+        without it, and it goes to the first free position of that run (keys of this call
+        wanting one position: one of them gets it, the others are filed one by one).
         """
         n = len(keys)
         if not n:
@@ -128,44 +137,50 @@ class KeyTable:
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
             self._rebuild(n)
         tkeys, tvalues = self.keys, self.values
-        home = (keys & self._mask).astype(np.int64)
-        empty = tvalues[home] == EMPTY
-        if empty.all():
-            probe = None
-        else:
-            # occupied homes: probe for the key (held: refuse), then insert these with the rest
-            probe = np.flatnonzero(~empty)
-            if (self._positions(keys[probe]) >= 0).any() or _repeats(keys[probe]):
-                return False
-            home_at = np.flatnonzero(empty)
-            home, keys_e, values_e = home[home_at], keys[home_at], values[home_at]
-        if probe is None:
-            keys_e, values_e = keys, values
-        # of several keys with one empty home, one write survives: it is placed there
-        tvalues[home] = values_e
-        won = tvalues[home] == values_e
+        cand = (keys & self._mask).astype(np.int64)  # where each key goes: its home first
+        old = tvalues[cand]
+        busy = np.flatnonzero(old != EMPTY)
+        if len(busy):
+            pos = (cand[busy, None] + _OFFSETS) & int(self._mask)
+            v = tvalues[pos]
+            hit = (v >= 0) & (tkeys[pos] == keys[busy, None])
+            stop = hit | (v == EMPTY)
+            rows = np.arange(len(busy))
+            at = stop.argmax(axis=1)
+            if not stop[rows, at].all():  # a run longer than the window: the slow way
+                if (self._positions(keys) >= 0).any() or _repeats(keys):
+                    return False
+                self.insert(keys, values)
+                return True
+            if hit[rows, at].any():
+                return False  # a key is held
+            free_at = (v < 0).argmax(axis=1)  # at or before the empty position
+            cand[busy] = pos[rows, free_at]
+            old[busy] = v[rows, free_at]
+        # of several keys wanting one position, one write survives
+        tvalues[cand] = values
+        won = tvalues[cand] == values
         if won.all():
-            tkeys[home] = keys_e
-            self.num_keys += len(keys_e)
-            if probe is not None:
-                self.insert(keys[probe], values[probe])
+            tkeys[cand] = keys
+            self._placed(cand, values, old)
             return True
-        wpos = home[won]
-        tkeys[wpos] = keys_e[won]
         lost = np.flatnonzero(~won)
-        lost_keys = keys_e[lost]
-        if (tkeys[home[lost]] == lost_keys).any() or _repeats(lost_keys):
-            tvalues[wpos] = EMPTY  # a key given twice: undo
+        wpos = cand[won]
+        tkeys[wpos] = keys[won]
+        lost_keys = keys[lost]
+        if (tkeys[cand[lost]] == lost_keys).any() or _repeats(lost_keys):
+            tvalues[wpos] = old[won]  # a key given twice: undo
             return False
-        self.num_keys += len(wpos)
-        rest = lost_keys, values_e[lost]
-        if probe is not None:
-            rest = (
-                np.concatenate((rest[0], keys[probe])),
-                np.concatenate((rest[1], values[probe])),
-            )
-        self.insert(*rest)
+        self._placed(wpos, values[won], old[won])
+        for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
+            self.insert_one(key, value)  # absent and distinct, so filed one by one
         return True
+
+    def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
+        """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
+        self.where[values] = pos
+        self.num_keys += len(pos)
+        self._num_deleted -= int(np.count_nonzero(old == DELETED))
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """File distinct keys that are not held yet."""
@@ -185,6 +200,7 @@ class KeyTable:
         wpos = hpos[won]
         self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
         tvalues[wpos] = values[home[won]]
+        self.where[values[home[won]]] = wpos
         placed = np.zeros(n, dtype=bool)
         placed[home[won]] = True
         todo = np.flatnonzero(~placed)
@@ -205,6 +221,7 @@ class KeyTable:
             self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
             tkeys[wpos] = keys[todo[winners]]
             tvalues[wpos] = values[todo[winners]]
+            self.where[values[todo[winners]]] = wpos
             placed = np.zeros(len(todo), dtype=bool)
             placed[winners] = True
             # losers retry from the same start (that position is taken now); full windows
@@ -215,12 +232,18 @@ class KeyTable:
 
     def delete(self, keys: np.ndarray) -> None:
         """Remove held keys (every one must be held)."""
-        pos = self._positions(keys)
+        self._delete_at(self._positions(keys))
+
+    def delete_values(self, values: np.ndarray) -> None:
+        """Remove the keys holding these values (every one must be held); no probing."""
+        self._delete_at(self.where[values])
+
+    def _delete_at(self, pos: np.ndarray) -> None:
         # no probe passes a position followed by an empty one: it can become empty itself
         last = self.values[(pos + 1) & int(self._mask)] == EMPTY
         self.values[pos] = np.where(last, EMPTY, DELETED)
-        self.num_keys -= len(keys)
-        self._num_deleted += len(keys) - int(np.count_nonzero(last))
+        self.num_keys -= len(pos)
+        self._num_deleted += len(pos) - int(np.count_nonzero(last))
 
     def clear(self) -> None:
         self.values[:] = EMPTY
