@@ -143,6 +143,7 @@ class KVCacheManager:
         )
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
+        self._has_windows = any(w is not None for w in self.windows)
         self._align_tokens = math.lcm(*self.block_sizes)
         self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
@@ -499,14 +500,26 @@ class KVCacheManager:
         if not total:
             return RowBlocks()
         new = pool.take(total)
+        new_list = new.tolist()
         rows, nums, start = [], [], 0
-        touch = self._journal.touch
+        marks = self._journal.marks
         for req, need in zip(reqs, needs):
             if need:
-                touch(req.row, req)
-                req.append_blocks(0, new[start : start + need])
-                req.num_slots = req.row_len[0] * bs
-                rows.append(req.row)
+                row = req.row
+                if row not in marks:  # the journal's touch, inlined
+                    marks[row] = (req, tuple(req.row_len))
+                n = req.row_len[0]
+                buf = req.block_buf[0]
+                if len(buf) < n + need:
+                    buf = req.block_buf[0] = grown(buf, n + need)
+                if need == 1:
+                    buf[n] = new_list[start]
+                else:
+                    buf[n : n + need] = new[start : start + need]
+                n += need
+                req.row_len[0] = n
+                req.num_slots = n * bs
+                rows.append(row)
                 nums.append(need)
                 start += need
         return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
@@ -558,6 +571,8 @@ class KVCacheManager:
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         for req, count in zip(reqs, counts):
             num_computed = req.num_computed_tokens + count
+            if num_computed <= req.num_slots and num_computed <= req.num_tokens:
+                continue  # num_slots: what every group's blocks hold
             if num_computed > req.num_tokens:
                 raise ValueError(
                     f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
@@ -575,9 +590,10 @@ class KVCacheManager:
             register_computed_blocks(
                 reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn
             )
-        for g, window in enumerate(self.windows):
-            if window is not None:
-                self._release_outside_window(reqs, g, window)
+        if self._has_windows:
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    self._release_outside_window(reqs, g, window)
 
     # ----------------------------------------------------------------- release
     def free(self, req_id: ReqId) -> None:
@@ -596,12 +612,14 @@ class KVCacheManager:
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
         req_ids = as_list("req_ids", req_ids)
-        running = [r for r in req_ids if r not in self._preempted]
-        reqs = running_requests(self._requests, self._preempted, running)
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-        for req_id in req_ids:
-            self._preempted.discard(req_id)
+        preempted = self._preempted
+        running = [r for r in req_ids if r not in preempted] if preempted else req_ids
+        reqs = running_requests(self._requests, preempted, running)
+        if preempted:
+            if len(set(req_ids)) != len(req_ids):
+                raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
+            for req_id in req_ids:
+                preempted.discard(req_id)
         self._release(reqs)
 
     def preempt(self, req_id: ReqId) -> None:

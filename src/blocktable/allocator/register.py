@@ -86,18 +86,17 @@ def register_computed_blocks(
             return
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
+        if len(groups) == 1:
+            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn)
+            continue
         union = []
-        g0 = groups[0]
         for req in reqs:
             hashed = req.num_hashed_blocks
-            first = hashed[g0] if len(groups) == 1 else min(hashed[g] for g in groups)
+            first = min(hashed[g] for g in groups)
             stop = req.num_computed_tokens // bs
             if stop > first:
                 union.append((req, first, stop))
         if not union:
-            continue
-        if len(groups) == 1:
-            _register_group(union, pools[g0], g0, bs, powers[bs], byte_hash_fn)
             continue
         union, keys = _segment_keys(union, bs, powers[bs])
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
@@ -113,7 +112,7 @@ def register_computed_blocks(
 
 
 def _register_group(
-    union: list[Segment],
+    reqs: Sequence[RequestState],
     pool: BlockPool,
     g: int,
     bs: int,
@@ -121,49 +120,60 @@ def _register_group(
     byte_hash_fn: HashFn | None,
 ) -> None:
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
-    in one pass over the segments: each request's tokens and block ids are sliced once."""
+    in one pass over the requests: each request's tokens and block ids are sliced once.
+
+    Segments whose keys were stored at admission (prompt blocks) come first, then the others,
+    keyed here in one :func:`chain_keys` pass.
+    """
     stored: list[Segment] = []
     fresh: list[Segment] = []
-    parts: list[np.ndarray] = []  # keys of the stored segments, then the fresh keys
-    stored_tokens: list[np.ndarray] = []
+    key_parts: list[np.ndarray] = []  # keys of the stored segments
+    token_parts: list[np.ndarray] = []  # token ids of the stored segments
+    id_parts: list[np.ndarray] = []  # block ids of the stored segments
     fresh_tokens: list[np.ndarray] = []
-    stored_ids: list[np.ndarray] = []
     fresh_ids: list[np.ndarray] = []
-    starts: list[int] = []
-    for seg in union:
-        req, first, stop = seg
+    starts: list[int] = []  # key chain state before each fresh segment
+    for req in reqs:
+        first = req.num_hashed_blocks[g]
+        stop = req.num_computed_tokens // bs
+        if stop <= first:
+            continue
         keys = req.keys[bs]
         if stop <= len(keys):
-            stored.append(seg)
-            parts.append(keys[first:stop])
-            stored_tokens.append(req.tokens[first * bs : stop * bs])
-            stored_ids.append(req.block_buf[g][first:stop])
+            stored.append((req, first, stop))
+            key_parts.append(keys[first:stop])
+            token_parts.append(req.tokens[first * bs : stop * bs])
+            id_parts.append(req.block_buf[g][first:stop])
         else:
-            fresh.append(seg)
+            fresh.append((req, first, stop))
             fresh_tokens.append(req.tokens[first * bs : stop * bs])
             fresh_ids.append(req.block_buf[g][first:stop])
             starts.append(
                 req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
             )
+    if not stored and not fresh:
+        return
     if fresh:
         tokens = fresh_tokens[0] if len(fresh_tokens) == 1 else np.concatenate(fresh_tokens)
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
         keys, states = chain_keys(hashes, lengths, np.array(starts, dtype=_U64), powers)
-        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
+        last = states if len(states) == len(fresh) else states[np.cumsum(lengths) - 1]
+        for (req, _, stop), state in zip(fresh, last.tolist()):
             req.num_keys[bs] = stop
             req.key_states[bs] = state
-        parts.append(keys)
-        stored_tokens.append(tokens)
+        key_parts.append(keys)
+        token_parts.append(tokens)
+        id_parts += fresh_ids
     _cache_segments(
         pool,
         g,
         bs,
-        stored + fresh,
-        parts[0] if len(parts) == 1 else np.concatenate(parts),
+        stored + fresh if stored else fresh,
+        key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
         byte_hash_fn,
-        np.concatenate(stored_ids + fresh_ids),
-        stored_tokens[0] if len(stored_tokens) == 1 else np.concatenate(stored_tokens),
+        id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
+        token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts),
     )
 
 
@@ -191,11 +201,12 @@ def _cache_segments(
             [req.tokens[first * bs : stop * bs] for req, first, stop in segments]
         )
     parents = np.zeros(len(block_ids), dtype=np.int64)
-    lengths = [stop - first for _, first, stop in segments]
-    ends = np.cumsum(lengths).tolist()
-    parents[[end - n for end, n in zip(ends, lengths)]] = [
-        req.parent_cids[g] for req, _, _ in segments
-    ]
+    seg_starts, ends, end = [], [], 0
+    for _, first, stop in segments:
+        seg_starts.append(end)
+        end += stop - first
+        ends.append(end)
+    parents[seg_starts] = [req.parent_cids[g] for req, _, _ in segments]
     hashes = None
     if byte_hash_fn is not None:
         hashes = []
@@ -210,7 +221,7 @@ def _cache_segments(
                 byte_hash_fn,
             )
     cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
-    last_cids = cids[np.array(ends) - 1].tolist()
+    last_cids = (cids if len(cids) == len(segments) else cids[np.array(ends) - 1]).tolist()
     for (req, _, stop), end, cid in zip(segments, ends, last_cids):
         req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = stop
