@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import LastSeen, decrement, distinct_counts, last_occurrences
+from blocktable.allocator.arrays import LastSeen, decrement, last_occurrences
 from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
@@ -250,10 +250,6 @@ def test_array_helpers_against_plain_python() -> None:
         assert got.tolist() == want and (counts_seen == want_counts).all()
         last = {v: i for i, v in enumerate(values.tolist())}
         assert last_occurrences(values).tolist() == sorted(last, key=last.get)
-        u, c = distinct_counts(values)
-        assert dict(zip(u.tolist(), c.tolist())) == {
-            v: values.tolist().count(v) for v in set(values.tolist())
-        }
 
 
 @pytest.mark.parametrize("spread", ["random", "clustered"])

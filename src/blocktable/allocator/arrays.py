@@ -1,4 +1,5 @@
-"""Small sort-based helpers on int id arrays (``np.unique`` costs ~1 ms a call here)."""
+"""Small helpers on int id arrays: sort-based, or sort-free with a scratch array (``np.unique``
+costs ~1 ms a call here)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,6 @@ def has_repeats(ids: np.ndarray) -> bool:
         return False
     s = np.sort(ids)
     return bool((s[1:] == s[:-1]).any())
-
-
-def distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct values of ``ids`` (ascending) and how often each occurs (int32)."""
-    s = np.sort(ids)
-    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
-    counts = np.diff(np.append(starts, len(s))).astype(np.int32)
-    return s[starts], counts
 
 
 def last_occurrences(ids: np.ndarray) -> np.ndarray:

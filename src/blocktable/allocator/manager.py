@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable._checks import check_count, check_positive
-from blocktable.allocator.arrays import distinct_counts
 from blocktable.allocator.checks import (
     as_list,
     check_same_length,
@@ -289,8 +288,7 @@ class KVCacheManager:
             self._num_hit_tokens += plan.num_cached_tokens
         for pool, blocks in zip(self.pools, shared):
             if blocks:
-                ids, counts = distinct_counts(np.concatenate(blocks))
-                pool.share(ids, counts)
+                pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(

@@ -152,6 +152,15 @@ class BlockPool:
             self.cached.remove(was_free)
         ref_counts[block_ids] += counts
 
+    def share_many(self, block_ids: np.ndarray) -> None:
+        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed):
+        :meth:`share` without sorting out the repeats first."""
+        ref_counts = self.ref_counts
+        was_free = block_ids[ref_counts[block_ids] == 0]
+        if len(was_free):
+            self.cached.remove(self._seen.last_occurrences(was_free))
+        np.add.at(ref_counts, block_ids, ref_counts.dtype.type(1))
+
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
         """Drop one reference per entry; blocks reaching 0 join the free queues in order.
 

@@ -52,10 +52,11 @@ def token_array(name: str, value: object) -> np.ndarray:
 
 
 def grown(buffer: np.ndarray, size: int) -> np.ndarray:
-    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``."""
+    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``
+    (and some more: rows and sequences keep growing by a few entries per step)."""
     if len(buffer) >= size:
         return buffer
-    new = np.zeros(max(size, 2 * len(buffer), 16), dtype=buffer.dtype)
+    new = np.zeros(max(size + (size >> 2) + 16, 2 * len(buffer)), dtype=buffer.dtype)
     new[: len(buffer)] = buffer
     return new
 
