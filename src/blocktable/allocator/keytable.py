@@ -140,23 +140,8 @@ class KeyTable:
         cand = (keys & self._mask).astype(np.int64)  # where each key goes: its home first
         old = tvalues[cand]
         busy = np.flatnonzero(old != EMPTY)
-        if len(busy):
-            pos = (cand[busy, None] + _OFFSETS) & int(self._mask)
-            v = tvalues[pos]
-            hit = (v >= 0) & (tkeys[pos] == keys[busy, None])
-            stop = hit | (v == EMPTY)
-            rows = np.arange(len(busy))
-            at = stop.argmax(axis=1)
-            if not stop[rows, at].all():  # a run longer than the window: the slow way
-                if (self._positions(keys) >= 0).any() or _repeats(keys):
-                    return False
-                self.insert(keys, values)
-                return True
-            if hit[rows, at].any():
-                return False  # a key is held
-            free_at = (v < 0).argmax(axis=1)  # at or before the empty position
-            cand[busy] = pos[rows, free_at]
-            old[busy] = v[rows, free_at]
+        if len(busy) and not self._first_free(keys, busy, cand, old):
+            return False  # a key is held
         # of several keys wanting one position, one write survives
         tvalues[cand] = values
         won = tvalues[cand] == values
@@ -175,6 +160,34 @@ class KeyTable:
         for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
             self.insert_one(key, value)  # absent and distinct, so filed one by one
         return True
+
+    def _first_free(
+        self, keys: np.ndarray, busy: np.ndarray, cand: np.ndarray, old: np.ndarray
+    ) -> bool:
+        """For the keys ``busy`` (indices into ``keys``) whose home is taken: False if one is
+        held; else set ``cand`` to the first free position of its probe run (``old``: what
+        that position holds), scanning window after window until the run's empty position."""
+        mask = int(self._mask)
+        tkeys, tvalues = self.keys, self.values
+        todo, start = busy, cand[busy]
+        found = np.zeros(len(keys), dtype=bool)  # a free position was seen
+        while True:
+            pos = (start[:, None] + _OFFSETS) & mask
+            v = tvalues[pos]
+            # a key sits only in its own run, so a match anywhere in the window means held
+            if ((v >= 0) & (tkeys[pos] == keys[todo, None])).any():
+                return False
+            free = v < 0
+            at = free.argmax(axis=1)
+            rows = np.arange(len(todo))
+            new = free[rows, at] & ~found[todo]
+            cand[todo[new]] = pos[rows, at][new]
+            old[todo[new]] = v[rows, at][new]
+            found[todo[new]] = True
+            more = ~(v == EMPTY).any(axis=1)  # the run goes on past this window
+            if not more.any():
+                return True
+            todo, start = todo[more], start[more] + WINDOW
 
     def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
         """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
