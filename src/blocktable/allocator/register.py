@@ -125,11 +125,18 @@ def _register_group(
     Segments whose keys were stored at admission (prompt blocks) come first, then the others,
     keyed here in one :func:`chain_keys` pass.
     """
-    stored: list[Segment] = []
-    fresh: list[Segment] = []
+    # per segment, stored ones then fresh ones: request, stop block, length, parent content id
+    seg_reqs: list[RequestState] = []
+    stops: list[int] = []
+    lengths: list[int] = []
+    parents: list[int] = []
     key_parts: list[np.ndarray] = []  # keys of the stored segments
-    token_parts: list[np.ndarray] = []  # token ids of the stored segments
-    id_parts: list[np.ndarray] = []  # block ids of the stored segments
+    token_parts: list[np.ndarray] = []
+    id_parts: list[np.ndarray] = []
+    fresh_reqs: list[RequestState] = []
+    fresh_stops: list[int] = []
+    fresh_lengths: list[int] = []
+    fresh_parents: list[int] = []
     fresh_tokens: list[np.ndarray] = []
     fresh_ids: list[np.ndarray] = []
     starts: list[int] = []  # key chain state before each fresh segment
@@ -140,41 +147,65 @@ def _register_group(
             continue
         keys = req.keys[bs]
         if stop <= len(keys):
-            stored.append((req, first, stop))
+            seg_reqs.append(req)
+            stops.append(stop)
+            lengths.append(stop - first)
+            parents.append(req.parent_cids[g])
             key_parts.append(keys[first:stop])
             token_parts.append(req.tokens[first * bs : stop * bs])
             id_parts.append(req.block_buf[g][first:stop])
         else:
-            fresh.append((req, first, stop))
+            fresh_reqs.append(req)
+            fresh_stops.append(stop)
+            fresh_lengths.append(stop - first)
+            fresh_parents.append(req.parent_cids[g])
             fresh_tokens.append(req.tokens[first * bs : stop * bs])
             fresh_ids.append(req.block_buf[g][first:stop])
             starts.append(
                 req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
             )
-    if not stored and not fresh:
+    if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
+        segments = [
+            (req, stop - n, stop)
+            for req, stop, n in zip(
+                seg_reqs + fresh_reqs, stops + fresh_stops, lengths + fresh_lengths
+            )
+        ]
+        if segments:
+            segments, keys = _segment_keys(segments, bs, powers)
+            _cache_segments(pool, g, bs, segments, keys, byte_hash_fn)
         return
-    if fresh:
+    if fresh_reqs:
         tokens = fresh_tokens[0] if len(fresh_tokens) == 1 else np.concatenate(fresh_tokens)
-        lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
+        fresh_len = np.array(fresh_lengths, dtype=np.int64)
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        keys, states = chain_keys(hashes, lengths, np.array(starts, dtype=_U64), powers)
-        last = states if len(states) == len(fresh) else states[np.cumsum(lengths) - 1]
-        for (req, _, stop), state in zip(fresh, last.tolist()):
+        keys, states = chain_keys(hashes, fresh_len, np.array(starts, dtype=_U64), powers)
+        last = states if len(states) == len(fresh_reqs) else states[np.cumsum(fresh_len) - 1]
+        for req, stop, state in zip(fresh_reqs, fresh_stops, last.tolist()):
             req.num_keys[bs] = stop
             req.key_states[bs] = state
         key_parts.append(keys)
         token_parts.append(tokens)
         id_parts += fresh_ids
-    _cache_segments(
-        pool,
-        g,
-        bs,
-        stored + fresh if stored else fresh,
-        key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
-        byte_hash_fn,
+        seg_reqs += fresh_reqs
+        stops += fresh_stops
+        lengths += fresh_lengths
+        parents += fresh_parents
+    if not seg_reqs:
+        return
+    ends = np.cumsum(lengths)
+    parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
+    parent_ids[ends - lengths] = parents
+    cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
-        token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts),
+        key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
+        (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
+        parent_ids,
     )
+    last_cids = cids if len(cids) == len(seg_reqs) else cids[ends - 1]
+    for req, stop, cid in zip(seg_reqs, stops, last_cids.tolist()):
+        req.parent_cids[g] = cid
+        req.num_hashed_blocks[g] = stop
 
 
 def _cache_segments(
