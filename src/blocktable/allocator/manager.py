@@ -332,7 +332,7 @@ class KVCacheManager:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
         req = self._get(req_id)
         new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_model_len(f"request {req_id!r}", "sequence", req.num_tokens + len(new))
+        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
         req.append_tokens(new)
 
     def append_token_ids_many(
@@ -355,7 +355,7 @@ class KVCacheManager:
             token_array(f"token_ids of request {r!r}", row) for r, row in zip(req_ids, token_ids)
         ]
         for req, new in zip(reqs, rows):
-            self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + len(new))
+            self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
         for req, new in zip(reqs, rows):
             req.append_tokens(new)
 
@@ -365,7 +365,7 @@ class KVCacheManager:
         k = block.shape[1]
         if self.max_model_len is not None:
             for req in reqs:
-                self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + k)
+                self._check_request_len(req.req_id, "sequence", req.num_tokens + k)
         if not k:
             return
         for req, new in zip(reqs, block):
@@ -488,7 +488,7 @@ class KVCacheManager:
         for req, n in zip(reqs, counts):
             num_tokens = req.num_computed_tokens + n
             if max_len is not None and num_tokens > max_len:
-                self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
+                self._check_request_len(req.req_id, "allocation", num_tokens)
             need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - req.row_len[0]
             needs.append(need)
             total += need
@@ -779,6 +779,11 @@ class KVCacheManager:
                 f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
             )
 
+    def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
+        """:meth:`_check_model_len` naming a request (the message is built only to raise)."""
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            self._check_model_len(f"request {req_id!r}", what, num_tokens)
+
     def _namespace(
         self, namespace: object, pending: dict[bytes, tuple[int, int]]
     ) -> tuple[int, int]:
@@ -829,7 +834,7 @@ class KVCacheManager:
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         num_tokens = req.num_computed_tokens + num_new_tokens
-        self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
+        self._check_request_len(req.req_id, "allocation", num_tokens)
         if num_tokens <= req.num_slots:
             return [0] * len(self.pools)
         return [
@@ -838,7 +843,10 @@ class KVCacheManager:
         ]
 
     def _update_num_slots(self, req: RequestState) -> None:
-        req.num_slots = min(n * bs for n, bs in zip(req.row_len, self.block_sizes))
+        if len(self.block_sizes) == 1:
+            req.num_slots = req.row_len[0] * self.block_sizes[0]
+        else:
+            req.num_slots = min(n * bs for n, bs in zip(req.row_len, self.block_sizes))
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
