@@ -43,8 +43,7 @@ class KeyTable:
     def __init__(self, max_keys: int, num_values: int | None = None) -> None:
         capacity = 1 << max(4, (4 * max(max_keys, 1) - 1).bit_length())
         self._mask = _U64(capacity - 1)
-        self.keys = np.zeros(capacity, dtype=_U64)  # key at each position
-        self.values = np.full(capacity, EMPTY, dtype=np.int64)  # value, EMPTY or DELETED
+        self._alloc(capacity)
         # value -> its position (meaningful for held values only)
         self.where = np.zeros(max(max_keys, 1) if num_values is None else num_values, np.int64)
         self.num_keys = 0
@@ -269,7 +268,15 @@ class KeyTable:
         while 4 * (len(keys) + extra) > capacity:
             capacity *= 2
         self._mask = _U64(capacity - 1)
-        self.keys = np.zeros(capacity, dtype=_U64)
-        self.values = np.full(capacity, EMPTY, dtype=np.int64)
+        self._alloc(capacity)
         self.num_keys = self._num_deleted = 0
         self.insert(keys, values)
+
+    def _alloc(self, capacity: int) -> None:
+        # A position's key and value share a cache line (one array of pairs, two strided
+        # views), so a probe or an insert touches one line per position, not two.
+        pairs = np.empty((capacity, 2), dtype=np.int64)
+        pairs[:, 0] = 0
+        pairs[:, 1] = EMPTY
+        self.keys = pairs[:, 0].view(_U64)  # key at each position
+        self.values = pairs[:, 1]  # value, EMPTY or DELETED
