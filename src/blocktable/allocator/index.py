@@ -63,8 +63,10 @@ class PrefixIndex:
         # unused slots, a stack: the top is _free[_num_free - 1]
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._num_free = capacity
-        self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
+        # slots in the order they died (may repeat or be revived): _dead[_dead_head:_dead_tail]
+        self._dead = np.zeros(1024, dtype=np.int64)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
+        self._dead_tail = 0
         self._seen = LastSeen(self.max_records)  # scratch of _recycle()
         self.next_cid = 1
         self.num_records = 0
@@ -112,18 +114,23 @@ class PrefixIndex:
     def kill(self, slots: np.ndarray) -> None:
         """Their blocks were evicted: the records stay, dead, until recycled."""
         self.holder[slots] = 0
-        self._dead += slots.tolist()
+        n, tail = len(slots), self._dead_tail
+        if tail + n > len(self._dead):
+            live = self._dead[self._dead_head : tail]  # drop the examined part, maybe grow
+            size = max(len(self._dead), 2 * (len(live) + n))
+            dead = np.zeros(size, dtype=np.int64)
+            dead[: len(live)] = live
+            self._dead, self._dead_head, tail = dead, 0, len(live)
+        self._dead[tail : tail + n] = slots
+        self._dead_tail = tail + n
 
     def _recycle(self, want: int) -> bool:
         """Drop at least ``want`` dead records, those that died first (False if none left)."""
         found = 0
-        while found < want and self._dead_head < len(self._dead):
+        while found < want and self._dead_head < self._dead_tail:
             head = self._dead_head
-            batch = np.array(self._dead[head : head + max(2 * want, 1024)], dtype=np.int64)
+            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))].copy()
             self._dead_head = head + len(batch)
-            if self._dead_head > 4096 and 2 * self._dead_head > len(self._dead):
-                del self._dead[: self._dead_head]
-                self._dead_head = 0
             batch = self._seen.last_occurrences(batch)
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
@@ -162,5 +169,5 @@ class PrefixIndex:
         self.hashes = [None] * len(self.cid)
         self._free = np.arange(len(self.cid) - 1, -1, -1, dtype=np.int64)
         self._num_free = len(self.cid)
-        self._dead, self._dead_head = [], 0
+        self._dead_head = self._dead_tail = 0
         self.num_records = 0
