@@ -229,9 +229,9 @@ class BlockPool:
         if index.keys.insert_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             index.next_cid += n
-            chained = parents == 0
-            parent_ids = parents.copy()
-            parent_ids[1:][chained[1:]] = cids[:-1][chained[1:]]
+            # content ids are consecutive: the previous entry's is cids - 1
+            parent_ids = np.where(parents == 0, cids - 1, parents)
+            parent_ids[0] = parents[0]
             index.cid[slots] = cids
             index.parent[slots] = parent_ids
             index.tokens[slots] = tokens
