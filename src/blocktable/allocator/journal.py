@@ -34,7 +34,7 @@ def _int32(values: list[int]) -> np.ndarray:
     """A writable int32 copy of ``values``; empty lists share one empty array.
 
     ``struct.pack`` converts a list of ints in one C loop, about twice as fast as
-    ``np.fromiter`` (a step's ``added`` holds ~1000 ids).
+    ``np.fromiter`` (rows and counts; block ids are sliced from the rows' arrays).
     """
     if not values:
         return _EMPTY
