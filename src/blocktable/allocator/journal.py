@@ -86,7 +86,27 @@ class StepJournal:
         null_idx: list[list[int]] = [[] for _ in range(num_groups)]
         nulled = self._nulled
         groups = range(num_groups)
-        for row, (start, lengths) in self.marks.items():
+        if num_groups == 1 and not nulled:  # the common case, without the loops over groups
+            app_rows0, app_counts0, app_ids0 = app_rows[0], app_counts[0], app_ids[0]
+            for row, (start, lengths) in self.marks.items():
+                live = holders[row]
+                if live is start:
+                    if live is not None:
+                        n, old = live.row_len[0], lengths[0]
+                        if n > old:
+                            app_rows0.append(row)
+                            app_counts0.append(n - old)
+                            app_ids0.append(live.block_buf[0][old:n])
+                elif live is None:
+                    cleared.append(row)
+                else:
+                    add_rows.append(row)
+                    add_counts[0].append(live.row_len[0])
+                    add_ids[0].append(live.blocks(0))
+            marks: dict[int, tuple[RequestState | None, tuple[int, ...]]] = {}
+        else:
+            marks = self.marks
+        for row, (start, lengths) in marks.items():
             live = holders[row]
             if live is None:
                 if start is not None:
