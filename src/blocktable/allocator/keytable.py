@@ -169,7 +169,7 @@ class KeyTable:
         mask = int(self._mask)
         tkeys, tvalues = self.keys, self.values
         todo, start = busy, cand[busy]
-        found = np.zeros(len(keys), dtype=bool)  # a free position was seen
+        found = None  # a free position was seen (after the first window)
         while True:
             pos = (start[:, None] + _OFFSETS) & mask
             v = tvalues[pos]
@@ -179,20 +179,29 @@ class KeyTable:
             free = v < 0
             at = free.argmax(axis=1)
             rows = np.arange(len(todo))
-            new = free[rows, at] & ~found[todo]
-            cand[todo[new]] = pos[rows, at][new]
-            old[todo[new]] = v[rows, at][new]
-            found[todo[new]] = True
+            new = free[rows, at]
+            if found is not None:
+                new &= ~found[todo]
+            if new.all():  # usually: every run of the first window has a free position
+                cand[todo] = pos[rows, at]
+                old[todo] = v[rows, at]
+            else:
+                cand[todo[new]] = pos[rows, at][new]
+                old[todo[new]] = v[rows, at][new]
             more = ~(v == EMPTY).any(axis=1)  # the run goes on past this window
             if not more.any():
                 return True
+            if found is None:
+                found = np.zeros(len(keys), dtype=bool)
+            found[todo[new]] = True
             todo, start = todo[more], start[more] + WINDOW
 
     def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
         """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
         self.where[values] = pos
         self.num_keys += len(pos)
-        self._num_deleted -= int(np.count_nonzero(old == DELETED))
+        if self._num_deleted:
+            self._num_deleted -= int(np.count_nonzero(old == DELETED))
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """File distinct keys that are not held yet."""

@@ -557,7 +557,20 @@ class KVCacheManager:
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        self.mark_computed_many([req_id], [check_count("num_tokens", num_tokens)])
+        count = check_count("num_tokens", num_tokens)
+        req = self._requests.get(req_id)
+        if req is None or req.num_computed_tokens + count > min(req.num_slots, req.num_tokens):
+            self.mark_computed_many([req_id], [count])  # the checks name what is wrong
+            return
+        req.num_computed_tokens += count  # the same as mark_computed_many, for one request
+        if self.enable_prefix_caching:
+            register_computed_blocks(
+                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+            )
+        if self._has_windows:
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    self._release_outside_window([req], g, window)
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray

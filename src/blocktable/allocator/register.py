@@ -193,17 +193,27 @@ def _register_group(
         parents += fresh_parents
     if not seg_reqs:
         return
-    ends = np.cumsum(lengths)
-    parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
-    parent_ids[ends - lengths] = parents
+    if len(lengths) == 1:  # one request (a prompt chunk)
+        ends = lengths
+        parent_ids = np.zeros(lengths[0], dtype=np.int64)  # 0: the previous entry's content
+        parent_ids[0] = parents[0]
+    else:
+        ends = np.cumsum(lengths)
+        parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
+        parent_ids[ends - lengths] = parents
     cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
         (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
         parent_ids,
     )
-    last_cids = cids if len(cids) == len(seg_reqs) else cids[ends - 1]
-    for req, stop, cid in zip(seg_reqs, stops, last_cids.tolist()):
+    if len(cids) == len(seg_reqs):
+        last_cids = cids.tolist()
+    elif len(seg_reqs) == 1:
+        last_cids = [int(cids[-1])]
+    else:
+        last_cids = cids[ends - 1].tolist()
+    for req, stop, cid in zip(seg_reqs, stops, last_cids):
         req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = stop
 
