@@ -403,6 +403,24 @@ class KVCacheManager:
         """
         req = self._get(req_id)
         needs = self._blocks_needed(req, num_new_tokens)
+        if len(needs) == 1:  # one group: the same steps, without the loops
+            [need] = needs
+            pool = self.pools[0]
+            if not need:
+                return ([],)
+            if need > pool.num_free_blocks:
+                self._check_free([needs], [req])  # raises
+            self._journal.touch(req.row, req)
+            if need == 1:
+                block_id = pool.take_one()
+                req.append_block(0, block_id)
+                new_ids = [block_id]
+            else:
+                new = pool.take(need)
+                req.append_blocks(0, new)
+                new_ids = new.tolist()
+            req.num_slots = req.row_len[0] * self.block_sizes[0]
+            return (new_ids,)
         if not any(needs):
             return tuple([] for _ in self.pools)
         self._check_free([needs], [req])
@@ -500,12 +518,11 @@ class KVCacheManager:
         new = pool.take(total)
         new_list = new.tolist()
         rows, nums, start = [], [], 0
-        marks = self._journal.marks
+        touch = self._journal.touch
         for req, need in zip(reqs, needs):
             if need:
                 row = req.row
-                if row not in marks:  # the journal's touch, inlined
-                    marks[row] = (req, tuple(req.row_len))
+                touch(row, req)
                 n = req.row_len[0]
                 buf = req.block_buf[0]
                 if len(buf) < n + need:
