@@ -315,10 +315,13 @@ class KVCacheManager:
                 skip = plan.num_skipped[g]
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
-                row = np.empty(skip + len(blocks), dtype=np.int32)
-                row[:skip] = NULL_BLOCK_ID
-                row[skip:] = blocks
-                req.set_blocks(g, row)
+                if skip:
+                    row = np.empty(skip + len(blocks), dtype=np.int32)
+                    row[:skip] = NULL_BLOCK_ID
+                    row[skip:] = blocks
+                    req.set_blocks(g, row)
+                else:
+                    req.set_blocks(g, blocks)  # a new array (the gather), only read by share
                 req.num_skipped_blocks[g] = skip
                 req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
