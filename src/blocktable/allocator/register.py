@@ -147,7 +147,9 @@ def _register_group(
         if stop <= len(keys):
             stored.append((*seg, keys[first:stop]))
         else:
-            state = req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
+            state = (
+                req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
+            )
             fresh.append((*seg, state))
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
@@ -185,14 +187,14 @@ def _register_group(
         parents += f_parents
     if not seg_reqs:
         return
+    ends: np.ndarray | None = None
     if len(lengths) == 1:  # one request (a prompt chunk)
-        ends = lengths
         parent_ids = np.zeros(lengths[0], dtype=np.int64)  # 0: the previous entry's content
         parent_ids[0] = parents[0]
     else:
         ends = np.cumsum(lengths)
         parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
-        parent_ids[ends - lengths] = parents
+        parent_ids[ends - np.array(lengths)] = parents
     cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
@@ -201,7 +203,7 @@ def _register_group(
     )
     if len(cids) == len(seg_reqs):
         last_cids = cids.tolist()
-    elif len(seg_reqs) == 1:
+    elif ends is None:
         last_cids = [int(cids[-1])]
     else:
         last_cids = cids[ends - 1].tolist()
