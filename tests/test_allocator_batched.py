@@ -238,3 +238,22 @@ def test_batched_free_of_requests_sharing_blocks_queues_tails_first() -> None:
         single.free(r)
     assert mgr.pools[0].eviction_order() == single.pools[0].eviction_order()
     mgr.check_integrity()
+
+
+def test_one_admission_call_takes_shared_free_cached_blocks_out_of_the_queue_once() -> None:
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 16)], 4)
+    mgr.add_request("a", list(range(12)))
+    mgr.allocate("a", 12)
+    mgr.mark_computed("a", 12)
+    mgr.free("a")  # its three blocks stay cached, in the free queue
+    num_free = mgr.num_free_blocks()
+    assert mgr.add_requests(["b", "c"], [list(range(12)), list(range(9))]) == [8, 8]
+    shared = mgr.block_ids("b")[0]
+    assert shared == mgr.block_ids("c")[0] and len(shared) == 2
+    assert [mgr.pools[0].ref_count(b) for b in shared] == [2, 2]
+    assert mgr.num_free_blocks() == num_free - 2  # each left the queue once
+    assert not set(shared) & set(mgr.pools[0].eviction_order())
+    mgr.check_integrity()
+    mgr.free_many(["b", "c"])
+    assert mgr.num_free_blocks() == num_free
+    mgr.check_integrity()

@@ -67,7 +67,7 @@ def test_full_state_sees_every_kind_of_change() -> None:
         lambda: setattr(mgr, "_num_hit_tokens", 5),
         lambda: mgr.pools[0].uncached.pop(1),
         lambda: setattr(mgr._requests["a"], "num_tokens", 3),
-        lambda: mgr._requests["a"].blocks[0].append(9),
+        lambda: mgr._requests["a"].append_block(0, 9),
     ]
     for mutate in mutations:
         mutate()

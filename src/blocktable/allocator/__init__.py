@@ -13,12 +13,11 @@ How it is built, and the choices an engine author should know:
   request. Every argument of a batched call is checked before anything changes, so a bad id,
   a repeated id, lengths that disagree, ``max_model_len`` or a step that does not fit raise
   with every pool, row and counter as it was.
-* **Arrays.** Token ids are a numpy int64 buffer per request; pools, free queues, records and
-  the key table are numpy arrays (:mod:`~blocktable.allocator.pool`,
-  :mod:`~blocktable.allocator.queue`, :mod:`~blocktable.allocator.index`,
-  :mod:`~blocktable.allocator.keytable`). A request's row is a Python list of block ids: a
-  decode step appends one id to many rows (~50 ns on a list, ~1 us as a numpy write), and the
-  batched calls convert a whole step's ids at once.
+* **Arrays.** Token ids are a numpy int64 buffer per request and a request's row an int32
+  buffer per group (a decode step writes one id into it; a free or a step's journal slices
+  and concatenates these arrays); pools, free queues, records and the key table are numpy
+  arrays (:mod:`~blocktable.allocator.pool`, :mod:`~blocktable.allocator.queue`,
+  :mod:`~blocktable.allocator.index`, :mod:`~blocktable.allocator.keytable`).
 * **Keys, once per token.** A prompt's block keys are computed at admission in one vectorized
   pass for all prompts of the call (:mod:`~blocktable.allocator.hashing`); chunks of a long
   prompt reuse them, and blocks filled by generated tokens are keyed when registered, all

@@ -1,4 +1,5 @@
-"""Small sort-based helpers on int id arrays (``np.unique`` costs ~1 ms a call here)."""
+"""Small helpers on int id arrays: sort-based, or sort-free with a scratch array (``np.unique``
+costs ~1 ms a call here)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,6 @@ def has_repeats(ids: np.ndarray) -> bool:
     return bool((s[1:] == s[:-1]).any())
 
 
-def distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct values of ``ids`` (ascending) and how often each occurs (int32)."""
-    s = np.sort(ids)
-    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
-    counts = np.diff(np.append(starts, len(s))).astype(np.int32)
-    return s[starts], counts
-
-
 def last_occurrences(ids: np.ndarray) -> np.ndarray:
     """``ids`` without repeats, each value kept where it occurs last, in the original order."""
     if len(ids) < 2:
@@ -32,16 +25,34 @@ def last_occurrences(ids: np.ndarray) -> np.ndarray:
     return ids[np.sort(order[last])]
 
 
-def decrement(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+class LastSeen:
+    """Scratch for :meth:`last_occurrences` of ids below ``size``: no sort, a few array passes.
+
+    ``stamp[id]`` holds the largest stamp given to ``id`` so far; stamps only grow, so a call
+    never needs to clear it.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.stamp = np.zeros(size, dtype=np.int64)  # on cpu, int64 [size]
+        self._next = 1
+
+    def last_occurrences(self, ids: np.ndarray) -> np.ndarray:
+        """:func:`last_occurrences` of ``ids`` (each ``< size``)."""
+        n = len(ids)
+        if n < 2:
+            return ids
+        stamps = np.arange(self._next, self._next + n)
+        self._next += n
+        np.maximum.at(self.stamp, ids, stamps)
+        return ids[self.stamp[ids] == stamps]
+
+
+def decrement(counts: np.ndarray, ids: np.ndarray, seen: LastSeen | None = None) -> np.ndarray:
     """``counts[i] -= 1`` for every entry of ``ids`` (repeats allowed); return the ids that
-    reached 0, without repeats, in the order of their last occurrence in ``ids``."""
-    order = np.argsort(ids, kind="stable")
-    s = ids[order]
-    last = np.ones(len(ids), dtype=bool)
-    last[:-1] = s[:-1] != s[1:]
-    ends = np.flatnonzero(last)
-    distinct = s[ends]
-    repeats = np.diff(ends, prepend=-1)
-    counts[distinct] -= repeats.astype(counts.dtype)
-    zero = counts[distinct] == 0
-    return ids[np.sort(order[ends[zero]])]
+    reached 0, without repeats, in the order of their last occurrence in ``ids``.
+
+    ``seen`` (sized for ``counts``) makes dropping the repeats sort-free.
+    """
+    np.subtract.at(counts, ids, counts.dtype.type(1))
+    zero = ids[counts[ids] == 0]
+    return last_occurrences(zero) if seen is None else seen.last_occurrences(zero)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sized
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -31,18 +31,26 @@ def running_requests(
     requests: Mapping[Any, RequestState], preempted: set[Any], req_ids: list
 ) -> list[RequestState]:
     """The running requests of ``req_ids`` (distinct); ``KeyError`` naming an unknown one."""
-    out = []
+    try:
+        out = [requests[req_id] for req_id in req_ids]
+    except (KeyError, TypeError):
+        _raise_not_running(requests, preempted, req_ids)
+    if len(set(req_ids)) != len(out):
+        raise ValueError(f"req_ids holds a request twice: {_first_repeat(req_ids)!r}")
+    return out
+
+
+def _raise_not_running(
+    requests: Mapping[Any, RequestState], preempted: set[Any], req_ids: list
+) -> NoReturn:
+    """Raise the error naming the first of ``req_ids`` that is not running."""
     for req_id in req_ids:
-        req = requests.get(req_id)
-        if req is None:
+        if requests.get(req_id) is None:
             check_req_id("req_ids entries", req_id)
             if req_id in preempted:
                 raise KeyError(f"request {req_id!r} is preempted (add_request it again)")
             raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
-        out.append(req)
-    if len(set(map(id, out))) != len(out):
-        raise ValueError(f"req_ids holds a request twice: {_first_repeat(req_ids)!r}")
-    return out
+    raise AssertionError("every request is running")  # pragma: no cover
 
 
 def distinct_new_ids(requests: Mapping[Any, RequestState], req_ids: list) -> None:
@@ -66,6 +74,8 @@ def token_counts(name: str, value: object, num_reqs: int) -> list[int]:
         return value.tolist()
     counts = as_list(name, value)
     check_same_length(name, counts, num_reqs)
+    if set(map(type, counts)) <= {int} and min(counts, default=0) >= 0:
+        return counts  # plain ints (the common case): read only
     for count in counts:
         if type(count) is not int or count < 0:
             check_count(f"{name} entries", count)

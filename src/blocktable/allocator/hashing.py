@@ -95,12 +95,15 @@ def fmix64_int(k: int) -> int:
 
 def fmix64(k: np.ndarray) -> np.ndarray:
     """murmur3's 64-bit finalizer, elementwise on a uint64 array (a new array)."""
-    k = k ^ (k >> _U64(33))
-    k *= _U64(0xFF51AFD7ED558CCD)
-    k ^= k >> _U64(33)
-    k *= _U64(0xC4CEB9FE1A85EC53)
-    k ^= k >> _U64(33)
-    return k
+    out = k >> _U64(33)
+    out ^= k
+    out *= _U64(0xFF51AFD7ED558CCD)
+    shifted = out >> _U64(33)
+    out ^= shifted
+    out *= _U64(0xC4CEB9FE1A85EC53)
+    np.right_shift(out, _U64(33), out=shifted)
+    out ^= shifted
+    return out
 
 
 class ChainPowers:
@@ -167,12 +170,13 @@ def chain_keys(
     scaled = content_hashes * powers.inverse_powers[:n]
     sums = np.cumsum(scaled, dtype=_U64)
     seg_starts = np.cumsum(segment_lengths) - segment_lengths
-    before = np.concatenate((np.zeros(1, dtype=_U64), sums))[seg_starts]
-    seg_of = np.repeat(np.arange(len(segment_lengths)), segment_lengths)
-    g = np.arange(n)
-    offset = g - seg_starts[seg_of]
-    states = start_states[seg_of] * powers.block_powers[offset + 1]
-    states += powers.block_powers[:n] * (sums - before[seg_of])
+    before = np.where(seg_starts > 0, sums[np.maximum(seg_starts - 1, 0)], _U64(0))
+    # K_g = Bb**g * (sums_g + adjust_r), adjust_r = S_r * Bb * Q**s - (sum before s): one
+    # per-segment term, repeated, instead of per-block gathers of segment values
+    adjust = start_states * (_U64(powers.block_base) * powers.inverse_powers[seg_starts])
+    adjust -= before
+    states = sums + np.repeat(adjust, segment_lengths)
+    states *= powers.block_powers[:n]
     return fmix64(states), states
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
+from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
@@ -63,8 +63,11 @@ class PrefixIndex:
         # unused slots, a stack: the top is _free[_num_free - 1]
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._num_free = capacity
-        self._dead: list[int] = []  # slots in the order they died (may repeat or be revived)
+        # slots in the order they died (may repeat or be revived): _dead[_dead_head:_dead_tail]
+        self._dead = np.zeros(1024, dtype=np.int64)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
+        self._dead_tail = 0
+        self._seen = LastSeen(self.max_records)  # scratch of _recycle()
         self.next_cid = 1
         self.num_records = 0
 
@@ -90,9 +93,14 @@ class PrefixIndex:
         self.num_records += num
         return self._free[top - num : top][::-1].copy()
 
+    def untake_slots(self, slots: np.ndarray) -> None:
+        """Give back the slots of the last :meth:`take_slots`, unused (the stack is as before)."""
+        self._num_free += len(slots)
+        self.num_records -= len(slots)
+
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        self.keys.delete(self.key[slots])
+        self.keys.delete_values(slots)
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:
@@ -106,19 +114,24 @@ class PrefixIndex:
     def kill(self, slots: np.ndarray) -> None:
         """Their blocks were evicted: the records stay, dead, until recycled."""
         self.holder[slots] = 0
-        self._dead += slots.tolist()
+        n, tail = len(slots), self._dead_tail
+        if tail + n > len(self._dead):
+            live = self._dead[self._dead_head : tail]  # drop the examined part, maybe grow
+            size = max(len(self._dead), 2 * (len(live) + n))
+            dead = np.zeros(size, dtype=np.int64)
+            dead[: len(live)] = live
+            self._dead, self._dead_head, tail = dead, 0, len(live)
+        self._dead[tail : tail + n] = slots
+        self._dead_tail = tail + n
 
     def _recycle(self, want: int) -> bool:
         """Drop at least ``want`` dead records, those that died first (False if none left)."""
         found = 0
-        while found < want and self._dead_head < len(self._dead):
+        while found < want and self._dead_head < self._dead_tail:
             head = self._dead_head
-            batch = np.array(self._dead[head : head + max(2 * want, 1024)], dtype=np.int64)
+            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))].copy()
             self._dead_head = head + len(batch)
-            if self._dead_head > 4096 and 2 * self._dead_head > len(self._dead):
-                del self._dead[: self._dead_head]
-                self._dead_head = 0
-            batch = last_occurrences(batch)
+            batch = self._seen.last_occurrences(batch)
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
             batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]
@@ -156,5 +169,5 @@ class PrefixIndex:
         self.hashes = [None] * len(self.cid)
         self._free = np.arange(len(self.cid) - 1, -1, -1, dtype=np.int64)
         self._num_free = len(self.cid)
-        self._dead, self._dead_head = [], 0
+        self._dead_head = self._dead_tail = 0
         self.num_records = 0

@@ -30,11 +30,13 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
 
     if req.num_computed_tokens > req.num_tokens:
         fail(f"{req.num_computed_tokens} tokens computed but {req.num_tokens} known")
-    if req.num_slots != min(len(b) * bs for b, bs in zip(req.blocks, mgr.block_sizes)):
+    if req.num_slots != min(n * bs for n, bs in zip(req.row_len, mgr.block_sizes)):
         fail("num_slots does not match the rows")
     tokens = req.tokens[: req.num_tokens]
     for g, (pool, bs) in enumerate(zip(mgr.pools, mgr.block_sizes)):
-        blocks = np.array(req.blocks[g], dtype=np.int64)
+        if not 0 <= req.row_len[g] <= len(req.block_buf[g]):
+            fail(f"group {g}: row length {req.row_len[g]} outside its buffer")
+        blocks = req.blocks(g).astype(np.int64)
         skip = req.num_skipped_blocks[g]
         if len(blocks) * bs < req.num_computed_tokens:
             fail(f"group {g}: {len(blocks)} blocks cannot hold {req.num_computed_tokens} tokens")

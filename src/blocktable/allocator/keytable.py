@@ -3,7 +3,10 @@
 A Python dict pays a dependent cache miss and a Python int per key, three times per newly
 cached block (is it new, insert, and later delete when its record is recycled). This table is
 two flat arrays probed linearly for all keys of a call at once: one gather reads a window of
-``WINDOW`` positions per key, so the cache misses of a call overlap.
+``WINDOW`` positions per key, so the cache misses of a call overlap. Checking that new keys
+are absent and filing them is one such pass (:meth:`KeyTable.insert_absent`), and a value's
+position is remembered (values are distinct record slots), so deleting by value probes
+nothing.
 
 Keys are block keys (:mod:`blocktable.allocator.hashing`), already mixed, so their low bits
 index the table directly. ``values[pos]`` is a record slot (>= 0), ``EMPTY`` or ``DELETED``
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable.allocator.arrays import has_repeats as _repeats
+
 EMPTY = -1
 DELETED = -2
 WINDOW = 8  # positions probed per gather
@@ -25,19 +30,22 @@ _U64 = np.uint64
 
 
 class KeyTable:
-    """Distinct uint64 keys -> int64 values (>= 0), on cpu.
+    """Distinct uint64 keys -> distinct int64 values in ``[0, num_values)``, on cpu.
 
     Parameters
     ----------
     max_keys : int
         The most keys held at once (the capacity is ``>= 4 * max_keys``).
+    num_values : int, optional
+        Values are below this (default ``max_keys``).
     """
 
-    def __init__(self, max_keys: int) -> None:
+    def __init__(self, max_keys: int, num_values: int | None = None) -> None:
         capacity = 1 << max(4, (4 * max(max_keys, 1) - 1).bit_length())
         self._mask = _U64(capacity - 1)
-        self.keys = np.zeros(capacity, dtype=_U64)  # key at each position
-        self.values = np.full(capacity, EMPTY, dtype=np.int64)  # value, EMPTY or DELETED
+        self._alloc(capacity)
+        # value -> its position (meaningful for held values only)
+        self.where = np.zeros(max(max_keys, 1) if num_values is None else num_values, np.int64)
         self.num_keys = 0
         self._num_deleted = 0
 
@@ -111,7 +119,89 @@ class KeyTable:
             self._num_deleted -= 1
         self.keys[pos] = key
         values[pos] = value
+        self.where[value] = pos
         self.num_keys += 1
+
+    def insert_absent(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """File ``keys`` if none is held and none repeats (return True); else change nothing
+        and return False.
+
+        One windowed pass: a key is absent when its probe run reaches an empty position
+        without it, and it goes to the first free position of that run (keys of this call
+        wanting one position: one of them gets it, the others are filed one by one).
+        """
+        n = len(keys)
+        if not n:
+            return True
+        if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
+            self._rebuild(n)
+        tkeys, tvalues = self.keys, self.values
+        cand = (keys & self._mask).astype(np.int64)  # where each key goes: its home first
+        old = tvalues[cand]
+        busy = np.flatnonzero(old != EMPTY)
+        if len(busy) and not self._first_free(keys, busy, cand, old):
+            return False  # a key is held
+        # of several keys wanting one position, one write survives
+        tvalues[cand] = values
+        won = tvalues[cand] == values
+        if won.all():
+            tkeys[cand] = keys
+            self._placed(cand, values, old)
+            return True
+        lost = np.flatnonzero(~won)
+        wpos = cand[won]
+        tkeys[wpos] = keys[won]
+        lost_keys = keys[lost]
+        if (tkeys[cand[lost]] == lost_keys).any() or _repeats(lost_keys):
+            tvalues[wpos] = old[won]  # a key given twice: undo
+            return False
+        self._placed(wpos, values[won], old[won])
+        for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
+            self.insert_one(key, value)  # absent and distinct, so filed one by one
+        return True
+
+    def _first_free(
+        self, keys: np.ndarray, busy: np.ndarray, cand: np.ndarray, old: np.ndarray
+    ) -> bool:
+        """For the keys ``busy`` (indices into ``keys``) whose home is taken: False if one is
+        held; else set ``cand`` to the first free position of its probe run (``old``: what
+        that position holds), scanning window after window until the run's empty position."""
+        mask = int(self._mask)
+        tkeys, tvalues = self.keys, self.values
+        todo, start = busy, cand[busy]
+        found = None  # a free position was seen (after the first window)
+        while True:
+            pos = (start[:, None] + _OFFSETS) & mask
+            v = tvalues[pos]
+            # a key sits only in its own run, so a match anywhere in the window means held
+            if ((v >= 0) & (tkeys[pos] == keys[todo, None])).any():
+                return False
+            free = v < 0
+            at = free.argmax(axis=1)
+            rows = np.arange(len(todo))
+            new = free[rows, at]
+            if found is not None:
+                new &= ~found[todo]
+            if new.all():  # usually: every run of the first window has a free position
+                cand[todo] = pos[rows, at]
+                old[todo] = v[rows, at]
+            else:
+                cand[todo[new]] = pos[rows, at][new]
+                old[todo[new]] = v[rows, at][new]
+            more = ~(v == EMPTY).any(axis=1)  # the run goes on past this window
+            if not more.any():
+                return True
+            if found is None:
+                found = np.zeros(len(keys), dtype=bool)
+            found[todo[new]] = True
+            todo, start = todo[more], start[more] + WINDOW
+
+    def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
+        """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
+        self.where[values] = pos
+        self.num_keys += len(pos)
+        if self._num_deleted:
+            self._num_deleted -= int(np.count_nonzero(old == DELETED))
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """File distinct keys that are not held yet."""
@@ -131,6 +221,7 @@ class KeyTable:
         wpos = hpos[won]
         self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
         tvalues[wpos] = values[home[won]]
+        self.where[values[home[won]]] = wpos
         placed = np.zeros(n, dtype=bool)
         placed[home[won]] = True
         todo = np.flatnonzero(~placed)
@@ -151,6 +242,7 @@ class KeyTable:
             self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
             tkeys[wpos] = keys[todo[winners]]
             tvalues[wpos] = values[todo[winners]]
+            self.where[values[todo[winners]]] = wpos
             placed = np.zeros(len(todo), dtype=bool)
             placed[winners] = True
             # losers retry from the same start (that position is taken now); full windows
@@ -161,12 +253,18 @@ class KeyTable:
 
     def delete(self, keys: np.ndarray) -> None:
         """Remove held keys (every one must be held)."""
-        pos = self._positions(keys)
+        self._delete_at(self._positions(keys))
+
+    def delete_values(self, values: np.ndarray) -> None:
+        """Remove the keys holding these values (every one must be held); no probing."""
+        self._delete_at(self.where[values])
+
+    def _delete_at(self, pos: np.ndarray) -> None:
         # no probe passes a position followed by an empty one: it can become empty itself
         last = self.values[(pos + 1) & int(self._mask)] == EMPTY
         self.values[pos] = np.where(last, EMPTY, DELETED)
-        self.num_keys -= len(keys)
-        self._num_deleted += len(keys) - int(np.count_nonzero(last))
+        self.num_keys -= len(pos)
+        self._num_deleted += len(pos) - int(np.count_nonzero(last))
 
     def clear(self) -> None:
         self.values[:] = EMPTY
@@ -179,7 +277,15 @@ class KeyTable:
         while 4 * (len(keys) + extra) > capacity:
             capacity *= 2
         self._mask = _U64(capacity - 1)
-        self.keys = np.zeros(capacity, dtype=_U64)
-        self.values = np.full(capacity, EMPTY, dtype=np.int64)
+        self._alloc(capacity)
         self.num_keys = self._num_deleted = 0
         self.insert(keys, values)
+
+    def _alloc(self, capacity: int) -> None:
+        # A position's key and value share a cache line (one array of pairs, two strided
+        # views), so a probe or an insert touches one line per position, not two.
+        pairs = np.empty((capacity, 2), dtype=np.int64)
+        pairs[:, 0] = 0
+        pairs[:, 1] = EMPTY
+        self.keys = pairs[:, 0].view(_U64)  # key at each position
+        self.values = pairs[:, 1]  # value, EMPTY or DELETED

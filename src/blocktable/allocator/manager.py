@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable._checks import check_count, check_positive
-from blocktable.allocator.arrays import distinct_counts
 from blocktable.allocator.checks import (
     as_list,
     check_same_length,
@@ -143,6 +142,7 @@ class KVCacheManager:
         )
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
+        self._has_windows = any(w is not None for w in self.windows)
         self._align_tokens = math.lcm(*self.block_sizes)
         self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
@@ -288,8 +288,7 @@ class KVCacheManager:
             self._num_hit_tokens += plan.num_cached_tokens
         for pool, blocks in zip(self.pools, shared):
             if blocks:
-                ids, counts = distinct_counts(np.concatenate(blocks))
-                pool.share(ids, counts)
+                pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(
@@ -316,7 +315,13 @@ class KVCacheManager:
                 skip = plan.num_skipped[g]
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
-                req.blocks[g] = [NULL_BLOCK_ID] * skip + blocks.tolist()
+                if skip:
+                    row = np.empty(skip + len(blocks), dtype=np.int32)
+                    row[:skip] = NULL_BLOCK_ID
+                    row[skip:] = blocks
+                    req.set_blocks(g, row)
+                else:
+                    req.set_blocks(g, blocks)  # a new array (the gather), only read by share
                 req.num_skipped_blocks[g] = skip
                 req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
@@ -330,7 +335,7 @@ class KVCacheManager:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
         req = self._get(req_id)
         new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_model_len(f"request {req_id!r}", "sequence", req.num_tokens + len(new))
+        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
         req.append_tokens(new)
 
     def append_token_ids_many(
@@ -353,7 +358,7 @@ class KVCacheManager:
             token_array(f"token_ids of request {r!r}", row) for r, row in zip(req_ids, token_ids)
         ]
         for req, new in zip(reqs, rows):
-            self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + len(new))
+            self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
         for req, new in zip(reqs, rows):
             req.append_tokens(new)
 
@@ -363,7 +368,7 @@ class KVCacheManager:
         k = block.shape[1]
         if self.max_model_len is not None:
             for req in reqs:
-                self._check_model_len(f"request {req.req_id!r}", "sequence", req.num_tokens + k)
+                self._check_request_len(req.req_id, "sequence", req.num_tokens + k)
         if not k:
             return
         for req, new in zip(reqs, block):
@@ -401,6 +406,24 @@ class KVCacheManager:
         """
         req = self._get(req_id)
         needs = self._blocks_needed(req, num_new_tokens)
+        if len(needs) == 1:  # one group: the same steps, without the loops
+            [need] = needs
+            pool = self.pools[0]
+            if not need:
+                return ([],)
+            if need > pool.num_free_blocks:
+                self._check_free([needs], [req])  # raises
+            self._journal.touch(req.row, req)
+            if need == 1:
+                block_id = pool.take_one()
+                req.append_block(0, block_id)
+                new_ids = [block_id]
+            else:
+                new = pool.take(need)
+                req.append_blocks(0, new)
+                new_ids = new.tolist()
+            req.num_slots = req.row_len[0] * self.block_sizes[0]
+            return (new_ids,)
         if not any(needs):
             return tuple([] for _ in self.pools)
         self._check_free([needs], [req])
@@ -409,12 +432,12 @@ class KVCacheManager:
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             if need == 1:
                 block_id = pool.take_one()
-                req.blocks[g].append(block_id)
+                req.append_block(g, block_id)
                 out.append([block_id])
             elif need:
-                new = pool.take(need).tolist()
-                req.blocks[g] += new
-                out.append(new)
+                new = pool.take(need)
+                req.append_blocks(g, new)
+                out.append(new.tolist())
             else:
                 out.append([])
         self._update_num_slots(req)
@@ -459,13 +482,12 @@ class KVCacheManager:
                 out.append(RowBlocks())
                 continue
             new = pool.take(total)
-            new_list = new.tolist()
             rows, nums, start = [], [], 0
             touch = self._journal.touch
             for req, count in zip(reqs, counts):
                 if count:
                     touch(req.row, req)
-                    req.blocks[g] += new_list[start : start + count]
+                    req.append_blocks(g, new[start : start + count])
                     rows.append(req.row)
                     nums.append(count)
                     start += count
@@ -487,8 +509,8 @@ class KVCacheManager:
         for req, n in zip(reqs, counts):
             num_tokens = req.num_computed_tokens + n
             if max_len is not None and num_tokens > max_len:
-                self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
-            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - len(req.blocks[0])
+                self._check_request_len(req.req_id, "allocation", num_tokens)
+            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - req.row_len[0]
             needs.append(need)
             total += need
         pool = self.pools[0]
@@ -502,11 +524,20 @@ class KVCacheManager:
         touch = self._journal.touch
         for req, need in zip(reqs, needs):
             if need:
-                touch(req.row, req)
-                blocks = req.blocks[0]
-                blocks += new_list[start : start + need]
-                req.num_slots = len(blocks) * bs
-                rows.append(req.row)
+                row = req.row
+                touch(row, req)
+                n = req.row_len[0]
+                buf = req.block_buf[0]
+                if len(buf) < n + need:
+                    buf = req.block_buf[0] = grown(buf, n + need)
+                if need == 1:
+                    buf[n] = new_list[start]
+                else:
+                    buf[n : n + need] = new[start : start + need]
+                n += need
+                req.row_len[0] = n
+                req.num_slots = n * bs
+                rows.append(row)
                 nums.append(need)
                 start += need
         return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
@@ -546,7 +577,20 @@ class KVCacheManager:
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        self.mark_computed_many([req_id], [check_count("num_tokens", num_tokens)])
+        count = check_count("num_tokens", num_tokens)
+        req = self._requests.get(req_id)
+        if req is None or req.num_computed_tokens + count > min(req.num_slots, req.num_tokens):
+            self.mark_computed_many([req_id], [count])  # the checks name what is wrong
+            return
+        req.num_computed_tokens += count  # the same as mark_computed_many, for one request
+        if self.enable_prefix_caching:
+            register_computed_blocks(
+                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+            )
+        if self._has_windows:
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    self._release_outside_window([req], g, window)
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
@@ -558,16 +602,18 @@ class KVCacheManager:
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         for req, count in zip(reqs, counts):
             num_computed = req.num_computed_tokens + count
+            if num_computed <= req.num_slots and num_computed <= req.num_tokens:
+                continue  # num_slots: what every group's blocks hold
             if num_computed > req.num_tokens:
                 raise ValueError(
                     f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
                     f"{req.num_tokens} token ids are known (append_token_ids first)"
                 )
             for g, bs in enumerate(self.block_sizes):
-                if num_computed > len(req.blocks[g]) * bs:
+                if num_computed > req.row_len[g] * bs:
                     raise ValueError(
                         f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                        f"group {g} has blocks for {len(req.blocks[g]) * bs} (allocate first)"
+                        f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
                     )
         for req, count in zip(reqs, counts):
             req.num_computed_tokens += count
@@ -575,9 +621,10 @@ class KVCacheManager:
             register_computed_blocks(
                 reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn
             )
-        for g, window in enumerate(self.windows):
-            if window is not None:
-                self._release_outside_window(reqs, g, window)
+        if self._has_windows:
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    self._release_outside_window(reqs, g, window)
 
     # ----------------------------------------------------------------- release
     def free(self, req_id: ReqId) -> None:
@@ -596,12 +643,14 @@ class KVCacheManager:
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
         req_ids = as_list("req_ids", req_ids)
-        running = [r for r in req_ids if r not in self._preempted]
-        reqs = running_requests(self._requests, self._preempted, running)
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-        for req_id in req_ids:
-            self._preempted.discard(req_id)
+        preempted = self._preempted
+        running = [r for r in req_ids if r not in preempted] if preempted else req_ids
+        reqs = running_requests(self._requests, preempted, running)
+        if preempted:
+            if len(set(req_ids)) != len(req_ids):
+                raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
+            for req_id in req_ids:
+                preempted.discard(req_id)
         self._release(reqs)
 
     def preempt(self, req_id: ReqId) -> None:
@@ -648,15 +697,15 @@ class KVCacheManager:
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
-            shared = parent.blocks[g][:num_full]
-            real = np.array([b for b in shared if b != NULL_BLOCK_ID], dtype=np.int32)
+            shared = parent.blocks(g)[:num_full]
+            real = shared[parent.num_skipped_blocks[g] :]
             pool.share(real, np.ones(len(real), dtype=np.int32))
-            child.blocks[g] = shared
+            child.set_blocks(g, shared.copy())
             copies.append([])
             if num_computed % bs:
                 dst = pool.take_one()
-                shared.append(dst)
-                copies[g].append((parent.blocks[g][num_full], dst))
+                child.append_block(g, dst)
+                copies[g].append((int(parent.block_buf[g][num_full]), dst))
         self._update_num_slots(child)
         self._requests[child_id] = child
         return tuple(copies)
@@ -706,7 +755,7 @@ class KVCacheManager:
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
         req = self._get(req_id)
-        return tuple(list(blocks) for blocks in req.blocks)
+        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
@@ -763,6 +812,11 @@ class KVCacheManager:
                 f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
             )
 
+    def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
+        """:meth:`_check_model_len` naming a request (the message is built only to raise)."""
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            self._check_model_len(f"request {req_id!r}", what, num_tokens)
+
     def _namespace(
         self, namespace: object, pending: dict[bytes, tuple[int, int]]
     ) -> tuple[int, int]:
@@ -813,46 +867,55 @@ class KVCacheManager:
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             num_new_tokens = check_count("num_new_tokens", num_new_tokens)
         num_tokens = req.num_computed_tokens + num_new_tokens
-        self._check_model_len(f"request {req.req_id!r}", "allocation", num_tokens)
+        self._check_request_len(req.req_id, "allocation", num_tokens)
         if num_tokens <= req.num_slots:
             return [0] * len(self.pools)
         return [
-            max(0, -(-num_tokens // bs) - len(blocks))
-            for blocks, bs in zip(req.blocks, self.block_sizes)
+            max(0, -(-num_tokens // bs) - row_len)
+            for row_len, bs in zip(req.row_len, self.block_sizes)
         ]
 
     def _update_num_slots(self, req: RequestState) -> None:
-        req.num_slots = min(len(b) * bs for b, bs in zip(req.blocks, self.block_sizes))
+        if len(self.block_sizes) == 1:
+            req.num_slots = req.row_len[0] * self.block_sizes[0]
+        else:
+            req.num_slots = min(n * bs for n, bs in zip(req.row_len, self.block_sizes))
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
-        released: list[int] = []
+        released: list[np.ndarray] = []
         for req in reqs:
             first = req.num_skipped_blocks[g]
             skip = max(0, (req.num_computed_tokens - window + 1) // bs)
             if skip <= first:
                 continue
             self._journal.touch(req.row, req)
-            row = req.blocks[g]
-            released += row[first:skip]  # oldest first
-            row[first:skip] = [NULL_BLOCK_ID] * (skip - first)
+            row = req.block_buf[g]
+            released.append(row[first:skip].copy())  # oldest first
+            row[first:skip] = NULL_BLOCK_ID
             for i in range(first, skip):
                 self._journal.null(req, g, i)
             req.num_skipped_blocks[g] = skip
         if released:
-            self.pools[g].release(np.array(released, dtype=np.int32), may_repeat=len(reqs) > 1)
+            ids = released[0] if len(released) == 1 else np.concatenate(released)
+            self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        per_group: list[list[int]] = [[] for _ in self.pools]
+        per_group: list[list[np.ndarray]] = [[] for _ in self.pools]
+        touch, release_row, requests = self._journal.touch, self._rows.release, self._requests
         for req in reqs:
-            self._journal.touch(req.row, req)
-            for g, blocks in enumerate(req.blocks):
-                per_group[g] += reversed(blocks[req.num_skipped_blocks[g] :])  # tail first
-            self._rows.release(req.row)
-            del self._requests[req.req_id]
-        for pool, ids in zip(self.pools, per_group):
-            if ids:
-                pool.release(np.array(ids, dtype=np.int32), may_repeat=len(reqs) > 1)
+            touch(req.row, req)
+            for parts, buf, skip, n in zip(
+                per_group, req.block_buf, req.num_skipped_blocks, req.row_len
+            ):
+                if n > skip:
+                    parts.append(buf[n - 1 : skip - 1 if skip else None : -1])  # tail first
+            release_row(req.row)
+            del requests[req.req_id]
+        for pool, parts in zip(self.pools, per_group):
+            if parts:
+                ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                pool.release(ids, may_repeat=len(parts) > 1)
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:

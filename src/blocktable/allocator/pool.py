@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import decrement, has_repeats
+from blocktable.allocator.arrays import LastSeen, decrement
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -69,6 +69,7 @@ class BlockPool:
         self.cached = BlockQueue(num_blocks)  # least recently used first
         self.index = PrefixIndex(num_blocks, block_size, max_records)
         self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
+        self._seen = LastSeen(num_blocks)  # scratch of release()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -151,6 +152,15 @@ class BlockPool:
             self.cached.remove(was_free)
         ref_counts[block_ids] += counts
 
+    def share_many(self, block_ids: np.ndarray) -> None:
+        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed):
+        :meth:`share` without sorting out the repeats first."""
+        ref_counts = self.ref_counts
+        was_free = block_ids[ref_counts[block_ids] == 0]
+        if len(was_free):
+            self.cached.remove(self._seen.last_occurrences(was_free))
+        np.add.at(ref_counts, block_ids, ref_counts.dtype.type(1))
+
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
         """Drop one reference per entry; blocks reaching 0 join the free queues in order.
 
@@ -159,7 +169,7 @@ class BlockPool:
         """
         ref_counts = self.ref_counts
         if may_repeat:
-            freed = decrement(ref_counts, block_ids)
+            freed = decrement(ref_counts, block_ids, self._seen)
         else:
             ref_counts[block_ids] -= 1
             freed = block_ids[ref_counts[block_ids] == 0]
@@ -215,13 +225,13 @@ class BlockPool:
         """
         n = len(block_ids)
         index = self.index
-        if (index.keys.get(keys) < 0).all() and not has_repeats(keys):
-            slots = index.take_slots(n)
+        slots = index.take_slots(n)
+        if index.keys.insert_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             index.next_cid += n
-            chained = parents == 0
-            parent_ids = parents.copy()
-            parent_ids[1:][chained[1:]] = cids[:-1][chained[1:]]
+            # content ids are consecutive: the previous entry's is cids - 1
+            parent_ids = np.where(parents == 0, cids - 1, parents)
+            parent_ids[0] = parents[0]
             index.cid[slots] = cids
             index.parent[slots] = parent_ids
             index.tokens[slots] = tokens
@@ -232,9 +242,9 @@ class BlockPool:
                 for slot, block_hash in zip(slots.tolist(), hashes):
                     index.hashes[slot] = block_hash
             self.record[block_ids] = slots
-            index.keys.insert(keys, slots)
             self.num_cached_blocks += n
             return cids
+        index.untake_slots(slots)
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
     def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:

@@ -83,6 +83,7 @@ def find_hits(
 ) -> None:
     """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
     limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
+    has_windows = any(w is not None for w in windows)  # else only `cached` is needed
     per_group = []
     for pool, bs in zip(pools, block_sizes):
         usable = np.array([lim // bs for lim in limits], dtype=np.int64)
@@ -109,7 +110,7 @@ def find_hits(
         ok = (slots >= 0) & (index.parent[safe] == expected_parent)
         ok &= (index.tokens[safe] == tokens).all(axis=1)
         alive = index.holder[safe] != 0
-        verified = _segment_first(~ok, usable)
+        verified = _segment_first(~ok, usable) if has_windows else usable
         cached = _segment_first(~(ok & alive), usable)
         per_group.append((slots, starts, verified, cached, alive))
     for i, plan in enumerate(plans):

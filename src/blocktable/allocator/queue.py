@@ -81,8 +81,9 @@ class BlockQueue:
         head, tail = self._head, self._tail
         end = min(tail, head + num_blocks)
         window = self._slots[head:end]
-        live = self._position[window] == np.arange(head, end)
-        if not live.all():
+        # no stale slot between head and tail (nothing removed since): the window is live
+        live = tail - head == self._len or (self._position[window] == np.arange(head, end)).all()
+        if not live:
             # Stale slots in the way: a window wider by the number of stale slots holds enough.
             end = min(tail, head + num_blocks + (tail - head - self._len))
             window = self._slots[head:end]

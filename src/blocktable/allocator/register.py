@@ -86,18 +86,17 @@ def register_computed_blocks(
             return
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
+        if len(groups) == 1:
+            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn)
+            continue
         union = []
-        g0 = groups[0]
         for req in reqs:
             hashed = req.num_hashed_blocks
-            first = hashed[g0] if len(groups) == 1 else min(hashed[g] for g in groups)
+            first = min(hashed[g] for g in groups)
             stop = req.num_computed_tokens // bs
             if stop > first:
                 union.append((req, first, stop))
         if not union:
-            continue
-        if len(groups) == 1:
-            _register_group(union, pools[g0], g0, bs, powers[bs], byte_hash_fn)
             continue
         union, keys = _segment_keys(union, bs, powers[bs])
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
@@ -113,7 +112,7 @@ def register_computed_blocks(
 
 
 def _register_group(
-    union: list[Segment],
+    reqs: Sequence[RequestState],
     pool: BlockPool,
     g: int,
     bs: int,
@@ -121,48 +120,96 @@ def _register_group(
     byte_hash_fn: HashFn | None,
 ) -> None:
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
-    in one pass over the segments: each request's tokens and block ids are sliced once."""
-    stored: list[Segment] = []
-    fresh: list[Segment] = []
-    parts: list[np.ndarray] = []  # keys of the stored segments, then the fresh keys
-    stored_tokens: list[np.ndarray] = []
-    fresh_tokens: list[np.ndarray] = []
-    stored_ids: list[int] = []
-    fresh_ids: list[int] = []
-    starts: list[int] = []
-    for seg in union:
-        req, first, stop = seg
+    in one pass over the requests: each request's tokens and block ids are sliced once.
+
+    Segments whose keys were stored at admission (prompt blocks) come first, then the others,
+    keyed here in one :func:`chain_keys` pass.
+    """
+    # Per segment: request, stop block, length, parent content id, token ids, block ids, and
+    # its keys (stored segments) or the key chain state before it (fresh ones). One tuple per
+    # segment, unzipped after the loop: cheaper than a list append per field.
+    stored: list[tuple] = []
+    fresh: list[tuple] = []
+    for req in reqs:
+        first = req.num_hashed_blocks[g]
+        stop = req.num_computed_tokens // bs
+        if stop <= first:
+            continue
         keys = req.keys[bs]
+        seg = (
+            req,
+            stop,
+            stop - first,
+            req.parent_cids[g],
+            req.tokens[first * bs : stop * bs],
+            req.block_buf[g][first:stop],
+        )
         if stop <= len(keys):
-            stored.append(seg)
-            parts.append(keys[first:stop])
-            stored_tokens.append(req.tokens[first * bs : stop * bs])
-            stored_ids += req.blocks[g][first:stop]
+            stored.append((*seg, keys[first:stop]))
         else:
-            fresh.append(seg)
-            fresh_tokens.append(req.tokens[first * bs : stop * bs])
-            fresh_ids += req.blocks[g][first:stop]
-            starts.append(_state_before(req, first, bs))
+            state = (
+                req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
+            )
+            fresh.append((*seg, state))
+    if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
+        segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
+        if segments:
+            segments, keys = _segment_keys(segments, bs, powers)
+            _cache_segments(pool, g, bs, segments, keys, byte_hash_fn)
+        return
+    seg_reqs: list[RequestState] = []
+    stops: list[int] = []
+    lengths: list[int] = []
+    parents: list[int] = []
+    token_parts: list[np.ndarray] = []
+    id_parts: list[np.ndarray] = []
+    key_parts: list[np.ndarray] = []
+    if stored:
+        seg_reqs, stops, lengths, parents, token_parts, id_parts, key_parts = map(
+            list, zip(*stored)
+        )
     if fresh:
-        tokens = fresh_tokens[0] if len(fresh_tokens) == 1 else np.concatenate(fresh_tokens)
-        lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
+        f_reqs, f_stops, f_lengths, f_parents, f_tokens, f_ids, starts = zip(*fresh)
+        tokens = f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens)
+        fresh_len = np.array(f_lengths, dtype=np.int64)
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        keys, states = chain_keys(hashes, lengths, np.array(starts, dtype=_U64), powers)
-        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
+        keys, states = chain_keys(hashes, fresh_len, np.array(starts, dtype=_U64), powers)
+        last = states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
+        for req, stop, state in zip(f_reqs, f_stops, last.tolist()):
             req.num_keys[bs] = stop
             req.key_states[bs] = state
-        parts.append(keys)
-        stored_tokens.append(tokens)
-    _cache_segments(
-        pool,
-        g,
-        bs,
-        stored + fresh,
-        parts[0] if len(parts) == 1 else np.concatenate(parts),
-        byte_hash_fn,
-        stored_ids + fresh_ids,
-        stored_tokens[0] if len(stored_tokens) == 1 else np.concatenate(stored_tokens),
+        key_parts.append(keys)
+        token_parts.append(tokens)
+        id_parts += f_ids
+        seg_reqs += f_reqs
+        stops += f_stops
+        lengths += f_lengths
+        parents += f_parents
+    if not seg_reqs:
+        return
+    ends: np.ndarray | None = None
+    if len(lengths) == 1:  # one request (a prompt chunk)
+        parent_ids = np.zeros(lengths[0], dtype=np.int64)  # 0: the previous entry's content
+        parent_ids[0] = parents[0]
+    else:
+        ends = np.cumsum(lengths)
+        parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
+        parent_ids[ends - np.array(lengths)] = parents
+    cids = pool.cache(
+        id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
+        key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
+        (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
+        parent_ids,
     )
+    if len(cids) == len(seg_reqs):
+        last_cids = cids.tolist()
+    elif ends is None:
+        last_cids = [int(cids[-1])]
+    else:
+        last_cids = cids[ends - 1].tolist()
+    for req, stop, cid in zip(seg_reqs, stops, last_cids):
+        req.parent_cids[g] = cid
+        req.num_hashed_blocks[g] = stop
 
 
 def _cache_segments(
@@ -172,15 +219,13 @@ def _cache_segments(
     segments: list[Segment],
     keys: np.ndarray,
     byte_hash_fn: HashFn | None,
-    block_ids: list[int] | None = None,
+    block_ids: np.ndarray | None = None,
     tokens: np.ndarray | None = None,
 ) -> None:
     """File the blocks of ``segments`` in group ``g`` (``block_ids`` and ``tokens``, the
     segments' block ids and token ids concatenated, are sliced here when not given)."""
     if block_ids is None:
-        block_ids = []
-        for req, first, stop in segments:
-            block_ids += req.blocks[g][first:stop]
+        block_ids = np.concatenate([req.block_buf[g][first:stop] for req, first, stop in segments])
     if tokens is not None:
         pass
     elif len(segments) == 1:
@@ -191,11 +236,12 @@ def _cache_segments(
             [req.tokens[first * bs : stop * bs] for req, first, stop in segments]
         )
     parents = np.zeros(len(block_ids), dtype=np.int64)
-    lengths = [stop - first for _, first, stop in segments]
-    ends = np.cumsum(lengths).tolist()
-    parents[[end - n for end, n in zip(ends, lengths)]] = [
-        req.parent_cids[g] for req, _, _ in segments
-    ]
+    seg_starts, ends, end = [], [], 0
+    for _, first, stop in segments:
+        seg_starts.append(end)
+        end += stop - first
+        ends.append(end)
+    parents[seg_starts] = [req.parent_cids[g] for req, _, _ in segments]
     hashes = None
     if byte_hash_fn is not None:
         hashes = []
@@ -209,10 +255,8 @@ def _cache_segments(
                 req.namespace_bytes,
                 byte_hash_fn,
             )
-    cids = pool.cache(
-        np.array(block_ids, dtype=np.int32), keys, tokens.reshape(-1, bs), parents, hashes
-    )
-    last_cids = cids[np.array(ends) - 1].tolist()
+    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
+    last_cids = (cids if len(cids) == len(segments) else cids[np.array(ends) - 1]).tolist()
     for (req, _, stop), end, cid in zip(segments, ends, last_cids):
         req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = stop
@@ -249,7 +293,7 @@ def _register_one_block(
                 key = fmix64_int(state)
             keys[bs] = key
         cid = pool.cache_one(
-            req.blocks[g][i], key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
+            int(req.block_buf[g][i]), key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
         )
         req.parent_cids[g] = cid
         req.num_hashed_blocks[g] = i + 1

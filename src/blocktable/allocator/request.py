@@ -14,6 +14,7 @@ TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 """Token ids as the manager accepts them: a list/tuple of ints, an int array or tensor."""
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
+_EMPTY_ROW = np.zeros(0, dtype=np.int32)  # shared, never written (grown before a write)
 
 
 def check_req_id(name: str, req_id: object) -> None:
@@ -51,10 +52,11 @@ def token_array(name: str, value: object) -> np.ndarray:
 
 
 def grown(buffer: np.ndarray, size: int) -> np.ndarray:
-    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``."""
+    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``
+    (and some more: rows and sequences keep growing by a few entries per step)."""
     if len(buffer) >= size:
         return buffer
-    new = np.zeros(max(size, 2 * len(buffer), 16), dtype=buffer.dtype)
+    new = np.zeros(max(size + (size >> 2) + 16, 2 * len(buffer)), dtype=buffer.dtype)
     new[: len(buffer)] = buffer
     return new
 
@@ -62,10 +64,11 @@ def grown(buffer: np.ndarray, size: int) -> np.ndarray:
 class RequestState:
     """What the manager knows about one running request.
 
-    ``blocks[g]`` is the request's row in group ``g`` (a list: a decode step appends one id to
-    many rows, which costs ~50 ns on a list and ~1 us as a numpy write; batched calls convert
-    a whole step's ids at once): manager block ids, logical block ``j`` at index ``j``; entries
-    of sliding-window groups that left the window hold ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
+    ``blocks(g)`` is the request's row in group ``g``: the first ``row_len[g]`` entries of the
+    int32 buffer ``block_buf[g]``, manager block ids, logical block ``j`` at index ``j``
+    (batched calls slice and concatenate these arrays, so a free or a step's journal is a few
+    array operations); entries of sliding-window groups that left the window hold
+    ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
     ``num_hashed_blocks[g]`` blocks are full, computed and registered in the prefix index (when
     caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
     next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
@@ -76,7 +79,7 @@ class RequestState:
     """
 
     __slots__ = (
-        "blocks",
+        "block_buf",
         "key_states",
         "keys",
         "namespace",
@@ -93,6 +96,7 @@ class RequestState:
         "req_id",
         "root",
         "row",
+        "row_len",
         "seed",
         "tokens",
     )
@@ -117,7 +121,8 @@ class RequestState:
         self.seed = seed  # key chain state before the first block (the namespace's)
         self.num_computed_tokens = 0
         self.num_slots = 0  # tokens the allocated blocks of every group can hold
-        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.block_buf = [_EMPTY_ROW] * num_groups  # on cpu, int32 [capacity] per group
+        self.row_len = [0] * num_groups  # manager blocks in the row of each group
         self.num_skipped_blocks = [0] * num_groups
         self.num_hashed_blocks = [0] * num_groups
         self.parent_cids = [root] * num_groups
@@ -126,6 +131,33 @@ class RequestState:
         self.num_keys: dict[int, int] = {}
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.key_states: dict[int, int] = {}
+
+    def blocks(self, group: int) -> np.ndarray:
+        """The row of ``group``: int32 ``[row_len[group]]``, a view of the buffer."""
+        return self.block_buf[group][: self.row_len[group]]
+
+    def append_blocks(self, group: int, block_ids: np.ndarray) -> None:
+        """Append ``block_ids`` (int32) to the row of ``group``."""
+        n, k = self.row_len[group], len(block_ids)
+        buf = self.block_buf[group]
+        if len(buf) < n + k:
+            buf = self.block_buf[group] = grown(buf, n + k)
+        buf[n : n + k] = block_ids
+        self.row_len[group] = n + k
+
+    def append_block(self, group: int, block_id: int) -> None:
+        """Append one id to the row of ``group`` (the decode path)."""
+        n = self.row_len[group]
+        buf = self.block_buf[group]
+        if len(buf) <= n:
+            buf = self.block_buf[group] = grown(buf, n + 1)
+        buf[n] = block_id
+        self.row_len[group] = n + 1
+
+    def set_blocks(self, group: int, block_ids: np.ndarray) -> None:
+        """Make ``block_ids`` (int32, a new array the request keeps) the row of ``group``."""
+        self.block_buf[group] = block_ids
+        self.row_len[group] = len(block_ids)
 
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
@@ -145,7 +177,7 @@ class RequestState:
             self.namespace,
             self.namespace_bytes,
             self.root,
-            len(self.blocks),
+            len(self.block_buf),
             self.seed,
         )
         child.num_computed_tokens = self.num_computed_tokens
