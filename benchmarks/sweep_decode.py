@@ -15,7 +15,13 @@ For the default configuration it also times the public ``paged_attention`` call:
 as above, ``host`` (the host time of one call with the GPU idle, median) and ``loop`` (100
 calls back to back between two events, per call: what a host-bound step sees).
 
-Grid (``--quick`` keeps the two middle values of each axis, one warp count):
+``--quick`` (under a minute): the public call (graph, eager) at the 6 decode shapes of
+``bench_attention.py``, and at B=1 x 8192, 1 x 131072 and 8 x 32768 the configuration the
+default rule picks (``default_decode_config``, marked ``rule:``) beside it with one choice
+changed at a time: splits 16 / 32 / 64, stages 2 / 3, block ids 0 / 2, combine fused / loop /
+wide. The rule holds where its row is the fastest of its case (within noise).
+
+Full grid (without ``--quick``; the first 4 shapes unless ``--cases``):
 num_kv_splits {16, 32, 64, 128} x decode_block_n {32, 64, 128} x num_warps {4, 8} x
 num_stages {2, 3, 4} x combine {fused, loop}; then the default with other block-id loads
 (ids1, ids2) and the wide combine, and the decode kernel's own loop (``decode_single_loop``)
@@ -50,11 +56,19 @@ import triton.testing
 from bench_attention import Batch, Shape
 
 from blocktable.attention import paged_attention
-from blocktable.attention.launch import CPLayout, DecodePlan, KernelConfig, default_config
+from blocktable.attention.launch import (
+    CPLayout,
+    DecodePlan,
+    KernelConfig,
+    default_config,
+    default_decode_config,
+)
 from blocktable.attention.triton_decode import default_num_kv_splits
 
 CASES = {"1x8192": (1, 8192), "1x131072": (1, 131072), "8x32768": (8, 32768),
-         "64x4096": (64, 4096)}
+         "64x4096": (64, 4096), "256x2048": (256, 2048), "1024x1024": (1024, 1024)}
+FULL_CASES = ["1x8192", "1x131072", "8x32768", "64x4096"]  # the full grid's default
+RULE_CASES = ["1x8192", "1x131072", "8x32768"]  # --quick: the rule's variants here
 GRAPH_CALLS = 20
 BF16_TOLERANCE = 3e-2  # max abs error against float32 on unit-variance values
 
@@ -146,8 +160,25 @@ def grid(base: KernelConfig, quick: bool) -> list[KernelConfig]:
     return configs
 
 
+def rule_variants(base: KernelConfig, splits: int, num_reqs: int, num_kv_heads: int,
+                  width: int, block_size: int) -> list[KernelConfig]:
+    """The configuration the default rule picks for the shape (first), then the same with one
+    choice changed: splits 16 / 32 / 64, stages 2 / 3, block ids 0 / 2, combine fused/loop/wide."""
+    rule = dataclasses.replace(
+        default_decode_config(base, splits, num_reqs, num_kv_heads, width, block_size),
+        num_kv_splits=splits,
+    )
+    rep = dataclasses.replace
+    variants = [rep(rule, num_kv_splits=s) for s in (16, 32, 64)]
+    variants += [rep(rule, decode_num_stages=st) for st in (2, 3)]
+    variants += [rep(rule, decode_ids_mode=ids) for ids in (0, 2)]
+    variants += [rep(rule, decode_fused_combine=f, decode_wide_combine=w)
+                 for f, w in ((True, False), (False, False), (False, True))]
+    return [rule] + [v for v in dict.fromkeys(variants) if v != rule]
+
+
 def describe(c: KernelConfig) -> str:
-    combine = ("fused" if c.decode_fused_combine
+    combine = ("nocombine" if c.num_kv_splits == 1 else "fused" if c.decode_fused_combine
                else "wide" if c.decode_wide_combine else "loop")
     splits = "(default)" if c.num_kv_splits is None else c.num_kv_splits
     return (f"splits{splits} n{c.decode_block_n} w{c.decode_num_warps} "
@@ -185,18 +216,20 @@ def checked(batch: Batch, fn: Callable[[], object]) -> float:
 
 
 def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[KernelConfig],
-               smoke: bool) -> None:
+               smoke: bool, host_loop: bool = True, rule: KernelConfig | None = None) -> None:
+    """Time the public call, then each of ``configs`` (``rule``'s row marked ``rule:``)."""
     public = public_runner(batch)
     err = checked(batch, public)
     row = Row(name, "default (public call)", None, None, err)
     if not smoke:
         row.graph_us, row.eager_us = graph_us(public), eager_us(public)
-        row.host_us, row.loop_us = host_us(public), loop_us(public)
+        if host_loop:
+            row.host_us, row.loop_us = host_us(public), loop_us(public)
     rows.append(row)
     print(f"{name}: default graph {row.graph_us} eager {row.eager_us} host {row.host_us} "
           f"loop {row.loop_us}", flush=True)
     for config in configs:
-        label = describe(config)
+        label = ("rule: " if config == rule else "") + describe(config)
         try:
             fn = plan_runner(batch, config)
             err = checked(batch, fn)
@@ -272,9 +305,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--quick", action="store_true",
-                        help="16 grid points per case, not 144 (plus 11 others)")
+                        help="the public call at 6 shapes, the default rule's variants at 3")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES),
+                        help="default: all 6 with --quick, else the first 4")
     parser.add_argument("--host-cpu", action="store_true",
                         help="only the public call's host work on the CPU, launches no-ops")
     args = parser.parse_args()
@@ -291,10 +325,11 @@ def main() -> int:
             print("needs CUDA (or --smoke)", file=sys.stderr)
             return 2
         device, shape = "cuda", Shape()
-        cases = {name: CASES[name] for name in args.cases}
+        names = args.cases or (list(CASES) if args.quick else FULL_CASES)
+        cases = {name: CASES[name] for name in names}
     base = default_config(shape.head_dim, shape.num_heads // shape.num_kv_heads,
                           torch.tensor([], dtype=shape.dtype).element_size())
-    configs = grid(base, args.quick or args.smoke)
+    configs = [] if args.quick else grid(base, args.smoke)
     if args.smoke:
         configs = [dataclasses.replace(c, decode_block_n=16, decode_num_stages=1)
                    for c in configs[::3]]
@@ -302,11 +337,19 @@ def main() -> int:
     t0 = time.monotonic()
     for name, (num_reqs, seq_len) in cases.items():
         batch = Batch(shape, [seq_len] * num_reqs, [1] * num_reqs, device)
-        if device == "cuda":
-            splits = default_num_kv_splits(num_reqs, shape.num_kv_heads, batch.width,
-                                           batch.query.device, shape.page_size)
-            print(f"{name}: default num_kv_splits {splits}", flush=True)
-        sweep_case(rows, name, batch, configs, args.smoke)
+        splits = default_num_kv_splits(num_reqs, shape.num_kv_heads, batch.width,
+                                       batch.query.device, shape.page_size)
+        print(f"{name}: default num_kv_splits {splits}", flush=True)
+        case_configs, rule = configs, None
+        if (args.quick and name in RULE_CASES) or args.smoke:
+            variants = rule_variants(base, splits, num_reqs, shape.num_kv_heads, batch.width,
+                                     shape.page_size)
+            if args.smoke:
+                variants = [dataclasses.replace(v, decode_block_n=16) for v in variants]
+            rule = variants[0]
+            case_configs = variants + configs
+        sweep_case(rows, name, batch, case_configs, args.smoke, host_loop=not args.quick,
+                   rule=rule)
         del batch
         if args.json:
             write_json(args.json, rows, device)

@@ -7,9 +7,9 @@ keeps the host work per call to a few microseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,7 @@ PAD_ITERS = 16
 _INTERPRET = interpreting()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes and schedules of the two kernels (see :func:`default_config`)."""
 
@@ -55,13 +55,13 @@ class KernelConfig:
     # (one K/V read serves the group); False: BLOCK_M tokens of one query head.
     prefill_pack_gqa: bool = True
     # decode_wide_combine: the combine kernel loads MERGE_CHUNK splits of a head at once;
-    # False: one split after the other. Off by default: on an H200 (2026-11-30) the loop
-    # combine was faster at every split count measured (B=1 x 8192: 22.9 vs 29.7 µs replayed).
+    # False: one split after the other. (Without a configuration given, the decode options
+    # are chosen from shapes: see default_decode_config.)
     decode_wide_combine: bool = False
     # decode_fused_combine: no combine launch; the last split program of each (request, KV
     # head) to finish (an atomic counter) merges the partials, every head of the group per
-    # load. On by default: one launch per decode step saves a launch's host time (the
-    # eager single-request step is host-bound) and the gap between two kernels on the device.
+    # load: one launch per decode step saves a launch's host time and the gap between two
+    # kernels on the device.
     decode_fused_combine: bool = True
     # decode_single_loop: the decode kernel's own inner loop (attend_decode_tiles: one masked
     # loop, each tile's V loaded beside its K, block ids per tile: ids_mode 2 where it applies,
@@ -104,6 +104,46 @@ def default_config(head_dim: int, group_size: int, element_size: int = 2) -> Ker
     return KernelConfig(64, 32, 4, 2, 32, 4, 2)
 
 
+# The decode options of the default configuration, chosen from shapes (H200, bf16, 32 query /
+# 8 KV heads, head dim 128, page 16, graph-replayed µs, 2026-11-30):
+# - the fused combine wins only at small batch: B=1 x 8192 (32 splits) 17.1 fused vs 22.8
+#   loop, 22.7 wide; but B=8 x 32768 (8 splits) 306.0 fused vs 256.3 wide, and at 32 splits
+#   333.1 fused vs 270.3 loop. So fused while num_reqs * num_kv_heads <= 16, else the wide
+#   combine (the one measured at the default splits there; the loop one is within 1% of it at
+#   B=1);
+# - block ids per block (ids_mode 2) win when the decode is split: B=1 x 8192 15.2 vs 17.2,
+#   B=8 x 32768 282.2 vs 306.0; unsplit they lose: B=64 x 4096 329.2 vs 247.3 (ids 0);
+# - 3 stages win when each split covers many keys: B=1 x 131072 at 32 splits (4096 keys a
+#   split) 134.5 vs 158.8 with 2; 2 stages when few: B=1 x 8192 at 32 splits (256 keys) 17.1
+#   vs 18.7. So 3 from DECODE_STAGES3_MIN_KEYS keys per split of the widest row, else 2;
+#   an unsplit decode keeps the stages of default_config (B=64 x 4096: 247.3 with 2);
+# - more than 32 splits lose (B=1 x 131072: 167.1 at 64 splits vs 134.5 at 32), see
+#   triton_decode.MAX_KV_SPLITS.
+FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
+DECODE_STAGES3_MIN_KEYS = 2048  # keys per split (of the widest row) from which 3 stages
+
+
+@functools.lru_cache(maxsize=256)
+def default_decode_config(
+    base: KernelConfig, splits: int, num_reqs: int, num_kv_heads: int, width: int,
+    block_size: int,
+) -> KernelConfig:
+    """``base`` (a :func:`default_config`) with the decode options chosen from shapes only (the
+    rule and its measurements are in the comment above): the combine, the block-id loads and
+    the pipeline stages for ``splits`` splits of rows of ``width`` blocks of ``block_size``
+    keys, ``num_reqs`` requests of ``num_kv_heads`` KV heads. Never reads a device value."""
+    split = splits > 1
+    fused = split and num_reqs * num_kv_heads <= FUSED_COMBINE_MAX_PROGRAMS
+    per_block = base.decode_block_n % block_size == 0 and not block_size & (block_size - 1)
+    stages = base.decode_num_stages
+    if split:
+        stages = 3 if width * block_size // splits >= DECODE_STAGES3_MIN_KEYS else 2
+    return dataclasses.replace(
+        base, decode_fused_combine=fused, decode_wide_combine=split and not fused,
+        decode_ids_mode=2 if split and per_block else 0, decode_num_stages=stages,
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _ids_mode(mode: int, block_n: int, block_size: int) -> int:
     """``mode``, or 1 where one id per block does not apply (see :class:`KernelConfig`)."""
@@ -114,7 +154,7 @@ def _ids_mode(mode: int, block_n: int, block_size: int) -> int:
     return mode
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CPLayout:
     """Where this rank's keys sit (see :mod:`blocktable.attention.cp_layout`)."""
 
@@ -266,13 +306,17 @@ class DecodePlan:
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         num_rows, width = block_table.shape
         group = num_heads // num_kv_heads
+        given = config is not None
         if config is None:
             config = default_config(head_dim, group, query.element_size())
-        dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
         splits = num_kv_splits or config.num_kv_splits or _dec.default_num_kv_splits(
             num_reqs, num_kv_heads, width, query.device, block_size
         )
         splits = splits if num_reqs > 0 else 1
+        if not given:  # a caller's configuration is taken as given
+            config = default_decode_config(config, splits, num_reqs, num_kv_heads, width,
+                                           block_size)
+        dec_ids = _ids_mode(config.decode_ids_mode, config.decode_block_n, block_size)
         split = splits > 1
         slots = dec_q if has_qsl else 1
         workspace = None
@@ -399,6 +443,7 @@ def launch_paged_attention(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = block_table.shape
     group = num_heads // num_kv_heads
+    given = config
     if config is None:
         config = default_config(head_dim, group, query.element_size())
     block_d, group_pad, _, dec_q = _tile_sizes(head_dim, group)
@@ -433,7 +478,7 @@ def launch_paged_attention(
 
     plan = DecodePlan.build(
         out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch,
-        scale, sliding_window, cp, decode_only=decode_only, config=config,
+        scale, sliding_window, cp, decode_only=decode_only, config=given,
         num_kv_splits=num_kv_splits, strides=strides,
     )
     if plan is not None:

@@ -445,7 +445,7 @@ if HAS_TRITON:
     )(_decode_kernel)
 
 
-MAX_KV_SPLITS = 64
+MAX_KV_SPLITS = 32  # more lost on an H200 (see launch.default_decode_config)
 MERGE_CHUNK = 16  # at most this many splits per load in the wide and fused combines
 MERGE_TILE_ELEMENTS = 8192  # ... and at most this many floats per load (64 a thread at 4 warps)
 
@@ -469,8 +469,8 @@ def default_num_kv_splits(
     """Splits per request so that about two programs run per multiprocessor.
 
     Depends on shapes only (never on ``seq_lens``), so a captured CUDA graph stays valid: a
-    power of two, at most 64, each split covering at least 256 keys of the widest possible row
-    (``width * block_size``). 1 off CUDA.
+    power of two, at most ``MAX_KV_SPLITS`` (32), each split covering at least 256 keys of
+    the widest possible row (``width * block_size``). 1 off CUDA.
     """
     if device.type != "cuda" or num_reqs == 0:
         return 1

@@ -1,0 +1,134 @@
+"""The decode options of the default configuration follow the shape rule of
+:func:`blocktable.attention.launch.default_decode_config` (no device value read), a caller's
+configuration is taken as given, and the public call under the chosen options (wide combine,
+block ids per block) matches the float64 reference. CPU only (the interpreter for the call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_attention_triton import TOLERANCE, make_case, reference, rel_err
+
+from blocktable.attention import launch as launch_mod
+from blocktable.attention import paged_decode_attention, triton_decode
+from blocktable.attention.launch import (
+    DECODE_STAGES3_MIN_KEYS,
+    FUSED_COMBINE_MAX_PROGRAMS,
+    CPLayout,
+    DecodePlan,
+    KernelConfig,
+    default_decode_config,
+)
+
+# default_config(128, 4) off the interpreter: decode tiles of 64 keys, 4 warps, 2 stages
+BASE = KernelConfig(128, 64, 8, 3, 64, 4, 2)
+H200_SMS = 132
+
+
+def expected(splits: int, num_reqs: int, num_kv_heads: int, width: int,
+             block_size: int) -> tuple[bool, bool, int, int]:
+    """``(fused, wide, ids_mode, stages)`` by the rule, written out independently."""
+    if splits == 1:
+        return False, False, 0, BASE.decode_num_stages
+    fused = num_reqs * num_kv_heads <= 16
+    pow2 = block_size & (block_size - 1) == 0
+    ids = 2 if pow2 and 64 % block_size == 0 else 0
+    stages = 3 if width * block_size / splits >= 2048 else 2
+    return fused, not fused, ids, stages
+
+
+@pytest.mark.parametrize(
+    ("num_reqs", "seq_len", "splits", "fused", "ids", "stages"),
+    [
+        (1, 8192, 32, True, 2, 2),  # fused, ids 2, 256 keys a split: 2 stages
+        (1, 131072, 32, True, 2, 3),  # 4096 keys a split: 3 stages; 64 splits capped to 32
+        (8, 32768, 8, False, 2, 3),  # 64 programs: wide combine
+        (64, 4096, 1, False, 0, 2),  # unsplit: ids 0, the default's stages
+    ],
+)
+def test_h200_cases_follow_the_rule(monkeypatch, num_reqs: int, seq_len: int, splits: int,
+                                    fused: bool, ids: int, stages: int) -> None:
+    """The benchmarked shapes (8 KV heads, page 16) with 132 multiprocessors."""
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: H200_SMS)
+    width = seq_len // 16
+    got_splits = triton_decode.default_num_kv_splits(num_reqs, 8, width, torch.device("cuda"), 16)
+    assert got_splits == splits
+    config = default_decode_config(BASE, got_splits, num_reqs, 8, width, 16)
+    assert config.decode_fused_combine == fused
+    assert config.decode_wide_combine == (splits > 1 and not fused)
+    assert (config.decode_ids_mode, config.decode_num_stages) == (ids, stages)
+    # nothing else changes
+    assert dataclasses.replace(
+        config, decode_fused_combine=BASE.decode_fused_combine,
+        decode_wide_combine=BASE.decode_wide_combine, decode_ids_mode=BASE.decode_ids_mode,
+        decode_num_stages=BASE.decode_num_stages,
+    ) == BASE
+
+
+def test_the_rule_over_a_grid_of_shapes(monkeypatch) -> None:
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: H200_SMS)
+    assert (FUSED_COMBINE_MAX_PROGRAMS, DECODE_STAGES3_MIN_KEYS) == (16, 2048)
+    for num_reqs in (1, 2, 3, 4, 16, 256):
+        for num_kv_heads in (1, 2, 4, 8):
+            for width in (1, 7, 64, 512, 8192):
+                for block_size in (1, 4, 6, 16, 32, 128):
+                    splits = triton_decode.default_num_kv_splits(
+                        num_reqs, num_kv_heads, width, torch.device("cuda"), block_size)
+                    assert splits <= 32 and splits & (splits - 1) == 0
+                    for s in {splits, 1, 4, 32}:
+                        c = default_decode_config(BASE, s, num_reqs, num_kv_heads, width,
+                                                  block_size)
+                        got = (c.decode_fused_combine, c.decode_wide_combine,
+                               c.decode_ids_mode, c.decode_num_stages)
+                        assert got == expected(s, num_reqs, num_kv_heads, width, block_size)
+
+
+def _plan(num_reqs: int, config: KernelConfig | None, splits: int) -> DecodePlan:
+    args = make_case([(9, 1)] * num_reqs, 4, 2, 2, 16, torch.float32, "cpu")
+    query, k_cache, v_cache, table, seq_lens, _ = args
+    out = torch.empty_like(query)
+    plan = DecodePlan.build(out, None, query, k_cache, v_cache, table, seq_lens, None, None,
+                            0.25, None, CPLayout(), decode_only=True, config=config,
+                            num_kv_splits=splits)
+    assert plan is not None
+    return plan
+
+
+def test_plans_use_the_rule_only_without_a_configuration(monkeypatch) -> None:
+    """2 KV heads: 8 requests fuse the combine, 9 launch the combine kernel; a given
+    configuration keeps its own combine; and the rule's inputs are shapes."""
+    seen = []
+    real = launch_mod.default_decode_config
+
+    def spy(*args):
+        seen.append(args[1:])
+        return real(*args)
+
+    monkeypatch.setattr(launch_mod, "default_decode_config", spy)
+    small, large = _plan(8, None, 4), _plan(9, None, 4)
+    assert small.combine_grid is None and small.counters is not None
+    assert large.combine_grid == (9, 2, 1) and large.counters is None
+    width = 4  # make_case: ceil(9 / 4) blocks + 1
+    assert seen == [(4, 8, 2, width, 4), (4, 9, 2, width, 4)]
+    given = launch_mod.default_config(16, 2, 4)
+    kept = _plan(9, dataclasses.replace(given, decode_fused_combine=True), 4)
+    assert kept.combine_grid is None and kept.counters is not None
+    assert len(seen) == 2  # not consulted for a given configuration
+    unsplit = _plan(9, None, 1)
+    assert unsplit.combine_grid is None and unsplit.counters is None
+
+
+@pytest.mark.parametrize("num_reqs", [3, 9])
+def test_default_choices_match_the_reference(triton_device: str, num_reqs: int) -> None:
+    """Split decode under the default configuration: 3 requests x 2 KV heads fuse the
+    combine, 9 use the wide one; blocks of 4 keys: ids per block; lengths 1 to 23."""
+    reqs = [(1 + 5 * r % 23, 1) for r in range(num_reqs)]
+    query, k_cache, v_cache, table, seq_lens, qsl = make_case(
+        reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=num_reqs)
+    out = paged_decode_attention(query, k_cache, v_cache, table, seq_lens, num_kv_splits=4,
+                                 backend="triton")
+    ref, _ = reference(query, k_cache, v_cache, table, seq_lens, qsl)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
