@@ -15,7 +15,7 @@ from test_attention_triton import TOLERANCE, make_case, reference, rel_err
 from blocktable.attention import launch as launch_mod
 from blocktable.attention import paged_decode_attention, triton_decode
 from blocktable.attention.launch import (
-    DECODE_STAGES3_MIN_KEYS,
+    DECODE_LONG_SPLIT_KEYS,
     FUSED_COMBINE_MAX_PROGRAMS,
     CPLayout,
     DecodePlan,
@@ -35,8 +35,9 @@ def expected(splits: int, num_reqs: int, num_kv_heads: int, width: int,
         return False, False, 0, BASE.decode_num_stages
     fused = num_reqs * num_kv_heads <= 16
     pow2 = block_size & (block_size - 1) == 0
-    ids = 2 if pow2 and 64 % block_size == 0 else 0
-    stages = 3 if width * block_size / splits >= 2048 else 2
+    long_splits = width * block_size / splits >= 2048
+    ids = 2 if pow2 and 64 % block_size == 0 and not long_splits else 0
+    stages = 3 if fused and long_splits else BASE.decode_num_stages
     return fused, not fused, ids, stages
 
 
@@ -44,8 +45,8 @@ def expected(splits: int, num_reqs: int, num_kv_heads: int, width: int,
     ("num_reqs", "seq_len", "splits", "fused", "ids", "stages"),
     [
         (1, 8192, 32, True, 2, 2),  # fused, ids 2, 256 keys a split: 2 stages
-        (1, 131072, 32, True, 2, 3),  # 4096 keys a split: 3 stages; 64 splits capped to 32
-        (8, 32768, 8, False, 2, 3),  # 64 programs: wide combine
+        (1, 131072, 32, True, 0, 3),  # 4096 keys a split: ids 0, 3 stages; 32 splits at most
+        (8, 32768, 8, False, 0, 2),  # 64 (request, KV head) pairs: wide combine, 2 stages
         (64, 4096, 1, False, 0, 2),  # unsplit: ids 0, the default's stages
     ],
 )
@@ -70,7 +71,7 @@ def test_h200_cases_follow_the_rule(monkeypatch, num_reqs: int, seq_len: int, sp
 
 def test_the_rule_over_a_grid_of_shapes(monkeypatch) -> None:
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: H200_SMS)
-    assert (FUSED_COMBINE_MAX_PROGRAMS, DECODE_STAGES3_MIN_KEYS) == (16, 2048)
+    assert (FUSED_COMBINE_MAX_PROGRAMS, DECODE_LONG_SPLIT_KEYS) == (16, 2048)
     for num_reqs in (1, 2, 3, 4, 16, 256):
         for num_kv_heads in (1, 2, 4, 8):
             for width in (1, 7, 64, 512, 8192):

@@ -105,22 +105,23 @@ def default_config(head_dim: int, group_size: int, element_size: int = 2) -> Ker
 
 
 # The decode options of the default configuration, chosen from shapes (H200, bf16, 32 query /
-# 8 KV heads, head dim 128, page 16, graph-replayed µs, 2026-11-30):
+# 8 KV heads, head dim 128, page 16, graph-replayed µs, three sweeps on 2026-11-30):
 # - the fused combine wins only at small batch: B=1 x 8192 (32 splits) 17.1 fused vs 22.8
-#   loop, 22.7 wide; but B=8 x 32768 (8 splits) 306.0 fused vs 256.3 wide, and at 32 splits
-#   333.1 fused vs 270.3 loop. So fused while num_reqs * num_kv_heads <= 16, else the wide
-#   combine (the one measured at the default splits there; the loop one is within 1% of it at
-#   B=1);
-# - block ids per block (ids_mode 2) win when the decode is split: B=1 x 8192 15.2 vs 17.2,
-#   B=8 x 32768 282.2 vs 306.0; unsplit they lose: B=64 x 4096 329.2 vs 247.3 (ids 0);
-# - 3 stages win when each split covers many keys: B=1 x 131072 at 32 splits (4096 keys a
-#   split) 134.5 vs 158.8 with 2; 2 stages when few: B=1 x 8192 at 32 splits (256 keys) 17.1
-#   vs 18.7. So 3 from DECODE_STAGES3_MIN_KEYS keys per split of the widest row, else 2;
-#   an unsplit decode keeps the stages of default_config (B=64 x 4096: 247.3 with 2);
-# - more than 32 splits lose (B=1 x 131072: 167.1 at 64 splits vs 134.5 at 32), see
-#   triton_decode.MAX_KV_SPLITS.
+#   loop, 22.7 wide; B=1 x 131072 135.3 fused vs 160.9 loop; but B=8 x 32768 (8 splits) 306.0
+#   fused vs 256.3 wide (2 stages, ids 0). So fused while num_reqs * num_kv_heads <= 16, else
+#   the wide combine;
+# - block ids per block (ids_mode 2) win when splits are short: B=1 x 8192 (256 keys a split)
+#   15.1 vs 17.5 with ids 0; with long splits they lose: B=1 x 131072 (4096 keys a split)
+#   146.3 vs 135.3, and unsplit B=64 x 4096 329.2 vs 247.3. So ids 2 below
+#   DECODE_LONG_SPLIT_KEYS keys a split (of the widest row), else 0;
+# - 3 stages win with long splits at small batch (few programs): B=1 x 131072 135.3 vs 158.8
+#   with 2; they lose with short splits (B=1 x 8192 15.9 vs 15.1) and with many programs
+#   (B=8 x 32768, 512 programs: 315.1 vs 256.3). So 3 for long splits while the combine is
+#   fused, else the stages of default_config;
+# - more than 32 splits lose (B=1 x 131072: 153.8 at 64 splits vs 146.3 at 32, same options),
+#   see triton_decode.MAX_KV_SPLITS.
 FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
-DECODE_STAGES3_MIN_KEYS = 2048  # keys per split (of the widest row) from which 3 stages
+DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,13 +135,13 @@ def default_decode_config(
     keys, ``num_reqs`` requests of ``num_kv_heads`` KV heads. Never reads a device value."""
     split = splits > 1
     fused = split and num_reqs * num_kv_heads <= FUSED_COMBINE_MAX_PROGRAMS
+    long_splits = width * block_size // splits >= DECODE_LONG_SPLIT_KEYS
     per_block = base.decode_block_n % block_size == 0 and not block_size & (block_size - 1)
-    stages = base.decode_num_stages
-    if split:
-        stages = 3 if width * block_size // splits >= DECODE_STAGES3_MIN_KEYS else 2
+    stages = 3 if fused and long_splits else base.decode_num_stages
     return dataclasses.replace(
         base, decode_fused_combine=fused, decode_wide_combine=split and not fused,
-        decode_ids_mode=2 if split and per_block else 0, decode_num_stages=stages,
+        decode_ids_mode=2 if split and per_block and not long_splits else 0,
+        decode_num_stages=stages,
     )
 
 
