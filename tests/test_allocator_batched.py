@@ -16,8 +16,8 @@ from blocktable.allocator import (
 GROUPS = [AllocatorGroupSpec(4, 40), AllocatorGroupSpec(8, 16, sliding_window=12)]
 
 
-def make(**kwargs: object) -> KVCacheManager:
-    return KVCacheManager(GROUPS, 6, max_model_len=80, **kwargs)  # type: ignore[arg-type]
+def make(groups: list[AllocatorGroupSpec] = GROUPS, **kwargs: object) -> KVCacheManager:
+    return KVCacheManager(groups, 6, max_model_len=80, **kwargs)  # type: ignore[arg-type]
 
 
 def observable(mgr: KVCacheManager) -> tuple:
@@ -35,10 +35,12 @@ def as_lists(update: object) -> tuple:
     return tuple(out)
 
 
+@pytest.mark.parametrize("num_groups", [1, 2])  # one group takes the paths without group loops
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_calls_equal_per_request_calls(seed: int) -> None:
+def test_batched_calls_equal_per_request_calls(seed: int, num_groups: int) -> None:
     rng = np.random.default_rng(seed)
-    batched, single = make(), make()
+    groups = GROUPS[:num_groups]
+    batched, single = make(groups), make(groups)
     base = rng.integers(0, 4, 60).tolist()
     live: dict[int, list[int]] = {}
     next_id = 0
@@ -66,7 +68,7 @@ def test_batched_calls_equal_per_request_calls(seed: int) -> None:
         if fits:
             new = batched.allocate_many(sched, nums)
             per = [single.allocate(r, n) for r, n in zip(sched, nums)]
-            for g in range(2):
+            for g in range(num_groups):
                 assert new[g].block_ids.tolist() == [b for p in per for b in p[g]]
                 assert new[g].num_manager_blocks.tolist() == [len(p[g]) for p in per if p[g]]
             computed = [

@@ -901,6 +901,11 @@ class KVCacheManager:
             self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
+        """Free the rows and blocks of ``reqs`` (running, distinct): per request only the
+        bookkeeping; per group one concatenation of the rows (tail first) and one release."""
+        if len(self.pools) == 1:
+            self._release_one_group(reqs)
+            return
         per_group: list[list[np.ndarray]] = [[] for _ in self.pools]
         touch, release_row, requests = self._journal.touch, self._rows.release, self._requests
         for req in reqs:
@@ -914,8 +919,24 @@ class KVCacheManager:
             del requests[req.req_id]
         for pool, parts in zip(self.pools, per_group):
             if parts:
-                ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                pool.release(ids, may_repeat=len(parts) > 1)
+                pool.release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
+
+    def _release_one_group(self, reqs: list[RequestState]) -> None:
+        """:meth:`_release` with one group, without the loops over groups."""
+        marks, requests = self._journal.marks, self._requests
+        release_row = self._rows.release
+        parts = []
+        for req in reqs:
+            row = req.row
+            if row not in marks:  # the journal's touch, inlined
+                marks[row] = (req, tuple(req.row_len))
+            n, skip = req.row_len[0], req.num_skipped_blocks[0]
+            if n > skip:
+                parts.append(req.block_buf[0][n - 1 : skip - 1 if skip else None : -1])
+            release_row(row)
+            del requests[req.req_id]
+        if parts:
+            self.pools[0].release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:

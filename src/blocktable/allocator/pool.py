@@ -164,23 +164,25 @@ class BlockPool:
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
         """Drop one reference per entry; blocks reaching 0 join the free queues in order.
 
-        ``block_ids`` (int32) may repeat an id only with ``may_repeat`` (several requests
-        released at once); such a block is queued where its last reference was dropped.
+        ``block_ids`` (int32 or, faster, intp) may repeat an id only with ``may_repeat``
+        (several requests released at once); such a block is queued where its last reference
+        was dropped.
         """
         ref_counts = self.ref_counts
         if may_repeat:
             freed = decrement(ref_counts, block_ids, self._seen)
         else:
             ref_counts[block_ids] -= 1
-            freed = block_ids[ref_counts[block_ids] == 0]
+            freed = block_ids.compress(ref_counts.take(block_ids) == 0)
         if not len(freed):
             return
         if self.dups:
             self._release_duplicates(freed)
-        cached = self.record[freed] >= 0
-        if cached.all():
+        slots = self.record.take(freed)
+        if slots.min() >= 0:  # all cached (the common case with prefix caching)
             self.cached.extend(freed)
         else:
+            cached = slots >= 0
             self.uncached.extend(freed[~cached])
             self.cached.extend(freed[cached])
 
