@@ -9,6 +9,7 @@ and step) answers what one process answers, and what ``transformers.generate`` a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,13 @@ CONFIG = EngineConfig(block_size=2, num_blocks=12, max_num_reqs=2, token_budget=
                       max_model_len=16)
 
 
-def _p2p_job(rank: int, world: int, path: str, runs: list[DCPRun]) -> list[DCPResult]:
-    """Run the engine with a file-backed symmetric buffer in place of CUDA symmetric memory."""
+def _use_file_buffers(path: str) -> None:
+    """In this process, ``transport="p2p"`` runs on CPU tensors: every symmetric buffer is
+    this rank's slice of ``path`` (mapped by every rank; opened in the same order on all)."""
     import torch.distributed as dist
 
     from blocktable.context_parallel import merge as merge_module
     from blocktable.context_parallel import p2p as p2p_module
-    from blocktable.engine.dcp_runner import run_dcp_rank
 
     offset = 0
 
@@ -62,6 +63,13 @@ def _p2p_job(rank: int, world: int, path: str, runs: list[DCPRun]) -> list[DCPRe
     for module in (merge_module, p2p_module):
         module.p2p_unavailable_reason = available  # type: ignore[assignment]
     merge_module.open_symmetric_buffer = open_file_buffer  # type: ignore[assignment]
+
+
+def _p2p_job(rank: int, world: int, path: str, runs: list[DCPRun]) -> list[DCPResult]:
+    """Run the engine with a file-backed symmetric buffer in place of CUDA symmetric memory."""
+    from blocktable.engine.dcp_runner import run_dcp_rank
+
+    _use_file_buffers(path)
     return run_dcp_rank(rank, world, runs)
 
 
@@ -94,3 +102,35 @@ def test_engine_over_p2p_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         checks = verify_requests(model, driver.requests)
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
         assert per_rank[1].stats.num_empty_queries > 0  # -inf rows crossed the transport
+
+
+def _bench_job(rank: int, world: int, path: str) -> dict[str, Any]:
+    """``benchmarks/bench_dcp_decode.py``'s rank function at smoke sizes, p2p row included."""
+    import importlib.util
+
+    _use_file_buffers(path)
+    file = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dcp_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_dcp_decode", file)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_dcp_decode"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    case = bench.Case(num_reqs=2, seq_len=64 * world, num_heads=4, num_kv_heads=2, head_dim=16,
+                      dtype="float32", device="cpu", iters=1, graph=False)
+    result = bench._bench_rank(rank, world, case)
+    return {"result": result, "rows": [list(r) for r in case.rows()]}
+
+
+def test_bench_dcp_decode_p2p_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "symmetric.bin"
+    path.write_bytes(bytes(1 << 20))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = run_ranks(_bench_job, 2, args=(str(path),), timeout_s=120.0)
+    assert results[0]["rows"][-1] == ["p2p", "all_reduce", "p2p"]
+    for r in results:
+        rows = r["result"]["dcp"]
+        assert set(rows) == {"all_reduce", "all_gather_reduce_scatter", "all_to_all", "p2p"}
+        assert rows["p2p"]["transport"] == "p2p" and rows["all_reduce"]["transport"] == \
+            "collectives"
+        for row in rows.values():
+            assert row["max_abs_error_vs_single"] < 1e-5 and row["eager_us"] > 0

@@ -291,7 +291,7 @@ def choose_transport(group: dist.ProcessGroup, device: torch.device, backend: st
             dist.all_gather_object(seen, mine, group=group)
     else:
         dist.all_gather_object(seen, mine, group=group)
-    answers = [tuple(a) for a in seen]  # type: ignore[arg-type]
+    answers: list[tuple[str | None, str]] = [tuple(a) for a in seen]  # type: ignore[arg-type, misc]
     if any(r is not None for r, _ in answers) or len({h for _, h in answers}) > 1:
         return "collectives"
     return "p2p"
