@@ -61,7 +61,8 @@ class AttentionMerger:
     Every rank must call :meth:`merge` in the same order with the same ``num_tokens``. A rank
     that dies or never calls leaves the others blocked in a collective until the process
     group's timeout (``timeout=`` of ``init_process_group``; with NCCL, only when its watchdog
-    aborts on timeout, the default): choose it to suit. The merger adds no timeout of its own.
+    aborts on timeout, the default): choose it to suit. Over the collectives the merger adds
+    no timeout of its own; over p2p its kernel traps after ``p2p_timeout_s``.
 
     Parameters
     ----------
