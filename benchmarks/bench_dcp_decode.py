@@ -4,13 +4,16 @@ Every rank (one process per GPU, started by ``blocktable.context_parallel.launch
 NCCL, NVLink multicast off) builds the same global K/V (seeded), computes the single-GPU
 attention over all of it (``paged_attention``, no CP) and its own DCP shard: each rank holds
 the keys it owns (interleave runs of a 16-token block's virtual block of ``16 * world``
-tokens), attends with its log-sum-exp, and the ranks merge with ``AttentionMerger``. Both are
+tokens), attends with its log-sum-exp, and the ranks merge with ``AttentionMerger``: one row
+per collective pattern, plus a ``p2p`` row (``transport="p2p"``: one kernel writing into the
+peers' symmetric memory, no collective; every pattern is the same kernel there). Both are
 timed eagerly (CUDA events, median) and replayed from a CUDA graph; the merged output is
 checked against the single-GPU output (bf16: max error <= 2e-2). "KV tokens per GPU" is what
 each GPU stores for the batch: DCP N divides it by N, so the same pool bytes hold N times the
 context.
 
     python benchmarks/bench_dcp_decode.py --json dcp.json             # 2 GPUs, 8 x 131072
+    python benchmarks/bench_dcp_decode.py --transports p2p            # the p2p row alone
     python benchmarks/bench_dcp_decode.py --smoke --device cpu --world 2  # tiny, CPU, gloo
 """
 
@@ -31,6 +34,8 @@ import torch
 from blocktable.context_parallel.launch import run_ranks
 
 PATTERNS = ("all_reduce", "all_gather_reduce_scatter", "all_to_all")
+TRANSPORTS = ("collectives", "p2p")
+P2P_ROW = "p2p"  # the row (and JSON key) of transport="p2p", pattern all_reduce
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,14 @@ class Case:
     iters: int = 50
     graph: bool = True
     patterns: tuple[str, ...] = PATTERNS
+    transports: tuple[str, ...] = TRANSPORTS
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """``(row, pattern, transport)`` of every merge measured."""
+        rows = [(p, p, "collectives") for p in self.patterns if "collectives" in self.transports]
+        if "p2p" in self.transports:
+            rows.append((P2P_ROW, "all_reduce", "p2p"))
+        return rows
 
 
 def _time_eager(fn: Any, iters: int, device: torch.device) -> float:
@@ -116,6 +129,7 @@ def _bench_rank(rank: int, world: int, case: Case) -> dict[str, Any]:
     from blocktable.attention.cp_layout import global_positions
     from blocktable.config import CPConfig
     from blocktable.context_parallel import AttentionMerger
+    from blocktable.context_parallel.p2p import p2p_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device()) if case.device == "cuda" \
         else torch.device("cpu")
@@ -180,10 +194,13 @@ def _bench_rank(rank: int, world: int, case: Case) -> dict[str, Any]:
     if case.graph and device.type == "cuda":
         result["shard_attention_graph_us"], _ = _time_graph(attend, case.iters)
     patterns: dict[str, Any] = {}
-    for pattern in case.patterns:
+    for name, pattern, transport in case.rows():
+        if transport == "p2p" and p2p_unavailable_reason(device) is not None:
+            patterns[name] = {"skipped": p2p_unavailable_reason(device)}  # alike on every rank
+            continue
         merger = AttentionMerger(None, max_num_tokens=n, num_heads=case.num_heads,
                                  head_dim=case.head_dim, dtype=dtype, device=device,
-                                 pattern=pattern, cp=cp)
+                                 pattern=pattern, cp=cp, transport=transport)
 
         def dcp(merger: AttentionMerger = merger) -> torch.Tensor:
             attend()
@@ -191,12 +208,13 @@ def _bench_rank(rank: int, world: int, case: Case) -> dict[str, Any]:
 
         merged = dcp().float()
         row: dict[str, Any] = {
+            "pattern": pattern, "transport": merger.transport,
             "max_abs_error_vs_single": float((merged - expected).abs().max()),
             "eager_us": _time_eager(dcp, case.iters, device),
         }
         if case.graph and device.type == "cuda":
             row["graph_us"], row["graph_error"] = _time_graph(dcp, case.iters)
-        patterns[pattern] = row
+        patterns[name] = row
     result["dcp"] = patterns
     return result
 
@@ -209,11 +227,14 @@ def _table(case: Case, world: int, results: list[dict[str, Any]]) -> list[dict[s
     single_eager = worst("single_eager_us", results)
     single_graph = worst("single_graph_us", results)
     lines = []
-    for pattern in case.patterns:
-        rows = [r["dcp"][pattern] for r in results]
+    for name, pattern, transport in case.rows():
+        rows = [r["dcp"][name] for r in results]
+        if "skipped" in rows[0]:
+            lines.append({"pattern": name, "transport": transport, "skipped": rows[0]["skipped"]})
+            continue
         eager, graph = worst("eager_us", rows), worst("graph_us", rows)
         lines.append({
-            "pattern": pattern,
+            "pattern": name, "merge_pattern": pattern, "transport": transport,
             "single_eager_us": single_eager, "dcp_eager_us": eager,
             "eager_ratio": None if not single_eager or eager is None else eager / single_eager,
             "single_graph_us": single_graph, "dcp_graph_us": graph,
@@ -232,16 +253,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", type=int, default=1)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--transports", type=lambda v: tuple(v.split(",")), default=None,
+                        help="merge transports to measure, comma-separated: collectives (one "
+                             "row per pattern), p2p (CUDA only; one row); default both on "
+                             "CUDA, collectives on the CPU")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    transports = args.transports or (TRANSPORTS if args.device == "cuda" else ("collectives",))
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports:
+        parser.error(f"--transports: {bad} not in {TRANSPORTS}")
+    if "p2p" in transports and args.device != "cuda":
+        parser.error("--transports p2p needs --device cuda (GPUs of one node)")
     if args.smoke:
         case = Case(num_reqs=2, seq_len=256 * args.world, num_heads=8, num_kv_heads=2,
                     head_dim=32, dtype="float32" if args.device == "cpu" else "bfloat16",
                     interleave=args.interleave, device=args.device, backend=args.backend,
-                    iters=args.iters or 3)
+                    iters=args.iters or 3, transports=transports)
     else:
         case = Case(interleave=args.interleave, device=args.device, backend=args.backend,
-                    iters=args.iters or 50)
+                    iters=args.iters or 50, transports=transports)
     if case.seq_len % (case.block_size * args.world):
         parser.error("seq_len must be a multiple of block_size * world")
     results = run_ranks(_bench_rank, args.world, args=(case,), device=args.device,
@@ -263,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{'single graph':>13} {'DCP graph':>11} {'ratio':>6} {'max err':>9}"
     print(header)
     for ln in lines:
+        if "skipped" in ln:
+            print(f"{ln['pattern']:<26} skipped: {ln['skipped']}")
+            continue
         print(f"{ln['pattern']:<26} {fmt(ln['single_eager_us'], ' us'):>13} "
               f"{fmt(ln['dcp_eager_us'], ' us'):>11} {fmt(ln['eager_ratio']):>6} "
               f"{fmt(ln['single_graph_us'], ' us'):>13} {fmt(ln['dcp_graph_us'], ' us'):>11} "

@@ -134,7 +134,7 @@ def test_help_documents_every_option_and_the_prompt_growth(
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--num-requests", "--seed", "--block-size", "--num-blocks", "--max-new-tokens",
-                   "--token-budget", "--device", "--dcp", "--cp-interleave", "--out",
+                   "--token-budget", "--device", "--dcp", "--cp-interleave", "--merge-transport", "--out",
                    "--picture-step", "--quiet"):
         assert option in text
     assert "prompt lengths grow with it" in text

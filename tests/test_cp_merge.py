@@ -436,6 +436,11 @@ def test_p2p_transport_errors(monkeypatch, tmp_path):
             AttentionMerger(None, device="cpu", transport="p2p", **kw)
         with pytest.raises(ValueError, match="transport must be one of"):
             AttentionMerger(None, device="cpu", transport="nvlink", **kw)
+        with pytest.raises(ValueError, match="p2p_timeout_s must be > 0"):
+            AttentionMerger(None, device="cpu", transport="auto", p2p_timeout_s=0.0, **kw)
+        assert p2p.choose_transport(dist.group.WORLD, torch.device("cuda", 0)) == "collectives"
+        assert AttentionMerger(None, device="cpu", transport="auto", **kw).transport == \
+            "collectives"
         with pytest.raises(ValueError, match="CUDA"):
             p2p.open_symmetric_buffer(dist.group.WORLD, 1024, torch.device("cpu"))
     finally:
@@ -448,6 +453,45 @@ def test_p2p_transport_errors(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"one node \(rank 0: a, rank 1: b\)"):
         p2p.check_one_node(["a", "b"])
     p2p.check_one_node(["a", "a"])
+
+
+def choose_transport_job(rank: int, world: int) -> dict[str, object]:
+    """``choose_transport`` on each rank under availabilities that differ between ranks: every
+    rank must come to the same answer."""
+    import socket
+
+    p2p = p2p_module
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    got: dict[str, object] = {"cpu": p2p.choose_transport(group, cpu)}
+    real_reason, real_host = p2p.p2p_unavailable_reason, socket.gethostname
+    try:
+        p2p.p2p_unavailable_reason = lambda device: None  # type: ignore[assignment]
+        got["available"] = p2p.choose_transport(group, cpu)
+        got["backend_torch_on_rank0"] = p2p.choose_transport(
+            group, cpu, "torch" if rank == 0 else "auto")
+        if rank == world - 1:
+            p2p.p2p_unavailable_reason = lambda device: "no symmetric memory here"  # type: ignore
+        got["missing_on_last_rank"] = p2p.choose_transport(group, cpu)
+        p2p.p2p_unavailable_reason = lambda device: None  # type: ignore[assignment]
+        socket.gethostname = lambda: f"host{rank % 2}"  # type: ignore[assignment]
+        got["two_nodes"] = p2p.choose_transport(group, cpu)
+    finally:
+        p2p.p2p_unavailable_reason = real_reason  # type: ignore[assignment]
+        socket.gethostname = real_host  # type: ignore[assignment]
+    merger = AttentionMerger(None, max_num_tokens=2, num_heads=3, head_dim=4,
+                             dtype=torch.float32, device="cpu", transport="auto")
+    got["merger"] = merger.transport
+    return got
+
+
+def test_choose_transport_agrees_across_ranks(tmp_path):
+    """``transport='auto'``: p2p only where every rank can run it (one node, symmetric memory,
+    a Triton backend), and every rank decides alike."""
+    results = run_ranks(choose_transport_job, 3, tmp_path, timeout_s=60.0)
+    want = {"cpu": "collectives", "available": "p2p", "backend_torch_on_rank0": "collectives",
+            "missing_on_last_rank": "collectives", "two_nodes": "collectives",
+            "merger": "collectives"}
+    assert results == [want] * 3
 
 
 def test_p2p_layout_and_grid():

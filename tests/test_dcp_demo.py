@@ -29,13 +29,19 @@ def test_dcp_demo_runs_verifies_and_reports_each_rank(
     computed = re.search(r"\((\d+) tokens computed\)", text)
     assert len(written) == 2 and min(written) > 0 and computed is not None
     assert sum(written) == int(computed.group(1))  # every token written by exactly one rank
+    # gloo on the CPU: auto chooses the collectives
+    assert re.search(r"attention merge\s+│\s+collectives \(--merge-transport auto\)", text)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--dcp", "9"], "--dcp 9 is out of range [1, 8]"),
      (["--dcp", "2", "--cp-interleave", "3"], "--cp-interleave 3 must divide --block-size 4"),
-     (["--dcp", "2", "--num-blocks", "2"], "--num-blocks 2 is too small")],
+     (["--dcp", "2", "--num-blocks", "2"], "--num-blocks 2 is too small"),
+     (["--dcp", "2", "--merge-transport", "p2p"],
+      "--merge-transport p2p needs --dcp 2 or more and --device cuda (got --dcp 2, --device cpu)"),
+     (["--merge-transport", "p2p", "--device", "cuda"], "needs --dcp 2 or more"),
+     (["--dcp", "2", "--merge-transport", "nvlink"], "invalid choice: 'nvlink'")],
 )
 def test_dcp_bad_options_exit_2(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]

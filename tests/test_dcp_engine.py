@@ -45,14 +45,14 @@ def _workload(allocator_block_size: int, seed: int) -> tuple[WorkloadRequest, ..
 
 def _run(world: int, block_size: int, num_blocks: int, interleave: int,
          kernel_block_size: int | None = None, pattern: str = "all_reduce",
-         seed: int = 0) -> DCPRun:
+         seed: int = 0, transport: str = "auto") -> DCPRun:
     work = _workload(block_size * world, seed)
     config = EngineConfig(
         block_size=block_size, num_blocks=num_blocks, max_num_reqs=6, token_budget=12,
         max_model_len=max(len(w.prompt_token_ids) for w in work) + 5,
     )
     return DCPRun(config, work, interleave=interleave, kernel_block_size=kernel_block_size,
-                  merge_pattern=pattern)
+                  merge_pattern=pattern, merge_transport=transport)
 
 
 # The GPU code path (Triton slot mapping, commit and KV write; under the interpreter on the
@@ -68,7 +68,7 @@ RUNS = {
     2: [
         _run(2, block_size=4, num_blocks=7, interleave=1),
         _run(2, block_size=4, num_blocks=5, interleave=4, pattern="all_gather_reduce_scatter",
-             seed=1),
+             seed=1, transport="collectives"),
         # interleave 8 > kernel block 4: ownership is decided per manager block of 8.
         _run(2, block_size=8, num_blocks=5, interleave=8, kernel_block_size=4,
              pattern="all_to_all", seed=2),
@@ -124,7 +124,20 @@ def _probes(rank: int, world: int) -> dict[str, Any]:
 
 
 def _job(rank: int, world: int, runs: list[DCPRun]) -> tuple[dict[str, Any], list[DCPResult]]:
-    return _probes(rank, world), run_dcp_rank(rank, world, runs)
+    probes = _probes(rank, world)
+    probes["device"] = runs[0].device
+    return probes, run_dcp_rank(rank, world, runs)
+
+
+def _expected_transport(run: DCPRun, device: str) -> str:
+    """``"auto"`` picks p2p on GPUs (symmetric memory in this torch), collectives on the CPU."""
+    if run.merge_transport != "auto":
+        return run.merge_transport
+    if device != "cuda":
+        return "collectives"
+    from blocktable.context_parallel.p2p import p2p_unavailable_reason
+
+    return "p2p" if p2p_unavailable_reason(torch.device("cuda", 0)) is None else "collectives"
 
 
 # CPU with gloo always; on a machine with 2+ GPUs also NCCL, one GPU per rank.
@@ -186,6 +199,8 @@ def test_engine_equals_one_process_and_generate(job: Any, model: torch.nn.Module
         want = {r.req_id: r.output_token_ids for r in single.requests.values()}
         got = {r.req_id: r.output_token_ids for r in driver.requests}
         assert got == want, f"run {i}"
+        transport = _expected_transport(run, results[0][0]["device"])
+        assert [r.merge_transport for r in per_rank] == [transport] * world, f"run {i}"
         checks = verify_requests(model, driver.requests)
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
         _assert_every_path_ran(run, world, per_rank)

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dcp: tokens dealt to one process at a time; must divide --block-size "
              "(default %(default)s)")
     demo.add_argument(
+        "--merge-transport", default=defaults.merge_transport,
+        choices=["auto", "collectives", "p2p"],
+        help="with --dcp: how the processes exchange partial attention; p2p (one kernel "
+             "writing into the peers' GPU memory) needs --device cuda; auto picks p2p where "
+             "every process can run it, else collectives (default %(default)s)")
+    demo.add_argument(
         "--out", metavar="PATH", type=Path, default=defaults.out,
         help="PNG file for the picture of the block table and pool; its folder must exist "
              "(default ./%(default)s)")
@@ -150,6 +156,11 @@ def _check_bounds(args: argparse.Namespace) -> str | None:
     if args.block_size % args.cp_interleave != 0:
         return (
             f"--cp-interleave {args.cp_interleave} must divide --block-size {args.block_size}"
+        )
+    if args.merge_transport == "p2p" and (args.dcp < 2 or args.device != "cuda"):
+        return (
+            f"--merge-transport p2p needs --dcp 2 or more and --device cuda (got --dcp "
+            f"{args.dcp}, --device {args.device}): it writes into the other GPUs' memory"
         )
     return None
 
@@ -213,7 +224,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
         num_blocks=args.num_blocks, max_new_tokens=args.max_new_tokens,
         token_budget=args.token_budget, device=args.device, out=args.out,
         picture_step=args.picture_step, quiet=args.quiet, dcp=args.dcp,
-        cp_interleave=args.cp_interleave,
+        cp_interleave=args.cp_interleave, merge_transport=args.merge_transport,
     )
     # These need the workload (and so the engine package and torch): after the cheap checks.
     from blocktable.demo import longest_request_blocks

@@ -46,6 +46,7 @@ class DemoOptions:
     quiet: bool = False
     dcp: int = 1  # decode context parallelism: processes sharding every request's KV
     cp_interleave: int = 1  # tokens in a row on one rank before the next rank's run
+    merge_transport: str = "auto"  # with dcp > 1: "auto", "collectives" or "p2p"
 
 
 def longest_request_blocks(opts: DemoOptions) -> int:

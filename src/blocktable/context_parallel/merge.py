@@ -10,6 +10,7 @@ merge), and can be captured in a CUDA graph with its collectives.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, overload
 
 import torch
@@ -22,6 +23,7 @@ from blocktable.context_parallel.correction import A2ALayout, MergeKernels
 from blocktable.context_parallel.p2p import (
     P2PLayout,
     P2PMerge,
+    choose_transport,
     default_programs,
     open_symmetric_buffer,
     p2p_unavailable_reason,
@@ -59,7 +61,8 @@ class AttentionMerger:
     Every rank must call :meth:`merge` in the same order with the same ``num_tokens``. A rank
     that dies or never calls leaves the others blocked in a collective until the process
     group's timeout (``timeout=`` of ``init_process_group``; with NCCL, only when its watchdog
-    aborts on timeout, the default): choose it to suit. The merger adds no timeout of its own.
+    aborts on timeout, the default): choose it to suit. Over the collectives the merger adds
+    no timeout of its own; over p2p its kernel traps after ``p2p_timeout_s``.
 
     Parameters
     ----------
@@ -82,9 +85,12 @@ class AttentionMerger:
     backend : str
         ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
     transport : str
-        ``"collectives"`` or ``"p2p"`` (needs CUDA, Triton, symmetric memory in torch and
+        ``"collectives"``, ``"p2p"`` (needs CUDA, Triton, symmetric memory in torch and
         every rank on one node; otherwise a ``ValueError``/``RuntimeError`` says which is
-        missing). Constructing a p2p merger is a collective over the group.
+        missing) or ``"auto"``: ``"p2p"`` where every rank of a group of two or more can run
+        it, else ``"collectives"`` (decided together, a collective over the group). The
+        choice is :attr:`transport` afterwards. Constructing a p2p merger is a collective
+        over the group.
     p2p_timeout_s : float or None
         ``"p2p"`` only: how long the kernel waits for a peer before it traps (the CUDA context
         is then lost, so a dead peer ends the process with a CUDA error instead of a hang);
@@ -125,8 +131,10 @@ class AttentionMerger:
     ) -> None:
         if pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport not in (*TRANSPORTS, "auto"):
+            raise ValueError(
+                f"transport must be one of {(*TRANSPORTS, 'auto')}, got {transport!r}"
+            )
         if dtype not in OUT_DTYPES:
             raise TypeError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens)
@@ -134,15 +142,14 @@ class AttentionMerger:
         self.head_dim = check_positive("head_dim", head_dim)
         self.dtype, self.pattern = dtype, pattern
         self.device = _resolve_device(device)
-        self.transport = transport
+        if p2p_timeout_s is not None and not p2p_timeout_s > 0:
+            raise ValueError(f"p2p_timeout_s must be > 0 or None, got {p2p_timeout_s}")
         if transport == "p2p":
             reason = p2p_unavailable_reason(self.device)
             if reason is not None:
                 raise (ValueError if self.device.type != "cuda" else RuntimeError)(reason)
             if backend == "torch":
                 raise ValueError("transport='p2p' runs Triton: backend must be 'auto' or 'triton'")
-            if p2p_timeout_s is not None and not p2p_timeout_s > 0:
-                raise ValueError(f"p2p_timeout_s must be > 0 or None, got {p2p_timeout_s}")
         self._comm = Collectives(group)
         self.world_size, self.rank = self._comm.world_size, self._comm.rank
         if cp is not None and (cp.world_size, cp.rank) != (self.world_size, self.rank):
@@ -161,6 +168,9 @@ class AttentionMerger:
         self._shape_tail = (num_heads, head_dim)
         self._view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._p2p: P2PMerge | None = None
+        if transport == "auto":  # after every local check: a collective
+            transport = choose_transport(self._comm.group, self.device, backend)
+        self.transport: str = transport
         if transport == "p2p":
             self._open_p2p(p2p_timeout_s)
         else:
@@ -187,7 +197,8 @@ class AttentionMerger:
         )
         self._p2p.precompile((False, True) if self.head_sliced else (True,))
         done: list[object] = [None] * self.world_size  # every rank compiled: first calls line up
-        with torch.cuda.device(self.device):
+        cuda = self.device.type == "cuda"
+        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             dist.all_gather_object(done, True, group=self._comm.group)
 
     def _alloc(self) -> None:

@@ -270,6 +270,33 @@ def p2p_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def choose_transport(group: dist.ProcessGroup, device: torch.device, backend: str = "auto") -> str:
+    """``"p2p"`` where every rank of ``group`` can run it, else ``"collectives"``.
+
+    ``"p2p"`` needs more than one rank, every rank on one node with a CUDA ``device``, Triton
+    and symmetric memory (:func:`p2p_unavailable_reason` is ``None`` on every rank) and a
+    ``backend`` other than ``"torch"``. A collective over ``group`` when it has more than one
+    rank (every rank learns every other's answer, so all choose alike).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return "collectives"
+    reason = p2p_unavailable_reason(device)
+    if reason is None and backend == "torch":
+        reason = "backend='torch'"
+    seen: list[object] = [None] * world
+    mine = (reason, socket.gethostname())
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            dist.all_gather_object(seen, mine, group=group)
+    else:
+        dist.all_gather_object(seen, mine, group=group)
+    answers: list[tuple[str | None, str]] = [tuple(a) for a in seen]  # type: ignore[arg-type, misc]
+    if any(r is not None for r, _ in answers) or len({h for _, h in answers}) > 1:
+        return "collectives"
+    return "p2p"
+
+
 def check_one_node(hosts: list[str]) -> None:
     """Raise ``ValueError`` unless every rank (``hosts[rank]``) runs on the same host."""
     if len(set(hosts)) > 1:

@@ -110,7 +110,8 @@ if HAS_TRITON:
         # 2. Push this rank's rows (the heads each peer merges) into the peers' slot RANK.
         j = tl.arange(0, PUSH_ROWS)
         d = tl.arange(0, BLOCK_D)
-        for tile in range(pid, num_tiles, nprog):
+        tile = pid
+        while tile < num_tiles:
             t = tile * TOK + j // NUM_HEADS
             h = j % NUM_HEADS
             valid = (j < TOK * NUM_HEADS) & (t < num_tokens)
@@ -131,6 +132,7 @@ if HAS_TRITON:
                     tl.store(out_q + row[:, None] * HEAD_DIM + d[None, :], o,
                              mask=mine[:, None] & (d[None, :] < HEAD_DIM))
                     tl.store(sym_f32_ptr + delta * 4 + LSE_OFF + row, lse, mask=mine)
+            tile += nprog
         tl.debug_barrier()
 
         # 3. Ready flags up (release: the pushes above are visible first), 4. peers' awaited.
@@ -146,7 +148,8 @@ if HAS_TRITON:
 
         # 5. Merge this program's tiles: float32 online max and sum over the ranks.
         k = tl.arange(0, MERGE_ROWS)
-        for tile in range(pid, num_tiles, nprog):
+        tile = pid
+        while tile < num_tiles:
             t = tile * TOK + k // HR
             hl = k % HR
             h = HEAD_LO + hl
@@ -184,6 +187,7 @@ if HAS_TRITON:
             if WRITE_LSE:
                 tl.store(res_lse_ptr + t64 * HR + hl, tl.where(s > 0, m + tl.log(s_safe),
                                                                 _NEG_INF), mask=valid)
+            tile += nprog
         tl.debug_barrier()
 
         # 6. Done reading the peers' pushes: tell them (release orders the loads above first).

@@ -64,12 +64,13 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
         token_budget=opts.token_budget, max_model_len=max_model_len,
     )
     run = DCPRun(config, tuple(workload), interleave=opts.cp_interleave, model_seed=opts.seed,
-                 device=opts.device, take_snapshots=True)
+                 device=opts.device, take_snapshots=True, merge_transport=opts.merge_transport)
     backend = "nccl" if opts.device == "cuda" else "gloo"
     say(f"[bold]blocktable demo --dcp {world}[/]: {opts.num_requests} requests on a tiny Llama "
         f"({model.config.num_hidden_layers} layers, {model.config.num_attention_heads} heads, "
         f"{model.config.num_key_value_heads} KV heads), {world} processes ({backend} on "
-        f"{opts.device}), interleave {opts.cp_interleave}; each rank: {opts.num_blocks} blocks "
+        f"{opts.device}, merge transport {opts.merge_transport}), interleave "
+        f"{opts.cp_interleave}; each rank: {opts.num_blocks} blocks "
         f"of {opts.block_size} tokens; the allocator: blocks of {opts.block_size} x {world} = "
         f"{allocator_block_size} tokens; {opts.token_budget} tokens/step")
     t_start = time.perf_counter()
@@ -150,6 +151,8 @@ def _summary_table(opts: DemoOptions, d: DCPResult, checks: list[Verification], 
         ("blocks at the end", f"{d.num_free_blocks} free, {d.num_cached_blocks} of them cached"),
         ("prefix cache", f"{hit_rate:.1%} of admitted tokens hit ({hits})"),
         ("preemptions", str(d.num_preemptions)),
+        ("attention merge", (f"{d.merge_transport} (--merge-transport {opts.merge_transport}), "
+                            "pattern all_reduce, every layer of every step")),
         ("prefill chunks", (f"{sum(r.num_prefill_chunks for r in requests)} "
                            f"(token budget {opts.token_budget}/step)")),
         ("block-table time / step",

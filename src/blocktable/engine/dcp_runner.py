@@ -45,6 +45,7 @@ class DCPRun:
     interleave: int = 1
     kernel_block_size: int | None = None
     merge_pattern: str = "all_reduce"
+    merge_transport: str = "auto"  # see DistributedEngine
     model_seed: int = 0
     device: str = "cpu"
     check_consistency: bool = True
@@ -65,6 +66,7 @@ class DCPResult:
     num_free_blocks: int = 0  # at the end (driver)
     num_cached_blocks: int = 0
     allocator_block_size: int = 0
+    merge_transport: str = ""  # the transport the engine's merger uses (every rank)
     snapshots: list[Any] = field(default_factory=list)  # picture.TableSnapshot per step (driver)
 
 
@@ -90,12 +92,15 @@ def run_dcp_rank(rank: int, world_size: int, runs: Sequence[DCPRun]) -> list[DCP
             )
         engine = DistributedEngine(
             model, run.config, cp, group, kernel_block_size=run.kernel_block_size, merger=merger,
-            merge_pattern=run.merge_pattern, check_consistency=run.check_consistency,
+            merge_pattern=run.merge_pattern, merge_transport=run.merge_transport,
+            check_consistency=run.check_consistency,
         )
         if engine.is_driver:
-            results.append(_drive(engine, run.workload, run.take_snapshots))
+            result = _drive(engine, run.workload, run.take_snapshots)
         else:
-            results.append(DCPResult(engine.serve()))
+            result = DCPResult(engine.serve())
+        result.merge_transport = engine.merge_transport
+        results.append(result)
     return results
 
 

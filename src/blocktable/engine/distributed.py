@@ -44,18 +44,22 @@ from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.step import CapturedStep
 
 MERGE_PATTERNS = ("all_reduce", "all_gather_reduce_scatter", "all_to_all")
+MERGE_TRANSPORTS = ("auto", "collectives", "p2p")
 
 
 def make_merger(
     group: Any, cp: CPConfig, *, pattern: str, max_num_tokens: int, num_heads: int,
-    head_dim: int, dtype: torch.dtype, device: torch.device,
+    head_dim: int, dtype: torch.dtype, device: torch.device, transport: str = "collectives",
+    p2p_timeout_s: float | None = 60.0,
 ) -> Merger:
-    """The :class:`blocktable.context_parallel.AttentionMerger` the engine uses by default."""
+    """The :class:`blocktable.context_parallel.AttentionMerger` the engine uses by default
+    (``transport`` and ``p2p_timeout_s`` as there)."""
     from blocktable.context_parallel import AttentionMerger
 
     merger: Merger = AttentionMerger(
         group, max_num_tokens=max_num_tokens, num_heads=num_heads, head_dim=head_dim,
-        dtype=dtype, device=device, pattern=pattern, cp=cp,
+        dtype=dtype, device=device, pattern=pattern, cp=cp, transport=transport,
+        p2p_timeout_s=p2p_timeout_s,
     )
     return merger
 
@@ -89,6 +93,17 @@ class DistributedEngine:
     merge_pattern : str
         ``"all_reduce"`` (default: the model is replicated, every rank needs all heads),
         ``"all_gather_reduce_scatter"`` or ``"all_to_all"`` (then gathered over heads).
+    merge_transport : str
+        How the default merger moves the partial outputs between the ranks:
+        ``"collectives"`` (NCCL or gloo collectives on ``group``), ``"p2p"`` (one kernel per
+        merge that writes into the peers' GPU memory; every rank a GPU of one node) or
+        ``"auto"`` (default): ``"p2p"`` where every rank can run it, else ``"collectives"``,
+        decided by all ranks together. The choice is :attr:`merge_transport`.
+    merge_p2p_timeout_s : float or None
+        With the p2p transport, how long a merge waits for a peer before its kernel traps
+        (the process then ends with a CUDA error instead of hanging); ``None`` waits forever
+        (for a debugger that stops a rank). Keep it above any pause of one rank between two
+        merges of the others.
     control_group : torch.distributed.ProcessGroup or None
         A gloo group over the same ranks for the step plans; default ``group`` if it is gloo,
         else a new gloo group (``torch.distributed.new_group``, collective over all processes).
@@ -112,6 +127,8 @@ class DistributedEngine:
         kernel_block_size: int | None = None,
         merger: Merger | None = None,
         merge_pattern: str = "all_reduce",
+        merge_transport: str = "auto",
+        merge_p2p_timeout_s: float | None = 60.0,
         control_group: Any = None,
         check_consistency: bool = False,
     ) -> None:
@@ -120,6 +137,10 @@ class DistributedEngine:
         check_cp_group(cp, group)
         if merge_pattern not in MERGE_PATTERNS:
             raise ValueError(f"merge_pattern must be one of {MERGE_PATTERNS}, got {merge_pattern!r}")
+        if merge_transport not in MERGE_TRANSPORTS:
+            raise ValueError(
+                f"merge_transport must be one of {MERGE_TRANSPORTS}, got {merge_transport!r}"
+            )
         self.config, self.cp, self.group = config, cp, group
         self.device: torch.device = hf_model.lm_head.weight.device
         self.is_driver = cp.rank == 0
@@ -151,8 +172,12 @@ class DistributedEngine:
             merger = make_merger(
                 group, cp, pattern=merge_pattern, max_num_tokens=config.token_budget,
                 num_heads=num_heads, head_dim=head_dim, dtype=hf_model.lm_head.weight.dtype,
-                device=self.device,
+                device=self.device, transport=merge_transport,
+                p2p_timeout_s=merge_p2p_timeout_s,
             )
+        self.merge_transport: str = getattr(merger, "transport", "custom")
+        """The merger's transport: ``"collectives"``, ``"p2p"`` or ``"custom"`` (a merger
+        without a ``transport`` attribute was handed over)."""
         kernel_block_size = table_spec.kernel_block_size or table_spec.block_size
         self.model = CPPagedLlama(
             hf_model, config.num_blocks * (config.block_size // kernel_block_size),
