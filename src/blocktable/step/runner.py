@@ -215,7 +215,7 @@ class CapturedStep:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
         header = v.header
-        staged = num_pairs if num_pairs > 0 else 0
+        staged = max(0, num_pairs)
         header[NUM_PAIRS] = staged
         seq = self._seq = (self._seq + 1) & _SEQ_MASK
         header[SEQ] = seq
