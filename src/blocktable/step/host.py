@@ -87,7 +87,7 @@ class DecodeStager:
         if len(listed) != self.num_rows or (n > 1 and np.count_nonzero(listed) != n):
             return None
         filled = ref.counts.take(rows)
-        if _max(filled) > ref.width - ref.k:
+        if _max(filled.view(_U32)) > ref.width - ref.k:  # counts are >= 0: the ids' loop
             return None
         return filled
 
