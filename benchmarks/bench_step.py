@@ -290,9 +290,20 @@ def bench_captured(device, rng, results):
         rows = np.arange(num_rows, dtype=np.int32)
         n = 400
         ups = decode_updates(rng, n + 20, rows_per_step, num_rows)
+        device_work: list[float] = []
+        if not cuda:  # time the numpy device work apart: the rest is what CUDA's host issues
+            numpy_work = step._run_numpy
+
+            def timed(*args, numpy_work=numpy_work, device_work=device_work):
+                t = time.perf_counter()
+                numpy_work(*args)
+                device_work.append(time.perf_counter() - t)
+
+            step._run_numpy = timed
         for u in ups[:20]:
             step.run(u, qsl, pos, rows)
         issue, wall = [], []
+        device_work.clear()
         for u in ups[20:]:
             sync()
             t0 = time.perf_counter()
@@ -305,6 +316,8 @@ def bench_captured(device, rng, results):
         row = {"scenario": name, "rows_gaining_a_block": rows_per_step,
                "step_us": median_us(wall), "step_issue_us": median_us(issue),
                "graph": step._graphs is not None, "mailbox": step.uses_mailbox}
+        if device_work:
+            row["host_part_us"] = median_us([a - b for a, b in zip(issue, device_work)])
         if step._graphs is not None:
             sync()
             step._views[0].header[0] = 0  # replays scatter no (stale) pair
@@ -412,6 +425,9 @@ def print_table(results: dict) -> None:
     for c in results["captured"]:
         extra = (f", replay alone {c['replay_alone_host_us']:.1f} µs host"
                  if "replay_alone_host_us" in c else "")
+        if "host_part_us" in c:
+            extra += f", without the numpy device work {c['host_part_us']:.1f} µs"
+
         print(f"captured {c['scenario']} step ({c['rows_gaining_a_block']} rows gain a block): "
               f"{c['step_us']:.1f} µs wall, host issue {c['step_issue_us']:.1f} µs{extra}"
               + (" (one graph replay)" if c["graph"] else " (numpy)"))

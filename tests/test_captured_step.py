@@ -202,6 +202,12 @@ def test_bad_batch_is_rejected_before_any_write(bad, error, match):
      IndexError),
     (StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3] * 99]), RowBlocks()]),
      ValueError),  # past the row width
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([-1], [[3]]), RowBlocks()]),
+     IndexError),  # a negative row on the decode path
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([1, 0], [[3], [-2]]), RowBlocks()]),
+     ValueError),  # a negative id on the decode path
+    (StepUpdate.make(2, appended=[RowBlocks.from_lists([1, 2, 1], [[3], [4], [5]]),
+                                  RowBlocks()]), ValueError),  # a row twice among others
 ])
 def test_bad_update_is_rejected_before_any_write(update, error, triton_device):
     bt = make_table(triton_device, "triton")
@@ -218,6 +224,23 @@ def test_bad_update_is_rejected_before_any_write(update, error, triton_device):
         torch.cuda.synchronize()
     assert out.slot_mappings[0][:2].tolist() == [4, -1]
     assert bt.device_equals_host()
+
+
+def test_decode_append_to_a_full_row_is_rejected_before_any_write():
+    bt = make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    cap = bt[0].width // bt[0].k
+    qsl, positions = np.array([0], np.int32), np.array([], np.int64)
+    step.run(StepUpdate.make(2, added=[RowBlocks.from_lists([0, 1], [[1] * cap, [2]]),
+                                       RowBlocks()]), qsl, positions)
+    before = bt.storage.host.copy()
+    full = StepUpdate.make(2, appended=[RowBlocks.from_lists([1, 0], [[3], [4]]), RowBlocks()])
+    with pytest.raises(ValueError):
+        step.run(full, qsl, positions)
+    np.testing.assert_array_equal(bt.storage.host, before)
+    step.run(StepUpdate.make(2, appended=[RowBlocks.from_lists([1], [[3]]), RowBlocks()]), qsl,
+             positions)
+    assert bt[0].num_kernel_blocks[1] == 2 * bt[0].k and bt.device_equals_host()
 
 
 def test_bad_construction():

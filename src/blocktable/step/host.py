@@ -2,8 +2,9 @@
 stage the changed entries as ``(flat index, value)`` pairs for the device.
 
 A decode step (each listed row gains exactly one manager block, nothing else changes) takes a
-dedicated path: about a dozen numpy calls that check everything, then write the host table,
-the counts and the pairs, bypassing the commit journal. Every other update goes through
+dedicated path, :class:`DecodeStager`: about a dozen numpy calls per group that check
+everything, stage the pairs, then write the host table (entries and counts) with one ``put``
+of those pairs, bypassing the commit journal. Every other update goes through
 :meth:`MultiGroupBlockTable.apply` (which checks, writes and journals) and the journal is
 drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` would.
 """
@@ -19,7 +20,9 @@ from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.update import RowBlocks, StepUpdate
 
+_I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
+_max = np.maximum.reduce  # the ufunc itself: no Python wrapper as ndarray.max has
 FULL = -1  # the pairs did not fit: the table's own commit moved them
 
 
@@ -35,109 +38,122 @@ class _GroupRef(NamedTuple):
     counts_offset: int  # of the group's counts in the flat buffer
 
 
-def group_refs(table: MultiGroupBlockTable) -> list[_GroupRef]:
-    st = table.storage
-    refs = []
-    for t in table.tables:
-        if t is None:
-            continue
-        refs.append(_GroupRef(
-            t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
-            st.counts_offset + t.group * table.max_num_reqs,
-        ))
-    return refs
-
-
 def _is_int32(a: object) -> bool:
-    return type(a) is np.ndarray and a.dtype == np.int32 and a.ndim == 1
+    return type(a) is np.ndarray and a.dtype is _I32 and a.ndim == 1
 
 
-def _decode_rows(ref: _GroupRef, part: RowBlocks, num_rows: int) -> np.ndarray | None:
-    """The rows' filled kernel blocks if ``part`` is a valid one-block-per-row append; ``None``
-    when the general path must look (another shape, or an error it will name)."""
-    rows, num, ids = part.rows, part.num_manager_blocks, part.block_ids
-    n = len(rows)
-    if not (_is_int32(rows) and _is_int32(num) and _is_int32(ids)) or len(ids) != n:
-        return None
-    if np.count_nonzero(num == 1) != n or ids.view(_U32).max() >= ref.block_id_bound:
-        return None
-    try:  # one histogram checks the range (negative rows raise) and that no row repeats
-        listed = np.bincount(rows, minlength=num_rows)
-    except ValueError:
-        return None
-    if len(listed) != num_rows or (n > 1 and np.count_nonzero(listed) != n):
-        return None
-    filled = ref.counts.take(rows)
-    if filled.max() > ref.width - ref.k:
-        return None
-    return filled
+class DecodeStager:
+    """The decode fast path of one table: check, stage the pairs, write the host table.
 
-
-def stage_decode(
-    table: MultiGroupBlockTable, refs: list[_GroupRef], update: StepUpdate, pairs: np.ndarray,
-    max_pairs: int,
-) -> int:
-    """Apply a decode step's update and stage its pairs in ``pairs`` (int32 ``[2*max_pairs]``).
-
-    Returns the number of pairs, or -1 (nothing written) when the update is not a valid decode
-    step that fits ``max_pairs`` next to no other pending change.
+    Parameters
+    ----------
+    table : MultiGroupBlockTable
+        The table whose host buffer (entries and counts) the decode steps write.
     """
-    st = table.storage
-    num_groups = len(table.specs)
-    if st.changed or len(update.cleared_rows) or not (
-        len(update.added) == len(update.appended) == len(update.nulled) == num_groups
-    ):
-        return -1
-    for g in range(num_groups):
-        if len(update.added[g]) or len(update.nulled[g]):
-            return -1
-    num_rows = table.max_num_reqs
-    plans = []
-    total = 0
-    for ref in refs:
-        part = update.appended[ref.group]
-        if not len(part):
-            continue
-        filled = _decode_rows(ref, part, num_rows)
-        if filled is None:
-            return -1
-        plans.append((ref, part, filled))
-        total += len(part) * (ref.k + 1)
-    if len(plans) != sum(len(p) > 0 for p in update.appended):
-        return -1  # ids for a group without a table: the general path names the error
-    if total > max_pairs:
-        return -1
-    if update.allocator_block_sizes is not None:
-        check_update_block_sizes(table.specs, table.cp, update)
-    st.before_host_write()
-    host = st.host
-    index, value = pairs[:total], pairs[total : 2 * total]
-    at = 0
-    for ref, part, filled in plans:
-        rows, ids, k = part.rows, part.block_ids, ref.k
+
+    def __init__(self, table: MultiGroupBlockTable) -> None:
+        st = table.storage
+        self.table = table
+        self.refs = [
+            _GroupRef(t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
+                      st.counts_offset + t.group * table.max_num_reqs)
+            for t in table.tables if t is not None
+        ]
+        self.num_groups = len(table.specs)
+        self.num_rows = table.max_num_reqs
+        self._ref_of: list[_GroupRef | None] = [None] * self.num_groups
+        for ref in self.refs:
+            self._ref_of[ref.group] = ref
+        # int32 ones as bytes: a part's manager-block counts are all 1 iff their bytes match
+        self._ones = np.ones(table.max_num_reqs, dtype=np.int32).tobytes()
+        self._sizes_ok: tuple[int, ...] | None = None  # block sizes that passed the check
+
+    def _filled(self, ref: _GroupRef, part: RowBlocks) -> np.ndarray | None:
+        """The rows' filled kernel blocks if ``part`` is a valid one-block-per-row append;
+        ``None`` when the general path must look (another shape, or an error it will name)."""
+        rows, ids = part.rows, part.block_ids
         n = len(rows)
-        if k == 1:  # the entries' flat indices, written straight into the staging buffer
-            starts = index[at : at + n]
+        if not (_is_int32(rows) and _is_int32(ids) and len(ids) == n):
+            return None
+        num = part.num_manager_blocks
+        if not _is_int32(num) or num.tobytes() != self._ones[: 4 * n]:
+            return None  # a count other than 1 (or more rows than the table has)
+        if _max(ids.view(_U32)) >= ref.block_id_bound:  # negative ids wrap past the bound
+            return None
+        try:  # one histogram checks the range (negative rows raise) and that no row repeats
+            listed = np.bincount(rows, minlength=self.num_rows)
+        except ValueError:
+            return None
+        if len(listed) != self.num_rows or (n > 1 and np.count_nonzero(listed) != n):
+            return None
+        filled = ref.counts.take(rows)
+        if _max(filled.view(_U32)) > ref.width - ref.k:  # counts are >= 0: the ids' loop
+            return None
+        return filled
+
+    def stage(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
+        """Apply a decode step's update and stage its pairs in ``pairs`` (int32
+        ``[2*max_pairs]``: indices, then values).
+
+        Returns the number of pairs, or -1 (nothing written) when the update is not a valid
+        decode step that fits ``max_pairs`` next to no other pending change.
+        """
+        table = self.table
+        st = table.storage
+        G = self.num_groups
+        added, appended, nulled = update.added, update.appended, update.nulled
+        if st.changed or len(update.cleared_rows) or not (
+            len(added) == len(appended) == len(nulled) == G
+        ):
+            return -1
+        staged = []
+        total = 0
+        try:  # a part that is not RowBlocks/RowEntries: the general path names the error
+            for g in range(G):
+                if len(added[g].rows) or len(nulled[g].rows):
+                    return -1
+                part = appended[g]
+                if not len(part.rows):
+                    continue
+                ref = self._ref_of[g]
+                if ref is None:
+                    return -1  # ids for a group without a table
+                filled = self._filled(ref, part)
+                if filled is None:
+                    return -1
+                staged.append((ref, part, filled))
+                total += len(part.rows) * (ref.k + 1)
+        except AttributeError:
+            return -1
+        if total > max_pairs:
+            return -1
+        sizes = update.allocator_block_sizes
+        if sizes is not None and sizes != self._sizes_ok:
+            check_update_block_sizes(table.specs, table.cp, update)
+            self._sizes_ok = sizes if type(sizes) is tuple else None
+        st.before_host_write()
+        index, value = pairs[:total], pairs[total : 2 * total]
+        at = 0
+        for ref, part, filled in staged:
+            rows, ids, k = part.rows, part.block_ids, ref.k
+            n = len(rows)
+            starts = index[at : at + n] if k == 1 else np.empty(n, dtype=np.int32)
             np.multiply(rows, ref.width, out=starts)  # int32: the buffer has < 2**31 entries
-            starts += filled
+            np.add(starts, filled, out=starts)
             if ref.table_offset:
-                starts += np.int32(ref.table_offset)
-            host.put(starts, ids)
-            value[at : at + n] = ids
-        else:
-            starts = rows * np.int32(ref.width) + filled + np.int32(ref.table_offset)
-            entries = (starts[:, None] + np.arange(k, dtype=np.int32)).reshape(-1)
-            kids = kernel_ids(ids, k)
-            host.put(entries, kids)
-            index[at : at + n * k] = entries
-            value[at : at + n * k] = kids
-        at += n * k
-        filled += np.int32(k)
-        ref.counts.put(rows, filled)
-        np.add(rows, ref.counts_offset, out=index[at : at + n])
-        value[at : at + n] = filled
-        at += n
-    return total
+                np.add(starts, ref.table_offset, out=starts)
+            if k == 1:
+                value[at : at + n] = ids
+            else:
+                index[at : at + n * k] = (starts[:, None] + np.arange(k, dtype=np.int32)).ravel()
+                value[at : at + n * k] = kernel_ids(ids, k)
+            at += n * k
+            np.add(rows, ref.counts_offset, out=index[at : at + n])
+            np.add(filled, k, out=value[at : at + n])
+            at += n
+        # the counts are views of the flat host buffer: one put writes entries and counts
+        st.host.put(index, value)
+        return total
 
 
 def stage_general(table: MultiGroupBlockTable, update: StepUpdate, pairs: np.ndarray,

@@ -32,12 +32,15 @@ from blocktable._checks import check_positive
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
-from blocktable.step.host import FULL, group_refs, stage_decode, stage_general
+from blocktable.step.host import FULL, DecodeStager, stage_general
 from blocktable.step.kernels import launch_staged_scatter, scatter_numpy
 from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
 from blocktable.update import StepUpdate
 
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
 _U32 = np.dtype(np.uint32)
+_max = np.maximum.reduce  # the ufunc itself: no Python wrapper as ndarray.max has
 _SEQ_MASK = 0x7FFFFFFF
 _WAIT_WARN_S = 60.0
 
@@ -111,12 +114,14 @@ class CapturedStep:
         if cuda and self.mode == "numpy":
             raise ValueError("a captured step on CUDA needs the table's triton backend, got "
                              "backend='torch'")
-        self._refs = group_refs(table)
+        self._stager = DecodeStager(table)
         words = self.layout.num_words
         num_slots = 2 if cuda else 1
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
         self._host = torch.zeros(num_slots, words, dtype=torch.int32, pin_memory=cuda)
         self._views = [StagingViews(self._host[s].numpy(), self.layout) for s in range(num_slots)]
+        for s, v in enumerate(self._views):
+            v.header[SLOT] = s  # for the mailbox; never changes
         # on device, int32 [num_words]: the staging copy kernels read (numpy mode: staging 0)
         self._dev = (self._host[0] if self.mode == "numpy"
                      else torch.zeros(words, dtype=torch.int32, device=self.device))
@@ -198,7 +203,7 @@ class CapturedStep:
             self._wait_free(slot)
         v = self._views[slot]
         P = self.layout.max_pairs
-        num_pairs = stage_decode(self.table, self._refs, update, v.pairs, P)
+        num_pairs = self._stager.stage(update, v.pairs, P)
         if num_pairs < 0:
             num_pairs = stage_general(self.table, update, v.pairs, P)
         v.qsl[: num_reqs + 1] = query_start_loc
@@ -210,12 +215,12 @@ class CapturedStep:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
         header = v.header
-        header[NUM_PAIRS] = max(num_pairs, 0)
+        staged = max(0, num_pairs)
+        header[NUM_PAIRS] = staged
         seq = self._seq = (self._seq + 1) & _SEQ_MASK
         header[SEQ] = seq
-        header[SLOT] = slot
         if self._flat_np is not None:
-            self._run_numpy(v, max(num_pairs, 0), num_reqs, num_tokens)
+            self._run_numpy(v, staged, num_reqs, num_tokens)
         else:
             self._run_device(slot)
             self._expect[slot] = seq
@@ -226,8 +231,8 @@ class CapturedStep:
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
         """``(num_reqs, num_tokens)`` of a well-formed batch within the capacities, or raise."""
         L = self.layout
-        _check_array("query_start_loc", qsl, np.int32)
-        _check_array("positions", positions, np.int64)
+        _check_array("query_start_loc", qsl, _I32)
+        _check_array("positions", positions, _I64)
         num_reqs = len(qsl) - 1
         num_tokens = len(positions)
         if num_reqs < 0 or num_reqs > L.max_num_reqs:
@@ -237,19 +242,19 @@ class CapturedStep:
             raise ValueError(f"positions holds {num_tokens} tokens, more than "
                              f"max_num_tokens={L.max_num_tokens}")
         if qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
-            num_reqs > 1 and (qsl[1:] < qsl[:-1]).any()
+            num_reqs > 1 and np.count_nonzero(qsl[1:] < qsl[:-1])
         ):
             raise ValueError("query_start_loc must start at 0, never decrease and end at "
                              f"num_tokens={num_tokens} (len(positions)), got first "
                              f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
         for name, arr in (("row_of_batch", rows), ("seq_lens", seq_lens)):
             if arr is not None:
-                _check_array(name, arr, np.int32)
+                _check_array(name, arr, _I32)
                 if len(arr) != num_reqs:
                     raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
                                      f"describes {num_reqs} requests")
         bound = self.table.max_num_reqs
-        if rows is not None and num_reqs and rows.view(_U32).max() >= bound:
+        if rows is not None and num_reqs and _max(rows.view(_U32)) >= bound:
             bad = int(rows[(rows < 0) | (rows >= bound)][0])
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
         return num_reqs, num_tokens
@@ -376,11 +381,13 @@ def _capacity(name: str, value: int | None, bound: int) -> int:
     return int(value)
 
 
-def _check_array(name: str, value: object, dtype: type) -> None:
-    if not (type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1):
+def _check_array(name: str, value: object, dtype: np.dtype) -> None:
+    # identity first: numpy's native dtypes are singletons (a cheap test for the common case)
+    if not (type(value) is np.ndarray and (value.dtype is dtype or value.dtype == dtype)
+            and value.ndim == 1):
         if not isinstance(value, np.ndarray):
             raise TypeError(f"{name} must be a numpy array, got {type(value).__name__}")
-        raise TypeError(f"{name} must be a 1-D {np.dtype(dtype).name} array, got "
+        raise TypeError(f"{name} must be a 1-D {dtype.name} array, got "
                         f"{value.ndim}-D {value.dtype}")
 
 
