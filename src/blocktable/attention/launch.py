@@ -67,8 +67,8 @@ class KernelConfig:
     # loop, each tile's V loaded beside its K, block ids per tile: ids_mode 2 where it applies,
     # else 1); False: the loop shared with the prefill kernel (attend_segments).
     decode_single_loop: bool = False
-    # Prefill loop options (any of the first two selects attend_prefill_tiles, whose block ids
-    # are read in each tile's iteration: ids_mode 0 there means 1):
+    # Prefill loop options (with either of the first two, block ids are read in each tile's
+    # iteration, ids_mode 0 meaning 1, in the FMA loop order):
     # prefill_prescale_q: q multiplied by scale * log2(e) once, before the loop (scores leave
     # the product in the log2 domain);
     prefill_prescale_q: bool = False
@@ -493,7 +493,10 @@ def launch_paged_attention(
         block_q = block_m // group_pad
     else:
         block_m = block_q = max(config.prefill_block_m, 16)
+    # Prescaled q and warp-specialized loops read each tile's block ids in its own iteration
+    # (ids mode 0 becomes 1) and take the FMA loop order.
     new_loop = bool(config.prefill_prescale_q or config.prefill_warp_specialize)
+    loop_ids = 1 if new_loop and pre_ids == 0 else pre_ids
     slot_q = 2 * block_q if config.prefill_pair_tiles else block_q  # tokens per program
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
@@ -504,7 +507,7 @@ def launch_paged_attention(
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, radix, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
-        pre_ids, config.prefill_fa_loop, pack, int(new_loop), config.prefill_prescale_q,
+        loop_ids, config.prefill_fa_loop or new_loop, pack, config.prefill_prescale_q,
         int(config.prefill_warp_specialize), config.prefill_pair_tiles, dtype,
         num_warps=config.prefill_num_warps,
     )

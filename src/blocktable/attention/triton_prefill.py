@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from blocktable._triton import HAS_TRITON, tl, triton
 from blocktable.attention.triton_tiles import (
-    attend_prefill_segments,
     attend_segments,
     local_len,
     store_rows,
@@ -78,9 +77,8 @@ if HAS_TRITON:
         IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
         FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
         PACK_GQA: tl.constexpr,  # rows pack the GQA group (grid dim 1: KV heads) or not
-        LOOP: tl.constexpr,  # 0: attend_segments (IDS_MODE, FA_LOOP); 1: attend_prefill_segments
-        PRESCALED: tl.constexpr,  # LOOP 1: q scaled by qk_scale once, before the loop
-        WS_MODE: tl.constexpr,  # LOOP 1: warp-specialized loops: 0 none, 1 all, 2 unmasked
+        PRESCALED: tl.constexpr,  # q scaled by qk_scale once, before the loop (IDS_MODE 1 or 2)
+        WS_MODE: tl.constexpr,  # warp-specialized loops: 0 none, 1 all, 2 unmasked (IDS 1 or 2)
         PAIR_TILES: tl.constexpr,  # a program runs tiles j and n - 1 - j of its request
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):
@@ -158,7 +156,7 @@ if HAS_TRITON:
             q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h, k_stride_d,
             v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r, table_stride_c,
             BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE, HAS_CP, HAS_WINDOW,
-            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP, PRESCALED, WS_MODE,
+            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE,
         )
         if PAIR_TILES:  # noqa: SIM102 - a compile-time branch around a run-time one
             if j_long != j:
@@ -170,7 +168,7 @@ if HAS_TRITON:
                     q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r,
                     table_stride_c, BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                    HAS_CP, HAS_WINDOW, HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, LOOP,
+                    HAS_CP, HAS_WINDOW, HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
                     PRESCALED, WS_MODE,
                 )
 
@@ -195,7 +193,6 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
         FA_LOOP: tl.constexpr,
-        LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
         WS_MODE: tl.constexpr,
     ):
@@ -251,22 +248,13 @@ if HAS_TRITON:
         table_row_ptr = table_ptr + row.to(tl.int64) * table_stride_r
         k_base = k_cache_ptr + kv_head * k_stride_h
         v_base = v_cache_ptr + kv_head * v_stride_h
-        if LOOP == 0:
-            acc, m_i, l_i = attend_segments(
-                acc, m_i, l_i, q, row_lo, row_hi, (kv_lo // BLOCK_N) * BLOCK_N, kv_end, kv_lo,
-                full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
-                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
-                num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
-            )
-        else:
-            acc, m_i, l_i = attend_prefill_segments(
-                acc, m_i, l_i, q, row_lo, row_hi, (kv_lo // BLOCK_N) * BLOCK_N, kv_end, kv_lo,
-                full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
-                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
-                num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE == 2, PRESCALED, WS_MODE,
-            )
+        acc, m_i, l_i = attend_segments(
+            acc, m_i, l_i, q, row_lo, row_hi, (kv_lo // BLOCK_N) * BLOCK_N, kv_end, kv_lo,
+            full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
+            k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
+            num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE,
+        )
         store_rows(
             out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,
             out_stride_h, out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,

@@ -43,6 +43,140 @@ if HAS_TRITON:
         return pos
 
     @triton.jit
+    def _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        next_ids,
+        q,
+        row_lo,
+        row_hi,
+        start,
+        kv_lo,
+        kv_cap,
+        table_row_ptr,
+        table_stride_c,
+        k_base,
+        v_base,
+        k_stride_b,
+        k_stride_s,
+        k_stride_d,
+        v_stride_b,
+        v_stride_s,
+        v_stride_d,
+        num_blocks,
+        qk_scale,
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        IDS_MODE: tl.constexpr,
+        FA_LOOP: tl.constexpr,
+        PRESCALED: tl.constexpr,
+    ):
+        """The key tile at ``start`` of :func:`attend_tiles`; returns the updated ``acc, m_i,
+        l_i`` and, with ``IDS_MODE`` 0, the next tile's block ids (``next_ids`` holds this
+        tile's)."""
+        n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        keys = start + n
+        if IDS_MODE == 0:
+            block_id = next_ids
+            next_keys = keys + BLOCK_N
+            next_ids = tl.load(
+                table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
+                mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
+                other=-1,
+            )
+        elif IDS_MODE == 1:
+            block_id = tl.load(
+                table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c,
+                mask=(keys >= kv_lo) & (keys < kv_cap),
+                other=-1,
+            )
+        else:
+            PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            page = start // BLOCK_SIZE + tl.arange(0, PAGES)
+            page_ids = tl.load(
+                table_row_ptr + page * table_stride_c,
+                mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
+                other=-1,
+            )
+            block_id = tl.reshape(
+                tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
+            )
+        if MASKED:
+            in_row = (keys >= kv_lo) & (keys < kv_cap)
+        else:  # every key of an unmasked tile lies in the row
+            in_row = keys < kv_cap
+        kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
+        # An id outside the cache is never dereferenced: its K and V read as zeros (a NaN
+        # there would poison P @ V even with its scores masked).
+        block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
+        if IDS_MODE == 2:  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
+            offset = n % BLOCK_SIZE
+        else:
+            offset = keys % BLOCK_SIZE
+        kv_mask = kv_ok[:, None]
+        if HEAD_DIM != BLOCK_D:
+            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+        k = tl.load(
+            k_base
+            + block_id[:, None] * k_stride_b
+            + offset[:, None] * k_stride_s
+            + d[None, :] * k_stride_d,
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if MASKED:
+            visible = (
+                (keys[None, :] >= row_lo[:, None])
+                & (keys[None, :] < row_hi[:, None])
+                & kv_ok[None, :]
+            )
+        if PRESCALED:  # q carries scale * log2(e): scores are in the log2 domain already
+            if MASKED:
+                qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+        elif FA_LOOP:
+            # The scale rides in one FMA per score (qk_scale > 0, so max commutes with it),
+            # and P @ V accumulates into the rescaled accumulator in place.
+            if MASKED:
+                qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        else:
+            if MASKED:
+                qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            else:
+                qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base
+            + block_id[:, None] * v_stride_b
+            + offset[:, None] * v_stride_s
+            + d[None, :] * v_stride_d,
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        if FA_LOOP or PRESCALED:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return acc, m_new, l_i, next_ids
+
+    @triton.jit
     def attend_tiles(
         acc,
         m_i,
@@ -75,16 +209,22 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
         FA_LOOP: tl.constexpr,
+        PRESCALED: tl.constexpr,
+        WS_LOOP: tl.constexpr,
     ):
         """Online softmax over the key tiles starting at ``kv_start, kv_start + BLOCK_N, ...``
         below ``kv_end``. Unmasked (``MASKED`` false) tiles must be visible to every row. Keys
-        outside ``[kv_lo, kv_cap)`` are never loaded (entries before a window may be null)."""
+        outside ``[kv_lo, kv_cap)`` are never loaded (entries before a window may be null).
+
+        IDS_MODE 0: the block ids of tile i+1 are loaded while tile i computes (a loop-carried
+        prefetch). 1: each tile loads its ids (one per key) in the loop, which lets the
+        software pipeliner issue the table and K/V loads stages ahead. 2: as 1 with one id per
+        block (BLOCK_SIZE divides BLOCK_N), broadcast over its keys. ``PRESCALED``: ``q``
+        already holds ``scale * log2(e)`` (one multiply per score less; the FMA loop order).
+        ``WS_LOOP``: Triton's warp specialization of the loop (producer warps issue the K/V
+        loads, consumer warps the products and the softmax; Triton >= 3.4, where its backend
+        implements it; IDS_MODE 1 or 2 only)."""
         n = tl.arange(0, BLOCK_N)
-        d = tl.arange(0, BLOCK_D)
-        # IDS_MODE 0: the block ids of tile i+1 are loaded while tile i computes (a
-        # loop-carried prefetch). 1: each tile loads its ids (one per key) in the loop, which
-        # lets the software pipeliner issue the table and K/V loads stages ahead. 2: as 1 with
-        # one id per block (BLOCK_SIZE divides BLOCK_N), broadcast over its keys.
         next_ids = n
         if IDS_MODE == 0:
             next_keys = kv_start + n
@@ -93,96 +233,35 @@ if HAS_TRITON:
                 mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
                 other=-1,
             )
-        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-            keys = start + n
-            if IDS_MODE == 0:
-                block_id = next_ids
-                next_keys = keys + BLOCK_N
-                next_ids = tl.load(
-                    table_row_ptr + (next_keys // BLOCK_SIZE) * table_stride_c,
-                    mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
-                    other=-1,
+        if WS_LOOP:
+            for start in tl.range(
+                kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=True
+            ):
+                acc, m_i, l_i, _ = _attend_tile(
+                    acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
+                    table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
+                    k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
+                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
+                    PRESCALED,
                 )
-            elif IDS_MODE == 1:
-                block_id = tl.load(
-                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c,
-                    mask=(keys >= kv_lo) & (keys < kv_cap),
-                    other=-1,
+        elif IDS_MODE == 0:
+            for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, m_i, l_i, next_ids = _attend_tile(
+                    acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
+                    table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
+                    k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
+                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
+                    PRESCALED,
                 )
-            else:
-                PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-                page = start // BLOCK_SIZE + tl.arange(0, PAGES)
-                page_ids = tl.load(
-                    table_row_ptr + page * table_stride_c,
-                    mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
-                    other=-1,
+        else:
+            for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, m_i, l_i, _ = _attend_tile(
+                    acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
+                    table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
+                    k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
+                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
+                    PRESCALED,
                 )
-                block_id = tl.reshape(
-                    tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
-                )
-            if MASKED:
-                in_row = (keys >= kv_lo) & (keys < kv_cap)
-            else:  # every key of an unmasked tile lies in the row
-                in_row = keys < kv_cap
-            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
-            # An id outside the cache is never dereferenced: its K and V read as zeros (and
-            # its scores are masked in masked tiles).
-            block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
-            if IDS_MODE == 2:  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
-                offset = n % BLOCK_SIZE
-            else:
-                offset = keys % BLOCK_SIZE
-            kv_mask = kv_ok[:, None]
-            if HEAD_DIM != BLOCK_D:
-                kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-            k = tl.load(
-                k_base
-                + block_id[:, None] * k_stride_b
-                + offset[:, None] * k_stride_s
-                + d[None, :] * k_stride_d,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if MASKED:
-                visible = (
-                    (keys[None, :] >= row_lo[:, None])
-                    & (keys[None, :] < row_hi[:, None])
-                    & kv_ok[None, :]
-                )
-            if FA_LOOP:
-                # The scale rides in one FMA per score (qk_scale > 0, so max commutes with
-                # it), and P @ V accumulates into the rescaled accumulator in place.
-                if MASKED:
-                    qk = tl.where(visible, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                p = tl.exp2(qk * qk_scale - m_new[:, None])
-            else:
-                if MASKED:
-                    qk = tl.where(visible, qk * qk_scale, float("-inf"))
-                else:
-                    qk = qk * qk_scale
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base
-                + block_id[:, None] * v_stride_b
-                + offset[:, None] * v_stride_s
-                + d[None, :] * v_stride_d,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if DOT_FP32:
-                v = v.to(tl.float32)
-            if FA_LOOP:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
         return acc, m_i, l_i
 
     @triton.jit
@@ -220,11 +299,14 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
         FA_LOOP: tl.constexpr,
+        PRESCALED: tl.constexpr,
+        WS_MODE: tl.constexpr,
     ):
         """Keys ``[max(kv_start, kv_lo), kv_end)`` (``kv_start`` a multiple of ``BLOCK_N``) in
         three runs:
         masked tiles before ``full_lo`` (the window's edge), unmasked tiles inside
-        ``[full_lo, full_hi)`` (seen by every row), masked tiles after (the causal diagonal)."""
+        ``[full_lo, full_hi)`` (seen by every row), masked tiles after (the causal diagonal).
+        ``WS_MODE``: 0 no warp specialization, 1 in every run, 2 in the unmasked run only."""
         a1 = kv_start
         if HAS_WINDOW:
             a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
@@ -232,20 +314,20 @@ if HAS_TRITON:
                 acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
+            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE > 0,
         )
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
             v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
         )
         return acc, m_i, l_i
 
@@ -312,228 +394,3 @@ if HAS_TRITON:
             out_ptr, lse_ptr, zero, m_i, m_i, tokens, heads, row_ok, out_stride_t, out_stride_h,
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
-
-    @triton.jit
-    def _prefill_step(
-        acc,
-        m_i,
-        l_i,
-        q,
-        row_lo,
-        row_hi,
-        start,
-        kv_lo,
-        kv_cap,
-        table_row_ptr,
-        table_stride_c,
-        k_base,
-        v_base,
-        k_stride_b,
-        k_stride_s,
-        k_stride_d,
-        v_stride_b,
-        v_stride_s,
-        v_stride_d,
-        num_blocks,
-        qk_scale,
-        MASKED: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        PAGE_IDS: tl.constexpr,
-        PRESCALED: tl.constexpr,
-    ):
-        """One key tile of :func:`attend_prefill_tiles` (block ids loaded in the tile's own
-        iteration: per key, or with ``PAGE_IDS`` one per block broadcast over its keys)."""
-        n = tl.arange(0, BLOCK_N)
-        d = tl.arange(0, BLOCK_D)
-        keys = start + n
-        if PAGE_IDS:
-            PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-            page = start // BLOCK_SIZE + tl.arange(0, PAGES)
-            page_ids = tl.load(
-                table_row_ptr + page * table_stride_c,
-                mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
-                other=-1,
-            )
-            block_id = tl.reshape(
-                tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
-            )
-            offset = n % BLOCK_SIZE  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
-        else:
-            block_id = tl.load(
-                table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c,
-                mask=(keys >= kv_lo) & (keys < kv_cap),
-                other=-1,
-            )
-            offset = keys % BLOCK_SIZE
-        if MASKED:
-            in_row = (keys >= kv_lo) & (keys < kv_cap)
-        else:  # every key of an unmasked tile lies in the row
-            in_row = keys < kv_cap
-        # An id outside the cache is never dereferenced: its K and V read as zeros (a NaN
-        # there would poison P @ V even with its scores masked).
-        kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
-        block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
-        kv_mask = kv_ok[:, None]
-        if HEAD_DIM != BLOCK_D:
-            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-        k = tl.load(
-            k_base + block_id[:, None] * k_stride_b + offset[:, None] * k_stride_s
-            + d[None, :] * k_stride_d,
-            mask=kv_mask,
-            other=0.0,
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if MASKED:
-            visible = (
-                (keys[None, :] >= row_lo[:, None])
-                & (keys[None, :] < row_hi[:, None])
-                & kv_ok[None, :]
-            )
-            qk = tl.where(visible, qk, float("-inf"))
-        if PRESCALED:  # q carries scale * log2(e): scores are in the log2 domain already
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + block_id[:, None] * v_stride_b + offset[:, None] * v_stride_s
-            + d[None, :] * v_stride_d,
-            mask=kv_mask,
-            other=0.0,
-        )
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        return acc, m_new, l_i
-
-    @triton.jit
-    def attend_prefill_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        row_lo,
-        row_hi,
-        kv_start,
-        kv_end,
-        kv_lo,
-        kv_cap,
-        table_row_ptr,
-        table_stride_c,
-        k_base,
-        v_base,
-        k_stride_b,
-        k_stride_s,
-        k_stride_d,
-        v_stride_b,
-        v_stride_s,
-        v_stride_d,
-        num_blocks,
-        qk_scale,
-        MASKED: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
-        PAGE_IDS: tl.constexpr,
-        PRESCALED: tl.constexpr,
-        WS_LOOP: tl.constexpr,
-    ):
-        """The prefill kernel's loop, as :func:`attend_tiles` (block ids read in each tile's
-        iteration, the FMA loop order) with two options: ``PRESCALED`` (``q`` already holds
-        ``scale * log2(e)``: one multiply per score less) and ``WS_LOOP`` (Triton's warp
-        specialization of the loop: producer warps issue the K/V loads, consumer warps the
-        products and the softmax; Triton >= 3.4, where its backend implements it)."""
-        if WS_LOOP:
-            for start in tl.range(
-                kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=True
-            ):
-                acc, m_i, l_i = _prefill_step(
-                    acc, m_i, l_i, q, row_lo, row_hi, start, kv_lo, kv_cap, table_row_ptr,
-                    table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d,
-                    v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale, MASKED, BLOCK_N,
-                    BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, PAGE_IDS, PRESCALED,
-                )
-        else:
-            for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-                acc, m_i, l_i = _prefill_step(
-                    acc, m_i, l_i, q, row_lo, row_hi, start, kv_lo, kv_cap, table_row_ptr,
-                    table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d,
-                    v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale, MASKED, BLOCK_N,
-                    BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, PAGE_IDS, PRESCALED,
-                )
-        return acc, m_i, l_i
-
-    @triton.jit
-    def attend_prefill_segments(
-        acc,
-        m_i,
-        l_i,
-        q,
-        row_lo,
-        row_hi,
-        kv_start,
-        kv_end,
-        kv_lo,
-        full_lo,
-        full_hi,
-        kv_cap,
-        table_row_ptr,
-        table_stride_c,
-        k_base,
-        v_base,
-        k_stride_b,
-        k_stride_s,
-        k_stride_d,
-        v_stride_b,
-        v_stride_s,
-        v_stride_d,
-        num_blocks,
-        qk_scale,
-        HAS_WINDOW: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
-        PAGE_IDS: tl.constexpr,
-        PRESCALED: tl.constexpr,
-        WS_MODE: tl.constexpr,
-    ):
-        """:func:`attend_segments` over :func:`attend_prefill_tiles`. ``WS_MODE``: 0 no
-        warp specialization, 1 in every loop, 2 in the unmasked loop only."""
-        a1 = kv_start
-        if HAS_WINDOW:
-            a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
-            acc, m_i, l_i = attend_prefill_tiles(
-                acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
-                table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
-                v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
-            )
-        b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
-        acc, m_i, l_i = attend_prefill_tiles(
-            acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
-            k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
-            v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE > 0,
-        )
-        acc, m_i, l_i = attend_prefill_tiles(
-            acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
-            table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
-            v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-            BLOCK_SIZE, DOT_FP32, NUM_STAGES, PAGE_IDS, PRESCALED, WS_MODE == 1,
-        )
-        return acc, m_i, l_i
