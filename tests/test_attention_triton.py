@@ -105,6 +105,32 @@ def test_mixed_batch_matches_reference(triton_device: str, case, window) -> None
     assert (out[num_real:] == 0).all() and torch.isneginf(lse[num_real:]).all()
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_min_query_len_leaves_every_request_to_the_prefill_kernel(
+    triton_device: str, window, monkeypatch
+) -> None:
+    """A lower bound above the decode kernel's rows: one launch (no decode plan is built),
+    and a bound that is wrong (decode requests, an empty one, pad tokens) changes nothing."""
+    import blocktable.attention.launch as launch_module
+
+    args = make_case(MIXED, 6, 2, 2, 16, torch.float32, triton_device, pad_tokens=3, seed=11)
+    ref, ref_lse = reference(*args, sliding_window=window)
+
+    def no_decode(*a, **k):
+        raise AssertionError("the decode kernel was planned")
+
+    monkeypatch.setattr(launch_module.DecodePlan, "build", no_decode)
+    out, lse = paged_attention(*args, sliding_window=window, min_query_len=9, return_lse=True,
+                               backend="triton")
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+    num_real = int(args[5][-1])
+    assert (out[num_real:] == 0).all() and torch.isneginf(lse[num_real:]).all()
+    monkeypatch.undo()  # a bound at or below the decode rows keeps both kernels
+    out2 = paged_attention(*args, sliding_window=window, min_query_len=8, backend="triton")
+    assert rel_err(out2, ref) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_decode_step_split_kv(triton_device: str, num_kv_splits: int) -> None:
     """max_query_len=1: the decode kernel alone, keys split over programs (more splits than
@@ -289,6 +315,12 @@ def test_bad_inputs_are_clear_errors_before_the_launch(triton_device: str) -> No
         paged_attention(*args, sliding_window=0, backend="triton")
     with pytest.raises(ValueError, match="max_query_len must be >= 1"):
         paged_attention(*args, max_query_len=0, backend="triton")
+    with pytest.raises(ValueError, match="min_query_len must be >= 0"):
+        paged_attention(*args, min_query_len=-1, backend="triton")
+    with pytest.raises(TypeError, match="min_query_len must be an int"):
+        paged_attention(*args, min_query_len=1.5, backend="triton")
+    with pytest.raises(ValueError, match=r"min_query_len \(3\) must be <= max_query_len \(2\)"):
+        paged_attention(*args, min_query_len=3, max_query_len=2, backend="triton")
     with pytest.raises(ValueError, match="cp_block_size=6 must be a multiple"):
         paged_attention(*args, cp=CPConfig(2, 0, 2), cp_block_size=6, backend="triton")
     with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\]=100 must be >= 0 and put at most"):

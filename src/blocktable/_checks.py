@@ -151,6 +151,15 @@ def check_positive(name: str, value: object) -> int:
     return int(value)
 
 
+def check_non_negative(name: str, value: object) -> int:
+    """Check that ``value`` is an int >= 0; return it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(value)}")
+    return int(value)
+
+
 def as_index_array(name: str, value: object) -> np.ndarray:
     """Convert a sequence or array of integers to a 1-D ``int64`` numpy array, or raise.
 

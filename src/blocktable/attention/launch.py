@@ -428,6 +428,7 @@ def launch_paged_attention(
     cp: CPLayout,
     *,
     decode_only: bool,
+    prefill_only: bool = False,
     config: KernelConfig | None = None,
     num_kv_splits: int | None = None,
 ) -> None:
@@ -436,6 +437,8 @@ def launch_paged_attention(
     ``query_start_loc`` ``None`` means one query per request (token ``r`` of request ``r``).
     ``decode_only``: every request has at most ``decode_rows(group)[2]`` query tokens, so the
     prefill kernel is not launched (it is, for the pad tokens, only when there are some).
+    ``prefill_only``: the decode kernel is not launched and the prefill kernel serves every
+    request, short ones included (ignored with ``decode_only``).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -477,7 +480,8 @@ def launch_paged_attention(
     strides = _strides(out, lse_out, query, k_cache, v_cache, block_table)
     cp_args = (cp.world_size, cp.rank, cp.interleave, cp.block_size)
 
-    plan = DecodePlan.build(
+    prefill_only = prefill_only and not decode_only
+    plan = None if prefill_only else DecodePlan.build(
         out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch,
         scale, sliding_window, cp, decode_only=decode_only, config=given,
         num_kv_splits=num_kv_splits, strides=strides,
@@ -502,7 +506,9 @@ def launch_paged_attention(
     launch(
         (cdiv(num_tokens, slot_q) + num_reqs, num_kv_heads if pack else num_heads),
         out, lse_arg, query, k_cache, v_cache, block_table, seq_lens, qsl_arg, rob_arg,
-        qk_scale, window, num_reqs, num_tokens, dec_q if num_reqs > 0 else 0, num_blocks,
+        qk_scale, window, num_reqs, num_tokens,
+        0 if prefill_only or num_reqs == 0 else dec_q,  # requests this short: the decode kernel's
+        num_blocks,
         num_rows, width, *cp_args, _search_stride(num_reqs, radix), *strides,
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, radix, indexed, has_cp, window > 0, has_lse, dot_fp32,

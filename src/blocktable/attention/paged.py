@@ -13,7 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_positive, check_tensor
+from blocktable._checks import (
+    as_index_array,
+    check_non_negative,
+    check_positive,
+    check_tensor,
+)
 from blocktable._triton import HAS_TRITON, resolve_backend
 from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
 from blocktable.attention.cp_layout import local_seq_len
@@ -48,6 +53,7 @@ def paged_attention(
     lse_out: torch.Tensor | None = None,
     return_lse: bool = False,
     max_query_len: int | None = None,
+    min_query_len: int | None = None,
     seq_lens_cpu: object | None = None,
     num_kv_splits: int | None = None,
     backend: str = "auto",
@@ -82,6 +88,14 @@ def paged_attention(
         An upper bound on every request's query length, known on the host (e.g. 1 for a decode
         step). With a small bound only the decode kernel runs; without it both kernels run
         and each takes the requests it serves best. A wrong bound gives wrong results.
+    min_query_len : int, optional
+        A lower bound on every request's query length, known on the host (e.g. a step of
+        prompt chunks only). Above the decode kernel's query tokens per request (16 over the
+        GQA group size rounded up to a power of two, at least 1: 4 for a group of 4) only
+        the prefill kernel runs, and it takes every
+        request: one launch less per step. The result does not depend on the bound (a shorter
+        request is served by the prefill kernel, exactly); it must not exceed
+        ``max_query_len``.
     seq_lens_cpu : array-like, optional
         Host copy of ``seq_lens``: when given, a ``seq_len`` whose keys on this rank exceed the
         row (``width * block_size``) is a ``ValueError`` before the launch.
@@ -121,8 +135,8 @@ def paged_attention(
     if seq_lens_cpu is None:  # (host values are checked on every call)
         key = _call_key(
             query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch, out,
-            lse_out, scale, sliding_window, cp, cp_block_size, max_query_len, num_kv_splits,
-            want_lse,
+            lse_out, scale, sliding_window, cp, cp_block_size, max_query_len, min_query_len,
+            num_kv_splits, want_lse,
         )
         try:
             call = _CALLS.get(key) if key is not None else None
@@ -164,9 +178,19 @@ def paged_attention(
         if type(max_query_len) is not int or max_query_len < 1:
             check_positive("max_query_len", max_query_len)
         bound = min(bound, int(max_query_len))
-    decode_only = bound <= decode_rows(query.shape[1] // k_cache.shape[2])[2]
+    if min_query_len is not None:
+        if type(min_query_len) is not int or min_query_len < 0:
+            check_non_negative("min_query_len", min_query_len)
+        if max_query_len is not None and min_query_len > max_query_len:
+            raise ValueError(
+                f"min_query_len ({min_query_len}) must be <= max_query_len ({max_query_len})"
+            )
+    decode_rows_per_req = decode_rows(query.shape[1] // k_cache.shape[2])[2]
+    decode_only = bound <= decode_rows_per_req
+    prefill_only = not decode_only and (min_query_len or 0) > decode_rows_per_req
     call = CheckedCall(
-        resolve_scale(scale, query.shape[2]), window, layout, num_kv_splits, decode_only
+        resolve_scale(scale, query.shape[2]), window, layout, num_kv_splits, decode_only,
+        prefill_only,
     )
     if decode_only:
         call.plan = DecodePlan.build(
@@ -196,12 +220,14 @@ class CheckedCall:
         layout: CPLayout,
         num_kv_splits: int | None,
         decode_only: bool,
+        prefill_only: bool = False,
     ) -> None:
         self.scale = scale
         self.window = window
         self.layout = layout
         self.num_kv_splits = num_kv_splits
         self.decode_only = decode_only
+        self.prefill_only = prefill_only  # the prefill kernel takes every request
         self.plan: DecodePlan | None = None  # decode_only: None when nothing is launched
 
     def run(
@@ -220,7 +246,7 @@ class CheckedCall:
             launch_paged_attention(
                 out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                 row_of_batch, self.scale, self.window, self.layout, decode_only=False,
-                num_kv_splits=self.num_kv_splits,
+                prefill_only=self.prefill_only, num_kv_splits=self.num_kv_splits,
             )
         elif self.plan is not None:
             pointers = query.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()
