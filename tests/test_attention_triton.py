@@ -203,6 +203,20 @@ def test_row_of_batch_strided_inputs_and_buffers_in_place(triton_device: str) ->
     check_lse(lse_out, ref_lse, torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_v_cache_with_other_strides_than_k_cache(triton_device: str, window) -> None:
+    """K and V may be laid out differently (heads-major V): V's own strides are used."""
+    args = make_case(MIXED, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=2, seed=12)
+    query, k_cache, v_cache, table, seq, qsl = args
+    v_other = v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert v_other.stride() != k_cache.stride()
+    torch.testing.assert_close(v_other, v_cache, rtol=0, atol=0, equal_nan=True)
+    out = paged_attention(query, k_cache, v_other, table, seq, qsl, sliding_window=window,
+                          backend="triton")
+    ref, _ = reference(*args, sliding_window=window)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
 def test_out_of_range_block_ids_are_never_read(triton_device: str) -> None:
     """Corrupt table entries (beyond the cache, negative) and a seq_len beyond the row: no
     read outside the cache, finite output; the rest of the batch is unaffected."""

@@ -514,6 +514,7 @@ def launch_paged_attention(
         block_size, radix, indexed, has_cp, window > 0, has_lse, dot_fp32,
         config.prefill_num_stages,
         loop_ids, config.prefill_fa_loop or new_loop, pack, config.prefill_prescale_q,
-        int(config.prefill_warp_specialize), config.prefill_pair_tiles, dtype,
+        int(config.prefill_warp_specialize), config.prefill_pair_tiles,
+        k_cache.stride() == v_cache.stride(), dtype,
         num_warps=config.prefill_num_warps,
     )

@@ -318,7 +318,7 @@ if HAS_TRITON:
                 k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
                 k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
                 num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, False, 0,
+                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, False, 0, False,
             )
         if SPLIT:
             num_heads = tl.num_programs(1) * GROUP

@@ -80,6 +80,7 @@ if HAS_TRITON:
         PRESCALED: tl.constexpr,  # q scaled by qk_scale once, before the loop (IDS_MODE 1 or 2)
         WS_MODE: tl.constexpr,  # warp-specialized loops: 0 none, 1 all, 2 unmasked (IDS 1 or 2)
         PAIR_TILES: tl.constexpr,  # a program runs tiles j and n - 1 - j of its request
+        SAME_KV: tl.constexpr,  # v_cache has k_cache's strides: one offset computation for both
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -156,7 +157,7 @@ if HAS_TRITON:
             q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h, k_stride_d,
             v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r, table_stride_c,
             BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE, HAS_CP, HAS_WINDOW,
-            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE,
+            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE, SAME_KV,
         )
         if PAIR_TILES:  # noqa: SIM102 - a compile-time branch around a run-time one
             if j_long != j:
@@ -169,7 +170,7 @@ if HAS_TRITON:
                     k_stride_d, v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r,
                     table_stride_c, BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                     HAS_CP, HAS_WINDOW, HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
-                    PRESCALED, WS_MODE,
+                    PRESCALED, WS_MODE, SAME_KV,
                 )
 
     @triton.jit
@@ -195,6 +196,7 @@ if HAS_TRITON:
         FA_LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
         WS_MODE: tl.constexpr,
+        SAME_KV: tl.constexpr,
     ):
         """Query tokens ``[i0, i0 + BLOCK_Q)`` of one request (rows ``qi``, heads ``heads``)
         against their visible keys; stores their output rows (and LSE)."""
@@ -253,7 +255,7 @@ if HAS_TRITON:
             full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
             k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
             num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE,
+            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE, SAME_KV,
         )
         store_rows(
             out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,

@@ -75,6 +75,8 @@ if HAS_TRITON:
         IDS_MODE: tl.constexpr,
         FA_LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
+        SAME_KV: tl.constexpr,
+        LOWER: tl.constexpr,
     ):
         """The key tile at ``start`` of :func:`attend_tiles`; returns the updated ``acc, m_i,
         l_i`` and, with ``IDS_MODE`` 0, the next tile's block ids (``next_ids`` holds this
@@ -122,23 +124,16 @@ if HAS_TRITON:
         kv_mask = kv_ok[:, None]
         if HEAD_DIM != BLOCK_D:
             kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-        k = tl.load(
-            k_base
-            + block_id[:, None] * k_stride_b
-            + offset[:, None] * k_stride_s
-            + d[None, :] * k_stride_d,
-            mask=kv_mask,
-            other=0.0,
-        )
+        k_off = block_id[:, None] * k_stride_b + offset[:, None] * k_stride_s + d[None, :] * k_stride_d
+        k = tl.load(k_base + k_off, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if MASKED:
-            visible = (
-                (keys[None, :] >= row_lo[:, None])
-                & (keys[None, :] < row_hi[:, None])
-                & kv_ok[None, :]
-            )
+        if MASKED:  # (row bounds lie inside [kv_lo, kv_cap): kv_ok adds nothing for them)
+            if LOWER:
+                visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
+            else:
+                visible = keys[None, :] < row_hi[:, None]
         if PRESCALED:  # q carries scale * log2(e): scores are in the log2 domain already
             if MASKED:
                 qk = tl.where(visible, qk, float("-inf"))
@@ -160,14 +155,14 @@ if HAS_TRITON:
             p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base
-            + block_id[:, None] * v_stride_b
-            + offset[:, None] * v_stride_s
-            + d[None, :] * v_stride_d,
-            mask=kv_mask,
-            other=0.0,
-        )
+        if SAME_KV:  # V laid out like K: the same offsets
+            v_off = k_off
+        else:
+            v_off = (
+                block_id[:, None] * v_stride_b + offset[:, None] * v_stride_s
+                + d[None, :] * v_stride_d
+            )
+        v = tl.load(v_base + v_off, mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
         if FA_LOOP or PRESCALED:
@@ -211,6 +206,8 @@ if HAS_TRITON:
         FA_LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
         WS_LOOP: tl.constexpr,
+        SAME_KV: tl.constexpr,
+        LOWER: tl.constexpr,
     ):
         """Online softmax over the key tiles starting at ``kv_start, kv_start + BLOCK_N, ...``
         below ``kv_end``. Unmasked (``MASKED`` false) tiles must be visible to every row. Keys
@@ -223,7 +220,9 @@ if HAS_TRITON:
         already holds ``scale * log2(e)`` (one multiply per score less; the FMA loop order).
         ``WS_LOOP``: Triton's warp specialization of the loop (producer warps issue the K/V
         loads, consumer warps the products and the softmax; Triton >= 3.4, where its backend
-        implements it; IDS_MODE 1 or 2 only)."""
+        implements it; IDS_MODE 1 or 2 only). ``SAME_KV``: V has K's strides (one offset
+        computation serves both loads). ``LOWER``: rows have a lower key bound (``row_lo``, a
+        sliding window); else masked tiles compare keys with ``row_hi`` only."""
         n = tl.arange(0, BLOCK_N)
         next_ids = n
         if IDS_MODE == 0:
@@ -242,7 +241,7 @@ if HAS_TRITON:
                     table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
                     MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED,
+                    PRESCALED, SAME_KV, LOWER,
                 )
         elif IDS_MODE == 0:
             for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
@@ -251,7 +250,7 @@ if HAS_TRITON:
                     table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
                     MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED,
+                    PRESCALED, SAME_KV, LOWER,
                 )
         else:
             for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
@@ -260,7 +259,7 @@ if HAS_TRITON:
                     table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
                     MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED,
+                    PRESCALED, SAME_KV, LOWER,
                 )
         return acc, m_i, l_i
 
@@ -301,12 +300,14 @@ if HAS_TRITON:
         FA_LOOP: tl.constexpr,
         PRESCALED: tl.constexpr,
         WS_MODE: tl.constexpr,
+        SAME_KV: tl.constexpr,
     ):
         """Keys ``[max(kv_start, kv_lo), kv_end)`` (``kv_start`` a multiple of ``BLOCK_N``) in
         three runs:
         masked tiles before ``full_lo`` (the window's edge), unmasked tiles inside
         ``[full_lo, full_hi)`` (seen by every row), masked tiles after (the causal diagonal).
-        ``WS_MODE``: 0 no warp specialization, 1 in every run, 2 in the unmasked run only."""
+        ``WS_MODE``: 0 no warp specialization, 1 in every run, 2 in the unmasked run only.
+        ``SAME_KV``: as in :func:`attend_tiles`."""
         a1 = kv_start
         if HAS_WINDOW:
             a1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_start), kv_end)
@@ -315,19 +316,22 @@ if HAS_TRITON:
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
                 BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
+                SAME_KV, HAS_WINDOW,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE > 0,
+            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE > 0, SAME_KV,
+            HAS_WINDOW,
         )
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
             v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
             BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
+            SAME_KV, HAS_WINDOW,
         )
         return acc, m_i, l_i
 
