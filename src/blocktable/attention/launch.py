@@ -338,7 +338,8 @@ class DecodePlan:
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
             block_d, block_size, has_qsl, row_of_batch is not None, cp.world_size > 1,
             window > 0, has_lse, split, _INTERPRET and dtype != "fp32", config.decode_num_stages,
-            dec_ids, config.decode_fa_loop, fused, chunk, config.decode_single_loop, dtype,
+            dec_ids, config.decode_fa_loop, fused, chunk, config.decode_single_loop,
+            k_cache.stride() == v_cache.stride(), dtype,
         )
         combine_grid = None
         combine_tail: tuple[object, ...] = ()

@@ -208,6 +208,7 @@ if HAS_TRITON:
         FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
         SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
         SINGLE_LOOP: tl.constexpr,  # attend_decode_tiles, not attend_segments
+        SAME_KV: tl.constexpr,  # v_cache has k_cache's strides (attend_segments)
         DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -318,7 +319,7 @@ if HAS_TRITON:
                 k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
                 k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
                 num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, False, 0, False,
+                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, False, 0, SAME_KV,
             )
         if SPLIT:
             num_heads = tl.num_programs(1) * GROUP
