@@ -16,6 +16,9 @@ installed:
   a program found by a radix search over ``query_start_loc``, masks by row bounds, masked q
   load and output store).
 
+``blocktable`` is the library's kernel as an engine calls it for a step of prompts only
+(``paged_attention(..., min_query_len=n)``: the prefill kernel alone).
+
 Each variant is checked against SDPA on two heads of the first request, then timed with
 ``triton.testing.do_bench`` (median). TFLOP/s count the causal mask exactly.
 
@@ -227,7 +230,8 @@ def minimal_runner(name: str, x: dict[str, torch.Tensor], out: torch.Tensor, b: 
 def blocktable_runner(x: dict[str, torch.Tensor], out: torch.Tensor) -> Callable[[], object]:
     return lambda: launch_paged_attention(
         out, None, x["q"], x["k_cache"], x["v_cache"], x["table"], x["seq_lens"], x["qsl"],
-        None, HEAD_DIM ** -0.5, None, CPLayout(), decode_only=False, config=KernelConfig(),
+        None, HEAD_DIM ** -0.5, None, CPLayout(), decode_only=False, prefill_only=True,
+        config=KernelConfig(),
     )
 
 
