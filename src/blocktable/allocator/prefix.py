@@ -17,7 +17,7 @@ caps a full-attention group's hit below what both can serve.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,22 @@ def _segment_first(fail: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int]) -> int:
+    """Blocks of a prompt worth looking up: ``num_blocks``, or fewer when a key is not filed.
+
+    A block can be served (or verified) only when its key is filed, so the first absent key
+    found bounds the prompt's hit. Keys ``0, 1, 2, 4, 8, ...`` are probed one by one (a scalar
+    probe costs less than a numpy call), so the batched lookup reads at most about twice the
+    hit's keys instead of the whole prompt's.
+    """
+    probe = 0
+    while probe < num_blocks:
+        if get_one(int(keys[probe])) < 0:
+            return probe
+        probe = 2 * probe if probe else 1
+    return num_blocks
+
+
 def find_hits(
     plans: Sequence[PromptPlan],
     pools: Sequence[BlockPool],
@@ -86,14 +102,13 @@ def find_hits(
     has_windows = any(w is not None for w in windows)  # else only `cached` is needed
     per_group = []
     for pool, bs in zip(pools, block_sizes):
-        usable = np.array([lim // bs for lim in limits], dtype=np.int64)
-        # a prompt whose first block is not filed has no hit: look up only the others' keys
-        candidates = np.flatnonzero(usable)
-        if len(candidates):
-            firsts = pool.index.find(
-                np.array([plans[j].keys[bs][0] for j in candidates.tolist()], dtype=_U64)
-            )
-            usable[candidates[firsts < 0]] = 0
+        usable = np.array(
+            [
+                _key_bound(p.keys[bs], lim // bs, pool.index.keys.get_one)
+                for p, lim in zip(plans, limits)
+            ],
+            dtype=np.int64,
+        )
         keys = np.concatenate([p.keys[bs][:u] for p, u in zip(plans, usable.tolist())])
         slots = pool.index.find(keys)
         tokens = np.concatenate(
