@@ -268,7 +268,9 @@ class KVCacheManager:
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         pending: dict[bytes, tuple[int, int]] = {}
         plans = [
-            self._new_plan(f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending)
+            self._new_plan(
+                f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending, keep=True
+            )
             for r, p, ns in zip(req_ids, prompts, cache_namespaces)
         ]
         if len(req_ids) > self._rows.num_free:
@@ -299,6 +301,8 @@ class KVCacheManager:
         req = RequestState(
             req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools), plan.seed
         )
+        if plan.token_buffer is not None:
+            req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
         req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
         req.row = self._rows.take(req)
         self._journal.touch(req.row, None)
@@ -837,14 +841,23 @@ class KVCacheManager:
         namespace: object,
         who: str,
         pending: dict[bytes, tuple[int, int]],
+        *,
+        keep: bool = False,
     ) -> PromptPlan:
+        """The plan of one prompt; ``keep``: its tokens go to a new buffer with room for the
+        tokens a request generates (admission), so its first appends copy nothing."""
         tokens = token_array(name, prompt)
-        if not len(tokens):
+        num_tokens = len(tokens)
+        if not num_tokens:
             raise ValueError(f"{name} is empty")
+        self._check_model_len(who, "prompt", num_tokens)
+        root, seed = self._namespace(namespace, pending)
+        if keep:
+            buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
+            buffer[:num_tokens] = tokens  # the caller's array stays the caller's
+            return PromptPlan(buffer[:num_tokens], root, seed, token_buffer=buffer)
         if not isinstance(prompt, (list, tuple)):
             tokens = tokens.copy()  # the caller's array stays the caller's
-        self._check_model_len(who, "prompt", len(tokens))
-        root, seed = self._namespace(namespace, pending)
         return PromptPlan(tokens, root, seed)
 
     def _find(self, plans: list[PromptPlan]) -> None:

@@ -42,6 +42,7 @@ class PromptPlan:
     hit_slots: list[np.ndarray] = field(default_factory=list)  # per group: record slots
     num_skipped: list[int] = field(default_factory=list)  # per group: null entries first
     last_slots: list[int] = field(default_factory=list)  # per group: record of block n/bs-1
+    token_buffer: np.ndarray | None = None  # int64 [capacity], tokens its first entries
 
 
 def prompt_keys(
