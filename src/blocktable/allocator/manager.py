@@ -32,6 +32,7 @@ from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks
 from blocktable.allocator.request import (
+    KeyChains,
     RequestState,
     TokenIds,
     check_req_id,
@@ -149,6 +150,7 @@ class KVCacheManager:
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._journal = StepJournal(len(groups))
+        self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
         self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
@@ -307,11 +309,11 @@ class KVCacheManager:
         req.row = self._rows.take(req)
         self._journal.touch(req.row, None)
         if self.enable_prefix_caching:
+            chains, row = self._chains, req.row
             for bs, keys in plan.keys.items():
                 req.keys[bs] = keys
                 req.prompt_states[bs] = plan.states[bs]
-                req.num_keys[bs] = len(keys)
-                req.key_states[bs] = int(plan.states[bs][-1]) if len(keys) else plan.seed
+                chains.set(row, bs, len(keys), int(plan.states[bs][-1]) if len(keys) else plan.seed)
         n = plan.num_cached_tokens
         req.num_computed_tokens = n
         if n:
@@ -589,7 +591,7 @@ class KVCacheManager:
         req.num_computed_tokens += count  # the same as mark_computed_many, for one request
         if self.enable_prefix_caching:
             register_computed_blocks(
-                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -623,7 +625,7 @@ class KVCacheManager:
             req.num_computed_tokens += count
         if self.enable_prefix_caching:
             register_computed_blocks(
-                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -697,6 +699,7 @@ class KVCacheManager:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         child = parent.fork(child_id)
         child.row = self._rows.take(child)
+        self._chains.copy_row(parent.row, child.row)
         self._journal.touch(child.row, None)
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):

@@ -23,14 +23,14 @@ from blocktable.allocator.hashing import (
     fmix64_int,
 )
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.request import RequestState
+from blocktable.allocator.request import KeyChains, RequestState
 
 _U64 = np.uint64
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
 def _segment_keys(
-    segments: list[Segment], bs: int, powers: ChainPowers
+    segments: list[Segment], bs: int, powers: ChainPowers, chains: KeyChains
 ) -> tuple[list[Segment], np.ndarray]:
     """The segments reordered (prompt blocks first) and their keys, concatenated (uint64).
 
@@ -41,30 +41,33 @@ def _segment_keys(
     stored: list[Segment] = []
     fresh: list[Segment] = []
     for seg in segments:
-        (stored if seg[2] <= len(seg[0].keys[bs]) else fresh).append(seg)
+        (stored if seg[2] <= seg[0].num_prompt_tokens // bs else fresh).append(seg)
     parts = [req.keys[bs][first:stop] for req, first, stop in stored]
     if fresh:
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
         tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in fresh])
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        starts = np.array([_state_before(req, first, bs) for req, first, _ in fresh], dtype=_U64)
+        starts = np.array(
+            [_state_before(req, first, bs, chains) for req, first, _ in fresh], dtype=_U64
+        )
         keys, states = chain_keys(hashes, lengths, starts, powers)
-        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
-            req.num_keys[bs] = stop
-            req.key_states[bs] = state
+        rows = np.array([req.row for req, _, _ in fresh], dtype=np.int64)
+        chains.num_keys[bs][rows] = [stop for _, _, stop in fresh]
+        chains.state[bs][rows] = states[np.cumsum(lengths) - 1]
         parts.append(keys)
     return stored + fresh, parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _state_before(req: RequestState, first: int, bs: int) -> int:
+def _state_before(req: RequestState, first: int, bs: int, chains: KeyChains) -> int:
     """The key chain state after block ``first - 1`` (the namespace seed for ``first == 0``)."""
     if first == 0:
         return req.seed
     if first <= len(req.prompt_states[bs]):
         return int(req.prompt_states[bs][first - 1])
-    if first != req.num_keys[bs]:
-        raise AssertionError(f"key chain of request {req.req_id!r} is at {req.num_keys[bs]}")
-    return req.key_states[bs]
+    num_keys = int(chains.num_keys[bs][req.row])
+    if first != num_keys:
+        raise AssertionError(f"key chain of request {req.req_id!r} is at {num_keys}")
+    return int(chains.state[bs][req.row])
 
 
 def register_computed_blocks(
@@ -73,8 +76,10 @@ def register_computed_blocks(
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
     byte_hash_fn: HashFn | None,
+    chains: KeyChains,
 ) -> None:
-    """File every full computed block of ``reqs`` not filed yet, in every group."""
+    """File every full computed block of ``reqs`` not filed yet, in every group (``chains``:
+    where each request's key chain stands, moved to the last block keyed)."""
     if len(reqs) == 1 and byte_hash_fn is None:
         req = reqs[0]
         counts = [
@@ -82,12 +87,12 @@ def register_computed_blocks(
             for g, bs in enumerate(block_sizes)
         ]
         if max(counts) <= 1:  # a decode step filled at most one block per group
-            _register_one_block(req, counts, pools, block_sizes, powers)
+            _register_one_block(req, counts, pools, block_sizes, powers, chains)
             return
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
         if len(groups) == 1:
-            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn)
+            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn, chains)
             continue
         union = []
         for req in reqs:
@@ -98,7 +103,7 @@ def register_computed_blocks(
                 union.append((req, first, stop))
         if not union:
             continue
-        union, keys = _segment_keys(union, bs, powers[bs])
+        union, keys = _segment_keys(union, bs, powers[bs], chains)
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
         for g in groups:
             segments, parts = [], []
@@ -118,6 +123,7 @@ def _register_group(
     bs: int,
     powers: ChainPowers,
     byte_hash_fn: HashFn | None,
+    chains: KeyChains,
 ) -> None:
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
     in one pass over the requests: each request's tokens and block ids are sliced once.
@@ -126,8 +132,9 @@ def _register_group(
     keyed here in one :func:`chain_keys` pass.
     """
     # Per segment: request, stop block, length, parent content id, token ids, block ids, and
-    # its keys (stored segments) or the key chain state before it (fresh ones). One tuple per
-    # segment, unzipped after the loop: cheaper than a list append per field.
+    # its keys (stored segments) or its first block and row (fresh ones). One tuple per
+    # segment, unzipped after the loop: cheaper than a list append per field. Only the
+    # request's own object, rows and tokens are read here (its chain state is in `chains`).
     stored: list[tuple] = []
     fresh: list[tuple] = []
     for req in reqs:
@@ -135,7 +142,6 @@ def _register_group(
         stop = req.num_computed_tokens // bs
         if stop <= first:
             continue
-        keys = req.keys[bs]
         seg = (
             req,
             stop,
@@ -144,17 +150,14 @@ def _register_group(
             req.tokens[first * bs : stop * bs],
             req.block_buf[g][first:stop],
         )
-        if stop <= len(keys):
-            stored.append((*seg, keys[first:stop]))
+        if stop <= req.num_prompt_tokens // bs:
+            stored.append((*seg, req.keys[bs][first:stop]))
         else:
-            state = (
-                req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
-            )
-            fresh.append((*seg, state))
+            fresh.append((*seg, first, req.row))
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
         if segments:
-            segments, keys = _segment_keys(segments, bs, powers)
+            segments, keys = _segment_keys(segments, bs, powers, chains)
             _cache_segments(pool, g, bs, segments, keys, byte_hash_fn)
         return
     seg_reqs: list[RequestState] = []
@@ -169,15 +172,22 @@ def _register_group(
             list, zip(*stored)
         )
     if fresh:
-        f_reqs, f_stops, f_lengths, f_parents, f_tokens, f_ids, starts = zip(*fresh)
+        f_reqs, f_stops, f_lengths, f_parents, f_tokens, f_ids, f_firsts, f_rows = zip(*fresh)
         tokens = f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens)
         fresh_len = np.array(f_lengths, dtype=np.int64)
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        keys, states = chain_keys(hashes, fresh_len, np.array(starts, dtype=_U64), powers)
-        last = states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
-        for req, stop, state in zip(f_reqs, f_stops, last.tolist()):
-            req.num_keys[bs] = stop
-            req.key_states[bs] = state
+        rows = np.array(f_rows, dtype=np.int64)
+        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
+        starts = chain_state[rows]
+        # usually each chain stands where its segment starts; else the segment starts inside
+        # the prompt (its stored states) or the chain is broken (an error)
+        for i in np.flatnonzero(num_keys[rows] != f_firsts).tolist():
+            starts[i] = _state_before(f_reqs[i], f_firsts[i], bs, chains)
+        keys, states = chain_keys(hashes, fresh_len, starts, powers)
+        num_keys[rows] = f_stops
+        chain_state[rows] = (
+            states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
+        )
         key_parts.append(keys)
         token_parts.append(tokens)
         id_parts += f_ids
@@ -270,6 +280,7 @@ def _register_one_block(
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
+    chains: KeyChains,
 ) -> None:
     """:func:`register_computed_blocks` of one request's one new block per group, in plain
     Python (a few numpy calls cost more than hashing one block's tokens one by one)."""
@@ -280,16 +291,15 @@ def _register_one_block(
         i = req.num_hashed_blocks[g]
         key = keys.get(bs)
         if key is None:
-            if i < len(req.keys[bs]):
+            if i < req.num_prompt_tokens // bs:
                 key = int(req.keys[bs][i])
             else:
-                state = _state_before(req, i, bs)
+                state = _state_before(req, i, bs, chains)
                 h = 0
                 for t in req.tokens[i * bs : (i + 1) * bs].tolist():
                     h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
                 state = (state * powers[bs].block_base + h) & MASK64
-                req.num_keys[bs] = i + 1
-                req.key_states[bs] = state
+                chains.set(req.row, bs, i + 1, state)
                 key = fmix64_int(state)
             keys[bs] = key
         cid = pool.cache_one(

@@ -73,20 +73,19 @@ class RequestState:
     caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
     next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
     ``keys[bs]`` and ``prompt_states[bs]`` are the block keys and key chain states of the
-    prompt's full blocks for block size ``bs`` (computed at admission, read-only);
-    ``key_states[bs]`` is the chain state after block ``num_keys[bs] - 1`` once blocks past the
-    prompt were keyed (they are keyed when registered, from that state).
+    prompt's full blocks for block size ``bs`` (computed at admission, read-only; the first
+    ``num_prompt_tokens // bs`` blocks); where the chain stands past them is kept per row in
+    the manager's :class:`KeyChains`.
     """
 
     __slots__ = (
         "block_buf",
-        "key_states",
         "keys",
         "namespace",
         "namespace_bytes",
         "num_computed_tokens",
         "num_hashed_blocks",
-        "num_keys",
+        "num_prompt_tokens",
         "num_skipped_blocks",
         "num_slots",
         "num_tokens",
@@ -128,9 +127,8 @@ class RequestState:
         self.parent_cids = [root] * num_groups
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
-        self.num_keys: dict[int, int] = {}
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
-        self.key_states: dict[int, int] = {}
+        self.num_prompt_tokens = len(tokens)  # tokens at admission (keys[bs] covers them)
 
     def blocks(self, group: int) -> np.ndarray:
         """The row of ``group``: int32 ``[row_len[group]]``, a view of the buffer."""
@@ -187,6 +185,31 @@ class RequestState:
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
         child.prompt_states = dict(self.prompt_states)
-        child.num_keys = dict(self.num_keys)
-        child.key_states = dict(self.key_states)
+        child.num_prompt_tokens = self.num_prompt_tokens
         return child
+
+
+class KeyChains:
+    """Where each request's key chain stands, per table row and block size (on cpu).
+
+    ``num_keys[bs][row]`` blocks of the request holding ``row`` are keyed, and
+    ``state[bs][row]`` is the chain state ``K`` after the last of them (the namespace seed when
+    none is). Kept in arrays indexed by the row rather than on each request, so a step's
+    registration reads and writes the chains of all its requests with one gather and one
+    scatter instead of touching a dictionary of every request.
+    """
+
+    def __init__(self, num_rows: int, block_sizes: Sequence[int]) -> None:
+        sizes = sorted(set(block_sizes))
+        self.num_keys = {bs: np.zeros(num_rows, dtype=np.int64) for bs in sizes}  # [num_rows]
+        self.state = {bs: np.zeros(num_rows, dtype=np.uint64) for bs in sizes}  # [num_rows]
+
+    def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
+        self.num_keys[bs][row] = num_keys
+        self.state[bs][row] = state
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` continues the chains of row ``src`` (a fork)."""
+        for bs in self.num_keys:
+            self.num_keys[bs][dst] = self.num_keys[bs][src]
+            self.state[bs][dst] = self.state[bs][src]
