@@ -48,7 +48,7 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
         if ((owned <= 0) | (owned >= pool.num_blocks)).any():
             fail(f"group {g}: block id out of range in {blocks.tolist()}")
         np.add.at(ref_counts[g], owned, 1)
-        num_hashed = req.num_hashed_blocks[g]
+        num_hashed = int(mgr._chains.num_hashed[g][req.row])
         if not mgr.enable_prefix_caching:
             if num_hashed:
                 fail(f"group {g}: blocks hashed with prefix caching off")
@@ -75,8 +75,11 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
             if want_parent is not None and int(index.parent[slot]) != want_parent:
                 fail(f"group {g}: block {b} (index {i}) has another parent in the index")
             prev_slot = slot
-        if num_hashed > skip and prev_slot >= 0 and req.parent_cids[g] != index.cid[prev_slot]:
+        parent_cid = int(mgr._chains.parent_cid[g][req.row])
+        if num_hashed > skip and prev_slot >= 0 and parent_cid != index.cid[prev_slot]:
             fail(f"group {g}: the content id chain does not continue from its last block")
+        if not num_hashed and parent_cid != req.root:
+            fail(f"group {g}: nothing registered, but the parent content id is {parent_cid}")
         rest = blocks[max(num_hashed, skip) :]
         if (pool.record[rest] >= 0).any() or (pool.dup_of[rest] >= 0).any():
             fail(f"group {g}: a block that is not full and computed is in the index")

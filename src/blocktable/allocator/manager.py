@@ -306,10 +306,11 @@ class KVCacheManager:
         if plan.token_buffer is not None:
             req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
         req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
-        req.row = self._rows.take(req)
-        self._journal.touch(req.row, None)
+        req.row = row = self._rows.take(req)
+        self._journal.touch(row, None)
+        chains = self._chains
+        chains.start(row, plan.root)
         if self.enable_prefix_caching:
-            chains, row = self._chains, req.row
             for bs, keys in plan.keys.items():
                 req.keys[bs] = keys
                 req.prompt_states[bs] = plan.states[bs]
@@ -322,16 +323,16 @@ class KVCacheManager:
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
                 if skip:
-                    row = np.empty(skip + len(blocks), dtype=np.int32)
-                    row[:skip] = NULL_BLOCK_ID
-                    row[skip:] = blocks
-                    req.set_blocks(g, row)
+                    with_nulls = np.empty(skip + len(blocks), dtype=np.int32)
+                    with_nulls[:skip] = NULL_BLOCK_ID
+                    with_nulls[skip:] = blocks
+                    req.set_blocks(g, with_nulls)
                 else:
                     req.set_blocks(g, blocks)  # a new array (the gather), only read by share
                 req.num_skipped_blocks[g] = skip
-                req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
-                req.parent_cids[g] = int(pool.index.cid[last])
+                chains.num_hashed[g][row] = n // bs
+                chains.parent_cid[g][row] = pool.index.cid[last]
                 if self.byte_hash_fn is not None:
                     req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
             self._update_num_slots(req)
@@ -731,10 +732,10 @@ class KVCacheManager:
             pool.reset_cache()
         for req in self._requests.values():
             for g, pool in enumerate(self.pools):
-                if req.num_hashed_blocks[g]:
+                if self._chains.num_hashed[g][req.row]:
                     # Its blocks all left a window: the parent's record is gone, so later
                     # blocks chain to a content id no record has (never findable, never wrong).
-                    req.parent_cids[g] = pool.index.next_cid
+                    self._chains.parent_cid[g][req.row] = pool.index.next_cid
                     pool.index.next_cid += 1
         return True
 
