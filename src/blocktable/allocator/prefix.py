@@ -61,33 +61,30 @@ def prompt_keys(
             plan.states[bs] = states[end - count : end]
 
 
-def _segment_first(fail: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per segment (``lengths``, int64), the local index of its first True, else its length."""
-    n = len(fail)
-    out = lengths.copy()
-    if not n:
-        return out
-    starts = np.cumsum(lengths) - lengths
-    local = np.arange(n) - np.repeat(starts, lengths)
-    first = np.where(fail, local, n)
-    nonempty = lengths > 0
-    out[nonempty] = np.minimum(np.minimum.reduceat(first, starts[nonempty]), lengths[nonempty])
-    return out
+def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per segment (``lengths`` and ``starts`` into ``fail``, int64), the local index of its
+    first True, else its length."""
+    at = np.flatnonzero(fail)
+    if not len(at):
+        return lengths
+    # the first True at or after each start (clamped: past the last True it is before it)
+    first = at[np.minimum(np.searchsorted(at, starts), len(at) - 1)] - starts
+    return np.where(first < 0, lengths, np.minimum(first, lengths))
 
 
 def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int]) -> int:
     """Blocks of a prompt worth looking up: ``num_blocks``, or fewer when a key is not filed.
 
     A block can be served (or verified) only when its key is filed, so the first absent key
-    found bounds the prompt's hit. Keys ``0, 1, 2, 4, 8, ...`` are probed one by one (a scalar
+    found bounds the prompt's hit. Keys ``0, 8, 16, 32, ...`` are probed one by one (a scalar
     probe costs less than a numpy call), so the batched lookup reads at most about twice the
-    hit's keys instead of the whole prompt's.
+    hit's keys (or 8) instead of the whole prompt's.
     """
     probe = 0
     while probe < num_blocks:
         if get_one(int(keys[probe])) < 0:
             return probe
-        probe = 2 * probe if probe else 1
+        probe = 2 * probe if probe else 8
     return num_blocks
 
 
@@ -126,8 +123,8 @@ def find_hits(
         ok = (slots >= 0) & (index.parent[safe] == expected_parent)
         ok &= (index.tokens[safe] == tokens).all(axis=1)
         alive = index.holder[safe] != 0
-        verified = _segment_first(~ok, usable) if has_windows else usable
-        cached = _segment_first(~(ok & alive), usable)
+        verified = _segment_first(~ok, usable, starts) if has_windows else usable
+        cached = _segment_first(~(ok & alive), usable, starts)
         per_group.append((slots, starts, verified, cached, alive))
     for i, plan in enumerate(plans):
         cap = limits[i]
