@@ -3,7 +3,10 @@
 Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
 (generated tokens) are computed here from each request's key chain state, for every request of
 the call in one :func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files
-all its new blocks with one :meth:`BlockPool.cache` call.
+all its new blocks with one :meth:`BlockPool.cache` call. Where each request's registration
+stands (blocks registered, parent content id, key chain state) lives in
+:class:`~blocktable.allocator.request.KeyChains`, arrays indexed by table row, read and written
+for all requests of a call with one gather and one scatter.
 """
 
 from __future__ import annotations
