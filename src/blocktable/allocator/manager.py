@@ -21,7 +21,6 @@ from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
     ChainPowers,
     HashFn,
-    check_namespace,
     encode_namespace,
     namespace_seed,
     sha256_block_hash,
@@ -298,10 +297,9 @@ class KVCacheManager:
     def _admit(
         self, req_id: ReqId, plan: PromptPlan, namespace: object, shared: list[list[np.ndarray]]
     ) -> RequestState:
-        ns_bytes = encode_namespace(namespace)
         tokens = plan.tokens
         req = RequestState(
-            req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools), plan.seed
+            req_id, tokens, namespace, plan.namespace_bytes, plan.root, len(self.pools), plan.seed
         )
         if plan.token_buffer is not None:
             req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
@@ -827,16 +825,16 @@ class KVCacheManager:
 
     def _namespace(
         self, namespace: object, pending: dict[bytes, tuple[int, int]]
-    ) -> tuple[int, int]:
-        """``(root content id, key seed)`` of a namespace; a new one is added to ``pending``
-        (interned only when a request with it is admitted, so rejected calls change nothing)."""
-        check_namespace(namespace)
-        encoded = encode_namespace(namespace)
+    ) -> tuple[int, int, bytes]:
+        """``(root content id, key seed, encoding)`` of a namespace; a new one is added to
+        ``pending`` (interned only when a request with it is admitted, so rejected calls
+        change nothing)."""
+        encoded = encode_namespace(namespace)  # checks it
         found = self._namespaces.get(encoded) or pending.get(encoded)
         if found is None:
             found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
             pending[encoded] = found
-        return found
+        return found[0], found[1], encoded
 
     def _new_plan(
         self,
@@ -855,14 +853,14 @@ class KVCacheManager:
         if not num_tokens:
             raise ValueError(f"{name} is empty")
         self._check_model_len(who, "prompt", num_tokens)
-        root, seed = self._namespace(namespace, pending)
+        root, seed, encoded = self._namespace(namespace, pending)
         if keep:
             buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
             buffer[:num_tokens] = tokens  # the caller's array stays the caller's
-            return PromptPlan(buffer[:num_tokens], root, seed, token_buffer=buffer)
+            return PromptPlan(buffer[:num_tokens], root, seed, encoded, buffer)
         if not isinstance(prompt, (list, tuple)):
             tokens = tokens.copy()  # the caller's array stays the caller's
-        return PromptPlan(tokens, root, seed)
+        return PromptPlan(tokens, root, seed, encoded)
 
     def _find(self, plans: list[PromptPlan]) -> None:
         if not self.enable_prefix_caching:

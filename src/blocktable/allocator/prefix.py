@@ -18,7 +18,6 @@ caps a full-attention group's hit below what both can serve.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,20 +28,45 @@ from blocktable.allocator.pool import BlockPool
 _U64 = np.uint64
 
 
-@dataclass
 class PromptPlan:
-    """One prompt's tokens, keys and cache hit, found without side effects."""
+    """One prompt's tokens, keys and cache hit, found without side effects.
 
-    tokens: np.ndarray  # int64 [num_tokens]
-    root: int  # parent content id of block 0
-    seed: int  # K_{-1} of the key chain
-    keys: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
-    states: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
-    num_cached_tokens: int = 0
-    hit_slots: list[np.ndarray] = field(default_factory=list)  # per group: record slots
-    num_skipped: list[int] = field(default_factory=list)  # per group: null entries first
-    last_slots: list[int] = field(default_factory=list)  # per group: record of block n/bs-1
-    token_buffer: np.ndarray | None = None  # int64 [capacity], tokens its first entries
+    A plain class with slots (a dataclass with default factories costs ~1 us per prompt).
+    """
+
+    __slots__ = (
+        "hit_slots",
+        "keys",
+        "last_slots",
+        "namespace_bytes",
+        "num_cached_tokens",
+        "num_skipped",
+        "root",
+        "seed",
+        "states",
+        "token_buffer",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        root: int,
+        seed: int,
+        namespace_bytes: bytes = b"",
+        token_buffer: np.ndarray | None = None,
+    ) -> None:
+        self.tokens = tokens  # int64 [num_tokens]
+        self.root = root  # parent content id of block 0
+        self.seed = seed  # K_{-1} of the key chain
+        self.namespace_bytes = namespace_bytes  # the namespace's encoding
+        self.token_buffer = token_buffer  # int64 [capacity], tokens its first entries, or None
+        self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.num_cached_tokens = 0
+        self.hit_slots: list[np.ndarray] = []  # per group: record slots
+        self.num_skipped: list[int] = []  # per group: null entries first
+        self.last_slots: list[int] = []  # per group: record of block n/bs-1
 
 
 def prompt_keys(
@@ -126,6 +150,21 @@ def find_hits(
         verified = _segment_first(~ok, usable, starts) if has_windows else usable
         cached = _segment_first(~(ok & alive), usable, starts)
         per_group.append((slots, starts, verified, cached, alive))
+    if not has_windows:  # the hit is the longest cached prefix every group serves
+        caps = np.array(limits, dtype=np.int64)
+        for (_, _, _, cached, _), bs in zip(per_group, block_sizes):
+            caps = np.minimum(caps, cached * bs)
+        group_starts = [starts.tolist() for _, starts, _, _, _ in per_group]
+        hits = (caps // align_tokens * align_tokens).tolist()
+        for i, (plan, n) in enumerate(zip(plans, hits)):
+            plan.num_cached_tokens = n
+            plan.num_skipped = [0] * len(per_group)
+            for (slots, *_), starts_g, bs in zip(per_group, group_starts, block_sizes):
+                hi, start = n // bs, starts_g[i]
+                seg = slots[start : start + hi]
+                plan.hit_slots.append(seg)
+                plan.last_slots.append(int(seg[-1]) if hi else -1)
+        return
     for i, plan in enumerate(plans):
         cap = limits[i]
         for (_, _, _, cached, _), bs, window in zip(per_group, block_sizes, windows):
