@@ -1,11 +1,12 @@
-"""Batched prefix lookup: the probe bound, the per-segment scan, and prompt token buffers."""
+"""Batched prefix lookup (the probe bound, the per-segment scan), prompt token buffers, and
+registration state kept per table row."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager, fast_block_keys
 from blocktable.allocator.prefix import _segment_first
 
 
@@ -70,3 +71,27 @@ def test_admitted_prompt_owns_its_tokens() -> None:
     assert (prompt == -1).all()
     assert mgr.num_tokens("a") == 13
     assert mgr.lookup_prefix([*kept.tolist(), 100, 101, 102, 7]) == 12
+
+
+def test_a_reused_row_starts_a_fresh_chain() -> None:
+    """Registration state is kept per table row: a request taking a freed row (here with
+    another namespace) starts from its own root and seed, and its generated blocks get the
+    block keys of its own tokens."""
+    bs = 4
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 64)], max_num_reqs=1)
+    for req_id, namespace, first in (("a", None, 0), ("b", "lora-7", 100)):
+        prompt = list(range(first, first + 10))
+        mgr.add_requests([req_id], [prompt], [namespace])
+        assert mgr.row_of(req_id) == 0
+        mgr.allocate_many([req_id], [10])
+        mgr.mark_computed_many([req_id], [10])
+        generated = [first + 50 + i for i in range(6)]
+        mgr.append_token_ids_many([req_id], [generated])
+        mgr.allocate_many([req_id], [6])
+        mgr.mark_computed_many([req_id], [6])
+        mgr.check_integrity()
+        tokens = prompt + generated
+        blocks = mgr.block_ids(req_id)[0]
+        want = fast_block_keys(tokens, bs, namespace=namespace)
+        assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want
+        mgr.free(req_id)
