@@ -32,6 +32,7 @@ import pstats
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ class PhaseProfile:
         print("\n".join(tops))
 
 
-def run_steps(args: argparse.Namespace) -> dict[str, object]:
+def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     bs = args.block_size
     shared = rng.integers(0, 32000, args.shared_prefix_len)
@@ -134,9 +135,9 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     times: dict[str, list[float]] = {name: [] for name in (*STEP_PHASES, "table_apply")}
     for _ in range(args.num_reqs):  # fill the batch
         prompt = new_prompt()
-        cached = mgr.add_request(next_id, prompt)
-        mgr.allocate(next_id, len(prompt) - cached)
-        mgr.mark_computed(next_id, len(prompt) - cached)
+        hit = mgr.add_request(next_id, prompt)
+        mgr.allocate(next_id, len(prompt) - hit)
+        mgr.mark_computed(next_id, len(prompt) - hit)
         running.append(next_id)
         decode_cursor.append(next_id)
         next_id += 1
@@ -235,7 +236,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
+def run_long_prompt(args: argparse.Namespace) -> dict[str, Any]:
     bs = args.block_size
     num_tokens = args.long_prompt_len
     prompt = np.random.default_rng(args.seed).integers(0, 32000, num_tokens)
@@ -274,7 +275,7 @@ def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
     return {"ms": {name: _stats(v) for name, v in results.items()}}
 
 
-def run_free(args: argparse.Namespace) -> dict[str, object]:
+def run_free(args: argparse.Namespace) -> dict[str, Any]:
     """free_many of 8 finished 2048-token requests (fully computed, half sharing a prefix)."""
     rng = np.random.default_rng(args.seed)
     bs, n = args.block_size, args.arrivals
@@ -282,7 +283,6 @@ def run_free(args: argparse.Namespace) -> dict[str, object]:
     times = []
     mgr = KVCacheManager([AllocatorGroupSpec(bs, 64 * 1024)], 64, hash_fn=args.hash)
     for rep in range(args.free_reps):
-        ids = [(rep, i) for i in range(n)]
         ids = [f"{rep}-{i}" for i in range(n)]
         prompts = [
             np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
@@ -368,7 +368,7 @@ def main() -> None:
             f"hit rate {step['hit_rate']:.3f}"
         )
         print(f"{'phase (us/step)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
-        for name, s in step["us_per_step"].items():  # type: ignore[union-attr]
+        for name, s in step["us_per_step"].items():
             print(f"{name:34s} {s['median']:9.1f} {s['mean']:9.1f} {s['p90']:9.1f}")
     if "long" not in args.skip:
         result["long_prompt"] = long = run_long_prompt(args)
@@ -377,7 +377,7 @@ def main() -> None:
             f"({args.long_reps} reps)"
         )
         print(f"{'case (ms)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
-        for name, s in long["ms"].items():  # type: ignore[union-attr]
+        for name, s in long["ms"].items():
             print(f"{name:34s} {s['median']:9.2f} {s['mean']:9.2f} {s['p90']:9.2f}")
     if "free" not in args.skip:
         result["free"] = free = run_free(args)
@@ -385,7 +385,7 @@ def main() -> None:
         print(
             f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
             f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}"
-        )  # type: ignore[index]
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
