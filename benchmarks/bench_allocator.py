@@ -25,11 +25,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +51,59 @@ STEP_PHASES = (
 )
 
 
-def run_steps(args: argparse.Namespace) -> dict[str, object]:
+class PhaseProfile:
+    """``--profile``: one cProfile per phase of the timed steps, summarised per step.
+
+    Counts what each phase costs in calls: every Python function call, the numpy functions and
+    array methods among them (operators such as ``a + b`` and indexing are not calls and are
+    not counted), and blocktable's own Python functions. Times under the profiler are inflated
+    by its overhead; the counts are exact.
+    """
+
+    def __init__(self) -> None:
+        self.profiles: dict[str, cProfile.Profile] = {}
+        self.active: cProfile.Profile | None = None
+
+    def switch(self, phase: str | None) -> None:
+        if self.active is not None:
+            self.active.disable()
+            self.active = None
+        if phase is not None:
+            self.active = self.profiles.setdefault(phase, cProfile.Profile())
+            self.active.enable()
+
+    def report(self, num_steps: int, top: int = 6) -> None:
+        print(f"\nper phase and step, under cProfile ({num_steps} steps)")
+        print(f"{'phase':18s} {'us (prof.)':>10s} {'calls':>8s} {'numpy':>8s} {'blocktable':>10s}")
+        tops = []
+        for phase, prof in self.profiles.items():
+            stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+            calls = numpy_calls = own_calls = 0
+            rows = []
+            for (filename, _, name), (_, ncalls, tottime, _, _) in stats.items():
+                calls += ncalls
+                if "numpy" in filename or "numpy" in name:
+                    numpy_calls += ncalls
+                if "blocktable" in filename:
+                    own_calls += ncalls
+                    rows.append((tottime, name, ncalls))
+            total = sum(v[2] for v in stats.values())
+            print(
+                f"{phase:18s} {total / num_steps * 1e6:10.0f} {calls / num_steps:8.1f} "
+                f"{numpy_calls / num_steps:8.1f} {own_calls / num_steps:10.1f}"
+            )
+            rows.sort(reverse=True)
+            tops.append(
+                f"  {phase}: "
+                + ", ".join(
+                    f"{n} {t / num_steps * 1e6:.0f} us x{c / num_steps:g}" for t, n, c in rows[:top]
+                )
+            )
+        print("blocktable functions by own time (us per step under the profiler, calls per step):")
+        print("\n".join(tops))
+
+
+def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     bs = args.block_size
     shared = rng.integers(0, 32000, args.shared_prefix_len)
@@ -64,6 +119,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     next_id = 0
     arrivals_made = 0
     batched = args.api == "batched"
+    profile = PhaseProfile() if args.profile else None
 
     def new_prompt() -> list[int] | np.ndarray:
         nonlocal arrivals_made
@@ -79,9 +135,9 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     times: dict[str, list[float]] = {name: [] for name in (*STEP_PHASES, "table_apply")}
     for _ in range(args.num_reqs):  # fill the batch
         prompt = new_prompt()
-        cached = mgr.add_request(next_id, prompt)
-        mgr.allocate(next_id, len(prompt) - cached)
-        mgr.mark_computed(next_id, len(prompt) - cached)
+        hit = mgr.add_request(next_id, prompt)
+        mgr.allocate(next_id, len(prompt) - hit)
+        mgr.mark_computed(next_id, len(prompt) - hit)
         running.append(next_id)
         decode_cursor.append(next_id)
         next_id += 1
@@ -103,23 +159,31 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
         sampled = rng.integers(0, 32000, (len(decoding), bs))
 
         t0 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("free")
         if batched:
             mgr.free_many(finished)
         else:
             for req_id in finished:
                 mgr.free(req_id)
         t1 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("append_token_ids")
         if batched:
             mgr.append_token_ids_many(decoding, sampled)
         else:
             for req_id, tokens in zip(decoding, sampled):
                 mgr.append_token_ids(req_id, tokens)
         t2 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("add_requests")
         if batched:
             cached = mgr.add_requests(new_ids, prompts)
         else:
             cached = [mgr.add_request(r, p) for r, p in zip(new_ids, prompts)]
         t3 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("allocate")
         scheduled = new_ids + decoding
         num_new = [len(p) - c for p, c in zip(prompts, cached)] + [bs] * len(decoding)
         if batched:
@@ -128,16 +192,24 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
             for r, n in zip(scheduled, num_new):
                 mgr.allocate(r, n)
         t4 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("take_step_update")
         update = mgr.take_step_update()
         t5 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("table_apply")
         table.apply(update)
         t6 = clock()
+        if profile is not None and step >= args.warmup:
+            profile.switch("mark_computed")
         if batched:
             mgr.mark_computed_many(scheduled, num_new)
         else:
             for r, n in zip(scheduled, num_new):
                 mgr.mark_computed(r, n)
         t7 = clock()
+        if profile is not None:
+            profile.switch(None)
         t.update(free=t1 - t0, append_token_ids=t2 - t1, add_requests=t3 - t2, allocate=t4 - t3)
         t.update(take_step_update=t5 - t4, table_apply=t6 - t5, mark_computed=t7 - t6)
         running.extend(new_ids)
@@ -146,6 +218,8 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
             for name, ns in t.items():
                 times[name].append(ns / 1e3)
 
+    if profile is not None:
+        profile.report(args.steps)
     mgr.check_integrity()
     for req_id in running:  # the table holds exactly the allocator's blocks
         row = table[0].row(mgr.row_of(req_id))
@@ -162,7 +236,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
+def run_long_prompt(args: argparse.Namespace) -> dict[str, Any]:
     bs = args.block_size
     num_tokens = args.long_prompt_len
     prompt = np.random.default_rng(args.seed).integers(0, 32000, num_tokens)
@@ -201,7 +275,7 @@ def run_long_prompt(args: argparse.Namespace) -> dict[str, object]:
     return {"ms": {name: _stats(v) for name, v in results.items()}}
 
 
-def run_free(args: argparse.Namespace) -> dict[str, object]:
+def run_free(args: argparse.Namespace) -> dict[str, Any]:
     """free_many of 8 finished 2048-token requests (fully computed, half sharing a prefix)."""
     rng = np.random.default_rng(args.seed)
     bs, n = args.block_size, args.arrivals
@@ -209,7 +283,6 @@ def run_free(args: argparse.Namespace) -> dict[str, object]:
     times = []
     mgr = KVCacheManager([AllocatorGroupSpec(bs, 64 * 1024)], 64, hash_fn=args.hash)
     for rep in range(args.free_reps):
-        ids = [(rep, i) for i in range(n)]
         ids = [f"{rep}-{i}" for i in range(n)]
         prompts = [
             np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
@@ -269,6 +342,11 @@ def main() -> None:
         default="wall",
         help="cpu: process CPU time, less disturbed by other loads on a shared host",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="step: per phase, calls per step (all, numpy, blocktable) under cProfile",
+    )
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args()
     global clock
@@ -290,7 +368,7 @@ def main() -> None:
             f"hit rate {step['hit_rate']:.3f}"
         )
         print(f"{'phase (us/step)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
-        for name, s in step["us_per_step"].items():  # type: ignore[union-attr]
+        for name, s in step["us_per_step"].items():
             print(f"{name:34s} {s['median']:9.1f} {s['mean']:9.1f} {s['p90']:9.1f}")
     if "long" not in args.skip:
         result["long_prompt"] = long = run_long_prompt(args)
@@ -299,7 +377,7 @@ def main() -> None:
             f"({args.long_reps} reps)"
         )
         print(f"{'case (ms)':34s} {'median':>9s} {'mean':>9s} {'p90':>9s}")
-        for name, s in long["ms"].items():  # type: ignore[union-attr]
+        for name, s in long["ms"].items():
             print(f"{name:34s} {s['median']:9.2f} {s['mean']:9.2f} {s['p90']:9.2f}")
     if "free" not in args.skip:
         result["free"] = free = run_free(args)
@@ -307,7 +385,7 @@ def main() -> None:
         print(
             f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
             f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}"
-        )  # type: ignore[index]
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

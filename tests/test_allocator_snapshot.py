@@ -62,7 +62,8 @@ def test_full_state_sees_every_kind_of_change() -> None:
     mutations = [
         lambda: mgr.pools[0].ref_counts.__setitem__(3, 7),
         lambda: mgr.pools[0].index.keys.delete(mgr.pools[0].index.keys.items()[0][:1]),
-        lambda: mgr._requests["a"].num_hashed_blocks.__setitem__(0, 0),
+        lambda: mgr._chains.num_hashed[0].__setitem__(mgr.row_of("a"), 0),
+        lambda: mgr._chains.state[4].__setitem__(mgr.row_of("a"), 1),
         lambda: mgr._journal.marks.clear(),
         lambda: setattr(mgr, "_num_hit_tokens", 5),
         lambda: mgr.pools[0].uncached.pop(1),

@@ -48,6 +48,7 @@ MASK64 = _MASK = (1 << 64) - 1
 CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
 _U64 = np.uint64
+_SHIFT33, _FMIX_C1, _FMIX_C2 = _U64(33), _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
 
 
 def sha256_block_hash(data: bytes) -> bytes:
@@ -95,13 +96,13 @@ def fmix64_int(k: int) -> int:
 
 def fmix64(k: np.ndarray) -> np.ndarray:
     """murmur3's 64-bit finalizer, elementwise on a uint64 array (a new array)."""
-    out = k >> _U64(33)
+    out = k >> _SHIFT33
     out ^= k
-    out *= _U64(0xFF51AFD7ED558CCD)
-    shifted = out >> _U64(33)
+    out *= _FMIX_C1
+    shifted = out >> _SHIFT33
     out ^= shifted
-    out *= _U64(0xC4CEB9FE1A85EC53)
-    np.right_shift(out, _U64(33), out=shifted)
+    out *= _FMIX_C2
+    np.right_shift(out, _SHIFT33, out=shifted)
     out ^= shifted
     return out
 

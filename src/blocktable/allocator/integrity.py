@@ -16,7 +16,7 @@ from blocktable.allocator.hashing import (
     encode_namespace,
     namespace_seed,
 )
-from blocktable.allocator.request import RequestState
+from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -48,14 +48,14 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
         if ((owned <= 0) | (owned >= pool.num_blocks)).any():
             fail(f"group {g}: block id out of range in {blocks.tolist()}")
         np.add.at(ref_counts[g], owned, 1)
-        num_hashed = req.num_hashed_blocks[g]
+        num_hashed = int(mgr._chains.num_hashed[g][req.row])
         if not mgr.enable_prefix_caching:
             if num_hashed:
                 fail(f"group {g}: blocks hashed with prefix caching off")
             continue
         if num_hashed != req.num_computed_tokens // bs:
             fail(f"group {g}: {num_hashed} blocks hashed, want every full computed block")
-        _check_keys(req, bs, fail)
+        _check_keys(req, bs, mgr._chains, fail)
         # Every owned full computed block holds its content for the index (as the holder or a
         # duplicate, under exactly its tokens and its parent's content id), unless a colliding
         # key displaced it; blocks past it are not in the index.
@@ -75,17 +75,22 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
             if want_parent is not None and int(index.parent[slot]) != want_parent:
                 fail(f"group {g}: block {b} (index {i}) has another parent in the index")
             prev_slot = slot
-        if num_hashed > skip and prev_slot >= 0 and req.parent_cids[g] != index.cid[prev_slot]:
+        parent_cid = int(mgr._chains.parent_cid[g][req.row])
+        if num_hashed > skip and prev_slot >= 0 and parent_cid != index.cid[prev_slot]:
             fail(f"group {g}: the content id chain does not continue from its last block")
+        if not num_hashed and parent_cid != req.root:
+            fail(f"group {g}: nothing registered, but the parent content id is {parent_cid}")
         rest = blocks[max(num_hashed, skip) :]
         if (pool.record[rest] >= 0).any() or (pool.dup_of[rest] >= 0).any():
             fail(f"group {g}: a block that is not full and computed is in the index")
 
 
-def _check_keys(req: RequestState, bs: int, fail) -> None:  # type: ignore[no-untyped-def]
+def _check_keys(req: RequestState, bs: int, chains: KeyChains, fail) -> None:  # type: ignore[no-untyped-def]
     """The stored prompt keys and the chain state equal a fresh computation from the tokens."""
-    num_keys = req.num_keys[bs]
+    num_keys = int(chains.num_keys[bs][req.row])
     stored = len(req.keys[bs])
+    if stored != req.num_prompt_tokens // bs:
+        fail(f"{stored} prompt keys for block size {bs}, {req.num_prompt_tokens} prompt tokens")
     if num_keys < stored or num_keys > req.num_tokens // bs:
         fail(f"key chain at block {num_keys} for block size {bs}, {stored} stored")
     powers = ChainPowers(bs)
@@ -96,7 +101,7 @@ def _check_keys(req: RequestState, bs: int, fail) -> None:  # type: ignore[no-un
         fail(f"block keys for block size {bs} do not match the tokens")
     if not np.array_equal(states[:stored], req.prompt_states[bs]):
         fail(f"prompt key chain states for block size {bs} do not match the tokens")
-    if num_keys and int(states[-1]) != req.key_states[bs]:
+    if num_keys and int(states[-1]) != int(chains.state[bs][req.row]):
         fail(f"key chain state for block size {bs} does not match the tokens")
 
 

@@ -21,7 +21,6 @@ from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
     ChainPowers,
     HashFn,
-    check_namespace,
     encode_namespace,
     namespace_seed,
     sha256_block_hash,
@@ -32,6 +31,7 @@ from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks
 from blocktable.allocator.request import (
+    KeyChains,
     RequestState,
     TokenIds,
     check_req_id,
@@ -149,6 +149,7 @@ class KVCacheManager:
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._journal = StepJournal(len(groups))
+        self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
         self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
@@ -268,7 +269,9 @@ class KVCacheManager:
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         pending: dict[bytes, tuple[int, int]] = {}
         plans = [
-            self._new_plan(f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending)
+            self._new_plan(
+                f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending, keep=True
+            )
             for r, p, ns in zip(req_ids, prompts, cache_namespaces)
         ]
         if len(req_ids) > self._rows.num_free:
@@ -294,20 +297,22 @@ class KVCacheManager:
     def _admit(
         self, req_id: ReqId, plan: PromptPlan, namespace: object, shared: list[list[np.ndarray]]
     ) -> RequestState:
-        ns_bytes = encode_namespace(namespace)
         tokens = plan.tokens
         req = RequestState(
-            req_id, tokens, namespace, ns_bytes, plan.root, len(self.pools), plan.seed
+            req_id, tokens, namespace, plan.namespace_bytes, plan.root, len(self.pools), plan.seed
         )
+        if plan.token_buffer is not None:
+            req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
         req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
-        req.row = self._rows.take(req)
-        self._journal.touch(req.row, None)
+        req.row = row = self._rows.take(req)
+        self._journal.touch(row, None)
+        chains = self._chains
+        chains.start(row, plan.root)
         if self.enable_prefix_caching:
             for bs, keys in plan.keys.items():
                 req.keys[bs] = keys
                 req.prompt_states[bs] = plan.states[bs]
-                req.num_keys[bs] = len(keys)
-                req.key_states[bs] = int(plan.states[bs][-1]) if len(keys) else plan.seed
+                chains.set(row, bs, len(keys), int(plan.states[bs][-1]) if len(keys) else plan.seed)
         n = plan.num_cached_tokens
         req.num_computed_tokens = n
         if n:
@@ -316,16 +321,16 @@ class KVCacheManager:
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
                 if skip:
-                    row = np.empty(skip + len(blocks), dtype=np.int32)
-                    row[:skip] = NULL_BLOCK_ID
-                    row[skip:] = blocks
-                    req.set_blocks(g, row)
+                    with_nulls = np.empty(skip + len(blocks), dtype=np.int32)
+                    with_nulls[:skip] = NULL_BLOCK_ID
+                    with_nulls[skip:] = blocks
+                    req.set_blocks(g, with_nulls)
                 else:
                     req.set_blocks(g, blocks)  # a new array (the gather), only read by share
                 req.num_skipped_blocks[g] = skip
-                req.num_hashed_blocks[g] = n // bs
                 last = plan.last_slots[g]
-                req.parent_cids[g] = int(pool.index.cid[last])
+                chains.num_hashed[g][row] = n // bs
+                chains.parent_cid[g][row] = pool.index.cid[last]
                 if self.byte_hash_fn is not None:
                     req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
             self._update_num_slots(req)
@@ -585,7 +590,7 @@ class KVCacheManager:
         req.num_computed_tokens += count  # the same as mark_computed_many, for one request
         if self.enable_prefix_caching:
             register_computed_blocks(
-                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -619,7 +624,7 @@ class KVCacheManager:
             req.num_computed_tokens += count
         if self.enable_prefix_caching:
             register_computed_blocks(
-                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn
+                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -693,6 +698,7 @@ class KVCacheManager:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         child = parent.fork(child_id)
         child.row = self._rows.take(child)
+        self._chains.copy_row(parent.row, child.row)
         self._journal.touch(child.row, None)
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
@@ -724,10 +730,10 @@ class KVCacheManager:
             pool.reset_cache()
         for req in self._requests.values():
             for g, pool in enumerate(self.pools):
-                if req.num_hashed_blocks[g]:
+                if self._chains.num_hashed[g][req.row]:
                     # Its blocks all left a window: the parent's record is gone, so later
                     # blocks chain to a content id no record has (never findable, never wrong).
-                    req.parent_cids[g] = pool.index.next_cid
+                    self._chains.parent_cid[g][req.row] = pool.index.next_cid
                     pool.index.next_cid += 1
         return True
 
@@ -819,16 +825,16 @@ class KVCacheManager:
 
     def _namespace(
         self, namespace: object, pending: dict[bytes, tuple[int, int]]
-    ) -> tuple[int, int]:
-        """``(root content id, key seed)`` of a namespace; a new one is added to ``pending``
-        (interned only when a request with it is admitted, so rejected calls change nothing)."""
-        check_namespace(namespace)
-        encoded = encode_namespace(namespace)
+    ) -> tuple[int, int, bytes]:
+        """``(root content id, key seed, encoding)`` of a namespace; a new one is added to
+        ``pending`` (interned only when a request with it is admitted, so rejected calls
+        change nothing)."""
+        encoded = encode_namespace(namespace)  # checks it
         found = self._namespaces.get(encoded) or pending.get(encoded)
         if found is None:
             found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
             pending[encoded] = found
-        return found
+        return found[0], found[1], encoded
 
     def _new_plan(
         self,
@@ -837,15 +843,24 @@ class KVCacheManager:
         namespace: object,
         who: str,
         pending: dict[bytes, tuple[int, int]],
+        *,
+        keep: bool = False,
     ) -> PromptPlan:
+        """The plan of one prompt; ``keep``: its tokens go to a new buffer with room for the
+        tokens a request generates (admission), so its first appends copy nothing."""
         tokens = token_array(name, prompt)
-        if not len(tokens):
+        num_tokens = len(tokens)
+        if not num_tokens:
             raise ValueError(f"{name} is empty")
+        self._check_model_len(who, "prompt", num_tokens)
+        root, seed, encoded = self._namespace(namespace, pending)
+        if keep:
+            buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
+            buffer[:num_tokens] = tokens  # the caller's array stays the caller's
+            return PromptPlan(buffer[:num_tokens], root, seed, encoded, buffer)
         if not isinstance(prompt, (list, tuple)):
             tokens = tokens.copy()  # the caller's array stays the caller's
-        self._check_model_len(who, "prompt", len(tokens))
-        root, seed = self._namespace(namespace, pending)
-        return PromptPlan(tokens, root, seed)
+        return PromptPlan(tokens, root, seed, encoded)
 
     def _find(self, plans: list[PromptPlan]) -> None:
         if not self.enable_prefix_caching:

@@ -17,8 +17,7 @@ caps a full-attention group's hit below what both can serve.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,19 +28,45 @@ from blocktable.allocator.pool import BlockPool
 _U64 = np.uint64
 
 
-@dataclass
 class PromptPlan:
-    """One prompt's tokens, keys and cache hit, found without side effects."""
+    """One prompt's tokens, keys and cache hit, found without side effects.
 
-    tokens: np.ndarray  # int64 [num_tokens]
-    root: int  # parent content id of block 0
-    seed: int  # K_{-1} of the key chain
-    keys: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
-    states: dict[int, np.ndarray] = field(default_factory=dict)  # block size -> uint64 [full]
-    num_cached_tokens: int = 0
-    hit_slots: list[np.ndarray] = field(default_factory=list)  # per group: record slots
-    num_skipped: list[int] = field(default_factory=list)  # per group: null entries first
-    last_slots: list[int] = field(default_factory=list)  # per group: record of block n/bs-1
+    A plain class with slots (a dataclass with default factories costs ~1 us per prompt).
+    """
+
+    __slots__ = (
+        "hit_slots",
+        "keys",
+        "last_slots",
+        "namespace_bytes",
+        "num_cached_tokens",
+        "num_skipped",
+        "root",
+        "seed",
+        "states",
+        "token_buffer",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        root: int,
+        seed: int,
+        namespace_bytes: bytes = b"",
+        token_buffer: np.ndarray | None = None,
+    ) -> None:
+        self.tokens = tokens  # int64 [num_tokens]
+        self.root = root  # parent content id of block 0
+        self.seed = seed  # K_{-1} of the key chain
+        self.namespace_bytes = namespace_bytes  # the namespace's encoding
+        self.token_buffer = token_buffer  # int64 [capacity], tokens its first entries, or None
+        self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
+        self.num_cached_tokens = 0
+        self.hit_slots: list[np.ndarray] = []  # per group: record slots
+        self.num_skipped: list[int] = []  # per group: null entries first
+        self.last_slots: list[int] = []  # per group: record of block n/bs-1
 
 
 def prompt_keys(
@@ -60,18 +85,31 @@ def prompt_keys(
             plan.states[bs] = states[end - count : end]
 
 
-def _segment_first(fail: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per segment (``lengths``, int64), the local index of its first True, else its length."""
-    n = len(fail)
-    out = lengths.copy()
-    if not n:
-        return out
-    starts = np.cumsum(lengths) - lengths
-    local = np.arange(n) - np.repeat(starts, lengths)
-    first = np.where(fail, local, n)
-    nonempty = lengths > 0
-    out[nonempty] = np.minimum(np.minimum.reduceat(first, starts[nonempty]), lengths[nonempty])
-    return out
+def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per segment (``lengths`` and ``starts`` into ``fail``, int64), the local index of its
+    first True, else its length."""
+    at = np.flatnonzero(fail)
+    if not len(at):
+        return lengths
+    # the first True at or after each start (clamped: past the last True it is before it)
+    first = at[np.minimum(np.searchsorted(at, starts), len(at) - 1)] - starts
+    return np.where(first < 0, lengths, np.minimum(first, lengths))
+
+
+def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int]) -> int:
+    """Blocks of a prompt worth looking up: ``num_blocks``, or fewer when a key is not filed.
+
+    A block can be served (or verified) only when its key is filed, so the first absent key
+    found bounds the prompt's hit. Keys ``0, 8, 16, 32, ...`` are probed one by one (a scalar
+    probe costs less than a numpy call), so the batched lookup reads at most about twice the
+    hit's keys (or 8) instead of the whole prompt's.
+    """
+    probe = 0
+    while probe < num_blocks:
+        if get_one(int(keys[probe])) < 0:
+            return probe
+        probe = 2 * probe if probe else 8
+    return num_blocks
 
 
 def find_hits(
@@ -86,14 +124,13 @@ def find_hits(
     has_windows = any(w is not None for w in windows)  # else only `cached` is needed
     per_group = []
     for pool, bs in zip(pools, block_sizes):
-        usable = np.array([lim // bs for lim in limits], dtype=np.int64)
-        # a prompt whose first block is not filed has no hit: look up only the others' keys
-        candidates = np.flatnonzero(usable)
-        if len(candidates):
-            firsts = pool.index.find(
-                np.array([plans[j].keys[bs][0] for j in candidates.tolist()], dtype=_U64)
-            )
-            usable[candidates[firsts < 0]] = 0
+        usable = np.array(
+            [
+                _key_bound(p.keys[bs], lim // bs, pool.index.keys.get_one)
+                for p, lim in zip(plans, limits)
+            ],
+            dtype=np.int64,
+        )
         keys = np.concatenate([p.keys[bs][:u] for p, u in zip(plans, usable.tolist())])
         slots = pool.index.find(keys)
         tokens = np.concatenate(
@@ -110,9 +147,24 @@ def find_hits(
         ok = (slots >= 0) & (index.parent[safe] == expected_parent)
         ok &= (index.tokens[safe] == tokens).all(axis=1)
         alive = index.holder[safe] != 0
-        verified = _segment_first(~ok, usable) if has_windows else usable
-        cached = _segment_first(~(ok & alive), usable)
+        verified = _segment_first(~ok, usable, starts) if has_windows else usable
+        cached = _segment_first(~(ok & alive), usable, starts)
         per_group.append((slots, starts, verified, cached, alive))
+    if not has_windows:  # the hit is the longest cached prefix every group serves
+        caps = np.array(limits, dtype=np.int64)
+        for (_, _, _, cached, _), bs in zip(per_group, block_sizes):
+            caps = np.minimum(caps, cached * bs)
+        group_starts = [starts.tolist() for _, starts, _, _, _ in per_group]
+        hits = (caps // align_tokens * align_tokens).tolist()
+        for i, (plan, n) in enumerate(zip(plans, hits)):
+            plan.num_cached_tokens = n
+            plan.num_skipped = [0] * len(per_group)
+            for (slots, *_), starts_g, bs in zip(per_group, group_starts, block_sizes):
+                hi, start = n // bs, starts_g[i]
+                seg = slots[start : start + hi]
+                plan.hit_slots.append(seg)
+                plan.last_slots.append(int(seg[-1]) if hi else -1)
+        return
     for i, plan in enumerate(plans):
         cap = limits[i]
         for (_, _, _, cached, _), bs, window in zip(per_group, block_sizes, windows):

@@ -3,7 +3,10 @@
 Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
 (generated tokens) are computed here from each request's key chain state, for every request of
 the call in one :func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files
-all its new blocks with one :meth:`BlockPool.cache` call.
+all its new blocks with one :meth:`BlockPool.cache` call. Where each request's registration
+stands (blocks registered, parent content id, key chain state) lives in
+:class:`~blocktable.allocator.request.KeyChains`, arrays indexed by table row, read and written
+for all requests of a call with one gather and one scatter.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from blocktable.allocator.hashing import (
     fmix64_int,
 )
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.request import RequestState
+from blocktable.allocator.request import KeyChains, RequestState
 
 _U64 = np.uint64
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
 def _segment_keys(
-    segments: list[Segment], bs: int, powers: ChainPowers
+    segments: list[Segment], bs: int, powers: ChainPowers, chains: KeyChains
 ) -> tuple[list[Segment], np.ndarray]:
     """The segments reordered (prompt blocks first) and their keys, concatenated (uint64).
 
@@ -41,30 +44,33 @@ def _segment_keys(
     stored: list[Segment] = []
     fresh: list[Segment] = []
     for seg in segments:
-        (stored if seg[2] <= len(seg[0].keys[bs]) else fresh).append(seg)
+        (stored if seg[2] <= seg[0].num_prompt_tokens // bs else fresh).append(seg)
     parts = [req.keys[bs][first:stop] for req, first, stop in stored]
     if fresh:
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
         tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in fresh])
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        starts = np.array([_state_before(req, first, bs) for req, first, _ in fresh], dtype=_U64)
+        starts = np.array(
+            [_state_before(req, first, bs, chains) for req, first, _ in fresh], dtype=_U64
+        )
         keys, states = chain_keys(hashes, lengths, starts, powers)
-        for (req, _, stop), state in zip(fresh, states[np.cumsum(lengths) - 1].tolist()):
-            req.num_keys[bs] = stop
-            req.key_states[bs] = state
+        rows = np.array([req.row for req, _, _ in fresh], dtype=np.int64)
+        chains.num_keys[bs][rows] = [stop for _, _, stop in fresh]
+        chains.state[bs][rows] = states[np.cumsum(lengths) - 1]
         parts.append(keys)
     return stored + fresh, parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _state_before(req: RequestState, first: int, bs: int) -> int:
+def _state_before(req: RequestState, first: int, bs: int, chains: KeyChains) -> int:
     """The key chain state after block ``first - 1`` (the namespace seed for ``first == 0``)."""
     if first == 0:
         return req.seed
     if first <= len(req.prompt_states[bs]):
         return int(req.prompt_states[bs][first - 1])
-    if first != req.num_keys[bs]:
-        raise AssertionError(f"key chain of request {req.req_id!r} is at {req.num_keys[bs]}")
-    return req.key_states[bs]
+    num_keys = int(chains.num_keys[bs][req.row])
+    if first != num_keys:
+        raise AssertionError(f"key chain of request {req.req_id!r} is at {num_keys}")
+    return int(chains.state[bs][req.row])
 
 
 def register_computed_blocks(
@@ -73,42 +79,45 @@ def register_computed_blocks(
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
     byte_hash_fn: HashFn | None,
+    chains: KeyChains,
 ) -> None:
-    """File every full computed block of ``reqs`` not filed yet, in every group."""
+    """File every full computed block of ``reqs`` not filed yet, in every group (``chains``:
+    where each request's key chain stands, moved to the last block keyed)."""
     if len(reqs) == 1 and byte_hash_fn is None:
         req = reqs[0]
         counts = [
-            req.num_computed_tokens // bs - req.num_hashed_blocks[g]
+            req.num_computed_tokens // bs - int(chains.num_hashed[g][req.row])
             for g, bs in enumerate(block_sizes)
         ]
         if max(counts) <= 1:  # a decode step filled at most one block per group
-            _register_one_block(req, counts, pools, block_sizes, powers)
+            _register_one_block(req, counts, pools, block_sizes, powers, chains)
             return
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
         if len(groups) == 1:
-            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn)
+            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn, chains)
             continue
         union = []
         for req in reqs:
-            hashed = req.num_hashed_blocks
-            first = min(hashed[g] for g in groups)
+            first = min(int(chains.num_hashed[g][req.row]) for g in groups)
             stop = req.num_computed_tokens // bs
             if stop > first:
                 union.append((req, first, stop))
         if not union:
             continue
-        union, keys = _segment_keys(union, bs, powers[bs])
+        union, keys = _segment_keys(union, bs, powers[bs], chains)
         offsets = np.cumsum([0] + [stop - first for _, first, stop in union]).tolist()
         for g in groups:
             segments, parts = [], []
             for (req, first, stop), offset in zip(union, offsets):
-                first_g = req.num_hashed_blocks[g]
+                first_g = int(chains.num_hashed[g][req.row])
                 if stop > first_g:
                     segments.append((req, first_g, stop))
                     parts.append(keys[offset + first_g - first : offset + stop - first])
             if segments:
-                _cache_segments(pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn)
+                _cache_segments(
+                    pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn, chains
+                )
 
 
 def _register_group(
@@ -118,98 +127,103 @@ def _register_group(
     bs: int,
     powers: ChainPowers,
     byte_hash_fn: HashFn | None,
+    chains: KeyChains,
 ) -> None:
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
     in one pass over the requests: each request's tokens and block ids are sliced once.
 
     Segments whose keys were stored at admission (prompt blocks) come first, then the others,
-    keyed here in one :func:`chain_keys` pass.
+    keyed here in one :func:`chain_keys` pass. Registration counts, parents and key chains are
+    read and written for all segments at once (``chains``, indexed by row).
     """
-    # Per segment: request, stop block, length, parent content id, token ids, block ids, and
-    # its keys (stored segments) or the key chain state before it (fresh ones). One tuple per
-    # segment, unzipped after the loop: cheaper than a list append per field.
+    num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
+    if len(reqs) == 1:
+        firsts = [int(num_hashed[reqs[0].row])]
+    else:
+        firsts = num_hashed[[req.row for req in reqs]].tolist()
+    # Per segment: request, stop block, length, row, token ids, block ids, and its keys
+    # (stored segments) or its first block (fresh ones). One tuple per segment, unzipped after
+    # the loop: cheaper than a list append per field.
     stored: list[tuple] = []
     fresh: list[tuple] = []
-    for req in reqs:
-        first = req.num_hashed_blocks[g]
+    for req, first in zip(reqs, firsts):
         stop = req.num_computed_tokens // bs
         if stop <= first:
             continue
-        keys = req.keys[bs]
         seg = (
             req,
             stop,
             stop - first,
-            req.parent_cids[g],
+            req.row,
             req.tokens[first * bs : stop * bs],
             req.block_buf[g][first:stop],
         )
-        if stop <= len(keys):
-            stored.append((*seg, keys[first:stop]))
+        if stop <= req.num_prompt_tokens // bs:
+            stored.append((*seg, req.keys[bs][first:stop]))
         else:
-            state = (
-                req.key_states[bs] if first == req.num_keys[bs] else _state_before(req, first, bs)
-            )
-            fresh.append((*seg, state))
+            fresh.append((*seg, first))
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
         if segments:
-            segments, keys = _segment_keys(segments, bs, powers)
-            _cache_segments(pool, g, bs, segments, keys, byte_hash_fn)
+            segments, keys = _segment_keys(segments, bs, powers, chains)
+            _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains)
         return
     seg_reqs: list[RequestState] = []
     stops: list[int] = []
     lengths: list[int] = []
-    parents: list[int] = []
+    rows: list[int] = []
     token_parts: list[np.ndarray] = []
     id_parts: list[np.ndarray] = []
     key_parts: list[np.ndarray] = []
     if stored:
-        seg_reqs, stops, lengths, parents, token_parts, id_parts, key_parts = map(
-            list, zip(*stored)
-        )
+        seg_reqs, stops, lengths, rows, token_parts, id_parts, key_parts = map(list, zip(*stored))
     if fresh:
-        f_reqs, f_stops, f_lengths, f_parents, f_tokens, f_ids, starts = zip(*fresh)
+        f_reqs, f_stops, f_lengths, f_rows, f_tokens, f_ids, f_firsts = zip(*fresh)
         tokens = f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens)
         fresh_len = np.array(f_lengths, dtype=np.int64)
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        keys, states = chain_keys(hashes, fresh_len, np.array(starts, dtype=_U64), powers)
-        last = states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
-        for req, stop, state in zip(f_reqs, f_stops, last.tolist()):
-            req.num_keys[bs] = stop
-            req.key_states[bs] = state
+        fresh_rows = np.array(f_rows, dtype=np.int64)
+        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
+        starts = chain_state[fresh_rows]
+        # usually each chain stands where its segment starts; else the segment starts inside
+        # the prompt (its stored states) or the chain is broken (an error)
+        for i in np.flatnonzero(num_keys[fresh_rows] != f_firsts).tolist():
+            starts[i] = _state_before(f_reqs[i], f_firsts[i], bs, chains)
+        keys, states = chain_keys(hashes, fresh_len, starts, powers)
+        num_keys[fresh_rows] = f_stops
+        chain_state[fresh_rows] = (
+            states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
+        )
         key_parts.append(keys)
         token_parts.append(tokens)
         id_parts += f_ids
         seg_reqs += f_reqs
         stops += f_stops
         lengths += f_lengths
-        parents += f_parents
+        rows += f_rows
     if not seg_reqs:
         return
     ends: np.ndarray | None = None
     if len(lengths) == 1:  # one request (a prompt chunk)
         parent_ids = np.zeros(lengths[0], dtype=np.int64)  # 0: the previous entry's content
-        parent_ids[0] = parents[0]
+        parent_ids[0] = parent_cid[rows[0]]
     else:
+        seg_rows = np.array(rows, dtype=np.int64)
         ends = np.cumsum(lengths)
         parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
-        parent_ids[ends - np.array(lengths)] = parents
+        parent_ids[ends - np.array(lengths)] = parent_cid[seg_rows]
     cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
         (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
         parent_ids,
     )
-    if len(cids) == len(seg_reqs):
-        last_cids = cids.tolist()
-    elif ends is None:
-        last_cids = [int(cids[-1])]
+    if ends is None:
+        parent_cid[rows[0]] = cids[-1]
+        num_hashed[rows[0]] = stops[0]
     else:
-        last_cids = cids[ends - 1].tolist()
-    for req, stop, cid in zip(seg_reqs, stops, last_cids):
-        req.parent_cids[g] = cid
-        req.num_hashed_blocks[g] = stop
+        parent_cid[seg_rows] = cids if len(cids) == len(seg_reqs) else cids[ends - 1]
+        num_hashed[seg_rows] = stops
 
 
 def _cache_segments(
@@ -219,6 +233,7 @@ def _cache_segments(
     segments: list[Segment],
     keys: np.ndarray,
     byte_hash_fn: HashFn | None,
+    chains: KeyChains,
     block_ids: np.ndarray | None = None,
     tokens: np.ndarray | None = None,
 ) -> None:
@@ -241,7 +256,9 @@ def _cache_segments(
         seg_starts.append(end)
         end += stop - first
         ends.append(end)
-    parents[seg_starts] = [req.parent_cids[g] for req, _, _ in segments]
+    parent_cid, num_hashed = chains.parent_cid[g], chains.num_hashed[g]
+    rows = np.array([req.row for req, _, _ in segments], dtype=np.int64)
+    parents[seg_starts] = parent_cid[rows]
     hashes = None
     if byte_hash_fn is not None:
         hashes = []
@@ -256,11 +273,10 @@ def _cache_segments(
                 byte_hash_fn,
             )
     cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
-    last_cids = (cids if len(cids) == len(segments) else cids[np.array(ends) - 1]).tolist()
-    for (req, _, stop), end, cid in zip(segments, ends, last_cids):
-        req.parent_cids[g] = cid
-        req.num_hashed_blocks[g] = stop
-        if hashes is not None:
+    parent_cid[rows] = cids if len(cids) == len(segments) else cids[np.array(ends) - 1]
+    num_hashed[rows] = [stop for _, _, stop in segments]
+    if hashes is not None:
+        for (req, _, _), end in zip(segments, ends):
             req.parent_hashes[g] = hashes[end - 1]
 
 
@@ -270,6 +286,7 @@ def _register_one_block(
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
+    chains: KeyChains,
 ) -> None:
     """:func:`register_computed_blocks` of one request's one new block per group, in plain
     Python (a few numpy calls cost more than hashing one block's tokens one by one)."""
@@ -277,23 +294,25 @@ def _register_one_block(
     for g, (pool, bs) in enumerate(zip(pools, block_sizes)):
         if not counts[g]:
             continue
-        i = req.num_hashed_blocks[g]
+        i = int(chains.num_hashed[g][req.row])
         key = keys.get(bs)
         if key is None:
-            if i < len(req.keys[bs]):
+            if i < req.num_prompt_tokens // bs:
                 key = int(req.keys[bs][i])
             else:
-                state = _state_before(req, i, bs)
+                state = _state_before(req, i, bs, chains)
                 h = 0
                 for t in req.tokens[i * bs : (i + 1) * bs].tolist():
                     h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
                 state = (state * powers[bs].block_base + h) & MASK64
-                req.num_keys[bs] = i + 1
-                req.key_states[bs] = state
+                chains.set(req.row, bs, i + 1, state)
                 key = fmix64_int(state)
             keys[bs] = key
         cid = pool.cache_one(
-            int(req.block_buf[g][i]), key, req.tokens[i * bs : (i + 1) * bs], req.parent_cids[g]
+            int(req.block_buf[g][i]),
+            key,
+            req.tokens[i * bs : (i + 1) * bs],
+            int(chains.parent_cid[g][req.row]),
         )
-        req.parent_cids[g] = cid
-        req.num_hashed_blocks[g] = i + 1
+        chains.parent_cid[g][req.row] = cid
+        chains.num_hashed[g][req.row] = i + 1

@@ -68,29 +68,25 @@ class RequestState:
     int32 buffer ``block_buf[g]``, manager block ids, logical block ``j`` at index ``j``
     (batched calls slice and concatenate these arrays, so a free or a step's journal is a few
     array operations); entries of sliding-window groups that left the window hold
-    ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). The first
-    ``num_hashed_blocks[g]`` blocks are full, computed and registered in the prefix index (when
-    caching is on); ``parent_cids[g]`` is the content id of the last of them (the parent of the
-    next one), ``parent_hashes[g]`` its byte-chained hash (only kept with byte hashes).
-    ``keys[bs]`` and ``prompt_states[bs]`` are the block keys and key chain states of the
-    prompt's full blocks for block size ``bs`` (computed at admission, read-only);
-    ``key_states[bs]`` is the chain state after block ``num_keys[bs] - 1`` once blocks past the
-    prompt were keyed (they are keyed when registered, from that state).
+    ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). How many
+    blocks are registered in the prefix index and where the key chain stands are kept per row
+    in the manager's :class:`KeyChains`; ``parent_hashes[g]`` is the byte-chained hash of the
+    last registered block of group ``g`` (only kept with byte hashes). ``keys[bs]`` and
+    ``prompt_states[bs]`` are the block keys and key chain states of the prompt's full blocks
+    for block size ``bs`` (computed at admission, read-only; the first
+    ``num_prompt_tokens // bs`` blocks).
     """
 
     __slots__ = (
         "block_buf",
-        "key_states",
         "keys",
         "namespace",
         "namespace_bytes",
         "num_computed_tokens",
-        "num_hashed_blocks",
-        "num_keys",
+        "num_prompt_tokens",
         "num_skipped_blocks",
         "num_slots",
         "num_tokens",
-        "parent_cids",
         "parent_hashes",
         "prompt_states",
         "req_id",
@@ -124,13 +120,10 @@ class RequestState:
         self.block_buf = [_EMPTY_ROW] * num_groups  # on cpu, int32 [capacity] per group
         self.row_len = [0] * num_groups  # manager blocks in the row of each group
         self.num_skipped_blocks = [0] * num_groups
-        self.num_hashed_blocks = [0] * num_groups
-        self.parent_cids = [root] * num_groups
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
-        self.num_keys: dict[int, int] = {}
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
-        self.key_states: dict[int, int] = {}
+        self.num_prompt_tokens = len(tokens)  # tokens at admission (keys[bs] covers them)
 
     def blocks(self, group: int) -> np.ndarray:
         """The row of ``group``: int32 ``[row_len[group]]``, a view of the buffer."""
@@ -182,11 +175,51 @@ class RequestState:
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_skipped_blocks = list(self.num_skipped_blocks)
-        child.num_hashed_blocks = list(self.num_hashed_blocks)
-        child.parent_cids = list(self.parent_cids)
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
         child.prompt_states = dict(self.prompt_states)
-        child.num_keys = dict(self.num_keys)
-        child.key_states = dict(self.key_states)
+        child.num_prompt_tokens = self.num_prompt_tokens
         return child
+
+
+class KeyChains:
+    """Where each request's registration stands, per table row (all on cpu).
+
+    For the request holding ``row``: per group ``g``, its first ``num_hashed[g][row]`` blocks
+    are full, computed and registered in the prefix index, and ``parent_cid[g][row]`` is the
+    content id of the last of them (the parent of the next one; the namespace's root id when
+    none is). Per block size ``bs``, ``num_keys[bs][row]`` blocks are keyed and
+    ``state[bs][row]`` is the key chain state ``K`` after the last of them (the namespace
+    seed when none is).
+
+    Kept in arrays indexed by the row rather than on each request, so a step's registration
+    reads and writes them for all its requests with one gather and one scatter each, instead
+    of touching a list or dictionary of every request (cold cache lines, at a thousand
+    running requests).
+    """
+
+    def __init__(self, num_rows: int, block_sizes: Sequence[int]) -> None:
+        sizes = sorted(set(block_sizes))
+        self.num_hashed = [np.zeros(num_rows, dtype=np.int64) for _ in block_sizes]  # [rows]
+        self.parent_cid = [np.zeros(num_rows, dtype=np.int64) for _ in block_sizes]  # [rows]
+        self.num_keys = {bs: np.zeros(num_rows, dtype=np.int64) for bs in sizes}  # [num_rows]
+        self.state = {bs: np.zeros(num_rows, dtype=np.uint64) for bs in sizes}  # [num_rows]
+
+    def start(self, row: int, root: int) -> None:
+        """A request takes ``row``: nothing registered yet, every group's parent is ``root``."""
+        for num_hashed, parent_cid in zip(self.num_hashed, self.parent_cid):
+            num_hashed[row] = 0
+            parent_cid[row] = root
+
+    def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
+        self.num_keys[bs][row] = num_keys
+        self.state[bs][row] = state
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` continues the chains of row ``src`` (a fork)."""
+        for num_hashed, parent_cid in zip(self.num_hashed, self.parent_cid):
+            num_hashed[dst] = num_hashed[src]
+            parent_cid[dst] = parent_cid[src]
+        for bs in self.num_keys:
+            self.num_keys[bs][dst] = self.num_keys[bs][src]
+            self.state[bs][dst] = self.state[bs][src]

@@ -1,0 +1,97 @@
+"""Batched prefix lookup (the probe bound, the per-segment scan), prompt token buffers, and
+registration state kept per table row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager, fast_block_keys
+from blocktable.allocator.prefix import _segment_first
+
+
+def _segment_first_reference(fail: list[bool], lengths: list[int]) -> list[int]:
+    out, start = [], 0
+    for n in lengths:
+        seg = fail[start : start + n]
+        out.append(seg.index(True) if True in seg else n)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_segment_first_matches_a_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 6, rng.integers(1, 8)).astype(np.int64)
+    fail = rng.random(int(lengths.sum())) < rng.choice([0.0, 0.2, 0.7, 1.0])
+    starts = np.cumsum(lengths) - lengths
+    got = _segment_first(fail, lengths, starts)
+    assert got.tolist() == _segment_first_reference(fail.tolist(), lengths.tolist())
+
+
+@pytest.mark.parametrize("num_cached_blocks", [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 40])
+def test_hits_of_every_length_in_one_batched_call(num_cached_blocks: int) -> None:
+    """Hits ending just before, at and after the keys the lookup probes one by one (0, 8, 16,
+    32) are found whole, for several prompts in one call: the bound never cuts a hit."""
+    bs = 4
+    rng = np.random.default_rng(num_cached_blocks)
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 512)], max_num_reqs=16)
+    base = rng.integers(0, 1000, 48 * bs)
+    mgr.add_request("base", base)
+    mgr.allocate("base", len(base))
+    mgr.mark_computed("base", len(base))
+    # prompts sharing num_cached_blocks (or fewer) blocks with base, then diverging
+    prompts, expected = [], []
+    for shared in (num_cached_blocks, num_cached_blocks // 2, 0):
+        tail = rng.integers(1000, 2000, 5 * bs + 3)
+        prompts.append(np.concatenate((base[: shared * bs], tail)))
+        expected.append(shared * bs)
+    prompts.append(base[: num_cached_blocks * bs + 1])  # the whole prefix but its last token
+    expected.append(num_cached_blocks * bs)
+    assert [mgr.lookup_prefix(p) for p in prompts] == expected
+    got = mgr.add_requests([f"r{i}" for i in range(len(prompts))], prompts)
+    assert got == expected
+    mgr.check_integrity()
+
+
+def test_admitted_prompt_owns_its_tokens() -> None:
+    """Admission copies a prompt into the request's own buffer (with room for generated
+    tokens): the caller's array is neither aliased nor written by later appends."""
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], max_num_reqs=2)
+    prompt = np.arange(10, dtype=np.int64)
+    kept = prompt.copy()
+    mgr.add_requests(["a"], [prompt])
+    prompt[:] = -1  # the caller reuses its array
+    mgr.allocate("a", 10)
+    mgr.mark_computed("a", 10)
+    mgr.append_token_ids_many(["a"], np.array([[100, 101, 102]]))
+    mgr.allocate("a", 3)
+    mgr.mark_computed("a", 3)
+    mgr.check_integrity()
+    assert (prompt == -1).all()
+    assert mgr.num_tokens("a") == 13
+    assert mgr.lookup_prefix([*kept.tolist(), 100, 101, 102, 7]) == 12
+
+
+def test_a_reused_row_starts_a_fresh_chain() -> None:
+    """Registration state is kept per table row: a request taking a freed row (here with
+    another namespace) starts from its own root and seed, and its generated blocks get the
+    block keys of its own tokens."""
+    bs = 4
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 64)], max_num_reqs=1)
+    for req_id, namespace, first in (("a", None, 0), ("b", "lora-7", 100)):
+        prompt = list(range(first, first + 10))
+        mgr.add_requests([req_id], [prompt], [namespace])
+        assert mgr.row_of(req_id) == 0
+        mgr.allocate_many([req_id], [10])
+        mgr.mark_computed_many([req_id], [10])
+        generated = [first + 50 + i for i in range(6)]
+        mgr.append_token_ids_many([req_id], [generated])
+        mgr.allocate_many([req_id], [6])
+        mgr.mark_computed_many([req_id], [6])
+        mgr.check_integrity()
+        tokens = prompt + generated
+        blocks = mgr.block_ids(req_id)[0]
+        want = fast_block_keys(tokens, bs, namespace=namespace)
+        assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want
+        mgr.free(req_id)
