@@ -28,6 +28,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class Breakdown:
     """
 
     # piece -> its parent piece ("" for the table's top level)
-    PIECES = {
+    PIECES: ClassVar[dict[str, str]] = {
         "take_step_update": "",
         "journal.take": "take_step_update",
         "host_views": "",
