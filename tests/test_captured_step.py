@@ -128,6 +128,83 @@ def test_random_steps_match_apply_commit_slot_mapping(backend, max_pairs, seed, 
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
+def staged_run(step: CapturedStep, update: StepUpdate, qsl: np.ndarray, positions: np.ndarray,
+               rows: np.ndarray, seq_lens: np.ndarray):
+    """The batch written into the step's staging views, then ``run_staged``."""
+    batch = step.batch_views()
+    n, t = len(qsl) - 1, len(positions)
+    batch.query_start_loc[: n + 1] = qsl
+    batch.positions[:t] = positions
+    batch.row_of_batch[:n] = rows
+    batch.seq_lens[:n] = seq_lens
+    return step.run_staged(update, n, t)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("specs", ["two groups", "block 6"])
+def test_staged_and_decode_batches_match_apply_commit_slot_mapping(backend, specs,
+                                                                    triton_device):
+    """Batches written into ``batch_views`` (``run_staged``) or passed to ``run``; decode
+    batches (one token per request: no token search); a negative position (the general
+    mapping); a kernel block size that is not a power of two: all equal the three calls."""
+    device = "cpu" if backend == "torch" else triton_device
+    spec_list = SPECS if specs == "two groups" else [
+        GroupSpec(6, max_num_blocks=6, num_blocks=NUM_BLOCKS)]
+    bt, ref = make_table(device, backend, spec_list), make_table("cpu", "torch", spec_list)
+    step = CapturedStep(bt)
+    model = Model(bt, np.random.default_rng(5))
+    for i in range(16):
+        update = model.decode() if i % 3 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        if i % 2:  # a decode batch
+            most = model.count[0, rows] * model.block_size[0] + 2
+            positions = np.array([model.rng.integers(0, m) for m in most], np.int64)
+            qsl = np.arange(len(rows) + 1, dtype=np.int32)
+        if i % 5 == 4 and len(positions):
+            positions[0] = -3
+        if i % 4 < 2:
+            out = staged_run(step, update, qsl, positions, rows, seq_lens)
+        else:
+            out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_run_staged_rejects_bad_use_before_any_write(device):
+    backend = "torch" if device == "cpu" else "triton"
+    bt = make_table(device, backend)
+    step = CapturedStep(bt)
+    update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
+    with pytest.raises(RuntimeError, match="batch_views"):
+        step.run_staged(update, 1, 1)
+    batch = step.batch_views()
+    batch.query_start_loc[:2] = (0, 1)
+    batch.positions[0] = 0
+    batch.row_of_batch[0] = ROWS
+    before = _snapshot(bt)
+    with pytest.raises(IndexError, match="outside"):
+        step.run_staged(update, 1, 1)
+    batch.row_of_batch[0] = 0
+    for num_reqs, num_tokens, match in ((ROWS + 1, 1, "num_reqs"), (1, TOKENS + 1, "num_tokens"),
+                                        (1, 2, "end at num_tokens"), (1.0, 1, "num_reqs")):
+        with pytest.raises(ValueError, match=match):
+            step.run_staged(update, num_reqs, num_tokens)  # type: ignore[arg-type]
+    batch.query_start_loc[:3] = (0, 2, 1)
+    with pytest.raises(ValueError, match="never decrease"):
+        step.run_staged(update, 2, 1)
+    with pytest.raises(TypeError, match="StepUpdate"):
+        step.run_staged(None, 1, 1)  # type: ignore[arg-type]
+    for a, b in zip(before, _snapshot(bt)):
+        np.testing.assert_array_equal(a, b)
+    batch.query_start_loc[:2] = (0, 1)
+    out = step.run_staged(update, 1, 1)
+    assert out.slot_mappings[0][0].item() == 3 * 4
+    with pytest.raises(RuntimeError, match="batch_views"):
+        step.run_staged(update, 1, 1)  # the views were used
+
+
 def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
     """Row operations made directly on the table before a step are committed by that step."""
     bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
