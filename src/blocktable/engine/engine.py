@@ -5,11 +5,13 @@ One :meth:`LLMEngine.step`:
 1. the :class:`~blocktable.engine.scheduler.Scheduler` picks the batch and the allocator
    (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
 2. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
-   persistent (pinned) buffers and cross in one copy;
+   persistent (pinned) buffers: with the captured step, ``query_start_loc``, rows,
+   ``seq_lens`` and positions straight into the step's staging buffer, and only the token ids
+   and the logits' indices in the engine's own (the batch crosses to the device once);
 3. the block-table step (:class:`~blocktable.step.CapturedStep`): the allocator's update is
-   applied to the host table, its changed entries and the batch's ``query_start_loc``, rows,
-   ``seq_lens`` and positions are staged in a pinned buffer, and one CUDA-graph replay copies
-   them, commits the table and computes the slot mapping (numpy on the CPU). Indexed mode:
+   applied to the host table, its changed entries are staged beside the batch, and one
+   CUDA-graph replay copies the staging, commits the table and computes the slot mapping
+   (numpy on the CPU). Indexed mode:
    each request keeps the allocator's row for its lifetime and ``row_of_batch`` says which row
    each batch entry reads. With ``captured_step=False``: ``table.apply``, ``table.commit`` and
    ``compute_slot_mapping``;

@@ -8,6 +8,11 @@ scatter, and the slot mapping of every group. Launch shapes come from the capaci
 one graph serves every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding
 requests own no token and every token past ``num_tokens`` maps to ``PAD_SLOT_ID``.
 
+A caller that builds its batch with numpy anyway (an engine) writes it straight into the
+staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
+:meth:`CapturedStep.run_staged` checks what was written and runs the step, so the batch is
+neither copied on the host nor sent to the device a second time with the model's inputs.
+
 Two staging buffers alternate, each with its own graph. The host refills a buffer only after
 the copy that read it two steps ago has finished: the graph's first kernel writes the step's
 sequence number into pinned host memory (a *mailbox*), and the host reads it with numpy (no
