@@ -78,7 +78,12 @@ class BatchInputBuffers:
         self._d_last = d[last:].view(torch.int64)
         self._arange = np.arange(max(R, T), dtype=np.int64)
         self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # 1 token per request
-        self._ids_at = ids  # input ids and the logits' indices: the words from here on
+        # the words from the input ids on (ids and the logits' indices): what fill_staged sends
+        self._host_tail = self._host[ids:]
+        self._device_tail = self._device[ids:]
+        # views by size, made once: slicing a tensor costs about a microsecond of host time
+        self._ids_views: dict[int, torch.Tensor] = {}
+        self._last_views: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if cuda else None
         self._in_flight = False
 
@@ -130,11 +135,16 @@ class BatchInputBuffers:
                                     batch.query_start_loc, batch.positions, batch.row_of_batch,
                                     batch.seq_lens)
         if self._copied is not None:
-            at = self._ids_at
-            self._device[at:].copy_(self._host[at:], non_blocking=True)
+            self._device_tail.copy_(self._host_tail, non_blocking=True)
             self._copied.record()
             self._in_flight = True
-        return ModelInputs(self._d_input_ids[:num_tokens], self._d_last[:n], num_tokens)
+        ids = self._ids_views.get(num_tokens)
+        if ids is None:
+            ids = self._ids_views[num_tokens] = self._d_input_ids[:num_tokens]
+        last = self._last_views.get(n)
+        if last is None:
+            last = self._last_views[n] = self._d_last[:n]
+        return ModelInputs(ids, last, num_tokens)
 
     def _write(
         self,

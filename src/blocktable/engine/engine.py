@@ -161,6 +161,8 @@ class LLMEngine:
         captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
         self.captured_step = CapturedStep(self.table) if captured else None
         self._no_batch = (np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int64))
+        # every row of the device table (fixed address): attention reads rows by row_of_batch
+        self._block_table = self.table.device_view(0, self.table.max_num_reqs)
         self.requests: dict[str, Request] = {}
         self.step_index = 0
 
@@ -260,11 +262,11 @@ class LLMEngine:
         assert slot_mapping is not None  # an attention group always has slots
         attn = AttentionInputs(
             slot_mapping=slot_mapping,
-            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            block_table=self._block_table,
             row_of_batch=inputs.row_of_batch,
             seq_lens=inputs.seq_lens,
             query_start_loc=inputs.query_start_loc,
-            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+            max_query_len=int(np.maximum.reduce(num_new)),
         )
         forward = _ForwardInputs(inputs.input_ids, inputs.positions, inputs.logits_indices)
         return attn, forward, table_time_s, t2 - t1
@@ -294,11 +296,11 @@ class LLMEngine:
         assert slot_mapping is not None and out.seq_lens is not None
         attn = AttentionInputs(
             slot_mapping=slot_mapping,
-            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            block_table=self._block_table,
             row_of_batch=out.row_of_batch,
             seq_lens=out.seq_lens,
             query_start_loc=out.query_start_loc,
-            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+            max_query_len=int(np.maximum.reduce(num_new)),
         )
         forward = _ForwardInputs(inputs.input_ids, out.positions, inputs.logits_indices)
         return attn, forward, table_time_s, t2 - t1
