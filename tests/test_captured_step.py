@@ -44,6 +44,21 @@ class Model:
             appended.append(RowBlocks(rows, np.ones(len(rows), np.int32), self.ids(len(rows))))
         return StepUpdate.make(self.groups, appended=appended)
 
+    def decode_with_clears(self) -> StepUpdate:
+        """Rows of finished requests cleared (one maybe listed twice), others gain a block."""
+        rng = self.rng
+        cleared = rng.choice(ROWS, rng.integers(1, 3), replace=False).astype(np.int32)
+        if rng.random() < 0.3:
+            cleared = np.concatenate([cleared, cleared[:1]])
+        self.count[:, cleared] = 0
+        update = self.decode()
+        keep = [~np.isin(a.rows, cleared) for a in update.appended]
+        for g, (a, k) in enumerate(zip(update.appended, keep)):
+            self.count[g, a.rows[~k]] -= 1  # not appended after all
+        appended = [RowBlocks(a.rows[k], a.num_manager_blocks[k], a.block_ids[k])
+                    for a, k in zip(update.appended, keep)]
+        return StepUpdate.make(self.groups, cleared_rows=cleared, appended=appended)
+
     def general(self) -> StepUpdate:
         rng = self.rng
         cleared = rng.choice(ROWS, rng.integers(0, 3), replace=True).astype(np.int32)
@@ -154,7 +169,7 @@ def test_staged_and_decode_batches_match_apply_commit_slot_mapping(backend, spec
     step = CapturedStep(bt)
     model = Model(bt, np.random.default_rng(5))
     for i in range(16):
-        update = model.decode() if i % 3 else model.general()
+        update = (model.decode, model.decode_with_clears, model.general)[i % 3]()
         qsl, positions, rows, seq_lens = model.batch()
         if i % 2:  # a decode batch
             most = model.count[0, rows] * model.block_size[0] + 2
@@ -236,6 +251,37 @@ def test_decode_path_skips_the_journal():
     assert out.slot_mappings[0][:3].tolist() == [9 * 16, 4 * 16 + 5, -1]
 
 
+def test_decode_step_with_cleared_rows_takes_the_decode_path(monkeypatch, triton_device):
+    """Rows of finished requests cleared beside one-block appends: staged directly (the
+    general path is never called), with the same table and slots as the three calls."""
+    from blocktable.step import runner
+
+    bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    model = Model(bt, np.random.default_rng(9))
+    for t in (bt, ref):
+        t.apply(StepUpdate.make(2, added=[RowBlocks.from_lists([0, 1, 3], [[5, 6], [7], [8, 9]]),
+                                          RowBlocks.from_lists([1], [[4]])]))
+    model.count[0, [0, 1, 3]] = (2, 1, 2)
+    model.count[1, 1] = 1
+    step.run(StepUpdate.empty(2), np.zeros(1, np.int32), np.zeros(0, np.int64))
+    ref.commit()
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(runner, "stage_general", general)
+    for _ in range(6):
+        update = model.decode_with_clears()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        assert out.num_pairs >= len(np.unique(update.cleared_rows)) * 2
+        reference_step(ref, update, qsl, positions, rows)
+        if triton_device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
 def _snapshot(bt: MultiGroupBlockTable) -> tuple[np.ndarray, np.ndarray]:
     return bt.storage.host.copy(), bt.slot_buffers.cpu().numpy().copy()
 
@@ -285,6 +331,10 @@ def test_bad_batch_is_rejected_before_any_write(bad, error, match):
      ValueError),  # a negative id on the decode path
     (StepUpdate.make(2, appended=[RowBlocks.from_lists([1, 2, 1], [[3], [4], [5]]),
                                   RowBlocks()]), ValueError),  # a row twice among others
+    (StepUpdate.make(2, cleared_rows=[-1],
+                     appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()]), IndexError),
+    (StepUpdate.make(2, cleared_rows=[1, ROWS],
+                     appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()]), IndexError),
 ])
 def test_bad_update_is_rejected_before_any_write(update, error, triton_device):
     bt = make_table(triton_device, "triton")
