@@ -326,13 +326,12 @@ class CapturedStep:
                       rows: np.ndarray | None) -> None:
         """Raise unless ``qsl`` (int32 ``[num_reqs + 1]``) starts at 0, never decreases and
         ends at ``num_tokens``, and ``rows`` (int32 ``[num_reqs]``) lie in the table."""
+        # one token per request (a decode batch): well formed by one comparison of bytes
         self._decode = (num_tokens == num_reqs
                         and qsl.tobytes() == self._decode_qsl[: 4 * num_reqs + 4])
-        if self._decode:
-            pass  # one token per request (a decode batch): one comparison of bytes
-        elif qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
+        if not self._decode and (qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
             num_reqs > 1 and np.count_nonzero(qsl[1:] < qsl[:-1])
-        ):
+        )):
             raise ValueError("query_start_loc must start at 0, never decrease and end at "
                              f"num_tokens={num_tokens} (len(positions)), got first "
                              f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
