@@ -277,7 +277,9 @@ def graph_floors(results):
 
 def bench_captured(device, rng, results):
     """The captured step (``CapturedStep.run``: update + staged batch + one replay) for
-    decode-1024 (64 rows gain a block) and decode-256 (16 rows): host issue time and wall."""
+    decode-1024 (64 rows gain a block) and decode-256 (16 rows): host issue time and wall, with
+    the batch passed to ``run`` and (where the code has it) written into ``batch_views()``
+    before ``run_staged``."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results["captured"] = []
@@ -302,22 +304,38 @@ def bench_captured(device, rng, results):
             step._run_numpy = timed
         for u in ups[:20]:
             step.run(u, qsl, pos, rows)
-        issue, wall = [], []
-        device_work.clear()
-        for u in ups[20:]:
-            sync()
-            t0 = time.perf_counter()
-            step.run(u, qsl, pos, rows)
-            t1 = time.perf_counter()
-            sync()
-            t2 = time.perf_counter()
-            issue.append(t1 - t0)
-            wall.append(t2 - t0)
         row = {"scenario": name, "rows_gaining_a_block": rows_per_step,
-               "step_us": median_us(wall), "step_issue_us": median_us(issue),
                "graph": step._graphs is not None, "mailbox": step.uses_mailbox}
-        if device_work:
-            row["host_part_us"] = median_us([a - b for a, b in zip(issue, device_work)])
+        # run: the batch passed as arrays; staged: written into batch_views() by the caller
+        # (as the engine does) before the timed run_staged
+        kinds = [("", ups[20:220])]
+        if hasattr(step, "run_staged"):
+            kinds.append(("staged_", ups[220:]))
+        for kind, steps in kinds:
+            issue, wall = [], []
+            device_work.clear()
+            for u in steps:
+                if kind:
+                    views = step.batch_views()
+                    views.query_start_loc[: num_rows + 1] = qsl
+                    views.positions[:num_rows] = pos
+                    views.row_of_batch[:num_rows] = rows
+                sync()
+                t0 = time.perf_counter()
+                if kind:
+                    step.run_staged(u, num_rows, num_rows, with_seq_lens=False)
+                else:
+                    step.run(u, qsl, pos, rows)
+                t1 = time.perf_counter()
+                sync()
+                t2 = time.perf_counter()
+                issue.append(t1 - t0)
+                wall.append(t2 - t0)
+            row[kind + "step_us"] = median_us(wall)
+            row[kind + "step_issue_us"] = median_us(issue)
+            if device_work:
+                row[kind + "host_part_us"] = median_us(
+                    [a - b for a, b in zip(issue, device_work)])
         if step._graphs is not None:
             sync()
             step._views[0].header[0] = 0  # replays scatter no (stale) pair
@@ -431,6 +449,12 @@ def print_table(results: dict) -> None:
         print(f"captured {c['scenario']} step ({c['rows_gaining_a_block']} rows gain a block): "
               f"{c['step_us']:.1f} µs wall, host issue {c['step_issue_us']:.1f} µs{extra}"
               + (" (one graph replay)" if c["graph"] else " (numpy)"))
+        if "staged_step_us" in c:
+            staged = (f", without the numpy device work {c['staged_host_part_us']:.1f} µs"
+                      if "staged_host_part_us" in c else "")
+            print(f"  the same with the batch written into batch_views() first (run_staged): "
+                  f"{c['staged_step_us']:.1f} µs wall, host issue "
+                  f"{c['staged_step_issue_us']:.1f} µs{staged}")
     print(format_floors(results["floors"]))
     if cuda:
         f = results["graph_floors"]

@@ -44,6 +44,21 @@ class Model:
             appended.append(RowBlocks(rows, np.ones(len(rows), np.int32), self.ids(len(rows))))
         return StepUpdate.make(self.groups, appended=appended)
 
+    def decode_with_clears(self) -> StepUpdate:
+        """Rows of finished requests cleared (one maybe listed twice), others gain a block."""
+        rng = self.rng
+        cleared = rng.choice(ROWS, rng.integers(1, 3), replace=False).astype(np.int32)
+        if rng.random() < 0.3:
+            cleared = np.concatenate([cleared, cleared[:1]])
+        self.count[:, cleared] = 0
+        update = self.decode()
+        keep = [~np.isin(a.rows, cleared) for a in update.appended]
+        for g, (a, k) in enumerate(zip(update.appended, keep)):
+            self.count[g, a.rows[~k]] -= 1  # not appended after all
+        appended = [RowBlocks(a.rows[k], a.num_manager_blocks[k], a.block_ids[k])
+                    for a, k in zip(update.appended, keep)]
+        return StepUpdate.make(self.groups, cleared_rows=cleared, appended=appended)
+
     def general(self) -> StepUpdate:
         rng = self.rng
         cleared = rng.choice(ROWS, rng.integers(0, 3), replace=True).astype(np.int32)
@@ -128,6 +143,83 @@ def test_random_steps_match_apply_commit_slot_mapping(backend, max_pairs, seed, 
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
+def staged_run(step: CapturedStep, update: StepUpdate, qsl: np.ndarray, positions: np.ndarray,
+               rows: np.ndarray, seq_lens: np.ndarray):
+    """The batch written into the step's staging views, then ``run_staged``."""
+    batch = step.batch_views()
+    n, t = len(qsl) - 1, len(positions)
+    batch.query_start_loc[: n + 1] = qsl
+    batch.positions[:t] = positions
+    batch.row_of_batch[:n] = rows
+    batch.seq_lens[:n] = seq_lens
+    return step.run_staged(update, n, t)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("specs", ["two groups", "block 6"])
+def test_staged_and_decode_batches_match_apply_commit_slot_mapping(backend, specs,
+                                                                    triton_device):
+    """Batches written into ``batch_views`` (``run_staged``) or passed to ``run``; decode
+    batches (one token per request: no token search); a negative position (the general
+    mapping); a kernel block size that is not a power of two: all equal the three calls."""
+    device = "cpu" if backend == "torch" else triton_device
+    spec_list = SPECS if specs == "two groups" else [
+        GroupSpec(6, max_num_blocks=6, num_blocks=NUM_BLOCKS)]
+    bt, ref = make_table(device, backend, spec_list), make_table("cpu", "torch", spec_list)
+    step = CapturedStep(bt)
+    model = Model(bt, np.random.default_rng(5))
+    for i in range(16):
+        update = (model.decode, model.decode_with_clears, model.general)[i % 3]()
+        qsl, positions, rows, seq_lens = model.batch()
+        if i % 2:  # a decode batch
+            most = model.count[0, rows] * model.block_size[0] + 2
+            positions = np.array([model.rng.integers(0, m) for m in most], np.int64)
+            qsl = np.arange(len(rows) + 1, dtype=np.int32)
+        if i % 5 == 4 and len(positions):
+            positions[0] = -3
+        if i % 4 < 2:
+            out = staged_run(step, update, qsl, positions, rows, seq_lens)
+        else:
+            out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
+def test_run_staged_rejects_bad_use_before_any_write(device):
+    backend = "torch" if device == "cpu" else "triton"
+    bt = make_table(device, backend)
+    step = CapturedStep(bt)
+    update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
+    with pytest.raises(RuntimeError, match="batch_views"):
+        step.run_staged(update, 1, 1)
+    batch = step.batch_views()
+    batch.query_start_loc[:2] = (0, 1)
+    batch.positions[0] = 0
+    batch.row_of_batch[0] = ROWS
+    before = _snapshot(bt)
+    with pytest.raises(IndexError, match="outside"):
+        step.run_staged(update, 1, 1)
+    batch.row_of_batch[0] = 0
+    for num_reqs, num_tokens, match in ((ROWS + 1, 1, "num_reqs"), (1, TOKENS + 1, "num_tokens"),
+                                        (1, 2, "end at num_tokens"), (1.0, 1, "num_reqs")):
+        with pytest.raises(ValueError, match=match):
+            step.run_staged(update, num_reqs, num_tokens)  # type: ignore[arg-type]
+    batch.query_start_loc[:3] = (0, 2, 1)
+    with pytest.raises(ValueError, match="never decrease"):
+        step.run_staged(update, 2, 1)
+    with pytest.raises(TypeError, match="StepUpdate"):
+        step.run_staged(None, 1, 1)  # type: ignore[arg-type]
+    for a, b in zip(before, _snapshot(bt)):
+        np.testing.assert_array_equal(a, b)
+    batch.query_start_loc[:2] = (0, 1)
+    out = step.run_staged(update, 1, 1)
+    assert out.slot_mappings[0][0].item() == 3 * 4
+    with pytest.raises(RuntimeError, match="batch_views"):
+        step.run_staged(update, 1, 1)  # the views were used
+
+
 def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
     """Row operations made directly on the table before a step are committed by that step."""
     bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
@@ -157,6 +249,37 @@ def test_decode_path_skips_the_journal():
     assert out.num_pairs == 4
     assert not bt.storage.changed and bt.commit().num_entries == 0
     assert out.slot_mappings[0][:3].tolist() == [9 * 16, 4 * 16 + 5, -1]
+
+
+def test_decode_step_with_cleared_rows_takes_the_decode_path(monkeypatch, triton_device):
+    """Rows of finished requests cleared beside one-block appends: staged directly (the
+    general path is never called), with the same table and slots as the three calls."""
+    from blocktable.step import runner
+
+    bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    model = Model(bt, np.random.default_rng(9))
+    for t in (bt, ref):
+        t.apply(StepUpdate.make(2, added=[RowBlocks.from_lists([0, 1, 3], [[5, 6], [7], [8, 9]]),
+                                          RowBlocks.from_lists([1], [[4]])]))
+    model.count[0, [0, 1, 3]] = (2, 1, 2)
+    model.count[1, 1] = 1
+    step.run(StepUpdate.empty(2), np.zeros(1, np.int32), np.zeros(0, np.int64))
+    ref.commit()
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(runner, "stage_general", general)
+    for _ in range(6):
+        update = model.decode_with_clears()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        assert out.num_pairs >= len(np.unique(update.cleared_rows)) * 2
+        reference_step(ref, update, qsl, positions, rows)
+        if triton_device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
 def _snapshot(bt: MultiGroupBlockTable) -> tuple[np.ndarray, np.ndarray]:
@@ -208,6 +331,10 @@ def test_bad_batch_is_rejected_before_any_write(bad, error, match):
      ValueError),  # a negative id on the decode path
     (StepUpdate.make(2, appended=[RowBlocks.from_lists([1, 2, 1], [[3], [4], [5]]),
                                   RowBlocks()]), ValueError),  # a row twice among others
+    (StepUpdate.make(2, cleared_rows=[-1],
+                     appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()]), IndexError),
+    (StepUpdate.make(2, cleared_rows=[1, ROWS],
+                     appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()]), IndexError),
 ])
 def test_bad_update_is_rejected_before_any_write(update, error, triton_device):
     bt = make_table(triton_device, "triton")

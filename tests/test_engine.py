@@ -181,3 +181,38 @@ def test_gpu_code_path_under_the_triton_interpreter(monkeypatch: pytest.MonkeyPa
     assert num_calls > num_decode_calls > 0
     assert engine.manager.num_preemptions >= 1 and engine.scheduler.num_hit_tokens > 0
     assert all(c.ok for c in verify_requests(model, engine.requests.values()))
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_batch_inputs_staged_equal_own_buffers(decode: bool) -> None:
+    """fill_staged writes into a captured step's staging exactly what fill writes into the
+    engine's own buffers, and the same ids and logits' indices; a decode batch (one token per
+    request) takes the shortcut for positions."""
+    from blocktable import GroupSpec, MultiGroupBlockTable, StepUpdate
+    from blocktable.engine.batch_inputs import BatchInputBuffers
+    from blocktable.step import CapturedStep
+
+    rng = np.random.default_rng(4 + decode)
+    own, staged = BatchInputBuffers(8, 40, torch.device("cpu")), BatchInputBuffers(
+        8, 40, torch.device("cpu"))
+    step = CapturedStep(MultiGroupBlockTable([GroupSpec(4)], 8, 64, 40))
+    for _ in range(5):
+        n = int(rng.integers(1, 9))
+        starts = rng.integers(0, 50, n).astype(np.int64)
+        num_new = np.ones(n, np.int64) if decode else rng.integers(1, 6, n).astype(np.int64)
+        rows = rng.permutation(8)[:n].astype(np.int32)
+        ids = rng.integers(0, 100, int(num_new.sum())).tolist()
+        a = own.fill(starts, num_new, rows, ids)
+        views = step.batch_views()
+        b = staged.fill_staged(starts, num_new, rows, ids, views)
+        t = a.num_tokens
+        assert b.num_tokens == t
+        want_pos = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, num_new)])
+        np.testing.assert_array_equal(a.positions.numpy(), want_pos)
+        np.testing.assert_array_equal(views.positions[:t], want_pos)
+        np.testing.assert_array_equal(views.query_start_loc[: n + 1], a.query_start_loc.numpy())
+        np.testing.assert_array_equal(views.row_of_batch[:n], rows)
+        np.testing.assert_array_equal(views.seq_lens[:n], a.seq_lens.numpy())
+        assert torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(a.logits_indices, b.logits_indices)
+        step.run_staged(StepUpdate.empty(1), n, t)

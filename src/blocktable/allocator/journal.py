@@ -19,6 +19,7 @@ A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces i
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 
@@ -28,6 +29,8 @@ from blocktable.allocator.request import RequestState
 from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance serves all
+_NO_ENTRIES = RowEntries()
 
 
 def _int32(values: list[int]) -> np.ndarray:
@@ -44,8 +47,24 @@ def _int32(values: list[int]) -> np.ndarray:
 
 def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
     if not rows:
-        return RowBlocks()
+        return _NO_BLOCKS
     return RowBlocks(_int32(rows), _int32(counts), np.concatenate(ids))  # a copy
+
+
+def _packed(*parts: list[int]) -> list[np.ndarray]:
+    """Each list of ints as an int32 array: one ``np.array`` call for all of them (about a
+    microsecond for a decode step's few dozen ints), each array a view of that one fresh
+    buffer; empty lists give the shared empty array."""
+    flat_list = list(itertools.chain(*parts))
+    if not flat_list:
+        return [_EMPTY] * len(parts)
+    flat = np.array(flat_list, dtype=np.int32)
+    out, at = [], 0
+    for part in parts:
+        n = len(part)
+        out.append(flat[at : at + n] if n else _EMPTY)
+        at += n
+    return out
 
 
 class StepJournal:
@@ -72,41 +91,79 @@ class StepJournal:
                 self._nulled[req.row] = [[] for _ in range(self.num_groups)]
             self._nulled[req.row][group].append(block_index)
 
-    def take(self, holders: Sequence[RequestState | None]) -> StepUpdate:
-        """The net change of every touched row (``holders[row]`` is the live holder); reset."""
-        num_groups = self.num_groups
+    def take(
+        self,
+        holders: Sequence[RequestState | None],
+        allocator_block_sizes: tuple[int, ...] | None = None,
+    ) -> StepUpdate:
+        """The net change of every touched row (``holders[row]`` is the live holder); reset.
+
+        ``allocator_block_sizes`` is stamped on the update. Costs Python work per *touched*
+        row only, and a fixed handful of numpy calls.
+        """
+        if self.num_groups == 1 and not self._nulled:
+            update = self._take_one_group(holders, allocator_block_sizes)
+        else:
+            update = self._take_general(holders, allocator_block_sizes)
+        self.marks = {}
+        self._nulled = {}
+        return update
+
+    def _take_one_group(
+        self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
+    ) -> StepUpdate:
+        """:meth:`take` for one group without nulled entries (every decode step): appended ids
+        are read as Python ints, and the rows, counts and appended ids of the whole step
+        become int32 arrays in one numpy call (views of one buffer)."""
         cleared: list[int] = []
         add_rows: list[int] = []
-        add_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        add_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
-        app_rows: list[list[int]] = [[] for _ in range(num_groups)]
-        app_counts: list[list[int]] = [[] for _ in range(num_groups)]
-        app_ids: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
-        null_rows: list[list[int]] = [[] for _ in range(num_groups)]
-        null_idx: list[list[int]] = [[] for _ in range(num_groups)]
-        nulled = self._nulled
+        add_counts: list[int] = []
+        add_ids: list[np.ndarray] = []
+        app_rows: list[int] = []
+        app_counts: list[int] = []
+        app_ids: list[int] = []
+        for row, (start, lengths) in self.marks.items():
+            live = holders[row]
+            if live is start:
+                if live is not None:
+                    n, old = live.row_len[0], lengths[0]
+                    if n > old:
+                        app_rows.append(row)
+                        app_counts.append(n - old)
+                        if n - old == 1:
+                            app_ids.append(live.block_buf[0].item(old))
+                        else:
+                            app_ids += live.block_buf[0][old:n].tolist()
+            elif live is None:
+                cleared.append(row)
+            else:
+                add_rows.append(row)
+                add_counts.append(live.row_len[0])
+                add_ids.append(live.blocks(0))
+        cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids = _packed(
+            cleared, add_rows, add_counts, app_rows, app_counts, app_ids)
+        added = (RowBlocks(a_rows, a_counts, np.concatenate(add_ids)) if add_rows
+                 else _NO_BLOCKS)
+        appended = RowBlocks(p_rows, p_counts, p_ids) if app_rows else _NO_BLOCKS
+        return StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
+
+    def _take_general(
+        self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
+    ) -> StepUpdate:
+        """:meth:`take` for several groups or with nulled entries."""
+        num_groups = self.num_groups
         groups = range(num_groups)
-        if num_groups == 1 and not nulled:  # the common case, without the loops over groups
-            app_rows0, app_counts0, app_ids0 = app_rows[0], app_counts[0], app_ids[0]
-            for row, (start, lengths) in self.marks.items():
-                live = holders[row]
-                if live is start:
-                    if live is not None:
-                        n, old = live.row_len[0], lengths[0]
-                        if n > old:
-                            app_rows0.append(row)
-                            app_counts0.append(n - old)
-                            app_ids0.append(live.block_buf[0][old:n])
-                elif live is None:
-                    cleared.append(row)
-                else:
-                    add_rows.append(row)
-                    add_counts[0].append(live.row_len[0])
-                    add_ids[0].append(live.blocks(0))
-            marks: dict[int, tuple[RequestState | None, tuple[int, ...]]] = {}
-        else:
-            marks = self.marks
-        for row, (start, lengths) in marks.items():
+        cleared: list[int] = []
+        add_rows: list[int] = []
+        add_counts: list[list[int]] = [[] for _ in groups]
+        add_ids: list[list[np.ndarray]] = [[] for _ in groups]
+        app_rows: list[list[int]] = [[] for _ in groups]
+        app_counts: list[list[int]] = [[] for _ in groups]
+        app_ids: list[list[np.ndarray]] = [[] for _ in groups]
+        null_rows: list[list[int]] = [[] for _ in groups]
+        null_idx: list[list[int]] = [[] for _ in groups]
+        nulled = self._nulled
+        for row, (start, lengths) in self.marks.items():
             live = holders[row]
             if live is None:
                 if start is not None:
@@ -127,19 +184,11 @@ class StepJournal:
                 for g in groups:
                     add_counts[g].append(live.row_len[g])
                     add_ids[g].append(live.blocks(g))
-        self.marks = {}
-        self._nulled = {}
-        return StepUpdate.make(
-            num_groups,
-            cleared_rows=_int32(cleared),
-            added=[_row_blocks(add_rows, add_counts[g], add_ids[g]) for g in range(num_groups)],
-            appended=[
-                _row_blocks(app_rows[g], app_counts[g], app_ids[g]) for g in range(num_groups)
-            ],
-            nulled=[
-                RowEntries(_int32(null_rows[g]), _int32(null_idx[g]))
-                if null_rows[g]
-                else RowEntries()
-                for g in range(num_groups)
-            ],
+        return StepUpdate(
+            _int32(cleared),
+            tuple(_row_blocks(add_rows, add_counts[g], add_ids[g]) for g in groups),
+            tuple(_row_blocks(app_rows[g], app_counts[g], app_ids[g]) for g in groups),
+            tuple(RowEntries(_int32(null_rows[g]), _int32(null_idx[g])) if null_rows[g]
+                  else _NO_ENTRIES for g in groups),
+            sizes,
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -746,9 +745,8 @@ class KVCacheManager:
         new blocks together); a freed row is in ``cleared_rows`` unless another request took
         it in the same step, in which case it is only in ``added``.
         """
-        update = self._journal.take(self._rows.holders)
         # Stamp the block sizes so a table built for another block size refuses the ids.
-        return dataclasses.replace(update, allocator_block_sizes=self.block_sizes)
+        return self._journal.take(self._rows.holders, self.block_sizes)
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, req_id: object) -> bool:

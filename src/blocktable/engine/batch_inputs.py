@@ -8,7 +8,10 @@ CUDA, and crosses in *one* asynchronous copy into one device buffer of the same 
 
 (``R`` = max requests, ``T`` = max tokens; the int64 parts are int32 pairs viewed as int64).
 No torch tensor is allocated per step, only views of the fixed buffers; on the CPU the device
-buffer is the host buffer itself. A step may refill the host buffer only once the previous
+buffer is the host buffer itself. With a captured step (:meth:`BatchInputBuffers.fill_staged`),
+``query_start_loc``, rows, ``seq_lens`` and positions are written into the step's staging
+buffer instead, which carries them to the device, and only the input ids and the logits'
+indices cross from here: the batch crosses once. A step may refill the host buffer only once the previous
 step's copy has read it: an event recorded after the copy says so.
 """
 
@@ -18,6 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from blocktable.step.runner import StagedBatch
 
 
 class BatchInputs(NamedTuple):
@@ -30,6 +35,14 @@ class BatchInputs(NamedTuple):
     input_ids: torch.Tensor  # on device, int64 [num_tokens]
     logits_indices: torch.Tensor  # on device, int64 [num_reqs]: each request's last token
     query_start_loc_cpu: torch.Tensor  # on cpu (pinned with CUDA), int32 [num_reqs + 1]
+    num_tokens: int
+
+
+class ModelInputs(NamedTuple):
+    """What the model reads besides the block-table step's outputs (views of fixed buffers)."""
+
+    input_ids: torch.Tensor  # on device, int64 [num_tokens]
+    logits_indices: torch.Tensor  # on device, int64 [num_reqs]: each request's last token
     num_tokens: int
 
 
@@ -64,17 +77,15 @@ class BatchInputBuffers:
         self._d_input_ids = d[ids:last].view(torch.int64)
         self._d_last = d[last:].view(torch.int64)
         self._arange = np.arange(max(R, T), dtype=np.int64)
+        self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # 1 token per request
+        # the words from the input ids on (ids and the logits' indices): what fill_staged sends
+        self._host_tail = self._host[ids:]
+        self._device_tail = self._device[ids:]
+        # views by size, made once: slicing a tensor costs about a microsecond of host time
+        self._ids_views: dict[int, torch.Tensor] = {}
+        self._last_views: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if cuda else None
         self._in_flight = False
-
-    def host_views(
-        self, num_reqs: int, num_tokens: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """numpy views of the last :meth:`fill`'s host buffer (on cpu, valid until the next
-        fill): ``query_start_loc`` int32 ``[num_reqs + 1]``, positions int64 ``[num_tokens]``,
-        rows int32 ``[num_reqs]``, ``seq_lens`` int32 ``[num_reqs]``."""
-        return (self._qsl[: num_reqs + 1], self._positions[:num_tokens], self._rows[:num_reqs],
-                self._seq_lens[:num_reqs])
 
     def fill(
         self,
@@ -96,28 +107,8 @@ class BatchInputBuffers:
         input_ids : list of int
             ``[num_tokens]``: the step's tokens, request after request.
         """
-        n = len(starts)
-        if n > self.max_num_reqs:
-            raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
-        if self._in_flight and self._copied is not None:
-            self._copied.synchronize()  # the last copy must have read the host buffer
-        qsl = self._qsl[: n + 1]
-        qsl[0] = 0
-        np.cumsum(num_new_tokens, out=qsl[1:])
-        num_tokens = int(qsl[n])
-        if num_tokens > self.max_num_tokens or len(input_ids) != num_tokens:
-            raise ValueError(
-                f"{num_tokens} tokens ({len(input_ids)} input ids), more than "
-                f"max_num_tokens={self.max_num_tokens} or not one id per token"
-            )
-        # token t of request r sits at starts[r] + t - qsl[r]
-        positions = self._positions[:num_tokens]
-        positions[:] = np.repeat(starts - qsl[:-1], num_new_tokens)
-        positions += self._arange[:num_tokens]
-        self._rows[:n] = rows
-        np.add(starts, num_new_tokens, out=self._seq_lens[:n], casting="unsafe")
-        np.subtract(qsl[1:], 1, out=self._last[:n])
-        self._input_ids[:num_tokens] = input_ids
+        n, num_tokens = self._write(starts, num_new_tokens, rows, input_ids, self._qsl,
+                                    self._positions, self._rows, self._seq_lens)
         if self._copied is not None:
             self._device.copy_(self._host, non_blocking=True)
             self._copied.record()
@@ -127,3 +118,69 @@ class BatchInputBuffers:
             self._d_seq_lens[:n], self._d_input_ids[:num_tokens], self._d_last[:n],
             self._host[: n + 1], num_tokens,
         )
+
+    def fill_staged(
+        self,
+        starts: np.ndarray,
+        num_new_tokens: np.ndarray,
+        rows: np.ndarray,
+        input_ids: list[int],
+        batch: StagedBatch,
+    ) -> ModelInputs:
+        """:meth:`fill` with ``query_start_loc``, positions, rows and ``seq_lens`` written into
+        ``batch`` (a captured step's staging, which sends them to the device itself); only the
+        input ids and the logits' indices cross from here. Returns those two on the device and
+        the token count; the positions the model needs are the captured step's."""
+        n, num_tokens = self._write(starts, num_new_tokens, rows, input_ids,
+                                    batch.query_start_loc, batch.positions, batch.row_of_batch,
+                                    batch.seq_lens)
+        if self._copied is not None:
+            self._device_tail.copy_(self._host_tail, non_blocking=True)
+            self._copied.record()
+            self._in_flight = True
+        ids = self._ids_views.get(num_tokens)
+        if ids is None:
+            ids = self._ids_views[num_tokens] = self._d_input_ids[:num_tokens]
+        last = self._last_views.get(n)
+        if last is None:
+            last = self._last_views[n] = self._d_last[:n]
+        return ModelInputs(ids, last, num_tokens)
+
+    def _write(
+        self,
+        starts: np.ndarray,
+        num_new_tokens: np.ndarray,
+        rows: np.ndarray,
+        input_ids: list[int],
+        qsl_out: np.ndarray,
+        positions_out: np.ndarray,
+        rows_out: np.ndarray,
+        seq_lens_out: np.ndarray,
+    ) -> tuple[int, int]:
+        """The numpy work of a fill into the given int32 / int64 buffers; ``(n, num_tokens)``."""
+        n = len(starts)
+        if n > self.max_num_reqs:
+            raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
+        if self._in_flight and self._copied is not None:
+            self._copied.synchronize()  # the last copy must have read the host buffer
+        qsl = qsl_out[: n + 1]
+        qsl[0] = 0
+        np.cumsum(num_new_tokens, out=qsl[1:])
+        num_tokens = int(qsl[n])
+        if num_tokens > self.max_num_tokens or len(input_ids) != num_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens ({len(input_ids)} input ids), more than "
+                f"max_num_tokens={self.max_num_tokens} or not one id per token"
+            )
+        positions = positions_out[:num_tokens]
+        if num_tokens == n and qsl.tobytes() == self._decode_qsl[: 4 * n + 4]:
+            positions[:] = starts  # one token per request: it sits at its start
+        else:
+            # token t of request r sits at starts[r] + t - qsl[r]
+            positions[:] = np.repeat(starts - qsl[:-1], num_new_tokens)
+            positions += self._arange[:num_tokens]
+        rows_out[:n] = rows
+        np.add(starts, num_new_tokens, out=seq_lens_out[:n], casting="unsafe")
+        np.subtract(qsl[1:], 1, out=self._last[:n])
+        self._input_ids[:num_tokens] = input_ids
+        return n, num_tokens

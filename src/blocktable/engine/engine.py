@@ -5,11 +5,13 @@ One :meth:`LLMEngine.step`:
 1. the :class:`~blocktable.engine.scheduler.Scheduler` picks the batch and the allocator
    (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
 2. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
-   persistent (pinned) buffers and cross in one copy;
+   persistent (pinned) buffers: with the captured step, ``query_start_loc``, rows,
+   ``seq_lens`` and positions straight into the step's staging buffer, and only the token ids
+   and the logits' indices in the engine's own (the batch crosses to the device once);
 3. the block-table step (:class:`~blocktable.step.CapturedStep`): the allocator's update is
-   applied to the host table, its changed entries and the batch's ``query_start_loc``, rows,
-   ``seq_lens`` and positions are staged in a pinned buffer, and one CUDA-graph replay copies
-   them, commits the table and computes the slot mapping (numpy on the CPU). Indexed mode:
+   applied to the host table, its changed entries are staged beside the batch, and one
+   CUDA-graph replay copies the staging, commits the table and computes the slot mapping
+   (numpy on the CPU). Indexed mode:
    each request keeps the allocator's row for its lifetime and ``row_of_batch`` says which row
    each batch entry reads. With ``captured_step=False``: ``table.apply``, ``table.commit`` and
    ``compute_slot_mapping``;
@@ -24,6 +26,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +34,7 @@ import torch
 from blocktable._triton import resolve_backend
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.config import GroupSpec
-from blocktable.engine.batch_inputs import BatchInputBuffers, BatchInputs
+from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
 from blocktable.engine.request import Request
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
@@ -105,6 +108,14 @@ class StepResult:
 StepHook = Callable[["LLMEngine", SchedulerOutput], None]
 
 
+class _ForwardInputs(NamedTuple):
+    """The model's token inputs for one step (views of fixed device buffers)."""
+
+    input_ids: torch.Tensor  # on device, int64 [num_tokens]
+    positions: torch.Tensor  # on device, int64 [num_tokens]
+    logits_indices: torch.Tensor  # on device, int64 [num_reqs]
+
+
 class LLMEngine:
     """Greedy generation for many requests at once over a paged KV cache.
 
@@ -150,6 +161,8 @@ class LLMEngine:
         captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
         self.captured_step = CapturedStep(self.table) if captured else None
         self._no_batch = (np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int64))
+        # every row of the device table (fixed address): attention reads rows by row_of_batch
+        self._block_table = self.table.device_view(0, self.table.max_num_reqs)
         self.requests: dict[str, Request] = {}
         self.step_index = 0
 
@@ -228,7 +241,7 @@ class LLMEngine:
 
     def _table_step(
         self, batch: SchedulerOutput
-    ) -> tuple[AttentionInputs | None, BatchInputs | None, float, float]:
+    ) -> tuple[AttentionInputs | None, _ForwardInputs | None, float, float]:
         """apply, commit, then compute_slot_mapping on the step's device inputs; returns the
         attention inputs, the batch inputs, the table's and the inputs' host times (s)."""
         t0 = time.perf_counter()
@@ -238,7 +251,8 @@ class LLMEngine:
         if not batch.scheduled:
             return None, None, table_time_s, 0.0
         t1 = time.perf_counter()
-        inputs = self._batch_tensors(batch)
+        starts, num_new, rows, input_ids = self._batch_lists(batch)
+        inputs = self._inputs.fill(starts, num_new, rows, input_ids)
         t2 = time.perf_counter()
         slot_mapping = self.table.compute_slot_mapping(
             inputs.query_start_loc, inputs.positions, row_of_batch=inputs.row_of_batch,
@@ -248,20 +262,22 @@ class LLMEngine:
         assert slot_mapping is not None  # an attention group always has slots
         attn = AttentionInputs(
             slot_mapping=slot_mapping,
-            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            block_table=self._block_table,
             row_of_batch=inputs.row_of_batch,
             seq_lens=inputs.seq_lens,
             query_start_loc=inputs.query_start_loc,
-            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+            max_query_len=int(np.maximum.reduce(num_new)),
         )
-        return attn, inputs, table_time_s, t2 - t1
+        forward = _ForwardInputs(inputs.input_ids, inputs.positions, inputs.logits_indices)
+        return attn, forward, table_time_s, t2 - t1
 
     def _captured_table_step(
         self, batch: SchedulerOutput
-    ) -> tuple[AttentionInputs | None, BatchInputs | None, float, float]:
-        """The same through the captured step: the update, ``query_start_loc``, rows,
-        ``seq_lens`` and positions are staged with numpy, then one replay (its host time, the
-        staging writes included, is the table's time)."""
+    ) -> tuple[AttentionInputs | None, _ForwardInputs | None, float, float]:
+        """The same through the captured step: ``query_start_loc``, rows, ``seq_lens`` and
+        positions are built straight into the step's staging buffer (the batch crosses to the
+        device once, with the step), then the update is applied and staged and one replay
+        runs (its host time is the table's time)."""
         step = self.captured_step
         assert step is not None
         t0 = time.perf_counter()
@@ -270,29 +286,33 @@ class LLMEngine:
             step.run(update, *self._no_batch)
             return None, None, time.perf_counter() - t0, 0.0
         t1 = time.perf_counter()
-        inputs = self._batch_tensors(batch)
+        starts, num_new, rows, input_ids = self._batch_lists(batch)
+        inputs: ModelInputs = self._inputs.fill_staged(starts, num_new, rows, input_ids,
+                                                       step.batch_views())
         t2 = time.perf_counter()
-        qsl, positions, rows, seq_lens = self._inputs.host_views(len(batch.scheduled),
-                                                                 inputs.num_tokens)
-        out = step.run(update, qsl, positions, rows, seq_lens)
+        out = step.run_staged(update, len(rows), inputs.num_tokens)
         table_time_s = (t1 - t0) + (time.perf_counter() - t2)
         slot_mapping = out.slot_mappings[0]
         assert slot_mapping is not None and out.seq_lens is not None
         attn = AttentionInputs(
             slot_mapping=slot_mapping,
-            block_table=self.table.device_view(0, self.table.max_num_reqs),
+            block_table=self._block_table,
             row_of_batch=out.row_of_batch,
             seq_lens=out.seq_lens,
             query_start_loc=out.query_start_loc,
-            max_query_len=max(s.num_new_tokens for s in batch.scheduled),
+            max_query_len=int(np.maximum.reduce(num_new)),
         )
-        return attn, inputs, table_time_s, t2 - t1
+        forward = _ForwardInputs(inputs.input_ids, out.positions, inputs.logits_indices)
+        return attn, forward, table_time_s, t2 - t1
 
-    def _batch_tensors(self, batch: SchedulerOutput) -> BatchInputs:
-        """This step's inputs on the device, through persistent buffers (one copy on CUDA).
+    def _batch_lists(
+        self, batch: SchedulerOutput
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """Per request: tokens already cached (int64), new tokens (int64), the table row
+        (int32), each ``[num_reqs]`` on cpu; and the step's token ids, request after request.
 
-        Only per-request numbers are gathered in Python; positions are expanded with numpy:
-        token ``t`` of request ``r`` sits at ``start[r] + t - qsl[r]``.
+        Only per-request numbers are gathered in Python (one numpy call for all three arrays);
+        the buffers expand positions with numpy.
         """
         row_of = self.manager.row_of
         starts: list[int] = []
@@ -304,9 +324,9 @@ class LLMEngine:
             num_new.append(s.num_new_tokens)
             rows.append(row_of(s.request.req_id))
             input_ids += s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
-        return self._inputs.fill(np.array(starts, dtype=np.int64),
-                                 np.array(num_new, dtype=np.int64),
-                                 np.array(rows, dtype=np.int32), input_ids)
+        n = len(starts)
+        per_request = np.array(starts + num_new, dtype=np.int64)
+        return per_request[:n], per_request[n:], np.array(rows, dtype=np.int32), input_ids
 
     def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
         """After the forward: record computed tokens, sample, finish. ``logits`` on cpu."""

@@ -6,6 +6,6 @@ changed entries, ``kernels`` holds the device-side scatter, ``runner`` the step 
 
 from __future__ import annotations
 
-from blocktable.step.runner import CapturedStep, StepOutputs
+from blocktable.step.runner import CapturedStep, StagedBatch, StepOutputs
 
-__all__ = ["CapturedStep", "StepOutputs"]
+__all__ = ["CapturedStep", "StagedBatch", "StepOutputs"]

@@ -1,10 +1,11 @@
 """Host side of a captured step: apply the step's update to the host table (the truth) and
 stage the changed entries as ``(flat index, value)`` pairs for the device.
 
-A decode step (each listed row gains exactly one manager block, nothing else changes) takes a
-dedicated path, :class:`DecodeStager`: about a dozen numpy calls per group that check
-everything, stage the pairs, then write the host table (entries and counts) with one ``put``
-of those pairs, bypassing the commit journal. Every other update goes through
+A decode step (each listed row gains exactly one manager block, and rows of finished requests
+may be cleared, nothing else changes) takes a dedicated path, :class:`DecodeStager`: about a
+dozen numpy calls per group that check everything, stage the pairs (a cleared row: its filled
+entries and its count, all zero), then write the host table with one ``put`` of those pairs,
+bypassing the commit journal. Every other update goes through
 :meth:`MultiGroupBlockTable.apply` (which checks, writes and journals) and the journal is
 drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` would.
 """
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from blocktable._host_loops import fill_staging, kernel_ids
+from blocktable._host_loops import fill_staging, kernel_ids, runs
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.update import RowBlocks, StepUpdate
@@ -23,6 +24,7 @@ from blocktable.update import RowBlocks, StepUpdate
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
 _max = np.maximum.reduce  # the ufunc itself: no Python wrapper as ndarray.max has
+_sum = np.add.reduce
 FULL = -1  # the pairs did not fit: the table's own commit moved them
 
 
@@ -68,6 +70,17 @@ class DecodeStager:
         self._ones = np.ones(table.max_num_reqs, dtype=np.int32).tobytes()
         self._sizes_ok: tuple[int, ...] | None = None  # block sizes that passed the check
 
+    def _listed(self, rows: object) -> np.ndarray | None:
+        """How often each table row appears in ``rows`` (int64 ``[max_num_reqs]``), or
+        ``None`` when the general path must look (not int32, or a row out of range)."""
+        if not _is_int32(rows):
+            return None
+        try:  # negative rows raise
+            listed = np.bincount(rows, minlength=self.num_rows)  # type: ignore[arg-type]
+        except ValueError:
+            return None
+        return listed if len(listed) == self.num_rows else None
+
     def _filled(self, ref: _GroupRef, part: RowBlocks) -> np.ndarray | None:
         """The rows' filled kernel blocks if ``part`` is a valid one-block-per-row append;
         ``None`` when the general path must look (another shape, or an error it will name)."""
@@ -96,18 +109,31 @@ class DecodeStager:
         ``[2*max_pairs]``: indices, then values).
 
         Returns the number of pairs, or -1 (nothing written) when the update is not a valid
-        decode step that fits ``max_pairs`` next to no other pending change.
+        decode step (rows gaining one block each, other rows cleared) that fits ``max_pairs``
+        next to no other pending change.
         """
         table = self.table
         st = table.storage
         G = self.num_groups
         added, appended, nulled = update.added, update.appended, update.nulled
-        if st.changed or len(update.cleared_rows) or not (
-            len(added) == len(appended) == len(nulled) == G
-        ):
+        if st.changed or not (len(added) == len(appended) == len(nulled) == G):
             return -1
-        staged = []
         total = 0
+        cleared = update.cleared_rows
+        listed_cleared = None
+        clear_rows = np.zeros(0, dtype=np.int64)
+        clears: list[tuple[_GroupRef, np.ndarray, int]] = []
+        if len(cleared):
+            listed_cleared = self._listed(cleared)
+            if listed_cleared is None:
+                return -1
+            clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct (a row may repeat)
+            for group_ref in self.refs:
+                old = group_ref.counts.take(clear_rows)  # kernel blocks to zero, then counts
+                num_zeroed = int(_sum(old))
+                clears.append((group_ref, old, num_zeroed))
+                total += num_zeroed + len(clear_rows)
+        staged = []
         try:  # a part that is not RowBlocks/RowEntries: the general path names the error
             for g in range(G):
                 if len(added[g].rows) or len(nulled[g].rows):
@@ -121,6 +147,10 @@ class DecodeStager:
                 filled = self._filled(ref, part)
                 if filled is None:
                     return -1
+                if listed_cleared is not None and np.count_nonzero(
+                    listed_cleared.take(part.rows)
+                ):
+                    return -1  # a row cleared and appended to: the general path orders them
                 staged.append((ref, part, filled))
                 total += len(part.rows) * (ref.k + 1)
         except AttributeError:
@@ -134,6 +164,18 @@ class DecodeStager:
         st.before_host_write()
         index, value = pairs[:total], pairs[total : 2 * total]
         at = 0
+        for group_ref, old, num_zeroed in clears:  # entries [0, count) and the count become 0
+            if num_zeroed:
+                starts = clear_rows * group_ref.width
+                starts += group_ref.table_offset
+                index[at : at + num_zeroed] = runs(starts, old, num_zeroed)
+                value[at : at + num_zeroed] = 0
+                at += num_zeroed
+            num_rows = len(clear_rows)
+            np.add(clear_rows, group_ref.counts_offset, out=index[at : at + num_rows],
+                   casting="unsafe")  # < 2**31: an index of the flat buffer
+            value[at : at + num_rows] = 0
+            at += num_rows
         for ref, part, filled in staged:
             rows, ids, k = part.rows, part.block_ids, ref.k
             n = len(rows)

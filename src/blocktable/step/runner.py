@@ -8,6 +8,11 @@ scatter, and the slot mapping of every group. Launch shapes come from the capaci
 one graph serves every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding
 requests own no token and every token past ``num_tokens`` maps to ``PAD_SLOT_ID``.
 
+A caller that builds its batch with numpy anyway (an engine) writes it straight into the
+staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
+:meth:`CapturedStep.run_staged` checks what was written and runs the step, so the batch is
+neither copied on the host nor sent to the device a second time with the model's inputs.
+
 Two staging buffers alternate, each with its own graph. The host refills a buffer only after
 the copy that read it two steps ago has finished: the graph's first kernel writes the step's
 sequence number into pinned host memory (a *mailbox*), and the host reads it with numpy (no
@@ -31,10 +36,10 @@ import torch
 from blocktable._checks import check_positive
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.step.host import FULL, DecodeStager, stage_general
 from blocktable.step.kernels import launch_staged_scatter, scatter_numpy
 from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
+from blocktable.step.numpy_slots import CheckedSlots
 from blocktable.update import StepUpdate
 
 _I32 = np.dtype(np.int32)
@@ -43,6 +48,17 @@ _U32 = np.dtype(np.uint32)
 _max = np.maximum.reduce  # the ufunc itself: no Python wrapper as ndarray.max has
 _SEQ_MASK = 0x7FFFFFFF
 _WAIT_WARN_S = 60.0
+
+
+class StagedBatch(NamedTuple):
+    """numpy views (on cpu, pinned with CUDA) of the staging buffer the next
+    :meth:`CapturedStep.run_staged` sends, at full capacity: write the batch's first
+    ``num_reqs + 1`` / ``num_tokens`` / ``num_reqs`` entries, then call ``run_staged``."""
+
+    query_start_loc: np.ndarray  # int32 [max_num_reqs + 1]
+    positions: np.ndarray  # int64 [max_num_tokens]
+    row_of_batch: np.ndarray  # int32 [max_num_reqs]
+    seq_lens: np.ndarray  # int32 [max_num_reqs]
 
 
 class StepOutputs(NamedTuple):
@@ -137,9 +153,14 @@ class CapturedStep:
         self._tokens_filled = table.max_num_batched_tokens  # slots past it are PAD (numpy)
         self._calls_seen = -1  # table.slot_mapping_calls when the slots were last ours
         self._arange = np.arange(R, dtype=np.int32)
+        self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # qsl of 1 token each
+        self._lent = -1  # the slot whose views batch_views() handed out for run_staged
         numpy_mode = self.mode == "numpy"
         self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
         self._slots_np = table.slot_buffers.numpy() if numpy_mode else None
+        self._slots = (CheckedSlots(self._flat_np, table.slot_params, table.max_num_reqs, T)
+                       if self._flat_np is not None else None)
+        self._decode = False  # the last checked batch had one token per request
         L = self.layout
         d = self._dev
         self._d_qsl = d[L.qsl : L.rows]
@@ -198,22 +219,73 @@ class CapturedStep:
             raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
         num_reqs, num_tokens = self._check_batch(query_start_loc, positions, row_of_batch,
                                                  seq_lens)
-        slot = self._slot
-        if self._expect[slot] is not None:
-            self._wait_free(slot)
-        v = self._views[slot]
-        P = self.layout.max_pairs
-        num_pairs = self._stager.stage(update, v.pairs, P)
-        if num_pairs < 0:
-            num_pairs = stage_general(self.table, update, v.pairs, P)
+        v = self._acquire()
         v.qsl[: num_reqs + 1] = query_start_loc
-        if self._flat_np is None and self._padded[slot] != (num_reqs, num_tokens):
-            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
-            self._padded[slot] = (num_reqs, num_tokens)
         v.rows[:num_reqs] = self._arange[:num_reqs] if row_of_batch is None else row_of_batch
         if seq_lens is not None:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
+        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None)
+
+    def batch_views(self) -> StagedBatch:
+        """The staging buffer the next :meth:`run_staged` sends, for the caller to write the
+        batch into directly (no copy of the batch per step).
+
+        Blocks, like :meth:`run`, until the device has read that buffer's previous contents
+        (on CUDA it alternates between two; the views stay valid until ``run_staged``).
+        """
+        v = self._acquire()
+        self._lent = self._slot
+        return StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens)
+
+    def run_staged(self, update: StepUpdate, num_reqs: int, num_tokens: int, *,
+                   with_seq_lens: bool = True) -> StepOutputs:
+        """:meth:`run` for a batch already written into :meth:`batch_views`: its first
+        ``num_reqs + 1`` query start locations, ``num_tokens`` positions and ``num_reqs`` rows
+        (and ``seq_lens`` when ``with_seq_lens``).
+
+        Raises
+        ------
+        RuntimeError
+            No :meth:`batch_views` since the last step.
+        TypeError, ValueError, IndexError
+            Before any write to the table, as :meth:`run` does (sizes past the capacities, a
+            malformed ``query_start_loc``, rows out of range, a bad update).
+        """
+        if not isinstance(update, StepUpdate):
+            raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
+        if self._lent != self._slot:
+            raise RuntimeError("run_staged needs batch_views() first (once per step)")
+        L = self.layout
+        if not (type(num_reqs) is int and 0 <= num_reqs <= L.max_num_reqs):
+            raise ValueError(f"num_reqs must be an int in [0, {L.max_num_reqs}], "
+                             f"got {num_reqs!r}")
+        if not (type(num_tokens) is int and 0 <= num_tokens <= L.max_num_tokens):
+            raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
+                             f"got {num_tokens!r}")
+        v = self._views[self._slot]
+        self._check_values(v.qsl[: num_reqs + 1], num_reqs, num_tokens, v.rows[:num_reqs])
+        return self._issue(update, v, num_reqs, num_tokens, with_seq_lens)
+
+    def _acquire(self) -> StagingViews:
+        """The views of the staging buffer this step fills, once the device has read it."""
+        slot = self._slot
+        if self._expect[slot] is not None:
+            self._wait_free(slot)
+        return self._views[slot]
+
+    def _issue(self, update: StepUpdate, v: StagingViews, num_reqs: int, num_tokens: int,
+               with_seq_lens: bool) -> StepOutputs:
+        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device work."""
+        slot = self._slot
+        P = self.layout.max_pairs
+        num_pairs = self._stager.stage(update, v.pairs, P)
+        if num_pairs < 0:
+            num_pairs = stage_general(self.table, update, v.pairs, P)
+        self._lent = -1
+        if self._flat_np is None and self._padded[slot] != (num_reqs, num_tokens):
+            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+            self._padded[slot] = (num_reqs, num_tokens)
         header = v.header
         staged = max(0, num_pairs)
         header[NUM_PAIRS] = staged
@@ -225,7 +297,7 @@ class CapturedStep:
             self._run_device(slot)
             self._expect[slot] = seq
             self._slot = slot ^ (len(self._views) - 1)
-        return self._outputs(num_reqs, num_tokens, seq_lens is not None, num_pairs)
+        return self._outputs(num_reqs, num_tokens, with_seq_lens, num_pairs)
 
     def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
@@ -241,23 +313,32 @@ class CapturedStep:
         if num_tokens > L.max_num_tokens:
             raise ValueError(f"positions holds {num_tokens} tokens, more than "
                              f"max_num_tokens={L.max_num_tokens}")
-        if qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
-            num_reqs > 1 and np.count_nonzero(qsl[1:] < qsl[:-1])
-        ):
-            raise ValueError("query_start_loc must start at 0, never decrease and end at "
-                             f"num_tokens={num_tokens} (len(positions)), got first "
-                             f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
         for name, arr in (("row_of_batch", rows), ("seq_lens", seq_lens)):
             if arr is not None:
                 _check_array(name, arr, _I32)
                 if len(arr) != num_reqs:
                     raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
                                      f"describes {num_reqs} requests")
+        self._check_values(qsl, num_reqs, num_tokens, rows)
+        return num_reqs, num_tokens
+
+    def _check_values(self, qsl: np.ndarray, num_reqs: int, num_tokens: int,
+                      rows: np.ndarray | None) -> None:
+        """Raise unless ``qsl`` (int32 ``[num_reqs + 1]``) starts at 0, never decreases and
+        ends at ``num_tokens``, and ``rows`` (int32 ``[num_reqs]``) lie in the table."""
+        # one token per request (a decode batch): well formed by one comparison of bytes
+        self._decode = (num_tokens == num_reqs
+                        and qsl.tobytes() == self._decode_qsl[: 4 * num_reqs + 4])
+        if not self._decode and (qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
+            num_reqs > 1 and np.count_nonzero(qsl[1:] < qsl[:-1])
+        )):
+            raise ValueError("query_start_loc must start at 0, never decrease and end at "
+                             f"num_tokens={num_tokens} (len(positions)), got first "
+                             f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
         bound = self.table.max_num_reqs
         if rows is not None and num_reqs and _max(rows.view(_U32)) >= bound:
             bad = int(rows[(rows < 0) | (rows >= bound)][0])
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
-        return num_reqs, num_tokens
 
     # ---------------------------------------------------------------- device work
     def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int) -> None:
@@ -275,9 +356,9 @@ class CapturedStep:
             out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
         self._tokens_filled = num_tokens
         if num_tokens:
-            slot_mapping_numpy(flat, table.slot_params, v.qsl[: num_reqs + 1],
-                               v.positions[:num_tokens], v.rows[:num_reqs], out[:, :num_tokens],
-                               table.max_num_reqs)
+            assert self._slots is not None
+            self._slots.map(v.qsl[: num_reqs + 1], v.positions[:num_tokens], v.rows[:num_reqs],
+                            out[:, :num_tokens], num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
         """Copy staging ``slot`` to the device, scatter the pairs, map the slots (padded)."""
@@ -391,4 +472,4 @@ def _check_array(name: str, value: object, dtype: np.dtype) -> None:
                         f"{value.ndim}-D {value.dtype}")
 
 
-__all__ = ["FULL", "CapturedStep", "StepOutputs"]
+__all__ = ["FULL", "CapturedStep", "StagedBatch", "StepOutputs"]
