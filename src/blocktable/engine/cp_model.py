@@ -77,7 +77,7 @@ class CPPagedLlama(PagedLlama):
         out, lse = paged_attention(
             q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
             scale=self.scale, row_of_batch=attn.row_of_batch, max_query_len=attn.max_query_len,
-            cp=self.cp, cp_block_size=self.cp_block_size, return_lse=True, backend=self.backend,
+            min_query_len=attn.min_query_len, cp=self.cp, cp_block_size=self.cp_block_size, return_lse=True, backend=self.backend,
         )
         if k_cache.data_ptr() == self.kv_cache[0, 0].data_ptr():  # layer 0: once per step
             self.num_empty_queries += torch.isinf(lse[:num_tokens, 0]).sum()  # no host sync

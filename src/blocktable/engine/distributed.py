@@ -391,6 +391,7 @@ class DistributedEngine:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             max_query_len=int(plan.num_new_tokens.max()),
+            min_query_len=int(plan.num_new_tokens.min()),
         )
         if hook is not None:
             hook()

@@ -266,7 +266,7 @@ class LLMEngine:
             row_of_batch=inputs.row_of_batch,
             seq_lens=inputs.seq_lens,
             query_start_loc=inputs.query_start_loc,
-            max_query_len=int(np.maximum.reduce(num_new)),
+            **_query_len_bounds(num_new),
         )
         forward = _ForwardInputs(inputs.input_ids, inputs.positions, inputs.logits_indices)
         return attn, forward, table_time_s, t2 - t1
@@ -300,7 +300,7 @@ class LLMEngine:
             row_of_batch=out.row_of_batch,
             seq_lens=out.seq_lens,
             query_start_loc=out.query_start_loc,
-            max_query_len=int(np.maximum.reduce(num_new)),
+            **_query_len_bounds(num_new),
         )
         forward = _ForwardInputs(inputs.input_ids, out.positions, inputs.logits_indices)
         return attn, forward, table_time_s, t2 - t1
@@ -369,3 +369,11 @@ def sample_and_finish(
         else:
             manager.append_token_ids(req.req_id, token)
     return finished
+
+
+def _query_len_bounds(num_new: np.ndarray) -> dict[str, int]:
+    """``max_query_len`` and ``min_query_len`` of a batch's new-token counts (int ``[num_reqs]``,
+    not empty); on a decode step (all 1) one reduction."""
+    most = int(np.maximum.reduce(num_new))
+    fewest = most if most == 1 else int(np.minimum.reduce(num_new))
+    return {"max_query_len": most, "min_query_len": fewest}

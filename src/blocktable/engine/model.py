@@ -42,6 +42,9 @@ class AttentionInputs:
         int32 ``[num_reqs + 1]``: request ``r``'s tokens are ``[qsl[r], qsl[r+1])``.
     max_query_len : int
         Host value: the most tokens any request has this step (1 on decode steps).
+    min_query_len : int
+        Host value: the fewest tokens any request has this step (0 when unknown): on a step
+        of prompt chunks only, attention runs its prefill kernel alone.
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +53,7 @@ class AttentionInputs:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_query_len: int
+    min_query_len: int = 0
 
 
 def tiny_llama(
@@ -187,7 +191,7 @@ class PagedLlama:
         out = paged_attention(
             q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
             scale=self.scale, row_of_batch=attn.row_of_batch, max_query_len=attn.max_query_len,
-            backend=self.backend,
+            min_query_len=attn.min_query_len, backend=self.backend,
         )
         assert isinstance(out, torch.Tensor)  # no log-sum-exp asked for
         return out
