@@ -339,7 +339,10 @@ class DecodePlan:
             block_d, block_size, has_qsl, row_of_batch is not None, cp.world_size > 1,
             window > 0, has_lse, split, _INTERPRET and dtype != "fp32", config.decode_num_stages,
             dec_ids, config.decode_fa_loop, fused, chunk, config.decode_single_loop,
-            k_cache.stride() == v_cache.stride(), dtype,
+            # One offset computation for K and V: measured faster with the fused combine
+            # (B=1 x 8192: 14.8 vs 15.1 µs, x 131072: 131.6 vs 133.6 on an H200) and slower
+            # without it (B=8 x 32768: 317 vs 255), so only there.
+            fused and k_cache.stride() == v_cache.stride(), dtype,
         )
         combine_grid = None
         combine_tail: tuple[object, ...] = ()

@@ -208,7 +208,7 @@ if HAS_TRITON:
         FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
         SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
         SINGLE_LOOP: tl.constexpr,  # attend_decode_tiles, not attend_segments
-        SAME_KV: tl.constexpr,  # v_cache has k_cache's strides (attend_segments)
+        SAME_KV: tl.constexpr,  # V laid out like K (with the fused combine only)
         DTYPE: tl.constexpr,
     ):
         req = tl.program_id(0)
