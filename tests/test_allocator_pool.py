@@ -252,6 +252,16 @@ def test_array_helpers_against_plain_python() -> None:
         assert last_occurrences(values).tolist() == sorted(last, key=last.get)
 
 
+def test_last_seen_long_and_short_calls_against_the_sort() -> None:
+    """One scratch across calls of 2 to 2500 ids (many more than its size) agrees with the sort."""
+    rng = np.random.default_rng(2)
+    seen = LastSeen(5)
+    for _ in range(200):
+        n = int(rng.choice([2, 7, 300, 1025, 2500]))
+        values = rng.integers(0, 5, n)
+        assert seen.last_occurrences(values).tolist() == last_occurrences(values).tolist()
+
+
 @pytest.mark.parametrize("spread", ["random", "clustered"])
 def test_key_table_against_a_dict(spread: str) -> None:
     rng = np.random.default_rng(3)
