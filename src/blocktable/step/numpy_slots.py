@@ -20,8 +20,6 @@ from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.slot_mapping.params import SlotGroupParams
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 
-_min = np.minimum.reduce  # the ufunc itself: no Python wrapper as ndarray.min has
-
 
 class _Group(NamedTuple):
     counts: np.ndarray  # on cpu, int32 [max_num_reqs]: view of the group's counts
@@ -78,7 +76,8 @@ class CheckedSlots:
         num_tokens = len(positions)
         if not num_tokens:
             return
-        if not self.fast or _min(positions) < 0:
+        # argmin rather than np.minimum.reduce: about half the cost with cold caches
+        if not self.fast or positions[positions.argmin()] < 0:
             slot_mapping_numpy(self.flat_table, self.params, qsl, positions, rows, out,
                                self.max_num_reqs)
             return

@@ -36,7 +36,7 @@ import torch
 from blocktable._checks import check_positive
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.step.host import FULL, DecodeStager, stage_general
+from blocktable.step.host import FULL, DecodeStager, largest, stage_general
 from blocktable.step.kernels import launch_staged_scatter, scatter_numpy
 from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
 from blocktable.step.numpy_slots import CheckedSlots
@@ -45,7 +45,6 @@ from blocktable.update import StepUpdate
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _U32 = np.dtype(np.uint32)
-_max = np.maximum.reduce  # the ufunc itself: no Python wrapper as ndarray.max has
 _SEQ_MASK = 0x7FFFFFFF
 _WAIT_WARN_S = 60.0
 
@@ -336,7 +335,7 @@ class CapturedStep:
                              f"num_tokens={num_tokens} (len(positions)), got first "
                              f"{int(qsl[0])}, last {int(qsl[num_reqs])}")
         bound = self.table.max_num_reqs
-        if rows is not None and num_reqs and _max(rows.view(_U32)) >= bound:
+        if rows is not None and num_reqs and largest(rows.view(_U32)) >= bound:
             bad = int(rows[(rows < 0) | (rows >= bound)][0])
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
 
