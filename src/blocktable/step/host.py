@@ -26,11 +26,13 @@ _U32 = np.dtype(np.uint32)
 _sum = np.add.reduce
 
 
-def largest(a: np.ndarray) -> int:
+def largest(a: np.ndarray) -> np.generic:
     """The largest entry of a non-empty 1-D array. ``a[a.argmax()]`` rather than a reduction:
     in an engine's loop, where numpy's code has left the CPU caches between steps, an argmax
     costs about half of ``np.maximum.reduce`` (whose ufunc machinery is larger)."""
     return a[a.argmax()]
+
+
 FULL = -1  # the pairs did not fit: the table's own commit moved them
 
 
@@ -153,9 +155,7 @@ class DecodeStager:
                 filled = self._filled(ref, part)
                 if filled is None:
                     return -1
-                if listed_cleared is not None and np.count_nonzero(
-                    listed_cleared.take(part.rows)
-                ):
+                if listed_cleared is not None and largest(listed_cleared.take(part.rows)):
                     return -1  # a row cleared and appended to: the general path orders them
                 staged.append((ref, part, filled))
                 total += len(part.rows) * (ref.k + 1)

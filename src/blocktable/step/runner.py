@@ -329,7 +329,7 @@ class CapturedStep:
         self._decode = (num_tokens == num_reqs
                         and qsl.tobytes() == self._decode_qsl[: 4 * num_reqs + 4])
         if not self._decode and (qsl[0] != 0 or qsl[num_reqs] != num_tokens or (
-            num_reqs > 1 and np.count_nonzero(qsl[1:] < qsl[:-1])
+            num_reqs > 1 and largest(qsl[1:] < qsl[:-1])  # a decrease anywhere
         )):
             raise ValueError("query_start_loc must start at 0, never decrease and end at "
                              f"num_tokens={num_tokens} (len(positions)), got first "
