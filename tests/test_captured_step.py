@@ -251,6 +251,31 @@ def test_decode_path_skips_the_journal():
     assert out.slot_mappings[0][:3].tolist() == [9 * 16, 4 * 16 + 5, -1]
 
 
+def test_decode_stager_declines_clear_and_append_of_one_row_and_repeated_rows():
+    """A row both cleared and appended to, or appended to twice, is left to the general path
+    (-1, nothing written); a clear of another row beside the appends is staged."""
+    from blocktable.step.host import DecodeStager
+
+    bt = MultiGroupBlockTable([GroupSpec(16)], 8, 16 * 64, 8)
+    bt.apply(StepUpdate.make(1, added=[RowBlocks.from_lists([1, 2, 3], [[5], [6, 7], [8]])]))
+    bt.commit()
+    stager = DecodeStager(bt)
+    pairs = np.zeros(64, np.int32)
+
+    def decode(rows: list[int], cleared: list[int]) -> StepUpdate:
+        r = np.array(rows, np.int32)
+        return StepUpdate.make(1, cleared_rows=np.array(cleared, np.int32), appended=[
+            RowBlocks(r, np.ones(len(r), np.int32), np.arange(20, 20 + len(r), dtype=np.int32))])
+
+    before = bt.storage.host.copy()
+    for rows, cleared in (([3, 1], [1]), ([3, 1, 3], []), ([1, 1], [2])):
+        assert stager.stage(decode(rows, cleared), pairs, 32) == -1
+        np.testing.assert_array_equal(bt.storage.host, before)
+    # row 2 cleared (2 entries and its count), rows 3 and 1 gain a block (entry and count each)
+    assert stager.stage(decode([3, 1], [2]), pairs, 32) == 3 + 4
+    assert bt.tables[0].num_kernel_blocks[1:4].tolist() == [2, 0, 2]
+
+
 def test_decode_step_with_cleared_rows_takes_the_decode_path(monkeypatch, triton_device):
     """Rows of finished requests cleared beside one-block appends: staged directly (the
     general path is never called), with the same table and slots as the three calls."""
