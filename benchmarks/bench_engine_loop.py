@@ -16,6 +16,9 @@ Triton launch).
 
     PYTHONPATH=src python benchmarks/bench_engine_loop.py --device cpu
     PYTHONPATH=src python benchmarks/bench_engine_loop.py --device cuda --json out.json
+
+``--cold-ops`` instead times single numpy calls of the step warm and with the caches cold (as
+between engine steps): in the loop the count and the kind of calls matter more than sizes.
 """
 
 from __future__ import annotations
@@ -228,7 +231,20 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="also run each workload with its table step's pieces timed apart")
+    ap.add_argument("--cold-ops", action="store_true",
+                    help="only time single numpy calls of the step with the caches cold")
     args = ap.parse_args()
+    if args.cold_ops:
+        res_cold = cold_ops()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res_cold, f, indent=2)
+        print("\nnumpy calls on 256 int32 entries, p50 µs: warm (called back to back) and cold "
+              "(after 32 MB of other memory traffic, as between engine steps)")
+        print(f"{'call':<34}{'warm':>8}{'cold':>8}")
+        for name, r in res_cold.items():
+            print(f"{name:<34}{r['warm_us']:>8.2f}{r['cold_us']:>8.2f}")
+        return
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -270,6 +286,54 @@ def main() -> None:
     print(format_floors(res["floors"]))
     if args.breakdown:
         print_breakdown(res)
+
+
+def cold_ops(num: int = 256, repeats: int = 150) -> dict:
+    """p50 µs of single numpy calls of a decode step on ``num`` entries, warm and cold.
+
+    Cold: each call follows a pass over 32 MB of float64 (a stand-in for the model's work
+    between two engine steps), so numpy's code and the arrays have left the CPU caches.
+    """
+    rng = np.random.default_rng(0)
+    rows = rng.permutation(num).astype(np.int32)
+    rows_u32 = rows.view(np.uint32)
+    table = rng.integers(0, 1000, num * 64).astype(np.int32)
+    positions = rng.integers(0, 1024, num).astype(np.int64)
+    out32, out64 = np.empty(num, np.int32), np.empty(num, np.int64)
+    mask = np.zeros(num, bool)
+    qsl, qsl_ref = np.arange(num + 1, dtype=np.int32), np.arange(1025, dtype=np.int32).tobytes()
+    calls: dict[str, Callable[[], object]] = {
+        "none (Python call only)": lambda: None,
+        "np.maximum.reduce": lambda: np.maximum.reduce(rows_u32),
+        "ndarray.max()": lambda: rows.max(),
+        "a[a.argmax()]": lambda: rows_u32[rows_u32.argmax()],
+        "np.count_nonzero": lambda: np.count_nonzero(rows),
+        "ndarray.any() (bool)": lambda: mask.any(),
+        "np.bincount(minlength)": lambda: np.bincount(rows, minlength=num),
+        "take": lambda: table.take(rows),
+        "put": lambda: table.put(rows, rows),
+        "add, int32 out=": lambda: np.add(rows, 5, out=out32),
+        "multiply, int32 -> int64 out=": lambda: np.multiply(rows, 16, out=out64),
+        "right_shift, int64 out=": lambda: np.right_shift(positions, 4, out=out64),
+        "greater_equal -> bool": lambda: rows >= 200,
+        "putmask": lambda: np.putmask(out32, mask, -1),
+        "tobytes() == bytes": lambda: qsl.tobytes() == qsl_ref[: 4 * num + 4],
+    }
+    traffic = np.ones(4_000_000)
+    res = {}
+    for name, call in calls.items():
+        warm, cold = [], []
+        for _ in range(repeats):
+            traffic *= 1.0000001
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            call()
+            t2 = time.perf_counter()
+            cold.append(t1 - t0)
+            warm.append(t2 - t1)
+        res[name] = {"warm_us": p50_us(warm), "cold_us": p50_us(cold)}
+    return res
 
 
 def print_breakdown(res: dict) -> None:
