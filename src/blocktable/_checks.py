@@ -142,22 +142,23 @@ def _check_rows(name: str, rows: np.ndarray, bound: int) -> None:
             raise IndexError(f"{name} holds row {lo if lo < 0 else hi}, outside [0, {bound})")
 
 
-def check_positive(name: str, value: object) -> int:
-    """Check that ``value`` is an int >= 1; return it."""
+def check_int_at_least(name: str, value: object, low: int) -> int:
+    """Check that ``value`` is an int >= ``low``; return it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {int(value)}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {int(value)}")
     return int(value)
+
+
+def check_positive(name: str, value: object) -> int:
+    """Check that ``value`` is an int >= 1; return it."""
+    return check_int_at_least(name, value, 1)
 
 
 def check_non_negative(name: str, value: object) -> int:
     """Check that ``value`` is an int >= 0; return it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {int(value)}")
-    return int(value)
+    return check_int_at_least(name, value, 0)
 
 
 def as_index_array(name: str, value: object) -> np.ndarray:
