@@ -7,6 +7,7 @@ block ids per block) matches the float64 reference. CPU only (the interpreter fo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -47,6 +48,11 @@ def expected(splits: int, num_reqs: int, num_kv_heads: int, width: int,
         (1, 8192, 32, True, 2, 2),  # fused, ids 2, 256 keys a split: 2 stages
         (1, 131072, 32, True, 0, 3),  # 4096 keys a split: ids 0, 3 stages; 32 splits at most
         (8, 32768, 8, False, 0, 2),  # 64 (request, KV head) pairs: wide combine, 2 stages
+        (2, 8192, 16, True, 2, 2),  # 16 splits fill the wave (256 programs): not 32
+        (2, 32768, 16, True, 0, 3),  # the same, fused with long splits
+        (4, 8192, 8, False, 2, 2),  # 8 splits of 1024 keys fill the wave: not 16
+        (4, 32768, 16, False, 0, 2),  # 8 would fill it, but long unfused splits: 16
+        (3, 8192, 16, False, 2, 2),  # 8 splits (192 programs) fall short of the wave: 16
         (64, 4096, 1, False, 0, 2),  # unsplit: ids 0, the default's stages
     ],
 )
@@ -69,16 +75,34 @@ def test_h200_cases_follow_the_rule(monkeypatch, num_reqs: int, seq_len: int, sp
     ) == BASE
 
 
+def expected_splits(num_reqs: int, num_kv_heads: int, width: int, block_size: int) -> int:
+    """The split rule written out independently: the power of two nearest above the wanted
+    count (two programs per multiprocessor) within [1, 32] and at least 256 keys a split,
+    or the one below (at least 2) when it fills 90% of that and is fused or short."""
+    programs = num_reqs * num_kv_heads
+    wanted = math.ceil(2 * H200_SMS / programs)
+    keys = width * block_size
+    candidates = [s for s in (1, 2, 4, 8, 16, 32) if s == 1 or keys // s >= 256]
+    above = [s for s in candidates if s >= wanted]
+    splits = above[0] if above else candidates[-1]
+    below = splits // 2
+    if (splits >= wanted and below >= 2 and below * programs >= 0.9 * 2 * H200_SMS
+            and (programs <= 16 or keys / below < 2048)):
+        return below
+    return splits
+
+
 def test_the_rule_over_a_grid_of_shapes(monkeypatch) -> None:
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: H200_SMS)
     assert (FUSED_COMBINE_MAX_PROGRAMS, DECODE_LONG_SPLIT_KEYS) == (16, 2048)
-    for num_reqs in (1, 2, 3, 4, 16, 256):
+    for num_reqs in (1, 2, 3, 4, 5, 8, 16, 256):
         for num_kv_heads in (1, 2, 4, 8):
             for width in (1, 7, 64, 512, 8192):
                 for block_size in (1, 4, 6, 16, 32, 128):
                     splits = triton_decode.default_num_kv_splits(
                         num_reqs, num_kv_heads, width, torch.device("cuda"), block_size)
                     assert splits <= 32 and splits & (splits - 1) == 0
+                    assert splits == expected_splits(num_reqs, num_kv_heads, width, block_size)
                     for s in {splits, 1, 4, 32}:
                         c = default_decode_config(BASE, s, num_reqs, num_kv_heads, width,
                                                   block_size)

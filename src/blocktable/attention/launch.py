@@ -14,6 +14,10 @@ from collections.abc import Callable
 import torch
 
 from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting, next_power_of_2
+from blocktable.attention.triton_decode import (  # the split rule's bounds, shared with it
+    DECODE_LONG_SPLIT_KEYS,
+    FUSED_COMBINE_MAX_PROGRAMS,
+)
 from blocktable.attention.triton_tiles import LOG2_E
 
 if HAS_TRITON:
@@ -120,8 +124,6 @@ def default_config(head_dim: int, group_size: int, element_size: int = 2) -> Ker
 #   fused, else the stages of default_config;
 # - more than 32 splits lose (B=1 x 131072: 153.8 at 64 splits vs 146.3 at 32, same options),
 #   see triton_decode.MAX_KV_SPLITS.
-FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
-DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
 
 
 @functools.lru_cache(maxsize=256)

@@ -456,6 +456,9 @@ def merge_chunk(group_pad: int, block_d: int) -> int:
     """Splits per ``[group_pad, splits, block_d]`` load of the merge: a power of two."""
     return max(1, min(MERGE_CHUNK, MERGE_TILE_ELEMENTS // (group_pad * block_d)))
 MIN_KEYS_PER_SPLIT = 256
+FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
+DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
+FULL_WAVE = 0.9  # a grid of at least this share of two programs per multiprocessor fills it
 
 
 @functools.lru_cache
@@ -464,6 +467,14 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Rounding the wanted splits (H200, bf16, 32 query / 8 KV heads, head dim 128, page 16,
+# graph-replayed µs, 2026-12-01): to the power of two below when that grid already fills two
+# programs per multiprocessor (>= FULL_WAVE of it) and its splits are short or fused:
+# B=2 x 8192 26.6 (16 splits) vs 30.5 (32), 2 x 32768 70.3 vs 82.1, 2 x 131072 245.6 vs 251.3,
+# 4 x 8192 48.2 (8) vs 51.4 (16), 8 x 4096 47.2 (4) vs 50.6 (8). Long unfused splits want the
+# power of two above: 4 x 32768 185.8 (8) vs 132.6 (16), 8 x 32768 358.9 (4) vs 250.2 (8),
+# 16 x 8192 184.5 (2) vs 132.4 (4); so do grids well short of a wave: 3 x 8192 43.2 (8, 192
+# programs) vs 35.0 (16), 12 x 4096 85.4 (2) vs 56.4 (4).
 def default_num_kv_splits(
     num_reqs: int, num_kv_heads: int, width: int, device: torch.device, block_size: int = 16
 ) -> int:
@@ -471,14 +482,24 @@ def default_num_kv_splits(
 
     Depends on shapes only (never on ``seq_lens``), so a captured CUDA graph stays valid: a
     power of two, at most ``MAX_KV_SPLITS`` (32), each split covering at least 256 keys of
-    the widest possible row (``width * block_size``). 1 off CUDA.
+    the widest possible row (``width * block_size``). The wanted count is rounded to the power
+    of two above, or to the one below (at least 2) when that grid fills at least ``FULL_WAVE``
+    of two programs per multiprocessor and its splits are short or fused (the comment above
+    has the measurements). 1 off CUDA.
     """
     if device.type != "cuda" or num_reqs == 0:
         return 1
     programs = num_reqs * num_kv_heads
-    wanted = -(-2 * num_sms(device) // programs)
+    target = 2 * num_sms(device)
+    wanted = -(-target // programs)
     cap = min(MAX_KV_SPLITS, max(1, width * block_size // MIN_KEYS_PER_SPLIT))
     splits = 1
     while splits < wanted and splits * 2 <= cap:
         splits *= 2
+    below = splits // 2
+    if splits >= wanted and below >= 2 and below * programs >= FULL_WAVE * target and (
+        programs <= FUSED_COMBINE_MAX_PROGRAMS
+        or width * block_size // below < DECODE_LONG_SPLIT_KEYS
+    ):
+        return below
     return splits
