@@ -525,12 +525,13 @@ class KVCacheManager:
         new = pool.take(total)
         new_list = new.tolist()
         rows, nums, start = [], [], 0
-        touch = self._journal.touch
+        marks = self._journal.marks
         for req, need in zip(reqs, needs):
             if need:
-                row = req.row
-                touch(row, req)
-                n = req.row_len[0]
+                row, row_len = req.row, req.row_len
+                n = row_len[0]
+                if row not in marks:  # the journal's touch, inlined (one group: lengths (n,))
+                    marks[row] = (req, (n,))
                 buf = req.block_buf[0]
                 if len(buf) < n + need:
                     buf = req.block_buf[0] = grown(buf, n + need)
@@ -539,12 +540,14 @@ class KVCacheManager:
                 else:
                     buf[n : n + need] = new[start : start + need]
                 n += need
-                req.row_len[0] = n
+                row_len[0] = n
                 req.num_slots = n * bs
                 rows.append(row)
                 nums.append(need)
                 start += need
-        return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
+        rows_and_nums = np.array(rows + nums, np.int32)  # one conversion, two views
+        k = len(rows)
+        return RowBlocks(rows_and_nums[:k], rows_and_nums[k:], new)
 
     def _needs_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
