@@ -607,23 +607,19 @@ class KVCacheManager:
         req_ids = as_list("req_ids", req_ids)
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
+        # One pass that checks and counts; a bad entry undoes the counts of those before it.
         for req, count in zip(reqs, counts):
             num_computed = req.num_computed_tokens + count
-            if num_computed <= req.num_slots and num_computed <= req.num_tokens:
-                continue  # num_slots: what every group's blocks hold
-            if num_computed > req.num_tokens:
-                raise ValueError(
-                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
-                    f"{req.num_tokens} token ids are known (append_token_ids first)"
-                )
-            for g, bs in enumerate(self.block_sizes):
-                if num_computed > req.row_len[g] * bs:
-                    raise ValueError(
-                        f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                        f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
-                    )
-        for req, count in zip(reqs, counts):
-            req.num_computed_tokens += count
+            if num_computed > req.num_slots or num_computed > req.num_tokens:
+                try:  # num_slots: what every group's blocks hold
+                    self._check_computed(req, num_computed)
+                except ValueError:
+                    for done, done_count in zip(reqs, counts):
+                        if done is req:
+                            break
+                        done.num_computed_tokens -= done_count
+                    raise
+            req.num_computed_tokens = num_computed
         if self.enable_prefix_caching:
             register_computed_blocks(
                 reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
@@ -632,6 +628,20 @@ class KVCacheManager:
             for g, window in enumerate(self.windows):
                 if window is not None:
                     self._release_outside_window(reqs, g, window)
+
+    def _check_computed(self, req: RequestState, num_computed: int) -> None:
+        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
+        if num_computed > req.num_tokens:
+            raise ValueError(
+                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+                f"{req.num_tokens} token ids are known (append_token_ids first)"
+            )
+        for g, bs in enumerate(self.block_sizes):
+            if num_computed > req.row_len[g] * bs:
+                raise ValueError(
+                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                    f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
+                )
 
     # ----------------------------------------------------------------- release
     def free(self, req_id: ReqId) -> None:
