@@ -150,6 +150,7 @@ class KVCacheManager:
         self._journal = StepJournal(len(groups))
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
+        self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
         # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
         self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
         self.num_preemptions = 0
@@ -268,9 +269,7 @@ class KVCacheManager:
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         pending: dict[bytes, tuple[int, int]] = {}
         plans = [
-            self._new_plan(
-                f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending, keep=True
-            )
+            self._new_plan(p, ns, pending, req_id=r)
             for r, p, ns in zip(req_ids, prompts, cache_namespaces)
         ]
         if len(req_ids) > self._rows.num_free:
@@ -279,6 +278,8 @@ class KVCacheManager:
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
         self._namespaces.update(pending)
+        if self._none_namespace is None:
+            self._none_namespace = self._namespaces.get(b"")
         self._find(plans)
         shared: list[list[np.ndarray]] = [[] for _ in self.pools]
         for req_id, plan, ns in zip(req_ids, plans, cache_namespaces):
@@ -849,23 +850,37 @@ class KVCacheManager:
 
     def _new_plan(
         self,
-        name: str,
         prompt: TokenIds,
         namespace: object,
-        who: str,
         pending: dict[bytes, tuple[int, int]],
         *,
-        keep: bool = False,
+        req_id: ReqId | None = None,
     ) -> PromptPlan:
-        """The plan of one prompt; ``keep``: its tokens go to a new buffer with room for the
-        tokens a request generates (admission), so its first appends copy nothing."""
-        tokens = token_array(name, prompt)
+        """The plan of one prompt. Admission (``req_id`` given, named in errors): its tokens
+        go to a new buffer with room for the tokens a request generates, so its first appends
+        copy nothing. Else (a lookup) they are copied only when the caller's array is used."""
+        if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
+            tokens = prompt  # token_array's fast case, without building its error message
+        elif req_id is None:
+            tokens = token_array("prompt_token_ids", prompt)
+        else:
+            tokens = token_array(f"prompt_token_ids of request {req_id!r}", prompt)
         num_tokens = len(tokens)
         if not num_tokens:
-            raise ValueError(f"{name} is empty")
-        self._check_model_len(who, "prompt", num_tokens)
-        root, seed, encoded = self._namespace(namespace, pending)
-        if keep:
+            raise ValueError(
+                "prompt_token_ids is empty"
+                if req_id is None
+                else f"prompt_token_ids of request {req_id!r} is empty"
+            )
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            who = "new request" if req_id is None else f"request {req_id!r}"
+            self._check_model_len(who, "prompt", num_tokens)
+        if namespace is None and self._none_namespace is not None:
+            root, seed = self._none_namespace
+            encoded = b""
+        else:
+            root, seed, encoded = self._namespace(namespace, pending)
+        if req_id is not None:
             buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
             buffer[:num_tokens] = tokens  # the caller's array stays the caller's
             return PromptPlan(buffer[:num_tokens], root, seed, encoded, buffer)
@@ -882,9 +897,7 @@ class KVCacheManager:
         find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
 
     def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
-        plan = self._new_plan(
-            "prompt_token_ids", prompt_token_ids, cache_namespace, "new request", {}
-        )
+        plan = self._new_plan(prompt_token_ids, cache_namespace, {})
         self._find([plan])
         return plan
 
