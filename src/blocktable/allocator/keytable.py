@@ -290,7 +290,7 @@ class KeyTable:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._keys_view, self._values_view = memoryview(self.keys), memoryview(self.values)
+        self._keys_view, self._values_view = self.keys.data, self.values.data
 
     def _alloc(self, capacity: int) -> None:
         # A position's key and value share a cache line (one array of pairs, two strided
@@ -301,5 +301,5 @@ class KeyTable:
         self.keys = pairs[:, 0].view(_U64)  # key at each position
         self.values = pairs[:, 1]  # value, EMPTY or DELETED
         # the same, read as Python ints by the scalar paths
-        self._keys_view, self._values_view = memoryview(self.keys), memoryview(self.values)
+        self._keys_view, self._values_view = self.keys.data, self.values.data
         self._int_mask = capacity - 1
