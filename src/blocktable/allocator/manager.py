@@ -510,14 +510,16 @@ class KVCacheManager:
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         bs, max_len = self.block_sizes[0], self.max_model_len
-        needs, total = [], 0
-        for req, n in zip(reqs, counts):
-            num_tokens = req.num_computed_tokens + n
-            if max_len is not None and num_tokens > max_len:
-                self._check_request_len(req.req_id, "allocation", num_tokens)
-            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - req.row_len[0]
-            needs.append(need)
-            total += need
+        if max_len is not None:
+            for req, n in zip(reqs, counts):
+                self._check_request_len(req.req_id, "allocation", req.num_computed_tokens + n)
+        needs = [
+            0
+            if (t := req.num_computed_tokens + n) <= req.num_slots
+            else -(-t // bs) - req.row_len[0]
+            for req, n in zip(reqs, counts)
+        ]
+        total = sum(needs)
         pool = self.pools[0]
         if total > pool.num_free_blocks:
             self._check_free([[need] for need in needs], reqs)
