@@ -168,7 +168,14 @@ def _register_group(
             segments, keys = _segment_keys(segments, bs, powers, chains)
             _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains)
         return
-    if not stored and not fresh:
+    if len(stored) + len(fresh) <= 1:
+        if stored or fresh:
+            req, stop, length, row, tokens, block_ids, last = (stored or fresh)[0]
+            stored_keys = last if stored else None
+            first = stop - length
+            _register_segment(
+                req, stop, row, tokens, block_ids, stored_keys, first, pool, g, bs, powers, chains
+            )
         return
     # the segments' ints, stored segments first: one conversion, then views
     s_stops: tuple = ()
@@ -214,14 +221,9 @@ def _register_group(
         )
         key_parts.append(keys)
     num_segments = len(seg_rows)
-    if num_segments == 1:  # one request (a prompt chunk)
-        parent_ids = np.zeros(int(lengths[0]), dtype=np.int64)  # 0: the previous entry's content
-        parent_ids[0] = parent_cid[seg_rows[0]]
-        ends = lengths
-    else:
-        ends = lengths.cumsum()
-        parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
-        parent_ids[ends - lengths] = parent_cid[seg_rows]
+    ends = lengths.cumsum()
+    parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
+    parent_ids[ends - lengths] = parent_cid[seg_rows]
     cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
@@ -230,6 +232,41 @@ def _register_group(
     )
     parent_cid[seg_rows] = cids if len(cids) == num_segments else cids[ends - 1]
     num_hashed[seg_rows] = stops
+
+
+def _register_segment(
+    req: RequestState,
+    stop: int,
+    row: int,
+    tokens: np.ndarray,
+    block_ids: np.ndarray,
+    keys: np.ndarray | None,
+    first: int,
+    pool: BlockPool,
+    g: int,
+    bs: int,
+    powers: ChainPowers,
+    chains: KeyChains,
+) -> None:
+    """:func:`_register_group` of one segment, blocks ``first .. stop - 1`` of ``req`` (a
+    prompt chunk), with scalar bookkeeping; ``keys``: the stored ones, or None to chain them."""
+    if keys is None:
+        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
+        if int(num_keys[row]) == first:
+            start = int(chain_state[row])
+        else:
+            start = _state_before(req, first, bs, chains)
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        lengths = np.array([stop - first], dtype=np.int64)
+        keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
+        num_keys[row] = stop
+        chain_state[row] = states[-1]
+    parent_ids = np.zeros(stop - first, dtype=np.int64)  # 0: the previous entry's content
+    parent_cid = chains.parent_cid[g]
+    parent_ids[0] = parent_cid[row]
+    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parent_ids)
+    parent_cid[row] = cids[-1]
+    chains.num_hashed[g][row] = stop
 
 
 def _cache_segments(
