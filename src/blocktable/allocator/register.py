@@ -150,18 +150,14 @@ def _register_group(
         stop = req.num_computed_tokens // bs
         if stop <= first:
             continue
-        seg = (
-            req,
-            stop,
-            stop - first,
-            req.row,
-            req.tokens[first * bs : stop * bs],
-            req.block_buf[g][first:stop],
-        )
+        tokens = req.tokens[first * bs : stop * bs]
         if stop <= req.num_prompt_tokens // bs:
-            stored.append((*seg, req.keys[bs][first:stop]))
+            ids = req.block_buf[g][first:stop]
+            stored.append((req, stop, stop - first, req.row, tokens, ids, req.keys[bs][first:stop]))
         else:
-            fresh.append((*seg, first))
+            fresh.append(
+                (req, stop, stop - first, req.row, tokens, req.block_buf[g][first:stop], first)
+            )
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
         if segments:
