@@ -219,6 +219,20 @@ def test_bad_batched_calls_change_nothing(call: object, error: type, match: str)
     mgr.check_integrity()
 
 
+def test_bad_entry_of_mark_computed_many_undoes_the_entries_before_it() -> None:
+    # mark_computed_many counts while it checks: an entry after a good one must undo it
+    mgr = running_pair()
+    mgr.allocate_many(["a"], [8])
+    mgr.take_step_update()
+    before = full_state(mgr)
+    with pytest.raises(ValueError, match="request 'c': cannot mark 4 tokens computed, only 3"):
+        mgr.mark_computed_many(["a", "c"], [8, 4])
+    assert full_state(mgr) == before
+    mgr.mark_computed_many(["a", "c"], [8, 0])
+    assert (mgr.num_computed_tokens("a"), mgr.num_computed_tokens("c")) == (20, 0)
+    mgr.check_integrity()
+
+
 def test_batched_free_of_requests_sharing_blocks_queues_tails_first() -> None:
     mgr = KVCacheManager([AllocatorGroupSpec(4, 16)], 4)
     mgr.add_request("a", list(range(12)))

@@ -169,9 +169,13 @@ def chain_keys(
     if n == 0:
         return content_hashes.copy(), content_hashes.copy()
     scaled = content_hashes * powers.inverse_powers[:n]
-    sums = np.cumsum(scaled, dtype=_U64)
+    # running sums with a 0 in front: the sum before each segment is one gather
+    running = np.empty(n + 1, dtype=_U64)
+    running[0] = 0
+    np.cumsum(scaled, dtype=_U64, out=running[1:])
+    sums = running[1:]
     seg_starts = np.cumsum(segment_lengths) - segment_lengths
-    before = np.where(seg_starts > 0, sums[np.maximum(seg_starts - 1, 0)], _U64(0))
+    before = running[seg_starts]
     # K_g = Bb**g * (sums_g + adjust_r), adjust_r = S_r * Bb * Q**s - (sum before s): one
     # per-segment term, repeated, instead of per-block gathers of segment values
     adjust = start_states * (_U64(powers.block_base) * powers.inverse_powers[seg_starts])

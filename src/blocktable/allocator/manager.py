@@ -150,6 +150,7 @@ class KVCacheManager:
         self._journal = StepJournal(len(groups))
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
+        self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
         # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
         self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
         self.num_preemptions = 0
@@ -268,9 +269,7 @@ class KVCacheManager:
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         pending: dict[bytes, tuple[int, int]] = {}
         plans = [
-            self._new_plan(
-                f"prompt_token_ids of request {r!r}", p, ns, f"request {r!r}", pending, keep=True
-            )
+            self._new_plan(p, ns, pending, req_id=r)
             for r, p, ns in zip(req_ids, prompts, cache_namespaces)
         ]
         if len(req_ids) > self._rows.num_free:
@@ -279,6 +278,8 @@ class KVCacheManager:
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
         self._namespaces.update(pending)
+        if self._none_namespace is None:
+            self._none_namespace = self._namespaces.get(b"")
         self._find(plans)
         shared: list[list[np.ndarray]] = [[] for _ in self.pools]
         for req_id, plan, ns in zip(req_ids, plans, cache_namespaces):
@@ -509,14 +510,16 @@ class KVCacheManager:
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         bs, max_len = self.block_sizes[0], self.max_model_len
-        needs, total = [], 0
-        for req, n in zip(reqs, counts):
-            num_tokens = req.num_computed_tokens + n
-            if max_len is not None and num_tokens > max_len:
-                self._check_request_len(req.req_id, "allocation", num_tokens)
-            need = 0 if num_tokens <= req.num_slots else -(-num_tokens // bs) - req.row_len[0]
-            needs.append(need)
-            total += need
+        if max_len is not None:
+            for req, n in zip(reqs, counts):
+                self._check_request_len(req.req_id, "allocation", req.num_computed_tokens + n)
+        needs = [
+            0
+            if (t := req.num_computed_tokens + n) <= req.num_slots
+            else -(-t // bs) - req.row_len[0]
+            for req, n in zip(reqs, counts)
+        ]
+        total = sum(needs)
         pool = self.pools[0]
         if total > pool.num_free_blocks:
             self._check_free([[need] for need in needs], reqs)
@@ -525,12 +528,13 @@ class KVCacheManager:
         new = pool.take(total)
         new_list = new.tolist()
         rows, nums, start = [], [], 0
-        touch = self._journal.touch
+        marks = self._journal.marks
         for req, need in zip(reqs, needs):
             if need:
-                row = req.row
-                touch(row, req)
-                n = req.row_len[0]
+                row, row_len = req.row, req.row_len
+                n = row_len[0]
+                if row not in marks:  # the journal's touch, inlined (one group: lengths (n,))
+                    marks[row] = (req, (n,))
                 buf = req.block_buf[0]
                 if len(buf) < n + need:
                     buf = req.block_buf[0] = grown(buf, n + need)
@@ -539,12 +543,14 @@ class KVCacheManager:
                 else:
                     buf[n : n + need] = new[start : start + need]
                 n += need
-                req.row_len[0] = n
+                row_len[0] = n
                 req.num_slots = n * bs
                 rows.append(row)
                 nums.append(need)
                 start += need
-        return RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
+        rows_and_nums = np.array(rows + nums, np.int32)  # one conversion, two views
+        k = len(rows)
+        return RowBlocks(rows_and_nums[:k], rows_and_nums[k:], new)
 
     def _needs_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -604,23 +610,19 @@ class KVCacheManager:
         req_ids = as_list("req_ids", req_ids)
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
+        # One pass that checks and counts; a bad entry undoes the counts of those before it.
         for req, count in zip(reqs, counts):
             num_computed = req.num_computed_tokens + count
-            if num_computed <= req.num_slots and num_computed <= req.num_tokens:
-                continue  # num_slots: what every group's blocks hold
-            if num_computed > req.num_tokens:
-                raise ValueError(
-                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
-                    f"{req.num_tokens} token ids are known (append_token_ids first)"
-                )
-            for g, bs in enumerate(self.block_sizes):
-                if num_computed > req.row_len[g] * bs:
-                    raise ValueError(
-                        f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                        f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
-                    )
-        for req, count in zip(reqs, counts):
-            req.num_computed_tokens += count
+            if num_computed > req.num_slots or num_computed > req.num_tokens:
+                try:  # num_slots: what every group's blocks hold
+                    self._check_computed(req, num_computed)
+                except ValueError:
+                    for done, done_count in zip(reqs, counts):
+                        if done is req:
+                            break
+                        done.num_computed_tokens -= done_count
+                    raise
+            req.num_computed_tokens = num_computed
         if self.enable_prefix_caching:
             register_computed_blocks(
                 reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
@@ -629,6 +631,20 @@ class KVCacheManager:
             for g, window in enumerate(self.windows):
                 if window is not None:
                     self._release_outside_window(reqs, g, window)
+
+    def _check_computed(self, req: RequestState, num_computed: int) -> None:
+        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
+        if num_computed > req.num_tokens:
+            raise ValueError(
+                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+                f"{req.num_tokens} token ids are known (append_token_ids first)"
+            )
+        for g, bs in enumerate(self.block_sizes):
+            if num_computed > req.row_len[g] * bs:
+                raise ValueError(
+                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                    f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
+                )
 
     # ----------------------------------------------------------------- release
     def free(self, req_id: ReqId) -> None:
@@ -836,23 +852,37 @@ class KVCacheManager:
 
     def _new_plan(
         self,
-        name: str,
         prompt: TokenIds,
         namespace: object,
-        who: str,
         pending: dict[bytes, tuple[int, int]],
         *,
-        keep: bool = False,
+        req_id: ReqId | None = None,
     ) -> PromptPlan:
-        """The plan of one prompt; ``keep``: its tokens go to a new buffer with room for the
-        tokens a request generates (admission), so its first appends copy nothing."""
-        tokens = token_array(name, prompt)
+        """The plan of one prompt. Admission (``req_id`` given, named in errors): its tokens
+        go to a new buffer with room for the tokens a request generates, so its first appends
+        copy nothing. Else (a lookup) they are copied only when the caller's array is used."""
+        if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
+            tokens = prompt  # token_array's fast case, without building its error message
+        elif req_id is None:
+            tokens = token_array("prompt_token_ids", prompt)
+        else:
+            tokens = token_array(f"prompt_token_ids of request {req_id!r}", prompt)
         num_tokens = len(tokens)
         if not num_tokens:
-            raise ValueError(f"{name} is empty")
-        self._check_model_len(who, "prompt", num_tokens)
-        root, seed, encoded = self._namespace(namespace, pending)
-        if keep:
+            raise ValueError(
+                "prompt_token_ids is empty"
+                if req_id is None
+                else f"prompt_token_ids of request {req_id!r} is empty"
+            )
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            who = "new request" if req_id is None else f"request {req_id!r}"
+            self._check_model_len(who, "prompt", num_tokens)
+        if namespace is None and self._none_namespace is not None:
+            root, seed = self._none_namespace
+            encoded = b""
+        else:
+            root, seed, encoded = self._namespace(namespace, pending)
+        if req_id is not None:
             buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
             buffer[:num_tokens] = tokens  # the caller's array stays the caller's
             return PromptPlan(buffer[:num_tokens], root, seed, encoded, buffer)
@@ -869,9 +899,7 @@ class KVCacheManager:
         find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
 
     def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
-        plan = self._new_plan(
-            "prompt_token_ids", prompt_token_ids, cache_namespace, "new request", {}
-        )
+        plan = self._new_plan(prompt_token_ids, cache_namespace, {})
         self._find([plan])
         return plan
 

@@ -106,7 +106,7 @@ def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int])
     """
     probe = 0
     while probe < num_blocks:
-        if get_one(int(keys[probe])) < 0:
+        if get_one(keys.item(probe)) < 0:
             return probe
         probe = 2 * probe if probe else 8
     return num_blocks

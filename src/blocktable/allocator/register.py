@@ -150,80 +150,119 @@ def _register_group(
         stop = req.num_computed_tokens // bs
         if stop <= first:
             continue
-        seg = (
-            req,
-            stop,
-            stop - first,
-            req.row,
-            req.tokens[first * bs : stop * bs],
-            req.block_buf[g][first:stop],
-        )
+        tokens = req.tokens[first * bs : stop * bs]
         if stop <= req.num_prompt_tokens // bs:
-            stored.append((*seg, req.keys[bs][first:stop]))
+            ids = req.block_buf[g][first:stop]
+            stored.append((req, stop, stop - first, req.row, tokens, ids, req.keys[bs][first:stop]))
         else:
-            fresh.append((*seg, first))
+            fresh.append(
+                (req, stop, stop - first, req.row, tokens, req.block_buf[g][first:stop], first)
+            )
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
         if segments:
             segments, keys = _segment_keys(segments, bs, powers, chains)
             _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains)
         return
-    seg_reqs: list[RequestState] = []
-    stops: list[int] = []
-    lengths: list[int] = []
-    rows: list[int] = []
+    if len(stored) + len(fresh) <= 1:
+        if stored or fresh:
+            req, stop, length, row, tokens, block_ids, last = (stored or fresh)[0]
+            stored_keys = last if stored else None
+            first = stop - length
+            _register_segment(
+                req, stop, row, tokens, block_ids, stored_keys, first, pool, g, bs, powers, chains
+            )
+        return
+    # the segments' ints, stored segments first: one conversion, then views
+    s_stops: tuple = ()
+    s_lengths: tuple = ()
+    s_rows: tuple = ()
     token_parts: list[np.ndarray] = []
     id_parts: list[np.ndarray] = []
     key_parts: list[np.ndarray] = []
     if stored:
-        seg_reqs, stops, lengths, rows, token_parts, id_parts, key_parts = map(list, zip(*stored))
+        _, s_stops, s_lengths, s_rows, s_tokens, s_ids, s_keys = zip(*stored)
+        token_parts += s_tokens
+        id_parts += s_ids
+        key_parts += s_keys
+    f_reqs: tuple = ()
+    f_stops: tuple = ()
+    f_lengths: tuple = ()
+    f_rows: tuple = ()
+    f_firsts: tuple = ()
     if fresh:
         f_reqs, f_stops, f_lengths, f_rows, f_tokens, f_ids, f_firsts = zip(*fresh)
-        tokens = f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens)
-        fresh_len = np.array(f_lengths, dtype=np.int64)
+        token_parts.append(f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens))
+        id_parts += f_ids
+    ints = np.array(
+        (s_stops + f_stops, s_lengths + f_lengths, s_rows + f_rows, s_lengths + f_firsts),
+        dtype=np.int64,
+    )
+    stops, lengths, seg_rows, firsts_fresh = ints  # firsts_fresh[:len(stored)]: unused
+    if fresh:
+        k = len(stored)
+        fresh_len, fresh_rows = lengths[k:], seg_rows[k:]
+        tokens = token_parts[-1]
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        fresh_rows = np.array(f_rows, dtype=np.int64)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
         # usually each chain stands where its segment starts; else the segment starts inside
         # the prompt (its stored states) or the chain is broken (an error)
-        for i in np.flatnonzero(num_keys[fresh_rows] != f_firsts).tolist():
+        for i in np.flatnonzero(num_keys[fresh_rows] != firsts_fresh[k:]).tolist():
             starts[i] = _state_before(f_reqs[i], f_firsts[i], bs, chains)
         keys, states = chain_keys(hashes, fresh_len, starts, powers)
-        num_keys[fresh_rows] = f_stops
+        num_keys[fresh_rows] = stops[k:]
         chain_state[fresh_rows] = (
             states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
         )
         key_parts.append(keys)
-        token_parts.append(tokens)
-        id_parts += f_ids
-        seg_reqs += f_reqs
-        stops += f_stops
-        lengths += f_lengths
-        rows += f_rows
-    if not seg_reqs:
-        return
-    ends: np.ndarray | None = None
-    if len(lengths) == 1:  # one request (a prompt chunk)
-        parent_ids = np.zeros(lengths[0], dtype=np.int64)  # 0: the previous entry's content
-        parent_ids[0] = parent_cid[rows[0]]
-    else:
-        seg_rows = np.array(rows, dtype=np.int64)
-        ends = np.cumsum(lengths)
-        parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)
-        parent_ids[ends - np.array(lengths)] = parent_cid[seg_rows]
+    num_segments = len(seg_rows)
+    ends = lengths.cumsum()
+    parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
+    parent_ids[ends - lengths] = parent_cid[seg_rows]
     cids = pool.cache(
         id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
         (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
         parent_ids,
     )
-    if ends is None:
-        parent_cid[rows[0]] = cids[-1]
-        num_hashed[rows[0]] = stops[0]
-    else:
-        parent_cid[seg_rows] = cids if len(cids) == len(seg_reqs) else cids[ends - 1]
-        num_hashed[seg_rows] = stops
+    parent_cid[seg_rows] = cids if len(cids) == num_segments else cids[ends - 1]
+    num_hashed[seg_rows] = stops
+
+
+def _register_segment(
+    req: RequestState,
+    stop: int,
+    row: int,
+    tokens: np.ndarray,
+    block_ids: np.ndarray,
+    keys: np.ndarray | None,
+    first: int,
+    pool: BlockPool,
+    g: int,
+    bs: int,
+    powers: ChainPowers,
+    chains: KeyChains,
+) -> None:
+    """:func:`_register_group` of one segment, blocks ``first .. stop - 1`` of ``req`` (a
+    prompt chunk), with scalar bookkeeping; ``keys``: the stored ones, or None to chain them."""
+    if keys is None:
+        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
+        if int(num_keys[row]) == first:
+            start = int(chain_state[row])
+        else:
+            start = _state_before(req, first, bs, chains)
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        lengths = np.array([stop - first], dtype=np.int64)
+        keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
+        num_keys[row] = stop
+        chain_state[row] = states[-1]
+    parent_ids = np.zeros(stop - first, dtype=np.int64)  # 0: the previous entry's content
+    parent_cid = chains.parent_cid[g]
+    parent_ids[0] = parent_cid[row]
+    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parent_ids)
+    parent_cid[row] = cids[-1]
+    chains.num_hashed[g][row] = stop
 
 
 def _cache_segments(
