@@ -19,7 +19,7 @@ import numpy as np
 from blocktable._host_loops import fill_staging, kernel_ids, runs
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.update import RowBlocks, StepUpdate
+from blocktable.update import AllocatorFacts, RowBlocks, StepUpdate
 
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
@@ -112,6 +112,21 @@ class DecodeStager:
             return None
         return filled
 
+    def _filled_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
+                        g: int) -> np.ndarray | None:
+        """:meth:`_filled` for an update of the allocator's journal: its rows are in range and
+        distinct, so only the facts of the table (ids below its bound, room in the rows) are
+        checked. Facts the journal did not record (several groups): :meth:`_filled`."""
+        largest_id = facts.largest_appended_id[g]
+        if not facts.one_block_each[g] or largest_id < 0:
+            return self._filled(ref, part)
+        if largest_id >= ref.block_id_bound:
+            return None
+        filled = ref.counts.take(part.rows)
+        if largest(filled) > ref.width - ref.k:  # counts are >= 0
+            return None
+        return filled
+
     def stage(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
         """Apply a decode step's update and stage its pairs in ``pairs`` (int32
         ``[2*max_pairs]``: indices, then values).
@@ -119,6 +134,11 @@ class DecodeStager:
         Returns the number of pairs, or -1 (nothing written) when the update is not a valid
         decode step (rows gaining one block each, other rows cleared) that fits ``max_pairs``
         next to no other pending change.
+
+        An update with :class:`~blocktable.update.AllocatorFacts` (built by the allocator's
+        journal) skips the checks the facts settle: the range and repeats of its rows, the
+        range of its ids, one id per row. What only the table knows (each row's filled
+        entries against its width) is checked on every update.
         """
         table = self.table
         st = table.storage
@@ -126,16 +146,20 @@ class DecodeStager:
         added, appended, nulled = update.added, update.appended, update.nulled
         if st.changed or not (len(added) == len(appended) == len(nulled) == G):
             return -1
+        facts = update.facts
+        if facts is not None and facts.num_rows > self.num_rows:
+            facts = None  # rows of a larger allocator: check them
         total = 0
         cleared = update.cleared_rows
         listed_cleared = None
-        clear_rows = np.zeros(0, dtype=np.int64)
+        clear_rows: np.ndarray = cleared
         clears: list[tuple[_GroupRef, np.ndarray, int]] = []
         if len(cleared):
-            listed_cleared = self._listed(cleared)
-            if listed_cleared is None:
-                return -1
-            clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct (a row may repeat)
+            if facts is None:
+                listed_cleared = self._listed(cleared)
+                if listed_cleared is None:
+                    return -1
+                clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct
             for group_ref in self.refs:
                 old = group_ref.counts.take(clear_rows)  # kernel blocks to zero, then counts
                 num_zeroed = int(_sum(old))
@@ -152,7 +176,10 @@ class DecodeStager:
                 ref = self._ref_of[g]
                 if ref is None:
                     return -1  # ids for a group without a table
-                filled = self._filled(ref, part)
+                if facts is not None:
+                    filled = self._filled_trusted(ref, part, facts, g)
+                else:
+                    filled = self._filled(ref, part)
                 if filled is None:
                     return -1
                 if listed_cleared is not None and largest(listed_cleared.take(part.rows)):
