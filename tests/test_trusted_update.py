@@ -96,24 +96,26 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
-    """Random workloads: the journal's updates through the captured step (trusted) give the
-    table, device table and slots of the same updates stripped of their facts (checked), and
-    of apply + commit + compute_slot_mapping."""
+    """Random workloads: the journal's updates through the captured step (trusted: decode steps
+    and admissions, rows of finished requests reused in the same step) give the table, device
+    table and slots of the same updates stripped of their facts (checked: admissions take the
+    general path), and of apply + commit + compute_slot_mapping."""
     mgr = make_manager(groups)
     trusted_bt, checked_bt, ref = make_table(groups), make_table(groups), make_table(groups)
     trusted, checked = CapturedStep(trusted_bt), CapturedStep(checked_bt)
     driver = Driver(mgr, np.random.default_rng(seed))
     stage, staged = trusted._stager.stage, []
     trusted._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
-    decode_steps = 0
+    decode_steps = admissions = reused_rows = 0
     for i in range(40):
         update = driver.step(decode_only=i % 3 != 0)
         assert update.facts is not None
         qsl, positions, rows = driver.batch()
+        reused_rows += int(trusted_bt[0].num_kernel_blocks[update.added[0].rows].any())
         out = trusted.run(update, qsl, positions, rows)
-        if i % 3 and not len(update.added[0].rows):  # a decode step: the decode path took it
-            assert staged[-1] >= 0
-            decode_steps += 1
+        assert staged[-1] >= 0  # the decode stager took every step, admissions included
+        decode_steps += not len(update.added[0].rows)
+        admissions += bool(len(update.added[0].rows))
         checked.run(untrusted(update), qsl, positions, rows)
         ref.apply(update)
         ref.commit()
@@ -123,7 +125,7 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
         same(trusted_bt, ref)
         assert out.num_pairs >= 0
         trusted_bt.check_integrity()
-    assert decode_steps >= 20
+    assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1
 
 
 def test_journal_arrays_are_read_only_and_copies_lose_the_facts():
@@ -211,6 +213,16 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
     with pytest.raises(ValueError):
         step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
     np.testing.assert_array_equal(bt.storage.host, before)
+
+    # an admitted request longer than the table's rows
+    mgr = KVCacheManager([AllocatorGroupSpec(BLOCK, NUM_BLOCKS)], ROWS, max_model_len=full + 8)
+    bt = make_table()
+    step = CapturedStep(bt)
+    mgr.add_request("b", list(range(full + 4)))
+    mgr.allocate("b", full + 4)
+    with pytest.raises(ValueError):
+        step.run(mgr.take_step_update(), np.zeros(1, np.int32), np.zeros(0, np.int64))
+    assert not bt.storage.host.any()
 
     # ids past the table's bound
     mgr = make_manager()
