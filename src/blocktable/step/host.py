@@ -16,7 +16,7 @@ drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ _U32 = np.dtype(np.uint32)
 _sum = np.add.reduce
 
 
-def largest(a: np.ndarray) -> np.generic:
+def largest(a: np.ndarray) -> Any:  # a numpy scalar of a's dtype, compared with ints
     """The largest entry of a non-empty 1-D array. ``a[a.argmax()]`` rather than a reduction:
     in an engine's loop, where numpy's code has left the CPU caches between steps, an argmax
     costs about half of ``np.maximum.reduce`` (whose ufunc machinery is larger)."""
