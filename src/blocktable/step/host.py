@@ -50,6 +50,9 @@ class _GroupRef(NamedTuple):
     block_id_bound: int  # manager ids lie in [0, bound)
     table_offset: int  # of the group's table in the flat buffer
     counts_offset: int  # of the group's counts in the flat buffer
+    # int32 [width - k + 1]: c + k for each count c with room for k more kernel blocks; a
+    # take from it is the new count and the room check in one call (it raises past the end)
+    plus_k: np.ndarray
 
 
 class _Added(NamedTuple):
@@ -84,7 +87,8 @@ class DecodeStager:
         self.table = table
         self.refs = [
             _GroupRef(t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
-                      st.counts_offset + t.group * table.max_num_reqs)
+                      st.counts_offset + t.group * table.max_num_reqs,
+                      np.arange(t.k, t.width + 1, dtype=np.int32))
             for t in table.tables if t is not None
         ]
         self.num_groups = len(table.specs)
@@ -125,10 +129,7 @@ class DecodeStager:
             return None
         if len(listed) != self.num_rows or (n > 1 and largest(listed) > 1):
             return None
-        filled = ref.counts.take(rows)
-        if largest(filled.view(_U32)) > ref.width - ref.k:  # counts are >= 0: the ids' loop
-            return None
-        return filled
+        return ref.counts.take(rows)  # the room for the new blocks: checked when staged
 
     def _filled_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
                         g: int) -> np.ndarray | None:
@@ -140,10 +141,7 @@ class DecodeStager:
             return self._filled(ref, part)
         if largest_id >= ref.block_id_bound:
             return None
-        filled = ref.counts.take(part.rows)
-        if largest(filled) > ref.width - ref.k:  # counts are >= 0
-            return None
-        return filled
+        return ref.counts.take(part.rows)  # the room for the new blocks: checked when staged
 
     def _added_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
                        g: int) -> _Added | None:
@@ -293,9 +291,13 @@ class DecodeStager:
                 value[at : at + n * k] = kernel_ids(ids, k)
             at += n * k
             np.add(rows, ref.counts_offset, out=index[at : at + n])
-            np.add(filled, k, out=value[at : at + n])
+            try:  # counts are >= 0: a count without room for k more is past plus_k's end
+                ref.plus_k.take(filled, out=value[at : at + n])
+            except IndexError:
+                return -1  # an append past the row's width: the general path names it
             at += n
-        # the counts are views of the flat host buffer: one put writes entries and counts
+        # nothing written to the table so far; the counts are views of the flat host buffer:
+        # one put writes entries and counts
         st.host.put(index, value)
         return total
 
