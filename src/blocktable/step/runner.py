@@ -196,7 +196,9 @@ class CapturedStep:
         Parameters
         ----------
         update : StepUpdate
-            The step's row changes (``StepUpdate.empty`` for none).
+            The step's row changes (``StepUpdate.empty`` for none). One from the allocator's
+            ``take_step_update`` carries facts that settle some checks (its rows, its ids);
+            every other update is checked in full.
         query_start_loc : np.ndarray
             int32 ``[num_reqs + 1]`` on cpu: starts at 0, never decreases, ends at
             ``num_tokens``; ``num_reqs <= max_num_reqs``.
