@@ -146,6 +146,10 @@ class CapturedStep:
         # on cpu (pinned with CUDA), int32 [2]: each slot's last sequence number the device saw
         self._mailbox_host = torch.full((2,), -1, dtype=torch.int32, pin_memory=cuda)
         self._mailbox_np = self._mailbox_host.numpy()
+        # the same memory as memoryviews: a Python int read or written without numpy's scalar
+        # machinery (two of them per step on CUDA)
+        self._mailbox_mv = self._mailbox_np.data
+        self._header_mv = [v.header.data for v in self._views]
         self._mailbox: torch.Tensor = self._mailbox_host
         self._events: list[torch.cuda.Event] | None = None  # when the mailbox cannot be used
         self._expect: list[int | None] = [None] * num_slots  # seq each slot's copy will post
@@ -310,7 +314,7 @@ class CapturedStep:
         if self._flat_np is not None:  # the header is for the device's kernels only
             self._run_numpy(v, staged, num_reqs, num_tokens)
         else:
-            header = v.header
+            header = self._header_mv[slot]
             header[NUM_PAIRS] = staged
             seq = self._seq = (self._seq + 1) & _SEQ_MASK
             header[SEQ] = seq
@@ -404,7 +408,7 @@ class CapturedStep:
             self._events[slot].synchronize()
             return
         expect = self._expect[slot]
-        mailbox = self._mailbox_np
+        mailbox = self._mailbox_mv
         if mailbox[slot] == expect:
             return
         start = time.perf_counter()
