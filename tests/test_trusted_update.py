@@ -68,12 +68,14 @@ class Driver:
             done = mgr.num_tokens(req) - mgr.num_computed_tokens(req)
             if done:
                 mgr.mark_computed(req, done)
-            if mgr.num_tokens(req) + 1 > MAX_LEN or not mgr.can_allocate(req, 1):
+            # a decode token, or (a chunk of prefill) several blocks' worth
+            num = 1 if decode_only or rng.random() < 0.6 else int(rng.integers(2, 10))
+            if mgr.num_tokens(req) + num > MAX_LEN or not mgr.can_allocate(req, num):
                 mgr.free(req)  # finished (or no room: finished early)
                 self.running.remove(req)
                 continue
-            mgr.append_token_ids(req, int(rng.integers(0, 9)))
-            mgr.allocate(req, 1)
+            mgr.append_token_ids(req, rng.integers(0, 9, num).tolist())
+            mgr.allocate(req, num)
         return mgr.take_step_update()
 
     def batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,17 +98,17 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
-    """Random workloads: the journal's updates through the captured step (trusted: decode steps
-    and admissions, rows of finished requests reused in the same step) give the table, device
-    table and slots of the same updates stripped of their facts (checked: admissions take the
-    general path), and of apply + commit + compute_slot_mapping."""
+    """Random workloads: the journal's updates through the captured step (trusted: decode steps,
+    admissions, rows of finished requests reused in the same step, rows gaining several blocks)
+    give the table, device table and slots of the same updates stripped of their facts
+    (checked: admissions take the general path), and of apply + commit + slot mapping."""
     mgr = make_manager(groups)
     trusted_bt, checked_bt, ref = make_table(groups), make_table(groups), make_table(groups)
     trusted, checked = CapturedStep(trusted_bt), CapturedStep(checked_bt)
     driver = Driver(mgr, np.random.default_rng(seed))
     stage, staged = trusted._stager.stage, []
     trusted._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
-    decode_steps = admissions = reused_rows = 0
+    decode_steps = admissions = reused_rows = multi_block = 0
     for i in range(40):
         update = driver.step(decode_only=i % 3 != 0)
         assert update.facts is not None
@@ -116,6 +118,7 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
         assert staged[-1] >= 0  # the decode stager took every step, admissions included
         decode_steps += not len(update.added[0].rows)
         admissions += bool(len(update.added[0].rows))
+        multi_block += bool((update.appended[0].num_manager_blocks > 1).any())
         checked.run(untrusted(update), qsl, positions, rows)
         ref.apply(update)
         ref.commit()
@@ -125,7 +128,7 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
         same(trusted_bt, ref)
         assert out.num_pairs >= 0
         trusted_bt.check_integrity()
-    assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1
+    assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1 and multi_block >= 2
 
 
 def test_journal_arrays_are_read_only_and_copies_lose_the_facts():
@@ -210,6 +213,23 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
     mgr.allocate("a", 1)
     update = mgr.take_step_update()
     assert update.facts is not None and update.facts.one_block_each == (True,)
+    with pytest.raises(ValueError):
+        step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
+    np.testing.assert_array_equal(bt.storage.host, before)
+
+    # several blocks appended past the row's width
+    mgr = KVCacheManager([AllocatorGroupSpec(BLOCK, NUM_BLOCKS)], ROWS, max_model_len=full + 8)
+    bt = make_table()
+    step = CapturedStep(bt)
+    mgr.add_request("c", list(range(full - BLOCK)))
+    mgr.allocate("c", full - BLOCK)
+    step.run(mgr.take_step_update(), np.zeros(1, np.int32), np.zeros(0, np.int64))
+    before = bt.storage.host.copy()
+    mgr.mark_computed("c", full - BLOCK)
+    mgr.append_token_ids("c", [1] * 2 * BLOCK)
+    mgr.allocate("c", 2 * BLOCK)
+    update = mgr.take_step_update()
+    assert update.facts is not None and update.facts.one_block_each == (False,)
     with pytest.raises(ValueError):
         step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
     np.testing.assert_array_equal(bt.storage.host, before)

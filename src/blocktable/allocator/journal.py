@@ -178,6 +178,7 @@ class StepJournal:
         app_rows: list[list[int]] = [[] for _ in groups]
         app_counts: list[list[int]] = [[] for _ in groups]
         app_ids: list[list[np.ndarray]] = [[] for _ in groups]
+        one_each = [True] * num_groups
         null_rows: list[list[int]] = [[] for _ in groups]
         null_idx: list[list[int]] = [[] for _ in groups]
         nulled = self._nulled
@@ -193,6 +194,8 @@ class StepJournal:
                         app_rows[g].append(row)
                         app_counts[g].append(n - old)
                         app_ids[g].append(live.block_buf[g][old:n])
+                        if n - old > 1:
+                            one_each[g] = False
                 if row in nulled:
                     for g, indices in enumerate(nulled[row]):
                         null_rows[g] += [row] * len(indices)
@@ -212,5 +215,5 @@ class StepJournal:
         )
         unknown = (-1,) * num_groups  # the ids are arrays here: the table checks their range
         object.__setattr__(update, "facts", AllocatorFacts(
-            len(holders), unknown, (False,) * num_groups, unknown))
+            len(holders), unknown, tuple(one_each), unknown))
         return update

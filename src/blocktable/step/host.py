@@ -9,7 +9,7 @@ bypassing the commit journal. An update built by the allocator's journal carries
 :class:`~blocktable.update.AllocatorFacts`: its rows are in range and listed once and its ids
 come from the allocator, so the stager skips those checks (about a third of its calls) and
 also takes its admitted rows (``added``: each row's ids, the entries past them that held ids
-before set to null, its count). Every other update goes through
+before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Every other update goes through
 :meth:`MultiGroupBlockTable.apply` (which checks, writes and journals) and the journal is
 drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` would.
 """
@@ -67,6 +67,20 @@ class _Added(NamedTuple):
     @property
     def num_pairs(self) -> int:
         return len(self.part.block_ids) * self.ref.k + self.num_stale + len(self.part.rows)
+
+
+class _Grown(NamedTuple):
+    """Rows of one group that gain several blocks, in an update of the allocator's journal."""
+
+    ref: _GroupRef
+    part: RowBlocks
+    filled: np.ndarray  # int32 [n]: kernel blocks each row holds now
+    new: np.ndarray  # int32 [n]: kernel blocks each row gains
+    after: np.ndarray  # int32 [n]: filled + new
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.part.block_ids) * self.ref.k + len(self.part.rows)
 
 
 def _is_int32(a: object) -> bool:
@@ -167,13 +181,32 @@ class DecodeStager:
             num_stale = int(_sum(stale))
         return _Added(ref, part, new, stale, num_stale)
 
+    def _grown_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
+                       g: int) -> _Grown | None:
+        """What appending several blocks per row writes (an update of the allocator's journal:
+        rows in range and listed once, counts matching the ids), or ``None`` when the table
+        refuses it: an id past the table's bound, a row past its width."""
+        rows, num, ids = part.rows, part.num_manager_blocks, part.block_ids
+        largest_id = facts.largest_appended_id[g]
+        if largest_id < 0:  # not recorded: look
+            largest_id = int(largest(ids.view(_U32))) if len(ids) else 0
+        if largest_id >= ref.block_id_bound:
+            return None
+        filled = ref.counts.take(rows)
+        new = num if ref.k == 1 else num * ref.k
+        after = filled + new
+        if largest(after) > ref.width:
+            return None
+        return _Grown(ref, part, filled, new, after)
+
     def stage(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
         """Apply a decode step's update and stage its pairs in ``pairs`` (int32
         ``[2*max_pairs]``: indices, then values).
 
         Returns the number of pairs, or -1 (nothing written) when the update is not a valid
         decode step (rows gaining one block each, other rows cleared; with the allocator's
-        facts, rows replaced too) that fits ``max_pairs`` next to no other pending change.
+        facts, rows replaced or gaining several blocks too) that fits ``max_pairs`` next to no
+        other pending change.
 
         An update with :class:`~blocktable.update.AllocatorFacts` (built by the allocator's
         journal) skips the checks the facts settle: the range and repeats of its rows, one id
@@ -207,6 +240,7 @@ class DecodeStager:
                 total += num_zeroed + len(clear_rows)
         staged = []
         adds: list[_Added] = []
+        grows: list[_Grown] = []
         try:  # a part that is not RowBlocks/RowEntries: the general path names the error
             for g in range(G):
                 if len(nulled[g].rows):
@@ -226,6 +260,13 @@ class DecodeStager:
                 ref = self._ref_of[g]
                 if ref is None:
                     return -1  # ids for a group without a table
+                if facts is not None and not facts.one_block_each[g]:
+                    grow = self._grown_trusted(ref, part, facts, g)
+                    if grow is None:
+                        return -1
+                    grows.append(grow)
+                    total += grow.num_pairs
+                    continue
                 if facts is not None:
                     filled = self._filled_trusted(ref, part, facts, g)
                 else:
@@ -275,6 +316,19 @@ class DecodeStager:
                 at += add.num_stale
             np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
             value[at : at + len(rows)] = add.new
+            at += len(rows)
+        for grow in grows:  # entries [filled, after) get the ids, counts after
+            ref, rows = grow.ref, grow.part.rows
+            starts = rows * ref.width
+            if ref.table_offset:
+                starts += ref.table_offset
+            starts += grow.filled
+            num_ids = len(grow.part.block_ids) * ref.k
+            index[at : at + num_ids] = runs(starts, grow.new, num_ids)
+            value[at : at + num_ids] = kernel_ids(grow.part.block_ids, ref.k)
+            at += num_ids
+            np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
+            value[at : at + len(rows)] = grow.after
             at += len(rows)
         for ref, part, filled in staged:
             rows, ids, k = part.rows, part.block_ids, ref.k
