@@ -268,8 +268,13 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
     assert not bt.storage.host.any()
 
 
-def _random_slots_case(rng: np.random.Generator, decode: bool):
-    bt = make_table(groups=2)
+def _random_slots_case(rng: np.random.Generator, decode: bool, odd: bool):
+    if odd:  # kernel block sizes that are not powers of two
+        bt = MultiGroupBlockTable([GroupSpec(6, num_blocks=NUM_BLOCKS),
+                                   GroupSpec(12, kernel_block_size=6, num_blocks=NUM_BLOCKS)],
+                                  ROWS, MAX_LEN, TOKENS)
+    else:
+        bt = make_table(groups=2)
     counts = []
     for g in range(2):
         cap = bt[g].width // bt[g].k
@@ -285,21 +290,23 @@ def _random_slots_case(rng: np.random.Generator, decode: bool):
     rows = rng.permutation(ROWS)[:num_reqs].astype(np.int32)
     num_new = np.ones(num_reqs, np.int64) if decode else rng.integers(1, 4, num_reqs)
     qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
-    span = bt[0].width * BLOCK
+    span = bt[0].width * bt.specs[0].kernel_block_size
     positions = rng.integers(0, span, int(num_new.sum())).astype(np.int64)
     if rng.random() < 0.3:  # past the row's width, or negative: the general function
         positions[rng.integers(0, len(positions))] = rng.choice([span, span + 7, -1, -9])
     return bt, qsl, positions, rows
 
 
+@pytest.mark.parametrize("odd", [False, True])
 @pytest.mark.parametrize("decode", [True, False])
-def test_checked_slots_equal_the_general_numpy_function(decode):
+def test_checked_slots_equal_the_general_numpy_function(decode, odd):
     """The CPU slot mapping of a checked batch reads the null block past each row's count
     instead of comparing with the count: equal to the general function on random tables
-    (null entries inside rows, positions past counts, past widths and negative)."""
+    (null entries inside rows, positions past counts, past widths and negative; kernel block
+    sizes that are powers of two and that are not)."""
     rng = np.random.default_rng(5)
     for _ in range(60):
-        bt, qsl, positions, rows = _random_slots_case(rng, decode)
+        bt, qsl, positions, rows = _random_slots_case(rng, decode, odd)
         flat = bt.storage.device_tensor.numpy()
         want = np.full((2, TOKENS), 99, np.int64)
         got = want.copy()

@@ -9,8 +9,7 @@ prepared once: for a decode batch (one token per request) token ``t`` belongs to
 every write keeps), so a position inside the row's width but past its count reads the null
 block and becomes ``PAD_SLOT_ID`` without comparing it with the count: one range test of the
 positions (negative or past a row's width: the general function) replaces that per-token
-comparison. Groups with context parallelism or a kernel block size that is not a power of
-two take the general function too. Results are bit-identical to it (the tests compare them
+comparison. Groups with context parallelism take the general function too. Results are bit-identical to it (the tests compare them
 on random steps).
 """
 
@@ -28,8 +27,6 @@ from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 class _Group(NamedTuple):
     table: np.ndarray  # on cpu, int32 [max_num_reqs * width]: view of the group's table
     row_base: np.ndarray  # int64 [max_num_reqs]: row * width
-    shift: int  # log2 of the kernel block size
-    mask: int  # kernel block size - 1
     kernel_block_size: int
 
 
@@ -53,14 +50,11 @@ class CheckedSlots:
         self.flat_table = flat_table
         self.params = params
         self.max_num_reqs = max_num_reqs
-        self.fast = all(p.cp_world_size == 1 and p.kernel_block_size & (p.kernel_block_size - 1)
-                        == 0 for p in params)
+        self.fast = all(p.cp_world_size == 1 for p in params)
         self.groups = [
             _Group(
                 flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width],
                 np.arange(max_num_reqs, dtype=np.int64) * p.width,
-                p.kernel_block_size.bit_length() - 1,
-                p.kernel_block_size - 1,
                 p.kernel_block_size,
             )
             for p in params
@@ -91,9 +85,11 @@ class CheckedSlots:
         else:
             token_rows = rows.take(qsl[1:].searchsorted(self._tokens[:num_tokens], side="right"))
         for g, out_g in zip(self.groups, out):
+            # positions are >= 0 here: block index and offset in one call
+            block_index, offset = np.divmod(positions, g.kernel_block_size)
             entry = g.row_base.take(token_rows)
-            entry += positions >> g.shift  # inside the row: the positions are below its width
+            entry += block_index  # inside the row: the positions are below its width
             block_id = g.table.take(entry)  # the null block past the row's count
             np.multiply(block_id, g.kernel_block_size, out=out_g)
-            out_g += positions & g.mask
+            out_g += offset
             np.putmask(out_g, block_id == NULL_BLOCK_ID, PAD_SLOT_ID)
