@@ -9,8 +9,8 @@ prepared once: for a decode batch (one token per request) token ``t`` belongs to
 every write keeps), so a position inside the row's width but past its count reads the null
 block and becomes ``PAD_SLOT_ID`` without comparing it with the count: one range test of the
 positions (negative or past a row's width: the general function) replaces that per-token
-comparison. Groups with context parallelism take the general function too. Results are bit-identical to it (the tests compare them
-on random steps).
+comparison. Groups with context parallelism take the general function too. Results are
+bit-identical to it (the tests compare them on random steps).
 """
 
 from __future__ import annotations
