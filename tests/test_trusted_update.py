@@ -131,6 +131,31 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
     assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1 and multi_block >= 2
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_device):
+    """The same through the triton backend (the CUDA graph's kernels; under the interpreter
+    without a GPU): table, device table and slots equal the three-call path's."""
+    mgr = make_manager(groups)
+    specs = make_table(groups).specs
+    bt = MultiGroupBlockTable(specs, ROWS, MAX_LEN, TOKENS, triton_device, backend="triton")
+    ref = make_table(groups)
+    step = CapturedStep(bt)
+    driver = Driver(mgr, np.random.default_rng(7))
+    for i in range(12):
+        update = driver.step(decode_only=i % 3 != 0)
+        qsl, positions, rows = driver.batch()
+        step.run(update, qsl, positions, rows)
+        ref.apply(update)
+        ref.commit()
+        ref.compute_slot_mapping(torch.from_numpy(qsl), torch.from_numpy(positions),
+                                 row_of_batch=torch.from_numpy(rows))
+        if triton_device == "cuda":
+            torch.cuda.synchronize()
+        np.testing.assert_array_equal(bt.storage.host, ref.storage.host)
+        np.testing.assert_array_equal(bt.storage.device_tensor.cpu().numpy(), ref.storage.host)
+        np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
+
+
 def test_journal_arrays_are_read_only_and_copies_lose_the_facts():
     mgr = make_manager()
     driver = Driver(mgr, np.random.default_rng(3))
