@@ -28,6 +28,7 @@ class _Group(NamedTuple):
     table: np.ndarray  # on cpu, int32 [max_num_reqs * width]: view of the group's table
     row_base: np.ndarray  # int64 [max_num_reqs]: row * width
     kernel_block_size: int
+    shift: int  # log2 of the kernel block size; -1 if it is not a power of two
 
 
 class CheckedSlots:
@@ -56,6 +57,8 @@ class CheckedSlots:
                 flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width],
                 np.arange(max_num_reqs, dtype=np.int64) * p.width,
                 p.kernel_block_size,
+                p.kernel_block_size.bit_length() - 1
+                if p.kernel_block_size & (p.kernel_block_size - 1) == 0 else -1,
             )
             for p in params
         ] if self.fast else []
@@ -85,8 +88,11 @@ class CheckedSlots:
         else:
             token_rows = rows.take(qsl[1:].searchsorted(self._tokens[:num_tokens], side="right"))
         for g, out_g in zip(self.groups, out):
-            # positions are >= 0 here: block index and offset in one call
-            block_index, offset = np.divmod(positions, g.kernel_block_size)
+            # positions are >= 0 here (a shift and a mask are ~5x cheaper than a division)
+            if g.shift >= 0:
+                block_index, offset = positions >> g.shift, positions & (g.kernel_block_size - 1)
+            else:
+                block_index, offset = np.divmod(positions, g.kernel_block_size)
             entry = g.row_base.take(token_rows)
             entry += block_index  # inside the row: the positions are below its width
             block_id = g.table.take(entry)  # the null block past the row's count
