@@ -156,13 +156,14 @@ def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_devic
         np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
 
 
-def test_journal_arrays_are_read_only_and_copies_lose_the_facts():
-    mgr = make_manager()
+@pytest.mark.parametrize("groups", [1, 2])
+def test_journal_arrays_are_read_only_and_copies_lose_the_facts(groups):
+    mgr = make_manager(groups)
     driver = Driver(mgr, np.random.default_rng(3))
     update = driver.step(decode_only=False)
-    while not len(update.added[0].rows):
+    while not (len(update.added[0].rows) and len(update.appended[0].rows)):
         update = driver.step(decode_only=False)
-    arrays = [update.cleared_rows, *(getattr(p, f) for p in (update.added[0], update.appended[0])
+    arrays = [update.cleared_rows, *(getattr(p, f) for p in (*update.added, *update.appended)
                                      for f in ("rows", "num_manager_blocks", "block_ids"))]
     for a in arrays:
         if len(a):  # (empty parts share one empty array: nothing to write)

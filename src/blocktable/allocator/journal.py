@@ -52,13 +52,8 @@ def _int32(values: list[int]) -> np.ndarray:
 def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
     if not rows:
         return _NO_BLOCKS
-    return RowBlocks(_int32(rows), _int32(counts), _frozen(np.concatenate(ids)))  # a copy
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    """``a`` (a fresh array nobody else holds) made read-only."""
-    a.flags.writeable = False
-    return a
+    joined = b"".join([a.tobytes() for a in ids])  # a copy, in immutable memory
+    return RowBlocks(_int32(rows), _int32(counts), np.frombuffer(joined, dtype=np.int32))
 
 
 def _packed(ints: list[int], sizes: tuple[int, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:
