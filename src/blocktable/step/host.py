@@ -9,9 +9,10 @@ bypassing the commit journal. An update built by the allocator's journal carries
 :class:`~blocktable.update.AllocatorFacts`: its rows are in range and listed once and its ids
 come from the allocator, so the stager skips those checks (about a third of its calls) and
 also takes its admitted rows (``added``: each row's ids, the entries past them that held ids
-before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Every other update goes through
-:meth:`MultiGroupBlockTable.apply` (which checks, writes and journals) and the journal is
-drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` would.
+before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Every
+other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes and
+journals) and the journal is drained into the staging buffer, exactly as
+:meth:`MultiGroupBlockTable.commit` would.
 """
 
 from __future__ import annotations
