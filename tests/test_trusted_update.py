@@ -11,6 +11,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
@@ -58,7 +61,7 @@ class Driver:
                     self.running.remove(req)
             for _ in range(rng.integers(0, 3)):
                 prompt = [1, 2, 3, 4, 5] + rng.integers(0, 9, rng.integers(1, 12)).tolist()
-                if mgr.num_free_rows and mgr.can_admit(prompt, len(prompt)):
+                if mgr.num_free_rows and mgr.can_admit(prompt):
                     mgr.add_request(self.next_id, prompt)
                     mgr.allocate(self.next_id, len(prompt) - mgr.num_computed_tokens(
                         self.next_id))
@@ -340,3 +343,91 @@ def test_checked_slots_equal_the_general_numpy_function(decode, odd):
         CheckedSlots(flat, bt.slot_params, ROWS, TOKENS).map(
             qsl, positions, rows, got[:, : len(positions)], decode)
         np.testing.assert_array_equal(got[:, : len(positions)], want[:, : len(positions)])
+
+
+class TrustedStepMachine(RuleBasedStateMachine):
+    """Hypothesis drives an allocator (admissions with shared prefixes, decode and prefill
+    chunks, finishes, preemptions; a sliding-window group in the two-group model) and every
+    step's update goes through the captured step as given (trusted), stripped of its facts
+    (checked) and through apply + commit + slot mapping: all three stay equal."""
+
+    GROUPS = 1
+
+    @initialize()
+    def setup(self) -> None:
+        specs = [AllocatorGroupSpec(BLOCK, NUM_BLOCKS)]
+        table_specs = [GroupSpec(BLOCK, num_blocks=NUM_BLOCKS)]
+        if self.GROUPS == 2:
+            specs.append(AllocatorGroupSpec(8, NUM_BLOCKS, sliding_window=8))
+            table_specs.append(GroupSpec(8, kernel_block_size=4, num_blocks=NUM_BLOCKS))
+        self.mgr = KVCacheManager(specs, ROWS, max_model_len=MAX_LEN)
+        self.tables = [MultiGroupBlockTable(table_specs, ROWS, MAX_LEN, TOKENS)
+                       for _ in range(3)]
+        self.trusted, self.checked = CapturedStep(self.tables[0]), CapturedStep(self.tables[1])
+        self.running: list[int] = []
+        self.next_id = 0
+
+    @rule(num_tokens=st.integers(1, 14), shared=st.booleans())
+    def admit(self, num_tokens: int, shared: bool) -> None:
+        prompt = ([1, 2, 3, 4, 5, 6, 7, 8] if shared else [self.next_id % 7]) + [9] * num_tokens
+        prompt = prompt[: MAX_LEN - 4]
+        mgr = self.mgr
+        if not mgr.num_free_rows or not mgr.can_admit(prompt):
+            return
+        mgr.add_request(self.next_id, prompt)
+        mgr.allocate(self.next_id, len(prompt) - mgr.num_computed_tokens(self.next_id))
+        self.running.append(self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), num_tokens=st.integers(1, 9))
+    def grow(self, data: st.DataObject, num_tokens: int) -> None:
+        """A decode token (1) or a prefill chunk (several blocks' worth) for one request."""
+        req = data.draw(st.sampled_from(self.running))
+        mgr = self.mgr
+        done = mgr.num_tokens(req) - mgr.num_computed_tokens(req)
+        if done:
+            mgr.mark_computed(req, done)
+        if mgr.num_tokens(req) + num_tokens > MAX_LEN or not mgr.can_allocate(req, num_tokens):
+            return
+        mgr.append_token_ids(req, [4] * num_tokens)
+        mgr.allocate(req, num_tokens)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def finish(self, data: st.DataObject, preempt: bool) -> None:
+        req = data.draw(st.sampled_from(self.running))
+        if preempt:
+            self.mgr.preempt(req)
+        self.mgr.free(req)
+        self.running.remove(req)
+
+    @rule()
+    def step(self) -> None:
+        update = self.mgr.take_step_update()
+        assert update.facts is not None
+        rows = np.array([self.mgr.row_of(r) for r in self.running], np.int32)
+        positions = np.array([self.mgr.num_tokens(r) - 1 for r in self.running], np.int64)
+        qsl = np.arange(len(rows) + 1, dtype=np.int32)
+        self.trusted.run(update, qsl, positions, rows)
+        self.checked.run(dataclasses.replace(update), qsl, positions, rows)
+        ref = self.tables[2]
+        ref.apply(update)
+        ref.commit()
+        ref.compute_slot_mapping(torch.from_numpy(qsl), torch.from_numpy(positions),
+                                 row_of_batch=torch.from_numpy(rows))
+        same(self.tables[0], self.tables[1])
+        same(self.tables[0], ref)
+        self.tables[0].check_integrity()
+
+
+class TwoGroupTrustedStepMachine(TrustedStepMachine):
+    GROUPS = 2
+
+
+_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestTrustedSteps = TrustedStepMachine.TestCase
+TestTrustedSteps.settings = _SETTINGS
+TestTwoGroupTrustedSteps = TwoGroupTrustedStepMachine.TestCase
+TestTwoGroupTrustedSteps.settings = _SETTINGS
