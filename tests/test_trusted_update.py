@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -347,9 +347,10 @@ def test_checked_slots_equal_the_general_numpy_function(decode, odd):
 
 class TrustedStepMachine(RuleBasedStateMachine):
     """Hypothesis drives an allocator (admissions with shared prefixes, decode and prefill
-    chunks, finishes, preemptions; a sliding-window group in the two-group model) and every
-    step's update goes through the captured step as given (trusted), stripped of its facts
-    (checked) and through apply + commit + slot mapping: all three stay equal."""
+    chunks, finishes, preemptions; a sliding-window group in the two-group model) and direct
+    writes to the tables behind its back, and every step's update goes through the captured
+    step as given (trusted), stripped of its facts (checked) and through apply + commit + slot
+    mapping: all three stay equal, and refuse the same updates with nothing written."""
 
     GROUPS = 1
 
@@ -402,6 +403,20 @@ class TrustedStepMachine(RuleBasedStateMachine):
         self.mgr.free(req)
         self.running.remove(req)
 
+    @rule(row=st.integers(0, ROWS - 1), num_blocks=st.integers(1, 40))
+    def user_append(self, row: int, num_blocks: int) -> None:
+        """The user writes the tables directly (the allocator does not know): the facts say
+        nothing about the table, so a row this fills refuses the allocator's next append."""
+        errors = set()
+        for table in self.tables:
+            try:
+                table.append_row([[7] * num_blocks] + [[]] * (self.GROUPS - 1), row)
+            except ValueError:
+                errors.add("refused")
+            else:
+                errors.add("done")
+        assert len(errors) == 1
+
     @rule()
     def step(self) -> None:
         update = self.mgr.take_step_update()
@@ -409,13 +424,28 @@ class TrustedStepMachine(RuleBasedStateMachine):
         rows = np.array([self.mgr.row_of(r) for r in self.running], np.int32)
         positions = np.array([self.mgr.num_tokens(r) - 1 for r in self.running], np.int64)
         qsl = np.arange(len(rows) + 1, dtype=np.int32)
-        self.trusted.run(update, qsl, positions, rows)
-        self.checked.run(dataclasses.replace(update), qsl, positions, rows)
         ref = self.tables[2]
-        ref.apply(update)
-        ref.commit()
-        ref.compute_slot_mapping(torch.from_numpy(qsl), torch.from_numpy(positions),
-                                 row_of_batch=torch.from_numpy(rows))
+
+        def three_calls() -> None:
+            ref.apply(update)
+            ref.commit()
+            ref.compute_slot_mapping(torch.from_numpy(qsl), torch.from_numpy(positions),
+                                     row_of_batch=torch.from_numpy(rows))
+
+        outcomes = []
+        for run in (lambda: self.trusted.run(update, qsl, positions, rows),
+                    lambda: self.checked.run(dataclasses.replace(update), qsl, positions, rows),
+                    three_calls):
+            try:
+                run()
+                outcomes.append(None)
+            except (ValueError, IndexError) as exc:  # a row the user filled: nothing written
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1] == outcomes[2]
+        event("step refused" if outcomes[0] is not None else "step applied")
+        if outcomes[0] is not None:
+            for table in self.tables:  # the three-call path commits what the user wrote
+                table.commit()
         same(self.tables[0], self.tables[1])
         same(self.tables[0], ref)
         self.tables[0].check_integrity()
