@@ -231,6 +231,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="also run each workload with its table step's pieces timed apart")
+    ap.add_argument("--captured-only", action="store_true",
+                    help="skip the three-call runs (quicker before/after comparisons)")
     ap.add_argument("--cold-ops", action="store_true",
                     help="only time single numpy calls of the step with the caches cold")
     args = ap.parse_args()
@@ -254,13 +256,14 @@ def main() -> None:
         res["card"] = torch.cuda.get_device_name()
     res["floors"] = measure_floors(args.device)
     names = ["demo", f"decode-{args.num_reqs}"]
-    for captured, suffix in ((True, ""), (False, " (3 calls)")):
+    paths = ((True, ""),) if args.captured_only else ((True, ""), (False, " (3 calls)"))
+    for captured, suffix in paths:
         res["demo" + suffix] = demo_workload(args.device, args.block_size, args.repeats,
                                              captured)
         res[names[1] + suffix] = decode_workload(args.device, args.num_reqs, args.decode_steps,
                                                  captured)
     if args.breakdown:
-        for captured, suffix in ((True, ""), (False, " (3 calls)")):
+        for captured, suffix in paths:
             for name in names:
                 bd = Breakdown()
                 if name == "demo":
@@ -277,6 +280,8 @@ def main() -> None:
     print(f"{'workload':<24}{'steps':>6}{'table p50 µs':>14}{'table mean µs':>15}"
           f"{'inputs p50 µs':>15}")
     for name in (*names, *(n + " (3 calls)" for n in names)):
+        if name not in res:
+            continue
         r = res[name]
         print(f"{name:<24}{r['steps']:>6}{r['table_p50_us']:>14.1f}{r['table_mean_us']:>15.1f}"
               f"{r['inputs_p50_us']:>15.1f}")

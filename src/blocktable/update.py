@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -84,6 +85,23 @@ class RowEntries:
         return len(self.rows)
 
 
+class AllocatorFacts(NamedTuple):
+    """What an allocator guarantees about a :class:`StepUpdate` it built from its own state.
+
+    Only :meth:`blocktable.allocator.KVCacheManager.take_step_update` attaches these (its
+    arrays are read-only); a table may then skip the checks they make redundant. Facts about
+    the table itself (a row's filled entries, the table's width and block-id bound) are never
+    taken on trust.
+    """
+
+    num_rows: int  # every row in cleared_rows, added and appended is in [0, num_rows)
+    # cleared_rows, added and appended list disjoint rows, each row at most once; every part's
+    # counts are >= 1 (appended) or >= 0 (added) and sum to its number of ids
+    largest_appended_id: tuple[int, ...]  # per group: the largest appended id, -1 if unknown
+    one_block_each: tuple[bool, ...]  # per group: each appended row gains exactly one id
+    largest_added_count: tuple[int, ...]  # per group: most ids an added row gets, -1 if unknown
+
+
 @dataclass(frozen=True)
 class StepUpdate:
     """One step's changes for every KV cache group (tuples hold one entry per group).
@@ -92,6 +110,12 @@ class StepUpdate:
     allocator the ids came from: the table refuses the update unless each group's
     ``block_size * cp_world_size`` equals it (a block id must mean the same tokens on both
     sides). ``None`` skips that check.
+
+    Trust: an update returned by the allocator's ``take_step_update`` carries
+    :class:`AllocatorFacts` (its arrays are read-only), and the captured step skips the checks
+    those facts settle (rows in range and distinct, ids in range, one id per appended row);
+    the table-side checks (an append past a row's width) always run. Every other update, and
+    any copy, pickle or ``dataclasses.replace`` of a trusted one, is checked in full.
     """
 
     cleared_rows: np.ndarray
@@ -99,6 +123,13 @@ class StepUpdate:
     appended: tuple[RowBlocks, ...]
     nulled: tuple[RowEntries, ...]
     allocator_block_sizes: tuple[int, ...] | None = None
+    # set by the allocator's journal only; not an init argument, so replace() drops it
+    facts: AllocatorFacts | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        """Copies and pickles hold the same arrays or writable copies of them: never facts."""
+        return (StepUpdate, (self.cleared_rows, self.added, self.appended, self.nulled,
+                             self.allocator_block_sizes))
 
     @classmethod
     def empty(cls, num_groups: int) -> StepUpdate:

@@ -15,53 +15,59 @@ collapses to its net effect:
   the same step are appended as ``NULL_BLOCK_ID``.
 
 A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces it fully.
+
+The update carries :class:`~blocktable.update.AllocatorFacts` (rows in range and listed once,
+the largest appended id, one id per appended row) and its arrays are read-only, so those facts
+stay true: the captured step skips the checks they settle.
 """
 
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Sequence
 
 import numpy as np
 
 from blocktable.allocator.request import RequestState
-from blocktable.update import RowBlocks, RowEntries, StepUpdate
+from blocktable.update import AllocatorFacts, RowBlocks, RowEntries, StepUpdate
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY.flags.writeable = False
 _NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance serves all
 _NO_ENTRIES = RowEntries()
 
 
 def _int32(values: list[int]) -> np.ndarray:
-    """A writable int32 copy of ``values``; empty lists share one empty array.
+    """A read-only int32 array of ``values``; empty lists share one empty array.
 
     ``struct.pack`` converts a list of ints in one C loop, about twice as fast as
-    ``np.fromiter`` (rows and counts; block ids are sliced from the rows' arrays).
+    ``np.fromiter``; the array's memory is an immutable ``bytes`` object, so nobody can make it
+    writable again (the update's facts stay true).
     """
     if not values:
         return _EMPTY
-    packed = bytearray(struct.pack(f"={len(values)}i", *values))
-    return np.frombuffer(packed, dtype=np.int32)
+    return np.frombuffer(struct.pack(f"={len(values)}i", *values), dtype=np.int32)
 
 
 def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
     if not rows:
         return _NO_BLOCKS
-    return RowBlocks(_int32(rows), _int32(counts), np.concatenate(ids))  # a copy
+    joined = b"".join([a.tobytes() for a in ids])  # a copy, in immutable memory
+    return RowBlocks(_int32(rows), _int32(counts), np.frombuffer(joined, dtype=np.int32))
 
 
-def _packed(*parts: list[int]) -> list[np.ndarray]:
-    """Each list of ints as an int32 array: one ``np.array`` call for all of them (about a
-    microsecond for a decode step's few dozen ints), each array a view of that one fresh
-    buffer; empty lists give the shared empty array."""
-    flat_list = list(itertools.chain(*parts))
-    if not flat_list:
-        return [_EMPTY] * len(parts)
-    flat = np.array(flat_list, dtype=np.int32)
+def _packed(ints: list[int], sizes: tuple[int, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """``ints`` cut into parts of ``sizes``, then ``arrays`` joined as one more part: int32
+    arrays, all read-only views of one immutable buffer built by one ``struct.pack`` (about a
+    microsecond for a decode step's few dozen ints); empty parts are the shared empty array."""
+    data = struct.pack(f"={len(ints)}i", *ints)
+    if arrays:
+        data = b"".join([data, *(a.tobytes() for a in arrays)])
+    if not data:
+        return [_EMPTY] * (len(sizes) + 1)
+    flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
     out, at = [], 0
-    for part in parts:
-        n = len(part)
+    for n in (*sizes, len(flat) - len(ints)):
         out.append(flat[at : at + n] if n else _EMPTY)
         at += n
     return out
@@ -113,8 +119,8 @@ class StepJournal:
         self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
     ) -> StepUpdate:
         """:meth:`take` for one group without nulled entries (every decode step): appended ids
-        are read as Python ints, and the rows, counts and appended ids of the whole step
-        become int32 arrays in one numpy call (views of one buffer)."""
+        are read as Python ints, and the rows, counts and ids of the whole step become int32
+        arrays in one numpy call (read-only views of one buffer)."""
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
@@ -122,6 +128,7 @@ class StepJournal:
         app_rows: list[int] = []
         app_counts: list[int] = []
         app_ids: list[int] = []
+        one_each = True
         for row, (start, lengths) in self.marks.items():
             live = holders[row]
             if live is start:
@@ -133,6 +140,7 @@ class StepJournal:
                         if n - old == 1:
                             app_ids.append(live.block_buf[0].item(old))
                         else:
+                            one_each = False
                             app_ids += live.block_buf[0][old:n].tolist()
             elif live is None:
                 cleared.append(row)
@@ -140,12 +148,17 @@ class StepJournal:
                 add_rows.append(row)
                 add_counts.append(live.row_len[0])
                 add_ids.append(live.blocks(0))
-        cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids = _packed(
-            cleared, add_rows, add_counts, app_rows, app_counts, app_ids)
-        added = (RowBlocks(a_rows, a_counts, np.concatenate(add_ids)) if add_rows
-                 else _NO_BLOCKS)
+        cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
+            cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
+            (len(cleared), len(add_rows), len(add_rows), len(app_rows), len(app_rows),
+             len(app_ids)), add_ids)
+        added = RowBlocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS
         appended = RowBlocks(p_rows, p_counts, p_ids) if app_rows else _NO_BLOCKS
-        return StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
+        update = StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
+        object.__setattr__(update, "facts", AllocatorFacts(
+            len(holders), (max(app_ids) if app_ids else -1,), (one_each,),
+            (max(add_counts) if add_counts else -1,)))
+        return update
 
     def _take_general(
         self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
@@ -160,6 +173,7 @@ class StepJournal:
         app_rows: list[list[int]] = [[] for _ in groups]
         app_counts: list[list[int]] = [[] for _ in groups]
         app_ids: list[list[np.ndarray]] = [[] for _ in groups]
+        one_each = [True] * num_groups
         null_rows: list[list[int]] = [[] for _ in groups]
         null_idx: list[list[int]] = [[] for _ in groups]
         nulled = self._nulled
@@ -175,6 +189,8 @@ class StepJournal:
                         app_rows[g].append(row)
                         app_counts[g].append(n - old)
                         app_ids[g].append(live.block_buf[g][old:n])
+                        if n - old > 1:
+                            one_each[g] = False
                 if row in nulled:
                     for g, indices in enumerate(nulled[row]):
                         null_rows[g] += [row] * len(indices)
@@ -184,7 +200,7 @@ class StepJournal:
                 for g in groups:
                     add_counts[g].append(live.row_len[g])
                     add_ids[g].append(live.blocks(g))
-        return StepUpdate(
+        update = StepUpdate(
             _int32(cleared),
             tuple(_row_blocks(add_rows, add_counts[g], add_ids[g]) for g in groups),
             tuple(_row_blocks(app_rows[g], app_counts[g], app_ids[g]) for g in groups),
@@ -192,3 +208,7 @@ class StepJournal:
                   else _NO_ENTRIES for g in groups),
             sizes,
         )
+        unknown = (-1,) * num_groups  # the ids are arrays here: the table checks their range
+        object.__setattr__(update, "facts", AllocatorFacts(
+            len(holders), unknown, tuple(one_each), unknown))
+        return update

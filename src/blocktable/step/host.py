@@ -5,28 +5,33 @@ A decode step (each listed row gains exactly one manager block, and rows of fini
 may be cleared, nothing else changes) takes a dedicated path, :class:`DecodeStager`: about a
 dozen numpy calls per group that check everything, stage the pairs (a cleared row: its filled
 entries and its count, all zero), then write the host table with one ``put`` of those pairs,
-bypassing the commit journal. Every other update goes through
-:meth:`MultiGroupBlockTable.apply` (which checks, writes and journals) and the journal is
-drained into the staging buffer, exactly as :meth:`MultiGroupBlockTable.commit` would.
+bypassing the commit journal. An update built by the allocator's journal carries
+:class:`~blocktable.update.AllocatorFacts`: its rows are in range and listed once and its ids
+come from the allocator, so the stager skips those checks (about a third of its calls) and
+also takes its admitted rows (``added``: each row's ids, the entries past them that held ids
+before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Every
+other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes and
+journals) and the journal is drained into the staging buffer, exactly as
+:meth:`MultiGroupBlockTable.commit` would.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from blocktable._host_loops import fill_staging, kernel_ids, runs
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.update import RowBlocks, StepUpdate
+from blocktable.update import AllocatorFacts, RowBlocks, StepUpdate
 
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
 _sum = np.add.reduce
 
 
-def largest(a: np.ndarray) -> np.generic:
+def largest(a: np.ndarray) -> Any:  # a numpy scalar of a's dtype, compared with ints
     """The largest entry of a non-empty 1-D array. ``a[a.argmax()]`` rather than a reduction:
     in an engine's loop, where numpy's code has left the CPU caches between steps, an argmax
     costs about half of ``np.maximum.reduce`` (whose ufunc machinery is larger)."""
@@ -46,6 +51,37 @@ class _GroupRef(NamedTuple):
     block_id_bound: int  # manager ids lie in [0, bound)
     table_offset: int  # of the group's table in the flat buffer
     counts_offset: int  # of the group's counts in the flat buffer
+    # int32 [width - k + 1]: c + k for each count c with room for k more kernel blocks; a
+    # take from it is the new count and the room check in one call (it raises past the end)
+    plus_k: np.ndarray
+
+
+class _Added(NamedTuple):
+    """Rows of one group replaced by an update of the allocator's journal."""
+
+    ref: _GroupRef
+    part: RowBlocks
+    new: np.ndarray  # int32 [n]: kernel blocks each row gets
+    stale: np.ndarray  # int32 [n]: entries past ``new`` that hold ids now (0 if none)
+    num_stale: int
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.part.block_ids) * self.ref.k + self.num_stale + len(self.part.rows)
+
+
+class _Grown(NamedTuple):
+    """Rows of one group that gain several blocks, in an update of the allocator's journal."""
+
+    ref: _GroupRef
+    part: RowBlocks
+    filled: np.ndarray  # int32 [n]: kernel blocks each row holds now
+    new: np.ndarray  # int32 [n]: kernel blocks each row gains
+    after: np.ndarray  # int32 [n]: filled + new
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.part.block_ids) * self.ref.k + len(self.part.rows)
 
 
 def _is_int32(a: object) -> bool:
@@ -66,7 +102,8 @@ class DecodeStager:
         self.table = table
         self.refs = [
             _GroupRef(t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
-                      st.counts_offset + t.group * table.max_num_reqs)
+                      st.counts_offset + t.group * table.max_num_reqs,
+                      np.arange(t.k, t.width + 1, dtype=np.int32))
             for t in table.tables if t is not None
         ]
         self.num_groups = len(table.specs)
@@ -107,18 +144,75 @@ class DecodeStager:
             return None
         if len(listed) != self.num_rows or (n > 1 and largest(listed) > 1):
             return None
-        filled = ref.counts.take(rows)
-        if largest(filled.view(_U32)) > ref.width - ref.k:  # counts are >= 0: the ids' loop
+        return ref.counts.take(rows)  # the room for the new blocks: checked when staged
+
+    def _filled_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
+                        g: int) -> np.ndarray | None:
+        """:meth:`_filled` for an update of the allocator's journal: its rows are in range and
+        distinct, so only the facts of the table (ids below its bound, room in the rows) are
+        checked. Facts the journal did not record (several groups): :meth:`_filled`."""
+        largest_id = facts.largest_appended_id[g]
+        if not facts.one_block_each[g] or largest_id < 0:
+            return self._filled(ref, part)
+        if largest_id >= ref.block_id_bound:
             return None
-        return filled
+        return ref.counts.take(part.rows)  # the room for the new blocks: checked when staged
+
+    def _added_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
+                       g: int) -> _Added | None:
+        """What replacing ``part``'s rows (of an update of the allocator's journal: rows in
+        range, listed once, counts matching the ids) writes, or ``None`` when the table refuses
+        it (the general path names the error): a row longer than the width, an id past the
+        table's bound."""
+        rows, num, ids = part.rows, part.num_manager_blocks, part.block_ids
+        most = facts.largest_added_count[g]
+        if most < 0:
+            most = int(largest(num))
+        if most * ref.k > ref.width:
+            return None
+        if len(ids) and largest(ids.view(_U32)) >= ref.block_id_bound:
+            return None
+        old = ref.counts.take(rows)  # filled kernel blocks now
+        new = num if ref.k == 1 else num * ref.k
+        stale = old
+        num_stale = int(_sum(old))
+        if num_stale:  # entries past the new count that hold ids now become null
+            stale = old - new
+            np.maximum(stale, 0, out=stale)
+            num_stale = int(_sum(stale))
+        return _Added(ref, part, new, stale, num_stale)
+
+    def _grown_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
+                       g: int) -> _Grown | None:
+        """What appending several blocks per row writes (an update of the allocator's journal:
+        rows in range and listed once, counts matching the ids), or ``None`` when the table
+        refuses it: an id past the table's bound, a row past its width."""
+        rows, num, ids = part.rows, part.num_manager_blocks, part.block_ids
+        largest_id = facts.largest_appended_id[g]
+        if largest_id < 0:  # not recorded: look
+            largest_id = int(largest(ids.view(_U32))) if len(ids) else 0
+        if largest_id >= ref.block_id_bound:
+            return None
+        filled = ref.counts.take(rows)
+        new = num if ref.k == 1 else num * ref.k
+        after = filled + new
+        if largest(after) > ref.width:
+            return None
+        return _Grown(ref, part, filled, new, after)
 
     def stage(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
         """Apply a decode step's update and stage its pairs in ``pairs`` (int32
         ``[2*max_pairs]``: indices, then values).
 
         Returns the number of pairs, or -1 (nothing written) when the update is not a valid
-        decode step (rows gaining one block each, other rows cleared) that fits ``max_pairs``
-        next to no other pending change.
+        decode step (rows gaining one block each, other rows cleared; with the allocator's
+        facts, rows replaced or gaining several blocks too) that fits ``max_pairs`` next to no
+        other pending change.
+
+        An update with :class:`~blocktable.update.AllocatorFacts` (built by the allocator's
+        journal) skips the checks the facts settle: the range and repeats of its rows, one id
+        per appended row. What only the table knows (each row's filled entries against its
+        width, ids below its bound) is checked on every update.
         """
         table = self.table
         st = table.storage
@@ -126,33 +220,58 @@ class DecodeStager:
         added, appended, nulled = update.added, update.appended, update.nulled
         if st.changed or not (len(added) == len(appended) == len(nulled) == G):
             return -1
+        facts = update.facts
+        if facts is not None and facts.num_rows > self.num_rows:
+            facts = None  # rows of a larger allocator: check them
         total = 0
         cleared = update.cleared_rows
         listed_cleared = None
-        clear_rows = np.zeros(0, dtype=np.int64)
+        clear_rows: np.ndarray = cleared
         clears: list[tuple[_GroupRef, np.ndarray, int]] = []
         if len(cleared):
-            listed_cleared = self._listed(cleared)
-            if listed_cleared is None:
-                return -1
-            clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct (a row may repeat)
+            if facts is None:
+                listed_cleared = self._listed(cleared)
+                if listed_cleared is None:
+                    return -1
+                clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct
             for group_ref in self.refs:
                 old = group_ref.counts.take(clear_rows)  # kernel blocks to zero, then counts
                 num_zeroed = int(_sum(old))
                 clears.append((group_ref, old, num_zeroed))
                 total += num_zeroed + len(clear_rows)
         staged = []
+        adds: list[_Added] = []
+        grows: list[_Grown] = []
         try:  # a part that is not RowBlocks/RowEntries: the general path names the error
             for g in range(G):
-                if len(added[g].rows) or len(nulled[g].rows):
+                if len(nulled[g].rows):
                     return -1
+                if len(added[g].rows):  # admitted requests: only from the journal
+                    ref = self._ref_of[g]
+                    if facts is None or ref is None:
+                        return -1
+                    add = self._added_trusted(ref, added[g], facts, g)
+                    if add is None:
+                        return -1
+                    adds.append(add)
+                    total += add.num_pairs
                 part = appended[g]
                 if not len(part.rows):
                     continue
                 ref = self._ref_of[g]
                 if ref is None:
                     return -1  # ids for a group without a table
-                filled = self._filled(ref, part)
+                if facts is not None and not facts.one_block_each[g]:
+                    grow = self._grown_trusted(ref, part, facts, g)
+                    if grow is None:
+                        return -1
+                    grows.append(grow)
+                    total += grow.num_pairs
+                    continue
+                if facts is not None:
+                    filled = self._filled_trusted(ref, part, facts, g)
+                else:
+                    filled = self._filled(ref, part)
                 if filled is None:
                     return -1
                 if listed_cleared is not None and largest(listed_cleared.take(part.rows)):
@@ -182,6 +301,36 @@ class DecodeStager:
                    casting="unsafe")  # < 2**31: an index of the flat buffer
             value[at : at + num_rows] = 0
             at += num_rows
+        for add in adds:  # entries [0, new) get the ids, [new, old) become 0, counts new
+            ref, rows = add.ref, add.part.rows
+            starts = rows * ref.width
+            if ref.table_offset:
+                starts += ref.table_offset
+            num_ids = len(add.part.block_ids) * ref.k
+            index[at : at + num_ids] = runs(starts, add.new, num_ids)
+            value[at : at + num_ids] = kernel_ids(add.part.block_ids, ref.k)
+            at += num_ids
+            if add.num_stale:
+                starts += add.new
+                index[at : at + add.num_stale] = runs(starts, add.stale, add.num_stale)
+                value[at : at + add.num_stale] = 0
+                at += add.num_stale
+            np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
+            value[at : at + len(rows)] = add.new
+            at += len(rows)
+        for grow in grows:  # entries [filled, after) get the ids, counts after
+            ref, rows = grow.ref, grow.part.rows
+            starts = rows * ref.width
+            if ref.table_offset:
+                starts += ref.table_offset
+            starts += grow.filled
+            num_ids = len(grow.part.block_ids) * ref.k
+            index[at : at + num_ids] = runs(starts, grow.new, num_ids)
+            value[at : at + num_ids] = kernel_ids(grow.part.block_ids, ref.k)
+            at += num_ids
+            np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
+            value[at : at + len(rows)] = grow.after
+            at += len(rows)
         for ref, part, filled in staged:
             rows, ids, k = part.rows, part.block_ids, ref.k
             n = len(rows)
@@ -197,9 +346,13 @@ class DecodeStager:
                 value[at : at + n * k] = kernel_ids(ids, k)
             at += n * k
             np.add(rows, ref.counts_offset, out=index[at : at + n])
-            np.add(filled, k, out=value[at : at + n])
+            try:  # counts are >= 0: a count without room for k more is past plus_k's end
+                ref.plus_k.take(filled, out=value[at : at + n])
+            except IndexError:
+                return -1  # an append past the row's width: the general path names it
             at += n
-        # the counts are views of the flat host buffer: one put writes entries and counts
+        # nothing written to the table so far; the counts are views of the flat host buffer:
+        # one put writes entries and counts
         st.host.put(index, value)
         return total
 

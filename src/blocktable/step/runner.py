@@ -60,6 +60,9 @@ class StagedBatch(NamedTuple):
     seq_lens: np.ndarray  # int32 [max_num_reqs]
 
 
+_Cut = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
 class StepOutputs(NamedTuple):
     """This step's device tensors (valid until the next step's device work, in stream order)."""
 
@@ -143,6 +146,10 @@ class CapturedStep:
         # on cpu (pinned with CUDA), int32 [2]: each slot's last sequence number the device saw
         self._mailbox_host = torch.full((2,), -1, dtype=torch.int32, pin_memory=cuda)
         self._mailbox_np = self._mailbox_host.numpy()
+        # the same memory as memoryviews: a Python int read or written without numpy's scalar
+        # machinery (two of them per step on CUDA)
+        self._mailbox_mv = self._mailbox_np.data
+        self._header_mv = [v.header.data for v in self._views]
         self._mailbox: torch.Tensor = self._mailbox_host
         self._events: list[torch.cuda.Event] | None = None  # when the mailbox cannot be used
         self._expect: list[int | None] = [None] * num_slots  # seq each slot's copy will post
@@ -167,6 +174,8 @@ class CapturedStep:
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
         self._by_reqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (slot, num_reqs, num_tokens) -> the staged batch's views: qsl, positions, rows
+        self._batch_cut: dict[tuple[int, int, int], _Cut] = {}
         self._by_tokens: dict[int, torch.Tensor] = {}
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
@@ -191,7 +200,9 @@ class CapturedStep:
         Parameters
         ----------
         update : StepUpdate
-            The step's row changes (``StepUpdate.empty`` for none).
+            The step's row changes (``StepUpdate.empty`` for none). One from the allocator's
+            ``take_step_update`` carries facts that settle some checks (its rows, its ids);
+            every other update is checked in full.
         query_start_loc : np.ndarray
             int32 ``[num_reqs + 1]`` on cpu: starts at 0, never decreases, ends at
             ``num_tokens``; ``num_reqs <= max_num_reqs``.
@@ -263,8 +274,22 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
         v = self._views[self._slot]
-        self._check_values(v.qsl[: num_reqs + 1], num_reqs, num_tokens, v.rows[:num_reqs])
+        qsl, _, rows, _ = self._cut(num_reqs, num_tokens)
+        self._check_values(qsl, num_reqs, num_tokens, rows)
         return self._issue(update, v, num_reqs, num_tokens, with_seq_lens)
+
+    def _cut(self, num_reqs: int, num_tokens: int) -> _Cut:
+        """The current staging buffer's batch views (``qsl``, positions, rows) and, on the CPU
+        backend, the slots they fill, made once per size (a decode loop slices the same sizes
+        every step)."""
+        key = (self._slot, num_reqs, num_tokens)
+        cut = self._batch_cut.get(key)
+        if cut is None:
+            v = self._views[self._slot]
+            out = None if self._slots_np is None else self._slots_np[:, :num_tokens]
+            cut = self._batch_cut[key] = (v.qsl[: num_reqs + 1], v.positions[:num_tokens],
+                                          v.rows[:num_reqs], out)
+        return cut
 
     def _acquire(self) -> StagingViews:
         """The views of the staging buffer this step fills, once the device has read it."""
@@ -285,14 +310,14 @@ class CapturedStep:
         if self._flat_np is None and self._padded[slot] != (num_reqs, num_tokens):
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = (num_reqs, num_tokens)
-        header = v.header
         staged = max(0, num_pairs)
-        header[NUM_PAIRS] = staged
-        seq = self._seq = (self._seq + 1) & _SEQ_MASK
-        header[SEQ] = seq
-        if self._flat_np is not None:
+        if self._flat_np is not None:  # the header is for the device's kernels only
             self._run_numpy(v, staged, num_reqs, num_tokens)
         else:
+            header = self._header_mv[slot]
+            header[NUM_PAIRS] = staged
+            seq = self._seq = (self._seq + 1) & _SEQ_MASK
+            header[SEQ] = seq
             self._run_device(slot)
             self._expect[slot] = seq
             self._slot = slot ^ (len(self._views) - 1)
@@ -356,8 +381,9 @@ class CapturedStep:
         self._tokens_filled = num_tokens
         if num_tokens:
             assert self._slots is not None
-            self._slots.map(v.qsl[: num_reqs + 1], v.positions[:num_tokens], v.rows[:num_reqs],
-                            out[:, :num_tokens], num_tokens == num_reqs and self._decode)
+            qsl, positions, rows, slots = self._cut(num_reqs, num_tokens)
+            assert slots is not None
+            self._slots.map(qsl, positions, rows, slots, num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
         """Copy staging ``slot`` to the device, scatter the pairs, map the slots (padded)."""
@@ -382,7 +408,7 @@ class CapturedStep:
             self._events[slot].synchronize()
             return
         expect = self._expect[slot]
-        mailbox = self._mailbox_np
+        mailbox = self._mailbox_mv
         if mailbox[slot] == expect:
             return
         start = time.perf_counter()
