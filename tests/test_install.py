@@ -68,6 +68,8 @@ def test_without_triton_the_gpu_path_says_so() -> None:
         "bt.add_row(([3],), 0); bt.commit()\n"
         "qsl = torch.tensor([0, 1], dtype=torch.int32)\n"
         "print(bt.compute_slot_mapping(qsl, torch.tensor([2]))[0][:2].tolist())\n"
+        "import blocktable.attention, blocktable.engine, blocktable.cli  # the demo's imports\n"
+        "print(blocktable.attention.launch.FUSED_COMBINE_MAX_PROGRAMS)\n"
     )
     lines = out.splitlines()
     assert lines[0] == ("backend='triton' needs the triton package; CUDA builds of torch bring "
@@ -75,6 +77,7 @@ def test_without_triton_the_gpu_path_says_so() -> None:
     assert lines[1] == "['torch', 'torch', 'torch'] 1 RuntimeWarning"  # warned once
     assert lines[2] == "torch"
     assert lines[3] == "[14, -1]"
+    assert lines[4] == "16"  # the attention and engine modules import without triton
 
 
 def test_demo_model_constants_match_the_model() -> None:

@@ -14,10 +14,7 @@ from collections.abc import Callable
 import torch
 
 from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting, next_power_of_2
-from blocktable.attention.triton_decode import (  # the split rule's bounds, shared with it
-    DECODE_LONG_SPLIT_KEYS,
-    FUSED_COMBINE_MAX_PROGRAMS,
-)
+from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
 from blocktable.attention.triton_tiles import LOG2_E
 
 if HAS_TRITON:

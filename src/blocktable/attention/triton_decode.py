@@ -18,6 +18,7 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
+from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
 from blocktable.attention.triton_tiles import (
     LN_2,
     attend_segments,
@@ -456,8 +457,6 @@ def merge_chunk(group_pad: int, block_d: int) -> int:
     """Splits per ``[group_pad, splits, block_d]`` load of the merge: a power of two."""
     return max(1, min(MERGE_CHUNK, MERGE_TILE_ELEMENTS // (group_pad * block_d)))
 MIN_KEYS_PER_SPLIT = 256
-FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
-DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
 FULL_WAVE = 0.9  # a grid of at least this share of two programs per multiprocessor fills it
 
 
