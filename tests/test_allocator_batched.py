@@ -273,3 +273,29 @@ def test_one_admission_call_takes_shared_free_cached_blocks_out_of_the_queue_onc
     mgr.free_many(["b", "c"])
     assert mgr.num_free_blocks() == num_free
     mgr.check_integrity()
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_batched_calls_with_no_requests_change_nothing(num_groups: int) -> None:
+    """A step without arrivals, decodes or finished requests passes empty lists to every
+    batched call: each returns its empty result and nothing changes."""
+    mgr = make(GROUPS[:num_groups])
+    mgr.add_request("a", list(range(9)))
+    mgr.allocate("a", 9)
+    mgr.take_step_update()
+    before = observable(mgr)
+    assert mgr.add_requests([], []) == []
+    assert mgr.add_requests([], [], []) == []
+    assert all(len(blocks.rows) == 0 for blocks in mgr.allocate_many([], []))
+    assert mgr.can_allocate_many([], [])
+    mgr.mark_computed_many([], [])
+    mgr.append_token_ids_many([], [])
+    mgr.append_token_ids_many([], np.zeros((0, 3), dtype=np.int64))
+    mgr.free_many([])
+    assert observable(mgr) == before
+    update = mgr.take_step_update()
+    assert all(len(part) == 0 for part in as_lists(update)[0:1])
+    assert as_lists(update)[1:] == tuple(([], [], []) for _ in range(2 * num_groups)) + tuple(
+        ([], []) for _ in range(num_groups)
+    )
+    mgr.check_integrity()

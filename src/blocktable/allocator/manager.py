@@ -267,6 +267,8 @@ class KVCacheManager:
             cache_namespaces = [None] * len(req_ids)
         cache_namespaces = as_list("cache_namespaces", cache_namespaces)
         check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
+        if not req_ids:
+            return []  # a step without arrivals
         pending: dict[bytes, tuple[int, int]] = {}
         plans = [
             self._new_plan(p, ns, pending, req_id=r)
