@@ -34,8 +34,8 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
         fail("num_slots does not match the rows")
     tokens = req.tokens[: req.num_tokens]
     for g, (pool, bs) in enumerate(zip(mgr.pools, mgr.block_sizes)):
-        if not 0 <= req.row_len[g] <= len(req.block_buf[g]):
-            fail(f"group {g}: row length {req.row_len[g]} outside its buffer")
+        if not 0 <= req.row_len[g] <= mgr._row_state.blocks[g].shape[1]:
+            fail(f"group {g}: row length {req.row_len[g]} outside its arena")
         blocks = req.blocks(g).astype(np.int64)
         skip = req.num_skipped_blocks[g]
         if len(blocks) * bs < req.num_computed_tokens:

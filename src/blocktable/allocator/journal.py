@@ -23,192 +23,175 @@ stay true: the captured step skips the checks they settle.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Sequence
-
 import numpy as np
 
-from blocktable.allocator.request import RequestState
+from blocktable.allocator.rowstate import RowState
 from blocktable.update import AllocatorFacts, RowBlocks, RowEntries, StepUpdate
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _EMPTY.flags.writeable = False
 _NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance serves all
 _NO_ENTRIES = RowEntries()
-
-
-def _int32(values: list[int]) -> np.ndarray:
-    """A read-only int32 array of ``values``; empty lists share one empty array.
-
-    ``struct.pack`` converts a list of ints in one C loop, about twice as fast as
-    ``np.fromiter``; the array's memory is an immutable ``bytes`` object, so nobody can make it
-    writable again (the update's facts stay true).
-    """
-    if not values:
-        return _EMPTY
-    return np.frombuffer(struct.pack(f"={len(values)}i", *values), dtype=np.int32)
-
-
-def _row_blocks(rows: list[int], counts: list[int], ids: list[np.ndarray]) -> RowBlocks:
-    if not rows:
-        return _NO_BLOCKS
-    joined = b"".join([a.tobytes() for a in ids])  # a copy, in immutable memory
-    return RowBlocks(_int32(rows), _int32(counts), np.frombuffer(joined, dtype=np.int32))
-
-
-def _packed(ints: list[int], sizes: tuple[int, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """``ints`` cut into parts of ``sizes``, then ``arrays`` joined as one more part: int32
-    arrays, all read-only views of one immutable buffer built by one ``struct.pack`` (about a
-    microsecond for a decode step's few dozen ints); empty parts are the shared empty array."""
-    data = struct.pack(f"={len(ints)}i", *ints)
-    if arrays:
-        data = b"".join([data, *(a.tobytes() for a in arrays)])
-    if not data:
-        return [_EMPTY] * (len(sizes) + 1)
-    flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
-    out, at = [], 0
-    for n in (*sizes, len(flat) - len(ints)):
-        out.append(flat[at : at + n] if n else _EMPTY)
-        at += n
-    return out
+_EMPTY_INTP = np.zeros(0, dtype=np.intp)
 
 
 class StepJournal:
-    """Rows touched since the last :meth:`take`, with their holder and lengths at first touch."""
+    """Rows touched since the last :meth:`take`, with their holder and lengths at first touch.
 
-    def __init__(self, num_groups: int) -> None:
+    Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): a touch of many
+    rows is one gather and a few scatters, and ``take`` reads the live state of every touched
+    row with gathers (holder generations tell a row's first holder from the live one).
+    """
+
+    def __init__(self, num_groups: int, rows: RowState) -> None:
         self.num_groups = num_groups
-        # row -> (holder at first touch or None, its row lengths per group)
-        self.marks: dict[int, tuple[RequestState | None, tuple[int, ...]]] = {}
+        self.rows = rows
+        num_rows = rows.num_rows
+        self.touched = np.zeros(num_rows, dtype=bool)  # on cpu, [num_rows]
+        self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
+        self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
+        self.num_touched = 0
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
 
-    def touch(self, row: int, holder: RequestState | None) -> None:
+    def touch(self, row: int) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
-        if row not in self.marks:
-            lengths = () if holder is None else tuple(holder.row_len)
-            self.marks[row] = (holder, lengths)
+        if not self.touched[row]:
+            self.touched[row] = True
+            self.start_gen[row] = self.rows.holder_gen[row]
+            self.start_len[:, row] = self.rows.row_len[:, row]
+            self.num_touched += 1
 
-    def null(self, req: RequestState, group: int, block_index: int) -> None:
-        """Record that ``req``'s entry ``block_index`` of ``group`` became the null block."""
-        holder, lengths = self.marks[req.row]
-        if holder is req and block_index < lengths[group]:
-            if req.row not in self._nulled:
-                self._nulled[req.row] = [[] for _ in range(self.num_groups)]
-            self._nulled[req.row][group].append(block_index)
+    def touch_many(self, rows: np.ndarray, *, lengths: bool = True) -> None:
+        """:meth:`touch` of distinct ``rows`` (intp). ``lengths=False`` when the rows are freed
+        now or are free (their lengths at the first touch are never read: such a row ends
+        cleared or added, never appended to)."""
+        new = rows[~self.touched[rows]]
+        if len(new):
+            self.touched[new] = True
+            self.start_gen[new] = self.rows.holder_gen[new]
+            if lengths:
+                self.start_len[:, new] = self.rows.row_len[:, new]
+            self.num_touched += len(new)
 
-    def take(
-        self,
-        holders: Sequence[RequestState | None],
-        allocator_block_sizes: tuple[int, ...] | None = None,
-    ) -> StepUpdate:
-        """The net change of every touched row (``holders[row]`` is the live holder); reset.
+    def null(self, row: int, group: int, block_index: int) -> None:
+        """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
+        request since) became the null block."""
+        if self.start_gen[row] == self.rows.holder_gen[row] and block_index < self.start_len[
+            group, row
+        ]:
+            if row not in self._nulled:
+                self._nulled[row] = [[] for _ in range(self.num_groups)]
+            self._nulled[row][group].append(block_index)
 
-        ``allocator_block_sizes`` is stamped on the update. Costs Python work per *touched*
-        row only, and a fixed handful of numpy calls.
+    def take(self, allocator_block_sizes: tuple[int, ...] | None = None) -> StepUpdate:
+        """The net change of every touched row; reset.
+
+        ``allocator_block_sizes`` is stamped on the update. A fixed handful of numpy calls per
+        group, whatever the number of touched rows.
         """
-        if self.num_groups == 1 and not self._nulled:
-            update = self._take_one_group(holders, allocator_block_sizes)
-        else:
-            update = self._take_general(holders, allocator_block_sizes)
-        self.marks = {}
-        self._nulled = {}
-        return update
-
-    def _take_one_group(
-        self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
-    ) -> StepUpdate:
-        """:meth:`take` for one group without nulled entries (every decode step): appended ids
-        are read as Python ints, and the rows, counts and ids of the whole step become int32
-        arrays in one numpy call (read-only views of one buffer)."""
-        cleared: list[int] = []
-        add_rows: list[int] = []
-        add_counts: list[int] = []
-        add_ids: list[np.ndarray] = []
-        app_rows: list[int] = []
-        app_counts: list[int] = []
-        app_ids: list[int] = []
-        one_each = True
-        for row, (start, lengths) in self.marks.items():
-            live = holders[row]
-            if live is start:
-                if live is not None:
-                    n, old = live.row_len[0], lengths[0]
-                    if n > old:
-                        app_rows.append(row)
-                        app_counts.append(n - old)
-                        if n - old == 1:
-                            app_ids.append(live.block_buf[0].item(old))
-                        else:
-                            one_each = False
-                            app_ids += live.block_buf[0][old:n].tolist()
-            elif live is None:
-                cleared.append(row)
-            else:
-                add_rows.append(row)
-                add_counts.append(live.row_len[0])
-                add_ids.append(live.blocks(0))
-        cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
-            cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
-            (len(cleared), len(add_rows), len(add_rows), len(app_rows), len(app_rows),
-             len(app_ids)), add_ids)
-        added = RowBlocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS
-        appended = RowBlocks(p_rows, p_counts, p_ids) if app_rows else _NO_BLOCKS
-        update = StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
-        object.__setattr__(update, "facts", AllocatorFacts(
-            len(holders), (max(app_ids) if app_ids else -1,), (one_each,),
-            (max(add_counts) if add_counts else -1,)))
-        return update
-
-    def _take_general(
-        self, holders: Sequence[RequestState | None], sizes: tuple[int, ...] | None
-    ) -> StepUpdate:
-        """:meth:`take` for several groups or with nulled entries."""
         num_groups = self.num_groups
-        groups = range(num_groups)
-        cleared: list[int] = []
-        add_rows: list[int] = []
-        add_counts: list[list[int]] = [[] for _ in groups]
-        add_ids: list[list[np.ndarray]] = [[] for _ in groups]
-        app_rows: list[list[int]] = [[] for _ in groups]
-        app_counts: list[list[int]] = [[] for _ in groups]
-        app_ids: list[list[np.ndarray]] = [[] for _ in groups]
-        one_each = [True] * num_groups
-        null_rows: list[list[int]] = [[] for _ in groups]
-        null_idx: list[list[int]] = [[] for _ in groups]
-        nulled = self._nulled
-        for row, (start, lengths) in self.marks.items():
-            live = holders[row]
-            if live is None:
-                if start is not None:
-                    cleared.append(row)
-            elif live is start:
-                for g in groups:
-                    n, old = live.row_len[g], lengths[g]
-                    if n > old:
-                        app_rows[g].append(row)
-                        app_counts[g].append(n - old)
-                        app_ids[g].append(live.block_buf[g][old:n])
-                        if n - old > 1:
-                            one_each[g] = False
-                if row in nulled:
-                    for g, indices in enumerate(nulled[row]):
-                        null_rows[g] += [row] * len(indices)
-                        null_idx[g] += indices
+        state = self.rows
+        if self.num_touched:
+            touched = np.flatnonzero(self.touched)
+            self.touched[touched] = False
+            self.num_touched = 0
+        else:
+            touched = _EMPTY_INTP
+        live = state.holder_gen[touched]
+        start = self.start_gen[touched]
+        same = live == start
+        if same.all() and live.all():  # every touched row kept its holder (a decode step)
+            cleared = added = _EMPTY_INTP
+            kept = touched
+        else:
+            held = live != 0
+            cleared = touched[~held & (start != 0)]
+            added = touched[~same & held]
+            kept = touched[same & held]
+        arrays: list[np.ndarray] = [cleared, added]  # packed into one buffer below
+        largest_id: list[int] = []
+        one_each: list[bool] = []
+        largest_added: list[int] = []
+        num_appended: list[int] = []
+        for g in range(num_groups):
+            row_len = state.row_len[g]
+            if len(added):
+                counts = row_len[added]
+                arrays += [counts, state.gather(g, added, np.zeros_like(counts), counts)]
+                largest_added.append(int(counts.max()))
             else:
-                add_rows.append(row)
-                for g in groups:
-                    add_counts[g].append(live.row_len[g])
-                    add_ids[g].append(live.blocks(g))
+                arrays += [_EMPTY_INTP, _EMPTY_INTP]
+                largest_added.append(-1)
+            old = self.start_len[g, kept]
+            grew = row_len[kept] - old
+            if len(kept) and (grew == 1).all():  # one block each (a decode step)
+                rows, num, ids = kept, grew, state.blocks[g][kept, old]
+            else:
+                at = np.flatnonzero(grew > 0)
+                rows, num, old = kept[at], grew[at], old[at]
+                ids = state.gather(g, rows, old, num)
+            arrays += [rows, num, ids]
+            num_appended.append(len(rows))
+            one_each.append(len(ids) == len(rows))
+            largest_id.append(int(ids.max()) if len(ids) else -1)
+        for rows, indices in self._null_parts(num_groups):
+            arrays += [rows, indices]
+        self._nulled = {}
+        views = _frozen_int32(arrays)
+        cleared_rows, added_rows = views[0], views[1]
+        at = 2
+        added_blocks, appended_blocks = [], []
+        for g in range(num_groups):
+            counts, add_ids, rows, num, ids = views[at : at + 5]
+            at += 5
+            added_blocks.append(RowBlocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS)
+            appended_blocks.append(RowBlocks(rows, num, ids) if num_appended[g] else _NO_BLOCKS)
+        nulled_entries = []
+        for _ in range(num_groups):
+            rows, indices = views[at], views[at + 1]
+            at += 2
+            nulled_entries.append(RowEntries(rows, indices) if len(rows) else _NO_ENTRIES)
         update = StepUpdate(
-            _int32(cleared),
-            tuple(_row_blocks(add_rows, add_counts[g], add_ids[g]) for g in groups),
-            tuple(_row_blocks(app_rows[g], app_counts[g], app_ids[g]) for g in groups),
-            tuple(RowEntries(_int32(null_rows[g]), _int32(null_idx[g])) if null_rows[g]
-                  else _NO_ENTRIES for g in groups),
-            sizes,
+            cleared_rows,
+            tuple(added_blocks),
+            tuple(appended_blocks),
+            tuple(nulled_entries),
+            allocator_block_sizes,
         )
-        unknown = (-1,) * num_groups  # the ids are arrays here: the table checks their range
         object.__setattr__(update, "facts", AllocatorFacts(
-            len(holders), unknown, tuple(one_each), unknown))
+            state.num_rows, tuple(largest_id), tuple(one_each), tuple(largest_added)))
         return update
+
+    def _null_parts(self, num_groups: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per group, the rows and indices of old entries nulled in rows still held by their
+        first holder (sorted by row, in the order they were nulled)."""
+        if not self._nulled:
+            return [(_EMPTY_INTP, _EMPTY_INTP)] * num_groups
+        gens = self.rows.holder_gen
+        out = []
+        for g in range(num_groups):
+            rows: list[int] = []
+            indices: list[int] = []
+            for row in sorted(self._nulled):
+                if gens[row] == self.start_gen[row]:
+                    nulled = self._nulled[row][g]
+                    rows += [row] * len(nulled)
+                    indices += nulled
+            out.append((np.array(rows, dtype=np.intp), np.array(indices, dtype=np.intp)))
+        return out
+
+
+def _frozen_int32(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """``arrays`` (integers) as int32 read-only views of one immutable buffer (a ``bytes``
+    object, so nobody can make them writable again); empty ones are the shared empty array."""
+    flat = np.concatenate(arrays, dtype=np.int32, casting="unsafe")
+    if not len(flat):
+        return [_EMPTY] * len(arrays)
+    flat = np.frombuffer(flat.tobytes(), dtype=np.int32)
+    out, at = [], 0
+    for a in arrays:
+        n = len(a)
+        out.append(flat[at : at + n] if n else _EMPTY)
+        at += n
+    return out

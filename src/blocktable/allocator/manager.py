@@ -38,6 +38,7 @@ from blocktable.allocator.request import (
     token_array,
 )
 from blocktable.allocator.rows import RowAllocator
+from blocktable.allocator.rowstate import RowState
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
@@ -147,7 +148,8 @@ class KVCacheManager:
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
-        self._journal = StepJournal(len(groups))
+        self._row_state = RowState(self.max_num_reqs, len(groups))
+        self._journal = StepJournal(len(groups), self._row_state)
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
@@ -300,14 +302,23 @@ class KVCacheManager:
         self, req_id: ReqId, plan: PromptPlan, namespace: object, shared: list[list[np.ndarray]]
     ) -> RequestState:
         tokens = plan.tokens
+        row = self._rows.take(None)  # the holder is set below
+        self._journal.touch(row)  # free (or freed in this step): before the request takes it
         req = RequestState(
-            req_id, tokens, namespace, plan.namespace_bytes, plan.root, len(self.pools), plan.seed
+            req_id,
+            tokens,
+            namespace,
+            plan.namespace_bytes,
+            plan.root,
+            len(self.pools),
+            plan.seed,
+            rows=self._row_state,
+            row=row,
         )
+        self._rows.holders[row] = req
         if plan.token_buffer is not None:
             req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
         req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
-        req.row = row = self._rows.take(req)
-        self._journal.touch(row, None)
         chains = self._chains
         chains.start(row, plan.root)
         if self.enable_prefix_caching:
@@ -316,26 +327,24 @@ class KVCacheManager:
                 req.prompt_states[bs] = plan.states[bs]
                 chains.set(row, bs, len(keys), int(plan.states[bs][-1]) if len(keys) else plan.seed)
         n = plan.num_cached_tokens
-        req.num_computed_tokens = n
+        state = self._row_state
+        state.num_computed[row] = n
         if n:
             for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
                 skip = plan.num_skipped[g]
                 blocks = pool.index.holder[plan.hit_slots[g]]
                 shared[g].append(blocks)
-                if skip:
-                    with_nulls = np.empty(skip + len(blocks), dtype=np.int32)
-                    with_nulls[:skip] = NULL_BLOCK_ID
-                    with_nulls[skip:] = blocks
-                    req.set_blocks(g, with_nulls)
-                else:
-                    req.set_blocks(g, blocks)  # a new array (the gather), only read by share
-                req.num_skipped_blocks[g] = skip
+                arena = state.ensure_width(g, skip + len(blocks))
+                arena[row, :skip] = NULL_BLOCK_ID
+                arena[row, skip : skip + len(blocks)] = blocks
+                state.row_len[g, row] = skip + len(blocks)
+                state.num_skipped[g, row] = skip
                 last = plan.last_slots[g]
                 chains.num_hashed[g][row] = n // bs
                 chains.parent_cid[g][row] = pool.index.cid[last]
                 if self.byte_hash_fn is not None:
                     req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
-            self._update_num_slots(req)
+            state.update_num_slots(self.block_sizes, row)
         return req
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
@@ -373,18 +382,24 @@ class KVCacheManager:
         """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
         against ``max_model_len`` before any write."""
         k = block.shape[1]
+        if not reqs:
+            return
+        state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        num_tokens = state.num_tokens[rows]
         if self.max_model_len is not None:
-            for req in reqs:
-                self._check_request_len(req.req_id, "sequence", req.num_tokens + k)
+            over = np.flatnonzero(num_tokens + k > self.max_model_len)
+            if len(over):
+                i = int(over[0])
+                self._check_request_len(reqs[i].req_id, "sequence", int(num_tokens[i]) + k)
         if not k:
             return
-        for req, new in zip(reqs, block):
-            n = req.num_tokens
+        for req, n, new in zip(reqs, num_tokens.tolist(), block):
             tokens = req.tokens
             if len(tokens) < n + k:
                 tokens = req.tokens = grown(tokens, n + k)
             tokens[n : n + k] = new
-            req.num_tokens = n + k
+        state.num_tokens[rows] = num_tokens + k
 
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
@@ -420,7 +435,7 @@ class KVCacheManager:
                 return ([],)
             if need > pool.num_free_blocks:
                 self._check_free([needs], [req])  # raises
-            self._journal.touch(req.row, req)
+            self._journal.touch(req.row)
             if need == 1:
                 block_id = pool.take_one()
                 req.append_block(0, block_id)
@@ -429,12 +444,13 @@ class KVCacheManager:
                 new = pool.take(need)
                 req.append_blocks(0, new)
                 new_ids = new.tolist()
-            req.num_slots = req.row_len[0] * self.block_sizes[0]
+            state = self._row_state
+            state.num_slots[req.row] = state.row_len[0, req.row] * self.block_sizes[0]
             return (new_ids,)
         if not any(needs):
             return tuple([] for _ in self.pools)
         self._check_free([needs], [req])
-        self._journal.touch(req.row, req)
+        self._journal.touch(req.row)
         out = []
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             if need == 1:
@@ -447,7 +463,7 @@ class KVCacheManager:
                 out.append(new.tolist())
             else:
                 out.append([])
-        self._update_num_slots(req)
+        self._row_state.update_num_slots(self.block_sizes, req.row)
         return tuple(out)
 
     def can_allocate_many(
@@ -493,7 +509,7 @@ class KVCacheManager:
             touch = self._journal.touch
             for req, count in zip(reqs, counts):
                 if count:
-                    touch(req.row, req)
+                    touch(req.row)
                     req.append_blocks(g, new[start : start + count])
                     rows.append(req.row)
                     nums.append(count)
@@ -501,7 +517,7 @@ class KVCacheManager:
             out.append(RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new))
         for req, need in zip(reqs, needs):
             if any(need):
-                self._update_num_slots(req)
+                self._row_state.update_num_slots(self.block_sizes, req.row)
         return tuple(out)
 
     def _allocate_many_one_group(
@@ -511,48 +527,44 @@ class KVCacheManager:
         req_ids = as_list("req_ids", req_ids)
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        bs, max_len = self.block_sizes[0], self.max_model_len
-        if max_len is not None:
-            for req, n in zip(reqs, counts):
-                self._check_request_len(req.req_id, "allocation", req.num_computed_tokens + n)
-        needs = [
-            0
-            if (t := req.num_computed_tokens + n) <= req.num_slots
-            else -(-t // bs) - req.row_len[0]
-            for req, n in zip(reqs, counts)
-        ]
-        total = sum(needs)
+        if not reqs:
+            return RowBlocks()
+        state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
+        if self.max_model_len is not None:
+            over = np.flatnonzero(totals > self.max_model_len)
+            if len(over):
+                i = int(over[0])
+                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
+        bs = self.block_sizes[0]
+        row_len = state.row_len[0]
+        old_len = row_len[rows]
+        # one group: num_slots is row_len * bs, so a request needs the blocks its tokens
+        # fill past its row
+        needs = -(-totals // bs) - old_len
+        np.maximum(needs, 0, out=needs)
+        total = int(needs.sum())
         pool = self.pools[0]
         if total > pool.num_free_blocks:
-            self._check_free([[need] for need in needs], reqs)
+            self._check_free([[need] for need in needs.tolist()], reqs)
         if not total:
             return RowBlocks()
         new = pool.take(total)
-        new_list = new.tolist()
-        rows, nums, start = [], [], 0
-        marks = self._journal.marks
-        for req, need in zip(reqs, needs):
-            if need:
-                row, row_len = req.row, req.row_len
-                n = row_len[0]
-                if row not in marks:  # the journal's touch, inlined (one group: lengths (n,))
-                    marks[row] = (req, (n,))
-                buf = req.block_buf[0]
-                if len(buf) < n + need:
-                    buf = req.block_buf[0] = grown(buf, n + need)
-                if need == 1:
-                    buf[n] = new_list[start]
-                else:
-                    buf[n : n + need] = new[start : start + need]
-                n += need
-                row_len[0] = n
-                req.num_slots = n * bs
-                rows.append(row)
-                nums.append(need)
-                start += need
-        rows_and_nums = np.array(rows + nums, np.int32)  # one conversion, two views
-        k = len(rows)
-        return RowBlocks(rows_and_nums[:k], rows_and_nums[k:], new)
+        got = np.flatnonzero(needs)
+        grown_rows, num, starts = rows[got], needs[got], old_len[got]
+        self._journal.touch_many(grown_rows)
+        new_len = starts + num
+        arena = state.ensure_width(0, int(new_len.max()))
+        if len(got) == total:  # one block each (decode)
+            arena[grown_rows, starts] = new
+        else:
+            cols = np.arange(total, dtype=np.int64)
+            cols += np.repeat(starts - (np.cumsum(num) - num), num)
+            arena[np.repeat(grown_rows, num), cols] = new
+        row_len[grown_rows] = new_len
+        state.num_slots[grown_rows] = new_len * bs
+        return RowBlocks(grown_rows.astype(np.int32), num.astype(np.int32), new)
 
     def _needs_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -597,7 +609,14 @@ class KVCacheManager:
         req.num_computed_tokens += count  # the same as mark_computed_many, for one request
         if self.enable_prefix_caching:
             register_computed_blocks(
-                [req], self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
+                [req],
+                None,
+                self._row_state,
+                self.pools,
+                self.block_sizes,
+                self._powers,
+                self.byte_hash_fn,
+                self._chains,
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -612,22 +631,28 @@ class KVCacheManager:
         req_ids = as_list("req_ids", req_ids)
         reqs = running_requests(self._requests, self._preempted, req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
-        # One pass that checks and counts; a bad entry undoes the counts of those before it.
-        for req, count in zip(reqs, counts):
-            num_computed = req.num_computed_tokens + count
-            if num_computed > req.num_slots or num_computed > req.num_tokens:
-                try:  # num_slots: what every group's blocks hold
-                    self._check_computed(req, num_computed)
-                except ValueError:
-                    for done, done_count in zip(reqs, counts):
-                        if done is req:
-                            break
-                        done.num_computed_tokens -= done_count
-                    raise
-            req.num_computed_tokens = num_computed
+        if not reqs:
+            return
+        state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        num_computed = state.num_computed[rows] + np.array(counts, dtype=np.int64)
+        # num_slots: what every group's blocks hold
+        bad = (num_computed > state.num_slots[rows]) | (num_computed > state.num_tokens[rows])
+        if bad.any():
+            i = int(bad.argmax())
+            self._check_computed(reqs[i], int(num_computed[i]))
+            raise AssertionError("a count past num_slots or num_tokens passed the checks")
+        state.num_computed[rows] = num_computed
         if self.enable_prefix_caching:
             register_computed_blocks(
-                reqs, self.pools, self.block_sizes, self._powers, self.byte_hash_fn, self._chains
+                reqs,
+                rows,
+                state,
+                self.pools,
+                self.block_sizes,
+                self._powers,
+                self.byte_hash_fn,
+                self._chains,
             )
         if self._has_windows:
             for g, window in enumerate(self.windows):
@@ -641,11 +666,11 @@ class KVCacheManager:
                 f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
                 f"{req.num_tokens} token ids are known (append_token_ids first)"
             )
-        for g, bs in enumerate(self.block_sizes):
-            if num_computed > req.row_len[g] * bs:
+        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
+            if num_computed > row_len * bs:
                 raise ValueError(
                     f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                    f"group {g} has blocks for {req.row_len[g] * bs} (allocate first)"
+                    f"group {g} has blocks for {row_len * bs} (allocate first)"
                 )
 
     # ----------------------------------------------------------------- release
@@ -713,23 +738,24 @@ class KVCacheManager:
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
-        child = parent.fork(child_id)
-        child.row = self._rows.take(child)
-        self._chains.copy_row(parent.row, child.row)
-        self._journal.touch(child.row, None)
+        row = self._rows.take(None)  # the holder is set below
+        self._journal.touch(row)
+        child = parent.fork(child_id, row)
+        self._rows.holders[row] = child
+        self._chains.copy_row(parent.row, row)
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
-            shared = parent.blocks(g)[:num_full]
-            real = shared[parent.num_skipped_blocks[g] :]
+            shared = parent.blocks(g)[:num_full].copy()
+            real = shared[int(parent.num_skipped_blocks[g]) :]
             pool.share(real, np.ones(len(real), dtype=np.int32))
-            child.set_blocks(g, shared.copy())
+            child.set_blocks(g, shared)
             copies.append([])
             if num_computed % bs:
                 dst = pool.take_one()
                 child.append_block(g, dst)
-                copies[g].append((int(parent.block_buf[g][num_full]), dst))
-        self._update_num_slots(child)
+                copies[g].append((int(parent.blocks(g)[num_full]), dst))
+        self._row_state.update_num_slots(self.block_sizes, row)
         self._requests[child_id] = child
         return tuple(copies)
 
@@ -764,7 +790,7 @@ class KVCacheManager:
         it in the same step, in which case it is only in ``added``.
         """
         # Stamp the block sizes so a table built for another block size refuses the ids.
-        return self._journal.take(self._rows.holders, self.block_sizes)
+        return self._journal.take(self.block_sizes)
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, req_id: object) -> bool:
@@ -915,71 +941,57 @@ class KVCacheManager:
             return [0] * len(self.pools)
         return [
             max(0, -(-num_tokens // bs) - row_len)
-            for row_len, bs in zip(req.row_len, self.block_sizes)
+            for row_len, bs in zip(req.row_len.tolist(), self.block_sizes)
         ]
-
-    def _update_num_slots(self, req: RequestState) -> None:
-        if len(self.block_sizes) == 1:
-            req.num_slots = req.row_len[0] * self.block_sizes[0]
-        else:
-            req.num_slots = min(n * bs for n, bs in zip(req.row_len, self.block_sizes))
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
         released: list[np.ndarray] = []
+        state = self._row_state
         for req in reqs:
-            first = req.num_skipped_blocks[g]
-            skip = max(0, (req.num_computed_tokens - window + 1) // bs)
+            row = req.row
+            first = int(state.num_skipped[g, row])
+            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
             if skip <= first:
                 continue
-            self._journal.touch(req.row, req)
-            row = req.block_buf[g]
-            released.append(row[first:skip].copy())  # oldest first
-            row[first:skip] = NULL_BLOCK_ID
+            self._journal.touch(row)
+            entries = state.blocks[g][row]
+            released.append(entries[first:skip].copy())  # oldest first
+            entries[first:skip] = NULL_BLOCK_ID
             for i in range(first, skip):
-                self._journal.null(req, g, i)
-            req.num_skipped_blocks[g] = skip
+                self._journal.null(row, g, i)
+            state.num_skipped[g, row] = skip
         if released:
             ids = released[0] if len(released) == 1 else np.concatenate(released)
             self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per request only the
-        bookkeeping; per group one concatenation of the rows (tail first) and one release."""
-        if len(self.pools) == 1:
-            self._release_one_group(reqs)
+        """Free the rows and blocks of ``reqs`` (running, distinct): per group one gather of
+        their rows' owned entries (each row tail first) and one release."""
+        if not reqs:
             return
-        per_group: list[list[np.ndarray]] = [[] for _ in self.pools]
-        touch, release_row, requests = self._journal.touch, self._rows.release, self._requests
-        for req in reqs:
-            touch(req.row, req)
-            for parts, buf, skip, n in zip(
-                per_group, req.block_buf, req.num_skipped_blocks, req.row_len
-            ):
-                if n > skip:
-                    parts.append(buf[n - 1 : skip - 1 if skip else None : -1])  # tail first
-            release_row(req.row)
-            del requests[req.req_id]
-        for pool, parts in zip(self.pools, per_group):
+        state, journal = self._row_state, self._journal
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        journal.touch_many(rows, lengths=False)
+        rows_l = rows.tolist()
+        for g, pool in enumerate(self.pools):
+            arena = state.blocks[g]
+            # each row's owned entries, skip .. row_len - 1, last first: a slice per row (few
+            # rows, many blocks each)
+            parts = [
+                arena[row, n - 1 : skip - 1 if skip else None : -1]
+                for row, n, skip in zip(
+                    rows_l, state.row_len[g, rows].tolist(), state.num_skipped[g, rows].tolist()
+                )
+                if n > skip
+            ]
             if parts:
                 pool.release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
-
-    def _release_one_group(self, reqs: list[RequestState]) -> None:
-        """:meth:`_release` with one group, without the loops over groups."""
-        marks, requests = self._journal.marks, self._requests
-        release_row = self._rows.release
-        parts = []
-        for req in reqs:
-            row = req.row
-            if row not in marks:  # the journal's touch, inlined
-                marks[row] = (req, tuple(req.row_len))
-            n, skip = req.row_len[0], req.num_skipped_blocks[0]
-            if n > skip:
-                parts.append(req.block_buf[0][n - 1 : skip - 1 if skip else None : -1])
+        release_row, requests = self._rows.release, self._requests
+        for req, row in zip(reqs, rows.tolist()):
+            state.stop(row)
             release_row(row)
             del requests[req.req_id]
-        if parts:
-            self.pools[0].release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:

@@ -27,6 +27,7 @@ from blocktable.allocator.hashing import (
 )
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
+from blocktable.allocator.rowstate import RowState
 
 _U64 = np.uint64
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
@@ -75,27 +76,35 @@ def _state_before(req: RequestState, first: int, bs: int, chains: KeyChains) -> 
 
 def register_computed_blocks(
     reqs: Sequence[RequestState],
+    rows: np.ndarray | None,
+    state: RowState,
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
     byte_hash_fn: HashFn | None,
     chains: KeyChains,
 ) -> None:
-    """File every full computed block of ``reqs`` not filed yet, in every group (``chains``:
-    where each request's key chain stands, moved to the last block keyed)."""
+    """File every full computed block of ``reqs`` not filed yet, in every group (``rows``:
+    their table rows, intp ``[len(reqs)]``, or None to read them from ``reqs``; ``state``:
+    the rows' counts and blocks; ``chains``: where each request's key chain stands, moved to
+    the last block keyed)."""
     if len(reqs) == 1 and byte_hash_fn is None:
         req = reqs[0]
+        num_computed = req.num_computed_tokens
         counts = [
-            req.num_computed_tokens // bs - int(chains.num_hashed[g][req.row])
+            num_computed // bs - int(chains.num_hashed[g][req.row])
             for g, bs in enumerate(block_sizes)
         ]
         if max(counts) <= 1:  # a decode step filled at most one block per group
-            _register_one_block(req, counts, pools, block_sizes, powers, chains)
+            _register_one_block(req, counts, state, pools, block_sizes, powers, chains)
             return
+    if rows is None:
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
         if len(groups) == 1:
-            _register_group(reqs, pools[groups[0]], groups[0], bs, powers[bs], byte_hash_fn, chains)
+            g = groups[0]
+            _register_group(reqs, rows, state, pools[g], g, bs, powers[bs], byte_hash_fn, chains)
             continue
         union = []
         for req in reqs:
@@ -116,12 +125,14 @@ def register_computed_blocks(
                     parts.append(keys[offset + first_g - first : offset + stop - first])
             if segments:
                 _cache_segments(
-                    pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn, chains
+                    pools[g], g, bs, segments, np.concatenate(parts), byte_hash_fn, chains, state
                 )
 
 
 def _register_group(
     reqs: Sequence[RequestState],
+    rows: np.ndarray,
+    state: RowState,
     pool: BlockPool,
     g: int,
     bs: int,
@@ -130,139 +141,71 @@ def _register_group(
     chains: KeyChains,
 ) -> None:
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
-    in one pass over the requests: each request's tokens and block ids are sliced once.
+    with the rows' counts, block ids and chains read and written by gathers and scatters.
 
     Segments whose keys were stored at admission (prompt blocks) come first, then the others,
-    keyed here in one :func:`chain_keys` pass. Registration counts, parents and key chains are
-    read and written for all segments at once (``chains``, indexed by row).
+    keyed here in one :func:`chain_keys` pass. Per segment, only its token ids (and stored
+    keys) are sliced from its request.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
-    if len(reqs) == 1:
-        firsts = [int(num_hashed[reqs[0].row])]
-    else:
-        firsts = num_hashed[[req.row for req in reqs]].tolist()
-    # Per segment: request, stop block, length, row, token ids, block ids, and its keys
-    # (stored segments) or its first block (fresh ones). One tuple per segment, unzipped after
-    # the loop: cheaper than a list append per field.
-    stored: list[tuple] = []
-    fresh: list[tuple] = []
-    for req, first in zip(reqs, firsts):
-        stop = req.num_computed_tokens // bs
-        if stop <= first:
-            continue
-        tokens = req.tokens[first * bs : stop * bs]
-        if stop <= req.num_prompt_tokens // bs:
-            ids = req.block_buf[g][first:stop]
-            stored.append((req, stop, stop - first, req.row, tokens, ids, req.keys[bs][first:stop]))
-        else:
-            fresh.append(
-                (req, stop, stop - first, req.row, tokens, req.block_buf[g][first:stop], first)
-            )
+    firsts = num_hashed[rows]
+    stops = state.num_computed[rows] // bs
+    seg = np.flatnonzero(stops > firsts)
+    if not len(seg):
+        return
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
-        segments = [(seg[0], seg[1] - seg[2], seg[1]) for seg in stored + fresh]
-        if segments:
-            segments, keys = _segment_keys(segments, bs, powers, chains)
-            _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains)
+        segments = [
+            (reqs[i], first, stop)
+            for i, first, stop in zip(seg.tolist(), firsts[seg].tolist(), stops[seg].tolist())
+        ]
+        segments, keys = _segment_keys(segments, bs, powers, chains)
+        _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains, state)
         return
-    if len(stored) + len(fresh) <= 1:
-        if stored or fresh:
-            req, stop, length, row, tokens, block_ids, last = (stored or fresh)[0]
-            stored_keys = last if stored else None
-            first = stop - length
-            _register_segment(
-                req, stop, row, tokens, block_ids, stored_keys, first, pool, g, bs, powers, chains
-            )
-        return
-    # the segments' ints, stored segments first: one conversion, then views
-    s_stops: tuple = ()
-    s_lengths: tuple = ()
-    s_rows: tuple = ()
-    token_parts: list[np.ndarray] = []
-    id_parts: list[np.ndarray] = []
-    key_parts: list[np.ndarray] = []
-    if stored:
-        _, s_stops, s_lengths, s_rows, s_tokens, s_ids, s_keys = zip(*stored)
-        token_parts += s_tokens
-        id_parts += s_ids
-        key_parts += s_keys
-    f_reqs: tuple = ()
-    f_stops: tuple = ()
-    f_lengths: tuple = ()
-    f_rows: tuple = ()
-    f_firsts: tuple = ()
-    if fresh:
-        f_reqs, f_stops, f_lengths, f_rows, f_tokens, f_ids, f_firsts = zip(*fresh)
-        token_parts.append(f_tokens[0] if len(f_tokens) == 1 else np.concatenate(f_tokens))
-        id_parts += f_ids
-    ints = np.array(
-        (s_stops + f_stops, s_lengths + f_lengths, s_rows + f_rows, s_lengths + f_firsts),
-        dtype=np.int64,
-    )
-    stops, lengths, seg_rows, firsts_fresh = ints  # firsts_fresh[:len(stored)]: unused
-    if fresh:
-        k = len(stored)
+    seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
+    stored = stop <= state.num_prompt[seg_rows] // bs  # keys computed at admission
+    num_stored = int(np.count_nonzero(stored))
+    if 0 < num_stored < len(seg) and not stored[:num_stored].all():  # stored ones first
+        order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
+        seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
+    lengths = stop - first
+    seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
+    token_parts = [
+        reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l, first_l, stop_l)
+    ]
+    tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
+    block_ids = state.gather(g, seg_rows, first, lengths)
+    key_parts = [
+        reqs[i].keys[bs][f:s]
+        for i, f, s in zip(seg_l[:num_stored], first_l[:num_stored], stop_l[:num_stored])
+    ]
+    if num_stored < len(seg):
+        k = num_stored
         fresh_len, fresh_rows = lengths[k:], seg_rows[k:]
-        tokens = token_parts[-1]
-        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        fresh_tokens = tokens[int(lengths[:k].sum()) * bs :] if k else tokens
+        hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
         # usually each chain stands where its segment starts; else the segment starts inside
         # the prompt (its stored states) or the chain is broken (an error)
-        for i in np.flatnonzero(num_keys[fresh_rows] != firsts_fresh[k:]).tolist():
-            starts[i] = _state_before(f_reqs[i], f_firsts[i], bs, chains)
+        for i in np.flatnonzero(num_keys[fresh_rows] != first[k:]).tolist():
+            starts[i] = _state_before(reqs[seg_l[k + i]], first_l[k + i], bs, chains)
         keys, states = chain_keys(hashes, fresh_len, starts, powers)
-        num_keys[fresh_rows] = stops[k:]
+        num_keys[fresh_rows] = stop[k:]
         chain_state[fresh_rows] = (
-            states if len(states) == len(fresh) else states[np.cumsum(fresh_len) - 1]
+            states if len(states) == len(fresh_rows) else states[np.cumsum(fresh_len) - 1]
         )
         key_parts.append(keys)
-    num_segments = len(seg_rows)
     ends = lengths.cumsum()
     parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
     parent_ids[ends - lengths] = parent_cid[seg_rows]
     cids = pool.cache(
-        id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
+        block_ids,
         key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
-        (token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)).reshape(-1, bs),
+        tokens.reshape(-1, bs),
         parent_ids,
     )
-    parent_cid[seg_rows] = cids if len(cids) == num_segments else cids[ends - 1]
-    num_hashed[seg_rows] = stops
-
-
-def _register_segment(
-    req: RequestState,
-    stop: int,
-    row: int,
-    tokens: np.ndarray,
-    block_ids: np.ndarray,
-    keys: np.ndarray | None,
-    first: int,
-    pool: BlockPool,
-    g: int,
-    bs: int,
-    powers: ChainPowers,
-    chains: KeyChains,
-) -> None:
-    """:func:`_register_group` of one segment, blocks ``first .. stop - 1`` of ``req`` (a
-    prompt chunk), with scalar bookkeeping; ``keys``: the stored ones, or None to chain them."""
-    if keys is None:
-        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
-        if int(num_keys[row]) == first:
-            start = int(chain_state[row])
-        else:
-            start = _state_before(req, first, bs, chains)
-        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
-        lengths = np.array([stop - first], dtype=np.int64)
-        keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
-        num_keys[row] = stop
-        chain_state[row] = states[-1]
-    parent_ids = np.zeros(stop - first, dtype=np.int64)  # 0: the previous entry's content
-    parent_cid = chains.parent_cid[g]
-    parent_ids[0] = parent_cid[row]
-    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parent_ids)
-    parent_cid[row] = cids[-1]
-    chains.num_hashed[g][row] = stop
+    parent_cid[seg_rows] = cids if len(cids) == len(seg) else cids[ends - 1]
+    num_hashed[seg_rows] = stop
 
 
 def _cache_segments(
@@ -273,16 +216,12 @@ def _cache_segments(
     keys: np.ndarray,
     byte_hash_fn: HashFn | None,
     chains: KeyChains,
-    block_ids: np.ndarray | None = None,
-    tokens: np.ndarray | None = None,
+    state: RowState,
 ) -> None:
-    """File the blocks of ``segments`` in group ``g`` (``block_ids`` and ``tokens``, the
-    segments' block ids and token ids concatenated, are sliced here when not given)."""
-    if block_ids is None:
-        block_ids = np.concatenate([req.block_buf[g][first:stop] for req, first, stop in segments])
-    if tokens is not None:
-        pass
-    elif len(segments) == 1:
+    """File the blocks of ``segments`` in group ``g``."""
+    arena = state.blocks[g]
+    block_ids = np.concatenate([arena[req.row, first:stop] for req, first, stop in segments])
+    if len(segments) == 1:
         req, first, stop = segments[0]
         tokens = req.tokens[first * bs : stop * bs]
     else:
@@ -322,6 +261,7 @@ def _cache_segments(
 def _register_one_block(
     req: RequestState,
     counts: list[int],
+    row_state: RowState,
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
     powers: dict[int, ChainPowers],
@@ -336,7 +276,7 @@ def _register_one_block(
         i = int(chains.num_hashed[g][req.row])
         key = keys.get(bs)
         if key is None:
-            if i < req.num_prompt_tokens // bs:
+            if (i + 1) * bs <= req.num_prompt_tokens:
                 key = int(req.keys[bs][i])
             else:
                 state = _state_before(req, i, bs, chains)
@@ -348,7 +288,7 @@ def _register_one_block(
                 key = fmix64_int(state)
             keys[bs] = key
         cid = pool.cache_one(
-            int(req.block_buf[g][i]),
+            int(row_state.blocks[g][req.row, i]),
             key,
             req.tokens[i * bs : (i + 1) * bs],
             int(chains.parent_cid[g][req.row]),

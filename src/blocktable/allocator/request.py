@@ -9,12 +9,12 @@ import numpy as np
 import torch
 
 from blocktable._checks import as_index_array
+from blocktable.allocator.rowstate import RowState
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 """Token ids as the manager accepts them: a list/tuple of ints, an int array or tensor."""
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
-_EMPTY_ROW = np.zeros(0, dtype=np.int32)  # shared, never written (grown before a write)
 
 
 def check_req_id(name: str, req_id: object) -> None:
@@ -64,10 +64,12 @@ def grown(buffer: np.ndarray, size: int) -> np.ndarray:
 class RequestState:
     """What the manager knows about one running request.
 
-    ``blocks(g)`` is the request's row in group ``g``: the first ``row_len[g]`` entries of the
-    int32 buffer ``block_buf[g]``, manager block ids, logical block ``j`` at index ``j``
-    (batched calls slice and concatenate these arrays, so a free or a step's journal is a few
-    array operations); entries of sliding-window groups that left the window hold
+    The counts and block rows the batched calls touch every step live in the manager's
+    :class:`~blocktable.allocator.rowstate.RowState`, indexed by the request's table ``row``
+    (held from admission until freed); the properties here read and write them there (for
+    the per-request paths and checks; batched paths gather the rows' entries at once).
+    ``blocks(g)`` is the request's row in group ``g``: manager block ids, logical block ``j``
+    at index ``j``; entries of sliding-window groups that left the window hold
     ``NULL_BLOCK_ID`` (always a prefix of the row, ``num_skipped_blocks[g]`` long). How many
     blocks are registered in the prefix index and where the key chain stands are kept per row
     in the manager's :class:`KeyChains`; ``parent_hashes[g]`` is the byte-chained hash of the
@@ -78,21 +80,16 @@ class RequestState:
     """
 
     __slots__ = (
-        "block_buf",
         "keys",
         "namespace",
         "namespace_bytes",
-        "num_computed_tokens",
         "num_prompt_tokens",
-        "num_skipped_blocks",
-        "num_slots",
-        "num_tokens",
         "parent_hashes",
         "prompt_states",
         "req_id",
         "root",
         "row",
-        "row_len",
+        "rows",
         "seed",
         "tokens",
     )
@@ -106,51 +103,78 @@ class RequestState:
         root: int,
         num_groups: int,
         seed: int = 0,
+        *,
+        rows: RowState,
+        row: int,
     ) -> None:
+        """A request holding ``row`` of ``rows`` (its entries are set here: ``len(tokens)``
+        token ids, nothing computed, empty block rows)."""
         self.req_id = req_id
-        self.row = -1  # set by the manager
+        self.rows = rows
+        self.row = row
         self.tokens = tokens  # on cpu, int64 [capacity]; the first num_tokens are the ids
-        self.num_tokens = len(tokens)
+        rows.start(row, len(tokens))
         self.namespace = namespace
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
         self.seed = seed  # key chain state before the first block (the namespace's)
-        self.num_computed_tokens = 0
-        self.num_slots = 0  # tokens the allocated blocks of every group can hold
-        self.block_buf = [_EMPTY_ROW] * num_groups  # on cpu, int32 [capacity] per group
-        self.row_len = [0] * num_groups  # manager blocks in the row of each group
-        self.num_skipped_blocks = [0] * num_groups
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.num_prompt_tokens = len(tokens)  # tokens at admission (keys[bs] covers them)
 
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens already in the KV cache."""
+        return int(self.rows.num_computed[self.row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.rows.num_computed[self.row] = value
+
+    @property
+    def num_tokens(self) -> int:
+        """Token ids known (prompt plus appended)."""
+        return int(self.rows.num_tokens[self.row])
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        self.rows.num_tokens[self.row] = value
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens the allocated blocks of every group can hold."""
+        return int(self.rows.num_slots[self.row])
+
+    @property
+    def row_len(self) -> np.ndarray:
+        """Blocks in the row of each group: int64 ``[num_groups]``, a writable view."""
+        return self.rows.row_len[:, self.row]
+
+    @property
+    def num_skipped_blocks(self) -> np.ndarray:
+        """Leading null entries of each group: int64 ``[num_groups]``, a writable view."""
+        return self.rows.num_skipped[:, self.row]
+
     def blocks(self, group: int) -> np.ndarray:
-        """The row of ``group``: int32 ``[row_len[group]]``, a view of the buffer."""
-        return self.block_buf[group][: self.row_len[group]]
+        """The row of ``group``: int32 ``[row_len[group]]``, a view of the arena (valid until
+        the arena grows)."""
+        return self.rows.row(group, self.row)
 
     def append_blocks(self, group: int, block_ids: np.ndarray) -> None:
         """Append ``block_ids`` (int32) to the row of ``group``."""
-        n, k = self.row_len[group], len(block_ids)
-        buf = self.block_buf[group]
-        if len(buf) < n + k:
-            buf = self.block_buf[group] = grown(buf, n + k)
-        buf[n : n + k] = block_ids
-        self.row_len[group] = n + k
+        self.rows.append(group, self.row, block_ids)
 
     def append_block(self, group: int, block_id: int) -> None:
-        """Append one id to the row of ``group`` (the decode path)."""
-        n = self.row_len[group]
-        buf = self.block_buf[group]
-        if len(buf) <= n:
-            buf = self.block_buf[group] = grown(buf, n + 1)
-        buf[n] = block_id
-        self.row_len[group] = n + 1
+        """Append one id to the row of ``group``."""
+        rows, row = self.rows, self.row
+        n = int(rows.row_len[group, row])
+        rows.ensure_width(group, n + 1)[row, n] = block_id
+        rows.row_len[group, row] = n + 1
 
     def set_blocks(self, group: int, block_ids: np.ndarray) -> None:
-        """Make ``block_ids`` (int32, a new array the request keeps) the row of ``group``."""
-        self.block_buf[group] = block_ids
-        self.row_len[group] = len(block_ids)
+        """Make ``block_ids`` (int32) the row of ``group``."""
+        self.rows.set_row(group, self.row, block_ids)
 
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
@@ -160,21 +184,24 @@ class RequestState:
         n = self.num_tokens
         tokens = self.tokens = grown(self.tokens, n + len(new))
         tokens[n : n + len(new)] = new
-        self.num_tokens = n + len(new)
+        self.rows.num_tokens[self.row] = n + len(new)
 
-    def fork(self, req_id: str | int) -> RequestState:
-        """A copy under a new id, without a row and blocks (the caller fills them)."""
+    def fork(self, req_id: str | int, row: int) -> RequestState:
+        """A copy under a new id holding ``row``: tokens, computed count and chains' hashes
+        copied, no blocks (the caller fills them)."""
         child = RequestState(
             req_id,
             self.tokens[: self.num_tokens].copy(),
             self.namespace,
             self.namespace_bytes,
             self.root,
-            len(self.block_buf),
+            len(self.parent_hashes),
             self.seed,
+            rows=self.rows,
+            row=row,
         )
         child.num_computed_tokens = self.num_computed_tokens
-        child.num_skipped_blocks = list(self.num_skipped_blocks)
+        child.num_skipped_blocks[:] = self.num_skipped_blocks
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
         child.prompt_states = dict(self.prompt_states)

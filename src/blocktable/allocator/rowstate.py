@@ -1,0 +1,135 @@
+"""Per-row state of the running requests: counts and block rows in arrays indexed by table row.
+
+A request holds one table row from admission until it is freed or preempted, so what the
+batched calls of a step read and write for every request (token counts, row lengths, block ids)
+lives in arrays indexed by that row rather than on each request's object: a step's decode
+requests are then handled with a few gathers and scatters over their rows, not a Python loop
+reaching each request's object, lists and buffers (cold cache lines, at a thousand running
+requests).
+
+The block rows of group ``g`` are one int32 arena ``blocks[g]`` of shape ``[num_rows, width]``:
+row ``r`` holds its request's manager block ids in its first ``row_len[g, r]`` entries. The
+width grows (doubling) to the longest row held so far, so the arena costs as much host memory
+as a block table of the same rows and width: ``num_rows * width * 4`` bytes per group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MIN_WIDTH = 16
+_FEW_ROWS = 16  # gathers of at most this many rows slice each row
+
+
+class RowState:
+    """Counts and block rows of every table row (on cpu; entries of free rows are stale).
+
+    Attributes
+    ----------
+    num_computed : int64 ``[num_rows]``
+        Tokens of the row's request already in the KV cache.
+    num_tokens : int64 ``[num_rows]``
+        Token ids known for the request (prompt plus appended).
+    num_prompt : int64 ``[num_rows]``
+        Token ids at admission (the prompt, whose block keys were computed then).
+    num_slots : int64 ``[num_rows]``
+        Tokens the allocated blocks of every group can hold.
+    row_len : int64 ``[num_groups, num_rows]``
+        Manager blocks in the row, per group.
+    num_skipped : int64 ``[num_groups, num_rows]``
+        Leading entries that left a sliding window (``NULL_BLOCK_ID``), per group.
+    blocks : list of int32 ``[num_rows, width_g]``
+        Per group, the block ids of each row (the first ``row_len[g, r]`` entries).
+    holder_gen : int64 ``[num_rows]``
+        A number given to each admission (never reused), 0 for a free row: the step journal
+        tells a row's holder at its first touch from the live one by comparing these.
+    """
+
+    def __init__(self, num_rows: int, num_groups: int) -> None:
+        self.num_rows = num_rows
+        self.num_computed = np.zeros(num_rows, dtype=np.int64)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.num_slots = np.zeros(num_rows, dtype=np.int64)
+        self.row_len = np.zeros((num_groups, num_rows), dtype=np.int64)
+        self.num_skipped = np.zeros((num_groups, num_rows), dtype=np.int64)
+        self.blocks = [np.zeros((num_rows, _MIN_WIDTH), dtype=np.int32) for _ in range(num_groups)]
+        self.num_prompt = np.zeros(num_rows, dtype=np.int64)  # prompt tokens at admission
+        self.holder_gen = np.zeros(num_rows, dtype=np.int64)
+        self._next_gen = 1
+
+    def start(self, row: int, num_tokens: int) -> None:
+        """A new request takes ``row`` with ``num_tokens`` token ids and nothing else."""
+        self.holder_gen[row] = self._next_gen
+        self._next_gen += 1
+        self.num_computed[row] = 0
+        self.num_tokens[row] = num_tokens
+        self.num_prompt[row] = num_tokens
+        self.num_slots[row] = 0
+        self.row_len[:, row] = 0
+        self.num_skipped[:, row] = 0
+
+    def stop(self, row: int) -> None:
+        """``row``'s request left (its entries are stale from now on)."""
+        self.holder_gen[row] = 0
+
+    def ensure_width(self, group: int, width: int) -> np.ndarray:
+        """The arena of ``group``, grown (doubling) to hold rows of ``width`` blocks."""
+        arena = self.blocks[group]
+        if arena.shape[1] >= width:
+            return arena
+        new = np.zeros((self.num_rows, max(width, 2 * arena.shape[1])), dtype=np.int32)
+        new[:, : arena.shape[1]] = arena
+        self.blocks[group] = new
+        return new
+
+    def row(self, group: int, row: int) -> np.ndarray:
+        """Row ``row`` of ``group``: int32 ``[row_len[group, row]]``, a view of the arena."""
+        return self.blocks[group][row, : self.row_len[group, row]]
+
+    def append(self, group: int, row: int, block_ids: np.ndarray) -> None:
+        """Append ``block_ids`` (int32) to ``row`` of ``group``."""
+        n = int(self.row_len[group, row])
+        k = len(block_ids)
+        arena = self.ensure_width(group, n + k)
+        arena[row, n : n + k] = block_ids
+        self.row_len[group, row] = n + k
+
+    def set_row(self, group: int, row: int, block_ids: np.ndarray) -> None:
+        """Make ``block_ids`` (int32) the whole row ``row`` of ``group``."""
+        k = len(block_ids)
+        arena = self.ensure_width(group, k)
+        arena[row, :k] = block_ids
+        self.row_len[group, row] = k
+
+    def update_num_slots(self, block_sizes: tuple[int, ...], row: int) -> None:
+        """``num_slots[row]``: what the smallest group's blocks hold."""
+        if len(block_sizes) == 1:
+            self.num_slots[row] = self.row_len[0, row] * block_sizes[0]
+        else:
+            self.num_slots[row] = min(
+                n * bs for n, bs in zip(self.row_len[:, row].tolist(), block_sizes)
+            )
+
+    def gather(
+        self, group: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    ) -> np.ndarray:
+        """``blocks[group][rows[i], starts[i] : starts[i] + counts[i]]`` for every ``i``,
+        concatenated (int32; ``rows``, ``starts``, ``counts``: int64 or intp ``[n]``)."""
+        arena = self.blocks[group]
+        n = len(counts)
+        if not n:
+            return arena[0, :0].copy()
+        if n <= _FEW_ROWS:  # a slice per row: cheaper than building indices for a few rows
+            parts = [
+                arena[row, start : start + count]
+                for row, start, count in zip(rows.tolist(), starts.tolist(), counts.tolist())
+            ]
+            return parts[0].copy() if n == 1 else np.concatenate(parts)
+        if int(counts.min()) == 1 and int(counts.max()) == 1:
+            return arena[rows, starts]
+        total = int(counts.sum())
+        ends = np.cumsum(counts)
+        # column of each entry: its row's start plus its place within the row's part
+        cols = np.arange(total, dtype=np.int64)
+        cols += np.repeat(starts - (ends - counts), counts)
+        return arena[np.repeat(rows, counts), cols]
