@@ -32,7 +32,7 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
         fail(f"{req.num_computed_tokens} tokens computed but {req.num_tokens} known")
     if req.num_slots != min(n * bs for n, bs in zip(req.row_len, mgr.block_sizes)):
         fail("num_slots does not match the rows")
-    tokens = req.tokens[: req.num_tokens]
+    tokens = req.token_array().copy()
     for g, (pool, bs) in enumerate(zip(mgr.pools, mgr.block_sizes)):
         if not 0 <= req.row_len[g] <= mgr._row_state.blocks[g].shape[1]:
             fail(f"group {g}: row length {req.row_len[g]} outside its arena")
@@ -94,7 +94,7 @@ def _check_keys(req: RequestState, bs: int, chains: KeyChains, fail) -> None:  #
     if num_keys < stored or num_keys > req.num_tokens // bs:
         fail(f"key chain at block {num_keys} for block size {bs}, {stored} stored")
     powers = ChainPowers(bs)
-    hashes = block_content_hashes(req.tokens[: num_keys * bs].reshape(-1, bs), powers)
+    hashes = block_content_hashes(req.token_array(0, num_keys * bs).reshape(-1, bs), powers)
     seed = np.array([namespace_seed(encode_namespace(req.namespace))], dtype=np.uint64)
     keys, states = chain_keys(hashes, np.array([num_keys]), seed, powers)
     if not np.array_equal(keys[:stored], req.keys[bs]):

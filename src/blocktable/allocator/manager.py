@@ -34,11 +34,11 @@ from blocktable.allocator.request import (
     RequestState,
     TokenIds,
     check_req_id,
-    grown,
     token_array,
 )
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
+from blocktable.allocator.tokens import page_size_for
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
@@ -143,12 +143,15 @@ class KVCacheManager:
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
+        self._block_size_column = np.array(self.block_sizes, dtype=np.int64)[:, None]
         self._align_tokens = math.lcm(*self.block_sizes)
         self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
-        self._row_state = RowState(self.max_num_reqs, len(groups))
+        self._row_state = RowState(
+            self.max_num_reqs, len(groups), page_size_for(self.block_sizes)
+        )
         self._journal = StepJournal(len(groups), self._row_state)
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
@@ -285,67 +288,85 @@ class KVCacheManager:
         if self._none_namespace is None:
             self._none_namespace = self._namespaces.get(b"")
         self._find(plans)
-        shared: list[list[np.ndarray]] = [[] for _ in self.pools]
-        for req_id, plan, ns in zip(req_ids, plans, cache_namespaces):
-            req = self._admit(req_id, plan, ns, shared)
-            self._requests[req_id] = req
-            self._preempted.discard(req_id)
-            self._num_queries += 1
-            self._num_query_tokens += len(plan.tokens)
-            self._num_hit_tokens += plan.num_cached_tokens
-        for pool, blocks in zip(self.pools, shared):
-            if blocks:
-                pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+        self._admit(req_ids, plans, cache_namespaces)
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(
-        self, req_id: ReqId, plan: PromptPlan, namespace: object, shared: list[list[np.ndarray]]
-    ) -> RequestState:
-        tokens = plan.tokens
-        row = self._rows.take(None)  # the holder is set below
-        self._journal.touch(row)  # free (or freed in this step): before the request takes it
-        req = RequestState(
-            req_id,
-            tokens,
-            namespace,
-            plan.namespace_bytes,
-            plan.root,
-            len(self.pools),
-            plan.seed,
-            rows=self._row_state,
-            row=row,
-        )
-        self._rows.holders[row] = req
-        if plan.token_buffer is not None:
-            req.tokens = plan.token_buffer  # the first num_tokens entries are `tokens`
-        req.parent_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
-        chains = self._chains
-        chains.start(row, plan.root)
+        self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
+    ) -> None:
+        """Give each planned prompt the lowest free row, its token ids and its prefix hit
+        (checked before: enough free rows); the rows' counts and chains are set for all at
+        once."""
+        state, chains, holders = self._row_state, self._chains, self._rows.holders
+        take_row = self._rows.take
+        rows = [take_row(None) for _ in plans]  # type: ignore[arg-type]  # holders set below
+        at = np.array(rows, dtype=np.intp)
+        self._journal.touch_many(at, lengths=False)  # free, or freed earlier in this step
+        state.start(at, np.array([len(plan.tokens) for plan in plans], dtype=np.int64))
+        chains.start(at, np.array([plan.root for plan in plans], dtype=np.int64))
+        state.tokens.write_prompts(rows, [plan.tokens for plan in plans])
+        num_groups = len(self.pools)
+        shared: list[list[np.ndarray]] = [[] for _ in self.pools]
+        any_hit = False
+        for req_id, plan, namespace, row in zip(req_ids, plans, namespaces, rows):
+            req = RequestState(
+                req_id,
+                len(plan.tokens),
+                namespace,
+                plan.namespace_bytes,
+                plan.root,
+                num_groups,
+                plan.seed,
+                rows=state,
+                row=row,
+            )
+            holders[row] = req
+            req.parent_hashes = [ROOT_BLOCK_HASH] * num_groups
+            req.keys = plan.keys  # read-only arrays (a dict the plan no longer uses)
+            req.prompt_states = plan.states
+            if plan.num_cached_tokens:
+                self._share_hit(req, plan, shared)
+                any_hit = True
+            self._requests[req_id] = req
+            self._preempted.discard(req_id)
+            self._num_query_tokens += len(plan.tokens)
+            self._num_hit_tokens += plan.num_cached_tokens
+        self._num_queries += len(plans)
         if self.enable_prefix_caching:
-            for bs, keys in plan.keys.items():
-                req.keys[bs] = keys
-                req.prompt_states[bs] = plan.states[bs]
-                chains.set(row, bs, len(keys), int(plan.states[bs][-1]) if len(keys) else plan.seed)
+            for bs in chains.num_keys:
+                chains.num_keys[bs][at] = [len(plan.keys[bs]) for plan in plans]
+                chains.state[bs][at] = np.array(
+                    [int(p.states[bs][-1]) if len(p.keys[bs]) else p.seed for p in plans],
+                    dtype=np.uint64,
+                )
+        if any_hit:
+            state.num_computed[at] = [plan.num_cached_tokens for plan in plans]
+            state.num_slots[at] = (state.row_len[:, at] * self._block_size_column).min(axis=0)
+            for pool, blocks in zip(self.pools, shared):
+                if blocks:
+                    pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+
+    def _share_hit(
+        self, req: RequestState, plan: PromptPlan, shared: list[list[np.ndarray]]
+    ) -> None:
+        """Make the cached blocks of ``plan``'s hit ``req``'s rows (shared once per entry of
+        ``shared`` by the caller) and move its chains past them."""
+        state, chains, row = self._row_state, self._chains, req.row
         n = plan.num_cached_tokens
-        state = self._row_state
-        state.num_computed[row] = n
-        if n:
-            for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
-                skip = plan.num_skipped[g]
-                blocks = pool.index.holder[plan.hit_slots[g]]
-                shared[g].append(blocks)
-                arena = state.ensure_width(g, skip + len(blocks))
-                arena[row, :skip] = NULL_BLOCK_ID
-                arena[row, skip : skip + len(blocks)] = blocks
-                state.row_len[g, row] = skip + len(blocks)
-                state.num_skipped[g, row] = skip
-                last = plan.last_slots[g]
-                chains.num_hashed[g][row] = n // bs
-                chains.parent_cid[g][row] = pool.index.cid[last]
-                if self.byte_hash_fn is not None:
-                    req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
-            state.update_num_slots(self.block_sizes, row)
-        return req
+        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+            skip = plan.num_skipped[g]
+            blocks = pool.index.holder[plan.hit_slots[g]]
+            shared[g].append(blocks)
+            arena = state.ensure_width(g, skip + len(blocks))
+            arena[row, :skip] = NULL_BLOCK_ID
+            arena[row, skip : skip + len(blocks)] = blocks
+            state.row_len[g, row] = skip + len(blocks)
+            state.num_skipped[g, row] = skip
+            last = plan.last_slots[g]
+            chains.num_hashed[g][row] = n // bs
+            chains.parent_cid[g][row] = pool.index.cid[last]
+            if self.byte_hash_fn is not None:
+                req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
@@ -394,11 +415,7 @@ class KVCacheManager:
                 self._check_request_len(reqs[i].req_id, "sequence", int(num_tokens[i]) + k)
         if not k:
             return
-        for req, n, new in zip(reqs, num_tokens.tolist(), block):
-            tokens = req.tokens
-            if len(tokens) < n + k:
-                tokens = req.tokens = grown(tokens, n + k)
-            tokens[n : n + k] = new
+        state.tokens.write_rows(rows, num_tokens, block)
         state.num_tokens[rows] = num_tokens + k
 
     # ----------------------------------------------------------------- allocation
@@ -886,9 +903,8 @@ class KVCacheManager:
         *,
         req_id: ReqId | None = None,
     ) -> PromptPlan:
-        """The plan of one prompt. Admission (``req_id`` given, named in errors): its tokens
-        go to a new buffer with room for the tokens a request generates, so its first appends
-        copy nothing. Else (a lookup) they are copied only when the caller's array is used."""
+        """The plan of one prompt (``req_id``, when given, is named in errors). The caller's
+        token ids are read, never kept or written: admission copies them into token pages."""
         if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
             tokens = prompt  # token_array's fast case, without building its error message
         elif req_id is None:
@@ -910,12 +926,7 @@ class KVCacheManager:
             encoded = b""
         else:
             root, seed, encoded = self._namespace(namespace, pending)
-        if req_id is not None:
-            buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
-            buffer[:num_tokens] = tokens  # the caller's array stays the caller's
-            return PromptPlan(buffer[:num_tokens], root, seed, encoded, buffer)
-        if not isinstance(prompt, (list, tuple)):
-            tokens = tokens.copy()  # the caller's array stays the caller's
+        # only read (admission copies the ids into the rows' token pages)
         return PromptPlan(tokens, root, seed, encoded)
 
     def _find(self, plans: list[PromptPlan]) -> None:
@@ -987,9 +998,9 @@ class KVCacheManager:
             ]
             if parts:
                 pool.release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
+        state.stop(rows_l)
         release_row, requests = self._rows.release, self._requests
-        for req, row in zip(reqs, rows.tolist()):
-            state.stop(row)
+        for req, row in zip(reqs, rows_l):
             release_row(row)
             del requests[req.req_id]
 

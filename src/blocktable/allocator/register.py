@@ -49,7 +49,7 @@ def _segment_keys(
     parts = [req.keys[bs][first:stop] for req, first, stop in stored]
     if fresh:
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
-        tokens = np.concatenate([req.tokens[first * bs : stop * bs] for req, first, stop in fresh])
+        tokens = np.concatenate([req.token_array(first * bs, stop * bs) for req, first, stop in fresh])
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
         starts = np.array(
             [_state_before(req, first, bs, chains) for req, first, _ in fresh], dtype=_U64
@@ -169,8 +169,13 @@ def _register_group(
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
     seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
+    # prompt chunks (few rows, many blocks) and decode blocks (many rows, one block) read
+    # apart: each kind takes its cheaper path
+    k = num_stored
     token_parts = [
-        reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l, first_l, stop_l)
+        state.tokens.read_many(seg_rows[part], first[part] * bs, lengths[part] * bs)
+        for part in (slice(0, k), slice(k, None))
+        if len(seg_rows[part])
     ]
     tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
     block_ids = state.gather(g, seg_rows, first, lengths)
@@ -179,7 +184,6 @@ def _register_group(
         for i, f, s in zip(seg_l[:num_stored], first_l[:num_stored], stop_l[:num_stored])
     ]
     if num_stored < len(seg):
-        k = num_stored
         fresh_len, fresh_rows = lengths[k:], seg_rows[k:]
         fresh_tokens = tokens[int(lengths[:k].sum()) * bs :] if k else tokens
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
@@ -221,13 +225,8 @@ def _cache_segments(
     """File the blocks of ``segments`` in group ``g``."""
     arena = state.blocks[g]
     block_ids = np.concatenate([arena[req.row, first:stop] for req, first, stop in segments])
-    if len(segments) == 1:
-        req, first, stop = segments[0]
-        tokens = req.tokens[first * bs : stop * bs]
-    else:
-        tokens = np.concatenate(
-            [req.tokens[first * bs : stop * bs] for req, first, stop in segments]
-        )
+    token_parts = [req.token_array(first * bs, stop * bs) for req, first, stop in segments]
+    tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
     parents = np.zeros(len(block_ids), dtype=np.int64)
     seg_starts, ends, end = [], [], 0
     for _, first, stop in segments:
@@ -240,11 +239,11 @@ def _cache_segments(
     hashes = None
     if byte_hash_fn is not None:
         hashes = []
-        for req, first, stop in segments:
+        for (req, first, stop), seg_tokens in zip(segments, token_parts):
             hashes += byte_chain(
-                req.tokens,
-                first,
-                stop,
+                seg_tokens,
+                0,
+                stop - first,
                 bs,
                 req.parent_hashes[g],
                 req.namespace_bytes,
@@ -281,7 +280,7 @@ def _register_one_block(
             else:
                 state = _state_before(req, i, bs, chains)
                 h = 0
-                for t in req.tokens[i * bs : (i + 1) * bs].tolist():
+                for t in req.token_array(i * bs, (i + 1) * bs).tolist():
                     h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
                 state = (state * powers[bs].block_base + h) & MASK64
                 chains.set(req.row, bs, i + 1, state)
@@ -290,7 +289,7 @@ def _register_one_block(
         cid = pool.cache_one(
             int(row_state.blocks[g][req.row, i]),
             key,
-            req.tokens[i * bs : (i + 1) * bs],
+            req.token_array(i * bs, (i + 1) * bs),
             int(chains.parent_cid[g][req.row]),
         )
         chains.parent_cid[g][req.row] = cid

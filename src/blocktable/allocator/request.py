@@ -51,16 +51,6 @@ def token_array(name: str, value: object) -> np.ndarray:
     )
 
 
-def grown(buffer: np.ndarray, size: int) -> np.ndarray:
-    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``
-    (and some more: rows and sequences keep growing by a few entries per step)."""
-    if len(buffer) >= size:
-        return buffer
-    new = np.zeros(max(size + (size >> 2) + 16, 2 * len(buffer)), dtype=buffer.dtype)
-    new[: len(buffer)] = buffer
-    return new
-
-
 class RequestState:
     """What the manager knows about one running request.
 
@@ -91,13 +81,12 @@ class RequestState:
         "row",
         "rows",
         "seed",
-        "tokens",
     )
 
     def __init__(
         self,
         req_id: str | int,
-        tokens: np.ndarray,
+        num_prompt_tokens: int,
         namespace: object,
         namespace_bytes: bytes,
         root: int,
@@ -107,13 +96,10 @@ class RequestState:
         rows: RowState,
         row: int,
     ) -> None:
-        """A request holding ``row`` of ``rows`` (its entries are set here: ``len(tokens)``
-        token ids, nothing computed, empty block rows)."""
+        """A request holding ``row`` of ``rows`` (the caller starts that row there)."""
         self.req_id = req_id
         self.rows = rows
         self.row = row
-        self.tokens = tokens  # on cpu, int64 [capacity]; the first num_tokens are the ids
-        rows.start(row, len(tokens))
         self.namespace = namespace
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
@@ -121,7 +107,7 @@ class RequestState:
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
-        self.num_prompt_tokens = len(tokens)  # tokens at admission (keys[bs] covers them)
+        self.num_prompt_tokens = num_prompt_tokens  # at admission (keys[bs] covers them)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -176,22 +162,29 @@ class RequestState:
         """Make ``block_ids`` (int32) the row of ``group``."""
         self.rows.set_row(group, self.row, block_ids)
 
+    def token_array(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Token ids ``start .. stop - 1`` (default: all known), int64 (read it before the
+        next write)."""
+        return self.rows.tokens.read(self.row, start, self.num_tokens if stop is None else stop)
+
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
-        return self.tokens[: self.num_tokens].tolist()
+        return self.token_array().tolist()
 
     def append_tokens(self, new: np.ndarray) -> None:
         n = self.num_tokens
-        tokens = self.tokens = grown(self.tokens, n + len(new))
-        tokens[n : n + len(new)] = new
+        self.rows.tokens.write(self.row, n, new)
         self.rows.num_tokens[self.row] = n + len(new)
 
     def fork(self, req_id: str | int, row: int) -> RequestState:
         """A copy under a new id holding ``row``: tokens, computed count and chains' hashes
         copied, no blocks (the caller fills them)."""
+        num_tokens = self.num_tokens
+        self.rows.start(np.array([row], dtype=np.intp), np.array([num_tokens], dtype=np.int64))
+        self.rows.tokens.write(row, 0, self.token_array().copy())
         child = RequestState(
             req_id,
-            self.tokens[: self.num_tokens].copy(),
+            self.num_prompt_tokens,
             self.namespace,
             self.namespace_bytes,
             self.root,
@@ -205,7 +198,7 @@ class RequestState:
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
         child.prompt_states = dict(self.prompt_states)
-        child.num_prompt_tokens = self.num_prompt_tokens
+        self.rows.num_prompt[row] = self.rows.num_prompt[self.row]
         return child
 
 
@@ -232,11 +225,12 @@ class KeyChains:
         self.num_keys = {bs: np.zeros(num_rows, dtype=np.int64) for bs in sizes}  # [num_rows]
         self.state = {bs: np.zeros(num_rows, dtype=np.uint64) for bs in sizes}  # [num_rows]
 
-    def start(self, row: int, root: int) -> None:
-        """A request takes ``row``: nothing registered yet, every group's parent is ``root``."""
+    def start(self, rows: np.ndarray, roots: np.ndarray) -> None:
+        """Requests take ``rows`` (intp): nothing registered yet, every group's parent is the
+        request's root (``roots``, int64)."""
         for num_hashed, parent_cid in zip(self.num_hashed, self.parent_cid):
-            num_hashed[row] = 0
-            parent_cid[row] = root
+            num_hashed[rows] = 0
+            parent_cid[rows] = roots
 
     def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
         self.num_keys[bs][row] = num_keys

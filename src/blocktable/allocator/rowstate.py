@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable.allocator.tokens import TokenPages
+
 _MIN_WIDTH = 16
 _FEW_ROWS = 16  # gathers of at most this many rows slice each row
 
@@ -40,12 +42,14 @@ class RowState:
         Leading entries that left a sliding window (``NULL_BLOCK_ID``), per group.
     blocks : list of int32 ``[num_rows, width_g]``
         Per group, the block ids of each row (the first ``row_len[g, r]`` entries).
+    tokens : TokenPages
+        The token ids of each row (its first ``num_tokens[r]``), in pages of ``page_size``.
     holder_gen : int64 ``[num_rows]``
         A number given to each admission (never reused), 0 for a free row: the step journal
         tells a row's holder at its first touch from the live one by comparing these.
     """
 
-    def __init__(self, num_rows: int, num_groups: int) -> None:
+    def __init__(self, num_rows: int, num_groups: int, page_size: int = 64) -> None:
         self.num_rows = num_rows
         self.num_computed = np.zeros(num_rows, dtype=np.int64)
         self.num_tokens = np.zeros(num_rows, dtype=np.int64)
@@ -54,23 +58,28 @@ class RowState:
         self.num_skipped = np.zeros((num_groups, num_rows), dtype=np.int64)
         self.blocks = [np.zeros((num_rows, _MIN_WIDTH), dtype=np.int32) for _ in range(num_groups)]
         self.num_prompt = np.zeros(num_rows, dtype=np.int64)  # prompt tokens at admission
+        self.tokens = TokenPages(num_rows, page_size)
         self.holder_gen = np.zeros(num_rows, dtype=np.int64)
         self._next_gen = 1
 
-    def start(self, row: int, num_tokens: int) -> None:
-        """A new request takes ``row`` with ``num_tokens`` token ids and nothing else."""
-        self.holder_gen[row] = self._next_gen
-        self._next_gen += 1
-        self.num_computed[row] = 0
-        self.num_tokens[row] = num_tokens
-        self.num_prompt[row] = num_tokens
-        self.num_slots[row] = 0
-        self.row_len[:, row] = 0
-        self.num_skipped[:, row] = 0
+    def start(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """New requests take ``rows`` (distinct, intp) with ``num_tokens`` token ids each
+        (int64; written to ``tokens`` by the caller) and nothing else."""
+        n = len(rows)
+        self.holder_gen[rows] = np.arange(self._next_gen, self._next_gen + n)
+        self._next_gen += n
+        self.num_computed[rows] = 0
+        self.num_tokens[rows] = num_tokens
+        self.num_prompt[rows] = num_tokens
+        self.num_slots[rows] = 0
+        self.row_len[:, rows] = 0
+        self.num_skipped[:, rows] = 0
 
-    def stop(self, row: int) -> None:
-        """``row``'s request left (its entries are stale from now on)."""
-        self.holder_gen[row] = 0
+    def stop(self, rows: list[int]) -> None:
+        """The requests of ``rows`` left: their token pages are returned (their other
+        entries are stale from now on)."""
+        self.holder_gen[rows] = 0
+        self.tokens.release(rows)
 
     def ensure_width(self, group: int, width: int) -> np.ndarray:
         """The arena of ``group``, grown (doubling) to hold rows of ``width`` blocks."""
