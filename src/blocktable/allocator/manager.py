@@ -977,30 +977,26 @@ class KVCacheManager:
             self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per group one gather of
-        their rows' owned entries (each row tail first) and one release."""
-        if not reqs:
-            return
-        state, journal = self._row_state, self._journal
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        journal.touch_many(rows, lengths=False)
-        rows_l = rows.tolist()
-        for g, pool in enumerate(self.pools):
-            arena = state.blocks[g]
-            # each row's owned entries, skip .. row_len - 1, last first: a slice per row (few
-            # rows, many blocks each)
-            parts = [
-                arena[row, n - 1 : skip - 1 if skip else None : -1]
-                for row, n, skip in zip(
-                    rows_l, state.row_len[g, rows].tolist(), state.num_skipped[g, rows].tolist()
-                )
-                if n > skip
-            ]
-            if parts:
-                pool.release(np.concatenate(parts, dtype=np.intp), may_repeat=len(parts) > 1)
-        state.stop(rows_l)
-        release_row, requests = self._rows.release, self._requests
-        for req, row in zip(reqs, rows_l):
+        """Free the rows and blocks of ``reqs`` (running, distinct): per request a slice of
+        each group's row (tail first) read through memoryviews; per group one concatenation
+        and one release."""
+        state, touch, requests = self._row_state, self._journal.touch, self._requests
+        row_len, num_skipped = state.row_len_mv, state.num_skipped_mv
+        rows = [req.row for req in reqs]
+        parts: list[list[np.ndarray]] = [[] for _ in self.pools]
+        for row in rows:
+            touch(row)
+            for g, arena in enumerate(state.blocks):
+                n, skip = row_len[g, row], num_skipped[g, row]
+                if n > skip:
+                    parts[g].append(arena[row, n - 1 : skip - 1 if skip else None : -1])
+        for pool, group_parts in zip(self.pools, parts):
+            if group_parts:
+                ids = np.concatenate(group_parts, dtype=np.intp)
+                pool.release(ids, may_repeat=len(group_parts) > 1)
+        state.stop(rows)
+        release_row = self._rows.release
+        for req, row in zip(reqs, rows):
             release_row(row)
             del requests[req.req_id]
 

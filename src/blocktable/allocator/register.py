@@ -98,6 +98,11 @@ def register_computed_blocks(
         if max(counts) <= 1:  # a decode step filled at most one block per group
             _register_one_block(req, counts, state, pools, block_sizes, powers, chains)
             return
+        if len(set(block_sizes)) == len(block_sizes):  # a prompt chunk, no shared block size
+            for g, (pool, bs, count) in enumerate(zip(pools, block_sizes, counts)):
+                if count > 0:
+                    _register_segment(req, state, pool, g, bs, powers[bs], chains)
+            return
     if rows is None:
         rows = np.array([req.row for req in reqs], dtype=np.intp)
     for bs in sorted(set(block_sizes)):
@@ -210,6 +215,42 @@ def _register_group(
     )
     parent_cid[seg_rows] = cids if len(cids) == len(seg) else cids[ends - 1]
     num_hashed[seg_rows] = stop
+
+
+def _register_segment(
+    req: RequestState,
+    state: RowState,
+    pool: BlockPool,
+    g: int,
+    bs: int,
+    powers: ChainPowers,
+    chains: KeyChains,
+) -> None:
+    """:func:`_register_group` of one request (a prompt chunk), with scalar bookkeeping: its
+    blocks from where group ``g`` stands registered to its last full computed block."""
+    row = req.row
+    first = int(chains.num_hashed[g][row])
+    stop = req.num_computed_tokens // bs
+    tokens = state.tokens.read(row, first * bs, stop * bs)
+    if stop * bs <= req.num_prompt_tokens:
+        keys = req.keys[bs][first:stop]
+    else:
+        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
+        if int(num_keys[row]) == first:
+            start = int(chain_state[row])
+        else:
+            start = _state_before(req, first, bs, chains)
+        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
+        lengths = np.array([stop - first], dtype=np.int64)
+        keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
+        num_keys[row] = stop
+        chain_state[row] = states[-1]
+    parent_ids = np.zeros(stop - first, dtype=np.int64)  # 0: the previous entry's content
+    parent_cid = chains.parent_cid[g]
+    parent_ids[0] = parent_cid[row]
+    cids = pool.cache(state.blocks[g][row, first:stop], keys, tokens.reshape(-1, bs), parent_ids)
+    parent_cid[row] = cids[-1]
+    chains.num_hashed[g][row] = stop
 
 
 def _cache_segments(

@@ -112,25 +112,25 @@ class RequestState:
     @property
     def num_computed_tokens(self) -> int:
         """Tokens already in the KV cache."""
-        return int(self.rows.num_computed[self.row])
+        return self.rows.num_computed_mv[self.row]  # type: ignore[no-any-return]
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
-        self.rows.num_computed[self.row] = value
+        self.rows.num_computed_mv[self.row] = value
 
     @property
     def num_tokens(self) -> int:
         """Token ids known (prompt plus appended)."""
-        return int(self.rows.num_tokens[self.row])
+        return self.rows.num_tokens_mv[self.row]  # type: ignore[no-any-return]
 
     @num_tokens.setter
     def num_tokens(self, value: int) -> None:
-        self.rows.num_tokens[self.row] = value
+        self.rows.num_tokens_mv[self.row] = value
 
     @property
     def num_slots(self) -> int:
         """Tokens the allocated blocks of every group can hold."""
-        return int(self.rows.num_slots[self.row])
+        return self.rows.num_slots_mv[self.row]  # type: ignore[no-any-return]
 
     @property
     def row_len(self) -> np.ndarray:
@@ -154,9 +154,9 @@ class RequestState:
     def append_block(self, group: int, block_id: int) -> None:
         """Append one id to the row of ``group``."""
         rows, row = self.rows, self.row
-        n = int(rows.row_len[group, row])
+        n = rows.row_len_mv[group, row]
         rows.ensure_width(group, n + 1)[row, n] = block_id
-        rows.row_len[group, row] = n + 1
+        rows.row_len_mv[group, row] = n + 1
 
     def set_blocks(self, group: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the row of ``group``."""
@@ -172,9 +172,10 @@ class RequestState:
         return self.token_array().tolist()
 
     def append_tokens(self, new: np.ndarray) -> None:
-        n = self.num_tokens
-        self.rows.tokens.write(self.row, n, new)
-        self.rows.num_tokens[self.row] = n + len(new)
+        rows, row = self.rows, self.row
+        n = rows.num_tokens_mv[row]
+        rows.tokens.write(row, n, new)
+        rows.num_tokens_mv[row] = n + len(new)
 
     def fork(self, req_id: str | int, row: int) -> RequestState:
         """A copy under a new id holding ``row``: tokens, computed count and chains' hashes

@@ -61,6 +61,25 @@ class RowState:
         self.tokens = TokenPages(num_rows, page_size)
         self.holder_gen = np.zeros(num_rows, dtype=np.int64)
         self._next_gen = 1
+        self._views()
+
+    def _views(self) -> None:
+        # Scalar paths (one request) read and write through memoryviews, which give and take
+        # Python ints (a numpy scalar read costs about twice as much); none of these arrays
+        # is ever reallocated.
+        self.num_computed_mv = self.num_computed.data
+        self.num_tokens_mv = self.num_tokens.data
+        self.num_slots_mv = self.num_slots.data
+        self.row_len_mv = self.row_len.data
+        self.num_skipped_mv = self.num_skipped.data
+        self.holder_gen_mv = self.holder_gen.data
+
+    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     def start(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """New requests take ``rows`` (distinct, intp) with ``num_tokens`` token ids each
@@ -78,7 +97,9 @@ class RowState:
     def stop(self, rows: list[int]) -> None:
         """The requests of ``rows`` left: their token pages are returned (their other
         entries are stale from now on)."""
-        self.holder_gen[rows] = 0
+        holder_gen = self.holder_gen_mv
+        for row in rows:
+            holder_gen[row] = 0
         self.tokens.release(rows)
 
     def ensure_width(self, group: int, width: int) -> np.ndarray:
@@ -97,11 +118,11 @@ class RowState:
 
     def append(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Append ``block_ids`` (int32) to ``row`` of ``group``."""
-        n = int(self.row_len[group, row])
+        n = self.row_len_mv[group, row]
         k = len(block_ids)
         arena = self.ensure_width(group, n + k)
         arena[row, n : n + k] = block_ids
-        self.row_len[group, row] = n + k
+        self.row_len_mv[group, row] = n + k
 
     def set_row(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the whole row ``row`` of ``group``."""
@@ -113,7 +134,7 @@ class RowState:
     def update_num_slots(self, block_sizes: tuple[int, ...], row: int) -> None:
         """``num_slots[row]``: what the smallest group's blocks hold."""
         if len(block_sizes) == 1:
-            self.num_slots[row] = self.row_len[0, row] * block_sizes[0]
+            self.num_slots_mv[row] = self.row_len_mv[0, row] * block_sizes[0]
         else:
             self.num_slots[row] = min(
                 n * bs for n, bs in zip(self.row_len[:, row].tolist(), block_sizes)

@@ -48,7 +48,14 @@ class TokenPages:
         self.num_pages = np.zeros(num_rows, dtype=np.int64)
         self._free = np.arange(_MIN_PAGES - 1, -1, -1, dtype=np.int64)  # a stack, top last
         self._num_free = _MIN_PAGES
+        self._num_pages_mv = self.num_pages.data
 
+    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._num_pages_mv = self.num_pages.data
     # ----------------------------------------------------------------- pages
     def _pop(self, n: int) -> np.ndarray:
         """``n`` free page ids (the page array doubles when too few are free)."""
@@ -104,23 +111,21 @@ class TokenPages:
 
     def reserve_one(self, row: int, num_tokens: int) -> None:
         """:meth:`reserve` of one row."""
-        held = int(self.num_pages[row])
+        held = self._num_pages_mv[row]
         need = -(-num_tokens // self.page_size) - held
         if need > 0:
             self._width(held + need)[row, held : held + need] = self._pop(need)
-            self.num_pages[row] = held + need
+            self._num_pages_mv[row] = held + need
 
     def release(self, rows: list[int], keep: int = KEEP_PAGES) -> None:
         """The requests of ``rows`` (distinct) left: each row keeps its first ``keep`` pages
         (for the next request taking it) and returns the others to the free stack."""
-        num_pages = self.num_pages
-        held = num_pages[rows]
-        if int(held.max(initial=0)) <= keep:
-            return
-        table = self.table
-        parts = [table[row, keep:n] for row, n in zip(rows, held.tolist()) if n > keep]
-        self._push(parts[0] if len(parts) == 1 else np.concatenate(parts))
-        num_pages[rows] = np.minimum(held, keep)
+        num_pages, table = self._num_pages_mv, self.table
+        for row in rows:
+            n = num_pages[row]
+            if n > keep:
+                self._push(table[row, keep:n])
+                num_pages[row] = keep
 
     # ----------------------------------------------------------------- token ids
     def write(self, row: int, start: int, tokens: np.ndarray) -> None:
