@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 )
 from test_allocator_snapshot import full_state
 
-from blocktable.allocator import journal, rowstate, tokens
+from blocktable.allocator import journal, rowstate
 from blocktable.allocator import (
     AllocatorGroupSpec,
     KVCacheManager,
@@ -614,16 +614,16 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 class AllVectorizedMachine(AllocatorMachine):
     """The same machine with every batched path vectorized: the row counts below which the
-    journal's take loops in Python and row gathers or token reads slice each row are set to
+    journal's take loops in Python and row gathers slice each row are set to
     0, so the paths a large engine takes are checked on these small pools too."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._saved = (journal._FEW_ROWS, rowstate._FEW_ROWS, tokens._FEW_ROWS)
-        journal._FEW_ROWS = rowstate._FEW_ROWS = tokens._FEW_ROWS = 0
+        self._saved = (journal._FEW_ROWS, rowstate._FEW_ROWS)
+        journal._FEW_ROWS = rowstate._FEW_ROWS = 0
 
     def teardown(self) -> None:
-        journal._FEW_ROWS, rowstate._FEW_ROWS, tokens._FEW_ROWS = self._saved
+        journal._FEW_ROWS, rowstate._FEW_ROWS = self._saved
         super().teardown()
 
 

@@ -34,11 +34,11 @@ from blocktable.allocator.request import (
     RequestState,
     TokenIds,
     check_req_id,
+    grown,
     token_array,
 )
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
-from blocktable.allocator.tokens import page_size_for
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
@@ -149,9 +149,7 @@ class KVCacheManager:
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
-        self._row_state = RowState(
-            self.max_num_reqs, len(groups), page_size_for(self.block_sizes)
-        )
+        self._row_state = RowState(self.max_num_reqs, len(groups))
         self._journal = StepJournal(len(groups), self._row_state)
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
@@ -304,14 +302,18 @@ class KVCacheManager:
         self._journal.touch_many(at, lengths=False)  # free, or freed earlier in this step
         state.start(at, np.array([len(plan.tokens) for plan in plans], dtype=np.int64))
         chains.start(at, np.array([plan.root for plan in plans], dtype=np.int64))
-        state.tokens.write_prompts(rows, [plan.tokens for plan in plans])
         num_groups = len(self.pools)
         shared: list[list[np.ndarray]] = [[] for _ in self.pools]
         any_hit = False
         for req_id, plan, namespace, row in zip(req_ids, plans, namespaces, rows):
+            num_tokens = len(plan.tokens)
+            # a buffer with room for the tokens a request generates: its first appends copy
+            # nothing (and the caller's array stays the caller's)
+            buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
+            buffer[:num_tokens] = plan.tokens
             req = RequestState(
                 req_id,
-                len(plan.tokens),
+                buffer,
                 namespace,
                 plan.namespace_bytes,
                 plan.root,
@@ -415,7 +417,11 @@ class KVCacheManager:
                 self._check_request_len(reqs[i].req_id, "sequence", int(num_tokens[i]) + k)
         if not k:
             return
-        state.tokens.write_rows(rows, num_tokens, block)
+        for req, n, new in zip(reqs, num_tokens.tolist(), block):
+            tokens = req.tokens
+            if len(tokens) < n + k:
+                tokens = req.tokens = grown(tokens, n + k)
+            tokens[n : n + k] = new
         state.num_tokens[rows] = num_tokens + k
 
     # ----------------------------------------------------------------- allocation
@@ -904,7 +910,7 @@ class KVCacheManager:
         req_id: ReqId | None = None,
     ) -> PromptPlan:
         """The plan of one prompt (``req_id``, when given, is named in errors). The caller's
-        token ids are read, never kept or written: admission copies them into token pages."""
+        token ids are read, never kept or written: admission copies them."""
         if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
             tokens = prompt  # token_array's fast case, without building its error message
         elif req_id is None:

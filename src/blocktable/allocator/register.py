@@ -174,14 +174,8 @@ def _register_group(
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
     seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
-    # prompt chunks (few rows, many blocks) and decode blocks (many rows, one block) read
-    # apart: each kind takes its cheaper path
     k = num_stored
-    token_parts = [
-        state.tokens.read_many(seg_rows[part], first[part] * bs, lengths[part] * bs)
-        for part in (slice(0, k), slice(k, None))
-        if len(seg_rows[part])
-    ]
+    token_parts = [reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l, first_l, stop_l)]
     tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
     block_ids = state.gather(g, seg_rows, first, lengths)
     key_parts = [
@@ -231,7 +225,7 @@ def _register_segment(
     row = req.row
     first = int(chains.num_hashed[g][row])
     stop = req.num_computed_tokens // bs
-    tokens = state.tokens.read(row, first * bs, stop * bs)
+    tokens = req.tokens[first * bs : stop * bs]
     if stop * bs <= req.num_prompt_tokens:
         keys = req.keys[bs][first:stop]
     else:

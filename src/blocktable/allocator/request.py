@@ -51,6 +51,16 @@ def token_array(name: str, value: object) -> np.ndarray:
     )
 
 
+def grown(buffer: np.ndarray, size: int) -> np.ndarray:
+    """``buffer`` if it holds ``size`` entries, else a copy with room for at least ``size``
+    (and some more: sequences keep growing by a few entries per step)."""
+    if len(buffer) >= size:
+        return buffer
+    new = np.zeros(max(size + (size >> 2) + 16, 2 * len(buffer)), dtype=buffer.dtype)
+    new[: len(buffer)] = buffer
+    return new
+
+
 class RequestState:
     """What the manager knows about one running request.
 
@@ -81,12 +91,13 @@ class RequestState:
         "row",
         "rows",
         "seed",
+        "tokens",
     )
 
     def __init__(
         self,
         req_id: str | int,
-        num_prompt_tokens: int,
+        tokens: np.ndarray,
         namespace: object,
         namespace_bytes: bytes,
         root: int,
@@ -96,10 +107,13 @@ class RequestState:
         rows: RowState,
         row: int,
     ) -> None:
-        """A request holding ``row`` of ``rows`` (the caller starts that row there)."""
+        """A request holding ``row`` of ``rows`` (the caller starts that row there), its
+        token ids the first ``num_tokens`` of ``tokens`` (int64, a buffer it owns, with room
+        to grow)."""
         self.req_id = req_id
         self.rows = rows
         self.row = row
+        self.tokens = tokens  # on cpu, int64 [capacity]
         self.namespace = namespace
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
@@ -107,7 +121,7 @@ class RequestState:
         self.parent_hashes: list[bytes] = [b""] * num_groups
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
         self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
-        self.num_prompt_tokens = num_prompt_tokens  # at admission (keys[bs] covers them)
+        self.num_prompt_tokens = rows.num_tokens_mv[row]  # at admission (keys cover them)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -163,9 +177,8 @@ class RequestState:
         self.rows.set_row(group, self.row, block_ids)
 
     def token_array(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Token ids ``start .. stop - 1`` (default: all known), int64 (read it before the
-        next write)."""
-        return self.rows.tokens.read(self.row, start, self.num_tokens if stop is None else stop)
+        """Token ids ``start .. stop - 1`` (default: all known): int64, a view of the buffer."""
+        return self.tokens[start : self.num_tokens if stop is None else stop]
 
     def token_ids(self) -> list[int]:
         """The token ids as a list (for tests and debugging)."""
@@ -174,7 +187,8 @@ class RequestState:
     def append_tokens(self, new: np.ndarray) -> None:
         rows, row = self.rows, self.row
         n = rows.num_tokens_mv[row]
-        rows.tokens.write(row, n, new)
+        tokens = self.tokens = grown(self.tokens, n + len(new))
+        tokens[n : n + len(new)] = new
         rows.num_tokens_mv[row] = n + len(new)
 
     def fork(self, req_id: str | int, row: int) -> RequestState:
@@ -182,10 +196,9 @@ class RequestState:
         copied, no blocks (the caller fills them)."""
         num_tokens = self.num_tokens
         self.rows.start(np.array([row], dtype=np.intp), np.array([num_tokens], dtype=np.int64))
-        self.rows.tokens.write(row, 0, self.token_array().copy())
         child = RequestState(
             req_id,
-            self.num_prompt_tokens,
+            self.tokens[:num_tokens].copy(),
             self.namespace,
             self.namespace_bytes,
             self.root,
@@ -199,6 +212,7 @@ class RequestState:
         child.parent_hashes = list(self.parent_hashes)
         child.keys = dict(self.keys)  # read-only arrays
         child.prompt_states = dict(self.prompt_states)
+        child.num_prompt_tokens = self.num_prompt_tokens
         self.rows.num_prompt[row] = self.rows.num_prompt[self.row]
         return child
 

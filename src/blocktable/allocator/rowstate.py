@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.tokens import TokenPages
-
 _MIN_WIDTH = 16
 _FEW_ROWS = 16  # gathers of at most this many rows slice each row
 
@@ -42,14 +40,12 @@ class RowState:
         Leading entries that left a sliding window (``NULL_BLOCK_ID``), per group.
     blocks : list of int32 ``[num_rows, width_g]``
         Per group, the block ids of each row (the first ``row_len[g, r]`` entries).
-    tokens : TokenPages
-        The token ids of each row (its first ``num_tokens[r]``), in pages of ``page_size``.
     holder_gen : int64 ``[num_rows]``
         A number given to each admission (never reused), 0 for a free row: the step journal
         tells a row's holder at its first touch from the live one by comparing these.
     """
 
-    def __init__(self, num_rows: int, num_groups: int, page_size: int = 64) -> None:
+    def __init__(self, num_rows: int, num_groups: int) -> None:
         self.num_rows = num_rows
         self.num_computed = np.zeros(num_rows, dtype=np.int64)
         self.num_tokens = np.zeros(num_rows, dtype=np.int64)
@@ -58,7 +54,6 @@ class RowState:
         self.num_skipped = np.zeros((num_groups, num_rows), dtype=np.int64)
         self.blocks = [np.zeros((num_rows, _MIN_WIDTH), dtype=np.int32) for _ in range(num_groups)]
         self.num_prompt = np.zeros(num_rows, dtype=np.int64)  # prompt tokens at admission
-        self.tokens = TokenPages(num_rows, page_size)
         self.holder_gen = np.zeros(num_rows, dtype=np.int64)
         self._next_gen = 1
         self._views()
@@ -83,7 +78,7 @@ class RowState:
 
     def start(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """New requests take ``rows`` (distinct, intp) with ``num_tokens`` token ids each
-        (int64; written to ``tokens`` by the caller) and nothing else."""
+        (int64) and nothing else."""
         n = len(rows)
         self.holder_gen[rows] = np.arange(self._next_gen, self._next_gen + n)
         self._next_gen += n
@@ -95,12 +90,10 @@ class RowState:
         self.num_skipped[:, rows] = 0
 
     def stop(self, rows: list[int]) -> None:
-        """The requests of ``rows`` left: their token pages are returned (their other
-        entries are stale from now on)."""
+        """The requests of ``rows`` left (their entries are stale from now on)."""
         holder_gen = self.holder_gen_mv
         for row in rows:
             holder_gen[row] = 0
-        self.tokens.release(rows)
 
     def ensure_width(self, group: int, width: int) -> np.ndarray:
         """The arena of ``group``, grown (doubling) to hold rows of ``width`` blocks."""
