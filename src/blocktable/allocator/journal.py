@@ -88,6 +88,14 @@ class StepJournal:
                 start_len[g, row] = row_len[g, row]
             self.order.append(row)
 
+    def touch_leaving(self, row: int) -> None:
+        """:meth:`touch` of a row whose request leaves now: its lengths at the first touch are
+        never read (the row ends cleared, or added if another request takes it)."""
+        if not self._touched_mv[row]:
+            self._touched_mv[row] = True
+            self._start_gen_mv[row] = self._gen_mv[row]
+            self.order.append(row)
+
     def touch_many(self, rows: np.ndarray, *, lengths: bool = True) -> None:
         """:meth:`touch` of distinct ``rows`` (intp). ``lengths=False`` when the rows are freed
         now or are free (their lengths at the first touch are never read: such a row ends

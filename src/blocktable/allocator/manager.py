@@ -986,16 +986,18 @@ class KVCacheManager:
         """Free the rows and blocks of ``reqs`` (running, distinct): per request a slice of
         each group's row (tail first) read through memoryviews; per group one concatenation
         and one release."""
-        state, touch, requests = self._row_state, self._journal.touch, self._requests
-        row_len, num_skipped = state.row_len_mv, state.num_skipped_mv
+        state, touch, requests = self._row_state, self._journal.touch_leaving, self._requests
         rows = [req.row for req in reqs]
         parts: list[list[np.ndarray]] = [[] for _ in self.pools]
-        for row in rows:
-            touch(row)
-            for g, arena in enumerate(state.blocks):
-                n, skip = row_len[g, row], num_skipped[g, row]
+        for g, (arena, row_len, num_skipped, group_parts) in enumerate(
+            zip(state.blocks, state.row_len_mvs, state.num_skipped_mvs, parts)
+        ):
+            for row in rows:
+                if not g:
+                    touch(row)
+                n, skip = row_len[row], num_skipped[row]
                 if n > skip:
-                    parts[g].append(arena[row, n - 1 : skip - 1 if skip else None : -1])
+                    group_parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
         for pool, group_parts in zip(self.pools, parts):
             if group_parts:
                 ids = np.concatenate(group_parts, dtype=np.intp)

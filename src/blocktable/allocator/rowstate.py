@@ -65,12 +65,14 @@ class RowState:
         self.num_computed_mv = self.num_computed.data
         self.num_tokens_mv = self.num_tokens.data
         self.num_slots_mv = self.num_slots.data
-        self.row_len_mv = self.row_len.data
+        self.row_len_mv = self.row_len.data  # [group, row]
         self.num_skipped_mv = self.num_skipped.data
+        self.row_len_mvs = [a.data for a in self.row_len]  # per group: [row]
+        self.num_skipped_mvs = [a.data for a in self.num_skipped]
         self.holder_gen_mv = self.holder_gen.data
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
-        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
+        return {k: v for k, v in self.__dict__.items() if not k.endswith(("_mv", "_mvs"))}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
