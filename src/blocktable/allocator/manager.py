@@ -66,9 +66,12 @@ class KVCacheManager:
        vectorized pass and become findable; sliding-window groups release blocks that left the
        window) and :meth:`append_token_ids_many` for sampled tokens.
 
-    Rows and token ids are numpy arrays per request; a batched call costs a few numpy passes
-    over its tokens and blocks plus ~1 us per request, and a long prompt's chunks cost what one
-    allocation of the whole prompt costs (keys are computed once, at admission).
+    The counts, row lengths and block ids of running requests live in arrays indexed by row
+    (per group an int32 array ``[max_num_reqs, width]``, the width doubling up to the longest
+    row so far), token ids in one buffer per request; a batched call costs a few numpy passes
+    over its rows, tokens and blocks plus well under 1 us per request, and a long prompt's
+    chunks cost what one allocation of the whole prompt costs (keys are computed once, at
+    admission).
 
     Parameters
     ----------
