@@ -43,12 +43,13 @@ from hypothesis.stateful import (
 )
 from test_allocator_snapshot import full_state
 
-from blocktable.allocator import journal, rowstate
 from blocktable.allocator import (
     AllocatorGroupSpec,
     KVCacheManager,
     OutOfBlocksError,
     OutOfRowsError,
+    journal,
+    rowstate,
 )
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import StepUpdate

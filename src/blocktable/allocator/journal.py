@@ -165,8 +165,8 @@ class StepJournal:
             if len(kept) and (grew == 1).all():  # one block each (a decode step)
                 rows, num, ids = kept, grew, state.blocks[g][kept, old]
             else:
-                at = np.flatnonzero(grew > 0)
-                rows, num, old = kept[at], grew[at], old[at]
+                grown = np.flatnonzero(grew > 0)
+                rows, num, old = kept[grown], grew[grown], old[grown]
                 ids = state.gather(g, rows, old, num)
             arrays += [rows, num, ids]
             num_appended.append(len(rows))
@@ -180,15 +180,15 @@ class StepJournal:
         at = 2
         added_blocks, appended_blocks = [], []
         for g in range(num_groups):
-            counts, add_ids, rows, num, ids = views[at : at + 5]
+            counts, add_ids, app_rows, num, ids = views[at : at + 5]
             at += 5
             added_blocks.append(RowBlocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS)
-            appended_blocks.append(RowBlocks(rows, num, ids) if num_appended[g] else _NO_BLOCKS)
+            appended_blocks.append(RowBlocks(app_rows, num, ids) if num_appended[g] else _NO_BLOCKS)
         nulled_entries = []
         for _ in range(num_groups):
-            rows, indices = views[at], views[at + 1]
+            null_rows, indices = views[at], views[at + 1]
             at += 2
-            nulled_entries.append(RowEntries(rows, indices) if len(rows) else _NO_ENTRIES)
+            nulled_entries.append(RowEntries(null_rows, indices) if len(null_rows) else _NO_ENTRIES)
         update = StepUpdate(
             cleared_rows,
             tuple(added_blocks),
