@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import LastSeen, decrement
+from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
 from blocktable.allocator.queue import BlockQueue
+
+_ONE = np.int32(1)  # the reference a release drops (the dtype of ref_counts)
 
 
 class BlockPool:
@@ -169,22 +171,22 @@ class BlockPool:
         was dropped.
         """
         ref_counts = self.ref_counts
-        if may_repeat:
-            freed = decrement(ref_counts, block_ids, self._seen)
-        else:
-            ref_counts[block_ids] -= 1
-            freed = block_ids.compress(ref_counts.take(block_ids) == 0)
+        np.subtract.at(ref_counts, block_ids, _ONE)  # faster than -= even without repeats
+        left = ref_counts.take(block_ids)
+        freed = block_ids.compress(left == 0) if left.any() else block_ids
         if not len(freed):
             return
         if self.dups:
+            if may_repeat:
+                freed, may_repeat = self._seen.last_occurrences(freed), False
             self._release_duplicates(freed)
         slots = self.record.take(freed)
         if slots.min() >= 0:  # all cached (the common case with prefix caching)
-            self.cached.extend(freed)
+            self.cached.extend(freed, may_repeat=may_repeat)
         else:
             cached = slots >= 0
-            self.uncached.extend(freed[~cached])
-            self.cached.extend(freed[cached])
+            self.uncached.extend(freed.compress(~cached), may_repeat=may_repeat)
+            self.cached.extend(freed.compress(cached), may_repeat=may_repeat)
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
         """Freed duplicates are forgotten; freed holders with an owned duplicate hand over."""
