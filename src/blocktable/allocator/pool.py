@@ -173,7 +173,8 @@ class BlockPool:
         ref_counts = self.ref_counts
         np.subtract.at(ref_counts, block_ids, _ONE)  # faster than -= even without repeats
         left = ref_counts.take(block_ids)
-        freed = block_ids.compress(left == 0) if left.any() else block_ids
+        # count_nonzero, argmin and boolean indexing: the cheapest numpy calls for these tests
+        freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
         if not len(freed):
             return
         if self.dups:
@@ -181,12 +182,12 @@ class BlockPool:
                 freed, may_repeat = self._seen.last_occurrences(freed), False
             self._release_duplicates(freed)
         slots = self.record.take(freed)
-        if slots.min() >= 0:  # all cached (the common case with prefix caching)
+        if slots[slots.argmin()] >= 0:  # all cached (the common case with prefix caching)
             self.cached.extend(freed, may_repeat=may_repeat)
         else:
             cached = slots >= 0
-            self.uncached.extend(freed.compress(~cached), may_repeat=may_repeat)
-            self.cached.extend(freed.compress(cached), may_repeat=may_repeat)
+            self.uncached.extend(freed[~cached], may_repeat=may_repeat)
+            self.cached.extend(freed[cached], may_repeat=may_repeat)
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
         """Freed duplicates are forgotten; freed holders with an owned duplicate hand over."""

@@ -68,7 +68,7 @@ class BlockQueue:
             # The ids are not queued (position -1): the largest stamp an id gets is the slot of
             # its last occurrence, and an occurrence is the last where its stamp stayed.
             np.maximum.at(position, block_ids, stamps)
-            last = block_ids.compress(position.take(block_ids) == stamps)
+            last = block_ids[position.take(block_ids) == stamps]
             if len(last) < n:
                 n = len(last)
                 self._slots[tail : tail + n] = last
