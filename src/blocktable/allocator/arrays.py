@@ -30,12 +30,13 @@ class LastSeen:
 
     ``stamp[id]`` holds the largest stamp given to ``id`` so far. Stamps only grow, so a call
     never clears it; they are views of one preallocated ``arange`` (no allocation per call),
-    and when they run out the scratch starts over (one fill of ``stamp``).
+    and when they run out the scratch starts over (one fill of ``stamp``, at most once per
+    ``size`` ids stamped).
     """
 
     def __init__(self, size: int) -> None:
         self.stamp = np.zeros(size, dtype=np.int32)  # on cpu, int32 [size]
-        self._iota = np.arange(max(4 * size, 4096), dtype=np.int32)  # on cpu, the stamps
+        self._iota = np.arange(max(size, 4096) + 1, dtype=np.int32)  # on cpu, the stamps
         self._next = 1
 
     def stamps(self, n: int) -> np.ndarray:

@@ -4,7 +4,9 @@ Prefill frees and evicts hundreds of blocks per step, so every operation takes a
 ``extend`` writes them at the tail, ``pop`` slices them off the head, ``remove`` (a prefix hit
 reusing a free cached block) only marks the slot stale. A slot is live while
 ``position[id] == slot``; ``pop`` skips stale slots, and the array is compacted (live slots moved
-to the front, positions rewritten) when the tail reaches its end.
+to the front, positions rewritten) when the tail reaches its end. ``extend`` also takes the
+blocks of several requests freed together, shared ones repeated, and drops the repeats with the
+positions themselves (no scratch array, no sort).
 """
 
 from __future__ import annotations
