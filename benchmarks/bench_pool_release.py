@@ -72,17 +72,18 @@ def main() -> None:
         rows.take(i)
     row_us: list[float] = []
     many = hasattr(rows, "release_many")
+    holders = list(range(n))
     for _ in range(args.reps):
         freed = sorted(rng.choice(1024, n, replace=False).tolist())
         t0 = clock()
         if many:
             rows.release_many(freed)
-            rows.take_many(list(range(n)))
+            rows.take_many(holders)
         else:
             for r in freed:
                 rows.release(r)
-            for i in range(n):
-                rows.take(i)
+            for holder in holders:
+                rows.take(holder)
         row_us.append((clock() - t0) / 1e3)
 
     skip = args.reps // 5

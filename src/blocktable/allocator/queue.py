@@ -66,6 +66,7 @@ class BlockQueue:
                 n = len(block_ids)
         tail = self._tail
         position, stamps = self._position, self._iota[tail : tail + n]
+        may_repeat = may_repeat and n > 1
         if may_repeat:
             # The ids are not queued (position -1): the largest stamp an id gets is the slot of
             # its last occurrence, and an occurrence is the last where its stamp stayed.

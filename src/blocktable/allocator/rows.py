@@ -53,10 +53,11 @@ class RowAllocator(Generic[T]):
         free = self._free
         if len(holders) > len(free):
             self.check_free("the requests", len(holders))
-        pop, held = heapq.heappop, self.holders
-        rows = [pop(free) for _ in holders]
-        for row, holder in zip(rows, holders):
+        pop, held, rows = heapq.heappop, self.holders, []
+        for holder in holders:
+            row = pop(free)
             held[row] = holder
+            rows.append(row)
         return rows
 
     def release(self, row: int) -> None:
