@@ -28,21 +28,33 @@ def last_occurrences(ids: np.ndarray) -> np.ndarray:
 class LastSeen:
     """Scratch for :meth:`last_occurrences` of ids below ``size``: no sort, a few array passes.
 
-    ``stamp[id]`` holds the largest stamp given to ``id`` so far; stamps only grow, so a call
-    never needs to clear it.
+    ``stamp[id]`` holds the largest stamp given to ``id`` so far. Stamps only grow, so a call
+    never clears it; they are views of one preallocated ``arange`` (no allocation per call),
+    and when they run out the scratch starts over (one fill of ``stamp``, at most once per
+    ``size`` ids stamped).
     """
 
     def __init__(self, size: int) -> None:
-        self.stamp = np.zeros(size, dtype=np.int64)  # on cpu, int64 [size]
+        self.stamp = np.zeros(size, dtype=np.int32)  # on cpu, int32 [size]
+        self._iota = np.arange(max(size, 4096) + 1, dtype=np.int32)  # on cpu, the stamps
         self._next = 1
+
+    def stamps(self, n: int) -> np.ndarray:
+        """``n`` fresh stamps, each larger than every stamp given before (int32 ``[n]``)."""
+        start = self._next
+        if start + n > len(self._iota):
+            if n + 1 > len(self._iota):
+                self._iota = np.arange(2 * n + 2, dtype=np.int32)
+            self.stamp.fill(0)
+            start = 1
+        self._next = start + n
+        return self._iota[start : start + n]
 
     def last_occurrences(self, ids: np.ndarray) -> np.ndarray:
         """:func:`last_occurrences` of ``ids`` (each ``< size``)."""
-        n = len(ids)
-        if n < 2:
+        if len(ids) < 2:
             return ids
-        stamps = np.arange(self._next, self._next + n)
-        self._next += n
+        stamps = self.stamps(len(ids))
         np.maximum.at(self.stamp, ids, stamps)
         return ids.compress(self.stamp.take(ids) == stamps)
 

@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import LastSeen, decrement
+from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
 from blocktable.allocator.queue import BlockQueue
+
+_ONE = np.int32(1)  # the reference a release drops (the dtype of ref_counts)
 
 
 class BlockPool:
@@ -156,10 +158,10 @@ class BlockPool:
         """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed):
         :meth:`share` without sorting out the repeats first."""
         ref_counts = self.ref_counts
-        was_free = block_ids[ref_counts[block_ids] == 0]
-        if len(was_free):
-            self.cached.remove(self._seen.last_occurrences(was_free))
-        np.add.at(ref_counts, block_ids, ref_counts.dtype.type(1))
+        refs = ref_counts.take(block_ids)
+        if np.count_nonzero(refs) < len(refs):  # some were free
+            self.cached.remove(self._seen.last_occurrences(block_ids[refs == 0]))
+        np.add.at(ref_counts, block_ids, _ONE)
 
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
         """Drop one reference per entry; blocks reaching 0 join the free queues in order.
@@ -169,26 +171,38 @@ class BlockPool:
         was dropped.
         """
         ref_counts = self.ref_counts
-        if may_repeat:
-            freed = decrement(ref_counts, block_ids, self._seen)
-        else:
-            ref_counts[block_ids] -= 1
-            freed = block_ids.compress(ref_counts.take(block_ids) == 0)
+        np.subtract.at(ref_counts, block_ids, _ONE)  # faster than -= even without repeats
+        left = ref_counts.take(block_ids)
+        # count_nonzero, argmin and boolean indexing: the cheapest numpy calls for these tests
+        freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
         if not len(freed):
             return
         if self.dups:
+            if may_repeat:
+                freed, may_repeat = self._seen.last_occurrences(freed), False
             self._release_duplicates(freed)
         slots = self.record.take(freed)
-        if slots.min() >= 0:  # all cached (the common case with prefix caching)
-            self.cached.extend(freed)
+        if slots[slots.argmin()] >= 0:  # all cached (the common case with prefix caching)
+            self.cached.extend(freed, may_repeat=may_repeat)
         else:
             cached = slots >= 0
-            self.uncached.extend(freed[~cached])
-            self.cached.extend(freed[cached])
+            self.uncached.extend(freed[~cached], may_repeat=may_repeat)
+            self.cached.extend(freed[cached], may_repeat=may_repeat)
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
-        """Freed duplicates are forgotten; freed holders with an owned duplicate hand over."""
+        """Freed duplicates are forgotten; freed holders with an owned duplicate hand over.
+
+        ``freed``: the freed block ids (distinct), in release order.
+        """
         record, dup_of, dups = self.record, self.dup_of, self.dups
+        if len(freed) > 32:
+            # Only freed duplicates and freed holders of a record with duplicates change (a
+            # handover promotes a duplicate, never another block): drop the others first.
+            # Holders are never duplicates (dup_of -1): mark them -2 for one gather.
+            holders = self.index.holder[np.fromiter(dups, dtype=np.int64, count=len(dups))]
+            dup_of[holders] = -2
+            freed = freed[dup_of.take(freed) != -1]
+            dup_of[holders] = -1
         for block_id in freed.tolist():
             slot = int(dup_of[block_id])
             if slot >= 0:

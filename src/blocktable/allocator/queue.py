@@ -4,12 +4,16 @@ Prefill frees and evicts hundreds of blocks per step, so every operation takes a
 ``extend`` writes them at the tail, ``pop`` slices them off the head, ``remove`` (a prefix hit
 reusing a free cached block) only marks the slot stale. A slot is live while
 ``position[id] == slot``; ``pop`` skips stale slots, and the array is compacted (live slots moved
-to the front, positions rewritten) when the tail reaches its end.
+to the front, positions rewritten) when the tail reaches its end. ``extend`` also takes the
+blocks of several requests freed together, shared ones repeated, and drops the repeats with the
+positions themselves (no scratch array, no sort).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from blocktable.allocator.arrays import last_occurrences
 
 
 class BlockQueue:
@@ -25,7 +29,8 @@ class BlockQueue:
 
     def __init__(self, num_blocks: int, initial: np.ndarray | None = None) -> None:
         self._slots = np.zeros(2 * num_blocks + 2, dtype=np.int32)  # on cpu, block ids
-        self._position = np.full(num_blocks, -1, dtype=np.int64)  # block id -> slot, -1 = none
+        self._position = np.full(num_blocks, -1, dtype=np.int32)  # on cpu, block id -> slot
+        self._iota = np.arange(len(self._slots), dtype=np.int32)  # on cpu, slot numbers
         self._head = 0  # first slot not popped
         self._tail = 0  # first unused slot
         self._len = 0  # live slots
@@ -38,23 +43,45 @@ class BlockQueue:
     def ids(self) -> np.ndarray:
         """The queued ids, oldest first (int32, a copy; for checks and tests)."""
         window = self._slots[self._head : self._tail]
-        live = self._position[window] == np.arange(self._head, self._tail)
+        live = self._position[window] == self._iota[self._head : self._tail]
         return window[live]
 
     def contains(self, block_ids: np.ndarray) -> np.ndarray:
         """Whether each id is queued (bool, same shape)."""
         return self._position[block_ids] >= 0
 
-    def extend(self, block_ids: np.ndarray) -> None:
-        """Queue ``block_ids`` (int32, none of them queued, no repeats) last, in order."""
+    def extend(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
+        """Queue ``block_ids`` (int32 or intp, none of them queued) last, in order.
+
+        With ``may_repeat`` an id may occur several times; it is queued once, where it occurs
+        last.
+        """
         n = len(block_ids)
         if not n:
             return
         if self._tail + n > len(self._slots):
             self._compact()
+            if self._tail + n > len(self._slots):  # more repeats than free slots
+                block_ids, may_repeat = last_occurrences(block_ids), False
+                n = len(block_ids)
         tail = self._tail
+        position, stamps = self._position, self._iota[tail : tail + n]
+        may_repeat = may_repeat and n > 1
+        if may_repeat:
+            # The ids are not queued (position -1): the largest stamp an id gets is the slot of
+            # its last occurrence, and an occurrence is the last where its stamp stayed.
+            np.maximum.at(position, block_ids, stamps)
+            last = block_ids[position.take(block_ids) == stamps]
+            if len(last) < n:
+                n = len(last)
+                self._slots[tail : tail + n] = last
+                position[last] = stamps[:n]
+                self._tail = tail + n
+                self._len += n
+                return
         self._slots[tail : tail + n] = block_ids
-        self._position[block_ids] = np.arange(tail, tail + n)
+        if not may_repeat:
+            position[block_ids] = stamps
         self._tail = tail + n
         self._len += n
 
@@ -82,12 +109,13 @@ class BlockQueue:
         end = min(tail, head + num_blocks)
         window = self._slots[head:end]
         # no stale slot between head and tail (nothing removed since): the window is live
-        live = tail - head == self._len or (self._position[window] == np.arange(head, end)).all()
+        iota = self._iota
+        live = tail - head == self._len or (self._position[window] == iota[head:end]).all()
         if not live:
             # Stale slots in the way: a window wider by the number of stale slots holds enough.
             end = min(tail, head + num_blocks + (tail - head - self._len))
             window = self._slots[head:end]
-            live_at = np.flatnonzero(self._position[window] == np.arange(head, end))
+            live_at = np.flatnonzero(self._position[window] == iota[head:end])
             live_at = live_at[:num_blocks]
             taken = window[live_at]
             end = head + int(live_at[-1]) + 1
@@ -114,5 +142,5 @@ class BlockQueue:
         live = self.ids()
         n = len(live)
         self._slots[:n] = live
-        self._position[live] = np.arange(n)
+        self._position[live] = self._iota[:n]
         self._head, self._tail = 0, n
