@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import LastSeen, decrement, last_occurrences
+from blocktable.allocator.arrays import LastSeen, last_occurrences
 from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
@@ -237,19 +237,9 @@ def test_array_helpers_against_plain_python() -> None:
         values = rng.integers(1, 12, int(rng.integers(1, 30)))
         if rng.integers(2):
             values = values.astype(np.int32)  # the pools' block ids
-        counts = np.bincount(values, minlength=12).astype(np.int32) + rng.integers(0, 2, 12)
-        want_counts, want = counts.copy(), []
-        for v in values.tolist():
-            want_counts[v] -= 1
-            if want_counts[v] == 0:
-                want.append(v)
-        counts_seen = counts.copy()
-        got = decrement(counts, values)
-        assert got.tolist() == want and (counts == want_counts).all()
-        got = decrement(counts_seen, values, seen)  # one scratch across calls
-        assert got.tolist() == want and (counts_seen == want_counts).all()
         last = {v: i for i, v in enumerate(values.tolist())}
         assert last_occurrences(values).tolist() == sorted(last, key=last.get)
+        assert seen.last_occurrences(values).tolist() == sorted(last, key=last.get)
 
 
 def test_last_seen_long_and_short_calls_against_the_sort() -> None:

@@ -57,15 +57,3 @@ class LastSeen:
         stamps = self.stamps(len(ids))
         np.maximum.at(self.stamp, ids, stamps)
         return ids.compress(self.stamp.take(ids) == stamps)
-
-
-def decrement(counts: np.ndarray, ids: np.ndarray, seen: LastSeen | None = None) -> np.ndarray:
-    """``counts[i] -= 1`` for every entry of ``ids`` (repeats allowed); return the ids that
-    reached 0, without repeats, in the order of their last occurrence in ``ids``.
-
-    ``seen`` (sized for ``counts``) makes dropping the repeats sort-free. Pass ``ids`` as
-    ``intp``: gathers and ``subtract.at`` with int32 indices convert them first, each time.
-    """
-    np.subtract.at(counts, ids, counts.dtype.type(1))
-    zero = ids.compress(counts.take(ids) == 0)
-    return last_occurrences(zero) if seen is None else seen.last_occurrences(zero)

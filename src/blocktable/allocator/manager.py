@@ -299,8 +299,7 @@ class KVCacheManager:
         (checked before: enough free rows); the rows' counts and chains are set for all at
         once."""
         state, chains, holders = self._row_state, self._chains, self._rows.holders
-        take_row = self._rows.take
-        rows = [take_row(None) for _ in plans]  # type: ignore[arg-type]  # holders set below
+        rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         at = np.array(rows, dtype=np.intp)
         self._journal.touch_many(at, lengths=False)  # free, or freed earlier in this step
         state.start(at, np.array([len(plan.tokens) for plan in plans], dtype=np.int64))
@@ -1006,9 +1005,8 @@ class KVCacheManager:
                 ids = np.concatenate(group_parts, dtype=np.intp)
                 pool.release(ids, may_repeat=len(group_parts) > 1)
         state.stop(rows)
-        release_row = self._rows.release
-        for req, row in zip(reqs, rows):
-            release_row(row)
+        self._rows.release_many(rows)
+        for req in reqs:
             del requests[req.req_id]
 
 
