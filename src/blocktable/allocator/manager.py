@@ -146,7 +146,6 @@ class KVCacheManager:
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
-        self._block_size_column = np.array(self.block_sizes, dtype=np.int64)[:, None]
         self._align_tokens = math.lcm(*self.block_sizes)
         self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
@@ -300,15 +299,15 @@ class KVCacheManager:
         once."""
         state, chains, holders = self._row_state, self._chains, self._rows.holders
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        at = np.array(rows, dtype=np.intp)
-        self._journal.touch_many(at, lengths=False)  # free, or freed earlier in this step
-        state.start(at, np.array([len(plan.tokens) for plan in plans], dtype=np.int64))
-        chains.start(at, np.array([plan.root for plan in plans], dtype=np.int64))
+        touch = self._journal.touch_leaving  # free, or freed earlier in this step
         num_groups = len(self.pools)
+        caching = self.enable_prefix_caching
         shared: list[list[np.ndarray]] = [[] for _ in self.pools]
-        any_hit = False
         for req_id, plan, namespace, row in zip(req_ids, plans, namespaces, rows):
             num_tokens = len(plan.tokens)
+            touch(row)
+            state.start(row, num_tokens)
+            chains.start(row, plan.root)
             # a buffer with room for the tokens a request generates: its first appends copy
             # nothing (and the caller's array stays the caller's)
             buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
@@ -326,29 +325,24 @@ class KVCacheManager:
             )
             holders[row] = req
             req.parent_hashes = [ROOT_BLOCK_HASH] * num_groups
-            req.keys = plan.keys  # read-only arrays (a dict the plan no longer uses)
-            req.prompt_states = plan.states
+            if caching:
+                req.keys = plan.keys  # read-only arrays (a dict the plan no longer uses)
+                req.prompt_states = plan.states
+                for bs, keys in plan.keys.items():
+                    n = len(keys)
+                    chains.set(row, bs, n, plan.states[bs].item(n - 1) if n else plan.seed)
             if plan.num_cached_tokens:
                 self._share_hit(req, plan, shared)
-                any_hit = True
+                state.num_computed_mv[row] = plan.num_cached_tokens
+                state.update_num_slots(self.block_sizes, row)
             self._requests[req_id] = req
             self._preempted.discard(req_id)
-            self._num_query_tokens += len(plan.tokens)
+            self._num_query_tokens += num_tokens
             self._num_hit_tokens += plan.num_cached_tokens
         self._num_queries += len(plans)
-        if self.enable_prefix_caching:
-            for bs in chains.num_keys:
-                chains.num_keys[bs][at] = [len(plan.keys[bs]) for plan in plans]
-                chains.state[bs][at] = np.array(
-                    [int(p.states[bs][-1]) if len(p.keys[bs]) else p.seed for p in plans],
-                    dtype=np.uint64,
-                )
-        if any_hit:
-            state.num_computed[at] = [plan.num_cached_tokens for plan in plans]
-            state.num_slots[at] = (state.row_len[:, at] * self._block_size_column).min(axis=0)
-            for pool, blocks in zip(self.pools, shared):
-                if blocks:
-                    pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+        for pool, blocks in zip(self.pools, shared):
+            if blocks:
+                pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
 
     def _share_hit(
         self, req: RequestState, plan: PromptPlan, shared: list[list[np.ndarray]]
@@ -407,24 +401,20 @@ class KVCacheManager:
         """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
         against ``max_model_len`` before any write."""
         k = block.shape[1]
-        if not reqs:
-            return
-        state = self._row_state
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        num_tokens = state.num_tokens[rows]
+        num_tokens = self._row_state.num_tokens_mv
         if self.max_model_len is not None:
-            over = np.flatnonzero(num_tokens + k > self.max_model_len)
-            if len(over):
-                i = int(over[0])
-                self._check_request_len(reqs[i].req_id, "sequence", int(num_tokens[i]) + k)
+            for req in reqs:
+                self._check_request_len(req.req_id, "sequence", num_tokens[req.row] + k)
         if not k:
             return
-        for req, n, new in zip(reqs, num_tokens.tolist(), block):
+        for req, new in zip(reqs, block):
+            row = req.row
+            n = num_tokens[row]
             tokens = req.tokens
             if len(tokens) < n + k:
                 tokens = req.tokens = grown(tokens, n + k)
             tokens[n : n + k] = new
-        state.num_tokens[rows] = num_tokens + k
+            num_tokens[row] = n + k
 
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:

@@ -195,7 +195,7 @@ class RequestState:
         """A copy under a new id holding ``row``: tokens, computed count and chains' hashes
         copied, no blocks (the caller fills them)."""
         num_tokens = self.num_tokens
-        self.rows.start(np.array([row], dtype=np.intp), np.array([num_tokens], dtype=np.int64))
+        self.rows.start(row, num_tokens)
         child = RequestState(
             req_id,
             self.tokens[:num_tokens].copy(),
@@ -239,17 +239,30 @@ class KeyChains:
         self.parent_cid = [np.zeros(num_rows, dtype=np.int64) for _ in block_sizes]  # [rows]
         self.num_keys = {bs: np.zeros(num_rows, dtype=np.int64) for bs in sizes}  # [num_rows]
         self.state = {bs: np.zeros(num_rows, dtype=np.uint64) for bs in sizes}  # [num_rows]
+        self._views()
 
-    def start(self, rows: np.ndarray, roots: np.ndarray) -> None:
-        """Requests take ``rows`` (intp): nothing registered yet, every group's parent is the
-        request's root (``roots``, int64)."""
-        for num_hashed, parent_cid in zip(self.num_hashed, self.parent_cid):
-            num_hashed[rows] = 0
-            parent_cid[rows] = roots
+    def _views(self) -> None:
+        # scalar writes through memoryviews (Python ints; the arrays are never reallocated)
+        self._start_mvs = [(a.data, b.data) for a, b in zip(self.num_hashed, self.parent_cid)]
+        self._set_mvs = {bs: (self.num_keys[bs].data, self.state[bs].data) for bs in self.state}
+
+    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mvs")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._views()
+
+    def start(self, row: int, root: int) -> None:
+        """A request takes ``row``: nothing registered yet, every group's parent is ``root``."""
+        for num_hashed, parent_cid in self._start_mvs:
+            num_hashed[row] = 0
+            parent_cid[row] = root
 
     def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
-        self.num_keys[bs][row] = num_keys
-        self.state[bs][row] = state
+        num_keys_mv, state_mv = self._set_mvs[bs]
+        num_keys_mv[row] = num_keys
+        state_mv[row] = state
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row ``dst`` continues the chains of row ``src`` (a fork)."""

@@ -70,6 +70,7 @@ class RowState:
         self.row_len_mvs = [a.data for a in self.row_len]  # per group: [row]
         self.num_skipped_mvs = [a.data for a in self.num_skipped]
         self.holder_gen_mv = self.holder_gen.data
+        self.num_prompt_mv = self.num_prompt.data
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
         return {k: v for k, v in self.__dict__.items() if not k.endswith(("_mv", "_mvs"))}
@@ -78,18 +79,17 @@ class RowState:
         self.__dict__.update(state)
         self._views()
 
-    def start(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
-        """New requests take ``rows`` (distinct, intp) with ``num_tokens`` token ids each
-        (int64) and nothing else."""
-        n = len(rows)
-        self.holder_gen[rows] = np.arange(self._next_gen, self._next_gen + n)
-        self._next_gen += n
-        self.num_computed[rows] = 0
-        self.num_tokens[rows] = num_tokens
-        self.num_prompt[rows] = num_tokens
-        self.num_slots[rows] = 0
-        self.row_len[:, rows] = 0
-        self.num_skipped[:, rows] = 0
+    def start(self, row: int, num_tokens: int) -> None:
+        """A new request takes ``row`` with ``num_tokens`` token ids and nothing else."""
+        self.holder_gen_mv[row] = self._next_gen
+        self._next_gen += 1
+        self.num_computed_mv[row] = 0
+        self.num_tokens_mv[row] = num_tokens
+        self.num_prompt_mv[row] = num_tokens
+        self.num_slots_mv[row] = 0
+        for row_len, num_skipped in zip(self.row_len_mvs, self.num_skipped_mvs):
+            row_len[row] = 0
+            num_skipped[row] = 0
 
     def stop(self, rows: list[int]) -> None:
         """The requests of ``rows`` left (their entries are stale from now on)."""
