@@ -73,11 +73,18 @@ class KeyTable:
         if not rest.any():
             return found
         todo = np.flatnonzero(rest)
-        want, start = keys[todo], start[todo] + 1
+        found[todo] = self._probe(keys[todo], start[todo] + 1)
+        return found
+
+    def _probe(self, keys: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Where each key sits, -1 where absent, probing from ``start`` (int64) on."""
+        mask = int(self._mask)
+        found = np.full(len(keys), -1, dtype=np.int64)
+        todo = np.arange(len(keys))
         while True:
             pos = (start[:, None] + _OFFSETS) & mask
             v = self.values[pos]
-            hit = (v >= 0) & (self.keys[pos] == want[:, None])
+            hit = (v >= 0) & (self.keys[pos] == keys[todo, None])
             stop = hit | (v == EMPTY)
             at = stop.argmax(axis=1)
             rows = np.arange(len(todo))
@@ -86,13 +93,28 @@ class KeyTable:
             found[todo[found_here]] = pos[rows, at][found_here]
             if done.all():
                 return found
-            todo, want, start = todo[~done], want[~done], start[~done] + WINDOW
+            todo, start = todo[~done], start[~done] + WINDOW
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
-        pos = self._positions(keys)
-        out = self.values[np.maximum(pos, 0)]
-        out[pos < 0] = -1
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        start = (keys & self._mask).astype(np.int64)
+        # most keys are settled at their home position (a hit, or empty: absent)
+        out = self.values[start]
+        hit = self.keys[start] == keys
+        hit &= out >= 0
+        if hit.all():
+            return out
+        rest = out != EMPTY  # the probe run goes on
+        miss = ~hit
+        out[miss] = -1
+        rest &= miss
+        if rest.any():
+            todo = np.flatnonzero(rest)
+            pos = self._probe(keys[todo], start[todo] + 1)
+            found = pos >= 0
+            out[todo[found]] = self.values[pos[found]]
         return out
 
     def get_one(self, key: int) -> int:
