@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
@@ -67,7 +66,6 @@ class PrefixIndex:
         self._dead = np.zeros(1024, dtype=np.int64)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
         self._dead_tail = 0
-        self._seen = LastSeen(self.max_records)  # scratch of _recycle()
         self.next_cid = 1
         self.num_records = 0
 
@@ -129,12 +127,19 @@ class PrefixIndex:
         found = 0
         while found < want and self._dead_head < self._dead_tail:
             head = self._dead_head
-            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))].copy()
+            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))]
             self._dead_head = head + len(batch)
-            batch = self._seen.last_occurrences(batch)
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
-            batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]
+            holder = self.holder
+            batch = batch[(self.cid[batch] != 0) & (holder[batch] == 0)]
+            if len(batch) > 1:
+                # each slot once: a dead record's holder entry is 0 and drop() writes 0
+                # again, so it serves as scratch (of repeated writes to one entry, one
+                # survives; which one only orders the free slots)
+                marks = np.arange(-1, -1 - len(batch), -1, dtype=holder.dtype)
+                holder[batch] = marks
+                batch = batch[holder[batch] == marks]
             if len(batch):
                 self.drop(batch)
                 found += len(batch)
