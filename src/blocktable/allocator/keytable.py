@@ -24,9 +24,15 @@ from blocktable.allocator.arrays import has_repeats as _repeats
 
 EMPTY = -1
 DELETED = -2
-WINDOW = 8  # positions probed per gather
+WINDOW = 8  # positions probed per gather (8: a window's bool flags are one uint64 word)
 _OFFSETS = np.arange(WINDOW)
 _U64 = np.uint64
+
+
+def _any_per_row(flags: np.ndarray) -> np.ndarray:
+    """Per row of a C-contiguous bool ``[n, 8]``, whether any is set (one comparison on the
+    rows read as uint64 words: a reduction along short rows costs several times more)."""
+    return flags.view(_U64)[:, 0] != 0
 
 
 class KeyTable:
@@ -189,30 +195,39 @@ class KeyTable:
     ) -> bool:
         """For the keys ``busy`` (indices into ``keys``) whose home is taken: False if one is
         held; else set ``cand`` to the first free position of its probe run (``old``: what
-        that position holds), scanning window after window until the run's empty position."""
+        that position holds), scanning window after window until the run's empty position.
+
+        A key's 8 flags of a window are one uint64 word (a bool row read as such), so "any
+        in the window" is one comparison, not a reduction along the rows.
+        """
         mask = int(self._mask)
         tkeys, tvalues = self.keys, self.values
         todo, start = busy, cand[busy]
         found = None  # a free position was seen (after the first window)
         while True:
-            pos = (start[:, None] + _OFFSETS) & mask
+            pos = start[:, None] + _OFFSETS
+            pos &= mask
             v = tvalues[pos]
             # a key sits only in its own run, so a match anywhere in the window means held
-            if ((v >= 0) & (tkeys[pos] == keys[todo, None])).any():
+            # (a match at a free position is a stale key: keys stay when deleted)
+            same = tkeys[pos] == keys[todo, None]
+            if same.any() and (same & (v >= 0)).any():
                 return False
             free = v < 0
             at = free.argmax(axis=1)
+            new = _any_per_row(free)
             rows = np.arange(len(todo))
-            new = free[rows, at]
             if found is not None:
                 new &= ~found[todo]
             if new.all():  # usually: every run of the first window has a free position
-                cand[todo] = pos[rows, at]
+                first = start + at
+                first &= mask
+                cand[todo] = first
                 old[todo] = v[rows, at]
             else:
-                cand[todo[new]] = pos[rows, at][new]
+                cand[todo[new]] = (start + at)[new] & mask
                 old[todo[new]] = v[rows, at][new]
-            more = ~(v == EMPTY).any(axis=1)  # the run goes on past this window
+            more = ~_any_per_row(v == EMPTY)  # the run goes on past this window
             if not more.any():
                 return True
             if found is None:

@@ -236,7 +236,7 @@ class BlockPool:
             parent_ids[0] = parents[0]
             index.cid[slots] = cids
             index.parent[slots] = parent_ids
-            index.tokens[slots] = tokens
+            index.write_tokens(slots, tokens)
             index.holder[slots] = block_ids
             index.key[slots] = keys
             if hashes is not None:
