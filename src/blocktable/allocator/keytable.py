@@ -26,6 +26,7 @@ EMPTY = -1
 DELETED = -2
 WINDOW = 8  # positions probed per gather (8: a window's bool flags are one uint64 word)
 _OFFSETS = np.arange(WINDOW)
+_FEW = 32  # runs past the first window scanned on in Python rather than in another pass
 _U64 = np.uint64
 
 
@@ -230,10 +231,48 @@ class KeyTable:
             more = ~_any_per_row(v == EMPTY)  # the run goes on past this window
             if not more.any():
                 return True
+            if found is None and np.count_nonzero(more) <= _FEW:
+                # a few long runs: scanned on one by one (another pass costs more)
+                return self._first_free_rest(keys, todo, start, new, more, cand, old)
             if found is None:
                 found = np.zeros(len(keys), dtype=bool)
             found[todo[new]] = True
             todo, start = todo[more], start[more] + WINDOW
+
+    def _first_free_rest(
+        self,
+        keys: np.ndarray,
+        todo: np.ndarray,
+        start: np.ndarray,
+        new: np.ndarray,
+        more: np.ndarray,
+        cand: np.ndarray,
+        old: np.ndarray,
+    ) -> bool:
+        """:meth:`_first_free` of the runs ``more`` (of ``todo``, probed from ``start`` on,
+        ``new``: a free position was found in the first window) past their first window, in
+        Python ints."""
+        mask = int(self._mask)
+        values, tkeys = self._values_view, self._keys_view
+        for i in np.flatnonzero(more).tolist():
+            k = int(todo[i])
+            key = keys.item(k)
+            have_free = bool(new[i])
+            pos = (int(start[i]) + WINDOW) & mask
+            while True:
+                value = values[pos]
+                if value == EMPTY:
+                    if not have_free:
+                        cand[k], old[k] = pos, EMPTY
+                    break
+                if value >= 0:
+                    if tkeys[pos] == key:
+                        return False
+                elif not have_free:  # a tombstone: the first free position
+                    cand[k], old[k] = pos, DELETED
+                    have_free = True
+                pos = (pos + 1) & mask
+        return True
 
     def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
         """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
