@@ -75,15 +75,24 @@ def prompt_keys(
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size."""
     for bs in sorted(set(block_sizes)):
-        counts = np.array([len(p.tokens) // bs for p in plans], dtype=np.int64)
-        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts.tolist())])
+        counts = [len(p.tokens) // bs for p in plans]
+        starts, end = [], 0
+        for count in counts:
+            starts.append(end)
+            end += count
+        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
         hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
         seeds = np.array([p.seed for p in plans], dtype=_U64)
-        keys, states = chain_keys(hashes, counts, seeds, powers[bs])
-        ends = np.cumsum(counts)
-        for plan, end, count in zip(plans, ends.tolist(), counts.tolist()):
-            plan.keys[bs] = keys[end - count : end]
-            plan.states[bs] = states[end - count : end]
+        keys, states = chain_keys(
+            hashes,
+            np.array(counts, dtype=np.int64),
+            seeds,
+            powers[bs],
+            np.array(starts, dtype=np.int64),
+        )
+        for plan, start, count in zip(plans, starts, counts):
+            plan.keys[bs] = keys[start : start + count]
+            plan.states[bs] = states[start : start + count]
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
