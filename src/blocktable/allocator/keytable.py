@@ -71,7 +71,7 @@ class KeyTable:
         if not n:
             return found
         mask = int(self._mask)
-        start = (keys & self._mask).astype(np.int64)
+        start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent)
         v = self.values[start]
         hit = (v >= 0) & (self.keys[start] == keys)
@@ -106,7 +106,7 @@ class KeyTable:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
-        start = (keys & self._mask).astype(np.int64)
+        start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent)
         out = self.values[start]
         hit = self.keys[start] == keys
@@ -167,7 +167,7 @@ class KeyTable:
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
             self._rebuild(n)
         tkeys, tvalues = self.keys, self.values
-        cand = (keys & self._mask).astype(np.int64)  # where each key goes: its home first
+        cand = (keys & self._mask).view(np.int64)  # where each key goes: its home first
         old = tvalues[cand]
         busy = np.flatnonzero(old != EMPTY)
         if len(busy) and not self._first_free(keys, busy, cand, old):
@@ -217,21 +217,22 @@ class KeyTable:
             free = v < 0
             at = free.argmax(axis=1)
             new = _any_per_row(free)
-            rows = np.arange(len(todo))
             if found is not None:
                 new &= ~found[todo]
+            first = start + at
+            first &= mask
             if new.all():  # usually: every run of the first window has a free position
-                first = start + at
-                first &= mask
                 cand[todo] = first
-                old[todo] = v[rows, at]
+                old[todo] = tvalues[first]
             else:
-                cand[todo[new]] = (start + at)[new] & mask
-                old[todo[new]] = v[rows, at][new]
-            more = ~_any_per_row(v == EMPTY)  # the run goes on past this window
-            if not more.any():
+                first = first[new]
+                cand[todo[new]] = first
+                old[todo[new]] = tvalues[first]
+            more = (v == EMPTY).view(_U64)[:, 0] == 0  # the run goes on past this window
+            num_more = np.count_nonzero(more)
+            if not num_more:
                 return True
-            if found is None and np.count_nonzero(more) <= _FEW:
+            if found is None and num_more <= _FEW:
                 # a few long runs: scanned on one by one (another pass costs more)
                 return self._first_free_rest(keys, todo, start, new, more, cand, old)
             if found is None:
@@ -289,7 +290,7 @@ class KeyTable:
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
             self._rebuild(n)
         tkeys, tvalues, mask = self.keys, self.values, int(self._mask)
-        start = (keys & self._mask).astype(np.int64)
+        start = (keys & self._mask).view(np.int64)
         # most keys find their home position free: of several keys wanting one position, the
         # last write wins, and the keys whose write survived are placed
         home = np.flatnonzero(tvalues[start] < 0)
