@@ -316,7 +316,7 @@ def test_key_table_long_probe_runs_against_a_dict(seed: int) -> None:
     deep in a run or given twice, deleting and looking up all agree with a dict."""
     rng = np.random.default_rng(seed)
     table, model = KeyTable(48, num_values=4096), {}
-    mask = len(table.values) - 1
+    mask = len(table.entries) - 1
     homes = rng.integers(0, mask + 1, 3)
     universe = np.unique(
         (rng.integers(1, 2**40, 400, dtype=np.uint64) * np.uint64(mask + 1))
@@ -327,7 +327,7 @@ def test_key_table_long_probe_runs_against_a_dict(seed: int) -> None:
     for _ in range(150):
         op = rng.integers(0, 3)
         if op == 0 or not model:  # a batch of new keys, sometimes with a held or repeated one
-            room = max(0, len(table.values) // 4 - len(model))
+            room = max(0, len(table.entries) // 4 - len(model))
             new = [k for k in rng.permutation(universe).tolist() if k not in model]
             new = new[: int(rng.integers(1, 41))][:room]
             if not new:
@@ -360,7 +360,7 @@ def test_key_table_long_probe_runs_against_a_dict(seed: int) -> None:
         keys_held, values_held = table.items()
         assert dict(zip(keys_held.tolist(), values_held.tolist())) == model
         assert len(table) == len(model)
-        assert table._num_deleted == int(np.count_nonzero(table.values == -2))
+        assert table._num_deleted == int(np.count_nonzero(table.entries == -2))
 
 
 def test_index_token_rows_written_and_read_whole() -> None:

@@ -56,7 +56,7 @@ class PrefixIndex:
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
         self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
-        self.key = np.zeros(capacity, dtype=np.uint64)
+        self.key = self.keys.key_of_value  # block key per record (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -154,7 +154,7 @@ class PrefixIndex:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.cid)
-        for name in ("cid", "parent", "holder", "key"):
+        for name in ("cid", "parent", "holder"):  # `key` is the key table's, full size
             arr = getattr(self, name)
             new = np.zeros(capacity, dtype=arr.dtype)
             new[:old] = arr
