@@ -8,6 +8,7 @@ import pytest
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
 from blocktable.allocator.arrays import LastSeen, decrement, last_occurrences
 from blocktable.allocator.index import PrefixIndex
+from blocktable.allocator import keytable
 from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
@@ -309,11 +310,16 @@ def test_key_table_against_a_dict(spread: str) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_key_table_long_probe_runs_against_a_dict(seed: int) -> None:
+@pytest.mark.parametrize("scan_in_python", [True, False])
+def test_key_table_long_probe_runs_against_a_dict(
+    seed: int, scan_in_python: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Keys crowding a few home positions make probe runs far longer than one window, with
-    tombstones inside: filing new keys (up to 40 per call, so that the runs past the first
-    window are scanned on in Python or in further passes), refusing a batch with a key held
-    deep in a run or given twice, deleting and looking up all agree with a dict."""
+    tombstones inside: filing new keys (up to 40 per call; the runs past the first window are
+    scanned on in Python, or all in further vectorized passes), refusing a batch with a key
+    held deep in a run or given twice, deleting and looking up all agree with a dict."""
+    if not scan_in_python:
+        monkeypatch.setattr(keytable, "_FEW", 0)
     rng = np.random.default_rng(seed)
     table, model = KeyTable(48, num_values=4096), {}
     mask = len(table.entries) - 1

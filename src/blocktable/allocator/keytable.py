@@ -248,22 +248,21 @@ class KeyTable:
                 filed = self.key_of_value[v[rows, cols] & _MASK_VALUE]
                 if (filed == keys[todo[rows]]).any():
                     return False
+            more = (v == EMPTY).view(_U64)[:, 0] == 0  # the run goes on past this window
+            num_more = np.count_nonzero(more)
             free = v < 0
-            at = free.argmax(axis=1)
+            first = start + free.argmax(axis=1)  # (where a window has no free position: junk)
+            first &= mask
+            if not num_more and found is None:  # usually: every run ends in its first window
+                cand[todo] = first
+                old[todo] = entries[first]
+                return True
             new = _any_per_row(free)
             if found is not None:
                 new &= ~found[todo]
-            first = start + at
-            first &= mask
-            if new.all():  # usually: every run of the first window has a free position
-                cand[todo] = first
-                old[todo] = entries[first]
-            else:
-                first = first[new]
-                cand[todo[new]] = first
-                old[todo[new]] = entries[first]
-            more = (v == EMPTY).view(_U64)[:, 0] == 0  # the run goes on past this window
-            num_more = np.count_nonzero(more)
+            first = first[new]
+            cand[todo[new]] = first
+            old[todo[new]] = entries[first]
             if not num_more:
                 return True
             if found is None and num_more <= _FEW:
