@@ -239,20 +239,19 @@ def _find_full_hits(
         else:
             keys = np.concatenate([plans[i].keys[bs][: usable[i]] for i in live])
             tokens = np.concatenate([plans[i].tokens[: usable[i] * bs] for i in live])
-        slots = index.keys.get(keys)
-        safe = np.maximum(slots, 0)
-        cids = index.cid[safe]
+        slots = index.keys.get(keys)  # (-1 where absent: reads the last record, bad anyway)
+        cids = index.cid[slots]
         # block j verifies when its record exists, is alive, holds the prompt's tokens and
         # its parent is the content id found for block j - 1 (the namespace's root for 0)
         expected_parent = np.empty_like(cids)
         expected_parent[1:] = cids[:-1]
         for i in live:
             expected_parent[starts[i]] = plans[i].root
-        bad = index.parent[safe] != expected_parent
+        bad = index.parent[slots] != expected_parent
         bad |= slots < 0
-        bad |= index.holder[safe] == 0
+        bad |= index.holder[slots] == 0
         # (take: numpy's row-wise fancy indexing costs three times as much)
-        bad |= _rows_differ(index.tokens.take(safe, axis=0), tokens.reshape(-1, bs))
+        bad |= _rows_differ(index.tokens.take(slots, axis=0), tokens.reshape(-1, bs))
         at = np.flatnonzero(bad).tolist() if bad.any() else []
         for i, u in zip(live, lengths):
             start = starts[i]
