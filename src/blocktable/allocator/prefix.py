@@ -257,18 +257,17 @@ def _find_full_hits(
             start = starts[i]
             j = bisect_left(at, start)
             first = at[j] - start if j < len(at) and at[j] < start + u else u
-            if first * bs < caps[i]:
-                caps[i] = first * bs
+            caps[i] = min(caps[i], first * bs)
         found.append((starts, slots))
     hits = [c // align_tokens * align_tokens for c in caps]
     for i, (plan, n) in enumerate(zip(plans, hits)):
         plan.num_cached_tokens = n
         plan.num_skipped = [0] * len(pools)
-        for (starts, slots), bs in zip(found, block_sizes):
+        for (group_starts, group_slots), bs in zip(found, block_sizes):
             hi = n // bs
-            if hi:
-                start = starts[i]
-                seg = slots[start : start + hi]  # type: ignore[index]
+            if hi and group_slots is not None:  # (a hit needs slots looked up)
+                start = group_starts[i]
+                seg = group_slots[start : start + hi]
                 plan.hit_slots.append(seg)
                 plan.last_slots.append(seg.item(-1))
             else:
