@@ -95,3 +95,56 @@ def test_a_reused_row_starts_a_fresh_chain() -> None:
         want = fast_block_keys(tokens, bs, namespace=namespace)
         assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want
         mgr.free(req_id)
+
+
+def _walk_hit(mgr: KVCacheManager, prompt: np.ndarray) -> int:
+    """A prompt's hit by a scalar walk over the index (one group, no windows): block i is
+    served while its key is filed under a live record holding its tokens whose parent is the
+    content id served for block i - 1."""
+    bs = mgr.block_sizes[0]
+    index = mgr.pools[0].index
+    parent = mgr._namespaces.get(b"", (-1, 0))[0]  # the None namespace: the first one
+    keys = fast_block_keys(prompt.tolist(), bs)
+    served = 0
+    for i in range((len(prompt) - 1) // bs):
+        slot = index.keys.get_one(keys[i])
+        if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
+            break
+        if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
+            break
+        parent = int(index.cid[slot])
+        served = i + 1
+    return served * bs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_hits_match_a_scalar_walk(seed: int) -> None:
+    """Several prompts per call (sharing prefixes of cached prompts of any length, or none)
+    in a pool small enough that cached blocks are evicted, tails first: every hit of the one
+    batched lookup equals a walk over the index block by block."""
+    bs = 4
+    rng = np.random.default_rng(seed)
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 96)], max_num_reqs=64)
+    done: list[np.ndarray] = []
+    next_id = 0
+    for _ in range(12):
+        prompts = []
+        for _ in range(int(rng.integers(1, 6))):
+            if done and rng.random() < 0.7:
+                base = done[int(rng.integers(len(done)))]
+                keep = int(rng.integers(0, len(base) + 1))
+                tail = rng.integers(0, 50, int(rng.integers(1, 30)))
+                prompts.append(np.concatenate((base[:keep], tail)))
+            else:
+                prompts.append(rng.integers(0, 50, int(rng.integers(2, 60))))
+        expected = [_walk_hit(mgr, p) for p in prompts]
+        req_ids = list(range(next_id, next_id + len(prompts)))
+        next_id += len(prompts)
+        assert mgr.add_requests(req_ids, prompts) == expected
+        for r, p, hit in zip(req_ids, prompts, expected):
+            if mgr.can_allocate(r, len(p) - hit):
+                mgr.allocate(r, len(p) - hit)
+                mgr.mark_computed(r, len(p) - hit)
+                done.append(p)
+            mgr.free(r)
+        mgr.check_integrity()

@@ -110,8 +110,9 @@ def fmix64(k: np.ndarray) -> np.ndarray:
 class ChainPowers:
     """Powers of ``B`` for one block size, grown on demand (uint64, on cpu).
 
-    ``token_powers[j] = B**(bs-1-j)``; ``block_powers[k] = (B**bs)**k`` and
-    ``inverse_powers[k] = (B**bs)**-k`` mod 2**64 for ``k`` up to the longest scan so far.
+    ``token_powers[j] = B**(bs-1-j)``; ``block_powers[k] = (B**bs)**k``,
+    ``inverse_powers[k] = (B**bs)**-k`` and ``shifted_inverse_powers[k] = (B**bs)**(1-k)``
+    mod 2**64 for ``k`` up to the longest scan so far.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -122,14 +123,16 @@ class ChainPowers:
         self.block_base = pow(_BASE, block_size, 1 << 64)
         self.block_powers = np.ones(1, dtype=_U64)
         self.inverse_powers = np.ones(1, dtype=_U64)
+        self.shifted_inverse_powers = np.full(1, self.block_base, dtype=_U64)  # Bb * Q**k
 
     def ensure(self, num_blocks: int) -> None:
-        """Make ``block_powers``/``inverse_powers`` hold at least ``num_blocks + 1`` entries."""
+        """Make the power tables hold at least ``num_blocks + 1`` entries."""
         if len(self.block_powers) > num_blocks:
             return
         size = max(num_blocks + 1, 2 * len(self.block_powers), 1024)
         self.block_powers = _power_table(self.block_base, size)
         self.inverse_powers = _power_table(pow(self.block_base, -1, 1 << 64), size)
+        self.shifted_inverse_powers = self.inverse_powers * _U64(self.block_base)
 
 
 def _power_table(base: int, size: int) -> np.ndarray:
@@ -150,6 +153,7 @@ def chain_keys(
     segment_lengths: np.ndarray,
     start_states: np.ndarray,
     powers: ChainPowers,
+    segment_starts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Chain ``content_hashes`` per segment; return ``(keys, states)``, both uint64 ``[n]``.
 
@@ -158,7 +162,8 @@ def chain_keys(
     (uint64: ``K`` of the block before it, or the namespace seed). ``states[i]`` is ``K_i``;
     ``keys[i] = fmix64(K_i)``. One pass: with ``Q = (B**bs)**-1``,
     ``K_g = S_r * Bb**(g-s+1) + Bb**g * sum_{s<=g'<=g} h_g' * Q**g'`` for block ``g`` of a segment
-    starting at ``s``.
+    starting at ``s``. ``segment_starts`` (int64, optional): where each segment starts, if
+    the caller has them.
     """
     n = len(content_hashes)
     if n and n == len(segment_lengths) and (segment_lengths == 1).all():  # a decode step
@@ -174,12 +179,13 @@ def chain_keys(
     running[0] = 0
     np.cumsum(scaled, dtype=_U64, out=running[1:])
     sums = running[1:]
-    seg_starts = np.cumsum(segment_lengths) - segment_lengths
-    before = running[seg_starts]
+    seg_starts = (
+        np.cumsum(segment_lengths) - segment_lengths if segment_starts is None else segment_starts
+    )
     # K_g = Bb**g * (sums_g + adjust_r), adjust_r = S_r * Bb * Q**s - (sum before s): one
     # per-segment term, repeated, instead of per-block gathers of segment values
-    adjust = start_states * (_U64(powers.block_base) * powers.inverse_powers[seg_starts])
-    adjust -= before
+    adjust = start_states * powers.shifted_inverse_powers[seg_starts]
+    adjust -= running[seg_starts]
     states = sums + np.repeat(adjust, segment_lengths)
     states *= powers.block_powers[:n]
     return fmix64(states), states

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
@@ -57,7 +56,7 @@ class PrefixIndex:
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
         self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
-        self.key = np.zeros(capacity, dtype=np.uint64)
+        self.key = self.keys.key_of_value  # block key per record (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -67,7 +66,6 @@ class PrefixIndex:
         self._dead = np.zeros(1024, dtype=np.int64)
         self._dead_head = 0  # _dead[:_dead_head] were examined already
         self._dead_tail = 0
-        self._seen = LastSeen(self.max_records)  # scratch of _recycle()
         self.next_cid = 1
         self.num_records = 0
 
@@ -80,6 +78,13 @@ class PrefixIndex:
         return self.keys.get(np.asarray(keys, dtype=np.uint64))
 
     # ----------------------------------------------------------------- records
+    def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """``self.tokens[slots] = tokens`` (int64 ``[n, block_size]``), as one ``put`` of
+        whole rows (numpy's row-wise fancy assignment costs twice as much)."""
+        row = np.dtype((np.void, 8 * self.block_size))
+        rows = np.ascontiguousarray(tokens, dtype=np.int64).view(row).reshape(-1)
+        np.put(self.tokens.view(row).reshape(-1), slots, rows)
+
     def take_slots(self, num: int) -> np.ndarray:
         """``num`` unused slots (int64), recycling dead records or growing the arrays."""
         while self._num_free < num:
@@ -129,12 +134,19 @@ class PrefixIndex:
         found = 0
         while found < want and self._dead_head < self._dead_tail:
             head = self._dead_head
-            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))].copy()
+            batch = self._dead[head : min(self._dead_tail, head + max(2 * want, 1024))]
             self._dead_head = head + len(batch)
-            batch = self._seen.last_occurrences(batch)
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
-            batch = batch[(self.cid[batch] != 0) & (self.holder[batch] == 0)]
+            holder = self.holder
+            batch = batch[(self.cid[batch] != 0) & (holder[batch] == 0)]
+            if len(batch) > 1:
+                # each slot once: a dead record's holder entry is 0 and drop() writes 0
+                # again, so it serves as scratch (of repeated writes to one entry, one
+                # survives; which one only orders the free slots)
+                marks = np.arange(-1, -1 - len(batch), -1, dtype=holder.dtype)
+                holder[batch] = marks
+                batch = batch[holder[batch] == marks]
             if len(batch):
                 self.drop(batch)
                 found += len(batch)
@@ -142,7 +154,7 @@ class PrefixIndex:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.cid)
-        for name in ("cid", "parent", "holder", "key"):
+        for name in ("cid", "parent", "holder"):  # `key` is the key table's, full size
             arr = getattr(self, name)
             new = np.zeros(capacity, dtype=arr.dtype)
             new[:old] = arr

@@ -2,18 +2,21 @@
 
 A Python dict pays a dependent cache miss and a Python int per key, three times per newly
 cached block (is it new, insert, and later delete when its record is recycled). This table is
-two flat arrays probed linearly for all keys of a call at once: one gather reads a window of
+one flat array probed linearly for all keys of a call at once: one gather reads a window of
 ``WINDOW`` positions per key, so the cache misses of a call overlap. Checking that new keys
 are absent and filing them is one such pass (:meth:`KeyTable.insert_absent`), and a value's
 position is remembered (values are distinct record slots), so deleting by value probes
 nothing.
 
 Keys are block keys (:mod:`blocktable.allocator.hashing`), already mixed, so their low bits
-index the table directly. ``values[pos]`` is a record slot (>= 0), ``EMPTY`` or ``DELETED``
-(a tombstone: probing continues past it, inserting may reuse it; a deleted key followed by an
-empty position needs none). The capacity is a power of two, at least four times the most keys
-held, and the table is rebuilt when tombstones and keys together fill half of it, so probe
-runs stay short.
+index the table directly. An **entry** (int64) is ``EMPTY``, ``DELETED`` (a tombstone:
+probing continues past it, inserting may reuse it; a deleted key followed by an empty position
+needs none) or ``(tag << 32) | value`` for a held key, the tag being the key's top 31 bits.
+The keys themselves are kept per value (``key_of_value``) and read only where a tag matches,
+so every match is exact, and an entry takes 8 bytes, not 16: the table has eight positions per
+key it may hold for the memory of four (key, value) pairs, so fewer homes are taken and probe
+runs are shorter. The capacity is a power of two, and the table is rebuilt when tombstones and
+keys together fill half of it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,26 @@ from blocktable.allocator.arrays import has_repeats as _repeats
 
 EMPTY = -1
 DELETED = -2
-WINDOW = 8  # positions probed per gather
+WINDOW = 8  # positions probed per gather (8: a window's bool flags are one uint64 word)
+SPREAD = 8  # positions per key held at most
 _OFFSETS = np.arange(WINDOW)
+_FEW = 32  # runs past the first window scanned on in Python rather than in another pass
 _U64 = np.uint64
+_VALUE_BITS = 32
+_VALUE_MASK = (1 << _VALUE_BITS) - 1
+_TAG_SHIFT = 33  # a key's tag: its top 31 bits
+_S_TAG, _S_VALUE, _MASK_VALUE = _U64(_TAG_SHIFT), np.int64(_VALUE_BITS), np.int64(_VALUE_MASK)
+
+
+def _any_per_row(flags: np.ndarray) -> np.ndarray:
+    """Per row of a C-contiguous bool ``[n, 8]``, whether any is set (one comparison on the
+    rows read as uint64 words: a reduction along short rows costs several times more)."""
+    return flags.view(_U64)[:, 0] != 0
+
+
+def _tags(keys: np.ndarray) -> np.ndarray:
+    """The tag of each key (int64, below ``2**31``)."""
+    return (keys >> _S_TAG).view(np.int64)
 
 
 class KeyTable:
@@ -35,17 +55,19 @@ class KeyTable:
     Parameters
     ----------
     max_keys : int
-        The most keys held at once (the capacity is ``>= 4 * max_keys``).
+        The most keys held at once (the capacity is ``>= 8 * max_keys``).
     num_values : int, optional
-        Values are below this (default ``max_keys``).
+        Values are below this (default ``max_keys``; at most ``2**32``).
     """
 
     def __init__(self, max_keys: int, num_values: int | None = None) -> None:
-        capacity = 1 << max(4, (4 * max(max_keys, 1) - 1).bit_length())
-        self._mask = _U64(capacity - 1)
-        self._alloc(capacity)
-        # value -> its position (meaningful for held values only)
-        self.where = np.zeros(max(max_keys, 1) if num_values is None else num_values, np.int64)
+        num_values = max(max_keys, 1) if num_values is None else num_values
+        if num_values > 1 << _VALUE_BITS:
+            raise ValueError(f"num_values must be <= 2**32, got {num_values}")
+        # value -> its position, and the key filed with it (meaningful for held values only)
+        self.where = np.zeros(num_values, np.int64)
+        self.key_of_value = np.zeros(num_values, np.uint64)
+        self._alloc(1 << max(4, (SPREAD * max(max_keys, 1) - 1).bit_length()))
         self.num_keys = 0
         self._num_deleted = 0
 
@@ -53,9 +75,24 @@ class KeyTable:
         return self.num_keys
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every ``(keys, values)`` held (for checks)."""
-        held = self.values >= 0
-        return self.keys[held], self.values[held]
+        """Every ``(keys, values)`` held (for checks: a key whose entry's tag is not its own
+        is reported with its bits flipped)."""
+        entries = self.entries[self.entries >= 0]
+        values = entries & _MASK_VALUE
+        keys = self.key_of_value[values]
+        bad = _tags(keys) != entries >> _S_VALUE
+        keys[bad] = ~keys[bad]
+        return keys, values
+
+    # ----------------------------------------------------------------- lookup
+    def _matches(self, entries: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Whether each entry holds the key beside it (any shape; exact: the tag, then the
+        key filed with the entry's value)."""
+        same = entries >> _S_VALUE == _tags(keys)
+        if same.any():
+            at = np.flatnonzero(same)
+            same.flat[at] = self.key_of_value[entries.flat[at] & _MASK_VALUE] == keys.flat[at]
+        return same
 
     def _positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each key sits, -1 where absent (int64)."""
@@ -64,20 +101,20 @@ class KeyTable:
         if not n:
             return found
         mask = int(self._mask)
-        start = (keys & self._mask).astype(np.int64)
+        start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent)
-        v = self.values[start]
-        hit = (v >= 0) & (self.keys[start] == keys)
+        entries = self.entries[start]
+        hit = self._matches(entries, keys)
         found[hit] = start[hit]
-        rest = ~hit & (v != EMPTY)
+        rest = ~hit & (entries != EMPTY)
         if not rest.any():
             return found
         todo = np.flatnonzero(rest)
         want, start = keys[todo], start[todo] + 1
         while True:
             pos = (start[:, None] + _OFFSETS) & mask
-            v = self.values[pos]
-            hit = (v >= 0) & (self.keys[pos] == want[:, None])
+            v = self.entries[pos]
+            hit = self._matches(v, np.broadcast_to(want[:, None], v.shape))
             stop = hit | (v == EMPTY)
             at = stop.argmax(axis=1)
             rows = np.arange(len(todo))
@@ -90,37 +127,54 @@ class KeyTable:
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
-        pos = self._positions(keys)
-        out = self.values[np.maximum(pos, 0)]
-        out[pos < 0] = -1
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        start = (keys & self._mask).view(np.int64)
+        # most keys are settled at their home position (a hit, or empty: absent)
+        out = self.entries[start]
+        hit = out >> _S_VALUE == _tags(keys)
+        out &= _MASK_VALUE  # (garbage where not held: replaced below)
+        hit &= self.key_of_value.take(out, mode="clip") == keys
+        if hit.all():
+            return out
+        rest = self.entries[start] != EMPTY  # the probe run goes on
+        miss = ~hit
+        out[miss] = -1
+        rest &= miss
+        if rest.any():
+            todo = np.flatnonzero(rest)
+            pos = self._positions(keys[todo])
+            held = pos >= 0
+            out[todo[held]] = self.entries[pos[held]] & _MASK_VALUE
         return out
 
     def get_one(self, key: int) -> int:
         """:meth:`get` of one key (a Python loop: cheaper than numpy calls for one key; it
         reads through memoryviews, which give Python ints four times faster than indexing)."""
-        mask, values, keys = self._int_mask, self._values_view, self._keys_view
+        mask, entries, key_of_value = self._int_mask, self._entries_view, self._key_view
         pos = key & mask
         while True:
-            value = values[pos]
-            if value == EMPTY:
+            entry = entries[pos]
+            if entry == EMPTY:
                 return -1
-            if value >= 0 and keys[pos] == key:
-                return value
+            # (no tag test: a held entry's key is read at once, cheaper in Python)
+            if entry >= 0 and key_of_value[entry & _VALUE_MASK] == key:
+                return entry & _VALUE_MASK
             pos = (pos + 1) & mask
 
+    # ----------------------------------------------------------------- insertion
     def insert_one(self, key: int, value: int) -> None:
         """:meth:`insert` of one key that is not held."""
-        if 2 * (self.num_keys + self._num_deleted + 1) > len(self.values):
+        if 2 * (self.num_keys + self._num_deleted + 1) > len(self.entries):
             self._rebuild(1)
-        mask, values = self._int_mask, self.values
-        view = self._values_view
+        mask, entries = self._int_mask, self._entries_view
         pos = key & mask
-        while view[pos] >= 0:
+        while entries[pos] >= 0:
             pos = (pos + 1) & mask
-        if view[pos] == DELETED:
+        if entries[pos] == DELETED:
             self._num_deleted -= 1
-        self.keys[pos] = key
-        values[pos] = value
+        entries[pos] = (key >> _TAG_SHIFT) << _VALUE_BITS | value
+        self._key_view[value] = key
         self.where[value] = pos
         self.num_keys += 1
 
@@ -135,29 +189,34 @@ class KeyTable:
         n = len(keys)
         if not n:
             return True
-        if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
+        if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
             self._rebuild(n)
-        tkeys, tvalues = self.keys, self.values
-        cand = (keys & self._mask).astype(np.int64)  # where each key goes: its home first
-        old = tvalues[cand]
+        entries = self.entries
+        cand = (keys & self._mask).view(np.int64)  # where each key goes: its home first
+        old = entries[cand]
         busy = np.flatnonzero(old != EMPTY)
         if len(busy) and not self._first_free(keys, busy, cand, old):
             return False  # a key is held
+        new = _tags(keys) << _S_VALUE
+        new |= values
         # of several keys wanting one position, one write survives
-        tvalues[cand] = values
-        won = tvalues[cand] == values
+        entries[cand] = new
+        won = entries[cand] == new
         if won.all():
-            tkeys[cand] = keys
+            self.key_of_value[values] = keys
             self._placed(cand, values, old)
             return True
         lost = np.flatnonzero(~won)
-        wpos = cand[won]
-        tkeys[wpos] = keys[won]
+        wvalues = values[won]
+        old_keys = self.key_of_value[wvalues]
+        self.key_of_value[wvalues] = keys[won]
         lost_keys = keys[lost]
-        if (tkeys[cand[lost]] == lost_keys).any() or _repeats(lost_keys):
-            tvalues[wpos] = old[won]  # a key given twice: undo
+        winner_keys = self.key_of_value[entries[cand[lost]] & _MASK_VALUE]
+        if (winner_keys == lost_keys).any() or _repeats(lost_keys):  # a key given twice
+            entries[cand] = old  # undo
+            self.key_of_value[wvalues] = old_keys
             return False
-        self._placed(wpos, values[won], old[won])
+        self._placed(cand[won], wvalues, old[won])
         for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
             self.insert_one(key, value)  # absent and distinct, so filed one by one
         return True
@@ -167,36 +226,86 @@ class KeyTable:
     ) -> bool:
         """For the keys ``busy`` (indices into ``keys``) whose home is taken: False if one is
         held; else set ``cand`` to the first free position of its probe run (``old``: what
-        that position holds), scanning window after window until the run's empty position."""
+        that position holds), scanning window after window until the run's empty position.
+
+        A key's 8 flags of a window are one uint64 word (a bool row read as such), so "any
+        in the window" is one comparison, not a reduction along the rows.
+        """
         mask = int(self._mask)
-        tkeys, tvalues = self.keys, self.values
+        entries = self.entries
         todo, start = busy, cand[busy]
         found = None  # a free position was seen (after the first window)
         while True:
-            pos = (start[:, None] + _OFFSETS) & mask
-            v = tvalues[pos]
+            pos = start[:, None] + _OFFSETS
+            pos &= mask
+            v = entries[pos]
             # a key sits only in its own run, so a match anywhere in the window means held
-            if ((v >= 0) & (tkeys[pos] == keys[todo, None])).any():
-                return False
+            same = v >> _S_VALUE == _tags(keys[todo])[:, None]
+            if same.any():
+                rows, cols = np.nonzero(same)
+                filed = self.key_of_value[v[rows, cols] & _MASK_VALUE]
+                if (filed == keys[todo[rows]]).any():
+                    return False
+            more = (v == EMPTY).view(_U64)[:, 0] == 0  # the run goes on past this window
+            num_more = np.count_nonzero(more)
             free = v < 0
-            at = free.argmax(axis=1)
-            rows = np.arange(len(todo))
-            new = free[rows, at]
+            first = start + free.argmax(axis=1)  # (where a window has no free position: junk)
+            first &= mask
+            if not num_more and found is None:  # usually: every run ends in its first window
+                cand[todo] = first
+                old[todo] = entries[first]
+                return True
+            new = _any_per_row(free)
             if found is not None:
                 new &= ~found[todo]
-            if new.all():  # usually: every run of the first window has a free position
-                cand[todo] = pos[rows, at]
-                old[todo] = v[rows, at]
-            else:
-                cand[todo[new]] = pos[rows, at][new]
-                old[todo[new]] = v[rows, at][new]
-            more = ~(v == EMPTY).any(axis=1)  # the run goes on past this window
-            if not more.any():
+            first = first[new]
+            cand[todo[new]] = first
+            old[todo[new]] = entries[first]
+            if not num_more:
                 return True
+            if found is None and num_more <= _FEW:
+                # a few long runs: scanned on one by one (another pass costs more)
+                return self._first_free_rest(keys, todo, start, new, more, cand, old)
             if found is None:
                 found = np.zeros(len(keys), dtype=bool)
             found[todo[new]] = True
             todo, start = todo[more], start[more] + WINDOW
+
+    def _first_free_rest(
+        self,
+        keys: np.ndarray,
+        todo: np.ndarray,
+        start: np.ndarray,
+        new: np.ndarray,
+        more: np.ndarray,
+        cand: np.ndarray,
+        old: np.ndarray,
+    ) -> bool:
+        """:meth:`_first_free` of the runs ``more`` (of ``todo``, probed from ``start`` on,
+        ``new``: a free position was found in the first window) past their first window, in
+        Python ints."""
+        mask = int(self._mask)
+        entries, key_of_value = self._entries_view, self._key_view
+        for i in np.flatnonzero(more).tolist():
+            k = int(todo[i])
+            key = keys.item(k)
+            tag = key >> _TAG_SHIFT
+            have_free = bool(new[i])
+            pos = (int(start[i]) + WINDOW) & mask
+            while True:
+                entry = entries[pos]
+                if entry == EMPTY:
+                    if not have_free:
+                        cand[k], old[k] = pos, EMPTY
+                    break
+                if entry >= 0:
+                    if entry >> _VALUE_BITS == tag and key_of_value[entry & _VALUE_MASK] == key:
+                        return False
+                elif not have_free:  # a tombstone: the first free position
+                    cand[k], old[k] = pos, DELETED
+                    have_free = True
+                pos = (pos + 1) & mask
+        return True
 
     def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
         """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
@@ -210,48 +319,33 @@ class KeyTable:
         n = len(keys)
         if not n:
             return
-        if 2 * (self.num_keys + self._num_deleted + n) > len(self.values):
+        if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
             self._rebuild(n)
-        tkeys, tvalues, mask = self.keys, self.values, int(self._mask)
-        start = (keys & self._mask).astype(np.int64)
-        # most keys find their home position free: of several keys wanting one position, the
-        # last write wins, and the keys whose write survived are placed
-        home = np.flatnonzero(tvalues[start] < 0)
-        hpos = start[home]
-        tkeys[hpos] = keys[home]
-        won = tkeys[hpos] == keys[home]
-        wpos = hpos[won]
-        self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
-        tvalues[wpos] = values[home[won]]
-        self.where[values[home[won]]] = wpos
-        placed = np.zeros(n, dtype=bool)
-        placed[home[won]] = True
-        todo = np.flatnonzero(~placed)
-        start = start[todo]
+        entries, mask = self.entries, int(self._mask)
+        self.key_of_value[values] = keys
+        new = _tags(keys) << _S_VALUE
+        new |= values
+        start = (keys & self._mask).view(np.int64)
+        todo = np.arange(n)
         while len(todo):
             pos = (start[:, None] + _OFFSETS) & mask
-            free = tvalues[pos] < 0
-            has = free.any(axis=1)
+            free = entries[pos] < 0
+            has = _any_per_row(free)
             at = free.argmax(axis=1)
             cand = np.flatnonzero(has)
             cpos = pos[cand, at[cand]]
-            # several keys may want one free position: the first (in key order) takes it
-            order = np.argsort(cpos, kind="stable")
-            first = np.ones(len(cand), dtype=bool)
-            first[1:] = cpos[order[1:]] != cpos[order[:-1]]
-            winners = cand[order[first]]
-            wpos = cpos[order[first]]
-            self._num_deleted -= int(np.count_nonzero(tvalues[wpos] == DELETED))
-            tkeys[wpos] = keys[todo[winners]]
-            tvalues[wpos] = values[todo[winners]]
-            self.where[values[todo[winners]]] = wpos
+            # several keys may want one free position: one write survives
+            old = entries[cpos]
+            entries[cpos] = new[todo[cand]]
+            won = entries[cpos] == new[todo[cand]]
+            winners, wpos = cand[won], cpos[won]
+            self._placed(wpos, values[todo[winners]], old[won])
             placed = np.zeros(len(todo), dtype=bool)
             placed[winners] = True
             # losers retry from the same start (that position is taken now); full windows
             # move on
             start = np.where(has, start, start + WINDOW)[~placed]
             todo = todo[~placed]
-        self.num_keys += n
 
     def delete(self, keys: np.ndarray) -> None:
         """Remove held keys (every one must be held)."""
@@ -263,43 +357,41 @@ class KeyTable:
 
     def _delete_at(self, pos: np.ndarray) -> None:
         # no probe passes a position followed by an empty one: it can become empty itself
-        last = self.values[(pos + 1) & int(self._mask)] == EMPTY
-        self.values[pos] = np.where(last, EMPTY, DELETED)
+        last = self.entries[(pos + 1) & int(self._mask)] == EMPTY
+        self.entries[pos] = np.where(last, EMPTY, DELETED)
         self.num_keys -= len(pos)
         self._num_deleted += len(pos) - int(np.count_nonzero(last))
 
     def clear(self) -> None:
-        self.values[:] = EMPTY
+        self.entries[:] = EMPTY
         self.num_keys = self._num_deleted = 0
 
     def _rebuild(self, extra: int) -> None:
-        """Drop tombstones (and grow when the keys alone would fill a quarter of the table)."""
-        keys, values = self.items()
-        capacity = len(self.values)
-        while 4 * (len(keys) + extra) > capacity:
+        """Drop tombstones (and grow when the keys alone would fill 1/SPREAD of the table)."""
+        values = self.entries[self.entries >= 0] & _MASK_VALUE
+        keys = self.key_of_value[values]
+        capacity = len(self.entries)
+        while SPREAD * (len(keys) + extra) > capacity:
             capacity *= 2
-        self._mask = _U64(capacity - 1)
         self._alloc(capacity)
         self.num_keys = self._num_deleted = 0
         self.insert(keys, values)
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
         state = dict(self.__dict__)
-        del state["_keys_view"], state["_values_view"]
+        del state["_entries_view"], state["_key_view"]
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._keys_view, self._values_view = self.keys.data, self.values.data
+        self._views()
 
     def _alloc(self, capacity: int) -> None:
-        # A position's key and value share a cache line (one array of pairs, two strided
-        # views), so a probe or an insert touches one line per position, not two.
-        pairs = np.empty((capacity, 2), dtype=np.int64)
-        pairs[:, 0] = 0
-        pairs[:, 1] = EMPTY
-        self.keys = pairs[:, 0].view(_U64)  # key at each position
-        self.values = pairs[:, 1]  # value, EMPTY or DELETED
-        # the same, read as Python ints by the scalar paths
-        self._keys_view, self._values_view = self.keys.data, self.values.data
+        self.entries = np.full(capacity, EMPTY, dtype=np.int64)
+        self._mask = _U64(capacity - 1)
         self._int_mask = capacity - 1
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews of the entries and keys, read as Python ints by the scalar paths."""
+        self._entries_view, self._key_view = self.entries.data, self.key_of_value.data

@@ -250,9 +250,8 @@ class BlockPool:
             parent_ids[0] = parents[0]
             index.cid[slots] = cids
             index.parent[slots] = parent_ids
-            index.tokens[slots] = tokens
-            index.holder[slots] = block_ids
-            index.key[slots] = keys
+            index.write_tokens(slots, tokens)
+            index.holder[slots] = block_ids  # (index.key: written by insert_absent)
             if hashes is not None:
                 index.any_hashes = True
                 for slot, block_hash in zip(slots.tolist(), hashes):
@@ -284,9 +283,8 @@ class BlockPool:
         index.parent[slot] = parent
         index.tokens[slot] = tokens
         index.holder[slot] = block_id
-        index.key[slot] = key
         index.hashes[slot] = None
-        index.keys.insert_one(key, slot)
+        index.keys.insert_one(key, slot)  # writes index.key[slot]
         self.record[block_id] = slot
         self.num_cached_blocks += 1
         return cid

@@ -17,6 +17,7 @@ caps a full-attention group's hit below what both can serve.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,15 +75,24 @@ def prompt_keys(
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size."""
     for bs in sorted(set(block_sizes)):
-        counts = np.array([len(p.tokens) // bs for p in plans], dtype=np.int64)
-        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts.tolist())])
+        counts = [len(p.tokens) // bs for p in plans]
+        starts, end = [], 0
+        for count in counts:
+            starts.append(end)
+            end += count
+        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
         hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
         seeds = np.array([p.seed for p in plans], dtype=_U64)
-        keys, states = chain_keys(hashes, counts, seeds, powers[bs])
-        ends = np.cumsum(counts)
-        for plan, end, count in zip(plans, ends.tolist(), counts.tolist()):
-            plan.keys[bs] = keys[end - count : end]
-            plan.states[bs] = states[end - count : end]
+        keys, states = chain_keys(
+            hashes,
+            np.array(counts, dtype=np.int64),
+            seeds,
+            powers[bs],
+            np.array(starts, dtype=np.int64),
+        )
+        for plan, start, count in zip(plans, starts, counts):
+            plan.keys[bs] = keys[start : start + count]
+            plan.states[bs] = states[start : start + count]
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -94,6 +104,19 @@ def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) ->
     # the first True at or after each start (clamped: past the last True it is before it)
     first = at[np.minimum(np.searchsorted(at, starts), len(at) - 1)] - starts
     return np.where(first < 0, lengths, np.minimum(first, lengths))
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row of two int64 ``[n, bs]`` arrays, whether they differ (bool ``[n]``); for 8 or
+    16 columns the rows of flags are read as uint64 words (a reduction along short rows costs
+    more than the comparison)."""
+    differ = a != b
+    if differ.shape[1] == 8:
+        return differ.view(np.uint64)[:, 0] != 0
+    if differ.shape[1] == 16:
+        words = differ.view(np.uint64)
+        return (words[:, 0] | words[:, 1]) != 0
+    return differ.any(axis=1)
 
 
 def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int]) -> int:
@@ -121,7 +144,9 @@ def find_hits(
 ) -> None:
     """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
     limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
-    has_windows = any(w is not None for w in windows)  # else only `cached` is needed
+    if all(w is None for w in windows):
+        _find_full_hits(plans, pools, block_sizes, limits, align_tokens)
+        return
     per_group = []
     for pool, bs in zip(pools, block_sizes):
         usable = np.array(
@@ -145,36 +170,17 @@ def find_hits(
         nonempty = usable > 0
         expected_parent[starts[nonempty]] = [p.root for p, ne in zip(plans, nonempty) if ne]
         ok = (slots >= 0) & (index.parent[safe] == expected_parent)
-        ok &= (index.tokens[safe] == tokens).all(axis=1)
+        ok &= ~_rows_differ(index.tokens.take(safe, axis=0), tokens)
         alive = index.holder[safe] != 0
-        verified = _segment_first(~ok, usable, starts) if has_windows else usable
+        verified = _segment_first(~ok, usable, starts)
         cached = _segment_first(~(ok & alive), usable, starts)
         per_group.append((slots, starts, verified, cached, alive))
-    if not has_windows:  # the hit is the longest cached prefix every group serves
-        caps = np.array(limits, dtype=np.int64)
-        for (_, _, _, cached, _), bs in zip(per_group, block_sizes):
-            caps = np.minimum(caps, cached * bs)
-        group_starts = [starts.tolist() for _, starts, _, _, _ in per_group]
-        hits = (caps // align_tokens * align_tokens).tolist()
-        for i, (plan, n) in enumerate(zip(plans, hits)):
-            plan.num_cached_tokens = n
-            plan.num_skipped = [0] * len(per_group)
-            for (slots, *_), starts_g, bs in zip(per_group, group_starts, block_sizes):
-                hi, start = n // bs, starts_g[i]
-                seg = slots[start : start + hi]
-                plan.hit_slots.append(seg)
-                plan.last_slots.append(int(seg[-1]) if hi else -1)
-        return
     for i, plan in enumerate(plans):
         cap = limits[i]
         for (_, _, _, cached, _), bs, window in zip(per_group, block_sizes, windows):
             if window is None:
                 cap = min(cap, int(cached[i]) * bs)
         best = cap // align_tokens
-        if all(w is None for w in windows):
-            n = best * align_tokens
-            _take_hit(plan, n, per_group, i, block_sizes, windows)
-            continue
         candidates = align_tokens * np.arange(best, -1, -1, dtype=np.int64)
         servable = np.ones(len(candidates), dtype=bool)
         for (slots, starts, verified, _, alive), bs, window in zip(per_group, block_sizes, windows):
@@ -190,6 +196,83 @@ def find_hits(
             servable &= inside & (dead_before[hi_c] == dead_before[lo_c])
         n = int(candidates[np.argmax(servable)]) if servable.any() else 0
         _take_hit(plan, n, per_group, i, block_sizes, windows)
+
+
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # the hit slots of a group serving no block
+_NO_SLOTS.flags.writeable = False
+
+
+def _find_full_hits(
+    plans: Sequence[PromptPlan],
+    pools: Sequence[BlockPool],
+    block_sizes: Sequence[int],
+    limits: list[int],
+    align_tokens: int,
+) -> None:
+    """:func:`find_hits` without sliding windows: the hit is the longest prefix of cached
+    blocks every group serves. Only prompts whose first key is filed are looked up, and a
+    group's blocks are verified in one pass for all of them (few array operations: each
+    costs more than its work here)."""
+    caps = list(limits)
+    found: list[tuple[list[int], np.ndarray | None]] = []  # per group: starts, slots
+    for pool, bs in zip(pools, block_sizes):
+        index = pool.index
+        get_one = index.keys.get_one
+        usable = [_key_bound(p.keys[bs], lim // bs, get_one) for p, lim in zip(plans, limits)]
+        starts = [0] * len(plans)  # where each prompt's keys start in `keys`
+        live, lengths, end = [], [], 0  # the prompts looked up, their blocks, their total
+        for i, u in enumerate(usable):
+            if u:
+                live.append(i)
+                lengths.append(u)
+                starts[i] = end
+                end += u
+            else:
+                caps[i] = 0
+        if not live:
+            found.append((starts, None))
+            continue
+        if len(live) == 1:
+            plan = plans[live[0]]
+            keys = plan.keys[bs][:end]
+            tokens = plan.tokens[: end * bs]
+        else:
+            keys = np.concatenate([plans[i].keys[bs][: usable[i]] for i in live])
+            tokens = np.concatenate([plans[i].tokens[: usable[i] * bs] for i in live])
+        slots = index.keys.get(keys)  # (-1 where absent: reads the last record, bad anyway)
+        cids = index.cid[slots]
+        # block j verifies when its record exists, is alive, holds the prompt's tokens and
+        # its parent is the content id found for block j - 1 (the namespace's root for 0)
+        expected_parent = np.empty_like(cids)
+        expected_parent[1:] = cids[:-1]
+        for i in live:
+            expected_parent[starts[i]] = plans[i].root
+        bad = index.parent[slots] != expected_parent
+        bad |= slots < 0
+        bad |= index.holder[slots] == 0
+        # (take: numpy's row-wise fancy indexing costs three times as much)
+        bad |= _rows_differ(index.tokens.take(slots, axis=0), tokens.reshape(-1, bs))
+        at = np.flatnonzero(bad).tolist() if bad.any() else []
+        for i, u in zip(live, lengths):
+            start = starts[i]
+            j = bisect_left(at, start)
+            first = at[j] - start if j < len(at) and at[j] < start + u else u
+            caps[i] = min(caps[i], first * bs)
+        found.append((starts, slots))
+    hits = [c // align_tokens * align_tokens for c in caps]
+    for i, (plan, n) in enumerate(zip(plans, hits)):
+        plan.num_cached_tokens = n
+        plan.num_skipped = [0] * len(pools)
+        for (group_starts, group_slots), bs in zip(found, block_sizes):
+            hi = n // bs
+            if hi and group_slots is not None:  # (a hit needs slots looked up)
+                start = group_starts[i]
+                seg = group_slots[start : start + hi]
+                plan.hit_slots.append(seg)
+                plan.last_slots.append(seg.item(-1))
+            else:
+                plan.hit_slots.append(_NO_SLOTS)
+                plan.last_slots.append(-1)
 
 
 def _take_hit(
