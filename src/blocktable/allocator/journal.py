@@ -66,6 +66,8 @@ class StepJournal:
         self._start_len_mv = self.start_len.data
         self._gen_mv = self.rows.holder_gen.data
         self._row_len_mv = self.rows.row_len.data
+        self._start_len0_mv = self.start_len[0].data  # group 0 (the one-group path)
+        self._row_len0_mv = self.rows.row_len[0].data
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
         return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
@@ -205,12 +207,12 @@ class StepJournal:
         step of an engine): a Python loop over the rows through memoryviews costs less than
         the vectorized path's fixed two dozen numpy calls, and every int of the update is
         packed by one ``struct.pack``."""
-        rows = sorted(self.order)
+        rows = self.order  # in the order of their first touch
         self.order = []
         touched, gen, start_gen = self._touched_mv, self._gen_mv, self._start_gen_mv
-        row_len, start_len = self._row_len_mv, self._start_len_mv
+        row_len, start_len = self._row_len0_mv, self._start_len0_mv
         arena = self.rows.blocks[0]
-        ids_mv = arena.data
+        item = arena.item
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
@@ -224,17 +226,17 @@ class StepJournal:
             live = gen[row]
             if live == start_gen[row]:
                 if live:
-                    n, old = row_len[0, row], start_len[0, row]
+                    n, old = row_len[row], start_len[row]
                     if n > old:
                         app_rows.append(row)
                         app_counts.append(n - old)
                         if n - old == 1:
-                            app_ids.append(ids_mv[row, old])
+                            app_ids.append(item(row, old))
                         else:
                             one_each = False
                             app_ids += arena[row, old:n].tolist()
             elif live:
-                n = row_len[0, row]
+                n = row_len[row]
                 add_rows.append(row)
                 add_counts.append(n)
                 add_ids.append(arena[row, :n])
