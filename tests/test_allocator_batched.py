@@ -299,3 +299,39 @@ def test_batched_calls_with_no_requests_change_nothing(num_groups: int) -> None:
         ([], []) for _ in range(num_groups)
     )
     mgr.check_integrity()
+
+
+def test_token_ids_past_the_arena_move_to_a_buffer_and_batched_appends_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sequences longer than the token arena's rows hold move to buffers of their own; the
+    batched append (one scatter for arena rows, per request otherwise) and the per-request
+    one keep every request's token ids equal to a plain list, and registration reads them."""
+    from blocktable.allocator import rowstate
+
+    monkeypatch.setattr(rowstate, "_MIN_TOKEN_WIDTH", 4)
+    monkeypatch.setattr(rowstate, "TOKEN_ROW_CAP", 40)
+    rng = np.random.default_rng(0)
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 200)], 6)
+    model: dict[str, list[int]] = {}
+    for i, n in enumerate([3, 9, 30]):  # the last one starts outside the arena
+        prompt = rng.integers(0, 100, n).tolist()
+        mgr.add_request(f"r{i}", prompt)
+        model[f"r{i}"] = prompt
+    for step in range(14):  # 3 + 14 * 3 > 40: every sequence leaves the arena at some step
+        ids = list(model)
+        block = rng.integers(0, 100, (len(ids), 3))
+        if step % 3 == 2:
+            for r, new in zip(ids, block.tolist()):
+                mgr.append_token_ids(r, new)
+        else:
+            mgr.append_token_ids_many(ids, block)
+        for r, new in zip(ids, block.tolist()):
+            model[r] += new
+        for r in ids:
+            assert mgr._requests[r].token_ids() == model[r]
+            n = len(model[r])
+            mgr.allocate(r, n - mgr.num_computed_tokens(r))
+        mgr.mark_computed_many(ids, [len(model[r]) - mgr.num_computed_tokens(r) for r in ids])
+        mgr.check_integrity()  # the index holds each full block under the request's tokens
+    assert not mgr._row_state.in_arena[[mgr.row_of(r) for r in model]].any()  # all moved

@@ -614,17 +614,30 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 
 class AllVectorizedMachine(AllocatorMachine):
-    """The same machine with every batched path vectorized: the row counts below which the
-    journal's take loops in Python and row gathers slice each row are set to
-    0, so the paths a large engine takes are checked on these small pools too."""
+    """The same machine with every batched path vectorized and a tiny token arena: the row
+    counts below which the journal's take loops in Python and row gathers slice each row are
+    set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
+    sequences move to buffers of their own), so the paths a large engine or a long context
+    takes are checked on these small pools too."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._saved = (journal._FEW_ROWS, rowstate._FEW_ROWS)
+        self._saved = (
+            journal._FEW_ROWS,
+            rowstate._FEW_ROWS,
+            rowstate._MIN_TOKEN_WIDTH,
+            rowstate.TOKEN_ROW_CAP,
+        )
         journal._FEW_ROWS = rowstate._FEW_ROWS = 0
+        rowstate._MIN_TOKEN_WIDTH, rowstate.TOKEN_ROW_CAP = 2, 8
 
     def teardown(self) -> None:
-        journal._FEW_ROWS, rowstate._FEW_ROWS = self._saved
+        (
+            journal._FEW_ROWS,
+            rowstate._FEW_ROWS,
+            rowstate._MIN_TOKEN_WIDTH,
+            rowstate.TOKEN_ROW_CAP,
+        ) = self._saved
         super().teardown()
 
 

@@ -34,7 +34,6 @@ from blocktable.allocator.request import (
     RequestState,
     TokenIds,
     check_req_id,
-    grown,
     token_array,
 )
 from blocktable.allocator.rows import RowAllocator
@@ -308,13 +307,9 @@ class KVCacheManager:
             touch(row)
             state.start(row, num_tokens)
             chains.start(row, plan.root)
-            # a buffer with room for the tokens a request generates: its first appends copy
-            # nothing (and the caller's array stays the caller's)
-            buffer = np.empty(num_tokens + (num_tokens >> 2) + 16, dtype=np.int64)
-            buffer[:num_tokens] = plan.tokens
             req = RequestState(
                 req_id,
-                buffer,
+                state.take_tokens(row, plan.tokens),  # copied: the caller's stay the caller's
                 namespace,
                 plan.namespace_bytes,
                 plan.root,
@@ -405,15 +400,20 @@ class KVCacheManager:
         if self.max_model_len is not None:
             for req in reqs:
                 self._check_request_len(req.req_id, "sequence", num_tokens[req.row] + k)
-        if not k:
+        if not k or not reqs:
+            return
+        state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        starts = state.num_tokens[rows]
+        if state.in_arena[rows].all() and state.token_room(int(starts.max()) + k):
+            # every row in the token arena: one scatter
+            state.tokens[rows[:, None], starts[:, None] + np.arange(k)] = block
+            state.num_tokens[rows] = starts + k
             return
         for req, new in zip(reqs, block):
             row = req.row
             n = num_tokens[row]
-            tokens = req.tokens
-            if len(tokens) < n + k:
-                tokens = req.tokens = grown(tokens, n + k)
-            tokens[n : n + k] = new
+            req.room(n + k)[n : n + k] = new
             num_tokens[row] = n + k
 
     # ----------------------------------------------------------------- allocation

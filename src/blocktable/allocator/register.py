@@ -175,7 +175,12 @@ def _register_group(
     lengths = stop - first
     seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
     k = num_stored
-    token_parts = [reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l, first_l, stop_l)]
+    token_parts = [
+        reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l[:k], first_l[:k], stop_l[:k])
+    ]
+    if k < len(seg):  # the others (decode blocks, usually one each) gathered at once
+        fresh_reqs = [reqs[i] for i in seg_l[k:]]
+        token_parts.append(_fresh_tokens(fresh_reqs, state, seg_rows[k:], first[k:], stop[k:], bs))
     tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
     block_ids = state.gather(g, seg_rows, first, lengths)
     key_parts = [
@@ -209,6 +214,27 @@ def _register_group(
     )
     parent_cid[seg_rows] = cids if len(cids) == len(seg) else cids[ends - 1]
     num_hashed[seg_rows] = stop
+
+
+def _fresh_tokens(
+    reqs: list[RequestState],
+    state: RowState,
+    rows: np.ndarray,
+    first: np.ndarray,
+    stop: np.ndarray,
+    bs: int,
+) -> np.ndarray:
+    """Token ids of blocks ``first[i] .. stop[i] - 1`` of ``reqs[i]`` (holding ``rows[i]``),
+    concatenated: one gather from the token arena when every row is there and every segment
+    as long, else a slice per segment."""
+    length = int(stop[0] - first[0])
+    if (stop - first == length).all() and state.in_arena[rows].all():
+        cols = (first * bs)[:, None] + np.arange(length * bs)
+        return state.tokens[rows[:, None], cols].reshape(-1)
+    parts = [
+        req.tokens[f * bs : s * bs] for req, f, s in zip(reqs, first.tolist(), stop.tolist())
+    ]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _register_segment(

@@ -80,6 +80,7 @@ class RequestState:
     """
 
     __slots__ = (
+        "_buffer",
         "keys",
         "namespace",
         "namespace_bytes",
@@ -91,13 +92,12 @@ class RequestState:
         "row",
         "rows",
         "seed",
-        "tokens",
     )
 
     def __init__(
         self,
         req_id: str | int,
-        tokens: np.ndarray,
+        tokens: np.ndarray | None,
         namespace: object,
         namespace_bytes: bytes,
         root: int,
@@ -108,12 +108,12 @@ class RequestState:
         row: int,
     ) -> None:
         """A request holding ``row`` of ``rows`` (the caller starts that row there), its
-        token ids the first ``num_tokens`` of ``tokens`` (int64, a buffer it owns, with room
-        to grow)."""
+        token ids in the row's token arena (``tokens`` None) or the first ``num_tokens`` of
+        ``tokens`` (int64, a buffer of its own, with room to grow)."""
         self.req_id = req_id
         self.rows = rows
         self.row = row
-        self.tokens = tokens  # on cpu, int64 [capacity]
+        self._buffer = tokens  # on cpu, int64 [capacity], or None: the arena's row
         self.namespace = namespace
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
@@ -176,6 +176,28 @@ class RequestState:
         """Make ``block_ids`` (int32) the row of ``group``."""
         self.rows.set_row(group, self.row, block_ids)
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """Where the token ids are: int64 ``[capacity]``, the first ``num_tokens`` of it (a
+        view of the arena's row, valid until the arena grows, or the request's own buffer)."""
+        buffer = self._buffer
+        return self.rows.tokens[self.row] if buffer is None else buffer
+
+    def room(self, size: int) -> np.ndarray:
+        """:attr:`tokens` with room for ``size`` ids (the arena widened, or the ids moved to a
+        buffer of their own when the arena's rows cannot hold them)."""
+        buffer, rows, row = self._buffer, self.rows, self.row
+        if buffer is not None:
+            buffer = self._buffer = grown(buffer, size)
+            return buffer
+        if rows.token_room(size):
+            return rows.tokens[row]
+        n = rows.num_tokens_mv[row]
+        buffer = self._buffer = np.empty(size + (size >> 2) + 16, dtype=np.int64)
+        buffer[:n] = rows.tokens[row, :n]
+        rows.in_arena_mv[row] = False
+        return buffer
+
     def token_array(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Token ids ``start .. stop - 1`` (default: all known): int64, a view of the buffer."""
         return self.tokens[start : self.num_tokens if stop is None else stop]
@@ -187,8 +209,7 @@ class RequestState:
     def append_tokens(self, new: np.ndarray) -> None:
         rows, row = self.rows, self.row
         n = rows.num_tokens_mv[row]
-        tokens = self.tokens = grown(self.tokens, n + len(new))
-        tokens[n : n + len(new)] = new
+        self.room(n + len(new))[n : n + len(new)] = new
         rows.num_tokens_mv[row] = n + len(new)
 
     def fork(self, req_id: str | int, row: int) -> RequestState:
@@ -198,7 +219,7 @@ class RequestState:
         self.rows.start(row, num_tokens)
         child = RequestState(
             req_id,
-            self.tokens[:num_tokens].copy(),
+            self.rows.take_tokens(row, self.tokens[:num_tokens]),
             self.namespace,
             self.namespace_bytes,
             self.root,

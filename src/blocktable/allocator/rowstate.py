@@ -11,6 +11,10 @@ The block rows of group ``g`` are one int32 arena ``blocks[g]`` of shape ``[num_
 row ``r`` holds its request's manager block ids in its first ``row_len[g, r]`` entries. The
 width grows (doubling) to the longest row held so far, so the arena costs as much host memory
 as a block table of the same rows and width: ``num_rows * width * 4`` bytes per group.
+
+Token ids live in an int64 arena ``tokens`` ``[num_rows, token_width]`` too, the width doubling
+up to :data:`TOKEN_ROW_CAP` (32 MB at 1024 rows); a longer sequence moves to a buffer of its
+own (``in_arena[r]`` False), so memory stays bounded however long the context.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 _MIN_WIDTH = 16
+_MIN_TOKEN_WIDTH = 256
+TOKEN_ROW_CAP = 4096  # token ids a row of the token arena holds at most
 _FEW_ROWS = 16  # gathers of at most this many rows slice each row
 
 
@@ -40,6 +46,11 @@ class RowState:
         Leading entries that left a sliding window (``NULL_BLOCK_ID``), per group.
     blocks : list of int32 ``[num_rows, width_g]``
         Per group, the block ids of each row (the first ``row_len[g, r]`` entries).
+    tokens : int64 ``[num_rows, token_width]``
+        The token ids of each row whose request fits (``in_arena``): its first
+        ``num_tokens[r]`` entries.
+    in_arena : bool ``[num_rows]``
+        Whether the row's token ids are in ``tokens`` (else in its request's own buffer).
     holder_gen : int64 ``[num_rows]``
         A number given to each admission (never reused), 0 for a free row: the step journal
         tells a row's holder at its first touch from the live one by comparing these.
@@ -54,6 +65,8 @@ class RowState:
         self.num_skipped = np.zeros((num_groups, num_rows), dtype=np.int64)
         self.blocks = [np.zeros((num_rows, _MIN_WIDTH), dtype=np.int32) for _ in range(num_groups)]
         self.num_prompt = np.zeros(num_rows, dtype=np.int64)  # prompt tokens at admission
+        self.tokens = np.zeros((num_rows, _MIN_TOKEN_WIDTH), dtype=np.int64)
+        self.in_arena = np.zeros(num_rows, dtype=bool)
         self.holder_gen = np.zeros(num_rows, dtype=np.int64)
         self._next_gen = 1
         self._views()
@@ -71,6 +84,7 @@ class RowState:
         self.num_skipped_mvs = [a.data for a in self.num_skipped]
         self.holder_gen_mv = self.holder_gen.data
         self.num_prompt_mv = self.num_prompt.data
+        self.in_arena_mv = self.in_arena.data
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
         return {k: v for k, v in self.__dict__.items() if not k.endswith(("_mv", "_mvs"))}
@@ -96,6 +110,33 @@ class RowState:
         holder_gen = self.holder_gen_mv
         for row in rows:
             holder_gen[row] = 0
+
+    def take_tokens(self, row: int, tokens: np.ndarray) -> np.ndarray | None:
+        """Copy a new request's ``tokens`` (int64) into ``row`` of the token arena and return
+        None, or, when they do not fit, into a buffer of its own (with room to grow) and
+        return that."""
+        n = len(tokens)
+        if self.token_room(n):
+            self.tokens[row, :n] = tokens
+            self.in_arena_mv[row] = True
+            return None
+        self.in_arena_mv[row] = False
+        buffer = np.empty(n + (n >> 2) + 16, dtype=np.int64)
+        buffer[:n] = tokens
+        return buffer
+
+    def token_room(self, size: int) -> bool:
+        """Whether the token arena's rows hold ``size`` ids (it grows, doubling, up to
+        :data:`TOKEN_ROW_CAP`)."""
+        width = self.tokens.shape[1]
+        if size <= width:
+            return True
+        if size > TOKEN_ROW_CAP:
+            return False
+        new = np.zeros((self.num_rows, min(TOKEN_ROW_CAP, max(size, 2 * width))), np.int64)
+        new[:, :width] = self.tokens
+        self.tokens = new
+        return True
 
     def ensure_width(self, group: int, width: int) -> np.ndarray:
         """The arena of ``group``, grown (doubling) to hold rows of ``width`` blocks."""
