@@ -35,7 +35,7 @@ _EMPTY.flags.writeable = False
 _NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance serves all
 _NO_ENTRIES = RowEntries()
 _EMPTY_INTP = np.zeros(0, dtype=np.intp)
-_FEW_ROWS = 64  # take() loops in Python over at most this many touched rows (one group)
+_FEW_ROWS = 128  # take() loops in Python over at most this many touched rows (one group)
 
 
 class StepJournal:
