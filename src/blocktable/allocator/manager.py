@@ -407,8 +407,11 @@ class KVCacheManager:
         rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         if state.in_arena[rows].all() and state.token_room(int(starts.max()) + k):
-            # every row in the token arena: one scatter
-            state.tokens[rows[:, None], starts[:, None] + np.arange(k)] = block
+            # every row in the token arena: one scatter (a put on the flat arena beats a
+            # broadcast 2-D index)
+            arena = state.tokens
+            at = (rows * arena.shape[1] + starts)[:, None] + np.arange(k)
+            arena.reshape(-1).put(at.reshape(-1), block)
             state.num_tokens[rows] = starts + k
             return
         for req, new in zip(reqs, block):

@@ -229,8 +229,10 @@ def _fresh_tokens(
     as long, else a slice per segment."""
     length = int(stop[0] - first[0])
     if (stop - first == length).all() and state.in_arena[rows].all():
-        cols = (first * bs)[:, None] + np.arange(length * bs)
-        return state.tokens[rows[:, None], cols].reshape(-1)
+        arena = state.tokens
+        # flat positions (a take on the flat arena beats a broadcast 2-D index)
+        at = (rows * arena.shape[1] + first * bs)[:, None] + np.arange(length * bs)
+        return arena.reshape(-1).take(at.reshape(-1))
     parts = [
         req.tokens[f * bs : s * bs] for req, f, s in zip(reqs, first.tolist(), stop.tolist())
     ]
