@@ -335,3 +335,28 @@ def test_token_ids_past_the_arena_move_to_a_buffer_and_batched_appends_agree(
         mgr.mark_computed_many(ids, [len(model[r]) - mgr.num_computed_tokens(r) for r in ids])
         mgr.check_integrity()  # the index holds each full block under the request's tokens
     assert not mgr._row_state.in_arena[[mgr.row_of(r) for r in model]].any()  # all moved
+
+
+def test_a_pickled_manager_goes_on_exactly_as_the_original() -> None:
+    """Memoryviews of the row arrays do not pickle: they are rebuilt on load, and the copy
+    (rows, token arena, journal, key chains) then behaves exactly as the original."""
+    import pickle
+
+    rng = np.random.default_rng(3)
+    mgr = make(GROUPS[:1])
+    for i in range(3):
+        mgr.add_request(f"r{i}", rng.integers(0, 5, 9).tolist())
+        mgr.allocate(f"r{i}", 9)
+    mgr.mark_computed_many(["r0", "r1"], [9, 9])
+    copy = pickle.loads(pickle.dumps(mgr))
+    prompt = rng.integers(0, 5, 12).tolist()
+    for m in (mgr, copy):
+        m.append_token_ids_many(["r0", "r1"], np.array([[1, 2, 3], [4, 5, 6]]))
+        m.allocate_many(["r0", "r1", "r2"], [3, 3, 9])
+        m.mark_computed_many(["r0", "r1", "r2"], [3, 3, 9])
+        m.free_many(["r1"])
+        m.add_request("r3", prompt)
+    assert observable(mgr) == observable(copy)
+    assert as_lists(mgr.take_step_update()) == as_lists(copy.take_step_update())
+    assert mgr._requests["r0"].token_ids() == copy._requests["r0"].token_ids()
+    copy.check_integrity()
