@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_allocator_pool import cache
 
 from blocktable.allocator import BlockPool, keytable
 from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.keytable import KeyTable
-
-ROOT = -1  # parent content id of a first block (namespace 1)
-
-
-def ids(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int32)
-
-
-def cache(pool: BlockPool, blocks: list[int], tokens: list[int], parent: int = ROOT) -> list[int]:
-    """File ``blocks`` as one chain (block size 1: one token each) with keys = token ids."""
-    keys = np.array([t * 1000 + 7 for t in tokens], dtype=np.uint64)
-    parents = np.zeros(len(blocks), dtype=np.int64)
-    parents[0] = parent
-    toks = np.array(tokens, dtype=np.int64).reshape(-1, 1)
-    return pool.cache(ids(*blocks), keys, toks, parents).tolist()
 
 
 @pytest.mark.parametrize("seed", range(4))
