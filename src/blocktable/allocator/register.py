@@ -174,22 +174,17 @@ def _register_group(
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
     seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
-    k = num_stored
+    k = num_stored  # segments 0 .. k - 1: keys stored at admission; k ..: keyed here
     token_parts = [
         reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l[:k], first_l[:k], stop_l[:k])
     ]
-    if k < len(seg):  # the others (decode blocks, usually one each) gathered at once
-        fresh_reqs = [reqs[i] for i in seg_l[k:]]
-        token_parts.append(_fresh_tokens(fresh_reqs, state, seg_rows[k:], first[k:], stop[k:], bs))
-    tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
-    block_ids = state.gather(g, seg_rows, first, lengths)
-    key_parts = [
-        reqs[i].keys[bs][f:s]
-        for i, f, s in zip(seg_l[:num_stored], first_l[:num_stored], stop_l[:num_stored])
-    ]
-    if num_stored < len(seg):
+    key_parts = [reqs[i].keys[bs][f:s] for i, f, s in zip(seg_l[:k], first_l[:k], stop_l[:k])]
+    if k < len(seg):  # decode blocks, usually one each: their token ids gathered at once
         fresh_len, fresh_rows = lengths[k:], seg_rows[k:]
-        fresh_tokens = tokens[int(lengths[:k].sum()) * bs :] if k else tokens
+        fresh_tokens = _fresh_tokens(
+            [reqs[i] for i in seg_l[k:]], state, fresh_rows, first[k:], stop[k:], bs
+        )
+        token_parts.append(fresh_tokens)
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
@@ -203,6 +198,8 @@ def _register_group(
             states if len(states) == len(fresh_rows) else states[np.cumsum(fresh_len) - 1]
         )
         key_parts.append(keys)
+    tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
+    block_ids = state.gather(g, seg_rows, first, lengths)
     ends = lengths.cumsum()
     parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
     parent_ids[ends - lengths] = parent_cid[seg_rows]
