@@ -295,8 +295,8 @@ class KVCacheManager:
         self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
     ) -> None:
         """Give each planned prompt the lowest free row, its token ids and its prefix hit
-        (checked before: enough free rows); the rows' counts and chains are set for all at
-        once."""
+        (checked before: enough free rows), each row's counts and chains written through
+        memoryviews (a step admits a few requests: scalar writes beat array calls here)."""
         state, chains, holders = self._row_state, self._chains, self._rows.holders
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         touch = self._journal.touch_leaving  # free, or freed earlier in this step

@@ -45,7 +45,6 @@ class PromptPlan:
         "root",
         "seed",
         "states",
-        "token_buffer",
         "tokens",
     )
 
@@ -55,13 +54,11 @@ class PromptPlan:
         root: int,
         seed: int,
         namespace_bytes: bytes = b"",
-        token_buffer: np.ndarray | None = None,
     ) -> None:
         self.tokens = tokens  # int64 [num_tokens]
         self.root = root  # parent content id of block 0
         self.seed = seed  # K_{-1} of the key chain
         self.namespace_bytes = namespace_bytes  # the namespace's encoding
-        self.token_buffer = token_buffer  # int64 [capacity], tokens its first entries, or None
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.num_cached_tokens = 0
