@@ -55,8 +55,8 @@ def test_hits_of_every_length_in_one_batched_call(num_cached_blocks: int) -> Non
 
 
 def test_admitted_prompt_owns_its_tokens() -> None:
-    """Admission copies a prompt into the request's own buffer (with room for generated
-    tokens): the caller's array is neither aliased nor written by later appends."""
+    """Admission copies a prompt (into the token arena's row, or a buffer of the request's
+    own): the caller's array is neither aliased nor written by later appends."""
     mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], max_num_reqs=2)
     prompt = np.arange(10, dtype=np.int64)
     kept = prompt.copy()
