@@ -63,31 +63,24 @@ class StepJournal:
         # none of these arrays is ever reallocated.
         self._touched_mv = self.touched.data
         self._start_gen_mv = self.start_gen.data
-        self._start_len_mv = self.start_len.data
         self._gen_mv = self.rows.holder_gen.data
-        self._row_len_mv = self.rows.row_len.data
-        self._start_len0_mv = self.start_len[0].data  # group 0 (the one-group path)
-        self._row_len0_mv = self.rows.row_len[0].data
+        # per group: [row] (the row state's are rebuilt with it)
+        self._start_len_mvs = [a.data for a in self.start_len]
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
-        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
+        return {k: v for k, v in self.__dict__.items() if not k.endswith(("_mv", "_mvs"))}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._views()
-
-    @property
-    def num_touched(self) -> int:
-        return len(self.order)
 
     def touch(self, row: int) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
         if not self._touched_mv[row]:
             self._touched_mv[row] = True
             self._start_gen_mv[row] = self._gen_mv[row]
-            start_len, row_len = self._start_len_mv, self._row_len_mv
-            for g in range(self.num_groups):
-                start_len[g, row] = row_len[g, row]
+            for start_len, row_len in zip(self._start_len_mvs, self.rows.row_len_mvs):
+                start_len[row] = row_len[row]
             self.order.append(row)
 
     def touch_leaving(self, row: int) -> None:
@@ -98,16 +91,13 @@ class StepJournal:
             self._start_gen_mv[row] = self._gen_mv[row]
             self.order.append(row)
 
-    def touch_many(self, rows: np.ndarray, *, lengths: bool = True) -> None:
-        """:meth:`touch` of distinct ``rows`` (intp). ``lengths=False`` when the rows are freed
-        now or are free (their lengths at the first touch are never read: such a row ends
-        cleared or added, never appended to)."""
+    def touch_many(self, rows: np.ndarray) -> None:
+        """:meth:`touch` of distinct ``rows`` (intp)."""
         new = rows[~self.touched[rows]]
         if len(new):
             self.touched[new] = True
             self.start_gen[new] = self.rows.holder_gen[new]
-            if lengths:
-                self.start_len[:, new] = self.rows.row_len[:, new]
+            self.start_len[:, new] = self.rows.row_len[:, new]
             self.order += new.tolist()
 
     def null(self, row: int, group: int, block_index: int) -> None:
@@ -210,7 +200,7 @@ class StepJournal:
         rows = self.order  # in the order of their first touch
         self.order = []
         touched, gen, start_gen = self._touched_mv, self._gen_mv, self._start_gen_mv
-        row_len, start_len = self._row_len0_mv, self._start_len0_mv
+        row_len, start_len = self.rows.row_len_mvs[0], self._start_len_mvs[0]
         arena = self.rows.blocks[0]
         item = arena.item
         cleared: list[int] = []

@@ -168,9 +168,10 @@ class RequestState:
     def append_block(self, group: int, block_id: int) -> None:
         """Append one id to the row of ``group``."""
         rows, row = self.rows, self.row
-        n = rows.row_len_mv[group, row]
+        row_len = rows.row_len_mvs[group]
+        n = row_len[row]
         rows.ensure_width(group, n + 1)[row, n] = block_id
-        rows.row_len_mv[group, row] = n + 1
+        row_len[row] = n + 1
 
     def set_blocks(self, group: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the row of ``group``."""

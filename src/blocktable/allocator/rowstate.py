@@ -78,8 +78,6 @@ class RowState:
         self.num_computed_mv = self.num_computed.data
         self.num_tokens_mv = self.num_tokens.data
         self.num_slots_mv = self.num_slots.data
-        self.row_len_mv = self.row_len.data  # [group, row]
-        self.num_skipped_mv = self.num_skipped.data
         self.row_len_mvs = [a.data for a in self.row_len]  # per group: [row]
         self.num_skipped_mvs = [a.data for a in self.num_skipped]
         self.holder_gen_mv = self.holder_gen.data
@@ -154,11 +152,12 @@ class RowState:
 
     def append(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Append ``block_ids`` (int32) to ``row`` of ``group``."""
-        n = self.row_len_mv[group, row]
+        row_len = self.row_len_mvs[group]
+        n = row_len[row]
         k = len(block_ids)
         arena = self.ensure_width(group, n + k)
         arena[row, n : n + k] = block_ids
-        self.row_len_mv[group, row] = n + k
+        row_len[row] = n + k
 
     def set_row(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the whole row ``row`` of ``group``."""
@@ -170,7 +169,7 @@ class RowState:
     def update_num_slots(self, block_sizes: tuple[int, ...], row: int) -> None:
         """``num_slots[row]``: what the smallest group's blocks hold."""
         if len(block_sizes) == 1:
-            self.num_slots_mv[row] = self.row_len_mv[0, row] * block_sizes[0]
+            self.num_slots_mv[row] = self.row_len_mvs[0][row] * block_sizes[0]
         else:
             self.num_slots[row] = min(
                 n * bs for n, bs in zip(self.row_len[:, row].tolist(), block_sizes)
