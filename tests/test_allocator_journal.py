@@ -165,3 +165,40 @@ def test_replayed_updates_rebuild_every_row() -> None:
     mgr.preempt("a")
     replay()
     mgr.check_integrity()
+
+
+def test_batched_allocations_merge_with_every_other_change_of_their_rows() -> None:
+    """allocate_many's rows are taken as allocated unless another change reaches them in the
+    same step: then they are diffed like any row (each case beside the plain one)."""
+
+    def step(changes: list[str]) -> tuple[dict[int, list[int]], dict[int, list[int]], list[int]]:
+        mgr = make(max_num_reqs=6)
+        for i, r in enumerate("abcd"):
+            mgr.add_request(r, list(range(10 * i, 10 * i + 8)))  # no prefix hits
+            mgr.allocate(r, 8)
+            mgr.mark_computed(r, 8)
+        mgr.take_step_update()
+        if "admit first" in changes:  # a row touched before the batch: diffed, the rest batched
+            mgr.add_request("e", list(range(100, 103)))
+        mgr.allocate_many(["a", "b", "c"] + (["e"] if "admit first" in changes else []),
+                          [4, 8, 4] + ([3] if "admit first" in changes else []))
+        if "allocate again" in changes:
+            mgr.allocate("a", 8)
+        if "batched again" in changes:
+            mgr.allocate_many(["c", "d"], [8, 4])
+        if "free" in changes:
+            mgr.free("b")
+        if "free and reuse" in changes:
+            mgr.free("c")
+            mgr.add_request("f", list(range(50, 60)))
+            mgr.allocate("f", 10)
+        update = mgr.take_step_update()
+        assert is_empty(mgr.take_step_update())
+        return as_lists(update.appended[0]), as_lists(update.added[0]), update.cleared_rows.tolist()
+
+    assert step([]) == ({0: [9], 1: [10, 11], 2: [12]}, {}, [])
+    assert step(["allocate again"]) == ({0: [9, 13], 1: [10, 11], 2: [12]}, {}, [])
+    assert step(["batched again"]) == ({0: [9], 1: [10, 11], 2: [12, 13], 3: [14]}, {}, [])
+    assert step(["free"]) == ({0: [9], 2: [12]}, {}, [1])
+    assert step(["free and reuse"]) == ({0: [9], 1: [10, 11]}, {2: [13, 14, 15]}, [])
+    assert step(["admit first"]) == ({0: [9], 1: [10, 11], 2: [12]}, {4: [13]}, [])

@@ -36,6 +36,7 @@ _NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance
 _NO_ENTRIES = RowEntries()
 _EMPTY_INTP = np.zeros(0, dtype=np.intp)
 _FEW_ROWS = 128  # take() loops in Python over at most this many touched rows (one group)
+_IN_BATCH = 2  # `touched` of a row first touched by touch_many (1: by touch or touch_leaving)
 
 
 class StepJournal:
@@ -44,18 +45,27 @@ class StepJournal:
     Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): a touch of many
     rows is one gather and a few scatters, and ``take`` reads the live state of every touched
     row with gathers (holder generations tell a row's first holder from the live one).
+
+    Batched allocations (:meth:`touch_many` with the blocks they append) are also kept as they
+    were made: when no other change reaches their rows before ``take`` (a decode step), those
+    arrays are the rows' net change and ``take`` reads nothing per row. Any later touch of such
+    a row marks the batches stale, and ``take`` diffs their rows like any other.
     """
 
     def __init__(self, num_groups: int, rows: RowState) -> None:
         self.num_groups = num_groups
         self.rows = rows
         num_rows = rows.num_rows
-        self.touched = np.zeros(num_rows, dtype=bool)  # on cpu, [num_rows]
+        self.touched = np.zeros(num_rows, dtype=np.uint8)  # on cpu, [num_rows]: 0, 1, _IN_BATCH
         self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
         self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
         self.order: list[int] = []  # the touched rows, in the order of their first touch
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
+        # touch_many's rows with the blocks appended to them then (rows, counts, ids), and
+        # whether a row of theirs was touched again since
+        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._batches_stale = False
         self._views()
 
     def _views(self) -> None:
@@ -76,29 +86,46 @@ class StepJournal:
 
     def touch(self, row: int) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
-        if not self._touched_mv[row]:
-            self._touched_mv[row] = True
+        touched = self._touched_mv[row]
+        if not touched:
+            self._touched_mv[row] = 1
             self._start_gen_mv[row] = self._gen_mv[row]
             for start_len, row_len in zip(self._start_len_mvs, self.rows.row_len_mvs):
                 start_len[row] = row_len[row]
             self.order.append(row)
+        elif touched == _IN_BATCH:
+            self._batches_stale = True
 
     def touch_leaving(self, row: int) -> None:
         """:meth:`touch` of a row whose request leaves now: its lengths at the first touch are
         never read (the row ends cleared, or added if another request takes it)."""
-        if not self._touched_mv[row]:
-            self._touched_mv[row] = True
+        touched = self._touched_mv[row]
+        if not touched:
+            self._touched_mv[row] = 1
             self._start_gen_mv[row] = self._gen_mv[row]
             self.order.append(row)
+        elif touched == _IN_BATCH:
+            self._batches_stale = True
 
-    def touch_many(self, rows: np.ndarray) -> None:
-        """:meth:`touch` of distinct ``rows`` (intp)."""
-        new = rows[~self.touched[rows]]
-        if len(new):
-            self.touched[new] = True
-            self.start_gen[new] = self.rows.holder_gen[new]
-            self.start_len[:, new] = self.rows.row_len[:, new]
-            self.order += new.tolist()
+    def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before
+        ``counts[i]`` blocks (int64 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
+        ``block_ids`` (int32 ``[counts.sum()]``, row after row)."""
+        was = self.touched[rows]
+        most = was.max()
+        if most:  # rows touched before: only the others are a batch (theirs are diffed)
+            if most == _IN_BATCH:
+                self._batches_stale = True
+            keep = was == 0
+            rows = rows[keep]
+            if not len(rows):
+                return
+            block_ids = block_ids[keep if len(counts) == len(block_ids) else keep.repeat(counts)]
+            counts = counts[keep]
+        self.touched[rows] = _IN_BATCH
+        self.start_gen[rows] = self.rows.holder_gen[rows]
+        self.start_len[:, rows] = self.rows.row_len[:, rows]
+        self._batches.append((rows, counts, block_ids))
 
     def null(self, row: int, group: int, block_index: int) -> None:
         """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
@@ -119,11 +146,17 @@ class StepJournal:
         num_groups = self.num_groups
         state = self.rows
         order = self.order
+        if self._batches and (self._batches_stale or num_groups > 1 or self._nulled):
+            self._unbatch()  # their rows are diffed with the others
+            order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
             return self._take_few(allocator_block_sizes)
+        if self._batches:
+            self._unbatch()
+            order = self.order
         if order:
             touched = np.array(sorted(order), dtype=np.intp)
-            self.touched[touched] = False
+            self.touched[touched] = 0
             self.order = []
         else:
             touched = _EMPTY_INTP
@@ -192,13 +225,22 @@ class StepJournal:
             state.num_rows, tuple(largest_id), tuple(one_each), tuple(largest_added)))
         return update
 
+    def _unbatch(self) -> None:
+        """Hand the batches' rows to the diff of every touched row."""
+        for rows, _, _ in self._batches:
+            self.order += rows.tolist()
+        self._batches = []
+        self._batches_stale = False
+
     def _take_few(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` of a few touched rows of one group without nulled entries (a decode
-        step of an engine): a Python loop over the rows through memoryviews costs less than
-        the vectorized path's fixed two dozen numpy calls, and every int of the update is
-        packed by one ``struct.pack``."""
+        step of an engine), and of batches no other change reached: a Python loop over the
+        rows through memoryviews costs less than the vectorized path's fixed two dozen numpy
+        calls, every int of the update is packed by one ``struct.pack``, and the batches'
+        arrays are appended as they are."""
         rows = self.order  # in the order of their first touch
         self.order = []
+        batches = self._batches
         touched, gen, start_gen = self._touched_mv, self._gen_mv, self._start_gen_mv
         row_len, start_len = self.rows.row_len_mvs[0], self._start_len_mvs[0]
         arena = self.rows.blocks[0]
@@ -212,7 +254,7 @@ class StepJournal:
         app_ids: list[int] = []
         one_each = True
         for row in rows:
-            touched[row] = False
+            touched[row] = 0
             live = gen[row]
             if live == start_gen[row]:
                 if live:
@@ -232,15 +274,29 @@ class StepJournal:
                 add_ids.append(arena[row, :n])
             else:
                 cleared.append(row)
-        cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
-            cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
-            (len(cleared), len(add_rows), len(add_rows), len(app_rows), len(app_rows),
-             len(app_ids)), add_ids)
+        largest_id = max(app_ids) if app_ids else -1
+        if batches:  # appended after the rows diffed above, as they are
+            self._batches = []
+            for batch_rows, counts, ids in batches:
+                self.touched[batch_rows] = 0
+                one_each = one_each and len(counts) == len(ids)
+                largest_id = max(largest_id, int(ids.max()))
+            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined([
+                [cleared], [add_rows], [add_counts], add_ids,
+                [app_rows, *(b[0] for b in batches)],
+                [app_counts, *(b[1] for b in batches)],
+                [app_ids, *(b[2] for b in batches)],
+            ])
+        else:
+            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
+                cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
+                (len(cleared), len(add_rows), len(add_rows), len(app_rows), len(app_rows),
+                 len(app_ids)), add_ids)
         added = RowBlocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS
-        appended = RowBlocks(p_rows, p_counts, p_ids) if app_rows else _NO_BLOCKS
+        appended = RowBlocks(p_rows, p_counts, p_ids) if len(p_rows) else _NO_BLOCKS
         update = StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
         object.__setattr__(update, "facts", AllocatorFacts(
-            self.rows.num_rows, (max(app_ids) if app_ids else -1,), (one_each,),
+            self.rows.num_rows, (largest_id,), (one_each,),
             (max(add_counts) if add_counts else -1,)))
         return update
 
@@ -273,6 +329,34 @@ def _frozen_int32(arrays: list[np.ndarray]) -> list[np.ndarray]:
     out, at = [], 0
     for a in arrays:
         n = len(a)
+        out.append(flat[at : at + n] if n else _EMPTY)
+        at += n
+    return out
+
+
+def _joined(parts: list[list[list[int] | np.ndarray]]) -> list[np.ndarray]:
+    """Each part (pieces: lists of ints or integer arrays, joined in order) as an int32
+    array; all are read-only views of one immutable buffer; empty parts are the shared empty
+    array."""
+    pieces: list[bytes] = []
+    sizes: list[int] = []
+    for part in parts:
+        size = 0
+        for piece in part:
+            n = len(piece)
+            if not n:
+                continue
+            size += n
+            if type(piece) is list:
+                pieces.append(struct.pack(f"={n}i", *piece))
+            else:
+                pieces.append(piece.astype(np.int32, copy=False).tobytes())  # type: ignore[union-attr]
+        sizes.append(size)
+    if not pieces:
+        return [_EMPTY] * len(parts)
+    flat = np.frombuffer(b"".join(pieces), dtype=np.int32)  # read-only: a bytes object's
+    out, at = [], 0
+    for n in sizes:
         out.append(flat[at : at + n] if n else _EMPTY)
         at += n
     return out
