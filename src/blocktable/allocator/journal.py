@@ -282,7 +282,7 @@ class StepJournal:
                 one_each = one_each and len(counts) == len(ids)
                 largest_id = max(largest_id, int(ids.max()))
             cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined([
-                [cleared], [add_rows], [add_counts], add_ids,
+                [cleared], [add_rows], [add_counts], [*add_ids],
                 [app_rows, *(b[0] for b in batches)],
                 [app_counts, *(b[1] for b in batches)],
                 [app_ids, *(b[2] for b in batches)],
