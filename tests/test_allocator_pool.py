@@ -228,6 +228,8 @@ def test_block_queue_against_a_list() -> None:
             assert q.pop_one() == model.pop(0)
         assert q.ids().tolist() == model and len(q) == len(model)
         assert q.contains(np.array(model, dtype=np.int64)).all()
+        others = np.array([b for b in range(1, 40) if b not in model], dtype=np.int64)
+        assert not q.contains(others).any()  # popped and removed ones included
 
 
 def test_array_helpers_against_plain_python() -> None:

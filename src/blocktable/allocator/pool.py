@@ -126,7 +126,10 @@ class BlockPool:
                 )
             evicted = self.cached.pop(num_evict)
             self._evict(evicted)
-            block_ids = np.concatenate((self.uncached.pop(num_uncached), evicted))
+            if num_uncached:
+                block_ids = np.concatenate((self.uncached.pop(num_uncached), evicted))
+            else:
+                block_ids = evicted
         self.ref_counts[block_ids] = 1
         return block_ids
 

@@ -4,9 +4,10 @@ Prefill frees and evicts hundreds of blocks per step, so every operation takes a
 ``extend`` writes them at the tail, ``pop`` slices them off the head, ``remove`` (a prefix hit
 reusing a free cached block) only marks the slot stale. A slot is live while
 ``position[id] == slot``; ``pop`` skips stale slots, and the array is compacted (live slots moved
-to the front, positions rewritten) when the tail reaches its end. ``extend`` also takes the
-blocks of several requests freed together, shared ones repeated, and drops the repeats with the
-positions themselves (no scratch array, no sort).
+to the front, positions rewritten) when the tail reaches its end. A popped id keeps its old
+position (a slot before the head, so never live again): ``pop`` writes nothing per id.
+``extend`` also takes the blocks of several requests freed together, shared ones repeated, and
+drops the repeats with the positions themselves (no scratch array, no sort).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class BlockQueue:
 
     def contains(self, block_ids: np.ndarray) -> np.ndarray:
         """Whether each id is queued (bool, same shape)."""
-        return self._position[block_ids] >= 0
+        at = self._position[block_ids]
+        inside = (at >= self._head) & (at < self._tail)
+        return inside & (self._slots[np.where(inside, at, 0)] == block_ids)
 
     def extend(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
         """Queue ``block_ids`` (int32 or intp, none of them queued) last, in order.
@@ -68,8 +71,9 @@ class BlockQueue:
         position, stamps = self._position, self._iota[tail : tail + n]
         may_repeat = may_repeat and n > 1
         if may_repeat:
-            # The ids are not queued (position -1): the largest stamp an id gets is the slot of
-            # its last occurrence, and an occurrence is the last where its stamp stayed.
+            # The ids are not queued (position -1, or a slot before the head): the largest
+            # stamp an id gets is the slot of its last occurrence, and an occurrence is the
+            # last where its stamp stayed.
             np.maximum.at(position, block_ids, stamps)
             last = block_ids[position.take(block_ids) == stamps]
             if len(last) < n:
@@ -121,8 +125,7 @@ class BlockQueue:
             end = head + int(live_at[-1]) + 1
         else:
             taken = window.copy()
-        self._position[taken] = -1
-        self._head = end
+        self._head = end  # (the taken ids' positions now lie before the head: not live)
         self._len -= num_blocks
         return taken
 
@@ -133,7 +136,6 @@ class BlockQueue:
         while position[block_id] != head:
             head += 1
             block_id = int(slots[head])
-        position[block_id] = -1
         self._head = head + 1
         self._len -= 1
         return block_id
@@ -142,5 +144,6 @@ class BlockQueue:
         live = self.ids()
         n = len(live)
         self._slots[:n] = live
+        self._position.fill(-1)  # (popped ids kept old positions, which would become live)
         self._position[live] = self._iota[:n]
         self._head, self._tail = 0, n
