@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from blocktable.allocator import KVCacheManager
+from blocktable.allocator import KVCacheManager, OutOfBlocksError
 from blocktable.engine.request import Request, RequestStatus
 
 
@@ -91,8 +91,46 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch, allocating its blocks (preempting if they run out)."""
         budget = self.token_budget
-        scheduled: list[ScheduledRequest] = []
+        scheduled = self._schedule_running_at_once(budget)
         preempted: list[Request] = []
+        if scheduled is None:  # short of blocks: request by request, preempting
+            scheduled, budget = self._schedule_running(budget, preempted)
+        else:
+            budget -= sum(s.num_new_tokens for s in scheduled)
+        self._admit_waiting(budget, scheduled, bool(preempted))
+        return SchedulerOutput(scheduled, preempted)
+
+    def _schedule_running_at_once(self, budget: int) -> list[ScheduledRequest] | None:
+        """The running requests' share of the step, their blocks allocated by one batched
+        call; None (nothing allocated) when the pool cannot serve them all, where
+        :meth:`_schedule_running` preempts. When it can, the request-by-request loop would
+        preempt nobody and allocate the same, so the result is the same."""
+        num_computed = self.manager.num_computed_tokens
+        scheduled: list[ScheduledRequest] = []
+        req_ids: list[str] = []
+        counts: list[int] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            start = num_computed(req.req_id)
+            num_new = min(req.num_tokens - start, budget)
+            scheduled.append(ScheduledRequest(req, start, num_new))
+            req_ids.append(req.req_id)
+            counts.append(num_new)
+            budget -= num_new
+        try:
+            self.manager.allocate_many(req_ids, counts)
+        except OutOfBlocksError:
+            return None
+        return scheduled
+
+    def _schedule_running(
+        self, budget: int, preempted: list[Request]
+    ) -> tuple[list[ScheduledRequest], int]:
+        """The running requests' share of the step, oldest first, preempting the newest
+        (appended to ``preempted``) while a request's blocks do not fit; returns the budget
+        left."""
+        scheduled: list[ScheduledRequest] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -110,7 +148,13 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, start, num_new))
             budget -= num_new
             i += 1
+        return scheduled, budget
 
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: bool
+    ) -> None:
+        """Admit waiting requests in arrival order (appended to ``scheduled``) while budget,
+        rows and blocks last, in a step that preempted nobody."""
         while self.waiting and budget > 0 and not preempted and self.manager.num_free_rows:
             req = self.waiting[0]
             tokens = req.all_token_ids
@@ -130,7 +174,6 @@ class Scheduler:
             self.num_hit_tokens += num_cached
             scheduled.append(ScheduledRequest(req, num_cached, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, req: Request) -> None:
         self.manager.preempt(req.req_id)
