@@ -36,7 +36,7 @@ _NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance
 _NO_ENTRIES = RowEntries()
 _EMPTY_INTP = np.zeros(0, dtype=np.intp)
 _FEW_ROWS = 128  # take() loops in Python over at most this many touched rows (one group)
-_IN_BATCH = 2  # `touched` of a row first touched by touch_many (1: by touch or touch_leaving)
+_FEW_BATCHED = 8  # batched rows diffed in that loop rather than joined as arrays
 
 
 class StepJournal:
@@ -56,7 +56,11 @@ class StepJournal:
         self.num_groups = num_groups
         self.rows = rows
         num_rows = rows.num_rows
-        self.touched = np.zeros(num_rows, dtype=np.uint8)  # on cpu, [num_rows]: 0, 1, _IN_BATCH
+        # on cpu, [num_rows]: the row was first touched in this step when its stamp is
+        # `_stamp` (by touch or touch_leaving) or `_stamp + 1` (by touch_many); older stamps
+        # are untouched rows (take moves `_stamp` on: nothing to reset per row)
+        self.touched = np.zeros(num_rows, dtype=np.int64)
+        self._stamp = 2
         self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
         self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
         self.order: list[int] = []  # the touched rows, in the order of their first touch
@@ -86,43 +90,45 @@ class StepJournal:
 
     def touch(self, row: int) -> None:
         """Remember ``row`` as it is now, before its first change in this step."""
-        touched = self._touched_mv[row]
-        if not touched:
-            self._touched_mv[row] = 1
+        stamp, touched = self._stamp, self._touched_mv[row]
+        if touched < stamp:
+            self._touched_mv[row] = stamp
             self._start_gen_mv[row] = self._gen_mv[row]
             for start_len, row_len in zip(self._start_len_mvs, self.rows.row_len_mvs):
                 start_len[row] = row_len[row]
             self.order.append(row)
-        elif touched == _IN_BATCH:
+        elif touched != stamp:  # a batch's row
             self._batches_stale = True
 
     def touch_leaving(self, row: int) -> None:
         """:meth:`touch` of a row whose request leaves now: its lengths at the first touch are
         never read (the row ends cleared, or added if another request takes it)."""
-        touched = self._touched_mv[row]
-        if not touched:
-            self._touched_mv[row] = 1
+        stamp, touched = self._stamp, self._touched_mv[row]
+        if touched < stamp:
+            self._touched_mv[row] = stamp
             self._start_gen_mv[row] = self._gen_mv[row]
             self.order.append(row)
-        elif touched == _IN_BATCH:
+        elif touched != stamp:  # a batch's row
             self._batches_stale = True
 
     def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
-        """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before
-        ``counts[i]`` blocks (int64 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
-        ``block_ids`` (int32 ``[counts.sum()]``, row after row)."""
+        """:meth:`touch` of distinct ``rows`` (int32 ``[n]``, held, group 0 of one group) before
+        ``counts[i]`` blocks (int32 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
+        ``block_ids`` (int32 ``[counts.sum()]``, row after row). The arrays are kept until
+        :meth:`take`: nobody may change them."""
+        stamp = self._stamp
         was = self.touched[rows]
         most = was.max()
-        if most:  # rows touched before: only the others are a batch (theirs are diffed)
-            if most == _IN_BATCH:
+        if most >= stamp:  # rows touched before: only the others are a batch (theirs diffed)
+            if most > stamp:
                 self._batches_stale = True
-            keep = was == 0
+            keep = was < stamp
             rows = rows[keep]
             if not len(rows):
                 return
             block_ids = block_ids[keep if len(counts) == len(block_ids) else keep.repeat(counts)]
             counts = counts[keep]
-        self.touched[rows] = _IN_BATCH
+        self.touched[rows] = stamp + 1
         self.start_gen[rows] = self.rows.holder_gen[rows]
         self.start_len[:, rows] = self.rows.row_len[:, rows]
         self._batches.append((rows, counts, block_ids))
@@ -146,7 +152,10 @@ class StepJournal:
         num_groups = self.num_groups
         state = self.rows
         order = self.order
-        if self._batches and (self._batches_stale or num_groups > 1 or self._nulled):
+        self._stamp += 2  # every row untouched from now on
+        batches = self._batches
+        if batches and (self._batches_stale or num_groups > 1 or self._nulled
+                        or sum(len(rows) for rows, _, _ in batches) <= _FEW_BATCHED):
             self._unbatch()  # their rows are diffed with the others
             order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
@@ -156,7 +165,6 @@ class StepJournal:
             order = self.order
         if order:
             touched = np.array(sorted(order), dtype=np.intp)
-            self.touched[touched] = 0
             self.order = []
         else:
             touched = _EMPTY_INTP
@@ -241,7 +249,7 @@ class StepJournal:
         rows = self.order  # in the order of their first touch
         self.order = []
         batches = self._batches
-        touched, gen, start_gen = self._touched_mv, self._gen_mv, self._start_gen_mv
+        gen, start_gen = self._gen_mv, self._start_gen_mv
         row_len, start_len = self.rows.row_len_mvs[0], self._start_len_mvs[0]
         arena = self.rows.blocks[0]
         item = arena.item
@@ -254,7 +262,6 @@ class StepJournal:
         app_ids: list[int] = []
         one_each = True
         for row in rows:
-            touched[row] = 0
             live = gen[row]
             if live == start_gen[row]:
                 if live:
@@ -277,8 +284,7 @@ class StepJournal:
         largest_id = max(app_ids) if app_ids else -1
         if batches:  # appended after the rows diffed above, as they are
             self._batches = []
-            for batch_rows, counts, ids in batches:
-                self.touched[batch_rows] = 0
+            for _, counts, ids in batches:
                 one_each = one_each and len(counts) == len(ids)
                 largest_id = max(largest_id, int(ids.max()))
             cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined([

@@ -572,7 +572,10 @@ class KVCacheManager:
         new = pool.take(total)
         got = np.flatnonzero(needs)
         grown_rows, num, starts = rows[got], needs[got], old_len[got]
-        self._journal.touch_many(grown_rows, num, new)
+        out = RowBlocks(grown_rows.astype(np.int32), num.astype(np.int32), new)
+        for part in (out.rows, out.num_manager_blocks, new):
+            part.flags.writeable = False  # the journal keeps them until the step's update
+        self._journal.touch_many(out.rows, out.num_manager_blocks, new)
         new_len = starts + num
         arena = state.ensure_width(0, int(new_len.max()))
         if len(got) == total:  # one block each (decode)
@@ -583,8 +586,7 @@ class KVCacheManager:
             arena[np.repeat(grown_rows, num), cols] = new
         row_len[grown_rows] = new_len
         state.num_slots[grown_rows] = new_len * bs
-        new.flags.writeable = False  # the journal keeps it until the step's update
-        return RowBlocks(grown_rows.astype(np.int32), num.astype(np.int32), new)
+        return out
 
     def _needs_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
