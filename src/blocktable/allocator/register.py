@@ -187,7 +187,7 @@ def _register_group(
         key_parts.append(req.keys[bs][f:s])
         block_parts.append(arena[row, f:s])
     ends = lengths.cumsum()
-    total = int(ends[-1])
+    total = int(ends[-1])  # blocks in all
     if k < len(seg):  # decode blocks, usually one each: gathered at once
         fresh_rows, fresh_first, fresh_stop = seg_rows[k:], first[k:], stop[k:]
         num_fresh = len(seg) - k
@@ -228,10 +228,10 @@ def _register_group(
         tokens = np.concatenate(token_parts)
         keys = np.concatenate(key_parts)
         block_ids = np.concatenate(block_parts)
-    parent_ids = np.zeros(total, dtype=np.int64)  # 0: the previous entry's content
-    parent_ids[ends - lengths] = parent_cid[seg_rows]
-    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parent_ids)
-    parent_cid[seg_rows] = cids if len(cids) == len(seg) else cids[ends - 1]
+    cids = pool.cache_chains(
+        block_ids, keys, tokens.reshape(-1, bs), ends - lengths, parent_cid[seg_rows]
+    )
+    parent_cid[seg_rows] = cids if total == len(seg) else cids[ends - 1]
     num_hashed[seg_rows] = stop
 
 
