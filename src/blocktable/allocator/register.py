@@ -156,9 +156,12 @@ def _register_group(
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
     stops = state.num_computed[rows] // bs
-    seg = np.flatnonzero(stops > firsts)
-    if not len(seg):
+    has = stops > firsts
+    num_seg = int(np.count_nonzero(has))
+    if not num_seg:
         return
+    # (usually every request filled a block: no indices built)
+    seg = np.arange(len(rows)) if num_seg == len(rows) else np.flatnonzero(has)
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [
             (reqs[i], first, stop)
@@ -167,21 +170,24 @@ def _register_group(
         segments, keys = _segment_keys(segments, bs, powers, chains)
         _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains, state)
         return
-    if len(seg) == len(rows):  # (usually every request filled a block)
+    if num_seg == len(rows):
         seg_rows, first, stop = rows, firsts, stops
     else:
         seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
     stored = stop * bs <= state.num_prompt[seg_rows]  # keys computed at admission
     num_stored = int(np.count_nonzero(stored))
-    if 0 < num_stored < len(seg) and not stored[:num_stored].all():  # stored ones first
+    # stored ones first (the first False after the stored ones: already in order)
+    if 0 < num_stored < num_seg and int(stored.argmin()) != num_stored:
         order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
-    seg_l, rows_l, first_l, stop_l = seg.tolist(), seg_rows.tolist(), first.tolist(), stop.tolist()
     k = num_stored  # segments 0 .. k - 1: keys stored at admission; k ..: keyed here
+    # (Python ints only where a loop needs them)
+    seg_l, rows_l = seg[:k].tolist(), seg_rows[:k].tolist()
+    first_l, stop_l = first[:k].tolist(), stop[:k].tolist()
     arena = state.blocks[g]
     token_parts, key_parts, block_parts = [], [], []
-    for i, row, f, s in zip(seg_l[:k], rows_l[:k], first_l[:k], stop_l[:k]):
+    for i, row, f, s in zip(seg_l, rows_l, first_l, stop_l):
         req = reqs[i]
         token_parts.append(req.tokens[f * bs : s * bs])
         key_parts.append(req.keys[bs][f:s])
@@ -200,7 +206,7 @@ def _register_group(
             block_parts.append(state.gather(g, fresh_rows, fresh_first, lengths[k:]))
         if fresh_tokens is None:
             fresh_tokens = _fresh_tokens(
-                [reqs[i] for i in seg_l[k:]], state, fresh_rows, fresh_first, fresh_stop, bs
+                [reqs[i] for i in seg[k:].tolist()], state, fresh_rows, fresh_first, fresh_stop, bs
             )
         token_parts.append(fresh_tokens)
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
@@ -211,7 +217,7 @@ def _register_group(
         off = num_keys[fresh_rows] != fresh_first
         if off.any():
             for i in np.flatnonzero(off).tolist():
-                starts[i] = _state_before(reqs[seg_l[k + i]], first_l[k + i], bs, chains)
+                starts[i] = _state_before(reqs[seg[k + i]], int(first[k + i]), bs, chains)
         if one_each:  # a decode step: K = K_before * B**bs + h
             states = starts * _U64(powers.block_base)
             states += hashes
