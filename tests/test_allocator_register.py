@@ -33,7 +33,7 @@ def _registered(mgr: KVCacheManager, req_id: int, bs: int) -> list[tuple]:
 def test_batched_registration_equals_per_request_and_the_key_reference(bs: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     long_len = TOKEN_ROW_CAP + 5  # its token ids live in a buffer of their own
-    make = lambda: KVCacheManager(  # noqa: E731
+    make = lambda: KVCacheManager(
         [AllocatorGroupSpec(bs, 4000)], 8, max_model_len=long_len + 40 * bs
     )
     batched, single = make(), make()

@@ -149,9 +149,11 @@ def _register_group(
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
     with the rows' counts, block ids and chains read and written by gathers and scatters.
 
-    Segments whose keys were stored at admission (prompt blocks) come first, then the others,
-    keyed here in one :func:`chain_keys` pass. Per segment, only its token ids (and stored
-    keys) are sliced from its request.
+    Segments whose keys were stored at admission (prompt blocks) come first, each sliced
+    from its request (token ids, keys, block ids), then the others (decode blocks, usually
+    one per request), gathered at once from the token and block arenas and keyed here: one
+    chain step for one block each, else one :func:`chain_keys` pass. The blocks are filed
+    with one :meth:`BlockPool.cache_chains` call.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
