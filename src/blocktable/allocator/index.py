@@ -55,6 +55,8 @@ class PrefixIndex:
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
         self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
+        self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
+        self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
         self.key = self.keys.key_of_value  # block key per record (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
@@ -81,9 +83,17 @@ class PrefixIndex:
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """``self.tokens[slots] = tokens`` (int64 ``[n, block_size]``), as one ``put`` of
         whole rows (numpy's row-wise fancy assignment costs twice as much)."""
-        row = np.dtype((np.void, 8 * self.block_size))
-        rows = np.ascontiguousarray(tokens, dtype=np.int64).view(row).reshape(-1)
-        np.put(self.tokens.view(row).reshape(-1), slots, rows)
+        rows = np.ascontiguousarray(tokens, dtype=np.int64).view(self._row_dtype).reshape(-1)
+        np.put(self._token_rows, slots, rows)
+
+    def __getstate__(self) -> dict[str, object]:  # a view would pickle as a copy
+        state = dict(self.__dict__)
+        del state["_token_rows"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)
 
     def take_slots(self, num: int) -> np.ndarray:
         """``num`` unused slots (int64), recycling dead records or growing the arrays."""
@@ -162,6 +172,7 @@ class PrefixIndex:
         tokens = np.zeros((capacity, self.block_size), dtype=np.int64)
         tokens[:old] = self.tokens
         self.tokens = tokens
+        self._token_rows = tokens.view(self._row_dtype).reshape(-1)
         self.hashes += [None] * (capacity - old)
         free = np.empty(capacity, dtype=np.int64)  # the new slots at the bottom of the stack
         free[: capacity - old] = np.arange(capacity - 1, old - 1, -1)

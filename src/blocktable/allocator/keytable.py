@@ -36,6 +36,7 @@ _VALUE_BITS = 32
 _VALUE_MASK = (1 << _VALUE_BITS) - 1
 _TAG_SHIFT = 33  # a key's tag: its top 31 bits
 _S_TAG, _S_VALUE, _MASK_VALUE = _U64(_TAG_SHIFT), np.int64(_VALUE_BITS), np.int64(_VALUE_MASK)
+_HIGH = np.int64(~_VALUE_MASK)  # an entry's high half: its key's tag (negative: free)
 
 
 def _any_per_row(flags: np.ndarray) -> np.ndarray:
@@ -194,10 +195,11 @@ class KeyTable:
         entries = self.entries
         cand = (keys & self._mask).view(np.int64)  # where each key goes: its home first
         old = entries[cand]
+        new = (keys >> _S_TAG).view(np.int64)  # the tags, then shifted: the entries' high half
+        new <<= _S_VALUE
         busy = np.flatnonzero(old != EMPTY)
-        if len(busy) and not self._first_free(keys, busy, cand, old):
+        if len(busy) and not self._first_free(keys, new, busy, cand, old):
             return False  # a key is held
-        new = _tags(keys) << _S_VALUE
         new |= values
         # of several keys wanting one position, one write survives
         entries[cand] = new
@@ -222,16 +224,22 @@ class KeyTable:
         return True
 
     def _first_free(
-        self, keys: np.ndarray, busy: np.ndarray, cand: np.ndarray, old: np.ndarray
+        self,
+        keys: np.ndarray,
+        high: np.ndarray,
+        busy: np.ndarray,
+        cand: np.ndarray,
+        old: np.ndarray,
     ) -> bool:
-        """For the keys ``busy`` (indices into ``keys``) whose home is taken: False if one is
-        held; else set ``cand`` to the first free position of its probe run (``old``: what
-        that position holds), scanning window after window until the run's empty position.
+        """For the keys ``busy`` (indices into ``keys``; ``high``: their entries' high half,
+        the tag shifted) whose home is taken: False if one is held; else set ``cand`` to the
+        first free position of its probe run (``old``: what that position holds), scanning
+        window after window until the run's empty position.
 
         A key's 8 flags of a window are one uint64 word (a bool row read as such), so "any
         in the window" is one comparison, not a reduction along the rows.
         """
-        mask = int(self._mask)
+        mask = self._int_mask
         entries = self.entries
         todo, start = busy, cand[busy]
         found = None  # a free position was seen (after the first window)
@@ -240,21 +248,24 @@ class KeyTable:
             pos &= mask
             v = entries[pos]
             # a key sits only in its own run, so a match anywhere in the window means held
-            same = v >> _S_VALUE == _tags(keys[todo])[:, None]
+            # (a free position's high half is negative, never a tag's)
+            same = (v & _HIGH) == high[todo][:, None]
             if same.any():
                 rows, cols = np.nonzero(same)
                 filed = self.key_of_value[v[rows, cols] & _MASK_VALUE]
                 if (filed == keys[todo[rows]]).any():
                     return False
-            more = (v == EMPTY).view(_U64)[:, 0] == 0  # the run goes on past this window
-            num_more = np.count_nonzero(more)
+            ends = (v == EMPTY).view(_U64)[:, 0]  # nonzero: the run ends in this window
             free = v < 0
             first = start + free.argmax(axis=1)  # (where a window has no free position: junk)
             first &= mask
-            if not num_more and found is None:  # usually: every run ends in its first window
+            if found is None and np.count_nonzero(ends) == len(todo):
+                # usually: every run ends in its first window
                 cand[todo] = first
                 old[todo] = entries[first]
                 return True
+            more = ends == 0  # the run goes on past this window
+            num_more = np.count_nonzero(more)
             new = _any_per_row(free)
             if found is not None:
                 new &= ~found[todo]
@@ -357,8 +368,8 @@ class KeyTable:
 
     def _delete_at(self, pos: np.ndarray) -> None:
         # no probe passes a position followed by an empty one: it can become empty itself
-        last = self.entries[(pos + 1) & int(self._mask)] == EMPTY
-        self.entries[pos] = np.where(last, EMPTY, DELETED)
+        last = self.entries[(pos + 1) & self._int_mask] == EMPTY
+        self.entries[pos] = last - 2  # EMPTY (-1) where last, else DELETED (-2)
         self.num_keys -= len(pos)
         self._num_deleted += len(pos) - int(np.count_nonzero(last))
 

@@ -247,23 +247,61 @@ class BlockPool:
         slots = index.take_slots(n)
         if index.keys.insert_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
-            index.next_cid += n
             # content ids are consecutive: the previous entry's is cids - 1
             parent_ids = np.where(parents == 0, cids - 1, parents)
             parent_ids[0] = parents[0]
-            index.cid[slots] = cids
-            index.parent[slots] = parent_ids
-            index.write_tokens(slots, tokens)
-            index.holder[slots] = block_ids  # (index.key: written by insert_absent)
+            self._file_new(block_ids, tokens, slots, cids, parent_ids)
             if hashes is not None:
                 index.any_hashes = True
                 for slot, block_hash in zip(slots.tolist(), hashes):
                     index.hashes[slot] = block_hash
-            self.record[block_ids] = slots
-            self.num_cached_blocks += n
             return cids
         index.untake_slots(slots)
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
+
+    def cache_chains(
+        self,
+        block_ids: np.ndarray,
+        keys: np.ndarray,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        start_parents: np.ndarray,
+    ) -> np.ndarray:
+        """:meth:`cache` of chains given by where they start: entry ``starts[i]`` (int64,
+        ascending, ``starts[0] == 0``) has parent content id ``start_parents[i]`` (int64), every
+        other entry the content of the entry before it. Return the content ids (int64)."""
+        n = len(block_ids)
+        index = self.index
+        slots = index.take_slots(n)
+        if index.keys.insert_absent(keys, slots):
+            cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
+            parent_ids = cids - 1  # (content ids are consecutive)
+            parent_ids[starts] = start_parents
+            self._file_new(block_ids, tokens, slots, cids, parent_ids)
+            return cids
+        index.untake_slots(slots)
+        parents = np.zeros(n, dtype=np.int64)  # 0: the previous entry's content
+        parents[starts] = start_parents
+        return self._cache_one_by_one(block_ids, keys, tokens, parents, None)
+
+    def _file_new(
+        self,
+        block_ids: np.ndarray,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+        cids: np.ndarray,
+        parent_ids: np.ndarray,
+    ) -> None:
+        """Write the records of new contents at ``slots`` (their keys are filed already;
+        ``cids`` continue ``index.next_cid``), held by ``block_ids``."""
+        index = self.index
+        index.next_cid += len(slots)
+        index.cid[slots] = cids
+        index.parent[slots] = parent_ids
+        index.write_tokens(slots, tokens)
+        index.holder[slots] = block_ids  # (index.key: written by insert_absent)
+        self.record[block_ids] = slots
+        self.num_cached_blocks += len(slots)
 
     def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
         """:meth:`cache` of one block (the decode path: scalar operations only)."""

@@ -23,6 +23,7 @@ from blocktable.allocator.hashing import (
     block_content_hashes,
     byte_chain,
     chain_keys,
+    fmix64,
     fmix64_int,
 )
 from blocktable.allocator.pool import BlockPool
@@ -148,16 +149,21 @@ def _register_group(
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
     with the rows' counts, block ids and chains read and written by gathers and scatters.
 
-    Segments whose keys were stored at admission (prompt blocks) come first, then the others,
-    keyed here in one :func:`chain_keys` pass. Per segment, only its token ids (and stored
-    keys) are sliced from its request.
+    Segments whose keys were stored at admission (prompt blocks) come first, each sliced
+    from its request (token ids, keys, block ids), then the others (decode blocks, usually
+    one per request), gathered at once from the token and block arenas and keyed here: one
+    chain step for one block each, else one :func:`chain_keys` pass. The blocks are filed
+    with one :meth:`BlockPool.cache_chains` call.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
     stops = state.num_computed[rows] // bs
-    seg = np.flatnonzero(stops > firsts)
-    if not len(seg):
+    has = stops > firsts
+    num_seg = int(np.count_nonzero(has))
+    if not num_seg:
         return
+    # (usually every request filled a block: no indices built)
+    seg = np.arange(len(rows)) if num_seg == len(rows) else np.flatnonzero(has)
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [
             (reqs[i], first, stop)
@@ -166,51 +172,89 @@ def _register_group(
         segments, keys = _segment_keys(segments, bs, powers, chains)
         _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains, state)
         return
-    seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
-    stored = stop <= state.num_prompt[seg_rows] // bs  # keys computed at admission
+    if num_seg == len(rows):
+        seg_rows, first, stop = rows, firsts, stops
+    else:
+        seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
+    stored = stop * bs <= state.num_prompt[seg_rows]  # keys computed at admission
     num_stored = int(np.count_nonzero(stored))
-    if 0 < num_stored < len(seg) and not stored[:num_stored].all():  # stored ones first
+    # stored ones first (the first False after the stored ones: already in order)
+    if 0 < num_stored < num_seg and int(stored.argmin()) != num_stored:
         order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
-    seg_l, first_l, stop_l = seg.tolist(), first.tolist(), stop.tolist()
     k = num_stored  # segments 0 .. k - 1: keys stored at admission; k ..: keyed here
-    token_parts = [
-        reqs[i].tokens[f * bs : s * bs] for i, f, s in zip(seg_l[:k], first_l[:k], stop_l[:k])
-    ]
-    key_parts = [reqs[i].keys[bs][f:s] for i, f, s in zip(seg_l[:k], first_l[:k], stop_l[:k])]
-    if k < len(seg):  # decode blocks, usually one each: their token ids gathered at once
-        fresh_len, fresh_rows = lengths[k:], seg_rows[k:]
-        fresh_tokens = _fresh_tokens(
-            [reqs[i] for i in seg_l[k:]], state, fresh_rows, first[k:], stop[k:], bs
-        )
+    # (Python ints only where a loop needs them)
+    seg_l, rows_l = seg[:k].tolist(), seg_rows[:k].tolist()
+    first_l, stop_l = first[:k].tolist(), stop[:k].tolist()
+    arena = state.blocks[g]
+    token_parts, key_parts, block_parts = [], [], []
+    for i, row, f, s in zip(seg_l, rows_l, first_l, stop_l):
+        req = reqs[i]
+        token_parts.append(req.tokens[f * bs : s * bs])
+        key_parts.append(req.keys[bs][f:s])
+        block_parts.append(arena[row, f:s])
+    ends = lengths.cumsum()
+    total = int(ends[-1])  # blocks in all
+    if k < len(seg):  # decode blocks, usually one each: gathered at once
+        fresh_rows, fresh_first, fresh_stop = seg_rows[k:], first[k:], stop[k:]
+        num_fresh = len(seg) - k
+        one_each = total - (int(ends[k - 1]) if k else 0) == num_fresh
+        fresh_tokens = None
+        if one_each:
+            block_parts.append(arena[fresh_rows, fresh_first])
+            fresh_tokens = _fresh_block_tokens(state, fresh_rows, fresh_first, bs)
+        else:
+            block_parts.append(state.gather(g, fresh_rows, fresh_first, lengths[k:]))
+        if fresh_tokens is None:
+            fresh_tokens = _fresh_tokens(
+                [reqs[i] for i in seg[k:].tolist()], state, fresh_rows, fresh_first, fresh_stop, bs
+            )
         token_parts.append(fresh_tokens)
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
         # usually each chain stands where its segment starts; else the segment starts inside
         # the prompt (its stored states) or the chain is broken (an error)
-        for i in np.flatnonzero(num_keys[fresh_rows] != first[k:]).tolist():
-            starts[i] = _state_before(reqs[seg_l[k + i]], first_l[k + i], bs, chains)
-        keys, states = chain_keys(hashes, fresh_len, starts, powers)
-        num_keys[fresh_rows] = stop[k:]
-        chain_state[fresh_rows] = (
-            states if len(states) == len(fresh_rows) else states[np.cumsum(fresh_len) - 1]
-        )
+        off = num_keys[fresh_rows] != fresh_first
+        if off.any():
+            for i in np.flatnonzero(off).tolist():
+                starts[i] = _state_before(reqs[seg[k + i]], int(first[k + i]), bs, chains)
+        if one_each:  # a decode step: K = K_before * B**bs + h
+            states = starts * _U64(powers.block_base)
+            states += hashes
+            keys = fmix64(states)
+        else:
+            keys, states = chain_keys(hashes, lengths[k:], starts, powers)
+            states = states[np.cumsum(lengths[k:]) - 1]
+        num_keys[fresh_rows] = fresh_stop
+        chain_state[fresh_rows] = states
         key_parts.append(keys)
-    tokens = token_parts[0] if len(token_parts) == 1 else np.concatenate(token_parts)
-    block_ids = state.gather(g, seg_rows, first, lengths)
-    ends = lengths.cumsum()
-    parent_ids = np.zeros(int(ends[-1]), dtype=np.int64)  # 0: the previous entry's content
-    parent_ids[ends - lengths] = parent_cid[seg_rows]
-    cids = pool.cache(
-        block_ids,
-        key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts),
-        tokens.reshape(-1, bs),
-        parent_ids,
+    if len(token_parts) == 1:
+        tokens, keys, block_ids = token_parts[0], key_parts[0], block_parts[0]
+    else:
+        tokens = np.concatenate(token_parts)
+        keys = np.concatenate(key_parts)
+        block_ids = np.concatenate(block_parts)
+    cids = pool.cache_chains(
+        block_ids, keys, tokens.reshape(-1, bs), ends - lengths, parent_cid[seg_rows]
     )
-    parent_cid[seg_rows] = cids if len(cids) == len(seg) else cids[ends - 1]
+    parent_cid[seg_rows] = cids if total == len(seg) else cids[ends - 1]
     num_hashed[seg_rows] = stop
+
+
+def _fresh_block_tokens(
+    state: RowState, rows: np.ndarray, first: np.ndarray, bs: int
+) -> np.ndarray | None:
+    """Token ids of block ``first[i]`` of every row ``rows[i]`` (int64 ``[n * bs]``), one
+    gather of whole blocks from the token arena; None unless every row is there and the
+    arena's rows are whole blocks."""
+    arena = state.tokens
+    width = arena.shape[1]
+    if width % bs or not state.in_arena[rows].all():
+        return None
+    blocks = arena.reshape(-1, bs)  # (a view: the arena is contiguous)
+    return blocks.take(rows * (width // bs) + first, axis=0).reshape(-1)
 
 
 def _fresh_tokens(
