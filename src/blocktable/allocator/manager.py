@@ -44,6 +44,7 @@ from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
+_INT64 = np.dtype(np.int64)
 
 
 class KVCacheManager:
@@ -275,10 +276,21 @@ class KVCacheManager:
         if not req_ids:
             return []  # a step without arrivals
         pending: dict[bytes, tuple[int, int]] = {}
-        plans = [
-            self._new_plan(p, ns, pending, req_id=r)
-            for r, p, ns in zip(req_ids, prompts, cache_namespaces)
-        ]
+        plans = []
+        none_namespace, max_len = self._none_namespace, self.max_model_len
+        for r, p, ns in zip(req_ids, prompts, cache_namespaces):
+            if (  # _new_plan's common case (an int64 array, no namespace), inline
+                ns is None
+                and none_namespace is not None
+                and type(p) is np.ndarray
+                and p.dtype is _INT64
+                and p.ndim == 1
+                and len(p)
+                and (max_len is None or len(p) <= max_len)
+            ):
+                plans.append(PromptPlan(p, none_namespace[0], none_namespace[1]))
+            else:
+                plans.append(self._new_plan(p, ns, pending, req_id=r))
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "

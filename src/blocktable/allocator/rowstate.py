@@ -114,7 +114,7 @@ class RowState:
         None, or, when they do not fit, into a buffer of its own (with room to grow) and
         return that."""
         n = len(tokens)
-        if self.token_room(n):
+        if n <= self.tokens.shape[1] or self.token_room(n):
             self.tokens[row, :n] = tokens
             self.in_arena_mv[row] = True
             return None
