@@ -220,6 +220,7 @@ def _find_full_hits(
     for pool, bs in zip(pools, block_sizes):
         index = pool.index
         get_one = index.keys.get_one
+        probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
         starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
         end = 0  # the looked-up blocks of all prompts
         for i, plan in enumerate(plans):
@@ -227,7 +228,13 @@ def _find_full_hits(
             # (_key_bound, inline: a call per prompt costs as much as a probe)
             keys = plan.keys[bs]
             probe = 0
-            while probe < num_blocks and get_one(keys.item(probe)) >= 0:
+            while probe < num_blocks:
+                key = keys.item(probe)
+                slot = probed.get(key)
+                if slot is None:
+                    slot = probed[key] = get_one(key)
+                if slot < 0:
+                    break
                 probe = 4 * probe if probe else 16
             usable = min(probe, num_blocks)
             caps[i] = usable * bs
@@ -275,13 +282,14 @@ def _find_full_hits(
                 if j < len(at) and at[j] < stop:
                     caps[i] = min(caps[i], (at[j] - start) * bs)
         found.append((starts, slots))
+    # the lists of a prompt without a hit, shared by all such prompts (read only)
+    no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
     for i, plan in enumerate(plans):
         n = caps[i] // align_tokens * align_tokens
         plan.num_cached_tokens = n
-        plan.num_skipped = [0] * num_groups
+        plan.num_skipped = zeros
         if not n:
-            plan.hit_slots = [_NO_SLOTS] * num_groups
-            plan.last_slots = [-1] * num_groups
+            plan.hit_slots, plan.last_slots = no_slots, no_last
             continue
         hit_slots, last_slots = [], []
         for (group_starts, group_slots), bs in zip(found, block_sizes):
