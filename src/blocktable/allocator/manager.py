@@ -315,7 +315,7 @@ class KVCacheManager:
         requests, preempted = self._requests, self._preempted
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         touch = self._journal.touch_leaving  # free, or freed earlier in this step
-        start, take_tokens, start_chains = state.start, state.take_tokens, chains.admit
+        start, start_chains = state.start, chains.admit
         root_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
         hits: list[tuple[RequestState, PromptPlan]] = []
         num_query_tokens = 0
@@ -329,10 +329,9 @@ class KVCacheManager:
             )
             num_tokens = len(tokens)
             touch(row)
-            start(row, num_tokens)
             req = RequestState(
                 req_id,
-                take_tokens(row, tokens),  # copied: the caller's stay the caller's
+                start(row, tokens),  # copied: the caller's stay the caller's
                 namespace,
                 plan.namespace_bytes,
                 root,

@@ -220,11 +220,9 @@ class RequestState:
     def fork(self, req_id: str | int, row: int) -> RequestState:
         """A copy under a new id holding ``row``: tokens, computed count and chains' hashes
         copied, no blocks (the caller fills them)."""
-        num_tokens = self.num_tokens
-        self.rows.start(row, num_tokens)
         child = RequestState(
             req_id,
-            self.rows.take_tokens(row, self.tokens[:num_tokens]),
+            self.rows.start(row, self.tokens[: self.num_tokens]),
             self.namespace,
             self.namespace_bytes,
             self.root,
