@@ -144,7 +144,7 @@ def find_hits(
 ) -> None:
     """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
     limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
-    if all(w is None for w in windows):
+    if windows.count(None) == len(windows):  # no sliding window
         _find_full_hits(plans, pools, block_sizes, limits, align_tokens)
         return
     per_group = []

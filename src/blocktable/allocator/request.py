@@ -19,6 +19,9 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
 
 def check_req_id(name: str, req_id: object) -> None:
     """Request ids are str or int (not bool)."""
+    kind = type(req_id)
+    if kind is int or kind is str:  # the common case, without isinstance's walk
+        return
     if isinstance(req_id, bool) or not isinstance(req_id, (str, int)):
         raise TypeError(f"{name} must be a str or int, got {type(req_id).__name__}")
 
