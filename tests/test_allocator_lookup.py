@@ -206,3 +206,27 @@ def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
                 done.append(p)
         mgr.free_many(req_ids)
         mgr.check_integrity()
+
+
+def test_a_reused_row_with_a_prompt_shorter_than_a_block_chains_from_the_seed() -> None:
+    """A prompt without a full block takes a row whose last holder had keyed blocks: its
+    chain starts at its namespace's seed (no key kept from the row's last holder), so its
+    generated blocks get the keys of its own tokens."""
+    bs = 4
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 64)], max_num_reqs=1)
+    mgr.add_requests(["a"], [list(range(20))])
+    mgr.allocate_many(["a"], [20])
+    mgr.mark_computed_many(["a"], [20])
+    mgr.free("a")
+    mgr.add_requests(["b"], [[7, 8, 9]], ["tenant"])
+    assert mgr.row_of("b") == 0
+    mgr.check_integrity()
+    mgr.allocate_many(["b"], [3])
+    mgr.mark_computed_many(["b"], [3])
+    mgr.append_token_ids_many(["b"], [[10, 11, 12, 13, 14, 15]])
+    mgr.allocate_many(["b"], [6])
+    mgr.mark_computed_many(["b"], [6])
+    mgr.check_integrity()
+    want = fast_block_keys([7, 8, 9, 10, 11, 12, 13, 14, 15], bs, namespace="tenant")
+    blocks = mgr.block_ids("b")[0]
+    assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want
