@@ -62,9 +62,10 @@ class PromptPlan:
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.num_cached_tokens = 0
-        self.hit_slots: list[np.ndarray] = []  # per group: record slots
-        self.num_skipped: list[int] = []  # per group: null entries first
-        self.last_slots: list[int] = []  # per group: record of block n/bs-1
+        # per group, once found (read only: plans without a hit share these lists)
+        self.hit_slots: list[np.ndarray] = []  # record slots
+        self.num_skipped: list[int] = []  # null entries first
+        self.last_slots: list[int] = []  # record of block n/bs-1
 
 
 def prompt_keys(
