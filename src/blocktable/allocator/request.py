@@ -115,8 +115,8 @@ class RequestState:
         """A request holding ``row`` of ``rows`` (the caller starts that row there), its
         token ids in the row's token arena (``tokens`` None) or the first ``num_tokens`` of
         ``tokens`` (int64, a buffer of its own, with room to grow). ``parent_hashes``,
-        ``keys`` and ``prompt_states`` are taken as given (not copied), positional only: a
-        step admits several requests, and keyword arguments cost more."""
+        ``keys`` and ``prompt_states`` are kept as given (not copied). Callers pass every
+        argument positionally: a step admits several requests, and keywords cost more."""
         self.req_id = req_id
         self.rows = rows
         self.row = row
@@ -279,12 +279,6 @@ class KeyChains:
         self.__dict__.update(state)
         self._views()
 
-    def start(self, row: int, root: int) -> None:
-        """A request takes ``row``: nothing registered yet, every group's parent is ``root``."""
-        for num_hashed, parent_cid in self._start_mvs:
-            num_hashed[row] = 0
-            parent_cid[row] = root
-
     def admit(
         self,
         row: int,
@@ -293,9 +287,9 @@ class KeyChains:
         keys: dict[int, np.ndarray],
         states: dict[int, np.ndarray],
     ) -> None:
-        """:meth:`start` of ``row``, then per block size ``bs`` the chain after the prompt's
-        keys ``keys[bs]`` (uint64): their number and the state after the last of them
-        (``states[bs][-1]``; ``seed`` where there is none)."""
+        """A request takes ``row``: nothing registered yet, every group's parent is ``root``;
+        per block size ``bs`` its prompt's keys ``keys[bs]`` (uint64) are keyed, the chain
+        state after them being ``states[bs][-1]`` (``seed`` where there is none)."""
         for num_hashed, parent_cid in self._start_mvs:
             num_hashed[row] = 0
             parent_cid[row] = root
