@@ -29,14 +29,16 @@ def test_segment_first_matches_a_reference(seed: int) -> None:
     assert got.tolist() == _segment_first_reference(fail.tolist(), lengths.tolist())
 
 
-@pytest.mark.parametrize("num_cached_blocks", [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 40])
+@pytest.mark.parametrize(
+    "num_cached_blocks", [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 40, 63, 64, 65, 79]
+)
 def test_hits_of_every_length_in_one_batched_call(num_cached_blocks: int) -> None:
-    """Hits ending just before, at and after the keys the lookup probes one by one (0, 8, 16,
-    32) are found whole, for several prompts in one call: the bound never cuts a hit."""
+    """Hits ending just before, at and after the keys the lookup probes one by one (0, 16,
+    64) are found whole, for several prompts in one call: the bound never cuts a hit."""
     bs = 4
     rng = np.random.default_rng(num_cached_blocks)
     mgr = KVCacheManager([AllocatorGroupSpec(bs, 512)], max_num_reqs=16)
-    base = rng.integers(0, 1000, 48 * bs)
+    base = rng.integers(0, 1000, 80 * bs)
     mgr.add_request("base", base)
     mgr.allocate("base", len(base))
     mgr.mark_computed("base", len(base))
@@ -148,3 +150,83 @@ def test_batched_hits_match_a_scalar_walk(seed: int) -> None:
                 done.append(p)
             mgr.free(r)
         mgr.check_integrity()
+
+
+def _walk_group(mgr: KVCacheManager, group: int, prompt: np.ndarray) -> int:
+    """Tokens of ``prompt`` whose blocks ``group`` serves, by a scalar walk over its index
+    (a full-attention group: every block before the hit cached, tokens and parents equal)."""
+    bs = mgr.block_sizes[group]
+    index = mgr.pools[group].index
+    parent = mgr._namespaces.get(b"", (-1, 0))[0]
+    keys = fast_block_keys(prompt.tolist(), bs)
+    served = 0
+    for i in range((len(prompt) - 1) // bs):
+        slot = index.keys.get_one(keys[i])
+        if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
+            break
+        if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
+            break
+        parent = int(index.cid[slot])
+        served = i + 1
+    return served * bs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
+    """Two full-attention groups of different block sizes (4 and 8, so hits are multiples of
+    8), pools small enough to evict, prompts of one call sharing prefixes with each other and
+    with cached prompts: each hit is the shorter of the groups' walks, cut to a multiple of 8
+    (the lookup bounds a group by what the groups before allow)."""
+    rng = np.random.default_rng(100 + seed)
+    groups = [AllocatorGroupSpec(4, 160), AllocatorGroupSpec(8, 72)]
+    mgr = KVCacheManager(groups, max_num_reqs=32)
+    done: list[np.ndarray] = []
+    next_id = 0
+    for _ in range(10):
+        prompts = []
+        for _ in range(int(rng.integers(1, 7))):
+            if done and rng.random() < 0.8:
+                base = done[int(rng.integers(len(done)))]
+                keep = int(rng.integers(0, len(base) + 1))
+                tail = rng.integers(0, 40, int(rng.integers(1, 40)))
+                prompts.append(np.concatenate((base[:keep], tail)))
+            else:
+                prompts.append(rng.integers(0, 40, int(rng.integers(2, 90))))
+        if len(prompts) > 1 and rng.random() < 0.5:
+            prompts.append(prompts[0].copy())  # a prompt twice in one call
+        expected = [min(_walk_group(mgr, 0, p), _walk_group(mgr, 1, p)) // 8 * 8 for p in prompts]
+        req_ids = list(range(next_id, next_id + len(prompts)))
+        next_id += len(prompts)
+        assert [mgr.lookup_prefix(p) for p in prompts] == expected
+        assert mgr.add_requests(req_ids, prompts) == expected
+        for r, p, hit in zip(req_ids, prompts, expected):
+            if mgr.can_allocate(r, len(p) - hit):
+                mgr.allocate(r, len(p) - hit)
+                mgr.mark_computed(r, len(p) - hit)
+                done.append(p)
+        mgr.free_many(req_ids)
+        mgr.check_integrity()
+
+
+def test_a_reused_row_with_a_prompt_shorter_than_a_block_chains_from_the_seed() -> None:
+    """A prompt without a full block takes a row whose last holder had keyed blocks: its
+    chain starts at its namespace's seed (no key kept from the row's last holder), so its
+    generated blocks get the keys of its own tokens."""
+    bs = 4
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 64)], max_num_reqs=1)
+    mgr.add_requests(["a"], [list(range(20))])
+    mgr.allocate_many(["a"], [20])
+    mgr.mark_computed_many(["a"], [20])
+    mgr.free("a")
+    mgr.add_requests(["b"], [[7, 8, 9]], ["tenant"])
+    assert mgr.row_of("b") == 0
+    mgr.check_integrity()
+    mgr.allocate_many(["b"], [3])
+    mgr.mark_computed_many(["b"], [3])
+    mgr.append_token_ids_many(["b"], [[10, 11, 12, 13, 14, 15]])
+    mgr.allocate_many(["b"], [6])
+    mgr.mark_computed_many(["b"], [6])
+    mgr.check_integrity()
+    want = fast_block_keys([7, 8, 9, 10, 11, 12, 13, 14, 15], bs, namespace="tenant")
+    blocks = mgr.block_ids("b")[0]
+    assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want

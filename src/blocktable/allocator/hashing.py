@@ -177,7 +177,7 @@ def chain_keys(
     # running sums with a 0 in front: the sum before each segment is one gather
     running = np.empty(n + 1, dtype=_U64)
     running[0] = 0
-    np.cumsum(scaled, dtype=_U64, out=running[1:])
+    np.add.accumulate(scaled, out=running[1:])  # (cumsum: the same sums at twice the cost)
     sums = running[1:]
     seg_starts = (
         np.cumsum(segment_lengths) - segment_lengths if segment_starts is None else segment_starts

@@ -44,6 +44,7 @@ from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
+_INT64 = np.dtype(np.int64)
 
 
 class KVCacheManager:
@@ -275,10 +276,21 @@ class KVCacheManager:
         if not req_ids:
             return []  # a step without arrivals
         pending: dict[bytes, tuple[int, int]] = {}
-        plans = [
-            self._new_plan(p, ns, pending, req_id=r)
-            for r, p, ns in zip(req_ids, prompts, cache_namespaces)
-        ]
+        plans = []
+        none_namespace, max_len = self._none_namespace, self.max_model_len
+        for r, p, ns in zip(req_ids, prompts, cache_namespaces):
+            if (  # _new_plan's common case (an int64 array, no namespace), inline
+                ns is None
+                and none_namespace is not None
+                and type(p) is np.ndarray
+                and p.dtype is _INT64
+                and p.ndim == 1
+                and len(p)
+                and (max_len is None or len(p) <= max_len)
+            ):
+                plans.append(PromptPlan(p, none_namespace[0], none_namespace[1]))
+            else:
+                plans.append(self._new_plan(p, ns, pending, req_id=r))
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "
@@ -295,72 +307,93 @@ class KVCacheManager:
         self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
     ) -> None:
         """Give each planned prompt the lowest free row, its token ids and its prefix hit
-        (checked before: enough free rows), each row's counts and chains written through
-        memoryviews (a step admits a few requests: scalar writes beat array calls here)."""
+        (checked before: enough free rows). Per request its counts and chains are written
+        through memoryviews and its tokens copied into its row (a step admits a few requests:
+        scalar writes beat array calls here); the hits of all are shared at once
+        (:meth:`_share_hits`)."""
         state, chains, holders = self._row_state, self._chains, self._rows.holders
+        requests, preempted = self._requests, self._preempted
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         touch = self._journal.touch_leaving  # free, or freed earlier in this step
-        num_groups = len(self.pools)
-        caching = self.enable_prefix_caching
-        shared: list[list[np.ndarray]] = [[] for _ in self.pools]
+        start, start_chains = state.start, chains.admit
+        root_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
+        hits: list[tuple[RequestState, PromptPlan]] = []
+        num_query_tokens = 0
         for req_id, plan, namespace, row in zip(req_ids, plans, namespaces, rows):
-            num_tokens = len(plan.tokens)
+            tokens, root, seed, keys, states = (
+                plan.tokens,
+                plan.root,
+                plan.seed,
+                plan.keys,
+                plan.states,
+            )
+            num_tokens = len(tokens)
             touch(row)
-            state.start(row, num_tokens)
-            chains.start(row, plan.root)
             req = RequestState(
                 req_id,
-                state.take_tokens(row, plan.tokens),  # copied: the caller's stay the caller's
+                start(row, tokens),  # copied: the caller's stay the caller's
                 namespace,
                 plan.namespace_bytes,
-                plan.root,
-                num_groups,
-                plan.seed,
-                rows=state,
-                row=row,
+                root,
+                seed,
+                state,
+                row,
+                num_tokens,
+                root_hashes.copy(),
+                keys,  # read-only arrays (dicts the plan no longer uses)
+                states,
             )
             holders[row] = req
-            req.parent_hashes = [ROOT_BLOCK_HASH] * num_groups
-            if caching:
-                req.keys = plan.keys  # read-only arrays (a dict the plan no longer uses)
-                req.prompt_states = plan.states
-                for bs, keys in plan.keys.items():
-                    n = len(keys)
-                    chains.set(row, bs, n, plan.states[bs].item(n - 1) if n else plan.seed)
+            requests[req_id] = req
+            start_chains(row, root, seed, keys, states)
+            num_query_tokens += num_tokens
             if plan.num_cached_tokens:
-                self._share_hit(req, plan, shared)
-                state.num_computed_mv[row] = plan.num_cached_tokens
-                state.update_num_slots(self.block_sizes, row)
-            self._requests[req_id] = req
-            self._preempted.discard(req_id)
-            self._num_query_tokens += num_tokens
-            self._num_hit_tokens += plan.num_cached_tokens
+                hits.append((req, plan))
+        if preempted:
+            for req_id in req_ids:
+                preempted.discard(req_id)
         self._num_queries += len(plans)
-        for pool, blocks in zip(self.pools, shared):
-            if blocks:
-                pool.share_many(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+        self._num_query_tokens += num_query_tokens
+        if hits:
+            self._share_hits(hits)
 
-    def _share_hit(
-        self, req: RequestState, plan: PromptPlan, shared: list[list[np.ndarray]]
-    ) -> None:
-        """Make the cached blocks of ``plan``'s hit ``req``'s rows (shared once per entry of
-        ``shared`` by the caller) and move its chains past them."""
-        state, chains, row = self._row_state, self._chains, req.row
-        n = plan.num_cached_tokens
+    def _share_hits(self, hits: list[tuple[RequestState, PromptPlan]]) -> None:
+        """Make the cached blocks of each plan's hit its request's rows and move its chains
+        past them: per group, one gather of every hit's blocks and one share."""
+        state, chains = self._row_state, self._chains
+        byte_hashes = self.byte_hash_fn is not None
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
-            skip = plan.num_skipped[g]
-            blocks = pool.index.holder[plan.hit_slots[g]]
-            shared[g].append(blocks)
-            arena = state.ensure_width(g, skip + len(blocks))
-            arena[row, :skip] = NULL_BLOCK_ID
-            arena[row, skip : skip + len(blocks)] = blocks
-            state.row_len[g, row] = skip + len(blocks)
-            state.num_skipped[g, row] = skip
-            last = plan.last_slots[g]
-            chains.num_hashed[g][row] = n // bs
-            chains.parent_cid[g][row] = pool.index.cid[last]
-            if self.byte_hash_fn is not None:
-                req.parent_hashes[g] = pool.index.hashes[last]  # type: ignore[call-overload]
+            index = pool.index
+            parts = [plan.hit_slots[g] for _, plan in hits]
+            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            blocks = index.holder[slots]
+            width = max(plan.num_skipped[g] + len(part) for (_, plan), part in zip(hits, parts))
+            arena = state.ensure_width(g, width)
+            row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
+            num_hashed, parent_cid = chains.group_views(g)
+            end = 0
+            for (req, plan), part in zip(hits, parts):
+                row, skip, k = req.row, plan.num_skipped[g], len(part)
+                if skip:
+                    arena[row, :skip] = NULL_BLOCK_ID
+                arena[row, skip : skip + k] = blocks[end : end + k]
+                end += k
+                row_len[row] = skip + k
+                num_skipped[row] = skip
+                last = plan.last_slots[g]
+                num_hashed[row] = plan.num_cached_tokens // bs
+                parent_cid[row] = index.cid.item(last)
+                if byte_hashes:
+                    req.parent_hashes[g] = index.hashes[last]  # type: ignore[call-overload]
+            if len(blocks):
+                pool.share_many(blocks)
+        num_computed, block_sizes = state.num_computed_mv, self.block_sizes
+        num_hit_tokens = 0
+        for req, plan in hits:
+            num_computed[req.row] = plan.num_cached_tokens
+            num_hit_tokens += plan.num_cached_tokens
+            state.update_num_slots(block_sizes, req.row)
+        self._num_hit_tokens += num_hit_tokens
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""

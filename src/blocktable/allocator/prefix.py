@@ -62,34 +62,37 @@ class PromptPlan:
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.num_cached_tokens = 0
-        self.hit_slots: list[np.ndarray] = []  # per group: record slots
-        self.num_skipped: list[int] = []  # per group: null entries first
-        self.last_slots: list[int] = []  # per group: record of block n/bs-1
+        # per group, once found (read only: plans without a hit share these lists)
+        self.hit_slots: list[np.ndarray] = []  # record slots
+        self.num_skipped: list[int] = []  # null entries first
+        self.last_slots: list[int] = []  # record of block n/bs-1
 
 
 def prompt_keys(
     plans: Sequence[PromptPlan], block_sizes: Sequence[int], powers: dict[int, ChainPowers]
 ) -> None:
-    """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size."""
+    """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
+    (the plans' token ids concatenated once, hashed with one product and chained in one scan;
+    each plan's keys and states are views of that pass's arrays)."""
+    seeds = np.array([p.seed for p in plans], dtype=_U64)
     for bs in sorted(set(block_sizes)):
-        counts = [len(p.tokens) // bs for p in plans]
-        starts, end = [], 0
-        for count in counts:
+        counts, starts, end = [], [], 0
+        for p in plans:
             starts.append(end)
+            count = len(p.tokens) // bs
+            counts.append(count)
             end += count
-        blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
+        if len(plans) == 1:
+            blocks = plans[0].tokens[: end * bs]
+        else:
+            blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
         hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
-        seeds = np.array([p.seed for p in plans], dtype=_U64)
-        keys, states = chain_keys(
-            hashes,
-            np.array(counts, dtype=np.int64),
-            seeds,
-            powers[bs],
-            np.array(starts, dtype=np.int64),
-        )
+        segments = np.array((counts, starts), dtype=np.int64)  # one conversion for both
+        keys, states = chain_keys(hashes, segments[0], seeds, powers[bs], segments[1])
         for plan, start, count in zip(plans, starts, counts):
-            plan.keys[bs] = keys[start : start + count]
-            plan.states[bs] = states[start : start + count]
+            stop = start + count
+            plan.keys[bs] = keys[start:stop]
+            plan.states[bs] = states[start:stop]
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -120,15 +123,16 @@ def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int])
     """Blocks of a prompt worth looking up: ``num_blocks``, or fewer when a key is not filed.
 
     A block can be served (or verified) only when its key is filed, so the first absent key
-    found bounds the prompt's hit. Keys ``0, 8, 16, 32, ...`` are probed one by one (a scalar
-    probe costs less than a numpy call), so the batched lookup reads at most about twice the
-    hit's keys (or 8) instead of the whole prompt's.
+    found bounds the prompt's hit. Keys ``0, 16, 64, 256, ...`` are probed one by one (a
+    scalar probe costs less than a numpy call), so the batched lookup reads at most about
+    four times the hit's keys (or 16) instead of the whole prompt's: a batched lookup of a few
+    hundred keys costs about what one of a few dozen does, a probe more than a key looked up.
     """
     probe = 0
     while probe < num_blocks:
         if get_one(keys.item(probe)) < 0:
             return probe
-        probe = 2 * probe if probe else 8
+        probe = 4 * probe if probe else 16
     return num_blocks
 
 
@@ -141,7 +145,7 @@ def find_hits(
 ) -> None:
     """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
     limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
-    if all(w is None for w in windows):
+    if windows.count(None) == len(windows):  # no sliding window
         _find_full_hits(plans, pools, block_sizes, limits, align_tokens)
         return
     per_group = []
@@ -207,69 +211,94 @@ def _find_full_hits(
     align_tokens: int,
 ) -> None:
     """:func:`find_hits` without sliding windows: the hit is the longest prefix of cached
-    blocks every group serves. Only prompts whose first key is filed are looked up, and a
-    group's blocks are verified in one pass for all of them (few array operations: each
+    blocks every group serves. Per group, each prompt's blocks worth looking up are bounded
+    first (:func:`_key_bound`, and by the hit the groups before allow), then the bounded
+    blocks of all prompts are looked up and verified in one pass (few array operations: each
     costs more than its work here)."""
-    caps = list(limits)
-    found: list[tuple[list[int], np.ndarray | None]] = []  # per group: starts, slots
+    num_groups = len(pools)
+    caps = list(limits)  # per prompt: the longest hit still possible, in tokens
+    found: list[tuple[dict[int, int], np.ndarray]] = []  # per group: starts, slots
     for pool, bs in zip(pools, block_sizes):
         index = pool.index
         get_one = index.keys.get_one
-        usable = [_key_bound(p.keys[bs], lim // bs, get_one) for p, lim in zip(plans, limits)]
-        starts = [0] * len(plans)  # where each prompt's keys start in `keys`
-        live, lengths, end = [], [], 0  # the prompts looked up, their blocks, their total
-        for i, u in enumerate(usable):
-            if u:
-                live.append(i)
-                lengths.append(u)
+        probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
+        starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
+        end = 0  # the looked-up blocks of all prompts
+        for i, plan in enumerate(plans):
+            num_blocks = caps[i] // bs
+            # (_key_bound, inline: a call per prompt costs as much as a probe)
+            keys = plan.keys[bs]
+            probe = 0
+            while probe < num_blocks:
+                key = keys.item(probe)
+                slot = probed.get(key)
+                if slot is None:
+                    slot = probed[key] = get_one(key)
+                if slot < 0:
+                    break
+                probe = 4 * probe if probe else 16
+            usable = min(probe, num_blocks)
+            caps[i] = usable * bs
+            if usable:
                 starts[i] = end
-                end += u
-            else:
-                caps[i] = 0
-        if not live:
-            found.append((starts, None))
-            continue
+                end += usable
+        if not starts:
+            break  # no prompt can hit
+        live = list(starts)
         if len(live) == 1:
             plan = plans[live[0]]
             keys = plan.keys[bs][:end]
             tokens = plan.tokens[: end * bs]
         else:
-            keys = np.concatenate([plans[i].keys[bs][: usable[i]] for i in live])
-            tokens = np.concatenate([plans[i].tokens[: usable[i] * bs] for i in live])
+            bounds = [*starts.values(), end]
+            keys = np.concatenate(
+                [
+                    plans[i].keys[bs][: stop - start]
+                    for i, start, stop in zip(live, bounds, bounds[1:])
+                ]
+            )
+            tokens = np.concatenate(
+                [
+                    plans[i].tokens[: (stop - start) * bs]
+                    for i, start, stop in zip(live, bounds, bounds[1:])
+                ]
+            )
         slots = index.keys.get(keys)  # (-1 where absent: reads the last record, bad anyway)
-        cids = index.cid[slots]
         # block j verifies when its record exists, is alive, holds the prompt's tokens and
         # its parent is the content id found for block j - 1 (the namespace's root for 0)
-        expected_parent = np.empty_like(cids)
-        expected_parent[1:] = cids[:-1]
-        for i in live:
-            expected_parent[starts[i]] = plans[i].root
-        bad = index.parent[slots] != expected_parent
+        parents = index.parent[slots]
+        bad = np.empty(end, dtype=bool)
+        np.not_equal(parents[1:], index.cid[slots[:-1]], out=bad[1:])
+        for i, start in starts.items():
+            bad[start] = parents.item(start) != plans[i].root
         bad |= slots < 0
         bad |= index.holder[slots] == 0
         # (take: numpy's row-wise fancy indexing costs three times as much)
         bad |= _rows_differ(index.tokens.take(slots, axis=0), tokens.reshape(-1, bs))
-        at = np.flatnonzero(bad).tolist() if bad.any() else []
-        for i, u in zip(live, lengths):
-            start = starts[i]
-            j = bisect_left(at, start)
-            first = at[j] - start if j < len(at) and at[j] < start + u else u
-            caps[i] = min(caps[i], first * bs)
+        if bad.any():
+            at = np.flatnonzero(bad).tolist()
+            bounds = [*starts.values(), end]
+            for i, start, stop in zip(live, bounds, bounds[1:]):
+                j = bisect_left(at, start)
+                if j < len(at) and at[j] < stop:
+                    caps[i] = min(caps[i], (at[j] - start) * bs)
         found.append((starts, slots))
-    hits = [c // align_tokens * align_tokens for c in caps]
-    for i, (plan, n) in enumerate(zip(plans, hits)):
+    # the lists of a prompt without a hit, shared by all such prompts (read only)
+    no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
+    for i, plan in enumerate(plans):
+        n = caps[i] // align_tokens * align_tokens
         plan.num_cached_tokens = n
-        plan.num_skipped = [0] * len(pools)
+        plan.num_skipped = zeros
+        if not n:
+            plan.hit_slots, plan.last_slots = no_slots, no_last
+            continue
+        hit_slots, last_slots = [], []
         for (group_starts, group_slots), bs in zip(found, block_sizes):
-            hi = n // bs
-            if hi and group_slots is not None:  # (a hit needs slots looked up)
-                start = group_starts[i]
-                seg = group_slots[start : start + hi]
-                plan.hit_slots.append(seg)
-                plan.last_slots.append(seg.item(-1))
-            else:
-                plan.hit_slots.append(_NO_SLOTS)
-                plan.last_slots.append(-1)
+            start = group_starts[i]  # (a hit was looked up in every group)
+            seg = group_slots[start : start + n // bs]
+            hit_slots.append(seg)
+            last_slots.append(seg.item(-1))
+        plan.hit_slots, plan.last_slots = hit_slots, last_slots
 
 
 def _take_hit(

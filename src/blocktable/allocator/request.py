@@ -19,6 +19,9 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
 
 def check_req_id(name: str, req_id: object) -> None:
     """Request ids are str or int (not bool)."""
+    kind = type(req_id)
+    if kind is int or kind is str:  # the common case, without isinstance's walk
+        return
     if isinstance(req_id, bool) or not isinstance(req_id, (str, int)):
         raise TypeError(f"{name} must be a str or int, got {type(req_id).__name__}")
 
@@ -101,15 +104,19 @@ class RequestState:
         namespace: object,
         namespace_bytes: bytes,
         root: int,
-        num_groups: int,
-        seed: int = 0,
-        *,
+        seed: int,
         rows: RowState,
         row: int,
+        num_prompt_tokens: int,
+        parent_hashes: list[bytes],
+        keys: dict[int, np.ndarray],
+        prompt_states: dict[int, np.ndarray],
     ) -> None:
         """A request holding ``row`` of ``rows`` (the caller starts that row there), its
         token ids in the row's token arena (``tokens`` None) or the first ``num_tokens`` of
-        ``tokens`` (int64, a buffer of its own, with room to grow)."""
+        ``tokens`` (int64, a buffer of its own, with room to grow). ``parent_hashes``,
+        ``keys`` and ``prompt_states`` are kept as given (not copied). Callers pass every
+        argument positionally: a step admits several requests, and keywords cost more."""
         self.req_id = req_id
         self.rows = rows
         self.row = row
@@ -118,10 +125,10 @@ class RequestState:
         self.namespace_bytes = namespace_bytes
         self.root = root  # parent content id of the first block (negative: the namespace)
         self.seed = seed  # key chain state before the first block (the namespace's)
-        self.parent_hashes: list[bytes] = [b""] * num_groups
-        self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [capacity]
-        self.prompt_states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
-        self.num_prompt_tokens = rows.num_tokens_mv[row]  # at admission (keys cover them)
+        self.parent_hashes = parent_hashes  # per group (byte hashes only)
+        self.keys = keys  # block size -> uint64 [full prompt blocks], read-only
+        self.prompt_states = prompt_states  # block size -> uint64 [full prompt blocks]
+        self.num_prompt_tokens = num_prompt_tokens  # at admission (keys cover them)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -216,25 +223,22 @@ class RequestState:
     def fork(self, req_id: str | int, row: int) -> RequestState:
         """A copy under a new id holding ``row``: tokens, computed count and chains' hashes
         copied, no blocks (the caller fills them)."""
-        num_tokens = self.num_tokens
-        self.rows.start(row, num_tokens)
         child = RequestState(
             req_id,
-            self.rows.take_tokens(row, self.tokens[:num_tokens]),
+            self.rows.start(row, self.tokens[: self.num_tokens]),
             self.namespace,
             self.namespace_bytes,
             self.root,
-            len(self.parent_hashes),
             self.seed,
-            rows=self.rows,
-            row=row,
+            self.rows,
+            row,
+            self.num_prompt_tokens,
+            list(self.parent_hashes),
+            dict(self.keys),  # read-only arrays
+            dict(self.prompt_states),
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_skipped_blocks[:] = self.num_skipped_blocks
-        child.parent_hashes = list(self.parent_hashes)
-        child.keys = dict(self.keys)  # read-only arrays
-        child.prompt_states = dict(self.prompt_states)
-        child.num_prompt_tokens = self.num_prompt_tokens
         self.rows.num_prompt[row] = self.rows.num_prompt[self.row]
         return child
 
@@ -275,11 +279,31 @@ class KeyChains:
         self.__dict__.update(state)
         self._views()
 
-    def start(self, row: int, root: int) -> None:
-        """A request takes ``row``: nothing registered yet, every group's parent is ``root``."""
+    def admit(
+        self,
+        row: int,
+        root: int,
+        seed: int,
+        keys: dict[int, np.ndarray],
+        states: dict[int, np.ndarray],
+    ) -> None:
+        """A request takes ``row``: nothing registered yet, every group's parent is ``root``;
+        per block size ``bs`` its prompt's keys ``keys[bs]`` (uint64) are keyed, the chain
+        state after them being ``states[bs][-1]`` (``seed`` where there is none)."""
         for num_hashed, parent_cid in self._start_mvs:
             num_hashed[row] = 0
             parent_cid[row] = root
+        set_mvs = self._set_mvs
+        for bs, bs_keys in keys.items():
+            n = len(bs_keys)
+            num_keys_mv, state_mv = set_mvs[bs]
+            num_keys_mv[row] = n
+            state_mv[row] = states[bs].item(n - 1) if n else seed
+
+    def group_views(self, group: int) -> tuple[memoryview, memoryview]:
+        """``num_hashed[group]`` and ``parent_cid[group]`` as memoryviews (scalar writes of
+        Python ints)."""
+        return self._start_mvs[group]
 
     def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
         num_keys_mv, state_mv = self._set_mvs[bs]

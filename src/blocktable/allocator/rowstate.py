@@ -91,17 +91,21 @@ class RowState:
         self.__dict__.update(state)
         self._views()
 
-    def start(self, row: int, num_tokens: int) -> None:
-        """A new request takes ``row`` with ``num_tokens`` token ids and nothing else."""
+    def start(self, row: int, tokens: np.ndarray) -> np.ndarray | None:
+        """A new request takes ``row`` with the token ids ``tokens`` (int64, copied) and
+        nothing else. Returns None when the ids went into the row of the token arena, else
+        the buffer of their own they went into (with room to grow; see :meth:`take_tokens`)."""
+        n = len(tokens)
         self.holder_gen_mv[row] = self._next_gen
         self._next_gen += 1
         self.num_computed_mv[row] = 0
-        self.num_tokens_mv[row] = num_tokens
-        self.num_prompt_mv[row] = num_tokens
+        self.num_tokens_mv[row] = n
+        self.num_prompt_mv[row] = n
         self.num_slots_mv[row] = 0
         for row_len, num_skipped in zip(self.row_len_mvs, self.num_skipped_mvs):
             row_len[row] = 0
             num_skipped[row] = 0
+        return self.take_tokens(row, tokens)
 
     def stop(self, rows: list[int]) -> None:
         """The requests of ``rows`` left (their entries are stale from now on)."""
@@ -112,9 +116,9 @@ class RowState:
     def take_tokens(self, row: int, tokens: np.ndarray) -> np.ndarray | None:
         """Copy a new request's ``tokens`` (int64) into ``row`` of the token arena and return
         None, or, when they do not fit, into a buffer of its own (with room to grow) and
-        return that."""
+        return that (:meth:`start` calls it)."""
         n = len(tokens)
-        if self.token_room(n):
+        if n <= self.tokens.shape[1] or self.token_room(n):
             self.tokens[row, :n] = tokens
             self.in_arena_mv[row] = True
             return None
