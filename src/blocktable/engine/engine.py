@@ -344,21 +344,29 @@ def sample_and_finish(
     step_index: int,
     record_logits: bool,
 ) -> list[str]:
-    """After a step's forward: mark its tokens computed, sample greedily for the requests whose
-    step reached the end of their tokens, finish those that are done; return their ids.
+    """After a step's forward: mark its tokens computed (one batched call), sample greedily for
+    the requests whose step reached the end of their tokens, finish those that are done and
+    append the others' tokens (one batched call); return the finished ids.
 
     ``logits``: float32 ``[num_reqs, vocab_size]`` on cpu, one row per scheduled request.
     """
-    finished = []
-    for i, s in enumerate(batch.scheduled):
+    finished: list[str] = []
+    scheduled = batch.scheduled
+    if not scheduled:
+        return finished
+    manager.mark_computed_many(
+        [s.request.req_id for s in scheduled], [s.num_new_tokens for s in scheduled]
+    )
+    tokens = logits.argmax(dim=-1).tolist()  # greedy: the first largest logit of each row
+    going_on: list[str] = []  # requests that sampled a token and continue
+    going_on_tokens: list[int] = []
+    for i, (s, token) in enumerate(zip(scheduled, tokens)):
         req = s.request
         if req.first_step is None:
             req.first_step = step_index
-        manager.mark_computed(req.req_id, s.num_new_tokens)
         if not s.completes:
             req.num_prefill_chunks += 1
             continue  # a prefill chunk: nothing to sample yet
-        token = int(logits[i].argmax())
         req.output_token_ids.append(token)
         if record_logits:
             req.logits.append(logits[i].clone())
@@ -367,7 +375,12 @@ def sample_and_finish(
             req.finish_step = step_index
             finished.append(req.req_id)
         else:
-            manager.append_token_ids(req.req_id, token)
+            going_on.append(req.req_id)
+            going_on_tokens.append(token)
+    if going_on:  # one token each: one call
+        manager.append_token_ids_many(
+            going_on, np.array(going_on_tokens, dtype=np.int64).reshape(-1, 1)
+        )
     return finished
 
 
