@@ -543,7 +543,8 @@ class KVCacheManager:
         -------
         tuple of RowBlocks
             Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
-            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32).
+            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
+            read-only arrays (the step's update may be built from them).
         """
         if len(self.pools) == 1:
             return (self._allocate_many_one_group(req_ids, num_new_tokens),)
