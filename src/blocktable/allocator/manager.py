@@ -567,7 +567,10 @@ class KVCacheManager:
                     rows.append(req.row)
                     nums.append(count)
                     start += count
-            out.append(RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new))
+            part = RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
+            for array in (part.rows, part.num_manager_blocks, new):
+                array.flags.writeable = False
+            out.append(part)
         for req, need in zip(reqs, needs):
             if any(need):
                 self._row_state.update_num_slots(self.block_sizes, req.row)
