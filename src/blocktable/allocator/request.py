@@ -300,6 +300,27 @@ class KeyChains:
             num_keys_mv[row] = n
             state_mv[row] = states[bs].item(n - 1) if n else seed
 
+    def admit_many(
+        self,
+        rows: list[int],
+        roots: list[int],
+        seeds: list[int],
+        keys: list[dict[int, np.ndarray]],
+        states: list[dict[int, np.ndarray]],
+    ) -> None:
+        """:meth:`admit` of each of ``rows`` with its ``roots[i]``, ``seeds[i]``, ``keys[i]``
+        and ``states[i]``: one loop with the views bound once."""
+        start_mvs, set_mvs = self._start_mvs, self._set_mvs
+        for row, root, seed, row_keys, row_states in zip(rows, roots, seeds, keys, states):
+            for num_hashed, parent_cid in start_mvs:
+                num_hashed[row] = 0
+                parent_cid[row] = root
+            for bs, bs_keys in row_keys.items():
+                n = len(bs_keys)
+                num_keys_mv, state_mv = set_mvs[bs]
+                num_keys_mv[row] = n
+                state_mv[row] = row_states[bs].item(n - 1) if n else seed
+
     def group_views(self, group: int) -> tuple[memoryview, memoryview]:
         """``num_hashed[group]`` and ``parent_cid[group]`` as memoryviews (scalar writes of
         Python ints)."""
