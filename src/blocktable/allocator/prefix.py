@@ -224,6 +224,11 @@ def _find_full_hits(
         probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
         starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
         end = 0  # the looked-up blocks of all prompts
+        # A prompt whose looked-up blocks hold the same token ids (and namespace) as an
+        # earlier prompt's follows it: its keys, slots and verification are the leader's, so
+        # it is not looked up or verified again (a shared system prompt is looked up once).
+        leaders: dict[tuple[int, int, int], int] = {}  # (blocks, last key, root) -> prompt
+        followers: dict[int, int] = {}  # prompt -> its leader
         for i, plan in enumerate(plans):
             num_blocks = caps[i] // bs
             # (_key_bound, inline: a call per prompt costs as much as a probe)
@@ -240,6 +245,15 @@ def _find_full_hits(
             usable = min(probe, num_blocks)
             caps[i] = usable * bs
             if usable:
+                signature = (usable, keys.item(usable - 1), plan.root)
+                leader = leaders.get(signature)
+                if leader is not None and (
+                    plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
+                    == plans[leader].tokens[: usable * bs].tobytes()
+                ):
+                    followers[i] = leader
+                    continue
+                leaders[signature] = i
                 starts[i] = end
                 end += usable
         if not starts:
@@ -282,6 +296,9 @@ def _find_full_hits(
                 j = bisect_left(at, start)
                 if j < len(at) and at[j] < stop:
                     caps[i] = min(caps[i], (at[j] - start) * bs)
+        for i, leader in followers.items():  # (same blocks looked up: the same cap)
+            caps[i] = caps[leader]
+            starts[i] = starts[leader]
         found.append((starts, slots))
     # the lists of a prompt without a hit, shared by all such prompts (read only)
     no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
