@@ -358,38 +358,46 @@ class KVCacheManager:
 
     def _share_hits(self, hits: list[tuple[RequestState, PromptPlan]]) -> None:
         """Make the cached blocks of each plan's hit its request's rows and move its chains
-        past them: per group, one gather of every hit's blocks and one share. A hit of ``n``
-        tokens fills ``n // bs`` entries of every group's row (null entries first), so the
-        request's computed tokens and slots are ``n``."""
+        past them: per group, one gather of every distinct hit's blocks and one share. A hit
+        of ``n`` tokens fills ``n // bs`` entries of every group's row (null entries first), so
+        the request's computed tokens and slots are ``n``. Plans that followed one lookup hold
+        the same slots (one array): their blocks are gathered once, and when every hit of the
+        call is that one, its blocks (distinct: a hit is a chain of live records) are shared
+        once with that many references."""
         state, chains = self._row_state, self._chains
         byte_hashes = self.byte_hash_fn is not None
         num_cached = [plan.num_cached_tokens for _, plan in hits]
         hit_rows = [req.row for req, _ in hits]
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             index = pool.index
-            parts = [plan.hit_slots[g] for _, plan in hits]
-            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            blocks = index.holder[slots]
+            holder, cid = index.holder, index.cid
             arena = state.ensure_width(g, max(num_cached) // bs)
             row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
             num_hashed, parent_cid = chains.group_views(g)
-            last_cids = index.cid.take([plan.last_slots[g] for _, plan in hits]).tolist()
-            end = 0
-            for (req, plan), row, n, last_cid in zip(hits, hit_rows, num_cached, last_cids):
+            gathered: dict[int, tuple[np.ndarray, int]] = {}  # id(slots) -> blocks, last cid
+            parts = []
+            for (req, plan), row, n in zip(hits, hit_rows, num_cached):
+                slots = plan.hit_slots[g]
+                found = gathered.get(id(slots))
+                if found is None:
+                    found = gathered[id(slots)] = (holder[slots], cid.item(plan.last_slots[g]))
+                blocks, last_cid = found
+                parts.append(blocks)
                 hi, skip = n // bs, plan.num_skipped[g]
                 if skip:
                     arena[row, :skip] = NULL_BLOCK_ID
-                stop = end + hi - skip
-                arena[row, skip:hi] = blocks[end:stop]
-                end = stop
+                arena[row, skip:hi] = blocks
                 row_len[row] = hi
                 num_skipped[row] = skip
                 num_hashed[row] = hi
                 parent_cid[row] = last_cid
                 if byte_hashes:
                     req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
-            if len(blocks):
-                pool.share_many(blocks)
+            if len(gathered) == 1:
+                if len(parts[0]):
+                    pool.share(parts[0], len(parts))
+            else:
+                pool.share_many(np.concatenate(parts))
         num_computed, num_slots = state.num_computed_mv, state.num_slots_mv
         for row, n in zip(hit_rows, num_cached):
             num_computed[row] = n

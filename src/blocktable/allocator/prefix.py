@@ -302,6 +302,8 @@ def _find_full_hits(
         found.append((starts, slots))
     # the lists of a prompt without a hit, shared by all such prompts (read only)
     no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
+    # a hit is where it starts in every group's slots, and its length
+    hits: dict[tuple[object, int], tuple[list[np.ndarray], list[int]]] = {}
     for i, plan in enumerate(plans):
         n = caps[i] // align_tokens * align_tokens
         plan.num_cached_tokens = n
@@ -309,13 +311,21 @@ def _find_full_hits(
         if not n:
             plan.hit_slots, plan.last_slots = no_slots, no_last
             continue
-        hit_slots, last_slots = [], []
-        for (group_starts, group_slots), bs in zip(found, block_sizes):
-            start = group_starts[i]  # (a hit was looked up in every group)
-            seg = group_slots[start : start + n // bs]
-            hit_slots.append(seg)
-            last_slots.append(seg.item(-1))
-        plan.hit_slots, plan.last_slots = hit_slots, last_slots
+        where = (
+            found[0][0][i]
+            if num_groups == 1
+            else tuple(group_starts[i] for group_starts, _ in found)  # (looked up in each)
+        )
+        found_hit = hits.get((where, n))
+        if found_hit is None:  # (plans with one hit share its lists: the admission sees it)
+            hit_slots, last_slots = [], []
+            for (group_starts, group_slots), bs in zip(found, block_sizes):
+                start = group_starts[i]  # (a hit was looked up in every group)
+                seg = group_slots[start : start + n // bs]
+                hit_slots.append(seg)
+                last_slots.append(seg.item(-1))
+            found_hit = hits[where, n] = (hit_slots, last_slots)
+        plan.hit_slots, plan.last_slots = found_hit
 
 
 def _take_hit(
