@@ -34,7 +34,9 @@ def _walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None)
 
 
 @pytest.mark.parametrize(("seed", "block_sizes"), [(s, (4,)) for s in range(5)] + [(9, (4, 8))])
-def test_repeated_prefixes_in_one_call_match_a_walk(seed: int, block_sizes: tuple[int, ...]) -> None:
+def test_repeated_prefixes_in_one_call_match_a_walk(
+    seed: int, block_sizes: tuple[int, ...]
+) -> None:
     """Calls of up to 10 prompts drawn from a few bases (whole, cut, extended), some repeated
     exactly, in two namespaces, in pools small enough to evict: every hit equals the walk,
     and admission leaves the manager consistent."""

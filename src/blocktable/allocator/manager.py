@@ -395,7 +395,7 @@ class KVCacheManager:
                     req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
             if len(gathered) == 1:
                 if len(parts[0]):
-                    pool.share(parts[0], len(parts))
+                    pool.share(parts[0], np.full(len(parts[0]), len(parts), dtype=np.int32))
             else:
                 pool.share_many(np.concatenate(parts))
         num_computed, num_slots = state.num_computed_mv, state.num_slots_mv

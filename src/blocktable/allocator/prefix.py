@@ -247,9 +247,12 @@ def _find_full_hits(
             if usable:
                 signature = (usable, keys.item(usable - 1), plan.root)
                 leader = leaders.get(signature)
-                if leader is not None and (
-                    plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
-                    == plans[leader].tokens[: usable * bs].tobytes()
+                if (
+                    leader is not None
+                    and (
+                        plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
+                        == plans[leader].tokens[: usable * bs].tobytes()
+                    )
                 ):
                     followers[i] = leader
                     continue

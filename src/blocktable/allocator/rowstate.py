@@ -113,7 +113,11 @@ class RowState:
         array calls here). Returns what :meth:`start` returns, per row."""
         gen = self._next_gen
         self._next_gen = gen + len(rows)
-        holder_gen, num_computed, num_slots = self.holder_gen_mv, self.num_computed_mv, self.num_slots_mv
+        holder_gen, num_computed, num_slots = (
+            self.holder_gen_mv,
+            self.num_computed_mv,
+            self.num_slots_mv,
+        )
         num_tokens, num_prompt, in_arena = self.num_tokens_mv, self.num_prompt_mv, self.in_arena_mv
         group_mvs = list(zip(self.row_len_mvs, self.num_skipped_mvs))
         width = self.tokens.shape[1]
