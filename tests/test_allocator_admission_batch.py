@@ -111,6 +111,8 @@ def test_row_starts_of_a_call_equal_one_start_per_row(seed: int) -> None:
     chains_one, chains_many = KeyChains(num_rows, block_sizes), KeyChains(num_rows, block_sizes)
     for state in (one, many):  # stale entries of earlier holders
         state.num_computed[:] = 7
+        state.num_slots[:] = 5
+        state.num_tokens[:] = 3
         state.row_len[:] = 3
         state.num_skipped[:] = 1
     rows = rng.permutation(num_rows)[: int(rng.integers(1, num_rows))].tolist()
