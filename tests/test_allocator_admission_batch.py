@@ -3,6 +3,8 @@ repeat an earlier prompt's follow its lookup, with the same hits as a block-by-b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -131,7 +133,11 @@ def test_row_starts_of_a_call_equal_one_start_per_row(seed: int) -> None:
     for args in zip(rows, roots, seeds, keys, states):
         chains_one.admit(*args)
     buffers_many = many.start_many(rows, prompts)
-    chains_many.admit_many(rows, roots, seeds, keys, states)
+    plans = [
+        SimpleNamespace(root=root, seed=seed, keys=k, states=st)
+        for root, seed, k, st in zip(roots, seeds, keys, states)
+    ]
+    chains_many.admit_many(rows, plans)
     for name in (
         "num_computed",
         "num_tokens",

@@ -315,32 +315,31 @@ class KVCacheManager:
         touch = self._journal.touch_leaving  # free, or freed earlier in this step
         for row in rows:
             touch(row)
-        buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
-        roots = [plan.root for plan in plans]
-        seeds = [plan.seed for plan in plans]
-        keys = [plan.keys for plan in plans]  # read-only arrays (dicts the plan no longer uses)
-        states = [plan.states for plan in plans]
-        self._chains.admit_many(rows, roots, seeds, keys, states)
+        if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
+            plan, row = plans[0], rows[0]
+            buffers = [state.start(row, plan.tokens)]  # copied
+            self._chains.admit(row, plan.root, plan.seed, plan.keys, plan.states)
+        else:
+            buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
+            self._chains.admit_many(rows, plans)
         num_groups = len(self.pools)
         hits: list[tuple[RequestState, PromptPlan]] = []
         num_query_tokens = 0
-        for req_id, plan, namespace, row, buffer, root, seed, plan_keys, plan_states in zip(
-            req_ids, plans, namespaces, rows, buffers, roots, seeds, keys, states
-        ):
+        for req_id, plan, namespace, row, buffer in zip(req_ids, plans, namespaces, rows, buffers):
             num_tokens = len(plan.tokens)
             req = RequestState(
                 req_id,
                 buffer,
                 namespace,
                 plan.namespace_bytes,
-                root,
-                seed,
+                plan.root,
+                plan.seed,
                 state,
                 row,
                 num_tokens,
                 [ROOT_BLOCK_HASH] * num_groups,
-                plan_keys,
-                plan_states,
+                plan.keys,  # read-only arrays (dicts the plan no longer uses)
+                plan.states,
             )
             holders[row] = req
             requests[req_id] = req
@@ -393,7 +392,10 @@ class KVCacheManager:
                 parent_cid[row] = last_cid
                 if byte_hashes:
                     req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
-            if len(gathered) == 1:
+            if len(parts) == 1:
+                if len(parts[0]):
+                    pool.share_many(parts[0])
+            elif len(gathered) == 1:
                 if len(parts[0]):
                     pool.share(parts[0], np.full(len(parts[0]), len(parts), dtype=np.int32))
             else:
