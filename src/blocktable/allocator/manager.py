@@ -307,48 +307,46 @@ class KVCacheManager:
         self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
     ) -> None:
         """Give each planned prompt the lowest free row, its token ids and its prefix hit
-        (checked before: enough free rows). Per request its counts and chains are written
-        through memoryviews and its tokens copied into its row (a step admits a few requests:
-        scalar writes beat array calls here); the hits of all are shared at once
-        (:meth:`_share_hits`)."""
-        state, chains, holders = self._row_state, self._chains, self._rows.holders
-        requests, preempted = self._requests, self._preempted
+        (checked before: enough free rows). The rows' counts, tokens and chains are started
+        by one call each (:meth:`RowState.start_many`, :meth:`KeyChains.admit_many`); the
+        hits of all are shared at once (:meth:`_share_hits`)."""
+        state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         touch = self._journal.touch_leaving  # free, or freed earlier in this step
-        start, start_chains = state.start, chains.admit
-        root_hashes = [ROOT_BLOCK_HASH] * len(self.pools)
+        for row in rows:
+            touch(row)
+        if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
+            plan, row = plans[0], rows[0]
+            buffers = [state.start(row, plan.tokens)]  # copied
+            self._chains.admit(row, plan.root, plan.seed, plan.keys, plan.states)
+        else:
+            buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
+            self._chains.admit_many(rows, plans)
+        num_groups = len(self.pools)
         hits: list[tuple[RequestState, PromptPlan]] = []
         num_query_tokens = 0
-        for req_id, plan, namespace, row in zip(req_ids, plans, namespaces, rows):
-            tokens, root, seed, keys, states = (
-                plan.tokens,
-                plan.root,
-                plan.seed,
-                plan.keys,
-                plan.states,
-            )
-            num_tokens = len(tokens)
-            touch(row)
+        for req_id, plan, namespace, row, buffer in zip(req_ids, plans, namespaces, rows, buffers):
+            num_tokens = len(plan.tokens)
             req = RequestState(
                 req_id,
-                start(row, tokens),  # copied: the caller's stay the caller's
+                buffer,
                 namespace,
                 plan.namespace_bytes,
-                root,
-                seed,
+                plan.root,
+                plan.seed,
                 state,
                 row,
                 num_tokens,
-                root_hashes.copy(),
-                keys,  # read-only arrays (dicts the plan no longer uses)
-                states,
+                [ROOT_BLOCK_HASH] * num_groups,
+                plan.keys,  # read-only arrays (dicts the plan no longer uses)
+                plan.states,
             )
             holders[row] = req
             requests[req_id] = req
-            start_chains(row, root, seed, keys, states)
             num_query_tokens += num_tokens
             if plan.num_cached_tokens:
                 hits.append((req, plan))
+        preempted = self._preempted
         if preempted:
             for req_id in req_ids:
                 preempted.discard(req_id)
@@ -359,41 +357,54 @@ class KVCacheManager:
 
     def _share_hits(self, hits: list[tuple[RequestState, PromptPlan]]) -> None:
         """Make the cached blocks of each plan's hit its request's rows and move its chains
-        past them: per group, one gather of every hit's blocks and one share."""
+        past them: per group, one gather of every distinct hit's blocks and one share. A hit
+        of ``n`` tokens fills ``n // bs`` entries of every group's row (null entries first), so
+        the request's computed tokens and slots are ``n``. Plans that followed one lookup hold
+        the same slots (one array): their blocks are gathered once, and when every hit of the
+        call is that one, its blocks (distinct: a hit is a chain of live records) are shared
+        once with that many references."""
         state, chains = self._row_state, self._chains
         byte_hashes = self.byte_hash_fn is not None
+        num_cached = [plan.num_cached_tokens for _, plan in hits]
+        hit_rows = [req.row for req, _ in hits]
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             index = pool.index
-            parts = [plan.hit_slots[g] for _, plan in hits]
-            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            blocks = index.holder[slots]
-            width = max(plan.num_skipped[g] + len(part) for (_, plan), part in zip(hits, parts))
-            arena = state.ensure_width(g, width)
+            holder, cid = index.holder, index.cid
+            arena = state.ensure_width(g, max(num_cached) // bs)
             row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
             num_hashed, parent_cid = chains.group_views(g)
-            end = 0
-            for (req, plan), part in zip(hits, parts):
-                row, skip, k = req.row, plan.num_skipped[g], len(part)
+            gathered: dict[int, tuple[np.ndarray, int]] = {}  # id(slots) -> blocks, last cid
+            parts = []
+            for (req, plan), row, n in zip(hits, hit_rows, num_cached):
+                slots = plan.hit_slots[g]
+                found = gathered.get(id(slots))
+                if found is None:
+                    found = gathered[id(slots)] = (holder[slots], cid.item(plan.last_slots[g]))
+                blocks, last_cid = found
+                parts.append(blocks)
+                hi, skip = n // bs, plan.num_skipped[g]
                 if skip:
                     arena[row, :skip] = NULL_BLOCK_ID
-                arena[row, skip : skip + k] = blocks[end : end + k]
-                end += k
-                row_len[row] = skip + k
+                arena[row, skip:hi] = blocks
+                row_len[row] = hi
                 num_skipped[row] = skip
-                last = plan.last_slots[g]
-                num_hashed[row] = plan.num_cached_tokens // bs
-                parent_cid[row] = index.cid.item(last)
+                num_hashed[row] = hi
+                parent_cid[row] = last_cid
                 if byte_hashes:
-                    req.parent_hashes[g] = index.hashes[last]  # type: ignore[call-overload]
-            if len(blocks):
-                pool.share_many(blocks)
-        num_computed, block_sizes = state.num_computed_mv, self.block_sizes
-        num_hit_tokens = 0
-        for req, plan in hits:
-            num_computed[req.row] = plan.num_cached_tokens
-            num_hit_tokens += plan.num_cached_tokens
-            state.update_num_slots(block_sizes, req.row)
-        self._num_hit_tokens += num_hit_tokens
+                    req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
+            if len(parts) == 1:
+                if len(parts[0]):
+                    pool.share_many(parts[0])
+            elif len(gathered) == 1:
+                if len(parts[0]):
+                    pool.share(parts[0], np.full(len(parts[0]), len(parts), dtype=np.int32))
+            else:
+                pool.share_many(np.concatenate(parts))
+        num_computed, num_slots = state.num_computed_mv, state.num_slots_mv
+        for row, n in zip(hit_rows, num_cached):
+            num_computed[row] = n
+            num_slots[row] = n
+        self._num_hit_tokens += sum(num_cached)
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""

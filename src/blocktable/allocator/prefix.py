@@ -224,6 +224,11 @@ def _find_full_hits(
         probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
         starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
         end = 0  # the looked-up blocks of all prompts
+        # A prompt whose looked-up blocks hold the same token ids (and namespace) as an
+        # earlier prompt's follows it: its keys, slots and verification are the leader's, so
+        # it is not looked up or verified again (a shared system prompt is looked up once).
+        leaders: dict[tuple[int, int, int], int] = {}  # (blocks, last key, root) -> prompt
+        followers: dict[int, int] = {}  # prompt -> its leader
         for i, plan in enumerate(plans):
             num_blocks = caps[i] // bs
             # (_key_bound, inline: a call per prompt costs as much as a probe)
@@ -240,6 +245,18 @@ def _find_full_hits(
             usable = min(probe, num_blocks)
             caps[i] = usable * bs
             if usable:
+                signature = (usable, keys.item(usable - 1), plan.root)
+                leader = leaders.get(signature)
+                if (
+                    leader is not None
+                    and (
+                        plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
+                        == plans[leader].tokens[: usable * bs].tobytes()
+                    )
+                ):
+                    followers[i] = leader
+                    continue
+                leaders[signature] = i
                 starts[i] = end
                 end += usable
         if not starts:
@@ -273,8 +290,11 @@ def _find_full_hits(
             bad[start] = parents.item(start) != plans[i].root
         bad |= slots < 0
         bad |= index.holder[slots] == 0
-        # (take: numpy's row-wise fancy indexing costs three times as much)
-        bad |= _rows_differ(index.tokens.take(slots, axis=0), tokens.reshape(-1, bs))
+        # (take: numpy's row-wise fancy indexing costs three times as much; equal bytes, the
+        # common case, are told by one compare)
+        stored = index.tokens.take(slots, axis=0)
+        if stored.tobytes() != tokens.tobytes():
+            bad |= _rows_differ(stored, tokens.reshape(-1, bs))
         if bad.any():
             at = np.flatnonzero(bad).tolist()
             bounds = [*starts.values(), end]
@@ -282,9 +302,14 @@ def _find_full_hits(
                 j = bisect_left(at, start)
                 if j < len(at) and at[j] < stop:
                     caps[i] = min(caps[i], (at[j] - start) * bs)
+        for i, leader in followers.items():  # (same blocks looked up: the same cap)
+            caps[i] = caps[leader]
+            starts[i] = starts[leader]
         found.append((starts, slots))
     # the lists of a prompt without a hit, shared by all such prompts (read only)
     no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
+    # a hit is where it starts in every group's slots, and its length
+    hits: dict[tuple[object, int], tuple[list[np.ndarray], list[int]]] = {}
     for i, plan in enumerate(plans):
         n = caps[i] // align_tokens * align_tokens
         plan.num_cached_tokens = n
@@ -292,13 +317,21 @@ def _find_full_hits(
         if not n:
             plan.hit_slots, plan.last_slots = no_slots, no_last
             continue
-        hit_slots, last_slots = [], []
-        for (group_starts, group_slots), bs in zip(found, block_sizes):
-            start = group_starts[i]  # (a hit was looked up in every group)
-            seg = group_slots[start : start + n // bs]
-            hit_slots.append(seg)
-            last_slots.append(seg.item(-1))
-        plan.hit_slots, plan.last_slots = hit_slots, last_slots
+        where = (
+            found[0][0][i]
+            if num_groups == 1
+            else tuple(group_starts[i] for group_starts, _ in found)  # (looked up in each)
+        )
+        found_hit = hits.get((where, n))
+        if found_hit is None:  # (plans with one hit share its lists: the admission sees it)
+            hit_slots, last_slots = [], []
+            for (group_starts, group_slots), bs in zip(found, block_sizes):
+                start = group_starts[i]  # (a hit was looked up in every group)
+                seg = group_slots[start : start + n // bs]
+                hit_slots.append(seg)
+                last_slots.append(seg.item(-1))
+            found_hit = hits[where, n] = (hit_slots, last_slots)
+        plan.hit_slots, plan.last_slots = found_hit
 
 
 def _take_hit(

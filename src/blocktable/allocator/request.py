@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -243,6 +244,15 @@ class RequestState:
         return child
 
 
+class PlannedChain(Protocol):
+    """What :meth:`KeyChains.admit_many` reads of a planned prompt (see :meth:`KeyChains.admit`)."""
+
+    root: int
+    seed: int
+    keys: dict[int, np.ndarray]
+    states: dict[int, np.ndarray]
+
+
 class KeyChains:
     """Where each request's registration stands, per table row (all on cpu).
 
@@ -299,6 +309,21 @@ class KeyChains:
             num_keys_mv, state_mv = set_mvs[bs]
             num_keys_mv[row] = n
             state_mv[row] = states[bs].item(n - 1) if n else seed
+
+    def admit_many(self, rows: list[int], plans: Sequence[PlannedChain]) -> None:
+        """:meth:`admit` of each of ``rows`` with ``plans[i]``'s root, seed, keys and states:
+        one loop with the views bound once."""
+        start_mvs, set_mvs = self._start_mvs, self._set_mvs
+        for row, plan in zip(rows, plans):
+            root, seed, states = plan.root, plan.seed, plan.states
+            for num_hashed, parent_cid in start_mvs:
+                num_hashed[row] = 0
+                parent_cid[row] = root
+            for bs, bs_keys in plan.keys.items():
+                n = len(bs_keys)
+                num_keys_mv, state_mv = set_mvs[bs]
+                num_keys_mv[row] = n
+                state_mv[row] = states[bs].item(n - 1) if n else seed
 
     def group_views(self, group: int) -> tuple[memoryview, memoryview]:
         """``num_hashed[group]`` and ``parent_cid[group]`` as memoryviews (scalar writes of
