@@ -86,65 +86,62 @@ class KeyTable:
         return keys, values
 
     # ----------------------------------------------------------------- lookup
-    def _matches(self, entries: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Whether each entry holds the key beside it (any shape; exact: the tag, then the
-        key filed with the entry's value)."""
-        same = entries >> _S_VALUE == _tags(keys)
-        if same.any():
-            at = np.flatnonzero(same)
-            same.flat[at] = self.key_of_value[entries.flat[at] & _MASK_VALUE] == keys.flat[at]
-        return same
+    def _scan(self, keys: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Where each key sits, -1 where absent (int64), probing window after window from
+        ``start`` (int64 ``[len(keys)]``: the key's home, or a position its run goes on at).
 
-    def _positions(self, keys: np.ndarray) -> np.ndarray:
-        """Where each key sits, -1 where absent (int64)."""
-        n = len(keys)
-        found = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return found
-        mask = int(self._mask)
-        start = (keys & self._mask).view(np.int64)
-        # most keys are settled at their home position (a hit, or empty: absent)
-        entries = self.entries[start]
-        hit = self._matches(entries, keys)
-        found[hit] = start[hit]
-        rest = ~hit & (entries != EMPTY)
-        if not rest.any():
-            return found
-        todo = np.flatnonzero(rest)
-        want, start = keys[todo], start[todo] + 1
+        A match is exact: the tag (a free entry's high half is negative, never a tag), then
+        the key filed with the entry's value. A run ends at its first empty position.
+        """
+        mask = self._int_mask
+        found = np.full(len(keys), -1, dtype=np.int64)
+        todo = np.arange(len(keys))
+        tags = _tags(keys)
         while True:
-            pos = (start[:, None] + _OFFSETS) & mask
+            pos = start[:, None] + _OFFSETS
+            pos &= mask
             v = self.entries[pos]
-            hit = self._matches(v, np.broadcast_to(want[:, None], v.shape))
-            stop = hit | (v == EMPTY)
+            same = v >> _S_VALUE == tags[:, None]
+            if same.any():
+                rows, cols = np.nonzero(same)
+                same[rows, cols] = self.key_of_value[v[rows, cols] & _MASK_VALUE] == keys[rows]
+            stop = same | (v == EMPTY)
             at = stop.argmax(axis=1)
             rows = np.arange(len(todo))
             done = stop[rows, at]
-            found_here = done & hit[rows, at]
-            found[todo[found_here]] = pos[rows, at][found_here]
+            hit = done & same[rows, at]
+            found[todo[hit]] = pos[rows, at][hit]
             if done.all():
                 return found
-            todo, want, start = todo[~done], want[~done], start[~done] + WINDOW
+            more = ~done
+            todo, keys, tags, start = todo[more], keys[more], tags[more], start[more] + WINDOW
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each key sits, -1 where absent (int64)."""
+        if not len(keys):
+            return np.full(0, -1, dtype=np.int64)
+        return self._scan(keys, (keys & self._mask).view(np.int64))
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
         start = (keys & self._mask).view(np.int64)
-        # most keys are settled at their home position (a hit, or empty: absent)
-        out = self.entries[start]
-        hit = out >> _S_VALUE == _tags(keys)
-        out &= _MASK_VALUE  # (garbage where not held: replaced below)
+        # most keys are settled at their home position (a hit, or empty: absent); a held
+        # entry matches exactly when the key filed with its value is the key (no tag step)
+        home = self.entries[start]
+        out = home & _MASK_VALUE  # (garbage where not held: replaced below)
+        hit = home >= 0
         hit &= self.key_of_value.take(out, mode="clip") == keys
         if hit.all():
             return out
-        rest = self.entries[start] != EMPTY  # the probe run goes on
         miss = ~hit
         out[miss] = -1
+        rest = home != EMPTY  # the probe run goes on
         rest &= miss
         if rest.any():
             todo = np.flatnonzero(rest)
-            pos = self._positions(keys[todo])
+            pos = self._scan(keys[todo], start[todo] + 1)
             held = pos >= 0
             out[todo[held]] = self.entries[pos[held]] & _MASK_VALUE
         return out
