@@ -98,11 +98,9 @@ class KeyTable:
         todo = np.arange(len(keys))
         tags = _tags(keys)
         while True:
-            pos = start[:, None] + _OFFSETS
-            pos &= mask
-            v = self.entries[pos]
+            v = self.entries.take(start[:, None] + _OFFSETS, mode="wrap")
             same = v >> _S_VALUE == tags[:, None]
-            if same.any():
+            if np.count_nonzero(same):
                 rows, cols = np.nonzero(same)
                 same[rows, cols] = self.key_of_value[v[rows, cols] & _MASK_VALUE] == keys[rows]
             stop = same | (v == EMPTY)
@@ -110,7 +108,7 @@ class KeyTable:
             rows = np.arange(len(todo))
             done = stop[rows, at]
             hit = done & same[rows, at]
-            found[todo[hit]] = pos[rows, at][hit]
+            found[todo[hit]] = (start[hit] + at[hit]) & mask
             if done.all():
                 return found
             more = ~done
@@ -133,13 +131,13 @@ class KeyTable:
         out = home & _MASK_VALUE  # (garbage where not held: replaced below)
         hit = home >= 0
         hit &= self.key_of_value.take(out, mode="clip") == keys
-        if hit.all():
+        if np.count_nonzero(hit) == len(hit):  # (count_nonzero: cheaper than all() on bools)
             return out
         miss = ~hit
         out[miss] = -1
         rest = home != EMPTY  # the probe run goes on
         rest &= miss
-        if rest.any():
+        if np.count_nonzero(rest):
             todo = np.flatnonzero(rest)
             pos = self._scan(keys[todo], start[todo] + 1)
             held = pos >= 0
@@ -201,7 +199,7 @@ class KeyTable:
         # of several keys wanting one position, one write survives
         entries[cand] = new
         won = entries[cand] == new
-        if won.all():
+        if np.count_nonzero(won) == n:
             self.key_of_value[values] = keys
             self._placed(cand, values, old)
             return True
@@ -241,13 +239,12 @@ class KeyTable:
         todo, start = busy, cand[busy]
         found = None  # a free position was seen (after the first window)
         while True:
-            pos = start[:, None] + _OFFSETS
-            pos &= mask
-            v = entries[pos]
+            # (a take wrapping around the table: the positions masked by the gather itself)
+            v = entries.take(start[:, None] + _OFFSETS, mode="wrap")
             # a key sits only in its own run, so a match anywhere in the window means held
             # (a free position's high half is negative, never a tag's)
             same = (v & _HIGH) == high[todo][:, None]
-            if same.any():
+            if np.count_nonzero(same):
                 rows, cols = np.nonzero(same)
                 filed = self.key_of_value[v[rows, cols] & _MASK_VALUE]
                 if (filed == keys[todo[rows]]).any():
