@@ -109,7 +109,7 @@ class KeyTable:
             done = stop[rows, at]
             hit = done & same[rows, at]
             found[todo[hit]] = (start[hit] + at[hit]) & mask
-            if done.all():
+            if np.count_nonzero(done) == len(done):
                 return found
             more = ~done
             todo, keys, tags, start = todo[more], keys[more], tags[more], start[more] + WINDOW
