@@ -138,7 +138,7 @@ class KeyTable:
         rest = home != EMPTY  # the probe run goes on
         rest &= miss
         if np.count_nonzero(rest):
-            todo = np.flatnonzero(rest)
+            [todo] = rest.nonzero()
             pos = self._scan(keys[todo], start[todo] + 1)
             held = pos >= 0
             out[todo[held]] = self.entries[pos[held]] & _MASK_VALUE
@@ -192,7 +192,8 @@ class KeyTable:
         old = entries[cand]
         new = (keys >> _S_TAG).view(np.int64)  # the tags, then shifted: the entries' high half
         new <<= _S_VALUE
-        busy = np.flatnonzero(old != EMPTY)
+        # (nonzero of a 1-D array: one C call, flatnonzero is several in Python)
+        [busy] = (old != EMPTY).nonzero()
         if len(busy) and not self._first_free(keys, new, busy, cand, old):
             return False  # a key is held
         new |= values
@@ -203,7 +204,7 @@ class KeyTable:
             self.key_of_value[values] = keys
             self._placed(cand, values, old)
             return True
-        lost = np.flatnonzero(~won)
+        [lost] = (~won).nonzero()
         wvalues = values[won]
         old_keys = self.key_of_value[wvalues]
         self.key_of_value[wvalues] = keys[won]
@@ -337,7 +338,7 @@ class KeyTable:
             free = entries[pos] < 0
             has = _any_per_row(free)
             at = free.argmax(axis=1)
-            cand = np.flatnonzero(has)
+            [cand] = has.nonzero()
             cpos = pos[cand, at[cand]]
             # several keys may want one free position: one write survives
             old = entries[cpos]

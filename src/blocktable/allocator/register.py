@@ -163,7 +163,7 @@ def _register_group(
     if not num_seg:
         return
     # (usually every request filled a block: no indices built)
-    seg = np.arange(len(rows)) if num_seg == len(rows) else np.flatnonzero(has)
+    seg = np.arange(len(rows)) if num_seg == len(rows) else has.nonzero()[0]
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [
             (reqs[i], first, stop)
