@@ -126,3 +126,58 @@ def test_recycling_drops_the_same_records_as_the_reference(seed: int) -> None:
         assert sorted(a.cid[a.cid != 0].tolist()) == sorted(b.cid[b.cid != 0].tolist())
         keys = [t * 1000 + 7 for t in range(15)]
         assert (a.find(keys) >= 0).tolist() == (b.find(keys) >= 0).tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_key_table_runs_wrapping_past_the_end_against_a_dict(seed: int) -> None:
+    """Keys whose homes are the table's last positions: probe windows wrap around to its
+    start. Filing (vectorized and one by one), lookups (vectorized and scalar), deleting by
+    key and by value agree with a dict."""
+    rng = np.random.default_rng(seed)
+    table, model = KeyTable(40, num_values=1024), {}
+    size = len(table.entries)
+    homes = np.arange(size - 5, size, dtype=np.uint64)  # the last 5 positions
+    universe = np.unique(
+        rng.integers(1, 2**40, 300, dtype=np.uint64) * np.uint64(size)
+        + rng.choice(homes, 300).astype(np.uint64)
+    )
+    free_values = rng.permutation(1024).tolist()
+    for _ in range(120):
+        op = int(rng.integers(0, 4))
+        if op <= 1 or not model:  # file new keys, vectorized or one by one
+            room = max(0, size // 4 - len(model))
+            new = [k for k in rng.permutation(universe).tolist() if k not in model]
+            new = new[: int(rng.integers(1, 16))][:room]
+            if not new:
+                continue
+            values = [free_values.pop() for _ in new]
+            if op == 0:
+                assert table.insert_absent(np.array(new, dtype=np.uint64), np.array(values))
+            else:
+                for key, value in zip(new, values):
+                    table.insert_one(key, value)
+            model.update(zip(new, values))
+        else:  # delete some held keys, by key or by value
+            held = list(model)
+            gone = [held[i] for i in rng.permutation(len(held))[: int(rng.integers(1, 8))]]
+            if op == 2:
+                table.delete(np.array(gone, dtype=np.uint64))
+            else:
+                table.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
+            for k in gone:
+                free_values.append(model.pop(k))
+        query = universe.copy()
+        expected = [model.get(k, -1) for k in query.tolist()]
+        assert table.get(query).tolist() == expected
+        assert [table.get_one(k) for k in query.tolist()] == expected
+        held_pos = table._positions(query)
+        assert ((held_pos >= 0) == (np.array(expected) >= 0)).all()
+        found = held_pos[held_pos >= 0]
+        assert ((table.entries[found] & 0xFFFFFFFF) == np.array(expected)[held_pos >= 0]).all()
+        assert len(table) == len(model)
+        assert table._num_deleted == int(np.count_nonzero(table.entries == -2))
+    # some run did wrap: a key sits before its home
+    keys_held, _ = table.items()
+    if len(keys_held):
+        pos = table._positions(keys_held)
+        assert (pos < (keys_held % np.uint64(size)).astype(np.int64)).any() or len(model) < 6

@@ -86,65 +86,60 @@ class KeyTable:
         return keys, values
 
     # ----------------------------------------------------------------- lookup
-    def _matches(self, entries: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Whether each entry holds the key beside it (any shape; exact: the tag, then the
-        key filed with the entry's value)."""
-        same = entries >> _S_VALUE == _tags(keys)
-        if same.any():
-            at = np.flatnonzero(same)
-            same.flat[at] = self.key_of_value[entries.flat[at] & _MASK_VALUE] == keys.flat[at]
-        return same
+    def _scan(self, keys: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Where each key sits, -1 where absent (int64), probing window after window from
+        ``start`` (int64 ``[len(keys)]``: the key's home, or a position its run goes on at).
 
-    def _positions(self, keys: np.ndarray) -> np.ndarray:
-        """Where each key sits, -1 where absent (int64)."""
-        n = len(keys)
-        found = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return found
-        mask = int(self._mask)
-        start = (keys & self._mask).view(np.int64)
-        # most keys are settled at their home position (a hit, or empty: absent)
-        entries = self.entries[start]
-        hit = self._matches(entries, keys)
-        found[hit] = start[hit]
-        rest = ~hit & (entries != EMPTY)
-        if not rest.any():
-            return found
-        todo = np.flatnonzero(rest)
-        want, start = keys[todo], start[todo] + 1
+        A match is exact: the tag (a free entry's high half is negative, never a tag), then
+        the key filed with the entry's value. A run ends at its first empty position.
+        """
+        mask = self._int_mask
+        found = np.full(len(keys), -1, dtype=np.int64)
+        todo = np.arange(len(keys))
+        tags = _tags(keys)
         while True:
-            pos = (start[:, None] + _OFFSETS) & mask
-            v = self.entries[pos]
-            hit = self._matches(v, np.broadcast_to(want[:, None], v.shape))
-            stop = hit | (v == EMPTY)
+            v = self.entries.take(start[:, None] + _OFFSETS, mode="wrap")
+            same = v >> _S_VALUE == tags[:, None]
+            if np.count_nonzero(same):
+                rows, cols = np.nonzero(same)
+                same[rows, cols] = self.key_of_value[v[rows, cols] & _MASK_VALUE] == keys[rows]
+            stop = same | (v == EMPTY)
             at = stop.argmax(axis=1)
             rows = np.arange(len(todo))
             done = stop[rows, at]
-            found_here = done & hit[rows, at]
-            found[todo[found_here]] = pos[rows, at][found_here]
-            if done.all():
+            hit = done & same[rows, at]
+            found[todo[hit]] = (start[hit] + at[hit]) & mask
+            if np.count_nonzero(done) == len(done):
                 return found
-            todo, want, start = todo[~done], want[~done], start[~done] + WINDOW
+            more = ~done
+            todo, keys, tags, start = todo[more], keys[more], tags[more], start[more] + WINDOW
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each key sits, -1 where absent (int64)."""
+        if not len(keys):
+            return np.full(0, -1, dtype=np.int64)
+        return self._scan(keys, (keys & self._mask).view(np.int64))
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
         start = (keys & self._mask).view(np.int64)
-        # most keys are settled at their home position (a hit, or empty: absent)
-        out = self.entries[start]
-        hit = out >> _S_VALUE == _tags(keys)
-        out &= _MASK_VALUE  # (garbage where not held: replaced below)
+        # most keys are settled at their home position (a hit, or empty: absent); a held
+        # entry matches exactly when the key filed with its value is the key (no tag step)
+        home = self.entries[start]
+        out = home & _MASK_VALUE  # (garbage where not held: replaced below)
+        hit = home >= 0
         hit &= self.key_of_value.take(out, mode="clip") == keys
-        if hit.all():
+        if np.count_nonzero(hit) == len(hit):  # (count_nonzero: cheaper than all() on bools)
             return out
-        rest = self.entries[start] != EMPTY  # the probe run goes on
         miss = ~hit
         out[miss] = -1
+        rest = home != EMPTY  # the probe run goes on
         rest &= miss
-        if rest.any():
-            todo = np.flatnonzero(rest)
-            pos = self._positions(keys[todo])
+        if np.count_nonzero(rest):
+            [todo] = rest.nonzero()
+            pos = self._scan(keys[todo], start[todo] + 1)
             held = pos >= 0
             out[todo[held]] = self.entries[pos[held]] & _MASK_VALUE
         return out
@@ -197,18 +192,19 @@ class KeyTable:
         old = entries[cand]
         new = (keys >> _S_TAG).view(np.int64)  # the tags, then shifted: the entries' high half
         new <<= _S_VALUE
-        busy = np.flatnonzero(old != EMPTY)
+        # (nonzero of a 1-D array: one C call, flatnonzero is several in Python)
+        [busy] = (old != EMPTY).nonzero()
         if len(busy) and not self._first_free(keys, new, busy, cand, old):
             return False  # a key is held
         new |= values
         # of several keys wanting one position, one write survives
         entries[cand] = new
         won = entries[cand] == new
-        if won.all():
+        if np.count_nonzero(won) == n:
             self.key_of_value[values] = keys
             self._placed(cand, values, old)
             return True
-        lost = np.flatnonzero(~won)
+        [lost] = (~won).nonzero()
         wvalues = values[won]
         old_keys = self.key_of_value[wvalues]
         self.key_of_value[wvalues] = keys[won]
@@ -244,13 +240,12 @@ class KeyTable:
         todo, start = busy, cand[busy]
         found = None  # a free position was seen (after the first window)
         while True:
-            pos = start[:, None] + _OFFSETS
-            pos &= mask
-            v = entries[pos]
+            # (a take wrapping around the table: the positions masked by the gather itself)
+            v = entries.take(start[:, None] + _OFFSETS, mode="wrap")
             # a key sits only in its own run, so a match anywhere in the window means held
             # (a free position's high half is negative, never a tag's)
             same = (v & _HIGH) == high[todo][:, None]
-            if same.any():
+            if np.count_nonzero(same):
                 rows, cols = np.nonzero(same)
                 filed = self.key_of_value[v[rows, cols] & _MASK_VALUE]
                 if (filed == keys[todo[rows]]).any():
@@ -343,7 +338,7 @@ class KeyTable:
             free = entries[pos] < 0
             has = _any_per_row(free)
             at = free.argmax(axis=1)
-            cand = np.flatnonzero(has)
+            [cand] = has.nonzero()
             cpos = pos[cand, at[cand]]
             # several keys may want one free position: one write survives
             old = entries[cpos]

@@ -707,8 +707,9 @@ class KVCacheManager:
         rows = np.array([req.row for req in reqs], dtype=np.intp)
         num_computed = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         # num_slots: what every group's blocks hold
-        bad = (num_computed > state.num_slots[rows]) | (num_computed > state.num_tokens[rows])
-        if bad.any():
+        bad = num_computed > state.num_slots[rows]
+        bad |= num_computed > state.num_tokens[rows]
+        if np.count_nonzero(bad):  # (cheaper than any() on bools)
             i = int(bad.argmax())
             self._check_computed(reqs[i], int(num_computed[i]))
             raise AssertionError("a count past num_slots or num_tokens passed the checks")

@@ -163,7 +163,7 @@ def _register_group(
     if not num_seg:
         return
     # (usually every request filled a block: no indices built)
-    seg = np.arange(len(rows)) if num_seg == len(rows) else np.flatnonzero(has)
+    seg = np.arange(len(rows)) if num_seg == len(rows) else has.nonzero()[0]
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
         segments = [
             (reqs[i], first, stop)
@@ -217,7 +217,7 @@ def _register_group(
         # usually each chain stands where its segment starts; else the segment starts inside
         # the prompt (its stored states) or the chain is broken (an error)
         off = num_keys[fresh_rows] != fresh_first
-        if off.any():
+        if np.count_nonzero(off):
             for i in np.flatnonzero(off).tolist():
                 starts[i] = _state_before(reqs[seg[k + i]], int(first[k + i]), bs, chains)
         if one_each:  # a decode step: K = K_before * B**bs + h
@@ -251,7 +251,8 @@ def _fresh_block_tokens(
     arena's rows are whole blocks."""
     arena = state.tokens
     width = arena.shape[1]
-    if width % bs or not state.in_arena[rows].all():
+    # (count_nonzero: cheaper than all() and any() on bools)
+    if width % bs or np.count_nonzero(state.in_arena[rows]) < len(rows):
         return None
     blocks = arena.reshape(-1, bs)  # (a view: the arena is contiguous)
     return blocks.take(rows * (width // bs) + first, axis=0).reshape(-1)
@@ -269,7 +270,8 @@ def _fresh_tokens(
     concatenated: one gather from the token arena when every row is there and every segment
     as long, else a slice per segment."""
     length = int(stop[0] - first[0])
-    if (stop - first == length).all() and state.in_arena[rows].all():
+    same_length = not np.count_nonzero(stop - first != length)
+    if same_length and np.count_nonzero(state.in_arena[rows]) == len(rows):
         arena = state.tokens
         # flat positions (a take on the flat arena beats a broadcast 2-D index)
         at = (rows * arena.shape[1] + first * bs)[:, None] + np.arange(length * bs)
