@@ -171,7 +171,8 @@ class StepJournal:
         live = state.holder_gen[touched]
         start = self.start_gen[touched]
         same = live == start
-        if same.all() and live.all():  # every touched row kept its holder (a decode step)
+        n = len(touched)
+        if np.count_nonzero(same) == n and np.count_nonzero(live) == n:  # kept holders (decode)
             cleared = added = _EMPTY_INTP
             kept = touched
         else:
@@ -195,7 +196,7 @@ class StepJournal:
                 largest_added.append(-1)
             old = self.start_len[g, kept]
             grew = row_len[kept] - old
-            if len(kept) and (grew == 1).all():  # one block each (a decode step)
+            if len(kept) and np.count_nonzero(grew == 1) == len(kept):  # one block each (decode)
                 rows, num, ids = kept, grew, state.blocks[g][kept, old]
             else:
                 grown = np.flatnonzero(grew > 0)

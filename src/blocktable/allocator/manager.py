@@ -450,7 +450,10 @@ class KVCacheManager:
         state = self._row_state
         rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
-        if state.in_arena[rows].all() and state.token_room(int(starts.max()) + k):
+        # (count_nonzero: ~1 us cheaper than all() here)
+        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
+            int(starts.max()) + k
+        ):
             # every row in the token arena: one scatter (a put on the flat arena beats a
             # broadcast 2-D index)
             arena = state.tokens
