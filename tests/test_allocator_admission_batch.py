@@ -7,34 +7,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_allocator_lookup import walk_hit
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager, fast_block_keys
 from blocktable.allocator.prefix import find_hits, prompt_keys
 from blocktable.allocator.request import KeyChains
 from blocktable.allocator.rowstate import RowState
-
-
-def _walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) -> int:
-    """A prompt's hit by a scalar walk over every group's index (no windows): block i is
-    served while its key is filed under a live record holding its tokens whose parent is the
-    content id served for block i - 1; the hit is the shortest over the groups, aligned."""
-    align = int(np.lcm.reduce(mgr.block_sizes))
-    hit = len(prompt) - 1
-    for pool, bs in zip(mgr.pools, mgr.block_sizes):
-        index = pool.index
-        root, _, _ = mgr._namespace(namespace, {})
-        parent, served = root, 0
-        keys = fast_block_keys(prompt.tolist(), bs, namespace=namespace)
-        for i in range((len(prompt) - 1) // bs):
-            slot = index.keys.get_one(keys[i])
-            if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
-                break
-            if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
-                break
-            parent = int(index.cid[slot])
-            served = i + 1
-        hit = min(hit, served * bs)
-    return hit // align * align
 
 
 @pytest.mark.parametrize(("seed", "block_sizes"), [(s, (4,)) for s in range(5)] + [(9, (4, 8))])
@@ -59,7 +37,7 @@ def test_repeated_prefixes_in_one_call_match_a_walk(
             prompt = np.concatenate((base[:cut], tail)) if rng.random() < 0.6 else base.copy()
             prompts.append(prompt)
             namespaces.append(None if rng.random() < 0.8 else "other")
-        expected = [_walk_hit(mgr, p, ns) for p, ns in zip(prompts, namespaces)]
+        expected = [walk_hit(mgr, p, ns) for p, ns in zip(prompts, namespaces)]
         while mgr.num_free_rows < len(prompts):
             mgr.free(running.pop(0))
         req_ids = list(range(next_id, next_id + len(prompts)))

@@ -99,24 +99,27 @@ def test_a_reused_row_starts_a_fresh_chain() -> None:
         mgr.free(req_id)
 
 
-def _walk_hit(mgr: KVCacheManager, prompt: np.ndarray) -> int:
-    """A prompt's hit by a scalar walk over the index (one group, no windows): block i is
+def walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) -> int:
+    """A prompt's hit by a scalar walk over every group's index (no windows): block i is
     served while its key is filed under a live record holding its tokens whose parent is the
-    content id served for block i - 1."""
-    bs = mgr.block_sizes[0]
-    index = mgr.pools[0].index
-    parent = mgr._namespaces.get(b"", (-1, 0))[0]  # the None namespace: the first one
-    keys = fast_block_keys(prompt.tolist(), bs)
-    served = 0
-    for i in range((len(prompt) - 1) // bs):
-        slot = index.keys.get_one(keys[i])
-        if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
-            break
-        if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
-            break
-        parent = int(index.cid[slot])
-        served = i + 1
-    return served * bs
+    content id served for block i - 1; the hit is the shortest over the groups, aligned."""
+    align = int(np.lcm.reduce(mgr.block_sizes))
+    hit = len(prompt) - 1
+    for pool, bs in zip(mgr.pools, mgr.block_sizes):
+        index = pool.index
+        root, _, _ = mgr._namespace(namespace, {})
+        parent, served = root, 0
+        keys = fast_block_keys(prompt.tolist(), bs, namespace=namespace)
+        for i in range((len(prompt) - 1) // bs):
+            slot = index.keys.get_one(keys[i])
+            if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
+                break
+            if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
+                break
+            parent = int(index.cid[slot])
+            served = i + 1
+        hit = min(hit, served * bs)
+    return hit // align * align
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -139,7 +142,7 @@ def test_batched_hits_match_a_scalar_walk(seed: int) -> None:
                 prompts.append(np.concatenate((base[:keep], tail)))
             else:
                 prompts.append(rng.integers(0, 50, int(rng.integers(2, 60))))
-        expected = [_walk_hit(mgr, p) for p in prompts]
+        expected = [walk_hit(mgr, p) for p in prompts]
         req_ids = list(range(next_id, next_id + len(prompts)))
         next_id += len(prompts)
         assert mgr.add_requests(req_ids, prompts) == expected
@@ -150,25 +153,6 @@ def test_batched_hits_match_a_scalar_walk(seed: int) -> None:
                 done.append(p)
             mgr.free(r)
         mgr.check_integrity()
-
-
-def _walk_group(mgr: KVCacheManager, group: int, prompt: np.ndarray) -> int:
-    """Tokens of ``prompt`` whose blocks ``group`` serves, by a scalar walk over its index
-    (a full-attention group: every block before the hit cached, tokens and parents equal)."""
-    bs = mgr.block_sizes[group]
-    index = mgr.pools[group].index
-    parent = mgr._namespaces.get(b"", (-1, 0))[0]
-    keys = fast_block_keys(prompt.tolist(), bs)
-    served = 0
-    for i in range((len(prompt) - 1) // bs):
-        slot = index.keys.get_one(keys[i])
-        if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
-            break
-        if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():
-            break
-        parent = int(index.cid[slot])
-        served = i + 1
-    return served * bs
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -194,7 +178,7 @@ def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
                 prompts.append(rng.integers(0, 40, int(rng.integers(2, 90))))
         if len(prompts) > 1 and rng.random() < 0.5:
             prompts.append(prompts[0].copy())  # a prompt twice in one call
-        expected = [min(_walk_group(mgr, 0, p), _walk_group(mgr, 1, p)) // 8 * 8 for p in prompts]
+        expected = [walk_hit(mgr, p) for p in prompts]
         req_ids = list(range(next_id, next_id + len(prompts)))
         next_id += len(prompts)
         assert [mgr.lookup_prefix(p) for p in prompts] == expected
