@@ -122,54 +122,26 @@ def walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) 
     return hit // align * align
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_batched_hits_match_a_scalar_walk(seed: int) -> None:
-    """Several prompts per call (sharing prefixes of cached prompts of any length, or none)
-    in a pool small enough that cached blocks are evicted, tails first: every hit of the one
-    batched lookup equals a walk over the index block by block."""
-    bs = 4
+@pytest.mark.parametrize(
+    ("seed", "groups"),
+    [(seed, [(4, 96)]) for seed in range(6)]
+    + [(100 + seed, [(4, 160), (8, 72)]) for seed in range(4)],
+)
+def test_batched_hits_match_a_scalar_walk(seed: int, groups: list[tuple[int, int]]) -> None:
+    """Several prompts per call, sharing prefixes with each other and with cached prompts (of
+    any length, or none; a prompt twice in one call), in pools small enough that cached blocks
+    are evicted, tails first: every hit of the one batched lookup equals a walk over the index
+    block by block. With two full-attention groups of block sizes 4 and 8 each hit is the
+    shorter of the groups' walks, cut to a multiple of 8 (the lookup bounds a group by what the
+    groups before allow)."""
     rng = np.random.default_rng(seed)
-    mgr = KVCacheManager([AllocatorGroupSpec(bs, 96)], max_num_reqs=64)
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, n) for bs, n in groups], max_num_reqs=64)
     done: list[np.ndarray] = []
-    next_id = 0
+    next_id = num_hits = 0
     for _ in range(12):
         prompts = []
-        for _ in range(int(rng.integers(1, 6))):
-            if done and rng.random() < 0.7:
-                base = done[int(rng.integers(len(done)))]
-                keep = int(rng.integers(0, len(base) + 1))
-                tail = rng.integers(0, 50, int(rng.integers(1, 30)))
-                prompts.append(np.concatenate((base[:keep], tail)))
-            else:
-                prompts.append(rng.integers(0, 50, int(rng.integers(2, 60))))
-        expected = [walk_hit(mgr, p) for p in prompts]
-        req_ids = list(range(next_id, next_id + len(prompts)))
-        next_id += len(prompts)
-        assert mgr.add_requests(req_ids, prompts) == expected
-        for r, p, hit in zip(req_ids, prompts, expected):
-            if mgr.can_allocate(r, len(p) - hit):
-                mgr.allocate(r, len(p) - hit)
-                mgr.mark_computed(r, len(p) - hit)
-                done.append(p)
-            mgr.free(r)
-        mgr.check_integrity()
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
-    """Two full-attention groups of different block sizes (4 and 8, so hits are multiples of
-    8), pools small enough to evict, prompts of one call sharing prefixes with each other and
-    with cached prompts: each hit is the shorter of the groups' walks, cut to a multiple of 8
-    (the lookup bounds a group by what the groups before allow)."""
-    rng = np.random.default_rng(100 + seed)
-    groups = [AllocatorGroupSpec(4, 160), AllocatorGroupSpec(8, 72)]
-    mgr = KVCacheManager(groups, max_num_reqs=32)
-    done: list[np.ndarray] = []
-    next_id = 0
-    for _ in range(10):
-        prompts = []
         for _ in range(int(rng.integers(1, 7))):
-            if done and rng.random() < 0.8:
+            if done and rng.random() < 0.75:
                 base = done[int(rng.integers(len(done)))]
                 keep = int(rng.integers(0, len(base) + 1))
                 tail = rng.integers(0, 40, int(rng.integers(1, 40)))
@@ -179,6 +151,7 @@ def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
         if len(prompts) > 1 and rng.random() < 0.5:
             prompts.append(prompts[0].copy())  # a prompt twice in one call
         expected = [walk_hit(mgr, p) for p in prompts]
+        num_hits += sum(map(bool, expected))
         req_ids = list(range(next_id, next_id + len(prompts)))
         next_id += len(prompts)
         assert [mgr.lookup_prefix(p) for p in prompts] == expected
@@ -188,8 +161,9 @@ def test_batched_hits_of_two_groups_match_scalar_walks(seed: int) -> None:
                 mgr.allocate(r, len(p) - hit)
                 mgr.mark_computed(r, len(p) - hit)
                 done.append(p)
-        mgr.free_many(req_ids)
+            mgr.free(r)
         mgr.check_integrity()
+    assert num_hits > 0  # (the walks are not all trivially empty)
 
 
 def test_a_reused_row_with_a_prompt_shorter_than_a_block_chains_from_the_seed() -> None:
