@@ -256,6 +256,48 @@ def test_batched_free_of_requests_sharing_blocks_queues_tails_first() -> None:
     mgr.check_integrity()
 
 
+def test_batched_calls_naming_the_last_calls_requests_see_who_left_and_came_back() -> None:
+    """Consecutive batched calls naming the same requests reuse the lookup of their states and
+    rows; a request freed (or preempted) and added again in between is a new request."""
+    batched = KVCacheManager([AllocatorGroupSpec(4, 64)], 4)
+    plain = KVCacheManager([AllocatorGroupSpec(4, 64)], 4)
+    for mgr in (batched, plain):
+        mgr.add_requests(["a", "b"], [list(range(10)), list(range(20, 29))])
+    batched.allocate_many(["a", "b"], [10, 9])
+    batched.mark_computed_many(["a", "b"], [10, 9])
+    for r, n in (("a", 10), ("b", 9)):
+        plain.allocate(r, n)
+        plain.mark_computed(r, n)
+    ids = ["a", "b"]
+    for k, leave in enumerate((KVCacheManager.free, KVCacheManager.preempt)):
+        prompt = list(range(100 * k + 40, 100 * k + 45))
+        batched.append_token_ids_many(ids, np.array([[7], [8]]))
+        leave(batched, "a")  # "a" comes back in another row with another prompt
+        batched.add_request("c", list(range(50, 54)))
+        batched.add_request("a", prompt)
+        batched.allocate_many(ids, [5, 1])
+        batched.mark_computed_many(ids, [5, 1])
+        for r, tokens in (("a", [7]), ("b", [8])):
+            plain.append_token_ids(r, tokens)
+        leave(plain, "a")
+        plain.add_request("c", list(range(50, 54)))
+        plain.add_request("a", prompt)
+        for r, n in (("a", 5), ("b", 1)):
+            plain.allocate(r, n)
+            plain.mark_computed(r, n)
+        for r in ("a", "b", "c"):
+            assert batched.row_of(r) == plain.row_of(r)
+            assert batched.block_ids(r) == plain.block_ids(r)
+            assert batched.num_computed_tokens(r) == plain.num_computed_tokens(r)
+        batched.free("c")
+        plain.free("c")
+        batched.check_integrity()
+    batched.mark_computed_many(ids, [0, 0])
+    batched.free("a")
+    with pytest.raises(KeyError, match="unknown request 'a'"):
+        batched.mark_computed_many(ids, [0, 0])
+
+
 def test_one_admission_call_takes_shared_free_cached_blocks_out_of_the_queue_once() -> None:
     mgr = KVCacheManager([AllocatorGroupSpec(4, 16)], 4)
     mgr.add_request("a", list(range(12)))

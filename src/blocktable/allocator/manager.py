@@ -151,6 +151,10 @@ class KVCacheManager:
         self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
+        # the last batched call's (req_ids, their states, their rows): a step's calls often
+        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
+        # request leaves (a request's state and row are fixed while it runs)
+        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._row_state = RowState(self.max_num_reqs, len(groups))
         self._journal = StepJournal(len(groups), self._row_state)
@@ -418,14 +422,13 @@ class KVCacheManager:
     ) -> None:
         """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
-        req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
+        req_ids, reqs, rows = self._running(req_ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
             check_same_length("token_ids", token_ids, len(req_ids))
             # one conversion of the whole array; then every request appends a row of width k
             name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
             block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
-            self._append_rows(reqs, block)
+            self._append_rows(reqs, rows, block)
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
@@ -437,9 +440,9 @@ class KVCacheManager:
         for req, new in zip(reqs, rows):
             req.append_tokens(new)
 
-    def _append_rows(self, reqs: list[RequestState], block: np.ndarray) -> None:
-        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
-        against ``max_model_len`` before any write."""
+    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
+        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
+        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
         k = block.shape[1]
         num_tokens = self._row_state.num_tokens_mv
         if self.max_model_len is not None:
@@ -448,7 +451,6 @@ class KVCacheManager:
         if not k or not reqs:
             return
         state = self._row_state
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         # (count_nonzero: ~1 us cheaper than all() here)
         if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
@@ -594,13 +596,11 @@ class KVCacheManager:
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> RowBlocks:
         """:meth:`allocate_many` for the common one-group model: the same checks, inlined."""
-        req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
+        req_ids, reqs, rows = self._running(req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         if not reqs:
             return RowBlocks()
         state = self._row_state
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
         totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         if self.max_model_len is not None:
             over = np.flatnonzero(totals > self.max_model_len)
@@ -632,9 +632,11 @@ class KVCacheManager:
         if len(got) == total:  # one block each (decode)
             arena[grown_rows, starts] = new
         else:
-            cols = np.arange(total, dtype=np.int64)
-            cols += np.repeat(starts - (np.cumsum(num) - num), num)
-            arena[np.repeat(grown_rows, num), cols] = new
+            # flat positions in the (C-contiguous) arena: one index array, not a (row, col)
+            # pair, and a row's run is its first position plus 0, 1, ...
+            at = np.arange(total, dtype=np.int64)
+            at += np.repeat(grown_rows * arena.shape[1] + starts - (np.cumsum(num) - num), num)
+            arena.reshape(-1)[at] = new
         row_len[grown_rows] = new_len
         state.num_slots[grown_rows] = new_len * bs
         return out
@@ -701,13 +703,11 @@ class KVCacheManager:
     ) -> None:
         """:meth:`mark_computed` for every request of a step: one hashing pass for all newly
         full blocks, one registration and one release per group. Checked fully first."""
-        req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
+        req_ids, reqs, rows = self._running(req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         if not reqs:
             return
         state = self._row_state
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
         num_computed = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         # num_slots: what every group's blocks hold
         bad = num_computed > state.num_slots[rows]
@@ -920,6 +920,20 @@ class KVCacheManager:
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
 
     # ----------------------------------------------------------------- internals
+    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
+        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
+        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
+        answer when it named the same requests (nobody left since)."""
+        req_ids = as_list("req_ids", req_ids)
+        last = self._last_batch
+        if last is not None and last[0] == req_ids:
+            return req_ids, last[1], last[2]
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        rows.flags.writeable = False
+        self._last_batch = (req_ids.copy(), reqs, rows)
+        return req_ids, reqs, rows
+
     def _get(self, req_id: ReqId) -> RequestState:
         req = self._requests.get(req_id)
         if req is None:
@@ -1038,6 +1052,7 @@ class KVCacheManager:
         each group's row (tail first) read through memoryviews; per group one concatenation
         and one release."""
         state, touch, requests = self._row_state, self._journal.touch_leaving, self._requests
+        self._last_batch = None  # it may name a request of reqs
         rows = [req.row for req in reqs]
         parts: list[list[np.ndarray]] = [[] for _ in self.pools]
         for g, (arena, row_len, num_skipped, group_parts) in enumerate(

@@ -233,7 +233,8 @@ class RowState:
             return arena[rows, starts]
         total = int(counts.sum())
         ends = np.cumsum(counts)
-        # column of each entry: its row's start plus its place within the row's part
-        cols = np.arange(total, dtype=np.int64)
-        cols += np.repeat(starts - (ends - counts), counts)
-        return arena[np.repeat(rows, counts), cols]
+        # flat position of each entry in the (C-contiguous) arena: its row's first position
+        # plus its place within the row's part (one index array, not a (row, col) pair)
+        at = np.arange(total, dtype=np.int64)
+        at += np.repeat(rows * arena.shape[1] + starts - (ends - counts), counts)
+        return arena.reshape(-1).take(at)
