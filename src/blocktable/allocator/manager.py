@@ -621,8 +621,11 @@ class KVCacheManager:
         if not total:
             return RowBlocks()
         new = pool.take(total)
-        got = np.flatnonzero(needs)
-        grown_rows, num, starts = rows[got], needs[got], old_len[got]
+        [got] = needs.nonzero()
+        if len(got) == len(needs):  # (a step's requests usually all grow: no gathers)
+            grown_rows, num, starts = rows, needs, old_len
+        else:
+            grown_rows, num, starts = rows[got], needs[got], old_len[got]
         out = RowBlocks(grown_rows.astype(np.int32), num.astype(np.int32), new)
         for part in (out.rows, out.num_manager_blocks, new):
             part.flags.writeable = False  # the journal keeps them until the step's update
