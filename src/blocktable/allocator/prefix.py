@@ -199,6 +199,7 @@ def find_hits(
         _take_hit(plan, n, per_group, i, block_sizes, windows)
 
 
+_ZERO, _ZERO32 = np.zeros((), dtype=np.int64), np.zeros((), dtype=np.int32)  # 0-d operands
 _NO_SLOTS = np.zeros(0, dtype=np.int64)  # the hit slots of a group serving no block
 _NO_SLOTS.flags.writeable = False
 
@@ -228,6 +229,7 @@ def _find_full_hits(
         # earlier prompt's follows it: its keys, slots and verification are the leader's, so
         # it is not looked up or verified again (a shared system prompt is looked up once).
         leaders: dict[tuple[int, int, int], int] = {}  # (blocks, last key, root) -> prompt
+        leader_tokens: dict[int, bytes] = {}  # leader -> its looked-up token ids, once read
         followers: dict[int, int] = {}  # prompt -> its leader
         for i, plan in enumerate(plans):
             num_blocks = caps[i] // bs
@@ -247,15 +249,13 @@ def _find_full_hits(
             if usable:
                 signature = (usable, keys.item(usable - 1), plan.root)
                 leader = leaders.get(signature)
-                if (
-                    leader is not None
-                    and (
-                        plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
-                        == plans[leader].tokens[: usable * bs].tobytes()
-                    )
-                ):
-                    followers[i] = leader
-                    continue
+                if leader is not None:  # (bytes compare: cheapest here; the leader's read once)
+                    same = leader_tokens.get(leader)
+                    if same is None:
+                        same = leader_tokens[leader] = plans[leader].tokens[: usable * bs].tobytes()
+                    if plan.tokens[: usable * bs].tobytes() == same:
+                        followers[i] = leader
+                        continue
                 leaders[signature] = i
                 starts[i] = end
                 end += usable
@@ -288,15 +288,21 @@ def _find_full_hits(
         np.not_equal(parents[1:], index.cid[slots[:-1]], out=bad[1:])
         for i, start in starts.items():
             bad[start] = parents.item(start) != plans[i].root
-        bad |= slots < 0
-        bad |= index.holder[slots] == 0
-        # (take: numpy's row-wise fancy indexing costs three times as much; equal bytes, the
-        # common case, are told by one compare)
+        alive = index.holder[slots]
+        # (take: numpy's row-wise fancy indexing costs three times as much)
         stored = index.tokens.take(slots, axis=0)
-        if stored.tobytes() != tokens.tobytes():
+        # Counts first: in the common case (every block verifies) no flags are merged; equal
+        # bytes are told by one compare. (0-d operands: cheaper than Python ints in ufuncs.)
+        if (
+            np.count_nonzero(bad)
+            or np.count_nonzero(alive) < end
+            or np.count_nonzero(slots < _ZERO)
+            or stored.tobytes() != tokens.tobytes()
+        ):
+            bad |= slots < _ZERO
+            bad |= alive == _ZERO32
             bad |= _rows_differ(stored, tokens.reshape(-1, bs))
-        if bad.any():
-            at = np.flatnonzero(bad).tolist()
+            at = bad.nonzero()[0].tolist()
             bounds = [*starts.values(), end]
             for i, start, stop in zip(live, bounds, bounds[1:]):
                 j = bisect_left(at, start)
