@@ -397,7 +397,8 @@ class KVCacheManager:
                     pool.share_many(parts[0])
             elif len(gathered) == 1:
                 if len(parts[0]):
-                    pool.share(parts[0], np.full(len(parts[0]), len(parts), dtype=np.int32))
+                    # (one count for all, a 0-d array broadcast: cheaper than a full array)
+                    pool.share(parts[0], np.array(len(parts), dtype=np.int32))
             else:
                 pool.share_many(np.concatenate(parts))
         num_computed, num_slots = state.num_computed_mv, state.num_slots_mv
