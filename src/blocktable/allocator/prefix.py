@@ -266,7 +266,9 @@ def _find_full_hits(
             plan = plans[live[0]]
             keys = plan.keys[bs][:end]
             tokens = plan.tokens[: end * bs]
+            token_bytes = leader_tokens.get(live[0])  # (read already when it has followers)
         else:
+            token_bytes = None
             bounds = [*starts.values(), end]
             keys = np.concatenate(
                 [
@@ -297,7 +299,7 @@ def _find_full_hits(
             np.count_nonzero(bad)
             or np.count_nonzero(alive) < end
             or np.count_nonzero(slots < _ZERO)
-            or stored.tobytes() != tokens.tobytes()
+            or stored.tobytes() != (tokens.tobytes() if token_bytes is None else token_bytes)
         ):
             bad |= slots < _ZERO
             bad |= alive == _ZERO32
