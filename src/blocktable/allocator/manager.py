@@ -271,8 +271,9 @@ class KVCacheManager:
         check_same_length("prompts", prompts, len(req_ids))
         if cache_namespaces is None:
             cache_namespaces = [None] * len(req_ids)
-        cache_namespaces = as_list("cache_namespaces", cache_namespaces)
-        check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
+        else:
+            cache_namespaces = as_list("cache_namespaces", cache_namespaces)
+            check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
         pending: dict[bytes, tuple[int, int]] = {}
