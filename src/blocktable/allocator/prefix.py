@@ -76,16 +76,17 @@ def prompt_keys(
     each plan's keys and states are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
     for bs in sorted(set(block_sizes)):
-        counts, starts, end = [], [], 0
+        counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
-            count = len(p.tokens) // bs
+            tokens = p.tokens
+            num_tokens = len(tokens)
+            count = num_tokens // bs
             counts.append(count)
             end += count
-        if len(plans) == 1:
-            blocks = plans[0].tokens[: end * bs]
-        else:
-            blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
+            # (the full blocks: a whole prompt of full blocks is not sliced)
+            parts.append(tokens if count * bs == num_tokens else tokens[: count * bs])
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
         segments = np.array((counts, starts), dtype=np.int64)  # one conversion for both
         keys, states = chain_keys(hashes, segments[0], seeds, powers[bs], segments[1])
