@@ -188,3 +188,39 @@ def test_a_reused_row_with_a_prompt_shorter_than_a_block_chains_from_the_seed() 
     want = fast_block_keys([7, 8, 9, 10, 11, 12, 13, 14, 15], bs, namespace="tenant")
     blocks = mgr.block_ids("b")[0]
     assert [mgr.pools[0].block_hash(b) for b in blocks[: len(want)]] == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_hits_match_a_scalar_walk_when_records_do_not_verify(seed: int) -> None:
+    """Records whose key is found but which do not verify (other token ids: a colliding key;
+    another parent; a dead block) end the hit where a walk over the index ends it, for prompts
+    looked up alone and in one batched call (some twice, some sharing a prefix)."""
+    rng = np.random.default_rng(seed)
+    bs = 4
+    mgr = KVCacheManager([AllocatorGroupSpec(bs, 256)], max_num_reqs=32)
+    done = []
+    for r in range(6):
+        prompt = rng.integers(0, 50, int(rng.integers(8, 60)))
+        if done and rng.random() < 0.5:  # sharing a prefix with an earlier prompt
+            prompt = np.concatenate((done[-1][: int(rng.integers(0, len(done[-1])))], prompt))
+        mgr.add_request(r, prompt)
+        hit = mgr.num_computed_tokens(r)
+        mgr.allocate(r, len(prompt) - hit)
+        mgr.mark_computed(r, len(prompt) - hit)
+        mgr.free(r)
+        done.append(prompt)
+    index = mgr.pools[0].index
+    filed = np.flatnonzero(index.cid != 0)
+    for slot in rng.choice(filed, size=min(len(filed), 4), replace=False).tolist():
+        how = int(rng.integers(3))
+        if how == 0:
+            index.tokens[slot, int(rng.integers(bs))] += 1000  # a key naming other tokens
+        elif how == 1:
+            index.parent[slot] += 12345  # another parent
+        else:
+            index.holder[slot] = 0  # dead (a record of an evicted block)
+    prompts = [np.concatenate((p, [7, 8, 9])) for p in done]
+    prompts += [prompts[0].copy(), prompts[-1].copy()]  # twice in one call
+    expected = [walk_hit(mgr, p) for p in prompts]
+    assert [mgr.lookup_prefix(p) for p in prompts] == expected
+    assert mgr.add_requests(list(range(100, 100 + len(prompts))), prompts) == expected

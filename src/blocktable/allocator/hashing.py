@@ -48,7 +48,11 @@ MASK64 = _MASK = (1 << 64) - 1
 CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
 _U64 = np.uint64
-_SHIFT33, _FMIX_C1, _FMIX_C2 = _U64(33), _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
+# 0-d arrays, not numpy scalars: a ufunc takes a 0-d array operand without the scalar
+# conversion and promotion it does for a scalar (about 0.3-0.7 us less per operation)
+_SHIFT33, _FMIX_C1, _FMIX_C2 = (
+    np.array(c, dtype=_U64) for c in (33, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
+)
 
 
 def sha256_block_hash(data: bytes) -> bytes:
@@ -121,6 +125,7 @@ class ChainPowers:
             [pow(_BASE, block_size - 1 - j, 1 << 64) for j in range(block_size)], dtype=_U64
         )
         self.block_base = pow(_BASE, block_size, 1 << 64)
+        self.block_base_array = np.array(self.block_base, dtype=_U64)  # 0-d (see _SHIFT33)
         self.block_powers = np.ones(1, dtype=_U64)
         self.inverse_powers = np.ones(1, dtype=_U64)
         self.shifted_inverse_powers = np.full(1, self.block_base, dtype=_U64)  # Bb * Q**k
@@ -144,8 +149,10 @@ def _power_table(base: int, size: int) -> np.ndarray:
 
 def block_content_hashes(tokens: np.ndarray, powers: ChainPowers) -> np.ndarray:
     """``h_i`` of every row of ``tokens`` (int64 ``[n, block_size]``), uint64 ``[n]``."""
-    # an integer matmul wraps mod 2**64 like the elementwise form, at half its cost
-    return np.matmul(tokens.view(_U64), powers.token_powers)
+    # an integer matmul wraps mod 2**64 like the elementwise form, at half its cost; powers
+    # times the transposed tokens (a row vector times a matrix) costs less than the product
+    # the other way round (numpy's integer matmul loops over the output with less overhead)
+    return np.matmul(powers.token_powers, tokens.view(_U64).T)
 
 
 def chain_keys(
@@ -166,19 +173,21 @@ def chain_keys(
     the caller has them.
     """
     n = len(content_hashes)
-    if n and n == len(segment_lengths) and (segment_lengths == 1).all():  # a decode step
-        states = start_states * _U64(powers.block_base)
+    # a decode step: as many segments as blocks, none empty (count_nonzero: cheaper than
+    # comparing with 1; the lengths sum to n, so n nonzero lengths are all 1)
+    if n and n == len(segment_lengths) and np.count_nonzero(segment_lengths) == n:
+        states = start_states * powers.block_base_array
         states += content_hashes
         return fmix64(states), states
     powers.ensure(n)
     if n == 0:
         return content_hashes.copy(), content_hashes.copy()
-    scaled = content_hashes * powers.inverse_powers[:n]
     # running sums with a 0 in front: the sum before each segment is one gather
     running = np.empty(n + 1, dtype=_U64)
     running[0] = 0
-    np.add.accumulate(scaled, out=running[1:])  # (cumsum: the same sums at twice the cost)
     sums = running[1:]
+    np.multiply(content_hashes, powers.inverse_powers[:n], out=sums)
+    np.add.accumulate(sums, out=sums)  # (cumsum: the same sums at twice the cost)
     seg_starts = (
         np.cumsum(segment_lengths) - segment_lengths if segment_starts is None else segment_starts
     )
@@ -186,7 +195,8 @@ def chain_keys(
     # per-segment term, repeated, instead of per-block gathers of segment values
     adjust = start_states * powers.shifted_inverse_powers[seg_starts]
     adjust -= running[seg_starts]
-    states = sums + np.repeat(adjust, segment_lengths)
+    states = np.repeat(adjust, segment_lengths)
+    states += sums
     states *= powers.block_powers[:n]
     return fmix64(states), states
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -275,13 +276,16 @@ class KVCacheManager:
         check_same_length("prompts", prompts, len(req_ids))
         if cache_namespaces is None:
             cache_namespaces = [None] * len(req_ids)
-        cache_namespaces = as_list("cache_namespaces", cache_namespaces)
-        check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
+        else:
+            cache_namespaces = as_list("cache_namespaces", cache_namespaces)
+            check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
         pending: dict[bytes, tuple[int, int]] = {}
         plans = []
-        none_namespace, max_len = self._none_namespace, self.max_model_len
+        none_namespace = self._none_namespace
+        root, seed = (0, 0) if none_namespace is None else none_namespace
+        max_len = sys.maxsize if self.max_model_len is None else self.max_model_len
         for r, p, ns in zip(req_ids, prompts, cache_namespaces):
             if (  # _new_plan's common case (an int64 array, no namespace), inline
                 ns is None
@@ -289,10 +293,9 @@ class KVCacheManager:
                 and type(p) is np.ndarray
                 and p.dtype is _INT64
                 and p.ndim == 1
-                and len(p)
-                and (max_len is None or len(p) <= max_len)
+                and 0 < len(p) <= max_len
             ):
-                plans.append(PromptPlan(p, none_namespace[0], none_namespace[1]))
+                plans.append(PromptPlan(p, root, seed))
             else:
                 plans.append(self._new_plan(p, ns, pending, req_id=r))
         if len(req_ids) > self._rows.num_free:
@@ -401,7 +404,8 @@ class KVCacheManager:
                     pool.share_many(parts[0])
             elif len(gathered) == 1:
                 if len(parts[0]):
-                    pool.share(parts[0], np.full(len(parts[0]), len(parts), dtype=np.int32))
+                    # (one count for all, a 0-d array broadcast: cheaper than a full array)
+                    pool.share(parts[0], np.array(len(parts), dtype=np.int32))
             else:
                 pool.share_many(np.concatenate(parts))
         num_computed, num_slots = state.num_computed_mv, state.num_slots_mv

@@ -76,16 +76,17 @@ def prompt_keys(
     each plan's keys and states are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
     for bs in sorted(set(block_sizes)):
-        counts, starts, end = [], [], 0
+        counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
-            count = len(p.tokens) // bs
+            tokens = p.tokens
+            num_tokens = len(tokens)
+            count = num_tokens // bs
             counts.append(count)
             end += count
-        if len(plans) == 1:
-            blocks = plans[0].tokens[: end * bs]
-        else:
-            blocks = np.concatenate([p.tokens[: c * bs] for p, c in zip(plans, counts)])
+            # (the full blocks: a whole prompt of full blocks is not sliced)
+            parts.append(tokens if count * bs == num_tokens else tokens[: count * bs])
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
         segments = np.array((counts, starts), dtype=np.int64)  # one conversion for both
         keys, states = chain_keys(hashes, segments[0], seeds, powers[bs], segments[1])
@@ -199,6 +200,7 @@ def find_hits(
         _take_hit(plan, n, per_group, i, block_sizes, windows)
 
 
+_ZERO, _ZERO32 = np.zeros((), dtype=np.int64), np.zeros((), dtype=np.int32)  # 0-d operands
 _NO_SLOTS = np.zeros(0, dtype=np.int64)  # the hit slots of a group serving no block
 _NO_SLOTS.flags.writeable = False
 
@@ -228,6 +230,7 @@ def _find_full_hits(
         # earlier prompt's follows it: its keys, slots and verification are the leader's, so
         # it is not looked up or verified again (a shared system prompt is looked up once).
         leaders: dict[tuple[int, int, int], int] = {}  # (blocks, last key, root) -> prompt
+        leader_tokens: dict[int, bytes] = {}  # leader -> its looked-up token ids, once read
         followers: dict[int, int] = {}  # prompt -> its leader
         for i, plan in enumerate(plans):
             num_blocks = caps[i] // bs
@@ -247,15 +250,13 @@ def _find_full_hits(
             if usable:
                 signature = (usable, keys.item(usable - 1), plan.root)
                 leader = leaders.get(signature)
-                if (
-                    leader is not None
-                    and (
-                        plan.tokens[: usable * bs].tobytes()  # (bytes compare: cheapest here)
-                        == plans[leader].tokens[: usable * bs].tobytes()
-                    )
-                ):
-                    followers[i] = leader
-                    continue
+                if leader is not None:  # (bytes compare: cheapest here; the leader's read once)
+                    same = leader_tokens.get(leader)
+                    if same is None:
+                        same = leader_tokens[leader] = plans[leader].tokens[: usable * bs].tobytes()
+                    if plan.tokens[: usable * bs].tobytes() == same:
+                        followers[i] = leader
+                        continue
                 leaders[signature] = i
                 starts[i] = end
                 end += usable
@@ -266,7 +267,9 @@ def _find_full_hits(
             plan = plans[live[0]]
             keys = plan.keys[bs][:end]
             tokens = plan.tokens[: end * bs]
+            token_bytes = leader_tokens.get(live[0])  # (read already when it has followers)
         else:
+            token_bytes = None
             bounds = [*starts.values(), end]
             keys = np.concatenate(
                 [
@@ -288,15 +291,21 @@ def _find_full_hits(
         np.not_equal(parents[1:], index.cid[slots[:-1]], out=bad[1:])
         for i, start in starts.items():
             bad[start] = parents.item(start) != plans[i].root
-        bad |= slots < 0
-        bad |= index.holder[slots] == 0
-        # (take: numpy's row-wise fancy indexing costs three times as much; equal bytes, the
-        # common case, are told by one compare)
+        alive = index.holder[slots]
+        # (take: numpy's row-wise fancy indexing costs three times as much)
         stored = index.tokens.take(slots, axis=0)
-        if stored.tobytes() != tokens.tobytes():
+        # Counts first: in the common case (every block verifies) no flags are merged; equal
+        # bytes are told by one compare. (0-d operands: cheaper than Python ints in ufuncs.)
+        if (
+            np.count_nonzero(bad)
+            or np.count_nonzero(alive) < end
+            or np.count_nonzero(slots < _ZERO)
+            or stored.tobytes() != (tokens.tobytes() if token_bytes is None else token_bytes)
+        ):
+            bad |= slots < _ZERO
+            bad |= alive == _ZERO32
             bad |= _rows_differ(stored, tokens.reshape(-1, bs))
-        if bad.any():
-            at = np.flatnonzero(bad).tolist()
+            at = bad.nonzero()[0].tolist()
             bounds = [*starts.values(), end]
             for i, start, stop in zip(live, bounds, bounds[1:]):
                 j = bisect_left(at, start)

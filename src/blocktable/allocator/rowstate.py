@@ -120,7 +120,9 @@ class RowState:
         )
         num_tokens, num_prompt, in_arena = self.num_tokens_mv, self.num_prompt_mv, self.in_arena_mv
         group_mvs = list(zip(self.row_len_mvs, self.num_skipped_mvs))
-        width = self.tokens.shape[1]
+        arena = self.tokens
+        width = arena.shape[1]
+        copyto = np.copyto  # (cheaper than a slice assignment)
         out: list[np.ndarray | None] = []
         for row, tokens in zip(rows, prompts):
             n = len(tokens)
@@ -134,12 +136,13 @@ class RowState:
                 row_len[row] = 0
                 num_skipped[row] = 0
             if n <= width:
-                self.tokens[row, :n] = tokens
+                copyto(arena[row, :n], tokens)
                 in_arena[row] = True
                 out.append(None)
             else:
                 out.append(self.take_tokens(row, tokens))
-                width = self.tokens.shape[1]
+                arena = self.tokens  # (grown, or not)
+                width = arena.shape[1]
         return out
 
     def stop(self, rows: list[int]) -> None:
