@@ -363,7 +363,7 @@ class KeyTable:
 
     def _delete_at(self, pos: np.ndarray) -> None:
         # no probe passes a position followed by an empty one: it can become empty itself
-        last = self.entries[(pos + 1) & self._int_mask] == EMPTY
+        last = self.entries.take(pos + 1, mode="wrap") == EMPTY  # (wrap: the mask, in the take)
         self.entries[pos] = last - 2  # EMPTY (-1) where last, else DELETED (-2)
         self.num_keys -= len(pos)
         self._num_deleted += len(pos) - int(np.count_nonzero(last))

@@ -300,7 +300,8 @@ class BlockPool:
         index.parent[slots] = parent_ids
         index.write_tokens(slots, tokens)
         index.holder[slots] = block_ids  # (index.key: written by insert_absent)
-        self.record[block_ids] = slots
+        # (an int32 index costs a cast per element inside the scatter: more than one astype)
+        self.record[block_ids.astype(np.intp, copy=False)] = slots
         self.num_cached_blocks += len(slots)
 
     def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
