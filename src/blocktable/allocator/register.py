@@ -50,7 +50,9 @@ def _segment_keys(
     parts = [req.keys[bs][first:stop] for req, first, stop in stored]
     if fresh:
         lengths = np.array([stop - first for _, first, stop in fresh], dtype=np.int64)
-        tokens = np.concatenate([req.token_array(first * bs, stop * bs) for req, first, stop in fresh])
+        tokens = np.concatenate(
+            [req.token_array(first * bs, stop * bs) for req, first, stop in fresh]
+        )
         hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
         starts = np.array(
             [_state_before(req, first, bs, chains) for req, first, _ in fresh], dtype=_U64
@@ -149,11 +151,12 @@ def _register_group(
     """:func:`_segment_keys` and :func:`_cache_segments` of a group alone with its block size,
     with the rows' counts, block ids and chains read and written by gathers and scatters.
 
-    Segments whose keys were stored at admission (prompt blocks) come first, each sliced
-    from its request (token ids, keys, block ids), then the others (decode blocks, usually
-    one per request), gathered at once from the token and block arenas and keyed here: one
-    chain step for one block each, else one :func:`chain_keys` pass. The blocks are filed
-    with one :meth:`BlockPool.cache_chains` call.
+    Segments whose keys were stored at admission (prompt blocks) come first, their keys
+    sliced from each request, then the others (decode blocks, usually one per request),
+    keyed here: one chain step for one block each, else one :func:`chain_keys` pass. Token
+    ids and block ids of all blocks are gathered at once from the token and block arenas
+    (else sliced per request, where some request's token ids are not in the arena). The
+    blocks are filed with one :meth:`BlockPool.cache_chains` call.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
@@ -184,33 +187,33 @@ def _register_group(
         seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
     lengths = stop - first
     k = num_stored  # segments 0 .. k - 1: keys stored at admission; k ..: keyed here
-    # (Python ints only where a loop needs them)
-    seg_l, rows_l = seg[:k].tolist(), seg_rows[:k].tolist()
-    first_l, stop_l = first[:k].tolist(), stop[:k].tolist()
-    arena = state.blocks[g]
-    token_parts, key_parts, block_parts = [], [], []
-    for i, row, f, s in zip(seg_l, rows_l, first_l, stop_l):
-        req = reqs[i]
-        token_parts.append(req.tokens[f * bs : s * bs])
-        key_parts.append(req.keys[bs][f:s])
-        block_parts.append(arena[row, f:s])
     ends = lengths.cumsum()
+    seg_starts = ends - lengths  # where each segment's blocks start among all
     total = int(ends[-1])  # blocks in all
-    if k < len(seg):  # decode blocks, usually one each: gathered at once
+    num_stored_blocks = int(ends[k - 1]) if k else 0
+    # (Python ints only where a loop needs them)
+    seg_l, first_l, stop_l = seg[:k].tolist(), first[:k].tolist(), stop[:k].tolist()
+    key_parts = [reqs[i].keys[bs][f:s] for i, f, s in zip(seg_l, first_l, stop_l)]
+    gathered = _gather_blocks(state, g, seg_rows, first, lengths, seg_starts, total, bs)
+    if gathered is not None:  # usually: token ids and block ids of all blocks, one take each
+        tokens, block_ids = gathered
+        fresh_tokens = tokens[num_stored_blocks:]
+    else:
+        arena = state.blocks[g]
+        token_parts, block_parts = [], []
+        for i, row, f, s in zip(seg_l, seg_rows[:k].tolist(), first_l, stop_l):
+            token_parts.append(reqs[i].tokens[f * bs : s * bs])
+            block_parts.append(arena[row, f:s])
+    if k < len(seg):  # decode blocks, usually one each: keyed at once
         fresh_rows, fresh_first, fresh_stop = seg_rows[k:], first[k:], stop[k:]
         num_fresh = len(seg) - k
-        one_each = total - (int(ends[k - 1]) if k else 0) == num_fresh
-        fresh_tokens = None
-        if one_each:
-            block_parts.append(arena[fresh_rows, fresh_first])
-            fresh_tokens = _fresh_block_tokens(state, fresh_rows, fresh_first, bs)
-        else:
+        one_each = total - num_stored_blocks == num_fresh
+        if gathered is None:
             block_parts.append(state.gather(g, fresh_rows, fresh_first, lengths[k:]))
-        if fresh_tokens is None:
             fresh_tokens = _fresh_tokens(
                 [reqs[i] for i in seg[k:].tolist()], state, fresh_rows, fresh_first, fresh_stop, bs
             )
-        token_parts.append(fresh_tokens)
+            token_parts.append(fresh_tokens)
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
@@ -230,32 +233,49 @@ def _register_group(
         num_keys[fresh_rows] = fresh_stop
         chain_state[fresh_rows] = states
         key_parts.append(keys)
-    if len(token_parts) == 1:
-        tokens, keys, block_ids = token_parts[0], key_parts[0], block_parts[0]
-    else:
-        tokens = np.concatenate(token_parts)
-        keys = np.concatenate(key_parts)
-        block_ids = np.concatenate(block_parts)
+    keys = key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts)
+    if gathered is None:
+        if len(token_parts) == 1:
+            tokens, block_ids = token_parts[0], block_parts[0]
+        else:
+            tokens, block_ids = np.concatenate(token_parts), np.concatenate(block_parts)
     cids = pool.cache_chains(
-        block_ids, keys, tokens.reshape(-1, bs), ends - lengths, parent_cid[seg_rows]
+        block_ids, keys, tokens.reshape(-1, bs), seg_starts, parent_cid[seg_rows]
     )
     parent_cid[seg_rows] = cids if total == len(seg) else cids[ends - 1]
     num_hashed[seg_rows] = stop
 
 
-def _fresh_block_tokens(
-    state: RowState, rows: np.ndarray, first: np.ndarray, bs: int
-) -> np.ndarray | None:
-    """Token ids of block ``first[i]`` of every row ``rows[i]`` (int64 ``[n * bs]``), one
-    gather of whole blocks from the token arena; None unless every row is there and the
-    arena's rows are whole blocks."""
+def _gather_blocks(
+    state: RowState,
+    g: int,
+    rows: np.ndarray,
+    first: np.ndarray,
+    lengths: np.ndarray,
+    starts: np.ndarray,
+    total: int,
+    bs: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Token ids (int64 ``[total, bs]``) and block ids of group ``g`` (int32 ``[total]``) of
+    blocks ``first[i] .. first[i] + lengths[i] - 1`` of every row ``rows[i]``, concatenated
+    (``starts``: where each segment starts there, int64 ``[len(rows)]``): one gather from each
+    arena, the token arena read as whole blocks; None unless every row's token ids are there
+    and the arena's rows are whole blocks."""
     arena = state.tokens
     width = arena.shape[1]
     # (count_nonzero: cheaper than all() and any() on bools)
     if width % bs or np.count_nonzero(state.in_arena[rows]) < len(rows):
         return None
-    blocks = arena.reshape(-1, bs)  # (a view: the arena is contiguous)
-    return blocks.take(rows * (width // bs) + first, axis=0).reshape(-1)
+    blocks = state.blocks[g]
+    if total == len(rows):  # one block each (decode steps): no repeats to build
+        row_of, at = rows, first
+    else:
+        # per block: its row, and its index in the row (block j of segment i: first[i] + j)
+        row_of = np.repeat(rows, lengths)
+        at = np.arange(total) + np.repeat(first - starts, lengths)
+    # (views: both arenas are contiguous; take() beats fancy indexing)
+    tokens = arena.reshape(-1, bs).take(row_of * (width // bs) + at, axis=0)
+    return tokens, blocks.reshape(-1).take(row_of * blocks.shape[1] + at)
 
 
 def _fresh_tokens(
@@ -276,9 +296,7 @@ def _fresh_tokens(
         # flat positions (a take on the flat arena beats a broadcast 2-D index)
         at = (rows * arena.shape[1] + first * bs)[:, None] + np.arange(length * bs)
         return arena.reshape(-1).take(at.reshape(-1))
-    parts = [
-        req.tokens[f * bs : s * bs] for req, f, s in zip(reqs, first.tolist(), stop.tolist())
-    ]
+    parts = [req.tokens[f * bs : s * bs] for req, f, s in zip(reqs, first.tolist(), stop.tolist())]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
