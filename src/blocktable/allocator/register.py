@@ -165,9 +165,11 @@ def _register_group(
     num_seg = int(np.count_nonzero(has))
     if not num_seg:
         return
-    # (usually every request filled a block: no indices built)
-    seg = np.arange(len(rows)) if num_seg == len(rows) else has.nonzero()[0]
+    # the requests with a segment (usually every one filled a block: None, no indices built)
+    seg = None if num_seg == len(rows) else has.nonzero()[0]
     if byte_hash_fn is not None:  # byte-chained hashes: per segment, as the other groups do
+        if seg is None:
+            seg = np.arange(len(rows))
         segments = [
             (reqs[i], first, stop)
             for i, first, stop in zip(seg.tolist(), firsts[seg].tolist(), stops[seg].tolist())
@@ -175,7 +177,7 @@ def _register_group(
         segments, keys = _segment_keys(segments, bs, powers, chains)
         _cache_segments(pool, g, bs, segments, keys, byte_hash_fn, chains, state)
         return
-    if num_seg == len(rows):
+    if seg is None:
         seg_rows, first, stop = rows, firsts, stops
     else:
         seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
@@ -184,7 +186,8 @@ def _register_group(
     # stored ones first (the first False after the stored ones: already in order)
     if 0 < num_stored < num_seg and int(stored.argmin()) != num_stored:
         order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
-        seg, seg_rows, first, stop = seg[order], seg_rows[order], first[order], stop[order]
+        seg = order if seg is None else seg[order]
+        seg_rows, first, stop = seg_rows[order], first[order], stop[order]
     lengths = stop - first
     k = num_stored  # segments 0 .. k - 1: keys stored at admission; k ..: keyed here
     ends = lengths.cumsum()
@@ -192,7 +195,8 @@ def _register_group(
     total = int(ends[-1])  # blocks in all
     num_stored_blocks = int(ends[k - 1]) if k else 0
     # (Python ints only where a loop needs them)
-    seg_l, first_l, stop_l = seg[:k].tolist(), first[:k].tolist(), stop[:k].tolist()
+    seg_l = list(range(k)) if seg is None else seg[:k].tolist()
+    first_l, stop_l = first[:k].tolist(), stop[:k].tolist()
     key_parts = [reqs[i].keys[bs][f:s] for i, f, s in zip(seg_l, first_l, stop_l)]
     gathered = _gather_blocks(state, g, seg_rows, first, lengths, seg_starts, total, bs)
     if gathered is not None:  # usually: token ids and block ids of all blocks, one take each
@@ -204,14 +208,15 @@ def _register_group(
         for i, row, f, s in zip(seg_l, seg_rows[:k].tolist(), first_l, stop_l):
             token_parts.append(reqs[i].tokens[f * bs : s * bs])
             block_parts.append(arena[row, f:s])
-    if k < len(seg):  # decode blocks, usually one each: keyed at once
+    if k < num_seg:  # decode blocks, usually one each: keyed at once
         fresh_rows, fresh_first, fresh_stop = seg_rows[k:], first[k:], stop[k:]
-        num_fresh = len(seg) - k
+        num_fresh = num_seg - k
+        fresh_reqs = range(k, num_seg) if seg is None else seg[k:].tolist()  # (indices)
         one_each = total - num_stored_blocks == num_fresh
         if gathered is None:
             block_parts.append(state.gather(g, fresh_rows, fresh_first, lengths[k:]))
             fresh_tokens = _fresh_tokens(
-                [reqs[i] for i in seg[k:].tolist()], state, fresh_rows, fresh_first, fresh_stop, bs
+                [reqs[i] for i in fresh_reqs], state, fresh_rows, fresh_first, fresh_stop, bs
             )
             token_parts.append(fresh_tokens)
         hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
@@ -222,7 +227,7 @@ def _register_group(
         off = num_keys[fresh_rows] != fresh_first
         if np.count_nonzero(off):
             for i in np.flatnonzero(off).tolist():
-                starts[i] = _state_before(reqs[seg[k + i]], int(first[k + i]), bs, chains)
+                starts[i] = _state_before(reqs[fresh_reqs[i]], int(first[k + i]), bs, chains)
         if one_each:  # a decode step: K = K_before * B**bs + h
             states = starts * _U64(powers.block_base)
             states += hashes
@@ -242,7 +247,7 @@ def _register_group(
     cids = pool.cache_chains(
         block_ids, keys, tokens.reshape(-1, bs), seg_starts, parent_cid[seg_rows]
     )
-    parent_cid[seg_rows] = cids if total == len(seg) else cids[ends - 1]
+    parent_cid[seg_rows] = cids if total == num_seg else cids.take(ends - 1)
     num_hashed[seg_rows] = stop
 
 
