@@ -151,14 +151,20 @@ class PrefixIndex:
             # still dead: not revived, not dropped (a slot dropped and reused is alive or dies
             # again later, with a later entry)
             holder = self.holder
-            batch = batch[(self.cid[batch] != 0) & (holder[batch] == 0)]
+            keep = self.cid[batch] != 0
+            keep &= holder[batch] == 0
+            # (usually all are kept: no copy; count_nonzero is cheaper than boolean indexing)
+            if np.count_nonzero(keep) < len(batch):
+                batch = batch[keep]
             if len(batch) > 1:
                 # each slot once: a dead record's holder entry is 0 and drop() writes 0
                 # again, so it serves as scratch (of repeated writes to one entry, one
                 # survives; which one only orders the free slots)
                 marks = np.arange(-1, -1 - len(batch), -1, dtype=holder.dtype)
                 holder[batch] = marks
-                batch = batch[holder[batch] == marks]
+                once = holder[batch] == marks
+                if np.count_nonzero(once) < len(batch):
+                    batch = batch[once]
             if len(batch):
                 self.drop(batch)
                 found += len(batch)
