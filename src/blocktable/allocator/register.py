@@ -271,16 +271,20 @@ def _gather_blocks(
     # (count_nonzero: cheaper than all() and any() on bools)
     if width % bs or np.count_nonzero(state.in_arena[rows]) < len(rows):
         return None
-    blocks = state.blocks[g]
+    wb = width // bs  # blocks per row of the token arena
+    # flat position of every block (block j of segment i: block first[i] + j of row rows[i])
     if total == len(rows):  # one block each (decode steps): no repeats to build
-        row_of, at = rows, first
+        pos = rows * wb + first
     else:
-        # per block: its row, and its index in the row (block j of segment i: first[i] + j)
-        row_of = np.repeat(rows, lengths)
-        at = np.arange(total) + np.repeat(first - starts, lengths)
+        pos = np.arange(total) + np.repeat(rows * wb + (first - starts), lengths)
     # (views: both arenas are contiguous; take() beats fancy indexing)
-    tokens = arena.reshape(-1, bs).take(row_of * (width // bs) + at, axis=0)
-    return tokens, blocks.reshape(-1).take(row_of * blocks.shape[1] + at)
+    tokens = arena.reshape(-1, bs).take(pos, axis=0)
+    blocks = state.blocks[g]
+    nb = blocks.shape[1]
+    if nb != wb:  # the block arena's rows are of another width: the same rows' positions there
+        shift = rows * (nb - wb)
+        pos = pos + (shift if total == len(rows) else np.repeat(shift, lengths))
+    return tokens, blocks.reshape(-1).take(pos)
 
 
 def _fresh_tokens(
