@@ -436,12 +436,12 @@ class KVCacheManager:
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
-        rows = [
-            token_array(f"token_ids of request {r!r}", row) for r, row in zip(req_ids, token_ids)
+        arrays = [
+            token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
         ]
-        for req, new in zip(reqs, rows):
+        for req, new in zip(reqs, arrays):
             self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
-        for req, new in zip(reqs, rows):
+        for req, new in zip(reqs, arrays):
             req.append_tokens(new)
 
     def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
