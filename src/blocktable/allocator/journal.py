@@ -70,6 +70,7 @@ class StepJournal:
         # whether a row of theirs was touched again since
         self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._batches_stale = False
+        self._num_batched = 0  # rows in _batches
         self._views()
 
     def _views(self) -> None:
@@ -112,13 +113,14 @@ class StepJournal:
             self._batches_stale = True
 
     def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
-        """:meth:`touch` of distinct ``rows`` (int32 ``[n]``, held, group 0 of one group) before
+        """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before
         ``counts[i]`` blocks (int32 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
         ``block_ids`` (int32 ``[counts.sum()]``, row after row). The arrays are kept until
         :meth:`take`: nobody may change them."""
         stamp = self._stamp
-        was = self.touched[rows]
-        most = was.max()
+        touched = self.touched
+        was = touched.take(rows)
+        most = np.maximum.reduce(was)
         if most >= stamp:  # rows touched before: only the others are a batch (theirs diffed)
             if most > stamp:
                 self._batches_stale = True
@@ -128,10 +130,11 @@ class StepJournal:
                 return
             block_ids = block_ids[keep if len(counts) == len(block_ids) else keep.repeat(counts)]
             counts = counts[keep]
-        self.touched[rows] = stamp + 1
-        self.start_gen[rows] = self.rows.holder_gen[rows]
-        self.start_len[:, rows] = self.rows.row_len[:, rows]
+        touched[rows] = stamp + 1
+        self.start_gen[rows] = self.rows.holder_gen.take(rows)
+        self.start_len[0][rows] = self.rows.row_len[0].take(rows)
         self._batches.append((rows, counts, block_ids))
+        self._num_batched += len(rows)
 
     def null(self, row: int, group: int, block_index: int) -> None:
         """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
@@ -155,7 +158,7 @@ class StepJournal:
         self._stamp += 2  # every row untouched from now on
         batches = self._batches
         if batches and (self._batches_stale or num_groups > 1 or self._nulled
-                        or sum(len(rows) for rows, _, _ in batches) <= _FEW_BATCHED):
+                        or self._num_batched <= _FEW_BATCHED):
             self._unbatch()  # their rows are diffed with the others
             order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
@@ -240,6 +243,7 @@ class StepJournal:
             self.order += rows.tolist()
         self._batches = []
         self._batches_stale = False
+        self._num_batched = 0
 
     def _take_few(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` of a few touched rows of one group without nulled entries (a decode
@@ -285,6 +289,7 @@ class StepJournal:
         largest_id = max(app_ids) if app_ids else -1
         if batches:  # appended after the rows diffed above, as they are
             self._batches = []
+            self._num_batched = 0
             for _, counts, ids in batches:
                 one_each = one_each and len(counts) == len(ids)
                 largest_id = max(largest_id, int(ids.max()))

@@ -46,6 +46,7 @@ from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
 _INT64 = np.dtype(np.int64)
+_ZERO = np.zeros((), dtype=np.int64)  # a 0-d operand: cheaper in a ufunc than a Python 0
 
 
 class KVCacheManager:
@@ -605,7 +606,8 @@ class KVCacheManager:
         if not reqs:
             return RowBlocks()
         state = self._row_state
-        totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
+        totals = state.num_computed.take(rows)  # (rows: intp, the cheapest index)
+        totals += np.array(counts, dtype=np.int64)
         if self.max_model_len is not None:
             over = np.flatnonzero(totals > self.max_model_len)
             if len(over):
@@ -613,39 +615,51 @@ class KVCacheManager:
                 self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
         bs = self.block_sizes[0]
         row_len = state.row_len[0]
-        old_len = row_len[rows]
+        old_len = row_len.take(rows)
         # one group: num_slots is row_len * bs, so a request needs the blocks its tokens
-        # fill past its row
-        needs = -(-totals // bs) - old_len
-        np.maximum(needs, 0, out=needs)
-        total = int(needs.sum())
+        # fill past its row: ceil(totals / bs) - old_len, at least 0 (in place; 0-d operands
+        # cost less than Python ints)
+        needs = totals
+        needs += np.array(bs - 1)
+        needs //= np.array(bs)
+        needs -= old_len
+        np.maximum(needs, _ZERO, out=needs)
+        ends = np.add.accumulate(needs)  # (cheaper than sum; also the runs' ends below)
+        total = int(ends[-1])
         pool = self.pools[0]
         if total > pool.num_free_blocks:
             self._check_free([[need] for need in needs.tolist()], reqs)
         if not total:
             return RowBlocks()
         new = pool.take(total)
-        [got] = needs.nonzero()
-        if len(got) == len(needs):  # (a step's requests usually all grow: no gathers)
+        if np.count_nonzero(needs) == len(needs):  # (a step's requests usually all grow)
             grown_rows, num, starts = rows, needs, old_len
         else:
-            grown_rows, num, starts = rows[got], needs[got], old_len[got]
-        out = RowBlocks(grown_rows.astype(np.int32), num.astype(np.int32), new)
-        for part in (out.rows, out.num_manager_blocks, new):
+            [got] = needs.nonzero()
+            grown_rows, num, starts, ends = rows[got], needs[got], old_len[got], ends[got]
+        num32 = num.astype(np.int32)
+        out = RowBlocks(grown_rows.astype(np.int32), num32, new)
+        for part in (out.rows, num32, new):
             part.flags.writeable = False  # the journal keeps them until the step's update
-        self._journal.touch_many(out.rows, out.num_manager_blocks, new)
+        self._journal.touch_many(grown_rows, num32, new)
         new_len = starts + num
-        arena = state.ensure_width(0, int(new_len.max()))
-        if len(got) == total:  # one block each (decode)
+        arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
+        if len(grown_rows) == total:  # one block each (decode)
             arena[grown_rows, starts] = new
         else:
             # flat positions in the (C-contiguous) arena: one index array, not a (row, col)
-            # pair, and a row's run is its first position plus 0, 1, ...
-            at = np.arange(total, dtype=np.int64)
-            at += np.repeat(grown_rows * arena.shape[1] + starts - (np.cumsum(num) - num), num)
+            # pair, and a row's run is its first position plus 0, 1, ... (ends - num: where
+            # its run starts in `new`)
+            first = grown_rows * np.array(arena.shape[1])
+            first += starts
+            first -= ends
+            first += num
+            at = first.repeat(num)
+            at += np.arange(total)
             arena.reshape(-1)[at] = new
         row_len[grown_rows] = new_len
-        state.num_slots[grown_rows] = new_len * bs
+        new_len *= np.array(bs)
+        state.num_slots[grown_rows] = new_len
         return out
 
     def _needs_many(

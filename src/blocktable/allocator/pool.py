@@ -117,21 +117,23 @@ class BlockPool:
         num_uncached = len(self.uncached)
         if num_blocks <= num_uncached:
             block_ids = self.uncached.pop(num_blocks)
-        else:
-            num_evict = num_blocks - num_uncached
-            if num_evict > len(self.cached):
-                raise OutOfBlocksError(
-                    f"need {num_blocks} blocks, {self.num_free_blocks} free of "
-                    f"{self.num_blocks - 1}"
-                )
-            evicted = self.cached.pop(num_evict)
-            self._evict(evicted)
-            if num_uncached:
-                block_ids = np.concatenate((self.uncached.pop(num_uncached), evicted))
-            else:
-                block_ids = evicted
-        self.ref_counts[block_ids] = 1
-        return block_ids
+            # (an int32 index costs a cast inside every gather and scatter, more than one astype)
+            self.ref_counts[block_ids.astype(np.intp)] = 1
+            return block_ids
+        num_evict = num_blocks - num_uncached
+        if num_evict > len(self.cached):
+            raise OutOfBlocksError(
+                f"need {num_blocks} blocks, {self.num_free_blocks} free of {self.num_blocks - 1}"
+            )
+        evicted = self.cached.pop(num_evict)
+        at = evicted.astype(np.intp)
+        self._evict(at)
+        self.ref_counts[at] = 1
+        if num_uncached:
+            uncached = self.uncached.pop(num_uncached)
+            self.ref_counts[uncached.astype(np.intp)] = 1
+            return np.concatenate((uncached, evicted))
+        return evicted
 
     def take_one(self) -> int:
         """:meth:`take` of one block (the pool must have a free block); the decode fast path."""
@@ -139,13 +141,15 @@ class BlockPool:
             block_id = self.uncached.pop_one()
         else:
             block_id = self.cached.pop_one()
-            self._evict(np.array([block_id]))
+            self._evict(np.array([block_id], dtype=np.intp))
         self.ref_counts[block_id] = 1
         return block_id
 
     def _evict(self, block_ids: np.ndarray) -> None:
-        self.index.kill(self.record[block_ids])
-        self.record[block_ids] = -1
+        """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
+        record = self.record
+        self.index.kill(record.take(block_ids))
+        record[block_ids] = -1
         self.num_cached_blocks -= len(block_ids)
 
     def share(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
