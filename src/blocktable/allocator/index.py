@@ -134,10 +134,16 @@ class PrefixIndex:
         n, tail = len(slots), self._dead_tail
         if tail + n > len(self._dead):
             live = self._dead[self._dead_head : tail]  # drop the examined part, maybe grow
-            size = max(len(self._dead), 2 * (len(live) + n))
-            dead = np.zeros(size, dtype=np.int64)
-            dead[: len(live)] = live
-            self._dead, self._dead_head, tail = dead, 0, len(live)
+            size = 2 * (len(live) + n)
+            if size <= len(self._dead):
+                # Room once the examined part is dropped: move the rest to the front in place
+                # (a new array's pages would fault in again, a few at every later kill).
+                self._dead[: len(live)] = live  # (numpy copies overlapping slices safely)
+            else:
+                dead = np.zeros(size, dtype=np.int64)
+                dead[: len(live)] = live
+                self._dead = dead
+            self._dead_head, tail = 0, len(live)
         self._dead[tail : tail + n] = slots
         self._dead_tail = tail + n
 

@@ -258,10 +258,14 @@ class StepJournal:
         row_len, start_len = self.rows.row_len_mvs[0], self._start_len_mvs[0]
         arena = self.rows.blocks[0]
         item = arena.item
+        width = arena.shape[1]
+        # the arena's int32 cells, flat: an added row's ids are a slice of it, joined into the
+        # update as they are (cheaper than a numpy row slice and its tobytes)
+        cells = arena.data.cast("B").cast("i")
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
-        add_ids: list[np.ndarray] = []
+        add_ids: list[memoryview] = []
         app_rows: list[int] = []
         app_counts: list[int] = []
         app_ids: list[int] = []
@@ -283,7 +287,7 @@ class StepJournal:
                 n = row_len[row]
                 add_rows.append(row)
                 add_counts.append(n)
-                add_ids.append(arena[row, :n])
+                add_ids.append(cells[row * width : row * width + n])
             else:
                 cleared.append(row)
         largest_id = max(app_ids) if app_ids else -1
@@ -292,13 +296,14 @@ class StepJournal:
             self._num_batched = 0
             for _, counts, ids in batches:
                 one_each = one_each and len(counts) == len(ids)
-                largest_id = max(largest_id, int(ids.max()))
-            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined([
-                [cleared], [add_rows], [add_counts], [*add_ids],
-                [app_rows, *(b[0] for b in batches)],
-                [app_counts, *(b[1] for b in batches)],
-                [app_ids, *(b[2] for b in batches)],
-            ])
+                largest_id = max(largest_id, int(np.maximum.reduce(ids)))
+            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined(
+                cleared + add_rows + add_counts,
+                (len(cleared), len(add_rows), len(add_rows)),
+                add_ids,
+                [app_rows, app_counts, app_ids],
+                batches,
+            )
         else:
             cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
                 cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
@@ -346,27 +351,30 @@ def _frozen_int32(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def _joined(parts: list[list[list[int] | np.ndarray]]) -> list[np.ndarray]:
-    """Each part (pieces: lists of ints or integer arrays, joined in order) as an int32
-    array; all are read-only views of one immutable buffer; empty parts are the shared empty
-    array."""
-    pieces: list[bytes] = []
-    sizes: list[int] = []
-    for part in parts:
-        size = 0
-        for piece in part:
-            n = len(piece)
-            if not n:
-                continue
-            size += n
-            if type(piece) is list:
-                pieces.append(struct.pack(f"={n}i", *piece))
-            else:
-                pieces.append(piece.astype(np.int32, copy=False).tobytes())  # type: ignore[union-attr]
+def _joined(
+    head: list[int],
+    head_sizes: tuple[int, ...],
+    buffers: list[memoryview],
+    lists: list[list[int]],
+    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> list[np.ndarray]:
+    """int32 arrays, all read-only views of one immutable buffer: ``head`` cut into parts of
+    ``head_sizes``; ``buffers`` (int32) joined as one part; then, for ``k`` in 0, 1, 2,
+    ``lists[k]`` followed by item ``k`` of every batch (integer arrays) as one part. Empty
+    parts are the shared empty array."""
+    pieces: list[object] = [struct.pack(f"={len(head)}i", *head), *buffers]
+    sizes = [*head_sizes, sum(map(len, buffers))]
+    for k, ints in enumerate(lists):
+        size = len(ints)
+        if size:
+            pieces.append(struct.pack(f"={size}i", *ints))
+        for batch in batches:
+            array = batch[k]
+            size += len(array)
+            # (an int32 array joins as it is: bytes.join reads its buffer)
+            pieces.append(array if array.dtype == np.int32 else array.astype(np.int32))
         sizes.append(size)
-    if not pieces:
-        return [_EMPTY] * len(parts)
-    flat = np.frombuffer(b"".join(pieces), dtype=np.int32)  # read-only: a bytes object's
+    flat = np.frombuffer(b"".join(pieces), dtype=np.int32)  # type: ignore[arg-type]
     out, at = [], 0
     for n in sizes:
         out.append(flat[at : at + n] if n else _EMPTY)
@@ -374,13 +382,14 @@ def _joined(parts: list[list[list[int] | np.ndarray]]) -> list[np.ndarray]:
     return out
 
 
-def _packed(ints: list[int], sizes: tuple[int, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """``ints`` cut into parts of ``sizes``, then ``arrays`` joined as one more part: int32
-    arrays, all read-only views of one immutable buffer built by one ``struct.pack`` (about a
-    microsecond for a decode step's few dozen ints); empty parts are the shared empty array."""
+def _packed(ints: list[int], sizes: tuple[int, ...], buffers: list[memoryview]) -> list[np.ndarray]:
+    """``ints`` cut into parts of ``sizes``, then ``buffers`` (int32) joined as one more part:
+    int32 arrays, all read-only views of one immutable buffer built by one ``struct.pack``
+    (about a microsecond for a decode step's few dozen ints); empty parts are the shared empty
+    array."""
     data = struct.pack(f"={len(ints)}i", *ints)
-    if arrays:
-        data = b"".join([data, *(a.astype(np.int32, copy=False).tobytes() for a in arrays)])
+    if buffers:
+        data = b"".join([data, *buffers])
     if not data:
         return [_EMPTY] * (len(sizes) + 1)
     flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
