@@ -120,11 +120,11 @@ class StepJournal:
         stamp = self._stamp
         touched = self.touched
         was = touched.take(rows)
-        most = np.maximum.reduce(was)
-        if most >= stamp:  # rows touched before: only the others are a batch (theirs diffed)
-            if most > stamp:
+        keep = was < stamp
+        if np.count_nonzero(keep) < len(rows):
+            # rows touched before: only the others are a batch (theirs diffed)
+            if np.count_nonzero(was > stamp):  # a batch's row
                 self._batches_stale = True
-            keep = was < stamp
             rows = rows[keep]
             if not len(rows):
                 return

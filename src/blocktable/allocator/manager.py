@@ -649,11 +649,10 @@ class KVCacheManager:
         else:
             # flat positions in the (C-contiguous) arena: one index array, not a (row, col)
             # pair, and a row's run is its first position plus 0, 1, ... (ends - num: where
-            # its run starts in `new`)
+            # its run starts in `new`; starts + num: new_len)
             first = grown_rows * np.array(arena.shape[1])
-            first += starts
+            first += new_len
             first -= ends
-            first += num
             at = first.repeat(num)
             at += np.arange(total)
             arena.reshape(-1)[at] = new
