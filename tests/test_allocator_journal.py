@@ -180,8 +180,10 @@ def test_batched_allocations_merge_with_every_other_change_of_their_rows() -> No
         mgr.take_step_update()
         if "admit first" in changes:  # a row touched before the batch: diffed, the rest batched
             mgr.add_request("e", list(range(100, 103)))
-        mgr.allocate_many(["a", "b", "c"] + (["e"] if "admit first" in changes else []),
-                          [4, 8, 4] + ([3] if "admit first" in changes else []))
+        mgr.allocate_many(
+            ["a", "b", "c"] + (["e"] if "admit first" in changes else []),
+            [4, 8, 4] + ([3] if "admit first" in changes else []),
+        )
         if "allocate again" in changes:
             mgr.allocate("a", 8)
         if "batched again" in changes:
@@ -202,3 +204,30 @@ def test_batched_allocations_merge_with_every_other_change_of_their_rows() -> No
     assert step(["free"]) == ({0: [9], 2: [12]}, {}, [1])
     assert step(["free and reuse"]) == ({0: [9], 1: [10, 11]}, {2: [13, 14, 15]}, [])
     assert step(["admit first"]) == ({0: [9], 1: [10, 11], 2: [12]}, {4: [13]}, [])
+
+
+def test_diffed_rows_and_a_batch_join_into_one_update() -> None:
+    """Rows diffed by the few-rows path (appended, added, cleared) and a batch of allocate_many
+    in one update: the diffed rows come first in each part, then the batch's, and the facts
+    match the arrays."""
+    mgr = make(max_num_reqs=8)
+    for i, r in enumerate("abcde"):
+        mgr.add_request(r, list(range(10 * i, 10 * i + 8)))  # no prefix hits
+        mgr.allocate(r, 8)
+        mgr.mark_computed(r, 8)
+    mgr.take_step_update()
+    mgr.allocate("d", 8)  # diffed: two blocks appended
+    mgr.add_request("f", list(range(100, 106)))  # diffed: added
+    mgr.free("e")  # diffed: cleared (after the admission: f does not take its row)
+    mgr.allocate_many(["a", "b", "c", "f"], [4, 8, 4, 6])  # a, b, c batched
+    update = mgr.take_step_update()
+    row = {r: mgr.row_of(r) for r in "abcdf"}
+    appended = update.appended[0]
+    assert appended.rows.tolist() == [row["d"], row["a"], row["b"], row["c"]]
+    assert as_lists(appended) == {r: mgr.block_ids(k)[0][2:] for k, r in row.items() if k != "f"}
+    assert as_lists(update.added[0]) == {row["f"]: mgr.block_ids("f")[0]}
+    assert len(update.cleared_rows) == 1
+    assert update.facts.largest_appended_id == (int(appended.block_ids.max()),)
+    assert update.facts.one_block_each == (False,)
+    for part in (appended.rows, appended.num_manager_blocks, appended.block_ids):
+        assert part.dtype == np.int32 and not part.flags.writeable

@@ -7,6 +7,7 @@ import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
 from blocktable.allocator.arrays import LastSeen, last_occurrences
+from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
@@ -185,6 +186,32 @@ def test_dead_records_are_bounded_and_recycled_oldest_first() -> None:
     for i in range(196, 200):  # the live ones are findable
         assert pool.index.find([i * 1000 + 7])[0] >= 0
     assert pool.index.find([190 * 1000 + 7])[0] == -1  # recycled
+
+
+def test_dead_list_keeps_its_order_moved_in_place_or_grown() -> None:
+    """kill appends to the dead list; once entries were examined (as recycling does), a full
+    list moves the rest to the front in place when they fit in half of it, else grows: either
+    way the waiting entries are the same, in order, and the killed records are dead."""
+    rng = np.random.default_rng(3)
+    index = PrefixIndex(64, 1)
+    model: list[int] = []
+    moved = grown = 0
+    for i in range(3000):
+        slots = rng.integers(0, 64, int(rng.integers(1, 50))).astype(np.int64)
+        index.holder[slots] = 5
+        before, full = index._dead, index._dead_tail + len(slots) > len(index._dead)
+        index.kill(slots)
+        model += slots.tolist()
+        if full:
+            moved += index._dead is before
+            grown += index._dead is not before
+        if i > 300 and rng.random() < 0.3:  # examined by a recycling (after some growth)
+            k = int(rng.integers(0, len(model) + 1))
+            index._dead_head += k
+            model = model[k:]
+        assert index._dead[index._dead_head : index._dead_tail].tolist() == model
+        assert not index.holder[slots].any()
+    assert moved and grown
 
 
 def test_no_caching_pool_never_caches() -> None:
