@@ -607,7 +607,7 @@ class KVCacheManager:
             return RowBlocks()
         state = self._row_state
         totals = state.num_computed.take(rows)  # (rows: intp, the cheapest index)
-        totals += np.array(counts, dtype=np.int64)
+        totals += np.fromiter(counts, np.int64, len(counts))  # (ints: cheaper than np.array)
         if self.max_model_len is not None:
             over = np.flatnonzero(totals > self.max_model_len)
             if len(over):
@@ -640,7 +640,7 @@ class KVCacheManager:
         num32 = num.astype(np.int32)
         out = RowBlocks(grown_rows.astype(np.int32), num32, new)
         for part in (out.rows, num32, new):
-            part.flags.writeable = False  # the journal keeps them until the step's update
+            part.setflags(write=False)  # the journal keeps them until the step's update
         self._journal.touch_many(grown_rows, num32, new)
         new_len = starts + num
         arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
