@@ -1055,26 +1055,24 @@ class KVCacheManager:
             self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per request a slice of
-        each group's row (tail first) read through memoryviews; per group one concatenation
-        and one release."""
-        state, touch, requests = self._row_state, self._journal.touch_leaving, self._requests
+        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
+        slice of each request's row (tail first, read through memoryviews), one concatenation
+        and one release; then the rows."""
+        state, requests = self._row_state, self._requests
         self._last_batch = None  # it may name a request of reqs
         rows = [req.row for req in reqs]
-        parts: list[list[np.ndarray]] = [[] for _ in self.pools]
-        for g, (arena, row_len, num_skipped, group_parts) in enumerate(
-            zip(state.blocks, state.row_len_mvs, state.num_skipped_mvs, parts)
+        self._journal.touch_leaving(*rows)
+        for pool, arena, row_len, num_skipped in zip(
+            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
+            parts = []
             for row in rows:
-                if not g:
-                    touch(row)
                 n, skip = row_len[row], num_skipped[row]
                 if n > skip:
-                    group_parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
-        for pool, group_parts in zip(self.pools, parts):
-            if group_parts:
-                ids = np.concatenate(group_parts, dtype=np.intp)
-                pool.release(ids, may_repeat=len(group_parts) > 1)
+                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
+            if parts:
+                ids = np.concatenate(parts, dtype=np.intp)
+                pool.release(ids, may_repeat=len(parts) > 1)
         state.stop(rows)
         self._rows.release_many(rows)
         for req in reqs:
