@@ -1060,7 +1060,10 @@ class KVCacheManager:
         and one release; then the rows."""
         state, requests = self._row_state, self._requests
         self._last_batch = None  # it may name a request of reqs
-        rows = [req.row for req in reqs]
+        rows = []
+        for req in reqs:  # (checked: nothing below fails)
+            rows.append(req.row)
+            del requests[req.req_id]
         self._journal.touch_leaving(*rows)
         for pool, arena, row_len, num_skipped in zip(
             self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
@@ -1075,8 +1078,6 @@ class KVCacheManager:
                 pool.release(ids, may_repeat=len(parts) > 1)
         state.stop(rows)
         self._rows.release_many(rows)
-        for req in reqs:
-            del requests[req.req_id]
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:
