@@ -29,9 +29,7 @@ def observable(mgr: KVCacheManager) -> tuple:
 def as_lists(update: object) -> tuple:
     out = [update.cleared_rows.tolist()]  # type: ignore[attr-defined]
     for blocks in (*update.added, *update.appended):  # type: ignore[attr-defined]
-        out.append(
-            (blocks.rows.tolist(), blocks.num_manager_blocks.tolist(), blocks.block_ids.tolist())
-        )
+        out.append((blocks.rows.tolist(), blocks.num_manager_blocks.tolist(), blocks.block_ids.tolist()))
     for entries in update.nulled:  # type: ignore[attr-defined]
         out.append((entries.rows.tolist(), entries.block_indices.tolist()))
     return tuple(out)

@@ -104,18 +104,14 @@ class StepJournal:
         """:meth:`touch` of rows whose requests leave now (distinct): their lengths at the first
         touch are never read (each row ends cleared, or added if another request takes it).
         One call for all of a batch's rows (the views bound once)."""
-        stamp, touched, start_gen, gen = (
-            self._stamp,
-            self._touched_mv,
-            self._start_gen_mv,
-            self._gen_mv,
-        )
+        stamp, touched, start_gen = self._stamp, self._touched_mv, self._start_gen_mv
+        gen, order = self._gen_mv, self.order
         for row in rows:
             was = touched[row]
             if was < stamp:
                 touched[row] = stamp
                 start_gen[row] = gen[row]
-                self.order.append(row)
+                order.append(row)
             elif was != stamp:  # a batch's row
                 self._batches_stale = True
 
@@ -144,10 +140,9 @@ class StepJournal:
     def null(self, row: int, group: int, block_index: int) -> None:
         """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
         request since) became the null block."""
-        if (
-            self.start_gen[row] == self.rows.holder_gen[row]
-            and block_index < self.start_len[group, row]
-        ):
+        if self.start_gen[row] == self.rows.holder_gen[row] and block_index < self.start_len[
+            group, row
+        ]:
             if row not in self._nulled:
                 self._nulled[row] = [[] for _ in range(self.num_groups)]
             self._nulled[row][group].append(block_index)
@@ -163,12 +158,8 @@ class StepJournal:
         order = self.order
         self._stamp += 2  # every row untouched from now on
         batches = self._batches
-        if batches and (
-            self._batches_stale
-            or num_groups > 1
-            or self._nulled
-            or sum(len(rows) for rows, _, _ in batches) <= _FEW_BATCHED
-        ):
+        if batches and (self._batches_stale or num_groups > 1 or self._nulled
+                        or sum(len(rows) for rows, _, _ in batches) <= _FEW_BATCHED):
             self._unbatch()  # their rows are diffed with the others
             order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
@@ -229,9 +220,7 @@ class StepJournal:
         for g in range(num_groups):
             counts, add_ids, app_rows, num, ids = views[at : at + 5]
             at += 5
-            added_blocks.append(
-                RowBlocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS
-            )
+            added_blocks.append(RowBlocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS)
             appended_blocks.append(RowBlocks(app_rows, num, ids) if num_appended[g] else _NO_BLOCKS)
         nulled_entries = []
         for _ in range(num_groups):
@@ -245,13 +234,8 @@ class StepJournal:
             tuple(nulled_entries),
             allocator_block_sizes,
         )
-        object.__setattr__(
-            update,
-            "facts",
-            AllocatorFacts(
-                state.num_rows, tuple(largest_id), tuple(one_each), tuple(largest_added)
-            ),
-        )
+        object.__setattr__(update, "facts", AllocatorFacts(
+            state.num_rows, tuple(largest_id), tuple(one_each), tuple(largest_added)))
         return update
 
     def _unbatch(self) -> None:
@@ -308,43 +292,23 @@ class StepJournal:
             for _, counts, ids in batches:
                 one_each = one_each and len(counts) == len(ids)
                 largest_id = max(largest_id, int(ids.max()))
-            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined(
-                [
-                    [cleared],
-                    [add_rows],
-                    [add_counts],
-                    [*add_ids],
-                    [app_rows, *(b[0] for b in batches)],
-                    [app_counts, *(b[1] for b in batches)],
-                    [app_ids, *(b[2] for b in batches)],
-                ]
-            )
+            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined([
+                [cleared], [add_rows], [add_counts], [*add_ids],
+                [app_rows, *(b[0] for b in batches)],
+                [app_counts, *(b[1] for b in batches)],
+                [app_ids, *(b[2] for b in batches)],
+            ])
         else:
             cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
                 cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
-                (
-                    len(cleared),
-                    len(add_rows),
-                    len(add_rows),
-                    len(app_rows),
-                    len(app_rows),
-                    len(app_ids),
-                ),
-                add_ids,
-            )
+                (len(cleared), len(add_rows), len(add_rows), len(app_rows), len(app_rows),
+                 len(app_ids)), add_ids)
         added = RowBlocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS
         appended = RowBlocks(p_rows, p_counts, p_ids) if len(p_rows) else _NO_BLOCKS
         update = StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
-        object.__setattr__(
-            update,
-            "facts",
-            AllocatorFacts(
-                self.rows.num_rows,
-                (largest_id,),
-                (one_each,),
-                (max(add_counts) if add_counts else -1,),
-            ),
-        )
+        object.__setattr__(update, "facts", AllocatorFacts(
+            self.rows.num_rows, (largest_id,), (one_each,),
+            (max(add_counts) if add_counts else -1,)))
         return update
 
     def _null_parts(self, num_groups: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -111,10 +111,9 @@ class BlockQueue:
         window = self._slots[head:end]
         # no stale slot between head and tail (nothing removed since): the window is live
         iota = self._iota
-        live = (
-            tail - head == self._len
-            or np.count_nonzero(self._position[window] == iota[head:end]) == end - head
-        )
+        live = tail - head == self._len or np.count_nonzero(
+            self._position[window] == iota[head:end]
+        ) == end - head
         if not live:
             # Stale slots in the way: a window wider by the number of stale slots holds enough.
             end = min(tail, head + num_blocks + (tail - head - self._len))
