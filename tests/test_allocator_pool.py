@@ -324,3 +324,74 @@ def test_key_table_against_a_dict(spread: str) -> None:
             keys, values = table.items()
             assert dict(zip(keys.tolist(), values.tolist())) == model
             assert len(table) == len(model)
+
+
+def test_block_queue_extend_with_repeats_against_a_list() -> None:
+    """Repeats are queued at their last occurrence; the earlier slots stay stale and every
+    later operation (pop, remove, compaction) skips them."""
+    rng = np.random.default_rng(1)
+    q, model = BlockQueue(40), []
+    for _ in range(3000):
+        op = rng.integers(0, 4)
+        outside = [b for b in range(1, 40) if b not in model]
+        if op == 0 and outside:
+            new = rng.permutation(outside)[: rng.integers(1, 8)]
+            batch = rng.choice(new, size=int(rng.integers(1, 12))).astype(np.intp)
+            q.extend(batch, may_repeat=True)
+            last = [b for i, b in enumerate(batch.tolist()) if b not in batch[i + 1 :].tolist()]
+            model += last
+        elif op == 1 and model:
+            gone = rng.permutation(model)[: rng.integers(1, 4)].astype(np.int32)
+            q.remove(gone)
+            model = [b for b in model if b not in set(gone.tolist())]
+        elif op == 2 and model:
+            n = int(rng.integers(1, len(model) + 1))
+            assert q.pop(n).tolist() == model[:n]
+            model = model[n:]
+        elif op == 3 and model:
+            assert q.pop_one() == model.pop(0)
+        assert q.ids().tolist() == model and len(q) == len(model)
+        assert q.contains(np.array(model, dtype=np.int64)).all()
+
+
+@pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])
+def test_release_finds_cached_blocks_as_the_records_say(cached_share: float) -> None:
+    """The counters' shortcut (every owned block cached, or none) and the records' gather
+    queue the same blocks in the same queues and order as a plain reference."""
+    rng = np.random.default_rng(int(cached_share * 10))
+    num_blocks = 64
+    pool = BlockPool(num_blocks)
+    held: list[int] = []
+    next_token = 0
+    for _ in range(300):
+        free = pool.num_free_blocks
+        if free and (not held or rng.random() < 0.5):
+            new = pool.take(int(rng.integers(1, min(free, 6) + 1))).tolist()
+            cached = [b for b in new if rng.random() < cached_share]
+            if cached:
+                tokens = list(range(next_token, next_token + len(cached)))
+                next_token += len(cached)
+                cache(pool, cached, tokens)
+            held += new
+            if held and rng.random() < 0.3:  # a second reference on some held blocks
+                distinct = sorted(set(held))
+                extra = rng.choice(distinct, size=min(len(distinct), 3), replace=False)
+                pool.share(extra.astype(np.int32), np.ones(len(extra), dtype=np.int32))
+                held += extra.tolist()
+            continue
+        num = int(rng.integers(1, min(len(held), 8) + 1))
+        batch = [held.pop(int(rng.integers(0, len(held)))) for _ in range(num)]
+        refs = pool.ref_counts.copy()
+        np.subtract.at(refs, np.array(batch), 1)
+        freed = [b for i, b in enumerate(batch) if refs[b] == 0 and b not in batch[i + 1 :]]
+        was_cached = {b: pool.record[b] >= 0 for b in freed}
+        uncached_before = pool.uncached.ids().tolist()
+        cached_before = pool.cached.ids().tolist()
+        pool.release(np.array(batch, dtype=np.intp), may_repeat=True)
+        assert pool.uncached.ids().tolist() == uncached_before + [
+            b for b in freed if not was_cached[b]
+        ]
+        assert pool.cached.ids().tolist() == cached_before + [b for b in freed if was_cached[b]]
+        expected = np.zeros(num_blocks, dtype=np.int64)
+        np.add.at(expected, np.array(held, dtype=np.int64), 1)
+        pool.check_integrity(expected)

@@ -101,16 +101,20 @@ class StepJournal:
         elif touched != stamp:  # a batch's row
             self._batches_stale = True
 
-    def touch_leaving(self, row: int) -> None:
-        """:meth:`touch` of a row whose request leaves now: its lengths at the first touch are
-        never read (the row ends cleared, or added if another request takes it)."""
-        stamp, touched = self._stamp, self._touched_mv[row]
-        if touched < stamp:
-            self._touched_mv[row] = stamp
-            self._start_gen_mv[row] = self._gen_mv[row]
-            self.order.append(row)
-        elif touched != stamp:  # a batch's row
-            self._batches_stale = True
+    def touch_leaving(self, *rows: int) -> None:
+        """:meth:`touch` of rows whose requests leave now (distinct): their lengths at the first
+        touch are never read (each row ends cleared, or added if another request takes it).
+        One call for all of a batch's rows (the views bound once)."""
+        stamp, touched, start_gen = self._stamp, self._touched_mv, self._start_gen_mv
+        gen, order = self._gen_mv, self.order
+        for row in rows:
+            was = touched[row]
+            if was < stamp:
+                touched[row] = stamp
+                start_gen[row] = gen[row]
+                order.append(row)
+            elif was != stamp:  # a batch's row
+                self._batches_stale = True
 
     def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before

@@ -457,16 +457,21 @@ class KVCacheManager:
             return
         state = self._row_state
         starts = state.num_tokens[rows]
-        # (count_nonzero: ~1 us cheaper than all() here)
+        # (count_nonzero: ~1 us cheaper than all() here; argmax and an index than max())
         if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
-            int(starts.max()) + k
+            int(starts[starts.argmax()]) + k
         ):
-            # every row in the token arena: one scatter (a put on the flat arena beats a
-            # broadcast 2-D index)
+            # every row in the token arena: one scatter on the flat arena, at each row's
+            # first position repeated k times plus 0 .. k - 1 (1-D passes: a broadcast
+            # [n, 1] + [k] add, or a put, costs about twice as much)
             arena = state.tokens
-            at = (rows * arena.shape[1] + starts)[:, None] + np.arange(k)
-            arena.reshape(-1).put(at.reshape(-1), block)
-            state.num_tokens[rows] = starts + k
+            at = rows * arena.shape[1]
+            at += starts
+            at = at.repeat(k)
+            at += _tiled_iota(k, len(rows))
+            arena.reshape(-1)[at] = block.reshape(-1)
+            starts += k
+            state.num_tokens[rows] = starts
             return
         for req, new in zip(reqs, block):
             row = req.row
@@ -1068,30 +1073,46 @@ class KVCacheManager:
             self.pools[g].release(ids, may_repeat=len(released) > 1)
 
     def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per request a slice of
-        each group's row (tail first) read through memoryviews; per group one concatenation
-        and one release."""
-        state, touch, requests = self._row_state, self._journal.touch_leaving, self._requests
+        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
+        slice of each request's row (tail first, read through memoryviews), one concatenation
+        and one release; then the rows."""
+        state, requests = self._row_state, self._requests
         self._last_batch = None  # it may name a request of reqs
-        rows = [req.row for req in reqs]
-        parts: list[list[np.ndarray]] = [[] for _ in self.pools]
-        for g, (arena, row_len, num_skipped, group_parts) in enumerate(
-            zip(state.blocks, state.row_len_mvs, state.num_skipped_mvs, parts)
+        rows = []
+        for req in reqs:  # (checked: nothing below fails)
+            rows.append(req.row)
+            del requests[req.req_id]
+        self._journal.touch_leaving(*rows)
+        for pool, arena, row_len, num_skipped in zip(
+            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
+            parts = []
             for row in rows:
-                if not g:
-                    touch(row)
                 n, skip = row_len[row], num_skipped[row]
                 if n > skip:
-                    group_parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
-        for pool, group_parts in zip(self.pools, parts):
-            if group_parts:
-                ids = np.concatenate(group_parts, dtype=np.intp)
-                pool.release(ids, may_repeat=len(group_parts) > 1)
+                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
+            if parts:
+                ids = np.concatenate(parts, dtype=np.intp)
+                pool.release(ids, may_repeat=len(parts) > 1)
         state.stop(rows)
         self._rows.release_many(rows)
-        for req in reqs:
-            del requests[req.req_id]
+
+
+_TILED_IOTAS: dict[int, np.ndarray] = {}  # k -> 0 .. k - 1 repeated (int64), grown on demand
+
+
+def _tiled_iota(k: int, n: int) -> np.ndarray:
+    """``0 .. k - 1`` repeated ``n`` times: int64 ``[n * k]``, read-only (a prefix of a cached
+    array: steps append the same number of tokens to a varying number of requests)."""
+    tiled = _TILED_IOTAS.get(k)
+    if tiled is None or len(tiled) < n * k:
+        if n * k > 1 << 20:  # (too large to keep)
+            return np.tile(np.arange(k, dtype=np.int64), n)
+        reps = max(n, 64, 0 if tiled is None else 2 * len(tiled) // k)
+        tiled = np.tile(np.arange(k, dtype=np.int64), reps)
+        tiled.flags.writeable = False
+        _TILED_IOTAS[k] = tiled
+    return tiled[: n * k]
 
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:
