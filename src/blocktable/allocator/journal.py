@@ -277,8 +277,9 @@ class StepJournal:
         item = arena.item
         width = arena.shape[1]
         # the arena's int32 cells, flat: an added row's ids are a slice of it, joined into the
-        # update as they are (cheaper than a numpy row slice and its tobytes)
-        cells = arena.data.cast("B").cast("i")
+        # update as they are (cheaper than a numpy row slice and its tobytes); made at the first
+        # added row (the casts cost several us with cold caches: decode steps add no row)
+        cells = None
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
@@ -304,6 +305,8 @@ class StepJournal:
                 n = row_len[row]
                 add_rows.append(row)
                 add_counts.append(n)
+                if cells is None:
+                    cells = arena.data.cast("B").cast("i")
                 add_ids.append(cells[row * width : row * width + n])
             else:
                 cleared.append(row)
@@ -394,7 +397,8 @@ def _joined(
     ``head_sizes``; ``buffers`` (int32) joined as one part; then, for ``k`` in 0, 1, 2,
     ``lists[k]`` followed by item ``k`` of every batch (integer arrays) as one part. Empty
     parts are the shared empty array."""
-    pieces: list[object] = [struct.pack(f"={len(head)}i", *head), *buffers]
+    pieces: list[object] = [struct.pack(f"={len(head)}i", *head)] if head else []
+    pieces += buffers
     sizes = [*head_sizes, sum(map(len, buffers))]
     for k, ints in enumerate(lists):
         size = len(ints)
