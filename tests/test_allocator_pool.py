@@ -233,13 +233,22 @@ def test_reset_cache_makes_every_free_block_uncached() -> None:
     pool.check_integrity([0] * 5)
 
 
-def test_block_queue_against_a_list() -> None:
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("repeats", [False, True])
+def test_block_queue_against_a_list(repeats: bool) -> None:
+    """With ``repeats``, extends repeat ids: each is queued at its last occurrence, the slots of
+    the earlier ones stay stale and every later operation (pop, remove, compaction) skips
+    them."""
+    rng = np.random.default_rng(int(repeats))
     q, model = BlockQueue(40), []
-    for _ in range(2000):
+    for _ in range(3000 if repeats else 2000):
         op = rng.integers(0, 4)
         outside = [b for b in range(1, 40) if b not in model]
-        if op == 0 and outside:
+        if op == 0 and outside and repeats:
+            new = rng.permutation(outside)[: rng.integers(1, 8)]
+            batch = rng.choice(new, size=int(rng.integers(1, 12))).astype(np.intp)
+            q.extend(batch, may_repeat=True)
+            model += [b for i, b in enumerate(batch.tolist()) if b not in batch[i + 1 :].tolist()]
+        elif op == 0 and outside:
             new = rng.permutation(outside)[: rng.integers(1, 6)].astype(np.int32)
             q.extend(new)
             model += new.tolist()
@@ -324,34 +333,6 @@ def test_key_table_against_a_dict(spread: str) -> None:
             keys, values = table.items()
             assert dict(zip(keys.tolist(), values.tolist())) == model
             assert len(table) == len(model)
-
-
-def test_block_queue_extend_with_repeats_against_a_list() -> None:
-    """Repeats are queued at their last occurrence; the earlier slots stay stale and every
-    later operation (pop, remove, compaction) skips them."""
-    rng = np.random.default_rng(1)
-    q, model = BlockQueue(40), []
-    for _ in range(3000):
-        op = rng.integers(0, 4)
-        outside = [b for b in range(1, 40) if b not in model]
-        if op == 0 and outside:
-            new = rng.permutation(outside)[: rng.integers(1, 8)]
-            batch = rng.choice(new, size=int(rng.integers(1, 12))).astype(np.intp)
-            q.extend(batch, may_repeat=True)
-            last = [b for i, b in enumerate(batch.tolist()) if b not in batch[i + 1 :].tolist()]
-            model += last
-        elif op == 1 and model:
-            gone = rng.permutation(model)[: rng.integers(1, 4)].astype(np.int32)
-            q.remove(gone)
-            model = [b for b in model if b not in set(gone.tolist())]
-        elif op == 2 and model:
-            n = int(rng.integers(1, len(model) + 1))
-            assert q.pop(n).tolist() == model[:n]
-            model = model[n:]
-        elif op == 3 and model:
-            assert q.pop_one() == model.pop(0)
-        assert q.ids().tolist() == model and len(q) == len(model)
-        assert q.contains(np.array(model, dtype=np.int64)).all()
 
 
 @pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])
