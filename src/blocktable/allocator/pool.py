@@ -13,7 +13,7 @@ from blocktable.allocator.integrity import check_pool_integrity
 from blocktable.allocator.queue import BlockQueue
 
 # The reference a release drops, in the dtype of ref_counts (a Python int would take ufunc.at's
-# slow path, ~50x slower; a 0-d array costs a little less per call than a numpy scalar).
+# slow path, ~20x slower; a 0-d array costs a little less per call than a numpy scalar).
 _ONE = np.ones((), dtype=np.int32)
 
 
