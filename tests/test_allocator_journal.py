@@ -167,17 +167,24 @@ def test_replayed_updates_rebuild_every_row() -> None:
     mgr.check_integrity()
 
 
+def computed(req_ids: str, max_num_reqs: int) -> KVCacheManager:
+    """A manager whose requests ``req_ids`` (one letter each) hold 8 computed tokens each (no
+    prefix hits between them), their update taken."""
+    mgr = make(max_num_reqs=max_num_reqs)
+    for i, r in enumerate(req_ids):
+        mgr.add_request(r, list(range(10 * i, 10 * i + 8)))
+        mgr.allocate(r, 8)
+        mgr.mark_computed(r, 8)
+    mgr.take_step_update()
+    return mgr
+
+
 def test_batched_allocations_merge_with_every_other_change_of_their_rows() -> None:
     """allocate_many's rows are taken as allocated unless another change reaches them in the
     same step: then they are diffed like any row (each case beside the plain one)."""
 
     def step(changes: list[str]) -> tuple[dict[int, list[int]], dict[int, list[int]], list[int]]:
-        mgr = make(max_num_reqs=6)
-        for i, r in enumerate("abcd"):
-            mgr.add_request(r, list(range(10 * i, 10 * i + 8)))  # no prefix hits
-            mgr.allocate(r, 8)
-            mgr.mark_computed(r, 8)
-        mgr.take_step_update()
+        mgr = computed("abcd", max_num_reqs=6)
         if "admit first" in changes:  # a row touched before the batch: diffed, the rest batched
             mgr.add_request("e", list(range(100, 103)))
         mgr.allocate_many(
@@ -210,12 +217,7 @@ def test_diffed_rows_and_a_batch_join_into_one_update() -> None:
     """Rows diffed by the few-rows path (appended, added, cleared) and a batch of allocate_many
     in one update: the diffed rows come first in each part, then the batch's, and the facts
     match the arrays."""
-    mgr = make(max_num_reqs=8)
-    for i, r in enumerate("abcde"):
-        mgr.add_request(r, list(range(10 * i, 10 * i + 8)))  # no prefix hits
-        mgr.allocate(r, 8)
-        mgr.mark_computed(r, 8)
-    mgr.take_step_update()
+    mgr = computed("abcde", max_num_reqs=8)
     mgr.allocate("d", 8)  # diffed: two blocks appended
     mgr.add_request("f", list(range(100, 106)))  # diffed: added
     mgr.free("e")  # diffed: cleared (after the admission: f does not take its row)
