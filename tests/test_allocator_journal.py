@@ -229,7 +229,31 @@ def test_diffed_rows_and_a_batch_join_into_one_update() -> None:
     assert as_lists(appended) == {r: mgr.block_ids(k)[0][2:] for k, r in row.items() if k != "f"}
     assert as_lists(update.added[0]) == {row["f"]: mgr.block_ids("f")[0]}
     assert len(update.cleared_rows) == 1
-    assert update.facts.largest_appended_id == (int(appended.block_ids.max()),)
+    assert update.facts.ids_at_most == (mgr.pools[0].num_blocks - 1,)
     assert update.facts.one_block_each == (False,)
     for part in (appended.rows, appended.num_manager_blocks, appended.block_ids):
         assert part.dtype == np.int32 and not part.flags.writeable
+
+
+def test_updates_state_the_pools_largest_id_as_the_bound_of_their_ids() -> None:
+    """The facts bound every id of an update (added and appended) by the pool's largest id,
+    without reading the ids: for a batch of many rows (a decode step), for a few diffed rows,
+    and for the vectorized path (several groups)."""
+    mgr = computed("abcdefghi", max_num_reqs=12)
+    mgr.allocate_many(list("abcdefghi"), [4] * 9)  # one block each, nine rows: a batch
+    mgr.add_request("k", list(range(200, 203)))
+    mgr.allocate("k", 3)
+    update = mgr.take_step_update()
+    assert update.facts.one_block_each == (True,)
+    bound = mgr.pools[0].num_blocks - 1
+    assert update.facts.ids_at_most == (bound,)
+    assert len(update.appended[0].block_ids) == 9 and len(update.added[0].block_ids) == 1
+    assert max(int(update.appended[0].block_ids.max()), int(update.added[0].block_ids.max())) <= bound
+    mgr.allocate("a", 8)
+    assert mgr.take_step_update().facts.ids_at_most == (bound,)
+    two = KVCacheManager([AllocatorGroupSpec(4, 32), AllocatorGroupSpec(8, 16)], 4)
+    two.add_request("a", list(range(20)))
+    two.allocate("a", 20)
+    update = two.take_step_update()
+    assert update.facts.ids_at_most == (31, 15)
+    assert all(int(p.block_ids.max()) <= b for p, b in zip(update.added, (31, 15), strict=True))

@@ -224,3 +224,23 @@ def test_import_needs_no_compiler() -> None:
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_and_sums_match_python_on_both_sides_of_the_few_threshold(seed: int) -> None:
+    """``runs_into`` (a Python loop for a few short runs, the vectorized ``runs`` past them)
+    and ``small_sum`` equal a plain-Python model, for sizes around the switch."""
+    from blocktable._host_loops import runs, runs_into, small_sum
+
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        n = int(rng.integers(0, 40))
+        starts = rng.integers(0, 10_000, n).astype(np.int32)
+        lengths = rng.integers(0, int(rng.choice([2, 9, 40])), n).astype(np.int32)
+        expected = [s + j for s, k in zip(starts.tolist(), lengths.tolist()) for j in range(k)]
+        out = np.full(len(expected) + 2, -7, dtype=np.int32)
+        runs_into(out[1:-1], starts, lengths)
+        assert out.tolist() == [-7, *expected, -7]
+        assert runs(starts, lengths, len(expected)).tolist() == expected
+        assert small_sum(lengths) == sum(lengths.tolist())
+        assert type(small_sum(lengths)) is int

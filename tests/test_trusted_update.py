@@ -284,6 +284,39 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
         step.run(mgr.take_step_update(), np.zeros(1, np.int32), np.zeros(0, np.int64))
     assert not bt.storage.host.any()
 
+    # a pool larger than the table's id bound: a decode batch's ids are read, not the bound
+    rows = 12  # a batch of more rows than the journal diffs one by one
+    mgr = KVCacheManager([AllocatorGroupSpec(BLOCK, NUM_BLOCKS)], rows, max_model_len=MAX_LEN)
+    num_table_blocks = 2 * rows + 1  # holds the admissions' blocks and the first decode batch
+    bt = MultiGroupBlockTable([GroupSpec(BLOCK, num_blocks=num_table_blocks)], rows, MAX_LEN,
+                              TOKENS)
+    step = CapturedStep(bt)
+    stage, staged = step._stager.stage, []
+    step._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
+    reqs = list(range(rows))
+    for r in reqs:
+        mgr.add_request(r, [r] * BLOCK)
+        mgr.allocate(r, BLOCK)
+        mgr.mark_computed(r, BLOCK)
+    step.run(mgr.take_step_update(), np.zeros(1, np.int32), np.zeros(0, np.int64))
+    for lap, new_tokens in enumerate((1, BLOCK)):  # ids below the table's bound, then past it
+        mgr.append_token_ids_many(reqs, [[1] * new_tokens] * rows)
+        mgr.allocate_many(reqs, [new_tokens] * rows)
+        update = mgr.take_step_update()
+        assert update.facts.one_block_each == (True,)
+        assert update.facts.ids_at_most[0] >= num_table_blocks  # the pool's bound
+        assert (int(update.appended[0].block_ids.max()) < num_table_blocks) == (lap == 0)
+        before = bt.storage.host.copy()
+        if lap == 0:
+            step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
+            assert staged[-1] == 2 * rows  # the decode path: one id and one count per row
+            assert (bt[0].num_kernel_blocks == 2).all()
+        else:
+            with pytest.raises(ValueError):
+                step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
+            np.testing.assert_array_equal(bt.storage.host, before)
+        mgr.mark_computed_many(reqs, [new_tokens] * rows)
+
     # an allocator with more rows than the table: its rows are checked
     mgr = make_manager(rows=ROWS + 2)
     bt = make_table()

@@ -97,7 +97,9 @@ class AllocatorFacts(NamedTuple):
     num_rows: int  # every row in cleared_rows, added and appended is in [0, num_rows)
     # cleared_rows, added and appended list disjoint rows, each row at most once; every part's
     # counts are >= 1 (appended) or >= 0 (added) and sum to its number of ids
-    largest_appended_id: tuple[int, ...]  # per group: the largest appended id, -1 if unknown
+    # per group: no id in added or appended is larger (the largest id of the allocator's pool,
+    # which bounds every id it hands out); -1 if unknown
+    ids_at_most: tuple[int, ...]
     one_block_each: tuple[bool, ...]  # per group: each appended row gains exactly one id
     largest_added_count: tuple[int, ...]  # per group: most ids an added row gets, -1 if unknown
 
@@ -163,3 +165,39 @@ class StepUpdate:
     @property
     def num_groups(self) -> int:
         return len(self.added)
+
+
+def trusted_row_blocks(rows: np.ndarray, num_manager_blocks: np.ndarray,
+                       block_ids: np.ndarray) -> RowBlocks:
+    """``RowBlocks(rows, num_manager_blocks, block_ids)`` without the frozen dataclass's
+    ``__init__`` (three ``object.__setattr__`` calls): for the allocator's journal, whose
+    arrays are already int32 and read-only. The same object as the plain constructor makes."""
+    part = object.__new__(RowBlocks)
+    fields = part.__dict__
+    fields["rows"] = rows
+    fields["num_manager_blocks"] = num_manager_blocks
+    fields["block_ids"] = block_ids
+    return part
+
+
+def trusted_update(
+    cleared_rows: np.ndarray,
+    added: tuple[RowBlocks, ...],
+    appended: tuple[RowBlocks, ...],
+    nulled: tuple[RowEntries, ...],
+    allocator_block_sizes: tuple[int, ...] | None,
+    facts: AllocatorFacts,
+) -> StepUpdate:
+    """A :class:`StepUpdate` carrying the allocator's ``facts``, built without the frozen
+    dataclass's ``__init__`` (its per-field ``object.__setattr__`` calls cost about a
+    microsecond per update, in every engine step). Only the allocator's journal calls it, with
+    read-only arrays its facts describe."""
+    update = object.__new__(StepUpdate)
+    fields = update.__dict__
+    fields["cleared_rows"] = cleared_rows
+    fields["added"] = added
+    fields["appended"] = appended
+    fields["nulled"] = nulled
+    fields["allocator_block_sizes"] = allocator_block_sizes
+    fields["facts"] = facts
+    return update

@@ -17,7 +17,7 @@ collapses to its net effect:
 A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces it fully.
 
 The update carries :class:`~blocktable.update.AllocatorFacts` (rows in range and listed once,
-the largest appended id, one id per appended row) and its arrays are read-only, so those facts
+a bound on the ids, one id per appended row) and its arrays are read-only, so those facts
 stay true: the captured step skips the checks they settle.
 """
 
@@ -28,7 +28,14 @@ import struct
 import numpy as np
 
 from blocktable.allocator.rowstate import RowState
-from blocktable.update import AllocatorFacts, RowBlocks, RowEntries, StepUpdate
+from blocktable.update import (
+    AllocatorFacts,
+    RowBlocks,
+    RowEntries,
+    StepUpdate,
+    trusted_row_blocks,
+    trusted_update,
+)
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _EMPTY.flags.writeable = False
@@ -52,9 +59,12 @@ class StepJournal:
     a row marks the batches stale, and ``take`` diffs their rows like any other.
     """
 
-    def __init__(self, num_groups: int, rows: RowState) -> None:
+    def __init__(self, num_groups: int, rows: RowState, id_bounds: tuple[int, ...]) -> None:
         self.num_groups = num_groups
         self.rows = rows
+        # per group: the largest id of the group's pool, which bounds every id of an update
+        # (its facts state it: nobody reads the ids for their largest)
+        self.ids_at_most = tuple(bound - 1 for bound in id_bounds)
         num_rows = rows.num_rows
         # on cpu, [num_rows]: the row was first touched in this step when its stamp is
         # `_stamp` (by touch or touch_leaving) or `_stamp + 1` (by touch_many); older stamps
@@ -66,9 +76,9 @@ class StepJournal:
         self.order: list[int] = []  # the touched rows, in the order of their first touch
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
-        # touch_many's rows with the blocks appended to them then (rows, counts, ids), and
-        # whether a row of theirs was touched again since
-        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # touch_many's rows with the blocks appended to them then (rows as int32, counts, ids;
+        # rows as intp), and whether a row of theirs was touched again since
+        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._batches_stale = False
         self._num_batched = 0  # rows in _batches
         self._views()
@@ -116,11 +126,13 @@ class StepJournal:
             elif was != stamp:  # a batch's row
                 self._batches_stale = True
 
-    def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+    def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray,
+                   rows32: np.ndarray) -> None:
         """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before
         ``counts[i]`` blocks (int32 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
-        ``block_ids`` (int32 ``[counts.sum()]``, row after row). The arrays are kept until
-        :meth:`take`: nobody may change them."""
+        ``block_ids`` (int32 ``[counts.sum()]``, row after row); ``rows32`` is ``rows`` as
+        int32 (the caller has made it anyway). The arrays are kept until :meth:`take`: nobody
+        may change them."""
         stamp = self._stamp
         touched = self.touched
         was = touched.take(rows)
@@ -130,7 +142,7 @@ class StepJournal:
             # rows touched before: only the others are a batch (theirs diffed)
             if np.count_nonzero(was > at_stamp):  # a batch's row
                 self._batches_stale = True
-            rows = rows[keep]
+            rows, rows32 = rows[keep], rows32[keep]
             if not len(rows):
                 return
             block_ids = block_ids[keep if len(counts) == len(block_ids) else keep.repeat(counts)]
@@ -138,7 +150,7 @@ class StepJournal:
         touched[rows] = stamp + 1
         self.start_gen[rows] = self.rows.holder_gen.take(rows)
         self.start_len[0][rows] = self.rows.row_len[0].take(rows)
-        self._batches.append((rows, counts, block_ids))
+        self._batches.append((rows32, counts, block_ids, rows))
         self._num_batched += len(rows)
 
     def null(self, row: int, group: int, block_index: int) -> None:
@@ -194,7 +206,6 @@ class StepJournal:
             added = touched[~same & held]
             kept = touched[same & held]
         arrays: list[np.ndarray] = [cleared, added]  # packed into one buffer below
-        largest_id: list[int] = []
         one_each: list[bool] = []
         largest_added: list[int] = []
         num_appended: list[int] = []
@@ -218,7 +229,6 @@ class StepJournal:
             arrays += [rows, num, ids]
             num_appended.append(len(rows))
             one_each.append(len(ids) == len(rows))
-            largest_id.append(int(ids.max()) if len(ids) else -1)
         for rows, indices in self._null_parts(num_groups):
             arrays += [rows, indices]
         self._nulled = {}
@@ -230,33 +240,24 @@ class StepJournal:
             counts, add_ids, app_rows, num, ids = views[at : at + 5]
             at += 5
             added_blocks.append(
-                RowBlocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS
+                trusted_row_blocks(added_rows, counts, add_ids) if len(added) else _NO_BLOCKS
             )
-            appended_blocks.append(RowBlocks(app_rows, num, ids) if num_appended[g] else _NO_BLOCKS)
+            appended_blocks.append(
+                trusted_row_blocks(app_rows, num, ids) if num_appended[g] else _NO_BLOCKS
+            )
         nulled_entries = []
         for _ in range(num_groups):
             null_rows, indices = views[at], views[at + 1]
             at += 2
             nulled_entries.append(RowEntries(null_rows, indices) if len(null_rows) else _NO_ENTRIES)
-        update = StepUpdate(
-            cleared_rows,
-            tuple(added_blocks),
-            tuple(appended_blocks),
-            tuple(nulled_entries),
-            allocator_block_sizes,
-        )
-        object.__setattr__(
-            update,
-            "facts",
-            AllocatorFacts(
-                state.num_rows, tuple(largest_id), tuple(one_each), tuple(largest_added)
-            ),
-        )
-        return update
+        facts = AllocatorFacts(state.num_rows, self.ids_at_most, tuple(one_each),
+                               tuple(largest_added))
+        return trusted_update(cleared_rows, tuple(added_blocks), tuple(appended_blocks),
+                              tuple(nulled_entries), allocator_block_sizes, facts)
 
     def _unbatch(self) -> None:
         """Hand the batches' rows to the diff of every touched row."""
-        for rows, _, _ in self._batches:
+        for *_, rows in self._batches:
             self.order += rows.tolist()
         self._batches = []
         self._batches_stale = False
@@ -269,8 +270,60 @@ class StepJournal:
         calls, every int of the update is packed by one ``struct.pack``, and the batches'
         arrays are appended as they are."""
         rows = self.order  # in the order of their first touch
-        self.order = []
         batches = self._batches
+        cleared: list[int] = []
+        add_rows: list[int] = []
+        add_counts: list[int] = []
+        add_ids: list[memoryview] = []
+        app_rows: list[int] = []
+        app_counts: list[int] = []
+        app_ids: list[int] = []
+        one_each = True
+        if rows:
+            self.order = []
+            one_each = self._diff_few(rows, cleared, add_rows, add_counts, add_ids, app_rows,
+                                      app_counts, app_ids)
+        if batches:  # appended after the rows diffed above, as they are
+            self._batches = []
+            self._num_batched = 0
+            for _, counts, ids, _ in batches:
+                one_each = one_each and len(counts) == len(ids)
+            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined(
+                cleared + add_rows + add_counts,
+                (len(cleared), len(add_rows), len(add_rows)),
+                add_ids,
+                [app_rows, app_counts, app_ids],
+                batches,
+            )
+        else:
+            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
+                cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
+                (
+                    len(cleared),
+                    len(add_rows),
+                    len(add_rows),
+                    len(app_rows),
+                    len(app_rows),
+                    len(app_ids),
+                ),
+                add_ids,
+            )
+        facts = AllocatorFacts(self.rows.num_rows, self.ids_at_most, (one_each,),
+                               (max(add_counts) if add_counts else -1,))
+        return trusted_update(
+            cleared_rows,
+            (trusted_row_blocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS,),
+            (trusted_row_blocks(p_rows, p_counts, p_ids) if len(p_rows) else _NO_BLOCKS,),
+            (_NO_ENTRIES,),
+            sizes,
+            facts,
+        )
+
+    def _diff_few(self, rows: list[int], cleared: list[int], add_rows: list[int],
+                  add_counts: list[int], add_ids: list[memoryview], app_rows: list[int],
+                  app_counts: list[int], app_ids: list[int]) -> bool:
+        """Sort ``rows`` (touched, group 0 of one group) into the lists by their net change;
+        True if every appended row gained exactly one block."""
         gen, start_gen = self._gen_mv, self._start_gen_mv
         row_len, start_len = self.rows.row_len_mvs[0], self._start_len_mvs[0]
         arena = self.rows.blocks[0]
@@ -280,13 +333,6 @@ class StepJournal:
         # update as they are (cheaper than a numpy row slice and its tobytes); made at the first
         # added row (the casts cost several us with cold caches: decode steps add no row)
         cells = None
-        cleared: list[int] = []
-        add_rows: list[int] = []
-        add_counts: list[int] = []
-        add_ids: list[memoryview] = []
-        app_rows: list[int] = []
-        app_counts: list[int] = []
-        app_ids: list[int] = []
         one_each = True
         for row in rows:
             live = gen[row]
@@ -310,47 +356,7 @@ class StepJournal:
                 add_ids.append(cells[row * width : row * width + n])
             else:
                 cleared.append(row)
-        largest_id = max(app_ids) if app_ids else -1
-        if batches:  # appended after the rows diffed above, as they are
-            self._batches = []
-            self._num_batched = 0
-            for _, counts, ids in batches:
-                one_each = one_each and len(counts) == len(ids)
-                largest_id = max(largest_id, int(np.maximum.reduce(ids)))
-            cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined(
-                cleared + add_rows + add_counts,
-                (len(cleared), len(add_rows), len(add_rows)),
-                add_ids,
-                [app_rows, app_counts, app_ids],
-                batches,
-            )
-        else:
-            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _packed(
-                cleared + add_rows + add_counts + app_rows + app_counts + app_ids,
-                (
-                    len(cleared),
-                    len(add_rows),
-                    len(add_rows),
-                    len(app_rows),
-                    len(app_rows),
-                    len(app_ids),
-                ),
-                add_ids,
-            )
-        added = RowBlocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS
-        appended = RowBlocks(p_rows, p_counts, p_ids) if len(p_rows) else _NO_BLOCKS
-        update = StepUpdate(cleared_rows, (added,), (appended,), (_NO_ENTRIES,), sizes)
-        object.__setattr__(
-            update,
-            "facts",
-            AllocatorFacts(
-                self.rows.num_rows,
-                (largest_id,),
-                (one_each,),
-                (max(add_counts) if add_counts else -1,),
-            ),
-        )
-        return update
+        return one_each
 
     def _null_parts(self, num_groups: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per group, the rows and indices of old entries nulled in rows still held by their
@@ -391,11 +397,11 @@ def _joined(
     head_sizes: tuple[int, ...],
     buffers: list[memoryview],
     lists: list[list[int]],
-    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
 ) -> list[np.ndarray]:
     """int32 arrays, all read-only views of one immutable buffer: ``head`` cut into parts of
     ``head_sizes``; ``buffers`` (int32) joined as one part; then, for ``k`` in 0, 1, 2,
-    ``lists[k]`` followed by item ``k`` of every batch (integer arrays) as one part. Empty
+    ``lists[k]`` followed by item ``k`` of every batch (int32 arrays) as one part. Empty
     parts are the shared empty array."""
     pieces: list[object] = [struct.pack(f"={len(head)}i", *head)] if head else []
     pieces += buffers
@@ -407,8 +413,7 @@ def _joined(
         for batch in batches:
             array = batch[k]
             size += len(array)
-            # (an int32 array joins as it is: bytes.join reads its buffer)
-            pieces.append(array if array.dtype == np.int32 else array.astype(np.int32))
+            pieces.append(array)  # (bytes.join reads an int32 array's buffer as it is)
         sizes.append(size)
     flat = np.frombuffer(b"".join(pieces), dtype=np.int32)  # type: ignore[arg-type]
     out, at = [], 0

@@ -159,7 +159,8 @@ class KVCacheManager:
         self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._row_state = RowState(self.max_num_reqs, len(groups))
-        self._journal = StepJournal(len(groups), self._row_state)
+        self._journal = StepJournal(len(groups), self._row_state,
+                                    tuple(pool.num_blocks for pool in self.pools))
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
@@ -646,7 +647,7 @@ class KVCacheManager:
         out = RowBlocks(grown_rows.astype(np.int32), num32, new)
         for part in (out.rows, num32, new):
             part.setflags(write=False)  # the journal keeps them until the step's update
-        self._journal.touch_many(grown_rows, num32, new)
+        self._journal.touch_many(grown_rows, num32, new, out.rows)
         new_len = starts + num
         arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
         if len(grown_rows) == total:  # one block each (decode)

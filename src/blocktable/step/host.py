@@ -21,14 +21,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from blocktable._host_loops import fill_staging, kernel_ids, runs
+from blocktable._host_loops import fill_staging, kernel_ids, runs_into, small_sum
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.update import AllocatorFacts, RowBlocks, StepUpdate
 
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
-_sum = np.add.reduce
 
 
 def largest(a: np.ndarray) -> Any:  # a numpy scalar of a's dtype, compared with ints
@@ -150,12 +149,11 @@ class DecodeStager:
                         g: int) -> np.ndarray | None:
         """:meth:`_filled` for an update of the allocator's journal: its rows are in range and
         distinct, so only the facts of the table (ids below its bound, room in the rows) are
-        checked. Facts the journal did not record (several groups): :meth:`_filled`."""
-        largest_id = facts.largest_appended_id[g]
-        if not facts.one_block_each[g] or largest_id < 0:
-            return self._filled(ref, part)
-        if largest_id >= ref.block_id_bound:
-            return None
+        checked. Facts the journal did not record (several groups), or a bound on the ids past
+        the table's: :meth:`_filled`."""
+        at_most = facts.ids_at_most[g]
+        if not facts.one_block_each[g] or not 0 <= at_most < ref.block_id_bound:
+            return self._filled(ref, part)  # (a bound past the table's: read the ids)
         return ref.counts.take(part.rows)  # the room for the new blocks: checked when staged
 
     def _added_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
@@ -170,16 +168,18 @@ class DecodeStager:
             most = int(largest(num))
         if most * ref.k > ref.width:
             return None
-        if len(ids) and largest(ids.view(_U32)) >= ref.block_id_bound:
+        if not 0 <= facts.ids_at_most[g] < ref.block_id_bound and len(ids) and (
+            largest(ids.view(_U32)) >= ref.block_id_bound  # a looser bound than the table's
+        ):
             return None
         old = ref.counts.take(rows)  # filled kernel blocks now
         new = num if ref.k == 1 else num * ref.k
         stale = old
-        num_stale = int(_sum(old))
+        num_stale = small_sum(old)
         if num_stale:  # entries past the new count that hold ids now become null
             stale = old - new
             np.maximum(stale, 0, out=stale)
-            num_stale = int(_sum(stale))
+            num_stale = small_sum(stale)
         return _Added(ref, part, new, stale, num_stale)
 
     def _grown_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
@@ -188,8 +188,8 @@ class DecodeStager:
         rows in range and listed once, counts matching the ids), or ``None`` when the table
         refuses it: an id past the table's bound, a row past its width."""
         rows, num, ids = part.rows, part.num_manager_blocks, part.block_ids
-        largest_id = facts.largest_appended_id[g]
-        if largest_id < 0:  # not recorded: look
+        largest_id = facts.ids_at_most[g]
+        if not 0 <= largest_id < ref.block_id_bound:  # not recorded, or a looser bound: look
             largest_id = int(largest(ids.view(_U32))) if len(ids) else 0
         if largest_id >= ref.block_id_bound:
             return None
@@ -223,6 +223,10 @@ class DecodeStager:
         facts = update.facts
         if facts is not None and facts.num_rows > self.num_rows:
             facts = None  # rows of a larger allocator: check them
+        if (facts is not None and G == 1 and facts.one_block_each[0]
+                and not (len(update.cleared_rows) or len(added[0].rows)
+                         or len(nulled[0].rows))):
+            return self._stage_trusted_appends(update, facts, pairs, max_pairs)
         total = 0
         cleared = update.cleared_rows
         listed_cleared = None
@@ -236,7 +240,7 @@ class DecodeStager:
                 clear_rows = np.flatnonzero(listed_cleared)  # int64, distinct
             for group_ref in self.refs:
                 old = group_ref.counts.take(clear_rows)  # kernel blocks to zero, then counts
-                num_zeroed = int(_sum(old))
+                num_zeroed = small_sum(old)
                 clears.append((group_ref, old, num_zeroed))
                 total += num_zeroed + len(clear_rows)
         staged = []
@@ -293,7 +297,7 @@ class DecodeStager:
             if num_zeroed:
                 starts = clear_rows * group_ref.width
                 starts += group_ref.table_offset
-                index[at : at + num_zeroed] = runs(starts, old, num_zeroed)
+                runs_into(index[at : at + num_zeroed], starts, old)
                 value[at : at + num_zeroed] = 0
                 at += num_zeroed
             num_rows = len(clear_rows)
@@ -307,12 +311,12 @@ class DecodeStager:
             if ref.table_offset:
                 starts += ref.table_offset
             num_ids = len(add.part.block_ids) * ref.k
-            index[at : at + num_ids] = runs(starts, add.new, num_ids)
+            runs_into(index[at : at + num_ids], starts, add.new)
             value[at : at + num_ids] = kernel_ids(add.part.block_ids, ref.k)
             at += num_ids
             if add.num_stale:
                 starts += add.new
-                index[at : at + add.num_stale] = runs(starts, add.stale, add.num_stale)
+                runs_into(index[at : at + add.num_stale], starts, add.stale)
                 value[at : at + add.num_stale] = 0
                 at += add.num_stale
             np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
@@ -325,36 +329,79 @@ class DecodeStager:
                 starts += ref.table_offset
             starts += grow.filled
             num_ids = len(grow.part.block_ids) * ref.k
-            index[at : at + num_ids] = runs(starts, grow.new, num_ids)
+            runs_into(index[at : at + num_ids], starts, grow.new)
             value[at : at + num_ids] = kernel_ids(grow.part.block_ids, ref.k)
             at += num_ids
             np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
             value[at : at + len(rows)] = grow.after
             at += len(rows)
         for ref, part, filled in staged:
-            rows, ids, k = part.rows, part.block_ids, ref.k
-            n = len(rows)
-            starts = index[at : at + n] if k == 1 else np.empty(n, dtype=np.int32)
-            np.multiply(rows, ref.width, out=starts)  # int32: the buffer has < 2**31 entries
-            np.add(starts, filled, out=starts)
-            if ref.table_offset:
-                np.add(starts, ref.table_offset, out=starts)
-            if k == 1:
-                value[at : at + n] = ids
-            else:
-                index[at : at + n * k] = (starts[:, None] + np.arange(k, dtype=np.int32)).ravel()
-                value[at : at + n * k] = kernel_ids(ids, k)
-            at += n * k
-            np.add(rows, ref.counts_offset, out=index[at : at + n])
-            try:  # counts are >= 0: a count without room for k more is past plus_k's end
-                ref.plus_k.take(filled, out=value[at : at + n])
-            except IndexError:
+            at = _stage_appends(ref, part, filled, index, value, at)
+            if at < 0:
                 return -1  # an append past the row's width: the general path names it
-            at += n
         # nothing written to the table so far; the counts are views of the flat host buffer:
         # one put writes entries and counts
         st.host.put(index, value)
         return total
+
+    def _stage_trusted_appends(self, update: StepUpdate, facts: AllocatorFacts,
+                               pairs: np.ndarray, max_pairs: int) -> int:
+        """:meth:`stage` of a decode step of one group from the allocator's journal: each
+        appended row gains one block, no row is cleared, added or nulled (the engine's common
+        step, without the general loop's bookkeeping)."""
+        ref, part = self._ref_of[0], update.appended[0]
+        n = len(part.rows)
+        total = 0
+        filled = None
+        if n:
+            if ref is None:
+                return -1  # ids for a group without a table
+            total = n * (ref.k + 1)
+            if total > max_pairs:
+                return -1
+            filled = self._filled_trusted(ref, part, facts, 0)
+            if filled is None:
+                return -1
+        sizes = update.allocator_block_sizes
+        if sizes is not None and sizes != self._sizes_ok:
+            check_update_block_sizes(self.table.specs, self.table.cp, update)
+            self._sizes_ok = sizes if type(sizes) is tuple else None
+        if ref is None or filled is None:
+            return 0  # nothing appended
+        st = self.table.storage
+        st.before_host_write()
+        index, value = pairs[:total], pairs[total : 2 * total]
+        if _stage_appends(ref, part, filled, index, value, 0) < 0:
+            return -1  # an append past the row's width: the general path names it
+        st.host.put(index, value)
+        return total
+
+
+def _stage_appends(ref: _GroupRef, part: RowBlocks, filled: np.ndarray, index: np.ndarray,
+                   value: np.ndarray, at: int) -> int:
+    """Stage, from ``at`` on, the pairs of ``part``'s rows gaining one manager block each
+    (``filled``: their filled kernel blocks now): the new entries, then the counts. Returns
+    where the next pairs go, or -1 when a row has no room for the block (nothing is written to
+    the table; some pairs may be)."""
+    rows, ids, k = part.rows, part.block_ids, ref.k
+    n = len(rows)
+    starts = index[at : at + n] if k == 1 else np.empty(n, dtype=np.int32)
+    np.multiply(rows, ref.width, out=starts)  # int32: the buffer has < 2**31 entries
+    np.add(starts, filled, out=starts)
+    if ref.table_offset:
+        np.add(starts, ref.table_offset, out=starts)
+    if k == 1:
+        value[at : at + n] = ids
+    else:
+        index[at : at + n * k] = (starts[:, None] + np.arange(k, dtype=np.int32)).ravel()
+        value[at : at + n * k] = kernel_ids(ids, k)
+    at += n * k
+    np.add(rows, ref.counts_offset, out=index[at : at + n])
+    try:  # counts are >= 0: a count without room for k more is past plus_k's end
+        ref.plus_k.take(filled, out=value[at : at + n])
+    except IndexError:
+        return -1
+    return at + n
 
 
 def stage_general(table: MultiGroupBlockTable, update: StepUpdate, pairs: np.ndarray,
