@@ -67,6 +67,7 @@ class Breakdown:
         "run.stager.stage": "step.run",
         "run.stage_general": "step.run",
         "run._run_numpy": "step.run",
+        "run._run_device": "step.run",
         "run._outputs": "step.run",
         "apply": "",
         "commit": "",
@@ -113,6 +114,7 @@ class Breakdown:
             self.wrap(step._stager, "stage", "run.stager.stage")
             self.wrap(step_runner, "stage_general", "run.stage_general")
             self.wrap(step, "_run_numpy", "run._run_numpy")
+            self.wrap(step, "_run_device", "run._run_device")  # CUDA: the graph's replay
             self.wrap(step, "_outputs", "run._outputs")
         else:
             self.wrap(engine.table, "apply", "apply")

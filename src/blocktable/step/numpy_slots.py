@@ -98,4 +98,8 @@ class CheckedSlots:
             block_id = g.table.take(entry)  # the null block past the row's count
             np.multiply(block_id, g.kernel_block_size, out=out_g)
             out_g += offset
-            np.putmask(out_g, block_id == NULL_BLOCK_ID, PAD_SLOT_ID)
+            # ids are >= 0 and the null block is 0: when the smallest id read is not null, no
+            # token reads it (one argmin instead of a comparison and a putmask: a decode
+            # step's tokens all have their blocks)
+            if block_id[block_id.argmin()] == NULL_BLOCK_ID:
+                np.putmask(out_g, block_id == NULL_BLOCK_ID, PAD_SLOT_ID)
