@@ -53,6 +53,11 @@ class _GroupRef(NamedTuple):
     # int32 [width - k + 1]: c + k for each count c with room for k more kernel blocks; a
     # take from it is the new count and the room check in one call (it raises past the end)
     plus_k: np.ndarray
+    # width, table_offset and counts_offset as 0-d int32 arrays: a ufunc converts a Python
+    # int operand on every call (about a third more with cold caches)
+    width_0d: np.ndarray
+    table_offset_0d: np.ndarray
+    counts_offset_0d: np.ndarray
 
 
 class _Added(NamedTuple):
@@ -99,12 +104,17 @@ class DecodeStager:
     def __init__(self, table: MultiGroupBlockTable) -> None:
         st = table.storage
         self.table = table
-        self.refs = [
-            _GroupRef(t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
-                      st.counts_offset + t.group * table.max_num_reqs,
-                      np.arange(t.k, t.width + 1, dtype=np.int32))
-            for t in table.tables if t is not None
-        ]
+        self.refs = []
+        for t in table.tables:
+            if t is None:
+                continue
+            counts_offset = st.counts_offset + t.group * table.max_num_reqs
+            self.refs.append(_GroupRef(
+                t.group, t.num_kernel_blocks, t.width, t.k, t.block_id_bound, t.offset,
+                counts_offset, np.arange(t.k, t.width + 1, dtype=np.int32),
+                np.array(t.width, np.int32), np.array(t.offset, np.int32),
+                np.array(counts_offset, np.int32),
+            ))
         self.num_groups = len(table.specs)
         self.num_rows = table.max_num_reqs
         self._ref_of: list[_GroupRef | None] = [None] * self.num_groups
@@ -386,17 +396,17 @@ def _stage_appends(ref: _GroupRef, part: RowBlocks, filled: np.ndarray, index: n
     rows, ids, k = part.rows, part.block_ids, ref.k
     n = len(rows)
     starts = index[at : at + n] if k == 1 else np.empty(n, dtype=np.int32)
-    np.multiply(rows, ref.width, out=starts)  # int32: the buffer has < 2**31 entries
+    np.multiply(rows, ref.width_0d, out=starts)  # int32: the buffer has < 2**31 entries
     np.add(starts, filled, out=starts)
     if ref.table_offset:
-        np.add(starts, ref.table_offset, out=starts)
+        np.add(starts, ref.table_offset_0d, out=starts)
     if k == 1:
         value[at : at + n] = ids
     else:
         index[at : at + n * k] = (starts[:, None] + np.arange(k, dtype=np.int32)).ravel()
         value[at : at + n * k] = kernel_ids(ids, k)
     at += n * k
-    np.add(rows, ref.counts_offset, out=index[at : at + n])
+    np.add(rows, ref.counts_offset_0d, out=index[at : at + n])
     try:  # counts are >= 0: a count without room for k more is past plus_k's end
         ref.plus_k.take(filled, out=value[at : at + n])
     except IndexError:

@@ -29,6 +29,11 @@ class _Group(NamedTuple):
     row_base: np.ndarray  # int64 [max_num_reqs]: row * width
     kernel_block_size: int
     shift: int  # log2 of the kernel block size; -1 if it is not a power of two
+    # the kernel block size, its log2 and the offset mask as 0-d int64 arrays: a ufunc converts
+    # a Python int operand on every call (about a third more with cold caches)
+    size_0d: np.ndarray
+    shift_0d: np.ndarray
+    mask_0d: np.ndarray
 
 
 class CheckedSlots:
@@ -52,16 +57,16 @@ class CheckedSlots:
         self.params = params
         self.max_num_reqs = max_num_reqs
         self.fast = all(p.cp_world_size == 1 for p in params)
-        self.groups = [
-            _Group(
+        self.groups = []
+        for p in params if self.fast else []:
+            size = p.kernel_block_size
+            shift = size.bit_length() - 1 if size & (size - 1) == 0 else -1
+            self.groups.append(_Group(
                 flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width],
-                np.arange(max_num_reqs, dtype=np.int64) * p.width,
-                p.kernel_block_size,
-                p.kernel_block_size.bit_length() - 1
-                if p.kernel_block_size & (p.kernel_block_size - 1) == 0 else -1,
-            )
-            for p in params
-        ] if self.fast else []
+                np.arange(max_num_reqs, dtype=np.int64) * p.width, size, shift,
+                np.array(size, np.int64), np.array(max(shift, 0), np.int64),
+                np.array(size - 1, np.int64),
+            ))
         self._tokens = np.arange(max_num_tokens, dtype=np.int32)
         # positions in [0, bound) lie inside every group's row width
         self._position_bound = min((p.width * p.kernel_block_size for p in params), default=0)
@@ -90,13 +95,13 @@ class CheckedSlots:
         for g, out_g in zip(self.groups, out):
             # positions are >= 0 here (a shift and a mask are ~5x cheaper than a division)
             if g.shift >= 0:
-                block_index, offset = positions >> g.shift, positions & (g.kernel_block_size - 1)
+                block_index, offset = positions >> g.shift_0d, positions & g.mask_0d
             else:
-                block_index, offset = np.divmod(positions, g.kernel_block_size)
+                block_index, offset = np.divmod(positions, g.size_0d)
             entry = g.row_base.take(token_rows)
             entry += block_index  # inside the row: the positions are below its width
             block_id = g.table.take(entry)  # the null block past the row's count
-            np.multiply(block_id, g.kernel_block_size, out=out_g)
+            np.multiply(block_id, g.size_0d, out=out_g)
             out_g += offset
             # ids are >= 0 and the null block is 0: when the smallest id read is not null, no
             # token reads it (one argmin instead of a comparison and a putmask: a decode
