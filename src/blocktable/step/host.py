@@ -305,21 +305,21 @@ class DecodeStager:
         at = 0
         for group_ref, old, num_zeroed in clears:  # entries [0, count) and the count become 0
             if num_zeroed:
-                starts = clear_rows * group_ref.width
-                starts += group_ref.table_offset
+                starts = clear_rows * group_ref.width_0d
+                starts += group_ref.table_offset_0d
                 runs_into(index[at : at + num_zeroed], starts, old)
                 value[at : at + num_zeroed] = 0
                 at += num_zeroed
             num_rows = len(clear_rows)
-            np.add(clear_rows, group_ref.counts_offset, out=index[at : at + num_rows],
+            np.add(clear_rows, group_ref.counts_offset_0d, out=index[at : at + num_rows],
                    casting="unsafe")  # < 2**31: an index of the flat buffer
             value[at : at + num_rows] = 0
             at += num_rows
         for add in adds:  # entries [0, new) get the ids, [new, old) become 0, counts new
             ref, rows = add.ref, add.part.rows
-            starts = rows * ref.width
+            starts = rows * ref.width_0d
             if ref.table_offset:
-                starts += ref.table_offset
+                starts += ref.table_offset_0d
             num_ids = len(add.part.block_ids) * ref.k
             runs_into(index[at : at + num_ids], starts, add.new)
             value[at : at + num_ids] = kernel_ids(add.part.block_ids, ref.k)
@@ -329,20 +329,20 @@ class DecodeStager:
                 runs_into(index[at : at + add.num_stale], starts, add.stale)
                 value[at : at + add.num_stale] = 0
                 at += add.num_stale
-            np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
+            np.add(rows, ref.counts_offset_0d, out=index[at : at + len(rows)])
             value[at : at + len(rows)] = add.new
             at += len(rows)
         for grow in grows:  # entries [filled, after) get the ids, counts after
             ref, rows = grow.ref, grow.part.rows
-            starts = rows * ref.width
+            starts = rows * ref.width_0d
             if ref.table_offset:
-                starts += ref.table_offset
+                starts += ref.table_offset_0d
             starts += grow.filled
             num_ids = len(grow.part.block_ids) * ref.k
             runs_into(index[at : at + num_ids], starts, grow.new)
             value[at : at + num_ids] = kernel_ids(grow.part.block_ids, ref.k)
             at += num_ids
-            np.add(rows, ref.counts_offset, out=index[at : at + len(rows)])
+            np.add(rows, ref.counts_offset_0d, out=index[at : at + len(rows)])
             value[at : at + len(rows)] = grow.after
             at += len(rows)
         for ref, part, filled in staged:
