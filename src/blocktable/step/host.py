@@ -379,7 +379,8 @@ class DecodeStager:
         if ref is None or filled is None:
             return 0  # nothing appended
         st = self.table.storage
-        st.before_host_write()
+        if st.host_read_event is not None:  # (only after a large commit)
+            st.before_host_write()
         index, value = pairs[:total], pairs[total : 2 * total]
         if _stage_appends(ref, part, filled, index, value, 0) < 0:
             return -1  # an append past the row's width: the general path names it

@@ -9,7 +9,6 @@ learn that the copy of that staging buffer has finished, without a CUDA call.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from blocktable._triton import HAS_TRITON, Launcher, cdiv, tl, triton
@@ -52,9 +51,3 @@ def launch_staged_scatter(
         raise RuntimeError("a captured step on CUDA needs the triton package")
     _launch((max(1, cdiv(max_pairs, SCATTER_BLOCK)),), flat_table, staging, mailbox,
             HEADER_WORDS, SCATTER_BLOCK)
-
-
-def scatter_numpy(flat_table: np.ndarray, pairs: np.ndarray, num_pairs: int) -> None:
-    """The CPU backend's scatter: ``flat_table[pairs[i]] = pairs[num_pairs + i]``."""
-    if num_pairs > 0:
-        flat_table.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])

@@ -37,7 +37,7 @@ from blocktable._checks import check_positive
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.step.host import FULL, DecodeStager, largest, stage_general
-from blocktable.step.kernels import launch_staged_scatter, scatter_numpy
+from blocktable.step.kernels import launch_staged_scatter
 from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
 from blocktable.step.numpy_slots import CheckedSlots
 from blocktable.update import StepUpdate
@@ -235,7 +235,7 @@ class CapturedStep:
         if seq_lens is not None:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
-        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None)
+        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None, None)
 
     def batch_views(self) -> StagedBatch:
         """The staging buffer the next :meth:`run_staged` sends, for the caller to write the
@@ -274,9 +274,9 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
         v = self._views[self._slot]
-        qsl, _, rows, _ = self._cut(num_reqs, num_tokens)
-        self._check_values(qsl, num_reqs, num_tokens, rows)
-        return self._issue(update, v, num_reqs, num_tokens, with_seq_lens)
+        cut = self._cut(num_reqs, num_tokens)
+        self._check_values(cut[0], num_reqs, num_tokens, cut[2])
+        return self._issue(update, v, num_reqs, num_tokens, with_seq_lens, cut)
 
     def _cut(self, num_reqs: int, num_tokens: int) -> _Cut:
         """The current staging buffer's batch views (``qsl``, positions, rows) and, on the CPU
@@ -299,8 +299,9 @@ class CapturedStep:
         return self._views[slot]
 
     def _issue(self, update: StepUpdate, v: StagingViews, num_reqs: int, num_tokens: int,
-               with_seq_lens: bool) -> StepOutputs:
-        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device work."""
+               with_seq_lens: bool, cut: _Cut | None) -> StepOutputs:
+        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device work
+        (``cut``: the batch's views when the caller has them already)."""
         slot = self._slot
         P = self.layout.max_pairs
         num_pairs = self._stager.stage(update, v.pairs, P)
@@ -312,7 +313,7 @@ class CapturedStep:
             self._padded[slot] = (num_reqs, num_tokens)
         staged = max(0, num_pairs)
         if self._flat_np is not None:  # the header is for the device's kernels only
-            self._run_numpy(v, staged, num_reqs, num_tokens)
+            self._run_numpy(v, staged, num_reqs, num_tokens, cut)
         else:
             header = self._header_mv[slot]
             header[NUM_PAIRS] = staged
@@ -365,12 +366,15 @@ class CapturedStep:
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
 
     # ---------------------------------------------------------------- device work
-    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int) -> None:
+    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int,
+                   cut: _Cut | None) -> None:
         """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
         the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
         flat, out, table = self._flat_np, self._slots_np, self.table
         assert flat is not None and out is not None
-        scatter_numpy(flat, v.pairs, num_pairs)
+        if num_pairs > 0:  # (scatter_numpy, inlined: a call costs ~1 us with cold caches)
+            pairs = v.pairs
+            flat.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
         if not table.slot_params:
             return
         if table.slot_mapping_calls != self._calls_seen:
@@ -381,7 +385,7 @@ class CapturedStep:
         self._tokens_filled = num_tokens
         if num_tokens:
             assert self._slots is not None
-            qsl, positions, rows, slots = self._cut(num_reqs, num_tokens)
+            qsl, positions, rows, slots = cut or self._cut(num_reqs, num_tokens)
             assert slots is not None
             self._slots.map(qsl, positions, rows, slots, num_tokens == num_reqs and self._decode)
 
