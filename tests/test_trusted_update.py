@@ -191,6 +191,24 @@ def test_journal_arrays_are_read_only_and_copies_lose_the_facts(groups):
                                               getattr(getattr(update, part)[0], f))
 
 
+def test_the_journals_constructors_make_what_the_dataclasses_make():
+    """The journal builds its updates without the frozen dataclasses' ``__init__``: every field
+    is set, and the objects equal (and repr as) those the plain constructors make."""
+    from blocktable.update import AllocatorFacts, RowEntries, trusted_row_blocks, trusted_update
+
+    rows, num, ids = (np.array(v, np.int32) for v in ([1, 3], [1, 2], [5, 6, 7]))
+    part = trusted_row_blocks(rows, num, ids)
+    assert set(vars(part)) == {f.name for f in dataclasses.fields(RowBlocks)}
+    assert repr(part) == repr(RowBlocks(rows, num, ids))
+    facts = AllocatorFacts(4, (9,), (False,), (-1,))
+    update = trusted_update(rows[:1], (RowBlocks(),), (part,), (RowEntries(),), (4,), facts)
+    plain = StepUpdate(rows[:1], (RowBlocks(),), (part,), (RowEntries(),), (4,))
+    assert set(vars(update)) == {f.name for f in dataclasses.fields(StepUpdate)}
+    assert update == plain and repr(update) == repr(plain) and update.facts is facts
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        update.cleared_rows = rows  # type: ignore[misc]
+
+
 def _decode_update(rows: list[int], ids: list[int]) -> StepUpdate:
     r = np.array(rows, np.int32)
     return StepUpdate.make(1, appended=[RowBlocks(r, np.ones(len(r), np.int32),
