@@ -257,3 +257,30 @@ def test_updates_state_the_pools_largest_id_as_the_bound_of_their_ids() -> None:
     update = two.take_step_update()
     assert update.facts.ids_at_most == (31, 15)
     assert all(int(p.block_ids.max()) <= b for p, b in zip(update.added, (31, 15), strict=True))
+
+
+def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
+    """A step whose only change is one allocate_many of many rows (an engine's decode step) is
+    that call's rows, counts and ids, in its order, read-only, with facts that say whether each
+    row gained one block."""
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], 12)
+    reqs = list("abcdefghi")  # more rows than the journal diffs one by one
+    for i, r in enumerate(reqs):
+        mgr.add_request(r, list(range(10 * i, 10 * i + 8)))
+        mgr.allocate(r, 8)
+        mgr.mark_computed(r, 8)
+    mgr.take_step_update()
+    for new_tokens, one_each in (([4, 8] * 4 + [4], False), ([4] * 9, True)):
+        held = {r: len(mgr.block_ids(r)[0]) for r in reqs}
+        mgr.allocate_many(reqs, new_tokens)
+        update = mgr.take_step_update()
+        part = update.appended[0]
+        assert part.rows.tolist() == [mgr.row_of(r) for r in reqs]
+        assert as_lists(part) == {mgr.row_of(r): mgr.block_ids(r)[0][held[r]:] for r in reqs}
+        assert not len(update.cleared_rows) and not len(update.added[0]) and not len(update.nulled[0])
+        assert update.facts.one_block_each == (one_each,)
+        assert update.facts.ids_at_most == (63,)
+        for a in (part.rows, part.num_manager_blocks, part.block_ids):
+            assert a.dtype == np.int32 and not a.flags.writeable
+        mgr.append_token_ids_many(reqs, [[1] * n for n in new_tokens])
+        mgr.mark_computed_many(reqs, new_tokens)

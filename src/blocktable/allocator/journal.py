@@ -65,6 +65,11 @@ class StepJournal:
         # per group: the largest id of the group's pool, which bounds every id of an update
         # (its facts state it: nobody reads the ids for their largest)
         self.ids_at_most = tuple(bound - 1 for bound in id_bounds)
+        # the facts of an update that is one batch (a decode step), by "one block each"
+        self._batch_facts = {
+            each: AllocatorFacts(rows.num_rows, self.ids_at_most, (each,), (-1,))
+            for each in (True, False)
+        }
         num_rows = rows.num_rows
         # on cpu, [num_rows]: the row was first touched in this step when its stamp is
         # `_stamp` (by touch or touch_leaving) or `_stamp + 1` (by touch_many); older stamps
@@ -184,6 +189,8 @@ class StepJournal:
             self._unbatch()  # their rows are diffed with the others
             order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
+            if not order and len(self._batches) == 1:
+                return self._take_batch(allocator_block_sizes)
             return self._take_few(allocator_block_sizes)
         if self._batches:
             self._unbatch()
@@ -262,6 +269,19 @@ class StepJournal:
         self._batches = []
         self._batches_stale = False
         self._num_batched = 0
+
+    def _take_batch(self, sizes: tuple[int, ...] | None) -> StepUpdate:
+        """:meth:`take` when one batch of one group is the step's only change (an engine's
+        decode step): its three arrays joined into one immutable buffer, nothing read per
+        row."""
+        [(rows, counts, ids, _)] = self._batches
+        self._batches = []
+        self._num_batched = 0
+        n = len(rows)
+        flat = np.frombuffer(b"".join((rows, counts, ids)), dtype=np.int32)  # type: ignore[arg-type]
+        appended = trusted_row_blocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,), sizes,
+                              self._batch_facts[len(ids) == n])
 
     def _take_few(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` of a few touched rows of one group without nulled entries (a decode
