@@ -159,11 +159,10 @@ class DecodeStager:
                         g: int) -> np.ndarray | None:
         """:meth:`_filled` for an update of the allocator's journal: its rows are in range and
         distinct, so only the facts of the table (ids below its bound, room in the rows) are
-        checked. Facts the journal did not record (several groups), or a bound on the ids past
-        the table's: :meth:`_filled`."""
-        at_most = facts.ids_at_most[g]
-        if not facts.one_block_each[g] or not 0 <= at_most < ref.block_id_bound:
-            return self._filled(ref, part)  # (a bound past the table's: read the ids)
+        checked (each appended row gains one block: ``facts.one_block_each[g]``). A bound on
+        the ids past the table's (a pool larger than the table): :meth:`_filled` reads them."""
+        if not 0 <= facts.ids_at_most[g] < ref.block_id_bound:
+            return self._filled(ref, part)
         return ref.counts.take(part.rows)  # the room for the new blocks: checked when staged
 
     def _added_trusted(self, ref: _GroupRef, part: RowBlocks, facts: AllocatorFacts,
@@ -296,10 +295,7 @@ class DecodeStager:
             return -1
         if total > max_pairs:
             return -1
-        sizes = update.allocator_block_sizes
-        if sizes is not None and sizes != self._sizes_ok:
-            check_update_block_sizes(table.specs, table.cp, update)
-            self._sizes_ok = sizes if type(sizes) is tuple else None
+        self._check_block_sizes(update)
         st.before_host_write()
         index, value = pairs[:total], pairs[total : 2 * total]
         at = 0
@@ -354,6 +350,14 @@ class DecodeStager:
         st.host.put(index, value)
         return total
 
+    def _check_block_sizes(self, update: StepUpdate) -> None:
+        """Raise unless the update's allocator block sizes match the table's groups (checked
+        once per distinct sizes: an engine's updates all carry the same)."""
+        sizes = update.allocator_block_sizes
+        if sizes is not None and sizes != self._sizes_ok:
+            check_update_block_sizes(self.table.specs, self.table.cp, update)
+            self._sizes_ok = sizes if type(sizes) is tuple else None
+
     def _stage_trusted_appends(self, update: StepUpdate, facts: AllocatorFacts,
                                pairs: np.ndarray, max_pairs: int) -> int:
         """:meth:`stage` of a decode step of one group from the allocator's journal: each
@@ -372,15 +376,11 @@ class DecodeStager:
             filled = self._filled_trusted(ref, part, facts, 0)
             if filled is None:
                 return -1
-        sizes = update.allocator_block_sizes
-        if sizes is not None and sizes != self._sizes_ok:
-            check_update_block_sizes(self.table.specs, self.table.cp, update)
-            self._sizes_ok = sizes if type(sizes) is tuple else None
+        self._check_block_sizes(update)
         if ref is None or filled is None:
             return 0  # nothing appended
         st = self.table.storage
-        if st.host_read_event is not None:  # (only after a large commit)
-            st.before_host_write()
+        st.before_host_write()
         index, value = pairs[:total], pairs[total : 2 * total]
         if _stage_appends(ref, part, filled, index, value, 0) < 0:
             return -1  # an append past the row's width: the general path names it

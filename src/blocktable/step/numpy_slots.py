@@ -27,7 +27,6 @@ from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 class _Group(NamedTuple):
     table: np.ndarray  # on cpu, int32 [max_num_reqs * width]: view of the group's table
     row_base: np.ndarray  # int64 [max_num_reqs]: row * width
-    kernel_block_size: int
     shift: int  # log2 of the kernel block size; -1 if it is not a power of two
     # the kernel block size, its log2 and the offset mask as 0-d int64 arrays: a ufunc converts
     # a Python int operand on every call (about a third more with cold caches)
@@ -63,7 +62,7 @@ class CheckedSlots:
             shift = size.bit_length() - 1 if size & (size - 1) == 0 else -1
             self.groups.append(_Group(
                 flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width],
-                np.arange(max_num_reqs, dtype=np.int64) * p.width, size, shift,
+                np.arange(max_num_reqs, dtype=np.int64) * p.width, shift,
                 np.array(size, np.int64), np.array(max(shift, 0), np.int64),
                 np.array(size - 1, np.int64),
             ))
