@@ -38,6 +38,7 @@ import torch
 from floors import format_floors, measure_floors
 
 import blocktable.step.runner as step_runner
+from blocktable._native_loader import native_module
 from blocktable.demo import DemoOptions
 from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
 
@@ -253,6 +254,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     res: dict = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(),
+                 "step_loops": "compiled" if native_module() is not None else "numpy",
                  "torch_threads": torch.get_num_threads(), "numpy": np.__version__}
     if args.device == "cuda":
         res["card"] = torch.cuda.get_device_name()
@@ -278,7 +280,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     where = res.get("card", f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
-    print(f"\nengine loop, block-table host time per step on {where}, torch {torch.__version__}")
+    print(f"\nengine loop, block-table host time per step on {where}, torch {torch.__version__}, "
+          f"step loops {res['step_loops']}")
     print(f"{'workload':<24}{'steps':>6}{'table p50 µs':>14}{'table mean µs':>15}"
           f"{'inputs p50 µs':>15}")
     for name in (*names, *(n + " (3 calls)" for n in names)):

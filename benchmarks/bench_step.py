@@ -29,6 +29,7 @@ import torch
 from floors import format_floors, measure_floors
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+from blocktable._native_loader import native_module
 from blocktable.step import CapturedStep
 
 try:  # updates of the allocator's journal carry facts (skipped checks) in newer versions
@@ -408,6 +409,7 @@ def main() -> None:
     if args.device == "cuda":
         results["card"] = torch.cuda.get_device_name()
     results["torch"] = torch.__version__
+    results["step_loops"] = "compiled" if native_module() is not None else "numpy"
     try:
         import triton
 
@@ -433,7 +435,7 @@ def print_table(results: dict) -> None:
     where = results.get(
         "card", f"cpu ({results['slot_mapping'][0].get('torch_threads')} torch threads)")
     print(f"\nblocktable per-step benchmark on {where} (torch {results['torch']}, triton "
-          f"{results.get('triton')})")
+          f"{results.get('triton')}, step loops {results['step_loops']})")
     if cuda:
         print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'eager µs':>10}"
               f"{'host µs':>9}   vLLM graph/eager µs")

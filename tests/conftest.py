@@ -29,3 +29,17 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def triton_device() -> str:
     return TRITON_DEVICE
+
+
+@pytest.fixture(params=["native", "numpy"])
+def native_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the compiled step loops (skipped where they are not built) and with
+    their numpy twins: objects made inside the test take the mode."""
+    import blocktable._native_loader as loader
+
+    if request.param == "native":
+        if loader.NATIVE is None:
+            pytest.skip("blocktable._native is not built here (no C compiler at install)")
+    else:
+        monkeypatch.setattr(loader, "NATIVE", None)
+    return str(request.param)

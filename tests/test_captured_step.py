@@ -14,6 +14,9 @@ ROWS, TOKENS, NUM_BLOCKS = 6, 16, 200
 SPECS = [GroupSpec(4, max_num_blocks=6, num_blocks=NUM_BLOCKS),
          GroupSpec(8, kernel_block_size=4, max_num_blocks=3, num_blocks=NUM_BLOCKS)]
 
+# every test here runs with the compiled step loops and with their numpy twins
+pytestmark = pytest.mark.usefixtures("native_mode")
+
 
 def make_table(device: str, backend: str, specs: list[GroupSpec] = SPECS) -> MultiGroupBlockTable:
     return MultiGroupBlockTable(specs, ROWS, None, TOKENS, device, backend=backend)

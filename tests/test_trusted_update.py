@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+import blocktable._native_loader as loader
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
+from blocktable._native_loader import native_module
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.step import CapturedStep
@@ -98,6 +100,7 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
     np.testing.assert_array_equal(a.slot_buffers.numpy(), b.slot_buffers.numpy())
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
@@ -134,6 +137,7 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
     assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1 and multi_block >= 2
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_device):
     """The same through the triton backend (the CUDA graph's kernels; under the interpreter
@@ -159,6 +163,7 @@ def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_devic
         np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 def test_journal_arrays_are_read_only_and_copies_lose_the_facts(groups):
     mgr = make_manager(groups)
@@ -191,6 +196,7 @@ def test_journal_arrays_are_read_only_and_copies_lose_the_facts(groups):
                                               getattr(getattr(update, part)[0], f))
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 def test_the_journals_constructors_make_what_the_dataclasses_make():
     """The journal builds its updates without the frozen dataclasses' ``__init__``: every field
     is set, and the objects equal (and repr as) those the plain constructors make."""
@@ -215,6 +221,7 @@ def _decode_update(rows: list[int], ids: list[int]) -> StepUpdate:
                                                   np.array(ids, np.int32))])
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 def test_bad_user_update_is_still_rejected_before_any_write():
     """Repeated rows, rows and ids out of range, counts that do not match the ids: refused
     with nothing written, in a table that has run the allocator's updates before."""
@@ -243,6 +250,7 @@ def test_bad_user_update_is_still_rejected_before_any_write():
         np.testing.assert_array_equal(bt.storage.device_tensor.numpy(), before[1])
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 def test_table_side_bounds_are_checked_on_trusted_updates():
     """The table, not the allocator, knows its width, rows and id bound: a trusted update past
     any of them is refused with nothing written."""
@@ -377,6 +385,7 @@ def _random_slots_case(rng: np.random.Generator, decode: bool, odd: bool):
     return bt, qsl, positions, rows
 
 
+@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("odd", [False, True])
 @pytest.mark.parametrize("decode", [True, False])
 def test_checked_slots_equal_the_general_numpy_function(decode, odd):
@@ -391,7 +400,7 @@ def test_checked_slots_equal_the_general_numpy_function(decode, odd):
         want = np.full((2, TOKENS), 99, np.int64)
         got = want.copy()
         slot_mapping_numpy(flat, bt.slot_params, qsl, positions, rows, want, ROWS)
-        CheckedSlots(flat, bt.slot_params, ROWS, TOKENS).map(
+        CheckedSlots(flat, bt.slot_params, ROWS, TOKENS, native_module()).map(
             qsl, positions, rows, got[:, : len(positions)], decode)
         np.testing.assert_array_equal(got[:, : len(positions)], want[:, : len(positions)])
 
@@ -404,6 +413,7 @@ class TrustedStepMachine(RuleBasedStateMachine):
     mapping: all three stay equal, and refuse the same updates with nothing written."""
 
     GROUPS = 1
+    NUMPY = False  # True: the captured steps use the numpy twins of the compiled loops
 
     @initialize()
     def setup(self) -> None:
@@ -415,7 +425,14 @@ class TrustedStepMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(specs, ROWS, max_model_len=MAX_LEN)
         self.tables = [MultiGroupBlockTable(table_specs, ROWS, MAX_LEN, TOKENS)
                        for _ in range(3)]
-        self.trusted, self.checked = CapturedStep(self.tables[0]), CapturedStep(self.tables[1])
+        saved = loader.NATIVE
+        if self.NUMPY:  # the numpy twins of the compiled loops
+            loader.NATIVE = None
+        try:
+            self.trusted = CapturedStep(self.tables[0])
+            self.checked = CapturedStep(self.tables[1])
+        finally:
+            loader.NATIVE = saved
         self.running: list[int] = []
         self.next_id = 0
 
@@ -512,3 +529,17 @@ TestTrustedSteps = TrustedStepMachine.TestCase
 TestTrustedSteps.settings = _SETTINGS
 TestTwoGroupTrustedSteps = TwoGroupTrustedStepMachine.TestCase
 TestTwoGroupTrustedSteps.settings = _SETTINGS
+
+
+class NumpyTrustedStepMachine(TrustedStepMachine):
+    NUMPY = True
+
+
+class NumpyTwoGroupTrustedStepMachine(TwoGroupTrustedStepMachine):
+    NUMPY = True
+
+
+TestNumpyTrustedSteps = NumpyTrustedStepMachine.TestCase
+TestNumpyTrustedSteps.settings = _SETTINGS
+TestNumpyTwoGroupTrustedSteps = NumpyTwoGroupTrustedStepMachine.TestCase
+TestNumpyTwoGroupTrustedSteps.settings = _SETTINGS

@@ -17,6 +17,7 @@ journals) and the journal is drained into the staging buffer, exactly as
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,9 +102,10 @@ class DecodeStager:
         The table whose host buffer (entries and counts) the decode steps write.
     """
 
-    def __init__(self, table: MultiGroupBlockTable) -> None:
+    def __init__(self, table: MultiGroupBlockTable, native: ModuleType | None = None) -> None:
         st = table.storage
         self.table = table
+        self.native = native
         self.refs = []
         for t in table.tables:
             if t is None:
@@ -373,6 +375,15 @@ class DecodeStager:
             total = n * (ref.k + 1)
             if total > max_pairs:
                 return -1
+            native = self.native
+            if native is not None:  # checks (ids, room) then writes, in one compiled call
+                self._check_block_sizes(update)
+                st = self.table.storage
+                st.before_host_write()
+                staged: int = native.stage_appends(
+                    st.host, pairs, part.rows, part.block_ids, ref.width, ref.k,
+                    ref.table_offset, ref.counts_offset, self.num_rows, ref.block_id_bound)
+                return staged if staged >= 0 else -1  # refused: the general path names it
             filled = self._filled_trusted(ref, part, facts, 0)
             if filled is None:
                 return -1

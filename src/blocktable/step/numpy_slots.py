@@ -15,6 +15,7 @@ bit-identical to it (the tests compare them on random steps).
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +27,8 @@ from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 
 class _Group(NamedTuple):
     table: np.ndarray  # on cpu, int32 [max_num_reqs * width]: view of the group's table
+    width: int  # kernel blocks per row
+    size: int  # the kernel block size, in tokens
     row_base: np.ndarray  # int64 [max_num_reqs]: row * width
     shift: int  # log2 of the kernel block size; -1 if it is not a power of two
     # the kernel block size, its log2 and the offset mask as 0-d int64 arrays: a ufunc converts
@@ -48,10 +51,14 @@ class CheckedSlots:
         Rows of each group's table.
     max_num_tokens : int
         Most tokens in a batch.
+    native : module or None
+        The compiled helpers (:mod:`blocktable._native_loader`), or ``None``: numpy.
     """
 
     def __init__(self, flat_table: np.ndarray, params: list[SlotGroupParams],
-                 max_num_reqs: int, max_num_tokens: int) -> None:
+                 max_num_reqs: int, max_num_tokens: int, native: ModuleType | None = None
+                 ) -> None:
+        self.native = native
         self.flat_table = flat_table
         self.params = params
         self.max_num_reqs = max_num_reqs
@@ -62,7 +69,7 @@ class CheckedSlots:
             shift = size.bit_length() - 1 if size & (size - 1) == 0 else -1
             self.groups.append(_Group(
                 flat_table[p.table_offset : p.table_offset + max_num_reqs * p.width],
-                np.arange(max_num_reqs, dtype=np.int64) * p.width, shift,
+                p.width, size, np.arange(max_num_reqs, dtype=np.int64) * p.width, shift,
                 np.array(size, np.int64), np.array(max(shift, 0), np.int64),
                 np.array(size - 1, np.int64),
             ))
@@ -80,6 +87,18 @@ class CheckedSlots:
         """
         num_tokens = len(positions)
         if not num_tokens:
+            return
+        native = self.native
+        if native is not None and self.fast:  # one compiled pass per group
+            by_request = None if decode else qsl
+            for g, out_g in zip(self.groups, out):
+                if native.map_slots(g.table, positions, by_request, rows, out_g, g.width, g.size,
+                                    self.max_num_reqs) < 0:
+                    break  # a position outside a row (or a row outside): the general function
+            else:
+                return
+            slot_mapping_numpy(self.flat_table, self.params, qsl, positions, rows, out,
+                               self.max_num_reqs)
             return
         # one argmax on a uint64 view: a negative position wraps past the bound
         wide = positions.view(np.uint64)

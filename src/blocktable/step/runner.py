@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from blocktable._checks import check_positive
+from blocktable._native_loader import native_module
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.step.host import FULL, DecodeStager, largest, stage_general
@@ -132,7 +133,8 @@ class CapturedStep:
         if cuda and self.mode == "numpy":
             raise ValueError("a captured step on CUDA needs the table's triton backend, got "
                              "backend='torch'")
-        self._stager = DecodeStager(table)
+        self._native = native_module()  # the compiled loops, or None (numpy)
+        self._stager = DecodeStager(table, self._native)
         words = self.layout.num_words
         num_slots = 2 if cuda else 1
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
@@ -164,7 +166,8 @@ class CapturedStep:
         numpy_mode = self.mode == "numpy"
         self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
         self._slots_np = table.slot_buffers.numpy() if numpy_mode else None
-        self._slots = (CheckedSlots(self._flat_np, table.slot_params, table.max_num_reqs, T)
+        self._slots = (CheckedSlots(self._flat_np, table.slot_params, table.max_num_reqs, T,
+                                    self._native)
                        if self._flat_np is not None else None)
         self._decode = False  # the last checked batch had one token per request
         L = self.layout
@@ -351,6 +354,12 @@ class CapturedStep:
                       rows: np.ndarray | None) -> None:
         """Raise unless ``qsl`` (int32 ``[num_reqs + 1]``) starts at 0, never decreases and
         ends at ``num_tokens``, and ``rows`` (int32 ``[num_reqs]``) lie in the table."""
+        native = self._native
+        if native is not None:  # one compiled pass; a failure falls through to the messages
+            code = native.check_batch(qsl, rows, num_tokens, self.table.max_num_reqs)
+            if code >= 0:
+                self._decode = code == 1
+                return
         # one token per request (a decode batch): well formed by one comparison of bytes
         self._decode = (num_tokens == num_reqs
                         and qsl.tobytes() == self._decode_qsl[: 4 * num_reqs + 4])
@@ -374,7 +383,10 @@ class CapturedStep:
         assert flat is not None and out is not None
         if num_pairs > 0:  # (scatter_numpy, inlined: a call costs ~1 us with cold caches)
             pairs = v.pairs
-            flat.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
+            if self._native is None:
+                flat.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
+            elif self._native.scatter(flat, pairs, num_pairs) < 0:  # staged by the step itself
+                raise RuntimeError("a staged pair indexes past the table buffer")
         if not table.slot_params:
             return
         if table.slot_mapping_calls != self._calls_seen:

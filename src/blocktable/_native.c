@@ -1,0 +1,337 @@
+/* blocktable._native: the per-step host loops of a captured step, compiled.
+ *
+ * An engine's step calls each of these once. In Python with numpy the same work is a dozen
+ * numpy calls, each paying cold caches between steps; here it is one call. Every function
+ * has a pure-numpy twin in the package (the fallback where this module is not built), and the
+ * tests compare the two on random inputs.
+ *
+ * Arrays come through the buffer protocol: 1-D, C-contiguous, int32 ("i32") or int64 ("i64")
+ * by item size. A wrong item size, a read-only output or a non-contiguous array raises
+ * (TypeError / BufferError); bad values return a negative code and write nothing the caller
+ * keeps (see each function).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PAD_SLOT_ID (-1)
+#define NULL_BLOCK_ID 0
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static int get_buf(PyObject *obj, Buf *b, Py_ssize_t itemsize, int writable, const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &b->view, flags) < 0)
+        return -1;
+    b->held = 1;
+    if (b->view.itemsize != itemsize || b->view.ndim > 1) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of %zd-byte integers", name,
+                     itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Buf *bufs, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (bufs[i].held)
+            PyBuffer_Release(&bufs[i].view);
+}
+
+#define LEN(b) ((b).view.len / (b).view.itemsize)
+#define I32(b) ((int32_t *)(b).view.buf)
+#define I64(b) ((int64_t *)(b).view.buf)
+
+static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long long *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(args[from + i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* stage_appends(host, pairs, rows, ids, width, k, table_offset, counts_offset, num_rows,
+ *               id_bound) -> int
+ *
+ * Rows gaining one manager block each (rows int32 [n], distinct; ids int32 [n]): stage the
+ * pairs into pairs (int32 [>= 2 * n * (k + 1)]: the n * (k + 1) flat indices, then their
+ * values; for each row its k kernel-block entries, then after all rows the n counts) and write
+ * them into host (int32, the flat host buffer: counts at counts_offset + row, the row's
+ * entries at table_offset + row * width).
+ *
+ * Returns n * (k + 1); or, with nothing written to host (pairs may be): -1 when a row has no
+ * room for k more kernel blocks, -2 for an id outside [0, id_bound), -3 for a row outside
+ * [0, num_rows), -4 for len(ids) != len(rows) or pairs too short.
+ */
+static PyObject *stage_appends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "stage_appends takes 10 arguments");
+        return NULL;
+    }
+    long long v[6];
+    if (get_ints(args, 4, 6, v) < 0)
+        return NULL;
+    const long long width = v[0], k = v[1], table_offset = v[2], counts_offset = v[3];
+    const long long num_rows = v[4], id_bound = v[5];
+    Buf b[4];
+    memset(b, 0, sizeof b);
+    long long result = 0;
+    if (get_buf(args[0], &b[0], 4, 1, "host") < 0 || get_buf(args[1], &b[1], 4, 1, "pairs") < 0
+        || get_buf(args[2], &b[2], 4, 0, "rows") < 0 || get_buf(args[3], &b[3], 4, 0, "ids") < 0)
+        goto fail;
+    {
+        int32_t *host = I32(b[0]), *pairs = I32(b[1]);
+        const int32_t *rows = I32(b[2]), *ids = I32(b[3]);
+        const Py_ssize_t n = LEN(b[2]), host_len = LEN(b[0]);
+        const long long total = n * (k + 1);
+        if (LEN(b[3]) != n || LEN(b[1]) < 2 * total || k < 1) {
+            result = -4;
+            goto done;
+        }
+        if (counts_offset < 0 || counts_offset + num_rows > host_len || table_offset < 0
+            || table_offset + num_rows * width > host_len) {
+            PyErr_SetString(PyExc_ValueError, "stage_appends: the layout lies outside host");
+            goto fail;
+        }
+        int32_t *index = pairs, *value = pairs + total;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const long long row = rows[i], id = ids[i];
+            if (row < 0 || row >= num_rows) {
+                result = -3;
+                goto done;
+            }
+            if (id < 0 || id >= id_bound) {
+                result = -2;
+                goto done;
+            }
+            const long long filled = host[counts_offset + row];
+            if (filled < 0 || filled > width - k) {
+                result = -1;
+                goto done;
+            }
+            const long long start = table_offset + row * width + filled;
+            for (long long j = 0; j < k; j++) {
+                index[i * k + j] = (int32_t)(start + j);
+                value[i * k + j] = id == NULL_BLOCK_ID ? NULL_BLOCK_ID : (int32_t)(id * k + j);
+            }
+            index[n * k + i] = (int32_t)(counts_offset + row);
+            value[n * k + i] = (int32_t)(filled + k);
+        }
+        for (long long p = 0; p < total; p++)  /* every check passed: now the writes */
+            host[index[p]] = value[p];
+        result = total;
+    }
+done:
+    release(b, 4);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 4);
+    return NULL;
+}
+
+/* scatter(flat, pairs, n): flat[pairs[i]] = pairs[n + i] for i < n (int32 both). Every index
+ * is checked against len(flat) before the first write: -1 (nothing written) for one outside,
+ * else n. */
+static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter takes 3 arguments");
+        return NULL;
+    }
+    long long n;
+    if (get_ints(args, 2, 1, &n) < 0)
+        return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    long long result = n;
+    if (get_buf(args[0], &b[0], 4, 1, "flat") < 0 || get_buf(args[1], &b[1], 4, 0, "pairs") < 0)
+        goto fail;
+    {
+        int32_t *flat = I32(b[0]);
+        const int32_t *pairs = I32(b[1]);
+        const Py_ssize_t len = LEN(b[0]);
+        if (n < 0 || 2 * n > LEN(b[1])) {
+            PyErr_SetString(PyExc_ValueError, "scatter: n must lie in [0, len(pairs) / 2]");
+            goto fail;
+        }
+        for (long long i = 0; i < n; i++)
+            if (pairs[i] < 0 || pairs[i] >= len) {
+                result = -1;
+                goto done;
+            }
+        for (long long i = 0; i < n; i++)
+            flat[pairs[i]] = pairs[n + i];
+    }
+done:
+    release(b, 2);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 2);
+    return NULL;
+}
+
+/* check_batch(qsl, rows, num_tokens, num_rows) -> int
+ *
+ * qsl int32 [num_reqs + 1], rows int32 [num_reqs] or None. Returns 1 when qsl is 0, 1, ...,
+ * num_reqs and num_tokens == num_reqs (a decode batch), 0 for another well-formed batch (qsl
+ * starts at 0, never decreases, ends at num_tokens), -1 for a malformed qsl, -2 for a row
+ * outside [0, num_rows).
+ */
+static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "check_batch takes 4 arguments");
+        return NULL;
+    }
+    long long v[2];
+    if (get_ints(args, 2, 2, v) < 0)
+        return NULL;
+    const long long num_tokens = v[0], num_rows = v[1];
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    long long result = 0;
+    const int with_rows = args[1] != Py_None;
+    if (get_buf(args[0], &b[0], 4, 0, "query_start_loc") < 0
+        || (with_rows && get_buf(args[1], &b[1], 4, 0, "row_of_batch") < 0))
+        goto fail;
+    {
+        const int32_t *qsl = I32(b[0]);
+        const Py_ssize_t num_reqs = LEN(b[0]) - 1;
+        if (num_reqs < 0 || qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
+            result = -1;
+            goto done;
+        }
+        int decode = num_tokens == num_reqs;
+        for (Py_ssize_t r = 0; r < num_reqs; r++) {
+            if (qsl[r + 1] < qsl[r]) {
+                result = -1;
+                goto done;
+            }
+            decode &= qsl[r + 1] == r + 1;
+        }
+        if (with_rows) {
+            const int32_t *rows = I32(b[1]);
+            const Py_ssize_t n = LEN(b[1]) < num_reqs ? LEN(b[1]) : num_reqs;
+            for (Py_ssize_t r = 0; r < n; r++)
+                if (rows[r] < 0 || rows[r] >= num_rows) {
+                    result = -2;
+                    goto done;
+                }
+        }
+        result = decode;
+    }
+done:
+    release(b, 2);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 2);
+    return NULL;
+}
+
+/* map_slots(table, positions, qsl, rows, out, width, block_size, num_rows) -> int
+ *
+ * One group's slot mapping of a checked batch: table int32 [num_rows * width] (the group's
+ * table: the null block past each row's count), positions int64 [num_tokens], qsl int32
+ * [num_reqs + 1] (well formed) or None for a decode batch (token t is request t), rows int32
+ * [num_reqs] in [0, num_rows), out int64 [>= num_tokens]. The slot of a token at position p
+ * of row r is id * block_size + p % block_size for id = table[r * width + p / block_size],
+ * PAD_SLOT_ID where id is the null block.
+ *
+ * Returns 0; or -1 for a position outside [0, width * block_size) or a row outside the table
+ * (the caller's general function handles both; out is partly written).
+ */
+static PyObject *map_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "map_slots takes 8 arguments");
+        return NULL;
+    }
+    long long v[3];
+    if (get_ints(args, 5, 3, v) < 0)
+        return NULL;
+    const long long width = v[0], block_size = v[1], num_rows = v[2];
+    Buf b[5];
+    memset(b, 0, sizeof b);
+    long long result = 0;
+    const int decode = args[2] == Py_None;
+    if (get_buf(args[0], &b[0], 4, 0, "table") < 0 || get_buf(args[1], &b[1], 8, 0, "positions") < 0
+        || (!decode && get_buf(args[2], &b[2], 4, 0, "query_start_loc") < 0)
+        || get_buf(args[3], &b[3], 4, 0, "rows") < 0 || get_buf(args[4], &b[4], 8, 1, "out") < 0)
+        goto fail;
+    {
+        const int32_t *table = I32(b[0]), *rows = I32(b[3]);
+        const int64_t *positions = I64(b[1]);
+        int64_t *out = I64(b[4]);
+        const Py_ssize_t num_tokens = LEN(b[1]), num_reqs = LEN(b[3]);
+        const long long bound = width * block_size;
+        if (block_size < 1 || num_rows * width > LEN(b[0]) || LEN(b[4]) < num_tokens
+            || (decode ? num_reqs < num_tokens : LEN(b[2]) != num_reqs + 1)) {
+            PyErr_SetString(PyExc_ValueError, "map_slots: arrays of inconsistent sizes");
+            goto fail;
+        }
+        const int32_t *qsl = decode ? NULL : I32(b[2]);
+        const int pow2 = (block_size & (block_size - 1)) == 0;
+        int shift = 0;
+        while (pow2 && (1LL << shift) < block_size)
+            shift++;
+        for (Py_ssize_t r = 0; r < (decode ? num_tokens : num_reqs); r++) {
+            const long long row = rows[r];
+            if (row < 0 || row >= num_rows) {
+                result = -1;
+                goto done;
+            }
+            const int32_t *entries = table + row * width;
+            Py_ssize_t t = decode ? r : qsl[r], end = decode ? r + 1 : qsl[r + 1];
+            if (t < 0 || end > num_tokens) {
+                result = -1;
+                goto done;
+            }
+            for (; t < end; t++) {
+                const int64_t pos = positions[t];
+                if (pos < 0 || pos >= bound) {
+                    result = -1;
+                    goto done;
+                }
+                const int64_t block = pow2 ? pos >> shift : pos / block_size;
+                const int64_t offset = pow2 ? pos & (block_size - 1) : pos % block_size;
+                const int64_t id = entries[block];
+                out[t] = id == NULL_BLOCK_ID ? PAD_SLOT_ID : id * block_size + offset;
+            }
+        }
+    }
+done:
+    release(b, 5);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 5);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"stage_appends", (PyCFunction)(void (*)(void))stage_appends, METH_FASTCALL,
+     "Stage and write rows gaining one block each (see the module source)."},
+    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
+     "flat[pairs[:n]] = pairs[n:2n], every index checked first."},
+    {"check_batch", (PyCFunction)(void (*)(void))check_batch, METH_FASTCALL,
+     "1 for a decode batch, 0 for another well-formed one, -1 bad qsl, -2 bad row."},
+    {"map_slots", (PyCFunction)(void (*)(void))map_slots, METH_FASTCALL,
+     "One group's slot mapping of a checked batch; -1: the general function must map it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "blocktable._native",
+    "The captured step's per-step host loops, compiled (optional: numpy twins stand in).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,219 @@
+"""The compiled step loops (``blocktable._native``) against pure-Python models of what they do,
+on fresh random inputs, refusals included (nothing written), and the build itself."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+
+import blocktable._native_loader as loader
+
+native = loader.NATIVE
+needs_native = pytest.mark.skipif(native is None, reason="blocktable._native is not built here")
+
+
+def test_the_install_built_the_extension_where_a_compiler_is():
+    """Where a C compiler and Python's headers are at hand the install must have built the
+    extension (an optional build fails quietly: this is where it would show)."""
+    if os.environ.get("BLOCKTABLE_NATIVE", "1") == "0":
+        pytest.skip("BLOCKTABLE_NATIVE=0")
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    include = sysconfig.get_paths()["include"]
+    if shutil.which(cc) is None or not os.path.exists(os.path.join(include, "Python.h")):
+        pytest.skip("no C compiler or no Python headers here")
+    assert native is not None, "a compiler is here, but blocktable._native was not built"
+
+
+# ------------------------------------------------------------------ models
+def model_stage_appends(host, rows, ids, width, k, table_offset, counts_offset, num_rows,
+                        id_bound):
+    """(code, pairs) of stage_appends; host is written only on success."""
+    n = len(rows)
+    if len(ids) != n:
+        return -4, None
+    index, value, counts_i, counts_v = [], [], [], []
+    for row, block in zip(rows.tolist(), ids.tolist()):
+        if not 0 <= row < num_rows:
+            return -3, None
+        if not 0 <= block < id_bound:
+            return -2, None
+        filled = int(host[counts_offset + row])
+        if not 0 <= filled <= width - k:
+            return -1, None
+        for j in range(k):
+            index.append(table_offset + row * width + filled + j)
+            value.append(0 if block == 0 else block * k + j)
+        counts_i.append(counts_offset + row)
+        counts_v.append(filled + k)
+    index += counts_i
+    value += counts_v
+    for i, v in zip(index, value):
+        host[i] = v
+    return len(index), index + value
+
+
+def model_map_slots(table, positions, qsl, rows, width, block_size, num_rows):
+    """The slots of map_slots, or None where it must hand the batch to the general function."""
+    out = []
+    spans = ([(t, t + 1) for t in range(len(positions))] if qsl is None
+             else list(zip(qsl[:-1].tolist(), qsl[1:].tolist())))
+    for r, (start, end) in enumerate(spans):
+        row = int(rows[r])
+        if not 0 <= row < num_rows:
+            return None
+        for t in range(start, end):
+            pos = int(positions[t])
+            if not 0 <= pos < width * block_size:
+                return None
+            block = int(table[row * width + pos // block_size])
+            out.append(-1 if block == 0 else block * block_size + pos % block_size)
+    return out
+
+
+def model_check_batch(qsl, rows, num_tokens, num_rows):
+    q = qsl.tolist()
+    if q[0] != 0 or q[-1] != num_tokens or any(b < a for a, b in itertools.pairwise(q)):
+        return -1
+    if rows is not None and any(not 0 <= r < num_rows for r in rows.tolist()):
+        return -2
+    return int(num_tokens == len(q) - 1 and q == list(range(len(q))))
+
+
+# ------------------------------------------------------------------ stage_appends
+@needs_native
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_stage_appends_equals_the_model(k):
+    rng = np.random.default_rng(k)
+    for _ in range(300):
+        num_rows, width = int(rng.integers(1, 12)), k * int(rng.integers(1, 6))
+        table_offset = int(rng.integers(0, 5))
+        counts_offset = table_offset + num_rows * width + int(rng.integers(0, 3))
+        host = rng.integers(0, 50, counts_offset + num_rows + 2).astype(np.int32)
+        host[counts_offset : counts_offset + num_rows] = k * rng.integers(
+            0, width // k + 1, num_rows)  # filled entries: full rows included
+        n = int(rng.integers(0, num_rows + 1))
+        rows = rng.permutation(num_rows)[:n].astype(np.int32)
+        id_bound = int(rng.integers(1, 100))
+        ids = rng.integers(0, id_bound, n).astype(np.int32)
+        if n and rng.random() < 0.15:  # an id or a row outside
+            (ids if rng.random() < 0.5 else rows)[rng.integers(n)] = rng.choice(
+                [-1, id_bound + 200, 10**6])
+        if rng.random() < 0.05:
+            ids = ids[:-1] if n else np.zeros(1, np.int32)
+        want_host = host.copy()
+        code, want_pairs = model_stage_appends(want_host, rows, ids, width, k, table_offset,
+                                               counts_offset, num_rows, id_bound)
+        pairs = np.full(2 * n * (k + 1) + 3, -7, np.int32)
+        got = native.stage_appends(host, pairs, rows, ids, width, k, table_offset,
+                                   counts_offset, num_rows, id_bound)
+        assert got == code
+        np.testing.assert_array_equal(host, want_host)  # refused: host as it was
+        if code >= 0:
+            assert pairs[: 2 * code].tolist() == want_pairs
+
+
+@needs_native
+def test_stage_appends_refuses_short_pairs_and_a_layout_outside_host():
+    host = np.zeros(20, np.int32)
+    rows, ids = np.array([0, 1], np.int32), np.array([3, 4], np.int32)
+    assert native.stage_appends(host, np.zeros(7, np.int32), rows, ids, 4, 1, 0, 16, 4, 9) == -4
+    assert not host.any()
+    with pytest.raises(ValueError, match="outside host"):
+        native.stage_appends(host, np.zeros(8, np.int32), rows, ids, 4, 1, 0, 18, 4, 9)
+
+
+# ------------------------------------------------------------------ scatter
+@needs_native
+def test_scatter_equals_put_and_refuses_an_index_outside_with_nothing_written():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        flat = rng.integers(-5, 50, int(rng.integers(1, 40))).astype(np.int32)
+        n = int(rng.integers(0, 10))
+        index = rng.integers(0, len(flat), n)
+        bad = n and rng.random() < 0.2
+        if bad:
+            index[rng.integers(n)] = rng.choice([-1, len(flat), len(flat) + 9])
+        pairs = np.concatenate([index, rng.integers(0, 99, n), [123]]).astype(np.int32)
+        want = flat.copy()
+        if not bad:
+            want[index] = pairs[n : 2 * n]  # numpy's put: the last write of an index wins
+        assert native.scatter(flat, pairs, n) == (-1 if bad else n)
+        np.testing.assert_array_equal(flat, want)
+    with pytest.raises(ValueError, match="n must lie"):
+        native.scatter(np.zeros(4, np.int32), np.zeros(4, np.int32), 3)
+
+
+# ------------------------------------------------------------------ check_batch
+@needs_native
+def test_check_batch_equals_the_model():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        num_reqs = int(rng.integers(0, 9))
+        decode = rng.random() < 0.5
+        counts = np.ones(num_reqs, np.int64) if decode else rng.integers(0, 4, num_reqs)
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        num_tokens = int(qsl[-1])
+        roll = rng.random()
+        if roll < 0.1:
+            qsl[rng.integers(len(qsl))] += rng.choice([-2, -1, 1, 3])  # often malformed
+        elif roll < 0.15:
+            num_tokens += 1
+        num_rows = int(rng.integers(1, 10))
+        rows = None if rng.random() < 0.2 else rng.integers(-1, num_rows + 1, num_reqs).astype(
+            np.int32)
+        want = model_check_batch(qsl, rows, num_tokens, num_rows)
+        assert native.check_batch(qsl, rows, num_tokens, num_rows) == want
+
+
+# ------------------------------------------------------------------ map_slots
+@needs_native
+@pytest.mark.parametrize("block_size", [1, 4, 16, 6])
+def test_map_slots_equals_the_model(block_size):
+    rng = np.random.default_rng(block_size)
+    for _ in range(300):
+        num_rows, width = int(rng.integers(1, 8)), int(rng.integers(1, 6))
+        table = rng.integers(0, 30, num_rows * width + int(rng.integers(0, 3))).astype(np.int32)
+        table[rng.random(len(table)) < 0.3] = 0  # null blocks inside rows
+        num_reqs = int(rng.integers(1, 7))
+        decode = rng.random() < 0.5
+        counts = np.ones(num_reqs, np.int64) if decode else rng.integers(0, 4, num_reqs)
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        num_tokens = int(qsl[-1])
+        positions = rng.integers(0, width * block_size, num_tokens).astype(np.int64)
+        rows = rng.integers(0, num_rows, num_reqs).astype(np.int32)
+        if num_tokens and rng.random() < 0.15:  # outside the row, or a row outside the table
+            positions[rng.integers(num_tokens)] = rng.choice([-1, width * block_size, 10**9])
+        if rng.random() < 0.05:
+            rows[rng.integers(num_reqs)] = rng.choice([-1, num_rows])
+        by_request = None if decode else qsl
+        want = model_map_slots(table, positions, by_request, rows, width, block_size, num_rows)
+        out = np.full(num_tokens + 2, 77, np.int64)
+        code = native.map_slots(table, positions, by_request, rows, out, width, block_size,
+                                num_rows)
+        if want is None:
+            assert code == -1
+        else:
+            assert code == 0
+            assert out[:num_tokens].tolist() == want
+            assert out[num_tokens:].tolist() == [77, 77]  # nothing past the batch
+
+
+# ------------------------------------------------------------------ bad arguments
+@needs_native
+def test_wrong_item_sizes_and_read_only_outputs_raise():
+    i32, i64 = np.zeros(8, np.int32), np.zeros(8, np.int64)
+    with pytest.raises(TypeError, match="positions must be a 1-D array of 8-byte"):
+        native.map_slots(i32, i32, None, i32, i64, 2, 4, 4)
+    with pytest.raises(TypeError, match="host must be a 1-D array of 4-byte"):
+        native.stage_appends(i64, i32, i32[:0], i32[:0], 2, 1, 0, 4, 2, 5)
+    frozen = np.zeros(8, np.int32)
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        native.scatter(frozen, i32, 0)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        native.scatter(i32, i32)
