@@ -217,3 +217,102 @@ def test_wrong_item_sizes_and_read_only_outputs_raise():
         native.scatter(frozen, i32, 0)
     with pytest.raises(TypeError, match="takes 3 arguments"):
         native.scatter(i32, i32)
+
+
+# ------------------------------------------------------------------ stage_group
+def model_stage_group(host, max_pairs, cleared, added, appended, width, k, table_offset,
+                      counts_offset, num_rows, id_bound):
+    """(code, {index: value}) of stage_group; host is written only on success."""
+    writes = {}
+    for row in cleared.tolist():
+        if not 0 <= row < num_rows:
+            return -3, None
+        old = int(host[counts_offset + row])
+        if not 0 <= old <= width:
+            return -4, None
+        for e in range(old):
+            writes[table_offset + row * width + e] = 0
+        writes[counts_offset + row] = 0
+    for (rows, num, ids), is_added in ((added, True), (appended, False)):
+        if len(num) != len(rows):
+            return -4, None
+        at = 0
+        for row, count in zip(rows.tolist(), num.tolist()):
+            if not 0 <= row < num_rows:
+                return -3, None
+            if count < 0 or at + count > len(ids):
+                return -4, None
+            mine = ids[at : at + count].tolist()
+            at += count
+            if any(not 0 <= b < id_bound for b in mine):
+                return -2, None
+            old = int(host[counts_offset + row])
+            if not 0 <= old <= width:
+                return -4, None
+            start = 0 if is_added else old
+            end = start + count * k
+            if end > width:
+                return -1, None
+            base = table_offset + row * width
+            for j, block in enumerate(mine):
+                for e in range(k):
+                    writes[base + start + j * k + e] = 0 if block == 0 else block * k + e
+            for e in range(end, old if is_added else end):
+                writes[base + e] = 0
+            writes[counts_offset + row] = end
+        if at != len(ids):
+            return -4, None
+    if len(writes) > max_pairs:
+        return -5, None
+    for i, value in writes.items():
+        host[i] = value
+    return len(writes), writes
+
+
+def _random_part(rng, rows, id_bound, most):
+    num = rng.integers(0, most + 1, len(rows)).astype(np.int32)
+    ids = rng.integers(0, id_bound, int(num.sum())).astype(np.int32)
+    return rows.astype(np.int32), num, ids
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_stage_group_equals_the_model(k):
+    """Cleared, added and appended rows of one group (distinct across the parts), refusals of
+    every kind with host as it was, and pairs that hold each write once."""
+    rng = np.random.default_rng(10 + k)
+    for _ in range(400):
+        num_rows, width = int(rng.integers(1, 10)), k * int(rng.integers(1, 6))
+        table_offset = int(rng.integers(0, 4))
+        counts_offset = table_offset + num_rows * width + int(rng.integers(0, 3))
+        host = rng.integers(0, 40, counts_offset + num_rows + 1).astype(np.int32)
+        host[counts_offset : counts_offset + num_rows] = k * rng.integers(
+            0, width // k + 1, num_rows)
+        order = rng.permutation(num_rows).astype(np.int32)
+        cuts = np.sort(rng.integers(0, num_rows + 1, 3))
+        cleared = order[: cuts[0]]
+        id_bound = int(rng.integers(1, 60))
+        most = width // k
+        added = _random_part(rng, order[cuts[0] : cuts[1]], id_bound, most)
+        appended = _random_part(rng, order[cuts[1] : cuts[2]], id_bound, 2)
+        roll = rng.random()
+        if roll < 0.08 and len(added[2]):
+            added[2][rng.integers(len(added[2]))] = rng.choice([-1, id_bound])
+        elif roll < 0.12 and len(appended[0]):
+            appended[0][rng.integers(len(appended[0]))] = rng.choice([-1, num_rows])
+        elif roll < 0.16:
+            appended = (appended[0], appended[1], appended[2][:-1] if len(appended[2]) else
+                        np.zeros(1, np.int32))
+        max_pairs = int(rng.integers(0, 40))
+        want_host = host.copy()
+        code, writes = model_stage_group(want_host, max_pairs, cleared, added, appended, width,
+                                         k, table_offset, counts_offset, num_rows, id_bound)
+        pairs = np.full(2 * max_pairs + 1, -7, np.int32)
+        got = native.stage_group(host, pairs, max_pairs, cleared, *added, *appended, width, k,
+                                 table_offset, counts_offset, num_rows, id_bound)
+        assert got == code
+        np.testing.assert_array_equal(host, want_host)  # refused: host as it was
+        if code >= 0:
+            index, value = pairs[:code].tolist(), pairs[code : 2 * code].tolist()
+            assert len(set(index)) == code  # each entry once: the device scatter has no order
+            assert dict(zip(index, value)) == writes

@@ -138,6 +138,170 @@ fail:
     return NULL;
 }
 
+/* One part of stage_group: rows int32 [n], num int32 [n] (manager blocks per row), ids int32
+ * [sum(num)]; for added rows the entries start at 0, for appended rows at the row's count. */
+typedef struct {
+    const int32_t *rows, *num, *ids;
+    Py_ssize_t n, num_ids;
+    int added;
+} Part;
+
+/* stage_group(host, pairs, max_pairs, cleared, add_rows, add_num, add_ids, app_rows, app_num,
+ *             app_ids, width, k, table_offset, counts_offset, num_rows, id_bound) -> int
+ *
+ * A step's update of one group whose rows are distinct across its parts (the allocator's
+ * journal promises it): cleared rows lose their entries (set to the null block) and their
+ * count; added rows get add_num[i] * k entries from 0 (their ids), the entries past them
+ * that held ids become null; appended rows gain app_num[i] * k entries after their count.
+ * Stages the pairs (indices, then values, as stage_appends) and writes them into host.
+ *
+ * Returns the number of pairs; or, with nothing written to host: -1 a row past its width,
+ * -2 an id outside [0, id_bound), -3 a row outside [0, num_rows), -4 sizes that disagree
+ * (ids against the counts, a negative count, a count outside the row), -5 more than max_pairs.
+ */
+static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "stage_group takes 16 arguments");
+        return NULL;
+    }
+    long long v[7];
+    if (get_ints(args, 10, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0)
+        return NULL;
+    const long long max_pairs = v[0], width = v[1], k = v[2], table_offset = v[3];
+    const long long counts_offset = v[4], num_rows = v[5], id_bound = v[6];
+    static const char *names[] = {"host", "pairs", "cleared_rows", "added rows",
+                                  "added counts", "added ids", "appended rows",
+                                  "appended counts", "appended ids"};
+    Buf b[9];
+    memset(b, 0, sizeof b);
+    long long result = 0;
+    for (int i = 0; i < 9; i++)
+        if (get_buf(args[i < 2 ? i : i + 1], &b[i], 4, i < 2, names[i]) < 0)
+            goto fail;
+    {
+        int32_t *host = I32(b[0]), *pairs = I32(b[1]);
+        const Py_ssize_t host_len = LEN(b[0]);
+        const int32_t *cleared = I32(b[2]);
+        const Py_ssize_t num_cleared = LEN(b[2]);
+        Part parts[2] = {
+            {I32(b[3]), I32(b[4]), I32(b[5]), LEN(b[3]), LEN(b[5]), 1},
+            {I32(b[6]), I32(b[7]), I32(b[8]), LEN(b[6]), LEN(b[8]), 0},
+        };
+        if (k < 1 || width < 0 || max_pairs < 0 || 2 * max_pairs > LEN(b[1])) {
+            PyErr_SetString(PyExc_ValueError, "stage_group: k, width or max_pairs out of range");
+            goto fail;
+        }
+        if (counts_offset < 0 || counts_offset + num_rows > host_len || table_offset < 0
+            || table_offset + num_rows * width > host_len) {
+            PyErr_SetString(PyExc_ValueError, "stage_group: the layout lies outside host");
+            goto fail;
+        }
+        if (LEN(b[4]) != parts[0].n || LEN(b[7]) != parts[1].n) {
+            result = -4;
+            goto done;
+        }
+        /* pass 1: check everything and count the pairs */
+        long long total = 0;
+        for (Py_ssize_t i = 0; i < num_cleared; i++) {
+            const long long row = cleared[i];
+            if (row < 0 || row >= num_rows) {
+                result = -3;
+                goto done;
+            }
+            const long long old = host[counts_offset + row];
+            if (old < 0 || old > width) {
+                result = -4;
+                goto done;
+            }
+            total += old + 1;
+        }
+        for (int p = 0; p < 2; p++) {
+            const Part *part = &parts[p];
+            long long at = 0;
+            for (Py_ssize_t i = 0; i < part->n; i++) {
+                const long long row = part->rows[i], num = part->num[i];
+                if (row < 0 || row >= num_rows) {
+                    result = -3;
+                    goto done;
+                }
+                if (num < 0 || at + num > part->num_ids) {
+                    result = -4;
+                    goto done;
+                }
+                for (long long j = at; j < at + num; j++)
+                    if (part->ids[j] < 0 || part->ids[j] >= id_bound) {
+                        result = -2;
+                        goto done;
+                    }
+                at += num;
+                const long long old = host[counts_offset + row];
+                if (old < 0 || old > width) {
+                    result = -4;
+                    goto done;
+                }
+                const long long start = part->added ? 0 : old, end = start + num * k;
+                if (end > width) {
+                    result = -1;
+                    goto done;
+                }
+                total += num * k + 1 + (part->added && old > end ? old - end : 0);
+            }
+            if (at != part->num_ids) {
+                result = -4;
+                goto done;
+            }
+        }
+        if (total > max_pairs) {
+            result = -5;
+            goto done;
+        }
+        /* pass 2: the pairs; every check passed */
+        int32_t *index = pairs, *value = pairs + total;
+        long long w = 0;
+        for (Py_ssize_t i = 0; i < num_cleared; i++) {
+            const long long row = cleared[i], old = host[counts_offset + row];
+            for (long long e = 0; e < old; e++) {
+                index[w] = (int32_t)(table_offset + row * width + e);
+                value[w++] = NULL_BLOCK_ID;
+            }
+            index[w] = (int32_t)(counts_offset + row);
+            value[w++] = 0;
+        }
+        for (int p = 0; p < 2; p++) {
+            const Part *part = &parts[p];
+            const int32_t *ids = part->ids;
+            for (Py_ssize_t i = 0; i < part->n; i++) {
+                const long long row = part->rows[i], num = part->num[i];
+                const long long old = host[counts_offset + row];
+                const long long start = part->added ? 0 : old, end = start + num * k;
+                const long long base = table_offset + row * width;
+                for (long long j = 0; j < num; j++, ids++)
+                    for (long long e = 0; e < k; e++) {
+                        index[w] = (int32_t)(base + start + j * k + e);
+                        value[w++] = *ids == NULL_BLOCK_ID ? NULL_BLOCK_ID : (int32_t)(*ids * k + e);
+                    }
+                for (long long e = end; part->added && e < old; e++) {
+                    index[w] = (int32_t)(base + e);
+                    value[w++] = NULL_BLOCK_ID;
+                }
+                index[w] = (int32_t)(counts_offset + row);
+                value[w++] = (int32_t)end;
+            }
+        }
+        /* pass 3: the host table */
+        for (long long q = 0; q < total; q++)
+            host[index[q]] = value[q];
+        result = total;
+    }
+done:
+    release(b, 9);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 9);
+    return NULL;
+}
+
 /* scatter(flat, pairs, n): flat[pairs[i]] = pairs[n + i] for i < n (int32 both). Every index
  * is checked against len(flat) before the first write: -1 (nothing written) for one outside,
  * else n. */
@@ -319,6 +483,8 @@ fail:
 static PyMethodDef methods[] = {
     {"stage_appends", (PyCFunction)(void (*)(void))stage_appends, METH_FASTCALL,
      "Stage and write rows gaining one block each (see the module source)."},
+    {"stage_group", (PyCFunction)(void (*)(void))stage_group, METH_FASTCALL,
+     "Stage and write a one-group update of distinct rows (see the module source)."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
      "flat[pairs[:n]] = pairs[n:2n], every index checked first."},
     {"check_batch", (PyCFunction)(void (*)(void))check_batch, METH_FASTCALL,

@@ -238,6 +238,8 @@ class DecodeStager:
                 and not (len(update.cleared_rows) or len(added[0].rows)
                          or len(nulled[0].rows))):
             return self._stage_trusted_appends(update, facts, pairs, max_pairs)
+        if facts is not None and G == 1 and self.native is not None and self.refs:
+            return self._stage_one_group(update, pairs, max_pairs)
         total = 0
         cleared = update.cleared_rows
         listed_cleared = None
@@ -351,6 +353,23 @@ class DecodeStager:
         # one put writes entries and counts
         st.host.put(index, value)
         return total
+
+    def _stage_one_group(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
+        """:meth:`stage` of an update of one group from the allocator's journal (rows distinct
+        across its parts), in one compiled call: cleared, added and appended rows. Nulled
+        entries, and whatever the table refuses, go to the general path (-1)."""
+        if len(update.nulled[0].rows):
+            return -1
+        ref, added, appended = self.refs[0], update.added[0], update.appended[0]
+        self._check_block_sizes(update)
+        st = self.table.storage
+        st.before_host_write()
+        staged: int = self.native.stage_group(  # type: ignore[union-attr]
+            st.host, pairs, max_pairs, update.cleared_rows, added.rows,
+            added.num_manager_blocks, added.block_ids, appended.rows,
+            appended.num_manager_blocks, appended.block_ids, ref.width, ref.k,
+            ref.table_offset, ref.counts_offset, self.num_rows, ref.block_id_bound)
+        return staged if staged >= 0 else -1  # refused: the general path names it
 
     def _check_block_sizes(self, update: StepUpdate) -> None:
         """Raise unless the update's allocator block sizes match the table's groups (checked
