@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.update import RowBlocks, StepUpdate
+
+# every test here runs with the compiled journal diff and with its Python twin
+pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def make(num_groups: int = 1, max_num_reqs: int = 4) -> KVCacheManager:

@@ -316,3 +316,56 @@ def test_stage_group_equals_the_model(k):
             index, value = pairs[:code].tolist(), pairs[code : 2 * code].tolist()
             assert len(set(index)) == code  # each entry once: the device scatter has no order
             assert dict(zip(index, value)) == writes
+
+
+# ------------------------------------------------------------------ diff_rows
+def model_diff_rows(rows, gen, start_gen, row_len, start_len, arena):
+    cleared, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = [], [], [], [], [], [], []
+    for row in rows:
+        live, n, old = int(gen[row]), int(row_len[row]), int(start_len[row])
+        if live == start_gen[row]:
+            if live and n > old:
+                p_rows.append(row)
+                p_counts.append(n - old)
+                p_ids += arena[row, old:n].tolist()
+        elif live:
+            a_rows.append(row)
+            a_counts.append(n)
+            a_ids += arena[row, :n].tolist()
+        else:
+            cleared.append(row)
+    flat = cleared + a_rows + a_counts + p_rows + p_counts + p_ids + a_ids
+    sizes = (len(cleared), len(a_rows), len(a_rows), len(p_rows), len(p_rows), len(p_ids))
+    return flat, sizes, all(c == 1 for c in p_counts), max(a_counts, default=-1)
+
+
+@needs_native
+def test_diff_rows_equals_the_model():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        num_rows, width = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        gen = rng.integers(0, 4, num_rows).astype(np.int64)  # 0: no holder
+        start_gen = np.where(rng.random(num_rows) < 0.5, gen, rng.integers(0, 4, num_rows))
+        row_len = rng.integers(0, width + 1, num_rows).astype(np.int64)
+        start_len = np.minimum(row_len, rng.integers(0, width + 1, num_rows)).astype(np.int64)
+        arena = rng.integers(0, 90, (num_rows, width)).astype(np.int32)
+        rows = rng.permutation(num_rows)[: int(rng.integers(0, num_rows + 1))].tolist()
+        flat, sizes, one_each, most = model_diff_rows(rows, gen, start_gen, row_len, start_len,
+                                                      arena)
+        data, got_sizes, got_one_each, got_most = native.diff_rows(
+            rows, gen.data, start_gen.data, row_len.data, start_len.data, arena)
+        assert np.frombuffer(data, np.int32).tolist() == flat
+        assert (got_sizes, got_one_each, got_most) == (sizes, one_each, most)
+
+
+@needs_native
+def test_diff_rows_refuses_rows_outside_and_lengths_past_the_arena():
+    gen = np.ones(3, np.int64)
+    lens = np.array([1, 2, 9], np.int64)
+    arena = np.zeros((3, 4), np.int32)
+    with pytest.raises(IndexError, match="row 3 outside"):
+        native.diff_rows([0, 3], gen, gen, lens, lens, arena)
+    with pytest.raises(ValueError, match="row length outside"):
+        native.diff_rows([2], gen, gen, lens, lens, arena)
+    with pytest.raises(TypeError, match="arena must be a 2-D"):
+        native.diff_rows([0], gen, gen, lens, lens, arena.ravel())

@@ -302,6 +302,126 @@ fail:
     return NULL;
 }
 
+/* diff_rows(rows, gen, start_gen, row_len, start_len, arena) -> (bytes, sizes, one_each, most)
+ *
+ * The journal's diff of a few touched rows of one group (rows: a list of distinct ints in
+ * [0, len(gen))): gen / start_gen int64 [num_rows] (each row's holder now and at its first
+ * touch), row_len / start_len int64 [num_rows] (its blocks now and then), arena int32
+ * [num_rows, width] (its block ids). A row whose holder left is cleared; a row held by another
+ * holder is added (all its blocks); a row of the same holder that grew is appended (the blocks
+ * past its old length). Returns the int32 buffer cleared rows, added rows, added counts,
+ * appended rows, appended counts, appended ids, added ids (in the rows' order), the sizes of
+ * its first six parts, whether every appended row gained one block, and the largest added
+ * count (-1 for none).
+ */
+static PyObject *diff_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "diff_rows takes a list of rows and 5 arrays");
+        return NULL;
+    }
+    static const char *names[] = {"gen", "start_gen", "row_len", "start_len"};
+    Buf b[5];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    int32_t *out = NULL;
+    for (int i = 0; i < 4; i++)
+        if (get_buf(args[i + 1], &b[i], 8, 0, names[i]) < 0)
+            goto done;
+    if (PyObject_GetBuffer(args[5], &b[4].view, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    b[4].held = 1;
+    if (b[4].view.itemsize != 4 || b[4].view.ndim != 2) {
+        PyErr_SetString(PyExc_TypeError, "arena must be a 2-D array of 4-byte integers");
+        goto done;
+    }
+    {
+        const int64_t *gen = I64(b[0]), *start_gen = I64(b[1]);
+        const int64_t *row_len = I64(b[2]), *start_len = I64(b[3]);
+        const int32_t *arena = I32(b[4]);
+        const Py_ssize_t num_rows = b[4].view.shape[0], width = b[4].view.shape[1];
+        if (LEN(b[0]) < num_rows || LEN(b[1]) < num_rows || LEN(b[2]) < num_rows
+            || LEN(b[3]) < num_rows) {
+            PyErr_SetString(PyExc_ValueError, "diff_rows: arrays shorter than the arena");
+            goto done;
+        }
+        const Py_ssize_t n = PyList_GET_SIZE(args[0]);
+        /* pass 1: sort the rows and size the parts */
+        Py_ssize_t num_cleared = 0, num_added = 0, num_appended = 0, add_ids = 0, app_ids = 0;
+        long long most = -1;
+        int one_each = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(args[0], i));
+            if (row == -1 && PyErr_Occurred())
+                goto done;
+            if (row < 0 || row >= num_rows) {
+                PyErr_Format(PyExc_IndexError, "diff_rows: row %zd outside [0, %zd)", row,
+                             num_rows);
+                goto done;
+            }
+            const int64_t live = gen[row], len = row_len[row], old = start_len[row];
+            if (len < 0 || len > width || (live == start_gen[row] && old < 0)) {
+                PyErr_SetString(PyExc_ValueError, "diff_rows: a row length outside the arena");
+                goto done;
+            }
+            if (live == start_gen[row]) {
+                if (live && len > old) {
+                    num_appended++;
+                    app_ids += len - old;
+                    one_each &= len - old == 1;
+                }
+            } else if (live) {
+                num_added++;
+                add_ids += len;
+                if (len > most)
+                    most = len;
+            } else {
+                num_cleared++;
+            }
+        }
+        const Py_ssize_t total = num_cleared + 2 * num_added + 2 * num_appended + app_ids + add_ids;
+        out = PyMem_Malloc(total ? total * 4 : 4);
+        if (out == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        /* pass 2: fill the parts */
+        int32_t *cleared = out, *a_rows = cleared + num_cleared, *a_counts = a_rows + num_added;
+        int32_t *p_rows = a_counts + num_added, *p_counts = p_rows + num_appended;
+        int32_t *p_ids = p_counts + num_appended, *a_ids = p_ids + app_ids;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(args[0], i));
+            const int64_t live = gen[row], len = row_len[row], old = start_len[row];
+            const int32_t *blocks = arena + row * width;
+            if (live == start_gen[row]) {
+                if (live && len > old) {
+                    *p_rows++ = (int32_t)row;
+                    *p_counts++ = (int32_t)(len - old);
+                    for (int64_t j = old; j < len; j++)
+                        *p_ids++ = blocks[j];
+                }
+            } else if (live) {
+                *a_rows++ = (int32_t)row;
+                *a_counts++ = (int32_t)len;
+                for (int64_t j = 0; j < len; j++)
+                    *a_ids++ = blocks[j];
+            } else {
+                *cleared++ = (int32_t)row;
+            }
+        }
+        PyObject *data = PyBytes_FromStringAndSize((const char *)out, total * 4);
+        if (data == NULL)
+            goto done;
+        result = Py_BuildValue("(N(nnnnnn)Ol)", data, num_cleared, num_added, num_added,
+                               num_appended, num_appended, app_ids,
+                               one_each ? Py_True : Py_False, (long)most);
+    }
+done:
+    PyMem_Free(out);
+    release(b, 5);
+    return result;
+}
+
 /* scatter(flat, pairs, n): flat[pairs[i]] = pairs[n + i] for i < n (int32 both). Every index
  * is checked against len(flat) before the first write: -1 (nothing written) for one outside,
  * else n. */
@@ -485,6 +605,8 @@ static PyMethodDef methods[] = {
      "Stage and write rows gaining one block each (see the module source)."},
     {"stage_group", (PyCFunction)(void (*)(void))stage_group, METH_FASTCALL,
      "Stage and write a one-group update of distinct rows (see the module source)."},
+    {"diff_rows", (PyCFunction)(void (*)(void))diff_rows, METH_FASTCALL,
+     "The journal's diff of a few touched rows of one group (see the module source)."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
      "flat[pairs[:n]] = pairs[n:2n], every index checked first."},
     {"check_batch", (PyCFunction)(void (*)(void))check_batch, METH_FASTCALL,

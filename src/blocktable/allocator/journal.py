@@ -27,6 +27,7 @@ import struct
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable.allocator.rowstate import RowState
 from blocktable.update import (
     AllocatorFacts,
@@ -66,6 +67,7 @@ class StepJournal:
         # (its facts state it: nobody reads the ids for their largest)
         self.ids_at_most = tuple(bound - 1 for bound in id_bounds)
         # the facts of an update that is one batch (a decode step), by "one block each"
+        self._few_facts: dict[tuple[bool, int], AllocatorFacts] = {}  # by (one_each, most added)
         self._batch_facts = {
             each: AllocatorFacts(rows.num_rows, self.ids_at_most, (each,), (-1,))
             for each in (True, False)
@@ -299,6 +301,16 @@ class StepJournal:
         app_counts: list[int] = []
         app_ids: list[int] = []
         one_each = True
+        native = _loader.NATIVE
+        if rows and native is not None and not batches:  # the diff and the packing compiled
+            self.order = []
+            data, part_sizes, one_each, most = native.diff_rows(
+                rows, self._gen_mv, self._start_gen_mv, self.rows.row_len_mvs[0],
+                self._start_len_mvs[0], self.rows.blocks[0])
+            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _cut(
+                data, part_sizes)
+            return self._few_update(cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts,
+                                    p_ids, one_each, most, sizes)
         if rows:
             self.order = []
             one_each = self._diff_few(rows, cleared, add_rows, add_counts, add_ids, app_rows,
@@ -328,11 +340,23 @@ class StepJournal:
                 ),
                 add_ids,
             )
-        facts = AllocatorFacts(self.rows.num_rows, self.ids_at_most, (one_each,),
-                               (max(add_counts) if add_counts else -1,))
+        return self._few_update(cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids,
+                                one_each, max(add_counts) if add_counts else -1, sizes)
+
+    def _few_update(self, cleared_rows: np.ndarray, a_rows: np.ndarray, a_counts: np.ndarray,
+                    a_ids: np.ndarray, p_rows: np.ndarray, p_counts: np.ndarray,
+                    p_ids: np.ndarray, one_each: bool, most_added: int,
+                    sizes: tuple[int, ...] | None) -> StepUpdate:
+        """The update of one group from its parts (int32, read-only), with its facts (made
+        once per distinct ``(one_each, most_added)``)."""
+        key = (one_each, most_added)
+        facts = self._few_facts.get(key)
+        if facts is None:
+            facts = self._few_facts[key] = AllocatorFacts(
+                self.rows.num_rows, self.ids_at_most, (one_each,), (most_added,))
         return trusted_update(
             cleared_rows,
-            (trusted_row_blocks(a_rows, a_counts, a_ids) if add_rows else _NO_BLOCKS,),
+            (trusted_row_blocks(a_rows, a_counts, a_ids) if len(a_rows) else _NO_BLOCKS,),
             (trusted_row_blocks(p_rows, p_counts, p_ids) if len(p_rows) else _NO_BLOCKS,),
             (_NO_ENTRIES,),
             sizes,
@@ -451,11 +475,18 @@ def _packed(ints: list[int], sizes: tuple[int, ...], buffers: list[memoryview]) 
     data = struct.pack(f"={len(ints)}i", *ints)
     if buffers:
         data = b"".join([data, *buffers])
+    return _cut(data, sizes)
+
+
+def _cut(data: bytes, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """``data`` (int32) cut into parts of ``sizes``, then the rest as one more part: int32
+    arrays, read-only views of ``data``; empty parts are the shared empty array."""
     if not data:
         return [_EMPTY] * (len(sizes) + 1)
     flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
     out, at = [], 0
-    for n in (*sizes, len(flat) - len(ints)):
+    for n in sizes:
         out.append(flat[at : at + n] if n else _EMPTY)
         at += n
+    out.append(flat[at:] if at < len(flat) else _EMPTY)
     return out
