@@ -13,6 +13,9 @@ from blocktable.allocator.queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
+# every test here runs with the compiled loops (where built) and with numpy alone
+pytestmark = pytest.mark.usefixtures("native_mode")
+
 
 def ids(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int32)

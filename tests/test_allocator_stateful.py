@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 )
 from test_allocator_snapshot import full_state
 
+from blocktable import _native_loader as native_loader
 from blocktable.allocator import (
     AllocatorGroupSpec,
     KVCacheManager,
@@ -614,9 +615,9 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 
 class AllVectorizedMachine(AllocatorMachine):
-    """The same machine with every batched path vectorized and a tiny token arena: the row
-    counts below which the journal's take loops in Python and row gathers slice each row are
-    set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
+    """The same machine with every batched path vectorized in numpy (the compiled loops off)
+    and a tiny token arena: the row counts below which the journal's take loops in Python and
+    row gathers slice each row are set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
     sequences move to buffers of their own), so the paths a large engine or a long context
     takes are checked on these small pools too."""
 
@@ -627,9 +628,11 @@ class AllVectorizedMachine(AllocatorMachine):
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
+            native_loader.NATIVE,
         )
         journal._FEW_ROWS = rowstate._FEW_ROWS = 0
         rowstate._MIN_TOKEN_WIDTH, rowstate.TOKEN_ROW_CAP = 2, 8
+        native_loader.NATIVE = None  # numpy's paths (the machine above takes the compiled ones)
 
     def teardown(self) -> None:
         (
@@ -637,6 +640,7 @@ class AllVectorizedMachine(AllocatorMachine):
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
+            native_loader.NATIVE,
         ) = self._saved
         super().teardown()
 

@@ -369,3 +369,85 @@ def test_diff_rows_refuses_rows_outside_and_lengths_past_the_arena():
         native.diff_rows([2], gen, gen, lens, lens, arena)
     with pytest.raises(TypeError, match="arena must be a 2-D"):
         native.diff_rows([0], gen, gen, lens, lens, arena.ravel())
+
+
+# ------------------------------------------------------------------ release_rows
+def model_release_rows(ref_counts, arena, rows, row_len, num_skipped):
+    """The freed ids in the order of their last reference; ref_counts written."""
+    sequence = [int(arena[row, j]) for row in rows
+                for j in range(int(row_len[row]) - 1, int(num_skipped[row]) - 1, -1)]
+    for block in sequence:
+        ref_counts[block] -= 1
+    last = {block: i for i, block in enumerate(sequence)}
+    return [block for i, block in enumerate(sequence)
+            if ref_counts[block] == 0 and last[block] == i]
+
+
+@needs_native
+def test_release_rows_equals_the_model_and_undoes_an_underflow():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        num_rows, width, num_blocks = int(rng.integers(1, 10)), int(rng.integers(1, 8)), 30
+        arena = rng.integers(1, num_blocks, (num_rows, width)).astype(np.int32)
+        row_len = rng.integers(0, width + 1, num_rows).astype(np.int64)
+        num_skipped = np.minimum(row_len, rng.integers(0, 3, num_rows)).astype(np.int64)
+        rows = rng.permutation(num_rows)[: int(rng.integers(0, num_rows + 1))].tolist()
+        refs = np.zeros(num_blocks, np.int32)
+        for row in rows:  # every reference the rows hold, and sometimes one more elsewhere
+            np.add.at(refs, arena[row, num_skipped[row] : row_len[row]], 1)
+        refs += rng.integers(0, 2, num_blocks).astype(np.int32)
+        short = rng.random() < 0.1 and refs.any()
+        if short:  # a block with one reference too few: refused, every count as it was
+            refs[rng.choice(np.flatnonzero(refs))] -= 1
+        want_refs = refs.copy()
+        try:
+            want = model_release_rows(want_refs, arena, rows, row_len, num_skipped)
+            underflow = bool((want_refs < 0).any())
+        except IndexError:
+            underflow = True
+        if underflow:
+            before = refs.copy()
+            with pytest.raises(RuntimeError, match="no reference left"):
+                native.release_rows(refs, arena, rows, row_len.data, num_skipped.data)
+            np.testing.assert_array_equal(refs, before)
+            continue
+        got = native.release_rows(refs, arena, rows, row_len.data, num_skipped.data)
+        assert np.frombuffer(got, np.int32).tolist() == want
+        np.testing.assert_array_equal(refs, want_refs)
+
+
+@needs_native
+def test_release_rows_refuses_bad_rows_and_ids_with_counts_unchanged():
+    refs = np.ones(8, np.int32)
+    arena = np.array([[1, 2], [3, 9]], np.int32)
+    lens, skipped = np.array([2, 2], np.int64), np.zeros(2, np.int64)
+    with pytest.raises(IndexError, match="row 2 outside"):
+        native.release_rows(refs, arena, [0, 2], lens, skipped)
+    with pytest.raises(ValueError, match="block id outside"):
+        native.release_rows(refs, arena, [0, 1], lens, skipped)
+    assert refs.tolist() == [1] * 8
+
+
+# ------------------------------------------------------------------ queue_extend
+@needs_native
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_queue_extend_writes_slots_and_positions(dtype):
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        slots = rng.integers(0, 9, 40).astype(np.int32)
+        position = rng.integers(-1, 9, 20).astype(np.int32)
+        tail = int(rng.integers(0, 30))
+        ids = rng.permutation(20)[: int(rng.integers(0, 11))].astype(dtype)
+        want_slots, want_position = slots.copy(), position.copy()
+        if tail + len(ids) > len(slots):
+            with pytest.raises(ValueError, match="no room"):
+                native.queue_extend(slots, position, ids, tail)
+        else:
+            want_slots[tail : tail + len(ids)] = ids
+            want_position[ids] = np.arange(tail, tail + len(ids))
+            assert native.queue_extend(slots, position, ids, tail) == tail + len(ids)
+        np.testing.assert_array_equal(slots, want_slots)
+        np.testing.assert_array_equal(position, want_position)
+    with pytest.raises(ValueError, match="id 20 outside"):
+        native.queue_extend(slots, position, np.array([3, 20]), 0)
+    np.testing.assert_array_equal(slots, want_slots)  # nothing written

@@ -422,6 +422,164 @@ done:
     return result;
 }
 
+/* release_rows(ref_counts, arena, rows, row_len, num_skipped) -> bytes
+ *
+ * Drop one reference per block of the rows being freed: ref_counts int32 [num_blocks], arena
+ * int32 [num_rows, width] (each row's block ids), rows a list of distinct ints, row_len and
+ * num_skipped int64 [num_rows] (a row's blocks are arena[row, skipped:len], read tail first).
+ * Returns the int32 ids whose count reached 0, each once, in the order of their last
+ * reference: the order the free queue takes them in. A row, length or id outside its range,
+ * or a count that would fall below 0, raises with every count as it was.
+ */
+static PyObject *release_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "release_rows takes 2 arrays, a list of rows and 2 "
+                        "arrays");
+        return NULL;
+    }
+    Buf b[4];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    int32_t *out = NULL;
+    if (get_buf(args[0], &b[0], 4, 1, "ref_counts") < 0
+        || get_buf(args[3], &b[2], 8, 0, "row_len") < 0
+        || get_buf(args[4], &b[3], 8, 0, "num_skipped") < 0)
+        goto done;
+    if (PyObject_GetBuffer(args[1], &b[1].view, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    b[1].held = 1;
+    if (b[1].view.itemsize != 4 || b[1].view.ndim != 2) {
+        PyErr_SetString(PyExc_TypeError, "arena must be a 2-D array of 4-byte integers");
+        goto done;
+    }
+    {
+        int32_t *ref_counts = I32(b[0]);
+        const int32_t *arena = I32(b[1]);
+        const int64_t *row_len = I64(b[2]), *num_skipped = I64(b[3]);
+        const Py_ssize_t num_blocks = LEN(b[0]), num_rows = b[1].view.shape[0];
+        const Py_ssize_t width = b[1].view.shape[1], n = PyList_GET_SIZE(args[2]);
+        if (LEN(b[2]) < num_rows || LEN(b[3]) < num_rows) {
+            PyErr_SetString(PyExc_ValueError, "release_rows: arrays shorter than the arena");
+            goto done;
+        }
+        /* pass 1: check every row, length and id; count the references */
+        Py_ssize_t total = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(args[2], i));
+            if (row == -1 && PyErr_Occurred())
+                goto done;
+            if (row < 0 || row >= num_rows) {
+                PyErr_Format(PyExc_IndexError, "release_rows: row %zd outside [0, %zd)", row,
+                             num_rows);
+                goto done;
+            }
+            const int64_t len = row_len[row], skip = num_skipped[row];
+            if (skip < 0 || len > width || skip > (len > 0 ? len : 0)) {
+                PyErr_SetString(PyExc_ValueError, "release_rows: a row length outside the arena");
+                goto done;
+            }
+            for (int64_t j = skip; j < len; j++)
+                if (arena[row * width + j] < 0 || arena[row * width + j] >= num_blocks) {
+                    PyErr_SetString(PyExc_ValueError, "release_rows: a block id outside the pool");
+                    goto done;
+                }
+            total += len - skip;
+        }
+        out = PyMem_Malloc(total ? total * 4 : 4);
+        if (out == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        /* pass 2: drop the references, tail first; undo them all if a count falls below 0 */
+        Py_ssize_t freed = 0, dropped = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(args[2], i));
+            const int32_t *blocks = arena + row * width;
+            for (int64_t j = row_len[row] - 1; j >= num_skipped[row]; j--) {
+                const int32_t id = blocks[j];
+                if (ref_counts[id] <= 0) {
+                    for (Py_ssize_t r = 0; r <= i && dropped; r++) {  /* undo, in any order */
+                        const Py_ssize_t row2 = PyLong_AsSsize_t(PyList_GET_ITEM(args[2], r));
+                        const int32_t *blocks2 = arena + row2 * width;
+                        for (int64_t j2 = row_len[row2] - 1; j2 >= num_skipped[row2] && dropped;
+                             j2--, dropped--)
+                            ref_counts[blocks2[j2]]++;
+                    }
+                    PyErr_Format(PyExc_RuntimeError, "release_rows: block %d has no reference "
+                                 "left to drop", (int)id);
+                    goto done;
+                }
+                dropped++;
+                if (--ref_counts[id] == 0)
+                    out[freed++] = id;
+            }
+        }
+        result = PyBytes_FromStringAndSize((const char *)out, freed * 4);
+    }
+done:
+    PyMem_Free(out);
+    release(b, 4);
+    return result;
+}
+
+/* queue_extend(slots, position, ids, tail) -> int
+ *
+ * The free queue's extend by distinct ids (int32 or int64 [n], each in [0, len(position))):
+ * slots[tail + j] = ids[j] and position[ids[j]] = tail + j (slots, position int32). Returns
+ * the new tail; raises, with nothing written, for an id outside or no room past tail.
+ */
+static PyObject *queue_extend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "queue_extend takes 4 arguments");
+        return NULL;
+    }
+    long long tail;
+    if (get_ints(args, 3, 1, &tail) < 0)
+        return NULL;
+    Buf b[3];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 4, 1, "slots") < 0 || get_buf(args[1], &b[1], 4, 1, "position") < 0)
+        goto done;
+    if (PyObject_GetBuffer(args[2], &b[2].view, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    b[2].held = 1;
+    {
+        const Py_ssize_t size = b[2].view.itemsize;
+        if ((size != 4 && size != 8) || b[2].view.ndim > 1) {
+            PyErr_SetString(PyExc_TypeError, "ids must be a 1-D array of 4- or 8-byte integers");
+            goto done;
+        }
+        int32_t *slots = I32(b[0]), *position = I32(b[1]);
+        const Py_ssize_t n = b[2].view.len / size, num_ids = LEN(b[1]);
+        if (tail < 0 || tail + n > LEN(b[0]) || tail + n > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "queue_extend: no room for the ids past tail");
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const long long id = size == 4 ? (long long)((int32_t *)b[2].view.buf)[j]
+                                           : (long long)((int64_t *)b[2].view.buf)[j];
+            if (id < 0 || id >= num_ids) {
+                PyErr_Format(PyExc_ValueError, "queue_extend: id %lld outside [0, %zd)", id,
+                             num_ids);
+                goto done;
+            }
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const int32_t id = size == 4 ? ((int32_t *)b[2].view.buf)[j]
+                                         : (int32_t)((int64_t *)b[2].view.buf)[j];
+            slots[tail + j] = id;
+            position[id] = (int32_t)(tail + j);
+        }
+        result = PyLong_FromLongLong(tail + n);
+    }
+done:
+    release(b, 3);
+    return result;
+}
+
 /* scatter(flat, pairs, n): flat[pairs[i]] = pairs[n + i] for i < n (int32 both). Every index
  * is checked against len(flat) before the first write: -1 (nothing written) for one outside,
  * else n. */
@@ -607,6 +765,10 @@ static PyMethodDef methods[] = {
      "Stage and write a one-group update of distinct rows (see the module source)."},
     {"diff_rows", (PyCFunction)(void (*)(void))diff_rows, METH_FASTCALL,
      "The journal's diff of a few touched rows of one group (see the module source)."},
+    {"release_rows", (PyCFunction)(void (*)(void))release_rows, METH_FASTCALL,
+     "Drop the references of the freed rows' blocks; the ids that reached 0 (see the source)."},
+    {"queue_extend", (PyCFunction)(void (*)(void))queue_extend, METH_FASTCALL,
+     "The free queue's extend by distinct ids: slots and positions in one pass."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
      "flat[pairs[:n]] = pairs[n:2n], every index checked first."},
     {"check_batch", (PyCFunction)(void (*)(void))check_batch, METH_FASTCALL,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable._checks import check_count, check_positive
 from blocktable.allocator.checks import (
     as_list,
@@ -1084,9 +1085,15 @@ class KVCacheManager:
             rows.append(req.row)
             del requests[req.req_id]
         self._journal.touch_leaving(*rows)
+        native = _loader.NATIVE
         for pool, arena, row_len, num_skipped in zip(
             self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
+            if native is not None:  # the references dropped in one compiled pass
+                freed = native.release_rows(pool.ref_counts, arena, rows, row_len, num_skipped)
+                if freed:  # distinct, in the order of their last reference
+                    pool.queue_freed(np.frombuffer(freed, dtype=np.int32))
+                continue
             parts = []
             for row in rows:
                 n, skip = row_len[row], num_skipped[row]

@@ -184,8 +184,13 @@ class BlockPool:
         left = ref_counts.take(block_ids)
         # count_nonzero, argmin and boolean indexing: the cheapest numpy calls for these tests
         freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
-        if not len(freed):
-            return
+        if len(freed):
+            self.queue_freed(freed, may_repeat=may_repeat)
+
+    def queue_freed(self, freed: np.ndarray, *, may_repeat: bool = False) -> None:
+        """Queue blocks whose last reference was just dropped (``freed``: int32 or intp, in
+        release order; an id repeated only with ``may_repeat``, queued where it occurs last):
+        the cached ones for eviction, the others as plain free blocks."""
         if self.dups:
             if may_repeat:
                 freed, may_repeat = self._seen.last_occurrences(freed), False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import last_occurrences
 
 
@@ -73,6 +74,11 @@ class BlockQueue:
                 block_ids, may_repeat = last_occurrences(block_ids), False
                 n = len(block_ids)
         tail = self._tail
+        native = _loader.NATIVE
+        if native is not None and not (may_repeat and n > 1):  # slots and positions, one pass
+            self._tail = native.queue_extend(self._slots, self._position, block_ids, tail)
+            self._len += n
+            return
         position, stamps = self._position, self._iota[tail : tail + n]
         self._slots[tail : tail + n] = block_ids
         self._tail = tail + n
