@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blocktable", description="Paged KV-cache block tables for LLM inference."
     )
-    parser.add_argument("--version", action="version", version=f"blocktable {__version__}")
+    from blocktable._native_loader import native_module
+
+    loops = "on" if native_module() is not None else "off: numpy does their work"
+    parser.add_argument("--version", action="version",
+                        version=f"blocktable {__version__} (compiled step loops: {loops})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
