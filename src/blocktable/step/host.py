@@ -396,9 +396,11 @@ class DecodeStager:
                 return -1
             native = self.native
             if native is not None:  # checks (ids, room) then writes, in one compiled call
-                self._check_block_sizes(update)
+                if update.allocator_block_sizes != self._sizes_ok:  # (the calls inlined)
+                    self._check_block_sizes(update)
                 st = self.table.storage
-                st.before_host_write()
+                if st.host_read_event is not None:
+                    st.before_host_write()
                 staged: int = native.stage_appends(
                     st.host, pairs, part.rows, part.block_ids, ref.width, ref.k,
                     ref.table_offset, ref.counts_offset, self.num_rows, ref.block_id_bound)
