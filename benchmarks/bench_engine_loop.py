@@ -69,6 +69,7 @@ class Breakdown:
         "run.stage_general": "step.run",
         "run._run_numpy": "step.run",
         "run._run_device": "step.run",
+        "run.graph_replay": "step.run_staged",
         "run._outputs": "step.run",
         "apply": "",
         "commit": "",
@@ -116,6 +117,11 @@ class Breakdown:
             self.wrap(step_runner, "stage_general", "run.stage_general")
             self.wrap(step, "_run_numpy", "run._run_numpy")
             self.wrap(step, "_run_device", "run._run_device")  # CUDA: the graph's replay
+            for graph in step._graphs or ():  # the replay itself (inlined in the step's path)
+                try:
+                    self.wrap(graph, "replay", "run.graph_replay")
+                except (AttributeError, TypeError):  # a graph object without instance attributes
+                    break
             self.wrap(step, "_outputs", "run._outputs")
         else:
             self.wrap(engine.table, "apply", "apply")
