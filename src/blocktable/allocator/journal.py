@@ -290,7 +290,8 @@ class StepJournal:
         step of an engine), and of batches no other change reached: a Python loop over the
         rows through memoryviews costs less than the vectorized path's fixed two dozen numpy
         calls, every int of the update is packed by one ``struct.pack``, and the batches'
-        arrays are appended as they are."""
+        arrays are appended as they are. Without batches, where the package's compiled loops
+        are built, the diff and the packing are one compiled call (``diff_rows``)."""
         rows = self.order  # in the order of their first touch
         batches = self._batches
         cleared: list[int] = []

@@ -9,8 +9,11 @@ bypassing the commit journal. An update built by the allocator's journal carries
 :class:`~blocktable.update.AllocatorFacts`: its rows are in range and listed once and its ids
 come from the allocator, so the stager skips those checks (about a third of its calls) and
 also takes its admitted rows (``added``: each row's ids, the entries past them that held ids
-before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Every
-other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes and
+before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Where
+the compiled loops are built (:mod:`blocktable._native_loader`), an allocator's update of one
+group is checked, staged and written by one compiled call instead (``stage_appends`` for the
+decode lane, ``stage_group`` for cleared, added and appended rows); what it refuses takes the
+path below. Every other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes and
 journals) and the journal is drained into the staging buffer, exactly as
 :meth:`MultiGroupBlockTable.commit` would.
 """

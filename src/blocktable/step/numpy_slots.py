@@ -10,7 +10,8 @@ every write keeps), so a position inside the row's width but past its count read
 block and becomes ``PAD_SLOT_ID`` without comparing it with the count: one range test of the
 positions (negative or past a row's width: the general function) replaces that per-token
 comparison. Groups with context parallelism take the general function too. Results are
-bit-identical to it (the tests compare them on random steps).
+bit-identical to it (the tests compare them on random steps). Where the package's compiled
+loops are built, each group's slots are one compiled call (``map_slots``) that does the same.
 """
 
 from __future__ import annotations
