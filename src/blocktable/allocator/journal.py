@@ -294,6 +294,16 @@ class StepJournal:
         are built, the diff and the packing are one compiled call (``diff_rows``)."""
         rows = self.order  # in the order of their first touch
         batches = self._batches
+        native = _loader.NATIVE
+        if rows and native is not None and not batches:  # the diff and the packing compiled
+            self.order = []
+            data, part_sizes, each, most = native.diff_rows(
+                rows, self._gen_mv, self._start_gen_mv, self.rows.row_len_mvs[0],
+                self._start_len_mvs[0], self.rows.blocks[0])
+            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _cut(
+                data, part_sizes)
+            return self._few_update(cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts,
+                                    p_ids, each, most, sizes)
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
@@ -302,16 +312,6 @@ class StepJournal:
         app_counts: list[int] = []
         app_ids: list[int] = []
         one_each = True
-        native = _loader.NATIVE
-        if rows and native is not None and not batches:  # the diff and the packing compiled
-            self.order = []
-            data, part_sizes, one_each, most = native.diff_rows(
-                rows, self._gen_mv, self._start_gen_mv, self.rows.row_len_mvs[0],
-                self._start_len_mvs[0], self.rows.blocks[0])
-            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _cut(
-                data, part_sizes)
-            return self._few_update(cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts,
-                                    p_ids, one_each, most, sizes)
         if rows:
             self.order = []
             one_each = self._diff_few(rows, cleared, add_rows, add_counts, add_ids, app_rows,

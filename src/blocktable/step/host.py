@@ -1,5 +1,5 @@
-"""Host side of a captured step: apply the step's update to the host table (the truth) and
-stage the changed entries as ``(flat index, value)`` pairs for the device.
+"""Host side of a captured step: apply the step's update to the host table (the truth) and stage
+the changed entries as ``(flat index, value)`` pairs for the device.
 
 A decode step (each listed row gains exactly one manager block, and rows of finished requests
 may be cleared, nothing else changes) takes a dedicated path, :class:`DecodeStager`: about a
@@ -7,14 +7,14 @@ dozen numpy calls per group that check everything, stage the pairs (a cleared ro
 entries and its count, all zero), then write the host table with one ``put`` of those pairs,
 bypassing the commit journal. An update built by the allocator's journal carries
 :class:`~blocktable.update.AllocatorFacts`: its rows are in range and listed once and its ids
-come from the allocator, so the stager skips those checks (about a third of its calls) and
-also takes its admitted rows (``added``: each row's ids, the entries past them that held ids
-before set to null, its count) and rows gaining several blocks (a chunk of a prefill). Where
-the compiled loops are built (:mod:`blocktable._native_loader`), an allocator's update of one
-group is checked, staged and written by one compiled call instead (``stage_appends`` for the
-decode lane, ``stage_group`` for cleared, added and appended rows); what it refuses takes the
-path below. Every other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes and
-journals) and the journal is drained into the staging buffer, exactly as
+come from the allocator, so the stager skips those checks (about a third of its calls) and also
+takes its admitted rows (``added``: each row's ids, the entries past them that held ids before
+set to null, its count) and rows gaining several blocks (a chunk of a prefill). Where the
+compiled loops are built (:mod:`blocktable._native_loader`), an allocator's update of one group
+is checked, staged and written by one compiled call instead (``stage_appends`` for the decode
+lane, ``stage_group`` for cleared, added and appended rows); what it refuses takes the path
+below. Every other update goes through :meth:`MultiGroupBlockTable.apply` (which checks, writes
+and journals) and the journal is drained into the staging buffer, exactly as
 :meth:`MultiGroupBlockTable.commit` would.
 """
 

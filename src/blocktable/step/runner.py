@@ -19,11 +19,11 @@ sequence number into pinned host memory (a *mailbox*), and the host reads it wit
 CUDA call; it spins only when the device runs two steps behind). Where the device cannot write
 host memory, an event recorded after each replay is waited on instead.
 
-On the CPU backend the same object does the same work eagerly on one thread (no torch op, so
-no intra-op thread pool): with numpy, or in one compiled call per piece (the batch check, the
-scatter, each group's slot mapping) where the package's compiled loops are built. With ``backend="triton"`` on CPU tensors (under
-``TRITON_INTERPRET=1``) it launches the graph's kernels eagerly: the tests' way to run the
-CUDA path's kernels on padded inputs without a GPU.
+On the CPU backend the same object does the same work eagerly on one thread (no torch op, so no
+intra-op thread pool): with numpy, or in one compiled call per piece (the batch check, the
+scatter, each group's slot mapping) where the package's compiled loops are built. With
+``backend="triton"`` on CPU tensors (under ``TRITON_INTERPRET=1``) it launches the graph's
+kernels eagerly: the tests' way to run the CUDA path's kernels on padded inputs without a GPU.
 """
 
 from __future__ import annotations
