@@ -48,6 +48,14 @@ static void release(Buf *bufs, int n)
 #define I32(b) ((int32_t *)(b).view.buf)
 #define I64(b) ((int64_t *)(b).view.buf)
 
+static int wrong_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+    return 1;
+}
+
 static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long long *out)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -73,10 +81,8 @@ static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long l
  */
 static PyObject *stage_appends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "stage_appends takes 10 arguments");
+    if (wrong_nargs(nargs, 10, "stage_appends"))
         return NULL;
-    }
     long long v[6];
     if (get_ints(args, 4, 6, v) < 0)
         return NULL;
@@ -161,10 +167,8 @@ typedef struct {
  */
 static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "stage_group takes 16 arguments");
+    if (wrong_nargs(nargs, 16, "stage_group"))
         return NULL;
-    }
     long long v[7];
     if (get_ints(args, 10, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0)
         return NULL;
@@ -531,10 +535,8 @@ done:
  */
 static PyObject *queue_extend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "queue_extend takes 4 arguments");
+    if (wrong_nargs(nargs, 4, "queue_extend"))
         return NULL;
-    }
     long long tail;
     if (get_ints(args, 3, 1, &tail) < 0)
         return NULL;
@@ -585,10 +587,8 @@ done:
  * else n. */
 static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter takes 3 arguments");
+    if (wrong_nargs(nargs, 3, "scatter"))
         return NULL;
-    }
     long long n;
     if (get_ints(args, 2, 1, &n) < 0)
         return NULL;
@@ -630,10 +630,8 @@ fail:
  */
 static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "check_batch takes 4 arguments");
+    if (wrong_nargs(nargs, 4, "check_batch"))
         return NULL;
-    }
     long long v[2];
     if (get_ints(args, 2, 2, v) < 0)
         return NULL;
@@ -693,10 +691,8 @@ fail:
  */
 static PyObject *map_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "map_slots takes 8 arguments");
+    if (wrong_nargs(nargs, 8, "map_slots"))
         return NULL;
-    }
     long long v[3];
     if (get_ints(args, 5, 3, v) < 0)
         return NULL;
