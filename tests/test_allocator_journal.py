@@ -288,3 +288,48 @@ def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
             assert a.dtype == np.int32 and not a.flags.writeable
         mgr.append_token_ids_many(reqs, [[1] * n for n in new_tokens])
         mgr.mark_computed_many(reqs, new_tokens)
+
+
+@pytest.mark.parametrize("few_rows", [128, 0])  # the per-row diff, and the vectorized one
+def test_appends_only_says_exactly_whether_one_block_per_row_is_the_whole_update(
+        few_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The captured step stages an update whose facts say ``appends_only`` by its decode lane
+    alone (no look at cleared, added or nulled rows): every path of the journal must set it
+    exactly when the only change is appended rows gaining one block each."""
+    from blocktable.allocator import journal
+
+    monkeypatch.setattr(journal, "_FEW_ROWS", few_rows)
+    rng = np.random.default_rng(few_rows)
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 1024)], 16)
+    running: list[int] = []
+    seen = set()
+    for step in range(120):
+        roll = rng.random()
+        prompt = list(range(100 * step, 100 * step + int(rng.integers(1, 9))))
+        if roll < 0.25 and len(running) < 14 and mgr.can_admit(prompt):  # admit one
+            mgr.add_request(step, prompt)
+            mgr.allocate(step, len(prompt))
+            running.append(step)
+        elif roll < 0.45 and running:  # finish one
+            mgr.free(running.pop(int(rng.integers(len(running)))))
+        if running and rng.random() < 0.8:  # decode: some rows cross a block boundary
+            reqs = [r for r in running if rng.random() < 0.7]
+            new = [int(rng.choice([1, 4, 5])) for _ in reqs]
+            if reqs and mgr.can_allocate_many(reqs, new):
+                if rng.random() < 0.5:
+                    mgr.allocate_many(reqs, new)
+                else:
+                    for r, n in zip(reqs, new):
+                        mgr.allocate(r, n)
+                mgr.append_token_ids_many(reqs, [[1] * n for n in new])
+                mgr.mark_computed_many(reqs, new)
+        update = mgr.take_step_update()
+        part = update.appended[0]
+        want = bool(len(part.rows)) and not (
+            len(update.cleared_rows) or len(update.added[0]) or len(update.nulled[0])
+        ) and all(n == 1 for n in part.num_manager_blocks.tolist())
+        if not len(part.rows) and not len(update.cleared_rows) and not len(update.added[0]):
+            want = update.facts.appends_only  # an empty update: either way stages nothing
+        assert update.facts.appends_only == want, step
+        seen.add(want)
+    assert seen == {True, False}  # both kinds of step happened

@@ -102,6 +102,9 @@ class AllocatorFacts(NamedTuple):
     ids_at_most: tuple[int, ...]
     one_block_each: tuple[bool, ...]  # per group: each appended row gains exactly one id
     largest_added_count: tuple[int, ...]  # per group: most ids an added row gets, -1 if unknown
+    # one group, and its only change is appended rows gaining one id each (a decode step):
+    # nothing cleared, added or nulled
+    appends_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,10 @@ class StepJournal:
         # (its facts state it: nobody reads the ids for their largest)
         self.ids_at_most = tuple(bound - 1 for bound in id_bounds)
         # the facts of an update that is one batch (a decode step), by "one block each"
-        self._few_facts: dict[tuple[bool, int], AllocatorFacts] = {}  # by (one_each, most added)
+        # by (one block each, most added, nothing cleared)
+        self._few_facts: dict[tuple[bool, int, bool], AllocatorFacts] = {}
         self._batch_facts = {
-            each: AllocatorFacts(rows.num_rows, self.ids_at_most, (each,), (-1,))
+            each: AllocatorFacts(rows.num_rows, self.ids_at_most, (each,), (-1,), each)
             for each in (True, False)
         }
         num_rows = rows.num_rows
@@ -177,11 +178,15 @@ class StepJournal:
         ``allocator_block_sizes`` is stamped on the update. A fixed handful of numpy calls per
         group, whatever the number of touched rows.
         """
+        batches = self._batches
+        if (len(batches) == 1 and not self.order and self._num_batched > _FEW_BATCHED
+                and not (self._batches_stale or self._nulled) and self.num_groups == 1):
+            self._stamp += 2  # every row untouched from now on
+            return self._take_batch(allocator_block_sizes)  # a decode step: checked first
         num_groups = self.num_groups
         state = self.rows
         order = self.order
-        self._stamp += 2  # every row untouched from now on
-        batches = self._batches
+        self._stamp += 2
         if batches and (
             self._batches_stale
             or num_groups > 1
@@ -259,8 +264,10 @@ class StepJournal:
             null_rows, indices = views[at], views[at + 1]
             at += 2
             nulled_entries.append(RowEntries(null_rows, indices) if len(null_rows) else _NO_ENTRIES)
+        appends_only = (num_groups == 1 and one_each[0] and not (len(cleared) or len(added))
+                        and nulled_entries[0] is _NO_ENTRIES)
         facts = AllocatorFacts(state.num_rows, self.ids_at_most, tuple(one_each),
-                               tuple(largest_added))
+                               tuple(largest_added), appends_only)
         return trusted_update(cleared_rows, tuple(added_blocks), tuple(appended_blocks),
                               tuple(nulled_entries), allocator_block_sizes, facts)
 
@@ -349,12 +356,13 @@ class StepJournal:
                     p_ids: np.ndarray, one_each: bool, most_added: int,
                     sizes: tuple[int, ...] | None) -> StepUpdate:
         """The update of one group from its parts (int32, read-only), with its facts (made
-        once per distinct ``(one_each, most_added)``)."""
-        key = (one_each, most_added)
+        once per distinct ``(one_each, most_added, nothing cleared)``)."""
+        key = (one_each, most_added, len(cleared_rows) == 0)
         facts = self._few_facts.get(key)
         if facts is None:
             facts = self._few_facts[key] = AllocatorFacts(
-                self.rows.num_rows, self.ids_at_most, (one_each,), (most_added,))
+                self.rows.num_rows, self.ids_at_most, (one_each,), (most_added,),
+                one_each and most_added < 0 and len(cleared_rows) == 0)
         return trusted_update(
             cleared_rows,
             (trusted_row_blocks(a_rows, a_counts, a_ids) if len(a_rows) else _NO_BLOCKS,),

@@ -228,19 +228,18 @@ class DecodeStager:
         per appended row. What only the table knows (each row's filled entries against its
         width, ids below its bound) is checked on every update.
         """
+        facts = update.facts
+        if (facts is not None and facts.appends_only and self.num_groups == 1
+                and facts.num_rows <= self.num_rows and not self.table.storage.changed):
+            return self._stage_trusted_appends(update, facts, pairs, max_pairs)  # decode lane
         table = self.table
         st = table.storage
         G = self.num_groups
         added, appended, nulled = update.added, update.appended, update.nulled
         if st.changed or not (len(added) == len(appended) == len(nulled) == G):
             return -1
-        facts = update.facts
         if facts is not None and facts.num_rows > self.num_rows:
             facts = None  # rows of a larger allocator: check them
-        if (facts is not None and G == 1 and facts.one_block_each[0]
-                and not (len(update.cleared_rows) or len(added[0].rows)
-                         or len(nulled[0].rows))):
-            return self._stage_trusted_appends(update, facts, pairs, max_pairs)
         if facts is not None and G == 1 and self.native is not None and self.refs:
             return self._stage_one_group(update, pairs, max_pairs)
         total = 0
