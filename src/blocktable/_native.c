@@ -37,6 +37,19 @@ static int get_buf(PyObject *obj, Buf *b, Py_ssize_t itemsize, int writable, con
     return 0;
 }
 
+/* An arena of block ids: int32 [num_rows, width], C-contiguous. */
+static int get_arena(PyObject *obj, Buf *b)
+{
+    if (PyObject_GetBuffer(obj, &b->view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    b->held = 1;
+    if (b->view.itemsize != 4 || b->view.ndim != 2) {
+        PyErr_SetString(PyExc_TypeError, "arena must be a 2-D array of 4-byte integers");
+        return -1;
+    }
+    return 0;
+}
+
 static void release(Buf *bufs, int n)
 {
     for (int i = 0; i < n; i++)
@@ -332,13 +345,8 @@ static PyObject *diff_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     for (int i = 0; i < 4; i++)
         if (get_buf(args[i + 1], &b[i], 8, 0, names[i]) < 0)
             goto done;
-    if (PyObject_GetBuffer(args[5], &b[4].view, PyBUF_C_CONTIGUOUS) < 0)
+    if (get_arena(args[5], &b[4]) < 0)
         goto done;
-    b[4].held = 1;
-    if (b[4].view.itemsize != 4 || b[4].view.ndim != 2) {
-        PyErr_SetString(PyExc_TypeError, "arena must be a 2-D array of 4-byte integers");
-        goto done;
-    }
     {
         const int64_t *gen = I64(b[0]), *start_gen = I64(b[1]);
         const int64_t *row_len = I64(b[2]), *start_len = I64(b[3]);
@@ -450,13 +458,8 @@ static PyObject *release_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
         || get_buf(args[3], &b[2], 8, 0, "row_len") < 0
         || get_buf(args[4], &b[3], 8, 0, "num_skipped") < 0)
         goto done;
-    if (PyObject_GetBuffer(args[1], &b[1].view, PyBUF_C_CONTIGUOUS) < 0)
+    if (get_arena(args[1], &b[1]) < 0)
         goto done;
-    b[1].held = 1;
-    if (b[1].view.itemsize != 4 || b[1].view.ndim != 2) {
-        PyErr_SetString(PyExc_TypeError, "arena must be a 2-D array of 4-byte integers");
-        goto done;
-    }
     {
         int32_t *ref_counts = I32(b[0]);
         const int32_t *arena = I32(b[1]);
