@@ -1,4 +1,5 @@
-/* blocktable._native: the per-step host loops of a captured step, compiled.
+/* blocktable._native: the per-step host loops of the captured step and the allocator,
+ * compiled.
  *
  * An engine's step calls each of these once. In Python with numpy the same work is a dozen
  * numpy calls, each paying cold caches between steps; here it is one call. Every function
@@ -6,9 +7,10 @@
  * tests compare the two on random inputs.
  *
  * Arrays come through the buffer protocol: 1-D, C-contiguous, int32 ("i32") or int64 ("i64")
- * by item size. A wrong item size, a read-only output or a non-contiguous array raises
- * (TypeError / BufferError); bad values return a negative code and write nothing the caller
- * keeps (see each function).
+ * by item size. A wrong item size raises TypeError; a read-only output or a non-contiguous
+ * array raises what the array's buffer export raises (numpy: ValueError or BufferError). Bad
+ * values return a negative code, or raise, and write nothing the caller keeps (see each
+ * function).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
