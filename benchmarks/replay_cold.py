@@ -1,0 +1,105 @@
+"""Host time of one CUDA-graph replay of the captured step's graph, with the CPU caches cold.
+
+In an engine's loop the model runs between two table steps, so the graph replay finds the
+driver's code and data out of the CPU caches: it costs several times its warm time. This
+script replays, warm (back to back) and cold (after walking ``--evict-mib`` of host memory),
+the captured step's own graph and graphs holding parts of it, to show which part of the
+replay's host cost is the copy node and which the kernels:
+
+- ``step``: the captured step's graph (staging copy, commit scatter, slot mapping);
+- ``copy``: the staging copy alone;
+- ``kernels``: the scatter and the slot mapping without the copy;
+- ``one kernel``: one tiny kernel (the least a graph replay costs).
+
+Each replay is followed by a ``torch.cuda.synchronize()`` outside the timed region.
+
+    PYTHONPATH=src python benchmarks/replay_cold.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from blocktable import GroupSpec, MultiGroupBlockTable
+from blocktable.step import CapturedStep
+from blocktable.step.kernels import launch_staged_scatter
+
+
+def capture(work: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()  # warm-up outside the capture (compiles the kernels)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int, evict: np.ndarray | None) -> float:
+    samples = []
+    for _ in range(reps):
+        if evict is not None:
+            evict += 1  # walks the whole buffer: the CPU caches hold it, not the driver's state
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--evict-mib", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    table = MultiGroupBlockTable([GroupSpec(16, num_blocks=65536)], 1024, 32768, 8192, "cuda",
+                                 backend="triton")
+    step = CapturedStep(table)
+    assert step._graphs is not None
+    dev, host = step._dev, step._host[0]
+    flat = table.storage.device_tensor
+    L = step.layout
+    mailbox = torch.zeros(2, dtype=torch.int32, device="cuda")
+    tiny = torch.zeros(1, device="cuda")
+
+    def kernels() -> None:
+        launch_staged_scatter(flat, dev, mailbox, L.max_pairs)
+        table.launch_slot_mapping_unchecked(step._d_qsl, step._d_positions, step._d_rows)
+
+    graphs = {
+        "step": step._graphs[0],
+        "copy": capture(lambda: dev.copy_(host, non_blocking=True)),
+        "kernels": capture(kernels),
+        "one kernel": capture(lambda: tiny.add_(1)),
+    }
+    evict = np.zeros(args.evict_mib << 17, dtype=np.int64)  # MiB of int64
+    res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "evict_mib": args.evict_mib, "reps": args.reps, "replay_host_us": {}}
+    for _ in range(2):  # the second round is the one reported (the first warms everything up)
+        for name, graph in graphs.items():
+            res["replay_host_us"][name] = {"warm": replay_us(graph, args.reps, None),
+                                          "cold": replay_us(graph, args.reps, evict)}
+    print(f"graph replay host time on {res['card']} (torch {res['torch']}), median of "
+          f"{args.reps}; cold = after walking {args.evict_mib} MiB of host memory")
+    print(f"{'graph':<12}{'warm µs':>10}{'cold µs':>10}")
+    for name, t in res["replay_host_us"].items():
+        print(f"{name:<12}{t['warm']:>10.2f}{t['cold']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
