@@ -84,18 +84,25 @@ def model_check_batch(qsl, rows, num_tokens, num_rows):
     return int(num_tokens == len(q) - 1 and q == list(range(len(q))))
 
 
+def random_layout(rng, k, max_rows, max_offset, most_value, spare):
+    """A flat host buffer with one group's table and counts (counts: whole kernel blocks per
+    row, full rows included): (host, num_rows, width, table_offset, counts_offset)."""
+    num_rows, width = int(rng.integers(1, max_rows)), k * int(rng.integers(1, 6))
+    table_offset = int(rng.integers(0, max_offset))
+    counts_offset = table_offset + num_rows * width + int(rng.integers(0, 3))
+    host = rng.integers(0, most_value, counts_offset + num_rows + spare).astype(np.int32)
+    host[counts_offset : counts_offset + num_rows] = k * rng.integers(
+        0, width // k + 1, num_rows)
+    return host, num_rows, width, table_offset, counts_offset
+
+
 # ------------------------------------------------------------------ stage_appends
 @needs_native
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_stage_appends_equals_the_model(k):
     rng = np.random.default_rng(k)
     for _ in range(300):
-        num_rows, width = int(rng.integers(1, 12)), k * int(rng.integers(1, 6))
-        table_offset = int(rng.integers(0, 5))
-        counts_offset = table_offset + num_rows * width + int(rng.integers(0, 3))
-        host = rng.integers(0, 50, counts_offset + num_rows + 2).astype(np.int32)
-        host[counts_offset : counts_offset + num_rows] = k * rng.integers(
-            0, width // k + 1, num_rows)  # filled entries: full rows included
+        host, num_rows, width, table_offset, counts_offset = random_layout(rng, k, 12, 5, 50, 2)
         n = int(rng.integers(0, num_rows + 1))
         rows = rng.permutation(num_rows)[:n].astype(np.int32)
         id_bound = int(rng.integers(1, 100))
@@ -282,12 +289,7 @@ def test_stage_group_equals_the_model(k):
     every kind with host as it was, and pairs that hold each write once."""
     rng = np.random.default_rng(10 + k)
     for _ in range(400):
-        num_rows, width = int(rng.integers(1, 10)), k * int(rng.integers(1, 6))
-        table_offset = int(rng.integers(0, 4))
-        counts_offset = table_offset + num_rows * width + int(rng.integers(0, 3))
-        host = rng.integers(0, 40, counts_offset + num_rows + 1).astype(np.int32)
-        host[counts_offset : counts_offset + num_rows] = k * rng.integers(
-            0, width // k + 1, num_rows)
+        host, num_rows, width, table_offset, counts_offset = random_layout(rng, k, 10, 4, 40, 1)
         order = rng.permutation(num_rows).astype(np.int32)
         cuts = np.sort(rng.integers(0, num_rows + 1, 3))
         cleared = order[: cuts[0]]

@@ -365,19 +365,20 @@ class CapturedStep:
                 if len(arr) != num_reqs:
                     raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
                                      f"describes {num_reqs} requests")
-        self._check_values(qsl, num_reqs, num_tokens, rows)
+        native = self._native
+        code = -1 if native is None else native.check_batch(qsl, rows, num_tokens,
+                                                             self._num_rows)
+        if code >= 0:  # the compiled pass; a refusal goes on to the messages below
+            self._decode = code == 1
+        else:
+            self._check_values(qsl, num_reqs, num_tokens, rows)
         return num_reqs, num_tokens
 
     def _check_values(self, qsl: np.ndarray, num_reqs: int, num_tokens: int,
                       rows: np.ndarray | None) -> None:
         """Raise unless ``qsl`` (int32 ``[num_reqs + 1]``) starts at 0, never decreases and
-        ends at ``num_tokens``, and ``rows`` (int32 ``[num_reqs]``) lie in the table."""
-        native = self._native
-        if native is not None:  # one compiled pass; a failure falls through to the messages
-            code = native.check_batch(qsl, rows, num_tokens, self.table.max_num_reqs)
-            if code >= 0:
-                self._decode = code == 1
-                return
+        ends at ``num_tokens``, and ``rows`` (int32 ``[num_reqs]``) lie in the table, with
+        numpy (the callers try the compiled ``check_batch`` first, where it is built)."""
         # one token per request (a decode batch): well formed by one comparison of bytes
         self._decode = (num_tokens == num_reqs
                         and qsl.tobytes() == self._decode_qsl[: 4 * num_reqs + 4])
