@@ -41,6 +41,7 @@ import blocktable.step.runner as step_runner
 from blocktable._native_loader import native_module
 from blocktable.demo import DemoOptions
 from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
+from blocktable.step import CapturedStep
 
 
 def p50_us(values: list[float]) -> float:
@@ -244,7 +245,12 @@ def main() -> None:
                     help="skip the three-call runs (quicker before/after comparisons)")
     ap.add_argument("--cold-ops", action="store_true",
                     help="only time single numpy calls of the step with the caches cold")
+    ap.add_argument("--copy-staging", action="store_true",
+                    help="CUDA: copy the staging buffer to the device in the graph (a copy "
+                         "node) instead of the kernels reading it in place")
     args = ap.parse_args()
+    if args.copy_staging:
+        CapturedStep.try_in_place = False
     if args.cold_ops:
         res_cold = cold_ops()
         if args.json:
@@ -261,6 +267,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     res: dict = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(),
                  "step_loops": "compiled" if native_module() is not None else "numpy",
+                 "staging": "copied" if args.copy_staging else "in place",
                  "torch_threads": torch.get_num_threads(), "numpy": np.__version__}
     if args.device == "cuda":
         res["card"] = torch.cuda.get_device_name()
@@ -287,7 +294,7 @@ def main() -> None:
             json.dump(res, f, indent=2)
     where = res.get("card", f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
     print(f"\nengine loop, block-table host time per step on {where}, torch {torch.__version__}, "
-          f"step loops {res['step_loops']}")
+          f"step loops {res['step_loops']}, staging {res['staging']}")
     print(f"{'workload':<24}{'steps':>6}{'table p50 µs':>14}{'table mean µs':>15}"
           f"{'inputs p50 µs':>15}")
     for name in (*names, *(n + " (3 calls)" for n in names)):

@@ -6,12 +6,18 @@ script replays, warm (back to back) and cold (after walking ``--evict-mib`` of h
 the captured step's own graph and graphs holding parts of it, to show which part of the
 replay's host cost is the copy node and which the kernels:
 
-- ``step``: the captured step's graph (staging copy, commit scatter, slot mapping);
+- ``step``: the captured step's graph as it runs where the device reads pinned host memory
+  (kernels only: the scatter reads the staging buffer in place and brings the batch across,
+  the slot mapping, the mailbox post);
+- ``step, copied``: the captured step's graph with the staging buffer copied to the device
+  first (a copy node, the scatter, the slot mapping);
 - ``copy``: the staging copy alone;
 - ``kernels``: the scatter and the slot mapping without the copy;
 - ``one kernel``: one tiny kernel (the least a graph replay costs).
 
-Each replay is followed by a ``torch.cuda.synchronize()`` outside the timed region.
+Each replay is followed by a ``torch.cuda.synchronize()`` outside the timed region. The
+``wall`` column times, warm, a replay through the end of its device work (replay, then
+synchronize), less an empty synchronize: what the graph costs a step that waits for it.
 
     PYTHONPATH=src python benchmarks/replay_cold.py --json out.json
 """
@@ -58,6 +64,21 @@ def replay_us(graph: torch.cuda.CUDAGraph, reps: int, evict: np.ndarray | None) 
     return statistics.median(samples) * 1e6
 
 
+def wall_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median of (replay + synchronize) less the median of an empty synchronize, warm."""
+    def median_us(work: Callable[[], None]) -> float:
+        samples = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            work()
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    return median_us(graph.replay) - median_us(lambda: None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=300)
@@ -67,7 +88,11 @@ def main() -> None:
     table = MultiGroupBlockTable([GroupSpec(16, num_blocks=65536)], 1024, 32768, 8192, "cuda",
                                  backend="triton")
     step = CapturedStep(table)
-    assert step._graphs is not None
+    assert step._graphs is not None and step.reads_in_place
+    CapturedStep.try_in_place = False
+    copied = CapturedStep(table)
+    CapturedStep.try_in_place = True
+    assert copied._graphs is not None and not copied.reads_in_place
     dev, host = step._dev, step._host[0]
     flat = table.storage.device_tensor
     L = step.layout
@@ -80,6 +105,7 @@ def main() -> None:
 
     graphs = {
         "step": step._graphs[0],
+        "step, copied": copied._graphs[0],
         "copy": capture(lambda: dev.copy_(host, non_blocking=True)),
         "kernels": capture(kernels),
         "one kernel": capture(lambda: tiny.add_(1)),
@@ -90,12 +116,13 @@ def main() -> None:
     for _ in range(2):  # the second round is the one reported (the first warms everything up)
         for name, graph in graphs.items():
             res["replay_host_us"][name] = {"warm": replay_us(graph, args.reps, None),
-                                          "cold": replay_us(graph, args.reps, evict)}
+                                          "cold": replay_us(graph, args.reps, evict),
+                                          "wall": wall_us(graph, args.reps)}
     print(f"graph replay host time on {res['card']} (torch {res['torch']}), median of "
           f"{args.reps}; cold = after walking {args.evict_mib} MiB of host memory")
-    print(f"{'graph':<12}{'warm µs':>10}{'cold µs':>10}")
+    print(f"{'graph':<14}{'warm µs':>10}{'cold µs':>10}{'wall µs':>10}")
     for name, t in res["replay_host_us"].items():
-        print(f"{name:<12}{t['warm']:>10.2f}{t['cold']:>10.2f}")
+        print(f"{name:<14}{t['warm']:>10.2f}{t['cold']:>10.2f}{t['wall']:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -123,15 +123,20 @@ def check_same(bt: MultiGroupBlockTable, ref: MultiGroupBlockTable, out, qsl, po
     bt.check_integrity()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend, in_place", [("torch", False), ("triton", True),
+                                               ("triton", False)])
 @pytest.mark.parametrize("max_pairs", [None, 6])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_steps_match_apply_commit_slot_mapping(backend, max_pairs, seed, triton_device):
+def test_random_steps_match_apply_commit_slot_mapping(backend, in_place, max_pairs, seed,
+                                                      triton_device, monkeypatch):
     """Random decode and general steps, condensed and indexed batches, small and ample pair
-    capacity: table, device table and slot mapping equal the three-call path's, exactly."""
+    capacity, the kernels reading the staging buffer in place or a copy of it: table, device
+    table and slot mapping equal the three-call path's, exactly."""
+    monkeypatch.setattr(CapturedStep, "try_in_place", in_place)
     device = "cpu" if backend == "torch" else triton_device
     bt, ref = make_table(device, backend), make_table("cpu", "torch")
     step = CapturedStep(bt, max_pairs=max_pairs)
+    assert step.reads_in_place == in_place
     model = Model(bt, np.random.default_rng(seed))
     for i in range(14):
         update = model.decode() if i % 3 else model.general()
@@ -416,7 +421,7 @@ def test_cuda_replay_never_synchronizes_and_matches():
     staging copy to the pinned mailbox; results equal the three-call path's."""
     bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
     step = CapturedStep(bt)
-    assert step.uses_mailbox and step._graphs is not None
+    assert step.uses_mailbox and step.reads_in_place and step._graphs is not None
     model = Model(bt, np.random.default_rng(7))
     steps = []
     for i in range(12):
@@ -476,14 +481,20 @@ def test_docstring_example_runs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("use_graph, mailbox", [(False, True), (True, False), (False, False)])
-def test_cuda_eager_and_event_paths_match(use_graph, mailbox, monkeypatch):
-    """Eager launches instead of the graph, and events instead of the mailbox, give the same
-    results (many steps back to back, so both staging buffers are reused while in flight)."""
+@pytest.mark.parametrize("use_graph, mailbox, in_place", [
+    (False, True, True), (True, True, False), (False, True, False), (True, False, False),
+    (False, False, False),
+])
+def test_cuda_eager_copied_and_event_paths_match(use_graph, mailbox, in_place, monkeypatch):
+    """Eager launches instead of the graph, a copy of the staging buffer instead of reading
+    it in place, and events instead of the mailbox give the same results (many steps back to
+    back, so both staging buffers are reused while in flight)."""
     monkeypatch.setattr(CapturedStep, "try_mailbox", mailbox)
+    monkeypatch.setattr(CapturedStep, "try_in_place", in_place)
     bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
     step = CapturedStep(bt, use_graph=use_graph)
     assert step.uses_mailbox == mailbox and (step._graphs is not None) == use_graph
+    assert step.reads_in_place == in_place
     model = Model(bt, np.random.default_rng(11))
     for i in range(12):
         update = model.decode() if i % 4 else model.general()

@@ -39,8 +39,8 @@ from blocktable._native_loader import native_module
 from blocktable.constants import PAD_SLOT_ID
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.step.host import FULL, DecodeStager, largest, stage_general
-from blocktable.step.kernels import launch_staged_scatter
-from blocktable.step.layout import NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
+from blocktable.step.kernels import launch_direct_scatter, launch_post, launch_staged_scatter
+from blocktable.step.layout import BATCH_WORDS, NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
 from blocktable.step.numpy_slots import CheckedSlots
 from blocktable.update import StepUpdate
 
@@ -108,6 +108,7 @@ class CapturedStep:
     """
 
     try_mailbox = True  # False: always wait on events (tests of that path)
+    try_in_place = True  # False: always copy the staging buffer first (tests, benchmarks)
 
     def __init__(
         self,
@@ -164,6 +165,7 @@ class CapturedStep:
         self._num_rows = table.max_num_reqs
         self._tokens_filled = table.max_num_batched_tokens  # slots past it are PAD (numpy)
         self._calls_seen = -1  # table.slot_mapping_calls when the slots were last ours
+        self._batch_words = self.layout.batch_words(0)  # the batch's words, but positions
         self._arange = np.arange(R, dtype=np.int32)
         self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # qsl of 1 token each
         self._lent = -1  # the slot whose views batch_views() handed out for run_staged
@@ -189,6 +191,8 @@ class CapturedStep:
             for g, spec in enumerate(table.specs)
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        # the kernels read the pinned staging buffer in place (no copy node); proven on CUDA
+        self._in_place = self.mode == "kernels" and self.try_in_place
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._prepare_cuda(use_graph)
@@ -334,6 +338,7 @@ class CapturedStep:
         else:
             header = self._header_mv[slot]
             header[NUM_PAIRS] = staged
+            header[BATCH_WORDS] = self._batch_words + 2 * num_tokens
             seq = self._seq = (self._seq + 1) & _SEQ_MASK
             header[SEQ] = seq
             graphs = self._graphs
@@ -421,13 +426,19 @@ class CapturedStep:
             self._slots.map(qsl, positions, rows, slots, num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
-        """Copy staging ``slot`` to the device, scatter the pairs, map the slots (padded)."""
-        self._dev.copy_(self._host[slot], non_blocking=True)
-        launch_staged_scatter(self.table.storage.device_tensor, self._dev, self._mailbox,
-                              self.layout.max_pairs)
+        """Scatter the pairs of staging ``slot`` and bring its batch to the device (reading it
+        in place, or copying it whole first), map the slots (padded), post to the mailbox."""
+        flat = self.table.storage.device_tensor
+        if self._in_place:
+            launch_direct_scatter(flat, self._host[slot], self._dev, self.layout)
+        else:
+            self._dev.copy_(self._host[slot], non_blocking=True)
+            launch_staged_scatter(flat, self._dev, self._mailbox, self.layout.max_pairs)
         if self.table.slot_params:
             self.table.launch_slot_mapping_unchecked(self._d_qsl, self._d_positions,
                                                      self._d_rows)
+        if self._in_place:  # after every read of the staging buffer
+            launch_post(self._dev, self._mailbox)
 
     def _run_device(self, slot: int) -> None:
         if self._graphs is not None:
@@ -457,25 +468,26 @@ class CapturedStep:
 
     # ---------------------------------------------------------------- cuda setup
     def _prepare_cuda(self, use_graph: bool) -> None:
-        """Warm up (compiles the kernels, proves the mailbox) on a side stream, then capture."""
+        """Warm up (compiles the kernels, proves what the device can read and write of host
+        memory) on a side stream, then capture.
+
+        In order of preference: the kernels read the staging buffer in place and post to the
+        mailbox; the buffer is copied first and the scatter posts to the mailbox; the buffer
+        is copied first and events are waited on."""
         device = self.device
-        for s, v in enumerate(self._views):  # a harmless step: no pairs, no request
-            v.header[NUM_PAIRS], v.header[SEQ], v.header[SLOT] = 0, _SEQ_MASK - s, s
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             mapped = False
-            try:
-                if self.try_mailbox:
-                    for s in range(len(self._views)):
-                        self._device_work(s)
-                    side.synchronize()
-                    mapped = all(int(self._mailbox_np[s]) == _SEQ_MASK - s
-                                 for s in range(len(self._views)))
-            except Exception:  # noqa: BLE001 - the device may refuse host memory: use events
-                mapped = False
+            if self.try_mailbox:
+                for in_place in (True, False) if self._in_place else (False,):
+                    self._in_place = in_place
+                    mapped = self._prove_mapped(side)
+                    if mapped:
+                        break
             if not mapped:
+                self._in_place = False
                 self._mailbox = torch.zeros(2, dtype=torch.int32, device=device)
                 self._events = [torch.cuda.Event() for _ in self._views]
                 for s in range(len(self._views)):
@@ -491,6 +503,39 @@ class CapturedStep:
                 graphs.append(graph)
             self._graphs = graphs
         torch.cuda.synchronize(device)
+
+    def _prove_mapped(self, stream: torch.cuda.Stream) -> bool:
+        """Run a harmless step (no pairs, an empty batch) from each staging buffer on
+        ``stream``; True when the device posted each to the mailbox and, reading in place,
+        brought each buffer's batch words across intact."""
+        words = self._batch_words
+        qsl = self.layout.qsl
+        for s, v in enumerate(self._views):
+            v.header[NUM_PAIRS], v.header[SEQ], v.header[SLOT] = 0, _SEQ_MASK - s, s
+            v.header[BATCH_WORDS] = words
+            v.buffer[qsl : qsl + words] = np.arange(s, s + words, dtype=np.int32)
+        try:
+            for s, v in enumerate(self._views):
+                self._device_work(s)
+                stream.synchronize()
+                if self._mailbox_mv[s] != _SEQ_MASK - s:
+                    return False
+                if self._in_place and not np.array_equal(
+                    self._dev[qsl : qsl + words].cpu().numpy(), v.buffer[qsl : qsl + words]
+                ):
+                    return False
+            return True
+        except Exception:  # noqa: BLE001 - the device may refuse host memory
+            return False
+        finally:
+            for v in self._views:
+                v.buffer[qsl : qsl + words] = 0
+
+    @property
+    def reads_in_place(self) -> bool:
+        """True when the step's kernels read the pinned staging buffer in place (no copy of it
+        to the device first: a graph of kernels only)."""
+        return self._in_place
 
     @property
     def uses_mailbox(self) -> bool:
