@@ -286,6 +286,8 @@ def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
         assert update.facts.ids_at_most == (63,)
         for a in (part.rows, part.num_manager_blocks, part.block_ids):
             assert a.dtype == np.int32 and not a.flags.writeable
+            with pytest.raises(ValueError):
+                a.flags.writeable = True  # views of an immutable buffer: the facts hold
         mgr.append_token_ids_many(reqs, [[1] * n for n in new_tokens])
         mgr.mark_computed_many(reqs, new_tokens)
 

@@ -84,9 +84,9 @@ class StepJournal:
         self.order: list[int] = []  # the touched rows, in the order of their first touch
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
-        # touch_many's rows with the blocks appended to them then (rows as int32, counts, ids;
-        # rows as intp), and whether a row of theirs was touched again since
-        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        # touch_many's blocks appended (rows as int32, counts, ids) with their rows as intp,
+        # and whether a row of theirs was touched again since
+        self._batches: list[tuple[RowBlocks, np.ndarray]] = []
         self._batches_stale = False
         self._num_batched = 0  # rows in _batches
         self._views()
@@ -134,13 +134,12 @@ class StepJournal:
             elif was != stamp:  # a batch's row
                 self._batches_stale = True
 
-    def touch_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray,
-                   rows32: np.ndarray) -> None:
+    def touch_many(self, rows: np.ndarray, blocks: RowBlocks) -> None:
         """:meth:`touch` of distinct ``rows`` (intp ``[n]``, held, group 0 of one group) before
-        ``counts[i]`` blocks (int32 ``[n]``, >= 1) are appended to row ``rows[i]``: those of
-        ``block_ids`` (int32 ``[counts.sum()]``, row after row); ``rows32`` is ``rows`` as
-        int32 (the caller has made it anyway). The arrays are kept until :meth:`take`: nobody
-        may change them."""
+        ``blocks.num_manager_blocks[i]`` blocks (>= 1) are appended to row ``rows[i]``:
+        ``blocks`` holds the same rows (int32), the counts and the ids, read-only views of an
+        immutable buffer (a decode step's update is this object itself). Kept until
+        :meth:`take`."""
         stamp = self._stamp
         touched = self.touched
         was = touched.take(rows)
@@ -150,15 +149,18 @@ class StepJournal:
             # rows touched before: only the others are a batch (theirs diffed)
             if np.count_nonzero(was > at_stamp):  # a batch's row
                 self._batches_stale = True
-            rows, rows32 = rows[keep], rows32[keep]
+            rows = rows[keep]
             if not len(rows):
                 return
-            block_ids = block_ids[keep if len(counts) == len(block_ids) else keep.repeat(counts)]
-            counts = counts[keep]
+            counts, ids = blocks.num_manager_blocks, blocks.block_ids
+            ids = ids[keep if len(counts) == len(ids) else keep.repeat(counts)]
+            data = b"".join((blocks.rows[keep], counts[keep], ids))  # type: ignore[arg-type]
+            rows32, counts, ids = _cut(data, (len(rows), len(rows)))
+            blocks = trusted_row_blocks(rows32, counts, ids)
         touched[rows] = stamp + 1
         self.start_gen[rows] = self.rows.holder_gen.take(rows)
         self.start_len[0][rows] = self.rows.row_len[0].take(rows)
-        self._batches.append((rows32, counts, block_ids, rows))
+        self._batches.append((blocks, rows))
         self._num_batched += len(rows)
 
     def null(self, row: int, group: int, block_index: int) -> None:
@@ -273,7 +275,7 @@ class StepJournal:
 
     def _unbatch(self) -> None:
         """Hand the batches' rows to the diff of every touched row."""
-        for *_, rows in self._batches:
+        for _, rows in self._batches:
             self.order += rows.tolist()
         self._batches = []
         self._batches_stale = False
@@ -281,16 +283,14 @@ class StepJournal:
 
     def _take_batch(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` when one batch of one group is the step's only change (an engine's
-        decode step): its three arrays joined into one immutable buffer, nothing read per
+        decode step): the batch's own blocks (immutable) are the update's, nothing read per
         row."""
-        [(rows, counts, ids, _)] = self._batches
+        [(appended, _)] = self._batches
         self._batches = []
         self._num_batched = 0
-        n = len(rows)
-        flat = np.frombuffer(b"".join((rows, counts, ids)), dtype=np.int32)  # type: ignore[arg-type]
-        appended = trusted_row_blocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        one_each = len(appended.block_ids) == len(appended.rows)
         return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,), sizes,
-                              self._batch_facts[len(ids) == n])
+                              self._batch_facts[one_each])
 
     def _take_few(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` of a few touched rows of one group without nulled entries (a decode
@@ -326,8 +326,8 @@ class StepJournal:
         if batches:  # appended after the rows diffed above, as they are
             self._batches = []
             self._num_batched = 0
-            for _, counts, ids, _ in batches:
-                one_each = one_each and len(counts) == len(ids)
+            for blocks, _ in batches:
+                one_each = one_each and len(blocks.rows) == len(blocks.block_ids)
             cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts, p_ids = _joined(
                 cleared + add_rows + add_counts,
                 (len(cleared), len(add_rows), len(add_rows)),
@@ -450,12 +450,12 @@ def _joined(
     head_sizes: tuple[int, ...],
     buffers: list[memoryview],
     lists: list[list[int]],
-    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    batches: list[tuple[RowBlocks, np.ndarray]],
 ) -> list[np.ndarray]:
     """int32 arrays, all read-only views of one immutable buffer: ``head`` cut into parts of
     ``head_sizes``; ``buffers`` (int32) joined as one part; then, for ``k`` in 0, 1, 2,
-    ``lists[k]`` followed by item ``k`` of every batch (int32 arrays) as one part. Empty
-    parts are the shared empty array."""
+    ``lists[k]`` followed by every batch's rows (``k`` = 0), counts (1) or ids (2) as one
+    part. Empty parts are the shared empty array."""
     pieces: list[object] = [struct.pack(f"={len(head)}i", *head)] if head else []
     pieces += buffers
     sizes = [*head_sizes, sum(map(len, buffers))]
@@ -463,8 +463,8 @@ def _joined(
         size = len(ints)
         if size:
             pieces.append(struct.pack(f"={size}i", *ints))
-        for batch in batches:
-            array = batch[k]
+        for blocks, _ in batches:
+            array = (blocks.rows, blocks.num_manager_blocks, blocks.block_ids)[k]
             size += len(array)
             pieces.append(array)  # (bytes.join reads an int32 array's buffer as it is)
         sizes.append(size)

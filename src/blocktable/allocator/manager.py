@@ -43,7 +43,7 @@ from blocktable.allocator.rowstate import RowState
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
-from blocktable.update import RowBlocks, StepUpdate
+from blocktable.update import RowBlocks, StepUpdate, trusted_row_blocks
 
 ReqId = str | int
 _INT64 = np.dtype(np.int64)
@@ -644,11 +644,13 @@ class KVCacheManager:
         else:
             [got] = needs.nonzero()
             grown_rows, num, starts, ends = rows[got], needs[got], old_len[got], ends[got]
-        num32 = num.astype(np.int32)
-        out = RowBlocks(grown_rows.astype(np.int32), num32, new)
-        for part in (out.rows, num32, new):
-            part.setflags(write=False)  # the journal keeps them until the step's update
-        self._journal.touch_many(grown_rows, num32, new, out.rows)
+        # the rows, counts and ids as read-only views of one immutable buffer: the journal
+        # keeps them until the step's update, which, in a decode step, is this object itself
+        n = len(grown_rows)
+        data = b"".join((grown_rows.astype(np.int32), num.astype(np.int32), new))  # type: ignore[arg-type]
+        flat = np.frombuffer(data, dtype=np.int32)
+        out = trusted_row_blocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        self._journal.touch_many(grown_rows, out)
         new_len = starts + num
         arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
         if len(grown_rows) == total:  # one block each (decode)
