@@ -128,6 +128,14 @@ class DecodeStager:
         # int32 ones as bytes: a part's manager-block counts are all 1 iff their bytes match
         self._ones = np.ones(table.max_num_reqs, dtype=np.int32).tobytes()
         self._sizes_ok: tuple[int, ...] | None = None  # block sizes that passed the check
+        self._storage = table.storage
+        self._one_group = self.num_groups == 1
+        # the decode lane's compiled call, its table arguments bound once: width, k, table
+        # and counts offsets, rows, id bound (None: numpy, or no table for the group)
+        ref0 = self._ref_of[0]
+        self._append_args = None if native is None or ref0 is None else (
+            ref0.width, ref0.k, ref0.table_offset, ref0.counts_offset, self.num_rows,
+            ref0.block_id_bound)
 
     def _listed(self, rows: object) -> np.ndarray | None:
         """How often each table row appears in ``rows`` (int64 ``[max_num_reqs]``), or
@@ -229,8 +237,8 @@ class DecodeStager:
         width, ids below its bound) is checked on every update.
         """
         facts = update.facts
-        if (facts is not None and facts.appends_only and self.num_groups == 1
-                and facts.num_rows <= self.num_rows and not self.table.storage.changed):
+        if (facts is not None and facts.appends_only and self._one_group
+                and facts.num_rows <= self.num_rows and not self._storage.changed):
             return self._stage_trusted_appends(update, facts, pairs, max_pairs)  # decode lane
         table = self.table
         st = table.storage
@@ -386,8 +394,21 @@ class DecodeStager:
         """:meth:`stage` of a decode step of one group from the allocator's journal: each
         appended row gains one block, no row is cleared, added or nulled (the engine's common
         step, without the general loop's bookkeeping)."""
-        ref, part = self._ref_of[0], update.appended[0]
-        n = len(part.rows)
+        part = update.appended[0]
+        rows = part.rows
+        args = self._append_args
+        if args is not None and len(rows) * (args[1] + 1) <= max_pairs:
+            # checks (ids, room) then writes, in one compiled call (the calls inlined)
+            if update.allocator_block_sizes != self._sizes_ok:
+                self._check_block_sizes(update)
+            st = self._storage
+            if st.host_read_event is not None:
+                st.before_host_write()
+            staged: int = self.native.stage_appends(  # type: ignore[union-attr]
+                st.host, pairs, rows, part.block_ids, *args)
+            return staged if staged >= 0 else -1  # refused: the general path names it
+        ref = self._ref_of[0]
+        n = len(rows)
         total = 0
         filled = None
         if n:
@@ -396,17 +417,6 @@ class DecodeStager:
             total = n * (ref.k + 1)
             if total > max_pairs:
                 return -1
-            native = self.native
-            if native is not None:  # checks (ids, room) then writes, in one compiled call
-                if update.allocator_block_sizes != self._sizes_ok:  # (the calls inlined)
-                    self._check_block_sizes(update)
-                st = self.table.storage
-                if st.host_read_event is not None:
-                    st.before_host_write()
-                staged: int = native.stage_appends(
-                    st.host, pairs, part.rows, part.block_ids, ref.width, ref.k,
-                    ref.table_offset, ref.counts_offset, self.num_rows, ref.block_id_bound)
-                return staged if staged >= 0 else -1  # refused: the general path names it
             filled = self._filled_trusted(ref, part, facts, 0)
             if filled is None:
                 return -1
