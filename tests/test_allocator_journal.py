@@ -284,12 +284,30 @@ def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
         assert not len(update.cleared_rows) and not len(update.added[0]) and not len(update.nulled[0])
         assert update.facts.one_block_each == (one_each,)
         assert update.facts.ids_at_most == (63,)
+        assert update.facts.appends_only == one_each
         for a in (part.rows, part.num_manager_blocks, part.block_ids):
             assert a.dtype == np.int32 and not a.flags.writeable
             with pytest.raises(ValueError):
                 a.flags.writeable = True  # views of an immutable buffer: the facts hold
         mgr.append_token_ids_many(reqs, [[1] * n for n in new_tokens])
         mgr.mark_computed_many(reqs, new_tokens)
+
+
+def test_a_lone_batch_of_a_few_rows_is_handed_out_as_allocated() -> None:
+    """A step whose only change is one allocate_many, however few its rows, is that call's own
+    blocks: the update holds the very object the call returned, nothing diffed or copied."""
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], 4)
+    for i, r in enumerate("abc"):
+        mgr.add_request(r, list(range(10 * i, 10 * i + 4)))
+        mgr.allocate(r, 4)
+        mgr.mark_computed(r, 4)
+    mgr.take_step_update()
+    [blocks] = mgr.allocate_many(["a", "c"], [4, 4])
+    update = mgr.take_step_update()
+    assert update.appended[0] is blocks
+    assert as_lists(blocks) == {mgr.row_of(r): mgr.block_ids(r)[0][1:] for r in "ac"}
+    assert update.facts.appends_only and not len(update.cleared_rows)
+    assert is_empty(mgr.take_step_update())
 
 
 @pytest.mark.parametrize("few_rows", [128, 0])  # the per-row diff, and the vectorized one

@@ -181,8 +181,8 @@ class StepJournal:
         group, whatever the number of touched rows.
         """
         batches = self._batches
-        if (len(batches) == 1 and not self.order and self._num_batched > _FEW_BATCHED
-                and not (self._batches_stale or self._nulled) and self.num_groups == 1):
+        if (len(batches) == 1 and not self.order and not (self._batches_stale or self._nulled)
+                and self.num_groups == 1):
             self._stamp += 2  # every row untouched from now on
             return self._take_batch(allocator_block_sizes)  # a decode step: checked first
         num_groups = self.num_groups
