@@ -71,7 +71,6 @@ class Breakdown:
         "run._run_numpy": "step.run",
         "run._run_device": "step.run",
         "run.graph_replay": "step.run_staged",
-        "run._outputs": "step.run",
         "apply": "",
         "commit": "",
         "compute_slot_mapping": "",
@@ -123,7 +122,6 @@ class Breakdown:
                     self.wrap(graph, "replay", "run.graph_replay")
                 except (AttributeError, TypeError):  # a graph object without instance attributes
                     break
-            self.wrap(step, "_outputs", "run._outputs")
         else:
             self.wrap(engine.table, "apply", "apply")
             self.wrap(engine.table, "commit", "commit")

@@ -183,8 +183,15 @@ class StepJournal:
         batches = self._batches
         if (len(batches) == 1 and not self.order and not (self._batches_stale or self._nulled)
                 and self.num_groups == 1):
+            # A decode step (checked first): the batch's own blocks, immutable, are the update's
+            # appended blocks; nothing is read per row.
             self._stamp += 2  # every row untouched from now on
-            return self._take_batch(allocator_block_sizes)  # a decode step: checked first
+            [(appended, _)] = batches
+            self._batches = []
+            self._num_batched = 0
+            each = len(appended.block_ids) == len(appended.rows)  # one block each
+            return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,),
+                                  allocator_block_sizes, self._batch_facts[each])
         num_groups = self.num_groups
         state = self.rows
         order = self.order
@@ -198,8 +205,6 @@ class StepJournal:
             self._unbatch()  # their rows are diffed with the others
             order = self.order
         if num_groups == 1 and len(order) <= _FEW_ROWS and not self._nulled:
-            if not order and len(self._batches) == 1:
-                return self._take_batch(allocator_block_sizes)
             return self._take_few(allocator_block_sizes)
         if self._batches:
             self._unbatch()
@@ -280,17 +285,6 @@ class StepJournal:
         self._batches = []
         self._batches_stale = False
         self._num_batched = 0
-
-    def _take_batch(self, sizes: tuple[int, ...] | None) -> StepUpdate:
-        """:meth:`take` when one batch of one group is the step's only change (an engine's
-        decode step): the batch's own blocks (immutable) are the update's, nothing read per
-        row."""
-        [(appended, _)] = self._batches
-        self._batches = []
-        self._num_batched = 0
-        one_each = len(appended.block_ids) == len(appended.rows)
-        return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,), sizes,
-                              self._batch_facts[one_each])
 
     def _take_few(self, sizes: tuple[int, ...] | None) -> StepUpdate:
         """:meth:`take` of a few touched rows of one group without nulled entries (a decode

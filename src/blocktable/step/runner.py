@@ -182,10 +182,11 @@ class CapturedStep:
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
-        self._by_reqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # num_reqs * (max_num_tokens + 1) + num_tokens -> the step's device outputs: qsl,
+        # positions, rows, seq_lens
+        self._by_size: dict[int, tuple[torch.Tensor, ...]] = {}
         # (slot, num_reqs, num_tokens) -> the staged batch's views: qsl, positions, rows
         self._batch_cut: dict[tuple[int, int, int], _Cut] = {}
-        self._by_tokens: dict[int, torch.Tensor] = {}
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
@@ -348,7 +349,15 @@ class CapturedStep:
                 self._run_device(slot)
             self._expect[slot] = seq
             self._slot = slot ^ (len(self._views) - 1)
-        return self._outputs(num_reqs, num_tokens, with_seq_lens, num_pairs)
+        # the outputs: device views of the batch, made once per size (inlined, as above)
+        views = self._by_size.get(padded)
+        if views is None:
+            views = self._by_size[padded] = (
+                self._d_qsl[: num_reqs + 1], self._d_positions[:num_tokens],
+                self._d_rows[:num_reqs], self._d_seq_lens[:num_reqs],
+            )
+        return StepOutputs(self._slot_views, views[0], views[1], views[2],
+                           views[3] if with_seq_lens else None, num_pairs)
 
     def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
@@ -541,21 +550,6 @@ class CapturedStep:
     def uses_mailbox(self) -> bool:
         """True when the device posts finished copies to pinned host memory (CUDA)."""
         return self.device.type == "cuda" and self._events is None
-
-    # ---------------------------------------------------------------- outputs
-    def _outputs(self, num_reqs: int, num_tokens: int, with_seq_lens: bool,
-                 num_pairs: int) -> StepOutputs:
-        views = self._by_reqs.get(num_reqs)
-        if views is None:
-            views = self._by_reqs[num_reqs] = (
-                self._d_qsl[: num_reqs + 1], self._d_rows[:num_reqs],
-                self._d_seq_lens[:num_reqs],
-            )
-        positions = self._by_tokens.get(num_tokens)
-        if positions is None:
-            positions = self._by_tokens[num_tokens] = self._d_positions[:num_tokens]
-        return StepOutputs(self._slot_views, views[0], positions, views[1],
-                           views[2] if with_seq_lens else None, num_pairs)
 
 
 def _capacity(name: str, value: int | None, bound: int) -> int:
