@@ -293,6 +293,33 @@ def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
         mgr.mark_computed_many(reqs, new_tokens)
 
 
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_a_step_that_changed_nothing_is_one_immutable_empty_update(num_groups: int) -> None:
+    """Steps without a row change hand out the same empty update, with the facts the diff
+    would state (one block each, nothing added; appends only with one group), and the step
+    after one still sees its changes."""
+    specs = [AllocatorGroupSpec(4, 32), AllocatorGroupSpec(8, 16)][:num_groups]
+    mgr = KVCacheManager(specs, 4)
+    mgr.add_request("a", list(range(6)))
+    mgr.allocate("a", 6)
+    mgr.take_step_update()
+    first, second = mgr.take_step_update(), mgr.take_step_update()
+    assert first is second and is_empty(first)
+    assert first.allocator_block_sizes == mgr.block_sizes
+    assert first.facts.one_block_each == (True,) * num_groups
+    assert first.facts.largest_added_count == (-1,) * num_groups
+    assert first.facts.appends_only == (num_groups == 1)
+    assert first.facts.ids_at_most == tuple(s.num_blocks - 1 for s in specs)
+    assert not first.cleared_rows.flags.writeable
+    mgr.mark_computed("a", 6)
+    held = [len(ids) for ids in mgr.block_ids("a")]
+    mgr.allocate("a", 4)  # 10 tokens: one more block in every group
+    update = mgr.take_step_update()
+    assert [as_lists(p) for p in update.appended] == [
+        {mgr.row_of("a"): ids[n:]} for ids, n in zip(mgr.block_ids("a"), held, strict=True)]
+    assert all(len(ids) == n + 1 for ids, n in zip(mgr.block_ids("a"), held, strict=True))
+
+
 def test_a_lone_batch_of_a_few_rows_is_handed_out_as_allocated() -> None:
     """A step whose only change is one allocate_many, however few its rows, is that call's own
     blocks: the update holds the very object the call returned, nothing diffed or copied."""

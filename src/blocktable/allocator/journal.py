@@ -69,6 +69,8 @@ class StepJournal:
         # the facts of an update that is one batch (a decode step), by "one block each"
         # by (one block each, most added, nothing cleared)
         self._few_facts: dict[tuple[bool, int, bool], AllocatorFacts] = {}
+        # by allocator block sizes: the update of a step that changed nothing
+        self._empty_updates: dict[tuple[int, ...] | None, StepUpdate] = {}
         self._batch_facts = {
             each: AllocatorFacts(rows.num_rows, self.ids_at_most, (each,), (-1,), each)
             for each in (True, False)
@@ -192,6 +194,13 @@ class StepJournal:
             each = len(appended.block_ids) == len(appended.rows)  # one block each
             return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,),
                                   allocator_block_sizes, self._batch_facts[each])
+        if not (batches or self.order or self._nulled):  # nothing changed: one object serves
+            self._stamp += 2
+            empty = self._empty_updates.get(allocator_block_sizes)
+            if empty is None:
+                empty = self._empty_updates[allocator_block_sizes] = self._empty_update(
+                    allocator_block_sizes)
+            return empty
         num_groups = self.num_groups
         state = self.rows
         order = self.order
@@ -277,6 +286,14 @@ class StepJournal:
                                tuple(largest_added), appends_only)
         return trusted_update(cleared_rows, tuple(added_blocks), tuple(appended_blocks),
                               tuple(nulled_entries), allocator_block_sizes, facts)
+
+    def _empty_update(self, sizes: tuple[int, ...] | None) -> StepUpdate:
+        """The update of a step that changed no row (immutable: handed out again and again)."""
+        G = self.num_groups
+        facts = AllocatorFacts(self.rows.num_rows, self.ids_at_most, (True,) * G, (-1,) * G,
+                               G == 1)
+        return trusted_update(_EMPTY, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G, (_NO_ENTRIES,) * G,
+                              sizes, facts)
 
     def _unbatch(self) -> None:
         """Hand the batches' rows to the diff of every touched row."""
