@@ -130,10 +130,10 @@ class DecodeStager:
         self._sizes_ok: tuple[int, ...] | None = None  # block sizes that passed the check
         self._storage = table.storage
         self._one_group = self.num_groups == 1
-        # the decode lane's compiled call, its table arguments bound once: width, k, table
-        # and counts offsets, rows, id bound (None: numpy, or no table for the group)
+        # the one-group compiled calls' table arguments, bound once: width, k, table and
+        # counts offsets, rows, id bound (None: numpy, or no table for the group)
         ref0 = self._ref_of[0]
-        self._append_args = None if native is None or ref0 is None else (
+        self._group_args = None if native is None or ref0 is None else (
             ref0.width, ref0.k, ref0.table_offset, ref0.counts_offset, self.num_rows,
             ref0.block_id_bound)
 
@@ -237,23 +237,39 @@ class DecodeStager:
         width, ids below its bound) is checked on every update.
         """
         facts = update.facts
-        if (facts is not None and facts.appends_only and self._one_group
-                and facts.num_rows <= self.num_rows and not self._storage.changed):
-            # The decode lane: with the compiled loops, the checks (ids, room) and the writes
-            # in one call (inlined: a Python call costs about a microsecond with cold caches)
-            part = update.appended[0]
-            rows = part.rows
-            args = self._append_args
-            if args is None or len(rows) * (args[1] + 1) > max_pairs:
-                return self._stage_trusted_appends(update, facts, pairs, max_pairs)
-            if update.allocator_block_sizes != self._sizes_ok:
-                self._check_block_sizes(update)
-            st = self._storage
-            if st.host_read_event is not None:
-                st.before_host_write()
-            num_staged: int = self.native.stage_appends(  # type: ignore[union-attr]
-                st.host, pairs, rows, part.block_ids, *args)
-            return num_staged if num_staged >= 0 else -1  # refused: the general path names it
+        if (facts is not None and self._one_group and facts.num_rows <= self.num_rows
+                and not self._storage.changed):
+            # One group from the allocator's journal; with the compiled loops, the checks (ids,
+            # room) and the writes are one call (inlined: a Python call costs about a
+            # microsecond with cold caches)
+            args = self._group_args
+            if facts.appends_only:  # the decode lane: rows gaining one block each
+                part = update.appended[0]
+                rows = part.rows
+                if args is None or len(rows) * (args[1] + 1) > max_pairs:
+                    return self._stage_trusted_appends(update, facts, pairs, max_pairs)
+                if update.allocator_block_sizes != self._sizes_ok:
+                    self._check_block_sizes(update)
+                st = self._storage
+                if st.host_read_event is not None:
+                    st.before_host_write()
+                num_staged: int = self.native.stage_appends(  # type: ignore[union-attr]
+                    st.host, pairs, rows, part.block_ids, *args)
+                return num_staged if num_staged >= 0 else -1  # refused: the general path
+            added, appended, nulled = update.added, update.appended, update.nulled
+            if (args is not None and len(added) == len(appended) == len(nulled) == 1
+                    and not len(nulled[0].rows)):  # cleared, added and appended rows
+                if update.allocator_block_sizes != self._sizes_ok:
+                    self._check_block_sizes(update)
+                st = self._storage
+                if st.host_read_event is not None:
+                    st.before_host_write()
+                a, p = added[0], appended[0]
+                num_staged = self.native.stage_group(  # type: ignore[union-attr]
+                    st.host, pairs, max_pairs, update.cleared_rows, a.rows,
+                    a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks,
+                    p.block_ids, *args)
+                return num_staged if num_staged >= 0 else -1  # refused: the general path
         table = self.table
         st = table.storage
         G = self.num_groups
@@ -262,8 +278,6 @@ class DecodeStager:
             return -1
         if facts is not None and facts.num_rows > self.num_rows:
             facts = None  # rows of a larger allocator: check them
-        if facts is not None and G == 1 and self.native is not None and self.refs:
-            return self._stage_one_group(update, pairs, max_pairs)
         total = 0
         cleared = update.cleared_rows
         listed_cleared = None
@@ -377,23 +391,6 @@ class DecodeStager:
         # one put writes entries and counts
         st.host.put(index, value)
         return total
-
-    def _stage_one_group(self, update: StepUpdate, pairs: np.ndarray, max_pairs: int) -> int:
-        """:meth:`stage` of an update of one group from the allocator's journal (rows distinct
-        across its parts), in one compiled call: cleared, added and appended rows. Nulled
-        entries, and whatever the table refuses, go to the general path (-1)."""
-        if len(update.nulled[0].rows):
-            return -1
-        ref, added, appended = self.refs[0], update.added[0], update.appended[0]
-        self._check_block_sizes(update)
-        st = self.table.storage
-        st.before_host_write()
-        staged: int = self.native.stage_group(  # type: ignore[union-attr]
-            st.host, pairs, max_pairs, update.cleared_rows, added.rows,
-            added.num_manager_blocks, added.block_ids, appended.rows,
-            appended.num_manager_blocks, appended.block_ids, ref.width, ref.k,
-            ref.table_offset, ref.counts_offset, self.num_rows, ref.block_id_bound)
-        return staged if staged >= 0 else -1  # refused: the general path names it
 
     def _check_block_sizes(self, update: StepUpdate) -> None:
         """Raise unless the update's allocator block sizes match the table's groups (checked
