@@ -129,6 +129,7 @@ class CapturedStep:
         P = check_positive("max_pairs", max_pairs) if max_pairs is not None else max(1024, 4 * R)
         self.table = table
         self.layout = StepLayout(P, R, T)
+        self._max_pairs = P
         self.device = table.device
         cuda = self.device.type == "cuda"
         self.mode = "numpy" if table.backend == "torch" else "kernels"
@@ -324,16 +325,17 @@ class CapturedStep:
         """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device work
         (``cut``: the batch's views when the caller has them already)."""
         slot = self._slot
-        P = self.layout.max_pairs
-        num_pairs = self._stager.stage(update, v.pairs, P)
+        P = self._max_pairs
+        pairs = v.pairs
+        num_pairs = self._stager.stage(update, pairs, P)
         if num_pairs < 0:
-            num_pairs = stage_general(self.table, update, v.pairs, P)
+            num_pairs = stage_general(self.table, update, pairs, P)
         self._lent = -1
         padded = num_reqs * self._padding_key + num_tokens
         if self._flat_np is None and self._padded[slot] != padded:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = padded
-        staged = max(0, num_pairs)
+        staged = max(0, num_pairs)  # (-1: the table's own commit moved them)
         if self._flat_np is not None:  # the header is for the device's kernels only
             self._run_numpy(v, staged, num_reqs, num_tokens, cut)
         else:
