@@ -1,4 +1,5 @@
-"""The layout of a captured step's staging buffer: one int32 buffer that crosses in one copy.
+"""The layout of a captured step's staging buffer: one int32 buffer the device reads in place
+(or copies whole, where it cannot read pinned host memory).
 
 ::
 

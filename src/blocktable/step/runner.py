@@ -3,8 +3,12 @@
 Per step the host applies the update to its table (the truth) and writes, with numpy, into a
 pinned staging buffer: the changed entries as ``(flat index, value)`` pairs, and the batch's
 ``query_start_loc``, ``row_of_batch``, ``seq_lens`` and positions. Then it replays one CUDA
-graph, captured once, that holds the copy of the staging buffer to the device, the commit
-scatter, and the slot mapping of every group. Launch shapes come from the capacities only, so
+graph, captured once, of kernels only: the first reads the staging buffer in place (pinned
+memory mapped into the device's address space), scatters the pairs into the device table and
+brings the batch to a device buffer; then the slot mapping of every group, and a post to the
+mailbox (below). Where the device cannot read that memory, the graph copies the staging
+buffer to the device first (a copy node, which costs the host more to replay). Launch shapes
+come from the capacities only, so
 one graph serves every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding
 requests own no token and every token past ``num_tokens`` maps to ``PAD_SLOT_ID``.
 
@@ -14,10 +18,10 @@ staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
 neither copied on the host nor sent to the device a second time with the model's inputs.
 
 Two staging buffers alternate, each with its own graph. The host refills a buffer only after
-the copy that read it two steps ago has finished: the graph's first kernel writes the step's
-sequence number into pinned host memory (a *mailbox*), and the host reads it with numpy (no
-CUDA call; it spins only when the device runs two steps behind). Where the device cannot write
-host memory, an event recorded after each replay is waited on instead.
+the device has read what it held two steps ago: after its last read the graph writes the
+step's sequence number into pinned host memory (a *mailbox*), and the host reads it with numpy
+(no CUDA call; it spins only when the device runs two steps behind). Where the device cannot
+write host memory, an event recorded after each replay is waited on instead.
 
 On the CPU backend the same object does the same work eagerly on one thread (no torch op, so no
 intra-op thread pool): with numpy, or in one compiled call per piece (the batch check, the
