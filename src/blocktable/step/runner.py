@@ -66,9 +66,6 @@ class StagedBatch(NamedTuple):
     seq_lens: np.ndarray  # int32 [max_num_reqs]
 
 
-_Cut = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]
-
-
 class StepOutputs(NamedTuple):
     """This step's device tensors (valid until the next step's device work, in stream order)."""
 
@@ -187,11 +184,19 @@ class CapturedStep:
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
-        # num_reqs * (max_num_tokens + 1) + num_tokens -> the step's device outputs: qsl,
-        # positions, rows, seq_lens
-        self._by_size: dict[int, tuple[torch.Tensor, ...]] = {}
-        # (slot, num_reqs, num_tokens) -> the staged batch's views: qsl, positions, rows
-        self._batch_cut: dict[tuple[int, int, int], _Cut] = {}
+        # The batch's views by size, made once (a step indexes them, never slices: a new size
+        # costs nothing). Per staging slot, numpy qsl[:n + 1] and rows[:n] by n, positions[:t]
+        # by t; the CPU backend's slots[:, :t] by t; the device outputs qsl, rows and seq_lens
+        # by n, positions by t.
+        self._qsl_by_n = [[v.qsl[: n + 1] for n in range(R + 1)] for v in self._views]
+        self._rows_by_n = [[v.rows[:n] for n in range(R + 1)] for v in self._views]
+        self._positions_by_t = [[v.positions[:t] for t in range(T + 1)] for v in self._views]
+        slots_np = self._slots_np
+        self._slots_by_t = (None if slots_np is None else
+                            [slots_np[:, :t] for t in range(T + 1)])
+        self._d_by_n = [(self._d_qsl[: n + 1], self._d_rows[:n], self._d_seq_lens[:n])
+                        for n in range(R + 1)]
+        self._d_positions_by_t = [self._d_positions[:t] for t in range(T + 1)]
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
@@ -252,7 +257,7 @@ class CapturedStep:
         if seq_lens is not None:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
-        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None, None)
+        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None)
 
     def batch_views(self) -> StagedBatch:
         """The staging buffer the next :meth:`run_staged` sends, for the caller to write the
@@ -290,32 +295,18 @@ class CapturedStep:
         if not (type(num_tokens) is int and 0 <= num_tokens <= L.max_num_tokens):
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
-        v = self._views[self._slot]
-        # (the dict read and the compiled check inlined: a call costs ~1 us with cold caches)
-        cut = self._batch_cut.get((self._slot, num_reqs, num_tokens))
-        if cut is None:
-            cut = self._cut(num_reqs, num_tokens)
+        slot = self._slot
+        qsl = self._qsl_by_n[slot][num_reqs]
+        rows = self._rows_by_n[slot][num_reqs]
+        # (the compiled check inlined: a call costs ~1 us with cold caches)
         native = self._native
-        code = -1 if native is None else native.check_batch(cut[0], cut[2], num_tokens,
+        code = -1 if native is None else native.check_batch(qsl, rows, num_tokens,
                                                              self._num_rows)
         if code >= 0:
             self._decode = code == 1
         else:
-            self._check_values(cut[0], num_reqs, num_tokens, cut[2])
-        return self._issue(update, v, num_reqs, num_tokens, with_seq_lens, cut)
-
-    def _cut(self, num_reqs: int, num_tokens: int) -> _Cut:
-        """The current staging buffer's batch views (``qsl``, positions, rows) and, on the CPU
-        backend, the slots they fill, made once per size (a decode loop slices the same sizes
-        every step)."""
-        key = (self._slot, num_reqs, num_tokens)
-        cut = self._batch_cut.get(key)
-        if cut is None:
-            v = self._views[self._slot]
-            out = None if self._slots_np is None else self._slots_np[:, :num_tokens]
-            cut = self._batch_cut[key] = (v.qsl[: num_reqs + 1], v.positions[:num_tokens],
-                                          v.rows[:num_reqs], out)
-        return cut
+            self._check_values(qsl, num_reqs, num_tokens, rows)
+        return self._issue(update, self._views[slot], num_reqs, num_tokens, with_seq_lens)
 
     def _acquire(self) -> StagingViews:
         """The views of the staging buffer this step fills, once the device has read it."""
@@ -325,9 +316,9 @@ class CapturedStep:
         return self._views[slot]
 
     def _issue(self, update: StepUpdate, v: StagingViews, num_reqs: int, num_tokens: int,
-               with_seq_lens: bool, cut: _Cut | None) -> StepOutputs:
-        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device work
-        (``cut``: the batch's views when the caller has them already)."""
+               with_seq_lens: bool) -> StepOutputs:
+        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device
+        work."""
         slot = self._slot
         P = self._max_pairs
         pairs = v.pairs
@@ -341,7 +332,7 @@ class CapturedStep:
             self._padded[slot] = padded
         staged = max(0, num_pairs)  # (-1: the table's own commit moved them)
         if self._flat_np is not None:  # the header is for the device's kernels only
-            self._run_numpy(v, staged, num_reqs, num_tokens, cut)
+            self._run_numpy(v, staged, num_reqs, num_tokens)
         else:
             header = self._header_mv[slot]
             header[NUM_PAIRS] = staged
@@ -355,15 +346,10 @@ class CapturedStep:
                 self._run_device(slot)
             self._expect[slot] = seq
             self._slot = slot ^ (len(self._views) - 1)
-        # the outputs: device views of the batch, made once per size (inlined, as above)
-        views = self._by_size.get(padded)
-        if views is None:
-            views = self._by_size[padded] = (
-                self._d_qsl[: num_reqs + 1], self._d_positions[:num_tokens],
-                self._d_rows[:num_reqs], self._d_seq_lens[:num_reqs],
-            )
-        return StepOutputs(self._slot_views, views[0], views[1], views[2],
-                           views[3] if with_seq_lens else None, num_pairs)
+        # the outputs: the batch's device views (inlined, as above)
+        by_n = self._d_by_n[num_reqs]
+        return StepOutputs(self._slot_views, by_n[0], self._d_positions_by_t[num_tokens],
+                           by_n[1], by_n[2] if with_seq_lens else None, num_pairs)
 
     def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
@@ -414,8 +400,8 @@ class CapturedStep:
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
 
     # ---------------------------------------------------------------- device work
-    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int,
-                   cut: _Cut | None) -> None:
+    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int
+                   ) -> None:
         """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
         the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
         flat, out, table = self._flat_np, self._slots_np, self.table
@@ -435,10 +421,11 @@ class CapturedStep:
             out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
         self._tokens_filled = num_tokens
         if num_tokens:
-            assert self._slots is not None
-            qsl, positions, rows, slots = cut or self._cut(num_reqs, num_tokens)
-            assert slots is not None
-            self._slots.map(qsl, positions, rows, slots, num_tokens == num_reqs and self._decode)
+            assert self._slots is not None and self._slots_by_t is not None
+            slot = self._slot
+            self._slots.map(self._qsl_by_n[slot][num_reqs], self._positions_by_t[slot][num_tokens],
+                            self._rows_by_n[slot][num_reqs], self._slots_by_t[num_tokens],
+                            num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
         """Scatter the pairs of staging ``slot`` and bring its batch to the device (reading it
