@@ -151,6 +151,31 @@ def test_random_steps_match_apply_commit_slot_mapping(backend, in_place, max_pai
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_views_made_at_a_sizes_first_step_past_the_eager_capacity(backend, triton_device,
+                                                                   monkeypatch):
+    """With a token capacity past the one whose views are made at set-up, each size's views
+    are made at its first step: the same results as the three calls, sizes repeating."""
+    from blocktable.step import runner
+
+    monkeypatch.setattr(runner, "_EAGER_TOKENS", TOKENS // 2)
+    device = "cpu" if backend == "torch" else triton_device
+    bt, ref = make_table(device, backend), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    assert step._by_t.count(None) == TOKENS + 1  # nothing made yet
+    model = Model(bt, np.random.default_rng(3))
+    for i in range(8):
+        update = model.decode() if i % 3 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = (staged_run(step, update, qsl, positions, rows, seq_lens) if i % 2 else
+               step.run(update, qsl, positions, rows, seq_lens))
+        reference_step(ref, update, qsl, positions, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+        assert step._by_t[len(positions)] is not None
+
+
 def staged_run(step: CapturedStep, update: StepUpdate, qsl: np.ndarray, positions: np.ndarray,
                rows: np.ndarray, seq_lens: np.ndarray):
     """The batch written into the step's staging views, then ``run_staged``."""

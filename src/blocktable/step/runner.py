@@ -66,6 +66,19 @@ class StagedBatch(NamedTuple):
     seq_lens: np.ndarray  # int32 [max_num_reqs]
 
 
+class _TokenViews(NamedTuple):
+    """A captured step's views of its first ``t`` tokens, for one ``t``."""
+
+    device_positions: torch.Tensor  # int64 [t]: the device buffer's positions
+    positions: tuple[np.ndarray, ...]  # per staging slot, int64 [t]: its positions
+    slots: np.ndarray | None  # int64 [groups, t]: the CPU backend's slot buffers (else None)
+
+
+# Views by token count are made when the step is built up to this capacity (about 1 KiB of
+# host memory per token), past it at each size's first step.
+_EAGER_TOKENS = 16384
+
+
 class StepOutputs(NamedTuple):
     """This step's device tensors (valid until the next step's device work, in stream order)."""
 
@@ -88,9 +101,9 @@ class CapturedStep:
         Most requests in a step's batch; default and upper bound ``table.max_num_reqs``.
     max_num_tokens : int or None
         Most tokens in a step; default and upper bound ``table.max_num_batched_tokens``. The
-        step makes its views of the batch for every size once, when it is built (a step never
-        slices): about 1 KiB of host memory per token of capacity, and tens of milliseconds
-        per 10,000 tokens.
+        step makes its views of the batch for every size once (a step never slices), when it
+        is built for up to 16384 tokens (about 1 KiB of host memory per token, and tens of
+        milliseconds per 10,000 tokens), at each size's first step past that.
     max_pairs : int or None
         Most changed table entries (ids and counts) one step moves through the graph; a step
         that changes more is still correct: the table's own commit moves it, before the graph.
@@ -187,19 +200,18 @@ class CapturedStep:
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
-        # The batch's views by size, made once (a step indexes them, never slices: a new size
-        # costs nothing). Per staging slot, numpy qsl[:n + 1] and rows[:n] by n, positions[:t]
-        # by t; the CPU backend's slots[:, :t] by t; the device outputs qsl, rows and seq_lens
-        # by n, positions by t.
+        # The batch's views by size, made once (a step indexes them, never slices). By
+        # num_reqs n, made here: per staging slot, numpy qsl[:n + 1] and rows[:n]; the device
+        # outputs qsl, rows and seq_lens. By num_tokens t (_TokenViews), made here up to
+        # _EAGER_TOKENS of capacity, past it at a size's first step.
         self._qsl_by_n = [[v.qsl[: n + 1] for n in range(R + 1)] for v in self._views]
         self._rows_by_n = [[v.rows[:n] for n in range(R + 1)] for v in self._views]
-        self._positions_by_t = [[v.positions[:t] for t in range(T + 1)] for v in self._views]
-        slots_np = self._slots_np
-        self._slots_by_t = (None if slots_np is None else
-                            [slots_np[:, :t] for t in range(T + 1)])
         self._d_by_n = [(self._d_qsl[: n + 1], self._d_rows[:n], self._d_seq_lens[:n])
                         for n in range(R + 1)]
-        self._d_positions_by_t = [self._d_positions[:t] for t in range(T + 1)]
+        self._by_t: list[_TokenViews | None] = [None] * (T + 1)
+        if T <= _EAGER_TOKENS:
+            for t in range(T + 1):
+                self._token_views(t)
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
@@ -334,8 +346,9 @@ class CapturedStep:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = padded
         staged = max(0, num_pairs)  # (-1: the table's own commit moved them)
+        by_t = self._by_t[num_tokens] or self._token_views(num_tokens)
         if self._flat_np is not None:  # the header is for the device's kernels only
-            self._run_numpy(v, staged, num_reqs, num_tokens)
+            self._run_numpy(v, staged, num_reqs, num_tokens, by_t)
         else:
             header = self._header_mv[slot]
             header[NUM_PAIRS] = staged
@@ -351,8 +364,18 @@ class CapturedStep:
             self._slot = slot ^ (len(self._views) - 1)
         # the outputs: the batch's device views (inlined, as above)
         by_n = self._d_by_n[num_reqs]
-        return StepOutputs(self._slot_views, by_n[0], self._d_positions_by_t[num_tokens],
-                           by_n[1], by_n[2] if with_seq_lens else None, num_pairs)
+        return StepOutputs(self._slot_views, by_n[0], by_t.device_positions, by_n[1],
+                           by_n[2] if with_seq_lens else None, num_pairs)
+
+    def _token_views(self, num_tokens: int) -> _TokenViews:
+        """The views of ``num_tokens`` tokens (made once, then indexed)."""
+        slots = self._slots_np
+        views = self._by_t[num_tokens] = _TokenViews(
+            self._d_positions[:num_tokens],
+            tuple(v.positions[:num_tokens] for v in self._views),
+            None if slots is None else slots[:, :num_tokens],
+        )
+        return views
 
     def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
@@ -403,8 +426,8 @@ class CapturedStep:
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
 
     # ---------------------------------------------------------------- device work
-    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int
-                   ) -> None:
+    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int,
+                   by_t: _TokenViews) -> None:
         """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
         the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
         flat, out, table = self._flat_np, self._slots_np, self.table
@@ -424,10 +447,10 @@ class CapturedStep:
             out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
         self._tokens_filled = num_tokens
         if num_tokens:
-            assert self._slots is not None and self._slots_by_t is not None
+            assert self._slots is not None and by_t.slots is not None
             slot = self._slot
-            self._slots.map(self._qsl_by_n[slot][num_reqs], self._positions_by_t[slot][num_tokens],
-                            self._rows_by_n[slot][num_reqs], self._slots_by_t[num_tokens],
+            self._slots.map(self._qsl_by_n[slot][num_reqs], by_t.positions[slot],
+                            self._rows_by_n[slot][num_reqs], by_t.slots,
                             num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
