@@ -70,8 +70,10 @@ class _TokenViews(NamedTuple):
     """A captured step's views of its first ``t`` tokens, for one ``t``."""
 
     device_positions: torch.Tensor  # int64 [t]: the device buffer's positions
-    positions: tuple[np.ndarray, ...]  # per staging slot, int64 [t]: its positions
-    slots: np.ndarray | None  # int64 [groups, t]: the CPU backend's slot buffers (else None)
+    # the CPU backend's (else None): int64 [t], its one staging buffer's positions; int64
+    # [groups, t], the slot buffers
+    positions: np.ndarray | None
+    slots: np.ndarray | None
 
 
 # Views by token count are made when the step is built up to this capacity (about 1 KiB of
@@ -369,10 +371,10 @@ class CapturedStep:
 
     def _token_views(self, num_tokens: int) -> _TokenViews:
         """The views of ``num_tokens`` tokens (made once, then indexed)."""
-        slots = self._slots_np
+        slots = self._slots_np  # (the CPU backend's: one staging buffer)
         views = self._by_t[num_tokens] = _TokenViews(
             self._d_positions[:num_tokens],
-            tuple(v.positions[:num_tokens] for v in self._views),
+            None if slots is None else self._views[0].positions[:num_tokens],
             None if slots is None else slots[:, :num_tokens],
         )
         return views
@@ -447,10 +449,10 @@ class CapturedStep:
             out[:, num_tokens : self._tokens_filled] = PAD_SLOT_ID
         self._tokens_filled = num_tokens
         if num_tokens:
-            assert self._slots is not None and by_t.slots is not None
-            slot = self._slot
-            self._slots.map(self._qsl_by_n[slot][num_reqs], by_t.positions[slot],
-                            self._rows_by_n[slot][num_reqs], by_t.slots,
+            assert self._slots is not None
+            assert by_t.positions is not None and by_t.slots is not None
+            self._slots.map(self._qsl_by_n[0][num_reqs], by_t.positions,
+                            self._rows_by_n[0][num_reqs], by_t.slots,
                             num_tokens == num_reqs and self._decode)
 
     def _device_work(self, slot: int) -> None:
