@@ -380,3 +380,59 @@ def test_appends_only_says_exactly_whether_one_block_per_row_is_the_whole_update
         assert update.facts.appends_only == want, step
         seen.add(want)
     assert seen == {True, False}  # both kinds of step happened
+
+
+def test_admissions_and_finishes_keep_one_packed_buffer_until_read(
+        native_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the compiled diff, a step that admits and finishes requests hands out its update
+    as one packed buffer; reading a field cuts every array from it, and they equal what the
+    Python diff builds for the same step: int32, read-only, the same facts. Copies, pickles and
+    replace() of it are ordinary updates holding those arrays."""
+    import copy
+    import dataclasses
+    import pickle
+
+    import blocktable._native_loader as loader
+    from blocktable.update import PackedStepUpdate
+
+    def step() -> StepUpdate:
+        mgr = make(max_num_reqs=6)
+        for i, r in enumerate("abcd"):
+            mgr.add_request(r, list(range(10 * i, 10 * i + 6)))
+            mgr.allocate(r, 6)
+        mgr.take_step_update()
+        mgr.free("b")
+        mgr.free("c")  # cleared (e takes the other freed row: added)
+        mgr.add_request("e", list(range(50, 59)))
+        mgr.allocate("e", 9)
+        mgr.mark_computed("a", 6)
+        mgr.allocate("a", 4)  # appended: two blocks
+        return mgr.take_step_update()
+
+    update = step()
+    monkeypatch.setattr(loader, "NATIVE", None)
+    twin = step()
+    assert type(twin) is StepUpdate
+    fields = ("cleared_rows", "added", "appended", "nulled")
+    if native_mode == "native":
+        assert type(update) is PackedStepUpdate
+        assert not set(fields) & update.__dict__.keys()  # nothing cut yet
+    assert update.facts == twin.facts and update.allocator_block_sizes == (4,)
+
+    def arrays(u: StepUpdate) -> list[np.ndarray]:
+        return [u.cleared_rows, *(a for part in (u.added[0], u.appended[0])
+                                  for a in (part.rows, part.num_manager_blocks, part.block_ids)),
+                u.nulled[0].rows, u.nulled[0].block_indices]
+
+    got, want = arrays(update), arrays(twin)
+    assert [len(a) for a in got] == [len(a) for a in want]
+    assert all(len(a) for a in got[:7])  # every part of the update is there
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == np.int32 and not a.flags.writeable
+    for other in (copy.copy(update), pickle.loads(pickle.dumps(update)),
+                  dataclasses.replace(update)):
+        assert other.facts is None  # checked in full by whoever applies it
+        for a, b in zip(arrays(other), got, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert update == copy.copy(update) and copy.copy(update) == update

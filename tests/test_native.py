@@ -309,15 +309,56 @@ def test_stage_group_equals_the_model(k):
         want_host = host.copy()
         code, writes = model_stage_group(want_host, max_pairs, cleared, added, appended, width,
                                          k, table_offset, counts_offset, num_rows, id_bound)
+        # stage_group takes the parts as arrays, stage_packed as diff_rows packs them
+        packed_host = host.copy()
         pairs = np.full(2 * max_pairs + 1, -7, np.int32)
         got = native.stage_group(host, pairs, max_pairs, cleared, *added, *appended, width, k,
                                  table_offset, counts_offset, num_rows, id_bound)
-        assert got == code
+        data, sizes = pack_parts(cleared, added, appended)
+        packed_pairs = np.full(2 * max_pairs + 1, -7, np.int32)
+        got_packed = native.stage_packed(packed_host, packed_pairs, max_pairs, data, sizes,
+                                         width, k, table_offset, counts_offset, num_rows,
+                                         id_bound)
+        assert got == got_packed == code
         np.testing.assert_array_equal(host, want_host)  # refused: host as it was
+        np.testing.assert_array_equal(packed_host, want_host)
         if code >= 0:
             index, value = pairs[:code].tolist(), pairs[code : 2 * code].tolist()
             assert len(set(index)) == code  # each entry once: the device scatter has no order
             assert dict(zip(index, value)) == writes
+            np.testing.assert_array_equal(packed_pairs, pairs)
+
+
+def pack_parts(cleared, added, appended):
+    """The parts as ``diff_rows`` packs them: (int32 bytes, the first six parts' lengths)."""
+    parts = [cleared, added[0], added[1], appended[0], appended[1], appended[2], added[2]]
+    data = np.concatenate(parts).astype(np.int32).tobytes()
+    return data, tuple(len(p) for p in parts[:6])
+
+
+@needs_native
+def test_stage_packed_refuses_sizes_that_do_not_fit_its_data():
+    """Sizes past the data, negative or disagreeing (rows against counts) are -4 with host and
+    pairs as they were; data that is not bytes, or sizes not six ints, raise TypeError."""
+    host, num_rows, width, table_offset, counts_offset = random_layout(
+        np.random.default_rng(3), 1, 10, 4, 40, 1)
+    rows = np.array([1, 2], np.int32)
+    added = (rows, np.array([1, 1], np.int32), np.array([5, 6], np.int32))
+    empty = (np.zeros(0, np.int32),) * 3
+    data, sizes = pack_parts(np.zeros(0, np.int32), added, empty)
+    args = (width, 1, table_offset, counts_offset, num_rows, 60)
+    before = host.copy()
+    for bad in [(0, 2, 2, 0, 0, 9), (0, -1, 2, 0, 0, 0), (0, 2, 1, 0, 0, 0), (0, 2, 2, 1, 0, 0)]:
+        pairs = np.zeros(40, np.int32)
+        assert native.stage_packed(host, pairs, 20, data, bad, *args) == -4
+        np.testing.assert_array_equal(host, before)
+        assert not pairs.any()
+    with pytest.raises(TypeError, match="bytes"):
+        native.stage_packed(host, np.zeros(40, np.int32), 20, bytearray(data), sizes, *args)
+    with pytest.raises(TypeError, match="6 ints"):
+        native.stage_packed(host, np.zeros(40, np.int32), 20, data, sizes[:5], *args)
+    np.testing.assert_array_equal(host, before)
+    assert native.stage_packed(host, np.zeros(40, np.int32), 20, data, sizes, *args) == 4
 
 
 # ------------------------------------------------------------------ diff_rows

@@ -22,6 +22,7 @@ from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.step import CapturedStep
 from blocktable.step.numpy_slots import CheckedSlots
+from blocktable.update import PackedStepUpdate
 
 ROWS, BLOCK, NUM_BLOCKS, MAX_LEN, TOKENS = 6, 4, 40, 32, 24
 
@@ -114,10 +115,11 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
     driver = Driver(mgr, np.random.default_rng(seed))
     stage, staged = trusted._stager.stage, []
     trusted._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
-    decode_steps = admissions = reused_rows = multi_block = 0
+    decode_steps = admissions = reused_rows = multi_block = packed = 0
     for i in range(40):
         update = driver.step(decode_only=i % 3 != 0)
         assert update.facts is not None
+        packed += type(update) is PackedStepUpdate and not update.__dict__.keys() & {"added"}
         qsl, positions, rows = driver.batch()
         reused_rows += int(trusted_bt[0].num_kernel_blocks[update.added[0].rows].any())
         out = trusted.run(update, qsl, positions, rows)
@@ -135,6 +137,8 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
         assert out.num_pairs >= 0
         trusted_bt.check_integrity()
     assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1 and multi_block >= 2
+    # one group, compiled: admissions come packed, staged from their one buffer
+    assert (packed >= 5) == (groups == 1 and loader.NATIVE is not None)
 
 
 @pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins

@@ -167,6 +167,100 @@ typedef struct {
     int added;
 } Part;
 
+/* The checks and writes of stage_group and stage_packed: host int32 [host_len], pairs int32
+ * [pairs_len]. Returns the number of pairs or a negative code as stage_group does; -100 with
+ * an exception set for a layout that lies outside host (nothing written). */
+static long long stage_parts(int32_t *host, Py_ssize_t host_len, int32_t *pairs,
+                             Py_ssize_t pairs_len, long long max_pairs, const int32_t *cleared,
+                             Py_ssize_t num_cleared, const Part parts[2], long long width,
+                             long long k, long long table_offset, long long counts_offset,
+                             long long num_rows, long long id_bound, const char *name)
+{
+    if (k < 1 || width < 0 || max_pairs < 0 || 2 * max_pairs > pairs_len) {
+        PyErr_Format(PyExc_ValueError, "%s: k, width or max_pairs out of range", name);
+        return -100;
+    }
+    if (counts_offset < 0 || counts_offset + num_rows > host_len || table_offset < 0
+        || table_offset + num_rows * width > host_len) {
+        PyErr_Format(PyExc_ValueError, "%s: the layout lies outside host", name);
+        return -100;
+    }
+    /* pass 1: check everything and count the pairs */
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < num_cleared; i++) {
+        const long long row = cleared[i];
+        if (row < 0 || row >= num_rows)
+            return -3;
+        const long long old = host[counts_offset + row];
+        if (old < 0 || old > width)
+            return -4;
+        total += old + 1;
+    }
+    for (int p = 0; p < 2; p++) {
+        const Part *part = &parts[p];
+        long long at = 0;
+        for (Py_ssize_t i = 0; i < part->n; i++) {
+            const long long row = part->rows[i], num = part->num[i];
+            if (row < 0 || row >= num_rows)
+                return -3;
+            if (num < 0 || at + num > part->num_ids)
+                return -4;
+            for (long long j = at; j < at + num; j++)
+                if (part->ids[j] < 0 || part->ids[j] >= id_bound)
+                    return -2;
+            at += num;
+            const long long old = host[counts_offset + row];
+            if (old < 0 || old > width)
+                return -4;
+            const long long start = part->added ? 0 : old, end = start + num * k;
+            if (end > width)
+                return -1;
+            total += num * k + 1 + (part->added && old > end ? old - end : 0);
+        }
+        if (at != part->num_ids)
+            return -4;
+    }
+    if (total > max_pairs)
+        return -5;
+    /* pass 2: the pairs; every check passed */
+    int32_t *index = pairs, *value = pairs + total;
+    long long w = 0;
+    for (Py_ssize_t i = 0; i < num_cleared; i++) {
+        const long long row = cleared[i], old = host[counts_offset + row];
+        for (long long e = 0; e < old; e++) {
+            index[w] = (int32_t)(table_offset + row * width + e);
+            value[w++] = NULL_BLOCK_ID;
+        }
+        index[w] = (int32_t)(counts_offset + row);
+        value[w++] = 0;
+    }
+    for (int p = 0; p < 2; p++) {
+        const Part *part = &parts[p];
+        const int32_t *ids = part->ids;
+        for (Py_ssize_t i = 0; i < part->n; i++) {
+            const long long row = part->rows[i], num = part->num[i];
+            const long long old = host[counts_offset + row];
+            const long long start = part->added ? 0 : old, end = start + num * k;
+            const long long base = table_offset + row * width;
+            for (long long j = 0; j < num; j++, ids++)
+                for (long long e = 0; e < k; e++) {
+                    index[w] = (int32_t)(base + start + j * k + e);
+                    value[w++] = *ids == NULL_BLOCK_ID ? NULL_BLOCK_ID : (int32_t)(*ids * k + e);
+                }
+            for (long long e = end; part->added && e < old; e++) {
+                index[w] = (int32_t)(base + e);
+                value[w++] = NULL_BLOCK_ID;
+            }
+            index[w] = (int32_t)(counts_offset + row);
+            value[w++] = (int32_t)end;
+        }
+    }
+    /* pass 3: the host table */
+    for (long long q = 0; q < total; q++)
+        host[index[q]] = value[q];
+    return total;
+}
+
 /* stage_group(host, pairs, max_pairs, cleared, add_rows, add_num, add_ids, app_rows, app_num,
  *             app_ids, width, k, table_offset, counts_offset, num_rows, id_bound) -> int
  *
@@ -187,8 +281,6 @@ static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long v[7];
     if (get_ints(args, 10, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0)
         return NULL;
-    const long long max_pairs = v[0], width = v[1], k = v[2], table_offset = v[3];
-    const long long counts_offset = v[4], num_rows = v[5], id_bound = v[6];
     static const char *names[] = {"host", "pairs", "cleared_rows", "added rows",
                                   "added counts", "added ids", "appended rows",
                                   "appended counts", "appended ids"};
@@ -198,126 +290,80 @@ static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t n
     for (int i = 0; i < 9; i++)
         if (get_buf(args[i < 2 ? i : i + 1], &b[i], 4, i < 2, names[i]) < 0)
             goto fail;
-    {
-        int32_t *host = I32(b[0]), *pairs = I32(b[1]);
-        const Py_ssize_t host_len = LEN(b[0]);
-        const int32_t *cleared = I32(b[2]);
-        const Py_ssize_t num_cleared = LEN(b[2]);
-        Part parts[2] = {
+    if (LEN(b[4]) != LEN(b[3]) || LEN(b[7]) != LEN(b[6])) {
+        result = -4;
+    } else {
+        const Part parts[2] = {
             {I32(b[3]), I32(b[4]), I32(b[5]), LEN(b[3]), LEN(b[5]), 1},
             {I32(b[6]), I32(b[7]), I32(b[8]), LEN(b[6]), LEN(b[8]), 0},
         };
-        if (k < 1 || width < 0 || max_pairs < 0 || 2 * max_pairs > LEN(b[1])) {
-            PyErr_SetString(PyExc_ValueError, "stage_group: k, width or max_pairs out of range");
+        result = stage_parts(I32(b[0]), LEN(b[0]), I32(b[1]), LEN(b[1]), v[0], I32(b[2]),
+                             LEN(b[2]), parts, v[1], v[2], v[3], v[4], v[5], v[6],
+                             "stage_group");
+        if (result == -100)
             goto fail;
-        }
-        if (counts_offset < 0 || counts_offset + num_rows > host_len || table_offset < 0
-            || table_offset + num_rows * width > host_len) {
-            PyErr_SetString(PyExc_ValueError, "stage_group: the layout lies outside host");
-            goto fail;
-        }
-        if (LEN(b[4]) != parts[0].n || LEN(b[7]) != parts[1].n) {
-            result = -4;
-            goto done;
-        }
-        /* pass 1: check everything and count the pairs */
-        long long total = 0;
-        for (Py_ssize_t i = 0; i < num_cleared; i++) {
-            const long long row = cleared[i];
-            if (row < 0 || row >= num_rows) {
-                result = -3;
-                goto done;
-            }
-            const long long old = host[counts_offset + row];
-            if (old < 0 || old > width) {
-                result = -4;
-                goto done;
-            }
-            total += old + 1;
-        }
-        for (int p = 0; p < 2; p++) {
-            const Part *part = &parts[p];
-            long long at = 0;
-            for (Py_ssize_t i = 0; i < part->n; i++) {
-                const long long row = part->rows[i], num = part->num[i];
-                if (row < 0 || row >= num_rows) {
-                    result = -3;
-                    goto done;
-                }
-                if (num < 0 || at + num > part->num_ids) {
-                    result = -4;
-                    goto done;
-                }
-                for (long long j = at; j < at + num; j++)
-                    if (part->ids[j] < 0 || part->ids[j] >= id_bound) {
-                        result = -2;
-                        goto done;
-                    }
-                at += num;
-                const long long old = host[counts_offset + row];
-                if (old < 0 || old > width) {
-                    result = -4;
-                    goto done;
-                }
-                const long long start = part->added ? 0 : old, end = start + num * k;
-                if (end > width) {
-                    result = -1;
-                    goto done;
-                }
-                total += num * k + 1 + (part->added && old > end ? old - end : 0);
-            }
-            if (at != part->num_ids) {
-                result = -4;
-                goto done;
-            }
-        }
-        if (total > max_pairs) {
-            result = -5;
-            goto done;
-        }
-        /* pass 2: the pairs; every check passed */
-        int32_t *index = pairs, *value = pairs + total;
-        long long w = 0;
-        for (Py_ssize_t i = 0; i < num_cleared; i++) {
-            const long long row = cleared[i], old = host[counts_offset + row];
-            for (long long e = 0; e < old; e++) {
-                index[w] = (int32_t)(table_offset + row * width + e);
-                value[w++] = NULL_BLOCK_ID;
-            }
-            index[w] = (int32_t)(counts_offset + row);
-            value[w++] = 0;
-        }
-        for (int p = 0; p < 2; p++) {
-            const Part *part = &parts[p];
-            const int32_t *ids = part->ids;
-            for (Py_ssize_t i = 0; i < part->n; i++) {
-                const long long row = part->rows[i], num = part->num[i];
-                const long long old = host[counts_offset + row];
-                const long long start = part->added ? 0 : old, end = start + num * k;
-                const long long base = table_offset + row * width;
-                for (long long j = 0; j < num; j++, ids++)
-                    for (long long e = 0; e < k; e++) {
-                        index[w] = (int32_t)(base + start + j * k + e);
-                        value[w++] = *ids == NULL_BLOCK_ID ? NULL_BLOCK_ID : (int32_t)(*ids * k + e);
-                    }
-                for (long long e = end; part->added && e < old; e++) {
-                    index[w] = (int32_t)(base + e);
-                    value[w++] = NULL_BLOCK_ID;
-                }
-                index[w] = (int32_t)(counts_offset + row);
-                value[w++] = (int32_t)end;
-            }
-        }
-        /* pass 3: the host table */
-        for (long long q = 0; q < total; q++)
-            host[index[q]] = value[q];
-        result = total;
     }
-done:
     release(b, 9);
     return PyLong_FromLongLong(result);
 fail:
     release(b, 9);
+    return NULL;
+}
+
+/* stage_packed(host, pairs, max_pairs, data, sizes, width, k, table_offset, counts_offset,
+ *              num_rows, id_bound) -> int
+ *
+ * stage_group of an update packed as diff_rows returns it: data (bytes, int32) holds the
+ * cleared rows, added rows, added counts, appended rows, appended counts, appended ids, then
+ * the added ids; sizes (a tuple of 6 ints) the lengths of the first six parts. The same
+ * result codes; -4 also for sizes that do not fit data.
+ */
+static PyObject *stage_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 11, "stage_packed"))
+        return NULL;
+    if (!PyBytes_Check(args[3]) || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 6) {
+        PyErr_SetString(PyExc_TypeError, "stage_packed: data must be bytes and sizes a tuple "
+                                         "of 6 ints");
+        return NULL;
+    }
+    long long v[7], n[6];
+    if (get_ints(args, 5, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0
+        || get_ints(&PyTuple_GET_ITEM(args[4], 0), 0, 6, n) < 0)
+        return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    long long result = -4;
+    if (get_buf(args[0], &b[0], 4, 1, "host") < 0 || get_buf(args[1], &b[1], 4, 1, "pairs") < 0)
+        goto fail;
+    {
+        const int32_t *data = (const int32_t *)PyBytes_AS_STRING(args[3]);
+        const Py_ssize_t num_words = PyBytes_GET_SIZE(args[3]) / 4;
+        long long at = 0;
+        for (int i = 0; i < 6; i++) {
+            if (n[i] < 0)
+                goto done;
+            at += n[i];
+        }
+        if (PyBytes_GET_SIZE(args[3]) % 4 || at > num_words || n[1] != n[2] || n[3] != n[4])
+            goto done;
+        const int32_t *cleared = data, *a_rows = cleared + n[0], *a_num = a_rows + n[1];
+        const int32_t *p_rows = a_num + n[2], *p_num = p_rows + n[3], *p_ids = p_num + n[4];
+        const int32_t *a_ids = p_ids + n[5];
+        const Part parts[2] = {
+            {a_rows, a_num, a_ids, n[1], num_words - at, 1},
+            {p_rows, p_num, p_ids, n[3], n[5], 0},
+        };
+        result = stage_parts(I32(b[0]), LEN(b[0]), I32(b[1]), LEN(b[1]), v[0], cleared, n[0],
+                             parts, v[1], v[2], v[3], v[4], v[5], v[6], "stage_packed");
+        if (result == -100)
+            goto fail;
+    }
+done:
+    release(b, 2);
+    return PyLong_FromLongLong(result);
+fail:
+    release(b, 2);
     return NULL;
 }
 
@@ -764,6 +810,8 @@ static PyMethodDef methods[] = {
      "Stage and write rows gaining one block each (see the module source)."},
     {"stage_group", (PyCFunction)(void (*)(void))stage_group, METH_FASTCALL,
      "Stage and write a one-group update of distinct rows (see the module source)."},
+    {"stage_packed", (PyCFunction)(void (*)(void))stage_packed, METH_FASTCALL,
+     "stage_group of an update packed as diff_rows returns it (see the module source)."},
     {"diff_rows", (PyCFunction)(void (*)(void))diff_rows, METH_FASTCALL,
      "The journal's diff of a few touched rows of one group (see the module source)."},
     {"release_rows", (PyCFunction)(void (*)(void))release_rows, METH_FASTCALL,

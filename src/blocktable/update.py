@@ -204,3 +204,85 @@ def trusted_update(
     fields["allocator_block_sizes"] = allocator_block_sizes
     fields["facts"] = facts
     return update
+
+
+_PACKED_FIELDS = frozenset(("cleared_rows", "added", "appended", "nulled"))
+
+
+class PackedStepUpdate(StepUpdate):
+    """A one-group :class:`StepUpdate` whose arrays are cut from one packed buffer at first read.
+
+    Only the allocator's journal makes these (:func:`packed_update`), for steps that admit or
+    finish requests: the captured step stages the packed buffer in one compiled call and never
+    builds the arrays. Reading any field builds them all, as read-only int32 views of the
+    buffer, and from then on the object is an ordinary trusted :class:`StepUpdate`: equal,
+    copied, pickled and replaced the same way.
+
+    The buffer (``bytes``, int32) holds the cleared rows, the added rows, their counts, the
+    appended rows, their counts, the appended ids, then the added ids; ``packed_sizes`` holds
+    the lengths of its first six parts.
+    """
+
+    packed_data: bytes
+    packed_sizes: tuple[int, int, int, int, int, int]
+
+    def __getattr__(self, name: str) -> object:
+        # called only for a field not yet built (the others are in the instance's __dict__)
+        if name not in _PACKED_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        fields = self.__dict__
+        if "packed_data" not in fields:  # built by the dataclass's own __init__ (replace())
+            raise AttributeError(name)
+        cleared, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = cut_packed(
+            fields["packed_data"], fields["packed_sizes"])
+        fields["cleared_rows"] = cleared
+        fields["added"] = (trusted_row_blocks(a_rows, a_counts, a_ids) if len(a_rows)
+                           else NO_ROW_BLOCKS,)
+        fields["appended"] = (trusted_row_blocks(p_rows, p_counts, p_ids) if len(p_rows)
+                              else NO_ROW_BLOCKS,)
+        fields["nulled"] = (NO_ROW_ENTRIES,)
+        return fields[name]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepUpdate):
+            return NotImplemented
+        # the dataclass's own comparison, for a plain StepUpdate as well
+        return (self.cleared_rows, self.added, self.appended, self.nulled,
+                self.allocator_block_sizes) == (other.cleared_rows, other.added, other.appended,
+                                                other.nulled, other.allocator_block_sizes)
+
+    __hash__ = StepUpdate.__hash__
+
+
+FROZEN_EMPTY = np.zeros(0, dtype=np.int32)  # read-only: one empty array serves every update
+FROZEN_EMPTY.flags.writeable = False
+NO_ROW_BLOCKS = RowBlocks(FROZEN_EMPTY, FROZEN_EMPTY, FROZEN_EMPTY)  # frozen: shared as well
+NO_ROW_ENTRIES = RowEntries(FROZEN_EMPTY, FROZEN_EMPTY)
+
+
+def packed_update(data: bytes, sizes: tuple[int, int, int, int, int, int],
+                  allocator_block_sizes: tuple[int, ...] | None,
+                  facts: AllocatorFacts) -> PackedStepUpdate:
+    """A :class:`PackedStepUpdate` of ``data`` (int32 bytes, laid out as that class says) and
+    the lengths ``sizes`` of its first six parts, with the allocator's ``facts``."""
+    update = object.__new__(PackedStepUpdate)
+    fields = update.__dict__
+    fields["packed_data"] = data
+    fields["packed_sizes"] = sizes
+    fields["allocator_block_sizes"] = allocator_block_sizes
+    fields["facts"] = facts
+    return update
+
+
+def cut_packed(data: bytes, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """``data`` (int32) cut into parts of ``sizes``, then the rest as one more part: int32
+    arrays, read-only views of ``data``; empty parts are one shared read-only empty array."""
+    if not data:
+        return [FROZEN_EMPTY] * (len(sizes) + 1)
+    flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
+    out, at = [], 0
+    for n in sizes:
+        out.append(flat[at : at + n] if n else FROZEN_EMPTY)
+        at += n
+    out.append(flat[at:] if at < len(flat) else FROZEN_EMPTY)
+    return out

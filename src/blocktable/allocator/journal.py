@@ -24,24 +24,26 @@ stay true: the captured step skips the checks they settle.
 from __future__ import annotations
 
 import struct
+from types import ModuleType
 
 import numpy as np
 
 from blocktable import _native_loader as _loader
 from blocktable.allocator.rowstate import RowState
+from blocktable.update import FROZEN_EMPTY as _EMPTY
+from blocktable.update import NO_ROW_BLOCKS as _NO_BLOCKS
+from blocktable.update import NO_ROW_ENTRIES as _NO_ENTRIES
 from blocktable.update import (
     AllocatorFacts,
     RowBlocks,
     RowEntries,
     StepUpdate,
+    packed_update,
     trusted_row_blocks,
     trusted_update,
 )
+from blocktable.update import cut_packed as _cut
 
-_EMPTY = np.zeros(0, dtype=np.int32)
-_EMPTY.flags.writeable = False
-_NO_BLOCKS = RowBlocks()  # frozen, holding the shared empty array: one instance serves all
-_NO_ENTRIES = RowEntries()
 _EMPTY_INTP = np.zeros(0, dtype=np.intp)
 _FEW_ROWS = 128  # take() loops in Python over at most this many touched rows (one group)
 _FEW_BATCHED = 8  # batched rows diffed in that loop rather than joined as arrays
@@ -194,7 +196,13 @@ class StepJournal:
             each = len(appended.block_ids) == len(appended.rows)  # one block each
             return trusted_update(_EMPTY, (_NO_BLOCKS,), (appended,), (_NO_ENTRIES,),
                                   allocator_block_sizes, self._batch_facts[each])
-        if not (batches or self.order or self._nulled):  # nothing changed: one object serves
+        order = self.order
+        native = _loader.NATIVE
+        if (order and not batches and native is not None and not self._nulled
+                and self.num_groups == 1 and len(order) <= _FEW_ROWS):
+            self._stamp += 2  # requests admitted or finished: a few rows, compiled
+            return self._take_packed(native, allocator_block_sizes)
+        if not (batches or order or self._nulled):  # nothing changed: one object serves
             self._stamp += 2
             empty = self._empty_updates.get(allocator_block_sizes)
             if empty is None:
@@ -308,20 +316,13 @@ class StepJournal:
         step of an engine), and of batches no other change reached: a Python loop over the
         rows through memoryviews costs less than the vectorized path's fixed two dozen numpy
         calls, every int of the update is packed by one ``struct.pack``, and the batches'
-        arrays are appended as they are. Without batches, where the package's compiled loops
-        are built, the diff and the packing are one compiled call (``diff_rows``)."""
+        arrays are appended as they are. (Without batches, where the package's compiled loops
+        are built, :meth:`take` makes one compiled call, ``diff_rows``, instead.)"""
         rows = self.order  # in the order of their first touch
         batches = self._batches
         native = _loader.NATIVE
-        if rows and native is not None and not batches:  # the diff and the packing compiled
-            self.order = []
-            data, part_sizes, each, most = native.diff_rows(
-                rows, self._gen_mv, self._start_gen_mv, self.rows.row_len_mvs[0],
-                self._start_len_mvs[0], self.rows.blocks[0])
-            cleared_rows, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = _cut(
-                data, part_sizes)
-            return self._few_update(cleared_rows, a_rows, a_counts, a_ids, p_rows, p_counts,
-                                    p_ids, each, most, sizes)
+        if rows and native is not None and not batches:
+            return self._take_packed(native, sizes)
         cleared: list[int] = []
         add_rows: list[int] = []
         add_counts: list[int] = []
@@ -369,11 +370,7 @@ class StepJournal:
         """The update of one group from its parts (int32, read-only), with its facts (made
         once per distinct ``(one_each, most_added, nothing cleared)``)."""
         key = (one_each, most_added, len(cleared_rows) == 0)
-        facts = self._few_facts.get(key)
-        if facts is None:
-            facts = self._few_facts[key] = AllocatorFacts(
-                self.rows.num_rows, self.ids_at_most, (one_each,), (most_added,),
-                one_each and most_added < 0 and len(cleared_rows) == 0)
+        facts = self._few_facts.get(key) or self._new_few_facts(key)
         return trusted_update(
             cleared_rows,
             (trusted_row_blocks(a_rows, a_counts, a_ids) if len(a_rows) else _NO_BLOCKS,),
@@ -382,6 +379,28 @@ class StepJournal:
             sizes,
             facts,
         )
+
+    def _take_packed(self, native: ModuleType, sizes: tuple[int, ...] | None) -> StepUpdate:
+        """:meth:`_take_few` of touched rows and no batch, by the compiled ``diff_rows``: the
+        update keeps its one packed buffer, and its arrays are cut from it only if someone
+        reads them (the captured step stages the buffer as it is)."""
+        rows = self.order
+        self.order = []
+        data, part_sizes, each, most = native.diff_rows(
+            rows, self._gen_mv, self._start_gen_mv, self.rows.row_len_mvs[0],
+            self._start_len_mvs[0], self.rows.blocks[0])
+        key = (each, most, part_sizes[0] == 0)
+        facts = self._few_facts.get(key) or self._new_few_facts(key)
+        return packed_update(data, part_sizes, sizes, facts)
+
+    def _new_few_facts(self, key: tuple[bool, int, bool]) -> AllocatorFacts:
+        """The facts of a one-group update, made once per distinct ``(one_each, most_added,
+        nothing cleared)``."""
+        one_each, most_added, none_cleared = key
+        facts = self._few_facts[key] = AllocatorFacts(
+            self.rows.num_rows, self.ids_at_most, (one_each,), (most_added,),
+            one_each and most_added < 0 and none_cleared)
+        return facts
 
     def _diff_few(self, rows: list[int], cleared: list[int], add_rows: list[int],
                   add_counts: list[int], add_ids: list[memoryview], app_rows: list[int],
@@ -496,17 +515,3 @@ def _packed(ints: list[int], sizes: tuple[int, ...], buffers: list[memoryview]) 
     if buffers:
         data = b"".join([data, *buffers])
     return _cut(data, sizes)
-
-
-def _cut(data: bytes, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """``data`` (int32) cut into parts of ``sizes``, then the rest as one more part: int32
-    arrays, read-only views of ``data``; empty parts are the shared empty array."""
-    if not data:
-        return [_EMPTY] * (len(sizes) + 1)
-    flat = np.frombuffer(data, dtype=np.int32)  # read-only: its memory is a bytes object
-    out, at = [], 0
-    for n in sizes:
-        out.append(flat[at : at + n] if n else _EMPTY)
-        at += n
-    out.append(flat[at:] if at < len(flat) else _EMPTY)
-    return out

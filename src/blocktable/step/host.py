@@ -28,7 +28,7 @@ import numpy as np
 from blocktable._host_loops import fill_staging, kernel_ids, runs_into, small_sum
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.update import AllocatorFacts, RowBlocks, StepUpdate
+from blocktable.update import AllocatorFacts, PackedStepUpdate, RowBlocks, StepUpdate
 
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
@@ -243,6 +243,16 @@ class DecodeStager:
             # room) and the writes are one call (inlined: a Python call costs about a
             # microsecond with cold caches)
             args = self._group_args
+            if type(update) is PackedStepUpdate and args is not None:
+                # admissions and finishes: the journal's packed buffer, staged as it is
+                if update.allocator_block_sizes != self._sizes_ok:
+                    self._check_block_sizes(update)
+                st = self._storage
+                if st.host_read_event is not None:
+                    st.before_host_write()
+                num_staged: int = self.native.stage_packed(  # type: ignore[union-attr]
+                    st.host, pairs, max_pairs, update.packed_data, update.packed_sizes, *args)
+                return num_staged if num_staged >= 0 else -1  # refused: the general path
             if facts.appends_only:  # the decode lane: rows gaining one block each
                 part = update.appended[0]
                 rows = part.rows
@@ -253,7 +263,7 @@ class DecodeStager:
                 st = self._storage
                 if st.host_read_event is not None:
                     st.before_host_write()
-                num_staged: int = self.native.stage_appends(  # type: ignore[union-attr]
+                num_staged = self.native.stage_appends(  # type: ignore[union-attr]
                     st.host, pairs, rows, part.block_ids, *args)
                 return num_staged if num_staged >= 0 else -1  # refused: the general path
             added, appended, nulled = update.added, update.appended, update.nulled

@@ -92,6 +92,9 @@ class StepOutputs(NamedTuple):
     num_pairs: int  # table entries the step's commit moved (-1: the table's own commit did)
 
 
+_new_tuple = tuple.__new__
+
+
 class CapturedStep:
     """The block-table part of an engine step, replayed from one CUDA graph.
 
@@ -182,6 +185,8 @@ class CapturedStep:
         # per slot, the batch size its qsl padding was written for (num_reqs * key + num_tokens)
         self._padded = [-1] * num_slots
         self._padding_key = T + 1
+        self._slot_flip = num_slots - 1  # the next step's slot: slot ^ this
+        self._max_reqs, self._max_tokens = R, T  # the batch's bounds (run_staged checks them)
         self._num_rows = table.max_num_reqs
         self._tokens_filled = table.max_num_batched_tokens  # slots past it are PAD (numpy)
         self._calls_seen = -1  # table.slot_mapping_calls when the slots were last ours
@@ -305,12 +310,11 @@ class CapturedStep:
             raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
         if self._lent != self._slot:
             raise RuntimeError("run_staged needs batch_views() first (once per step)")
-        L = self.layout
-        if not (type(num_reqs) is int and 0 <= num_reqs <= L.max_num_reqs):
-            raise ValueError(f"num_reqs must be an int in [0, {L.max_num_reqs}], "
+        if not (type(num_reqs) is int and 0 <= num_reqs <= self._max_reqs):
+            raise ValueError(f"num_reqs must be an int in [0, {self._max_reqs}], "
                              f"got {num_reqs!r}")
-        if not (type(num_tokens) is int and 0 <= num_tokens <= L.max_num_tokens):
-            raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
+        if not (type(num_tokens) is int and 0 <= num_tokens <= self._max_tokens):
+            raise ValueError(f"num_tokens must be an int in [0, {self._max_tokens}], "
                              f"got {num_tokens!r}")
         slot = self._slot
         qsl = self._qsl_by_n[slot][num_reqs]
@@ -347,7 +351,8 @@ class CapturedStep:
         if self._flat_np is None and self._padded[slot] != padded:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = padded
-        staged = max(0, num_pairs)  # (-1: the table's own commit moved them)
+        # (-1: the table's own commit moved them; no max(): a builtin call per step)
+        staged = num_pairs if num_pairs > 0 else 0  # noqa: FURB136
         by_t = self._by_t[num_tokens] or self._token_views(num_tokens)
         if self._flat_np is not None:  # the header is for the device's kernels only
             self._run_numpy(v, staged, num_reqs, num_tokens, by_t)
@@ -363,11 +368,12 @@ class CapturedStep:
             else:
                 self._run_device(slot)
             self._expect[slot] = seq
-            self._slot = slot ^ (len(self._views) - 1)
-        # the outputs: the batch's device views (inlined, as above)
+            self._slot = slot ^ self._slot_flip
+        # the outputs: the batch's device views (the named tuple built without its Python
+        # __new__, a call that costs about a microsecond with cold caches)
         by_n = self._d_by_n[num_reqs]
-        return StepOutputs(self._slot_views, by_n[0], by_t.device_positions, by_n[1],
-                           by_n[2] if with_seq_lens else None, num_pairs)
+        return _new_tuple(StepOutputs, (self._slot_views, by_n[0], by_t.device_positions,
+                                        by_n[1], by_n[2] if with_seq_lens else None, num_pairs))
 
     def _token_views(self, num_tokens: int) -> _TokenViews:
         """The views of ``num_tokens`` tokens (made once, then indexed)."""
