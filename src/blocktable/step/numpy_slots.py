@@ -74,9 +74,10 @@ class CheckedSlots:
                 np.array(size, np.int64), np.array(max(shift, 0), np.int64),
                 np.array(size - 1, np.int64),
             ))
-        # one group (the common model): its compiled call's arguments, bound once
-        self._one = (None if len(self.groups) != 1 else
-                     (self.groups[0].table, self.groups[0].width, self.groups[0].size))
+        # one group (the common model): its compiled call's arguments (table, width, kernel
+        # block size), bound once; None for several groups
+        self.one_group = (None if len(self.groups) != 1 else
+                          (self.groups[0].table, self.groups[0].width, self.groups[0].size))
         self._tokens = np.arange(max_num_tokens, dtype=np.int32)
         # positions in [0, bound) lie inside every group's row width
         self._position_bound = min((p.width * p.kernel_block_size for p in params), default=0)
@@ -95,7 +96,7 @@ class CheckedSlots:
         native = self.native
         if native is not None and self.fast:  # one compiled pass per group
             by_request = None if decode else qsl
-            one = self._one
+            one = self.one_group
             if one is not None:  # (no loop: the common model has one group)
                 if native.map_slots(one[0], positions, by_request, rows, out[0], one[1], one[2],
                                     self.max_num_reqs) >= 0:

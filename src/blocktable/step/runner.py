@@ -74,6 +74,7 @@ class _TokenViews(NamedTuple):
     # [groups, t], the slot buffers
     positions: np.ndarray | None
     slots: np.ndarray | None
+    first_slots: np.ndarray | None  # int64 [t]: the first group's row of slots
 
 
 # Views by token count are made when the step is built up to this capacity (about 1 KiB of
@@ -200,6 +201,13 @@ class CapturedStep:
         self._slots = (CheckedSlots(self._flat_np, table.slot_params, table.max_num_reqs, T,
                                     self._native)
                        if self._flat_np is not None else None)
+        # the CPU backend's one group, compiled: (map_slots, table, width, kernel block size,
+        # rows), for the step's one call (else None)
+        checked, native = self._slots, self._native
+        one = (None if checked is None or native is None or not checked.fast
+               else checked.one_group)
+        self._one_map = (None if one is None or checked is None or native is None else
+                         (native.map_slots, *one, checked.max_num_reqs))
         self._decode = False  # the last checked batch had one token per request
         L = self.layout
         d = self._dev
@@ -382,6 +390,7 @@ class CapturedStep:
             self._d_positions[:num_tokens],
             None if slots is None else self._views[0].positions[:num_tokens],
             None if slots is None else slots[:, :num_tokens],
+            None if slots is None else slots[0, :num_tokens],
         )
         return views
 
@@ -457,9 +466,13 @@ class CapturedStep:
         if num_tokens:
             assert self._slots is not None
             assert by_t.positions is not None and by_t.slots is not None
-            self._slots.map(self._qsl_by_n[0][num_reqs], by_t.positions,
-                            self._rows_by_n[0][num_reqs], by_t.slots,
-                            num_tokens == num_reqs and self._decode)
+            qsl, rows = self._qsl_by_n[0][num_reqs], self._rows_by_n[0][num_reqs]
+            decode = num_tokens == num_reqs and self._decode
+            one = self._one_map  # one group, compiled: CheckedSlots.map's call, inlined
+            if one is not None and one[0](one[1], by_t.positions, None if decode else qsl, rows,
+                                          by_t.first_slots, one[2], one[3], one[4]) >= 0:
+                return
+            self._slots.map(qsl, by_t.positions, rows, by_t.slots, decode)
 
     def _device_work(self, slot: int) -> None:
         """Scatter the pairs of staging ``slot`` and bring its batch to the device (reading it
