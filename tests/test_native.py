@@ -116,12 +116,28 @@ def test_stage_appends_equals_the_model(k):
         code, want_pairs = model_stage_appends(want_host, rows, ids, width, k, table_offset,
                                                counts_offset, num_rows, id_bound)
         pairs = np.full(2 * n * (k + 1) + 3, -7, np.int32)
+        # the optional mirror (another buffer, as the CPU backend's device table) gets every
+        # write host gets; left out or None, nothing else is written
+        mirror, want_mirror, extra = random_mirror(rng, host)
         got = native.stage_appends(host, pairs, rows, ids, width, k, table_offset,
-                                   counts_offset, num_rows, id_bound)
+                                   counts_offset, num_rows, id_bound, *extra)
         assert got == code
         np.testing.assert_array_equal(host, want_host)  # refused: host as it was
         if code >= 0:
             assert pairs[: 2 * code].tolist() == want_pairs
+            if extra and extra[0] is not None:
+                want_mirror[pairs[:code]] = pairs[code : 2 * code]
+        np.testing.assert_array_equal(mirror, want_mirror)
+
+
+def random_mirror(rng, host):
+    """(mirror, its expected content before the writes, the extra arguments): a buffer of
+    other content as long as host (or longer), passed as the last argument, as None or not
+    at all."""
+    mirror = rng.integers(-5, 50, len(host) + int(rng.integers(0, 3))).astype(np.int32)
+    roll = rng.random()
+    extra = (mirror,) if roll < 0.6 else (None,) if roll < 0.8 else ()
+    return mirror, mirror.copy(), extra
 
 
 @needs_native
@@ -316,9 +332,10 @@ def test_stage_group_equals_the_model(k):
                                  table_offset, counts_offset, num_rows, id_bound)
         data, sizes = pack_parts(cleared, added, appended)
         packed_pairs = np.full(2 * max_pairs + 1, -7, np.int32)
+        mirror, want_mirror, extra = random_mirror(rng, host)
         got_packed = native.stage_packed(packed_host, packed_pairs, max_pairs, data, sizes,
                                          width, k, table_offset, counts_offset, num_rows,
-                                         id_bound)
+                                         id_bound, *extra)
         assert got == got_packed == code
         np.testing.assert_array_equal(host, want_host)  # refused: host as it was
         np.testing.assert_array_equal(packed_host, want_host)
@@ -327,6 +344,9 @@ def test_stage_group_equals_the_model(k):
             assert len(set(index)) == code  # each entry once: the device scatter has no order
             assert dict(zip(index, value)) == writes
             np.testing.assert_array_equal(packed_pairs, pairs)
+            if extra and extra[0] is not None:
+                want_mirror[index] = value
+        np.testing.assert_array_equal(mirror, want_mirror)
 
 
 def pack_parts(cleared, added, appended):
@@ -357,6 +377,16 @@ def test_stage_packed_refuses_sizes_that_do_not_fit_its_data():
         native.stage_packed(host, np.zeros(40, np.int32), 20, bytearray(data), sizes, *args)
     with pytest.raises(TypeError, match="6 ints"):
         native.stage_packed(host, np.zeros(40, np.int32), 20, data, sizes[:5], *args)
+    np.testing.assert_array_equal(host, before)
+    for stage, stage_args in (
+            (native.stage_packed, (host, np.zeros(40, np.int32), 20, data, sizes, *args)),
+            (native.stage_group, (host, np.zeros(40, np.int32), 20, np.zeros(0, np.int32),
+                                  *added, *empty, *args)),
+            (native.stage_appends, (host, np.zeros(40, np.int32), *added[::2], *args))):
+        with pytest.raises(ValueError, match="mirror is shorter"):
+            stage(*stage_args, np.zeros(len(host) - 1, np.int32))
+        with pytest.raises(TypeError, match="arguments"):
+            stage(*stage_args, None, None)
     np.testing.assert_array_equal(host, before)
     assert native.stage_packed(host, np.zeros(40, np.int32), 20, data, sizes, *args) == 4
 

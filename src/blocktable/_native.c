@@ -71,6 +71,31 @@ static int wrong_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
     return 1;
 }
 
+/* The optional last argument of the stage functions: None, or an int32 buffer as long as
+ * host at least (the CPU backend's device table) that gets every write host gets. */
+static int get_mirror(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Buf *b,
+                      Py_ssize_t host_len)
+{
+    if (nargs == want || args[want] == Py_None)
+        return 0;
+    if (get_buf(args[want], b, 4, 1, "mirror") < 0)
+        return -1;
+    if (LEN(*b) < host_len) {
+        PyErr_SetString(PyExc_ValueError, "mirror is shorter than host");
+        return -1;
+    }
+    return 0;
+}
+
+static int wrong_nargs_2(Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs == want || nargs == want + 1)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments (%zd given)", name, want,
+                 want + 1, nargs);
+    return 1;
+}
+
 static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long long *out)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -82,7 +107,7 @@ static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long l
 }
 
 /* stage_appends(host, pairs, rows, ids, width, k, table_offset, counts_offset, num_rows,
- *               id_bound) -> int
+ *               id_bound[, mirror]) -> int
  *
  * Rows gaining one manager block each (rows int32 [n], distinct; ids int32 [n]): stage the
  * pairs into pairs (int32 [>= 2 * n * (k + 1)]: the n * (k + 1) flat indices, then their
@@ -90,24 +115,28 @@ static int get_ints(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, long l
  * them into host (int32, the flat host buffer: counts at counts_offset + row, the row's
  * entries at table_offset + row * width).
  *
+ * With mirror (None, or an int32 buffer as long as host at least), every write to host is
+ * made to mirror too.
+ *
  * Returns n * (k + 1); or, with nothing written to host (pairs may be): -1 when a row has no
  * room for k more kernel blocks, -2 for an id outside [0, id_bound), -3 for a row outside
  * [0, num_rows), -4 for len(ids) != len(rows) or pairs too short.
  */
 static PyObject *stage_appends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (wrong_nargs(nargs, 10, "stage_appends"))
+    if (wrong_nargs_2(nargs, 10, "stage_appends"))
         return NULL;
     long long v[6];
     if (get_ints(args, 4, 6, v) < 0)
         return NULL;
     const long long width = v[0], k = v[1], table_offset = v[2], counts_offset = v[3];
     const long long num_rows = v[4], id_bound = v[5];
-    Buf b[4];
+    Buf b[5];
     memset(b, 0, sizeof b);
     long long result = 0;
     if (get_buf(args[0], &b[0], 4, 1, "host") < 0 || get_buf(args[1], &b[1], 4, 1, "pairs") < 0
-        || get_buf(args[2], &b[2], 4, 0, "rows") < 0 || get_buf(args[3], &b[3], 4, 0, "ids") < 0)
+        || get_buf(args[2], &b[2], 4, 0, "rows") < 0 || get_buf(args[3], &b[3], 4, 0, "ids") < 0
+        || get_mirror(args, nargs, 10, &b[4], LEN(b[0])) < 0)
         goto fail;
     {
         int32_t *host = I32(b[0]), *pairs = I32(b[1]);
@@ -149,13 +178,16 @@ static PyObject *stage_appends(PyObject *self, PyObject *const *args, Py_ssize_t
         }
         for (long long p = 0; p < total; p++)  /* every check passed: now the writes */
             host[index[p]] = value[p];
+        if (b[4].held)
+            for (long long p = 0; p < total; p++)
+                I32(b[4])[index[p]] = value[p];
         result = total;
     }
 done:
-    release(b, 4);
+    release(b, 5);
     return PyLong_FromLongLong(result);
 fail:
-    release(b, 4);
+    release(b, 5);
     return NULL;
 }
 
@@ -167,11 +199,12 @@ typedef struct {
     int added;
 } Part;
 
-/* The checks and writes of stage_group and stage_packed: host int32 [host_len], pairs int32
- * [pairs_len]. Returns the number of pairs or a negative code as stage_group does; -100 with
+/* The checks and writes of stage_group and stage_packed: host int32 [host_len] (and mirror,
+ * when not NULL, at least as long), pairs int32 [pairs_len]. Returns the number of pairs or a negative code as stage_group does; -100 with
  * an exception set for a layout that lies outside host (nothing written). */
-static long long stage_parts(int32_t *host, Py_ssize_t host_len, int32_t *pairs,
-                             Py_ssize_t pairs_len, long long max_pairs, const int32_t *cleared,
+static long long stage_parts(int32_t *host, int32_t *mirror, Py_ssize_t host_len,
+                             int32_t *pairs, Py_ssize_t pairs_len, long long max_pairs,
+                             const int32_t *cleared,
                              Py_ssize_t num_cleared, const Part parts[2], long long width,
                              long long k, long long table_offset, long long counts_offset,
                              long long num_rows, long long id_bound, const char *name)
@@ -255,20 +288,25 @@ static long long stage_parts(int32_t *host, Py_ssize_t host_len, int32_t *pairs,
             value[w++] = (int32_t)end;
         }
     }
-    /* pass 3: the host table */
+    /* pass 3: the host table (and its mirror) */
     for (long long q = 0; q < total; q++)
         host[index[q]] = value[q];
+    if (mirror != NULL)
+        for (long long q = 0; q < total; q++)
+            mirror[index[q]] = value[q];
     return total;
 }
 
 /* stage_group(host, pairs, max_pairs, cleared, add_rows, add_num, add_ids, app_rows, app_num,
- *             app_ids, width, k, table_offset, counts_offset, num_rows, id_bound) -> int
+ *             app_ids, width, k, table_offset, counts_offset, num_rows, id_bound[, mirror])
+ *             -> int
  *
  * A step's update of one group whose rows are distinct across its parts (the allocator's
  * journal promises it): cleared rows lose their entries (set to the null block) and their
  * count; added rows get add_num[i] * k entries from 0 (their ids), the entries past them
  * that held ids become null; appended rows gain app_num[i] * k entries after their count.
- * Stages the pairs (indices, then values, as stage_appends) and writes them into host.
+ * Stages the pairs (indices, then values, as stage_appends) and writes them into host (and
+ * mirror, as stage_appends does).
  *
  * Returns the number of pairs; or, with nothing written to host: -1 a row past its width,
  * -2 an id outside [0, id_bound), -3 a row outside [0, num_rows), -4 sizes that disagree
@@ -276,7 +314,7 @@ static long long stage_parts(int32_t *host, Py_ssize_t host_len, int32_t *pairs,
  */
 static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (wrong_nargs(nargs, 16, "stage_group"))
+    if (wrong_nargs_2(nargs, 16, "stage_group"))
         return NULL;
     long long v[7];
     if (get_ints(args, 10, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0)
@@ -284,12 +322,14 @@ static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t n
     static const char *names[] = {"host", "pairs", "cleared_rows", "added rows",
                                   "added counts", "added ids", "appended rows",
                                   "appended counts", "appended ids"};
-    Buf b[9];
+    Buf b[10];
     memset(b, 0, sizeof b);
     long long result = 0;
     for (int i = 0; i < 9; i++)
         if (get_buf(args[i < 2 ? i : i + 1], &b[i], 4, i < 2, names[i]) < 0)
             goto fail;
+    if (get_mirror(args, nargs, 16, &b[9], LEN(b[0])) < 0)
+        goto fail;
     if (LEN(b[4]) != LEN(b[3]) || LEN(b[7]) != LEN(b[6])) {
         result = -4;
     } else {
@@ -297,30 +337,30 @@ static PyObject *stage_group(PyObject *self, PyObject *const *args, Py_ssize_t n
             {I32(b[3]), I32(b[4]), I32(b[5]), LEN(b[3]), LEN(b[5]), 1},
             {I32(b[6]), I32(b[7]), I32(b[8]), LEN(b[6]), LEN(b[8]), 0},
         };
-        result = stage_parts(I32(b[0]), LEN(b[0]), I32(b[1]), LEN(b[1]), v[0], I32(b[2]),
-                             LEN(b[2]), parts, v[1], v[2], v[3], v[4], v[5], v[6],
-                             "stage_group");
+        result = stage_parts(I32(b[0]), b[9].held ? I32(b[9]) : NULL, LEN(b[0]), I32(b[1]),
+                             LEN(b[1]), v[0], I32(b[2]), LEN(b[2]), parts, v[1], v[2], v[3],
+                             v[4], v[5], v[6], "stage_group");
         if (result == -100)
             goto fail;
     }
-    release(b, 9);
+    release(b, 10);
     return PyLong_FromLongLong(result);
 fail:
-    release(b, 9);
+    release(b, 10);
     return NULL;
 }
 
 /* stage_packed(host, pairs, max_pairs, data, sizes, width, k, table_offset, counts_offset,
- *              num_rows, id_bound) -> int
+ *              num_rows, id_bound[, mirror]) -> int
  *
  * stage_group of an update packed as diff_rows returns it: data (bytes, int32) holds the
  * cleared rows, added rows, added counts, appended rows, appended counts, appended ids, then
  * the added ids; sizes (a tuple of 6 ints) the lengths of the first six parts. The same
- * result codes; -4 also for sizes that do not fit data.
+ * result codes (and mirror); -4 also for sizes that do not fit data.
  */
 static PyObject *stage_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (wrong_nargs(nargs, 11, "stage_packed"))
+    if (wrong_nargs_2(nargs, 11, "stage_packed"))
         return NULL;
     if (!PyBytes_Check(args[3]) || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 6) {
         PyErr_SetString(PyExc_TypeError, "stage_packed: data must be bytes and sizes a tuple "
@@ -331,10 +371,11 @@ static PyObject *stage_packed(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (get_ints(args, 5, 6, v + 1) < 0 || get_ints(args, 2, 1, v) < 0
         || get_ints(&PyTuple_GET_ITEM(args[4], 0), 0, 6, n) < 0)
         return NULL;
-    Buf b[2];
+    Buf b[3];
     memset(b, 0, sizeof b);
     long long result = -4;
-    if (get_buf(args[0], &b[0], 4, 1, "host") < 0 || get_buf(args[1], &b[1], 4, 1, "pairs") < 0)
+    if (get_buf(args[0], &b[0], 4, 1, "host") < 0 || get_buf(args[1], &b[1], 4, 1, "pairs") < 0
+        || get_mirror(args, nargs, 11, &b[2], LEN(b[0])) < 0)
         goto fail;
     {
         const int32_t *data = (const int32_t *)PyBytes_AS_STRING(args[3]);
@@ -354,16 +395,17 @@ static PyObject *stage_packed(PyObject *self, PyObject *const *args, Py_ssize_t 
             {a_rows, a_num, a_ids, n[1], num_words - at, 1},
             {p_rows, p_num, p_ids, n[3], n[5], 0},
         };
-        result = stage_parts(I32(b[0]), LEN(b[0]), I32(b[1]), LEN(b[1]), v[0], cleared, n[0],
-                             parts, v[1], v[2], v[3], v[4], v[5], v[6], "stage_packed");
+        result = stage_parts(I32(b[0]), b[2].held ? I32(b[2]) : NULL, LEN(b[0]), I32(b[1]),
+                             LEN(b[1]), v[0], cleared, n[0], parts, v[1], v[2], v[3], v[4],
+                             v[5], v[6], "stage_packed");
         if (result == -100)
             goto fail;
     }
 done:
-    release(b, 2);
+    release(b, 3);
     return PyLong_FromLongLong(result);
 fail:
-    release(b, 2);
+    release(b, 3);
     return NULL;
 }
 

@@ -103,12 +103,20 @@ class DecodeStager:
     ----------
     table : MultiGroupBlockTable
         The table whose host buffer (entries and counts) the decode steps write.
+    native : module or None
+        The compiled loops (:mod:`blocktable._native_loader`), or ``None``: numpy.
+    mirror : np.ndarray or None
+        int32, on cpu, as long as the host buffer: every write a staged step makes to the host
+        buffer is made here too (the CPU backend's device table, so its step scatters nothing
+        the stager staged). The general path (:func:`stage_general`) does not write it.
     """
 
-    def __init__(self, table: MultiGroupBlockTable, native: ModuleType | None = None) -> None:
+    def __init__(self, table: MultiGroupBlockTable, native: ModuleType | None = None,
+                 mirror: np.ndarray | None = None) -> None:
         st = table.storage
         self.table = table
         self.native = native
+        self.mirror = mirror
         self.refs = []
         for t in table.tables:
             if t is None:
@@ -131,11 +139,12 @@ class DecodeStager:
         self._storage = table.storage
         self._one_group = self.num_groups == 1
         # the one-group compiled calls' table arguments, bound once: width, k, table and
-        # counts offsets, rows, id bound (None: numpy, or no table for the group)
+        # counts offsets, rows, id bound, and the mirror if any (None: numpy, or no table for
+        # the group)
         ref0 = self._ref_of[0]
         self._group_args = None if native is None or ref0 is None else (
             ref0.width, ref0.k, ref0.table_offset, ref0.counts_offset, self.num_rows,
-            ref0.block_id_bound)
+            ref0.block_id_bound, *(() if mirror is None else (mirror,)))
 
     def _listed(self, rows: object) -> np.ndarray | None:
         """How often each table row appears in ``rows`` (int64 ``[max_num_reqs]``), or
@@ -400,6 +409,8 @@ class DecodeStager:
         # nothing written to the table so far; the counts are views of the flat host buffer:
         # one put writes entries and counts
         st.host.put(index, value)
+        if self.mirror is not None:
+            self.mirror.put(index, value)
         return total
 
     def _check_block_sizes(self, update: StepUpdate) -> None:
@@ -439,6 +450,8 @@ class DecodeStager:
         if _stage_appends(ref, part, filled, index, value, 0) < 0:
             return -1  # an append past the row's width: the general path names it
         st.host.put(index, value)
+        if self.mirror is not None:
+            self.mirror.put(index, value)
         return total
 
 

@@ -160,7 +160,11 @@ class CapturedStep:
             raise ValueError("a captured step on CUDA needs the table's triton backend, got "
                              "backend='torch'")
         self._native = native_module()  # the compiled loops, or None (numpy)
-        self._stager = DecodeStager(table, self._native)
+        numpy_mode = self.mode == "numpy"
+        # on cpu, int32: the CPU backend's device table (None on CUDA); the stager writes it
+        # with the host table, so a step never scatters what the stager staged
+        self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
+        self._stager = DecodeStager(table, self._native, mirror=self._flat_np)
         words = self.layout.num_words
         num_slots = 2 if cuda else 1
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
@@ -195,8 +199,6 @@ class CapturedStep:
         self._arange = np.arange(R, dtype=np.int32)
         self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # qsl of 1 token each
         self._lent = -1  # the slot whose views batch_views() handed out for run_staged
-        numpy_mode = self.mode == "numpy"
-        self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
         self._slots_np = table.slot_buffers.numpy() if numpy_mode else None
         self._slots = (CheckedSlots(self._flat_np, table.slot_params, table.max_num_reqs, T,
                                     self._native)
@@ -354,19 +356,20 @@ class CapturedStep:
         num_pairs = self._stager.stage(update, pairs, P)
         if num_pairs < 0:
             num_pairs = stage_general(self.table, update, pairs, P)
+            if num_pairs > 0 and self._flat_np is not None:
+                self._scatter_numpy(pairs, num_pairs)  # (the stager wrote its own pairs)
         self._lent = -1
         padded = num_reqs * self._padding_key + num_tokens
         if self._flat_np is None and self._padded[slot] != padded:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = padded
-        # (-1: the table's own commit moved them; no max(): a builtin call per step)
-        staged = num_pairs if num_pairs > 0 else 0  # noqa: FURB136
         by_t = self._by_t[num_tokens] or self._token_views(num_tokens)
         if self._flat_np is not None:  # the header is for the device's kernels only
-            self._run_numpy(v, staged, num_reqs, num_tokens, by_t)
+            self._run_numpy(num_reqs, num_tokens, by_t)
         else:
             header = self._header_mv[slot]
-            header[NUM_PAIRS] = staged
+            # (-1: the table's own commit moved them; no max(): a builtin call per step)
+            header[NUM_PAIRS] = num_pairs if num_pairs > 0 else 0  # noqa: FURB136
             header[BATCH_WORDS] = self._batch_words + 2 * num_tokens
             seq = self._seq = (self._seq + 1) & _SEQ_MASK
             header[SEQ] = seq
@@ -443,18 +446,12 @@ class CapturedStep:
             raise IndexError(f"row_of_batch holds row {bad}, outside [0, {bound})")
 
     # ---------------------------------------------------------------- device work
-    def _run_numpy(self, v: StagingViews, num_pairs: int, num_reqs: int, num_tokens: int,
-                   by_t: _TokenViews) -> None:
-        """The CPU backend: scatter, then the slot mapping with numpy, re-padding only the slots
-        the last step filled (the whole tail after a ``compute_slot_mapping`` call)."""
-        flat, out, table = self._flat_np, self._slots_np, self.table
-        assert flat is not None and out is not None
-        if num_pairs > 0:  # (scatter_numpy, inlined: a call costs ~1 us with cold caches)
-            pairs = v.pairs
-            if self._native is None:
-                flat.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
-            elif self._native.scatter(flat, pairs, num_pairs) < 0:  # staged by the step itself
-                raise RuntimeError("a staged pair indexes past the table buffer")
+    def _run_numpy(self, num_reqs: int, num_tokens: int, by_t: _TokenViews) -> None:
+        """The CPU backend (its device table already written with the host's): the slot
+        mapping, re-padding only the slots the last step filled (the whole tail after a
+        ``compute_slot_mapping`` call)."""
+        out, table = self._slots_np, self.table
+        assert out is not None
         if not table.slot_params:
             return
         if table.slot_mapping_calls != self._calls_seen:
@@ -473,6 +470,16 @@ class CapturedStep:
                                           by_t.first_slots, one[2], one[3], one[4]) >= 0:
                 return
             self._slots.map(qsl, by_t.positions, rows, by_t.slots, decode)
+
+    def _scatter_numpy(self, pairs: np.ndarray, num_pairs: int) -> None:
+        """The CPU backend's device table gets the ``num_pairs`` pairs staged in ``pairs``
+        (int32: indices, then values) by the general path."""
+        flat = self._flat_np
+        assert flat is not None
+        if self._native is None:
+            flat.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
+        elif self._native.scatter(flat, pairs, num_pairs) < 0:  # staged by the step itself
+            raise RuntimeError("a staged pair indexes past the table buffer")
 
     def _device_work(self, slot: int) -> None:
         """Scatter the pairs of staging ``slot`` and bring its batch to the device (reading it
