@@ -357,9 +357,11 @@ def pack_parts(cleared, added, appended):
 
 
 @needs_native
-def test_stage_packed_refuses_sizes_that_do_not_fit_its_data():
+def test_stage_packed_refuses_sizes_that_do_not_fit_its_data_and_a_short_mirror():
     """Sizes past the data, negative or disagreeing (rows against counts) are -4 with host and
-    pairs as they were; data that is not bytes, or sizes not six ints, raise TypeError."""
+    pairs as they were; data that is not bytes, or sizes not six ints, raise TypeError. In all
+    three stage calls, a mirror shorter than host raises ValueError and an argument past the
+    mirror TypeError, with nothing written."""
     host, num_rows, width, table_offset, counts_offset = random_layout(
         np.random.default_rng(3), 1, 10, 4, 40, 1)
     rows = np.array([1, 2], np.int32)
