@@ -18,7 +18,9 @@ A row never appears in both ``cleared_rows`` and ``added``: ``added`` replaces i
 
 The update carries :class:`~blocktable.update.AllocatorFacts` (rows in range and listed once,
 a bound on the ids, one id per appended row) and its arrays are read-only, so those facts
-stay true: the captured step skips the checks they settle.
+stay true: the captured step skips the checks they settle. A step of a few touched rows of one
+group, diffed by the compiled loops, comes as a :class:`~blocktable.update.PackedStepUpdate`:
+its arrays are cut from one buffer only when read.
 """
 
 from __future__ import annotations

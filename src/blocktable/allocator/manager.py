@@ -890,7 +890,9 @@ class KVCacheManager:
         See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
         request admitted and allocated in the same step is only in ``added`` (cached hits and
         new blocks together); a freed row is in ``cleared_rows`` unless another request took
-        it in the same step, in which case it is only in ``added``.
+        it in the same step, in which case it is only in ``added``. A step that admitted or
+        finished requests may come as a :class:`~blocktable.update.PackedStepUpdate`, whose
+        arrays are made when first read.
         """
         # Stamp the block sizes so a table built for another block size refuses the ids.
         return self._journal.take(self.block_sizes)
