@@ -231,7 +231,7 @@ class PackedStepUpdate(StepUpdate):
         if name not in _PACKED_FIELDS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         fields = self.__dict__
-        if "packed_data" not in fields:  # built by the dataclass's own __init__ (replace())
+        if "packed_data" not in fields:  # (an instance not made by packed_update)
             raise AttributeError(name)
         cleared, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = cut_packed(
             fields["packed_data"], fields["packed_sizes"])

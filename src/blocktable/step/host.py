@@ -249,46 +249,44 @@ class DecodeStager:
         if (facts is not None and self._one_group and facts.num_rows <= self.num_rows
                 and not self._storage.changed):
             # One group from the allocator's journal; with the compiled loops, the checks (ids,
-            # room) and the writes are one call (inlined: a Python call costs about a
+            # room) and the writes are one call per lane (inlined: a Python call costs about a
             # microsecond with cold caches)
             args = self._group_args
-            if type(update) is PackedStepUpdate and args is not None:
-                # admissions and finishes: the journal's packed buffer, staged as it is
-                if update.allocator_block_sizes != self._sizes_ok:
-                    self._check_block_sizes(update)
-                st = self._storage
-                if st.host_read_event is not None:
-                    st.before_host_write()
-                num_staged: int = self.native.stage_packed(  # type: ignore[union-attr]
-                    st.host, pairs, max_pairs, update.packed_data, update.packed_sizes, *args)
-                return num_staged if num_staged >= 0 else -1  # refused: the general path
-            if facts.appends_only:  # the decode lane: rows gaining one block each
-                part = update.appended[0]
-                rows = part.rows
-                if args is None or len(rows) * (args[1] + 1) > max_pairs:
+            if args is None:
+                if facts.appends_only:  # the decode lane, with numpy
                     return self._stage_trusted_appends(update, facts, pairs, max_pairs)
+            else:
+                # every lane (and the paths they fall back to) checks the block sizes and
+                # waits for the device's read of the host buffer: both once, here
                 if update.allocator_block_sizes != self._sizes_ok:
                     self._check_block_sizes(update)
                 st = self._storage
                 if st.host_read_event is not None:
                     st.before_host_write()
-                num_staged = self.native.stage_appends(  # type: ignore[union-attr]
-                    st.host, pairs, rows, part.block_ids, *args)
-                return num_staged if num_staged >= 0 else -1  # refused: the general path
-            added, appended, nulled = update.added, update.appended, update.nulled
-            if (args is not None and len(added) == len(appended) == len(nulled) == 1
-                    and not len(nulled[0].rows)):  # cleared, added and appended rows
-                if update.allocator_block_sizes != self._sizes_ok:
-                    self._check_block_sizes(update)
-                st = self._storage
-                if st.host_read_event is not None:
-                    st.before_host_write()
-                a, p = added[0], appended[0]
-                num_staged = self.native.stage_group(  # type: ignore[union-attr]
-                    st.host, pairs, max_pairs, update.cleared_rows, a.rows,
-                    a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks,
-                    p.block_ids, *args)
-                return num_staged if num_staged >= 0 else -1  # refused: the general path
+                native: ModuleType = self.native  # type: ignore[assignment]
+                if type(update) is PackedStepUpdate:
+                    # admissions and finishes: the journal's packed buffer, staged as it is
+                    num_staged: int = native.stage_packed(
+                        st.host, pairs, max_pairs, update.packed_data, update.packed_sizes,
+                        *args)
+                    return num_staged if num_staged >= 0 else -1  # refused: the general path
+                if facts.appends_only:  # the decode lane: rows gaining one block each
+                    part = update.appended[0]
+                    rows = part.rows
+                    if len(rows) * (args[1] + 1) > max_pairs:
+                        return self._stage_trusted_appends(update, facts, pairs, max_pairs)
+                    num_staged = native.stage_appends(st.host, pairs, rows, part.block_ids,
+                                                      *args)
+                    return num_staged if num_staged >= 0 else -1  # refused: the general path
+                added, appended, nulled = update.added, update.appended, update.nulled
+                if (len(added) == len(appended) == len(nulled) == 1
+                        and not len(nulled[0].rows)):  # cleared, added and appended rows
+                    a, p = added[0], appended[0]
+                    num_staged = native.stage_group(
+                        st.host, pairs, max_pairs, update.cleared_rows, a.rows,
+                        a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks,
+                        p.block_ids, *args)
+                    return num_staged if num_staged >= 0 else -1  # refused: the general path
         table = self.table
         st = table.storage
         G = self.num_groups
