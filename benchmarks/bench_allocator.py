@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from floors import format_floors, measure_floors
+
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 
@@ -357,7 +359,9 @@ def main() -> None:
         "host": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "numpy": np.__version__,
+        "floors": measure_floors("cpu"),  # the host's state: compare ratios, not absolutes
     }
+    print(format_floors(result["floors"]))
     if "step" not in args.skip:
         result["step"] = step = run_steps(args)
         print(
@@ -386,6 +390,8 @@ def main() -> None:
             f"\nfree_many of {args.arrivals} finished {args.prompt_len}-token requests: "
             f"median {s['median']:.1f} us, mean {s['mean']:.1f}, p90 {s['p90']:.1f}"
         )
+    result["floors_after"] = measure_floors("cpu")
+    print(format_floors(result["floors_after"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

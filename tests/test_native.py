@@ -458,8 +458,19 @@ def model_release_rows(ref_counts, arena, rows, row_len, num_skipped):
             if ref_counts[block] == 0 and last[block] == i]
 
 
+def _random_queue(rng, num_blocks):
+    """(slots, position, tail) of a queue as release_rows takes it: random contents."""
+    slots = rng.integers(0, num_blocks, 80).astype(np.int32)
+    position = rng.integers(-1, 80, num_blocks).astype(np.int32)
+    return slots, position, int(rng.integers(0, 81))
+
+
 @needs_native
-def test_release_rows_equals_the_model_and_undoes_an_underflow():
+@pytest.mark.parametrize("mode", ["bytes", "cached", "uncached", "split"])
+def test_release_rows_equals_the_model_and_undoes_an_underflow(mode):
+    """The freed ids come back as bytes, or land in the given queues (by the record when
+    split) past their tails with their positions; an underflow, or too little room past a
+    given queue's tail, changes nothing."""
     rng = np.random.default_rng(4)
     for _ in range(300):
         num_rows, width, num_blocks = int(rng.integers(1, 10)), int(rng.integers(1, 8)), 30
@@ -474,21 +485,51 @@ def test_release_rows_equals_the_model_and_undoes_an_underflow():
         short = rng.random() < 0.1 and refs.any()
         if short:  # a block with one reference too few: refused, every count as it was
             refs[rng.choice(np.flatnonzero(refs))] -= 1
+        record = rng.integers(-1, 2, num_blocks).astype(np.int64)  # -1: holds no record
+        queues = {k: _random_queue(rng, num_blocks) for k in ("cached", "uncached")}
+        if mode == "bytes":
+            extra = ()
+        elif mode == "split":
+            extra = (record, queues["cached"], queues["uncached"])
+        else:
+            extra = (None, *(queues[k] if k == mode else None for k in ("cached", "uncached")))
+        given = [k for k in ("cached", "uncached") if mode in (k, "split")]
+        total = int(sum(row_len[r] - num_skipped[r] for r in rows))
         want_refs = refs.copy()
         try:
             want = model_release_rows(want_refs, arena, rows, row_len, num_skipped)
             underflow = bool((want_refs < 0).any())
         except IndexError:
             underflow = True
-        if underflow:
-            before = refs.copy()
+        kept = [refs] + [a for k in given for a in (queues[k][0][: queues[k][2]], queues[k][1])]
+        before = [a.copy() for a in kept]
+        args = (refs, arena, rows, row_len.data, num_skipped.data, *extra)
+        if any(queues[k][2] + total > 80 for k in given):  # no room: checked before any write
+            assert native.release_rows(*args) is None
+        elif underflow:
             with pytest.raises(RuntimeError, match="no reference left"):
-                native.release_rows(refs, arena, rows, row_len.data, num_skipped.data)
-            np.testing.assert_array_equal(refs, before)
+                native.release_rows(*args)
+        if any(queues[k][2] + total > 80 for k in given) or underflow:
+            for now, was in zip(kept, before):
+                np.testing.assert_array_equal(now, was)
             continue
-        got = native.release_rows(refs, arena, rows, row_len.data, num_skipped.data)
-        assert np.frombuffer(got, np.int32).tolist() == want
+        got = native.release_rows(*args)
         np.testing.assert_array_equal(refs, want_refs)
+        if mode == "bytes":
+            assert np.frombuffer(got, np.int32).tolist() == want
+            continue
+        split = {
+            "cached": [b for b in want if mode == "cached" or (mode == "split" and record[b] >= 0)],
+            "uncached": [b for b in want if mode == "uncached" or (mode == "split" and record[b] < 0)],
+        }
+        assert got == (len(split["cached"]), len(split["uncached"]))
+        for k in given:
+            slots, position, tail = queues[k]
+            want_position = before[1 + 2 * given.index(k) + 1].copy()
+            want_position[split[k]] = np.arange(tail, tail + len(split[k]))
+            np.testing.assert_array_equal(slots[:tail], before[1 + 2 * given.index(k)])
+            assert slots[tail : tail + len(split[k])].tolist() == split[k]
+            np.testing.assert_array_equal(position, want_position)
 
 
 @needs_native
@@ -500,7 +541,107 @@ def test_release_rows_refuses_bad_rows_and_ids_with_counts_unchanged():
         native.release_rows(refs, arena, [0, 2], lens, skipped)
     with pytest.raises(ValueError, match="block id outside"):
         native.release_rows(refs, arena, [0, 1], lens, skipped)
+    slots, position = np.zeros(8, np.int32), np.full(8, -1, np.int32)
+    queue, record = (slots, position, 0), np.zeros(8, np.int64)
+    with pytest.raises(ValueError, match="block id outside"):
+        native.release_rows(refs, arena, [0, 1], lens, skipped, None, queue, None)
+    with pytest.raises(ValueError, match="position shorter"):
+        native.release_rows(refs, arena, [0], lens, skipped, None, (slots, position[:7], 0), None)
+    with pytest.raises(ValueError, match="record or a position shorter"):
+        native.release_rows(refs, arena, [0], lens, skipped, record[:7], queue, queue)
+    with pytest.raises(ValueError, match="cached queue's tail is outside"):
+        native.release_rows(refs, arena, [0], lens, skipped, None, (slots, position, 9), None)
+    with pytest.raises(ValueError, match="both queues with a record, one without"):
+        native.release_rows(refs, arena, [0], lens, skipped, record, queue, None)
+    with pytest.raises(ValueError, match="both queues with a record, one without"):
+        native.release_rows(refs, arena, [0], lens, skipped, None, queue, queue)
+    with pytest.raises(TypeError, match="uncached must be None or a tuple"):
+        native.release_rows(refs, arena, [0], lens, skipped, None, None, [slots, position, 0])
+    with pytest.raises(TypeError, match="optionally record"):
+        native.release_rows(refs, arena, [0], lens, skipped, None)
     assert refs.tolist() == [1] * 8
+    assert slots.tolist() == [0] * 8 and position.tolist() == [-1] * 8
+
+
+# ------------------------------------------------------------------ touch_rows
+def model_touch_rows(touched, start_gen, gen, stamp, rows, order):
+    """The journal's Python loop: first touches written, order appended; whether stale."""
+    stale = False
+    for row in rows:
+        if touched[row] < stamp:
+            touched[row], start_gen[row] = stamp, gen[row]
+            order.append(row)
+        elif touched[row] != stamp:
+            stale = True
+    return stale
+
+
+@needs_native
+def test_touch_rows_equals_the_model_and_refuses_a_row_outside():
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        num_rows = int(rng.integers(1, 12))
+        touched = rng.integers(0, 5, num_rows).astype(np.int64)
+        start_gen = rng.integers(0, 100, num_rows).astype(np.int64)
+        gen = rng.integers(0, 100, num_rows).astype(np.int64)
+        stamp = int(rng.integers(1, 5))
+        rows = rng.permutation(num_rows)[: int(rng.integers(0, num_rows + 1))].tolist()
+        order = rng.integers(0, 9, int(rng.integers(0, 3))).tolist()
+        want = touched.copy(), start_gen.copy(), list(order)
+        want_stale = model_touch_rows(*want[:2], gen, stamp, rows, want[2])
+        assert native.touch_rows(touched, start_gen, gen, stamp, rows, order) is want_stale
+        np.testing.assert_array_equal(touched, want[0])
+        np.testing.assert_array_equal(start_gen, want[1])
+        assert order == want[2]
+    before = touched.copy(), start_gen.copy(), list(order)
+    with pytest.raises(IndexError, match=f"row {num_rows} outside"):
+        native.touch_rows(touched, start_gen, gen, 99, [0, num_rows], order)
+    with pytest.raises(IndexError, match="row -1 outside"):
+        native.touch_rows(touched, start_gen, gen, 99, [-1], order)
+    with pytest.raises(TypeError, match="touch_rows takes"):
+        native.touch_rows(touched, start_gen, gen, 99, (0,), order)
+    np.testing.assert_array_equal(touched, before[0])
+    np.testing.assert_array_equal(start_gen, before[1])
+    assert order == before[2]
+
+
+# ------------------------------------------------------------------ keys_insert, keys_get
+@needs_native
+def test_keys_insert_refuses_with_nothing_changed():
+    """Bad values, lengths that differ, a table whose length is not a power of two, a held or
+    repeated key, and a table with no room: refused, and every array as it was."""
+    entries = np.full(8, -1, np.int64)
+    key_of_value, where = np.zeros(4, np.uint64), np.zeros(4, np.int64)
+    keys = np.array([3, 11], np.uint64)  # both home at 3
+    assert native.keys_insert(entries, key_of_value, where, keys, np.array([0, 1])) == 0
+    assert entries[3] == 0 and entries[4] == 1 and where[:2].tolist() == [3, 4]
+    before = entries.copy(), key_of_value.copy(), where.copy()
+    cases = [
+        (ValueError, "value 4 outside", (np.array([5], np.uint64), np.array([4]))),
+        (ValueError, "differ in length", (np.array([5], np.uint64), np.array([2, 3]))),
+    ]
+    for error, match, (k, v) in cases:
+        with pytest.raises(error, match=match):
+            native.keys_insert(entries, key_of_value, where, k, v)
+    with pytest.raises(ValueError, match="power of two"):
+        native.keys_insert(entries[:6], key_of_value, where, keys[:1], np.array([2]))
+    # held (11), and given twice (5 and 5): -1
+    assert native.keys_insert(entries, key_of_value, where, np.array([6, 11], np.uint64),
+                              np.array([2, 3])) == -1
+    assert native.keys_insert(entries, key_of_value, where, np.array([5, 13, 5], np.uint64),
+                              np.array([2, 3, 1])) == -1
+    for now, was in zip((entries, key_of_value, where), before):
+        np.testing.assert_array_equal(now, was)
+    full = np.full(2, -1, np.int64)
+    assert native.keys_insert(full, key_of_value, where, np.array([0, 1], np.uint64),
+                              np.array([2, 3])) == 0
+    with pytest.raises(ValueError, match="no empty position|no room"):
+        native.keys_insert(full, key_of_value, where, np.array([2], np.uint64), np.array([0]))
+    out = np.empty(3, np.int64)
+    native.keys_get(entries, key_of_value, np.array([3, 11, 19], np.uint64), out)
+    assert out.tolist() == [0, 1, -1]
+    native.keys_get(full, key_of_value, np.array([2], np.uint64), out[:1])  # no empty: stops
+    assert out[0] == -1
 
 
 # ------------------------------------------------------------------ queue_extend

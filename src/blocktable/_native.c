@@ -524,40 +524,111 @@ done:
     return result;
 }
 
-/* release_rows(ref_counts, arena, rows, row_len, num_skipped) -> bytes
+/* A free queue as release_rows takes it: None, or a tuple (slots, position, tail) with slots
+ * and position int32 (as queue_extend takes them) and tail an int in [0, len(slots)]. */
+typedef struct {
+    int given;
+    int32_t *slots, *position;
+    Py_ssize_t num_slots, num_ids;
+    long long tail;
+} Queue;
+
+static int get_queue(PyObject *obj, Buf *b, Queue *q, const char *name)
+{
+    memset(q, 0, sizeof *q);
+    if (obj == Py_None)
+        return 0;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 3) {
+        PyErr_Format(PyExc_TypeError, "%s must be None or a tuple (slots, position, tail)", name);
+        return -1;
+    }
+    if (get_buf(PyTuple_GET_ITEM(obj, 0), &b[0], 4, 1, "slots") < 0
+        || get_buf(PyTuple_GET_ITEM(obj, 1), &b[1], 4, 1, "position") < 0)
+        return -1;
+    q->tail = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, 2));
+    if (q->tail == -1 && PyErr_Occurred())
+        return -1;
+    q->given = 1;
+    q->slots = I32(b[0]);
+    q->position = I32(b[1]);
+    q->num_slots = LEN(b[0]);
+    q->num_ids = LEN(b[1]);
+    if (q->tail < 0 || q->tail > q->num_slots) {
+        PyErr_Format(PyExc_ValueError, "release_rows: the %s queue's tail is outside its slots",
+                     name);
+        return -1;
+    }
+    return 0;
+}
+
+/* release_rows(ref_counts, arena, rows, row_len, num_skipped[, record, cached, uncached])
+ *     -> bytes, or with queues (int, int) or None
  *
  * Drop one reference per block of the rows being freed: ref_counts int32 [num_blocks], arena
  * int32 [num_rows, width] (each row's block ids), rows a list of distinct ints, row_len and
  * num_skipped int64 [num_rows] (a row's blocks are arena[row, skipped:len], read tail first).
- * Returns the int32 ids whose count reached 0, each once, in the order of their last
- * reference: the order the free queue takes them in. A row, length or id outside its range,
- * or a count that would fall below 0, raises with every count as it was.
+ * The ids whose count reached 0, each once, in the order of their last reference (the order
+ * the free queues take them in), are returned as int32 bytes.
+ *
+ * With queues (cached and uncached: None or (slots, position, tail), see get_queue) the freed
+ * ids are queued instead, each queue taking its ids in that order: the k-th id a queue takes
+ * gets slots[tail + k] = id and position[id] = tail + k. With record (int64 [num_blocks]) both
+ * queues are given and an id goes to cached when record[id] >= 0, else to uncached; with record
+ * None exactly one queue is given and takes every id. Returns (ids cached, ids uncached); or
+ * None, with nothing changed, when a given queue's slots past its tail could not hold every
+ * block of the rows (compact it, or take the bytes).
+ *
+ * A row, length or id outside its range, or a count that would fall below 0, raises with every
+ * count (and queue) as it was.
  */
 static PyObject *release_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyList_Check(args[2])) {
+    if ((nargs != 5 && nargs != 8) || !PyList_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "release_rows takes 2 arrays, a list of rows and 2 "
-                        "arrays");
+                        "arrays, then optionally record, cached and uncached");
         return NULL;
     }
-    Buf b[4];
+    const int queued = nargs == 8;
+    Buf b[9];
     memset(b, 0, sizeof b);
+    Queue q[2];
+    memset(q, 0, sizeof q);
     PyObject *result = NULL;
-    int32_t *out = NULL;
+    int32_t *bytes_out = NULL;
     if (get_buf(args[0], &b[0], 4, 1, "ref_counts") < 0
         || get_buf(args[3], &b[2], 8, 0, "row_len") < 0
         || get_buf(args[4], &b[3], 8, 0, "num_skipped") < 0)
         goto done;
     if (get_arena(args[1], &b[1]) < 0)
         goto done;
+    if (queued) {
+        if ((args[5] != Py_None && get_buf(args[5], &b[4], 8, 0, "record") < 0)
+            || get_queue(args[6], &b[5], &q[0], "cached") < 0
+            || get_queue(args[7], &b[7], &q[1], "uncached") < 0)
+            goto done;
+        const int split = args[5] != Py_None;
+        if (split ? !(q[0].given && q[1].given) : q[0].given == q[1].given) {
+            PyErr_SetString(PyExc_ValueError, "release_rows: give both queues with a record, "
+                            "one without");
+            goto done;
+        }
+    }
     {
         int32_t *ref_counts = I32(b[0]);
         const int32_t *arena = I32(b[1]);
         const int64_t *row_len = I64(b[2]), *num_skipped = I64(b[3]);
+        const int64_t *record = b[4].held ? I64(b[4]) : NULL;
         const Py_ssize_t num_blocks = LEN(b[0]), num_rows = b[1].view.shape[0];
         const Py_ssize_t width = b[1].view.shape[1], n = PyList_GET_SIZE(args[2]);
         if (LEN(b[2]) < num_rows || LEN(b[3]) < num_rows) {
             PyErr_SetString(PyExc_ValueError, "release_rows: arrays shorter than the arena");
+            goto done;
+        }
+        if ((record != NULL && LEN(b[4]) < num_blocks)
+            || (q[0].given && q[0].num_ids < num_blocks)
+            || (q[1].given && q[1].num_ids < num_blocks)) {
+            PyErr_SetString(PyExc_ValueError, "release_rows: record or a position shorter "
+                            "than ref_counts");
             goto done;
         }
         /* pass 1: check every row, length and id; count the references */
@@ -583,13 +654,32 @@ static PyObject *release_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
                 }
             total += len - skip;
         }
-        out = PyMem_Malloc(total ? total * 4 : 4);
-        if (out == NULL) {
-            PyErr_NoMemory();
-            goto done;
+        /* where freed ids go: out[0] (the cached queue's slots past its tail, or the bytes),
+         * out[1] (the uncached queue's); slots past a tail are unused until it moves */
+        int32_t *out[2] = {NULL, NULL};
+        if (queued) {
+            for (int k = 0; k < 2; k++)
+                if (q[k].given) {
+                    if (q[k].tail + total > q[k].num_slots || q[k].tail + total > INT32_MAX) {
+                        result = Py_NewRef(Py_None);  /* no room: nothing changed */
+                        goto done;
+                    }
+                    out[k] = q[k].slots + q[k].tail;
+                }
+            if (record == NULL && out[0] == NULL) {  /* one queue, given as uncached */
+                out[0] = out[1];
+                out[1] = NULL;
+            }
+        } else {
+            bytes_out = PyMem_Malloc(total ? total * 4 : 4);
+            if (bytes_out == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            out[0] = bytes_out;
         }
         /* pass 2: drop the references, tail first; undo them all if a count falls below 0 */
-        Py_ssize_t freed = 0, dropped = 0;
+        Py_ssize_t freed[2] = {0, 0}, dropped = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(args[2], i));
             const int32_t *blocks = arena + row * width;
@@ -608,14 +698,275 @@ static PyObject *release_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
                     goto done;
                 }
                 dropped++;
-                if (--ref_counts[id] == 0)
-                    out[freed++] = id;
+                if (--ref_counts[id] == 0) {
+                    const int k = record != NULL && record[id] < 0;
+                    out[k][freed[k]++] = id;
+                }
             }
         }
-        result = PyBytes_FromStringAndSize((const char *)out, freed * 4);
+        if (!queued) {
+            result = PyBytes_FromStringAndSize((const char *)bytes_out, freed[0] * 4);
+            goto done;
+        }
+        if (record == NULL && !q[0].given) {  /* the one queue was uncached: report it so */
+            freed[1] = freed[0];
+            freed[0] = 0;
+        }
+        for (int k = 0; k < 2; k++)
+            for (Py_ssize_t m = 0; m < freed[k]; m++)
+                q[k].position[q[k].slots[q[k].tail + m]] = (int32_t)(q[k].tail + m);
+        result = Py_BuildValue("(nn)", freed[0], freed[1]);
     }
 done:
-    PyMem_Free(out);
+    PyMem_Free(bytes_out);
+    release(b, 9);
+    return result;
+}
+
+/* touch_rows(touched, start_gen, gen, stamp, rows, order) -> bool
+ *
+ * The step journal's first touch of rows whose requests leave now: touched, start_gen and gen
+ * int64 [num_rows], rows a list of ints. For each row with touched[row] < stamp:
+ * touched[row] = stamp, start_gen[row] = gen[row], and the row is appended to the list order.
+ * Returns whether some row had touched[row] > stamp (a batch's row). A row outside every
+ * array raises IndexError with nothing written.
+ */
+static PyObject *touch_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "touch_rows takes 3 arrays, a stamp, a list of rows "
+                        "and the order list");
+        return NULL;
+    }
+    long long stamp;
+    if (get_ints(args, 3, 1, &stamp) < 0)
+        return NULL;
+    Buf b[3];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 8, 1, "touched") < 0
+        || get_buf(args[1], &b[1], 8, 1, "start_gen") < 0
+        || get_buf(args[2], &b[2], 8, 0, "gen") < 0)
+        goto done;
+    {
+        int64_t *touched = I64(b[0]), *start_gen = I64(b[1]);
+        const int64_t *gen = I64(b[2]);
+        Py_ssize_t num_rows = LEN(b[0]);
+        if (LEN(b[1]) < num_rows)
+            num_rows = LEN(b[1]);
+        if (LEN(b[2]) < num_rows)
+            num_rows = LEN(b[2]);
+        PyObject *rows = args[4], *order = args[5];
+        const Py_ssize_t n = PyList_GET_SIZE(rows);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(rows, i));
+            if (row == -1 && PyErr_Occurred())
+                goto done;
+            if (row < 0 || row >= num_rows) {
+                PyErr_Format(PyExc_IndexError, "touch_rows: row %zd outside [0, %zd)", row,
+                             num_rows);
+                goto done;
+            }
+        }
+        int stale = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(rows, i);
+            const Py_ssize_t row = PyLong_AsSsize_t(item);
+            if (touched[row] < stamp) {
+                touched[row] = stamp;
+                start_gen[row] = gen[row];
+                if (PyList_Append(order, item) < 0)
+                    goto done;
+            } else if (touched[row] != stamp) {
+                stale = 1;
+            }
+        }
+        result = PyBool_FromLong(stale);
+    }
+done:
+    release(b, 3);
+    return result;
+}
+
+/* The key table's arrays (blocktable.allocator.keytable): entries int64 [capacity], a power
+ * of two, each EMPTY (-1), DELETED (-2) or (tag << 32) | value with tag = key >> 33; the
+ * keys filed per value, uint64 [num_values]. */
+#define KEY_EMPTY (-1)
+#define KEY_TAG_SHIFT 33
+
+static int get_key_table(PyObject *const *args, Buf *b)
+{
+    if (get_buf(args[0], &b[0], 8, 1, "entries") < 0
+        || get_buf(args[1], &b[1], 8, 1, "key_of_value") < 0)
+        return -1;
+    const Py_ssize_t capacity = LEN(b[0]);
+    if (capacity < 1 || (capacity & (capacity - 1))) {
+        PyErr_SetString(PyExc_ValueError, "entries' length must be a power of two");
+        return -1;
+    }
+    return 0;
+}
+
+/* keys_insert(entries, key_of_value, where, keys, values) -> int
+ *
+ * File keys (uint64 [n]) with values (int64 [n], distinct, each below len(key_of_value) and
+ * len(where) and 2**32), when no key is held and none repeats: each goes to the first free
+ * position (EMPTY or DELETED) of its probe run from key & (capacity - 1), in order;
+ * key_of_value[value] = key and where[value] = its position (where int64). Returns the number
+ * of DELETED positions reused; or -1, with nothing changed, when a key is held or given twice.
+ * A value outside, or a table too full to hold the keys, raises ValueError with nothing
+ * changed (the Python table keeps itself at most half full).
+ */
+static PyObject *keys_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 5, "keys_insert"))
+        return NULL;
+    Buf b[5];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    int64_t *undo = NULL;
+    if (get_key_table(args, b) < 0 || get_buf(args[2], &b[2], 8, 1, "where") < 0
+        || get_buf(args[3], &b[3], 8, 0, "keys") < 0 || get_buf(args[4], &b[4], 8, 0, "values") < 0)
+        goto done;
+    {
+        int64_t *entries = I64(b[0]), *where = I64(b[2]);
+        uint64_t *key_of_value = (uint64_t *)b[1].view.buf;
+        const uint64_t *keys = (const uint64_t *)b[3].view.buf;
+        const int64_t *values = I64(b[4]);
+        const Py_ssize_t n = LEN(b[3]), capacity = LEN(b[0]);
+        const uint64_t mask = (uint64_t)capacity - 1;
+        Py_ssize_t num_values = LEN(b[1]) < LEN(b[2]) ? LEN(b[1]) : LEN(b[2]);
+        if (num_values > ((Py_ssize_t)1 << 32))
+            num_values = (Py_ssize_t)1 << 32;
+        if (LEN(b[4]) != n) {
+            PyErr_SetString(PyExc_ValueError, "keys_insert: keys and values differ in length");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (values[i] < 0 || values[i] >= num_values) {
+                PyErr_Format(PyExc_ValueError, "keys_insert: value %lld outside [0, %zd)",
+                             (long long)values[i], num_values);
+                goto done;
+            }
+        /* pass 1: a key held before the call refuses it */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t key = keys[i];
+            const int64_t tag = (int64_t)(key >> KEY_TAG_SHIFT);
+            Py_ssize_t probed = 0;
+            for (uint64_t pos = key & mask;; pos = (pos + 1) & mask) {
+                const int64_t entry = entries[pos];
+                if (entry == KEY_EMPTY)
+                    break;
+                if (entry >= 0 && (entry >> 32) == tag
+                    && key_of_value[entry & 0xffffffff] == key) {
+                    result = PyLong_FromLong(-1);
+                    goto done;
+                }
+                if (++probed == capacity) {
+                    PyErr_SetString(PyExc_ValueError, "keys_insert: the table has no empty "
+                                    "position");
+                    goto done;
+                }
+            }
+        }
+        undo = PyMem_Malloc((n ? n : 1) * 3 * sizeof(int64_t));  /* (pos, old entry, old key) */
+        if (undo == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        /* pass 2: file in order; a key met again before its free position repeats */
+        Py_ssize_t reused = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t key = keys[i];
+            const int64_t tag = (int64_t)(key >> KEY_TAG_SHIFT);
+            uint64_t pos = key & mask;
+            Py_ssize_t probed = 0;
+            for (;; pos = (pos + 1) & mask) {
+                const int64_t entry = entries[pos];
+                if (entry < 0)
+                    break;
+                const int repeat = (entry >> 32) == tag && key_of_value[entry & 0xffffffff] == key;
+                if (repeat || ++probed == capacity) {
+                    for (Py_ssize_t r = i - 1; r >= 0; r--) {  /* undo, newest first */
+                        entries[undo[3 * r]] = undo[3 * r + 1];
+                        key_of_value[values[r]] = (uint64_t)undo[3 * r + 2];
+                    }
+                    if (repeat)
+                        result = PyLong_FromLong(-1);
+                    else
+                        PyErr_SetString(PyExc_ValueError, "keys_insert: no room left for the "
+                                        "keys");
+                    goto done;
+                }
+            }
+            undo[3 * i] = (int64_t)pos;
+            undo[3 * i + 1] = entries[pos];
+            undo[3 * i + 2] = (int64_t)key_of_value[values[i]];
+            reused += entries[pos] != KEY_EMPTY;
+            entries[pos] = (tag << 32) | values[i];
+            key_of_value[values[i]] = key;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            where[values[i]] = undo[3 * i];
+        result = PyLong_FromSsize_t(reused);
+    }
+done:
+    PyMem_Free(undo);
+    release(b, 5);
+    return result;
+}
+
+/* keys_get(entries, key_of_value, keys, out) -> None
+ *
+ * out[i] = the value filed with keys[i] (uint64 [n]), or -1 where it is not held (out int64
+ * [n]): the probe run from key & (capacity - 1), up to its first EMPTY position.
+ */
+static PyObject *keys_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 4, "keys_get"))
+        return NULL;
+    Buf b[4];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 8, 0, "entries") < 0
+        || get_buf(args[1], &b[1], 8, 0, "key_of_value") < 0
+        || get_buf(args[2], &b[2], 8, 0, "keys") < 0 || get_buf(args[3], &b[3], 8, 1, "out") < 0)
+        goto done;
+    {
+        const int64_t *entries = I64(b[0]);
+        const uint64_t *key_of_value = (const uint64_t *)b[1].view.buf;
+        const uint64_t *keys = (const uint64_t *)b[2].view.buf;
+        int64_t *out = I64(b[3]);
+        const Py_ssize_t n = LEN(b[2]), capacity = LEN(b[0]), num_values = LEN(b[1]);
+        const uint64_t mask = (uint64_t)capacity - 1;
+        if (capacity < 1 || (capacity & (capacity - 1))) {
+            PyErr_SetString(PyExc_ValueError, "entries' length must be a power of two");
+            goto done;
+        }
+        if (LEN(b[3]) != n) {
+            PyErr_SetString(PyExc_ValueError, "keys_get: keys and out differ in length");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t key = keys[i];
+            const int64_t tag = (int64_t)(key >> KEY_TAG_SHIFT);
+            int64_t found = -1;
+            Py_ssize_t probed = 0;
+            for (uint64_t pos = key & mask; probed < capacity; pos = (pos + 1) & mask, probed++) {
+                const int64_t entry = entries[pos];
+                if (entry == KEY_EMPTY)
+                    break;
+                if (entry >= 0 && (entry >> 32) == tag && (entry & 0xffffffff) < num_values
+                    && key_of_value[entry & 0xffffffff] == key) {
+                    found = entry & 0xffffffff;
+                    break;
+                }
+            }
+            out[i] = found;
+        }
+        result = Py_NewRef(Py_None);
+    }
+done:
     release(b, 4);
     return result;
 }
@@ -857,7 +1208,14 @@ static PyMethodDef methods[] = {
     {"diff_rows", (PyCFunction)(void (*)(void))diff_rows, METH_FASTCALL,
      "The journal's diff of a few touched rows of one group (see the module source)."},
     {"release_rows", (PyCFunction)(void (*)(void))release_rows, METH_FASTCALL,
-     "Drop the references of the freed rows' blocks; the ids that reached 0 (see the source)."},
+     "Drop the references of the freed rows' blocks; the ids that reached 0, or queue them (see "
+     "the source)."},
+    {"touch_rows", (PyCFunction)(void (*)(void))touch_rows, METH_FASTCALL,
+     "The journal's first touch of leaving rows; whether a batch's row was among them."},
+    {"keys_insert", (PyCFunction)(void (*)(void))keys_insert, METH_FASTCALL,
+     "File absent, distinct keys in the key table; -1 (nothing changed) if one is held."},
+    {"keys_get", (PyCFunction)(void (*)(void))keys_get, METH_FASTCALL,
+     "The key table's value of each key, -1 where absent."},
     {"queue_extend", (PyCFunction)(void (*)(void))queue_extend, METH_FASTCALL,
      "The free queue's extend by distinct ids: slots and positions in one pass."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,

@@ -125,10 +125,17 @@ class StepJournal:
         elif touched != stamp:  # a batch's row
             self._batches_stale = True
 
-    def touch_leaving(self, *rows: int) -> None:
-        """:meth:`touch` of rows whose requests leave now (distinct): their lengths at the first
-        touch are never read (each row ends cleared, or added if another request takes it).
-        One call for all of a batch's rows (the views bound once)."""
+    def touch_leaving(self, rows: list[int]) -> None:
+        """:meth:`touch` of rows whose requests leave now, or came in free (distinct ints):
+        their lengths at the first touch are never read (each row ends cleared, or added if
+        another request takes it). One call for all of a batch's rows, compiled when built."""
+        native = _loader.NATIVE
+        if native is not None:
+            if native.touch_rows(
+                self.touched, self.start_gen, self.rows.holder_gen, self._stamp, rows, self.order
+            ):
+                self._batches_stale = True
+            return
         stamp, touched, start_gen = self._stamp, self._touched_mv, self._start_gen_mv
         gen, order = self._gen_mv, self.order
         for row in rows:

@@ -1,4 +1,6 @@
-"""A hash table from 64-bit block keys to record slots, looked up and filled with numpy.
+"""A hash table from 64-bit block keys to record slots, looked up and filled many keys at a
+time: in one compiled pass per call where the package's compiled loops are built (a probe run
+per key, in C), else with numpy as described here.
 
 A Python dict pays a dependent cache miss and a Python int per key, three times per newly
 cached block (is it new, insert, and later delete when its record is recycled). This table is
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import has_repeats as _repeats
 
 EMPTY = -1
@@ -121,9 +124,14 @@ class KeyTable:
         return self._scan(keys, (keys & self._mask).view(np.int64))
 
     def get(self, keys: np.ndarray) -> np.ndarray:
-        """The value of each key, -1 where absent (int64 ``[len(keys)]``)."""
+        """The value of each key, -1 where absent (int64 ``[len(keys)]``; ``keys`` uint64)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
+        native = _loader.NATIVE
+        if native is not None:  # one compiled probe per key
+            out = np.empty(len(keys), dtype=np.int64)
+            native.keys_get(self.entries, self.key_of_value, np.ascontiguousarray(keys), out)
+            return out
         start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent); a held
         # entry matches exactly when the key filed with its value is the key (no tag step)
@@ -187,6 +195,8 @@ class KeyTable:
             return True
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
             self._rebuild(n)
+        if _loader.NATIVE is not None:
+            return self._insert_native(keys, values)
         entries = self.entries
         cand = (keys & self._mask).view(np.int64)  # where each key goes: its home first
         old = entries[cand]
@@ -217,6 +227,21 @@ class KeyTable:
         self._placed(cand[won], wvalues, old[won])
         for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
             self.insert_one(key, value)  # absent and distinct, so filed one by one
+        return True
+
+    def _insert_native(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """:meth:`insert_absent` in one compiled pass, the keys filed in order (room made)."""
+        reused = _loader.NATIVE.keys_insert(
+            self.entries,
+            self.key_of_value,
+            self.where,
+            np.ascontiguousarray(keys, dtype=np.uint64),
+            np.ascontiguousarray(values, dtype=np.int64),
+        )
+        if reused < 0:
+            return False
+        self.num_keys += len(keys)
+        self._num_deleted -= reused
         return True
 
     def _first_free(
@@ -327,6 +352,10 @@ class KeyTable:
             return
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
             self._rebuild(n)
+        if _loader.NATIVE is not None:
+            if not self._insert_native(keys, values):
+                raise ValueError("insert: a key is held already, or given twice")
+            return
         entries, mask = self.entries, int(self._mask)
         self.key_of_value[values] = keys
         new = _tags(keys) << _S_VALUE

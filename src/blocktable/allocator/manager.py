@@ -322,9 +322,7 @@ class KVCacheManager:
         hits of all are shared at once (:meth:`_share_hits`)."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        touch = self._journal.touch_leaving  # free, or freed earlier in this step
-        for row in rows:
-            touch(row)
+        self._journal.touch_leaving(rows)  # free, or freed earlier in this step
         if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
             plan, row = plans[0], rows[0]
             buffers = [state.start(row, plan.tokens)]  # copied
@@ -1088,15 +1086,13 @@ class KVCacheManager:
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
             del requests[req.req_id]
-        self._journal.touch_leaving(*rows)
+        self._journal.touch_leaving(rows)
         native = _loader.NATIVE
         for pool, arena, row_len, num_skipped in zip(
             self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
             if native is not None:  # the references dropped in one compiled pass
-                freed = native.release_rows(pool.ref_counts, arena, rows, row_len, num_skipped)
-                if freed:  # distinct, in the order of their last reference
-                    pool.queue_freed(np.frombuffer(freed, dtype=np.int32))
+                pool.release_rows(native, arena, rows, row_len, num_skipped)
                 continue
             parts = []
             for row in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
@@ -186,6 +187,48 @@ class BlockPool:
         freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
         if len(freed):
             self.queue_freed(freed, may_repeat=may_repeat)
+
+    def release_rows(
+        self,
+        native: ModuleType,
+        arena: np.ndarray,
+        rows: list[int],
+        row_len: memoryview,
+        num_skipped: memoryview,
+    ) -> None:
+        """:meth:`release` of the blocks of ``rows`` (distinct ints) of ``arena`` (int32
+        ``[num_rows, width]``; a row's blocks are ``arena[row, num_skipped[row]:row_len[row]]``,
+        dropped tail first), in one compiled pass (``native``: the compiled module) that also
+        queues the freed blocks, unless a duplicate is pending or a queue is short of room."""
+        ref_counts = self.ref_counts
+        if not self.dups:
+            cached, uncached = self.cached, self.uncached
+            # as in queue_freed: every owned block holds a record, or none does (no gather)
+            owned_cached = self.num_cached_blocks - len(cached)
+            num_owned = self.num_blocks - 1 - len(uncached) - len(cached)
+            if owned_cached == num_owned:
+                record, to_cached, to_uncached = None, cached, None
+            elif not owned_cached:
+                record, to_cached, to_uncached = None, None, uncached
+            else:
+                record, to_cached, to_uncached = self.record, cached, uncached
+            counts = native.release_rows(
+                ref_counts,
+                arena,
+                rows,
+                row_len,
+                num_skipped,
+                record,
+                None if to_cached is None else to_cached.tail_view(),
+                None if to_uncached is None else to_uncached.tail_view(),
+            )
+            if counts is not None:
+                cached.count_queued(counts[0])
+                uncached.count_queued(counts[1])
+                return
+        freed = native.release_rows(ref_counts, arena, rows, row_len, num_skipped)
+        if freed:  # distinct, in the order of their last reference
+            self.queue_freed(np.frombuffer(freed, dtype=np.int32))
 
     def queue_freed(self, freed: np.ndarray, *, may_repeat: bool = False) -> None:
         """Queue blocks whose last reference was just dropped (``freed``: int32 or intp, in

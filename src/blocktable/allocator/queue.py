@@ -92,6 +92,17 @@ class BlockQueue:
             position[block_ids] = stamps
             self._len += n
 
+    def tail_view(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(slots, position, tail)``: where a compiled pass (``release_rows``) queues ids
+        itself, writing ``slots[tail + k]`` and ``position[id]``; :meth:`count_queued` then
+        counts them in."""
+        return self._slots, self._position, self._tail
+
+    def count_queued(self, n: int) -> None:
+        """Count in the ``n`` ids a compiled pass queued past the tail of :meth:`tail_view`."""
+        self._tail += n
+        self._len += n
+
     def append(self, block_id: int) -> None:
         """Queue one id last."""
         if self._tail == len(self._slots):
