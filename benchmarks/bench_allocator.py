@@ -35,7 +35,6 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-
 from floors import format_floors, measure_floors
 
 from blocktable import GroupSpec, MultiGroupBlockTable

@@ -644,6 +644,62 @@ def test_keys_insert_refuses_with_nothing_changed():
     assert out[0] == -1
 
 
+# ------------------------------------------------------------------ chain_prompts
+@needs_native
+def test_chain_prompts_equals_the_python_reference_keys():
+    """Keys and chain states of several prompts' full blocks, against the plain-Python key
+    reference and numpy's chain (block sizes 1 to 64, namespace seeds, any int64 ids)."""
+    from blocktable.allocator.hashing import (
+        ChainPowers,
+        block_content_hashes,
+        chain_keys,
+        fast_block_keys,
+        namespace_seed,
+    )
+
+    rng = np.random.default_rng(7)
+    for bs in (1, 3, 16, 64):
+        powers = ChainPowers(bs)
+        for _ in range(10):
+            prompts = [rng.integers(-(2**62), 2**62, int(rng.integers(0, 200)))
+                       for _ in range(int(rng.integers(1, 5)))]
+            seeds = np.array([namespace_seed(b"")] * len(prompts), np.uint64)
+            total = sum(len(t) // bs for t in prompts)
+            keys, states = np.empty(total, np.uint64), np.empty(total, np.uint64)
+            native.chain_prompts(prompts, bs, powers.token_powers, powers.block_base, seeds,
+                                 keys, states)
+            want = [k for t in prompts for k in fast_block_keys(t.tolist(), bs)]
+            assert keys.tolist() == want
+            blocks = np.concatenate([t[: len(t) // bs * bs] for t in prompts]).reshape(-1, bs)
+            counts = np.array([len(t) // bs for t in prompts])
+            _, want_states = chain_keys(block_content_hashes(blocks, powers), counts, seeds,
+                                        powers)
+            assert states.tolist() == want_states.tolist()
+    keys = np.zeros(2, np.uint64)
+    with pytest.raises(ValueError, match="must hold the 1 full blocks"):
+        native.chain_prompts([np.arange(16)], 16, powers.token_powers[:16], 1, seeds[:1], keys,
+                             keys)
+    with pytest.raises(ValueError, match="one per prompt"):
+        native.chain_prompts([np.arange(16)], 64, powers.token_powers, 1, seeds[:2], keys, keys)
+    assert keys.tolist() == [0, 0]
+
+
+@needs_native
+def test_a_strided_prompt_is_keyed_like_its_copy():
+    """A prompt given as a strided view (the compiled pass takes contiguous buffers only)
+    gets the same keys, so the same prefix hits, as its contiguous copy."""
+    from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+
+    tokens = np.random.default_rng(8).integers(0, 1000, 256)
+    mgr = KVCacheManager([AllocatorGroupSpec(16, 64)], 4)
+    mgr.add_request("a", tokens.copy())
+    mgr.allocate("a", 256)
+    mgr.mark_computed("a", 256)
+    strided = np.repeat(tokens, 2)[::2]
+    assert not strided.flags.c_contiguous
+    assert mgr.add_requests(["b", "c"], [strided, tokens[:200].copy()]) == [240, 192]
+
+
 # ------------------------------------------------------------------ queue_extend
 @needs_native
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])

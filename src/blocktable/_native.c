@@ -971,6 +971,98 @@ done:
     return result;
 }
 
+/* chain_prompts(prompts, block_size, token_powers, block_base, seeds, keys, states) -> None
+ *
+ * The fast block keys of every full block of several prompts (blocktable.allocator.hashing):
+ * prompts a list of int64 arrays (token ids), token_powers uint64 [block_size] (B**(bs-1-j)),
+ * block_base B**bs, seeds uint64 [len(prompts)] (each prompt's K_{-1}); keys and states uint64
+ * [total full blocks] get, prompt after prompt, fmix64(K_i) and K_i, with
+ * h_i = sum_j x[i*bs+j] * token_powers[j] and K_i = K_{i-1} * B**bs + h_i, all mod 2**64.
+ * A length that disagrees raises ValueError before any write.
+ */
+static inline uint64_t fmix64(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xFF51AFD7ED558CCDULL;
+    k ^= k >> 33;
+    k *= 0xC4CEB9FE1A85EC53ULL;
+    return k ^ (k >> 33);
+}
+
+static PyObject *chain_prompts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 7, "chain_prompts"))
+        return NULL;
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "prompts must be a list of int64 arrays");
+        return NULL;
+    }
+    const Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    const unsigned long long block_base = PyLong_AsUnsignedLongLong(args[3]);
+    if (block_base == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *prompts = args[0];
+    const Py_ssize_t num_prompts = PyList_GET_SIZE(prompts);
+    Buf b[4];
+    memset(b, 0, sizeof b);
+    Buf *tok = NULL;
+    PyObject *result = NULL;
+    if (get_buf(args[2], &b[0], 8, 0, "token_powers") < 0
+        || get_buf(args[4], &b[1], 8, 0, "seeds") < 0 || get_buf(args[5], &b[2], 8, 1, "keys") < 0
+        || get_buf(args[6], &b[3], 8, 1, "states") < 0)
+        goto done;
+    if (bs < 1 || LEN(b[0]) != bs || LEN(b[1]) != num_prompts) {
+        PyErr_SetString(PyExc_ValueError, "chain_prompts: token_powers must hold block_size "
+                        "powers and seeds one per prompt");
+        goto done;
+    }
+    tok = PyMem_Calloc(num_prompts ? num_prompts : 1, sizeof(Buf));
+    if (tok == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t r = 0; r < num_prompts; r++) {
+        if (get_buf(PyList_GET_ITEM(prompts, r), &tok[r], 8, 0, "prompts' entries") < 0)
+            goto done;
+        total += LEN(tok[r]) / bs;
+    }
+    if (LEN(b[2]) != total || LEN(b[3]) != total) {
+        PyErr_Format(PyExc_ValueError, "chain_prompts: keys and states must hold the %zd full "
+                     "blocks", total);
+        goto done;
+    }
+    {
+        const uint64_t *powers = (const uint64_t *)b[0].view.buf;
+        const uint64_t *seeds = (const uint64_t *)b[1].view.buf;
+        uint64_t *keys = (uint64_t *)b[2].view.buf, *states = (uint64_t *)b[3].view.buf;
+        Py_ssize_t out = 0;
+        for (Py_ssize_t r = 0; r < num_prompts; r++) {
+            const uint64_t *x = (const uint64_t *)tok[r].view.buf;
+            const Py_ssize_t num_blocks = LEN(tok[r]) / bs;
+            uint64_t state = seeds[r];
+            for (Py_ssize_t i = 0; i < num_blocks; i++, x += bs) {
+                uint64_t h = 0;
+                for (Py_ssize_t j = 0; j < bs; j++)  /* independent products: vectorizable */
+                    h += x[j] * powers[j];
+                state = state * (uint64_t)block_base + h;
+                states[out] = state;
+                keys[out++] = fmix64(state);
+            }
+        }
+        result = Py_NewRef(Py_None);
+    }
+done:
+    if (tok != NULL) {
+        release(tok, (int)num_prompts);
+        PyMem_Free(tok);
+    }
+    release(b, 4);
+    return result;
+}
+
 /* queue_extend(slots, position, ids, tail) -> int
  *
  * The free queue's extend by distinct ids (int32 or int64 [n], each in [0, len(position))):
@@ -1216,6 +1308,8 @@ static PyMethodDef methods[] = {
      "File absent, distinct keys in the key table; -1 (nothing changed) if one is held."},
     {"keys_get", (PyCFunction)(void (*)(void))keys_get, METH_FASTCALL,
      "The key table's value of each key, -1 where absent."},
+    {"chain_prompts", (PyCFunction)(void (*)(void))chain_prompts, METH_FASTCALL,
+     "The fast block keys and chain states of several prompts' full blocks."},
     {"queue_extend", (PyCFunction)(void (*)(void))queue_extend, METH_FASTCALL,
      "The free queue's extend by distinct ids: slots and positions in one pass."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,

@@ -10,7 +10,9 @@ prefix up to the end of the block, namespace included::
 ``K_i`` is the polynomial hash of the whole prefix, so the keys of ``n`` blocks cost a few
 numpy passes over the tokens (no Python loop per block), and a chunk of a long prompt continues
 from the last key instead of re-reading the prefix. The keys of several requests are computed
-in one pass: the recurrence is a segmented scan (see :func:`chain_keys`).
+in one pass: the recurrence is a segmented scan (see :func:`chain_keys`). Where the package's
+compiled loops are built, admission keys its prompts in one compiled pass instead, reading each
+prompt where it lies (the same keys, bit for bit; the tests compare them).
 
 The key is only a *name* for the prefix index; it is not trusted. A lookup shares a block only
 when the block's stored token ids equal the prompt's and its stored parent content id equals

@@ -231,7 +231,9 @@ class KeyTable:
 
     def _insert_native(self, keys: np.ndarray, values: np.ndarray) -> bool:
         """:meth:`insert_absent` in one compiled pass, the keys filed in order (room made)."""
-        reused = _loader.NATIVE.keys_insert(
+        native = _loader.NATIVE
+        assert native is not None  # (the callers' test)
+        reused = native.keys_insert(
             self.entries,
             self.key_of_value,
             self.where,

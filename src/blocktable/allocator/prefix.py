@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
 from blocktable.allocator.pool import BlockPool
 
@@ -73,9 +74,13 @@ def prompt_keys(
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
     (the plans' token ids concatenated once, hashed with one product and chained in one scan;
-    each plan's keys and states are views of that pass's arrays)."""
+    each plan's keys and states are views of that pass's arrays). With the compiled loops,
+    one compiled pass per size reads the prompts where they are (no concatenation)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
+    native = _loader.NATIVE
     for bs in sorted(set(block_sizes)):
+        if native is not None and _chain_prompts(native, plans, bs, powers[bs], seeds):
+            continue
         counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
@@ -94,6 +99,29 @@ def prompt_keys(
             stop = start + count
             plan.keys[bs] = keys[start:stop]
             plan.states[bs] = states[start:stop]
+
+
+def _chain_prompts(
+    native: Any, plans: Sequence[PromptPlan], bs: int, powers: ChainPowers, seeds: np.ndarray
+) -> bool:
+    """:func:`prompt_keys` of one block size in one compiled pass; False (nothing written)
+    where a prompt's buffer is not C-contiguous."""
+    tokens = [p.tokens for p in plans]
+    total = sum(len(t) // bs for t in tokens)
+    keys, states = np.empty(total, dtype=_U64), np.empty(total, dtype=_U64)
+    try:
+        native.chain_prompts(
+            tokens, bs, powers.token_powers, powers.block_base, seeds, keys, states
+        )
+    except (ValueError, BufferError):  # (a strided prompt: numpy's passes take it)
+        return False
+    start = 0
+    for plan, t in zip(plans, tokens):
+        stop = start + len(t) // bs
+        plan.keys[bs] = keys[start:stop]
+        plan.states[bs] = states[start:stop]
+        start = stop
+    return True
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
