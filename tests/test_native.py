@@ -700,6 +700,50 @@ def test_a_strided_prompt_is_keyed_like_its_copy():
     assert mgr.add_requests(["b", "c"], [strided, tokens[:200].copy()]) == [240, 192]
 
 
+# ------------------------------------------------------------------ file_records
+@needs_native
+def test_file_records_equals_numpy_and_refuses_with_nothing_written():
+    rng = np.random.default_rng(9)
+    for _ in range(100):
+        bs, capacity, num_blocks = int(rng.integers(1, 9)), int(rng.integers(1, 40)), 50
+        n = int(rng.integers(0, capacity + 1))
+        slots = rng.permutation(capacity)[:n].astype(np.int64)
+        block_ids = rng.permutation(num_blocks)[:n].astype(np.int32)
+        parent_ids = rng.integers(-5, 100, n).astype(np.int64)
+        tokens = rng.integers(-(2**40), 2**40, (n, bs)).astype(np.int64)
+        first_cid = int(rng.integers(1, 1000))
+        arrays = [rng.integers(-9, 9, capacity).astype(np.int64),  # cid
+                  rng.integers(-9, 9, capacity).astype(np.int64),  # parent
+                  rng.integers(-9, 9, capacity).astype(np.int32),  # holder
+                  rng.integers(-9, 9, (capacity, bs)).astype(np.int64),  # index tokens
+                  rng.integers(-9, 9, num_blocks).astype(np.int64)]  # record
+        want = [a.copy() for a in arrays]
+        want[0][slots] = np.arange(first_cid, first_cid + n)
+        want[1][slots] = parent_ids
+        want[2][slots] = block_ids
+        want[3][slots] = tokens
+        want[4][block_ids] = slots
+        native.file_records(slots, first_cid, parent_ids, block_ids, tokens.reshape(-1),
+                            *arrays)
+        for got, expected in zip(arrays, want):
+            np.testing.assert_array_equal(got, expected)
+    before = [a.copy() for a in arrays]
+    one = np.zeros(1, np.int64)
+    bad = [
+        (np.array([capacity], np.int64), np.zeros(1, np.int32), "slot or block id outside"),
+        (one, np.array([num_blocks], np.int32), "slot or block id outside"),
+        (one, np.zeros(2, np.int32), "lengths that disagree"),
+    ]
+    for bad_slots, bad_blocks, match in bad:
+        with pytest.raises(ValueError, match=match):
+            native.file_records(bad_slots, 1, one, bad_blocks, np.zeros(bs, np.int64), *arrays)
+    with pytest.raises(ValueError, match="lengths that disagree"):  # a token row too short
+        native.file_records(one, 1, one, np.zeros(1, np.int32), np.zeros(bs + 1, np.int64),
+                            *arrays)
+    for got, was in zip(arrays, before):
+        np.testing.assert_array_equal(got, was)
+
+
 # ------------------------------------------------------------------ queue_extend
 @needs_native
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])

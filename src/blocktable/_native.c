@@ -1063,6 +1063,78 @@ done:
     return result;
 }
 
+/* file_records(slots, first_cid, parent_ids, block_ids, tokens, cid, parent, holder,
+ *              index_tokens, record) -> None
+ *
+ * The prefix index's records of n new contents (blocktable.allocator.index): for each i,
+ * with s = slots[i] (int64 [n], in [0, len(cid))) and b = block_ids[i] (int32 [n], in
+ * [0, len(record))): cid[s] = first_cid + i, parent[s] = parent_ids[i] (int64 [n]),
+ * holder[s] = b, the token row index_tokens[s] = tokens[i] (int64 [n * block_size] and
+ * [len(cid) * block_size]) and record[b] = s. Every index and length is checked before the
+ * first write (ValueError, nothing written).
+ */
+static PyObject *file_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 10, "file_records"))
+        return NULL;
+    long long first_cid;
+    if (get_ints(args, 1, 1, &first_cid) < 0)
+        return NULL;
+    Buf b[9];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 8, 0, "slots") < 0
+        || get_buf(args[2], &b[1], 8, 0, "parent_ids") < 0
+        || get_buf(args[3], &b[2], 4, 0, "block_ids") < 0
+        || get_buf(args[4], &b[3], 8, 0, "tokens") < 0 || get_buf(args[5], &b[4], 8, 1, "cid") < 0
+        || get_buf(args[6], &b[5], 8, 1, "parent") < 0
+        || get_buf(args[7], &b[6], 4, 1, "holder") < 0)
+        goto done;
+    /* index_tokens: the 2-D token rows of the records, C-contiguous */
+    if (PyObject_GetBuffer(args[8], &b[7].view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    b[7].held = 1;
+    if (b[7].view.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "index_tokens must hold 8-byte integers");
+        goto done;
+    }
+    if (get_buf(args[9], &b[8], 8, 1, "record") < 0)
+        goto done;
+    {
+        const int64_t *slots = I64(b[0]), *parent_ids = I64(b[1]), *tokens = I64(b[3]);
+        const int32_t *block_ids = I32(b[2]);
+        int64_t *cid = I64(b[4]), *parent = I64(b[5]), *index_tokens = I64(b[7]);
+        int64_t *record = I64(b[8]);
+        int32_t *holder = I32(b[6]);
+        const Py_ssize_t n = LEN(b[0]), capacity = LEN(b[4]), num_blocks = LEN(b[8]);
+        const Py_ssize_t bs = n ? LEN(b[3]) / n : 0;
+        if (LEN(b[1]) != n || LEN(b[2]) != n || (n && LEN(b[3]) != n * bs)
+            || LEN(b[5]) < capacity || LEN(b[6]) < capacity
+            || (n && LEN(b[7]) != capacity * bs)) {
+            PyErr_SetString(PyExc_ValueError, "file_records: lengths that disagree");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (slots[i] < 0 || slots[i] >= capacity || block_ids[i] < 0
+                || block_ids[i] >= num_blocks) {
+                PyErr_SetString(PyExc_ValueError, "file_records: a slot or block id outside");
+                goto done;
+            }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int64_t slot = slots[i];
+            cid[slot] = first_cid + i;
+            parent[slot] = parent_ids[i];
+            holder[slot] = block_ids[i];
+            memcpy(index_tokens + slot * bs, tokens + i * bs, (size_t)bs * 8);
+            record[block_ids[i]] = slot;
+        }
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release(b, 9);
+    return result;
+}
+
 /* queue_extend(slots, position, ids, tail) -> int
  *
  * The free queue's extend by distinct ids (int32 or int64 [n], each in [0, len(position))):
@@ -1310,6 +1382,8 @@ static PyMethodDef methods[] = {
      "The key table's value of each key, -1 where absent."},
     {"chain_prompts", (PyCFunction)(void (*)(void))chain_prompts, METH_FASTCALL,
      "The fast block keys and chain states of several prompts' full blocks."},
+    {"file_records", (PyCFunction)(void (*)(void))file_records, METH_FASTCALL,
+     "Write the prefix index's records of new contents and the blocks' record slots."},
     {"queue_extend", (PyCFunction)(void (*)(void))queue_extend, METH_FASTCALL,
      "The free queue's extend by distinct ids: slots and positions in one pass."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,

@@ -7,6 +7,7 @@ from types import ModuleType
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
@@ -358,6 +359,23 @@ class BlockPool:
         """Write the records of new contents at ``slots`` (their keys are filed already;
         ``cids`` continue ``index.next_cid``), held by ``block_ids``."""
         index = self.index
+        native = _loader.NATIVE
+        if native is not None and tokens.flags.c_contiguous:  # one compiled pass
+            native.file_records(
+                slots,
+                index.next_cid,
+                parent_ids,
+                np.ascontiguousarray(block_ids, dtype=np.int32),
+                tokens.reshape(-1),  # (a view: contiguous)
+                index.cid,
+                index.parent,
+                index.holder,
+                index.tokens,
+                self.record,
+            )
+            index.next_cid += len(slots)
+            self.num_cached_blocks += len(slots)
+            return
         index.next_cid += len(slots)
         index.cid[slots] = cids
         index.parent[slots] = parent_ids

@@ -31,6 +31,8 @@ from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
 
 _U64 = np.uint64
+_ONE_START = np.zeros(1, dtype=np.int64)  # cache_chains' starts of one chain (read only)
+_ONE_START.flags.writeable = False
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
@@ -337,10 +339,14 @@ def _register_segment(
         keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
         num_keys[row] = stop
         chain_state[row] = states[-1]
-    parent_ids = np.zeros(stop - first, dtype=np.int64)  # 0: the previous entry's content
     parent_cid = chains.parent_cid[g]
-    parent_ids[0] = parent_cid[row]
-    cids = pool.cache(state.blocks[g][row, first:stop], keys, tokens.reshape(-1, bs), parent_ids)
+    cids = pool.cache_chains(  # one chain, after the content the row's last block holds
+        state.blocks[g][row, first:stop],
+        keys,
+        tokens.reshape(-1, bs),
+        _ONE_START,
+        parent_cid[row : row + 1],
+    )
     parent_cid[row] = cids[-1]
     chains.num_hashed[g][row] = stop
 
