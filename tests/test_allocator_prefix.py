@@ -261,9 +261,15 @@ def test_chunked_prefill_hashes_each_token_once(
         hashed_rows.append(sum(len(plan.tokens) // bs for plan in plans))
         return real_chain(native, plans, bs, powers, seeds)
 
+    real_keys = blocktable.allocator.register.token_chain_keys
+
+    def counting_keys(tokens, lengths, starts, powers):  # type: ignore[no-untyped-def]
+        hashed_rows.append(len(tokens))
+        return real_keys(tokens, lengths, starts, powers)
+
     monkeypatch.setattr(blocktable.allocator.prefix, "_chain_prompts", counting_chain)
     monkeypatch.setattr(blocktable.allocator.prefix, "block_content_hashes", counting)
-    monkeypatch.setattr(blocktable.allocator.register, "block_content_hashes", counting)
+    monkeypatch.setattr(blocktable.allocator.register, "token_chain_keys", counting_keys)
     mgr = KVCacheManager([AllocatorGroupSpec(16, 2048)], 2)
     prompt = np.arange(20_000) % 5000
     mgr.add_request("a", prompt)

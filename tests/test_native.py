@@ -685,6 +685,36 @@ def test_chain_prompts_equals_the_python_reference_keys():
 
 
 @needs_native
+def test_chain_segments_equals_numpy_chain_keys():
+    """Segments of blocks back to back (one block each, as a decode step, or several, or
+    none), each from its own state: the same keys and states as numpy's hash and chain."""
+    from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
+
+    rng = np.random.default_rng(10)
+    for bs in (1, 5, 16):
+        powers = ChainPowers(bs)
+        for _ in range(20):
+            lengths = rng.integers(0 if rng.random() < 0.5 else 1, 4, int(rng.integers(1, 6)))
+            n = int(lengths.sum())
+            tokens = rng.integers(-(2**62), 2**62, (n, bs)).astype(np.int64)
+            starts = rng.integers(0, 2**63, len(lengths)).astype(np.uint64)
+            keys, states = np.empty(n, np.uint64), np.empty(n, np.uint64)
+            native.chain_segments(tokens.reshape(-1), bs, powers.token_powers, powers.block_base,
+                                  starts, lengths.astype(np.int64), keys, states)
+            want_keys, want_states = chain_keys(block_content_hashes(tokens, powers),
+                                                lengths.astype(np.int64), starts, powers)
+            assert keys.tolist() == want_keys.tolist()
+            assert states.tolist() == want_states.tolist()
+    one = np.ones(1, np.int64)
+    with pytest.raises(ValueError, match="lengths that disagree"):
+        native.chain_segments(np.zeros(2 * bs, np.int64), bs, powers.token_powers, 1,
+                              starts[:1], one, keys[:1], states[:1])
+    with pytest.raises(ValueError, match="lengths that disagree"):
+        native.chain_segments(np.zeros(bs, np.int64), bs, powers.token_powers, 1, starts[:1],
+                              -one, keys[:0], states[:0])
+
+
+@needs_native
 def test_a_strided_prompt_is_keyed_like_its_copy():
     """A prompt given as a strided view (the compiled pass takes contiguous buffers only)
     gets the same keys, so the same prefix hits, as its contiguous copy."""

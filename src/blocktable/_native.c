@@ -989,6 +989,21 @@ static inline uint64_t fmix64(uint64_t k)
     return k ^ (k >> 33);
 }
 
+/* One chain of num_blocks blocks of tokens x (block after block) from state: keys and states. */
+static void chain_run(const uint64_t *x, Py_ssize_t num_blocks, Py_ssize_t bs,
+                      const uint64_t *powers, uint64_t block_base, uint64_t state,
+                      uint64_t *keys, uint64_t *states)
+{
+    for (Py_ssize_t i = 0; i < num_blocks; i++, x += bs) {
+        uint64_t h = 0;
+        for (Py_ssize_t j = 0; j < bs; j++)  /* independent products: vectorizable */
+            h += x[j] * powers[j];
+        state = state * block_base + h;
+        states[i] = state;
+        keys[i] = fmix64(state);
+    }
+}
+
 static PyObject *chain_prompts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (wrong_nargs(nargs, 7, "chain_prompts"))
@@ -1040,17 +1055,10 @@ static PyObject *chain_prompts(PyObject *self, PyObject *const *args, Py_ssize_t
         uint64_t *keys = (uint64_t *)b[2].view.buf, *states = (uint64_t *)b[3].view.buf;
         Py_ssize_t out = 0;
         for (Py_ssize_t r = 0; r < num_prompts; r++) {
-            const uint64_t *x = (const uint64_t *)tok[r].view.buf;
             const Py_ssize_t num_blocks = LEN(tok[r]) / bs;
-            uint64_t state = seeds[r];
-            for (Py_ssize_t i = 0; i < num_blocks; i++, x += bs) {
-                uint64_t h = 0;
-                for (Py_ssize_t j = 0; j < bs; j++)  /* independent products: vectorizable */
-                    h += x[j] * powers[j];
-                state = state * (uint64_t)block_base + h;
-                states[out] = state;
-                keys[out++] = fmix64(state);
-            }
+            chain_run((const uint64_t *)tok[r].view.buf, num_blocks, bs, powers, block_base,
+                      seeds[r], keys + out, states + out);
+            out += num_blocks;
         }
         result = Py_NewRef(Py_None);
     }
@@ -1132,6 +1140,62 @@ static PyObject *file_records(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
 done:
     release(b, 9);
+    return result;
+}
+
+/* chain_segments(tokens, block_size, token_powers, block_base, starts, lengths, keys,
+ *                states) -> None
+ *
+ * chain_prompts for segments of blocks lying back to back in one int64 array: segment r is
+ * lengths[r] (int64, >= 0) blocks continuing from state starts[r] (uint64). tokens holds
+ * sum(lengths) * block_size ids; keys and states (uint64) get one entry per block. Lengths
+ * that disagree raise ValueError before any write.
+ */
+static PyObject *chain_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 8, "chain_segments"))
+        return NULL;
+    const Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    const unsigned long long block_base = PyLong_AsUnsignedLongLong(args[3]);
+    if (block_base == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Buf b[6];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 8, 0, "tokens") < 0
+        || get_buf(args[2], &b[1], 8, 0, "token_powers") < 0
+        || get_buf(args[4], &b[2], 8, 0, "starts") < 0
+        || get_buf(args[5], &b[3], 8, 0, "lengths") < 0 || get_buf(args[6], &b[4], 8, 1, "keys") < 0
+        || get_buf(args[7], &b[5], 8, 1, "states") < 0)
+        goto done;
+    {
+        const int64_t *lengths = I64(b[3]);
+        const Py_ssize_t num_segments = LEN(b[3]);
+        Py_ssize_t total = 0;
+        int bad = bs < 1 || LEN(b[1]) != bs || LEN(b[2]) != num_segments;
+        for (Py_ssize_t r = 0; r < num_segments && !bad; r++) {
+            bad = lengths[r] < 0;
+            total += lengths[r];
+        }
+        if (bad || LEN(b[4]) != total || LEN(b[5]) != total || LEN(b[0]) != total * bs) {
+            PyErr_SetString(PyExc_ValueError, "chain_segments: lengths that disagree");
+            goto done;
+        }
+        const uint64_t *x = (const uint64_t *)b[0].view.buf, *powers = (uint64_t *)b[1].view.buf;
+        const uint64_t *starts = (const uint64_t *)b[2].view.buf;
+        uint64_t *keys = (uint64_t *)b[4].view.buf, *states = (uint64_t *)b[5].view.buf;
+        Py_ssize_t out = 0;
+        for (Py_ssize_t r = 0; r < num_segments; r++) {
+            chain_run(x + out * bs, lengths[r], bs, powers, block_base, starts[r], keys + out,
+                      states + out);
+            out += lengths[r];
+        }
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release(b, 6);
     return result;
 }
 
@@ -1384,6 +1448,8 @@ static PyMethodDef methods[] = {
      "The fast block keys and chain states of several prompts' full blocks."},
     {"file_records", (PyCFunction)(void (*)(void))file_records, METH_FASTCALL,
      "Write the prefix index's records of new contents and the blocks' record slots."},
+    {"chain_segments", (PyCFunction)(void (*)(void))chain_segments, METH_FASTCALL,
+     "The fast block keys and chain states of segments of blocks lying back to back."},
     {"queue_extend", (PyCFunction)(void (*)(void))queue_extend, METH_FASTCALL,
      "The free queue's extend by distinct ids: slots and positions in one pass."},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,

@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from blocktable import _native_loader as _loader
+
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
 
@@ -201,6 +203,35 @@ def chain_keys(
     states += sums
     states *= powers.block_powers[:n]
     return fmix64(states), states
+
+
+def token_chain_keys(
+    tokens: np.ndarray,
+    segment_lengths: np.ndarray,
+    start_states: np.ndarray,
+    powers: ChainPowers,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`block_content_hashes` of ``tokens`` (int64 ``[n, block_size]``: the blocks of
+    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``.
+    One compiled pass where the package's compiled loops are built (the same values)."""
+    native = _loader.NATIVE
+    if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
+        keys = np.empty(len(tokens), dtype=_U64)
+        states = np.empty(len(tokens), dtype=_U64)
+        native.chain_segments(
+            tokens.reshape(-1),
+            powers.block_size,
+            powers.token_powers,
+            powers.block_base,
+            np.ascontiguousarray(start_states, dtype=_U64),
+            np.ascontiguousarray(segment_lengths, dtype=np.int64),
+            keys,
+            states,
+        )
+        return keys, states
+    return chain_keys(
+        block_content_hashes(tokens, powers), segment_lengths, start_states, powers
+    )
 
 
 def fast_block_keys(

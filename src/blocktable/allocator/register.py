@@ -2,7 +2,8 @@
 
 Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
 (generated tokens) are computed here from each request's key chain state, for every request of
-the call in one :func:`~blocktable.allocator.hashing.chain_keys` pass. Each group then files
+the call in one :func:`~blocktable.allocator.hashing.token_chain_keys` pass (hashing and
+chaining, compiled where the package's compiled loops are built). Each group then files
 all its new blocks with one :meth:`BlockPool.cache` call. Where each request's registration
 stands (blocks registered, parent content id, key chain state) lives in
 :class:`~blocktable.allocator.request.KeyChains`, arrays indexed by table row, read and written
@@ -20,11 +21,9 @@ from blocktable.allocator.hashing import (
     MASK64,
     ChainPowers,
     HashFn,
-    block_content_hashes,
     byte_chain,
-    chain_keys,
-    fmix64,
     fmix64_int,
+    token_chain_keys,
 )
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
@@ -55,11 +54,10 @@ def _segment_keys(
         tokens = np.concatenate(
             [req.token_array(first * bs, stop * bs) for req, first, stop in fresh]
         )
-        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
         starts = np.array(
             [_state_before(req, first, bs, chains) for req, first, _ in fresh], dtype=_U64
         )
-        keys, states = chain_keys(hashes, lengths, starts, powers)
+        keys, states = token_chain_keys(tokens.reshape(-1, bs), lengths, starts, powers)
         rows = np.array([req.row for req, _, _ in fresh], dtype=np.int64)
         chains.num_keys[bs][rows] = [stop for _, _, stop in fresh]
         chains.state[bs][rows] = states[np.cumsum(lengths) - 1]
@@ -155,10 +153,10 @@ def _register_group(
 
     Segments whose keys were stored at admission (prompt blocks) come first, their keys
     sliced from each request, then the others (decode blocks, usually one per request),
-    keyed here: one chain step for one block each, else one :func:`chain_keys` pass. Token
-    ids and block ids of all blocks are gathered at once from the token and block arenas
-    (else sliced per request, where some request's token ids are not in the arena). The
-    blocks are filed with one :meth:`BlockPool.cache_chains` call.
+    keyed here in one :func:`token_chain_keys` pass. Token ids and block ids of all blocks are
+    gathered at once from the token and block arenas (else sliced per request, where some
+    request's token ids are not in the arena). The blocks are filed with one
+    :meth:`BlockPool.cache_chains` call.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
@@ -221,7 +219,6 @@ def _register_group(
                 [reqs[i] for i in fresh_reqs], state, fresh_rows, fresh_first, fresh_stop, bs
             )
             token_parts.append(fresh_tokens)
-        hashes = block_content_hashes(fresh_tokens.reshape(-1, bs), powers)
         num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
         starts = chain_state[fresh_rows]
         # usually each chain stands where its segment starts; else the segment starts inside
@@ -230,12 +227,8 @@ def _register_group(
         if np.count_nonzero(off):
             for i in np.flatnonzero(off).tolist():
                 starts[i] = _state_before(reqs[fresh_reqs[i]], int(first[k + i]), bs, chains)
-        if one_each:  # a decode step: K = K_before * B**bs + h
-            states = starts * _U64(powers.block_base)
-            states += hashes
-            keys = fmix64(states)
-        else:
-            keys, states = chain_keys(hashes, lengths[k:], starts, powers)
+        keys, states = token_chain_keys(fresh_tokens.reshape(-1, bs), lengths[k:], starts, powers)
+        if not one_each:  # (one block each, a decode step: every state is a segment's last)
             states = states[np.cumsum(lengths[k:]) - 1]
         num_keys[fresh_rows] = fresh_stop
         chain_state[fresh_rows] = states
@@ -334,9 +327,10 @@ def _register_segment(
             start = int(chain_state[row])
         else:
             start = _state_before(req, first, bs, chains)
-        hashes = block_content_hashes(tokens.reshape(-1, bs), powers)
         lengths = np.array([stop - first], dtype=np.int64)
-        keys, states = chain_keys(hashes, lengths, np.array([start], dtype=_U64), powers)
+        keys, states = token_chain_keys(
+            tokens.reshape(-1, bs), lengths, np.array([start], dtype=_U64), powers
+        )
         num_keys[row] = stop
         chain_state[row] = states[-1]
     parent_cid = chains.parent_cid[g]
