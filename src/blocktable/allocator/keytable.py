@@ -130,7 +130,8 @@ class KeyTable:
         native = _loader.NATIVE
         if native is not None:  # one compiled probe per key
             out = np.empty(len(keys), dtype=np.int64)
-            native.keys_get(self.entries, self.key_of_value, np.ascontiguousarray(keys), out)
+            keys = np.ascontiguousarray(keys, dtype=np.uint64)
+            native.keys_get(self.entries, self.key_of_value, keys, out)
             return out
         start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent); a held

@@ -360,8 +360,8 @@ class BlockPool:
         ``cids`` continue ``index.next_cid``), held by ``block_ids``."""
         index = self.index
         native = _loader.NATIVE
-        if native is not None and tokens.flags.c_contiguous:  # one compiled pass
-            native.file_records(
+        if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
+            native.file_records(  # one compiled pass
                 slots,
                 index.next_cid,
                 parent_ids,
