@@ -253,6 +253,45 @@ def test_run_staged_rejects_bad_use_before_any_write(device):
         step.run_staged(update, 1, 1)  # the views were used
 
 
+def test_compiled_batch_check_pads_and_writes_the_header_or_refuses_with_nothing_written(
+        triton_device):
+    """The kernels' path with the compiled loops checks the staged batch, pads
+    ``query_start_loc`` and writes the step header in one call: a row outside or a malformed
+    ``query_start_loc`` is refused with the numpy check's message, and nothing is written (the
+    table, the padding, the header); a good batch gets its padding and header."""
+    from blocktable.step.layout import BATCH_WORDS, SEQ
+
+    bt = make_table(triton_device, "triton")
+    step = CapturedStep(bt)
+    if step._prepare is None:
+        pytest.skip("blocktable._native is not built here")
+    update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
+    batch = step.batch_views()
+    header = step._views[step._slot].header
+    batch.query_start_loc[:] = 7  # stale padding, to see whether it is rewritten
+    batch.query_start_loc[:2] = (0, 1)
+    batch.positions[0] = 0
+    batch.row_of_batch[0] = ROWS
+    before, header_before = _snapshot(bt), header.copy()
+    with pytest.raises(IndexError, match="outside"):
+        step.run_staged(update, 1, 1)
+    batch.row_of_batch[0] = 0
+    with pytest.raises(ValueError, match="end at num_tokens"):
+        step.run_staged(update, 1, 2)
+    batch.query_start_loc[:3] = (0, 2, 1)
+    with pytest.raises(ValueError, match="never decrease"):
+        step.run_staged(update, 2, 1)
+    for a, b in zip(before, _snapshot(bt)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(header, header_before)
+    assert (batch.query_start_loc[3:] == 7).all()
+    batch.query_start_loc[:2] = (0, 1)
+    out = step.run_staged(update, 1, 1)
+    assert out.slot_mappings[0][0].item() == 3 * 4
+    assert (batch.query_start_loc[2:] == 1).all()  # padding requests own no token
+    assert header[SEQ] == step._seq and header[BATCH_WORDS] == step._batch_words + 2
+
+
 def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
     """Row operations made directly on the table before a step are committed by that step."""
     bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")

@@ -193,6 +193,42 @@ def test_check_batch_equals_the_model():
         assert native.check_batch(qsl, rows, num_tokens, num_rows) == want
 
 
+@needs_native
+def test_prepare_batch_checks_pads_and_writes_the_header_or_nothing():
+    """prepare_batch on full-capacity views: check_batch's code for the batch's prefix; when
+    it is >= 0 the padding past the batch and header fields 1 and 3, else nothing written."""
+    rng = np.random.default_rng(11)
+    capacity = 9
+    for _ in range(500):
+        num_reqs = int(rng.integers(0, capacity))
+        decode = rng.random() < 0.5
+        counts = np.ones(num_reqs, np.int64) if decode else rng.integers(0, 4, num_reqs)
+        qsl = np.full(capacity + 1, -5, np.int32)
+        qsl[: num_reqs + 1] = np.concatenate([[0], np.cumsum(counts)])
+        num_tokens = int(qsl[num_reqs])
+        roll = rng.random()
+        if roll < 0.1:
+            qsl[rng.integers(num_reqs + 1)] += rng.choice([-2, -1, 1, 3])  # often malformed
+        elif roll < 0.15:
+            num_tokens += 1
+        num_rows = int(rng.integers(1, 10))
+        rows = rng.integers(-1, num_rows + 1, capacity).astype(np.int32)
+        header = rng.integers(0, 99, 4).astype(np.int32)
+        want = model_check_batch(qsl[: num_reqs + 1], rows[:num_reqs], num_tokens, num_rows)
+        want_qsl, want_header = qsl.copy(), header.copy()
+        if want >= 0:
+            want_qsl[num_reqs + 1 :] = num_tokens
+            want_header[3], want_header[1] = 1234, 77
+        assert native.prepare_batch(qsl, rows, num_reqs, num_tokens, num_rows, header, 1234,
+                                    77) == want
+        np.testing.assert_array_equal(qsl, want_qsl)
+        np.testing.assert_array_equal(header, want_header)
+    with pytest.raises(ValueError, match="num_reqs outside"):
+        native.prepare_batch(qsl, rows, capacity + 1, 0, 1, header, 0, 0)
+    with pytest.raises(ValueError, match="header shorter"):
+        native.prepare_batch(qsl, rows, 0, 0, 1, header[:3], 0, 0)
+
+
 # ------------------------------------------------------------------ map_slots
 @needs_native
 @pytest.mark.parametrize("block_size", [1, 4, 16, 6])

@@ -1349,6 +1349,71 @@ fail:
     return NULL;
 }
 
+/* prepare_batch(qsl, rows, num_reqs, num_tokens, num_rows, header, batch_words, seq) -> int
+ *
+ * check_batch of a batch staged at full capacity, then its padding and header, in one call:
+ * qsl int32 [>= num_reqs + 1] and rows int32 [>= num_reqs] are the staging buffer's views;
+ * the batch is qsl[:num_reqs + 1] and rows[:num_reqs]. Returns check_batch's code. When it is
+ * >= 0 (well formed, rows inside): qsl[num_reqs + 1:] = num_tokens (padding requests own no
+ * token), header[3] = batch_words and header[1] = seq (header int32 [4]: the step's batch
+ * words and sequence number; the pair count, header[0], is the staging's to write). A refusal
+ * (-1, -2) writes nothing.
+ */
+static PyObject *prepare_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 8, "prepare_batch"))
+        return NULL;
+    long long v[5];
+    if (get_ints(args, 2, 3, v) < 0 || get_ints(args, 6, 2, v + 3) < 0)
+        return NULL;
+    const long long num_reqs = v[0], num_tokens = v[1], num_rows = v[2];
+    Buf b[3];
+    memset(b, 0, sizeof b);
+    PyObject *result = NULL;
+    if (get_buf(args[0], &b[0], 4, 1, "query_start_loc") < 0
+        || get_buf(args[1], &b[1], 4, 0, "row_of_batch") < 0
+        || get_buf(args[5], &b[2], 4, 1, "header") < 0)
+        goto done;
+    if (num_reqs < 0 || num_reqs + 1 > LEN(b[0]) || num_reqs > LEN(b[1]) || LEN(b[2]) < 4) {
+        PyErr_SetString(PyExc_ValueError, "prepare_batch: num_reqs outside the staging views, "
+                        "or a header shorter than 4");
+        goto done;
+    }
+    {
+        int32_t *qsl = I32(b[0]), *header = I32(b[2]);
+        const int32_t *rows = I32(b[1]);
+        long long code;
+        int decode = num_tokens == num_reqs;
+        if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
+            code = -1;
+        } else {
+            code = 0;
+            for (Py_ssize_t r = 0; r < num_reqs; r++) {
+                if (qsl[r + 1] < qsl[r]) {
+                    code = -1;
+                    break;
+                }
+                decode &= qsl[r + 1] == r + 1;
+            }
+            for (Py_ssize_t r = 0; code == 0 && r < num_reqs; r++)
+                if (rows[r] < 0 || rows[r] >= num_rows)
+                    code = -2;
+        }
+        if (code == 0) {
+            code = decode;
+            const Py_ssize_t capacity = LEN(b[0]);
+            for (Py_ssize_t r = num_reqs + 1; r < capacity; r++)
+                qsl[r] = (int32_t)num_tokens;
+            header[3] = (int32_t)v[3];
+            header[1] = (int32_t)v[4];
+        }
+        result = PyLong_FromLongLong(code);
+    }
+done:
+    release(b, 3);
+    return result;
+}
+
 /* map_slots(table, positions, qsl, rows, out, width, block_size, num_rows) -> int
  *
  * One group's slot mapping of a checked batch: table int32 [num_rows * width] (the group's
@@ -1456,6 +1521,8 @@ static PyMethodDef methods[] = {
      "flat[pairs[:n]] = pairs[n:2n], every index checked first."},
     {"check_batch", (PyCFunction)(void (*)(void))check_batch, METH_FASTCALL,
      "1 for a decode batch, 0 for another well-formed one, -1 bad qsl, -2 bad row."},
+    {"prepare_batch", (PyCFunction)(void (*)(void))prepare_batch, METH_FASTCALL,
+     "Check a staged batch, pad its query start locations and write the step header's words."},
     {"map_slots", (PyCFunction)(void (*)(void))map_slots, METH_FASTCALL,
      "One group's slot mapping of a checked batch; -1: the general function must map it."},
     {NULL, NULL, 0, NULL},

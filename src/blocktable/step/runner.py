@@ -225,6 +225,15 @@ class CapturedStep:
         self._rows_by_n = [[v.rows[:n] for n in range(R + 1)] for v in self._views]
         self._d_by_n = [(self._d_qsl[: n + 1], self._d_rows[:n], self._d_seq_lens[:n])
                         for n in range(R + 1)]
+        # CUDA with the compiled loops: per staging slot, prepare_batch and the views it takes
+        # (the batch at full capacity, and the header: it writes header[SEQ] and
+        # header[BATCH_WORDS], fields 1 and 3)
+        prepare = None if numpy_mode or self._native is None else getattr(
+            self._native, "prepare_batch", None)
+        if (SEQ, BATCH_WORDS) != (1, 3):
+            raise AssertionError("prepare_batch writes header fields 1 (SEQ) and 3 (BATCH_WORDS)")
+        self._prepare = (None if prepare is None else
+                         [(prepare, v.qsl, v.rows, v.header) for v in self._views])
         self._by_t: list[_TokenViews | None] = [None] * (T + 1)
         if T <= _EAGER_TOKENS:
             for t in range(T + 1):
@@ -327,6 +336,17 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {self._max_tokens}], "
                              f"got {num_tokens!r}")
         slot = self._slot
+        prepare = self._prepare
+        if prepare is not None:  # CUDA, compiled: check, qsl padding and header in one call
+            prepare_batch, qsl_full, rows_full, header = prepare[slot]
+            seq = (self._seq + 1) & _SEQ_MASK
+            code = prepare_batch(qsl_full, rows_full, num_reqs, num_tokens, self._num_rows,
+                                 header, self._batch_words + 2 * num_tokens, seq)
+            if code >= 0:
+                self._decode = code == 1
+                self._padded[slot] = -1  # (the padding is prepare_batch's now)
+                return self._issue(update, self._views[slot], num_reqs, num_tokens,
+                                   with_seq_lens, seq)
         qsl = self._qsl_by_n[slot][num_reqs]
         rows = self._rows_by_n[slot][num_reqs]
         # (the compiled check inlined: a call costs ~1 us with cold caches)
@@ -347,9 +367,10 @@ class CapturedStep:
         return self._views[slot]
 
     def _issue(self, update: StepUpdate, v: StagingViews, num_reqs: int, num_tokens: int,
-               with_seq_lens: bool) -> StepOutputs:
+               with_seq_lens: bool, seq: int = -1) -> StepOutputs:
         """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device
-        work."""
+        work. ``seq`` >= 0: ``prepare_batch`` padded the batch and wrote the header's batch
+        words and this sequence number already."""
         slot = self._slot
         P = self._max_pairs
         pairs = v.pairs
@@ -359,10 +380,11 @@ class CapturedStep:
             if num_pairs > 0 and self._flat_np is not None:
                 self._scatter_numpy(pairs, num_pairs)  # (the stager wrote its own pairs)
         self._lent = -1
-        padded = num_reqs * self._padding_key + num_tokens
-        if self._flat_np is None and self._padded[slot] != padded:
-            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
-            self._padded[slot] = padded
+        if seq < 0:
+            padded = num_reqs * self._padding_key + num_tokens
+            if self._flat_np is None and self._padded[slot] != padded:
+                v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+                self._padded[slot] = padded
         by_t = self._by_t[num_tokens] or self._token_views(num_tokens)
         if self._flat_np is not None:  # the header is for the device's kernels only
             self._run_numpy(num_reqs, num_tokens, by_t)
@@ -370,9 +392,11 @@ class CapturedStep:
             header = self._header_mv[slot]
             # (-1: the table's own commit moved them; no max(): a builtin call per step)
             header[NUM_PAIRS] = num_pairs if num_pairs > 0 else 0  # noqa: FURB136
-            header[BATCH_WORDS] = self._batch_words + 2 * num_tokens
-            seq = self._seq = (self._seq + 1) & _SEQ_MASK
-            header[SEQ] = seq
+            if seq < 0:
+                header[BATCH_WORDS] = self._batch_words + 2 * num_tokens
+                seq = (self._seq + 1) & _SEQ_MASK
+                header[SEQ] = seq
+            self._seq = seq
             graphs = self._graphs
             if graphs is not None and self._events is None:
                 graphs[slot].replay()  # (_run_device inlined for the common case)
