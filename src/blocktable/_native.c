@@ -1293,6 +1293,26 @@ fail:
     return NULL;
 }
 
+/* The batch check of check_batch and prepare_batch: qsl[:num_reqs + 1] and, with rows not
+ * NULL, rows[:num_rows_given]. 1 for a decode batch, 0 for another well-formed one, -1 for a
+ * malformed qsl, -2 for a row outside [0, num_rows). */
+static int batch_code(const int32_t *qsl, Py_ssize_t num_reqs, long long num_tokens,
+                      const int32_t *rows, Py_ssize_t num_rows_given, long long num_rows)
+{
+    if (num_reqs < 0 || qsl[0] != 0 || qsl[num_reqs] != num_tokens)
+        return -1;
+    int decode = num_tokens == num_reqs;
+    for (Py_ssize_t r = 0; r < num_reqs; r++) {
+        if (qsl[r + 1] < qsl[r])
+            return -1;
+        decode &= qsl[r + 1] == r + 1;
+    }
+    for (Py_ssize_t r = 0; rows != NULL && r < num_rows_given; r++)
+        if (rows[r] < 0 || rows[r] >= num_rows)
+            return -2;
+    return decode;
+}
+
 /* check_batch(qsl, rows, num_tokens, num_rows) -> int
  *
  * qsl int32 [num_reqs + 1], rows int32 [num_reqs] or None. Returns 1 when qsl is 0, 1, ...,
@@ -1307,46 +1327,22 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long v[2];
     if (get_ints(args, 2, 2, v) < 0)
         return NULL;
-    const long long num_tokens = v[0], num_rows = v[1];
     Buf b[2];
     memset(b, 0, sizeof b);
-    long long result = 0;
+    PyObject *result = NULL;
     const int with_rows = args[1] != Py_None;
     if (get_buf(args[0], &b[0], 4, 0, "query_start_loc") < 0
         || (with_rows && get_buf(args[1], &b[1], 4, 0, "row_of_batch") < 0))
-        goto fail;
+        goto done;
     {
-        const int32_t *qsl = I32(b[0]);
         const Py_ssize_t num_reqs = LEN(b[0]) - 1;
-        if (num_reqs < 0 || qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
-            result = -1;
-            goto done;
-        }
-        int decode = num_tokens == num_reqs;
-        for (Py_ssize_t r = 0; r < num_reqs; r++) {
-            if (qsl[r + 1] < qsl[r]) {
-                result = -1;
-                goto done;
-            }
-            decode &= qsl[r + 1] == r + 1;
-        }
-        if (with_rows) {
-            const int32_t *rows = I32(b[1]);
-            const Py_ssize_t n = LEN(b[1]) < num_reqs ? LEN(b[1]) : num_reqs;
-            for (Py_ssize_t r = 0; r < n; r++)
-                if (rows[r] < 0 || rows[r] >= num_rows) {
-                    result = -2;
-                    goto done;
-                }
-        }
-        result = decode;
+        const Py_ssize_t given = !with_rows ? 0 : LEN(b[1]) < num_reqs ? LEN(b[1]) : num_reqs;
+        result = PyLong_FromLong(batch_code(I32(b[0]), num_reqs, v[0],
+                                            with_rows ? I32(b[1]) : NULL, given, v[1]));
     }
 done:
     release(b, 2);
-    return PyLong_FromLongLong(result);
-fail:
-    release(b, 2);
-    return NULL;
+    return result;
 }
 
 /* prepare_batch(qsl, rows, num_reqs, num_tokens, num_rows, header, batch_words, seq) -> int
@@ -1381,26 +1377,8 @@ static PyObject *prepare_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     {
         int32_t *qsl = I32(b[0]), *header = I32(b[2]);
-        const int32_t *rows = I32(b[1]);
-        long long code;
-        int decode = num_tokens == num_reqs;
-        if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
-            code = -1;
-        } else {
-            code = 0;
-            for (Py_ssize_t r = 0; r < num_reqs; r++) {
-                if (qsl[r + 1] < qsl[r]) {
-                    code = -1;
-                    break;
-                }
-                decode &= qsl[r + 1] == r + 1;
-            }
-            for (Py_ssize_t r = 0; code == 0 && r < num_reqs; r++)
-                if (rows[r] < 0 || rows[r] >= num_rows)
-                    code = -2;
-        }
-        if (code == 0) {
-            code = decode;
+        const int code = batch_code(qsl, num_reqs, num_tokens, I32(b[1]), num_reqs, num_rows);
+        if (code >= 0) {
             const Py_ssize_t capacity = LEN(b[0]);
             for (Py_ssize_t r = num_reqs + 1; r < capacity; r++)
                 qsl[r] = (int32_t)num_tokens;

@@ -204,12 +204,10 @@ class BlockPool:
         ref_counts = self.ref_counts
         if not self.dups:
             cached, uncached = self.cached, self.uncached
-            # as in queue_freed: every owned block holds a record, or none does (no gather)
-            owned_cached = self.num_cached_blocks - len(cached)
-            num_owned = self.num_blocks - 1 - len(uncached) - len(cached)
-            if owned_cached == num_owned:
+            owned = self._owned_records()
+            if owned is True:
                 record, to_cached, to_uncached = None, cached, None
-            elif not owned_cached:
+            elif owned is False:
                 record, to_cached, to_uncached = None, None, uncached
             else:
                 record, to_cached, to_uncached = self.record, cached, uncached
@@ -239,13 +237,10 @@ class BlockPool:
             if may_repeat:
                 freed, may_repeat = self._seen.last_occurrences(freed), False
             self._release_duplicates(freed)
-        # Owned blocks that hold a record, from the counters (free cached blocks hold one, free
-        # uncached ones none): when every owned block holds one, or none does, so do the freed
-        # ones, and their records need no gather.
-        owned_cached = self.num_cached_blocks - len(self.cached)
-        if owned_cached == self.num_blocks - 1 - len(self.uncached) - len(self.cached):
+        owned = self._owned_records()
+        if owned is True:
             self.cached.extend(freed, may_repeat=may_repeat)  # all cached (full computed blocks)
-        elif not owned_cached:
+        elif owned is False:
             self.uncached.extend(freed, may_repeat=may_repeat)  # none (no prefix caching)
         else:
             slots = self.record.take(freed)
@@ -255,6 +250,15 @@ class BlockPool:
             cached = slots >= 0
             self.uncached.extend(freed[~cached], may_repeat=may_repeat)
             self.cached.extend(freed[cached], may_repeat=may_repeat)
+
+    def _owned_records(self) -> bool | None:
+        """Whether every owned block holds a record (True), none does (False), or some do
+        (None), from the counters: free cached blocks hold one, free uncached ones none. When
+        all or none do, so do the blocks a release frees, and their records need no gather."""
+        owned_cached = self.num_cached_blocks - len(self.cached)
+        if owned_cached == self.num_blocks - 1 - len(self.uncached) - len(self.cached):
+            return True
+        return False if not owned_cached else None
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
         """Freed duplicates are forgotten; freed holders with an owned duplicate hand over.
