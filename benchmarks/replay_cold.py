@@ -15,6 +15,10 @@ replay's host cost is the copy node and which the kernels:
 - ``kernels``: the scatter and the slot mapping without the copy;
 - ``one kernel``: one tiny kernel (the least a graph replay costs).
 
+Each graph is also launched by the package's compiled call to the driver (``graph_launch``,
+what :class:`CapturedStep` uses where it can; the ``driver`` columns), against torch's
+``CUDAGraph.replay()``.
+
 Each replay is followed by a ``torch.cuda.synchronize()`` outside the timed region. The
 ``wall`` column times, warm, a replay through the end of its device work (replay, then
 synchronize), less an empty synchronize: what the graph costs a step that waits for it.
@@ -29,11 +33,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 import torch
+from floors import format_floors, measure_floors
 
 from blocktable import GroupSpec, MultiGroupBlockTable
+from blocktable._native_loader import native_module
 from blocktable.step import CapturedStep
 from blocktable.step.kernels import launch_staged_scatter
 
@@ -51,14 +58,28 @@ def capture(work: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int, evict: np.ndarray | None) -> float:
+def driver_launch(native: ModuleType, graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
+    """Launch ``graph`` as :class:`CapturedStep` does where it can: one compiled call to the
+    driver, on the current stream."""
+    launch, raw_stream = native.graph_launch, torch._C._cuda_getCurrentRawStream
+    handle, context, device = graph.raw_cuda_graph_exec(), native.cuda_context(), 0
+    if launch(handle, raw_stream(device), context) < 0:
+        raise RuntimeError("graph_launch declined: no current context")
+
+    def run() -> None:
+        launch(handle, raw_stream(device), context)
+
+    return run
+
+
+def replay_us(replay: Callable[[], None], reps: int, evict: np.ndarray | None) -> float:
     samples = []
     for _ in range(reps):
         if evict is not None:
             evict += 1  # walks the whole buffer: the CPU caches hold it, not the driver's state
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        graph.replay()
+        replay()
         samples.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(samples) * 1e6
@@ -113,16 +134,31 @@ def main() -> None:
     evict = np.zeros(args.evict_mib << 17, dtype=np.int64)  # MiB of int64
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "evict_mib": args.evict_mib, "reps": args.reps, "replay_host_us": {}}
+    native = native_module()
+    driver = (native is not None and hasattr(native, "graph_launch")
+              and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"))
+    res["floors_before"] = measure_floors("cuda")
     for _ in range(2):  # the second round is the one reported (the first warms everything up)
         for name, graph in graphs.items():
-            res["replay_host_us"][name] = {"warm": replay_us(graph, args.reps, None),
-                                          "cold": replay_us(graph, args.reps, evict),
-                                          "wall": wall_us(graph, args.reps)}
+            t = {"warm": replay_us(graph.replay, args.reps, None),
+                 "cold": replay_us(graph.replay, args.reps, evict),
+                 "wall": wall_us(graph, args.reps)}
+            if driver:
+                launch = driver_launch(native, graph)
+                t["driver warm"] = replay_us(launch, args.reps, None)
+                t["driver cold"] = replay_us(launch, args.reps, evict)
+            res["replay_host_us"][name] = t
+    res["floors_after"] = measure_floors("cuda")
     print(f"graph replay host time on {res['card']} (torch {res['torch']}), median of "
-          f"{args.reps}; cold = after walking {args.evict_mib} MiB of host memory")
-    print(f"{'graph':<14}{'warm µs':>10}{'cold µs':>10}{'wall µs':>10}")
+          f"{args.reps}; cold = after walking {args.evict_mib} MiB of host memory; driver = "
+          "the compiled graph_launch")
+    print(format_floors(res["floors_before"]))
+    print(f"{'graph':<14}{'warm µs':>10}{'cold µs':>10}{'wall µs':>10}"
+          f"{'driver warm':>13}{'driver cold':>13}")
     for name, t in res["replay_host_us"].items():
-        print(f"{name:<14}{t['warm']:>10.2f}{t['cold']:>10.2f}{t['wall']:>10.2f}")
+        extra = (f"{t['driver warm']:>13.2f}{t['driver cold']:>13.2f}" if driver else "")
+        print(f"{name:<14}{t['warm']:>10.2f}{t['cold']:>10.2f}{t['wall']:>10.2f}{extra}")
+    print(format_floors(res["floors_after"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -486,6 +486,7 @@ def test_cuda_replay_never_synchronizes_and_matches():
     bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
     step = CapturedStep(bt)
     assert step.uses_mailbox and step.reads_in_place and step._graphs is not None
+    assert step.launches_through_driver == _driver_launch_possible()
     model = Model(bt, np.random.default_rng(7))
     steps = []
     for i in range(12):
@@ -504,6 +505,67 @@ def test_cuda_replay_never_synchronizes_and_matches():
         reference_step(ref, update, qsl, positions, rows)
     *_, (update, qsl, positions, rows, seq_lens) = steps
     check_same(bt, ref, outs[-1], qsl, positions, rows, seq_lens)
+
+
+def _driver_launch_possible() -> bool:
+    from blocktable._native_loader import NATIVE
+
+    return NATIVE is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
+
+
+class _CountingGraph:
+    """A captured graph whose torch replays are counted."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_driver_launch_uses_the_current_stream_and_falls_back_to_torch():
+    """Launched through the driver, a step's graph runs on the caller's current stream (queued
+    behind that stream's work: the mailbox is not posted until it runs) and never through
+    torch's replay. With another context current (here: a wrong recorded one) the step
+    replays through torch. Both give the three-call path's results."""
+    import time
+
+    if not _driver_launch_possible():
+        pytest.skip("torch without CUDAGraph.raw_cuda_graph_exec, or no compiled extension")
+    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
+    step = CapturedStep(bt)
+    assert step.launches_through_driver and step._graphs is not None
+    counted = [_CountingGraph(g) for g in step._graphs]
+    step._graphs = counted  # type: ignore[assignment]
+    model = Model(bt, np.random.default_rng(5))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for i in range(6):
+        update = model.decode() if i % 3 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        slot = step._slot
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of device time on this stream
+            out = step.run(update, qsl, positions, rows, seq_lens)
+            done = step._expect[slot]
+        time.sleep(0.005)
+        assert step._mailbox_np[slot] != done  # queued behind the sleep, not yet run
+        side.synchronize()
+        assert step._mailbox_np[slot] == done
+        reference_step(ref, update, qsl, positions, rows)
+        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+    assert sum(g.replays for g in counted) == 0
+    step._context += 16  # not the current context: graph_launch declines, torch replays
+    for i in range(4):
+        update = model.decode() if i % 2 else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+    torch.cuda.synchronize()
+    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+    assert sum(g.replays for g in counted) == 4
 
 
 def test_engine_captured_step_equals_three_calls():

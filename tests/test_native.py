@@ -833,3 +833,25 @@ def test_queue_extend_writes_slots_and_positions(dtype):
     with pytest.raises(ValueError, match="id 20 outside"):
         native.queue_extend(slots, position, np.array([3, 20]), 0)
     np.testing.assert_array_equal(slots, want_slots)  # nothing written
+
+
+# ------------------------------------------------------------------ graph_launch
+@needs_native
+def test_graph_launch_launches_nothing_unless_the_context_given_is_current():
+    """graph_launch returns -1 and launches nothing (its exec handle is never read) for a
+    context of 0 or one that is not the thread's current one; cuda_context() is -1 where the
+    process never loaded the CUDA driver (a CPU build of torch)."""
+    import torch
+
+    context = native.cuda_context()
+    assert isinstance(context, int) and context >= -1
+    if torch.version.cuda is None:
+        assert context == -1
+    bogus_exec = 0x1234
+    assert native.graph_launch(bogus_exec, 0, 0) == -1
+    other = context + 16 if context > 0 else 16
+    assert native.graph_launch(bogus_exec, 0, other) == -1
+    with pytest.raises(TypeError, match="3 arguments"):
+        native.graph_launch(bogus_exec, 0)
+    with pytest.raises(TypeError):
+        native.graph_launch("exec", 0, other)

@@ -16,6 +16,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#ifndef _WIN32
+#include <dlfcn.h>
+#endif
 
 #define PAD_SLOT_ID (-1)
 #define NULL_BLOCK_ID 0
@@ -1469,6 +1472,93 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- CUDA graph launch
+ *
+ * torch's CUDAGraph.replay() reaches the driver through pybind, a GIL release, a device guard,
+ * a driver-version query and the runtime API: with the CPU caches cold (as they are after a
+ * model's forward) that costs several microseconds more than the driver's own launch. These
+ * two functions call the driver directly, through the libcuda the process has loaded already
+ * (torch loads it with CUDA's first use; this module never loads it itself, so importing it
+ * on a machine without CUDA does nothing).
+ */
+typedef int (*cu_ctx_get_current_t)(void **);
+typedef int (*cu_graph_launch_t)(void *, void *);
+typedef int (*cu_get_error_name_t)(int, const char **);
+static cu_ctx_get_current_t cu_ctx_get_current;
+static cu_graph_launch_t cu_graph_launch;
+static cu_get_error_name_t cu_get_error_name;
+
+/* 1 once the driver's functions are resolved, 0 where the process has not loaded libcuda. */
+static int load_driver(void)
+{
+    if (cu_graph_launch != NULL)
+        return 1;
+#ifdef _WIN32
+    return 0;
+#else
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL)
+        return 0;
+    cu_ctx_get_current = (cu_ctx_get_current_t)dlsym(lib, "cuCtxGetCurrent");
+    cu_get_error_name = (cu_get_error_name_t)dlsym(lib, "cuGetErrorName");
+    cu_graph_launch_t launch = (cu_graph_launch_t)dlsym(lib, "cuGraphLaunch");
+    if (cu_ctx_get_current == NULL || launch == NULL)
+        return 0;
+    cu_graph_launch = launch;
+    return 1;
+#endif
+}
+
+/* cuda_context() -> int
+ *
+ * The calling thread's current CUDA context (a CUcontext as an int; 0 when none is current),
+ * or -1 where the process has not loaded the CUDA driver or the driver refused the query.
+ */
+static PyObject *cuda_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 0, "cuda_context"))
+        return NULL;
+    void *context = NULL;
+    if (!load_driver() || cu_ctx_get_current(&context) != 0)
+        return PyLong_FromLong(-1);
+    return PyLong_FromVoidPtr(context);
+}
+
+/* graph_launch(graph_exec, stream, context) -> int
+ *
+ * Launch an instantiated CUDA graph (graph_exec: a CUgraphExec as an int, as torch's
+ * CUDAGraph.raw_cuda_graph_exec() gives it) on stream (a CUstream as an int, 0 for the
+ * default stream), when context (from cuda_context()) is the calling thread's current one.
+ * Returns 0 once launched; -1, launching nothing, when the driver is not loaded or another
+ * context (or none) is current: the caller replays through torch, which makes the graph's
+ * device current. A driver error raises RuntimeError with its name.
+ */
+static PyObject *graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (wrong_nargs(nargs, 3, "graph_launch"))
+        return NULL;
+    void *handles[3];
+    for (int i = 0; i < 3; i++) {
+        handles[i] = PyLong_AsVoidPtr(args[i]);
+        if (handles[i] == NULL && PyErr_Occurred())
+            return NULL;
+    }
+    void *current = NULL;
+    if (!load_driver() || handles[2] == NULL || cu_ctx_get_current(&current) != 0
+        || current != handles[2])
+        return PyLong_FromLong(-1);
+    const int err = cu_graph_launch(handles[0], handles[1]);
+    if (err != 0) {
+        const char *name = NULL;
+        if (cu_get_error_name == NULL || cu_get_error_name(err, &name) != 0)
+            name = NULL;
+        PyErr_Format(PyExc_RuntimeError, "cuGraphLaunch failed: %s (CUresult %d)",
+                     name ? name : "unknown error", err);
+        return NULL;
+    }
+    return PyLong_FromLong(0);
+}
+
 static PyMethodDef methods[] = {
     {"stage_appends", (PyCFunction)(void (*)(void))stage_appends, METH_FASTCALL,
      "Stage and write rows gaining one block each (see the module source)."},
@@ -1503,6 +1593,10 @@ static PyMethodDef methods[] = {
      "Check a staged batch, pad its query start locations and write the step header's words."},
     {"map_slots", (PyCFunction)(void (*)(void))map_slots, METH_FASTCALL,
      "One group's slot mapping of a checked batch; -1: the general function must map it."},
+    {"cuda_context", (PyCFunction)(void (*)(void))cuda_context, METH_FASTCALL,
+     "The calling thread's current CUDA context as an int (0: none), -1 without the driver."},
+    {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL,
+     "Launch a CUDA graph exec on a stream through the driver; -1: not launched (see source)."},
     {NULL, NULL, 0, NULL},
 };
 

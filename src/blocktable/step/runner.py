@@ -33,6 +33,7 @@ kernels eagerly: the tests' way to run the CUDA path's kernels on padded inputs 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -243,6 +244,14 @@ class CapturedStep:
             for g, spec in enumerate(table.specs)
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        # CUDA graphs launched through the driver (set by _launch_through_driver): the
+        # compiled graph_launch, each graph's exec handle, the capture's context, the raw
+        # current-stream getter and the device's index
+        self._graph_launch: Callable[[int, int, int], int] | None = None
+        self._graph_execs: list[int] = []
+        self._context = 0
+        self._raw_stream: Callable[[int], int] = _default_stream
+        self._device_index = self.device.index or 0
         # the kernels read the pinned staging buffer in place (no copy node); proven on CUDA
         self._in_place = self.mode == "kernels" and self.try_in_place
         if cuda:
@@ -398,8 +407,12 @@ class CapturedStep:
                 header[SEQ] = seq
             self._seq = seq
             graphs = self._graphs
-            if graphs is not None and self._events is None:
-                graphs[slot].replay()  # (_run_device inlined for the common case)
+            if graphs is not None and self._events is None:  # (_run_device inlined)
+                launch = self._graph_launch  # the driver's launch, without torch's wrapper
+                if launch is None or launch(self._graph_execs[slot],
+                                            self._raw_stream(self._device_index),
+                                            self._context) < 0:
+                    graphs[slot].replay()
             else:
                 self._run_device(slot)
             self._expect[slot] = seq
@@ -582,7 +595,30 @@ class CapturedStep:
                     self._device_work(s)
                 graphs.append(graph)
             self._graphs = graphs
+            self._launch_through_driver()
         torch.cuda.synchronize(device)
+
+    def _launch_through_driver(self) -> None:
+        """Replay the graphs by a compiled call to the CUDA driver's graph launch, where the
+        extension, torch (each graph's exec handle, the raw current stream) and the driver
+        allow it. ``torch.cuda.CUDAGraph.replay`` costs the host several microseconds more with
+        cold caches (pybind, a GIL release, a device guard, the runtime API). A step whose
+        thread has another CUDA context current replays through torch instead."""
+        native = self._native
+        graphs = self._graphs
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if (native is None or not hasattr(native, "graph_launch") or raw_stream is None
+                or graphs is None
+                or not all(hasattr(g, "raw_cuda_graph_exec") for g in graphs)):
+            return
+        launch = native.graph_launch
+        context = native.cuda_context()  # (the table's device is current: see __init__)
+        if context <= 0:
+            return
+        self._graph_execs = [int(g.raw_cuda_graph_exec()) for g in graphs]
+        self._context = context
+        self._raw_stream = raw_stream
+        self._graph_launch = launch
 
     def _prove_mapped(self, stream: torch.cuda.Stream) -> bool:
         """Run a harmless step (no pairs, an empty batch) from each staging buffer on
@@ -619,9 +655,21 @@ class CapturedStep:
         return self._in_place
 
     @property
+    def launches_through_driver(self) -> bool:
+        """True when each step's graph is launched by one compiled call to the CUDA driver
+        (``cuGraphLaunch``) rather than ``torch.cuda.CUDAGraph.replay``: same graph, same
+        stream (the current one), less host time."""
+        return self._graph_launch is not None
+
+    @property
     def uses_mailbox(self) -> bool:
         """True when the device posts finished copies to pinned host memory (CUDA)."""
         return self.device.type == "cuda" and self._events is None
+
+
+def _default_stream(device_index: int) -> int:
+    """The raw default stream (0): a stand-in where the steps replay through torch."""
+    return 0
 
 
 def _capacity(name: str, value: int | None, bound: int) -> int:
