@@ -145,3 +145,68 @@ def test_more_requests_than_rows_condensed():
                        torch.from_numpy(pos), None, out, max_num_reqs=MAX_REQS)
     rows = np.arange(MAX_REQS + 2, dtype=np.int32)  # rows 8 and 9 lie outside the table
     np.testing.assert_array_equal(out.numpy(), reference(bt, qsl, pos, rows))
+
+
+@pytest.mark.parametrize("specs", SPECS, ids=["one group", "three groups"])
+def test_compiled_and_general_paths_agree_on_results_errors_and_untouched_buffers(specs):
+    """On the CPU, compute_slot_mapping maps a well-formed batch of contiguous tensors with
+    the compiled loops where they are built (the batch checked, then each group's slots), and
+    everything else (strided tensors, a separate host copy, a batch the check refuses) with
+    the general numpy path. Both give the reference's slots, and a bad batch raises the same
+    error from either with the slot buffers unchanged."""
+    from blocktable._native_loader import NATIVE
+
+    rng = np.random.default_rng(21)
+    bt = random_table(specs, rng)
+    compiled = bt._cpu_slots
+    assert (compiled is not None) == (NATIVE is not None)
+    taken = {"compiled": 0, "errors": 0}
+    mapped = [0]  # calls of the compiled path's map
+    if compiled is not None:
+        inner = compiled.map
+
+        def counting(*args):
+            mapped[0] += 1
+            return inner(*args)
+
+        compiled.map = counting  # type: ignore[method-assign]
+    for trial in range(200):
+        qsl, pos, rows = random_batch(rng, indexed=trial % 2 == 1, bad_rows=trial % 5 == 0)
+        if trial % 7 == 0 and len(qsl) > 2:
+            qsl[1] = qsl[2] + 1  # decreasing: malformed
+        if trial % 11 == 0:
+            pos = pos[:-1] if len(pos) else np.zeros(1, np.int64)  # qsl[-1] != num_tokens
+        q, p = torch.from_numpy(qsl), torch.from_numpy(pos)
+        r = None if rows is None else torch.from_numpy(rows)
+        kw: dict = {"row_of_batch": r}
+        variant = trial % 4
+        if variant == 1:  # strided positions: the general path
+            p = torch.from_numpy(np.repeat(pos, 2))[::2]
+        elif variant == 2:  # a separate host copy of query_start_loc: the general path
+            kw["query_start_loc_cpu"] = q.clone()
+        elif variant == 3:
+            kw["query_start_loc_cpu"] = q  # the same tensor: the compiled path may take it
+        results = []
+        for path in (compiled, None):
+            bt._cpu_slots = path
+            before = bt.slot_buffers.clone()
+            try:
+                got = bt.compute_slot_mapping(q, p, **kw)
+                results.append(("ok", [s.clone() for s in got]))
+            except (ValueError, IndexError) as e:
+                assert torch.equal(bt.slot_buffers, before)
+                results.append((type(e).__name__, str(e)))
+        bt._cpu_slots = compiled
+        (kind_a, got_a), (kind_b, got_b) = results
+        assert kind_a == kind_b
+        if kind_a != "ok":
+            assert got_a == got_b
+            taken["errors"] += 1
+            continue
+        want = reference(bt, qsl, pos, rows)
+        for g in range(len(specs)):
+            np.testing.assert_array_equal(got_a[g].numpy(), want[g])
+            np.testing.assert_array_equal(got_b[g].numpy(), want[g])
+        taken["compiled"] += variant != 2 and p.is_contiguous()  # (0 or 1 token: contiguous)
+    assert taken["errors"] > 10 and taken["compiled"] > 30
+    assert mapped[0] == (taken["compiled"] if compiled is not None else 0)

@@ -7,7 +7,9 @@ graph, captured once, of kernels only: the first reads the staging buffer in pla
 memory mapped into the device's address space), scatters the pairs into the device table and
 brings the batch to a device buffer; then the slot mapping of every group, and a post to the
 mailbox (below). Where the device cannot read that memory, the graph copies the staging
-buffer to the device first (a copy node, which costs the host more to replay). Launch shapes
+buffer to the device first (a copy node, which costs the host more to replay). Where it can,
+the step launches its graph by one compiled call to the CUDA driver rather than through
+``torch.cuda.CUDAGraph.replay`` (same graph, same stream, less host time). Launch shapes
 come from the capacities only, so
 one graph serves every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding
 requests own no token and every token past ``num_tokens`` maps to ``PAD_SLOT_ID``.
@@ -613,9 +615,13 @@ class CapturedStep:
             return
         launch = native.graph_launch
         context = native.cuda_context()  # (the table's device is current: see __init__)
-        if context <= 0:
+        try:
+            execs = [int(g.raw_cuda_graph_exec()) for g in graphs]
+        except RuntimeError:  # (a torch that instantiates graphs at their first replay)
             return
-        self._graph_execs = [int(g.raw_cuda_graph_exec()) for g in graphs]
+        if context <= 0 or not all(execs):
+            return
+        self._graph_execs = execs
         self._context = context
         self._raw_stream = raw_stream
         self._graph_launch = launch
