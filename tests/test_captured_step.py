@@ -507,6 +507,19 @@ def test_cuda_replay_never_synchronizes_and_matches():
     check_same(bt, ref, outs[-1], qsl, positions, rows, seq_lens)
 
 
+def run_steps_and_check(step: CapturedStep, bt: MultiGroupBlockTable, ref: MultiGroupBlockTable,
+                        model: Model, num_steps: int, general_every: int) -> None:
+    """``num_steps`` steps back to back on CUDA (a general update every ``general_every``-th,
+    decode updates between), the same on ``ref`` by the three calls; then compare."""
+    for i in range(num_steps):
+        update = model.decode() if i % general_every else model.general()
+        qsl, positions, rows, seq_lens = model.batch()
+        out = step.run(update, qsl, positions, rows, seq_lens)
+        reference_step(ref, update, qsl, positions, rows)
+    torch.cuda.synchronize()
+    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+
+
 def _driver_launch_possible() -> bool:
     from blocktable._native_loader import NATIVE
 
@@ -558,13 +571,7 @@ def test_cuda_driver_launch_uses_the_current_stream_and_falls_back_to_torch():
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
     assert sum(g.replays for g in counted) == 0
     step._context += 16  # not the current context: graph_launch declines, torch replays
-    for i in range(4):
-        update = model.decode() if i % 2 else model.general()
-        qsl, positions, rows, seq_lens = model.batch()
-        out = step.run(update, qsl, positions, rows, seq_lens)
-        reference_step(ref, update, qsl, positions, rows)
-    torch.cuda.synchronize()
-    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+    run_steps_and_check(step, bt, ref, model, num_steps=4, general_every=2)
     assert sum(g.replays for g in counted) == 4
 
 
@@ -621,14 +628,8 @@ def test_cuda_eager_copied_and_event_paths_match(use_graph, mailbox, in_place, m
     step = CapturedStep(bt, use_graph=use_graph)
     assert step.uses_mailbox == mailbox and (step._graphs is not None) == use_graph
     assert step.reads_in_place == in_place
-    model = Model(bt, np.random.default_rng(11))
-    for i in range(12):
-        update = model.decode() if i % 4 else model.general()
-        qsl, positions, rows, seq_lens = model.batch()
-        out = step.run(update, qsl, positions, rows, seq_lens)
-        reference_step(ref, update, qsl, positions, rows)
-    torch.cuda.synchronize()
-    check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+    run_steps_and_check(step, bt, ref, Model(bt, np.random.default_rng(11)), num_steps=12,
+                        general_every=4)
 
 
 def test_slot_tail_is_pad_after_longer_steps_and_direct_calls(device):
