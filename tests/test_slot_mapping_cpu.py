@@ -179,13 +179,15 @@ def test_compiled_and_general_paths_agree_on_results_errors_and_untouched_buffer
         q, p = torch.from_numpy(qsl), torch.from_numpy(pos)
         r = None if rows is None else torch.from_numpy(rows)
         kw: dict = {"row_of_batch": r}
-        variant = trial % 4
+        variant = trial % 5
         if variant == 1:  # strided positions: the general path
             p = torch.from_numpy(np.repeat(pos, 2))[::2]
         elif variant == 2:  # a separate host copy of query_start_loc: the general path
             kw["query_start_loc_cpu"] = q.clone()
         elif variant == 3:
             kw["query_start_loc_cpu"] = q  # the same tensor: the compiled path may take it
+        elif variant == 4:  # another view of the same memory: the compiled path may take it
+            kw["query_start_loc_cpu"] = q[:]
         results = []
         for path in (compiled, None):
             bt._cpu_slots = path

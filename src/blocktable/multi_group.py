@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     from blocktable.step.numpy_slots import CheckedSlots
 
 
+def _same_memory(view: object, tensor: torch.Tensor) -> bool:
+    """Whether ``view`` is a tensor of ``tensor``'s dtype and shape over the same memory (e.g.
+    another slice of one CPU buffer)."""
+    return (type(view) is torch.Tensor and view.dtype == tensor.dtype
+            and view.shape == tensor.shape and view.data_ptr() == tensor.data_ptr()
+            and view.stride() == tensor.stride())
+
+
 class MultiGroupBlockTable(AttentionViews):
     """One block table per KV cache group, one commit and one slot-mapping launch for all.
 
@@ -414,12 +422,14 @@ class MultiGroupBlockTable(AttentionViews):
                     rows_cpu: object) -> bool:
         """The CPU backend's compute_slot_mapping in two compiled calls (the batch check, then
         each group's slots), for the common inputs: contiguous CPU tensors of the right
-        dtypes within the capacities, no separate host copies. False, having written nothing,
+        dtypes within the capacities, no separate host copies (``query_start_loc_cpu`` may be
+        a view of ``query_start_loc``'s own memory). False, having written nothing,
         for anything else or a batch the check refuses: the general path checks it again and
         names the error."""
         T = torch.Tensor
-        if not (type(qsl) is T and type(positions) is T and (qsl_cpu is None or qsl_cpu is qsl)
-                and rows_cpu is None and qsl.dtype == torch.int32
+        if not (type(qsl) is T and type(positions) is T and rows_cpu is None
+                and (qsl_cpu is None or qsl_cpu is qsl or _same_memory(qsl_cpu, qsl))
+                and qsl.dtype == torch.int32
                 and positions.dtype == torch.int64 and qsl.dim() == 1 and positions.dim() == 1
                 and qsl.device.type == "cpu" and positions.device.type == "cpu"
                 and qsl.is_contiguous() and positions.is_contiguous()):
