@@ -20,7 +20,7 @@ from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable._native_loader import native_module
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
-from blocktable.step import CapturedStep
+from blocktable.step import CapturedStep, runner
 from blocktable.step.numpy_slots import CheckedSlots
 from blocktable.update import PackedStepUpdate
 
@@ -95,6 +95,20 @@ def untrusted(update: StepUpdate) -> StepUpdate:
     return dataclasses.replace(update)
 
 
+def count_general_staging(monkeypatch: pytest.MonkeyPatch) -> list[MultiGroupBlockTable]:
+    """Record each table the captured step's general staging path (``stage_general``, taken
+    when neither the decode stager nor its compiled lanes take an update) is called with."""
+    calls: list[MultiGroupBlockTable] = []
+    general = runner.stage_general
+
+    def recorded(table, *args):
+        calls.append(table)
+        return general(table, *args)
+
+    monkeypatch.setattr(runner, "stage_general", recorded)
+    return calls
+
+
 def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
     np.testing.assert_array_equal(a.storage.host, b.storage.host)
     np.testing.assert_array_equal(a.storage.device_tensor.numpy(), b.storage.device_tensor.numpy())
@@ -104,7 +118,7 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
 @pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
+def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed, monkeypatch):
     """Random workloads: the journal's updates through the captured step (trusted: decode steps,
     admissions, rows of finished requests reused in the same step, rows gaining several blocks)
     give the table, device table and slots of the same updates stripped of their facts
@@ -113,17 +127,27 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
     trusted_bt, checked_bt, ref = make_table(groups), make_table(groups), make_table(groups)
     trusted, checked = CapturedStep(trusted_bt), CapturedStep(checked_bt)
     driver = Driver(mgr, np.random.default_rng(seed))
-    stage, staged = trusted._stager.stage, []
-    trusted._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
+    general = count_general_staging(monkeypatch)
+    stage, stager_calls = trusted._stager.stage, []
+    trusted._stager.stage = lambda *args: stager_calls.append(args) or stage(*args)
+    # one group, compiled: the step stages packed and decode updates itself (the stager's
+    # lanes inlined) once the block sizes are checked (the first step, through the stager)
+    inlined = groups == 1 and loader.NATIVE is not None
     decode_steps = admissions = reused_rows = multi_block = packed = 0
     for i in range(40):
         update = driver.step(decode_only=i % 3 != 0)
         assert update.facts is not None
         packed += type(update) is PackedStepUpdate and not update.__dict__.keys() & {"added"}
+        lane = type(update) is PackedStepUpdate or update.facts.appends_only
+        num_stager_calls = len(stager_calls)
         qsl, positions, rows = driver.batch()
         reused_rows += int(trusted_bt[0].num_kernel_blocks[update.added[0].rows].any())
+        before = general.count(trusted_bt)
         out = trusted.run(update, qsl, positions, rows)
-        assert staged[-1] >= 0  # the decode stager took every step, admissions included
+        # the decode stager (or its lanes inlined in the step) took every step, admissions too
+        assert general.count(trusted_bt) == before
+        assert out.num_pairs >= 0
+        assert (len(stager_calls) == num_stager_calls) == (inlined and lane and i > 0)
         decode_steps += not len(update.added[0].rows)
         admissions += bool(len(update.added[0].rows))
         multi_block += bool((update.appended[0].num_manager_blocks > 1).any())
@@ -255,7 +279,7 @@ def test_bad_user_update_is_still_rejected_before_any_write():
 
 
 @pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
-def test_table_side_bounds_are_checked_on_trusted_updates():
+def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
     """The table, not the allocator, knows its width, rows and id bound: a trusted update past
     any of them is refused with nothing written."""
     # a table narrower than the allocator's rows: an append past the row's width
@@ -321,8 +345,7 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
     bt = MultiGroupBlockTable([GroupSpec(BLOCK, num_blocks=num_table_blocks)], rows, MAX_LEN,
                               TOKENS)
     step = CapturedStep(bt)
-    stage, staged = step._stager.stage, []
-    step._stager.stage = lambda *args: staged.append(stage(*args)) or staged[-1]
+    general = count_general_staging(monkeypatch)
     reqs = list(range(rows))
     for r in reqs:
         mgr.add_request(r, [r] * BLOCK)
@@ -338,8 +361,9 @@ def test_table_side_bounds_are_checked_on_trusted_updates():
         assert (int(update.appended[0].block_ids.max()) < num_table_blocks) == (lap == 0)
         before = bt.storage.host.copy()
         if lap == 0:
-            step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
-            assert staged[-1] == 2 * rows  # the decode path: one id and one count per row
+            out = step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
+            assert out.num_pairs == 2 * rows  # the decode path: one id and one count per row
+            assert general.count(bt) == 0
             assert (bt[0].num_kernel_blocks == 2).all()
         else:
             with pytest.raises(ValueError):

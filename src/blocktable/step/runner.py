@@ -49,7 +49,7 @@ from blocktable.step.host import FULL, DecodeStager, largest, stage_general
 from blocktable.step.kernels import launch_direct_scatter, launch_post, launch_staged_scatter
 from blocktable.step.layout import BATCH_WORDS, NUM_PAIRS, SEQ, SLOT, StagingViews, StepLayout
 from blocktable.step.numpy_slots import CheckedSlots
-from blocktable.update import StepUpdate
+from blocktable.update import PackedStepUpdate, StepUpdate
 
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
@@ -168,6 +168,15 @@ class CapturedStep:
         # with the host table, so a step never scatters what the stager staged
         self._flat_np = table.storage.device_tensor.numpy() if numpy_mode else None
         self._stager = DecodeStager(table, self._native, mirror=self._flat_np)
+        # the stager's compiled one-group lanes, inlined in run_staged: (stage_appends,
+        # stage_packed, the host table, the lanes' table arguments, the most rows a decode
+        # lane stages within max_pairs), or None (numpy, several groups)
+        stager, native = self._stager, self._native
+        args = stager._group_args if stager._one_group else None
+        self._lane = None if native is None or args is None else (
+            native.stage_appends, native.stage_packed, table.storage.host, args,
+            P // (args[1] + 1))
+        self._stager_storage = table.storage
         words = self.layout.num_words
         num_slots = 2 if cuda else 1
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
@@ -309,7 +318,12 @@ class CapturedStep:
         if seq_lens is not None:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
-        return self._issue(update, v, num_reqs, num_tokens, seq_lens is not None)
+        self._lent = self._slot
+        try:  # (checks the batch's values again: cheap, and run_staged's path is the one path)
+            return self.run_staged(update, num_reqs, num_tokens,
+                                   with_seq_lens=seq_lens is not None)
+        finally:
+            self._lent = -1  # (run_staged clears it too, once it has staged)
 
     def batch_views(self) -> StagedBatch:
         """The staging buffer the next :meth:`run_staged` sends, for the caller to write the
@@ -347,49 +361,58 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {self._max_tokens}], "
                              f"got {num_tokens!r}")
         slot = self._slot
+        seq = -1
+        code = -1
         prepare = self._prepare
         if prepare is not None:  # CUDA, compiled: check, qsl padding and header in one call
-            prepare_batch, qsl_full, rows_full, header = prepare[slot]
+            prepare_batch, qsl_full, rows_full, header_np = prepare[slot]
             seq = (self._seq + 1) & _SEQ_MASK
             code = prepare_batch(qsl_full, rows_full, num_reqs, num_tokens, self._num_rows,
-                                 header, self._batch_words + 2 * num_tokens, seq)
+                                 header_np, self._batch_words + 2 * num_tokens, seq)
             if code >= 0:
-                self._decode = code == 1
                 self._padded[slot] = -1  # (the padding is prepare_batch's now)
-                return self._issue(update, self._views[slot], num_reqs, num_tokens,
-                                   with_seq_lens, seq)
-        qsl = self._qsl_by_n[slot][num_reqs]
-        rows = self._rows_by_n[slot][num_reqs]
-        # (the compiled check inlined: a call costs ~1 us with cold caches)
-        native = self._native
-        code = -1 if native is None else native.check_batch(qsl, rows, num_tokens,
-                                                             self._num_rows)
+            else:
+                seq = -1
+        if code < 0:
+            qsl = self._qsl_by_n[slot][num_reqs]
+            rows = self._rows_by_n[slot][num_reqs]
+            # (the compiled check inlined: a call costs ~1 us with cold caches)
+            native = self._native
+            code = -1 if native is None else native.check_batch(qsl, rows, num_tokens,
+                                                                 self._num_rows)
+            if code < 0:
+                self._check_values(qsl, num_reqs, num_tokens, rows)  # raises, or sets _decode
         if code >= 0:
             self._decode = code == 1
-        else:
-            self._check_values(qsl, num_reqs, num_tokens, rows)
-        return self._issue(update, self._views[slot], num_reqs, num_tokens, with_seq_lens)
-
-    def _acquire(self) -> StagingViews:
-        """The views of the staging buffer this step fills, once the device has read it."""
-        slot = self._slot
-        if self._expect[slot] is not None:
-            self._wait_free(slot)
-        return self._views[slot]
-
-    def _issue(self, update: StepUpdate, v: StagingViews, num_reqs: int, num_tokens: int,
-               with_seq_lens: bool, seq: int = -1) -> StepOutputs:
-        """Apply ``update`` and stage its pairs beside the batch in ``v``, then the device
-        work. ``seq`` >= 0: ``prepare_batch`` padded the batch and wrote the header's batch
-        words and this sequence number already."""
-        slot = self._slot
+        v = self._views[slot]
         P = self._max_pairs
-        pairs = v.pairs
-        num_pairs = self._stager.stage(update, pairs, P)
-        if num_pairs < 0:
-            num_pairs = stage_general(self.table, update, pairs, P)
-            if num_pairs > 0 and self._flat_np is not None:
-                self._scatter_numpy(pairs, num_pairs)  # (the stager wrote its own pairs)
+        num_pairs = -1
+        lane = self._lane
+        facts = update.facts
+        if lane is not None and facts is not None:
+            # The stager's compiled one-group lanes, inlined for an engine's every step (an
+            # update of the allocator's journal, its block sizes checked before, no pending
+            # change or device read of the host table): the same checks and calls as
+            # DecodeStager.stage, without its Python call. Anything else goes through it.
+            storage = self._stager_storage
+            if (facts.num_rows <= self._num_rows and not storage.changed
+                    and update.allocator_block_sizes == self._stager._sizes_ok
+                    and storage.host_read_event is None):
+                stage_appends, stage_packed, host, args, max_appends = lane
+                if type(update) is PackedStepUpdate:  # admissions and finishes
+                    num_pairs = stage_packed(host, v.pairs, P, update.packed_data,
+                                             update.packed_sizes, *args)
+                elif facts.appends_only:  # the decode lane: rows gaining one block each
+                    part = update.appended[0]
+                    if len(part.rows) <= max_appends:
+                        num_pairs = stage_appends(host, v.pairs, part.rows, part.block_ids,
+                                                  *args)
+        if num_pairs < 0:  # (a compiled lane's refusal wrote nothing; the paths below name it)
+            num_pairs = self._stager.stage(update, v.pairs, P)
+            if num_pairs < 0:
+                num_pairs = stage_general(self.table, update, v.pairs, P)
+                if num_pairs > 0 and self._flat_np is not None:
+                    self._scatter_numpy(v.pairs, num_pairs)  # (the stager wrote its own pairs)
         self._lent = -1
         if seq < 0:
             padded = num_reqs * self._padding_key + num_tokens
@@ -425,6 +448,13 @@ class CapturedStep:
         return _new_tuple(StepOutputs, (self._slot_views, by_n[0], by_t.device_positions,
                                         by_n[1], by_n[2] if with_seq_lens else None, num_pairs))
 
+    def _acquire(self) -> StagingViews:
+        """The views of the staging buffer this step fills, once the device has read it."""
+        slot = self._slot
+        if self._expect[slot] is not None:
+            self._wait_free(slot)
+        return self._views[slot]
+
     def _token_views(self, num_tokens: int) -> _TokenViews:
         """The views of ``num_tokens`` tokens (made once, then indexed)."""
         slots = self._slots_np  # (the CPU backend's: one staging buffer)
@@ -438,7 +468,8 @@ class CapturedStep:
 
     def _check_batch(self, qsl: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
                      seq_lens: np.ndarray | None) -> tuple[int, int]:
-        """``(num_reqs, num_tokens)`` of a well-formed batch within the capacities, or raise."""
+        """``(num_reqs, num_tokens)`` of arrays of the right dtypes and shapes within the
+        capacities, or raise (:meth:`run_staged` checks their values)."""
         L = self.layout
         _check_array("query_start_loc", qsl, _I32)
         _check_array("positions", positions, _I64)
@@ -456,13 +487,6 @@ class CapturedStep:
                 if len(arr) != num_reqs:
                     raise ValueError(f"{name} has {len(arr)} entries, query_start_loc "
                                      f"describes {num_reqs} requests")
-        native = self._native
-        code = -1 if native is None else native.check_batch(qsl, rows, num_tokens,
-                                                             self._num_rows)
-        if code >= 0:  # the compiled pass; a refusal goes on to the messages below
-            self._decode = code == 1
-        else:
-            self._check_values(qsl, num_reqs, num_tokens, rows)
         return num_reqs, num_tokens
 
     def _check_values(self, qsl: np.ndarray, num_reqs: int, num_tokens: int,
