@@ -4,8 +4,9 @@ Runs :class:`blocktable.engine.LLMEngine` (a tiny random Llama) and reports, per
 p50 over steps of ``StepResult.table_time_s`` (host time of the block-table step: the
 captured step by default, and apply + commit + slot mapping as "(3 calls)" beside it) and
 of ``inputs_time_s`` (host time building the step's input tensors), beside the floors of this
-machine measured in the same run (an empty torch op; on CUDA ``current_stream()`` and an empty
-Triton launch).
+machine measured in the same run, before and after the workloads (an empty torch op, an empty
+numpy op warm and with the caches cold; on CUDA ``current_stream()`` and an empty Triton
+launch).
 
 - ``demo``: ``blocktable demo``'s workload (8 requests, staggered arrivals, shared prefixes,
   chunked prefill, preemption; block size ``--block-size``), run ``--repeats`` times; the first
@@ -269,7 +270,7 @@ def main() -> None:
                  "torch_threads": torch.get_num_threads(), "numpy": np.__version__}
     if args.device == "cuda":
         res["card"] = torch.cuda.get_device_name()
-    res["floors"] = measure_floors(args.device)
+    res["floors"] = measure_floors(args.device, cold=True)
     names = ["demo", f"decode-{args.num_reqs}"]
     paths = ((True, ""),) if args.captured_only else ((True, ""), (False, " (3 calls)"))
     for captured, suffix in paths:
@@ -286,7 +287,7 @@ def main() -> None:
                 else:
                     decode_workload(args.device, args.num_reqs, args.decode_steps, captured, bd)
                 res["breakdown " + name + suffix] = bd.summary(res[name + suffix]["table_p50_us"])
-    res["floors_after"] = measure_floors(args.device)
+    res["floors_after"] = measure_floors(args.device, cold=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -304,7 +305,8 @@ def main() -> None:
     print("table = the step's update, commit and slot mapping: the captured step (staged "
           "writes + one graph replay; numpy on the CPU), or (3 calls) apply + commit + "
           "compute_slot_mapping; inputs = the step's input tensors")
-    print(format_floors(res["floors"]))
+    print(format_floors(res["floors"]) + " (before); " + format_floors(res["floors_after"])[8:]
+          + " (after)")
     if args.breakdown:
         print_breakdown(res)
 
