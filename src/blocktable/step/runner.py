@@ -319,7 +319,7 @@ class CapturedStep:
             v.seq_lens[:num_reqs] = seq_lens
         v.positions[:num_tokens] = positions
         self._lent = self._slot
-        try:  # (checks the batch's values again: cheap, and run_staged's path is the one path)
+        try:  # one path for both: run_staged checks the batch's values, then runs the step
             return self.run_staged(update, num_reqs, num_tokens,
                                    with_seq_lens=seq_lens is not None)
         finally:
