@@ -176,7 +176,7 @@ class CapturedStep:
         self._lane = None if native is None or args is None else (
             native.stage_appends, native.stage_packed, table.storage.host, args,
             P // (args[1] + 1))
-        self._stager_storage = table.storage
+        self._storage = table.storage  # (the lanes' checks read it every step)
         words = self.layout.num_words
         num_slots = 2 if cuda else 1
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
@@ -394,7 +394,7 @@ class CapturedStep:
             # update of the allocator's journal, its block sizes checked before, no pending
             # change or device read of the host table): the same checks and calls as
             # DecodeStager.stage, without its Python call. Anything else goes through it.
-            storage = self._stager_storage
+            storage = self._storage
             if (facts.num_rows <= self._num_rows and not storage.changed
                     and update.allocator_block_sizes == self._stager._sizes_ok
                     and storage.host_read_event is None):
