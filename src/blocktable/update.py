@@ -128,13 +128,14 @@ class StepUpdate:
     appended: tuple[RowBlocks, ...]
     nulled: tuple[RowEntries, ...]
     allocator_block_sizes: tuple[int, ...] | None = None
+    trusted: bool = False
     # set by the allocator's journal only; not an init argument, so replace() drops it
     facts: AllocatorFacts | None = field(default=None, init=False, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[type, tuple]:
         """Copies and pickles hold the same arrays or writable copies of them: never facts."""
         return (StepUpdate, (self.cleared_rows, self.added, self.appended, self.nulled,
-                             self.allocator_block_sizes))
+                             self.allocator_block_sizes, self.trusted))
 
     @classmethod
     def empty(cls, num_groups: int) -> StepUpdate:
