@@ -1,18 +1,43 @@
-"""The optional compiled helpers: the package's metadata lives in pyproject.toml.
+"""The compiled part of blocktable: the package's metadata lives in pyproject.toml.
 
-``blocktable._native`` (one C file, the CPython API only) speeds up the per-step host loops.
-It is optional: where no C compiler is found the install goes on without it and the package
-uses its numpy twins, with the same results.
+``blocktable._compiled`` (one Cython file, typed memoryviews, no numpy headers, no CUDA) maps
+slots on the CPU backend. Where a C compiler is found it is built, and a failed build fails
+the install loudly; where none is found (or ``BLOCKTABLE_NO_COMPILE=1``) the package installs
+without it and numpy does the same work with the same results. ``blocktable --version`` says
+which one runs.
 """
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
 
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension(
-            "blocktable._native",
-            sources=["src/blocktable/_native.c"],
-            optional=True,  # no compiler: install without it (numpy stands in)
-        )
-    ]
-)
+
+def _have_c_compiler() -> bool:
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(compiler.split()[0]) is not None
+
+
+def _extensions() -> list[Extension]:
+    if os.environ.get("BLOCKTABLE_NO_COMPILE") == "1":
+        print("blocktable: BLOCKTABLE_NO_COMPILE=1, installing without the compiled slot "
+              "mapping (numpy does its work)", file=sys.stderr)
+        return []
+    if not _have_c_compiler():
+        print("blocktable: no C compiler found, installing without the compiled slot mapping "
+              "(numpy does its work; install gcc or clang and Python's headers to build it)",
+              file=sys.stderr)
+        return []
+    from Cython.Build import cythonize
+
+    return cythonize(
+        [Extension("blocktable._compiled", ["src/blocktable/_compiled.pyx"])],
+        compiler_directives={"language_level": 3},
+    )
+
+
+setup(ext_modules=_extensions())

@@ -39,7 +39,6 @@ import torch
 from floors import format_floors, measure_floors
 
 import blocktable.step.runner as step_runner
-from blocktable._native_loader import native_module
 from blocktable.demo import DemoOptions
 from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
 from blocktable.step import CapturedStep
@@ -112,12 +111,12 @@ class Breakdown:
             self.wrap(engine._inputs, "host_views", "host_views")
             self.wrap(step, "run", "step.run")
             self.wrap(step, "run_staged", "step.run_staged")
-            self.wrap(step, "_check_batch", "run._check_batch")
-            self.wrap(step, "_check_values", "run._check_values")
-            self.wrap(step._stager, "stage", "run.stager.stage")
-            self.wrap(step_runner, "stage_general", "run.stage_general")
-            self.wrap(step, "_run_numpy", "run._run_numpy")
-            self.wrap(step, "_run_device", "run._run_device")  # CUDA: the graph's replay
+            self.wrap(step, "_check_arrays", "run._check_arrays")
+            self.wrap(step_runner, "_check_batch_values", "run._check_batch_values")
+            self.wrap(engine.table, "apply", "run.apply")
+            self.wrap(engine.table.committer, "stage", "run.committer.stage")
+            self.wrap(step_runner, "slot_mapping_numpy", "run.slot_mapping_numpy")
+            self.wrap(step, "_device_work", "run._device_work")  # CUDA without a graph
             for graph in step._graphs or ():  # the replay itself (inlined in the step's path)
                 try:
                     self.wrap(graph, "replay", "run.graph_replay")
@@ -244,12 +243,7 @@ def main() -> None:
                     help="skip the three-call runs (quicker before/after comparisons)")
     ap.add_argument("--cold-ops", action="store_true",
                     help="only time single numpy calls of the step with the caches cold")
-    ap.add_argument("--copy-staging", action="store_true",
-                    help="CUDA: copy the staging buffer to the device in the graph (a copy "
-                         "node) instead of the kernels reading it in place")
     args = ap.parse_args()
-    if args.copy_staging:
-        CapturedStep.try_in_place = False
     if args.cold_ops:
         res_cold = cold_ops()
         if args.json:
@@ -265,8 +259,6 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     res: dict = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(),
-                 "step_loops": "compiled" if native_module() is not None else "numpy",
-                 "staging": "copied" if args.copy_staging else "in place",
                  "torch_threads": torch.get_num_threads(), "numpy": np.__version__}
     if args.device == "cuda":
         res["card"] = torch.cuda.get_device_name()
@@ -292,8 +284,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     where = res.get("card", f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
-    print(f"\nengine loop, block-table host time per step on {where}, torch {torch.__version__}, "
-          f"step loops {res['step_loops']}, staging {res['staging']}")
+    print(f"\nengine loop, block-table host time per step on {where}, torch {torch.__version__}")
     print(f"{'workload':<24}{'steps':>6}{'table p50 µs':>14}{'table mean µs':>15}"
           f"{'inputs p50 µs':>15}")
     for name in (*names, *(n + " (3 calls)" for n in names)):

@@ -149,3 +149,25 @@ def test_commit_after_rejected_batch_moves_nothing_extra(bt):
     assert stats.num_entries == 5 and not stats.full_copy
     assert bt.device_equals_host()
     assert bt.commit().num_entries == 0
+
+
+def test_reading_the_device_table_before_commit_names_commit():
+    """Rows changed on the host and not committed: every call that reads the device table
+    raises an error that names commit(), instead of reading stale rows; after commit() the
+    same calls work."""
+    bt = MultiGroupBlockTable([GroupSpec(block_size=4)], 2, 32, max_num_batched_tokens=8)
+    bt.add_row(([7, 9],), 0)
+    qsl, pos = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3, 4, 5])
+    calls = [
+        lambda: bt.compute_slot_mapping(qsl, pos),
+        lambda: bt.device_view(0, 1),
+        lambda: bt.gather_view(0, torch.tensor([0], dtype=torch.int32)),
+        lambda: bt.build_metadata(qsl, [None], num_tokens=3),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"commit\(\)"):
+            call()
+    bt.commit()
+    assert bt.compute_slot_mapping(qsl, pos)[0][:4].tolist() == [31, 36, 37, -1]
+    for call in calls[1:]:
+        call()

@@ -15,7 +15,6 @@ SPECS = [GroupSpec(4, max_num_blocks=6, num_blocks=NUM_BLOCKS),
          GroupSpec(8, kernel_block_size=4, max_num_blocks=3, num_blocks=NUM_BLOCKS)]
 
 # every test here runs with the compiled step loops and with their numpy twins
-pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def make_table(device: str, backend: str, specs: list[GroupSpec] = SPECS) -> MultiGroupBlockTable:
@@ -123,20 +122,16 @@ def check_same(bt: MultiGroupBlockTable, ref: MultiGroupBlockTable, out, qsl, po
     bt.check_integrity()
 
 
-@pytest.mark.parametrize("backend, in_place", [("torch", False), ("triton", True),
-                                               ("triton", False)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("max_pairs", [None, 6])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_steps_match_apply_commit_slot_mapping(backend, in_place, max_pairs, seed,
-                                                      triton_device, monkeypatch):
+def test_random_steps_match_apply_commit_slot_mapping(backend, max_pairs, seed, triton_device):
     """Random decode and general steps, condensed and indexed batches, small and ample pair
-    capacity, the kernels reading the staging buffer in place or a copy of it: table, device
-    table and slot mapping equal the three-call path's, exactly."""
-    monkeypatch.setattr(CapturedStep, "try_in_place", in_place)
+    capacity (too small: the table's own commit moves the changes): table, device table and
+    slot mapping equal the three-call path's, exactly."""
     device = "cpu" if backend == "torch" else triton_device
     bt, ref = make_table(device, backend), make_table("cpu", "torch")
     step = CapturedStep(bt, max_pairs=max_pairs)
-    assert step.reads_in_place == in_place
     model = Model(bt, np.random.default_rng(seed))
     for i in range(14):
         update = model.decode() if i % 3 else model.general()
@@ -149,31 +144,6 @@ def test_random_steps_match_apply_commit_slot_mapping(backend, in_place, max_pai
         if device == "cuda":
             torch.cuda.synchronize()
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_views_made_at_a_sizes_first_step_past_the_eager_capacity(backend, triton_device,
-                                                                   monkeypatch):
-    """With a token capacity past the one whose views are made at set-up, each size's views
-    are made at its first step: the same results as the three calls, sizes repeating."""
-    from blocktable.step import runner
-
-    monkeypatch.setattr(runner, "_EAGER_TOKENS", TOKENS // 2)
-    device = "cpu" if backend == "torch" else triton_device
-    bt, ref = make_table(device, backend), make_table("cpu", "torch")
-    step = CapturedStep(bt)
-    assert step._by_t.count(None) == TOKENS + 1  # nothing made yet
-    model = Model(bt, np.random.default_rng(3))
-    for i in range(8):
-        update = model.decode() if i % 3 else model.general()
-        qsl, positions, rows, seq_lens = model.batch()
-        out = (staged_run(step, update, qsl, positions, rows, seq_lens) if i % 2 else
-               step.run(update, qsl, positions, rows, seq_lens))
-        reference_step(ref, update, qsl, positions, rows)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
-        assert step._by_t[len(positions)] is not None
 
 
 def staged_run(step: CapturedStep, update: StepUpdate, qsl: np.ndarray, positions: np.ndarray,
@@ -253,45 +223,6 @@ def test_run_staged_rejects_bad_use_before_any_write(device):
         step.run_staged(update, 1, 1)  # the views were used
 
 
-def test_compiled_batch_check_pads_and_writes_the_header_or_refuses_with_nothing_written(
-        triton_device):
-    """The kernels' path with the compiled loops checks the staged batch, pads
-    ``query_start_loc`` and writes the step header in one call: a row outside or a malformed
-    ``query_start_loc`` is refused with the numpy check's message, and nothing is written (the
-    table, the padding, the header); a good batch gets its padding and header."""
-    from blocktable.step.layout import BATCH_WORDS, SEQ
-
-    bt = make_table(triton_device, "triton")
-    step = CapturedStep(bt)
-    if step._prepare is None:
-        pytest.skip("blocktable._native is not built here")
-    update = StepUpdate.make(2, appended=[RowBlocks.from_lists([0], [[3]]), RowBlocks()])
-    batch = step.batch_views()
-    header = step._views[step._slot].header
-    batch.query_start_loc[:] = 7  # stale padding, to see whether it is rewritten
-    batch.query_start_loc[:2] = (0, 1)
-    batch.positions[0] = 0
-    batch.row_of_batch[0] = ROWS
-    before, header_before = _snapshot(bt), header.copy()
-    with pytest.raises(IndexError, match="outside"):
-        step.run_staged(update, 1, 1)
-    batch.row_of_batch[0] = 0
-    with pytest.raises(ValueError, match="end at num_tokens"):
-        step.run_staged(update, 1, 2)
-    batch.query_start_loc[:3] = (0, 2, 1)
-    with pytest.raises(ValueError, match="never decrease"):
-        step.run_staged(update, 2, 1)
-    for a, b in zip(before, _snapshot(bt)):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(header, header_before)
-    assert (batch.query_start_loc[3:] == 7).all()
-    batch.query_start_loc[:2] = (0, 1)
-    out = step.run_staged(update, 1, 1)
-    assert out.slot_mappings[0][0].item() == 3 * 4
-    assert (batch.query_start_loc[2:] == 1).all()  # padding requests own no token
-    assert header[SEQ] == step._seq and header[BATCH_WORDS] == step._batch_words + 2
-
-
 def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
     """Row operations made directly on the table before a step are committed by that step."""
     bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
@@ -310,8 +241,8 @@ def test_row_ops_between_steps_travel_with_the_next_step(triton_device):
     check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
-def test_decode_path_skips_the_journal():
-    """A decode step stages its pairs directly: ids then counts, nothing left to commit."""
+def test_decode_step_leaves_nothing_to_commit():
+    """A decode step stages its pairs (ids and counts): nothing is left for commit()."""
     bt = MultiGroupBlockTable([GroupSpec(16)], 8, 16 * 64, 8)
     step = CapturedStep(bt)
     rows = np.array([3, 1], np.int32)
@@ -323,36 +254,9 @@ def test_decode_path_skips_the_journal():
     assert out.slot_mappings[0][:3].tolist() == [9 * 16, 4 * 16 + 5, -1]
 
 
-def test_decode_stager_declines_clear_and_append_of_one_row_and_repeated_rows():
-    """A row both cleared and appended to, or appended to twice, is left to the general path
-    (-1, nothing written); a clear of another row beside the appends is staged."""
-    from blocktable.step.host import DecodeStager
-
-    bt = MultiGroupBlockTable([GroupSpec(16)], 8, 16 * 64, 8)
-    bt.apply(StepUpdate.make(1, added=[RowBlocks.from_lists([1, 2, 3], [[5], [6, 7], [8]])]))
-    bt.commit()
-    stager = DecodeStager(bt)
-    pairs = np.zeros(64, np.int32)
-
-    def decode(rows: list[int], cleared: list[int]) -> StepUpdate:
-        r = np.array(rows, np.int32)
-        return StepUpdate.make(1, cleared_rows=np.array(cleared, np.int32), appended=[
-            RowBlocks(r, np.ones(len(r), np.int32), np.arange(20, 20 + len(r), dtype=np.int32))])
-
-    before = bt.storage.host.copy()
-    for rows, cleared in (([3, 1], [1]), ([3, 1, 3], []), ([1, 1], [2])):
-        assert stager.stage(decode(rows, cleared), pairs, 32) == -1
-        np.testing.assert_array_equal(bt.storage.host, before)
-    # row 2 cleared (2 entries and its count), rows 3 and 1 gain a block (entry and count each)
-    assert stager.stage(decode([3, 1], [2]), pairs, 32) == 3 + 4
-    assert bt.tables[0].num_kernel_blocks[1:4].tolist() == [2, 0, 2]
-
-
-def test_decode_step_with_cleared_rows_takes_the_decode_path(monkeypatch, triton_device):
-    """Rows of finished requests cleared beside one-block appends: staged directly (the
-    general path is never called), with the same table and slots as the three calls."""
-    from blocktable.step import runner
-
+def test_decode_step_with_cleared_rows_matches_three_calls(triton_device):
+    """Rows of finished requests cleared beside one-block appends: the same table and slots
+    as the three calls."""
     bt, ref = make_table(triton_device, "triton"), make_table("cpu", "torch")
     step = CapturedStep(bt)
     model = Model(bt, np.random.default_rng(9))
@@ -364,10 +268,6 @@ def test_decode_step_with_cleared_rows_takes_the_decode_path(monkeypatch, triton
     step.run(StepUpdate.empty(2), np.zeros(1, np.int32), np.zeros(0, np.int64))
     ref.commit()
 
-    def general(*args):
-        raise AssertionError("the general path ran")
-
-    monkeypatch.setattr(runner, "stage_general", general)
     for _ in range(6):
         update = model.decode_with_clears()
         qsl, positions, rows, seq_lens = model.batch()
@@ -479,34 +379,6 @@ def test_bad_construction():
         CapturedStep(bt[0])  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_replay_never_synchronizes_and_matches():
-    """Graph replays issue no host-device synchronization, and the device posts each finished
-    staging copy to the pinned mailbox; results equal the three-call path's."""
-    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
-    step = CapturedStep(bt)
-    assert step.uses_mailbox and step.reads_in_place and step._graphs is not None
-    assert step.launches_through_driver == _driver_launch_possible()
-    model = Model(bt, np.random.default_rng(7))
-    steps = []
-    for i in range(12):
-        update = model.decode() if i % 4 else model.general()
-        steps.append((update, *model.batch()))
-    torch.cuda.synchronize()
-    outs = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for update, qsl, positions, rows, seq_lens in steps:
-            outs.append(step.run(update, qsl, positions, rows, seq_lens))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    for update, qsl, positions, rows, _ in steps:
-        reference_step(ref, update, qsl, positions, rows)
-    *_, (update, qsl, positions, rows, seq_lens) = steps
-    check_same(bt, ref, outs[-1], qsl, positions, rows, seq_lens)
-
-
 def run_steps_and_check(step: CapturedStep, bt: MultiGroupBlockTable, ref: MultiGroupBlockTable,
                         model: Model, num_steps: int, general_every: int) -> None:
     """``num_steps`` steps back to back on CUDA (a general update every ``general_every``-th,
@@ -518,61 +390,6 @@ def run_steps_and_check(step: CapturedStep, bt: MultiGroupBlockTable, ref: Multi
         reference_step(ref, update, qsl, positions, rows)
     torch.cuda.synchronize()
     check_same(bt, ref, out, qsl, positions, rows, seq_lens)
-
-
-def _driver_launch_possible() -> bool:
-    from blocktable._native_loader import NATIVE
-
-    return NATIVE is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
-
-
-class _CountingGraph:
-    """A captured graph whose torch replays are counted."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
-        self.graph, self.replays = graph, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.graph.replay()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_driver_launch_uses_the_current_stream_and_falls_back_to_torch():
-    """Launched through the driver, a step's graph runs on the caller's current stream (queued
-    behind that stream's work: the mailbox is not posted until it runs) and never through
-    torch's replay. With another context current (here: a wrong recorded one) the step
-    replays through torch. Both give the three-call path's results."""
-    import time
-
-    if not _driver_launch_possible():
-        pytest.skip("torch without CUDAGraph.raw_cuda_graph_exec, or no compiled extension")
-    bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
-    step = CapturedStep(bt)
-    assert step.launches_through_driver and step._graphs is not None
-    counted = [_CountingGraph(g) for g in step._graphs]
-    step._graphs = counted  # type: ignore[assignment]
-    model = Model(bt, np.random.default_rng(5))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    for i in range(6):
-        update = model.decode() if i % 3 else model.general()
-        qsl, positions, rows, seq_lens = model.batch()
-        slot = step._slot
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(100_000_000)  # ~50 ms of device time on this stream
-            out = step.run(update, qsl, positions, rows, seq_lens)
-            done = step._expect[slot]
-        time.sleep(0.005)
-        assert step._mailbox_np[slot] != done  # queued behind the sleep, not yet run
-        side.synchronize()
-        assert step._mailbox_np[slot] == done
-        reference_step(ref, update, qsl, positions, rows)
-        check_same(bt, ref, out, qsl, positions, rows, seq_lens)
-    assert sum(g.replays for g in counted) == 0
-    step._context += 16  # not the current context: graph_launch declines, torch replays
-    run_steps_and_check(step, bt, ref, model, num_steps=4, general_every=2)
-    assert sum(g.replays for g in counted) == 4
 
 
 def test_engine_captured_step_equals_three_calls():
@@ -614,20 +431,13 @@ def test_docstring_example_runs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("use_graph, mailbox, in_place", [
-    (False, True, True), (True, True, False), (False, True, False), (True, False, False),
-    (False, False, False),
-])
-def test_cuda_eager_copied_and_event_paths_match(use_graph, mailbox, in_place, monkeypatch):
-    """Eager launches instead of the graph, a copy of the staging buffer instead of reading
-    it in place, and events instead of the mailbox give the same results (many steps back to
-    back, so both staging buffers are reused while in flight)."""
-    monkeypatch.setattr(CapturedStep, "try_mailbox", mailbox)
-    monkeypatch.setattr(CapturedStep, "try_in_place", in_place)
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_cuda_graph_and_eager_steps_match(use_graph):
+    """Graph replays and eager launches give the three-call path's results, many steps back to
+    back (both staging buffers reused while in flight)."""
     bt, ref = make_table("cuda", "triton"), make_table("cpu", "torch")
     step = CapturedStep(bt, use_graph=use_graph)
-    assert step.uses_mailbox == mailbox and (step._graphs is not None) == use_graph
-    assert step.reads_in_place == in_place
+    assert (step._graphs is not None) == use_graph
     run_steps_and_check(step, bt, ref, Model(bt, np.random.default_rng(11)), num_steps=12,
                         general_every=4)
 

@@ -1,12 +1,12 @@
-"""Updates built by the allocator's journal carry facts the captured step trusts: the trusted
-path equals the fully checked path exactly, the facts cannot be made false afterwards, and
-every update without them (a user's, or a copy of a trusted one) keeps every check."""
+"""Updates from the allocator's journal are marked ``trusted``: the table skips the checks the
+producer promised (rows listed once, counts that sum to the ids) and keeps the rest (rows and
+ids in range, appends within the row's width). The captured step and the three calls (apply,
+commit, compute_slot_mapping) give the same table, device table and slots on random workloads,
+and every update without the mark keeps every check."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import pickle
 
 import numpy as np
 import pytest
@@ -15,14 +15,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-import blocktable._native_loader as loader
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
-from blocktable._native_loader import native_module
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
-from blocktable.step import CapturedStep, runner
-from blocktable.step.numpy_slots import CheckedSlots
-from blocktable.update import PackedStepUpdate
+from blocktable.step import CapturedStep
 
 ROWS, BLOCK, NUM_BLOCKS, MAX_LEN, TOKENS = 6, 4, 40, 32, 24
 
@@ -92,21 +87,7 @@ class Driver:
 
 
 def untrusted(update: StepUpdate) -> StepUpdate:
-    return dataclasses.replace(update)
-
-
-def count_general_staging(monkeypatch: pytest.MonkeyPatch) -> list[MultiGroupBlockTable]:
-    """Record each table the captured step's general staging path (``stage_general``, taken
-    when neither the decode stager nor its compiled lanes take an update) is called with."""
-    calls: list[MultiGroupBlockTable] = []
-    general = runner.stage_general
-
-    def recorded(table, *args):
-        calls.append(table)
-        return general(table, *args)
-
-    monkeypatch.setattr(runner, "stage_general", recorded)
-    return calls
+    return dataclasses.replace(update, trusted=False)
 
 
 def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
@@ -115,39 +96,25 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
     np.testing.assert_array_equal(a.slot_buffers.numpy(), b.slot_buffers.numpy())
 
 
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed, monkeypatch):
-    """Random workloads: the journal's updates through the captured step (trusted: decode steps,
+def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
+    """Random workloads: the journal's updates through the captured step (decode steps,
     admissions, rows of finished requests reused in the same step, rows gaining several blocks)
-    give the table, device table and slots of the same updates stripped of their facts
-    (checked: admissions take the general path), and of apply + commit + slot mapping."""
+    give the table, device table and slots of the same updates without the trusted mark, and
+    of apply + commit + slot mapping."""
     mgr = make_manager(groups)
     trusted_bt, checked_bt, ref = make_table(groups), make_table(groups), make_table(groups)
     trusted, checked = CapturedStep(trusted_bt), CapturedStep(checked_bt)
     driver = Driver(mgr, np.random.default_rng(seed))
-    general = count_general_staging(monkeypatch)
-    stage, stager_calls = trusted._stager.stage, []
-    trusted._stager.stage = lambda *args: stager_calls.append(args) or stage(*args)
-    # one group, compiled: the step stages packed and decode updates itself (the stager's
-    # lanes inlined) once the block sizes are checked (the first step, through the stager)
-    inlined = groups == 1 and loader.NATIVE is not None
-    decode_steps = admissions = reused_rows = multi_block = packed = 0
+    decode_steps = admissions = reused_rows = multi_block = 0
     for i in range(40):
         update = driver.step(decode_only=i % 3 != 0)
-        assert update.facts is not None
-        packed += type(update) is PackedStepUpdate and not update.__dict__.keys() & {"added"}
-        lane = type(update) is PackedStepUpdate or update.facts.appends_only
-        num_stager_calls = len(stager_calls)
+        assert update.trusted
         qsl, positions, rows = driver.batch()
         reused_rows += int(trusted_bt[0].num_kernel_blocks[update.added[0].rows].any())
-        before = general.count(trusted_bt)
         out = trusted.run(update, qsl, positions, rows)
-        # the decode stager (or its lanes inlined in the step) took every step, admissions too
-        assert general.count(trusted_bt) == before
         assert out.num_pairs >= 0
-        assert (len(stager_calls) == num_stager_calls) == (inlined and lane and i > 0)
         decode_steps += not len(update.added[0].rows)
         admissions += bool(len(update.added[0].rows))
         multi_block += bool((update.appended[0].num_manager_blocks > 1).any())
@@ -158,14 +125,10 @@ def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed, monkeyp
                                  row_of_batch=torch.from_numpy(rows))
         same(trusted_bt, checked_bt)
         same(trusted_bt, ref)
-        assert out.num_pairs >= 0
         trusted_bt.check_integrity()
     assert decode_steps >= 20 and admissions >= 5 and reused_rows >= 1 and multi_block >= 2
-    # one group, compiled: admissions come packed, staged from their one buffer
-    assert (packed >= 5) == (groups == 1 and loader.NATIVE is not None)
 
 
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 @pytest.mark.parametrize("groups", [1, 2])
 def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_device):
     """The same through the triton backend (the CUDA graph's kernels; under the interpreter
@@ -191,65 +154,12 @@ def test_trusted_steps_on_the_device_path_equal_three_calls(groups, triton_devic
         np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
 
 
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
-@pytest.mark.parametrize("groups", [1, 2])
-def test_journal_arrays_are_read_only_and_copies_lose_the_facts(groups):
-    mgr = make_manager(groups)
-    driver = Driver(mgr, np.random.default_rng(3))
-    update = driver.step(decode_only=False)
-    while not (len(update.added[0].rows) and len(update.appended[0].rows)):
-        update = driver.step(decode_only=False)
-    arrays = [update.cleared_rows, *(getattr(p, f) for p in (*update.added, *update.appended)
-                                     for f in ("rows", "num_manager_blocks", "block_ids"))]
-    for a in arrays:
-        if len(a):  # (empty parts share one empty array: nothing to write)
-            assert not a.flags.writeable
-            with pytest.raises(ValueError):
-                a[0] = 5
-            with pytest.raises(ValueError):
-                a.flags.writeable = True
-            base = a.base
-            while isinstance(base, np.ndarray):
-                with pytest.raises(ValueError):
-                    base.flags.writeable = True
-                base = base.base
-    assert update.facts is not None
-    for other in (dataclasses.replace(update), copy.copy(update), copy.deepcopy(update),
-                  pickle.loads(pickle.dumps(update))):
-        assert other.facts is None
-        np.testing.assert_array_equal(other.cleared_rows, update.cleared_rows)
-        for part in ("added", "appended"):
-            for f in ("rows", "num_manager_blocks", "block_ids"):
-                np.testing.assert_array_equal(getattr(getattr(other, part)[0], f),
-                                              getattr(getattr(update, part)[0], f))
-
-
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
-def test_the_journals_constructors_make_what_the_dataclasses_make():
-    """The journal builds its updates without the frozen dataclasses' ``__init__``: every field
-    is set, and the objects equal (and repr as) those the plain constructors make."""
-    from blocktable.update import AllocatorFacts, RowEntries, trusted_row_blocks, trusted_update
-
-    rows, num, ids = (np.array(v, np.int32) for v in ([1, 3], [1, 2], [5, 6, 7]))
-    part = trusted_row_blocks(rows, num, ids)
-    assert set(vars(part)) == {f.name for f in dataclasses.fields(RowBlocks)}
-    assert repr(part) == repr(RowBlocks(rows, num, ids))
-    facts = AllocatorFacts(4, (9,), (False,), (-1,))
-    update = trusted_update(rows[:1], (RowBlocks(),), (part,), (RowEntries(),), (4,), facts)
-    plain = StepUpdate(rows[:1], (RowBlocks(),), (part,), (RowEntries(),), (4,))
-    assert set(vars(update)) == {f.name for f in dataclasses.fields(StepUpdate)}
-    assert update == plain and repr(update) == repr(plain) and update.facts is facts
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        update.cleared_rows = rows  # type: ignore[misc]
-
-
 def _decode_update(rows: list[int], ids: list[int]) -> StepUpdate:
     r = np.array(rows, np.int32)
     return StepUpdate.make(1, appended=[RowBlocks(r, np.ones(len(r), np.int32),
                                                   np.array(ids, np.int32))])
 
 
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
 def test_bad_user_update_is_still_rejected_before_any_write():
     """Repeated rows, rows and ids out of range, counts that do not match the ids: refused
     with nothing written, in a table that has run the allocator's updates before."""
@@ -278,8 +188,7 @@ def test_bad_user_update_is_still_rejected_before_any_write():
         np.testing.assert_array_equal(bt.storage.device_tensor.numpy(), before[1])
 
 
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
-def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
+def test_table_side_bounds_are_checked_on_trusted_updates():
     """The table, not the allocator, knows its width, rows and id bound: a trusted update past
     any of them is refused with nothing written."""
     # a table narrower than the allocator's rows: an append past the row's width
@@ -295,7 +204,7 @@ def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
     mgr.append_token_ids("a", 1)
     mgr.allocate("a", 1)
     update = mgr.take_step_update()
-    assert update.facts is not None and update.facts.one_block_each == (True,)
+    assert update.trusted
     with pytest.raises(ValueError):
         step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
     np.testing.assert_array_equal(bt.storage.host, before)
@@ -312,7 +221,7 @@ def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
     mgr.append_token_ids("c", [1] * 2 * BLOCK)
     mgr.allocate("c", 2 * BLOCK)
     update = mgr.take_step_update()
-    assert update.facts is not None and update.facts.one_block_each == (False,)
+    assert update.trusted
     with pytest.raises(ValueError):
         step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
     np.testing.assert_array_equal(bt.storage.host, before)
@@ -345,7 +254,6 @@ def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
     bt = MultiGroupBlockTable([GroupSpec(BLOCK, num_blocks=num_table_blocks)], rows, MAX_LEN,
                               TOKENS)
     step = CapturedStep(bt)
-    general = count_general_staging(monkeypatch)
     reqs = list(range(rows))
     for r in reqs:
         mgr.add_request(r, [r] * BLOCK)
@@ -356,14 +264,12 @@ def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
         mgr.append_token_ids_many(reqs, [[1] * new_tokens] * rows)
         mgr.allocate_many(reqs, [new_tokens] * rows)
         update = mgr.take_step_update()
-        assert update.facts.one_block_each == (True,)
-        assert update.facts.ids_at_most[0] >= num_table_blocks  # the pool's bound
+        assert update.trusted
         assert (int(update.appended[0].block_ids.max()) < num_table_blocks) == (lap == 0)
         before = bt.storage.host.copy()
         if lap == 0:
             out = step.run(update, np.zeros(1, np.int32), np.zeros(0, np.int64))
             assert out.num_pairs == 2 * rows  # the decode path: one id and one count per row
-            assert general.count(bt) == 0
             assert (bt[0].num_kernel_blocks == 2).all()
         else:
             with pytest.raises(ValueError):
@@ -384,64 +290,14 @@ def test_table_side_bounds_are_checked_on_trusted_updates(monkeypatch):
     assert not bt.storage.host.any()
 
 
-def _random_slots_case(rng: np.random.Generator, decode: bool, odd: bool):
-    if odd:  # kernel block sizes that are not powers of two
-        bt = MultiGroupBlockTable([GroupSpec(6, num_blocks=NUM_BLOCKS),
-                                   GroupSpec(12, kernel_block_size=6, num_blocks=NUM_BLOCKS)],
-                                  ROWS, MAX_LEN, TOKENS)
-    else:
-        bt = make_table(groups=2)
-    counts = []
-    for g in range(2):
-        cap = bt[g].width // bt[g].k
-        num = rng.integers(0, cap + 1, ROWS)
-        counts.append(num)
-        rows = np.arange(ROWS, dtype=np.int32)
-        ids = rng.integers(0, NUM_BLOCKS, int(num.sum())).astype(np.int32)  # some null
-        added = [RowBlocks(rows, num.astype(np.int32), ids) if h == g else RowBlocks()
-                 for h in range(2)]
-        bt.apply(StepUpdate.make(2, added=added))
-    bt.commit()
-    num_reqs = int(rng.integers(1, ROWS + 1))
-    rows = rng.permutation(ROWS)[:num_reqs].astype(np.int32)
-    num_new = np.ones(num_reqs, np.int64) if decode else rng.integers(1, 4, num_reqs)
-    qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
-    span = bt[0].width * bt.specs[0].kernel_block_size
-    positions = rng.integers(0, span, int(num_new.sum())).astype(np.int64)
-    if rng.random() < 0.3:  # past the row's width, or negative: the general function
-        positions[rng.integers(0, len(positions))] = rng.choice([span, span + 7, -1, -9])
-    return bt, qsl, positions, rows
-
-
-@pytest.mark.usefixtures("native_mode")  # compiled loops, then numpy twins
-@pytest.mark.parametrize("odd", [False, True])
-@pytest.mark.parametrize("decode", [True, False])
-def test_checked_slots_equal_the_general_numpy_function(decode, odd):
-    """The CPU slot mapping of a checked batch reads the null block past each row's count
-    instead of comparing with the count: equal to the general function on random tables
-    (null entries inside rows, positions past counts, past widths and negative; kernel block
-    sizes that are powers of two and that are not)."""
-    rng = np.random.default_rng(5)
-    for _ in range(60):
-        bt, qsl, positions, rows = _random_slots_case(rng, decode, odd)
-        flat = bt.storage.device_tensor.numpy()
-        want = np.full((2, TOKENS), 99, np.int64)
-        got = want.copy()
-        slot_mapping_numpy(flat, bt.slot_params, qsl, positions, rows, want, ROWS)
-        CheckedSlots(flat, bt.slot_params, ROWS, TOKENS, native_module()).map(
-            qsl, positions, rows, got[:, : len(positions)], decode)
-        np.testing.assert_array_equal(got[:, : len(positions)], want[:, : len(positions)])
-
-
 class TrustedStepMachine(RuleBasedStateMachine):
     """Hypothesis drives an allocator (admissions with shared prefixes, decode and prefill
     chunks, finishes, preemptions; a sliding-window group in the two-group model) and direct
     writes to the tables behind its back, and every step's update goes through the captured
-    step as given (trusted), stripped of its facts (checked) and through apply + commit + slot
+    step as given (trusted), without the mark (checked) and through apply + commit + slot
     mapping: all three stay equal, and refuse the same updates with nothing written."""
 
     GROUPS = 1
-    NUMPY = False  # True: the captured steps use the numpy twins of the compiled loops
 
     @initialize()
     def setup(self) -> None:
@@ -453,14 +309,8 @@ class TrustedStepMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(specs, ROWS, max_model_len=MAX_LEN)
         self.tables = [MultiGroupBlockTable(table_specs, ROWS, MAX_LEN, TOKENS)
                        for _ in range(3)]
-        saved = loader.NATIVE
-        if self.NUMPY:  # the numpy twins of the compiled loops
-            loader.NATIVE = None
-        try:
-            self.trusted = CapturedStep(self.tables[0])
-            self.checked = CapturedStep(self.tables[1])
-        finally:
-            loader.NATIVE = saved
+        self.trusted = CapturedStep(self.tables[0])
+        self.checked = CapturedStep(self.tables[1])
         self.running: list[int] = []
         self.next_id = 0
 
@@ -501,8 +351,8 @@ class TrustedStepMachine(RuleBasedStateMachine):
 
     @rule(row=st.integers(0, ROWS - 1), num_blocks=st.integers(1, 40))
     def user_append(self, row: int, num_blocks: int) -> None:
-        """The user writes the tables directly (the allocator does not know): the facts say
-        nothing about the table, so a row this fills refuses the allocator's next append."""
+        """The user writes the tables directly (the allocator does not know): the trusted mark
+        says nothing about the table, so a row this fills refuses the allocator's next append."""
         errors = set()
         for table in self.tables:
             try:
@@ -516,7 +366,7 @@ class TrustedStepMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         update = self.mgr.take_step_update()
-        assert update.facts is not None
+        assert update.trusted
         rows = np.array([self.mgr.row_of(r) for r in self.running], np.int32)
         positions = np.array([self.mgr.num_tokens(r) - 1 for r in self.running], np.int64)
         qsl = np.arange(len(rows) + 1, dtype=np.int32)
@@ -530,7 +380,7 @@ class TrustedStepMachine(RuleBasedStateMachine):
 
         outcomes = []
         for run in (lambda: self.trusted.run(update, qsl, positions, rows),
-                    lambda: self.checked.run(dataclasses.replace(update), qsl, positions, rows),
+                    lambda: self.checked.run(untrusted(update), qsl, positions, rows),
                     three_calls):
             try:
                 run()
@@ -557,17 +407,3 @@ TestTrustedSteps = TrustedStepMachine.TestCase
 TestTrustedSteps.settings = _SETTINGS
 TestTwoGroupTrustedSteps = TwoGroupTrustedStepMachine.TestCase
 TestTwoGroupTrustedSteps.settings = _SETTINGS
-
-
-class NumpyTrustedStepMachine(TrustedStepMachine):
-    NUMPY = True
-
-
-class NumpyTwoGroupTrustedStepMachine(TwoGroupTrustedStepMachine):
-    NUMPY = True
-
-
-TestNumpyTrustedSteps = NumpyTrustedStepMachine.TestCase
-TestNumpyTrustedSteps.settings = _SETTINGS
-TestNumpyTwoGroupTrustedSteps = NumpyTwoGroupTrustedStepMachine.TestCase
-TestNumpyTwoGroupTrustedSteps.settings = _SETTINGS

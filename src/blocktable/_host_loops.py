@@ -64,12 +64,14 @@ def _check_rows(rows: np.ndarray, num_rows: int, part: int, unique: bool,
 
 
 def _check_blocks(rows: np.ndarray, num: np.ndarray, ids: np.ndarray, max_id: int, part: int,
-                  num_rows: int, seen: np.ndarray) -> Result:
-    res = _check_rows(rows, num_rows, part, True, seen)
+                  num_rows: int, seen: np.ndarray, trusted: bool) -> Result:
+    res = _check_rows(rows, num_rows, part, not trusted, seen)
     if res[0] != OK:
         return res
     n = len(num)
-    if n and np.count_nonzero(num == 1) == n:  # one block a row (decode steps)
+    if trusted:  # the producer promised the counts
+        total = len(ids)
+    elif n and np.count_nonzero(num == 1) == n:  # one block a row (decode steps)
         total = n
     elif n:
         if num.min() < 0:
@@ -91,20 +93,22 @@ def check_group_update(
     cleared: np.ndarray, add_rows: np.ndarray, add_num: np.ndarray, add_ids: np.ndarray,
     app_rows: np.ndarray, app_num: np.ndarray, app_ids: np.ndarray,
     null_rows: np.ndarray, null_blocks: np.ndarray, scratch: np.ndarray, seen: np.ndarray,
+    trusted: bool = False,
 ) -> Result:
     """Validate one group's part of a step update against ``counts``; writes nothing visible.
 
     ``scratch`` (int64 ``[num_rows]``) and ``seen`` (bool ``[num_rows]``, all False) are work
-    space; ``seen`` is left all False.
+    space; ``seen`` is left all False. ``trusted``: rows listed once per part and counts that
+    sum to the ids are taken as promised (see :class:`~blocktable.update.StepUpdate`).
     """
     num_rows = len(counts)
     res = _check_rows(cleared, num_rows, CLEARED, False, seen)
     if res[0] != OK:
         return res
-    res = _check_blocks(add_rows, add_num, add_ids, max_id, ADDED, num_rows, seen)
+    res = _check_blocks(add_rows, add_num, add_ids, max_id, ADDED, num_rows, seen, trusted)
     if res[0] != OK:
         return res
-    res = _check_blocks(app_rows, app_num, app_ids, max_id, APPENDED, num_rows, seen)
+    res = _check_blocks(app_rows, app_num, app_ids, max_id, APPENDED, num_rows, seen, trusted)
     if res[0] != OK:
         return res
     res = _check_rows(null_rows, num_rows, NULLED, False, seen)
@@ -374,7 +378,7 @@ def fill_staging(
 def _append_one_block(
     table: np.ndarray, counts: np.ndarray, width: int, k: int, max_id: int,
     rows: np.ndarray, num: np.ndarray, ids: np.ndarray, dirty: np.ndarray,
-    journal: np.ndarray, journal_len: np.ndarray,
+    journal: np.ndarray, journal_len: np.ndarray, trusted: bool,
 ) -> bool:
     """A decode step's update for a table at offset 0 (one group): one manager block appended to
     each of ``rows``. Writes and returns True only when every check passes; returns False,
@@ -385,12 +389,12 @@ def _append_one_block(
     n = len(rows)
     if len(ids) != n or np.count_nonzero(num == 1) != n:
         return False
-    try:
-        filled = counts.take(rows)  # raises for a row >= num_rows, so bincount stays small
-        distinct = np.count_nonzero(np.bincount(rows, minlength=len(counts)))  # raises if < 0
-    except (IndexError, ValueError):
+    if _out_of_range(rows, len(counts)):
         return False
-    if distinct != n or _out_of_range(ids, max_id) or filled.max() > width - k:
+    filled = counts.take(rows)
+    if not trusted and np.count_nonzero(np.bincount(rows, minlength=len(counts))) != n:
+        return False  # a row listed twice
+    if _out_of_range(ids, max_id) or filled.max() > width - k:
         return False
     num_runs = int(journal_len[0])
     end = num_runs + n
@@ -419,17 +423,17 @@ def check_and_write_group_update(
     cleared: np.ndarray, add_rows: np.ndarray, add_num: np.ndarray, add_ids: np.ndarray,
     app_rows: np.ndarray, app_num: np.ndarray, app_ids: np.ndarray,
     null_rows: np.ndarray, null_blocks: np.ndarray, scratch: np.ndarray, seen: np.ndarray,
-    dirty: np.ndarray, journal: np.ndarray, journal_len: np.ndarray,
+    dirty: np.ndarray, journal: np.ndarray, journal_len: np.ndarray, trusted: bool = False,
 ) -> Result:
     """:func:`check_group_update`, then (only if it passed) :func:`write_group_update`: one
     call for a one-group table's whole step."""
     if (offset == 0 and len(app_rows) and not (len(cleared) or len(add_rows) or len(null_rows))
             and _append_one_block(table, counts, width, k, max_id, app_rows, app_num, app_ids,
-                                  dirty, journal, journal_len)):
+                                  dirty, journal, journal_len, trusted)):
         return _PASS
     res = check_group_update(
         counts, width, k, max_id, cleared, add_rows, add_num, add_ids,
-        app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen,
+        app_rows, app_num, app_ids, null_rows, null_blocks, scratch, seen, trusted,
     )
     if res[0] == OK:
         write_group_update(

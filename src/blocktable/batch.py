@@ -3,8 +3,7 @@
 :func:`check_group_update` validates everything without touching the table;
 :func:`write_group_update` performs the writes. The owner checks every group before writing any,
 so a rejected :class:`~blocktable.update.StepUpdate` changes nothing in any group. Both are a
-few vectorized numpy calls (:mod:`blocktable._host_loops`): a decode step's update costs
-microseconds.
+few vectorized numpy calls (:mod:`blocktable._host_loops`).
 """
 
 from __future__ import annotations
@@ -93,12 +92,13 @@ def check_group_update(
     added: RowBlocks,
     appended: RowBlocks,
     nulled: RowEntries,
+    trusted: bool = False,
 ) -> GroupArrays:
     """Validate one group's changes against ``table``; return the arrays to write."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     code, part, i, value, bound = loops.check_group_update(  # type: ignore[call-arg]
         table.num_kernel_blocks, table.width, table.k, table.block_id_bound, *arrays,
-        table.scratch_counts, table.scratch_seen,
+        table.scratch_counts, table.scratch_seen, trusted,
     )
     if code != loops.OK:
         raise _error(table.group, code, part, i, value, bound, table.num_blocks_declared)
@@ -111,6 +111,7 @@ def apply_group_update(
     added: RowBlocks,
     appended: RowBlocks,
     nulled: RowEntries,
+    trusted: bool = False,
 ) -> None:
     """Check and apply in one call (a table with one group: nothing else to wait for)."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
@@ -118,7 +119,7 @@ def apply_group_update(
     code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
         table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
         table.block_id_bound, table.offset, *arrays, table.scratch_counts, table.scratch_seen,
-        st.dirty_rows[table.group], st.journal, st.journal_len,
+        st.dirty_rows[table.group], st.journal, st.journal_len, trusted,
     )
     if code != loops.OK:
         raise _error(table.group, code, part, i, value, bound, table.num_blocks_declared)

@@ -42,11 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blocktable", description="Paged KV-cache block tables for LLM inference."
     )
-    from blocktable._native_loader import native_module
-
-    loops = "on" if native_module() is not None else "off: numpy does their work"
-    parser.add_argument("--version", action="version",
-                        version=f"blocktable {__version__} (compiled step loops: {loops})")
+    parser.add_argument("--version", action="version", version=f"blocktable {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",

@@ -1,15 +1,17 @@
 """Incremental commit: move only what changed on the host to the device.
 
-Each commit gathers the changed entries of every group (the storage's journal of written runs)
-and their rows' counts as ``(flat index, value)`` pairs into a pinned staging buffer, then
-launches *one* scatter kernel that reads the staging buffer directly (pinned memory is mapped
-into the device's address space; where that is refused, one asynchronous copy to a device
-buffer comes first). Bytes moved are ``8 * changed entries``, not ``4 * num_reqs * width``. Two
-staging buffers alternate; a buffer is refilled only after the kernel that read it has finished
-(a CUDA event says so). When the change outgrows the staging buffer, the changed row span of
-each group is copied directly from the host table instead; host writes then wait for that copy
-(:meth:`TableStorage.before_host_write`). On the CPU the pairs are written with numpy into
-the CPU copy, on the calling thread (no torch op, so no intra-op thread pool).
+The storage journals every written run of entries and marks every touched row. A commit
+drains those changes into a staging buffer as ``(flat index, value)`` pairs (the entries and
+the touched rows' counts) and scatters them into the device table: on CUDA one asynchronous
+copy of the staging buffer and one scatter kernel, on the CPU backend a numpy ``put`` on the
+calling thread (no torch op, so no intra-op thread pool). Bytes moved are ``8 * changed
+entries``, not ``4 * num_reqs * width``. Two staging buffers alternate; a buffer is refilled
+only after the copy that read it has finished (a CUDA event says so). When the changes outgrow
+the staging buffer, the changed row span of each group is copied directly instead; host writes
+then wait for that copy (:meth:`TableStorage.before_host_write`).
+
+:meth:`Committer.stage` is the one way changes become pairs: :class:`blocktable.step.CapturedStep`
+stages into its own buffer with it, and launches the same scatter kernel from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from blocktable._host_loops import fill_staging
 from blocktable._triton import HAS_TRITON, Launcher, cdiv, tl, triton
 from blocktable.storage import TableStorage
+
+FULL = -1  # Committer.stage: the changes did not fit the buffer (nothing was drained)
 
 
 class CommitStats(NamedTuple):
@@ -43,7 +47,7 @@ class Committer:
     storage : TableStorage
         The buffers to keep in sync.
     backend : str
-        ``"triton"`` (scatter kernel) or ``"torch"`` (indexed assignment; CPU tensors).
+        ``"triton"`` (scatter kernel) or ``"torch"`` (numpy on CPU tensors).
     staging_entries : int or None
         Capacity of each staging buffer in changed entries; beyond it a commit copies row spans.
         Default: ``max(1024, num_entries // 40)``, so the two pinned staging buffers add at
@@ -60,29 +64,39 @@ class Committer:
         )
         self.capacity = int(cap)
         storage.set_journal_capacity(self.capacity)
-        pin = storage.pinned
-        # on cpu (pinned with CUDA), int32 [2, 2*capacity]: indices then values, two buffers
-        self._staging_host = torch.zeros(2, 2 * self.capacity, dtype=torch.int32, pin_memory=pin)
-        self._staging_np = self._staging_host.numpy()
-        # on device, int32 [2*capacity]; only the copy path needs it (made on first use)
-        self._staging_dev: torch.Tensor | None = None
         cuda = storage.device.type == "cuda"
+        # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
+        self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
+                                         pin_memory=storage.pinned)
+        self._staging_np = self._staging_host.numpy()
+        # on device, int32 [1 + 2*capacity]: what the scatter kernel reads (triton backend)
+        self._staging_dev = (torch.zeros(1 + 2 * self.capacity, dtype=torch.int32,
+                                         device=storage.device)
+                             if backend == "triton" else None)
         # one reusable event per staging buffer: recorded after the copy that reads it
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._in_flight = [False, False]
-        self._staging_rows = [self._staging_host[0], self._staging_host[1]]  # sliced once
-        # Pinned memory is mapped into the device's address space (unified addressing), so the
-        # scatter kernel can read the staging buffer itself: no separate copy to issue. If the
-        # platform refuses, the first commit falls back to copy + scatter for good.
-        self._zero_copy = cuda and backend == "triton"
-        self._device_index = storage.device.index or 0
-        self._stream_raw: int | None = None
-        self._stream: torch.cuda.Stream | None = None
         self._next = 0
-        # on cpu, int32 [num_entries]: the CPU "device" copy as numpy (same memory), so a CPU
-        # commit is numpy work on one thread, whatever torch's intra-op thread pool is doing
-        self._device_np = storage.device_tensor.numpy() if storage.device.type == "cpu" else None
+        self._device_np = storage.device_np
         self.last: CommitStats = _NOTHING
+
+    def stage(self, pairs: np.ndarray, capacity: int) -> int:
+        """Drain every change since the last commit into ``pairs`` (int32 ``[2 * capacity]``,
+        on cpu: the flat indices, then their values, packed) and return how many pairs; or
+        :data:`FULL`, draining nothing, when they exceed ``capacity``."""
+        st = self.storage
+        if not st.changed:
+            return 0
+        n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset, st.host,
+                         pairs, capacity)
+        if n >= 0:
+            st.changed = False  # fill_staging reset the dirty rows and the journal
+        return n
+
+    def scatter_on_host(self, pairs: np.ndarray, num_pairs: int) -> None:
+        """The CPU backend's device write of ``num_pairs`` staged pairs of ``pairs``."""
+        assert self._device_np is not None
+        self._device_np.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
 
     def commit(self) -> CommitStats:
         """Move every change since the last commit to the device (asynchronously on CUDA)."""
@@ -95,66 +109,29 @@ class Committer:
         if self._in_flight[slot] and event is not None:
             event.synchronize()  # the copy that last read this buffer must be done
         buf = self._staging_np[slot]
-        n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
-                         st.host, buf, self.capacity)
-        if n < 0:
+        n = self.stage(buf[1:], self.capacity)
+        if n == FULL:
             groups, rows = np.nonzero(st.dirty_rows)
             self.last = self._copy_spans(groups, rows)
-        else:
-            self._next ^= 1
-            self._scatter(slot, n)
-            self.last = CommitStats(n, 8 * n, False)
-            st.changed = False  # fill_staging reset the dirty rows and the journal
+            st.reset_changes()
             return self.last
-        st.reset_changes()
+        if self._device_np is not None:
+            self.scatter_on_host(buf[1:], n)
+        else:
+            assert self._staging_dev is not None
+            buf[0] = n
+            dev = self._staging_dev[: 1 + 2 * n]
+            dev.copy_(self._staging_host[slot, : 1 + 2 * n], non_blocking=True)
+            launch_scatter_pairs(st.device_tensor, dev, n)
+            if event is not None:
+                event.record()
+                self._in_flight[slot] = True
+            self._next ^= 1
+        self.last = CommitStats(n, 8 * n, False)
         return self.last
 
-    # ---- small change: staged scatter -------------------------------------------------
-    def _scatter(self, slot: int, n: int) -> None:
-        """Write the ``n`` staged pairs of buffer ``slot`` into the device table."""
-        st = self.storage
-        if self._device_np is not None:
-            buf = self._staging_np[slot]
-            self._device_np.put(buf[:n], buf[n : 2 * n])
-            return
-        if self.backend == "torch":
-            index = torch.from_numpy(self._staging_np[slot, :n].astype(np.int64))
-            st.device_tensor[index.to(st.device)] = self._staging_host[slot, n : 2 * n].to(
-                st.device
-            )
-            return
-        if not (self._zero_copy and self._scatter_from_host(slot, n)):
-            if self._staging_dev is None:
-                self._staging_dev = torch.zeros(
-                    2 * self.capacity, dtype=torch.int32, device=st.device
-                )
-            dev = self._staging_dev[: 2 * n]
-            dev.copy_(self._staging_host[slot, : 2 * n], non_blocking=True)
-            _launch_scatter(st.device_tensor, dev, n)
-        event = self._events[slot]
-        if event is not None:
-            event.record(self._current_stream())
-            self._in_flight[slot] = True
-
-    def _scatter_from_host(self, slot: int, n: int) -> bool:
-        try:
-            _launch_scatter(self.storage.device_tensor, self._staging_rows[slot], n)
-        except Exception:  # noqa: BLE001 - any refusal means: use the copy path
-            self._zero_copy = False
-            return False
-        return True
-
-    def _current_stream(self) -> torch.cuda.Stream:
-        """The current stream, without building a new Stream object on every call."""
-        index = self._device_index
-        raw = int(torch._C._cuda_getCurrentRawStream(index))
-        if raw != self._stream_raw or self._stream is None:
-            self._stream = torch.cuda.current_stream(index)
-            self._stream_raw = raw
-        return self._stream
-
-    # ---- large change: copy each group's changed row span -------------------------------
     def _copy_spans(self, groups: np.ndarray, rows: np.ndarray) -> CommitStats:
+        """The large change: copy each group's changed row span, and all counts."""
         st = self.storage
         spans = []
         for g in np.unique(groups):
@@ -180,24 +157,31 @@ class Committer:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["num_entries"], do_not_specialize_on_alignment=["staging_ptr"])
-    def _scatter_kernel(dst_ptr, staging_ptr, num_entries, BLOCK: tl.constexpr):
-        """``dst[staging[i]] = staging[num_entries + i]`` for ``i < num_entries``."""
+    @triton.jit(do_not_specialize_on_alignment=["staged_ptr"])
+    def _scatter_pairs_kernel(
+        table_ptr,  # int32 [num_entries]: the flat device table
+        staged_ptr,  # int32 [1 + 2 * max_pairs]: the pair count, indices, then values
+        BLOCK: tl.constexpr,
+    ):
+        # The count is read from memory, not passed as an argument: one launch (and one CUDA
+        # graph node) serves every step.
+        n = tl.load(staged_ptr)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < num_entries
-        index = tl.load(staging_ptr + offs, mask=mask, other=0)
-        value = tl.load(staging_ptr + num_entries + offs, mask=mask, other=0)
-        tl.store(dst_ptr + index, value, mask=mask)
+        mask = offs < n
+        index = tl.load(staged_ptr + 1 + offs, mask=mask, other=0)
+        value = tl.load(staged_ptr + 1 + n + offs, mask=mask, other=0)
+        tl.store(table_ptr + index, value, mask=mask)
+
+    _scatter_launch = Launcher(_scatter_pairs_kernel)
+
+SCATTER_BLOCK = 1024
 
 
-_SCATTER_BLOCK = 1024
-
-
-_scatter_launcher = Launcher(_scatter_kernel, dynamic=(2,)) if HAS_TRITON else None
-
-
-def _launch_scatter(dst: torch.Tensor, staging: torch.Tensor, num_entries: int) -> None:
-    if _scatter_launcher is None:
-        raise RuntimeError("the Triton commit path needs the triton package")
-    grid = (cdiv(num_entries, _SCATTER_BLOCK),)
-    _scatter_launcher(grid, dst, staging, num_entries, _SCATTER_BLOCK)
+def launch_scatter_pairs(flat_table: torch.Tensor, staged: torch.Tensor, max_pairs: int) -> None:
+    """``flat_table[index[i]] = value[i]`` for the ``staged[0]`` pairs of ``staged`` (int32 on
+    the table's device: the count, the indices, then the values); grid from ``max_pairs``."""
+    if not HAS_TRITON:
+        raise RuntimeError("the device scatter needs the triton package (CUDA builds of torch "
+                           "bring it: pip install triton)")
+    _scatter_launch((max(1, cdiv(max_pairs, SCATTER_BLOCK)),), flat_table, staged,
+                    SCATTER_BLOCK)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from blocktable._checks import as_index_array, check_count, check_index, check_positive
-from blocktable._native_loader import native_module
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer
@@ -29,17 +27,6 @@ from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
-
-if TYPE_CHECKING:
-    from blocktable.step.numpy_slots import CheckedSlots
-
-
-def _same_memory(view: object, tensor: torch.Tensor) -> bool:
-    """Whether ``view`` is a tensor of ``tensor``'s dtype and shape over the same memory (e.g.
-    another slice of one CPU buffer)."""
-    return (type(view) is torch.Tensor and view.dtype == tensor.dtype
-            and view.shape == tensor.shape and view.data_ptr() == tensor.data_ptr()
-            and view.stride() == tensor.stride())
 
 
 class MultiGroupBlockTable(AttentionViews):
@@ -125,6 +112,12 @@ class MultiGroupBlockTable(AttentionViews):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(backend, self.device)
+        if self.device.type != "cpu" and self.backend != "triton":
+            raise ValueError(
+                f"a table on {self.device.type} needs backend='triton' (its slot mapping and "
+                "commit are Triton kernels); CUDA builds of torch bring triton: pip install "
+                "triton. On the CPU, backend='torch' runs the same math with numpy"
+            )
         self.debug = debug
         widths = []
         for spec in self.specs:
@@ -162,26 +155,8 @@ class MultiGroupBlockTable(AttentionViews):
         self._encoder_placeholder = torch.zeros(
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
         )
-        self.slot_mapping_calls = 0  # compute_slot_mapping calls so far
-        # the CPU backend's compiled slot mapping of checked batches (None: not this table)
-        self._cpu_slots = self._checked_cpu_slots()
-        self._slots_np = self._slots.numpy() if self._cpu_slots is not None else None
-        self._rows_arange = np.arange(self.max_num_reqs, dtype=np.int32)
         self._gathered: dict[int, torch.Tensor] = {}  # group -> indexed-mode view buffer
         self._state_out: dict[tuple[int, int], torch.Tensor] = {}  # (group, spec) -> buffer
-
-    def _checked_cpu_slots(self) -> CheckedSlots | None:
-        """Where compute_slot_mapping may map a checked batch with the compiled loops: the CPU
-        backend (torch on cpu), debug off, the loops built, no group sharded over ranks."""
-        native = native_module()
-        if (self.device.type != "cpu" or self.backend != "torch" or self.debug
-                or native is None or not self.slot_params):
-            return None
-        from blocktable.step.numpy_slots import CheckedSlots  # (blocktable.step imports us)
-
-        checked = CheckedSlots(self.storage.device_tensor.numpy(), self.slot_params,
-                               self.max_num_reqs, self.max_num_batched_tokens, native)
-        return checked if checked.fast else None
 
     def _params(self, g: int) -> SlotGroupParams:
         spec, st = self.specs[g], self.storage
@@ -317,7 +292,7 @@ class MultiGroupBlockTable(AttentionViews):
         if n == 1 and self.tables[0] is not None:  # one group: check and write in one call
             self.storage.before_host_write()
             apply_group_update(self.tables[0], update.cleared_rows, update.added[0],
-                               update.appended[0], update.nulled[0])
+                               update.appended[0], update.nulled[0], update.trusted)
             return
         plans = []
         for g, table in enumerate(self.tables):
@@ -328,7 +303,7 @@ class MultiGroupBlockTable(AttentionViews):
             plans.append(
                 (table, check_group_update(
                     table, update.cleared_rows, update.added[g], update.appended[g],
-                    update.nulled[g],
+                    update.nulled[g], update.trusted,
                 ))
             )
         self.storage.before_host_write()
@@ -389,15 +364,12 @@ class MultiGroupBlockTable(AttentionViews):
             Per group: int64 ``[max_num_batched_tokens]`` (the persistent buffer, tail set to
             ``PAD_SLOT_ID``), or ``None`` for groups without slots.
         """
-        if self._cpu_slots is not None and not self.debug and self._map_on_cpu(
-                query_start_loc, positions, row_of_batch, query_start_loc_cpu, row_of_batch_cpu):
-            return list(self._slot_views)
-        self.slot_mapping_calls += 1  # a CapturedStep learns that the slot buffers changed
         check_slot_inputs(
             query_start_loc, positions, row_of_batch, query_start_loc_cpu, device=self.device,
             max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
             check_device_values=self.debug, row_of_batch_cpu=row_of_batch_cpu,
         )
+        self.require_committed("compute_slot_mapping")
         compute_slots(
             self.backend,
             self.storage.device_tensor,
@@ -417,43 +389,6 @@ class MultiGroupBlockTable(AttentionViews):
                 self.max_num_reqs, query_start_loc, positions, row_of_batch,
             )
         return list(self._slot_views)
-
-    def _map_on_cpu(self, qsl: object, positions: object, rows: object, qsl_cpu: object,
-                    rows_cpu: object) -> bool:
-        """The CPU backend's compute_slot_mapping in two compiled calls (the batch check, then
-        each group's slots), for the common inputs: contiguous CPU tensors of the right
-        dtypes within the capacities, no separate host copies (``query_start_loc_cpu`` may be
-        a view of ``query_start_loc``'s own memory). False, having written nothing,
-        for anything else or a batch the check refuses: the general path checks it again and
-        names the error."""
-        T = torch.Tensor
-        if not (type(qsl) is T and type(positions) is T and rows_cpu is None
-                and (qsl_cpu is None or qsl_cpu is qsl or _same_memory(qsl_cpu, qsl))
-                and qsl.dtype == torch.int32
-                and positions.dtype == torch.int64 and qsl.dim() == 1 and positions.dim() == 1
-                and qsl.device.type == "cpu" and positions.device.type == "cpu"
-                and qsl.is_contiguous() and positions.is_contiguous()):
-            return False
-        num_reqs, num_tokens = qsl.numel() - 1, positions.numel()
-        if not (0 <= num_reqs <= self.max_num_reqs and num_tokens <= self.max_num_batched_tokens):
-            return False
-        if rows is None:
-            rows_np = self._rows_arange[:num_reqs]
-        elif (type(rows) is T and rows.dtype == torch.int32 and rows.shape == (num_reqs,)
-              and rows.device.type == "cpu" and rows.is_contiguous()):
-            rows_np = rows.numpy()
-        else:
-            return False
-        checked, out = self._cpu_slots, self._slots_np
-        assert checked is not None and checked.native is not None and out is not None
-        q, pos = qsl.numpy(), positions.numpy()
-        code = checked.native.check_batch(q, rows_np, num_tokens, self.max_num_reqs)
-        if code < 0:
-            return False
-        self.slot_mapping_calls += 1  # a CapturedStep learns that the slot buffers changed
-        out[:, num_tokens:] = PAD_SLOT_ID
-        checked.map(q, pos, rows_np, out, code == 1)
-        return True
 
     @property
     def slot_buffers(self) -> torch.Tensor:

@@ -56,6 +56,10 @@ class TableStorage:
         self.device_tensor = torch.zeros(  # on device, int32 [num_entries]
             self.num_entries, dtype=torch.int32, device=device
         )
+        # the CPU backend's device copy as numpy (same memory; None on an accelerator): its
+        # writes are numpy work on the calling thread, whatever torch's thread pool is doing
+        self.device_np: np.ndarray | None = (
+            self.device_tensor.numpy() if device.type == "cpu" else None)
         # What changed since the last commit: the rows (for counts and checks) and a journal of
         # the flat indices written (may repeat an index). When the journal overflows
         # (``journal_len[0] == -1``) the commit copies each group's changed row span instead.

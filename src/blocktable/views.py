@@ -58,6 +58,16 @@ class AttentionViews:
             raise ValueError(f"group {group} is encoder-only and has no table")
         return table
 
+    def require_committed(self, what: str) -> None:
+        """Raise when the host rows changed since the last :meth:`commit`: ``what`` would read
+        a device table that does not hold them yet."""
+        if self.storage.changed:
+            raise RuntimeError(
+                f"{what} reads the device table, but rows changed on the host since the last "
+                "commit(): call table.commit() after the step's row operations (add_row, "
+                "append_row, apply, ...) and before slot mapping or attention views"
+            )
+
     def device_view(self, group: int, num_reqs: int, num_reqs_padded: int | None = None) -> torch.Tensor:
         """int32 ``[num_reqs_padded, width]`` committed device table of ``group`` (condensed mode).
 
@@ -79,6 +89,7 @@ class AttentionViews:
                     f"pad row {row} in [num_reqs={num_reqs}, num_reqs_padded={padded}) of group "
                     f"{group} is not an empty committed row; clear it (clear_row) and commit"
                 )
+        self.require_committed("device_view")
         return self.storage.device_table(group)[:padded]
 
     def gather_view(
@@ -105,6 +116,7 @@ class AttentionViews:
         padded = self._padded(num_reqs, num_reqs_padded)
         check_row_of_batch(row_of_batch, row_of_batch_cpu, num_reqs=num_reqs,
                            max_num_reqs=self.max_num_reqs, device=self.device, debug=self.debug)
+        self.require_committed("gather_view")
         return self._gather(group, row_of_batch, padded)
 
     def _gather(self, group: int, row_of_batch: torch.Tensor, padded: int) -> torch.Tensor:
@@ -158,6 +170,7 @@ class AttentionViews:
             out = torch.zeros(self.max_num_reqs, 1 + num_speculative_blocks, dtype=torch.int32,
                               device=self.device)
             self._state_out[key] = out
+        self.require_committed("state_indices")
         gather_state_indices(
             self.storage.device_table(group), self.storage.device_counts(group), seq_lens,
             table.spec.kernel_block_size, row_of_batch, out[:padded],
@@ -201,6 +214,7 @@ class AttentionViews:
                                       max_num_reqs=self.max_num_reqs, device=self.device,
                                       debug=self.debug)
         padded = self._padded(num_reqs, num_reqs_padded)
+        self.require_committed("build_metadata")
         out: list[AttentionMetadata] = []
         common: AttentionMetadata | None = None
         for g in range(self.num_groups):

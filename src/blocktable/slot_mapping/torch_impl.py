@@ -5,13 +5,17 @@ the CPU tensors (``tensor.numpy()`` shares memory) rather than with torch ops: a
 mapping is a few dozen small element-wise ops, and torch would hand each to its intra-op thread
 pool, whose wake-ups cost more than the work (on a busy 2-core machine a 256-token mapping took
 milliseconds instead of microseconds). numpy runs them on the calling thread, so the cost does
-not depend on ``torch.get_num_threads()``. CUDA tensors take the same math through torch ops.
+not depend on ``torch.get_num_threads()``. Tables on an accelerator use the Triton kernel.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
+
+from blocktable import _compiled_loader as _loader
 
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.slot_mapping.params import SlotGroupParams
@@ -56,9 +60,8 @@ def slot_mapping_torch(
     if max_num_reqs is None:
         max_num_reqs = _rows_from_layout(params, flat_table.numel())
     if flat_table.device.type != "cpu":
-        _slot_mapping_device(flat_table, params, query_start_loc, positions, row_of_batch, out,
-                             max_num_reqs)
-        return
+        raise ValueError("the numpy slot mapping runs on CPU tensors; on an accelerator the "
+                         "table uses its Triton kernel")
     slot_mapping_numpy(
         flat_table.numpy(), params, query_start_loc.numpy(), positions.numpy(),
         None if row_of_batch is None else row_of_batch.numpy(), out.numpy(), max_num_reqs,
@@ -106,7 +109,16 @@ def slot_mapping_numpy(
     out: np.ndarray,
     max_num_reqs: int,
 ) -> None:
-    """:func:`slot_mapping_torch` on numpy arrays (same shapes and dtypes), on one thread."""
+    """:func:`slot_mapping_torch` on numpy arrays (same shapes and dtypes), on one thread.
+
+    Where the package's compiled part is built, a batch with a well-formed ``query_start_loc``
+    and contiguous arrays is mapped by it, one call per group (same results).
+    """
+    compiled = _loader.COMPILED
+    if (compiled is not None and _contiguous(flat_table, qsl, positions, rows_of_batch)
+            and _map_compiled(compiled, flat_table, params, qsl, positions, rows_of_batch, out,
+                              max_num_reqs)):
+        return
     num_tokens = len(positions)
     out[:, num_tokens:] = PAD_SLOT_ID
     if num_tokens == 0 or len(qsl) < 2 or max_num_reqs <= 0:
@@ -119,6 +131,24 @@ def slot_mapping_numpy(
         pos = np.maximum(pos, 0)
     for g, p in enumerate(params):
         _group_slots(flat_table, p, max_num_reqs, rows, pos, no_slot, out[g, :num_tokens])
+
+
+def _contiguous(*arrays: np.ndarray | None) -> bool:
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
+def _map_compiled(compiled: ModuleType, flat_table: np.ndarray, params: list[SlotGroupParams],
+                  qsl: np.ndarray, positions: np.ndarray, rows_of_batch: np.ndarray | None,
+                  out: np.ndarray, max_num_reqs: int) -> bool:
+    """The compiled slot mapping of every group; False (nothing written) for a batch it leaves
+    to numpy (a ``query_start_loc`` that is not well formed)."""
+    for g, p in enumerate(params):
+        if compiled.map_slots(flat_table, p.table_offset, p.width, p.counts_offset,
+                              max_num_reqs, p.kernel_block_size, p.manager_block_size,
+                              p.cp_world_size, p.cp_rank, p.cp_interleave, qsl, positions,
+                              rows_of_batch, out[g]) < 0:
+            return False  # (decided by the batch alone: the first group wrote nothing)
+    return True
 
 
 def _group_slots(
@@ -157,53 +187,3 @@ def _group_slots(
     np.multiply(block_id, kbs, out=out)
     out += offset
     np.putmask(out, no_slot, PAD_SLOT_ID)
-
-
-def _slot_mapping_device(
-    flat_table: torch.Tensor,
-    params: list[SlotGroupParams],
-    query_start_loc: torch.Tensor,
-    positions: torch.Tensor,
-    row_of_batch: torch.Tensor | None,
-    out: torch.Tensor,
-    max_num_reqs: int,
-) -> None:
-    """The same math with torch ops, for tensors on an accelerator (``backend="torch"``)."""
-    out.fill_(PAD_SLOT_ID)
-    num_tokens = positions.numel()
-    num_reqs = query_start_loc.numel() - 1
-    if num_tokens == 0 or num_reqs <= 0 or max_num_reqs <= 0:
-        return
-    device = positions.device
-    tokens = torch.arange(num_tokens, device=device, dtype=torch.int64)
-    qsl = query_start_loc.to(torch.int64)
-    req = torch.searchsorted(qsl[1:], tokens, right=True)
-    valid = (req < num_reqs) & (tokens >= qsl[0])
-    req = req.clamp(max=num_reqs - 1)
-    row = req if row_of_batch is None else row_of_batch.to(torch.int64)[req]
-    valid &= (row >= 0) & (row < max_num_reqs)
-    row = torch.where(valid, row, 0)
-    pos = positions.clamp(min=0)
-    valid &= positions >= 0
-    for g, p in enumerate(params):
-        if p.cp_world_size == 1:
-            owned = valid.clone()
-            local = pos
-            block_index = pos // p.kernel_block_size
-        else:
-            virtual_block_size = p.manager_block_size * p.cp_world_size
-            v = pos % virtual_block_size
-            owned = valid & ((v // p.cp_interleave) % p.cp_world_size == p.cp_rank)
-            local = (v // (p.cp_world_size * p.cp_interleave)) * p.cp_interleave + (
-                v % p.cp_interleave
-            )
-            block_index = (pos // virtual_block_size) * p.blocks_per_manager_block + local // (
-                p.kernel_block_size
-            )
-        num_filled = flat_table[p.counts_offset + row].to(torch.int64)
-        owned &= block_index < num_filled
-        block_index = block_index.clamp(max=p.width - 1)
-        block_id = flat_table[p.table_offset + row * p.width + block_index].to(torch.int64)
-        owned &= block_id != NULL_BLOCK_ID
-        slot = block_id * p.kernel_block_size + local % p.kernel_block_size
-        out[g, :num_tokens] = torch.where(owned, slot, PAD_SLOT_ID)

@@ -1,7 +1,6 @@
 """The block-table part of an engine step, captured once and replayed (:class:`CapturedStep`).
 
-``layout`` describes the pinned staging buffer, ``host`` applies a step's update and stages its
-changed entries, ``kernels`` holds the device-side scatter, ``runner`` the step object.
+``layout`` describes the staging buffer, ``runner`` the step object.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""The layout of a captured step's staging buffer: one int32 buffer the device reads in place
-(or copies whole, where it cannot read pinned host memory).
+"""The layout of a captured step's staging buffer: one int32 buffer, copied whole to the device.
 
 ::
 
-    [ header : 4 | pairs : 2P | qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T ]
+    [ num_pairs : 1 | pairs : 2P | qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T ]
 
-``header`` = (number of staged pairs ``n``, step sequence number, staging slot, batch words:
-how many words from ``qsl`` on the step's device work reads, positions up to ``num_tokens``).
-``pairs`` holds the commit's ``n`` flat table indices, then their ``n`` values (packed: the
-values start at ``pairs + n``). ``qsl`` is padded past the batch with ``num_tokens``, so the
-padding requests own no token. ``positions`` is int64 (int32 pairs), at an even word offset.
-``P`` = most staged pairs, ``R`` = most requests, ``T`` = most tokens per step.
+``pairs`` holds the step's ``num_pairs`` changed flat table indices, then their values (packed:
+the values start at ``pairs + num_pairs``): the same pairs :meth:`MultiGroupBlockTable.commit`
+moves. ``qsl`` is padded past the batch with ``num_tokens``, so the padding requests own no
+token. ``positions`` is int64 (int32 pairs), at an even word offset. ``P`` = most staged pairs,
+``R`` = most requests, ``T`` = most tokens per step.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HEADER_WORDS = 4
-NUM_PAIRS, SEQ, SLOT, BATCH_WORDS = 0, 1, 2, 3  # header fields
+NUM_PAIRS = 0  # the header's one word
+HEADER_WORDS = 1
 
 
 @dataclass(frozen=True)
@@ -55,11 +53,6 @@ class StepLayout:
     @property
     def num_words(self) -> int:
         return self.positions + 2 * self.max_num_tokens
-
-    def batch_words(self, num_tokens: int) -> int:
-        """Words from ``qsl`` to the end of ``num_tokens`` positions: what a step's batch
-        occupies (the whole ``qsl``, ``rows`` and ``seq_lens``, padding included)."""
-        return self.positions - self.qsl + 2 * num_tokens
 
 
 class StagingViews:
