@@ -51,6 +51,9 @@ def test_block_table_slots_follow_vllm_formula() -> None:
 
 
 def test_native_block_table_refuses_vllm_positional_form() -> None:
+    # docs/porting_from_vllm.md quotes this message for vLLM's eight positional arguments
+    with pytest.raises(TypeError, match="takes 3 positional arguments but 9 were given"):
+        blocktable.BlockTable(16, 4, 16, 64, False, "cpu", 16, 1)
     with pytest.raises(TypeError, match="positional argument"):
         blocktable.BlockTable(16, 4, 16, 64)
     bt = blocktable.BlockTable(16, 4, max_model_len=256, max_num_batched_tokens=64)
