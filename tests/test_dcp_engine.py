@@ -206,10 +206,15 @@ def test_engine_equals_one_process_and_generate(job: Any, model: torch.nn.Module
         _assert_every_path_ran(run, world, per_rank)
 
 
+# The Triton-path run is in one job only (see _runs_for); the others are not asked for.
+TRITON_JOBS = [j for j in JOBS if j == (2, TRITON_DEVICE)]
+
+
+@pytest.mark.parametrize("job", TRITON_JOBS, indirect=True,
+                         ids=[f"{d}-world{w}" for w, d in TRITON_JOBS])
 def test_gpu_code_path(job: Any, model: torch.nn.Module) -> None:
     world, results = job
-    if len(results[0][1]) == len(RUNS[world]):
-        pytest.skip("the Triton-path run is in the world-2 job on TRITON_DEVICE")
+    assert len(results[0][1]) == len(RUNS[world]) + 1
     per_rank = [res[len(RUNS[world])] for _, res in results]
     driver = per_rank[0]
     checks = verify_requests(model, driver.requests)
