@@ -380,6 +380,10 @@ def main() -> int:
     write_json(args.json, rows, meta)
     print_summary(rows)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    wrong = [r for r in rows if r.note.startswith("WRONG")]
+    if wrong:
+        print(f"FAILED: {len(wrong)} rows with a wrong result", file=sys.stderr)
+        return 1
     return 0
 
 
