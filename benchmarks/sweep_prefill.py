@@ -293,7 +293,8 @@ def warm(names: list[str], timeout_s: float, smoke: bool) -> dict[str, str]:
             continue
         if proc.returncode != 0:
             tail = " | ".join(out.strip().splitlines()[-2:])
-            failed[n] = f"probe rc {proc.returncode}: {tail}"[:200]
+            wrong = "WRONG: " if proc.returncode == 3 else ""  # probe(): a wrong result
+            failed[n] = f"{wrong}probe rc {proc.returncode}: {tail}"[:200]
     return failed
 
 
