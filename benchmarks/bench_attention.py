@@ -1,10 +1,12 @@
 """Time blocktable's Triton paged attention beside FlashInfer and torch's SDPA on one GPU.
 
 bf16, 32 query / 8 KV heads, head dim 128, page 16. Cases: decode (one query per request, from
-a CUDA graph and eagerly, host work included in eager), causal prefill (TFLOP/s counted exactly
-from the causal mask), and a mixed step (255 decodes + one 7937-token chunk over a 4096-token
-cached prefix) against the sum of its two parts run separately. Every case is checked against
-a float32 torch computation on a few sampled requests before it is timed. FlashInfer (when
+a CUDA graph, and "eager": ``triton.testing.do_bench``, i.e. CUDA events around one call after
+an L2 flush, device time that includes host work only where the GPU waits for it), causal
+prefill (TFLOP/s counted exactly from the causal mask), and a mixed step (255 decodes + one
+7937-token chunk over a 4096-token cached prefix) against the sum of its two parts run
+separately. Every case is checked against a float32 torch computation on a few sampled
+requests before it is timed; an error above the tolerance makes the script exit 1. FlashInfer (when
 importable) reads blocktable's own CSR export; its ``plan()`` runs outside the timed region.
 ``--tune`` also times a small grid of kernel configurations per case and prints the best.
 ``--smoke`` runs tiny shapes on the CPU under Triton's interpreter (no timing).

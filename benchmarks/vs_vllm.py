@@ -477,7 +477,8 @@ def git_commit() -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"vLLM {result['vllm']} beside blocktable {result['commit'][:10]}, {result['machine']}, "
-        f"{result['date']}, clock: {result['clock']}; medians (p10-p90)",
+        f"{result['date']}, clock: {result['clock']}, torch threads: {result['torch_threads']}; "
+        "medians (p10-p90)",
         "",
         "| row | unit | vLLM | blocktable | vLLM / blocktable |",
         "|---|---|---|---|---|",
@@ -516,8 +517,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: this process's CPU time (less disturbed on a shared machine)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a shared machine, a 2-thread "
+                        "copy of a few MiB waits for a busy core and takes milliseconds)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    torch.set_num_threads(args.torch_threads)
     args.steps = args.steps or (300 if args.quick else 1000)
     args.warmup = args.warmup if args.warmup is not None else (30 if args.quick else 50)
     args.long_reps = args.long_reps or (5 if args.quick else 15)
@@ -533,6 +538,7 @@ def main() -> int:
         "torch": torch.__version__,
         "vllm": args.vllm_version,
         "clock": args.clock,
+        "torch_threads": args.torch_threads,
         "scenario": {k: getattr(args, k) for k in ("steps", "warmup", "long_reps",
                                                    "long_prompt_len", "num_reqs", "num_blocks",
                                                    "block_size", "seed")},
