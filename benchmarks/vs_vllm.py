@@ -212,7 +212,7 @@ class BlocktableAllocator:
         return self.mgr.num_free_blocks()
 
 
-def run_allocator_step(side: Any, events: StepEvents, prompts: list[list[int]],
+def run_allocator_step(side: Any, events: StepEvents, prompts: list[Any],
                        sampled: list[list[int]], block_size: int, clock: Callable[[], int],
                        ) -> tuple[dict[str, float], list[int], list[int], list[int]]:
     """One scheduling step on one side; phase times in ms, hits, scheduled ids and counts."""
@@ -374,14 +374,14 @@ def allocator_run(v: types.SimpleNamespace, args: argparse.Namespace, hash_mode:
         ops = [("add", per_call.block_ids(r), per_call.mgr.row_of(r)) for r in events.new_ids]
         ops += [("append", per_call.block_ids(r)[-1:], per_call.mgr.row_of(r))
                 for r in events.decoding]
-        ms = tables.run(ops, per_call.update, args.num_reqs, clock, step)
+        table_ms = tables.run(ops, per_call.update, args.num_reqs, clock, step)
         rows = {per_call.mgr.row_of(r): per_call.block_ids(r)
                 for r in events.new_ids + events.decoding}
         tables.check(rows, f"step {step}")
         slot_ms = slot_mapping_step(tables.calls, per_call, workload, events, bs, clock, step)
         if step >= args.warmup:
-            for name, value in ms.items():
-                table_times[name].append(value)
+            for name, pair in table_ms.items():
+                table_times[name].append(pair)
             for name, value in slot_ms.items():
                 slot_times[name].append(value)
 
@@ -415,6 +415,7 @@ def slot_mapping_step(table: MultiGroupBlockTable, side: BlocktableAllocator,
         t0 = clock()
         slots = table.compute_slot_mapping(qsl_t, pos_t, row_of_batch=rows_t)[0]
         out[name] = (clock() - t0) / 1e6
+        assert slots is not None
         expected = slot_reference(host, rows, qsl, positions, bs)
         check(slots[: len(positions)].numpy().tolist() == expected.tolist(),
               f"step {step}: {name} slot mapping != the formula")
@@ -453,7 +454,7 @@ def long_prompt_run(v: types.SimpleNamespace, args: argparse.Namespace, hash_mod
 
 
 # ---------------------------------------------------------------------------------- output
-def stats(values: list[float]) -> dict[str, float]:
+def stats(values: list[float]) -> dict[str, Any]:
     a = np.asarray(values)
     return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
             "p90": float(np.percentile(a, 90)), "n": int(a.size),
@@ -466,6 +467,15 @@ def row(name: str, unit: str, ours: list[float], theirs: list[float] | None,
     t = stats(theirs) if theirs else None
     return {"name": name, "unit": unit, "blocktable": b, "vllm": t,
             "ratio": t["median"] / b["median"] if t else None, **extra}
+
+
+def _split(times: list[tuple[float, float]]) -> dict[str, float]:
+    return {"rows": float(np.median([a for a, _ in times])),
+            "commit": float(np.median([b for _, b in times]))}
+
+
+def _total(times: list[tuple[float, float]]) -> list[float]:
+    return [a + b for a, b in times]
 
 
 def step_totals(phases: dict[str, list[float]]) -> list[float]:
@@ -481,16 +491,17 @@ def git_commit() -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    title = (f"vLLM {result['vllm']} beside blocktable {result['commit'][:10]}, "
+             f"{result['machine']}, {result['date']}, clock: {result['clock']}, torch threads: "
+             f"{result['torch_threads']}; medians (p10-p90)")
     lines = [
-        f"vLLM {result['vllm']} beside blocktable {result['commit'][:10]}, {result['machine']}, "
-        f"{result['date']}, clock: {result['clock']}, torch threads: {result['torch_threads']}; "
-        "medians (p10-p90)",
+        title,
         "",
         "| row | unit | vLLM | blocktable | vLLM / blocktable |",
         "|---|---|---|---|---|",
     ]
 
-    def cell(s: dict[str, float] | None) -> str:
+    def cell(s: dict[str, Any] | None) -> str:
         if s is None:
             return "n/a"
         return f"{s['median']:.3g} ({s['p10']:.3g}-{s['p90']:.3g})"
@@ -499,9 +510,9 @@ def markdown(result: dict[str, Any]) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else r.get("note", "n/a")
         lines.append(f"| {r['name']} | {r['unit']} | {cell(r['vllm'])} | {cell(r['blocktable'])} "
                      f"| {ratio} |")
-    lines += ["", "by phase, medians in ms (vLLM caches blocks inside allocate; step output: "
-              "vLLM get_block_ids, blocktable take_step_update)", "",
-              "| row | side | phases |", "|---|---|---|"]
+    phase_title = ("by phase, medians in ms (vLLM caches blocks inside allocate; step output: "
+                   "vLLM get_block_ids, blocktable take_step_update)")
+    lines += ["", phase_title, "", "| row | side | phases |", "|---|---|---|"]
     for r in result["rows"]:
         for side, phases in r.get("phases_ms", {}).items():
             lines.append(f"| {r['name']} | {side} | "
@@ -570,20 +581,14 @@ def main() -> int:
                                            "blocktable": phase_medians[api]}))
             if run["tables"] is not None:
                 t = run["tables"]
-
-                def split(name: str) -> dict[str, float]:
-                    return {"rows": float(np.median([a for a, _ in t[name]])),
-                            "commit": float(np.median([b for _, b in t[name]]))}
-
-                def total(name: str) -> list[float]:
-                    return [a + b for a, b in t[name]]
-
                 rows.append(row("table rows + commit, per call (add_row/append_row)", "ms",
-                                total("calls"), total("vllm"),
-                                phases_ms={"vllm": split("vllm"), "blocktable": split("calls")}))
+                                _total(t["calls"]), _total(t["vllm"]),
+                                phases_ms={"vllm": _split(t["vllm"]),
+                                           "blocktable": _split(t["calls"])}))
                 rows.append(row("table rows + commit, batched apply(StepUpdate)", "ms",
-                                total("applied"), total("vllm"),
-                                phases_ms={"vllm": split("vllm"), "blocktable": split("applied")}))
+                                _total(t["applied"]), _total(t["vllm"]),
+                                phases_ms={"vllm": _split(t["vllm"]),
+                                           "blocktable": _split(t["applied"])}))
                 note = "vLLM: Triton kernel only, no CPU path"
                 rows.append(row(f"CPU slot mapping, decode {args.num_reqs} x 1", "ms",
                                 run["slots"]["decode"], None, note=note))

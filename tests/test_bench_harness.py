@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from allocator_workload import AllocatorWorkload  # noqa: E402
-from vllm_shim import Stub, StubBase  # noqa: E402
+from allocator_workload import AllocatorWorkload
+from vllm_shim import Stub, StubBase
 
 
 def _env() -> dict[str, str]:
@@ -83,7 +83,7 @@ def test_hook_runs_real_modules_and_stubs_the_rest(tmp_path: Path) -> None:
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=_env(), timeout=120)
+                         env=_env(), timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -155,7 +155,8 @@ def test_side_by_side_tiny_run(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "vs_vllm.py"), "--steps", "3", "--warmup", "1",
            "--long-reps", "1", "--long-prompt-len", "4096", "--num-reqs", "96",
            "--num-blocks", "16000", "--json", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300,
+                         check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     import json
 
