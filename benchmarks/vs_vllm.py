@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -56,6 +57,11 @@ import torch
 from allocator_workload import AllocatorWorkload, StepEvents
 from vllm_shim import load_vllm
 
+# the checkout's own code, whose commit the results name (not another installed copy)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import blocktable
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 
@@ -482,6 +488,16 @@ def step_totals(phases: dict[str, list[float]]) -> list[float]:
     return [sum(v) for v in zip(*phases.values())]
 
 
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.node()}, {model}, {len(os.sched_getaffinity(0))} CPUs"
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -548,12 +564,15 @@ def main() -> int:
     args.long_reps = args.long_reps or (5 if args.quick else 15)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
+    if Path(blocktable.__file__).resolve().parents[1] != REPO / "src":
+        print(f"FAILED: blocktable imported from {blocktable.__file__}, not from {REPO / 'src'}",
+              file=sys.stderr)
+        return 1
     v = load_vllm(args.vllm_version)
     result: dict[str, Any] = {
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip()
-        + f", {len(__import__('os').sched_getaffinity(0))} CPUs",
+        "machine": machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": args.vllm_version,
