@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from allocator_workload import AllocatorWorkload
 from floors import format_floors, measure_floors
+from run_info import run_info
 
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
@@ -340,6 +341,7 @@ def main() -> None:
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
     result: dict[str, object] = {
+        **run_info(),
         "scenario": vars(args) | {"json": None},
         "host": platform.processor() or platform.machine(),
         "python": platform.python_version(),

@@ -40,11 +40,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 import types
@@ -55,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 from allocator_workload import AllocatorWorkload, StepEvents
+from run_info import run_info
 from vllm_shim import load_vllm
 
 # the checkout's own code, whose commit the results name (not another installed copy)
@@ -488,24 +485,6 @@ def step_totals(phases: dict[str, list[float]]) -> list[float]:
     return [sum(v) for v in zip(*phases.values())]
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.node()}, {model}, {len(os.sched_getaffinity(0))} CPUs"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def markdown(result: dict[str, Any]) -> str:
     title = (f"vLLM {result['vllm']} beside blocktable {result['commit'][:10]}, "
              f"{result['machine']}, {result['date']}, clock: {result['clock']}, torch threads: "
@@ -570,11 +549,7 @@ def main() -> int:
         return 1
     v = load_vllm(args.vllm_version)
     result: dict[str, Any] = {
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_info(),
         "vllm": args.vllm_version,
         "clock": args.clock,
         "torch_threads": args.torch_threads,
