@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from run_info import run_info
+
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -383,7 +385,7 @@ def write_json(path: str | None, rows: list[Row], device: str) -> None:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "torch": torch.__version__, "triton": triton.__version__,
                 "flashinfer": getattr(flashinfer, "__version__", None)}
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 def main() -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from run_info import run_info
 
 from blocktable.context_parallel.launch import run_ranks
 
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
           f"graph {fmt(r0.get('shard_attention_graph_us'), ' us')}; target: DCP / single <= 0.6")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"case": asdict(case), "world": args.world, "summary": lines,
+            json.dump({"run": run_info(), "case": asdict(case), "world": args.world, "summary": lines,
                        "ranks": results}, f, indent=2)
     failed = [ln["pattern"] for ln in lines
               if "skipped" not in ln and not ln["max_abs_error"] <= MAX_ABS_ERROR]

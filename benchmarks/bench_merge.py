@@ -32,6 +32,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from run_info import run_info
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
@@ -248,7 +250,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         meta = {"device": dev, "world": args.world, "heads": args.heads,
                 "head_dim": args.head_dim, "dtype": args.dtype, "torch": torch.__version__,
                 "calls_per_timing": args.calls, "repeats": args.repeats}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"run": run_info(), "meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from run_info import run_info
 
 from blocktable.attention.launch import CPLayout, KernelConfig, launch_paged_attention
 
@@ -297,7 +298,7 @@ def main() -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"run": run_info(), "meta": meta, "rows": rows}, f, indent=1)
     if wrong:
         print(f"FAILED: wrong results: {wrong}", file=sys.stderr)
         return 1

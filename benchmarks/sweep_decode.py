@@ -47,6 +47,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from run_info import run_info
+
 if "--smoke" in sys.argv or "--host-cpu" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -375,7 +377,7 @@ def write_json(path: str, rows: list[Row], device: str) -> None:
     with open(path, "w") as f:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "torch": torch.__version__, "triton": triton.__version__}
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from run_info import run_info
+
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -301,7 +303,7 @@ def warm(names: list[str], timeout_s: float, smoke: bool) -> dict[str, str]:
 def write_json(path: str | None, rows: list[Row], meta: dict[str, object]) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 from bench_step import BLOCK, batch, build_table, decode_updates, scenarios, time_graph_us
+from run_info import run_info
 
 from blocktable import GroupSpec
 from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
@@ -129,7 +130,7 @@ def main():
         tune(rng, out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump({"run": run_info(), **out}, f, indent=2)
 
 
 if __name__ == "__main__":
