@@ -31,11 +31,12 @@ import platform
 import pstats
 import statistics
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
+from allocator_workload import AllocatorWorkload
 from floors import format_floors, measure_floors
+from run_info import run_info
 
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
@@ -105,9 +106,17 @@ class PhaseProfile:
 
 
 def run_steps(args: argparse.Namespace) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
     bs = args.block_size
-    shared = rng.integers(0, 32000, args.shared_prefix_len)
+    workload = AllocatorWorkload(
+        num_reqs=args.num_reqs,
+        block_size=bs,
+        prompt_len=args.prompt_len,
+        shared_prefix_len=args.shared_prefix_len,
+        arrivals=args.arrivals,
+        decode_blocks=args.decode_blocks,
+        seed=args.seed,
+        token_format=args.token_format,
+    )
     mgr = KVCacheManager(
         [AllocatorGroupSpec(block_size=bs, num_blocks=args.num_blocks)],
         max_num_reqs=args.num_reqs,
@@ -117,47 +126,21 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     table = MultiGroupBlockTable(
         [GroupSpec(bs, num_blocks=args.num_blocks)], args.num_reqs, max_model_len, 8192, "cpu"
     )
-    next_id = 0
-    arrivals_made = 0
     batched = args.api == "batched"
     profile = PhaseProfile() if args.profile else None
 
-    def new_prompt() -> list[int] | np.ndarray:
-        nonlocal arrivals_made
-        arrivals_made += 1
-        if arrivals_made % 2:
-            prompt = np.concatenate((shared, rng.integers(0, 32000, args.prompt_len - len(shared))))
-        else:
-            prompt = rng.integers(0, 32000, args.prompt_len)
-        return prompt.tolist() if args.token_format == "list" else prompt
-
-    running: deque[int] = deque()  # oldest first
-    decode_cursor: deque[int] = deque()
     times: dict[str, list[float]] = {name: [] for name in (*STEP_PHASES, "table_apply")}
-    for _ in range(args.num_reqs):  # fill the batch
-        prompt = new_prompt()
-        hit = mgr.add_request(next_id, prompt)
-        mgr.allocate(next_id, len(prompt) - hit)
-        mgr.mark_computed(next_id, len(prompt) - hit)
-        running.append(next_id)
-        decode_cursor.append(next_id)
-        next_id += 1
+    for req_id, prompt in workload.fill():
+        hit = mgr.add_request(req_id, prompt)
+        mgr.allocate(req_id, len(prompt) - hit)
+        mgr.mark_computed(req_id, len(prompt) - hit)
     table.apply(mgr.take_step_update())
 
     for step in range(args.warmup + args.steps):
         t: dict[str, int] = {}
-        finished = [running.popleft() for _ in range(args.arrivals)]
-        finished_set = set(finished)
-        decode_cursor = deque(r for r in decode_cursor if r not in finished_set)
-        prompts = [new_prompt() for _ in range(args.arrivals)]
-        new_ids = list(range(next_id, next_id + args.arrivals))
-        next_id += args.arrivals
-        decoding = []
-        for _ in range(args.decode_blocks):
-            req_id = decode_cursor.popleft()
-            decode_cursor.append(req_id)
-            decoding.append(req_id)
-        sampled = rng.integers(0, 32000, (len(decoding), bs))
+        events = workload.next_step()
+        finished, new_ids, prompts = events.finished, events.new_ids, events.prompts
+        decoding, sampled = events.decoding, events.sampled
 
         t0 = clock()
         if profile is not None and step >= args.warmup:
@@ -213,8 +196,6 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
             profile.switch(None)
         t.update(free=t1 - t0, append_token_ids=t2 - t1, add_requests=t3 - t2, allocate=t4 - t3)
         t.update(take_step_update=t5 - t4, table_apply=t6 - t5, mark_computed=t7 - t6)
-        running.extend(new_ids)
-        decode_cursor.extend(new_ids)
         if step >= args.warmup:
             for name, ns in t.items():
                 times[name].append(ns / 1e3)
@@ -222,9 +203,10 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     if profile is not None:
         profile.report(args.steps)
     mgr.check_integrity()
-    for req_id in running:  # the table holds exactly the allocator's blocks
+    for req_id in workload.running:  # the table holds exactly the allocator's blocks
         row = table[0].row(mgr.row_of(req_id))
-        assert row.tolist() == mgr.block_ids(req_id)[0], f"request {req_id}: table != allocator"
+        if row.tolist() != mgr.block_ids(req_id)[0]:
+            raise SystemExit(f"FAILED: request {req_id}: the table's row != the allocator's blocks")
     times["allocator step"] = [sum(v) for v in zip(*(times[n] for n in STEP_PHASES))]
     times["allocator step + table apply"] = [
         a + b for a, b in zip(times["allocator step"], times["table_apply"])
@@ -263,7 +245,7 @@ def run_long_prompt(args: argparse.Namespace) -> dict[str, Any]:
             mgr.mark_computed("long", num_tokens)
             results[name].append((clock() - t0) / 1e6)
         mgr.check_integrity() if args.long_reps == 1 else None
-        assert mgr.num_cached_blocks() == num_tokens // bs
+        _check_cached(mgr, num_tokens // bs)
         mgr = fresh()
         t0 = clock()
         mgr.add_request("long", prompt)
@@ -272,7 +254,7 @@ def run_long_prompt(args: argparse.Namespace) -> dict[str, Any]:
             mgr.allocate("long", n)
             mgr.mark_computed("long", n)
         results["2048-token chunks, numpy prompt"].append((clock() - t0) / 1e6)
-        assert mgr.num_cached_blocks() == num_tokens // bs
+        _check_cached(mgr, num_tokens // bs)
     return {"ms": {name: _stats(v) for name, v in results.items()}}
 
 
@@ -301,6 +283,11 @@ def run_free(args: argparse.Namespace) -> dict[str, Any]:
         times.append((clock() - t0) / 1e3)
     mgr.check_integrity()
     return {"us": _stats(times[len(times) // 5 :])}
+
+
+def _check_cached(mgr: KVCacheManager, num_blocks: int) -> None:
+    if mgr.num_cached_blocks() != num_blocks:
+        raise SystemExit(f"FAILED: {mgr.num_cached_blocks()} cached blocks, expected {num_blocks}")
 
 
 def _stats(v: list[float]) -> dict[str, float]:
@@ -354,6 +341,7 @@ def main() -> None:
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
     result: dict[str, object] = {
+        **run_info(),
         "scenario": vars(args) | {"json": None},
         "host": platform.processor() or platform.machine(),
         "python": platform.python_version(),

@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 import triton.testing
+from run_info import run_info
 
 from blocktable.attention import paged_decode_attention
 from blocktable.attention.triton_decode import default_num_kv_splits
@@ -164,7 +165,7 @@ def main() -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__}  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
+            json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
     return 0
 
 

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import numpy as np
+from run_info import run_info
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 
@@ -70,7 +71,7 @@ def main() -> None:
         print(f"{name:<6}{r['allocate_many_us']:>18.1f}{r['take_step_update_us']:>21.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump({"run": run_info(), **res}, f, indent=2)
 
 
 if __name__ == "__main__":

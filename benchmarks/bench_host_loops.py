@@ -31,6 +31,7 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from run_info import run_info
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate, batch, commit
 from blocktable import _host_loops as numpy_loops
@@ -163,7 +164,7 @@ def main() -> None:
         }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump({"run": run_info(), **res}, f, indent=2)
     print(f"\nhost loops on {os.cpu_count()} cpus (numpy {np.__version__}); medians")
     print(f"{'version':<8}{'decode-64 apply µs':>20}{'commit µs':>11}{'add 1024x512 ms':>17}"
           f"{'vs per-row':>12}")

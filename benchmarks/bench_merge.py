@@ -4,7 +4,8 @@ One process per rank (spawned here, no torchrun), ``file://`` rendezvous in a te
 pattern and batch size is first checked against the float64 reference, then timed: per-call
 medians over many calls replayed from one CUDA graph and issued eagerly (CUDA events), and the
 same for the pattern's collectives alone on the merger's own buffers. vLLM's figures for its
-own merge on 2 H200s (graph, same shapes) are printed beside ours for comparison.
+own merge are constants quoted from one earlier measurement (2 H200s, 2026-11-30, graph, same
+shapes), not measured by this run; the column says so.
 
 Two transports: ``collectives`` (the pattern's NCCL collectives) and ``p2p`` (symmetric memory,
 one Triton kernel per call; CUDA only). For ``p2p`` the "bare" column is that kernel with no
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from run_info import run_info
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
@@ -39,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# vLLM 0.33's own merge, 2 H200s, NCCL, 32 heads x 128, bf16, fp32 LSE; µs per call replayed
-# from a CUDA graph, by batch size.
+# Quoted, not measured here: vLLM 0.33's own merge, 2 H200s, 2026-11-30, NCCL, 32 heads x 128,
+# bf16, fp32 LSE; µs per call replayed from a CUDA graph, by batch size.
 VLLM_GRAPH_US = {
     "all_to_all": {1: 13.0, 64: 17.2, 256: 26.6, 1024: 58.6},
     "all_gather_reduce_scatter": {1: 17.1, 64: 21.5, 256: 34.0, 1024: 77.5},
@@ -235,7 +238,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\nattention merge, world {args.world}, {args.heads} heads x {args.head_dim}, "
           f"{args.dtype} out, fp32 LSE, {dev}; µs per call (medians)")
     head = ("transport", "pattern", "B", "graph", "eager", "bare graph", "bare eager",
-            "vLLM graph", "rel err")
+            "vLLM graph (quoted 2026-11-30)", "rel err")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
@@ -247,7 +250,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         meta = {"device": dev, "world": args.world, "heads": args.heads,
                 "head_dim": args.head_dim, "dtype": args.dtype, "torch": torch.__version__,
                 "calls_per_timing": args.calls, "repeats": args.repeats}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"run": run_info(), "meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import numpy as np
+from run_info import run_info
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.allocator.rows import RowAllocator
@@ -97,7 +98,7 @@ def main() -> None:
         print(f"{name:14s} {us:10.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"us": result, "reps": args.reps, "clock": args.clock}, f, indent=1)
+            json.dump({"run": run_info(), "us": result, "reps": args.reps, "clock": args.clock}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from run_info import run_info
 
 from blocktable.attention.launch import CPLayout, KernelConfig, launch_paged_attention
 
@@ -252,6 +253,7 @@ def main() -> int:
         print("needs CUDA", file=sys.stderr)
         return 2
     rows = []
+    wrong: list[str] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for b, n in CASES:
         x = make_inputs(b, n)
@@ -274,11 +276,13 @@ def main() -> int:
                 if name in outs:
                     row["err"] = (outs[name].float() - ref.float()).abs().max().item()
                     if not row["err"] < 0.0625:
-                        raise RuntimeError(f"wrong result: max abs err {row['err']:.3g}")
+                        raise WrongResult(f"wrong result: max abs err {row['err']:.3g}")
                 us = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms) * 1e3
                 row.update(us=us, tflops=flops / us / 1e6)
             except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
                 row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                if isinstance(exc, WrongResult):
+                    wrong.append(f"{row['case']} {name}")
             rows.append(row)
             print(f"{row['case']:10s} {name:14s} "
                   + (f"{row['us']:8.1f} us {row['tflops']:6.1f} TFLOP/s" if row["us"]
@@ -294,8 +298,15 @@ def main() -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"run": run_info(), "meta": meta, "rows": rows}, f, indent=1)
+    if wrong:
+        print(f"FAILED: wrong results: {wrong}", file=sys.stderr)
+        return 1
     return 0
+
+
+class WrongResult(RuntimeError):
+    """An output differs from dense SDPA by more than the tolerance."""
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from types import ModuleType
 import numpy as np
 import torch
 from floors import format_floors, measure_floors
+from run_info import run_info
 
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable._native_loader import native_module
@@ -161,7 +162,7 @@ def main() -> None:
     print(format_floors(res["floors_after"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump({"run": run_info(), **res}, f, indent=2)
 
 
 if __name__ == "__main__":

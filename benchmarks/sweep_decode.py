@@ -47,6 +47,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from run_info import run_info
+
 if "--smoke" in sys.argv or "--host-cpu" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -206,12 +208,16 @@ def public_runner(batch: Batch) -> Callable[[], object]:
     )
 
 
+class WrongResult(Exception):
+    """An output differs from the float32 reference by more than the tolerance."""
+
+
 def checked(batch: Batch, fn: Callable[[], object]) -> float:
     batch.out.fill_(float("nan"))
     fn()
     err = batch.check(batch.out)
     if not err <= BF16_TOLERANCE:  # NaN too
-        raise AssertionError(f"max abs error {err} against float32")
+        raise WrongResult(f"max abs error {err} against float32")
     return err
 
 
@@ -236,6 +242,9 @@ def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[KernelCon
             g = e = None
             if not smoke:
                 g, e = graph_us(fn), eager_us(fn)
+        except WrongResult as exc:
+            rows.append(Row(name, label, None, None, note=f"WRONG: {exc}"[:100]))
+            continue
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
             rows.append(Row(name, label, None, None, note=f"failed: {exc}"[:100]))
             continue
@@ -357,6 +366,10 @@ def main() -> int:
     print(f"\n{len(rows)} rows in {time.monotonic() - t0:.0f} s")
     if args.json:
         write_json(args.json, rows, device)
+    wrong = [r for r in rows if r.note.startswith("WRONG")]
+    if wrong:
+        print(f"FAILED: {len(wrong)} configs with a wrong result", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -364,7 +377,7 @@ def write_json(path: str, rows: list[Row], device: str) -> None:
     with open(path, "w") as f:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "torch": torch.__version__, "triton": triton.__version__}
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

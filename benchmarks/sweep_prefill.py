@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from run_info import run_info
+
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -293,14 +295,15 @@ def warm(names: list[str], timeout_s: float, smoke: bool) -> dict[str, str]:
             continue
         if proc.returncode != 0:
             tail = " | ".join(out.strip().splitlines()[-2:])
-            failed[n] = f"probe rc {proc.returncode}: {tail}"[:200]
+            wrong = "WRONG: " if proc.returncode == 3 else ""  # probe(): a wrong result
+            failed[n] = f"{wrong}probe rc {proc.returncode}: {tail}"[:200]
     return failed
 
 
 def write_json(path: str | None, rows: list[Row], meta: dict[str, object]) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"run": run_info(), "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 def main() -> int:
@@ -380,6 +383,10 @@ def main() -> int:
     write_json(args.json, rows, meta)
     print_summary(rows)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    wrong = [r for r in rows if r.note.startswith("WRONG")]
+    if wrong:
+        print(f"FAILED: {len(wrong)} rows with a wrong result", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python benchmarks/tune_slot_kernel.py [--json out.json]
 
-Part 1 times each kernel variant on the SPEC §6 scenarios as CUDA-graph replays (20 launches
-per graph, time per launch). Part 2 times host primitives and cProfiles a decode-1024 step, so
+Part 1 times each kernel variant on the step scenarios of ``bench_step.py`` as CUDA-graph replays
+(20 launches per graph, time per launch); each variant's slots must equal the public call's, or
+the script exits 1. Part 2 times host primitives and cProfiles a decode-1024 step, so
 the per-step host cost can be read off function by function.
 """
 
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import torch
 from bench_step import BLOCK, batch, build_table, decode_updates, scenarios, time_graph_us
+from run_info import run_info
 
 from blocktable import GroupSpec
 from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
@@ -35,11 +37,19 @@ def tune(rng, out):
                  else [GroupSpec(BLOCK)])
         bt = build_table(specs, "cuda", rng, seq_lens)
         qsl, pos, _ = batch("cuda", seq_lens, q_lens)
+        bt.compute_slot_mapping(qsl, pos)
+        expected = bt._slots.clone()
         for block, radix, warps in variants:
             def call(bt=bt, qsl=qsl, pos=pos, block=block, radix=radix, warps=warps):
                 launch_slot_mapping(bt.storage.device_tensor, bt._packed_params, qsl, pos, None,
                                     bt._slots, max_num_reqs=bt.max_num_reqs, pow2=True,
                                     has_cp=False, block=block, radix=radix, num_warps=warps)
+            bt._slots.fill_(-7)
+            call()
+            n = pos.numel()  # the tail's padding is not the variant's job
+            if not torch.equal(bt._slots[:, :n], expected[:, :n]):
+                raise SystemExit(f"FAILED: {name}: variant {(block, radix, warps)} maps other "
+                                 "slots than the public call")
             us = time_graph_us(call, replays=30)[1]  # per launch, 20 launches a graph
             rows.append({"scenario": name, "block": block, "radix": radix, "warps": warps,
                          "us": us})
@@ -120,7 +130,7 @@ def main():
         tune(rng, out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump({"run": run_info(), **out}, f, indent=2)
 
 
 if __name__ == "__main__":
