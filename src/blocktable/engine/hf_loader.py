@@ -157,6 +157,22 @@ def fetch_known_model(
     return target
 
 
+def model_name_problem(name_or_path: str) -> str | None:
+    """Why ``--model name_or_path`` names nothing loadable, as one line; ``None`` when it
+    could (a known name, an existing path, or a hub id). Reads no file, fetches nothing."""
+    if name_or_path in KNOWN_MODELS or Path(name_or_path).expanduser().exists():
+        return None
+    if _looks_like_hub_id(name_or_path):
+        return None
+    return (f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
+            "an existing .gguf file or model folder, or a Hugging Face hub id 'org/name'")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
 def resolve_model(
     name_or_path: str,
     cache_dir: Path | None = None,
@@ -188,12 +204,10 @@ def resolve_model(
             raise ModelLoadError(f"--model {name_or_path!r}: the folder has no config.json "
                                  f"and {len(ggufs)} .gguf files (need one)")
         return ModelSource(str(path), None, path.name)
-    parts = name_or_path.split("/")
-    if len(parts) == 2 and all(parts) and not name_or_path.startswith((".", "~")):
-        return ModelSource(name_or_path, None, name_or_path)  # a hub id
-    raise ModelLoadError(
-        f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), an "
-        "existing .gguf file or model folder, or a Hugging Face hub id 'org/name'")
+    problem = model_name_problem(name_or_path)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    return ModelSource(name_or_path, None, name_or_path)  # a hub id
 
 
 def _check_gguf_magic(path: Path) -> None:
