@@ -207,7 +207,7 @@ def _check_model(args: argparse.Namespace) -> str | None:
         return f"--threads {args.threads} is out of range [0, {MAX_THREADS}] (0: automatic)"
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         return "--prompt must not be empty"
-    from blocktable.engine.hf_loader import model_name_problem
+    from blocktable.hf_loader import model_name_problem
 
     return model_name_problem(args.model)
 

@@ -110,7 +110,7 @@ def run_model_demo(opts: DemoOptions, console: Console) -> int:
 
     from blocktable.engine import EngineConfig, LLMEngine
     from blocktable.engine.chat import follow_up, model_stop_token_ids
-    from blocktable.engine.hf_loader import ModelLoadError, load_model, resolve_model
+    from blocktable.hf_loader import ModelLoadError, load_model, resolve_model
     from blocktable.engine.sampling import SamplingParams
     from blocktable.engine.verify import timed_generate_batched, verify_requests
     from blocktable.picture import draw_snapshot, pick_step, take_snapshot
