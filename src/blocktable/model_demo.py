@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from blocktable.demo import DemoOptions
     from blocktable.engine import LLMEngine, Request, Verification
+    from blocktable.hf_loader import LoadedModel
 
 MAX_MODEL_LEN = 2048  # tokens per request (prompt + answer) in the demo's engine
 
@@ -103,9 +104,11 @@ def build_requests(tokenizer: Any, model_stops: frozenset[int],
     return reqs
 
 
-def run_model_demo(opts: DemoOptions, console: Console) -> int:
+def run_model_demo(opts: DemoOptions, console: Console,
+                   loaded: LoadedModel | None = None) -> int:
     """Run the real-model demo; return the exit code (0 all match, 1 a mismatch, 2 bad input
-    or a model that cannot be fetched or loaded)."""
+    or a model that cannot be fetched or loaded). ``loaded``: a model already loaded (then
+    ``opts.model`` is only its name)."""
     import torch
 
     from blocktable.engine import EngineConfig, LLMEngine
@@ -119,21 +122,23 @@ def run_model_demo(opts: DemoOptions, console: Console) -> int:
     threads = opts.threads or default_num_threads()
     torch.set_num_threads(threads)
     assert opts.model is not None
-    try:
-        source = resolve_model(opts.model, opts.model_cache, say=lambda s: say(s))
-        say(f"loading {source.label} ...")
-        t0 = time.perf_counter()
-        loaded = load_model(source, device=opts.device)
-    except ModelLoadError as exc:
-        print(f"blocktable demo: error: {exc}", file=sys.stderr)
-        return 2
+    t0 = time.perf_counter()
+    if loaded is None:
+        try:
+            source = resolve_model(opts.model, opts.model_cache, say=lambda s: say(s))
+            say(f"loading {source.label} ...")
+            t0 = time.perf_counter()
+            loaded = load_model(source, device=opts.device)
+        except ModelLoadError as exc:
+            print(f"blocktable demo: error: {exc}", file=sys.stderr)
+            return 2
     t_load = time.perf_counter() - t0
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer, label = loaded.model, loaded.tokenizer, loaded.label
     stops = model_stop_token_ids(model, tokenizer)
     try:
         requests = build_requests(tokenizer, stops, opts.prompts)
     except ValueError as exc:  # no chat template
-        print(f"blocktable demo: error: {source.label}: {exc}", file=sys.stderr)
+        print(f"blocktable demo: error: {label}: {exc}", file=sys.stderr)
         return 2
     max_model_len = min(MAX_MODEL_LEN, int(model.config.max_position_embeddings))
     for r in requests:
@@ -151,7 +156,7 @@ def run_model_demo(opts: DemoOptions, console: Console) -> int:
         max_model_len=max_model_len, record_logits=sampling.greedy,
     ))
     cfg = model.config
-    say(f"[bold]blocktable demo[/]: {source.label} ({type(model).__name__}, "
+    say(f"[bold]blocktable demo[/]: {label} ({type(model).__name__}, "
         f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
         f"{cfg.num_key_value_heads} KV heads, {model.dtype}) loaded in {t_load:.1f} s on "
         f"{opts.device}, {threads} torch thread{'s' if threads > 1 else ''}; "
