@@ -124,11 +124,11 @@ def test_truncated_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     pytest.importorskip("gguf")
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 40)  # the header, then garbage
-    with pytest.raises(ModelLoadError, match="cannot read"):
+    with pytest.raises(ModelLoadError, match="cannot load"):
         load_model(resolve_model(str(bad)))
     code = main(["demo", "--model", str(bad), "--out", str(tmp_path / "x.png"), "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "cannot read" in err[0]
+    assert code == 2 and len(err) == 1 and "cannot load" in err[0]
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

@@ -240,25 +240,31 @@ def load_model(source: ModelSource, *, device: str = "cpu") -> LoadedModel:
     transformers.logging.set_verbosity_error()
     kwargs: dict[str, Any] = {} if source.gguf_file is None else {"gguf_file": source.gguf_file}
     where = source.path if source.gguf_file is None else f"{source.path}/{source.gguf_file}"
-    try:
-        config = AutoConfig.from_pretrained(source.path, **kwargs)
-    except Exception as exc:  # corrupt files raise anything from struct to numpy errors
-        raise ModelLoadError(f"cannot read the model's configuration from {where}: "
-                             f"{_one_line(exc)}") from exc
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{source.label}: model type {config.model_type!r} is not supported; the engine "
-            f"runs Llama-like models (LlamaForCausalLM, model_type "
-            f"{' or '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)})")
-    try:
+    if source.gguf_file is None:  # a folder or hub id: its config.json is cheap to check first
+        try:
+            config = AutoConfig.from_pretrained(source.path)
+        except Exception as exc:  # a broken folder raises anything from OSError to JSON errors
+            raise ModelLoadError(f"cannot read the model's configuration from {where}: "
+                                 f"{_one_line(exc)}") from exc
+        _check_model_type(config.model_type, source.label)
+    try:  # a GGUF file is parsed once, for its configuration and its tensors together
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-    except Exception as exc:
+    except Exception as exc:  # corrupt files raise anything from struct to numpy errors
         raise ModelLoadError(f"cannot load {where}: {_one_line(exc)}") from exc
+    _check_model_type(model.config.model_type, source.label)
     if type(model).__name__ != "LlamaForCausalLM":
         raise ModelLoadError(f"{source.label}: loaded a {type(model).__name__}; the engine runs "
                              "LlamaForCausalLM")
     return LoadedModel(model.to(device).eval(), tokenizer, source.label)
+
+
+def _check_model_type(model_type: str, label: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{label}: model type {model_type!r} is not supported; the engine runs Llama-like "
+            f"models (LlamaForCausalLM, model_type "
+            f"{' or '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)})")
 
 
 def _one_line(exc: BaseException) -> str:
