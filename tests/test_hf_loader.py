@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from blocktable.cli import main
 from blocktable import hf_loader
+from blocktable.cli import main
 from blocktable.hf_loader import (
     KnownModel,
     ModelLoadError,

@@ -63,8 +63,7 @@ def test_demo_answers_real_prompts_token_for_token(smollm2: LoadedModel, tmp_pat
 
     console = Console(record=True, width=160)
     opts = DemoOptions(model="smollm2", out=tmp_path / "step.png", threads=one_thread,
-                       max_new_tokens=24, **{"block_size": 16, "num_blocks": 128,
-                                             "token_budget": 64})
+                       max_new_tokens=24, block_size=16, num_blocks=128, token_budget=64)
     code = run_model_demo(opts, console, loaded=smollm2)
     text = console.export_text()
     assert code == 0, text

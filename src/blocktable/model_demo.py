@@ -113,9 +113,9 @@ def run_model_demo(opts: DemoOptions, console: Console,
 
     from blocktable.engine import EngineConfig, LLMEngine
     from blocktable.engine.chat import follow_up, model_stop_token_ids
-    from blocktable.hf_loader import ModelLoadError, load_model, resolve_model
     from blocktable.engine.sampling import SamplingParams
     from blocktable.engine.verify import timed_generate_batched, verify_requests
+    from blocktable.hf_loader import ModelLoadError, load_model, resolve_model
     from blocktable.picture import draw_snapshot, pick_step, take_snapshot
 
     say = (lambda *a: None) if opts.quiet else console.print
@@ -218,15 +218,15 @@ def run_model_demo(opts: DemoOptions, console: Console,
         console.print(_answers_table(reqs, tokenizer, stops, checks, first_hits, shows))
         scheduler = engine.scheduler
         rows = [
-            ("prefix cache", f"{scheduler.num_hit_tokens} of {scheduler.num_lookup_tokens} "
-                             "admitted prompt tokens were hits"),
-            ("steps", f"{engine.step_index} ({sum(r.num_prefill_chunks for r in reqs)} "
-                      "prefill chunks)"),
-            ("engine", f"{num_generated} tokens in {t_engine:.2f} s = "
-                       f"{num_generated / t_engine:.1f} tok/s (arrivals staggered)"),
+            ("prefix cache", (f"{scheduler.num_hit_tokens} of {scheduler.num_lookup_tokens} "
+                              "admitted prompt tokens were hits")),
+            ("steps", (f"{engine.step_index} ({sum(r.num_prefill_chunks for r in reqs)} "
+                       "prefill chunks)")),
+            ("engine", (f"{num_generated} tokens in {t_engine:.2f} s = "
+                        f"{num_generated / t_engine:.1f} tok/s (arrivals staggered)")),
             ("transformers.generate",
-             f"{hf_generated} tokens in {t_hf:.2f} s = {hf_generated / t_hf:.1f} tok/s "
-             "(one batch, all prompts at once)"),
+             (f"{hf_generated} tokens in {t_hf:.2f} s = {hf_generated / t_hf:.1f} tok/s "
+              "(one batch, all prompts at once)")),
         ]
         for k, v in rows:
             console.print(f"[bold]{k}[/]: {v}")
@@ -236,10 +236,9 @@ def run_model_demo(opts: DemoOptions, console: Console,
 def _answers_table(reqs: list[Request], tokenizer: Any, stops: frozenset[int],
                    checks: list[Verification], first_hits: dict[str, int],
                    shows: dict[str, str]) -> Any:
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
-
-    from rich.console import Group
 
     ok = {c.req_id: c for c in checks}
     t = Table(title="requests (hits: prompt tokens served by the prefix cache; end: stop "

@@ -108,7 +108,6 @@ def _plan_group(
     block_size: int,
     device: torch.device,
 ) -> _Group:
-    n = seq_lens.shape[0]
     max_seq_len = int(seq_lens.max())
     max_query_len = int(query_lens.max())
     key_pos = torch.arange(max_seq_len)
@@ -164,7 +163,7 @@ def torch_paged_attention(
     values = v_cache.view(-1, num_kv_heads, head_dim)
     out = query.new_zeros(query.shape)
     for g in plan.groups:
-        n, max_seq_len = g.slots.shape
+        n = g.slots.shape[0]
         q = query.new_zeros(n * g.max_query_len, num_heads, head_dim)
         q[g.padded_index] = query[g.token_index]
         q = q.view(n, g.max_query_len, num_heads, head_dim).transpose(1, 2)

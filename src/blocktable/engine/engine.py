@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -402,7 +402,12 @@ def sample_and_finish(
     return finished
 
 
-def _query_len_bounds(num_new: np.ndarray) -> dict[str, int]:
+class _QueryLenBounds(TypedDict):
+    max_query_len: int
+    min_query_len: int
+
+
+def _query_len_bounds(num_new: np.ndarray) -> _QueryLenBounds:
     """``max_query_len`` and ``min_query_len`` of a batch's new-token counts (int ``[num_reqs]``,
     not empty); on a decode step (all 1) one reduction."""
     most = int(np.maximum.reduce(num_new))
