@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from blocktable.demo import DemoOptions
     from blocktable.engine import LLMEngine, Request, Verification
+    from blocktable.engine.sampling import SamplingParams
     from blocktable.hf_loader import LoadedModel
 
 MAX_MODEL_LEN = 2048  # tokens per request (prompt + answer) in the demo's engine
@@ -79,6 +80,14 @@ class ChatRequest:
     stop_token_ids: frozenset[int]
     arrival_step: int
     shows: str  # what the request demonstrates, for the table
+
+
+def own_seed(sampling: SamplingParams, index: int) -> SamplingParams:
+    """``sampling`` for the ``index``-th request: seeds ``seed``, ``seed + 1``, ... (requests
+    with one seed would draw the same random numbers)."""
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
 def build_requests(tokenizer: Any, model_stops: frozenset[int],
@@ -180,7 +189,8 @@ def run_model_demo(opts: DemoOptions, console: Console,
             while pending and pending[0].arrival_step <= engine.step_index:
                 r = pending.pop(0)
                 engine.add_request(r.req_id, r.prompt_token_ids, opts.max_new_tokens,
-                                   stop_token_ids=r.stop_token_ids, sampling=sampling)
+                                   stop_token_ids=r.stop_token_ids,
+                                   sampling=own_seed(sampling, len(engine.requests)))
             first = engine.requests.get("q0")
             if not followed and first is not None and first.is_finished:
                 ids, reused = follow_up(
@@ -188,7 +198,7 @@ def run_model_demo(opts: DemoOptions, console: Console,
                                 {"role": "user", "content": QUESTIONS[0]}],
                     first.output_token_ids, FOLLOW_UP, stops)
                 engine.add_request("turn2", ids, opts.max_new_tokens, stop_token_ids=stops,
-                                   sampling=sampling)
+                                   sampling=own_seed(sampling, len(engine.requests)))
                 shows["turn2"] = ("q0's next turn: reuses its KV" if reused else
                                   "q0's next turn (answer re-tokenized)")
                 followed = True
