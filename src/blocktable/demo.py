@@ -57,7 +57,7 @@ class DemoOptions:
     threads: int = 0  # torch threads with --model (0: half the usable cores, 1..8)
 
 
-MODEL_DEFAULTS = {"block_size": 16, "num_blocks": 128, "token_budget": 64, "max_new_tokens": 48}
+MODEL_DEFAULTS = {"block_size": 16, "num_blocks": 64, "token_budget": 64, "max_new_tokens": 48}
 """The demo's sizes with ``--model`` (real prompts are tens to hundreds of tokens)."""
 
 
