@@ -183,6 +183,8 @@ def run_model_demo(opts: DemoOptions, console: Console,
         snapshots.append(take_snapshot(eng, batch))
 
     pending = sorted(requests, key=lambda r: r.arrival_step)
+    say(f"generating: {len(requests)} requests arriving a step apart"
+        f"{'' if followed else ', then a follow-up turn of q0'} ...")
     t_start = time.perf_counter()
     try:
         while pending or engine.has_unfinished() or not followed:
