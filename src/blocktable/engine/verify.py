@@ -14,8 +14,9 @@ from blocktable.engine.request import Request
 
 LOGITS_RTOL = 1e-4
 """Bound on ``max |engine - reference|`` over a request's logits, relative to
-``max(1, max |reference|)``. Both sides are float32 (our attention accumulates in float64, the
-reference's in float32), so the observed gap is ~1e-6; 1e-4 leaves room for other kernels."""
+``max(1, max |reference|)``. Both sides compute in float32 with different summation orders
+(paged versus dense attention, varlen batches versus one prompt): the tiny model's gap is
+~1e-6, a 30-layer model's ~5e-5 on logits of ~20; 1e-4 leaves room for other kernels."""
 
 
 @dataclass(frozen=True)
