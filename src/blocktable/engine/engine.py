@@ -17,16 +17,17 @@ One :meth:`LLMEngine.step`:
    ``compute_slot_mapping``;
 5. the model writes K/V by slot mapping and attends through the table, each request reading
    its own row (``row_of_batch``: no copy of the table per step);
-6. greedy sampling, ``mark_computed``, and finished requests free their blocks.
+6. sampling (greedy unless a request asks otherwise), ``mark_computed``, and requests that hit
+   a stop token or their length free their blocks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from blocktable.config import GroupSpec
 from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
 from blocktable.engine.request import Request
+from blocktable.engine.sampling import GREEDY, SamplingParams, sample_token
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.multi_group import MultiGroupBlockTable
 from blocktable.step import CapturedStep
@@ -117,7 +119,7 @@ class _ForwardInputs(NamedTuple):
 
 
 class LLMEngine:
-    """Greedy generation for many requests at once over a paged KV cache.
+    """Generation for many requests at once over a paged KV cache.
 
     Parameters
     ----------
@@ -168,9 +170,18 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        sampling: SamplingParams = GREEDY,
     ) -> Request:
         """Queue a request; it is admitted by a later :meth:`step`.
+
+        It finishes after ``max_new_tokens`` tokens or at the first of ``stop_token_ids``
+        (kept as its last token); tokens are picked by ``sampling`` (greedy by default).
 
         Raises
         ------
@@ -196,7 +207,9 @@ class LLMEngine:
                 f"{self.config.num_blocks - 1} blocks (num_blocks={self.config.num_blocks} "
                 "minus the null block)"
             )
-        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index)
+        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index,
+                      stop_token_ids=frozenset(int(t) for t in stop_token_ids),
+                      sampling=sampling)
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req
@@ -344,9 +357,10 @@ def sample_and_finish(
     step_index: int,
     record_logits: bool,
 ) -> list[str]:
-    """After a step's forward: mark its tokens computed (one batched call), sample greedily for
-    the requests whose step reached the end of their tokens, finish those that are done and
-    append the others' tokens (one batched call); return the finished ids.
+    """After a step's forward: mark its tokens computed (one batched call), sample (greedily
+    unless a request says otherwise) for the requests whose step reached the end of their
+    tokens, finish those that generated a stop token or ``max_new_tokens`` and append the
+    others' tokens (one batched call); return the finished ids.
 
     ``logits``: float32 ``[num_reqs, vocab_size]`` on cpu, one row per scheduled request.
     """
@@ -367,10 +381,14 @@ def sample_and_finish(
         if not s.completes:
             req.num_prefill_chunks += 1
             continue  # a prefill chunk: nothing to sample yet
+        if not req.sampling.greedy:
+            token = sample_token(logits[i], req.sampling, req.generator)
         req.output_token_ids.append(token)
         if record_logits:
             req.logits.append(logits[i].clone())
-        if len(req.output_token_ids) == req.max_new_tokens:
+        stopped = token in req.stop_token_ids
+        if stopped or len(req.output_token_ids) == req.max_new_tokens:
+            req.finish_reason = "stop" if stopped else "length"
             scheduler.finish(req)
             req.finish_step = step_index
             finished.append(req.req_id)
@@ -384,7 +402,12 @@ def sample_and_finish(
     return finished
 
 
-def _query_len_bounds(num_new: np.ndarray) -> dict[str, int]:
+class _QueryLenBounds(TypedDict):
+    max_query_len: int
+    min_query_len: int
+
+
+def _query_len_bounds(num_new: np.ndarray) -> _QueryLenBounds:
     """``max_query_len`` and ``min_query_len`` of a batch's new-token counts (int ``[num_reqs]``,
     not empty); on a decode step (all 1) one reduction."""
     most = int(np.maximum.reduce(num_new))

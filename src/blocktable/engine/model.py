@@ -5,19 +5,25 @@ The weights (and the norm, MLP and rotary modules) come from a Hugging Face
 or cache internals. One step's tokens of all requests are flattened into ``[num_tokens]``
 (varlen, no padding); per layer, K and V are scattered into the cache by slot mapping
 (:func:`blocktable.kv_write.write_kv_cache`) and attention reads them back through the block
-table (:func:`blocktable.attention.paged_attention`: the Triton kernels on CUDA, the float64
-reference on the CPU), each request through its own table row (``row_of_batch``): no per-step
-copy of the table.
+table, each request through its own table row (``row_of_batch``): no per-step copy of the table.
+On CUDA that is :func:`blocktable.attention.paged_attention`'s Triton kernels; on the CPU the
+batched torch attention of :mod:`blocktable.attention.torch_paged` in the model's dtype, planned
+once per step for all layers (the float64 reference on request, for tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from blocktable.attention import paged_attention
+from blocktable.attention.torch_paged import (
+    TorchAttentionPlan,
+    plan_torch_attention,
+    torch_paged_attention,
+)
 from blocktable.kv_write import write_kv_cache
 
 HFLlama = Any
@@ -54,6 +60,7 @@ class AttentionInputs:
     query_start_loc: torch.Tensor
     max_query_len: int
     min_query_len: int = 0
+    torch_plan: TorchAttentionPlan | None = None
 
 
 def tiny_llama(
@@ -111,7 +118,10 @@ class PagedLlama:
         token slots, the block size the table's ids refer to.
     backend : {"torch", "triton"}
         Kernels for the KV write and attention: Triton (every step, any block size), or torch
-        (the float64 reference attention: CPU engines and tests).
+        (CPU engines).
+    attention : {"batched", "reference"}
+        With the torch backend: batched torch ops in the model's dtype
+        (:mod:`blocktable.attention.torch_paged`), or the float64 reference (slow; tests).
 
     Attributes
     ----------
@@ -121,10 +131,17 @@ class PagedLlama:
     """
 
     def __init__(
-        self, hf_model: HFLlama, num_blocks: int, block_size: int, backend: str = "torch"
+        self, hf_model: HFLlama, num_blocks: int, block_size: int, backend: str = "torch",
+        attention: str = "batched",
     ) -> None:
+        if attention not in ("batched", "reference"):
+            raise ValueError(f"attention must be 'batched' or 'reference', got {attention!r}")
         config = hf_model.config
         self.backend = backend
+        # A subclass with its own attention (context parallelism) needs no plan of ours.
+        self.batched_torch = (backend == "torch" and attention == "batched"
+                              and type(self)._attend is PagedLlama._attend)
+        self.block_size = block_size
         self.hf = hf_model.eval()
         self.layers = hf_model.model.layers
         self.num_heads = config.num_attention_heads
@@ -163,6 +180,10 @@ class PagedLlama:
             float32 ``[n, vocab_size]`` on the model's device.
         """
         num_tokens = input_ids.shape[0]
+        if self.batched_torch:  # one plan (gather indices, masks) for every layer
+            attn = replace(attn, torch_plan=plan_torch_attention(
+                attn.block_table, attn.seq_lens, attn.query_start_loc, self.block_size,
+                attn.row_of_batch))
         hidden = self.hf.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         # cos/sin: [1, num_tokens, head_dim] -> [num_tokens, 1, head_dim], shared by all heads.
         cos, sin = self.hf.model.rotary_emb(hidden, positions[None])
@@ -188,6 +209,8 @@ class PagedLlama:
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionInputs
     ) -> torch.Tensor:
+        if attn.torch_plan is not None:
+            return torch_paged_attention(q, k_cache, v_cache, attn.torch_plan, self.scale)
         out = paged_attention(
             q, k_cache, v_cache, attn.block_table, attn.seq_lens, attn.query_start_loc,
             scale=self.scale, row_of_batch=attn.row_of_batch, max_query_len=attn.max_query_len,

