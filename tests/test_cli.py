@@ -62,7 +62,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
-    assert capsys.readouterr().out.strip() == f"blocktable {blocktable.__version__}"
+    from blocktable._compiled_loader import describe
+
+    assert capsys.readouterr().out.strip() == (
+        f"blocktable {blocktable.__version__} (CPU slot mapping: {describe()})")
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blocktable", description="Paged KV-cache block tables for LLM inference."
     )
-    parser.add_argument("--version", action="version", version=f"blocktable {__version__}")
+    from blocktable._compiled_loader import describe
+
+    parser.add_argument("--version", action="version",
+                        version=f"blocktable {__version__} (CPU slot mapping: {describe()})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
