@@ -14,11 +14,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# A site hook that makes ``import triton`` fail in a process and in every process it spawns
+# (they inherit PYTHONPATH), as on a machine where triton was never installed.
+NO_TRITON_SITE = """
+import sys
+
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTriton())
+"""
+
+# Kernel modules that only hold Triton kernels: the package imports them only where Triton is.
+TRITON_ONLY_MODULES = {"blocktable.attention.triton_decode", "blocktable.attention.triton_prefill"}
+
+
+def _env(*paths: Path) -> dict[str, str]:
+    parts = [*map(str, paths), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}
+
+
 def _run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -93,3 +114,49 @@ def test_demo_model_constants_match_the_model() -> None:
     from blocktable.cli import MAX_BLOCK_SIZE, MAX_NEW_TOKENS
 
     assert 6 * MAX_BLOCK_SIZE + MAX_NEW_TOKENS <= MODEL_MAX_POSITIONS
+
+
+def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(NO_TRITON_SITE)
+    env = _env(tmp_path)
+    code = (
+        "import importlib, pkgutil, sys, blocktable\n"
+        "from blocktable import *\n"
+        "from blocktable import AttentionMerger\n"
+        "failed = []\n"
+        "for m in pkgutil.walk_packages(blocktable.__path__, 'blocktable.'):\n"
+        "    if m.name.endswith('__main__'):\n"
+        "        continue\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ImportError as exc:\n"
+        "        failed.append(m.name)\n"
+        "print('triton' in sys.modules and sys.modules['triton'] is not None)\n"
+        "print(sorted(failed))\n"
+        "from blocktable._triton import HAS_TRITON\n"
+        "print(HAS_TRITON)\n"
+        "from blocktable.demo import DemoOptions\n"
+        "from blocktable.engine.dcp_demo import run_dcp_demo\n"
+        "opts = DemoOptions(dcp=2, device='cuda', merge_transport='p2p')\n"
+        "print('exit', run_dcp_demo(opts))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "False", str(sorted(TRITON_ONLY_MODULES)), "False",
+        "--merge-transport p2p needs triton: pip install triton", "exit 2",
+    ]
+
+    # The README's [demo] install: the demo with two spawned ranks (gloo, the collectives).
+    png = tmp_path / "dcp.png"
+    args = ["demo", "--dcp", "2", "--num-requests", "2", "--max-new-tokens", "2",
+            "--block-size", "2", "--num-blocks", "8", "--token-budget", "8", "--quiet",
+            "--out", str(png)]
+    proc = subprocess.run([sys.executable, "-m", "blocktable", *args], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2/2 requests match" in " ".join(proc.stdout.split())
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -48,6 +48,11 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     from blocktable.picture import draw_snapshot, pick_step
 
     world = opts.dcp
+    from blocktable._triton import HAS_TRITON
+
+    if opts.merge_transport == "p2p" and not HAS_TRITON:
+        console.print("--merge-transport p2p needs triton: pip install triton")
+        return 2
     if opts.device == "cuda" and torch.cuda.device_count() < world:
         console.print(f"--dcp {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
         return 2
