@@ -30,10 +30,25 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     """Run the demo on ``opts.dcp`` processes; return the exit code.
 
     0: every request matches ``transformers.generate`` and the single-process engine;
-    1: a mismatch, or a rank failed (its traceback is printed); 2: transformers is missing or
-    ``--device cuda`` has fewer than ``opts.dcp`` GPUs.
+    1: a mismatch; 2: transformers (or Triton for ``--merge-transport p2p``) is missing or
+    ``--device cuda`` has fewer than ``opts.dcp`` GPUs; 3: a rank failed, died or stalled
+    (one line blames it, every rank's error follows); 130 / 143: SIGINT / SIGTERM (one line;
+    every rank is ended first).
     """
+    from blocktable.context_parallel.launch import Interrupted
+
     console = console or Console()
+    try:
+        return _run(opts, console)
+    except Interrupted as err:
+        console.print(f"blocktable demo --dcp {opts.dcp}: {err}")
+        return err.exit_code
+    except KeyboardInterrupt:  # after the ranks ended: verification or drawing
+        console.print(f"blocktable demo --dcp {opts.dcp}: interrupted by SIGINT")
+        return 130
+
+
+def _run(opts: DemoOptions, console: Console) -> int:
     try:
         import transformers
     except ImportError:
@@ -82,9 +97,13 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     try:
         results = run_ranks(run_dcp_rank, world, args=([run],), device=opts.device,
                             timeout_s=JOB_TIMEOUT_S)
-    except (RankFailedError, TimeoutError) as err:
+    except RankFailedError as err:
+        console.print(f"[red]FAILED[/]: {escape(err.summary)}")
+        console.print(escape("\n\n".join(str(err).split("\n\n")[1:])), highlight=False)
+        return 3
+    except TimeoutError as err:
         console.print(f"[red]FAILED[/]: {escape(str(err))}")
-        return 1
+        return 3
     t_engine = time.perf_counter() - t_start
     per_rank = [r[0] for r in results]
     driver = per_rank[0]
