@@ -369,13 +369,13 @@ class DistributedEngine:
         header = torch.zeros(2, dtype=torch.int64)
         self._bcast(header, self._idle_timeout)
         step, nbytes = header.tolist()
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        self._bcast(payload, None)  # taken even when refused: the next call stays paired
         if step != self.step_index:
             raise RuntimeError(
                 f"rank {self.cp.rank} expected the plan of step {self.step_index}, got step "
                 f"{step}: the ranks diverged"
             )
-        payload = torch.empty(nbytes, dtype=torch.uint8)
-        self._bcast(payload, None)
         plan = pickle.loads(payload.numpy().tobytes())
         if not isinstance(plan, StepPlan) or plan.step != step:
             raise TypeError(f"rank {self.cp.rank}: expected the StepPlan of step {step}, got "
