@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ IDLE_S = 3.0  # the driver's pause before its first step: longer than the group'
 KILLED_AT_STEP = 2
 
 
-def _engine(model, interleave: int):  # noqa: ANN001, ANN202 - runs in the children
+def _engine(model: Any, interleave: int) -> Any:  # a DistributedEngine, built in a child
     import torch.distributed as dist
 
     from blocktable.config import CPConfig
@@ -69,7 +70,7 @@ def engine_faults_job(rank: int, world: int, report_path: str) -> None:
         return
     execute = engine._execute
 
-    def execute_or_die(plan, hook):  # noqa: ANN001, ANN202
+    def execute_or_die(plan: Any, hook: Any) -> Any:
         if plan.step == KILLED_AT_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
         return execute(plan, hook)

@@ -300,8 +300,9 @@ def _collect(
         now = time.monotonic()
         if fail_deadline is not None and now >= fail_deadline:
             for rank in sorted(pending):  # alive, silent while a peer failed
-                failures[rank] = ("stalled", "the process was still running, with no result "
-                                  f"and no error, {_GRACE_S:g} s after another rank failed")
+                failures[rank] = ("stalled", (
+                    "the process was still running, with no result and no error, "
+                    f"{_GRACE_S:g} s after another rank failed"))
             break
         if now >= deadline:
             last = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps[:]))

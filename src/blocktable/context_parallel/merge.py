@@ -253,13 +253,13 @@ class AttentionMerger:
     @overload
     def merge(
         self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
-        return_lse: Literal[False] = ...,
+        return_lse: Literal[False] = ..., step: int | None = ...,
     ) -> torch.Tensor: ...
 
     @overload
     def merge(
         self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
-        return_lse: Literal[True],
+        return_lse: Literal[True], step: int | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def merge(

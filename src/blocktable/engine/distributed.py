@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 import pickle
 import time
-from datetime import timedelta
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
