@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from blocktable.cli import main
+from blocktable.context_parallel import launch
+from blocktable.demo import DemoOptions
+from blocktable.engine.dcp_demo import run_dcp_demo
 
 # Tight: 6 blocks per rank of 2 tokens (4 per allocator block) force preemptions.
 SMALL = ["--num-requests", "4", "--max-new-tokens", "4", "--block-size", "2", "--num-blocks",
@@ -50,3 +53,32 @@ def test_dcp_bad_options_exit_2(
         main(["demo", *args])
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_failed_rank_exits_3_and_blames_it_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise launch.RankFailedError(
+            2, {1: "the process was killed by SIGABRT (exit code -6) without a result",
+                0: "RuntimeError: Connection closed by peer"},
+            cause="died", signal_name="SIGABRT", exit_code=-6, last_steps=[4, 3])
+
+    monkeypatch.setattr(launch, "run_ranks", fail)
+    assert run_dcp_demo(DemoOptions(dcp=2, quiet=True)) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("FAILED: rank 1 of 2 died: killed by SIGABRT (exit code -6); the last "
+                        "step it finished: 3 (others: rank 0: 4)")
+    assert "rank 0 of 2 failed:" in lines and "RuntimeError: Connection closed by peer" in lines
+
+
+def test_an_interrupted_run_exits_128_plus_the_signal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise launch.Interrupted(15)
+
+    monkeypatch.setattr(launch, "run_ranks", interrupted)
+    assert run_dcp_demo(DemoOptions(dcp=2, quiet=True)) == 143
+    assert capsys.readouterr().out == (
+        "blocktable demo --dcp 2: interrupted by SIGTERM: every rank was ended\n")

@@ -41,10 +41,10 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     try:
         return _run(opts, console)
     except Interrupted as err:
-        console.print(f"blocktable demo --dcp {opts.dcp}: {err}")
+        console.print(f"blocktable demo --dcp {opts.dcp}: {err}", soft_wrap=True)
         return err.exit_code
     except KeyboardInterrupt:  # after the ranks ended: verification or drawing
-        console.print(f"blocktable demo --dcp {opts.dcp}: interrupted by SIGINT")
+        console.print(f"blocktable demo --dcp {opts.dcp}: interrupted by SIGINT", soft_wrap=True)
         return 130
 
 
@@ -98,8 +98,9 @@ def _run(opts: DemoOptions, console: Console) -> int:
         results = run_ranks(run_dcp_rank, world, args=([run],), device=opts.device,
                             timeout_s=JOB_TIMEOUT_S)
     except RankFailedError as err:
-        console.print(f"[red]FAILED[/]: {escape(err.summary)}")
-        console.print(escape("\n\n".join(str(err).split("\n\n")[1:])), highlight=False)
+        console.print(f"[red]FAILED[/]: {escape(err.summary)}", soft_wrap=True)
+        console.print(escape("\n\n".join(str(err).split("\n\n")[1:])), highlight=False,
+                      soft_wrap=True)
         return 3
     except TimeoutError as err:
         console.print(f"[red]FAILED[/]: {escape(str(err))}")
