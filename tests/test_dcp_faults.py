@@ -53,6 +53,11 @@ def engine_faults_job(rank: int, world: int, report_path: str) -> None:
         report["interleave"] = "constructed"
     except ConfigMismatchError as err:
         report["interleave"] = str(err)
+    try:  # different weights: every rank would sample from another model
+        _engine(tiny_llama(seed=rank), interleave=2)
+        report["weights"] = "constructed"
+    except ConfigMismatchError as err:
+        report["weights"] = str(err)
     # A driver idle for longer than the group's timeout: the followers keep waiting.
     engine = _engine(model, interleave=2)
     if engine.is_driver:
@@ -90,6 +95,8 @@ def test_engine_disagreement_idle_driver_and_killed_rank(tmp_path: Path) -> None
     for report in reports:  # refused on every rank, naming the field and both values
         assert report["interleave"] == ("DistributedEngine: the ranks disagree on interleave "
                                         "(rank 0: 1, rank 1: 2)")
+        assert report["weights"].startswith(
+            "DistributedEngine: the ranks disagree on weights sample (rank 0: '"), report
     assert reports[0]["finished"] == ["a", "b"] and reports[0]["tokens"] == {"a": 4, "b": 4}
     assert reports[1]["follower_steps"] > 0
     err = caught.value

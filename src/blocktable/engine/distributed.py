@@ -185,7 +185,7 @@ class DistributedEngine:
                       hf_config.vocab_size),
             "model dtype": str(weights.dtype),
             # A sample of the weights, summed on the host (the same bits on every rank).
-            "weights sample": float(weights[:8].detach().to("cpu", torch.float64).sum()),
+            "weights sample": repr(float(weights[:8].detach().to("cpu", torch.float64).sum())),
             "merge_pattern": merge_pattern, "merge_transport": merge_transport,
             "merger": None if merger is None else type(merger).__name__,
             "check_consistency": check_consistency, "device type": self.device.type,
