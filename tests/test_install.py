@@ -120,7 +120,12 @@ def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "sitecustomize.py").write_text(NO_TRITON_SITE)
-    env = _env(tmp_path)
+    png = tmp_path / "dcp.png"
+    # The README's [demo] install: the demo with two spawned ranks (gloo, the collectives),
+    # in the same process as the imports (one interpreter start less).
+    args = ["demo", "--dcp", "2", "--num-requests", "2", "--max-new-tokens", "2",
+            "--block-size", "2", "--num-blocks", "8", "--token-budget", "8", "--quiet",
+            "--out", str(png)]
     code = (
         "import importlib, pkgutil, sys, blocktable\n"
         "from blocktable import *\n"
@@ -141,22 +146,17 @@ def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
         "from blocktable.engine.dcp_demo import run_dcp_demo\n"
         "opts = DemoOptions(dcp=2, device='cuda', merge_transport='p2p')\n"
         "print('exit', run_dcp_demo(opts))\n"
+        "from blocktable.cli import main\n"
+        f"print('exit', main({args!r}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines() == [
+    lines = proc.stdout.splitlines()
+    assert lines[:5] == [
         "False", str(sorted(TRITON_ONLY_MODULES)), "False",
         "--merge-transport p2p needs triton: pip install triton", "exit 2",
     ]
-
-    # The README's [demo] install: the demo with two spawned ranks (gloo, the collectives).
-    png = tmp_path / "dcp.png"
-    args = ["demo", "--dcp", "2", "--num-requests", "2", "--max-new-tokens", "2",
-            "--block-size", "2", "--num-blocks", "8", "--token-budget", "8", "--quiet",
-            "--out", str(png)]
-    proc = subprocess.run([sys.executable, "-m", "blocktable", *args], capture_output=True,
-                          text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2/2 requests match" in " ".join(proc.stdout.split())
+    assert lines[-1] == "exit 0", proc.stdout + proc.stderr
+    assert "2/2 requests match" in " ".join(lines[5:])
     assert png.read_bytes()[:4] == b"\x89PNG"
