@@ -1,10 +1,10 @@
-"""``blocktable demo --dcp 2``: two spawned processes, verified, summarized, drawn; bad options
-exit 2."""
+"""``blocktable demo --dcp 2``: bad options exit 2, a failed rank 3, a signal 128 + its number.
+
+The run itself (two spawned processes, verified, summarized, drawn) is tested once, as a fresh
+``[demo]`` install runs it, without Triton: ``tests/test_install.py``.
+"""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
@@ -12,28 +12,6 @@ from blocktable.cli import main
 from blocktable.context_parallel import launch
 from blocktable.demo import DemoOptions
 from blocktable.engine.dcp_demo import run_dcp_demo
-
-# Tight: 6 blocks per rank of 2 tokens (4 per allocator block) force preemptions.
-SMALL = ["--num-requests", "4", "--max-new-tokens", "4", "--block-size", "2", "--num-blocks",
-         "8", "--token-budget", "8"]
-
-
-def test_dcp_demo_runs_verifies_and_reports_each_rank(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "dcp.png"
-    assert main(["demo", "--dcp", "2", "--cp-interleave", "2", *SMALL, "--out", str(out)]) == 0
-    assert out.read_bytes()[:4] == b"\x89PNG"
-    text = capsys.readouterr().out
-    flat = " ".join(text.split())  # the console wraps long lines
-    assert "4/4 requests match transformers.generate and the single-process engine (DCP 2)" in flat
-    assert "KV per rank" in text
-    written = [int(m) for m in re.findall(r"│\s+[01] │\s+(\d+) │\s+[\d.]+% │", text)]
-    computed = re.search(r"\((\d+) tokens computed\)", text)
-    assert len(written) == 2 and min(written) > 0 and computed is not None
-    assert sum(written) == int(computed.group(1))  # every token written by exactly one rank
-    # gloo on the CPU: auto chooses the collectives
-    assert re.search(r"attention merge\s+│\s+collectives \(--merge-transport auto\)", text)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ of ``import blocktable``; without Triton the GPU path says so, and ``auto`` fall
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,10 +123,11 @@ def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
     (tmp_path / "sitecustomize.py").write_text(NO_TRITON_SITE)
     png = tmp_path / "dcp.png"
     # The README's [demo] install: the demo with two spawned ranks (gloo, the collectives),
-    # in the same process as the imports (one interpreter start less).
-    args = ["demo", "--dcp", "2", "--num-requests", "2", "--max-new-tokens", "2",
-            "--block-size", "2", "--num-blocks", "8", "--token-budget", "8", "--quiet",
-            "--out", str(png)]
+    # in the same process as the imports (one interpreter start less). Tight: 8 blocks per
+    # rank of 2 tokens (4 per allocator block) force preemptions.
+    args = ["demo", "--dcp", "2", "--cp-interleave", "2", "--num-requests", "4",
+            "--max-new-tokens", "4", "--block-size", "2", "--num-blocks", "8",
+            "--token-budget", "8", "--out", str(png)]
     code = (
         "import importlib, pkgutil, sys, blocktable\n"
         "from blocktable import *\n"
@@ -158,5 +160,14 @@ def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
         "--merge-transport p2p needs triton: pip install triton", "exit 2",
     ]
     assert lines[-1] == "exit 0", proc.stdout + proc.stderr
-    assert "2/2 requests match" in " ".join(lines[5:])
     assert png.read_bytes()[:4] == b"\x89PNG"
+    text = "\n".join(lines[5:])
+    flat = " ".join(text.split())  # the console wraps long lines
+    assert "4/4 requests match transformers.generate and the single-process engine (DCP 2)" in flat
+    assert "KV per rank" in text
+    written = [int(m) for m in re.findall(r"│\s+[01] │\s+(\d+) │\s+[\d.]+% │", text)]
+    computed = re.search(r"\((\d+) tokens computed\)", text)
+    assert len(written) == 2 and min(written) > 0 and computed is not None
+    assert sum(written) == int(computed.group(1))  # every token written by exactly one rank
+    # gloo on the CPU: auto chooses the collectives
+    assert re.search(r"attention merge\s+│\s+collectives \(--merge-transport auto\)", text)
