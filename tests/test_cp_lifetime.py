@@ -111,7 +111,7 @@ def test_sigint_sigterm_and_a_killed_parent_leave_nothing_running(tmp_path: Path
                 proc.kill()
     assert procs["int"].returncode == 130, outputs["int"]
     assert outputs["int"].strip() == ("blocktable demo --dcp 2: interrupted by SIGINT: every "
-                                      "rank was ended")
+                                      "rank was ended"), outputs["int"]
     assert procs["term"].returncode == 143, outputs["term"]
     assert outputs["term"].strip() == "interrupted by SIGTERM: every rank was ended"
     assert procs["kill"].returncode == -signal.SIGKILL

@@ -46,7 +46,9 @@ def engine_faults_job(rank: int, world: int, report_path: str) -> None:
     model = tiny_llama(seed=0)
     workload = [WorkloadRequest("a", tuple(range(1, 11)), 4, 0),
                 WorkloadRequest("b", (5, 6, 7), 4, 1)]
-    report: dict[str, object] = {}
+    # A terminal's Ctrl-C passes the ranks by (the parent ends them).
+    report: dict[str, object] = {
+        "sigint_blocked": signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())}
     # Ranks that disagree on the interleave would write and attend different tokens.
     try:
         _engine(model, interleave=(1, 2)[rank])
@@ -93,6 +95,7 @@ def test_engine_disagreement_idle_driver_and_killed_rank(tmp_path: Path) -> None
     elapsed = time.monotonic() - t0
     reports = [json.loads(Path(f"{path}.{r}").read_text()) for r in range(2)]
     for report in reports:  # refused on every rank, naming the field and both values
+        assert report["sigint_blocked"] is True
         assert report["interleave"] == ("DistributedEngine: the ranks disagree on interleave "
                                         "(rank 0: 1, rank 1: 2)")
         assert report["weights"].startswith(

@@ -13,9 +13,9 @@ file is ever written), a short process-group timeout, and a parent that watches 
 - The ranks live no longer than the parent: on Linux the kernel kills a rank whose parent
   dies (``PR_SET_PDEATHSIG``), and everywhere a thread in each rank watches a pipe that only
   the parent holds open.
-- SIGINT (Ctrl-C) and SIGTERM reach the parent only (the ranks ignore SIGINT from the
-  terminal); the parent ends every rank and raises :class:`Interrupted`, whose
-  ``exit_code`` is 130 or 143.
+- SIGINT (Ctrl-C) and SIGTERM reach the parent only (the ranks start with SIGINT blocked, so
+  a terminal's Ctrl-C passes them by); the parent ends every rank and raises
+  :class:`Interrupted`, whose ``exit_code`` is 130 or 143.
 
 On CUDA each rank gets GPU ``rank`` and NCCL; NVLink multicast stays off in every child
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
@@ -221,7 +221,7 @@ def run_ranks(
     lifelines: list[Connection] = []
     with _signals_raise_interrupted():
         try:
-            with _ignoring_sigint():  # inherited: Ctrl-C at a terminal reaches the parent only
+            with _sigint_held():  # inherited: Ctrl-C at a terminal reaches the parent only
                 for rank in range(world_size):
                     reader, writer = ctx.Pipe(duplex=False)
                     life_reader, life_writer = ctx.Pipe(duplex=False)
@@ -283,8 +283,25 @@ def _ignoring(*signums: int) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _ignoring_sigint() -> contextlib.AbstractContextManager[None]:
-    return _ignoring(signal.SIGINT)
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Start children with SIGINT blocked (the mask survives exec; Python leaves it so), and
+    deliver a SIGINT that arrived meanwhile to this process afterwards, not lose it."""
+    if not hasattr(signal, "pthread_sigmask"):  # no signal masks: ignore it while starting
+        with _ignoring(signal.SIGINT):
+            yield
+        return
+    # Starting multiprocessing's resource tracker unblocks SIGINT when it is done: start it
+    # first, so that it is already running when the ranks start.
+    with contextlib.suppress(ImportError, AttributeError):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _collect(
