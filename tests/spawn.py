@@ -11,9 +11,12 @@ timed out or died. ``fn`` must be a module-level function (the children import i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +29,9 @@ def _child(
     fn: Callable[..., Any], rank: int, world_size: int, tmp_dir: str, pg_timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
+    if sys.platform.startswith("linux"):  # die with the test process, never orphaned
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     import torch
     import torch.distributed as dist
 

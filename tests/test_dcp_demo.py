@@ -1,36 +1,17 @@
-"""``blocktable demo --dcp 2``: two spawned processes, verified, summarized, drawn; bad options
-exit 2."""
+"""``blocktable demo --dcp 2``: bad options exit 2, a failed rank 3, a signal 128 + its number.
+
+The run itself (two spawned processes, verified, summarized, drawn) is tested once, as a fresh
+``[demo]`` install runs it, without Triton: ``tests/test_install.py``.
+"""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
 from blocktable.cli import main
-
-# Tight: 6 blocks per rank of 2 tokens (4 per allocator block) force preemptions.
-SMALL = ["--num-requests", "4", "--max-new-tokens", "4", "--block-size", "2", "--num-blocks",
-         "8", "--token-budget", "8"]
-
-
-def test_dcp_demo_runs_verifies_and_reports_each_rank(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "dcp.png"
-    assert main(["demo", "--dcp", "2", "--cp-interleave", "2", *SMALL, "--out", str(out)]) == 0
-    assert out.read_bytes()[:4] == b"\x89PNG"
-    text = capsys.readouterr().out
-    flat = " ".join(text.split())  # the console wraps long lines
-    assert "4/4 requests match transformers.generate and the single-process engine (DCP 2)" in flat
-    assert "KV per rank" in text
-    written = [int(m) for m in re.findall(r"│\s+[01] │\s+(\d+) │\s+[\d.]+% │", text)]
-    computed = re.search(r"\((\d+) tokens computed\)", text)
-    assert len(written) == 2 and min(written) > 0 and computed is not None
-    assert sum(written) == int(computed.group(1))  # every token written by exactly one rank
-    # gloo on the CPU: auto chooses the collectives
-    assert re.search(r"attention merge\s+│\s+collectives \(--merge-transport auto\)", text)
+from blocktable.context_parallel import launch
+from blocktable.demo import DemoOptions
+from blocktable.engine.dcp_demo import run_dcp_demo
 
 
 @pytest.mark.parametrize(
@@ -50,3 +31,32 @@ def test_dcp_bad_options_exit_2(
         main(["demo", *args])
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_failed_rank_exits_3_and_blames_it_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise launch.RankFailedError(
+            2, {1: "the process was killed by SIGABRT (exit code -6) without a result",
+                0: "RuntimeError: Connection closed by peer"},
+            cause="died", signal_name="SIGABRT", exit_code=-6, last_steps=[4, 3])
+
+    monkeypatch.setattr(launch, "run_ranks", fail)
+    assert run_dcp_demo(DemoOptions(dcp=2, quiet=True)) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("FAILED: rank 1 of 2 died: killed by SIGABRT (exit code -6); the last "
+                        "step it finished: 3 (others: rank 0: 4)")
+    assert "rank 0 of 2 failed:" in lines and "RuntimeError: Connection closed by peer" in lines
+
+
+def test_an_interrupted_run_exits_128_plus_the_signal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise launch.Interrupted(15)
+
+    monkeypatch.setattr(launch, "run_ranks", interrupted)
+    assert run_dcp_demo(DemoOptions(dcp=2, quiet=True)) == 143
+    assert capsys.readouterr().out == (
+        "blocktable demo --dcp 2: interrupted by SIGTERM: every rank was ended\n")

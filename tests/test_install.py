@@ -4,6 +4,7 @@ of ``import blocktable``; without Triton the GPU path says so, and ``auto`` fall
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# A site hook that makes ``import triton`` fail in a process and in every process it spawns
+# (they inherit PYTHONPATH), as on a machine where triton was never installed.
+NO_TRITON_SITE = """
+import sys
+
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTriton())
+"""
+
+# Kernel modules that only hold Triton kernels: the package imports them only where Triton is.
+TRITON_ONLY_MODULES = {"blocktable.attention.triton_decode", "blocktable.attention.triton_prefill"}
+
+
+def _env(*paths: Path) -> dict[str, str]:
+    parts = [*map(str, paths), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}
+
+
 def _run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -93,3 +115,59 @@ def test_demo_model_constants_match_the_model() -> None:
     from blocktable.cli import MAX_BLOCK_SIZE, MAX_NEW_TOKENS
 
     assert 6 * MAX_BLOCK_SIZE + MAX_NEW_TOKENS <= MODEL_MAX_POSITIONS
+
+
+def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(NO_TRITON_SITE)
+    png = tmp_path / "dcp.png"
+    # The README's [demo] install: the demo with two spawned ranks (gloo, the collectives),
+    # in the same process as the imports (one interpreter start less). Tight: 8 blocks per
+    # rank of 2 tokens (4 per allocator block) force preemptions.
+    args = ["demo", "--dcp", "2", "--cp-interleave", "2", "--num-requests", "4",
+            "--max-new-tokens", "4", "--block-size", "2", "--num-blocks", "8",
+            "--token-budget", "8", "--out", str(png)]
+    code = (
+        "import importlib, pkgutil, sys, blocktable\n"
+        "from blocktable import *\n"
+        "from blocktable import AttentionMerger\n"
+        "failed = []\n"
+        "for m in pkgutil.walk_packages(blocktable.__path__, 'blocktable.'):\n"
+        "    if m.name.endswith('__main__'):\n"
+        "        continue\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ImportError as exc:\n"
+        "        failed.append(m.name)\n"
+        "print('triton' in sys.modules and sys.modules['triton'] is not None)\n"
+        "print(sorted(failed))\n"
+        "from blocktable._triton import HAS_TRITON\n"
+        "print(HAS_TRITON)\n"
+        "from blocktable.demo import DemoOptions\n"
+        "from blocktable.engine.dcp_demo import run_dcp_demo\n"
+        "opts = DemoOptions(dcp=2, device='cuda', merge_transport='p2p')\n"
+        "print('exit', run_dcp_demo(opts))\n"
+        "from blocktable.cli import main\n"
+        f"print('exit', main({args!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:5] == [
+        "False", str(sorted(TRITON_ONLY_MODULES)), "False",
+        "--merge-transport p2p needs triton: pip install triton", "exit 2",
+    ]
+    assert lines[-1] == "exit 0", proc.stdout + proc.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = "\n".join(lines[5:])
+    flat = " ".join(text.split())  # the console wraps long lines
+    assert "4/4 requests match transformers.generate and the single-process engine (DCP 2)" in flat
+    assert "KV per rank" in text
+    written = [int(m) for m in re.findall(r"│\s+[01] │\s+(\d+) │\s+[\d.]+% │", text)]
+    computed = re.search(r"\((\d+) tokens computed\)", text)
+    assert len(written) == 2 and min(written) > 0 and computed is not None
+    assert sum(written) == int(computed.group(1))  # every token written by exactly one rank
+    # gloo on the CPU: auto chooses the collectives
+    assert re.search(r"attention merge\s+│\s+collectives \(--merge-transport auto\)", text)

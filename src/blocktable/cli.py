@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Exit codes: 0 every request matches; 1 a request differs; 2 a bad option (also "
             "--picture-step past the run's last step, found when the engine finishes) or a "
-            "missing dependency. Bounds keep a run near a minute on a 2-core CPU."
+            "missing dependency; 3 a --dcp process failed, died or stalled; 130 / 143 "
+            "interrupted (SIGINT / SIGTERM). Bounds keep a run near a minute on a 2-core CPU."
         ),
     )
     demo.add_argument(

@@ -5,11 +5,26 @@
   GPUs) with persistent buffers, one Triton launch on CUDA, capturable in a CUDA graph; with
   ``transport="p2p"`` (GPUs of one node) no collective at all: one kernel per call that writes
   into the peers' symmetric memory.
+- :class:`ConfigMismatchError`, :class:`CallMismatchError`: the ranks disagree on a setting
+  (found once, at construction) or call the merge out of step (found at the call).
 """
 
 from __future__ import annotations
 
-from blocktable.context_parallel.merge import PATTERNS, TRANSPORTS, AttentionMerger
+from blocktable.context_parallel.handshake import ConfigMismatchError
+from blocktable.context_parallel.merge import (
+    PATTERNS,
+    TRANSPORTS,
+    AttentionMerger,
+    CallMismatchError,
+)
 from blocktable.context_parallel.reference import merge_attention_reference
 
-__all__ = ["PATTERNS", "TRANSPORTS", "AttentionMerger", "merge_attention_reference"]
+__all__ = [
+    "PATTERNS",
+    "TRANSPORTS",
+    "AttentionMerger",
+    "CallMismatchError",
+    "ConfigMismatchError",
+    "merge_attention_reference",
+]

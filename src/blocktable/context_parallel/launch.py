@@ -1,11 +1,21 @@
 """Run a function on N spawned processes with ``torch.distributed`` initialized, never hanging.
 
 :func:`run_ranks` is what the DCP demo, the multi-process tests and the benchmarks use: spawn
-(not fork), a ``file://`` rendezvous in a fresh temporary folder (no fixed port), a short
-process-group timeout, and a parent that watches every child. The first rank that raises (or
-dies) ends all the others within a second or so, and the parent raises
-:class:`RankFailedError` with that rank's traceback; a job past ``timeout_s`` is ended the
-same way with a :class:`TimeoutError`.
+(not fork), a rendezvous on a ``TCPStore`` that the parent serves on a free loopback port (no
+file is ever written), a short process-group timeout, and a parent that watches every child.
+
+- The first rank that raises, dies or stalls ends all the others within a second or so, and
+  the parent raises :class:`RankFailedError` naming the rank to blame first: one that died
+  (with its signal, ``SIGKILL``, ``SIGABRT``...), else one that stalled (no answer while the
+  others failed), else one that raised, before the ranks that only failed waiting on it; with
+  the last step each rank finished (see :func:`report_step`). A job past ``timeout_s`` is
+  ended the same way with a :class:`TimeoutError`.
+- The ranks live no longer than the parent: on Linux the kernel kills a rank whose parent
+  dies (``PR_SET_PDEATHSIG``), and everywhere a thread in each rank watches a pipe that only
+  the parent holds open.
+- SIGINT (Ctrl-C) and SIGTERM reach the parent only (the ranks start with SIGINT blocked, so
+  a terminal's Ctrl-C passes them by); the parent ends every rank and raises
+  :class:`Interrupted`, whose ``exit_code`` is 130 or 143.
 
 On CUDA each rank gets GPU ``rank`` and NCCL; NVLink multicast stays off in every child
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
@@ -15,14 +25,17 @@ rank is on this host).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
-import shutil
-import tempfile
+import signal
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -36,17 +49,94 @@ MULTICAST_OFF_ENV = {
 
 _GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' errors
 _JOIN_S = 5.0  # how long a terminated child gets before it is killed
+_PR_SET_PDEATHSIG = 1
+# What a rank raises when a peer died or stalled: it only waited (gloo's words).
+_WAITED = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+           "timed out", "Broken pipe")
+
+_progress: tuple[Any, int] | None = None  # in a rank: (the shared step array, this rank)
+
+
+def report_step(step: int) -> None:
+    """Record that this rank finished ``step`` (a cheap store into memory the parent reads).
+
+    The engine calls it after each step; the parent names each rank's last finished step
+    when a rank fails. Does nothing outside :func:`run_ranks`.
+    """
+    if _progress is not None:
+        steps, rank = _progress
+        steps[rank] = step
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the parent of the ranks; every rank has been ended.
+
+    Attributes
+    ----------
+    signum : int
+        The signal.
+    exit_code : int
+        ``128 + signum``: 130 for SIGINT, 143 for SIGTERM, as a shell reports them.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: every rank was ended")
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised or died; ``rank`` is the first to fail, ``tracebacks`` maps rank -> text."""
+    """A rank raised, died or stalled.
 
-    def __init__(self, world_size: int, tracebacks: dict[int, str]) -> None:
+    Attributes
+    ----------
+    rank : int
+        The rank to blame first (died, else stalled, else raised, before those that only
+        failed waiting on a peer).
+    world_size : int
+    tracebacks : dict
+        rank -> what went wrong there (its traceback, or how the process ended), blamed first.
+    cause : str
+        ``"died"``, ``"stalled"`` or ``"raised"``: what :attr:`rank` did.
+    signal_name : str or None
+        The signal that killed :attr:`rank` (``"SIGKILL"``...), if one did.
+    last_steps : list of int or None
+        Per rank, the last step it finished (-1: none), when the ranks reported steps.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        tracebacks: dict[int, str],
+        *,
+        cause: str = "raised",
+        signal_name: str | None = None,
+        exit_code: int | None = None,
+        last_steps: list[int] | None = None,
+    ) -> None:
         self.rank = next(iter(tracebacks))
         self.world_size = world_size
         self.tracebacks = dict(tracebacks)
-        parts = [f"rank {r} of {world_size} failed:\n{tb.rstrip()}" for r, tb in tracebacks.items()]
-        super().__init__("\n\n".join(parts))
+        self.cause, self.signal_name, self.last_steps = cause, signal_name, last_steps
+        r = self.rank
+        if cause == "died":
+            how = (f"died: killed by {signal_name} (exit code {exit_code})" if signal_name
+                   else f"died: exited with code {exit_code} without a result")
+        elif cause == "stalled":
+            how = f"stalled: no result and no error {_GRACE_S:g} s after another rank failed"
+        else:
+            lines = [ln for ln in tracebacks[r].strip().splitlines() if ln.strip()]
+            how = f"raised {lines[-1].strip() if lines else 'an error'}"
+        summary = f"rank {r} of {world_size} {how}"
+        if last_steps is not None:
+            step = last_steps[r]
+            summary += ("; it finished no step" if step < 0
+                        else f"; the last step it finished: {step}")
+            others = [f"rank {q}: {s}" for q, s in enumerate(last_steps) if q != r]
+            summary += f" (others: {', '.join(others)})" if others else ""
+        self.summary = summary
+        parts = [f"rank {q} of {world_size} failed:\n{tb.rstrip()}" for q, tb in tracebacks.items()]
+        super().__init__("\n\n".join([summary, *parts]))
 
 
 def default_backend(device: str) -> str:
@@ -96,9 +186,12 @@ def run_ranks(
     Raises
     ------
     RankFailedError
-        A rank raised or exited without a result; names the rank and carries its traceback.
+        A rank raised, died or stalled; names the rank to blame and carries every failure.
     TimeoutError
         The job ran past ``timeout_s``; names the ranks that had not finished.
+    Interrupted
+        SIGINT or SIGTERM reached this process (when it calls from the main thread, where
+        signal handlers live); every rank was ended first.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -106,62 +199,133 @@ def run_ranks(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if timeout_s <= 0 or pg_timeout_s <= 0:
         raise ValueError(f"timeout_s and pg_timeout_s must be > 0, got {timeout_s}, {pg_timeout_s}")
-    if device == "cuda":
-        import torch
+    import torch
+    import torch.distributed as dist
 
-        if torch.cuda.device_count() < world_size:
-            raise ValueError(
-                f"world_size={world_size} ranks need {world_size} GPUs (one each), "
-                f"{torch.cuda.device_count()} visible"
-            )
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"world_size={world_size} ranks need {world_size} GPUs (one each), "
+            f"{torch.cuda.device_count()} visible"
+        )
     backend = backend or default_backend(device)
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(MULTICAST_OFF_ENV)  # the children inherit the parent's environment
     ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="blocktable-rdzv-")
-    init_method = f"file://{os.path.join(tmp, 'store')}"
+    # The parent serves the rendezvous: nothing on disk, and it ends with the parent.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=pg_timeout_s),
+                          wait_for_workers=False)
+    steps = ctx.Array("q", [-1] * world_size, lock=False)
     procs: list[Any] = []
     conns: list[Connection] = []
+    lifelines: list[Connection] = []
+    with _signals_raise_interrupted():
+        try:
+            with _sigint_held():  # inherited: Ctrl-C at a terminal reaches the parent only
+                for rank in range(world_size):
+                    reader, writer = ctx.Pipe(duplex=False)
+                    life_reader, life_writer = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(
+                        target=_child,
+                        args=(rank, world_size, fn, tuple(args), store.port, backend, device,
+                              pg_timeout_s, num_threads, writer, life_reader, os.getpid(),
+                              steps),
+                        name=f"blocktable-rank{rank}",
+                        daemon=True,
+                    )
+                    proc.start()
+                    writer.close()  # the child holds the only writer: EOF when it dies
+                    life_reader.close()  # the child holds the only reader: EOF when we die
+                    procs.append(proc)
+                    conns.append(reader)
+                    lifelines.append(life_writer)
+            return _collect(procs, conns, world_size, timeout_s, steps)
+        finally:
+            with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C: still clean up
+                _end_all(procs)
+                for conn in (*conns, *lifelines):
+                    conn.close()
+                del store
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _signals_raise_interrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` here (main thread only)."""
+    if not _in_main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child,
-                args=(rank, world_size, fn, tuple(args), init_method, backend, device,
-                      pg_timeout_s, num_threads, writer),
-                name=f"blocktable-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            writer.close()  # the child holds the only writer: EOF when it dies
-            procs.append(proc)
-            conns.append(reader)
-        return _collect(procs, conns, world_size, timeout_s)
+        yield
     finally:
-        _end_all(procs)
-        for conn in conns:
-            conn.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _ignoring(*signums: int) -> Iterator[None]:
+    if not _in_main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Start children with SIGINT blocked (the mask survives exec; Python leaves it so), and
+    deliver a SIGINT that arrived meanwhile to this process afterwards, not lose it."""
+    if not hasattr(signal, "pthread_sigmask"):  # no signal masks: ignore it while starting
+        with _ignoring(signal.SIGINT):
+            yield
+        return
+    # Starting multiprocessing's resource tracker unblocks SIGINT when it is done: start it
+    # first, so that it is already running when the ranks start.
+    with contextlib.suppress(ImportError, AttributeError):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _collect(
-    procs: list[Any], conns: list[Connection], world_size: int, timeout_s: float
+    procs: list[Any], conns: list[Connection], world_size: int, timeout_s: float, steps: Any
 ) -> list[Any]:
     """Wait for every rank's result; on the first failure gather errors briefly, then raise."""
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
+    failures: dict[int, tuple[str, str]] = {}  # rank -> (cause, text)
     pending = set(range(world_size))
     fail_deadline: float | None = None
     while pending:
         now = time.monotonic()
         if fail_deadline is not None and now >= fail_deadline:
+            for rank in sorted(pending):  # alive, silent while a peer failed
+                failures[rank] = ("stalled", (
+                    "the process was still running, with no result and no error, "
+                    f"{_GRACE_S:g} s after another rank failed"))
             break
         if now >= deadline:
+            last = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps[:]))
             raise TimeoutError(
                 f"ranks {sorted(pending)} of {world_size} did not finish within "
-                f"timeout_s={timeout_s:g} s; every rank was ended"
+                f"timeout_s={timeout_s:g} s; every rank was ended (last finished steps: {last})"
             )
         limit = min(deadline, fail_deadline or deadline) - now
         waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
@@ -180,8 +344,39 @@ def _collect(
                 if fail_deadline is None:
                     fail_deadline = time.monotonic() + _GRACE_S
     if failures:
-        raise RankFailedError(world_size, failures)
+        raise _blame(world_size, failures, procs, steps[:])
     return [results[r] for r in range(world_size)]
+
+
+def _blame(
+    world_size: int, failures: dict[int, tuple[str, str]], procs: list[Any], steps: list[int]
+) -> RankFailedError:
+    """Order the failures, the rank to blame first: died, stalled, raised, only waited."""
+
+    def order(rank: int) -> int:
+        cause, text = failures[rank]
+        if cause == "raised" and any(w in text for w in _WAITED):
+            return 3
+        return {"died": 0, "stalled": 1, "raised": 2}[cause]
+
+    ranks = sorted(failures, key=order)  # stable: the first seen first among equals
+    first = ranks[0]
+    cause = failures[first][0]
+    code = procs[first].exitcode
+    name = _signal_name(code) if cause == "died" else None
+    return RankFailedError(
+        world_size, {r: failures[r][1] for r in ranks}, cause=cause, signal_name=name,
+        exit_code=code, last_steps=steps if max(steps) >= 0 else None,
+    )
+
+
+def _signal_name(exit_code: int | None) -> str | None:
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
 
 
 def _rank_of(obj: object, procs: list[Any], conns: list[Connection]) -> int:
@@ -192,17 +387,23 @@ def _rank_of(obj: object, procs: list[Any], conns: list[Connection]) -> int:
 
 
 def _receive(rank: int, proc: Any, conn: Connection) -> tuple[bool | None, Any]:
-    """``(True, result)``, ``(False, traceback)``, or ``(None, None)`` if nothing is there yet."""
+    """``(True, result)``, ``(False, (cause, text))``, or ``(None, None)`` if nothing is there
+    yet."""
     why = "without a result"
     if conn.poll():
         try:
-            return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
+            ok, payload = pickle.loads(conn.recv_bytes())
+            return (True, payload) if ok else (False, ("raised", payload))
         except (EOFError, OSError) as err:  # the child died before (or while) sending
             why = f"without a result ({type(err).__name__}: {err})"
     elif proc.is_alive():
         return None, None
     proc.join(_JOIN_S)
-    return False, f"the process exited with code {proc.exitcode} {why}"
+    code = proc.exitcode
+    name = _signal_name(code)
+    how = (f"the process was killed by {name} (exit code {code})" if name
+           else f"the process exited with code {code}")
+    return False, ("died", f"{how} {why}")
 
 
 def _end_all(procs: list[Any]) -> None:
@@ -217,18 +418,42 @@ def _end_all(procs: list[Any]) -> None:
             proc.join(_JOIN_S)
 
 
+def _die_with_parent(parent_pid: int, lifeline: Connection) -> None:
+    """End this process when the parent ends: PR_SET_PDEATHSIG on Linux, and a thread that
+    waits for the parent's end of ``lifeline`` to close (anywhere)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):  # no libc prctl: the thread still watches
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            lifeline.recv_bytes()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="blocktable-lifeline", daemon=True).start()
+
+
 def _child(
     rank: int,
     world_size: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    init_method: str,
+    store_port: int,
     backend: str,
     device: str,
     pg_timeout_s: float,
     num_threads: int,
     conn: Connection,
+    lifeline: Connection,
+    parent_pid: int,
+    steps: Any,
 ) -> None:
+    global _progress
+    _die_with_parent(parent_pid, lifeline)
+    _progress = (steps, rank)
     os.environ.update(MULTICAST_OFF_ENV)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the DNS
     initialized = False
@@ -239,10 +464,10 @@ def _child(
         torch.set_num_threads(num_threads)
         if device == "cuda":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, init_method=init_method, world_size=world_size, rank=rank,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
+        timeout = timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout)
+        dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
+                                timeout=timeout)
         initialized = True
         result = fn(rank, world_size, *args)
         # Plain pickle: multiprocessing's pickler would pass tensors as shared memory that

@@ -20,6 +20,7 @@ from blocktable._checks import check_positive, check_tensor
 from blocktable.config import CPConfig
 from blocktable.context_parallel.collectives import Collectives
 from blocktable.context_parallel.correction import A2ALayout, MergeKernels
+from blocktable.context_parallel.handshake import agree
 from blocktable.context_parallel.p2p import (
     P2PLayout,
     P2PMerge,
@@ -58,11 +59,20 @@ class AttentionMerger:
     with one rounding (so every pattern computes like ``"all_to_all"``). The patterns keep
     their results (which heads each rank gets); no collective runs per call.
 
-    Every rank must call :meth:`merge` in the same order with the same ``num_tokens``. A rank
-    that dies or never calls leaves the others blocked in a collective until the process
-    group's timeout (``timeout=`` of ``init_process_group``; with NCCL, only when its watchdog
-    aborts on timeout, the default): choose it to suit. Over the collectives the merger adds
-    no timeout of its own; over p2p its kernel traps after ``p2p_timeout_s``.
+    Every rank of the group constructs its merger at the same point with the same settings:
+    construction gathers every rank's settings once (pattern, dtype, heads, head_dim,
+    max_num_tokens, transport, device type, library version, world and rank order) and raises
+    :class:`~blocktable.context_parallel.handshake.ConfigMismatchError` on every rank when they
+    differ. Then every rank must call :meth:`merge` in the same order with the same
+    ``num_tokens``, empty batches included (a call with no token still takes part in the
+    collectives). With ``check_calls`` (the default on the CPU) each call first all-gathers a
+    16-byte header, the caller's ``step`` and ``num_tokens``, and raises
+    :class:`CallMismatchError` on every rank when they differ, before any payload moves.
+
+    A rank that dies or never calls leaves the others blocked in a collective until the
+    process group's timeout (``timeout=`` of ``init_process_group``; with NCCL, only when its
+    watchdog aborts on timeout, the default): choose it to suit. Over the collectives the
+    merger adds no timeout of its own; over p2p its kernel traps after ``p2p_timeout_s``.
 
     Parameters
     ----------
@@ -96,6 +106,10 @@ class AttentionMerger:
         is then lost, so a dead peer ends the process with a CUDA error instead of a hang);
         ``None`` waits forever. Keep it well above the time ranks may drift apart (a first
         call's compilation on a slow rank, for instance): a trap is fatal to the process.
+    check_calls : bool or None
+        Exchange and compare each call's header (see above). ``None``: on for CPU tensors,
+        off on CUDA, where reading the header back is a host sync per call and breaks CUDA
+        graph capture (there the engine's per-step plan check and the handshake stand in).
 
     Examples
     --------
@@ -128,6 +142,7 @@ class AttentionMerger:
         backend: str = "auto",
         transport: str = "collectives",
         p2p_timeout_s: float | None = 60.0,
+        check_calls: bool | None = None,
     ) -> None:
         if pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
@@ -168,6 +183,18 @@ class AttentionMerger:
         self._shape_tail = (num_heads, head_dim)
         self._view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._p2p: P2PMerge | None = None
+        self.check_calls = self.device.type == "cpu" if check_calls is None else bool(check_calls)
+        self.num_calls = 0
+        """Calls of :meth:`merge` so far (the header's step when the caller gives none)."""
+        agree(self._comm.group, "AttentionMerger", {
+            "pattern": pattern, "dtype": str(dtype), "num_heads": num_heads,
+            "head_dim": head_dim, "max_num_tokens": max_num_tokens, "transport": transport,
+            "device type": self.device.type, "check_calls": self.check_calls,
+        }, device=self.device)
+        if self.check_calls:  # [step, num_tokens] of this call; every rank's, gathered
+            self._header = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self._headers = torch.zeros(2 * self.world_size, dtype=torch.int64,
+                                        device=self.device)
         if transport == "auto":  # after every local check: a collective
             transport = choose_transport(self._comm.group, self.device, backend)
         self.transport: str = transport
@@ -226,13 +253,13 @@ class AttentionMerger:
     @overload
     def merge(
         self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
-        return_lse: Literal[False] = ...,
+        return_lse: Literal[False] = ..., step: int | None = ...,
     ) -> torch.Tensor: ...
 
     @overload
     def merge(
         self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = ...,
-        return_lse: Literal[True],
+        return_lse: Literal[True], step: int | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def merge(
@@ -242,6 +269,7 @@ class AttentionMerger:
         *,
         gather_heads: bool = False,
         return_lse: bool = False,
+        step: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Merge this rank's partial attention with the other ranks'.
 
@@ -259,6 +287,10 @@ class AttentionMerger:
         return_lse : bool
             Also return the merged LSE of the returned heads (the all-to-all pattern with
             ``gather_heads`` pays one more small all-gather for it).
+        step : int or None
+            The caller's step number, compared between the ranks with ``check_calls`` (a rank
+            that skipped a step's calls is caught at its next call); default: the count of
+            calls, which catches calls of different sizes only.
 
         Returns
         -------
@@ -268,12 +300,21 @@ class AttentionMerger:
             all-reduce pattern); with ``return_lse`` also the float32 merged LSE
             ``[num_tokens, heads]`` (``-inf`` where no rank sees a key). Both are views of the
             merger's buffers, valid until its next call.
+
+        Raises
+        ------
+        CallMismatchError
+            With ``check_calls``, on every rank, when the ranks' ``step`` or ``num_tokens``
+            differ; no payload has moved.
         """
         num_tokens = self._check(out, lse)
-        if num_tokens == 0:  # every rank passes the same num_tokens: all skip the collectives
-            empty = out[:, : self.heads_per_rank if self.head_sliced and not gather_heads
-                        else self.num_heads]
-            return (empty, lse[:, : empty.shape[1]]) if return_lse else empty
+        self.num_calls += 1
+        if self.check_calls:
+            self._check_call(self.num_calls if step is None else step, num_tokens)
+            if num_tokens == 0:  # every rank has none, as the headers show: nothing to merge
+                empty = out[:, : self.heads_per_rank if self.head_sliced and not gather_heads
+                            else self.num_heads]
+                return (empty, lse[:, : empty.shape[1]]) if return_lse else empty
         if self._p2p is not None:
             res, res_lse = self._p2p.run(out, lse, all_heads=gather_heads or not self.head_sliced,
                                          want_lse=return_lse)
@@ -284,6 +325,18 @@ class AttentionMerger:
         else:
             res, res_lse = self._corrected(out, lse, v, gather_heads, return_lse)
         return (res, res_lse) if return_lse else res
+
+    def _check_call(self, step: int, num_tokens: int) -> None:
+        """All-gather ``[step, num_tokens]`` of every rank; raise on every rank if they differ."""
+        if self.device.type == "cpu":
+            self._header[0], self._header[1] = step, num_tokens
+        else:
+            self._header.copy_(torch.tensor([step, num_tokens], dtype=torch.int64))
+        self._comm.all_gather(self._headers, self._header)
+        seen = self._headers.tolist()
+        steps, counts = seen[0::2], seen[1::2]
+        if steps != [step] * self.world_size or counts != [num_tokens] * self.world_size:
+            raise CallMismatchError(self.rank, steps, counts)
 
     def _corrected(
         self, out: torch.Tensor, lse: torch.Tensor, v: dict[str, torch.Tensor], gather: bool,
@@ -393,6 +446,26 @@ class AttentionMerger:
             check_tensor("lse", lse, dtype=torch.float32, shape=[num_tokens, self.num_heads],
                          device=self.device)
         return int(num_tokens)
+
+
+class CallMismatchError(RuntimeError):
+    """The ranks called :meth:`AttentionMerger.merge` out of step (raised on every rank).
+
+    Attributes
+    ----------
+    steps, num_tokens : list of int
+        Each rank's ``step`` and ``num_tokens`` of the call, in rank order.
+    """
+
+    def __init__(self, rank: int, steps: list[int], num_tokens: list[int]) -> None:
+        self.steps, self.num_tokens = steps, num_tokens
+        each = ", ".join(f"rank {r}: step {s}, {t} tokens"
+                         for r, (s, t) in enumerate(zip(steps, num_tokens)))
+        super().__init__(
+            f"AttentionMerger.merge on rank {rank}: the ranks are out of step ({each}); every "
+            "rank must call merge() in the same order with the same num_tokens, empty batches "
+            "included"
+        )
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

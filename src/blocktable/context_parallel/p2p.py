@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 
 from blocktable._triton import HAS_TRITON, Launcher, interpreting, next_power_of_2
-from blocktable.context_parallel.p2p_kernel import _p2p_merge_kernel
+
+if HAS_TRITON:
+    from blocktable.context_parallel.p2p_kernel import _p2p_merge_kernel
+else:  # the transport is unavailable; `auto` picks the collectives (p2p_unavailable_reason)
+    _p2p_merge_kernel = None
 
 FLAG_BYTES = 4
 MAX_PROGRAMS = 128  # programs of the grid: every one must be resident at once (they spin)

@@ -23,8 +23,11 @@ class Merger(Protocol):
     """What the model needs of an attention merger (``blocktable.context_parallel``)."""
 
     def merge(
-        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = False
-    ) -> torch.Tensor: ...
+        self, out: torch.Tensor, lse: torch.Tensor, *, gather_heads: bool = False,
+        step: int | None = None,
+    ) -> torch.Tensor:
+        """``step``: the engine's step, which a merger may compare between the ranks."""
+        ...
 
 
 class CPPagedLlama(PagedLlama):
@@ -50,6 +53,8 @@ class CPPagedLlama(PagedLlama):
     num_empty_queries : torch.Tensor
         int64 scalar on the model's device: query tokens (of layer 0, head 0) for which this
         rank held no visible key, summed over steps (read it with ``int()`` at the end).
+    step : int or None
+        The engine's step, set before each forward and handed to every merge.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class CPPagedLlama(PagedLlama):
         self.cp = cp
         self.cp_block_size = cp_block_size
         self.merger = merger
+        self.step: int | None = None
         device = hf_model.lm_head.weight.device
         self.num_empty_queries = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -81,4 +87,4 @@ class CPPagedLlama(PagedLlama):
         )
         if k_cache.data_ptr() == self.kv_cache[0, 0].data_ptr():  # layer 0: once per step
             self.num_empty_queries += torch.isinf(lse[:num_tokens, 0]).sum()  # no host sync
-        return self.merger.merge(out, lse, gather_heads=True)[:num_tokens]
+        return self.merger.merge(out, lse, gather_heads=True, step=self.step)[:num_tokens]

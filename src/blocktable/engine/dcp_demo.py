@@ -30,10 +30,25 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     """Run the demo on ``opts.dcp`` processes; return the exit code.
 
     0: every request matches ``transformers.generate`` and the single-process engine;
-    1: a mismatch, or a rank failed (its traceback is printed); 2: transformers is missing or
-    ``--device cuda`` has fewer than ``opts.dcp`` GPUs.
+    1: a mismatch; 2: transformers (or Triton for ``--merge-transport p2p``) is missing or
+    ``--device cuda`` has fewer than ``opts.dcp`` GPUs; 3: a rank failed, died or stalled
+    (one line blames it, every rank's error follows); 130 / 143: SIGINT / SIGTERM (one line;
+    every rank is ended first).
     """
+    from blocktable.context_parallel.launch import Interrupted
+
     console = console or Console()
+    try:
+        return _run(opts, console)
+    except Interrupted as err:
+        console.print(f"blocktable demo --dcp {opts.dcp}: {err}", soft_wrap=True)
+        return err.exit_code
+    except KeyboardInterrupt:  # after the ranks ended: verification or drawing
+        console.print(f"blocktable demo --dcp {opts.dcp}: interrupted by SIGINT", soft_wrap=True)
+        return 130
+
+
+def _run(opts: DemoOptions, console: Console) -> int:
     try:
         import transformers
     except ImportError:
@@ -48,6 +63,11 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     from blocktable.picture import draw_snapshot, pick_step
 
     world = opts.dcp
+    from blocktable._triton import HAS_TRITON
+
+    if opts.merge_transport == "p2p" and not HAS_TRITON:
+        console.print("--merge-transport p2p needs triton: pip install triton")
+        return 2
     if opts.device == "cuda" and torch.cuda.device_count() < world:
         console.print(f"--dcp {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
         return 2
@@ -77,9 +97,14 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
     try:
         results = run_ranks(run_dcp_rank, world, args=([run],), device=opts.device,
                             timeout_s=JOB_TIMEOUT_S)
-    except (RankFailedError, TimeoutError) as err:
+    except RankFailedError as err:
+        console.print(f"[red]FAILED[/]: {escape(err.summary)}", soft_wrap=True)
+        console.print(escape("\n\n".join(str(err).split("\n\n")[1:])), highlight=False,
+                      soft_wrap=True)
+        return 3
+    except TimeoutError as err:
         console.print(f"[red]FAILED[/]: {escape(str(err))}")
-        return 1
+        return 3
     t_engine = time.perf_counter() - t_start
     per_rank = [r[0] for r in results]
     driver = per_rank[0]

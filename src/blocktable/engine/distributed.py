@@ -15,14 +15,18 @@ One :meth:`DistributedEngine.step`:
 4. rank 0 samples (the other ranks get the sampled tokens as the next plan's token ids).
 
 The other ranks run :meth:`DistributedEngine.serve` until the driver calls
-:meth:`DistributedEngine.shutdown`.
+:meth:`DistributedEngine.shutdown`. Construction is a handshake: every rank's settings are
+gathered once and compared (:func:`~blocktable.context_parallel.handshake.agree`), so ranks
+that disagree (on the interleave, the block size, the model...) fail at once, on every rank.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -33,6 +37,8 @@ from blocktable.allocator import KVCacheManager
 from blocktable.attention.cp_layout import local_seq_len
 from blocktable.config import CPConfig
 from blocktable.constants import PAD_SLOT_ID
+from blocktable.context_parallel.handshake import agree
+from blocktable.context_parallel.launch import report_step
 from blocktable.engine.cp_model import CPPagedLlama, Merger
 from blocktable.engine.dcp_plan import RankStats, StepPlan, check_cp_group
 from blocktable.engine.engine import EngineConfig, StepResult, sample_and_finish
@@ -45,6 +51,7 @@ from blocktable.step import CapturedStep
 
 MERGE_PATTERNS = ("all_reduce", "all_gather_reduce_scatter", "all_to_all")
 MERGE_TRANSPORTS = ("auto", "collectives", "p2p")
+_FOREVER = timedelta(days=365)  # gloo takes a deadline per call: "none" is a far one
 
 
 def make_merger(
@@ -109,9 +116,17 @@ class DistributedEngine:
         else a new gloo group (``torch.distributed.new_group``, collective over all processes).
     check_consistency : bool
         Every step, gather every rank's greedy tokens and raise if any rank differs (debug).
+    idle_timeout_s : float or None
+        How long :meth:`serve` waits for the driver's next plan. ``None`` (default): as long
+        as the driver lives; a driver that dies closes its connections, which ends the wait
+        at once. The wait has its own deadline, not the process group's timeout, so a driver
+        may stay idle (no request) for as long as it likes.
 
     Raises
     ------
+    ConfigMismatchError
+        On every rank: the ranks disagree on a setting they must share (interleave, block
+        size, pool, token budget, model shape, dtype or weights, merge pattern...).
     ValueError
         ``cp`` disagrees with ``group`` (see :func:`check_cp_group`), or the interleave does
         not divide ``config.block_size``.
@@ -131,6 +146,7 @@ class DistributedEngine:
         merge_p2p_timeout_s: float | None = 60.0,
         control_group: Any = None,
         check_consistency: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -141,8 +157,39 @@ class DistributedEngine:
             raise ValueError(
                 f"merge_transport must be one of {MERGE_TRANSPORTS}, got {merge_transport!r}"
             )
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s}")
         self.config, self.cp, self.group = config, cp, group
         self.device: torch.device = hf_model.lm_head.weight.device
+        if control_group is None:
+            control_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
+                dist.get_process_group_ranks(group), backend="gloo"
+            )
+        elif dist.get_process_group_ranks(control_group) != dist.get_process_group_ranks(group):
+            raise ValueError("control_group must hold the same ranks as group")
+        self.control_group = control_group
+        self._idle_timeout = _FOREVER if idle_timeout_s is None else timedelta(
+            seconds=idle_timeout_s)
+        hf_config = hf_model.config
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        weights = hf_model.lm_head.weight
+        agree(control_group, "DistributedEngine", {
+            "interleave": cp.interleave, "block_size": config.block_size,
+            "num_blocks": config.num_blocks, "kernel_block_size": kernel_block_size,
+            "max_num_reqs": config.max_num_reqs, "max_model_len": config.max_model_len,
+            "token_budget": config.token_budget, "backend": config.backend,
+            "captured_step": config.captured_step,
+            "model": (type(hf_model).__name__, hf_config.num_hidden_layers, num_heads,
+                      hf_config.num_key_value_heads, head_dim, hf_config.hidden_size,
+                      hf_config.vocab_size),
+            "model dtype": str(weights.dtype),
+            # A sample of the weights, summed on the host (the same bits on every rank).
+            "weights sample": repr(float(weights[:8].detach().to("cpu", torch.float64).sum())),
+            "merge_pattern": merge_pattern, "merge_transport": merge_transport,
+            "merger": None if merger is None else type(merger).__name__,
+            "check_consistency": check_consistency, "device type": self.device.type,
+        })
         self.is_driver = cp.rank == 0
         self.check_consistency = check_consistency
         backend = resolve_backend(config.backend, self.device)
@@ -165,9 +212,6 @@ class DistributedEngine:
         )
         captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
         self.captured_step = CapturedStep(self.table) if captured else None
-        hf_config = hf_model.config
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if merger is None:
             merger = make_merger(
                 group, cp, pattern=merge_pattern, max_num_tokens=config.token_budget,
@@ -183,13 +227,6 @@ class DistributedEngine:
             hf_model, config.num_blocks * (config.block_size // kernel_block_size),
             kernel_block_size, backend, cp=cp, cp_block_size=config.block_size, merger=merger,
         )
-        if control_group is None:
-            control_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
-                dist.get_process_group_ranks(group), backend="gloo"
-            )
-        elif dist.get_process_group_ranks(control_group) != dist.get_process_group_ranks(group):
-            raise ValueError("control_group must hold the same ranks as group")
-        self.control_group = control_group
         self._driver_rank = dist.get_global_rank(control_group, 0)
         self.requests: dict[str, Request] = {}
         self.step_index = 0
@@ -248,6 +285,7 @@ class DistributedEngine:
         plan = self._plan(batch)
         self._broadcast(plan)
         logits, table_time_s = self._execute(plan, lambda: hook(self, batch) if hook else None)
+        report_step(self.step_index)
         finished = self._update(batch, logits) if logits is not None else []
         result = StepResult(
             step=self.step_index, num_reqs=len(batch.scheduled), num_tokens=batch.num_tokens,
@@ -264,7 +302,11 @@ class DistributedEngine:
 
     # ---------------------------------------------------------------- followers
     def serve(self) -> RankStats:
-        """Run the driver's plans until it calls :meth:`shutdown` (ranks other than 0)."""
+        """Run the driver's plans until it calls :meth:`shutdown` (ranks other than 0).
+
+        Between plans it waits as long as ``idle_timeout_s`` allows (by default as long as the
+        driver lives), not the process group's timeout.
+        """
         if self.is_driver:
             raise RuntimeError("serve() is for ranks other than 0; rank 0 calls step()")
         while True:
@@ -272,6 +314,7 @@ class DistributedEngine:
             if plan.stop:
                 return self.finish_stats()
             self._execute(plan, None)
+            report_step(self.step_index)
             self.step_index += 1
 
     def finish_stats(self) -> RankStats:
@@ -305,24 +348,38 @@ class DistributedEngine:
         return StepPlan(self.step_index, update, input_ids, per_req[0], per_req[1],
                         per_req[2].astype(np.int32))
 
-    def _broadcast(self, plan: StepPlan) -> None:
+    # A plan travels as a header (step, bytes) then its pickle. Followers wait for the header
+    # with the idle deadline (the driver may have no work for long); the pickle follows at
+    # once, within the group's timeout.
+    def _bcast(self, tensor: torch.Tensor, timeout: timedelta | None) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([plan], src=self._driver_rank, group=self.control_group)
+        opts = dist.distributed_c10d.BroadcastOptions()
+        opts.rootRank = dist.get_group_rank(self.control_group, self._driver_rank)
+        if timeout is not None:
+            opts.timeout = timeout
+        self.control_group.broadcast([tensor], opts).wait()
+
+    def _broadcast(self, plan: StepPlan) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
+        self._bcast(torch.tensor([plan.step, payload.numel()], dtype=torch.int64), None)
+        self._bcast(payload, None)
 
     def _receive(self) -> StepPlan:
-        import torch.distributed as dist
-
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=self._driver_rank, group=self.control_group)
-        plan = box[0]
-        if not isinstance(plan, StepPlan):
-            raise TypeError(f"rank {self.cp.rank}: expected a StepPlan, got {type(plan).__name__}")
-        if plan.step != self.step_index:
+        header = torch.zeros(2, dtype=torch.int64)
+        self._bcast(header, self._idle_timeout)
+        step, nbytes = header.tolist()
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        self._bcast(payload, None)  # taken even when refused: the next call stays paired
+        if step != self.step_index:
             raise RuntimeError(
                 f"rank {self.cp.rank} expected the plan of step {self.step_index}, got step "
-                f"{plan.step}: the ranks diverged"
+                f"{step}: the ranks diverged"
             )
+        plan = pickle.loads(payload.numpy().tobytes())
+        if not isinstance(plan, StepPlan) or plan.step != step:
+            raise TypeError(f"rank {self.cp.rank}: expected the StepPlan of step {step}, got "
+                            f"{type(plan).__name__}")
         return plan
 
     def _execute(
@@ -396,6 +453,7 @@ class DistributedEngine:
         if hook is not None:
             hook()
         input_ids = torch.from_numpy(plan.input_ids).to(dev)
+        self.model.step = self.step_index
         logits = self.model(input_ids, positions, attn, query_start_loc[1:].long() - 1).cpu()
         if self.check_consistency:
             self._check_same_tokens(logits.argmax(-1))
