@@ -96,10 +96,13 @@ def check_group_update(
 ) -> GroupArrays:
     """Validate one group's changes against ``table``; return the arrays to write."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
-    code, part, i, value, bound = loops.check_group_update(  # type: ignore[call-arg]
-        table.num_kernel_blocks, table.width, table.k, table.block_id_bound, *arrays,
-        table.scratch_counts, table.scratch_seen, trusted,
-    )
+    if table.writer is not None:
+        code, part, i, value, bound = table.writer.apply(*arrays, write=False)
+    else:
+        code, part, i, value, bound = loops.check_group_update(  # type: ignore[call-arg]
+            table.num_kernel_blocks, table.width, table.k, table.block_id_bound, *arrays,
+            table.scratch_counts, table.scratch_seen, trusted,
+        )
     if code != loops.OK:
         raise _error(table.group, code, part, i, value, bound, table.num_blocks_declared)
     return tuple(arrays)
@@ -116,11 +119,14 @@ def apply_group_update(
     """Check and apply in one call (a table with one group: nothing else to wait for)."""
     arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     st = table.storage
-    code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
-        table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
-        table.block_id_bound, table.offset, *arrays, table.scratch_counts, table.scratch_seen,
-        st.dirty_rows[table.group], st.journal, st.journal_len, trusted,
-    )
+    if table.writer is not None:
+        code, part, i, value, bound = table.writer.apply(*arrays)
+    else:
+        code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
+            table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
+            table.block_id_bound, table.offset, *arrays, table.scratch_counts,
+            table.scratch_seen, st.dirty_rows[table.group], st.journal, st.journal_len, trusted,
+        )
     if code != loops.OK:
         raise _error(table.group, code, part, i, value, bound, table.num_blocks_declared)
     st.changed = True
@@ -129,10 +135,13 @@ def apply_group_update(
 def write_group_update(table: BlockTable, arrays: GroupArrays) -> None:
     """Apply arrays returned by :func:`check_group_update`; records them for the next commit."""
     st = table.storage
-    loops.write_group_update(  # type: ignore[call-arg]
-        table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
-        table.offset, *arrays, st.dirty_rows[table.group], st.journal, st.journal_len,
-    )
+    if table.writer is not None:  # (checks again: cheap, and the call stays all-or-nothing)
+        table.writer.apply(*arrays)
+    else:
+        loops.write_group_update(  # type: ignore[call-arg]
+            table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
+            table.offset, *arrays, st.dirty_rows[table.group], st.journal, st.journal_len,
+        )
     st.changed = True
 
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from blocktable import _compiled_loader as _loader
 from blocktable._host_loops import fill_staging
 from blocktable._triton import HAS_TRITON, Launcher, cdiv, tl, triton
 from blocktable.storage import TableStorage
@@ -48,22 +49,15 @@ class Committer:
         The buffers to keep in sync.
     backend : str
         ``"triton"`` (scatter kernel) or ``"torch"`` (numpy on CPU tensors).
-    staging_entries : int or None
-        Capacity of each staging buffer in changed entries; beyond it a commit copies row spans.
-        Default: ``max(1024, num_entries // 40)``, so the two pinned staging buffers add at
-        most ~10% to the table's pinned memory for large tables.
+
+    The capacity of each staging buffer in changed entries is the storage's
+    ``journal_capacity``; beyond it a commit copies row spans.
     """
 
-    def __init__(
-        self, storage: TableStorage, backend: str, staging_entries: int | None = None
-    ) -> None:
+    def __init__(self, storage: TableStorage, backend: str) -> None:
         self.storage = storage
         self.backend = backend
-        cap = staging_entries if staging_entries is not None else max(
-            1024, storage.num_entries // 40
-        )
-        self.capacity = int(cap)
-        storage.set_journal_capacity(self.capacity)
+        self.capacity = storage.journal_capacity
         cuda = storage.device.type == "cuda"
         # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
         self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
@@ -87,8 +81,14 @@ class Committer:
         st = self.storage
         if not st.changed:
             return 0
-        n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset, st.host,
-                         pairs, capacity)
+        compiled = _loader.COMPILED
+        if compiled is not None:
+            n = compiled.fill_staging(st.journal, st.journal_len,
+                                      st.dirty_rows.reshape(-1).view(np.uint8), st.counts_offset,
+                                      st.host, pairs, capacity)
+        else:
+            n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
+                             st.host, pairs, capacity)
         if n >= 0:
             st.changed = False  # fill_staging reset the dirty rows and the journal
         return n

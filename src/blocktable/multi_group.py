@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import astuple
 
 import numpy as np
 import torch
 
 from blocktable._checks import as_index_array, check_count, check_index, check_positive
+from blocktable import _compiled_loader as _loader
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer
@@ -23,6 +25,7 @@ from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.group_layout import check_update_block_sizes
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
 from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
+from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.storage import TableStorage
 from blocktable.table import BlockTable
 from blocktable.update import StepUpdate
@@ -127,13 +130,16 @@ class MultiGroupBlockTable(AttentionViews):
             if spec.max_num_blocks is None and max_model_len is None:
                 raise ValueError("max_model_len is required unless every group sets max_num_blocks")
             widths.append(row_width(spec, max_model_len or 0, self.cp))
-        self.storage = TableStorage(widths, self.max_num_reqs, self.device)
+        if commit_staging_entries is not None:
+            check_positive("commit_staging_entries", commit_staging_entries)
+        self.storage = TableStorage(widths, self.max_num_reqs, self.device,
+                                    journal_capacity=commit_staging_entries)
         self.tables: list[BlockTable | None] = [
             BlockTable.for_group(self, g) if spec.has_table else None
             for g, spec in enumerate(self.specs)
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
-        self.committer = Committer(self.storage, self.backend, commit_staging_entries)
+        self.committer = Committer(self.storage, self.backend)
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
@@ -155,6 +161,12 @@ class MultiGroupBlockTable(AttentionViews):
         self._encoder_placeholder = torch.zeros(
             self.max_num_reqs, 1, dtype=torch.int32, device=self.device
         )
+        # the CPU backend's compiled slot mapping, bound to its buffers (None: numpy, or CUDA)
+        compiled = _loader.COMPILED
+        self._compiled_slots = (
+            compiled.SlotMapper(self.storage.device_np, self._slots.numpy(),
+                                [astuple(p) for p in self.slot_params], self.max_num_reqs)
+            if compiled is not None and self.storage.device_np is not None else None)
         self._gathered: dict[int, torch.Tensor] = {}  # group -> indexed-mode view buffer
         self._state_out: dict[tuple[int, int], torch.Tensor] = {}  # (group, spec) -> buffer
 
@@ -370,25 +382,46 @@ class MultiGroupBlockTable(AttentionViews):
             check_device_values=self.debug, row_of_batch_cpu=row_of_batch_cpu,
         )
         self.require_committed("compute_slot_mapping")
-        compute_slots(
-            self.backend,
-            self.storage.device_tensor,
-            self.slot_params,
-            self._packed_params,
-            query_start_loc,
-            positions,
-            row_of_batch,
-            self._slots,
-            max_num_reqs=self.max_num_reqs,
-            pow2=self._pow2,
-            has_cp=self._has_cp,
-        )
+        if self.device.type == "cpu" and self.backend == "torch":
+            rows = None if row_of_batch is None else row_of_batch.numpy()
+            self.map_slots_on_host(query_start_loc.numpy(), positions.numpy(), rows)
+        else:
+            compute_slots(
+                self.backend,
+                self.storage.device_tensor,
+                self.slot_params,
+                self._packed_params,
+                query_start_loc,
+                positions,
+                row_of_batch,
+                self._slots,
+                max_num_reqs=self.max_num_reqs,
+                pow2=self._pow2,
+                has_cp=self._has_cp,
+            )
         if self.debug:
             report_unmapped_tokens(
                 self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,
                 self.max_num_reqs, query_start_loc, positions, row_of_batch,
             )
         return list(self._slot_views)
+
+    def map_slots_on_host(self, query_start_loc: np.ndarray, positions: np.ndarray,
+                          row_of_batch: np.ndarray | None) -> None:
+        """The CPU backend's slot mapping of a batch (numpy arrays: int32 ``[num_reqs + 1]``,
+        int64 ``[num_tokens]``, int32 ``[num_reqs]`` or ``None``) into :attr:`slot_buffers`:
+        the compiled loops where the install built them and the batch is well formed and
+        contiguous, else numpy; the same slots either way. Inputs are not checked here
+        (:meth:`compute_slot_mapping` and the captured step check them)."""
+        mapper = self._compiled_slots
+        if (mapper is not None and query_start_loc.flags.c_contiguous
+                and positions.flags.c_contiguous
+                and (row_of_batch is None or row_of_batch.flags.c_contiguous)
+                and mapper.map(query_start_loc, positions, row_of_batch) == 0):
+            return
+        slot_mapping_numpy(self.storage.device_tensor.numpy(), self.slot_params,
+                           query_start_loc, positions, row_of_batch, self._slots.numpy(),
+                           self.max_num_reqs)
 
     @property
     def slot_buffers(self) -> torch.Tensor:

@@ -34,7 +34,8 @@ class TableStorage:
         Where the device copy lives (``cpu`` keeps a separate CPU copy with the same semantics).
     """
 
-    def __init__(self, widths: list[int], max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, widths: list[int], max_num_reqs: int, device: torch.device,
+                 journal_capacity: int | None = None) -> None:
         self.widths = list(widths)
         self.max_num_reqs = max_num_reqs
         self.num_groups = len(widths)
@@ -64,7 +65,11 @@ class TableStorage:
         # the flat indices written (may repeat an index). When the journal overflows
         # (``journal_len[0] == -1``) the commit copies each group's changed row span instead.
         self.dirty_rows = np.zeros((self.num_groups, max_num_reqs), dtype=bool)
-        self.journal = np.zeros((0, 2), dtype=np.int64)  # runs (start, length); see below
+        # the most written indices journaled between commits (then overflow): the commit's
+        # staging capacity, by default about 1/40 of the entries
+        self.journal_capacity = (int(journal_capacity) if journal_capacity is not None
+                                 else max(1024, self.num_entries // 40))
+        self.journal = np.zeros((self.journal_capacity, 2), dtype=np.int64)  # runs: start, length
         self.journal_len = np.zeros(2, dtype=np.int64)  # runs, indices; -1 runs: overflow
         self.changed = False
         # An asynchronous copy that reads ``host_tensor`` directly (the large-commit path):
@@ -106,10 +111,6 @@ class TableStorage:
         if self.host_read_event is not None:
             self.host_read_event.synchronize()
             self.host_read_event = None
-
-    def set_journal_capacity(self, capacity: int) -> None:
-        """Journal at most ``capacity`` written indices between commits (then overflow)."""
-        self.journal = np.zeros((capacity, 2), dtype=np.int64)
 
     def record_run(self, group: int, row: int, start: int, length: int) -> None:
         """Note that ``row`` of ``group`` changed, writing flat entries ``[start, start+length)``."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array, check_block_ids, check_index
 from blocktable.config import CPConfig, GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
@@ -100,11 +101,19 @@ class BlockTable:
         self.k = self.spec.blocks_per_manager_block
         self.block_table_np = self.storage.host_table(group)
         self.num_kernel_blocks = self.storage.host_counts(group)
-        # work space of the compiled batched-update check (int64 / bool [max_num_reqs])
+        # work space of the batched-update check (int64 / bool [max_num_reqs])
         self.scratch_counts = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.scratch_seen = np.zeros(self.max_num_reqs, dtype=bool)
         self.block_id_bound = self.spec.block_id_bound
         self.num_blocks_declared = self.spec.num_blocks is not None
+        # the compiled batched update, bound to this group's arrays (None: numpy does it)
+        compiled = _loader.COMPILED
+        st = self.storage
+        self.writer = None if compiled is None else compiled.GroupWriter(
+            self.block_table_np.reshape(-1), self.num_kernel_blocks, self.width, self.k,
+            self.block_id_bound, self.offset, self.scratch_counts,
+            self.scratch_seen.view(np.uint8), st.dirty_rows[group].view(np.uint8), st.journal,
+            st.journal_len)
 
     # ---- checks (no writes) -------------------------------------------------------------
     def kernel_ids(self, block_ids: object, name: str = "block_ids") -> np.ndarray:

@@ -10,12 +10,8 @@ not depend on ``torch.get_num_threads()``. Tables on an accelerator use the Trit
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 import torch
-
-from blocktable import _compiled_loader as _loader
 
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from blocktable.slot_mapping.params import SlotGroupParams
@@ -109,16 +105,7 @@ def slot_mapping_numpy(
     out: np.ndarray,
     max_num_reqs: int,
 ) -> None:
-    """:func:`slot_mapping_torch` on numpy arrays (same shapes and dtypes), on one thread.
-
-    Where the package's compiled part is built, a batch with a well-formed ``query_start_loc``
-    and contiguous arrays is mapped by it, one call per group (same results).
-    """
-    compiled = _loader.COMPILED
-    if (compiled is not None and _contiguous(flat_table, qsl, positions, rows_of_batch)
-            and _map_compiled(compiled, flat_table, params, qsl, positions, rows_of_batch, out,
-                              max_num_reqs)):
-        return
+    """:func:`slot_mapping_torch` on numpy arrays (same shapes and dtypes), on one thread."""
     num_tokens = len(positions)
     out[:, num_tokens:] = PAD_SLOT_ID
     if num_tokens == 0 or len(qsl) < 2 or max_num_reqs <= 0:
@@ -131,24 +118,6 @@ def slot_mapping_numpy(
         pos = np.maximum(pos, 0)
     for g, p in enumerate(params):
         _group_slots(flat_table, p, max_num_reqs, rows, pos, no_slot, out[g, :num_tokens])
-
-
-def _contiguous(*arrays: np.ndarray | None) -> bool:
-    return all(a is None or a.flags.c_contiguous for a in arrays)
-
-
-def _map_compiled(compiled: ModuleType, flat_table: np.ndarray, params: list[SlotGroupParams],
-                  qsl: np.ndarray, positions: np.ndarray, rows_of_batch: np.ndarray | None,
-                  out: np.ndarray, max_num_reqs: int) -> bool:
-    """The compiled slot mapping of every group; False (nothing written) for a batch it leaves
-    to numpy (a ``query_start_loc`` that is not well formed)."""
-    for g, p in enumerate(params):
-        if compiled.map_slots(flat_table, p.table_offset, p.width, p.counts_offset,
-                              max_num_reqs, p.kernel_block_size, p.manager_block_size,
-                              p.cp_world_size, p.cp_rank, p.cp_interleave, qsl, positions,
-                              rows_of_batch, out[g]) < 0:
-            return False  # (decided by the batch alone: the first group wrote nothing)
-    return True
 
 
 def _group_slots(

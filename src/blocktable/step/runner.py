@@ -32,10 +32,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from blocktable import _compiled_loader as _loader
 from blocktable._checks import check_positive
 from blocktable.commit import FULL, launch_scatter_pairs
 from blocktable.multi_group import MultiGroupBlockTable
-from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.step.layout import NUM_PAIRS, StagingViews, StepLayout
 from blocktable.update import StepUpdate
 
@@ -140,6 +140,8 @@ class CapturedStep:
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
+        self._views_by_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._positions_by_t: dict[int, torch.Tensor] = {}
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
@@ -245,8 +247,11 @@ class CapturedStep:
                              f"got {num_tokens!r}")
         v = self._views[slot]
         qsl, rows = v.qsl[: num_reqs + 1], v.rows[:num_reqs]
-        _check_batch_values(qsl, rows, num_tokens, self.table.max_num_reqs)
         table = self.table
+        compiled = _loader.COMPILED
+        if compiled is None or compiled.check_batch(qsl, rows, num_tokens,
+                                                    table.max_num_reqs) < 0:
+            _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1
         num_pairs = table.committer.stage(v.pairs, L.max_pairs)
@@ -258,9 +263,7 @@ class CapturedStep:
                 table.committer.scatter_on_host(v.pairs, staged)
             assert self._slots_np is not None
             if table.slot_params:
-                slot_mapping_numpy(table.storage.device_np, table.slot_params, qsl,
-                                   v.positions[:num_tokens], rows, self._slots_np,
-                                   table.max_num_reqs)
+                table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
         else:
             v.header[NUM_PAIRS] = staged
             if self._padded[slot] != (num_reqs, num_tokens):
@@ -274,14 +277,18 @@ class CapturedStep:
                 self._events[slot].record()
                 self._pending[slot] = True
                 self._slot = slot ^ 1
-        return StepOutputs(
-            self._slot_views,
-            self._d_qsl[: num_reqs + 1],
-            self._d_positions[:num_tokens],
-            self._d_rows[:num_reqs],
-            self._d_seq_lens[:num_reqs] if with_seq_lens else None,
-            num_pairs,
-        )
+        # views by size, made once: slicing tensors every step costs more than the rest of
+        # the step's host work with the caches cold
+        by_n = self._views_by_n.get(num_reqs)
+        if by_n is None:
+            by_n = self._views_by_n[num_reqs] = (
+                self._d_qsl[: num_reqs + 1], self._d_rows[:num_reqs],
+                self._d_seq_lens[:num_reqs])
+        by_t = self._positions_by_t.get(num_tokens)
+        if by_t is None:
+            by_t = self._positions_by_t[num_tokens] = self._d_positions[:num_tokens]
+        return StepOutputs(self._slot_views, by_n[0], by_t, by_n[1],
+                           by_n[2] if with_seq_lens else None, num_pairs)
 
     # ---------------------------------------------------------------- checks
     def _check_arrays(self, qsl: object, positions: object, rows: object,
