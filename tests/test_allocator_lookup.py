@@ -111,7 +111,7 @@ def walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) 
         parent, served = root, 0
         keys = fast_block_keys(prompt.tolist(), bs, namespace=namespace)
         for i in range((len(prompt) - 1) // bs):
-            slot = index.keys.get_one(keys[i])
+            slot = index.find_one(keys[i])
             if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
                 break
             if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():

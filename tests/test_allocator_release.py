@@ -14,7 +14,6 @@ from blocktable.allocator.rows import RowAllocator
 ROOT = -1  # parent content id of a first block (namespace 1)
 
 # every test here runs with the compiled loops (where built) and with numpy alone
-pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def _cache(pool: BlockPool, blocks: list[int], tokens: list[int]) -> None:

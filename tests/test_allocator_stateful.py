@@ -43,13 +43,11 @@ from hypothesis.stateful import (
 )
 from test_allocator_snapshot import full_state
 
-from blocktable import _native_loader as native_loader
 from blocktable.allocator import (
     AllocatorGroupSpec,
     KVCacheManager,
     OutOfBlocksError,
     OutOfRowsError,
-    journal,
     rowstate,
 )
 from blocktable.constants import NULL_BLOCK_ID
@@ -615,8 +613,8 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 
 class AllVectorizedMachine(AllocatorMachine):
-    """The same machine with every batched path vectorized in numpy (the compiled loops off)
-    and a tiny token arena: the row counts below which the journal's take loops in Python and
+    """The same machine with every batched path vectorized in numpy
+    and a tiny token arena: the row count below which
     row gathers slice each row are set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
     sequences move to buffers of their own), so the paths a large engine or a long context
     takes are checked on these small pools too."""
@@ -624,23 +622,18 @@ class AllVectorizedMachine(AllocatorMachine):
     def __init__(self) -> None:
         super().__init__()
         self._saved = (
-            journal._FEW_ROWS,
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
-            native_loader.NATIVE,
         )
-        journal._FEW_ROWS = rowstate._FEW_ROWS = 0
+        rowstate._FEW_ROWS = 0
         rowstate._MIN_TOKEN_WIDTH, rowstate.TOKEN_ROW_CAP = 2, 8
-        native_loader.NATIVE = None  # numpy's paths (the machine above takes the compiled ones)
 
     def teardown(self) -> None:
         (
-            journal._FEW_ROWS,
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
-            native_loader.NATIVE,
         ) = self._saved
         super().teardown()
 

@@ -10,9 +10,7 @@ prefix up to the end of the block, namespace included::
 ``K_i`` is the polynomial hash of the whole prefix, so the keys of ``n`` blocks cost a few
 numpy passes over the tokens (no Python loop per block), and a chunk of a long prompt continues
 from the last key instead of re-reading the prefix. The keys of several requests are computed
-in one pass: the recurrence is a segmented scan (see :func:`chain_keys`). Where the package's
-compiled loops are built, admission keys its prompts in one compiled pass instead, reading each
-prompt where it lies (the same keys, bit for bit; the tests compare them).
+in one pass: the recurrence is a segmented scan (see :func:`chain_keys`).
 
 The key is only a *name* for the prefix index; it is not trusted. A lookup shares a block only
 when the block's stored token ids equal the prompt's and its stored parent content id equals
@@ -37,7 +35,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
@@ -212,23 +209,7 @@ def token_chain_keys(
     powers: ChainPowers,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`block_content_hashes` of ``tokens`` (int64 ``[n, block_size]``: the blocks of
-    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``.
-    One compiled pass where the package's compiled loops are built (the same values)."""
-    native = _loader.NATIVE
-    if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
-        keys = np.empty(len(tokens), dtype=_U64)
-        states = np.empty(len(tokens), dtype=_U64)
-        native.chain_segments(
-            tokens.reshape(-1),
-            powers.block_size,
-            powers.token_powers,
-            powers.block_base,
-            np.ascontiguousarray(start_states, dtype=_U64),
-            np.ascontiguousarray(segment_lengths, dtype=np.int64),
-            keys,
-            states,
-        )
-        return keys, states
+    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``."""
     return chain_keys(
         block_content_hashes(tokens, powers), segment_lengths, start_states, powers
     )

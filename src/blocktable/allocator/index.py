@@ -3,9 +3,9 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
-:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
-(:mod:`blocktable.allocator.hashing`) to the record filed under it.
+holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a Python
+``dict``, maps a block key (:mod:`blocktable.allocator.hashing`, an int) to the record slot
+filed under it; ``key[slot]`` is the key a record is filed under.
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -24,8 +24,6 @@ whose record was recycled), the new content takes the key: the old record leaves
 from __future__ import annotations
 
 import numpy as np
-
-from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
@@ -50,7 +48,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys = KeyTable(self.max_records)  # block key -> record slot
+        self.keys: dict[int, int] = {}  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -58,7 +56,7 @@ class PrefixIndex:
         self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
-        self.key = self.keys.key_of_value  # block key per record (max_records long)
+        self.key = np.zeros(self.max_records, dtype=np.uint64)  # block key per record slot
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -77,7 +75,28 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        return self.keys.get(np.asarray(keys, dtype=np.uint64))
+        get = self.keys.get
+        keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
+        return np.array([get(key, -1) for key in keys], dtype=np.int64)
+
+    def find_one(self, key: int) -> int:
+        """Record slot of ``key``, -1 where none."""
+        return self.keys.get(key, -1)
+
+    def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
+        """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
+        none is filed yet and none repeats; else change nothing and return False."""
+        key_list, filed = keys.tolist(), self.keys
+        if len(set(key_list)) != len(key_list) or any(map(filed.__contains__, key_list)):
+            return False
+        filed.update(zip(key_list, slots.tolist()))
+        self.key[slots] = keys
+        return True
+
+    def file_one(self, key: int, slot: int) -> None:
+        """File ``key`` (not filed yet) under ``slot``."""
+        self.keys[key] = slot
+        self.key[slot] = key
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
@@ -117,7 +136,9 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        self.keys.delete_values(slots)
+        filed = self.keys
+        for key in self.key[slots].tolist():
+            del filed[key]
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:

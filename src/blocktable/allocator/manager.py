@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable._checks import check_count, check_positive
 from blocktable.allocator.checks import (
     as_list,
@@ -43,7 +42,7 @@ from blocktable.allocator.rowstate import RowState
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
-from blocktable.update import RowBlocks, StepUpdate, trusted_row_blocks
+from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
 _INT64 = np.dtype(np.int64)
@@ -160,8 +159,7 @@ class KVCacheManager:
         self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._row_state = RowState(self.max_num_reqs, len(groups))
-        self._journal = StepJournal(len(groups), self._row_state,
-                                    tuple(pool.num_blocks for pool in self.pools))
+        self._journal = StepJournal(len(groups), self._row_state)
         self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
         self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
         self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
@@ -322,7 +320,7 @@ class KVCacheManager:
         hits of all are shared at once (:meth:`_share_hits`)."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        self._journal.touch_leaving(rows)  # free, or freed earlier in this step
+        self._journal.touch(rows)  # free, or freed earlier in this step
         if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
             plan, row = plans[0], rows[0]
             buffers = [state.start(row, plan.tokens)]  # copied
@@ -647,8 +645,8 @@ class KVCacheManager:
         n = len(grown_rows)
         data = b"".join((grown_rows.astype(np.int32), num.astype(np.int32), new))  # type: ignore[arg-type]
         flat = np.frombuffer(data, dtype=np.int32)
-        out = trusted_row_blocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
-        self._journal.touch_many(grown_rows, out)
+        out = RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        self._journal.touch(grown_rows)
         new_len = starts + num
         arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
         if len(grown_rows) == total:  # one block each (decode)
@@ -888,9 +886,8 @@ class KVCacheManager:
         See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
         request admitted and allocated in the same step is only in ``added`` (cached hits and
         new blocks together); a freed row is in ``cleared_rows`` unless another request took
-        it in the same step, in which case it is only in ``added``. A step that admitted or
-        finished requests may come as a :class:`~blocktable.update.PackedStepUpdate`, whose
-        arrays are made when first read.
+        it in the same step, in which case it is only in ``added``. The update is built with
+        ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
         """
         # Stamp the block sizes so a table built for another block size refuses the ids.
         return self._journal.take(self.block_sizes)
@@ -1086,14 +1083,10 @@ class KVCacheManager:
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
             del requests[req.req_id]
-        self._journal.touch_leaving(rows)
-        native = _loader.NATIVE
+        self._journal.touch(rows)
         for pool, arena, row_len, num_skipped in zip(
             self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
-            if native is not None:  # the references dropped in one compiled pass
-                pool.release_rows(native, arena, rows, row_len, num_skipped)
-                continue
             parts = []
             for row in rows:
                 n, skip = row_len[row], num_skipped[row]

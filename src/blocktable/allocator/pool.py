@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import LastSeen
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
@@ -189,46 +187,6 @@ class BlockPool:
         if len(freed):
             self.queue_freed(freed, may_repeat=may_repeat)
 
-    def release_rows(
-        self,
-        native: ModuleType,
-        arena: np.ndarray,
-        rows: list[int],
-        row_len: memoryview,
-        num_skipped: memoryview,
-    ) -> None:
-        """:meth:`release` of the blocks of ``rows`` (distinct ints) of ``arena`` (int32
-        ``[num_rows, width]``; a row's blocks are ``arena[row, num_skipped[row]:row_len[row]]``,
-        dropped tail first), in one compiled pass (``native``: the compiled module) that also
-        queues the freed blocks, unless a duplicate is pending or a queue is short of room."""
-        ref_counts = self.ref_counts
-        if not self.dups:
-            cached, uncached = self.cached, self.uncached
-            owned = self._owned_records()
-            if owned is True:
-                record, to_cached, to_uncached = None, cached, None
-            elif owned is False:
-                record, to_cached, to_uncached = None, None, uncached
-            else:
-                record, to_cached, to_uncached = self.record, cached, uncached
-            counts = native.release_rows(
-                ref_counts,
-                arena,
-                rows,
-                row_len,
-                num_skipped,
-                record,
-                None if to_cached is None else to_cached.tail_view(),
-                None if to_uncached is None else to_uncached.tail_view(),
-            )
-            if counts is not None:
-                cached.count_queued(counts[0])
-                uncached.count_queued(counts[1])
-                return
-        freed = native.release_rows(ref_counts, arena, rows, row_len, num_skipped)
-        if freed:  # distinct, in the order of their last reference
-            self.queue_freed(np.frombuffer(freed, dtype=np.int32))
-
     def queue_freed(self, freed: np.ndarray, *, may_repeat: bool = False) -> None:
         """Queue blocks whose last reference was just dropped (``freed``: int32 or intp, in
         release order; an id repeated only with ``may_repeat``, queued where it occurs last):
@@ -313,7 +271,7 @@ class BlockPool:
         n = len(block_ids)
         index = self.index
         slots = index.take_slots(n)
-        if index.keys.insert_absent(keys, slots):
+        if index.file_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             # content ids are consecutive: the previous entry's is cids - 1
             parent_ids = np.where(parents == 0, cids - 1, parents)
@@ -341,7 +299,7 @@ class BlockPool:
         n = len(block_ids)
         index = self.index
         slots = index.take_slots(n)
-        if index.keys.insert_absent(keys, slots):
+        if index.file_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             parent_ids = cids - 1  # (content ids are consecutive)
             parent_ids[starts] = start_parents
@@ -363,28 +321,11 @@ class BlockPool:
         """Write the records of new contents at ``slots`` (their keys are filed already;
         ``cids`` continue ``index.next_cid``), held by ``block_ids``."""
         index = self.index
-        native = _loader.NATIVE
-        if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
-            native.file_records(  # one compiled pass
-                slots,
-                index.next_cid,
-                parent_ids,
-                np.ascontiguousarray(block_ids, dtype=np.int32),
-                tokens.reshape(-1),  # (a view: contiguous)
-                index.cid,
-                index.parent,
-                index.holder,
-                index.tokens,
-                self.record,
-            )
-            index.next_cid += len(slots)
-            self.num_cached_blocks += len(slots)
-            return
         index.next_cid += len(slots)
         index.cid[slots] = cids
         index.parent[slots] = parent_ids
         index.write_tokens(slots, tokens)
-        index.holder[slots] = block_ids  # (index.key: written by insert_absent)
+        index.holder[slots] = block_ids  # (index.key: written by file_absent)
         # (an int32 index costs a cast per element inside the scatter: more than one astype)
         self.record[block_ids.astype(np.intp, copy=False)] = slots
         self.num_cached_blocks += len(slots)
@@ -392,7 +333,7 @@ class BlockPool:
     def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
         """:meth:`cache` of one block (the decode path: scalar operations only)."""
         index = self.index
-        if index.keys.get_one(key) >= 0:
+        if index.find_one(key) >= 0:
             keys = np.array([key], dtype=np.uint64)
             return int(
                 self._cache_one_by_one(
@@ -411,7 +352,7 @@ class BlockPool:
         index.tokens[slot] = tokens
         index.holder[slot] = block_id
         index.hashes[slot] = None
-        index.keys.insert_one(key, slot)  # writes index.key[slot]
+        index.file_one(key, slot)
         self.record[block_id] = slot
         self.num_cached_blocks += 1
         return cid
@@ -431,7 +372,7 @@ class BlockPool:
         for i, block_id in enumerate(block_ids.tolist()):
             parent = int(parents[i]) or prev
             key = keys[i : i + 1]
-            slot = int(index.keys.get(key)[0])
+            slot = index.find_one(int(key[0]))
             if slot >= 0:
                 if int(index.parent[slot]) == parent and (index.tokens[slot] == tokens[i]).all():
                     prev = cids[i] = int(index.cid[slot])
@@ -458,10 +399,9 @@ class BlockPool:
             index.parent[slot] = parent
             index.tokens[slot] = tokens[i]
             index.holder[slot] = block_id
-            index.key[slot] = key[0]
             index.hashes[slot] = None if hashes is None else hashes[i]
             index.any_hashes |= hashes is not None
-            index.keys.insert(key, np.array([slot]))
+            index.file_one(int(key[0]), slot)
             record[block_id] = slot
             self.num_cached_blocks += 1
         return cids

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
 from blocktable.allocator.pool import BlockPool
 
@@ -74,13 +73,9 @@ def prompt_keys(
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
     (the plans' token ids concatenated once, hashed with one product and chained in one scan;
-    each plan's keys and states are views of that pass's arrays). With the compiled loops,
-    one compiled pass per size reads the prompts where they are (no concatenation)."""
+    each plan's keys and states are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
-    native = _loader.NATIVE
     for bs in sorted(set(block_sizes)):
-        if native is not None and _chain_prompts(native, plans, bs, powers[bs], seeds):
-            continue
         counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
@@ -99,29 +94,6 @@ def prompt_keys(
             stop = start + count
             plan.keys[bs] = keys[start:stop]
             plan.states[bs] = states[start:stop]
-
-
-def _chain_prompts(
-    native: Any, plans: Sequence[PromptPlan], bs: int, powers: ChainPowers, seeds: np.ndarray
-) -> bool:
-    """:func:`prompt_keys` of one block size in one compiled pass; False (nothing written)
-    where a prompt's buffer is not C-contiguous."""
-    tokens = [p.tokens for p in plans]
-    total = sum(len(t) // bs for t in tokens)
-    keys, states = np.empty(total, dtype=_U64), np.empty(total, dtype=_U64)
-    try:
-        native.chain_prompts(
-            tokens, bs, powers.token_powers, powers.block_base, seeds, keys, states
-        )
-    except (ValueError, BufferError):  # (a strided prompt: numpy's passes take it)
-        return False
-    start = 0
-    for plan, t in zip(plans, tokens):
-        stop = start + len(t) // bs
-        plan.keys[bs] = keys[start:stop]
-        plan.states[bs] = states[start:stop]
-        start = stop
-    return True
 
 
 def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -181,7 +153,7 @@ def find_hits(
     for pool, bs in zip(pools, block_sizes):
         usable = np.array(
             [
-                _key_bound(p.keys[bs], lim // bs, pool.index.keys.get_one)
+                _key_bound(p.keys[bs], lim // bs, pool.index.find_one)
                 for p, lim in zip(plans, limits)
             ],
             dtype=np.int64,
@@ -250,7 +222,7 @@ def _find_full_hits(
     found: list[tuple[dict[int, int], np.ndarray]] = []  # per group: starts, slots
     for pool, bs in zip(pools, block_sizes):
         index = pool.index
-        get_one = index.keys.get_one
+        get_one = index.find_one
         probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
         starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
         end = 0  # the looked-up blocks of all prompts
@@ -311,7 +283,7 @@ def _find_full_hits(
                     for i, start, stop in zip(live, bounds, bounds[1:])
                 ]
             )
-        slots = index.keys.get(keys)  # (-1 where absent: reads the last record, bad anyway)
+        slots = index.find(keys)  # (-1 where absent: reads the last record, bad anyway)
         # block j verifies when its record exists, is alive, holds the prompt's tokens and
         # its parent is the content id found for block j - 1 (the namespace's root for 0)
         parents = index.parent[slots]
