@@ -86,10 +86,15 @@ class PrefixIndex:
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
-        key_list, filed = keys.tolist(), self.keys
-        if len(set(key_list)) != len(key_list) or any(map(filed.__contains__, key_list)):
+        key_list, slot_list, filed = keys.tolist(), slots.tolist(), self.keys
+        # one lookup per key: setdefault files an absent key and returns what a present one
+        # (or a repeat within the call) is filed under
+        found = list(map(filed.setdefault, key_list, slot_list))
+        if found != slot_list:  # some key was filed already: undo the others
+            for key, slot, was in zip(key_list, slot_list, found):
+                if was == slot:
+                    del filed[key]
             return False
-        filed.update(zip(key_list, slots.tolist()))
         self.key[slots] = keys
         return True
 

@@ -23,8 +23,6 @@ after the fact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 
 from blocktable.allocator.rowstate import RowState
@@ -56,20 +54,17 @@ class StepJournal:
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
 
-    def touch(self, rows: Iterable[int] | np.ndarray) -> None:
-        """Remember ``rows`` (table rows, repeats allowed) as they are now, before their first
-        change in this step; rows touched before in this step are left as they were."""
-        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
-        if not len(rows):
-            return
-        fresh = rows[self.touched[rows] != self._stamp]
-        if len(fresh) > 1:
-            fresh = np.unique(fresh)
+    def touch(self, rows: list[int] | np.ndarray) -> None:
+        """Remember ``rows`` (distinct table rows) as they are now, before their first change
+        in this step; rows touched before in this step are left as they were."""
+        rows = np.asarray(rows, dtype=np.intp)
+        fresh = rows[self.touched.take(rows) != self._stamp]
         if not len(fresh):
             return
         self.touched[fresh] = self._stamp
-        self.start_gen[fresh] = self.rows.holder_gen[fresh]
-        self.start_len[:, fresh] = self.rows.row_len[:, fresh]
+        self.start_gen[fresh] = self.rows.holder_gen.take(fresh)
+        for start_len, row_len in zip(self.start_len, self.rows.row_len):
+            start_len[fresh] = row_len.take(fresh)
         self._order.append(fresh)
 
     def null(self, row: int, group: int, block_index: int) -> None:

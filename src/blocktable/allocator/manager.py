@@ -511,7 +511,7 @@ class KVCacheManager:
                 return ([],)
             if need > pool.num_free_blocks:
                 self._check_free([needs], [req])  # raises
-            self._journal.touch(req.row)
+            self._journal.touch([req.row])
             if need == 1:
                 block_id = pool.take_one()
                 req.append_block(0, block_id)
@@ -526,7 +526,7 @@ class KVCacheManager:
         if not any(needs):
             return tuple([] for _ in self.pools)
         self._check_free([needs], [req])
-        self._journal.touch(req.row)
+        self._journal.touch([req.row])
         out = []
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             if need == 1:
@@ -586,7 +586,7 @@ class KVCacheManager:
             touch = self._journal.touch
             for req, count in zip(reqs, counts):
                 if count:
-                    touch(req.row)
+                    touch([req.row])
                     req.append_blocks(g, new[start : start + count])
                     rows.append(req.row)
                     nums.append(count)
@@ -838,7 +838,7 @@ class KVCacheManager:
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         row = self._rows.take(None)  # type: ignore[arg-type]  # the holder is set below
-        self._journal.touch(row)
+        self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
         self._chains.copy_row(parent.row, row)
@@ -1062,7 +1062,7 @@ class KVCacheManager:
             skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
             if skip <= first:
                 continue
-            self._journal.touch(row)
+            self._journal.touch([row])
             entries = state.blocks[g][row]
             released.append(entries[first:skip].copy())  # oldest first
             entries[first:skip] = NULL_BLOCK_ID
