@@ -3,9 +3,10 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a Python
-``dict``, maps a block key (:mod:`blocktable.allocator.hashing`, an int) to the record slot
-filed under it; ``key[slot]`` is the key a record is filed under.
+holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
+:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
+(:mod:`blocktable.allocator.hashing`) to the record slot filed under it; ``key[slot]`` is the
+key a record is filed under.
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -24,6 +25,8 @@ whose record was recycled), the new content takes the key: the old record leaves
 from __future__ import annotations
 
 import numpy as np
+
+from blocktable.allocator.keytable import KeyTable
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
@@ -48,7 +51,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys: dict[int, int] = {}  # block key -> record slot
+        self.keys = KeyTable(self.max_records)  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -56,7 +59,7 @@ class PrefixIndex:
         self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
-        self.key = np.zeros(self.max_records, dtype=np.uint64)  # block key per record slot
+        self.key = self.keys.key_of_value  # block key per record slot (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -75,33 +78,20 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        get = self.keys.get
-        keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
-        return np.array([get(key, -1) for key in keys], dtype=np.int64)
+        return self.keys.get(np.asarray(keys, dtype=np.uint64))
 
     def find_one(self, key: int) -> int:
         """Record slot of ``key``, -1 where none."""
-        return self.keys.get(key, -1)
+        return self.keys.get_one(key)
 
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
-        key_list, slot_list, filed = keys.tolist(), slots.tolist(), self.keys
-        # one lookup per key: setdefault files an absent key and returns what a present one
-        # (or a repeat within the call) is filed under
-        found = list(map(filed.setdefault, key_list, slot_list))
-        if found != slot_list:  # some key was filed already: undo the others
-            for key, slot, was in zip(key_list, slot_list, found):
-                if was == slot:
-                    del filed[key]
-            return False
-        self.key[slots] = keys
-        return True
+        return self.keys.insert_absent(keys, slots)  # (writes key[slots])
 
     def file_one(self, key: int, slot: int) -> None:
         """File ``key`` (not filed yet) under ``slot``."""
-        self.keys[key] = slot
-        self.key[slot] = key
+        self.keys.insert_one(key, slot)  # (writes key[slot])
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
@@ -141,9 +131,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        filed = self.keys
-        for key in self.key[slots].tolist():
-            del filed[key]
+        self.keys.delete_values(slots)
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:

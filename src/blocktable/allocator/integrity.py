@@ -186,8 +186,7 @@ def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | n
     used = np.flatnonzero(index.cid != 0)
     if len(used) != len(index.keys) or len(used) != len(index):
         fail(f"{len(used)} records, {len(index.keys)} keys, counter {len(index)}")
-    keys = np.fromiter(index.keys.keys(), dtype=np.uint64, count=len(index.keys))
-    slots = np.fromiter(index.keys.values(), dtype=np.int64, count=len(index.keys))
+    keys, slots = index.keys.items()
     if (index.cid[slots] == 0).any() or not np.array_equal(index.key[slots], keys):
         fail("a key is filed under a record of another key")
     if has_repeats(index.cid[used]):
