@@ -273,7 +273,7 @@ def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch)
     mgr.append_token_ids("a", list(range(16)))  # 20016 tokens: block 1250 becomes full
     mgr.allocate("a", 16)
     mgr.mark_computed("a", 16)
-    assert hashed_rows == [1250]  # one new block: keyed in plain Python from the chain state
+    assert hashed_rows == [1250, 1]  # one new block, keyed from the chain state
     assert mgr.num_cached_blocks() == 1251
     tokens = [*prompt.tolist(), *range(16)]
     last = mgr.block_ids("a")[0][1250]
@@ -283,7 +283,7 @@ def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch)
     mgr.add_request("b", list(range(7000, 7040)))
     mgr.allocate_many(["a", "b"], [32, 40])
     mgr.mark_computed_many(["a", "b"], [32, 40])
-    assert hashed_rows == [1250, 2, 2]  # b's prompt at admission, then a's two new blocks
+    assert hashed_rows == [1250, 1, 2, 2]  # b's prompt at admission, then a's two new blocks
     mgr.check_integrity()
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from allocator_reference import ReferenceAllocator
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -46,7 +47,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from allocator_reference import ReferenceAllocator
 from test_allocator_snapshot import full_state
 
 from blocktable.allocator import (

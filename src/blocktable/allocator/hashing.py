@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
 

@@ -46,7 +46,6 @@ from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
 _INT64 = np.dtype(np.int64)
-_ZERO = np.zeros((), dtype=np.int64)  # a 0-d operand: cheaper in a ufunc than a Python 0
 
 
 class KVCacheManager:
@@ -321,13 +320,8 @@ class KVCacheManager:
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         self._journal.touch(rows)  # free, or freed earlier in this step
-        if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
-            plan, row = plans[0], rows[0]
-            buffers = [state.start(row, plan.tokens)]  # copied
-            self._chains.admit(row, plan.root, plan.seed, plan.keys, plan.states)
-        else:
-            buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
-            self._chains.admit_many(rows, plans)
+        buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
+        self._chains.admit_many(rows, plans)
         num_groups = len(self.pools)
         hits: list[tuple[RequestState, PromptPlan]] = []
         num_query_tokens = 0
@@ -415,10 +409,7 @@ class KVCacheManager:
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
-        req = self._get(req_id)
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
-        req.append_tokens(new)
+        self.append_token_ids_many([req_id], [token_ids])
 
     def append_token_ids_many(
         self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
@@ -480,15 +471,13 @@ class KVCacheManager:
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
         """Whether :meth:`allocate` would succeed now (no side effects)."""
-        req = self._get(req_id)
-        needs = self._blocks_needed(req, num_new_tokens)
-        return all(need <= pool.num_free_blocks for need, pool in zip(needs, self.pools))
+        return self.can_allocate_many([req_id], [num_new_tokens])
 
     def allocate(self, req_id: ReqId, num_new_tokens: int) -> tuple[list[int], ...]:
         """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
         All-or-nothing over every group. Blocks already allocated (lookahead) are reused, so
-        the result may be empty.
+        the result may be empty. Same as :meth:`allocate_many` of this one request.
 
         Returns
         -------
@@ -502,53 +491,16 @@ class KVCacheManager:
         ValueError
             The request would exceed ``max_model_len``.
         """
-        req = self._get(req_id)
-        needs = self._blocks_needed(req, num_new_tokens)
-        if len(needs) == 1:  # one group: the same steps, without the loops
-            [need] = needs
-            pool = self.pools[0]
-            if not need:
-                return ([],)
-            if need > pool.num_free_blocks:
-                self._check_free([needs], [req])  # raises
-            self._journal.touch([req.row])
-            if need == 1:
-                block_id = pool.take_one()
-                req.append_block(0, block_id)
-                new_ids = [block_id]
-            else:
-                new = pool.take(need)
-                req.append_blocks(0, new)
-                new_ids = new.tolist()
-            state = self._row_state
-            state.num_slots[req.row] = state.row_len[0, req.row] * self.block_sizes[0]
-            return (new_ids,)
-        if not any(needs):
-            return tuple([] for _ in self.pools)
-        self._check_free([needs], [req])
-        self._journal.touch([req.row])
-        out = []
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            if need == 1:
-                block_id = pool.take_one()
-                req.append_block(g, block_id)
-                out.append([block_id])
-            elif need:
-                new = pool.take(need)
-                req.append_blocks(g, new)
-                out.append(new.tolist())
-            else:
-                out.append([])
-        self._row_state.update_num_slots(self.block_sizes, req.row)
-        return tuple(out)
+        return tuple(part.block_ids.tolist() for part in self.allocate_many([req_id], [num_new_tokens]))
 
     def can_allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
-        _, needs = self._needs_many(req_ids, num_new_tokens)
-        totals = [sum(col) for col in zip(*needs)] if needs else [0] * len(self.pools)
-        return all(t <= pool.num_free_blocks for t, pool in zip(totals, self.pools))
+        _, _, needs = self._needs(req_ids, num_new_tokens)
+        return all(
+            int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
+        )
 
     def allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -568,124 +520,67 @@ class KVCacheManager:
         tuple of RowBlocks
             Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
             blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
-            read-only arrays (the step's update may be built from them).
+            read-only arrays.
         """
-        if len(self.pools) == 1:
-            return (self._allocate_many_one_group(req_ids, num_new_tokens),)
-        reqs, needs = self._needs_many(req_ids, num_new_tokens)
-        self._check_free(needs, reqs)
+        reqs, rows, needs = self._needs(req_ids, num_new_tokens)
+        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+            total = int(need.sum())
+            if total > pool.num_free_blocks:
+                who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
+                       else f"{len(reqs)} requests need")
+                raise OutOfBlocksError(
+                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
+        grows = np.logical_or.reduce(needs, axis=0) if len(rows) else np.zeros(0, bool)
+        self._journal.touch(rows[grows])
+        state = self._row_state
         out = []
-        for g, pool in enumerate(self.pools):
-            counts = [need[g] for need in needs]
-            total = sum(counts)
-            if not total:
+        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+            got = np.flatnonzero(need)
+            if not len(got):
                 out.append(RowBlocks())
                 continue
-            new = pool.take(total)
-            rows, nums, start = [], [], 0
-            touch = self._journal.touch
-            for req, count in zip(reqs, counts):
-                if count:
-                    touch([req.row])
-                    req.append_blocks(g, new[start : start + count])
-                    rows.append(req.row)
-                    nums.append(count)
-                    start += count
-            part = RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
-            for array in (part.rows, part.num_manager_blocks, new):
-                array.flags.writeable = False
-            out.append(part)
-        for req, need in zip(reqs, needs):
-            if any(need):
-                self._row_state.update_num_slots(self.block_sizes, req.row)
+            g_rows, num = rows[got], need[got]
+            new = pool.take(int(num.sum()))
+            starts = state.row_len[g].take(g_rows)
+            ends = starts + num
+            arena = state.ensure_width(g, int(ends.max()))
+            # each row's run of new ids: its first flat position in the (C-contiguous) arena
+            # plus 0, 1, ... (where its run starts in `new`: the running sum before it)
+            first = g_rows * arena.shape[1] + starts - (np.cumsum(num) - num)
+            arena.reshape(-1)[first.repeat(num) + np.arange(len(new))] = new
+            state.row_len[g][g_rows] = ends
+            data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
+            flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
+            n = len(g_rows)
+            out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
+        if np.count_nonzero(grows):
+            grown = rows[grows]
+            slots = state.row_len[0].take(grown) * self.block_sizes[0]
+            for g in range(1, len(self.pools)):
+                np.minimum(slots, state.row_len[g].take(grown) * self.block_sizes[g], out=slots)
+            state.num_slots[grown] = slots
         return tuple(out)
 
-    def _allocate_many_one_group(
+    def _needs(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> RowBlocks:
-        """:meth:`allocate_many` for the common one-group model: the same checks, inlined."""
+    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray]]:
+        """The running requests of ``req_ids``, their rows (intp) and, per group, the blocks
+        each needs for ``num_new_tokens`` more tokens (int64 ``[n]``); checked, including
+        ``max_model_len``."""
         req_ids, reqs, rows = self._running(req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        if not reqs:
-            return RowBlocks()
         state = self._row_state
-        totals = state.num_computed.take(rows)  # (rows: intp, the cheapest index)
-        totals += np.fromiter(counts, np.int64, len(counts))  # (ints: cheaper than np.array)
-        if self.max_model_len is not None:
+        totals = state.num_computed.take(rows) + np.array(counts, dtype=np.int64)
+        if self.max_model_len is not None and len(reqs):
             over = np.flatnonzero(totals > self.max_model_len)
             if len(over):
                 i = int(over[0])
                 self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        bs = self.block_sizes[0]
-        row_len = state.row_len[0]
-        old_len = row_len.take(rows)
-        # one group: num_slots is row_len * bs, so a request needs the blocks its tokens
-        # fill past its row: ceil(totals / bs) - old_len, at least 0 (in place; 0-d operands
-        # cost less than Python ints)
-        needs = totals
-        needs += np.array(bs - 1)
-        needs //= np.array(bs)
-        needs -= old_len
-        np.maximum(needs, _ZERO, out=needs)
-        ends = np.add.accumulate(needs)  # (cheaper than sum; also the runs' ends below)
-        total = int(ends[-1])
-        pool = self.pools[0]
-        if total > pool.num_free_blocks:
-            self._check_free([[need] for need in needs.tolist()], reqs)
-        if not total:
-            return RowBlocks()
-        new = pool.take(total)
-        if np.count_nonzero(needs) == len(needs):  # (a step's requests usually all grow)
-            grown_rows, num, starts = rows, needs, old_len
-        else:
-            [got] = needs.nonzero()
-            grown_rows, num, starts, ends = rows[got], needs[got], old_len[got], ends[got]
-        # the rows, counts and ids as read-only views of one immutable buffer: the journal
-        # keeps them until the step's update, which, in a decode step, is this object itself
-        n = len(grown_rows)
-        data = b"".join((grown_rows.astype(np.int32), num.astype(np.int32), new))  # type: ignore[arg-type]
-        flat = np.frombuffer(data, dtype=np.int32)
-        out = RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
-        self._journal.touch(grown_rows)
-        new_len = starts + num
-        arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
-        if len(grown_rows) == total:  # one block each (decode)
-            arena[grown_rows, starts] = new
-        else:
-            # flat positions in the (C-contiguous) arena: one index array, not a (row, col)
-            # pair, and a row's run is its first position plus 0, 1, ... (ends - num: where
-            # its run starts in `new`; starts + num: new_len)
-            first = grown_rows * np.array(arena.shape[1])
-            first += new_len
-            first -= ends
-            at = first.repeat(num)
-            at += np.arange(total)
-            arena.reshape(-1)[at] = new
-        row_len[grown_rows] = new_len
-        new_len *= np.array(bs)
-        state.num_slots[grown_rows] = new_len
-        return out
-
-    def _needs_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], list[list[int]]]:
-        req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        return reqs, [self._blocks_needed(req, n) for req, n in zip(reqs, counts)]
-
-    def _check_free(self, needs: list[list[int]], reqs: list[RequestState]) -> None:
-        for g, pool in enumerate(self.pools):
-            total = sum(need[g] for need in needs)
-            if total > pool.num_free_blocks:
-                who = (
-                    f"request {reqs[0].req_id!r} needs"
-                    if len(reqs) == 1
-                    else f"{len(reqs)} requests need"
-                )
-                raise OutOfBlocksError(
-                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free"
-                )
+        needs = []
+        for g, bs in enumerate(self.block_sizes):
+            need = -(-totals // bs) - state.row_len[g].take(rows)
+            needs.append(np.maximum(need, 0))
+        return reqs, rows, needs
 
     # ----------------------------------------------------------------- computed tokens
     def mark_computed(self, req_id: ReqId, num_tokens: int) -> None:
@@ -701,27 +596,7 @@ class KVCacheManager:
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        count = check_count("num_tokens", num_tokens)
-        req = self._requests.get(req_id)
-        if req is None or req.num_computed_tokens + count > min(req.num_slots, req.num_tokens):
-            self.mark_computed_many([req_id], [count])  # the checks name what is wrong
-            return
-        req.num_computed_tokens += count  # the same as mark_computed_many, for one request
-        if self.enable_prefix_caching:
-            register_computed_blocks(
-                [req],
-                None,
-                self._row_state,
-                self.pools,
-                self.block_sizes,
-                self._powers,
-                self.byte_hash_fn,
-                self._chains,
-            )
-        if self._has_windows:
-            for g, window in enumerate(self.windows):
-                if window is not None:
-                    self._release_outside_window([req], g, window)
+        self.mark_computed_many([req_id], [num_tokens])
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
@@ -1038,19 +913,6 @@ class KVCacheManager:
         plan = self._new_plan(prompt_token_ids, cache_namespace, {})
         self._find([plan])
         return plan
-
-    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int]:
-        """New blocks per group for ``num_new_tokens`` more tokens (checked)."""
-        if type(num_new_tokens) is not int or num_new_tokens < 0:
-            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        num_tokens = req.num_computed_tokens + num_new_tokens
-        self._check_request_len(req.req_id, "allocation", num_tokens)
-        if num_tokens <= req.num_slots:
-            return [0] * len(self.pools)
-        return [
-            max(0, -(-num_tokens // bs) - row_len)
-            for row_len, bs in zip(req.row_len.tolist(), self.block_sizes)
-        ]
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]

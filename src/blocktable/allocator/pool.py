@@ -330,33 +330,6 @@ class BlockPool:
         self.record[block_ids.astype(np.intp, copy=False)] = slots
         self.num_cached_blocks += len(slots)
 
-    def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
-        """:meth:`cache` of one block (the decode path: scalar operations only)."""
-        index = self.index
-        if index.find_one(key) >= 0:
-            keys = np.array([key], dtype=np.uint64)
-            return int(
-                self._cache_one_by_one(
-                    np.array([block_id], dtype=np.int32),
-                    keys,
-                    tokens[None],
-                    np.array([parent]),
-                    None,
-                )[0]
-            )
-        [slot] = index.take_slots(1).tolist()
-        cid = index.next_cid
-        index.next_cid += 1
-        index.cid[slot] = cid
-        index.parent[slot] = parent
-        index.tokens[slot] = tokens
-        index.holder[slot] = block_id
-        index.hashes[slot] = None
-        index.file_one(key, slot)
-        self.record[block_id] = slot
-        self.num_cached_blocks += 1
-        return cid
-
     def _cache_one_by_one(
         self,
         block_ids: np.ndarray,

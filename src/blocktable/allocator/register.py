@@ -17,12 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable.allocator.hashing import (
-    CHAIN_BASE,
-    MASK64,
     ChainPowers,
     HashFn,
     byte_chain,
-    fmix64_int,
     token_chain_keys,
 )
 from blocktable.allocator.pool import BlockPool
@@ -79,7 +76,7 @@ def _state_before(req: RequestState, first: int, bs: int, chains: KeyChains) -> 
 
 def register_computed_blocks(
     reqs: Sequence[RequestState],
-    rows: np.ndarray | None,
+    rows: np.ndarray,
     state: RowState,
     pools: Sequence[BlockPool],
     block_sizes: Sequence[int],
@@ -88,26 +85,9 @@ def register_computed_blocks(
     chains: KeyChains,
 ) -> None:
     """File every full computed block of ``reqs`` not filed yet, in every group (``rows``:
-    their table rows, intp ``[len(reqs)]``, or None to read them from ``reqs``; ``state``:
+    their table rows, intp ``[len(reqs)]``; ``state``:
     the rows' counts and blocks; ``chains``: where each request's key chain stands, moved to
     the last block keyed)."""
-    if len(reqs) == 1 and byte_hash_fn is None:
-        req = reqs[0]
-        num_computed = req.num_computed_tokens
-        counts = [
-            num_computed // bs - int(chains.num_hashed[g][req.row])
-            for g, bs in enumerate(block_sizes)
-        ]
-        if max(counts) <= 1:  # a decode step filled at most one block per group
-            _register_one_block(req, counts, state, pools, block_sizes, powers, chains)
-            return
-        if len(set(block_sizes)) == len(block_sizes):  # a prompt chunk, no shared block size
-            for g, (pool, bs, count) in enumerate(zip(pools, block_sizes, counts)):
-                if count > 0:
-                    _register_segment(req, state, pool, g, bs, powers[bs], chains)
-            return
-    if rows is None:
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
     for bs in sorted(set(block_sizes)):
         groups = [g for g, size in enumerate(block_sizes) if size == bs]
         if len(groups) == 1:
@@ -304,46 +284,6 @@ def _fresh_tokens(
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _register_segment(
-    req: RequestState,
-    state: RowState,
-    pool: BlockPool,
-    g: int,
-    bs: int,
-    powers: ChainPowers,
-    chains: KeyChains,
-) -> None:
-    """:func:`_register_group` of one request (a prompt chunk), with scalar bookkeeping: its
-    blocks from where group ``g`` stands registered to its last full computed block."""
-    row = req.row
-    first = int(chains.num_hashed[g][row])
-    stop = req.num_computed_tokens // bs
-    tokens = req.tokens[first * bs : stop * bs]
-    if stop * bs <= req.num_prompt_tokens:
-        keys = req.keys[bs][first:stop]
-    else:
-        num_keys, chain_state = chains.num_keys[bs], chains.state[bs]
-        if int(num_keys[row]) == first:
-            start = int(chain_state[row])
-        else:
-            start = _state_before(req, first, bs, chains)
-        lengths = np.array([stop - first], dtype=np.int64)
-        keys, states = token_chain_keys(
-            tokens.reshape(-1, bs), lengths, np.array([start], dtype=_U64), powers
-        )
-        num_keys[row] = stop
-        chain_state[row] = states[-1]
-    parent_cid = chains.parent_cid[g]
-    cids = pool.cache_chains(  # one chain, after the content the row's last block holds
-        state.blocks[g][row, first:stop],
-        keys,
-        tokens.reshape(-1, bs),
-        _ONE_START,
-        parent_cid[row : row + 1],
-    )
-    parent_cid[row] = cids[-1]
-    chains.num_hashed[g][row] = stop
-
 
 def _cache_segments(
     pool: BlockPool,
@@ -388,42 +328,3 @@ def _cache_segments(
     if hashes is not None:
         for (req, _, _), end in zip(segments, ends):
             req.parent_hashes[g] = hashes[end - 1]
-
-
-def _register_one_block(
-    req: RequestState,
-    counts: list[int],
-    row_state: RowState,
-    pools: Sequence[BlockPool],
-    block_sizes: Sequence[int],
-    powers: dict[int, ChainPowers],
-    chains: KeyChains,
-) -> None:
-    """:func:`register_computed_blocks` of one request's one new block per group, in plain
-    Python (a few numpy calls cost more than hashing one block's tokens one by one)."""
-    keys: dict[int, int] = {}  # block size -> key of the new block
-    for g, (pool, bs) in enumerate(zip(pools, block_sizes)):
-        if not counts[g]:
-            continue
-        i = int(chains.num_hashed[g][req.row])
-        key = keys.get(bs)
-        if key is None:
-            if (i + 1) * bs <= req.num_prompt_tokens:
-                key = int(req.keys[bs][i])
-            else:
-                state = _state_before(req, i, bs, chains)
-                h = 0
-                for t in req.token_array(i * bs, (i + 1) * bs).tolist():
-                    h = (h * CHAIN_BASE + (t & MASK64)) & MASK64
-                state = (state * powers[bs].block_base + h) & MASK64
-                chains.set(req.row, bs, i + 1, state)
-                key = fmix64_int(state)
-            keys[bs] = key
-        cid = pool.cache_one(
-            int(row_state.blocks[g][req.row, i]),
-            key,
-            req.token_array(i * bs, (i + 1) * bs),
-            int(chains.parent_cid[g][req.row]),
-        )
-        chains.parent_cid[g][req.row] = cid
-        chains.num_hashed[g][req.row] = i + 1
