@@ -67,11 +67,12 @@ def test_equal_keys_with_other_tokens_are_verified_apart(colliding_first: bool) 
     other = cached.copy()
     other[6] = 100  # block 1 differs
     prompts = [other, cached] if colliding_first else [cached, other]
-    plans = [mgr._new_plan(p, None, {}) for p in prompts]
-    prompt_keys(plans, mgr.block_sizes, mgr._powers)
+    cache = mgr.prefix_cache
+    plans = [cache.plan(p, None, {}) for p in prompts]
+    prompt_keys(plans, mgr.block_sizes, cache.powers)
     cached_keys = plans[1 if colliding_first else 0].keys[bs]
     assert cached_keys.tolist() == fast_block_keys(cached.tolist(), bs)
     plans[0].keys[bs] = plans[1].keys[bs] = cached_keys  # both carry the cached prompt's keys
-    find_hits(plans, mgr.pools, mgr.block_sizes, mgr.windows, mgr._align_tokens)
+    find_hits(plans, mgr.pools, mgr.block_sizes, mgr.windows, cache.align_tokens)
     hits = [plan.num_cached_tokens for plan in plans]
     assert hits == ([4, 12] if colliding_first else [12, 4])

@@ -107,7 +107,7 @@ def walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) 
     hit = len(prompt) - 1
     for pool, bs in zip(mgr.pools, mgr.block_sizes):
         index = pool.index
-        root, _, _ = mgr._namespace(namespace, {})
+        root = mgr.prefix_cache.plan([0], namespace, {}).root
         parent, served = root, 0
         keys = fast_block_keys(prompt.tolist(), bs, namespace=namespace)
         for i in range((len(prompt) - 1) // bs):

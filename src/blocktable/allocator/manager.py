@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +9,7 @@ import numpy as np
 from blocktable._checks import check_count, check_positive
 from blocktable.allocator.checks import (
     as_list,
+    check_model_len,
     check_same_length,
     distinct_new_ids,
     running_requests,
@@ -19,19 +18,15 @@ from blocktable.allocator.checks import (
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
-    ChainPowers,
     HashFn,
-    encode_namespace,
-    namespace_seed,
     sha256_block_hash,
 )
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
-from blocktable.allocator.register import register_computed_blocks
+from blocktable.allocator.prefix import PromptPlan
+from blocktable.allocator.prefix_cache import PrefixCache
 from blocktable.allocator.request import (
-    KeyChains,
     RequestState,
     TokenIds,
     check_req_id,
@@ -148,8 +143,6 @@ class KVCacheManager:
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
-        self._align_tokens = math.lcm(*self.block_sizes)
-        self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
         # the last batched call's (req_ids, their states, their rows): a step's calls often
@@ -159,11 +152,15 @@ class KVCacheManager:
         self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
         self._row_state = RowState(self.max_num_reqs, len(groups))
         self._journal = StepJournal(len(groups), self._row_state)
-        self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
-        self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
-        self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
-        # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
-        self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
+        self.prefix_cache = PrefixCache(
+            self.pools,
+            self.block_sizes,
+            self.windows,
+            self.max_num_reqs,
+            enabled=self.enable_prefix_caching,
+            byte_hash_fn=self.byte_hash_fn,
+            max_model_len=max_model_len,
+        )
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- admission
@@ -173,8 +170,7 @@ class KVCacheManager:
         The number :meth:`add_request` would return for the same prompt and namespace (while
         the pools stay as they are). Prefix-cache statistics are not updated.
         """
-        plan = self._plan_one(prompt_token_ids, cache_namespace)
-        return plan.num_cached_tokens
+        return self.prefix_cache.lookup(prompt_token_ids, cache_namespace).num_cached_tokens
 
     def can_admit(
         self,
@@ -203,21 +199,13 @@ class KVCacheManager:
         ValueError
             Empty prompt, or prompt or allocation longer than ``max_model_len``.
         """
-        plan = self._plan_one(prompt_token_ids, cache_namespace)
+        plan = self.prefix_cache.lookup(prompt_token_ids, cache_namespace)
         num_cached = plan.num_cached_tokens
         if num_new_tokens is None:
             num_new_tokens = len(plan.tokens) - num_cached
         num_tokens = num_cached + check_count("num_new_tokens", num_new_tokens)
-        self._check_model_len("new request", "allocation", num_tokens)
-        if not self._rows.num_free:
-            return False
-        for pool, bs, slots in zip(self.pools, self.block_sizes, plan.hit_slots):
-            hit_blocks = pool.index.holder[slots]
-            taken_from_free = int(np.count_nonzero(pool.ref_counts[hit_blocks] == 0))
-            need = -(-num_tokens // bs) - num_cached // bs
-            if need > pool.num_free_blocks - taken_from_free:
-                return False
-        return True
+        check_model_len(self.max_model_len, "new request", "allocation", num_tokens)
+        return self._rows.num_free > 0 and self.prefix_cache.fits(plan, num_tokens)
 
     def add_request(
         self, req_id: ReqId, prompt_token_ids: TokenIds, *, cache_namespace: object = None
@@ -281,52 +269,28 @@ class KVCacheManager:
             check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
-        pending: dict[bytes, tuple[int, int]] = {}
-        plans = []
-        none_namespace = self._none_namespace
-        root, seed = (0, 0) if none_namespace is None else none_namespace
-        max_len = sys.maxsize if self.max_model_len is None else self.max_model_len
-        for r, p, ns in zip(req_ids, prompts, cache_namespaces):
-            if (  # _new_plan's common case (an int64 array, no namespace), inline
-                ns is None
-                and none_namespace is not None
-                and type(p) is np.ndarray
-                and p.dtype is _INT64
-                and p.ndim == 1
-                and 0 < len(p) <= max_len
-            ):
-                plans.append(PromptPlan(p, root, seed))
-            else:
-                plans.append(self._new_plan(p, ns, pending, req_id=r))
+        plans, pending = self.prefix_cache.plan_many(req_ids, prompts, cache_namespaces)
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
-        self._namespaces.update(pending)
-        if self._none_namespace is None:
-            self._none_namespace = self._namespaces.get(b"")
-        self._find(plans)
+        self.prefix_cache.find(plans, pending)
         self._admit(req_ids, plans, cache_namespaces)
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(
         self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
     ) -> None:
-        """Give each planned prompt the lowest free row, its token ids and its prefix hit
-        (checked before: enough free rows). The rows' counts, tokens and chains are started
-        by one call each (:meth:`RowState.start_many`, :meth:`KeyChains.admit_many`); the
-        hits of all are shared at once (:meth:`_share_hits`)."""
+        """Give each planned prompt the lowest free row (checked before: enough free rows),
+        its token ids and its prefix hit."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         self._journal.touch(rows)  # free, or freed earlier in this step
         buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
-        self._chains.admit_many(rows, plans)
         num_groups = len(self.pools)
-        hits: list[tuple[RequestState, PromptPlan]] = []
-        num_query_tokens = 0
+        reqs = []
         for req_id, plan, namespace, row, buffer in zip(req_ids, plans, namespaces, rows, buffers):
-            num_tokens = len(plan.tokens)
             req = RequestState(
                 req_id,
                 buffer,
@@ -336,76 +300,17 @@ class KVCacheManager:
                 plan.seed,
                 state,
                 row,
-                num_tokens,
+                len(plan.tokens),
                 [ROOT_BLOCK_HASH] * num_groups,
                 plan.keys,  # read-only arrays (dicts the plan no longer uses)
                 plan.states,
             )
             holders[row] = req
             requests[req_id] = req
-            num_query_tokens += num_tokens
-            if plan.num_cached_tokens:
-                hits.append((req, plan))
-        preempted = self._preempted
-        if preempted:
-            for req_id in req_ids:
-                preempted.discard(req_id)
-        self._num_queries += len(plans)
-        self._num_query_tokens += num_query_tokens
-        if hits:
-            self._share_hits(hits)
-
-    def _share_hits(self, hits: list[tuple[RequestState, PromptPlan]]) -> None:
-        """Make the cached blocks of each plan's hit its request's rows and move its chains
-        past them: per group, one gather of every distinct hit's blocks and one share. A hit
-        of ``n`` tokens fills ``n // bs`` entries of every group's row (null entries first), so
-        the request's computed tokens and slots are ``n``. Plans that followed one lookup hold
-        the same slots (one array): their blocks are gathered once, and when every hit of the
-        call is that one, its blocks (distinct: a hit is a chain of live records) are shared
-        once with that many references."""
-        state, chains = self._row_state, self._chains
-        byte_hashes = self.byte_hash_fn is not None
-        num_cached = [plan.num_cached_tokens for _, plan in hits]
-        hit_rows = [req.row for req, _ in hits]
-        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
-            index = pool.index
-            holder, cid = index.holder, index.cid
-            arena = state.ensure_width(g, max(num_cached) // bs)
-            row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
-            num_hashed, parent_cid = chains.group_views(g)
-            gathered: dict[int, tuple[np.ndarray, int]] = {}  # id(slots) -> blocks, last cid
-            parts = []
-            for (req, plan), row, n in zip(hits, hit_rows, num_cached):
-                slots = plan.hit_slots[g]
-                found = gathered.get(id(slots))
-                if found is None:
-                    found = gathered[id(slots)] = (holder[slots], cid.item(plan.last_slots[g]))
-                blocks, last_cid = found
-                parts.append(blocks)
-                hi, skip = n // bs, plan.num_skipped[g]
-                if skip:
-                    arena[row, :skip] = NULL_BLOCK_ID
-                arena[row, skip:hi] = blocks
-                row_len[row] = hi
-                num_skipped[row] = skip
-                num_hashed[row] = hi
-                parent_cid[row] = last_cid
-                if byte_hashes:
-                    req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
-            if len(parts) == 1:
-                if len(parts[0]):
-                    pool.share_many(parts[0])
-            elif len(gathered) == 1:
-                if len(parts[0]):
-                    # (one count for all, a 0-d array broadcast: cheaper than a full array)
-                    pool.share(parts[0], np.array(len(parts), dtype=np.int32))
-            else:
-                pool.share_many(np.concatenate(parts))
-        num_computed, num_slots = state.num_computed_mv, state.num_slots_mv
-        for row, n in zip(hit_rows, num_cached):
-            num_computed[row] = n
-            num_slots[row] = n
-        self._num_hit_tokens += sum(num_cached)
+            reqs.append(req)
+        for req_id in req_ids:
+            self._preempted.discard(req_id)
+        self.prefix_cache.admit(reqs, plans, state)
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
@@ -617,17 +522,7 @@ class KVCacheManager:
             self._check_computed(reqs[i], int(num_computed[i]))
             raise AssertionError("a count past num_slots or num_tokens passed the checks")
         state.num_computed[rows] = num_computed
-        if self.enable_prefix_caching:
-            register_computed_blocks(
-                reqs,
-                rows,
-                state,
-                self.pools,
-                self.block_sizes,
-                self._powers,
-                self.byte_hash_fn,
-                self._chains,
-            )
+        self.prefix_cache.register(reqs, rows, state)
         if self._has_windows:
             for g, window in enumerate(self.windows):
                 if window is not None:
@@ -716,7 +611,7 @@ class KVCacheManager:
         self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
-        self._chains.copy_row(parent.row, row)
+        self.prefix_cache.chains.copy_row(parent.row, row)
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
@@ -741,18 +636,7 @@ class KVCacheManager:
         block becomes a plain free block and True is returned. The prefix-cache counters are
         not reset (they count since the manager was built).
         """
-        if any(int(pool.ref_counts.max()) > 0 for pool in self.pools):
-            return False
-        for pool in self.pools:
-            pool.reset_cache()
-        for req in self._requests.values():
-            for g, pool in enumerate(self.pools):
-                if self._chains.num_hashed[g][req.row]:
-                    # Its blocks all left a window: the parent's record is gone, so later
-                    # blocks chain to a content id no record has (never findable, never wrong).
-                    self._chains.parent_cid[g][req.row] = pool.index.next_cid
-                    pool.index.next_cid += 1
-        return True
+        return self.prefix_cache.reset(list(self._requests.values()))
 
     # ----------------------------------------------------------------- step result
     def take_step_update(self) -> StepUpdate:
@@ -811,7 +695,7 @@ class KVCacheManager:
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_queries, self._num_query_tokens, self._num_hit_tokens)
+        return self.prefix_cache.stats
 
     def check_integrity(self) -> None:
         """Verify every invariant (refcounts, queues, index, rows); raise ``IntegrityError``.
@@ -843,76 +727,10 @@ class KVCacheManager:
             raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
         return req
 
-    def _check_model_len(self, who: str, what: str, num_tokens: int) -> None:
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            raise ValueError(
-                f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
-            )
-
     def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
-        """:meth:`_check_model_len` naming a request (the message is built only to raise)."""
+        """:func:`check_model_len` naming a request (the message is built only to raise)."""
         if self.max_model_len is not None and num_tokens > self.max_model_len:
-            self._check_model_len(f"request {req_id!r}", what, num_tokens)
-
-    def _namespace(
-        self, namespace: object, pending: dict[bytes, tuple[int, int]]
-    ) -> tuple[int, int, bytes]:
-        """``(root content id, key seed, encoding)`` of a namespace; a new one is added to
-        ``pending`` (interned only when a request with it is admitted, so rejected calls
-        change nothing)."""
-        encoded = encode_namespace(namespace)  # checks it
-        found = self._namespaces.get(encoded) or pending.get(encoded)
-        if found is None:
-            found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
-            pending[encoded] = found
-        return found[0], found[1], encoded
-
-    def _new_plan(
-        self,
-        prompt: TokenIds,
-        namespace: object,
-        pending: dict[bytes, tuple[int, int]],
-        *,
-        req_id: ReqId | None = None,
-    ) -> PromptPlan:
-        """The plan of one prompt (``req_id``, when given, is named in errors). The caller's
-        token ids are read, never kept or written: admission copies them."""
-        if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
-            tokens = prompt  # token_array's fast case, without building its error message
-        elif req_id is None:
-            tokens = token_array("prompt_token_ids", prompt)
-        else:
-            tokens = token_array(f"prompt_token_ids of request {req_id!r}", prompt)
-        num_tokens = len(tokens)
-        if not num_tokens:
-            raise ValueError(
-                "prompt_token_ids is empty"
-                if req_id is None
-                else f"prompt_token_ids of request {req_id!r} is empty"
-            )
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            who = "new request" if req_id is None else f"request {req_id!r}"
-            self._check_model_len(who, "prompt", num_tokens)
-        if namespace is None and self._none_namespace is not None:
-            root, seed = self._none_namespace
-            encoded = b""
-        else:
-            root, seed, encoded = self._namespace(namespace, pending)
-        # only read (admission copies the ids into the rows' token pages)
-        return PromptPlan(tokens, root, seed, encoded)
-
-    def _find(self, plans: list[PromptPlan]) -> None:
-        if not self.enable_prefix_caching:
-            for plan in plans:
-                plan.hit_slots = [np.zeros(0, np.int64) for _ in self.pools]
-            return
-        prompt_keys(plans, self.block_sizes, self._powers)
-        find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
-
-    def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
-        plan = self._new_plan(prompt_token_ids, cache_namespace, {})
-        self._find([plan])
-        return plan
+            check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
