@@ -12,7 +12,6 @@ from blocktable.allocator.checks import (
     check_model_len,
     check_same_length,
     distinct_new_ids,
-    running_requests,
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
@@ -22,7 +21,6 @@ from blocktable.allocator.hashing import (
     sha256_block_hash,
 )
 from blocktable.allocator.integrity import check_manager_integrity
-from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
 from blocktable.allocator.prefix_cache import PrefixCache
@@ -30,20 +28,14 @@ from blocktable.allocator.request import (
     RequestState,
     TokenIds,
     check_req_id,
-    token_array,
 )
-from blocktable.allocator.rows import RowAllocator
-from blocktable.allocator.rowstate import RowState
+from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
-from blocktable.update import RowBlocks, StepUpdate
-
-ReqId = str | int
-_INT64 = np.dtype(np.int64)
 
 
-class KVCacheManager:
+class KVCacheManager(RunningRequests):
     """Block allocation for every KV cache group, per request, with prefix caching.
 
     Every running request holds one table row (``0 .. max_num_reqs - 1``, lowest free row first)
@@ -143,15 +135,7 @@ class KVCacheManager:
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
-        self._requests: dict[ReqId, RequestState] = {}
-        self._preempted: set[ReqId] = set()
-        # the last batched call's (req_ids, their states, their rows): a step's calls often
-        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
-        # request leaves (a request's state and row are fixed while it runs)
-        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
-        self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
-        self._row_state = RowState(self.max_num_reqs, len(groups))
-        self._journal = StepJournal(len(groups), self._row_state)
+        super().__init__(self.pools, self.max_num_reqs, max_model_len)
         self.prefix_cache = PrefixCache(
             self.pools,
             self.block_sizes,
@@ -161,7 +145,6 @@ class KVCacheManager:
             byte_hash_fn=self.byte_hash_fn,
             max_model_len=max_model_len,
         )
-        self.num_preemptions = 0
 
     # ----------------------------------------------------------------- admission
     def lookup_prefix(self, prompt_token_ids: TokenIds, *, cache_namespace: object = None) -> int:
@@ -312,181 +295,6 @@ class KVCacheManager:
             self._preempted.discard(req_id)
         self.prefix_cache.admit(reqs, plans, state)
 
-    def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
-        """Append generated tokens (one int or a sequence) to the request's sequence."""
-        self.append_token_ids_many([req_id], [token_ids])
-
-    def append_token_ids_many(
-        self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
-    ) -> None:
-        """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
-        of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
-        req_ids, reqs, rows = self._running(req_ids)
-        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
-            check_same_length("token_ids", token_ids, len(req_ids))
-            # one conversion of the whole array; then every request appends a row of width k
-            name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
-            block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
-            self._append_rows(reqs, rows, block)
-            return
-        token_ids = as_list("token_ids", token_ids)
-        check_same_length("token_ids", token_ids, len(req_ids))
-        arrays = [
-            token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
-        ]
-        for req, new in zip(reqs, arrays):
-            self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
-        for req, new in zip(reqs, arrays):
-            req.append_tokens(new)
-
-    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
-        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
-        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
-        k = block.shape[1]
-        num_tokens = self._row_state.num_tokens_mv
-        if self.max_model_len is not None:
-            for req in reqs:
-                self._check_request_len(req.req_id, "sequence", num_tokens[req.row] + k)
-        if not k or not reqs:
-            return
-        state = self._row_state
-        starts = state.num_tokens[rows]
-        # (count_nonzero: ~1 us cheaper than all() here; argmax and an index than max())
-        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
-            int(starts[starts.argmax()]) + k
-        ):
-            # every row in the token arena: one scatter on the flat arena, at each row's
-            # first position repeated k times plus 0 .. k - 1 (1-D passes: a broadcast
-            # [n, 1] + [k] add, or a put, costs about twice as much)
-            arena = state.tokens
-            at = rows * arena.shape[1]
-            at += starts
-            at = at.repeat(k)
-            at += _tiled_iota(k, len(rows))
-            arena.reshape(-1)[at] = block.reshape(-1)
-            starts += k
-            state.num_tokens[rows] = starts
-            return
-        for req, new in zip(reqs, block):
-            row = req.row
-            n = num_tokens[row]
-            req.room(n + k)[n : n + k] = new
-            num_tokens[row] = n + k
-
-    # ----------------------------------------------------------------- allocation
-    def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
-        """Whether :meth:`allocate` would succeed now (no side effects)."""
-        return self.can_allocate_many([req_id], [num_new_tokens])
-
-    def allocate(self, req_id: ReqId, num_new_tokens: int) -> tuple[list[int], ...]:
-        """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
-
-        All-or-nothing over every group. Blocks already allocated (lookahead) are reused, so
-        the result may be empty. Same as :meth:`allocate_many` of this one request.
-
-        Returns
-        -------
-        tuple of list of int
-            Per group, the new manager block ids appended to the request's row.
-
-        Raises
-        ------
-        OutOfBlocksError
-            Some group lacks free blocks; nothing was allocated, the pools are unchanged.
-        ValueError
-            The request would exceed ``max_model_len``.
-        """
-        return tuple(part.block_ids.tolist() for part in self.allocate_many([req_id], [num_new_tokens]))
-
-    def can_allocate_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> bool:
-        """Whether :meth:`allocate_many` would succeed now (no side effects)."""
-        _, _, needs = self._needs(req_ids, num_new_tokens)
-        return all(
-            int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
-        )
-
-    def allocate_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[RowBlocks, ...]:
-        """:meth:`allocate` for every request of a step at once: one take per group.
-
-        All-or-nothing over every request and group: on any error (unknown or repeated request,
-        lengths that disagree, ``max_model_len``, too few free blocks) nothing changes.
-
-        Parameters
-        ----------
-        req_ids : sequence of request ids ``[n]``, distinct
-        num_new_tokens : sequence of int or int array ``[n]``
-
-        Returns
-        -------
-        tuple of RowBlocks
-            Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
-            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
-            read-only arrays.
-        """
-        reqs, rows, needs = self._needs(req_ids, num_new_tokens)
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            total = int(need.sum())
-            if total > pool.num_free_blocks:
-                who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
-                       else f"{len(reqs)} requests need")
-                raise OutOfBlocksError(
-                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        grows = np.logical_or.reduce(needs, axis=0) if len(rows) else np.zeros(0, bool)
-        self._journal.touch(rows[grows])
-        state = self._row_state
-        out = []
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            got = np.flatnonzero(need)
-            if not len(got):
-                out.append(RowBlocks())
-                continue
-            g_rows, num = rows[got], need[got]
-            new = pool.take(int(num.sum()))
-            starts = state.row_len[g].take(g_rows)
-            ends = starts + num
-            arena = state.ensure_width(g, int(ends.max()))
-            # each row's run of new ids: its first flat position in the (C-contiguous) arena
-            # plus 0, 1, ... (where its run starts in `new`: the running sum before it)
-            first = g_rows * arena.shape[1] + starts - (np.cumsum(num) - num)
-            arena.reshape(-1)[first.repeat(num) + np.arange(len(new))] = new
-            state.row_len[g][g_rows] = ends
-            data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
-            flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
-            n = len(g_rows)
-            out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        if np.count_nonzero(grows):
-            grown = rows[grows]
-            slots = state.row_len[0].take(grown) * self.block_sizes[0]
-            for g in range(1, len(self.pools)):
-                np.minimum(slots, state.row_len[g].take(grown) * self.block_sizes[g], out=slots)
-            state.num_slots[grown] = slots
-        return tuple(out)
-
-    def _needs(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray]]:
-        """The running requests of ``req_ids``, their rows (intp) and, per group, the blocks
-        each needs for ``num_new_tokens`` more tokens (int64 ``[n]``); checked, including
-        ``max_model_len``."""
-        req_ids, reqs, rows = self._running(req_ids)
-        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        state = self._row_state
-        totals = state.num_computed.take(rows) + np.array(counts, dtype=np.int64)
-        if self.max_model_len is not None and len(reqs):
-            over = np.flatnonzero(totals > self.max_model_len)
-            if len(over):
-                i = int(over[0])
-                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        needs = []
-        for g, bs in enumerate(self.block_sizes):
-            need = -(-totals // bs) - state.row_len[g].take(rows)
-            needs.append(np.maximum(need, 0))
-        return reqs, rows, needs
-
     # ----------------------------------------------------------------- computed tokens
     def mark_computed(self, req_id: ReqId, num_tokens: int) -> None:
         """Record that the next ``num_tokens`` tokens are now in the KV cache.
@@ -543,42 +351,6 @@ class KVCacheManager:
                 )
 
     # ----------------------------------------------------------------- release
-    def free(self, req_id: ReqId) -> None:
-        """Release a finished request's blocks (cached ones stay findable) and its row.
-
-        A preempted request (holding nothing) is forgotten. Blocks are queued tail first, so a
-        request's tail is evicted before its (possibly shared) prefix.
-
-        Raises
-        ------
-        KeyError
-            Unknown request, or freed twice.
-        """
-        self.free_many([req_id])
-
-    def free_many(self, req_ids: Sequence[ReqId]) -> None:
-        """:meth:`free` of several requests at once (in order); checked fully first."""
-        req_ids = as_list("req_ids", req_ids)
-        preempted = self._preempted
-        running = [r for r in req_ids if r not in preempted] if preempted else req_ids
-        reqs = running_requests(self._requests, preempted, running)
-        if preempted:
-            if len(set(req_ids)) != len(req_ids):
-                raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-            for req_id in req_ids:
-                preempted.discard(req_id)
-        self._release(reqs)
-
-    def preempt(self, req_id: ReqId) -> None:
-        """Release the request's blocks and row; it may come back with :meth:`add_request`.
-
-        Its computed full blocks stay cached, so re-admission with all its tokens so far
-        (prompt and generated) usually hits them.
-        """
-        self._release([self._get(req_id)])
-        self._preempted.add(req_id)
-        self.num_preemptions += 1
-
     def fork(self, parent_id: ReqId, child_id: ReqId) -> tuple[list[tuple[int, int]], ...]:
         """Admit ``child_id`` as a copy of ``parent_id`` (parallel sampling, beam search).
 
@@ -639,52 +411,6 @@ class KVCacheManager:
         return self.prefix_cache.reset(list(self._requests.values()))
 
     # ----------------------------------------------------------------- step result
-    def take_step_update(self) -> StepUpdate:
-        """The net row changes since the last call, as flat arrays for the table; then reset.
-
-        See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
-        request admitted and allocated in the same step is only in ``added`` (cached hits and
-        new blocks together); a freed row is in ``cleared_rows`` unless another request took
-        it in the same step, in which case it is only in ``added``. The update is built with
-        ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
-        """
-        # Stamp the block sizes so a table built for another block size refuses the ids.
-        return self._journal.take(self.block_sizes)
-
-    # ----------------------------------------------------------------- queries
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
-
-    def row_of(self, req_id: ReqId) -> int:
-        """The table row of a running request."""
-        return self._get(req_id).row
-
-    def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
-        """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
-        req = self._get(req_id)
-        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
-
-    def num_computed_tokens(self, req_id: ReqId) -> int:
-        """Tokens of the request already in the KV cache."""
-        return self._get(req_id).num_computed_tokens
-
-    def num_tokens(self, req_id: ReqId) -> int:
-        """Token ids known for the request (prompt plus appended)."""
-        return self._get(req_id).num_tokens
-
-    def is_preempted(self, req_id: ReqId) -> bool:
-        """Whether ``req_id`` was preempted and not re-admitted or freed since."""
-        return req_id in self._preempted
-
-    @property
-    def num_requests(self) -> int:
-        """Running requests (each holds a row)."""
-        return len(self._requests)
-
-    @property
-    def num_free_rows(self) -> int:
-        return self._rows.num_free
-
     def num_free_blocks(self, group: int = 0) -> int:
         """Blocks of ``group`` that can be allocated now (uncached or evictable)."""
         return self.pools[group].num_free_blocks
@@ -705,33 +431,6 @@ class KVCacheManager:
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
 
     # ----------------------------------------------------------------- internals
-    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
-        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
-        answer when it named the same requests (nobody left since)."""
-        req_ids = as_list("req_ids", req_ids)
-        last = self._last_batch
-        if last is not None and last[0] == req_ids:
-            return req_ids, last[1], last[2]
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        rows.flags.writeable = False
-        self._last_batch = (req_ids.copy(), reqs, rows)
-        return req_ids, reqs, rows
-
-    def _get(self, req_id: ReqId) -> RequestState:
-        req = self._requests.get(req_id)
-        if req is None:
-            if req_id in self._preempted:
-                raise KeyError(f"request {req_id!r} is preempted (add_request it again)")
-            raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
-        return req
-
-    def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
-        """:func:`check_model_len` naming a request (the message is built only to raise)."""
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
-
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
         released: list[np.ndarray] = []
@@ -752,49 +451,6 @@ class KVCacheManager:
         if released:
             ids = released[0] if len(released) == 1 else np.concatenate(released)
             self.pools[g].release(ids, may_repeat=len(released) > 1)
-
-    def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
-        slice of each request's row (tail first, read through memoryviews), one concatenation
-        and one release; then the rows."""
-        state, requests = self._row_state, self._requests
-        self._last_batch = None  # it may name a request of reqs
-        rows = []
-        for req in reqs:  # (checked: nothing below fails)
-            rows.append(req.row)
-            del requests[req.req_id]
-        self._journal.touch(rows)
-        for pool, arena, row_len, num_skipped in zip(
-            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
-        ):
-            parts = []
-            for row in rows:
-                n, skip = row_len[row], num_skipped[row]
-                if n > skip:
-                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
-            if parts:
-                ids = np.concatenate(parts, dtype=np.intp)
-                pool.release(ids, may_repeat=len(parts) > 1)
-        state.stop(rows)
-        self._rows.release_many(rows)
-
-
-_TILED_IOTAS: dict[int, np.ndarray] = {}  # k -> 0 .. k - 1 repeated (int64), grown on demand
-
-
-def _tiled_iota(k: int, n: int) -> np.ndarray:
-    """``0 .. k - 1`` repeated ``n`` times: int64 ``[n * k]``, read-only (a prefix of a cached
-    array: steps append the same number of tokens to a varying number of requests)."""
-    tiled = _TILED_IOTAS.get(k)
-    if tiled is None or len(tiled) < n * k:
-        if n * k > 1 << 20:  # (too large to keep)
-            return np.tile(np.arange(k, dtype=np.int64), n)
-        reps = max(n, 64, 0 if tiled is None else 2 * len(tiled) // k)
-        tiled = np.tile(np.arange(k, dtype=np.int64), reps)
-        tiled.flags.writeable = False
-        _TILED_IOTAS[k] = tiled
-    return tiled[: n * k]
-
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:
     """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""
