@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -19,12 +19,11 @@ from blocktable.allocator.hashing import (
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
-if TYPE_CHECKING:
-    from blocktable.allocator.manager import KVCacheManager
-    from blocktable.allocator.pool import BlockPool
+# The manager and the pool call these checks: they are typed Any here, so that this module
+# imports neither of them (no import cycle).
 
 
-def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.ndarray]) -> None:
+def _check_request(mgr: Any, req: RequestState, ref_counts: list[np.ndarray]) -> None:
     def fail(msg: str) -> NoReturn:
         raise IntegrityError(f"request {req.req_id!r}: {msg}")
 
@@ -106,7 +105,7 @@ def _check_keys(req: RequestState, bs: int, chains: KeyChains, fail) -> None:  #
 
 
 def check_manager_integrity(
-    mgr: KVCacheManager,
+    mgr: Any,
     requests: Mapping[str | int, RequestState],
     holders: Sequence[RequestState | None],
     free_rows: Sequence[int],
@@ -136,7 +135,7 @@ def check_manager_integrity(
         pool.check_integrity(counts)
 
 
-def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
+def check_pool_integrity(pool: Any, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
     """Raise :class:`IntegrityError` unless the pool's structures agree with each other.
 
     Refcounts equal ``expected_ref_counts``; the free queues hold exactly the unowned blocks
