@@ -285,31 +285,6 @@ class BlockPool:
         index.untake_slots(slots)
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
-    def cache_chains(
-        self,
-        block_ids: np.ndarray,
-        keys: np.ndarray,
-        tokens: np.ndarray,
-        starts: np.ndarray,
-        start_parents: np.ndarray,
-    ) -> np.ndarray:
-        """:meth:`cache` of chains given by where they start: entry ``starts[i]`` (int64,
-        ascending, ``starts[0] == 0``) has parent content id ``start_parents[i]`` (int64), every
-        other entry the content of the entry before it. Return the content ids (int64)."""
-        n = len(block_ids)
-        index = self.index
-        slots = index.take_slots(n)
-        if index.file_absent(keys, slots):
-            cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
-            parent_ids = cids - 1  # (content ids are consecutive)
-            parent_ids[starts] = start_parents
-            self._file_new(block_ids, tokens, slots, cids, parent_ids)
-            return cids
-        index.untake_slots(slots)
-        parents = np.zeros(n, dtype=np.int64)  # 0: the previous entry's content
-        parents[starts] = start_parents
-        return self._cache_one_by_one(block_ids, keys, tokens, parents, None)
-
     def _file_new(
         self,
         block_ids: np.ndarray,

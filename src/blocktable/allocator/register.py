@@ -27,8 +27,6 @@ from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
 
 _U64 = np.uint64
-_ONE_START = np.zeros(1, dtype=np.int64)  # cache_chains' starts of one chain (read only)
-_ONE_START.flags.writeable = False
 Segment = tuple[RequestState, int, int]  # (request, first block, stop block)
 
 
@@ -136,7 +134,7 @@ def _register_group(
     keyed here in one :func:`token_chain_keys` pass. Token ids and block ids of all blocks are
     gathered at once from the token and block arenas (else sliced per request, where some
     request's token ids are not in the arena). The blocks are filed with one
-    :meth:`BlockPool.cache_chains` call.
+    :meth:`BlockPool.cache` call.
     """
     num_hashed, parent_cid = chains.num_hashed[g], chains.parent_cid[g]
     firsts = num_hashed[rows]
@@ -219,9 +217,9 @@ def _register_group(
             tokens, block_ids = token_parts[0], block_parts[0]
         else:
             tokens, block_ids = np.concatenate(token_parts), np.concatenate(block_parts)
-    cids = pool.cache_chains(
-        block_ids, keys, tokens.reshape(-1, bs), seg_starts, parent_cid[seg_rows]
-    )
+    parents = np.zeros(total, dtype=np.int64)  # 0: the content of the block before
+    parents[seg_starts] = parent_cid[seg_rows]
+    cids = pool.cache(block_ids, keys, tokens.reshape(-1, bs), parents)
     parent_cid[seg_rows] = cids if total == num_seg else cids.take(ends - 1)
     num_hashed[seg_rows] = stop
 

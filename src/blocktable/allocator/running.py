@@ -186,8 +186,11 @@ class RunningRequests:
                        else f"{len(reqs)} requests need")
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        grows = np.logical_or.reduce(needs, axis=0) if len(rows) else np.zeros(0, bool)
-        self._journal.touch(rows[grows])
+        grows = needs[0] > 0
+        for need in needs[1:]:
+            grows |= need > 0
+        grown = rows[grows]
+        self._journal.touch(grown)
         state = self._row_state
         out = []
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
@@ -209,8 +212,7 @@ class RunningRequests:
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             n = len(g_rows)
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        if np.count_nonzero(grows):
-            grown = rows[grows]
+        if len(grown):
             slots = state.row_len[0].take(grown) * self.block_sizes[0]
             for g in range(1, len(self.pools)):
                 np.minimum(slots, state.row_len[g].take(grown) * self.block_sizes[g], out=slots)
