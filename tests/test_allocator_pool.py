@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import LastSeen, last_occurrences
+from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.queue import BlockQueue
 
@@ -271,24 +271,12 @@ def test_block_queue_against_a_list(repeats: bool) -> None:
 
 def test_array_helpers_against_plain_python() -> None:
     rng = np.random.default_rng(1)
-    seen = LastSeen(12)
     for _ in range(300):
         values = rng.integers(1, 12, int(rng.integers(1, 30)))
         if rng.integers(2):
             values = values.astype(np.int32)  # the pools' block ids
         last = {v: i for i, v in enumerate(values.tolist())}
         assert last_occurrences(values).tolist() == sorted(last, key=last.get)
-        assert seen.last_occurrences(values).tolist() == sorted(last, key=last.get)
-
-
-def test_last_seen_long_and_short_calls_against_the_sort() -> None:
-    """One scratch across calls of 2 to 2500 ids (many more than its size) agrees with the sort."""
-    rng = np.random.default_rng(2)
-    seen = LastSeen(5)
-    for _ in range(200):
-        n = int(rng.choice([2, 7, 300, 1025, 2500]))
-        values = rng.integers(0, 5, n)
-        assert seen.last_occurrences(values).tolist() == last_occurrences(values).tolist()
 
 
 @pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])

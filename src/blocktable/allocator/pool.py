@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import LastSeen
+from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -73,7 +73,6 @@ class BlockPool:
         self.cached = BlockQueue(num_blocks)  # least recently used first
         self.index = PrefixIndex(num_blocks, block_size, max_records)
         self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
-        self._seen = LastSeen(num_blocks)  # scratch of release()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -169,7 +168,7 @@ class BlockPool:
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
         if np.count_nonzero(refs) < len(refs):  # some were free
-            self.cached.remove(self._seen.last_occurrences(block_ids[refs == 0]))
+            self.cached.remove(last_occurrences(block_ids[refs == 0]))
         np.add.at(ref_counts, block_ids, _ONE)
 
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
@@ -193,7 +192,7 @@ class BlockPool:
         the cached ones for eviction, the others as plain free blocks."""
         if self.dups:
             if may_repeat:
-                freed, may_repeat = self._seen.last_occurrences(freed), False
+                freed, may_repeat = last_occurrences(freed), False
             self._release_duplicates(freed)
         owned = self._owned_records()
         if owned is True:

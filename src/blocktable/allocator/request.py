@@ -169,10 +169,6 @@ class RequestState:
         the arena grows)."""
         return self.rows.row(group, self.row)
 
-    def append_blocks(self, group: int, block_ids: np.ndarray) -> None:
-        """Append ``block_ids`` (int32) to the row of ``group``."""
-        self.rows.append(group, self.row, block_ids)
-
     def append_block(self, group: int, block_id: int) -> None:
         """Append one id to the row of ``group``."""
         rows, row = self.rows, self.row

@@ -178,15 +178,6 @@ class RowState:
         """Row ``row`` of ``group``: int32 ``[row_len[group, row]]``, a view of the arena."""
         return self.blocks[group][row, : self.row_len[group, row]]
 
-    def append(self, group: int, row: int, block_ids: np.ndarray) -> None:
-        """Append ``block_ids`` (int32) to ``row`` of ``group``."""
-        row_len = self.row_len_mvs[group]
-        n = row_len[row]
-        k = len(block_ids)
-        arena = self.ensure_width(group, n + k)
-        arena[row, n : n + k] = block_ids
-        row_len[row] = n + k
-
     def set_row(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the whole row ``row`` of ``group``."""
         k = len(block_ids)
