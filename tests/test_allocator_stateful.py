@@ -649,11 +649,10 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 
 class AllVectorizedMachine(AllocatorMachine):
-    """The same machine with every batched path vectorized in numpy
-    and a tiny token arena: the row count below which
-    row gathers slice each row are set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
-    sequences move to buffers of their own), so the paths a large engine or a long context
-    takes are checked on these small pools too."""
+    """The same machine with row gathers always vectorized (the row count below which they
+    slice each row set to 0) and a tiny token arena (rows start 2 ids wide and hold at most 8;
+    longer sequences move to buffers of their own), so the paths a large engine or a long
+    context takes are checked on these small pools too."""
 
     def __init__(self) -> None:
         super().__init__()

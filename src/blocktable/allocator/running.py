@@ -153,7 +153,7 @@ class RunningRequests:
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
-        _, _, needs = self._needs(req_ids, num_new_tokens)
+        _, _, _, needs = self._needs(req_ids, num_new_tokens)
         return all(
             int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
         )
@@ -178,7 +178,7 @@ class RunningRequests:
             blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
             read-only arrays.
         """
-        reqs, rows, needs = self._needs(req_ids, num_new_tokens)
+        reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
             total = int(need.sum())
             if total > pool.num_free_blocks:
@@ -198,9 +198,8 @@ class RunningRequests:
             if not len(got):
                 out.append(RowBlocks())
                 continue
-            g_rows, num = rows[got], need[got]
+            g_rows, num, starts = rows[got], need[got], old_lens[g][got]
             new = pool.take(int(num.sum()))
-            starts = state.row_len[g].take(g_rows)
             ends = starts + num
             arena = state.ensure_width(g, int(ends.max()))
             # each row's run of new ids: its first flat position in the (C-contiguous) arena
@@ -212,19 +211,19 @@ class RunningRequests:
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             n = len(g_rows)
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        if len(grown):
-            slots = state.row_len[0].take(grown) * self.block_sizes[0]
+        if len(grown):  # the tokens every group's blocks hold
+            slots = (old_lens[0] + needs[0]) * self.block_sizes[0]
             for g in range(1, len(self.pools)):
-                np.minimum(slots, state.row_len[g].take(grown) * self.block_sizes[g], out=slots)
-            state.num_slots[grown] = slots
+                np.minimum(slots, (old_lens[g] + needs[g]) * self.block_sizes[g], out=slots)
+            state.num_slots[grown] = slots[grows]
         return tuple(out)
 
     def _needs(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray]]:
-        """The running requests of ``req_ids``, their rows (intp) and, per group, the blocks
-        each needs for ``num_new_tokens`` more tokens (int64 ``[n]``); checked, including
-        ``max_model_len``."""
+    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The running requests of ``req_ids``, their rows (intp) and, per group, their row
+        lengths and the blocks each needs for ``num_new_tokens`` more tokens (int64 ``[n]``);
+        checked, including ``max_model_len``."""
         req_ids, reqs, rows = self._running(req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         state = self._row_state
@@ -234,11 +233,10 @@ class RunningRequests:
             if len(over):
                 i = int(over[0])
                 self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        needs = []
-        for g, bs in enumerate(self.block_sizes):
-            need = -(-totals // bs) - state.row_len[g].take(rows)
-            needs.append(np.maximum(need, 0))
-        return reqs, rows, needs
+        old_lens = [row_len.take(rows) for row_len in state.row_len]
+        needs = [np.maximum(-(-totals // bs) - old_len, 0)
+                 for bs, old_len in zip(self.block_sizes, old_lens)]
+        return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
         """Release a finished request's blocks (cached ones stay findable) and its row.
