@@ -24,7 +24,7 @@ The **block hash** a pool reports for a cached block (``BlockPool.block_hash``) 
 * ``"fast"`` (default): the block key itself (a Python int < 2**64), the same in every process;
 * ``"sha256"``: ``sha256(parent_hash + token_bytes + namespace_bytes)`` chained from
   :data:`ROOT_BLOCK_HASH`, token bytes little-endian int64 (32 bytes, collision resistant; about
-  1 us per block on top of the key, computed only in this mode);
+  computed only in this mode, on top of the key);
 * any ``callable(bytes) -> bytes``: the same chain with that function.
 """
 
@@ -49,7 +49,7 @@ CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
 _U64 = np.uint64
 # 0-d arrays, not numpy scalars: a ufunc takes a 0-d array operand without the scalar
-# conversion and promotion it does for a scalar (about 0.3-0.7 us less per operation)
+# conversion and promotion it does for a scalar)
 _SHIFT33, _FMIX_C1, _FMIX_C2 = (
     np.array(c, dtype=_U64) for c in (33, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
 )

@@ -58,7 +58,7 @@ class KVCacheManager(RunningRequests):
     (per group an int32 array ``[max_num_reqs, width]``, the width doubling up to the longest
     row so far), token ids in an int64 array of the same rows (at most 4096 per row; longer
     sequences in a buffer of their own); a batched call costs a few numpy passes
-    over its rows, tokens and blocks plus well under 1 us per request, and a long prompt's
+    over its rows, tokens and blocks plus a little Python per request, and a long prompt's
     chunks cost what one allocation of the whole prompt costs (keys are computed once, at
     admission).
 

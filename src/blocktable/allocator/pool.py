@@ -194,28 +194,13 @@ class BlockPool:
             if may_repeat:
                 freed, may_repeat = last_occurrences(freed), False
             self._release_duplicates(freed)
-        owned = self._owned_records()
-        if owned is True:
-            self.cached.extend(freed, may_repeat=may_repeat)  # all cached (full computed blocks)
-        elif owned is False:
-            self.uncached.extend(freed, may_repeat=may_repeat)  # none (no prefix caching)
-        else:
-            slots = self.record.take(freed)
-            if slots[slots.argmin()] >= 0:  # all cached
-                self.cached.extend(freed, may_repeat=may_repeat)
-                return
-            cached = slots >= 0
-            self.uncached.extend(freed[~cached], may_repeat=may_repeat)
-            self.cached.extend(freed[cached], may_repeat=may_repeat)
-
-    def _owned_records(self) -> bool | None:
-        """Whether every owned block holds a record (True), none does (False), or some do
-        (None), from the counters: free cached blocks hold one, free uncached ones none. When
-        all or none do, so do the blocks a release frees, and their records need no gather."""
-        owned_cached = self.num_cached_blocks - len(self.cached)
-        if owned_cached == self.num_blocks - 1 - len(self.uncached) - len(self.cached):
-            return True
-        return False if not owned_cached else None
+        slots = self.record.take(freed)
+        cached = slots >= 0
+        if np.count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
+            self.cached.extend(freed, may_repeat=may_repeat)
+            return
+        self.uncached.extend(freed[~cached], may_repeat=may_repeat)
+        self.cached.extend(freed[cached], may_repeat=may_repeat)
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
         """Freed duplicates are forgotten; freed holders with an owned duplicate hand over.

@@ -31,7 +31,7 @@ _U64 = np.uint64
 class PromptPlan:
     """One prompt's tokens, keys and cache hit, found without side effects.
 
-    A plain class with slots (a dataclass with default factories costs ~1 us per prompt).
+    A plain class with slots (a dataclass with default factories costs more per prompt).
     """
 
     __slots__ = (

@@ -32,7 +32,7 @@ class BlockQueue:
     def __init__(self, num_blocks: int, initial: np.ndarray | None = None) -> None:
         # On cpu, block ids. Filled now, not zeroed lazily (np.zeros maps zero pages): the
         # tail walks through the whole array before its first compaction, and each page's
-        # first write would otherwise fault inside a release (~1 us per 1024 ids queued).
+        # first write would otherwise fault inside a release.
         self._slots = np.empty(2 * num_blocks + 2, dtype=np.int32)
         self._slots.fill(0)
         self._position = np.full(num_blocks, -1, dtype=np.int32)  # on cpu, block id -> slot
