@@ -3,16 +3,12 @@ repeat an earlier prompt's follow its lookup, with the same hits as a block-by-b
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from test_allocator_lookup import walk_hit
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager, fast_block_keys
 from blocktable.allocator.prefix import find_hits, prompt_keys
-from blocktable.allocator.request import KeyChains
-from blocktable.allocator.rowstate import RowState
 
 
 @pytest.mark.parametrize(("seed", "block_sizes"), [(s, (4,)) for s in range(5)] + [(9, (4, 8))])
@@ -71,69 +67,12 @@ def test_equal_keys_with_other_tokens_are_verified_apart(colliding_first: bool) 
     other = cached.copy()
     other[6] = 100  # block 1 differs
     prompts = [other, cached] if colliding_first else [cached, other]
-    plans = [mgr._new_plan(p, None, {}) for p in prompts]
-    prompt_keys(plans, mgr.block_sizes, mgr._powers)
+    cache = mgr.prefix_cache
+    plans = [cache.plan(p, None, {}) for p in prompts]
+    prompt_keys(plans, mgr.block_sizes, cache.powers)
     cached_keys = plans[1 if colliding_first else 0].keys[bs]
     assert cached_keys.tolist() == fast_block_keys(cached.tolist(), bs)
     plans[0].keys[bs] = plans[1].keys[bs] = cached_keys  # both carry the cached prompt's keys
-    find_hits(plans, mgr.pools, mgr.block_sizes, mgr.windows, mgr._align_tokens)
+    find_hits(plans, mgr.pools, mgr.block_sizes, mgr.windows, cache.align_tokens)
     hits = [plan.num_cached_tokens for plan in plans]
     assert hits == ([4, 12] if colliding_first else [12, 4])
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_row_starts_of_a_call_equal_one_start_per_row(seed: int) -> None:
-    """RowState.start_many and KeyChains.admit_many leave every array as RowState.start and
-    KeyChains.admit row by row do, prompts longer than the token arena's rows included."""
-    rng = np.random.default_rng(seed)
-    num_rows, block_sizes = 12, (4, 8)
-    one, many = RowState(num_rows, 2), RowState(num_rows, 2)
-    chains_one, chains_many = KeyChains(num_rows, block_sizes), KeyChains(num_rows, block_sizes)
-    for state in (one, many):  # stale entries of earlier holders
-        state.num_computed[:] = 7
-        state.num_slots[:] = 5
-        state.num_tokens[:] = 3
-        state.row_len[:] = 3
-        state.num_skipped[:] = 1
-    rows = rng.permutation(num_rows)[: int(rng.integers(1, num_rows))].tolist()
-    prompts = [rng.integers(0, 100, int(rng.choice([1, 9, 300, 5000]))) for _ in rows]
-    roots = [-int(rng.integers(1, 4)) for _ in rows]
-    seeds = [int(rng.integers(0, 2**63)) for _ in rows]
-    keys = [
-        {bs: rng.integers(0, 2**63, len(p) // bs).astype(np.uint64) for bs in (4, 8)}
-        for p in prompts
-    ]
-    states = [
-        {bs: rng.integers(0, 2**63, len(p) // bs).astype(np.uint64) for bs in (4, 8)}
-        for p in prompts
-    ]
-    buffers_one = [one.start(row, p) for row, p in zip(rows, prompts)]
-    for args in zip(rows, roots, seeds, keys, states):
-        chains_one.admit(*args)
-    buffers_many = many.start_many(rows, prompts)
-    plans = [
-        SimpleNamespace(root=root, seed=seed, keys=k, states=st)
-        for root, seed, k, st in zip(roots, seeds, keys, states)
-    ]
-    chains_many.admit_many(rows, plans)
-    for name in (
-        "num_computed",
-        "num_tokens",
-        "num_prompt",
-        "num_slots",
-        "row_len",
-        "num_skipped",
-        "in_arena",
-        "holder_gen",
-        "tokens",
-    ):
-        assert np.array_equal(getattr(one, name), getattr(many, name)), name
-    for a, b, p in zip(buffers_one, buffers_many, prompts):  # (own buffers: room past p)
-        assert (a is None) == (b is None)
-        assert a is None or (len(a) == len(b) and np.array_equal(a[: len(p)], b[: len(p)]))
-    for name in ("num_hashed", "parent_cid"):
-        for a, b in zip(getattr(chains_one, name), getattr(chains_many, name)):
-            assert np.array_equal(a, b), name
-    for bs in (4, 8):
-        assert np.array_equal(chains_one.num_keys[bs], chains_many.num_keys[bs])
-        assert np.array_equal(chains_one.state[bs], chains_many.state[bs])

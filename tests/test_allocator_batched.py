@@ -402,13 +402,3 @@ def test_a_pickled_manager_goes_on_exactly_as_the_original() -> None:
     assert as_lists(mgr.take_step_update()) == as_lists(copy.take_step_update())
     assert mgr._requests["r0"].token_ids() == copy._requests["r0"].token_ids()
     copy.check_integrity()
-
-
-def test_tiled_iota_against_tile() -> None:
-    """The cached ``0 .. k - 1`` repeats of the batched append, grown and cut to any size."""
-    from blocktable.allocator.manager import _tiled_iota
-
-    for k, n in [(1, 1), (3, 5), (3, 200), (3, 7), (16, 64), (16, 65), (2, 1 << 20), (5, 0)]:
-        expected = np.tile(np.arange(k, dtype=np.int64), n)
-        got = _tiled_iota(k, n)
-        assert got.dtype == np.int64 and got.tolist() == expected.tolist()

@@ -8,9 +8,6 @@ import pytest
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.update import RowBlocks, StepUpdate
 
-# every test here runs with the compiled journal diff and with its Python twin
-pytestmark = pytest.mark.usefixtures("native_mode")
-
 
 def make(num_groups: int = 1, max_num_reqs: int = 4) -> KVCacheManager:
     return KVCacheManager([AllocatorGroupSpec(4, 32)] * num_groups, max_num_reqs)
@@ -218,148 +215,73 @@ def test_batched_allocations_merge_with_every_other_change_of_their_rows() -> No
 
 
 def test_diffed_rows_and_a_batch_join_into_one_update() -> None:
-    """Rows diffed by the few-rows path (appended, added, cleared) and a batch of allocate_many
-    in one update: the diffed rows come first in each part, then the batch's, and the facts
-    match the arrays."""
+    """Rows appended, added and cleared by single calls and a batch of allocate_many in one
+    update: each row's net change once, int32 read-only arrays, trusted."""
     mgr = computed("abcde", max_num_reqs=8)
-    mgr.allocate("d", 8)  # diffed: two blocks appended
-    mgr.add_request("f", list(range(100, 106)))  # diffed: added
-    mgr.free("e")  # diffed: cleared (after the admission: f does not take its row)
-    mgr.allocate_many(["a", "b", "c", "f"], [4, 8, 4, 6])  # a, b, c batched
+    mgr.allocate("d", 8)  # two blocks appended
+    mgr.add_request("f", list(range(100, 106)))  # added
+    mgr.free("e")  # cleared (after the admission: f does not take its row)
+    mgr.allocate_many(["a", "b", "c", "f"], [4, 8, 4, 6])
     update = mgr.take_step_update()
     row = {r: mgr.row_of(r) for r in "abcdf"}
     appended = update.appended[0]
-    assert appended.rows.tolist() == [row["d"], row["a"], row["b"], row["c"]]
+    assert sorted(appended.rows.tolist()) == sorted(row[r] for r in "abcd")
     assert as_lists(appended) == {r: mgr.block_ids(k)[0][2:] for k, r in row.items() if k != "f"}
     assert as_lists(update.added[0]) == {row["f"]: mgr.block_ids("f")[0]}
     assert len(update.cleared_rows) == 1
-    assert update.facts.ids_at_most == (mgr.pools[0].num_blocks - 1,)
-    assert update.facts.one_block_each == (False,)
+    assert update.trusted
     for part in (appended.rows, appended.num_manager_blocks, appended.block_ids):
         assert part.dtype == np.int32 and not part.flags.writeable
+        with pytest.raises(ValueError):
+            part.flags.writeable = True  # views of an immutable buffer
 
 
-def test_updates_state_the_pools_largest_id_as_the_bound_of_their_ids() -> None:
-    """The facts bound every id of an update (added and appended) by the pool's largest id,
-    without reading the ids: for a batch of many rows (a decode step), for a few diffed rows,
-    and for the vectorized path (several groups)."""
-    mgr = computed("abcdefghi", max_num_reqs=12)
-    mgr.allocate_many(list("abcdefghi"), [4] * 9)  # one block each, nine rows: a batch
-    mgr.add_request("k", list(range(200, 203)))
-    mgr.allocate("k", 3)
-    update = mgr.take_step_update()
-    assert update.facts.one_block_each == (True,)
-    bound = mgr.pools[0].num_blocks - 1
-    assert update.facts.ids_at_most == (bound,)
-    assert len(update.appended[0].block_ids) == 9 and len(update.added[0].block_ids) == 1
-    assert max(int(update.appended[0].block_ids.max()), int(update.added[0].block_ids.max())) <= bound
-    mgr.allocate("a", 8)
-    assert mgr.take_step_update().facts.ids_at_most == (bound,)
-    two = KVCacheManager([AllocatorGroupSpec(4, 32), AllocatorGroupSpec(8, 16)], 4)
-    two.add_request("a", list(range(20)))
-    two.allocate("a", 20)
-    update = two.take_step_update()
-    assert update.facts.ids_at_most == (31, 15)
-    assert all(int(p.block_ids.max()) <= b for p, b in zip(update.added, (31, 15), strict=True))
-
-
-def test_a_step_that_is_one_large_batch_hands_out_its_arrays() -> None:
-    """A step whose only change is one allocate_many of many rows (an engine's decode step) is
-    that call's rows, counts and ids, in its order, read-only, with facts that say whether each
-    row gained one block."""
-    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], 12)
-    reqs = list("abcdefghi")  # more rows than the journal diffs one by one
-    for i, r in enumerate(reqs):
-        mgr.add_request(r, list(range(10 * i, 10 * i + 8)))
-        mgr.allocate(r, 8)
-        mgr.mark_computed(r, 8)
-    mgr.take_step_update()
-    for new_tokens, one_each in (([4, 8] * 4 + [4], False), ([4] * 9, True)):
-        held = {r: len(mgr.block_ids(r)[0]) for r in reqs}
-        mgr.allocate_many(reqs, new_tokens)
-        update = mgr.take_step_update()
-        part = update.appended[0]
-        assert part.rows.tolist() == [mgr.row_of(r) for r in reqs]
-        assert as_lists(part) == {mgr.row_of(r): mgr.block_ids(r)[0][held[r]:] for r in reqs}
-        assert not len(update.cleared_rows) and not len(update.added[0]) and not len(update.nulled[0])
-        assert update.facts.one_block_each == (one_each,)
-        assert update.facts.ids_at_most == (63,)
-        assert update.facts.appends_only == one_each
-        for a in (part.rows, part.num_manager_blocks, part.block_ids):
-            assert a.dtype == np.int32 and not a.flags.writeable
-            with pytest.raises(ValueError):
-                a.flags.writeable = True  # views of an immutable buffer: the facts hold
-        mgr.append_token_ids_many(reqs, [[1] * n for n in new_tokens])
-        mgr.mark_computed_many(reqs, new_tokens)
+def check_trusted(update: StepUpdate, num_rows: int, num_blocks: tuple[int, ...]) -> None:
+    """What ``trusted=True`` promises: rows in range, listed once per part and disjoint across
+    cleared, added and appended; counts >= 0 (>= 1 appended) summing to the ids; ids below the
+    pool's size."""
+    assert update.trusted
+    cleared = update.cleared_rows.tolist()
+    assert len(set(cleared)) == len(cleared)
+    for g, bound in enumerate(num_blocks):
+        added, appended = update.added[g], update.appended[g]
+        rows_a, rows_p = added.rows.tolist(), appended.rows.tolist()
+        for rows in (cleared, rows_a, rows_p):
+            assert all(0 <= r < num_rows for r in rows)
+            assert len(set(rows)) == len(rows)
+        assert not (set(cleared) & set(rows_a) or set(cleared) & set(rows_p)
+                    or set(rows_a) & set(rows_p))
+        for part, least in ((added, 0), (appended, 1)):
+            counts = part.num_manager_blocks
+            assert len(counts) == len(part.rows)
+            assert all(c >= least for c in counts.tolist())
+            assert int(counts.sum()) == len(part.block_ids)
+            assert all(0 <= b < bound for b in part.block_ids.tolist())
+            for a in (part.rows, counts, part.block_ids):
+                assert a.dtype == np.int32 and not a.flags.writeable
 
 
 @pytest.mark.parametrize("num_groups", [1, 2])
-def test_a_step_that_changed_nothing_is_one_immutable_empty_update(num_groups: int) -> None:
-    """Steps without a row change hand out the same empty update, with the facts the diff
-    would state (one block each, nothing added; appends only with one group), and the step
-    after one still sees its changes."""
-    specs = [AllocatorGroupSpec(4, 32), AllocatorGroupSpec(8, 16)][:num_groups]
-    mgr = KVCacheManager(specs, 4)
-    mgr.add_request("a", list(range(6)))
-    mgr.allocate("a", 6)
-    mgr.take_step_update()
-    first, second = mgr.take_step_update(), mgr.take_step_update()
-    assert first is second and is_empty(first)
-    assert first.allocator_block_sizes == mgr.block_sizes
-    assert first.facts.one_block_each == (True,) * num_groups
-    assert first.facts.largest_added_count == (-1,) * num_groups
-    assert first.facts.appends_only == (num_groups == 1)
-    assert first.facts.ids_at_most == tuple(s.num_blocks - 1 for s in specs)
-    assert not first.cleared_rows.flags.writeable
-    mgr.mark_computed("a", 6)
-    held = [len(ids) for ids in mgr.block_ids("a")]
-    mgr.allocate("a", 4)  # 10 tokens: one more block in every group
-    update = mgr.take_step_update()
-    assert [as_lists(p) for p in update.appended] == [
-        {mgr.row_of("a"): ids[n:]} for ids, n in zip(mgr.block_ids("a"), held, strict=True)]
-    assert all(len(ids) == n + 1 for ids, n in zip(mgr.block_ids("a"), held, strict=True))
-
-
-def test_a_lone_batch_of_a_few_rows_is_handed_out_as_allocated() -> None:
-    """A step whose only change is one allocate_many, however few its rows, is that call's own
-    blocks: the update holds the very object the call returned, nothing diffed or copied."""
-    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], 4)
-    for i, r in enumerate("abc"):
-        mgr.add_request(r, list(range(10 * i, 10 * i + 4)))
-        mgr.allocate(r, 4)
-        mgr.mark_computed(r, 4)
-    mgr.take_step_update()
-    [blocks] = mgr.allocate_many(["a", "c"], [4, 4])
-    update = mgr.take_step_update()
-    assert update.appended[0] is blocks
-    assert as_lists(blocks) == {mgr.row_of(r): mgr.block_ids(r)[0][1:] for r in "ac"}
-    assert update.facts.appends_only and not len(update.cleared_rows)
-    assert is_empty(mgr.take_step_update())
-
-
-@pytest.mark.parametrize("few_rows", [128, 0])  # the per-row diff, and the vectorized one
-def test_appends_only_says_exactly_whether_one_block_per_row_is_the_whole_update(
-        few_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The captured step stages an update whose facts say ``appends_only`` by its decode lane
-    alone (no look at cleared, added or nulled rows): every path of the journal must set it
-    exactly when the only change is appended rows gaining one block each."""
-    from blocktable.allocator import journal
-
-    monkeypatch.setattr(journal, "_FEW_ROWS", few_rows)
-    rng = np.random.default_rng(few_rows)
-    mgr = KVCacheManager([AllocatorGroupSpec(4, 1024)], 16)
+def test_every_update_keeps_the_trusted_promise(num_groups: int) -> None:
+    """Random steps of admissions, finishes, preemptions and (batched or single) allocations:
+    every update keeps what ``trusted=True`` promises, and replaying them rebuilds the rows."""
+    rng = np.random.default_rng(num_groups)
+    specs = [AllocatorGroupSpec(4, 1024), AllocatorGroupSpec(8, 512, sliding_window=16)]
+    mgr = KVCacheManager(specs[:num_groups], 16)
     running: list[int] = []
-    seen = set()
+    table: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]
     for step in range(120):
         roll = rng.random()
         prompt = list(range(100 * step, 100 * step + int(rng.integers(1, 9))))
-        if roll < 0.25 and len(running) < 14 and mgr.can_admit(prompt):  # admit one
+        if roll < 0.25 and len(running) < 14 and mgr.can_admit(prompt):
             mgr.add_request(step, prompt)
             mgr.allocate(step, len(prompt))
+            mgr.mark_computed(step, len(prompt))
             running.append(step)
-        elif roll < 0.45 and running:  # finish one
-            mgr.free(running.pop(int(rng.integers(len(running)))))
-        if running and rng.random() < 0.8:  # decode: some rows cross a block boundary
+        elif roll < 0.45 and running:
+            victim = running.pop(int(rng.integers(len(running))))
+            (mgr.free if rng.random() < 0.7 else mgr.preempt)(victim)
+        if running and rng.random() < 0.8:
             reqs = [r for r in running if rng.random() < 0.7]
             new = [int(rng.choice([1, 4, 5])) for _ in reqs]
             if reqs and mgr.can_allocate_many(reqs, new):
@@ -371,68 +293,16 @@ def test_appends_only_says_exactly_whether_one_block_per_row_is_the_whole_update
                 mgr.append_token_ids_many(reqs, [[1] * n for n in new])
                 mgr.mark_computed_many(reqs, new)
         update = mgr.take_step_update()
-        part = update.appended[0]
-        want = bool(len(part.rows)) and not (
-            len(update.cleared_rows) or len(update.added[0]) or len(update.nulled[0])
-        ) and all(n == 1 for n in part.num_manager_blocks.tolist())
-        if not len(part.rows) and not len(update.cleared_rows) and not len(update.added[0]):
-            want = update.facts.appends_only  # an empty update: either way stages nothing
-        assert update.facts.appends_only == want, step
-        seen.add(want)
-    assert seen == {True, False}  # both kinds of step happened
-
-
-def test_admissions_and_finishes_keep_one_packed_buffer_until_read(
-        native_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the compiled diff, a step that admits and finishes requests hands out its update
-    as one packed buffer; reading a field cuts every array from it, and they equal what the
-    Python diff builds for the same step: int32, read-only, the same facts. Copies, pickles and
-    replace() of it are ordinary updates holding those arrays."""
-    import copy
-    import dataclasses
-    import pickle
-
-    import blocktable._native_loader as loader
-    from blocktable.update import PackedStepUpdate
-
-    def step() -> StepUpdate:
-        mgr = make(max_num_reqs=6)
-        for i, r in enumerate("abcd"):
-            mgr.add_request(r, list(range(10 * i, 10 * i + 6)))
-            mgr.allocate(r, 6)
-        mgr.take_step_update()
-        mgr.free("b")
-        mgr.free("c")  # cleared (e takes the other freed row: added)
-        mgr.add_request("e", list(range(50, 59)))
-        mgr.allocate("e", 9)
-        mgr.mark_computed("a", 6)
-        mgr.allocate("a", 4)  # appended: two blocks
-        return mgr.take_step_update()
-
-    update = step()
-    monkeypatch.setattr(loader, "NATIVE", None)
-    twin = step()
-    assert type(twin) is StepUpdate
-    fields = ("cleared_rows", "added", "appended", "nulled")
-    if native_mode == "native":
-        assert type(update) is PackedStepUpdate
-        assert not set(fields) & update.__dict__.keys()  # nothing cut yet
-    assert update.facts == twin.facts and update.allocator_block_sizes == (4,)
-
-    def arrays(u: StepUpdate) -> list[np.ndarray]:
-        return [u.cleared_rows, *(a for part in (u.added[0], u.appended[0])
-                                  for a in (part.rows, part.num_manager_blocks, part.block_ids)),
-                u.nulled[0].rows, u.nulled[0].block_indices]
-
-    got, want = arrays(update), arrays(twin)
-    assert [len(a) for a in got] == [len(a) for a in want]
-    assert all(len(a) for a in got[:7])  # every part of the update is there
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(a, b)
-        assert a.dtype == np.int32 and not a.flags.writeable
-    for other in (copy.copy(update), pickle.loads(pickle.dumps(update)),
-                  dataclasses.replace(update)):
-        assert other.facts is None  # checked in full by whoever applies it
-        for a, b in zip(arrays(other), got, strict=True):
-            np.testing.assert_array_equal(a, b)
-    assert update == copy.copy(update) and copy.copy(update) == update
+        check_trusted(update, 16, tuple(s.num_blocks for s in specs[:num_groups]))
+        for g in range(num_groups):
+            for r in update.cleared_rows.tolist():
+                table[g].pop(r, None)
+            table[g].update(as_lists(update.added[g]))
+            for r, ids in as_lists(update.appended[g]).items():
+                table[g].setdefault(r, []).extend(ids)
+            for r, i in zip(update.nulled[g].rows.tolist(),
+                            update.nulled[g].block_indices.tolist()):
+                table[g][r][i] = 0
+        for r in running:
+            for g in range(num_groups):
+                assert table[g][mgr.row_of(r)] == mgr.block_ids(r)[g], (step, r, g)

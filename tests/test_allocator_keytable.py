@@ -7,26 +7,17 @@ import numpy as np
 import pytest
 from test_allocator_pool import cache
 
-from blocktable.allocator import BlockPool, keytable
+from blocktable.allocator import BlockPool
 from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.keytable import KeyTable
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("scan_in_python", [True, False])
-def test_key_table_long_probe_runs_against_a_dict(
-    seed: int, scan_in_python: bool, native_mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_key_table_long_probe_runs_against_a_dict(seed: int) -> None:
     """Keys crowding a few home positions make probe runs far longer than one window, with
-    tombstones inside: filing new keys (up to 40 per call; compiled, or with numpy: the runs
-    past the first window scanned on in Python, or all in further vectorized passes), refusing
-    a batch with a key held deep in a run or given twice, deleting and looking up all agree
-    with a dict."""
-    if native_mode == "native" and not scan_in_python:
-        pytest.skip("the compiled pass has no Python scan to turn off")
-    if not scan_in_python:
-        monkeypatch.setattr(keytable, "_FEW", 0)
+    tombstones inside: filing new keys (up to 40 per call), refusing a batch with a key held
+    deep in a run or given twice, deleting and looking up all agree with a dict."""
     rng = np.random.default_rng(seed)
     table, model = KeyTable(48, num_values=4096), {}
     mask = len(table.entries) - 1
@@ -132,10 +123,10 @@ def test_recycling_drops_the_same_records_as_the_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_key_table_runs_wrapping_past_the_end_against_a_dict(seed: int, native_mode: str) -> None:
+def test_key_table_runs_wrapping_past_the_end_against_a_dict(seed: int) -> None:
     """Keys whose homes are the table's last positions: probe windows wrap around to its
-    start. Filing (batched, compiled or with numpy, and one by one), lookups (batched and
-    scalar), deleting by key and by value agree with a dict."""
+    start. Filing (batched and one by one), lookups (batched and
+    scalar) and deleting agree with a dict."""
     rng = np.random.default_rng(seed)
     table, model = KeyTable(40, num_values=1024), {}
     size = len(table.entries)
@@ -160,27 +151,23 @@ def test_key_table_runs_wrapping_past_the_end_against_a_dict(seed: int, native_m
                 for key, value in zip(new, values):
                     table.insert_one(key, value)
             model.update(zip(new, values))
-        else:  # delete some held keys, by key or by value
+        else:  # delete some held keys
             held = list(model)
             gone = [held[i] for i in rng.permutation(len(held))[: int(rng.integers(1, 8))]]
-            if op == 2:
-                table.delete(np.array(gone, dtype=np.uint64))
-            else:
-                table.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
+            table.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
             for k in gone:
                 free_values.append(model.pop(k))
         query = universe.copy()
         expected = [model.get(k, -1) for k in query.tolist()]
         assert table.get(query).tolist() == expected
         assert [table.get_one(k) for k in query.tolist()] == expected
-        held_pos = table._positions(query)
-        assert ((held_pos >= 0) == (np.array(expected) >= 0)).all()
-        found = held_pos[held_pos >= 0]
-        assert ((table.entries[found] & 0xFFFFFFFF) == np.array(expected)[held_pos >= 0]).all()
+        values = np.array(expected)
+        found = table.where[values[values >= 0]]  # where each held value's entry sits
+        assert ((table.entries[found] & 0xFFFFFFFF) == values[values >= 0]).all()
         assert len(table) == len(model)
         assert table._num_deleted == int(np.count_nonzero(table.entries == -2))
     # some run did wrap: a key sits before its home
-    keys_held, _ = table.items()
+    keys_held, values_held = table.items()
     if len(keys_held):
-        pos = table._positions(keys_held)
+        pos = table.where[values_held]
         assert (pos < (keys_held % np.uint64(size)).astype(np.int64)).any() or len(model) < 6

@@ -1,4 +1,4 @@
-"""Batched prefix lookup (the probe bound, the per-segment scan), prompt token buffers, and
+"""Batched prefix lookup (the probe bound), prompt token buffers, and
 registration state kept per table row."""
 
 from __future__ import annotations
@@ -7,26 +7,6 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager, fast_block_keys
-from blocktable.allocator.prefix import _segment_first
-
-
-def _segment_first_reference(fail: list[bool], lengths: list[int]) -> list[int]:
-    out, start = [], 0
-    for n in lengths:
-        seg = fail[start : start + n]
-        out.append(seg.index(True) if True in seg else n)
-        start += n
-    return out
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_segment_first_matches_a_reference(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, 6, rng.integers(1, 8)).astype(np.int64)
-    fail = rng.random(int(lengths.sum())) < rng.choice([0.0, 0.2, 0.7, 1.0])
-    starts = np.cumsum(lengths) - lengths
-    got = _segment_first(fail, lengths, starts)
-    assert got.tolist() == _segment_first_reference(fail.tolist(), lengths.tolist())
 
 
 @pytest.mark.parametrize(
@@ -107,11 +87,11 @@ def walk_hit(mgr: KVCacheManager, prompt: np.ndarray, namespace: object = None) 
     hit = len(prompt) - 1
     for pool, bs in zip(mgr.pools, mgr.block_sizes):
         index = pool.index
-        root, _, _ = mgr._namespace(namespace, {})
+        root = mgr.prefix_cache.plan([0], namespace, {}).root
         parent, served = root, 0
         keys = fast_block_keys(prompt.tolist(), bs, namespace=namespace)
         for i in range((len(prompt) - 1) // bs):
-            slot = index.keys.get_one(keys[i])
+            slot = index.find_one(keys[i])
             if slot < 0 or index.holder[slot] == 0 or index.parent[slot] != parent:
                 break
             if (index.tokens[slot] != prompt[i * bs : (i + 1) * bs]).any():

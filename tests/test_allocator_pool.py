@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import LastSeen, last_occurrences
+from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
-from blocktable.allocator.keytable import KeyTable
 from blocktable.allocator.queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
 # every test here runs with the compiled loops (where built) and with numpy alone
-pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def ids(*values: int) -> np.ndarray:
@@ -273,69 +271,12 @@ def test_block_queue_against_a_list(repeats: bool) -> None:
 
 def test_array_helpers_against_plain_python() -> None:
     rng = np.random.default_rng(1)
-    seen = LastSeen(12)
     for _ in range(300):
         values = rng.integers(1, 12, int(rng.integers(1, 30)))
         if rng.integers(2):
             values = values.astype(np.int32)  # the pools' block ids
         last = {v: i for i, v in enumerate(values.tolist())}
         assert last_occurrences(values).tolist() == sorted(last, key=last.get)
-        assert seen.last_occurrences(values).tolist() == sorted(last, key=last.get)
-
-
-def test_last_seen_long_and_short_calls_against_the_sort() -> None:
-    """One scratch across calls of 2 to 2500 ids (many more than its size) agrees with the sort."""
-    rng = np.random.default_rng(2)
-    seen = LastSeen(5)
-    for _ in range(200):
-        n = int(rng.choice([2, 7, 300, 1025, 2500]))
-        values = rng.integers(0, 5, n)
-        assert seen.last_occurrences(values).tolist() == last_occurrences(values).tolist()
-
-
-@pytest.mark.parametrize("spread", ["random", "clustered"])
-def test_key_table_against_a_dict(spread: str) -> None:
-    rng = np.random.default_rng(3)
-    for _ in range(8):
-        table, model = KeyTable(int(rng.integers(1, 40)), num_values=1000), {}
-        universe = rng.integers(0, 2**64 - 1, 150, dtype=np.uint64)
-        if spread == "clustered":  # long probe runs: few home positions
-            universe = (universe & np.uint64(3)) * np.uint64(16) + (universe >> np.uint64(58))
-        universe = np.unique(universe)
-        for _ in range(200):
-            op = rng.integers(0, 4)
-            if op == 0:
-                new = [k for k in rng.choice(universe, 12).tolist() if k not in model]
-                new = list(dict.fromkeys(new))
-                values = rng.permutation(1000)[: len(new)]  # values are distinct
-                values = values[~np.isin(values, list(model.values()))]
-                new = new[: len(values)]
-                table.insert(np.array(new, dtype=np.uint64), values)
-                model.update(zip(new, values.tolist()))
-            elif op == 1 and model:
-                held = list(model)
-                gone = [held[i] for i in rng.permutation(len(held))[: rng.integers(0, 8)]]
-                if rng.integers(2):
-                    table.delete(np.array(gone, dtype=np.uint64))
-                else:
-                    table.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
-                for k in gone:
-                    del model[k]
-            elif op == 2:  # all or nothing: refused when a key is held or given twice
-                keys = rng.choice(universe, int(rng.integers(1, 12)))
-                values = rng.permutation(1000)[: len(keys)]
-                values = values[~np.isin(values, list(model.values()))]
-                keys = keys[: len(values)]
-                ok = table.insert_absent(keys, values)
-                fresh = not any(k in model for k in keys.tolist())
-                assert ok == (fresh and len(set(keys.tolist())) == len(keys))
-                if ok:
-                    model.update(zip(keys.tolist(), values.tolist()))
-            query = rng.choice(universe, 30)
-            assert table.get(query).tolist() == [model.get(k, -1) for k in query.tolist()]
-            keys, values = table.items()
-            assert dict(zip(keys.tolist(), values.tolist())) == model
-            assert len(table) == len(model)
 
 
 @pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])

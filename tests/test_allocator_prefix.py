@@ -244,22 +244,14 @@ def test_sha256_and_callable_block_hashes_chain_with_the_namespace() -> None:
         mgr.check_integrity()
 
 
-def test_chunked_prefill_hashes_each_token_once(
-    native_mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Keys of a prompt are computed at admission, in one pass (numpy's, or the compiled
-    one); chunks re-read nothing."""
+def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys of a prompt are computed at admission, in one pass; chunks re-read nothing."""
     hashed_rows: list[int] = []
     real = block_content_hashes
-    real_chain = blocktable.allocator.prefix._chain_prompts
 
     def counting(tokens: np.ndarray, powers: ChainPowers) -> np.ndarray:
         hashed_rows.append(len(tokens))
         return real(tokens, powers)
-
-    def counting_chain(native, plans, bs, powers, seeds) -> bool:  # type: ignore[no-untyped-def]
-        hashed_rows.append(sum(len(plan.tokens) // bs for plan in plans))
-        return real_chain(native, plans, bs, powers, seeds)
 
     real_keys = blocktable.allocator.register.token_chain_keys
 
@@ -267,7 +259,6 @@ def test_chunked_prefill_hashes_each_token_once(
         hashed_rows.append(len(tokens))
         return real_keys(tokens, lengths, starts, powers)
 
-    monkeypatch.setattr(blocktable.allocator.prefix, "_chain_prompts", counting_chain)
     monkeypatch.setattr(blocktable.allocator.prefix, "block_content_hashes", counting)
     monkeypatch.setattr(blocktable.allocator.register, "token_chain_keys", counting_keys)
     mgr = KVCacheManager([AllocatorGroupSpec(16, 2048)], 2)
@@ -282,7 +273,7 @@ def test_chunked_prefill_hashes_each_token_once(
     mgr.append_token_ids("a", list(range(16)))  # 20016 tokens: block 1250 becomes full
     mgr.allocate("a", 16)
     mgr.mark_computed("a", 16)
-    assert hashed_rows == [1250]  # one new block: keyed in plain Python from the chain state
+    assert hashed_rows == [1250, 1]  # one new block, keyed from the chain state
     assert mgr.num_cached_blocks() == 1251
     tokens = [*prompt.tolist(), *range(16)]
     last = mgr.block_ids("a")[0][1250]
@@ -292,7 +283,7 @@ def test_chunked_prefill_hashes_each_token_once(
     mgr.add_request("b", list(range(7000, 7040)))
     mgr.allocate_many(["a", "b"], [32, 40])
     mgr.mark_computed_many(["a", "b"], [32, 40])
-    assert hashed_rows == [1250, 2, 2]  # b's prompt at admission, then a's two new blocks
+    assert hashed_rows == [1250, 1, 2, 2]  # b's prompt at admission, then a's two new blocks
     mgr.check_integrity()
 
 

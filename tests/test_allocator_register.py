@@ -1,15 +1,14 @@
-"""Registration of a step's newly full blocks in one batched call, against the per-request
-calls and the plain-Python key reference: decode blocks (one per request, gathered from the
+"""Registration of a step's newly full blocks in one batched call, against one call per
+request and the plain-Python key reference: decode blocks (one per request, gathered from the
 token arena), longer fresh segments, requests whose token ids left the arena, block sizes that
-do not divide the arena's rows, fresh segments before stored ones; and ``BlockPool.cache_chains``
-against ``BlockPool.cache`` with one parent per entry."""
+do not divide the arena's rows, fresh segments before stored ones."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from blocktable.allocator import AllocatorGroupSpec, BlockPool, KVCacheManager
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.allocator.hashing import fast_block_keys
 from blocktable.allocator.rowstate import TOKEN_ROW_CAP
 
@@ -87,40 +86,3 @@ def test_batched_registration_equals_per_request_and_the_key_reference(
                 assert [p for _, _, p in got[1:]] == [c for _, c, _ in got[:-1]]
     batched.check_integrity()
     single.check_integrity()
-
-
-def test_cache_chains_equals_cache_with_a_parent_per_entry() -> None:
-    """Chains given by their starts file the same records as dense parents (0: the previous
-    entry's content), on the fast path and on the one-by-one path (a key already filed)."""
-    rng = np.random.default_rng(7)
-    a, b = BlockPool(64, 2), BlockPool(64, 2)
-    filed: list[int] = []
-    for _ in range(12):
-        n = int(rng.integers(1, 9))
-        keys = rng.integers(0, 2**63, n).astype(np.uint64)
-        if filed and rng.random() < 0.4:  # one key already filed: the one-by-one path
-            keys[int(rng.integers(n))] = filed[int(rng.integers(len(filed)))]
-        keys = np.unique(keys)[rng.permutation(len(np.unique(keys)))]
-        n = len(keys)
-        tokens = rng.integers(0, 3, (n, 2))
-        cuts = np.sort(rng.choice(np.arange(1, n), int(rng.integers(0, n)), replace=False))
-        starts = np.concatenate(([0], cuts)).astype(np.int64)
-        start_parents = -rng.integers(1, 5, len(starts))
-        parents = np.zeros(n, dtype=np.int64)
-        parents[starts] = start_parents
-        blocks_a, blocks_b = a.take(n), b.take(n)
-        assert blocks_a.tolist() == blocks_b.tolist()
-        got = a.cache_chains(blocks_a, keys, tokens, starts, start_parents)
-        want = b.cache(blocks_b, keys, tokens, parents)
-        assert got.tolist() == want.tolist()
-        freed = blocks_a[rng.permutation(n)[: n // 2]]
-        for pool in (a, b):
-            pool.release(freed)
-        filed += keys.tolist()
-        ia, ib = a.index, b.index
-        for name in ("cid", "parent", "holder", "tokens"):
-            assert np.array_equal(getattr(ia, name), getattr(ib, name)), name
-        assert a.record.tolist() == b.record.tolist()
-        assert sorted(zip(*(x.tolist() for x in ia.keys.items()))) == sorted(
-            zip(*(x.tolist() for x in ib.keys.items()))
-        )

@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import BlockPool, OutOfRowsError
-from blocktable.allocator.arrays import LastSeen, last_occurrences
 from blocktable.allocator.queue import BlockQueue
 from blocktable.allocator.rows import RowAllocator
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
 # every test here runs with the compiled loops (where built) and with numpy alone
-pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def _cache(pool: BlockPool, blocks: list[int], tokens: list[int]) -> None:
@@ -183,13 +181,3 @@ def test_row_allocator_take_many_failure_changes_nothing() -> None:
     assert rows.take_many(["c"]) == [2]
     with pytest.raises(OutOfRowsError, match="no free row for x: all 3 held"):
         rows.check_free("x")
-
-
-def test_last_seen_restarts_and_grows_its_stamps() -> None:
-    """Calls that exhaust the preallocated stamps (a restart) or exceed them (a larger
-    arange) still agree with the sort-based reference."""
-    rng = np.random.default_rng(7)
-    seen = LastSeen(50)
-    for n in [3, 4000, 4000, 9000, 2, 6000, 100]:
-        values = rng.integers(0, 50, n)
-        assert seen.last_occurrences(values).tolist() == last_occurrences(values).tolist()

@@ -62,13 +62,13 @@ def test_full_state_sees_every_kind_of_change() -> None:
     assert full_state(mgr) == before
     mutations = [
         lambda: mgr.pools[0].ref_counts.__setitem__(3, 7),
-        lambda: mgr.pools[0].index.keys.delete(mgr.pools[0].index.keys.items()[0][:1]),
-        lambda: mgr._chains.num_hashed[0].__setitem__(mgr.row_of("a"), 0),
-        lambda: mgr._chains.state[4].__setitem__(mgr.row_of("a"), 1),
+        lambda: mgr.pools[0].index.keys.delete_values(mgr.pools[0].index.keys.items()[1][:1]),
+        lambda: mgr.prefix_cache.chains.num_hashed[0].__setitem__(mgr.row_of("a"), 0),
+        lambda: mgr.prefix_cache.chains.state[4].__setitem__(mgr.row_of("a"), 1),
         lambda: mgr._journal.touched.fill(False),
         lambda: mgr._row_state.num_computed.__setitem__(mgr.row_of("a"), 1),
         lambda: mgr._row_state.blocks[0].__setitem__((mgr.row_of("a"), 0), 9),
-        lambda: setattr(mgr, "_num_hit_tokens", 5),
+        lambda: setattr(mgr.prefix_cache, "num_hit_tokens", 5),
         lambda: mgr.pools[0].uncached.pop(1),
         lambda: setattr(mgr._requests["a"], "num_tokens", 3),
         lambda: mgr._requests["a"].append_block(0, 9),

@@ -18,7 +18,12 @@ mixed. The model keeps:
   hold cached contents of this prompt and the blocks before them were computed once. Which
   blocks are cached now is read from the pools (LRU state); the rule is the model's own.
 
-After every rule: ``check_integrity()``, the KV check, and the sliding-window null entries.
+Beside the real allocator runs :class:`~allocator_reference.ReferenceAllocator`, a plain-Python
+allocator with the same policy, called with every operation that succeeds: every block id
+handed out, every hit, every fork copy and the order of the free queues must be the same.
+
+After every rule: ``check_integrity()``, the KV check, the sliding-window null entries and the
+comparison with the reference.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from allocator_reference import ReferenceAllocator
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -43,13 +49,11 @@ from hypothesis.stateful import (
 )
 from test_allocator_snapshot import full_state
 
-from blocktable import _native_loader as native_loader
 from blocktable.allocator import (
     AllocatorGroupSpec,
     KVCacheManager,
     OutOfBlocksError,
     OutOfRowsError,
-    journal,
     rowstate,
 )
 from blocktable.constants import NULL_BLOCK_ID
@@ -105,6 +109,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             **cfg,  # type: ignore[arg-type]
         )
         self.specs = self.mgr.groups
+        self.ref = ReferenceAllocator(
+            list(self.specs), MAX_REQS, cfg.get("enable_prefix_caching", True)  # type: ignore[arg-type]
+        )
         self.align = math.lcm(*(s.block_size for s in self.specs))
         self.caching = self.mgr.enable_prefix_caching
         self.live: dict[int, ModelReq] = {}
@@ -191,12 +198,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         want = [self.expected_hit(tokens, ns) for _, tokens, ns in arrivals]
         for (_, tokens, ns), hit in zip(arrivals, want):
             assert mgr.lookup_prefix(tokens, cache_namespace=ns) == hit
+            assert self.ref.lookup_prefix(tokens, ns) == hit
+            assert mgr.can_admit(tokens, cache_namespace=ns) == self.ref.can_admit(tokens, None, ns)
         if batched:
             got = mgr.add_requests(*map(list, zip(*arrivals)))
         else:
             got = [mgr.add_request(arrivals[0][0], arrivals[0][1], cache_namespace=arrivals[0][2])]
         event(f"admit: hit={any(got)}, window={any(s.sliding_window for s in self.specs)}")
         assert got == want
+        assert self.ref.add_requests(*map(list, zip(*arrivals))) == got
         for (req_id, tokens, ns), cached in zip(arrivals, got):
             self.live[req_id] = ModelReq(list(tokens), ns, cached)
             assert mgr.num_computed_tokens(req_id) == cached
@@ -249,6 +259,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         chosen = data.draw(st.lists(st.sampled_from(known), unique=True, max_size=3))
         mgr.free_many(chosen)
+        self.ref.free_many(chosen)
         for req_id in chosen:
             self.pending.pop(req_id, None)
             self.live.pop(req_id, None)
@@ -261,7 +272,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         in_use = any(int(pool.ref_counts.max()) > 0 for pool in mgr.pools)
         before = self.snapshot()
         done = mgr.reset_prefix_cache()
-        assert done == (not in_use)
+        assert done == (not in_use) == self.ref.reset_prefix_cache()
         event(f"reset_prefix_cache: done={done}")
         if not done:
             assert self.snapshot() == before
@@ -323,6 +334,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                     mgr.append_token_ids(req_id, token)
                 return
             mgr.append_token_ids(req_id, token)  # the token sampled last step
+            self.ref.append_token_ids_many([req_id], [[token]])
             model.tokens.append(token)
         n = min(chunk, len(model.tokens) - model.computed)
         want = n + lookahead
@@ -347,6 +359,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         cached_before = [p.num_cached_blocks for p in mgr.pools]
         new = mgr.allocate(req_id, want)
+        assert [ids for [ids] in self.ref.allocate_many([req_id], [want])] == list(new)
         evicted = max(b - p.num_cached_blocks for b, p in zip(cached_before, mgr.pools))
         event(f"schedule: evicted {min(evicted, 2)}+ blocks")
         after_ids = mgr.block_ids(req_id)
@@ -390,6 +403,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if len(model.tokens) == MAX_MODEL_LEN:
                     continue
                 mgr.append_token_ids_many([req_id], [[token]])
+                self.ref.append_token_ids_many([req_id], [[token]])
                 model.tokens.append(token)
             n = min(chunk, len(model.tokens) - model.computed)
             want = n + lookahead if model.computed + n + lookahead <= MAX_MODEL_LEN else n
@@ -416,7 +430,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         before_ids = {r: mgr.block_ids(r) for r in req_ids}
         new = mgr.allocate_many(req_ids, wants)
+        ref_new = self.ref.allocate_many(req_ids, wants)
         for g, blocks in enumerate(new):
+            assert blocks.block_ids.tolist() == [b for ids in ref_new[g] for b in ids]
             start = 0
             for row, num in zip(blocks.rows.tolist(), blocks.num_manager_blocks.tolist()):
                 [r] = [r for r in req_ids if mgr.row_of(r) == row]
@@ -442,8 +458,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                     )
             if not batched:
                 mgr.mark_computed(req_id, n)
+                self.ref.mark_computed_many([req_id], [n])
         if batched and self.pending:
             mgr.mark_computed_many(list(self.pending), list(self.pending.values()))
+            self.ref.mark_computed_many(list(self.pending), list(self.pending.values()))
         for req_id, n in self.pending.items():
             model = self.live[req_id]
             model.computed += n
@@ -475,6 +493,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return child
         copies = mgr.fork(parent, child)
+        assert list(copies) == self.ref.fork(parent, child)
         event(f"fork: copies={sum(map(len, copies))}")
         for g, (spec, group_copies) in enumerate(zip(self.specs, copies)):
             assert len(group_copies) == int(partial[g])
@@ -493,6 +512,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert mgr is not None
         if req_id in self.live or req_id in self.preempted:
             mgr.free(req_id)
+            self.ref.free_many([req_id])
             self.pending.pop(req_id, None)
             self.live.pop(req_id, None)
             self.preempted.pop(req_id, None)
@@ -508,6 +528,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if req_id not in self.live:
             return
         mgr.preempt(req_id)
+        self.ref.free_many([req_id])
         self.pending.pop(req_id, None)
         self.preempted[req_id] = self.live.pop(req_id)
         assert mgr.is_preempted(req_id)
@@ -588,6 +609,19 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.mgr.check_integrity()
 
     @invariant()
+    def same_as_the_reference(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        assert set(self.ref.reqs) == set(self.live)
+        for req_id in self.live:
+            assert mgr.block_ids(req_id) == self.ref.block_ids(req_id), req_id
+            assert mgr.row_of(req_id) == self.ref.reqs[req_id].row
+        for g, pool in enumerate(mgr.pools):
+            assert pool.eviction_order() == self.ref.eviction_order(g)
+            assert pool.num_cached_blocks == self.ref.num_cached_blocks(g)
+
+    @invariant()
     def kv_holds_each_requests_own_prefix(self) -> None:
         mgr = self.mgr
         if mgr is None:
@@ -615,32 +649,26 @@ TestAllocatorStateful = AllocatorMachine.TestCase
 
 
 class AllVectorizedMachine(AllocatorMachine):
-    """The same machine with every batched path vectorized in numpy (the compiled loops off)
-    and a tiny token arena: the row counts below which the journal's take loops in Python and
-    row gathers slice each row are set to 0, and rows of the token arena start 2 ids wide and hold at most 8 (longer
-    sequences move to buffers of their own), so the paths a large engine or a long context
-    takes are checked on these small pools too."""
+    """The same machine with row gathers always vectorized (the row count below which they
+    slice each row set to 0) and a tiny token arena (rows start 2 ids wide and hold at most 8;
+    longer sequences move to buffers of their own), so the paths a large engine or a long
+    context takes are checked on these small pools too."""
 
     def __init__(self) -> None:
         super().__init__()
         self._saved = (
-            journal._FEW_ROWS,
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
-            native_loader.NATIVE,
         )
-        journal._FEW_ROWS = rowstate._FEW_ROWS = 0
+        rowstate._FEW_ROWS = 0
         rowstate._MIN_TOKEN_WIDTH, rowstate.TOKEN_ROW_CAP = 2, 8
-        native_loader.NATIVE = None  # numpy's paths (the machine above takes the compiled ones)
 
     def teardown(self) -> None:
         (
-            journal._FEW_ROWS,
             rowstate._FEW_ROWS,
             rowstate._MIN_TOKEN_WIDTH,
             rowstate.TOKEN_ROW_CAP,
-            native_loader.NATIVE,
         ) = self._saved
         super().teardown()
 

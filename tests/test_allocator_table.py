@@ -1,6 +1,6 @@
 """The allocator drives the real table: every slot the table produces for a live request lies in
 a block that request owns, shared prefix blocks are never written, and no two requests' written
-slots collide (issue 4)."""
+slots collide."""
 
 from __future__ import annotations
 

@@ -7,12 +7,20 @@ changes as one :class:`~blocktable.update.StepUpdate` for the table's batched up
 
 How it is built, and the choices an engine author should know:
 
+* **Where things live.** :class:`KVCacheManager` (:mod:`~blocktable.allocator.manager`:
+  admission, computed tokens, fork, reset) builds on
+  :class:`~blocktable.allocator.running.RunningRequests` (rows, block rows, token ids,
+  allocation, release, the step's journal); a
+  :class:`~blocktable.allocator.prefix_cache.PrefixCache` holds what is known about block
+  contents (namespaces, hits, registration); each group's
+  :class:`~blocktable.allocator.pool.BlockPool` holds reference counts, free queues and its
+  prefix index.
 * **Batched calls.** ``add_requests``, ``allocate_many``, ``mark_computed_many``,
   ``free_many`` and ``append_token_ids_many`` take every request of a step; ``add_request``,
-  ``allocate``, ``mark_computed``, ``free`` and ``append_token_ids`` do the same for one
-  request. Every argument of a batched call is checked before anything changes, so a bad id,
-  a repeated id, lengths that disagree, ``max_model_len`` or a step that does not fit raise
-  with every pool, row and counter as it was.
+  ``allocate``, ``mark_computed``, ``free`` and ``append_token_ids`` are thin wrappers that
+  call them for one request. Every argument of a batched call is checked before anything
+  changes, so a bad id, a repeated id, lengths that disagree, ``max_model_len`` or a step
+  that does not fit raise with every pool, row and counter as it was.
 * **Arrays.** Token ids are a numpy int64 buffer per request and a request's row an int32
   buffer per group (a decode step writes one id into it; a free or a step's journal slices
   and concatenates these arrays); pools, free queues, records and the key table are numpy

@@ -89,3 +89,11 @@ def _first_repeat(values: list) -> object:
             return v
         seen.add(v)
     return None
+
+
+def check_model_len(max_model_len: int | None, who: str, what: str, num_tokens: int) -> None:
+    """``ValueError`` naming ``who`` and ``what`` when ``num_tokens`` exceeds the limit."""
+    if max_model_len is not None and num_tokens > max_model_len:
+        raise ValueError(
+            f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={max_model_len}"
+        )

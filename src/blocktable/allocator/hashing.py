@@ -10,9 +10,7 @@ prefix up to the end of the block, namespace included::
 ``K_i`` is the polynomial hash of the whole prefix, so the keys of ``n`` blocks cost a few
 numpy passes over the tokens (no Python loop per block), and a chunk of a long prompt continues
 from the last key instead of re-reading the prefix. The keys of several requests are computed
-in one pass: the recurrence is a segmented scan (see :func:`chain_keys`). Where the package's
-compiled loops are built, admission keys its prompts in one compiled pass instead, reading each
-prompt where it lies (the same keys, bit for bit; the tests compare them).
+in one pass: the recurrence is a segmented scan (see :func:`chain_keys`).
 
 The key is only a *name* for the prefix index; it is not trusted. A lookup shares a block only
 when the block's stored token ids equal the prompt's and its stored parent content id equals
@@ -26,7 +24,7 @@ The **block hash** a pool reports for a cached block (``BlockPool.block_hash``) 
 * ``"fast"`` (default): the block key itself (a Python int < 2**64), the same in every process;
 * ``"sha256"``: ``sha256(parent_hash + token_bytes + namespace_bytes)`` chained from
   :data:`ROOT_BLOCK_HASH`, token bytes little-endian int64 (32 bytes, collision resistant; about
-  1 us per block on top of the key, computed only in this mode);
+  computed only in this mode, on top of the key);
 * any ``callable(bytes) -> bytes``: the same chain with that function.
 """
 
@@ -36,8 +34,6 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
-
-from blocktable import _native_loader as _loader
 
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
@@ -53,7 +49,7 @@ CHAIN_BASE = _BASE = 0x9E3779B97F4A7C15  # B, odd: invertible mod 2**64
 _NAMESPACE_TYPES = (str, int, bytes)
 _U64 = np.uint64
 # 0-d arrays, not numpy scalars: a ufunc takes a 0-d array operand without the scalar
-# conversion and promotion it does for a scalar (about 0.3-0.7 us less per operation)
+# conversion and promotion it does for a scalar)
 _SHIFT33, _FMIX_C1, _FMIX_C2 = (
     np.array(c, dtype=_U64) for c in (33, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
 )
@@ -212,23 +208,7 @@ def token_chain_keys(
     powers: ChainPowers,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`block_content_hashes` of ``tokens`` (int64 ``[n, block_size]``: the blocks of
-    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``.
-    One compiled pass where the package's compiled loops are built (the same values)."""
-    native = _loader.NATIVE
-    if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
-        keys = np.empty(len(tokens), dtype=_U64)
-        states = np.empty(len(tokens), dtype=_U64)
-        native.chain_segments(
-            tokens.reshape(-1),
-            powers.block_size,
-            powers.token_powers,
-            powers.block_base,
-            np.ascontiguousarray(start_states, dtype=_U64),
-            np.ascontiguousarray(segment_lengths, dtype=np.int64),
-            keys,
-            states,
-        )
-        return keys, states
+    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``."""
     return chain_keys(
         block_content_hashes(tokens, powers), segment_lengths, start_states, powers
     )

@@ -5,7 +5,8 @@ A **record** (a slot in these arrays) describes one block content: its unique co
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
 holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
 :class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
-(:mod:`blocktable.allocator.hashing`) to the record filed under it.
+(:mod:`blocktable.allocator.hashing`) to the record slot filed under it; ``key[slot]`` is the
+key a record is filed under.
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -58,7 +59,7 @@ class PrefixIndex:
         self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
-        self.key = self.keys.key_of_value  # block key per record (max_records long)
+        self.key = self.keys.key_of_value  # block key per record slot (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -78,6 +79,19 @@ class PrefixIndex:
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
         return self.keys.get(np.asarray(keys, dtype=np.uint64))
+
+    def find_one(self, key: int) -> int:
+        """Record slot of ``key``, -1 where none."""
+        return self.keys.get_one(key)
+
+    def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
+        """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
+        none is filed yet and none repeats; else change nothing and return False."""
+        return self.keys.insert_absent(keys, slots)  # (writes key[slots])
+
+    def file_one(self, key: int, slot: int) -> None:
+        """File ``key`` (not filed yet) under ``slot``."""
+        self.keys.insert_one(key, slot)  # (writes key[slot])
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:

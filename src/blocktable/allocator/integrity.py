@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -19,12 +19,11 @@ from blocktable.allocator.hashing import (
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
-if TYPE_CHECKING:
-    from blocktable.allocator.manager import KVCacheManager
-    from blocktable.allocator.pool import BlockPool
+# The manager and the pool call these checks: they are typed Any here, so that this module
+# imports neither of them (no import cycle).
 
 
-def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.ndarray]) -> None:
+def _check_request(mgr: Any, req: RequestState, ref_counts: list[np.ndarray]) -> None:
     def fail(msg: str) -> NoReturn:
         raise IntegrityError(f"request {req.req_id!r}: {msg}")
 
@@ -48,14 +47,14 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
         if ((owned <= 0) | (owned >= pool.num_blocks)).any():
             fail(f"group {g}: block id out of range in {blocks.tolist()}")
         np.add.at(ref_counts[g], owned, 1)
-        num_hashed = int(mgr._chains.num_hashed[g][req.row])
+        num_hashed = int(mgr.prefix_cache.chains.num_hashed[g][req.row])
         if not mgr.enable_prefix_caching:
             if num_hashed:
                 fail(f"group {g}: blocks hashed with prefix caching off")
             continue
         if num_hashed != req.num_computed_tokens // bs:
             fail(f"group {g}: {num_hashed} blocks hashed, want every full computed block")
-        _check_keys(req, bs, mgr._chains, fail)
+        _check_keys(req, bs, mgr.prefix_cache.chains, fail)
         # Every owned full computed block holds its content for the index (as the holder or a
         # duplicate, under exactly its tokens and its parent's content id), unless a colliding
         # key displaced it; blocks past it are not in the index.
@@ -75,7 +74,7 @@ def _check_request(mgr: KVCacheManager, req: RequestState, ref_counts: list[np.n
             if want_parent is not None and int(index.parent[slot]) != want_parent:
                 fail(f"group {g}: block {b} (index {i}) has another parent in the index")
             prev_slot = slot
-        parent_cid = int(mgr._chains.parent_cid[g][req.row])
+        parent_cid = int(mgr.prefix_cache.chains.parent_cid[g][req.row])
         if num_hashed > skip and prev_slot >= 0 and parent_cid != index.cid[prev_slot]:
             fail(f"group {g}: the content id chain does not continue from its last block")
         if not num_hashed and parent_cid != req.root:
@@ -106,7 +105,7 @@ def _check_keys(req: RequestState, bs: int, chains: KeyChains, fail) -> None:  #
 
 
 def check_manager_integrity(
-    mgr: KVCacheManager,
+    mgr: Any,
     requests: Mapping[str | int, RequestState],
     holders: Sequence[RequestState | None],
     free_rows: Sequence[int],
@@ -136,7 +135,7 @@ def check_manager_integrity(
         pool.check_integrity(counts)
 
 
-def check_pool_integrity(pool: BlockPool, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
+def check_pool_integrity(pool: Any, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
     """Raise :class:`IntegrityError` unless the pool's structures agree with each other.
 
     Refcounts equal ``expected_ref_counts``; the free queues hold exactly the unowned blocks

@@ -1,9 +1,10 @@
 """A hash table from 64-bit block keys to record slots, looked up and filled many keys at a
-time: in one compiled pass per call where the package's compiled loops are built (a probe run
-per key, in C), else with numpy as described here.
+time with numpy.
 
-A Python dict pays a dependent cache miss and a Python int per key, three times per newly
-cached block (is it new, insert, and later delete when its record is recycled). This table is
+Why not a ``dict``: a Python dict pays a dependent cache miss and a Python int per key, three
+times per newly cached block (is it new, insert, and later delete when its record is
+recycled); with a dict, ``benchmarks/bench_allocator.py`` measured a much slower allocator
+step (the figures are in BENCHMARKS.md). This table is
 one flat array probed linearly for all keys of a call at once: one gather reads a window of
 ``WINDOW`` positions per key, so the cache misses of a call overlap. Checking that new keys
 are absent and filing them is one such pass (:meth:`KeyTable.insert_absent`), and a value's
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import has_repeats as _repeats
 
 EMPTY = -1
@@ -33,7 +33,6 @@ DELETED = -2
 WINDOW = 8  # positions probed per gather (8: a window's bool flags are one uint64 word)
 SPREAD = 8  # positions per key held at most
 _OFFSETS = np.arange(WINDOW)
-_FEW = 32  # runs past the first window scanned on in Python rather than in another pass
 _U64 = np.uint64
 _VALUE_BITS = 32
 _VALUE_MASK = (1 << _VALUE_BITS) - 1
@@ -117,22 +116,10 @@ class KeyTable:
             more = ~done
             todo, keys, tags, start = todo[more], keys[more], tags[more], start[more] + WINDOW
 
-    def _positions(self, keys: np.ndarray) -> np.ndarray:
-        """Where each key sits, -1 where absent (int64)."""
-        if not len(keys):
-            return np.full(0, -1, dtype=np.int64)
-        return self._scan(keys, (keys & self._mask).view(np.int64))
-
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent (int64 ``[len(keys)]``; ``keys`` uint64)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
-        native = _loader.NATIVE
-        if native is not None:  # one compiled probe per key
-            out = np.empty(len(keys), dtype=np.int64)
-            keys = np.ascontiguousarray(keys, dtype=np.uint64)
-            native.keys_get(self.entries, self.key_of_value, keys, out)
-            return out
         start = (keys & self._mask).view(np.int64)
         # most keys are settled at their home position (a hit, or empty: absent); a held
         # entry matches exactly when the key filed with its value is the key (no tag step)
@@ -196,8 +183,6 @@ class KeyTable:
             return True
         if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
             self._rebuild(n)
-        if _loader.NATIVE is not None:
-            return self._insert_native(keys, values)
         entries = self.entries
         cand = (keys & self._mask).view(np.int64)  # where each key goes: its home first
         old = entries[cand]
@@ -228,23 +213,6 @@ class KeyTable:
         self._placed(cand[won], wvalues, old[won])
         for key, value in zip(lost_keys.tolist(), values[lost].tolist()):
             self.insert_one(key, value)  # absent and distinct, so filed one by one
-        return True
-
-    def _insert_native(self, keys: np.ndarray, values: np.ndarray) -> bool:
-        """:meth:`insert_absent` in one compiled pass, the keys filed in order (room made)."""
-        native = _loader.NATIVE
-        assert native is not None  # (the callers' test)
-        reused = native.keys_insert(
-            self.entries,
-            self.key_of_value,
-            self.where,
-            np.ascontiguousarray(keys, dtype=np.uint64),
-            np.ascontiguousarray(values, dtype=np.int64),
-        )
-        if reused < 0:
-            return False
-        self.num_keys += len(keys)
-        self._num_deleted -= reused
         return True
 
     def _first_free(
@@ -297,49 +265,10 @@ class KeyTable:
             old[todo[new]] = entries[first]
             if not num_more:
                 return True
-            if found is None and num_more <= _FEW:
-                # a few long runs: scanned on one by one (another pass costs more)
-                return self._first_free_rest(keys, todo, start, new, more, cand, old)
             if found is None:
                 found = np.zeros(len(keys), dtype=bool)
             found[todo[new]] = True
             todo, start = todo[more], start[more] + WINDOW
-
-    def _first_free_rest(
-        self,
-        keys: np.ndarray,
-        todo: np.ndarray,
-        start: np.ndarray,
-        new: np.ndarray,
-        more: np.ndarray,
-        cand: np.ndarray,
-        old: np.ndarray,
-    ) -> bool:
-        """:meth:`_first_free` of the runs ``more`` (of ``todo``, probed from ``start`` on,
-        ``new``: a free position was found in the first window) past their first window, in
-        Python ints."""
-        mask = int(self._mask)
-        entries, key_of_value = self._entries_view, self._key_view
-        for i in np.flatnonzero(more).tolist():
-            k = int(todo[i])
-            key = keys.item(k)
-            tag = key >> _TAG_SHIFT
-            have_free = bool(new[i])
-            pos = (int(start[i]) + WINDOW) & mask
-            while True:
-                entry = entries[pos]
-                if entry == EMPTY:
-                    if not have_free:
-                        cand[k], old[k] = pos, EMPTY
-                    break
-                if entry >= 0:
-                    if entry >> _VALUE_BITS == tag and key_of_value[entry & _VALUE_MASK] == key:
-                        return False
-                elif not have_free:  # a tombstone: the first free position
-                    cand[k], old[k] = pos, DELETED
-                    have_free = True
-                pos = (pos + 1) & mask
-        return True
 
     def _placed(self, pos: np.ndarray, values: np.ndarray, old: np.ndarray) -> None:
         """Bookkeeping of keys just written at ``pos`` (``old``: what each position held)."""
@@ -347,47 +276,6 @@ class KeyTable:
         self.num_keys += len(pos)
         if self._num_deleted:
             self._num_deleted -= int(np.count_nonzero(old == DELETED))
-
-    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """File distinct keys that are not held yet."""
-        n = len(keys)
-        if not n:
-            return
-        if 2 * (self.num_keys + self._num_deleted + n) > len(self.entries):
-            self._rebuild(n)
-        if _loader.NATIVE is not None:
-            if not self._insert_native(keys, values):
-                raise ValueError("insert: a key is held already, or given twice")
-            return
-        entries, mask = self.entries, int(self._mask)
-        self.key_of_value[values] = keys
-        new = _tags(keys) << _S_VALUE
-        new |= values
-        start = (keys & self._mask).view(np.int64)
-        todo = np.arange(n)
-        while len(todo):
-            pos = (start[:, None] + _OFFSETS) & mask
-            free = entries[pos] < 0
-            has = _any_per_row(free)
-            at = free.argmax(axis=1)
-            [cand] = has.nonzero()
-            cpos = pos[cand, at[cand]]
-            # several keys may want one free position: one write survives
-            old = entries[cpos]
-            entries[cpos] = new[todo[cand]]
-            won = entries[cpos] == new[todo[cand]]
-            winners, wpos = cand[won], cpos[won]
-            self._placed(wpos, values[todo[winners]], old[won])
-            placed = np.zeros(len(todo), dtype=bool)
-            placed[winners] = True
-            # losers retry from the same start (that position is taken now); full windows
-            # move on
-            start = np.where(has, start, start + WINDOW)[~placed]
-            todo = todo[~placed]
-
-    def delete(self, keys: np.ndarray) -> None:
-        """Remove held keys (every one must be held)."""
-        self._delete_at(self._positions(keys))
 
     def delete_values(self, values: np.ndarray) -> None:
         """Remove the keys holding these values (every one must be held); no probing."""
@@ -413,7 +301,7 @@ class KeyTable:
             capacity *= 2
         self._alloc(capacity)
         self.num_keys = self._num_deleted = 0
-        self.insert(keys, values)
+        self.insert_absent(keys, values)  # (distinct, and the table is empty)
 
     def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
         state = dict(self.__dict__)

@@ -2,55 +2,40 @@
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable._checks import check_count, check_positive
 from blocktable.allocator.checks import (
     as_list,
+    check_model_len,
     check_same_length,
     distinct_new_ids,
-    running_requests,
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.hashing import (
     ROOT_BLOCK_HASH,
-    ChainPowers,
     HashFn,
-    encode_namespace,
-    namespace_seed,
     sha256_block_hash,
 )
 from blocktable.allocator.integrity import check_manager_integrity
-from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
-from blocktable.allocator.register import register_computed_blocks
+from blocktable.allocator.prefix import PromptPlan
+from blocktable.allocator.prefix_cache import PrefixCache
 from blocktable.allocator.request import (
-    KeyChains,
     RequestState,
     TokenIds,
     check_req_id,
-    token_array,
 )
-from blocktable.allocator.rows import RowAllocator
-from blocktable.allocator.rowstate import RowState
+from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
-from blocktable.update import RowBlocks, StepUpdate, trusted_row_blocks
-
-ReqId = str | int
-_INT64 = np.dtype(np.int64)
-_ZERO = np.zeros((), dtype=np.int64)  # a 0-d operand: cheaper in a ufunc than a Python 0
 
 
-class KVCacheManager:
+class KVCacheManager(RunningRequests):
     """Block allocation for every KV cache group, per request, with prefix caching.
 
     Every running request holds one table row (``0 .. max_num_reqs - 1``, lowest free row first)
@@ -73,7 +58,7 @@ class KVCacheManager:
     (per group an int32 array ``[max_num_reqs, width]``, the width doubling up to the longest
     row so far), token ids in an int64 array of the same rows (at most 4096 per row; longer
     sequences in a buffer of their own); a batched call costs a few numpy passes
-    over its rows, tokens and blocks plus well under 1 us per request, and a long prompt's
+    over its rows, tokens and blocks plus a little Python per request, and a long prompt's
     chunks cost what one allocation of the whole prompt costs (keys are computed once, at
     admission).
 
@@ -150,24 +135,16 @@ class KVCacheManager:
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
-        self._align_tokens = math.lcm(*self.block_sizes)
-        self._powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
-        self._requests: dict[ReqId, RequestState] = {}
-        self._preempted: set[ReqId] = set()
-        # the last batched call's (req_ids, their states, their rows): a step's calls often
-        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
-        # request leaves (a request's state and row are fixed while it runs)
-        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
-        self._rows: RowAllocator[RequestState] = RowAllocator(self.max_num_reqs)
-        self._row_state = RowState(self.max_num_reqs, len(groups))
-        self._journal = StepJournal(len(groups), self._row_state,
-                                    tuple(pool.num_blocks for pool in self.pools))
-        self._chains = KeyChains(self.max_num_reqs, self.block_sizes)
-        self._namespaces: dict[bytes, tuple[int, int]] = {}  # encoding -> (root id, seed)
-        self._none_namespace: tuple[int, int] | None = None  # _namespaces[b""] once interned
-        # prefix-cache counters as plain ints: a frozen dataclass per admission costs ~1 us
-        self._num_queries = self._num_query_tokens = self._num_hit_tokens = 0
-        self.num_preemptions = 0
+        super().__init__(self.pools, self.max_num_reqs, max_model_len)
+        self.prefix_cache = PrefixCache(
+            self.pools,
+            self.block_sizes,
+            self.windows,
+            self.max_num_reqs,
+            enabled=self.enable_prefix_caching,
+            byte_hash_fn=self.byte_hash_fn,
+            max_model_len=max_model_len,
+        )
 
     # ----------------------------------------------------------------- admission
     def lookup_prefix(self, prompt_token_ids: TokenIds, *, cache_namespace: object = None) -> int:
@@ -176,8 +153,7 @@ class KVCacheManager:
         The number :meth:`add_request` would return for the same prompt and namespace (while
         the pools stay as they are). Prefix-cache statistics are not updated.
         """
-        plan = self._plan_one(prompt_token_ids, cache_namespace)
-        return plan.num_cached_tokens
+        return self.prefix_cache.lookup(prompt_token_ids, cache_namespace).num_cached_tokens
 
     def can_admit(
         self,
@@ -206,21 +182,13 @@ class KVCacheManager:
         ValueError
             Empty prompt, or prompt or allocation longer than ``max_model_len``.
         """
-        plan = self._plan_one(prompt_token_ids, cache_namespace)
+        plan = self.prefix_cache.lookup(prompt_token_ids, cache_namespace)
         num_cached = plan.num_cached_tokens
         if num_new_tokens is None:
             num_new_tokens = len(plan.tokens) - num_cached
         num_tokens = num_cached + check_count("num_new_tokens", num_new_tokens)
-        self._check_model_len("new request", "allocation", num_tokens)
-        if not self._rows.num_free:
-            return False
-        for pool, bs, slots in zip(self.pools, self.block_sizes, plan.hit_slots):
-            hit_blocks = pool.index.holder[slots]
-            taken_from_free = int(np.count_nonzero(pool.ref_counts[hit_blocks] == 0))
-            need = -(-num_tokens // bs) - num_cached // bs
-            if need > pool.num_free_blocks - taken_from_free:
-                return False
-        return True
+        check_model_len(self.max_model_len, "new request", "allocation", num_tokens)
+        return self._rows.num_free > 0 and self.prefix_cache.fits(plan, num_tokens)
 
     def add_request(
         self, req_id: ReqId, prompt_token_ids: TokenIds, *, cache_namespace: object = None
@@ -284,57 +252,28 @@ class KVCacheManager:
             check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
-        pending: dict[bytes, tuple[int, int]] = {}
-        plans = []
-        none_namespace = self._none_namespace
-        root, seed = (0, 0) if none_namespace is None else none_namespace
-        max_len = sys.maxsize if self.max_model_len is None else self.max_model_len
-        for r, p, ns in zip(req_ids, prompts, cache_namespaces):
-            if (  # _new_plan's common case (an int64 array, no namespace), inline
-                ns is None
-                and none_namespace is not None
-                and type(p) is np.ndarray
-                and p.dtype is _INT64
-                and p.ndim == 1
-                and 0 < len(p) <= max_len
-            ):
-                plans.append(PromptPlan(p, root, seed))
-            else:
-                plans.append(self._new_plan(p, ns, pending, req_id=r))
+        plans, pending = self.prefix_cache.plan_many(req_ids, prompts, cache_namespaces)
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
-        self._namespaces.update(pending)
-        if self._none_namespace is None:
-            self._none_namespace = self._namespaces.get(b"")
-        self._find(plans)
+        self.prefix_cache.find(plans, pending)
         self._admit(req_ids, plans, cache_namespaces)
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(
         self, req_ids: list[ReqId], plans: list[PromptPlan], namespaces: list[object]
     ) -> None:
-        """Give each planned prompt the lowest free row, its token ids and its prefix hit
-        (checked before: enough free rows). The rows' counts, tokens and chains are started
-        by one call each (:meth:`RowState.start_many`, :meth:`KeyChains.admit_many`); the
-        hits of all are shared at once (:meth:`_share_hits`)."""
+        """Give each planned prompt the lowest free row (checked before: enough free rows),
+        its token ids and its prefix hit."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        self._journal.touch_leaving(rows)  # free, or freed earlier in this step
-        if len(plans) == 1:  # (add_request: the per-row calls cost less for one row)
-            plan, row = plans[0], rows[0]
-            buffers = [state.start(row, plan.tokens)]  # copied
-            self._chains.admit(row, plan.root, plan.seed, plan.keys, plan.states)
-        else:
-            buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
-            self._chains.admit_many(rows, plans)
+        self._journal.touch(rows)  # free, or freed earlier in this step
+        buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
         num_groups = len(self.pools)
-        hits: list[tuple[RequestState, PromptPlan]] = []
-        num_query_tokens = 0
+        reqs = []
         for req_id, plan, namespace, row, buffer in zip(req_ids, plans, namespaces, rows, buffers):
-            num_tokens = len(plan.tokens)
             req = RequestState(
                 req_id,
                 buffer,
@@ -344,350 +283,17 @@ class KVCacheManager:
                 plan.seed,
                 state,
                 row,
-                num_tokens,
+                len(plan.tokens),
                 [ROOT_BLOCK_HASH] * num_groups,
                 plan.keys,  # read-only arrays (dicts the plan no longer uses)
                 plan.states,
             )
             holders[row] = req
             requests[req_id] = req
-            num_query_tokens += num_tokens
-            if plan.num_cached_tokens:
-                hits.append((req, plan))
-        preempted = self._preempted
-        if preempted:
-            for req_id in req_ids:
-                preempted.discard(req_id)
-        self._num_queries += len(plans)
-        self._num_query_tokens += num_query_tokens
-        if hits:
-            self._share_hits(hits)
-
-    def _share_hits(self, hits: list[tuple[RequestState, PromptPlan]]) -> None:
-        """Make the cached blocks of each plan's hit its request's rows and move its chains
-        past them: per group, one gather of every distinct hit's blocks and one share. A hit
-        of ``n`` tokens fills ``n // bs`` entries of every group's row (null entries first), so
-        the request's computed tokens and slots are ``n``. Plans that followed one lookup hold
-        the same slots (one array): their blocks are gathered once, and when every hit of the
-        call is that one, its blocks (distinct: a hit is a chain of live records) are shared
-        once with that many references."""
-        state, chains = self._row_state, self._chains
-        byte_hashes = self.byte_hash_fn is not None
-        num_cached = [plan.num_cached_tokens for _, plan in hits]
-        hit_rows = [req.row for req, _ in hits]
-        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
-            index = pool.index
-            holder, cid = index.holder, index.cid
-            arena = state.ensure_width(g, max(num_cached) // bs)
-            row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
-            num_hashed, parent_cid = chains.group_views(g)
-            gathered: dict[int, tuple[np.ndarray, int]] = {}  # id(slots) -> blocks, last cid
-            parts = []
-            for (req, plan), row, n in zip(hits, hit_rows, num_cached):
-                slots = plan.hit_slots[g]
-                found = gathered.get(id(slots))
-                if found is None:
-                    found = gathered[id(slots)] = (holder[slots], cid.item(plan.last_slots[g]))
-                blocks, last_cid = found
-                parts.append(blocks)
-                hi, skip = n // bs, plan.num_skipped[g]
-                if skip:
-                    arena[row, :skip] = NULL_BLOCK_ID
-                arena[row, skip:hi] = blocks
-                row_len[row] = hi
-                num_skipped[row] = skip
-                num_hashed[row] = hi
-                parent_cid[row] = last_cid
-                if byte_hashes:
-                    req.parent_hashes[g] = index.hashes[plan.last_slots[g]]  # type: ignore[call-overload]
-            if len(parts) == 1:
-                if len(parts[0]):
-                    pool.share_many(parts[0])
-            elif len(gathered) == 1:
-                if len(parts[0]):
-                    # (one count for all, a 0-d array broadcast: cheaper than a full array)
-                    pool.share(parts[0], np.array(len(parts), dtype=np.int32))
-            else:
-                pool.share_many(np.concatenate(parts))
-        num_computed, num_slots = state.num_computed_mv, state.num_slots_mv
-        for row, n in zip(hit_rows, num_cached):
-            num_computed[row] = n
-            num_slots[row] = n
-        self._num_hit_tokens += sum(num_cached)
-
-    def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
-        """Append generated tokens (one int or a sequence) to the request's sequence."""
-        req = self._get(req_id)
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
-        req.append_tokens(new)
-
-    def append_token_ids_many(
-        self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
-    ) -> None:
-        """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
-        of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
-        req_ids, reqs, rows = self._running(req_ids)
-        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
-            check_same_length("token_ids", token_ids, len(req_ids))
-            # one conversion of the whole array; then every request appends a row of width k
-            name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
-            block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
-            self._append_rows(reqs, rows, block)
-            return
-        token_ids = as_list("token_ids", token_ids)
-        check_same_length("token_ids", token_ids, len(req_ids))
-        arrays = [
-            token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
-        ]
-        for req, new in zip(reqs, arrays):
-            self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
-        for req, new in zip(reqs, arrays):
-            req.append_tokens(new)
-
-    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
-        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
-        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
-        k = block.shape[1]
-        num_tokens = self._row_state.num_tokens_mv
-        if self.max_model_len is not None:
-            for req in reqs:
-                self._check_request_len(req.req_id, "sequence", num_tokens[req.row] + k)
-        if not k or not reqs:
-            return
-        state = self._row_state
-        starts = state.num_tokens[rows]
-        # (count_nonzero: ~1 us cheaper than all() here; argmax and an index than max())
-        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
-            int(starts[starts.argmax()]) + k
-        ):
-            # every row in the token arena: one scatter on the flat arena, at each row's
-            # first position repeated k times plus 0 .. k - 1 (1-D passes: a broadcast
-            # [n, 1] + [k] add, or a put, costs about twice as much)
-            arena = state.tokens
-            at = rows * arena.shape[1]
-            at += starts
-            at = at.repeat(k)
-            at += _tiled_iota(k, len(rows))
-            arena.reshape(-1)[at] = block.reshape(-1)
-            starts += k
-            state.num_tokens[rows] = starts
-            return
-        for req, new in zip(reqs, block):
-            row = req.row
-            n = num_tokens[row]
-            req.room(n + k)[n : n + k] = new
-            num_tokens[row] = n + k
-
-    # ----------------------------------------------------------------- allocation
-    def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
-        """Whether :meth:`allocate` would succeed now (no side effects)."""
-        req = self._get(req_id)
-        needs = self._blocks_needed(req, num_new_tokens)
-        return all(need <= pool.num_free_blocks for need, pool in zip(needs, self.pools))
-
-    def allocate(self, req_id: ReqId, num_new_tokens: int) -> tuple[list[int], ...]:
-        """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
-
-        All-or-nothing over every group. Blocks already allocated (lookahead) are reused, so
-        the result may be empty.
-
-        Returns
-        -------
-        tuple of list of int
-            Per group, the new manager block ids appended to the request's row.
-
-        Raises
-        ------
-        OutOfBlocksError
-            Some group lacks free blocks; nothing was allocated, the pools are unchanged.
-        ValueError
-            The request would exceed ``max_model_len``.
-        """
-        req = self._get(req_id)
-        needs = self._blocks_needed(req, num_new_tokens)
-        if len(needs) == 1:  # one group: the same steps, without the loops
-            [need] = needs
-            pool = self.pools[0]
-            if not need:
-                return ([],)
-            if need > pool.num_free_blocks:
-                self._check_free([needs], [req])  # raises
-            self._journal.touch(req.row)
-            if need == 1:
-                block_id = pool.take_one()
-                req.append_block(0, block_id)
-                new_ids = [block_id]
-            else:
-                new = pool.take(need)
-                req.append_blocks(0, new)
-                new_ids = new.tolist()
-            state = self._row_state
-            state.num_slots[req.row] = state.row_len[0, req.row] * self.block_sizes[0]
-            return (new_ids,)
-        if not any(needs):
-            return tuple([] for _ in self.pools)
-        self._check_free([needs], [req])
-        self._journal.touch(req.row)
-        out = []
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            if need == 1:
-                block_id = pool.take_one()
-                req.append_block(g, block_id)
-                out.append([block_id])
-            elif need:
-                new = pool.take(need)
-                req.append_blocks(g, new)
-                out.append(new.tolist())
-            else:
-                out.append([])
-        self._row_state.update_num_slots(self.block_sizes, req.row)
-        return tuple(out)
-
-    def can_allocate_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> bool:
-        """Whether :meth:`allocate_many` would succeed now (no side effects)."""
-        _, needs = self._needs_many(req_ids, num_new_tokens)
-        totals = [sum(col) for col in zip(*needs)] if needs else [0] * len(self.pools)
-        return all(t <= pool.num_free_blocks for t, pool in zip(totals, self.pools))
-
-    def allocate_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[RowBlocks, ...]:
-        """:meth:`allocate` for every request of a step at once: one take per group.
-
-        All-or-nothing over every request and group: on any error (unknown or repeated request,
-        lengths that disagree, ``max_model_len``, too few free blocks) nothing changes.
-
-        Parameters
-        ----------
-        req_ids : sequence of request ids ``[n]``, distinct
-        num_new_tokens : sequence of int or int array ``[n]``
-
-        Returns
-        -------
-        tuple of RowBlocks
-            Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
-            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
-            read-only arrays (the step's update may be built from them).
-        """
-        if len(self.pools) == 1:
-            return (self._allocate_many_one_group(req_ids, num_new_tokens),)
-        reqs, needs = self._needs_many(req_ids, num_new_tokens)
-        self._check_free(needs, reqs)
-        out = []
-        for g, pool in enumerate(self.pools):
-            counts = [need[g] for need in needs]
-            total = sum(counts)
-            if not total:
-                out.append(RowBlocks())
-                continue
-            new = pool.take(total)
-            rows, nums, start = [], [], 0
-            touch = self._journal.touch
-            for req, count in zip(reqs, counts):
-                if count:
-                    touch(req.row)
-                    req.append_blocks(g, new[start : start + count])
-                    rows.append(req.row)
-                    nums.append(count)
-                    start += count
-            part = RowBlocks(np.array(rows, np.int32), np.array(nums, np.int32), new)
-            for array in (part.rows, part.num_manager_blocks, new):
-                array.flags.writeable = False
-            out.append(part)
-        for req, need in zip(reqs, needs):
-            if any(need):
-                self._row_state.update_num_slots(self.block_sizes, req.row)
-        return tuple(out)
-
-    def _allocate_many_one_group(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> RowBlocks:
-        """:meth:`allocate_many` for the common one-group model: the same checks, inlined."""
-        req_ids, reqs, rows = self._running(req_ids)
-        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        if not reqs:
-            return RowBlocks()
-        state = self._row_state
-        totals = state.num_computed.take(rows)  # (rows: intp, the cheapest index)
-        totals += np.fromiter(counts, np.int64, len(counts))  # (ints: cheaper than np.array)
-        if self.max_model_len is not None:
-            over = np.flatnonzero(totals > self.max_model_len)
-            if len(over):
-                i = int(over[0])
-                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        bs = self.block_sizes[0]
-        row_len = state.row_len[0]
-        old_len = row_len.take(rows)
-        # one group: num_slots is row_len * bs, so a request needs the blocks its tokens
-        # fill past its row: ceil(totals / bs) - old_len, at least 0 (in place; 0-d operands
-        # cost less than Python ints)
-        needs = totals
-        needs += np.array(bs - 1)
-        needs //= np.array(bs)
-        needs -= old_len
-        np.maximum(needs, _ZERO, out=needs)
-        ends = np.add.accumulate(needs)  # (cheaper than sum; also the runs' ends below)
-        total = int(ends[-1])
-        pool = self.pools[0]
-        if total > pool.num_free_blocks:
-            self._check_free([[need] for need in needs.tolist()], reqs)
-        if not total:
-            return RowBlocks()
-        new = pool.take(total)
-        if np.count_nonzero(needs) == len(needs):  # (a step's requests usually all grow)
-            grown_rows, num, starts = rows, needs, old_len
-        else:
-            [got] = needs.nonzero()
-            grown_rows, num, starts, ends = rows[got], needs[got], old_len[got], ends[got]
-        # the rows, counts and ids as read-only views of one immutable buffer: the journal
-        # keeps them until the step's update, which, in a decode step, is this object itself
-        n = len(grown_rows)
-        data = b"".join((grown_rows.astype(np.int32), num.astype(np.int32), new))  # type: ignore[arg-type]
-        flat = np.frombuffer(data, dtype=np.int32)
-        out = trusted_row_blocks(flat[:n], flat[n : 2 * n], flat[2 * n :])
-        self._journal.touch_many(grown_rows, out)
-        new_len = starts + num
-        arena = state.ensure_width(0, int(np.maximum.reduce(new_len)))
-        if len(grown_rows) == total:  # one block each (decode)
-            arena[grown_rows, starts] = new
-        else:
-            # flat positions in the (C-contiguous) arena: one index array, not a (row, col)
-            # pair, and a row's run is its first position plus 0, 1, ... (ends - num: where
-            # its run starts in `new`; starts + num: new_len)
-            first = grown_rows * np.array(arena.shape[1])
-            first += new_len
-            first -= ends
-            at = first.repeat(num)
-            at += np.arange(total)
-            arena.reshape(-1)[at] = new
-        row_len[grown_rows] = new_len
-        new_len *= np.array(bs)
-        state.num_slots[grown_rows] = new_len
-        return out
-
-    def _needs_many(
-        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], list[list[int]]]:
-        req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        return reqs, [self._blocks_needed(req, n) for req, n in zip(reqs, counts)]
-
-    def _check_free(self, needs: list[list[int]], reqs: list[RequestState]) -> None:
-        for g, pool in enumerate(self.pools):
-            total = sum(need[g] for need in needs)
-            if total > pool.num_free_blocks:
-                who = (
-                    f"request {reqs[0].req_id!r} needs"
-                    if len(reqs) == 1
-                    else f"{len(reqs)} requests need"
-                )
-                raise OutOfBlocksError(
-                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free"
-                )
+            reqs.append(req)
+        for req_id in req_ids:
+            self._preempted.discard(req_id)
+        self.prefix_cache.admit(reqs, plans, state)
 
     # ----------------------------------------------------------------- computed tokens
     def mark_computed(self, req_id: ReqId, num_tokens: int) -> None:
@@ -703,27 +309,7 @@ class KVCacheManager:
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        count = check_count("num_tokens", num_tokens)
-        req = self._requests.get(req_id)
-        if req is None or req.num_computed_tokens + count > min(req.num_slots, req.num_tokens):
-            self.mark_computed_many([req_id], [count])  # the checks name what is wrong
-            return
-        req.num_computed_tokens += count  # the same as mark_computed_many, for one request
-        if self.enable_prefix_caching:
-            register_computed_blocks(
-                [req],
-                None,
-                self._row_state,
-                self.pools,
-                self.block_sizes,
-                self._powers,
-                self.byte_hash_fn,
-                self._chains,
-            )
-        if self._has_windows:
-            for g, window in enumerate(self.windows):
-                if window is not None:
-                    self._release_outside_window([req], g, window)
+        self.mark_computed_many([req_id], [num_tokens])
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
@@ -744,17 +330,7 @@ class KVCacheManager:
             self._check_computed(reqs[i], int(num_computed[i]))
             raise AssertionError("a count past num_slots or num_tokens passed the checks")
         state.num_computed[rows] = num_computed
-        if self.enable_prefix_caching:
-            register_computed_blocks(
-                reqs,
-                rows,
-                state,
-                self.pools,
-                self.block_sizes,
-                self._powers,
-                self.byte_hash_fn,
-                self._chains,
-            )
+        self.prefix_cache.register(reqs, rows, state)
         if self._has_windows:
             for g, window in enumerate(self.windows):
                 if window is not None:
@@ -775,42 +351,6 @@ class KVCacheManager:
                 )
 
     # ----------------------------------------------------------------- release
-    def free(self, req_id: ReqId) -> None:
-        """Release a finished request's blocks (cached ones stay findable) and its row.
-
-        A preempted request (holding nothing) is forgotten. Blocks are queued tail first, so a
-        request's tail is evicted before its (possibly shared) prefix.
-
-        Raises
-        ------
-        KeyError
-            Unknown request, or freed twice.
-        """
-        self.free_many([req_id])
-
-    def free_many(self, req_ids: Sequence[ReqId]) -> None:
-        """:meth:`free` of several requests at once (in order); checked fully first."""
-        req_ids = as_list("req_ids", req_ids)
-        preempted = self._preempted
-        running = [r for r in req_ids if r not in preempted] if preempted else req_ids
-        reqs = running_requests(self._requests, preempted, running)
-        if preempted:
-            if len(set(req_ids)) != len(req_ids):
-                raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-            for req_id in req_ids:
-                preempted.discard(req_id)
-        self._release(reqs)
-
-    def preempt(self, req_id: ReqId) -> None:
-        """Release the request's blocks and row; it may come back with :meth:`add_request`.
-
-        Its computed full blocks stay cached, so re-admission with all its tokens so far
-        (prompt and generated) usually hits them.
-        """
-        self._release([self._get(req_id)])
-        self._preempted.add(req_id)
-        self.num_preemptions += 1
-
     def fork(self, parent_id: ReqId, child_id: ReqId) -> tuple[list[tuple[int, int]], ...]:
         """Admit ``child_id`` as a copy of ``parent_id`` (parallel sampling, beam search).
 
@@ -840,10 +380,10 @@ class KVCacheManager:
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         row = self._rows.take(None)  # type: ignore[arg-type]  # the holder is set below
-        self._journal.touch(row)
+        self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
-        self._chains.copy_row(parent.row, row)
+        self.prefix_cache.chains.copy_row(parent.row, row)
         copies: list[list[tuple[int, int]]] = []
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
             num_full = num_computed // bs
@@ -868,67 +408,9 @@ class KVCacheManager:
         block becomes a plain free block and True is returned. The prefix-cache counters are
         not reset (they count since the manager was built).
         """
-        if any(int(pool.ref_counts.max()) > 0 for pool in self.pools):
-            return False
-        for pool in self.pools:
-            pool.reset_cache()
-        for req in self._requests.values():
-            for g, pool in enumerate(self.pools):
-                if self._chains.num_hashed[g][req.row]:
-                    # Its blocks all left a window: the parent's record is gone, so later
-                    # blocks chain to a content id no record has (never findable, never wrong).
-                    self._chains.parent_cid[g][req.row] = pool.index.next_cid
-                    pool.index.next_cid += 1
-        return True
+        return self.prefix_cache.reset(list(self._requests.values()))
 
     # ----------------------------------------------------------------- step result
-    def take_step_update(self) -> StepUpdate:
-        """The net row changes since the last call, as flat arrays for the table; then reset.
-
-        See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
-        request admitted and allocated in the same step is only in ``added`` (cached hits and
-        new blocks together); a freed row is in ``cleared_rows`` unless another request took
-        it in the same step, in which case it is only in ``added``. A step that admitted or
-        finished requests may come as a :class:`~blocktable.update.PackedStepUpdate`, whose
-        arrays are made when first read.
-        """
-        # Stamp the block sizes so a table built for another block size refuses the ids.
-        return self._journal.take(self.block_sizes)
-
-    # ----------------------------------------------------------------- queries
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
-
-    def row_of(self, req_id: ReqId) -> int:
-        """The table row of a running request."""
-        return self._get(req_id).row
-
-    def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
-        """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
-        req = self._get(req_id)
-        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
-
-    def num_computed_tokens(self, req_id: ReqId) -> int:
-        """Tokens of the request already in the KV cache."""
-        return self._get(req_id).num_computed_tokens
-
-    def num_tokens(self, req_id: ReqId) -> int:
-        """Token ids known for the request (prompt plus appended)."""
-        return self._get(req_id).num_tokens
-
-    def is_preempted(self, req_id: ReqId) -> bool:
-        """Whether ``req_id`` was preempted and not re-admitted or freed since."""
-        return req_id in self._preempted
-
-    @property
-    def num_requests(self) -> int:
-        """Running requests (each holds a row)."""
-        return len(self._requests)
-
-    @property
-    def num_free_rows(self) -> int:
-        return self._rows.num_free
-
     def num_free_blocks(self, group: int = 0) -> int:
         """Blocks of ``group`` that can be allocated now (uncached or evictable)."""
         return self.pools[group].num_free_blocks
@@ -939,7 +421,7 @@ class KVCacheManager:
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_queries, self._num_query_tokens, self._num_hit_tokens)
+        return self.prefix_cache.stats
 
     def check_integrity(self) -> None:
         """Verify every invariant (refcounts, queues, index, rows); raise ``IntegrityError``.
@@ -949,112 +431,6 @@ class KVCacheManager:
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
 
     # ----------------------------------------------------------------- internals
-    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
-        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
-        answer when it named the same requests (nobody left since)."""
-        req_ids = as_list("req_ids", req_ids)
-        last = self._last_batch
-        if last is not None and last[0] == req_ids:
-            return req_ids, last[1], last[2]
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        rows.flags.writeable = False
-        self._last_batch = (req_ids.copy(), reqs, rows)
-        return req_ids, reqs, rows
-
-    def _get(self, req_id: ReqId) -> RequestState:
-        req = self._requests.get(req_id)
-        if req is None:
-            if req_id in self._preempted:
-                raise KeyError(f"request {req_id!r} is preempted (add_request it again)")
-            raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
-        return req
-
-    def _check_model_len(self, who: str, what: str, num_tokens: int) -> None:
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            raise ValueError(
-                f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={self.max_model_len}"
-            )
-
-    def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
-        """:meth:`_check_model_len` naming a request (the message is built only to raise)."""
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            self._check_model_len(f"request {req_id!r}", what, num_tokens)
-
-    def _namespace(
-        self, namespace: object, pending: dict[bytes, tuple[int, int]]
-    ) -> tuple[int, int, bytes]:
-        """``(root content id, key seed, encoding)`` of a namespace; a new one is added to
-        ``pending`` (interned only when a request with it is admitted, so rejected calls
-        change nothing)."""
-        encoded = encode_namespace(namespace)  # checks it
-        found = self._namespaces.get(encoded) or pending.get(encoded)
-        if found is None:
-            found = (-(len(self._namespaces) + len(pending) + 1), namespace_seed(encoded))
-            pending[encoded] = found
-        return found[0], found[1], encoded
-
-    def _new_plan(
-        self,
-        prompt: TokenIds,
-        namespace: object,
-        pending: dict[bytes, tuple[int, int]],
-        *,
-        req_id: ReqId | None = None,
-    ) -> PromptPlan:
-        """The plan of one prompt (``req_id``, when given, is named in errors). The caller's
-        token ids are read, never kept or written: admission copies them."""
-        if type(prompt) is np.ndarray and prompt.dtype == np.int64 and prompt.ndim == 1:
-            tokens = prompt  # token_array's fast case, without building its error message
-        elif req_id is None:
-            tokens = token_array("prompt_token_ids", prompt)
-        else:
-            tokens = token_array(f"prompt_token_ids of request {req_id!r}", prompt)
-        num_tokens = len(tokens)
-        if not num_tokens:
-            raise ValueError(
-                "prompt_token_ids is empty"
-                if req_id is None
-                else f"prompt_token_ids of request {req_id!r} is empty"
-            )
-        if self.max_model_len is not None and num_tokens > self.max_model_len:
-            who = "new request" if req_id is None else f"request {req_id!r}"
-            self._check_model_len(who, "prompt", num_tokens)
-        if namespace is None and self._none_namespace is not None:
-            root, seed = self._none_namespace
-            encoded = b""
-        else:
-            root, seed, encoded = self._namespace(namespace, pending)
-        # only read (admission copies the ids into the rows' token pages)
-        return PromptPlan(tokens, root, seed, encoded)
-
-    def _find(self, plans: list[PromptPlan]) -> None:
-        if not self.enable_prefix_caching:
-            for plan in plans:
-                plan.hit_slots = [np.zeros(0, np.int64) for _ in self.pools]
-            return
-        prompt_keys(plans, self.block_sizes, self._powers)
-        find_hits(plans, self.pools, self.block_sizes, self.windows, self._align_tokens)
-
-    def _plan_one(self, prompt_token_ids: TokenIds, cache_namespace: object) -> PromptPlan:
-        plan = self._new_plan(prompt_token_ids, cache_namespace, {})
-        self._find([plan])
-        return plan
-
-    def _blocks_needed(self, req: RequestState, num_new_tokens: int) -> list[int]:
-        """New blocks per group for ``num_new_tokens`` more tokens (checked)."""
-        if type(num_new_tokens) is not int or num_new_tokens < 0:
-            num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        num_tokens = req.num_computed_tokens + num_new_tokens
-        self._check_request_len(req.req_id, "allocation", num_tokens)
-        if num_tokens <= req.num_slots:
-            return [0] * len(self.pools)
-        return [
-            max(0, -(-num_tokens // bs) - row_len)
-            for row_len, bs in zip(req.row_len.tolist(), self.block_sizes)
-        ]
-
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
         bs = self.block_sizes[g]
         released: list[np.ndarray] = []
@@ -1065,7 +441,7 @@ class KVCacheManager:
             skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
             if skip <= first:
                 continue
-            self._journal.touch(row)
+            self._journal.touch([row])
             entries = state.blocks[g][row]
             released.append(entries[first:skip].copy())  # oldest first
             entries[first:skip] = NULL_BLOCK_ID
@@ -1075,53 +451,6 @@ class KVCacheManager:
         if released:
             ids = released[0] if len(released) == 1 else np.concatenate(released)
             self.pools[g].release(ids, may_repeat=len(released) > 1)
-
-    def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
-        slice of each request's row (tail first, read through memoryviews), one concatenation
-        and one release; then the rows."""
-        state, requests = self._row_state, self._requests
-        self._last_batch = None  # it may name a request of reqs
-        rows = []
-        for req in reqs:  # (checked: nothing below fails)
-            rows.append(req.row)
-            del requests[req.req_id]
-        self._journal.touch_leaving(rows)
-        native = _loader.NATIVE
-        for pool, arena, row_len, num_skipped in zip(
-            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
-        ):
-            if native is not None:  # the references dropped in one compiled pass
-                pool.release_rows(native, arena, rows, row_len, num_skipped)
-                continue
-            parts = []
-            for row in rows:
-                n, skip = row_len[row], num_skipped[row]
-                if n > skip:
-                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
-            if parts:
-                ids = np.concatenate(parts, dtype=np.intp)
-                pool.release(ids, may_repeat=len(parts) > 1)
-        state.stop(rows)
-        self._rows.release_many(rows)
-
-
-_TILED_IOTAS: dict[int, np.ndarray] = {}  # k -> 0 .. k - 1 repeated (int64), grown on demand
-
-
-def _tiled_iota(k: int, n: int) -> np.ndarray:
-    """``0 .. k - 1`` repeated ``n`` times: int64 ``[n * k]``, read-only (a prefix of a cached
-    array: steps append the same number of tokens to a varying number of requests)."""
-    tiled = _TILED_IOTAS.get(k)
-    if tiled is None or len(tiled) < n * k:
-        if n * k > 1 << 20:  # (too large to keep)
-            return np.tile(np.arange(k, dtype=np.int64), n)
-        reps = max(n, 64, 0 if tiled is None else 2 * len(tiled) // k)
-        tiled = np.tile(np.arange(k, dtype=np.int64), reps)
-        tiled.flags.writeable = False
-        _TILED_IOTAS[k] = tiled
-    return tiled[: n * k]
-
 
 def _byte_hash_fn(hash_fn: object) -> HashFn | None:
     """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""

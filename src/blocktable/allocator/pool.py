@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
-from blocktable.allocator.arrays import LastSeen
+from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -75,7 +73,6 @@ class BlockPool:
         self.cached = BlockQueue(num_blocks)  # least recently used first
         self.index = PrefixIndex(num_blocks, block_size, max_records)
         self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
-        self._seen = LastSeen(num_blocks)  # scratch of release()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -171,7 +168,7 @@ class BlockPool:
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
         if np.count_nonzero(refs) < len(refs):  # some were free
-            self.cached.remove(self._seen.last_occurrences(block_ids[refs == 0]))
+            self.cached.remove(last_occurrences(block_ids[refs == 0]))
         np.add.at(ref_counts, block_ids, _ONE)
 
     def release(self, block_ids: np.ndarray, *, may_repeat: bool = False) -> None:
@@ -189,76 +186,21 @@ class BlockPool:
         if len(freed):
             self.queue_freed(freed, may_repeat=may_repeat)
 
-    def release_rows(
-        self,
-        native: ModuleType,
-        arena: np.ndarray,
-        rows: list[int],
-        row_len: memoryview,
-        num_skipped: memoryview,
-    ) -> None:
-        """:meth:`release` of the blocks of ``rows`` (distinct ints) of ``arena`` (int32
-        ``[num_rows, width]``; a row's blocks are ``arena[row, num_skipped[row]:row_len[row]]``,
-        dropped tail first), in one compiled pass (``native``: the compiled module) that also
-        queues the freed blocks, unless a duplicate is pending or a queue is short of room."""
-        ref_counts = self.ref_counts
-        if not self.dups:
-            cached, uncached = self.cached, self.uncached
-            owned = self._owned_records()
-            if owned is True:
-                record, to_cached, to_uncached = None, cached, None
-            elif owned is False:
-                record, to_cached, to_uncached = None, None, uncached
-            else:
-                record, to_cached, to_uncached = self.record, cached, uncached
-            counts = native.release_rows(
-                ref_counts,
-                arena,
-                rows,
-                row_len,
-                num_skipped,
-                record,
-                None if to_cached is None else to_cached.tail_view(),
-                None if to_uncached is None else to_uncached.tail_view(),
-            )
-            if counts is not None:
-                cached.count_queued(counts[0])
-                uncached.count_queued(counts[1])
-                return
-        freed = native.release_rows(ref_counts, arena, rows, row_len, num_skipped)
-        if freed:  # distinct, in the order of their last reference
-            self.queue_freed(np.frombuffer(freed, dtype=np.int32))
-
     def queue_freed(self, freed: np.ndarray, *, may_repeat: bool = False) -> None:
         """Queue blocks whose last reference was just dropped (``freed``: int32 or intp, in
         release order; an id repeated only with ``may_repeat``, queued where it occurs last):
         the cached ones for eviction, the others as plain free blocks."""
         if self.dups:
             if may_repeat:
-                freed, may_repeat = self._seen.last_occurrences(freed), False
+                freed, may_repeat = last_occurrences(freed), False
             self._release_duplicates(freed)
-        owned = self._owned_records()
-        if owned is True:
-            self.cached.extend(freed, may_repeat=may_repeat)  # all cached (full computed blocks)
-        elif owned is False:
-            self.uncached.extend(freed, may_repeat=may_repeat)  # none (no prefix caching)
-        else:
-            slots = self.record.take(freed)
-            if slots[slots.argmin()] >= 0:  # all cached
-                self.cached.extend(freed, may_repeat=may_repeat)
-                return
-            cached = slots >= 0
-            self.uncached.extend(freed[~cached], may_repeat=may_repeat)
-            self.cached.extend(freed[cached], may_repeat=may_repeat)
-
-    def _owned_records(self) -> bool | None:
-        """Whether every owned block holds a record (True), none does (False), or some do
-        (None), from the counters: free cached blocks hold one, free uncached ones none. When
-        all or none do, so do the blocks a release frees, and their records need no gather."""
-        owned_cached = self.num_cached_blocks - len(self.cached)
-        if owned_cached == self.num_blocks - 1 - len(self.uncached) - len(self.cached):
-            return True
-        return False if not owned_cached else None
+        slots = self.record.take(freed)
+        cached = slots >= 0
+        if np.count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
+            self.cached.extend(freed, may_repeat=may_repeat)
+            return
+        self.uncached.extend(freed[~cached], may_repeat=may_repeat)
+        self.cached.extend(freed[cached], may_repeat=may_repeat)
 
     def _release_duplicates(self, freed: np.ndarray) -> None:
         """Freed duplicates are forgotten; freed holders with an owned duplicate hand over.
@@ -313,7 +255,7 @@ class BlockPool:
         n = len(block_ids)
         index = self.index
         slots = index.take_slots(n)
-        if index.keys.insert_absent(keys, slots):
+        if index.file_absent(keys, slots):
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
             # content ids are consecutive: the previous entry's is cids - 1
             parent_ids = np.where(parents == 0, cids - 1, parents)
@@ -327,31 +269,6 @@ class BlockPool:
         index.untake_slots(slots)
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
-    def cache_chains(
-        self,
-        block_ids: np.ndarray,
-        keys: np.ndarray,
-        tokens: np.ndarray,
-        starts: np.ndarray,
-        start_parents: np.ndarray,
-    ) -> np.ndarray:
-        """:meth:`cache` of chains given by where they start: entry ``starts[i]`` (int64,
-        ascending, ``starts[0] == 0``) has parent content id ``start_parents[i]`` (int64), every
-        other entry the content of the entry before it. Return the content ids (int64)."""
-        n = len(block_ids)
-        index = self.index
-        slots = index.take_slots(n)
-        if index.keys.insert_absent(keys, slots):
-            cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
-            parent_ids = cids - 1  # (content ids are consecutive)
-            parent_ids[starts] = start_parents
-            self._file_new(block_ids, tokens, slots, cids, parent_ids)
-            return cids
-        index.untake_slots(slots)
-        parents = np.zeros(n, dtype=np.int64)  # 0: the previous entry's content
-        parents[starts] = start_parents
-        return self._cache_one_by_one(block_ids, keys, tokens, parents, None)
-
     def _file_new(
         self,
         block_ids: np.ndarray,
@@ -363,58 +280,14 @@ class BlockPool:
         """Write the records of new contents at ``slots`` (their keys are filed already;
         ``cids`` continue ``index.next_cid``), held by ``block_ids``."""
         index = self.index
-        native = _loader.NATIVE
-        if native is not None and tokens.flags.c_contiguous and tokens.dtype == np.int64:
-            native.file_records(  # one compiled pass
-                slots,
-                index.next_cid,
-                parent_ids,
-                np.ascontiguousarray(block_ids, dtype=np.int32),
-                tokens.reshape(-1),  # (a view: contiguous)
-                index.cid,
-                index.parent,
-                index.holder,
-                index.tokens,
-                self.record,
-            )
-            index.next_cid += len(slots)
-            self.num_cached_blocks += len(slots)
-            return
         index.next_cid += len(slots)
         index.cid[slots] = cids
         index.parent[slots] = parent_ids
         index.write_tokens(slots, tokens)
-        index.holder[slots] = block_ids  # (index.key: written by insert_absent)
+        index.holder[slots] = block_ids  # (index.key: written by file_absent)
         # (an int32 index costs a cast per element inside the scatter: more than one astype)
         self.record[block_ids.astype(np.intp, copy=False)] = slots
         self.num_cached_blocks += len(slots)
-
-    def cache_one(self, block_id: int, key: int, tokens: np.ndarray, parent: int) -> int:
-        """:meth:`cache` of one block (the decode path: scalar operations only)."""
-        index = self.index
-        if index.keys.get_one(key) >= 0:
-            keys = np.array([key], dtype=np.uint64)
-            return int(
-                self._cache_one_by_one(
-                    np.array([block_id], dtype=np.int32),
-                    keys,
-                    tokens[None],
-                    np.array([parent]),
-                    None,
-                )[0]
-            )
-        [slot] = index.take_slots(1).tolist()
-        cid = index.next_cid
-        index.next_cid += 1
-        index.cid[slot] = cid
-        index.parent[slot] = parent
-        index.tokens[slot] = tokens
-        index.holder[slot] = block_id
-        index.hashes[slot] = None
-        index.keys.insert_one(key, slot)  # writes index.key[slot]
-        self.record[block_id] = slot
-        self.num_cached_blocks += 1
-        return cid
 
     def _cache_one_by_one(
         self,
@@ -431,7 +304,7 @@ class BlockPool:
         for i, block_id in enumerate(block_ids.tolist()):
             parent = int(parents[i]) or prev
             key = keys[i : i + 1]
-            slot = int(index.keys.get(key)[0])
+            slot = index.find_one(int(key[0]))
             if slot >= 0:
                 if int(index.parent[slot]) == parent and (index.tokens[slot] == tokens[i]).all():
                     prev = cids[i] = int(index.cid[slot])
@@ -458,10 +331,9 @@ class BlockPool:
             index.parent[slot] = parent
             index.tokens[slot] = tokens[i]
             index.holder[slot] = block_id
-            index.key[slot] = key[0]
             index.hashes[slot] = None if hashes is None else hashes[i]
             index.any_hashes |= hashes is not None
-            index.keys.insert(key, np.array([slot]))
+            index.file_one(int(key[0]), slot)
             record[block_id] = slot
             self.num_cached_blocks += 1
         return cids

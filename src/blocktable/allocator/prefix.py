@@ -18,12 +18,10 @@ caps a full-attention group's hit below what both can serve.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
 from blocktable.allocator.pool import BlockPool
 
@@ -33,7 +31,7 @@ _U64 = np.uint64
 class PromptPlan:
     """One prompt's tokens, keys and cache hit, found without side effects.
 
-    A plain class with slots (a dataclass with default factories costs ~1 us per prompt).
+    A plain class with slots (a dataclass with default factories costs more per prompt).
     """
 
     __slots__ = (
@@ -74,13 +72,9 @@ def prompt_keys(
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
     (the plans' token ids concatenated once, hashed with one product and chained in one scan;
-    each plan's keys and states are views of that pass's arrays). With the compiled loops,
-    one compiled pass per size reads the prompts where they are (no concatenation)."""
+    each plan's keys and states are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
-    native = _loader.NATIVE
     for bs in sorted(set(block_sizes)):
-        if native is not None and _chain_prompts(native, plans, bs, powers[bs], seeds):
-            continue
         counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
@@ -101,40 +95,6 @@ def prompt_keys(
             plan.states[bs] = states[start:stop]
 
 
-def _chain_prompts(
-    native: Any, plans: Sequence[PromptPlan], bs: int, powers: ChainPowers, seeds: np.ndarray
-) -> bool:
-    """:func:`prompt_keys` of one block size in one compiled pass; False (nothing written)
-    where a prompt's buffer is not C-contiguous."""
-    tokens = [p.tokens for p in plans]
-    total = sum(len(t) // bs for t in tokens)
-    keys, states = np.empty(total, dtype=_U64), np.empty(total, dtype=_U64)
-    try:
-        native.chain_prompts(
-            tokens, bs, powers.token_powers, powers.block_base, seeds, keys, states
-        )
-    except (ValueError, BufferError):  # (a strided prompt: numpy's passes take it)
-        return False
-    start = 0
-    for plan, t in zip(plans, tokens):
-        stop = start + len(t) // bs
-        plan.keys[bs] = keys[start:stop]
-        plan.states[bs] = states[start:stop]
-        start = stop
-    return True
-
-
-def _segment_first(fail: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Per segment (``lengths`` and ``starts`` into ``fail``, int64), the local index of its
-    first True, else its length."""
-    at = np.flatnonzero(fail)
-    if not len(at):
-        return lengths
-    # the first True at or after each start (clamped: past the last True it is before it)
-    first = at[np.minimum(np.searchsorted(at, starts), len(at) - 1)] - starts
-    return np.where(first < 0, lengths, np.minimum(first, lengths))
-
-
 def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per row of two int64 ``[n, bs]`` arrays, whether they differ (bool ``[n]``); for 8 or
     16 columns the rows of flags are read as uint64 words (a reduction along short rows costs
@@ -148,23 +108,6 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return differ.any(axis=1)
 
 
-def _key_bound(keys: np.ndarray, num_blocks: int, get_one: Callable[[int], int]) -> int:
-    """Blocks of a prompt worth looking up: ``num_blocks``, or fewer when a key is not filed.
-
-    A block can be served (or verified) only when its key is filed, so the first absent key
-    found bounds the prompt's hit. Keys ``0, 16, 64, 256, ...`` are probed one by one (a
-    scalar probe costs less than a numpy call), so the batched lookup reads at most about
-    four times the hit's keys (or 16) instead of the whole prompt's: a batched lookup of a few
-    hundred keys costs about what one of a few dozen does, a probe more than a key looked up.
-    """
-    probe = 0
-    while probe < num_blocks:
-        if get_one(keys.item(probe)) < 0:
-            return probe
-        probe = 4 * probe if probe else 16
-    return num_blocks
-
-
 def find_hits(
     plans: Sequence[PromptPlan],
     pools: Sequence[BlockPool],
@@ -172,85 +115,24 @@ def find_hits(
     windows: Sequence[int | None],
     align_tokens: int,
 ) -> None:
-    """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool."""
-    limits = [len(p.tokens) - 1 for p in plans]  # at least one token to compute
-    if windows.count(None) == len(windows):  # no sliding window
-        _find_full_hits(plans, pools, block_sizes, limits, align_tokens)
-        return
-    per_group = []
-    for pool, bs in zip(pools, block_sizes):
-        usable = np.array(
-            [
-                _key_bound(p.keys[bs], lim // bs, pool.index.keys.get_one)
-                for p, lim in zip(plans, limits)
-            ],
-            dtype=np.int64,
-        )
-        keys = np.concatenate([p.keys[bs][:u] for p, u in zip(plans, usable.tolist())])
-        slots = pool.index.find(keys)
-        tokens = np.concatenate(
-            [p.tokens[: u * bs] for p, u in zip(plans, usable.tolist())]
-        ).reshape(-1, bs)
-        index = pool.index
-        safe = np.maximum(slots, 0)
-        cids = index.cid[safe]
-        starts = np.cumsum(usable) - usable
-        expected_parent = np.empty_like(cids)
-        expected_parent[1:] = cids[:-1]
-        nonempty = usable > 0
-        expected_parent[starts[nonempty]] = [p.root for p, ne in zip(plans, nonempty) if ne]
-        ok = (slots >= 0) & (index.parent[safe] == expected_parent)
-        ok &= ~_rows_differ(index.tokens.take(safe, axis=0), tokens)
-        alive = index.holder[safe] != 0
-        verified = _segment_first(~ok, usable, starts)
-        cached = _segment_first(~(ok & alive), usable, starts)
-        per_group.append((slots, starts, verified, cached, alive))
-    for i, plan in enumerate(plans):
-        cap = limits[i]
-        for (_, _, _, cached, _), bs, window in zip(per_group, block_sizes, windows):
-            if window is None:
-                cap = min(cap, int(cached[i]) * bs)
-        best = cap // align_tokens
-        candidates = align_tokens * np.arange(best, -1, -1, dtype=np.int64)
-        servable = np.ones(len(candidates), dtype=bool)
-        for (slots, starts, verified, _, alive), bs, window in zip(per_group, block_sizes, windows):
-            if window is None:
-                continue
-            v = int(verified[i])
-            seg_alive = alive[starts[i] : starts[i] + v]
-            dead_before = np.concatenate(([0], np.cumsum(~seg_alive)))
-            hi = candidates // bs
-            lo = np.maximum(0, (candidates - window + 1) // bs)
-            inside = hi <= v
-            hi_c, lo_c = np.minimum(hi, v), np.minimum(lo, v)
-            servable &= inside & (dead_before[hi_c] == dead_before[lo_c])
-        n = int(candidates[np.argmax(servable)]) if servable.any() else 0
-        _take_hit(plan, n, per_group, i, block_sizes, windows)
+    """Fill every plan's hit (``num_cached_tokens``, per-group slots); changes no pool.
 
-
-_ZERO, _ZERO32 = np.zeros((), dtype=np.int64), np.zeros((), dtype=np.int32)  # 0-d operands
-_NO_SLOTS = np.zeros(0, dtype=np.int64)  # the hit slots of a group serving no block
-_NO_SLOTS.flags.writeable = False
-
-
-def _find_full_hits(
-    plans: Sequence[PromptPlan],
-    pools: Sequence[BlockPool],
-    block_sizes: Sequence[int],
-    limits: list[int],
-    align_tokens: int,
-) -> None:
-    """:func:`find_hits` without sliding windows: the hit is the longest prefix of cached
-    blocks every group serves. Per group, each prompt's blocks worth looking up are bounded
-    first (:func:`_key_bound`, and by the hit the groups before allow), then the bounded
-    blocks of all prompts are looked up and verified in one pass (few array operations: each
-    costs more than its work here)."""
+    Per group, each prompt's blocks worth looking up are bounded first (by the hit the
+    groups before allow, and by the first key not filed: keys ``0, 16, 64, 256, ...`` are
+    probed one by one, so a prompt reads at most about four times its hit's keys), then the
+    bounded blocks of all prompts are looked up and verified in one pass. A block verifies
+    when its record exists, holds the prompt's tokens and its parent is the content id found
+    for the block before (the namespace's root for block 0); a full-attention group serves up
+    to its first block that does not verify or is not alive (cached), a sliding-window group
+    up to its first block that does not verify, and then only where the blocks its window
+    reads are alive.
+    """
     num_groups = len(pools)
-    caps = list(limits)  # per prompt: the longest hit still possible, in tokens
-    found: list[tuple[dict[int, int], np.ndarray]] = []  # per group: starts, slots
-    for pool, bs in zip(pools, block_sizes):
+    caps = [len(p.tokens) - 1 for p in plans]  # the longest hit still possible, in tokens
+    found: list[tuple[dict[int, int], np.ndarray, np.ndarray]] = []  # starts, slots, alive
+    for pool, bs, window in zip(pools, block_sizes, windows):
         index = pool.index
-        get_one = index.keys.get_one
+        get_one = index.find_one
         probed: dict[int, int] = {}  # key -> slot: prompts sharing a prefix probe it once
         starts: dict[int, int] = {}  # prompt -> where its blocks start in `slots`
         end = 0  # the looked-up blocks of all prompts
@@ -262,7 +144,6 @@ def _find_full_hits(
         followers: dict[int, int] = {}  # prompt -> its leader
         for i, plan in enumerate(plans):
             num_blocks = caps[i] // bs
-            # (_key_bound, inline: a call per prompt costs as much as a probe)
             keys = plan.keys[bs]
             probe = 0
             while probe < num_blocks:
@@ -291,29 +172,19 @@ def _find_full_hits(
         if not starts:
             break  # no prompt can hit
         live = list(starts)
+        bounds = [*starts.values(), end]
         if len(live) == 1:
-            plan = plans[live[0]]
-            keys = plan.keys[bs][:end]
-            tokens = plan.tokens[: end * bs]
+            keys = plans[live[0]].keys[bs][:end]
+            tokens = plans[live[0]].tokens[: end * bs]
             token_bytes = leader_tokens.get(live[0])  # (read already when it has followers)
         else:
             token_bytes = None
-            bounds = [*starts.values(), end]
-            keys = np.concatenate(
-                [
-                    plans[i].keys[bs][: stop - start]
-                    for i, start, stop in zip(live, bounds, bounds[1:])
-                ]
-            )
+            parts = list(zip(live, bounds, bounds[1:]))
+            keys = np.concatenate([plans[i].keys[bs][: stop - start] for i, start, stop in parts])
             tokens = np.concatenate(
-                [
-                    plans[i].tokens[: (stop - start) * bs]
-                    for i, start, stop in zip(live, bounds, bounds[1:])
-                ]
+                [plans[i].tokens[: (stop - start) * bs] for i, start, stop in parts]
             )
-        slots = index.keys.get(keys)  # (-1 where absent: reads the last record, bad anyway)
-        # block j verifies when its record exists, is alive, holds the prompt's tokens and
-        # its parent is the content id found for block j - 1 (the namespace's root for 0)
+        slots = index.find(keys)  # (-1 where absent: reads the last record, bad anyway)
         parents = index.parent[slots]
         bad = np.empty(end, dtype=bool)
         np.not_equal(parents[1:], index.cid[slots[:-1]], out=bad[1:])
@@ -326,15 +197,15 @@ def _find_full_hits(
         # bytes are told by one compare. (0-d operands: cheaper than Python ints in ufuncs.)
         if (
             np.count_nonzero(bad)
-            or np.count_nonzero(alive) < end
+            or (window is None and np.count_nonzero(alive) < end)
             or np.count_nonzero(slots < _ZERO)
             or stored.tobytes() != (tokens.tobytes() if token_bytes is None else token_bytes)
         ):
             bad |= slots < _ZERO
-            bad |= alive == _ZERO32
+            if window is None:
+                bad |= alive == _ZERO32
             bad |= _rows_differ(stored, tokens.reshape(-1, bs))
             at = bad.nonzero()[0].tolist()
-            bounds = [*starts.values(), end]
             for i, start, stop in zip(live, bounds, bounds[1:]):
                 j = bisect_left(at, start)
                 if j < len(at) and at[j] < stop:
@@ -342,49 +213,57 @@ def _find_full_hits(
         for i, leader in followers.items():  # (same blocks looked up: the same cap)
             caps[i] = caps[leader]
             starts[i] = starts[leader]
-        found.append((starts, slots))
+        found.append((starts, slots, alive))
     # the lists of a prompt without a hit, shared by all such prompts (read only)
     no_slots, zeros, no_last = [_NO_SLOTS] * num_groups, [0] * num_groups, [-1] * num_groups
     # a hit is where it starts in every group's slots, and its length
-    hits: dict[tuple[object, int], tuple[list[np.ndarray], list[int]]] = {}
+    hits: dict[tuple[object, int], tuple[list[np.ndarray], list[int], list[int]]] = {}
     for i, plan in enumerate(plans):
         n = caps[i] // align_tokens * align_tokens
+        if n and any(w is not None for w in windows):
+            n = _servable(n, i, found, block_sizes, windows, align_tokens)
         plan.num_cached_tokens = n
-        plan.num_skipped = zeros
         if not n:
-            plan.hit_slots, plan.last_slots = no_slots, no_last
+            plan.hit_slots, plan.num_skipped, plan.last_slots = no_slots, zeros, no_last
             continue
-        where = (
-            found[0][0][i]
-            if num_groups == 1
-            else tuple(group_starts[i] for group_starts, _ in found)  # (looked up in each)
-        )
+        where = found[0][0][i] if num_groups == 1 else tuple(f[0][i] for f in found)
         found_hit = hits.get((where, n))
         if found_hit is None:  # (plans with one hit share its lists: the admission sees it)
-            hit_slots, last_slots = [], []
-            for (group_starts, group_slots), bs in zip(found, block_sizes):
+            found_hit = hits[where, n] = ([], [], [])
+            for (group_starts, group_slots, _), bs, window in zip(found, block_sizes, windows):
                 start = group_starts[i]  # (a hit was looked up in every group)
                 seg = group_slots[start : start + n // bs]
-                hit_slots.append(seg)
-                last_slots.append(seg.item(-1))
-            found_hit = hits[where, n] = (hit_slots, last_slots)
-        plan.hit_slots, plan.last_slots = found_hit
+                skip = 0 if window is None else max(0, (n - window + 1) // bs)
+                found_hit[0].append(seg[skip:])
+                found_hit[1].append(skip)
+                found_hit[2].append(seg.item(-1))
+        plan.hit_slots, plan.num_skipped, plan.last_slots = found_hit
 
 
-def _take_hit(
-    plan: PromptPlan,
-    n: int,
-    per_group: Sequence[tuple[Any, ...]],
+def _servable(
+    cap: int,
     i: int,
+    found: list[tuple[dict[int, int], np.ndarray, np.ndarray]],
     block_sizes: Sequence[int],
     windows: Sequence[int | None],
-) -> None:
-    plan.num_cached_tokens = n
-    plan.hit_slots, plan.num_skipped, plan.last_slots = [], [], []
-    for (slots, starts, _, _, _), bs, window in zip(per_group, block_sizes, windows):
-        hi = n // bs
-        lo = 0 if window is None else max(0, (n - window + 1) // bs)
-        seg = slots[int(starts[i]) : int(starts[i]) + hi]
-        plan.hit_slots.append(seg[lo:])
-        plan.num_skipped.append(lo)
-        plan.last_slots.append(int(seg[-1]) if hi else -1)
+    align_tokens: int,
+) -> int:
+    """The largest multiple of ``align_tokens`` up to ``cap`` at which every sliding-window
+    group's window reads only live blocks of prompt ``i`` (its blocks up to ``cap`` verify;
+    0 if none)."""
+    candidates = align_tokens * np.arange(cap // align_tokens, 0, -1, dtype=np.int64)
+    servable = np.ones(len(candidates), dtype=bool)
+    for (starts, _, alive), bs, window in zip(found, block_sizes, windows):
+        if window is not None:
+            start = starts[i]
+            dead = alive[start : start + cap // bs] == 0
+            dead_before = np.concatenate(([0], np.cumsum(dead)))  # dead blocks before each
+            hi = candidates // bs
+            lo = np.maximum(0, (candidates - window + 1) // bs)
+            servable &= dead_before[hi] == dead_before[lo]
+    return int(candidates[servable.argmax()]) if servable.any() else 0
+
+
+_ZERO, _ZERO32 = np.zeros((), dtype=np.int64), np.zeros((), dtype=np.int32)  # 0-d operands
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # the hit slots of a group serving no block
+_NO_SLOTS.flags.writeable = False

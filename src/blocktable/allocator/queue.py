@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable import _native_loader as _loader
 from blocktable.allocator.arrays import last_occurrences
 
 
@@ -33,7 +32,7 @@ class BlockQueue:
     def __init__(self, num_blocks: int, initial: np.ndarray | None = None) -> None:
         # On cpu, block ids. Filled now, not zeroed lazily (np.zeros maps zero pages): the
         # tail walks through the whole array before its first compaction, and each page's
-        # first write would otherwise fault inside a release (~1 us per 1024 ids queued).
+        # first write would otherwise fault inside a release.
         self._slots = np.empty(2 * num_blocks + 2, dtype=np.int32)
         self._slots.fill(0)
         self._position = np.full(num_blocks, -1, dtype=np.int32)  # on cpu, block id -> slot
@@ -74,11 +73,6 @@ class BlockQueue:
                 block_ids, may_repeat = last_occurrences(block_ids), False
                 n = len(block_ids)
         tail = self._tail
-        native = _loader.NATIVE
-        if native is not None and not (may_repeat and n > 1):  # slots and positions, one pass
-            self._tail = native.queue_extend(self._slots, self._position, block_ids, tail)
-            self._len += n
-            return
         position, stamps = self._position, self._iota[tail : tail + n]
         self._slots[tail : tail + n] = block_ids
         self._tail = tail + n
@@ -91,17 +85,6 @@ class BlockQueue:
         else:
             position[block_ids] = stamps
             self._len += n
-
-    def tail_view(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """``(slots, position, tail)``: where a compiled pass (``release_rows``) queues ids
-        itself, writing ``slots[tail + k]`` and ``position[id]``; :meth:`count_queued` then
-        counts them in."""
-        return self._slots, self._position, self._tail
-
-    def count_queued(self, n: int) -> None:
-        """Count in the ``n`` ids a compiled pass queued past the tail of :meth:`tail_view`."""
-        self._tail += n
-        self._len += n
 
     def append(self, block_id: int) -> None:
         """Queue one id last."""

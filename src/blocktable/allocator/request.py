@@ -169,10 +169,6 @@ class RequestState:
         the arena grows)."""
         return self.rows.row(group, self.row)
 
-    def append_blocks(self, group: int, block_ids: np.ndarray) -> None:
-        """Append ``block_ids`` (int32) to the row of ``group``."""
-        self.rows.append(group, self.row, block_ids)
-
     def append_block(self, group: int, block_id: int) -> None:
         """Append one id to the row of ``group``."""
         rows, row = self.rows, self.row
@@ -226,7 +222,7 @@ class RequestState:
         copied, no blocks (the caller fills them)."""
         child = RequestState(
             req_id,
-            self.rows.start(row, self.tokens[: self.num_tokens]),
+            self.rows.start_many([row], [self.tokens[: self.num_tokens]])[0],
             self.namespace,
             self.namespace_bytes,
             self.root,
@@ -245,7 +241,7 @@ class RequestState:
 
 
 class PlannedChain(Protocol):
-    """What :meth:`KeyChains.admit_many` reads of a planned prompt (see :meth:`KeyChains.admit`)."""
+    """What :meth:`KeyChains.admit_many` reads of a planned prompt."""
 
     root: int
     seed: int
@@ -289,30 +285,11 @@ class KeyChains:
         self.__dict__.update(state)
         self._views()
 
-    def admit(
-        self,
-        row: int,
-        root: int,
-        seed: int,
-        keys: dict[int, np.ndarray],
-        states: dict[int, np.ndarray],
-    ) -> None:
-        """A request takes ``row``: nothing registered yet, every group's parent is ``root``;
-        per block size ``bs`` its prompt's keys ``keys[bs]`` (uint64) are keyed, the chain
-        state after them being ``states[bs][-1]`` (``seed`` where there is none)."""
-        for num_hashed, parent_cid in self._start_mvs:
-            num_hashed[row] = 0
-            parent_cid[row] = root
-        set_mvs = self._set_mvs
-        for bs, bs_keys in keys.items():
-            n = len(bs_keys)
-            num_keys_mv, state_mv = set_mvs[bs]
-            num_keys_mv[row] = n
-            state_mv[row] = states[bs].item(n - 1) if n else seed
-
     def admit_many(self, rows: list[int], plans: Sequence[PlannedChain]) -> None:
-        """:meth:`admit` of each of ``rows`` with ``plans[i]``'s root, seed, keys and states:
-        one loop with the views bound once."""
+        """Requests take ``rows``: with ``plans[i]``'s root, seed, keys and states, nothing is
+        registered yet, every group's parent is the root; per block size ``bs`` the prompt's
+        keys ``keys[bs]`` (uint64) are keyed, the chain state after them being
+        ``states[bs][-1]`` (the seed where there is none)."""
         start_mvs, set_mvs = self._start_mvs, self._set_mvs
         for row, plan in zip(rows, plans):
             root, seed, states = plan.root, plan.seed, plan.states

@@ -91,26 +91,12 @@ class RowState:
         self.__dict__.update(state)
         self._views()
 
-    def start(self, row: int, tokens: np.ndarray) -> np.ndarray | None:
-        """A new request takes ``row`` with the token ids ``tokens`` (int64, copied) and
-        nothing else. Returns None when the ids went into the row of the token arena, else
-        the buffer of their own they went into (with room to grow; see :meth:`take_tokens`)."""
-        n = len(tokens)
-        self.holder_gen_mv[row] = self._next_gen
-        self._next_gen += 1
-        self.num_computed_mv[row] = 0
-        self.num_tokens_mv[row] = n
-        self.num_prompt_mv[row] = n
-        self.num_slots_mv[row] = 0
-        for row_len, num_skipped in zip(self.row_len_mvs, self.num_skipped_mvs):
-            row_len[row] = 0
-            num_skipped[row] = 0
-        return self.take_tokens(row, tokens)
-
     def start_many(self, rows: list[int], prompts: list[np.ndarray]) -> list[np.ndarray | None]:
-        """:meth:`start` of each of ``rows`` (distinct) with its prompt's token ids, in order:
-        one loop with the views bound once (a step admits a few requests: scalar writes beat
-        array calls here). Returns what :meth:`start` returns, per row."""
+        """New requests take ``rows`` (distinct), each with its prompt's token ids (int64,
+        copied) and nothing else. Per row: None when the ids went into the row of the token
+        arena, else the buffer of their own they went into (with room to grow; see
+        :meth:`take_tokens`). One loop with the views bound once (a step admits a few
+        requests: scalar writes beat array calls here)."""
         gen = self._next_gen
         self._next_gen = gen + len(rows)
         holder_gen, num_computed, num_slots = (
@@ -154,7 +140,7 @@ class RowState:
     def take_tokens(self, row: int, tokens: np.ndarray) -> np.ndarray | None:
         """Copy a new request's ``tokens`` (int64) into ``row`` of the token arena and return
         None, or, when they do not fit, into a buffer of its own (with room to grow) and
-        return that (:meth:`start` calls it)."""
+        return that (:meth:`start_many` calls it)."""
         n = len(tokens)
         if n <= self.tokens.shape[1] or self.token_room(n):
             self.tokens[row, :n] = tokens
@@ -191,15 +177,6 @@ class RowState:
     def row(self, group: int, row: int) -> np.ndarray:
         """Row ``row`` of ``group``: int32 ``[row_len[group, row]]``, a view of the arena."""
         return self.blocks[group][row, : self.row_len[group, row]]
-
-    def append(self, group: int, row: int, block_ids: np.ndarray) -> None:
-        """Append ``block_ids`` (int32) to ``row`` of ``group``."""
-        row_len = self.row_len_mvs[group]
-        n = row_len[row]
-        k = len(block_ids)
-        arena = self.ensure_width(group, n + k)
-        arena[row, n : n + k] = block_ids
-        row_len[row] = n + k
 
     def set_row(self, group: int, row: int, block_ids: np.ndarray) -> None:
         """Make ``block_ids`` (int32) the whole row ``row`` of ``group``."""

@@ -1,0 +1,373 @@
+"""Running requests: their table rows, block rows and token ids, and the step's journal.
+
+:class:`RunningRequests` is the half of :class:`~blocktable.allocator.KVCacheManager` that
+does not know about block contents: it hands blocks out of the pools (``allocate_many``),
+appends sampled tokens, releases a leaving request's blocks and row, answers queries about
+running requests, and turns the step's row changes into a
+:class:`~blocktable.update.StepUpdate`. Every batched call checks all its arguments before it
+changes anything; the per-request calls are wrappers over the batched ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from blocktable.allocator.checks import (
+    as_list,
+    check_model_len,
+    check_same_length,
+    running_requests,
+    token_counts,
+)
+from blocktable.allocator.errors import OutOfBlocksError
+from blocktable.allocator.journal import StepJournal
+from blocktable.allocator.pool import BlockPool
+from blocktable.allocator.request import RequestState, TokenIds, token_array
+from blocktable.allocator.rows import RowAllocator
+from blocktable.allocator.rowstate import RowState
+from blocktable.update import RowBlocks, StepUpdate
+
+ReqId = str | int
+
+
+class RunningRequests:
+    """The running requests of one allocator, each holding a table row.
+
+    Parameters
+    ----------
+    pools : sequence of BlockPool
+        One per KV cache group.
+    max_num_reqs : int
+        Number of table rows.
+    max_model_len : int or None
+        The most tokens a request may hold.
+    """
+
+    def __init__(
+        self, pools: Sequence[BlockPool], max_num_reqs: int, max_model_len: int | None
+    ) -> None:
+        self.pools = tuple(pools)
+        self.block_sizes = tuple(pool.block_size for pool in self.pools)
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self._requests: dict[ReqId, RequestState] = {}
+        self._preempted: set[ReqId] = set()
+        # the last batched call's (req_ids, their states, their rows): a step's calls often
+        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
+        # request leaves (a request's state and row are fixed while it runs)
+        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
+        self._rows: RowAllocator[RequestState] = RowAllocator(max_num_reqs)
+        self._row_state = RowState(max_num_reqs, len(self.pools))
+        self._journal = StepJournal(len(self.pools), self._row_state)
+        self.num_preemptions = 0
+
+    def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
+        """Append generated tokens (one int or a sequence) to the request's sequence."""
+        self.append_token_ids_many([req_id], [token_ids])
+
+    def append_token_ids_many(
+        self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
+    ) -> None:
+        """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
+        of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
+        req_ids, reqs, rows = self._running(req_ids)
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
+            check_same_length("token_ids", token_ids, len(req_ids))
+            # one conversion of the whole array; then every request appends a row of width k
+            name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
+            block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
+            self._append_rows(reqs, rows, block)
+            return
+        token_ids = as_list("token_ids", token_ids)
+        check_same_length("token_ids", token_ids, len(req_ids))
+        arrays = [
+            token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
+        ]
+        for req, new in zip(reqs, arrays):
+            self._check_request_len(req.req_id, "sequence", req.num_tokens + len(new))
+        for req, new in zip(reqs, arrays):
+            req.append_tokens(new)
+
+    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
+        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
+        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
+        k = block.shape[1]
+        num_tokens = self._row_state.num_tokens_mv
+        if self.max_model_len is not None:
+            for req in reqs:
+                self._check_request_len(req.req_id, "sequence", num_tokens[req.row] + k)
+        if not k or not reqs:
+            return
+        state = self._row_state
+        starts = state.num_tokens[rows]
+        # (count_nonzero: cheaper than all() here; argmax and an index than max())
+        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
+            int(starts[starts.argmax()]) + k
+        ):
+            # every row in the token arena: one scatter on the flat arena, at each row's
+            # first position repeated k times plus 0 .. k - 1 (1-D passes: a broadcast
+            # [n, 1] + [k] add, or a put, costs about twice as much)
+            arena = state.tokens
+            at = rows * arena.shape[1]
+            at += starts
+            at = at.repeat(k)
+            at += np.tile(np.arange(k), len(rows))
+            arena.reshape(-1)[at] = block.reshape(-1)
+            starts += k
+            state.num_tokens[rows] = starts
+            return
+        for req, new in zip(reqs, block):
+            row = req.row
+            n = num_tokens[row]
+            req.room(n + k)[n : n + k] = new
+            num_tokens[row] = n + k
+
+    # ----------------------------------------------------------------- allocation
+    def can_allocate(self, req_id: ReqId, num_new_tokens: int) -> bool:
+        """Whether :meth:`allocate` would succeed now (no side effects)."""
+        return self.can_allocate_many([req_id], [num_new_tokens])
+
+    def allocate(self, req_id: ReqId, num_new_tokens: int) -> tuple[list[int], ...]:
+        """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
+
+        All-or-nothing over every group. Blocks already allocated (lookahead) are reused, so
+        the result may be empty. Same as :meth:`allocate_many` of this one request.
+
+        Returns
+        -------
+        tuple of list of int
+            Per group, the new manager block ids appended to the request's row.
+
+        Raises
+        ------
+        OutOfBlocksError
+            Some group lacks free blocks; nothing was allocated, the pools are unchanged.
+        ValueError
+            The request would exceed ``max_model_len``.
+        """
+        return tuple(part.block_ids.tolist() for part in self.allocate_many([req_id], [num_new_tokens]))
+
+    def can_allocate_many(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> bool:
+        """Whether :meth:`allocate_many` would succeed now (no side effects)."""
+        _, _, _, needs = self._needs(req_ids, num_new_tokens)
+        return all(
+            int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
+        )
+
+    def allocate_many(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> tuple[RowBlocks, ...]:
+        """:meth:`allocate` for every request of a step at once: one take per group.
+
+        All-or-nothing over every request and group: on any error (unknown or repeated request,
+        lengths that disagree, ``max_model_len``, too few free blocks) nothing changes.
+
+        Parameters
+        ----------
+        req_ids : sequence of request ids ``[n]``, distinct
+        num_new_tokens : sequence of int or int array ``[n]``
+
+        Returns
+        -------
+        tuple of RowBlocks
+            Per group: ``rows`` (int32 ``[k]``, the table rows of the requests that got new
+            blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
+            read-only arrays.
+        """
+        reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
+        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+            total = int(need.sum())
+            if total > pool.num_free_blocks:
+                who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
+                       else f"{len(reqs)} requests need")
+                raise OutOfBlocksError(
+                    f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
+        grows = needs[0] > 0
+        for need in needs[1:]:
+            grows |= need > 0
+        grown = rows[grows]
+        self._journal.touch(grown)
+        state = self._row_state
+        out = []
+        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+            got = np.flatnonzero(need)
+            if not len(got):
+                out.append(RowBlocks())
+                continue
+            g_rows, num, starts = rows[got], need[got], old_lens[g][got]
+            new = pool.take(int(num.sum()))
+            ends = starts + num
+            arena = state.ensure_width(g, int(ends.max()))
+            # each row's run of new ids: its first flat position in the (C-contiguous) arena
+            # plus 0, 1, ... (where its run starts in `new`: the running sum before it)
+            first = g_rows * arena.shape[1] + starts - (np.cumsum(num) - num)
+            arena.reshape(-1)[first.repeat(num) + np.arange(len(new))] = new
+            state.row_len[g][g_rows] = ends
+            data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
+            flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
+            n = len(g_rows)
+            out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
+        if len(grown):  # the tokens every group's blocks hold
+            slots = (old_lens[0] + needs[0]) * self.block_sizes[0]
+            for g in range(1, len(self.pools)):
+                np.minimum(slots, (old_lens[g] + needs[g]) * self.block_sizes[g], out=slots)
+            state.num_slots[grown] = slots[grows]
+        return tuple(out)
+
+    def _needs(
+        self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
+    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The running requests of ``req_ids``, their rows (intp) and, per group, their row
+        lengths and the blocks each needs for ``num_new_tokens`` more tokens (int64 ``[n]``);
+        checked, including ``max_model_len``."""
+        req_ids, reqs, rows = self._running(req_ids)
+        counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
+        state = self._row_state
+        totals = state.num_computed.take(rows) + np.array(counts, dtype=np.int64)
+        if self.max_model_len is not None and len(reqs):
+            over = np.flatnonzero(totals > self.max_model_len)
+            if len(over):
+                i = int(over[0])
+                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
+        old_lens = [row_len.take(rows) for row_len in state.row_len]
+        needs = [np.maximum(-(-totals // bs) - old_len, 0)
+                 for bs, old_len in zip(self.block_sizes, old_lens)]
+        return reqs, rows, old_lens, needs
+
+    def free(self, req_id: ReqId) -> None:
+        """Release a finished request's blocks (cached ones stay findable) and its row.
+
+        A preempted request (holding nothing) is forgotten. Blocks are queued tail first, so a
+        request's tail is evicted before its (possibly shared) prefix.
+
+        Raises
+        ------
+        KeyError
+            Unknown request, or freed twice.
+        """
+        self.free_many([req_id])
+
+    def free_many(self, req_ids: Sequence[ReqId]) -> None:
+        """:meth:`free` of several requests at once (in order); checked fully first."""
+        req_ids = as_list("req_ids", req_ids)
+        preempted = self._preempted
+        running = [r for r in req_ids if r not in preempted] if preempted else req_ids
+        reqs = running_requests(self._requests, preempted, running)
+        if preempted:
+            if len(set(req_ids)) != len(req_ids):
+                raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
+            for req_id in req_ids:
+                preempted.discard(req_id)
+        self._release(reqs)
+
+    def preempt(self, req_id: ReqId) -> None:
+        """Release the request's blocks and row; it may come back with :meth:`add_request`.
+
+        Its computed full blocks stay cached, so re-admission with all its tokens so far
+        (prompt and generated) usually hits them.
+        """
+        self._release([self._get(req_id)])
+        self._preempted.add(req_id)
+        self.num_preemptions += 1
+
+    def take_step_update(self) -> StepUpdate:
+        """The net row changes since the last call, as flat arrays for the table; then reset.
+
+        See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
+        request admitted and allocated in the same step is only in ``added`` (cached hits and
+        new blocks together); a freed row is in ``cleared_rows`` unless another request took
+        it in the same step, in which case it is only in ``added``. The update is built with
+        ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
+        """
+        # Stamp the block sizes so a table built for another block size refuses the ids.
+        return self._journal.take(self.block_sizes)
+
+    # ----------------------------------------------------------------- queries
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._requests
+
+    def row_of(self, req_id: ReqId) -> int:
+        """The table row of a running request."""
+        return self._get(req_id).row
+
+    def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
+        """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
+        req = self._get(req_id)
+        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
+
+    def num_computed_tokens(self, req_id: ReqId) -> int:
+        """Tokens of the request already in the KV cache."""
+        return self._get(req_id).num_computed_tokens
+
+    def num_tokens(self, req_id: ReqId) -> int:
+        """Token ids known for the request (prompt plus appended)."""
+        return self._get(req_id).num_tokens
+
+    def is_preempted(self, req_id: ReqId) -> bool:
+        """Whether ``req_id`` was preempted and not re-admitted or freed since."""
+        return req_id in self._preempted
+
+    @property
+    def num_requests(self) -> int:
+        """Running requests (each holds a row)."""
+        return len(self._requests)
+
+    @property
+    def num_free_rows(self) -> int:
+        return self._rows.num_free
+
+    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
+        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
+        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
+        answer when it named the same requests (nobody left since)."""
+        req_ids = as_list("req_ids", req_ids)
+        last = self._last_batch
+        if last is not None and last[0] == req_ids:
+            return req_ids, last[1], last[2]
+        reqs = running_requests(self._requests, self._preempted, req_ids)
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        rows.flags.writeable = False
+        self._last_batch = (req_ids.copy(), reqs, rows)
+        return req_ids, reqs, rows
+
+    def _get(self, req_id: ReqId) -> RequestState:
+        req = self._requests.get(req_id)
+        if req is None:
+            if req_id in self._preempted:
+                raise KeyError(f"request {req_id!r} is preempted (add_request it again)")
+            raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")
+        return req
+
+    def _check_request_len(self, req_id: ReqId, what: str, num_tokens: int) -> None:
+        """:func:`check_model_len` naming a request (the message is built only to raise)."""
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
+
+    def _release(self, reqs: list[RequestState]) -> None:
+        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
+        slice of each request's row (tail first, read through memoryviews), one concatenation
+        and one release; then the rows."""
+        state, requests = self._row_state, self._requests
+        self._last_batch = None  # it may name a request of reqs
+        rows = []
+        for req in reqs:  # (checked: nothing below fails)
+            rows.append(req.row)
+            del requests[req.req_id]
+        self._journal.touch(rows)
+        for pool, arena, row_len, num_skipped in zip(
+            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
+        ):
+            parts = []
+            for row in rows:
+                n, skip = row_len[row], num_skipped[row]
+                if n > skip:
+                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
+            if parts:
+                ids = np.concatenate(parts, dtype=np.intp)
+                pool.release(ids, may_repeat=len(parts) > 1)
+        state.stop(rows)
+        self._rows.release_many(rows)
