@@ -8,6 +8,8 @@ from table_model import assert_unchanged, snapshot
 
 from blocktable import CPConfig, GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 
+pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
+
 
 @pytest.fixture
 def bt():

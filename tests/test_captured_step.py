@@ -10,6 +10,8 @@ import torch
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, RowEntries, StepUpdate
 from blocktable.step import CapturedStep
 
+pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
+
 ROWS, TOKENS, NUM_BLOCKS = 6, 16, 200
 SPECS = [GroupSpec(4, max_num_blocks=6, num_blocks=NUM_BLOCKS),
          GroupSpec(8, kernel_block_size=4, max_num_blocks=3, num_blocks=NUM_BLOCKS)]

@@ -15,6 +15,8 @@ import pytest
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, RowEntries, StepUpdate
 
+pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
+
 
 def expand(ids: list[int], k: int) -> list[int]:
     return [0 if b == 0 else b * k + q for b in ids for q in range(k)]

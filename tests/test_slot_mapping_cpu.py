@@ -11,6 +11,8 @@ import torch
 from blocktable import PAD_SLOT_ID, CPConfig, GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable.slot_mapping import slot_mapping_reference, slot_mapping_torch
 
+pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
+
 MAX_REQS, MAX_TOKENS = 8, 128
 SPECS = [
     [GroupSpec(16)],

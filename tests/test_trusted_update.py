@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+import blocktable._compiled_loader as loader
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.step import CapturedStep
@@ -96,6 +97,7 @@ def same(a: MultiGroupBlockTable, b: MultiGroupBlockTable) -> None:
     np.testing.assert_array_equal(a.slot_buffers.numpy(), b.slot_buffers.numpy())
 
 
+@pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trusted_steps_equal_checked_steps_and_three_calls(groups, seed):
@@ -298,6 +300,7 @@ class TrustedStepMachine(RuleBasedStateMachine):
     mapping: all three stay equal, and refuse the same updates with nothing written."""
 
     GROUPS = 1
+    COMPILED = True  # False: tables and steps made with numpy doing the compiled loops' work
 
     @initialize()
     def setup(self) -> None:
@@ -307,10 +310,16 @@ class TrustedStepMachine(RuleBasedStateMachine):
             specs.append(AllocatorGroupSpec(8, NUM_BLOCKS, sliding_window=8))
             table_specs.append(GroupSpec(8, kernel_block_size=4, num_blocks=NUM_BLOCKS))
         self.mgr = KVCacheManager(specs, ROWS, max_model_len=MAX_LEN)
-        self.tables = [MultiGroupBlockTable(table_specs, ROWS, MAX_LEN, TOKENS)
-                       for _ in range(3)]
-        self.trusted = CapturedStep(self.tables[0])
-        self.checked = CapturedStep(self.tables[1])
+        saved = loader.COMPILED
+        if not self.COMPILED:
+            loader.COMPILED = None
+        try:
+            self.tables = [MultiGroupBlockTable(table_specs, ROWS, MAX_LEN, TOKENS)
+                           for _ in range(3)]
+            self.trusted = CapturedStep(self.tables[0])
+            self.checked = CapturedStep(self.tables[1])
+        finally:
+            loader.COMPILED = saved
         self.running: list[int] = []
         self.next_id = 0
 
@@ -407,3 +416,11 @@ TestTrustedSteps = TrustedStepMachine.TestCase
 TestTrustedSteps.settings = _SETTINGS
 TestTwoGroupTrustedSteps = TwoGroupTrustedStepMachine.TestCase
 TestTwoGroupTrustedSteps.settings = _SETTINGS
+
+
+class NumpyTrustedStepMachine(TrustedStepMachine):
+    COMPILED = False
+
+
+TestNumpyTrustedSteps = NumpyTrustedStepMachine.TestCase
+TestNumpyTrustedSteps.settings = _SETTINGS

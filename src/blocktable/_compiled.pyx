@@ -545,10 +545,13 @@ cdef tuple _span(const int32_t[::1] a):
 
 
 cdef bint _any_overlap(list outputs, list others):
+    """Whether a span ``(address, bytes)`` of ``outputs`` overlaps one of ``others`` (another
+    one of ``outputs`` when ``others is outputs``)."""
     cdef Py_ssize_t i, j
+    cdef bint same = others is outputs
     for i in range(len(outputs)):
         for j in range(len(others)):
-            if i != j and _overlap(<void*>(<uintptr_t>outputs[i][0]), outputs[i][1],
+            if not (same and i == j) and _overlap(<void*>(<uintptr_t>outputs[i][0]), outputs[i][1],
                                    <void*>(<uintptr_t>others[j][0]), others[j][1]):
                 return True
     return False

@@ -1,7 +1,8 @@
 """The compiled slot mapping (``blocktable._compiled``), where the install built it.
 
 ``BLOCKTABLE_COMPILED=0`` in the environment turns it off at import (to measure or test the
-numpy path); :data:`COMPILED` is read at each call, so a test may also swap it for a while.
+numpy path). Tables and steps read :data:`COMPILED` when they are made, so a test may also
+swap it while it builds them.
 """
 
 from __future__ import annotations

@@ -58,6 +58,10 @@ class Committer:
         self.storage = storage
         self.backend = backend
         self.capacity = storage.journal_capacity
+        # the compiled gathering of the pairs, where the install built it (else numpy)
+        compiled = _loader.COMPILED
+        self._compiled_fill = None if compiled is None else compiled.fill_staging
+        self._dirty_u8 = storage.dirty_rows.reshape(-1).view(np.uint8)  # (same memory)
         cuda = storage.device.type == "cuda"
         # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
         self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
@@ -81,11 +85,9 @@ class Committer:
         st = self.storage
         if not st.changed:
             return 0
-        compiled = _loader.COMPILED
-        if compiled is not None:
-            n = compiled.fill_staging(st.journal, st.journal_len,
-                                      st.dirty_rows.reshape(-1).view(np.uint8), st.counts_offset,
-                                      st.host, pairs, capacity)
+        if self._compiled_fill is not None:
+            n = self._compiled_fill(st.journal, st.journal_len, self._dirty_u8, st.counts_offset,
+                                    st.host, pairs, capacity)
         else:
             n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
                              st.host, pairs, capacity)

@@ -8,8 +8,8 @@ from dataclasses import astuple
 import numpy as np
 import torch
 
-from blocktable._checks import as_index_array, check_count, check_index, check_positive
 from blocktable import _compiled_loader as _loader
+from blocktable._checks import as_index_array, check_count, check_index, check_positive
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
 from blocktable.commit import CommitStats, Committer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
 import numpy as np
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -138,48 +139,3 @@ class StepUpdate:
     @property
     def num_groups(self) -> int:
         return len(self.added)
-
-
-# ---- TEMPORARY: the allocator's journal still builds updates through these names; they go
-# with the allocator's rewrite (every update is a plain StepUpdate with trusted=True). ----
-from typing import NamedTuple  # noqa: E402
-
-FROZEN_EMPTY = np.zeros(0, dtype=np.int32)
-FROZEN_EMPTY.flags.writeable = False
-NO_ROW_BLOCKS = RowBlocks(FROZEN_EMPTY, FROZEN_EMPTY, FROZEN_EMPTY)
-NO_ROW_ENTRIES = RowEntries(FROZEN_EMPTY, FROZEN_EMPTY)
-
-
-class AllocatorFacts(NamedTuple):
-    num_rows: int
-    ids_at_most: tuple[int, ...]
-    one_block_each: tuple[bool, ...]
-    largest_added_count: tuple[int, ...]
-    appends_only: bool = False
-
-
-def trusted_row_blocks(rows: np.ndarray, num: np.ndarray, ids: np.ndarray) -> RowBlocks:
-    return RowBlocks(rows, num, ids)
-
-
-def trusted_update(cleared_rows, added, appended, nulled, sizes, facts) -> StepUpdate:  # type: ignore[no-untyped-def]
-    return StepUpdate(cleared_rows, added, appended, nulled, sizes, trusted=True)
-
-
-def cut_packed(data: bytes, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    if not data:
-        return [FROZEN_EMPTY] * (len(sizes) + 1)
-    flat = np.frombuffer(data, dtype=np.int32)
-    out, at = [], 0
-    for n in sizes:
-        out.append(flat[at : at + n] if n else FROZEN_EMPTY)
-        at += n
-    out.append(flat[at:] if at < len(flat) else FROZEN_EMPTY)
-    return out
-
-
-def packed_update(data, sizes, allocator_block_sizes, facts) -> StepUpdate:  # type: ignore[no-untyped-def]
-    cleared, a_rows, a_counts, p_rows, p_counts, p_ids, a_ids = cut_packed(data, sizes)
-    return StepUpdate(cleared, (RowBlocks(a_rows, a_counts, a_ids),),
-                      (RowBlocks(p_rows, p_counts, p_ids),), (NO_ROW_ENTRIES,),
-                      allocator_block_sizes, trusted=True)

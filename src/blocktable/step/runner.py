@@ -135,6 +135,8 @@ class CapturedStep:
         self._slot = 0
         self._lent = -1  # the slot whose views batch_views() handed out
         self._arange = np.arange(R, dtype=np.int32)
+        compiled = _loader.COMPILED  # the compiled batch check, where built (else numpy)
+        self._compiled_check = None if compiled is None else compiled.check_batch
         d = self._dev
         self._d_qsl = d[L.qsl : L.rows]
         self._d_rows = d[L.rows : L.seq_lens]
@@ -248,9 +250,8 @@ class CapturedStep:
         v = self._views[slot]
         qsl, rows = v.qsl[: num_reqs + 1], v.rows[:num_reqs]
         table = self.table
-        compiled = _loader.COMPILED
-        if compiled is None or compiled.check_batch(qsl, rows, num_tokens,
-                                                    table.max_num_reqs) < 0:
+        check = self._compiled_check
+        if check is None or check(qsl, rows, num_tokens, table.max_num_reqs) < 0:
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1

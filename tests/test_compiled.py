@@ -1,0 +1,410 @@
+"""The compiled step loops (``blocktable._compiled``): equal to their numpy twins on random
+inputs, and memory-safe on hostile ones.
+
+Every compiled function and method is called with arrays of the wrong kind but the same item
+size (float32 for int32, uint32, float64 and uint64 for int64), object arrays, byte-swapped,
+strided, read-only outputs, 0-d and 2-D arrays, outputs that alias an input, and negative and
+huge sizes, offsets, rows and ids. Each must raise ``TypeError`` or ``ValueError`` (or return
+its documented refusal) and leave every array exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blocktable import _host_loops as loops
+from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
+
+compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
+
+I32, I64 = np.int32, np.int64
+
+
+def hostile_variants(arr: np.ndarray) -> list[tuple[str, object]]:
+    """Arrays that a typed memoryview of ``arr``'s dtype must refuse."""
+    out: list[tuple[str, object]] = []
+    # (uint8 flag arrays also take bool, whose bytes are 0 or 1 as well)
+    same_size = {np.dtype(I32): (np.float32, np.uint32), np.dtype(I64): (np.float64, np.uint64),
+                 np.dtype(np.uint8): (np.int8,)}.get(arr.dtype, ())
+    for dt in same_size:
+        out.append((f"as {np.dtype(dt).name}", arr.view(dt)))
+    out.append(("object", np.array(list(arr.ravel()) or [0], dtype=object)))
+    if arr.dtype.itemsize > 1:
+        out.append(("byte-swapped", arr.astype(arr.dtype.newbyteorder())))
+    if arr.ndim == 1 and len(arr) > 1:
+        out.append(("strided", np.repeat(arr, 2)[::2]))
+    out.append(("0-d", np.array(arr.ravel()[0] if arr.size else 0, dtype=arr.dtype)))
+    if arr.ndim == 1:
+        out.append(("2-D", arr.reshape(1, -1)))
+    out.append(("list", arr.tolist()))
+    return out
+
+
+def read_only(arr: np.ndarray) -> np.ndarray:
+    out = arr.copy()
+    out.flags.writeable = False
+    return out
+
+
+def snapshot(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [a.copy() for a in arrays]
+
+
+def unchanged(before: list[np.ndarray], after: list[np.ndarray]) -> None:
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- a small table: 4 rows x width 6, k = 2 ---------------------------------------------
+ROWS, WIDTH, K, MAX_ID = 4, 6, 2, 50
+
+
+class Group:
+    """A group's arrays as a table binds them, and the writer over them."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.table = np.zeros(ROWS * WIDTH, I32)
+        self.counts = np.zeros(ROWS, I32)
+        self.scratch = np.zeros(ROWS, I64)
+        self.seen = np.zeros(ROWS, np.uint8)
+        self.dirty = np.zeros(ROWS, np.uint8)
+        self.journal = np.zeros((capacity, 2), I64)
+        self.journal_len = np.zeros(2, I64)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.table, self.counts, self.scratch, self.seen, self.dirty, self.journal,
+                self.journal_len]
+
+    def visible(self) -> list[np.ndarray]:
+        """The arrays a refused call must leave as they were (all but the work space)."""
+        return [a for a in self.arrays() if a is not self.scratch]
+
+    def writer(self):
+        return compiled.GroupWriter(self.table, self.counts, WIDTH, K, MAX_ID, 0, self.scratch,
+                                    self.seen, self.dirty, self.journal, self.journal_len)
+
+    def numpy_apply(self, parts: list[np.ndarray]) -> tuple:
+        return loops.check_and_write_group_update(
+            self.table, self.counts, WIDTH, K, MAX_ID, 0, *parts, self.scratch,
+            self.seen.view(bool), self.dirty.view(bool), self.journal, self.journal_len)
+
+
+def random_parts(rng: np.random.Generator, counts: np.ndarray, valid: bool) -> list[np.ndarray]:
+    """An update's nine arrays for one group: usually valid, sometimes not (when ``valid`` is
+    False: a repeated row, a row or id out of range, a wrong count, a null past the row)."""
+    rows = rng.permutation(ROWS).astype(I32)
+    n_add, n_app = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+    add_rows = rows[:n_add]
+    app_rows = rows[n_add : n_add + n_app]
+    add_num = rng.integers(0, WIDTH // K + 1, n_add).astype(I32)
+    room = (WIDTH - counts[app_rows]) // K
+    app_num = np.array([rng.integers(0, r + 1) for r in room], I32)
+    add_ids = rng.integers(0, MAX_ID, int(add_num.sum())).astype(I32)
+    app_ids = rng.integers(0, MAX_ID, int(app_num.sum())).astype(I32)
+    cleared = rng.choice(ROWS, int(rng.integers(0, 3))).astype(I32)
+    null_rows = np.zeros(0, I32)
+    null_blocks = np.zeros(0, I32)
+    filled = [r for r in range(ROWS) if counts[r] >= K and r not in cleared and r not in add_rows]
+    if filled and rng.random() < 0.5:
+        r = int(rng.choice(filled))
+        null_rows = np.array([r], I32)
+        null_blocks = np.array([rng.integers(0, counts[r] // K)], I32)
+    parts = [cleared, add_rows, add_num, add_ids, app_rows, app_num, app_ids, null_rows,
+             null_blocks]
+    if not valid:
+        which = int(rng.integers(0, 6))
+        if which == 0 and len(add_rows):
+            parts[1] = np.concatenate([add_rows, add_rows[:1]])
+            parts[2] = np.concatenate([add_num, add_num[:1]])
+            parts[3] = np.concatenate([add_ids, add_ids[: int(add_num[0])]])
+        elif which == 1:
+            parts[0] = np.array([ROWS + int(rng.integers(0, 3))], I32)
+        elif which == 2 and len(app_ids):
+            parts[6] = app_ids.copy()
+            parts[6][0] = MAX_ID + int(rng.integers(0, 5))
+        elif which == 3:
+            parts[2] = add_num + 1 if n_add else np.zeros(0, I32)
+        elif which == 4 and len(app_rows):
+            parts[5] = app_num + WIDTH
+            parts[6] = rng.integers(0, MAX_ID, int(parts[5].sum())).astype(I32)
+        else:
+            parts[7] = np.array([int(rng.integers(0, ROWS))], I32)
+            parts[8] = np.array([WIDTH], I32)
+    return [np.ascontiguousarray(p, I32) for p in parts]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_writer_equals_the_numpy_update(seed: int) -> None:
+    """Random updates, valid and not: the same result tuple, table, counts, dirty rows and
+    journal as the numpy twin, step after step."""
+    rng = np.random.default_rng(seed)
+    a, b = Group(capacity=40), Group(capacity=40)
+    writer = a.writer()
+    refused = 0
+    for step in range(300):
+        parts = random_parts(rng, a.counts, valid=rng.random() < 0.7)
+        got = writer.apply(*parts)
+        want = b.numpy_apply([p.copy() for p in parts])
+        assert tuple(int(x) for x in got) == tuple(int(x) for x in want), (step, parts)
+        refused += got[0] != 0
+        for x, y in zip(a.arrays()[:-2], b.arrays()[:-2]):
+            if x is not a.scratch:  # (work space: its contents are the implementation's)
+                np.testing.assert_array_equal(x, y)
+        # the same runs journaled (their order is the implementation's: rows cleared in one
+        # update are journaled in listing order here, sorted by numpy)
+        assert a.journal_len[0] == b.journal_len[0]
+        runs = int(a.journal_len[0])  # (-1: overflowed, the commit copies row spans)
+        if runs >= 0:
+            assert a.journal_len[1] == b.journal_len[1]
+        assert sorted(map(tuple, a.journal[: max(runs, 0)].tolist())) == sorted(
+            map(tuple, b.journal[: max(runs, 0)].tolist()))
+        if rng.random() < 0.2:  # a commit drains the journal
+            for g in (a, b):
+                g.journal_len[:] = 0
+                g.dirty[:] = 0
+    assert 30 < refused < 270
+
+
+def test_fill_staging_equals_numpy() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        host = rng.integers(0, 1000, 64).astype(I32)
+        runs = int(rng.integers(0, 6))
+        journal = np.zeros((16, 2), I64)
+        starts = rng.integers(0, 40, runs)
+        lengths = rng.integers(1, 5, runs)
+        journal[:runs, 0], journal[:runs, 1] = starts, lengths
+        jlen = np.array([runs, lengths.sum()], I64)
+        if rng.random() < 0.1:
+            jlen[0] = -1  # an overflowed journal
+        dirty = rng.random(8) < 0.3
+        capacity = int(rng.integers(0, 24))
+        results = []
+        for use_compiled in (True, False):
+            j, jl, d = journal.copy(), jlen.copy(), dirty.copy()
+            staging = np.full(2 * capacity, 7, I32)
+            if use_compiled:
+                n = compiled.fill_staging(j, jl, d.view(np.uint8), 48, host, staging, capacity)
+            else:
+                n = loops.fill_staging(j, jl, d.reshape(1, -1), 48, host, staging, capacity)
+            results.append((n, staging[: 2 * max(n, 0)].tolist(), jl.tolist(), d.tolist()))
+        assert results[0] == results[1]
+
+
+def slot_case(rng: np.random.Generator, cp_world: int):
+    """A flat table of one group (rows of random counts), a batch and the mapper's layout."""
+    rows, width, kbs, mbs = 5, 8, 2, 4
+    interleave = int(rng.choice([1, 2, 4]))
+    counts = rng.integers(0, width + 1, rows).astype(I32)
+    table = np.zeros(rows * width, I32)
+    for r in range(rows):
+        table[r * width : r * width + counts[r]] = rng.integers(0, 30, counts[r])
+    flat = np.concatenate([table, counts]).astype(I32)
+    layout = (0, width, rows * width, kbs, mbs, cp_world, int(rng.integers(0, cp_world)),
+              interleave)
+    num_reqs = int(rng.integers(0, 7))
+    per_req = rng.integers(0, 4, num_reqs)
+    qsl = np.concatenate([[0], np.cumsum(per_req)]).astype(I32)
+    positions = rng.integers(-3, width * kbs * cp_world + 5, int(qsl[-1])).astype(I64)
+    row_of_batch = None if rng.random() < 0.3 else rng.integers(-1, rows + 1, num_reqs).astype(I32)
+    return flat, layout, rows, qsl, positions, row_of_batch
+
+
+@pytest.mark.parametrize("cp_world", [1, 2, 3])
+def test_slot_mapper_equals_numpy(cp_world: int) -> None:
+    """Random tables and batches (rows out of range, negative positions, positions past the
+    row, context parallelism): the same slots as the numpy function."""
+    from blocktable.slot_mapping.params import SlotGroupParams
+
+    rng = np.random.default_rng(cp_world)
+    for _ in range(300):
+        flat, layout, rows, qsl, positions, row_of_batch = slot_case(rng, cp_world)
+        got = np.full((1, 24), 99, I64)
+        want = got.copy()
+        mapper = compiled.SlotMapper(flat, got, [layout], rows)
+        assert mapper.map(qsl, positions, row_of_batch) == 0
+        params = [SlotGroupParams(*layout[:5], layout[5], layout[6], layout[7])]
+        slot_mapping_numpy(flat, params, qsl, positions, row_of_batch, want, rows)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_malformed_batches_are_left_to_numpy_with_nothing_written() -> None:
+    flat = np.zeros(5 * 8 + 5, I32)
+    out = np.full((1, 8), 5, I64)
+    mapper = compiled.SlotMapper(flat, out, [(0, 8, 40, 2, 4, 1, 0, 1)], 5)
+    for qsl, pos in ((np.array([1, 2], I32), np.zeros(1, I64)),  # does not start at 0
+                     (np.array([0, 2, 1], I32), np.zeros(1, I64)),  # decreases
+                     (np.array([0, 2], I32), np.zeros(3, I64))):  # does not end at num_tokens
+        assert mapper.map(qsl, pos, None) == -1
+        assert (out == 5).all()
+    assert compiled.check_batch(np.array([0, 2, 1], I32), None, 1, 4) == -1
+    assert compiled.check_batch(np.array([0, 1, 2], I32), np.array([0, 4], I32), 2, 4) == -1
+    assert compiled.check_batch(np.array([0, 1, 2], I32), np.array([0, 3], I32), 2, 4) == 1
+    assert compiled.check_batch(np.array([0, 2, 2], I32), None, 2, 4) == 0
+
+
+# ---- the hostile fuzz --------------------------------------------------------------------
+def _refused(call, arrays: list[np.ndarray], *, refusal: int | None = None) -> None:
+    """``call`` raises ``TypeError``/``ValueError`` (or returns ``refusal``, its documented
+    answer for that input), and ``arrays`` are as they were."""
+    before = snapshot(arrays)
+    try:
+        got = call()
+    except (TypeError, ValueError):
+        pass
+    else:
+        assert refusal is not None and got == refusal, f"accepted, returning {got!r}"
+    unchanged(before, arrays)
+
+
+def test_group_writer_refuses_hostile_bound_arrays() -> None:
+    g = Group()
+    names = ["table", "counts", "scratch", "seen", "dirty", "journal", "journal_len"]
+    for i, name in enumerate(names):
+        for label, bad in hostile_variants(getattr(g, name)) + [("read-only",
+                                                                 read_only(getattr(g, name)))]:
+            args = g.arrays()
+            args[i] = bad
+            table, counts, scratch, seen, dirty, journal, journal_len = args
+            _refused(lambda: compiled.GroupWriter(table, counts, WIDTH, K, MAX_ID, 0, scratch,
+                                                  seen, dirty, journal, journal_len),
+                     g.visible())
+    for width, k, max_id, offset in ((0, 1, 5, 0), (WIDTH, 0, 5, 0), (WIDTH, WIDTH + 1, 5, 0),
+                                     (-6, K, 5, 0), (WIDTH, K, -1, 0), (WIDTH, K, 2**40, 0),
+                                     (WIDTH, K, 5, -1), (WIDTH, K, 5, 2**40), (2**40, K, 5, 0),
+                                     (WIDTH + 1, K, 5, 0)):
+        _refused(lambda: compiled.GroupWriter(g.table, g.counts, width, k, max_id, offset,
+                                              g.scratch, g.seen, g.dirty, g.journal,
+                                              g.journal_len), g.visible())
+    # outputs that alias each other: counts inside the table, dirty inside seen
+    _refused(lambda: compiled.GroupWriter(g.table, g.table[:ROWS], WIDTH, K, MAX_ID, 0,
+                                          g.scratch, g.seen, g.dirty, g.journal, g.journal_len),
+             g.visible())
+    _refused(lambda: compiled.GroupWriter(g.table, g.counts, WIDTH, K, MAX_ID, 0, g.scratch,
+                                          g.seen, g.seen, g.journal, g.journal_len), g.visible())
+
+
+def test_group_writer_refuses_hostile_updates_with_nothing_written() -> None:
+    g = Group()
+    writer = g.writer()
+    assert writer.apply(np.zeros(0, I32), np.array([1], I32), np.array([2], I32),
+                        np.array([5, 6], I32), *[np.zeros(0, I32)] * 5)[0] == 0
+    base = [np.zeros(0, I32)] * 9
+    for i in range(9):
+        for label, bad in hostile_variants(np.array([1, 2], I32)):
+            parts = list(base)
+            parts[i] = bad
+            _refused(lambda: writer.apply(*parts), g.visible())
+    # an update array that aliases the writer's own arrays
+    for alias in (g.counts, g.table[:2]):
+        parts = list(base)
+        parts[0] = alias
+        _refused(lambda: writer.apply(*parts), g.visible())
+    # lengths that disagree
+    _refused(lambda: writer.apply(np.zeros(0, I32), np.array([1], I32), np.zeros(0, I32),
+                                  *[np.zeros(0, I32)] * 6), g.visible())
+    # refusals by value: the result names them, nothing is written
+    huge = np.iinfo(I32)
+    for parts in ([np.array([huge.max], I32)] + base[1:],
+                  [np.array([huge.min], I32)] + base[1:],
+                  base[:1] + [np.array([0], I32), np.array([huge.max], I32),
+                              np.array([1], I32)] + base[4:],
+                  base[:4] + [np.array([0], I32), np.array([1], I32),
+                              np.array([huge.min], I32)] + base[7:],
+                  base[:7] + [np.array([1], I32), np.array([huge.max], I32)]):
+        before = snapshot(g.visible())
+        assert writer.apply(*parts)[0] != 0
+        unchanged(before, g.visible())
+    # a corrupt count in the table is refused before any write
+    g.counts[3] = WIDTH + 5
+    before = snapshot(g.visible())
+    with pytest.raises(ValueError, match="corrupt"):
+        writer.apply(*[np.zeros(0, I32)] * 7, np.array([3], I32), np.array([0], I32))
+    unchanged(before, g.visible())
+
+
+def test_slot_mapper_refuses_hostile_arguments() -> None:
+    flat = np.zeros(5 * 8 + 5, I32)
+    out = np.full((1, 8), 5, I64)
+    good = (0, 8, 40, 2, 4, 1, 0, 1)
+    for label, bad in hostile_variants(flat):
+        _refused(lambda: compiled.SlotMapper(bad, out, [good], 5), [flat, out])
+    for label, bad in hostile_variants(out) + [("read-only", read_only(out)),
+                                              ("1-D", out[0])]:
+        _refused(lambda: compiled.SlotMapper(flat, bad, [good], 5), [flat, out])
+    for layout in ((-1, 8, 40, 2, 4, 1, 0, 1), (0, 0, 40, 2, 4, 1, 0, 1),
+                   (0, 8, 41, 2, 4, 1, 0, 1), (0, 10, 40, 2, 4, 1, 0, 1),
+                   (0, 8, 40, 0, 4, 1, 0, 1), (0, 8, 40, 3, 4, 1, 0, 1),
+                   (0, 8, 40, 2, 4, 2, 2, 1), (0, 8, 40, 2, 4, 0, 0, 1),
+                   (0, 8, 40, 2, 4, 2, 0, 0), (0, 8, 40, 2, 4, 2, 0, 5),
+                   (0, 2**40, 40, 2, 4, 1, 0, 1), (2**62, 8, 40, 2, 4, 1, 0, 1),
+                   (0, 8, 40, 2, 4, 1, 0), ("a", 8, 40, 2, 4, 1, 0, 1)):
+        with pytest.raises((TypeError, ValueError)):
+            compiled.SlotMapper(flat, out, [layout], 5)
+    for rows in (-1, 6, 2**40):
+        _refused(lambda: compiled.SlotMapper(flat, out, [good], rows), [flat, out])
+    _refused(lambda: compiled.SlotMapper(flat, out, [good, good], 5), [flat, out])
+    # output overlapping the table
+    shared = np.zeros(200, I64)
+    _refused(lambda: compiled.SlotMapper(shared.view(I32)[200:245], shared[100:].reshape(1, 100),
+                                         [good], 5), [shared])
+
+    mapper = compiled.SlotMapper(flat, out, [good], 5)
+    qsl, pos = np.array([0, 2], I32), np.array([1, 2], I64)
+    for label, bad in hostile_variants(qsl):
+        _refused(lambda: mapper.map(bad, pos, None), [flat, out])
+    for label, bad in hostile_variants(pos):
+        _refused(lambda: mapper.map(qsl, bad, None), [flat, out])
+    for label, bad in hostile_variants(np.array([0], I32)):
+        _refused(lambda: mapper.map(qsl, pos, bad), [flat, out])
+    _refused(lambda: mapper.map(qsl, pos, np.array([0, 1], I32)), [flat, out])  # 2 rows, 1 req
+    _refused(lambda: mapper.map(np.zeros(0, I32), np.zeros(0, I64), None), [flat, out])
+    _refused(lambda: mapper.map(np.array([0, 9], I32), np.zeros(9, I64), None), [flat, out])
+    # inputs that alias the output
+    _refused(lambda: mapper.map(qsl, out[0, :2], None), [flat, out])
+    _refused(lambda: mapper.map(out[0].view(I32)[:2] * 0 + qsl, pos, out[0].view(I32)[:1]),
+             [flat, out])
+    # huge and negative rows and positions are mapped to PAD, never read
+    assert mapper.map(np.array([0, 1, 2, 3], I32), np.array([2**62, -2**62, 3], I64),
+                      np.array([2**31 - 1, -2**31, 4], I32)) == 0
+    assert out[0].tolist() == [-1] * 8
+
+
+def test_check_batch_and_fill_staging_refuse_hostile_arguments() -> None:
+    qsl, rows = np.array([0, 1, 2], I32), np.array([0, 1], I32)
+    for label, bad in hostile_variants(qsl):
+        with pytest.raises(TypeError):
+            compiled.check_batch(bad, rows, 2, 4)
+    for label, bad in hostile_variants(rows):
+        with pytest.raises(TypeError):
+            compiled.check_batch(qsl, bad, 2, 4)
+    journal, jlen = np.array([[0, 2], [0, 0]], I64), np.array([1, 2], I64)
+    dirty, host = np.array([1, 0], np.uint8), np.arange(10, dtype=I32)
+    staging = np.zeros(8, I32)
+    arrays = [journal, jlen, dirty, host, staging]
+
+    def args() -> list:
+        return [journal, jlen, dirty, 8, host, staging, 4]
+
+    for i in (0, 1, 2, 4, 5):
+        variants = hostile_variants(args()[i])
+        if i in (1, 2, 5):
+            variants.append(("read-only", read_only(args()[i])))
+        for label, bad in variants:
+            a = args()
+            a[i] = bad
+            _refused(lambda: compiled.fill_staging(*a), arrays)
+    for counts_offset, capacity in ((-1, 4), (9, 4), (2**40, 4), (8, 5), (8, -1), (8, 2**40)):
+        _refused(lambda: compiled.fill_staging(journal, jlen, dirty, counts_offset, host,
+                                               staging, capacity), arrays)
+    for bad_run in ([[-1, 2]], [[9, 2]], [[0, -1]], [[0, 2**40]], [[2**62, 2]]):
+        j = np.array(bad_run + [[0, 0]], I64)
+        _refused(lambda: compiled.fill_staging(j, np.array([1, bad_run[0][1]], I64), dirty, 8,
+                                               host, staging, 4), arrays, refusal=-1)
+    _refused(lambda: compiled.fill_staging(journal, np.array([3, 2], I64), dirty, 8, host,
+                                           staging, 4), arrays)  # more runs than the journal
+    _refused(lambda: compiled.fill_staging(journal, np.array([1, 3], I64), dirty, 8, host,
+                                           staging, 4), arrays)  # lengths that disagree
+    # staging that aliases the host buffer
+    _refused(lambda: compiled.fill_staging(journal, jlen, dirty, 8, host, host[:8], 4), arrays)
