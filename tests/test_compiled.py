@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each lambda is called at once, inside its loop iteration)
 """The compiled step loops (``blocktable._compiled``): equal to their numpy twins on random
 inputs, and memory-safe on hostile ones.
 

@@ -11,7 +11,7 @@ import pytest
 from blocktable.cli import main
 from blocktable.context_parallel import launch
 from blocktable.demo import DemoOptions
-from blocktable.engine.dcp_demo import run_dcp_demo
+from blocktable.dcp_demo import run_dcp_demo
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import torch
 
 from blocktable import GroupSpec, MultiGroupBlockTable
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.config import CPConfig
-from blocktable.group_layout import GroupLayout, build_specs, check_update_block_sizes
+from blocktable.config import CPConfig, check_update_block_sizes
+from blocktable.group_layout import GroupLayout, build_specs
 from blocktable.update import RowBlocks, StepUpdate
 
 

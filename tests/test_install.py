@@ -145,7 +145,7 @@ def test_without_triton_every_public_module_imports_and_the_dcp_demo_runs(
         "from blocktable._triton import HAS_TRITON\n"
         "print(HAS_TRITON)\n"
         "from blocktable.demo import DemoOptions\n"
-        "from blocktable.engine.dcp_demo import run_dcp_demo\n"
+        "from blocktable.dcp_demo import run_dcp_demo\n"
         "opts = DemoOptions(dcp=2, device='cuda', merge_transport='p2p')\n"
         "print('exit', run_dcp_demo(opts))\n"
         "from blocktable.cli import main\n"

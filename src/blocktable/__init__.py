@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "SlotMappingError": "blocktable.slot_mapping",
     "slot_mapping_reference": "blocktable.slot_mapping",
     "CapturedStep": "blocktable.step",
-    "BlockTable": "blocktable.table",
+    "BlockTable": "blocktable.single_group",
     "RowBlocks": "blocktable.update",
     "RowEntries": "blocktable.update",
     "StepUpdate": "blocktable.update",
@@ -121,7 +121,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from blocktable.kv_write import write_kv_cache
     from blocktable.metadata import AttentionMetadata
     from blocktable.multi_group import MultiGroupBlockTable
+    from blocktable.single_group import BlockTable
     from blocktable.slot_mapping import SlotMappingError, slot_mapping_reference
     from blocktable.step import CapturedStep
-    from blocktable.table import BlockTable
     from blocktable.update import RowBlocks, RowEntries, StepUpdate

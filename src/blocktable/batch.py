@@ -12,7 +12,7 @@ import numpy as np
 
 from blocktable import _host_loops as loops
 from blocktable._checks import as_index_array, block_id_error, check_block_ids
-from blocktable.table import BlockTable
+from blocktable.table import GroupTable
 from blocktable.update import RowBlocks, RowEntries
 
 _I32 = np.iinfo(np.int32)
@@ -41,7 +41,7 @@ def as_int32(name: str, value: object, *, row_bound: int | None = None) -> np.nd
     return arr.astype(np.int32)
 
 
-def _as_block_ids(name: str, value: object, table: BlockTable) -> np.ndarray:
+def _as_block_ids(name: str, value: object, table: GroupTable) -> np.ndarray:
     """Manager ids as int32, checked against the group's id bound first (never wrapped)."""
     if isinstance(value, np.ndarray) and value.dtype == np.int32 and value.ndim == 1:
         return value  # the compiled check bounds them
@@ -51,7 +51,7 @@ def _as_block_ids(name: str, value: object, table: BlockTable) -> np.ndarray:
 
 
 def _group_arrays(
-    table: BlockTable,
+    table: GroupTable,
     cleared_rows: np.ndarray,
     added: RowBlocks,
     appended: RowBlocks,
@@ -87,7 +87,7 @@ def _group_arrays(
 
 
 def check_group_update(
-    table: BlockTable,
+    table: GroupTable,
     cleared_rows: np.ndarray,
     added: RowBlocks,
     appended: RowBlocks,
@@ -109,7 +109,7 @@ def check_group_update(
 
 
 def apply_group_update(
-    table: BlockTable,
+    table: GroupTable,
     cleared_rows: np.ndarray,
     added: RowBlocks,
     appended: RowBlocks,
@@ -132,7 +132,7 @@ def apply_group_update(
     st.changed = True
 
 
-def write_group_update(table: BlockTable, arrays: GroupArrays) -> None:
+def write_group_update(table: GroupTable, arrays: GroupArrays) -> None:
     """Apply arrays returned by :func:`check_group_update`; records them for the next commit."""
     st = table.storage
     if table.writer is not None:  # (checks again: cheap, and the call stays all-or-nothing)

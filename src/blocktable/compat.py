@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from blocktable.multi_group import MultiGroupBlockTable as _MultiGroupBlockTable
-    from blocktable.table import BlockTable as _BlockTable
+    from blocktable.single_group import BlockTable as _BlockTable
 
 __all__ = ["BlockTable", "MultiGroupBlockTable", "MultiGroupBlockTableV033"]
 
@@ -88,7 +88,7 @@ def BlockTable(  # vLLM's class name: a port changes only the import
     cp : CPConfig or None
         This rank's place in a context-parallel group; ``None``: no context parallelism.
     """
-    from blocktable.table import BlockTable as _Table
+    from blocktable.single_group import BlockTable as _Table
 
     _check_bool("pin_memory", pin_memory)
     kind = _slot_kind("slot_mapping_mode", slot_mapping_mode)

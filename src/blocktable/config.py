@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from blocktable._checks import check_positive
 from blocktable.constants import ROW_ALIGN_TOKENS
+
+if TYPE_CHECKING:
+    from blocktable.update import StepUpdate
 
 KERNEL_ID_LIMIT = 2**31
 """Kernel block ids are stored as int32: every kernel id lies in ``[0, KERNEL_ID_LIMIT)``."""
@@ -221,3 +226,33 @@ def row_width(spec: GroupSpec, max_model_len: int, cp: CPConfig) -> int:
     align = ROW_ALIGN_TOKENS // math.gcd(ROW_ALIGN_TOKENS, spec.block_size)
     manager_width = -(-manager_width // align) * align
     return manager_width * spec.blocks_per_manager_block
+
+
+def check_update_block_sizes(
+    specs: Sequence[GroupSpec], cp: CPConfig, update: StepUpdate
+) -> None:
+    """Raise ``ValueError`` unless ``update`` was built for the allocator block sizes of ``specs``.
+
+    Group ``g`` expects ``specs[g].block_size * world`` tokens per allocator block, ``world``
+    being the CP world when the group is sharded, else 1. Updates that carry no block sizes
+    (``update.allocator_block_sizes is None``) pass.
+    """
+    sizes = update.allocator_block_sizes
+    if sizes is None:
+        return
+    if len(sizes) != len(specs):
+        raise ValueError(
+            f"update.allocator_block_sizes has {len(sizes)} entries, the table has "
+            f"{len(specs)} groups"
+        )
+    for g, (spec, size) in enumerate(zip(specs, sizes)):
+        if spec.kind is GroupKind.ENCODER_ONLY:
+            continue
+        world = effective_cp(spec, cp).world_size
+        if int(size) != spec.block_size * world:
+            raise ValueError(
+                f"group {g}: the update comes from an allocator with block_size={size}, but "
+                f"this table has block_size={spec.block_size} and cp world_size={world}, so its "
+                f"allocator must use block_size={spec.block_size} x {world} = "
+                f"{spec.block_size * world} (build both with blocktable.group_layout.GroupLayout)"
+            )

@@ -101,7 +101,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
 
         return run_model_demo(opts, console)
     if opts.dcp > 1:
-        from blocktable.engine.dcp_demo import run_dcp_demo
+        from blocktable.dcp_demo import run_dcp_demo
 
         return run_dcp_demo(opts, console)
 

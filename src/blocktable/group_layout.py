@@ -11,7 +11,8 @@ allocator counts tokens per virtual block, the table (and the KV cache) per phys
 
 So the allocator's block size is the table's block size times the CP world (1 for groups the
 CP does not shard). :class:`GroupLayout` builds both specs from one description, and
-:func:`check_update_block_sizes` is how a table refuses ids from an allocator of another size.
+:func:`blocktable.config.check_update_block_sizes` is how a table refuses ids from an allocator
+of another size.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 
 from blocktable._checks import check_positive
 from blocktable.allocator.spec import AllocatorGroupSpec
-from blocktable.config import CPConfig, GroupKind, GroupSpec, effective_cp
-from blocktable.update import StepUpdate
+from blocktable.config import CPConfig, GroupSpec, effective_cp
 
 
 @dataclass(frozen=True)
@@ -89,33 +89,3 @@ def build_specs(
 ) -> tuple[list[AllocatorGroupSpec], list[GroupSpec]]:
     """The allocator's and the table's specs of every group, in group order."""
     return [lay.allocator_spec(cp) for lay in layouts], [lay.table_spec() for lay in layouts]
-
-
-def check_update_block_sizes(
-    specs: Sequence[GroupSpec], cp: CPConfig, update: StepUpdate
-) -> None:
-    """Raise ``ValueError`` unless ``update`` was built for the allocator block sizes of ``specs``.
-
-    Group ``g`` expects ``specs[g].block_size * world`` tokens per allocator block, ``world``
-    being the CP world when the group is sharded, else 1. Updates that carry no block sizes
-    (``update.allocator_block_sizes is None``) pass.
-    """
-    sizes = update.allocator_block_sizes
-    if sizes is None:
-        return
-    if len(sizes) != len(specs):
-        raise ValueError(
-            f"update.allocator_block_sizes has {len(sizes)} entries, the table has "
-            f"{len(specs)} groups"
-        )
-    for g, (spec, size) in enumerate(zip(specs, sizes)):
-        if spec.kind is GroupKind.ENCODER_ONLY:
-            continue
-        world = effective_cp(spec, cp).world_size
-        if int(size) != spec.block_size * world:
-            raise ValueError(
-                f"group {g}: the update comes from an allocator with block_size={size}, but "
-                f"this table has block_size={spec.block_size} and cp world_size={world}, so its "
-                f"allocator must use block_size={spec.block_size} x {world} = "
-                f"{spec.block_size * world} (build both with blocktable.group_layout.GroupLayout)"
-            )

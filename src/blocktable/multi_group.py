@@ -18,16 +18,16 @@ from blocktable.config import (
     GroupKind,
     GroupSpec,
     check_cp_for_group,
+    check_update_block_sizes,
     effective_cp,
     row_width,
 )
 from blocktable.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from blocktable.group_layout import check_update_block_sizes
 from blocktable.slot_mapping import SlotGroupParams, compute_slots, pack_params
 from blocktable.slot_mapping.inputs import check_slot_inputs, report_unmapped_tokens
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.storage import TableStorage
-from blocktable.table import BlockTable
+from blocktable.table import GroupTable
 from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
 
@@ -134,8 +134,8 @@ class MultiGroupBlockTable(AttentionViews):
             check_positive("commit_staging_entries", commit_staging_entries)
         self.storage = TableStorage(widths, self.max_num_reqs, self.device,
                                     journal_capacity=commit_staging_entries)
-        self.tables: list[BlockTable | None] = [
-            BlockTable.for_group(self, g) if spec.has_table else None
+        self.tables: list[GroupTable | None] = [
+            GroupTable.for_group(self, g) if spec.has_table else None
             for g, spec in enumerate(self.specs)
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
@@ -184,7 +184,7 @@ class MultiGroupBlockTable(AttentionViews):
             cp_interleave=cp.interleave,
         )
 
-    def _live_tables(self) -> list[BlockTable]:
+    def _live_tables(self) -> list[GroupTable]:
         return [t for t in self.tables if t is not None]
 
     # ---- row operations, fanned out to every group ---------------------------------------

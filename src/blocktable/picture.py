@@ -12,16 +12,13 @@ null block. A legend under the picture explains every mark.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from blocktable.constants import NULL_BLOCK_ID
+from blocktable.engine.snapshot import TableSnapshot, pick_step, take_snapshot
 
-if TYPE_CHECKING:
-    from blocktable.engine import LLMEngine, SchedulerOutput
+__all__ = ["TableSnapshot", "draw_snapshot", "pick_step", "snapshot_figure", "take_snapshot"]
 
 _EMPTY_COLOR = "#ffffff"  # past the row's filled entries
 _NULL_ENTRY_COLOR = "#7f7f7f"  # a filled entry holding the null block
@@ -30,73 +27,6 @@ _FREE_COLOR = "#ffffff"
 _CACHED_COLOR = "#fff2b3"
 _NULL_BLOCK_COLOR = "#404040"
 _POOL_CELLS_PER_LINE = 32
-
-
-@dataclass(frozen=True)
-class TableSnapshot:
-    """Host-side copy of the table and the pool at one step (what its forward read).
-
-    Attributes
-    ----------
-    step : int
-        Engine step.
-    block_size : int
-        Tokens per block.
-    req_of_row : dict of int to str
-        Rows held by running requests, and their ids.
-    num_new_tokens_of_row : dict of int to int
-        Rows in this step's batch, and how many tokens each computes.
-    block_table : np.ndarray
-        int32 ``[num_rows, width]``: the host table's first rows (manager = kernel blocks).
-    num_kernel_blocks : np.ndarray
-        int32 ``[num_rows]``: filled entries per row.
-    ref_counts : np.ndarray
-        int32 ``[num_blocks]``: requests holding each block.
-    cached : np.ndarray
-        bool ``[num_blocks]``: block content findable by a prefix lookup.
-    """
-
-    step: int
-    block_size: int
-    req_of_row: dict[int, str]
-    num_new_tokens_of_row: dict[int, int]
-    block_table: np.ndarray
-    num_kernel_blocks: np.ndarray
-    ref_counts: np.ndarray
-    cached: np.ndarray
-
-    @property
-    def num_reqs_in_batch(self) -> int:
-        return len(self.num_new_tokens_of_row)
-
-
-def take_snapshot(engine: LLMEngine, batch: SchedulerOutput) -> TableSnapshot:
-    """Copy what the picture needs; call it from a step hook (see :meth:`LLMEngine.step`)."""
-    manager, table = engine.manager, engine.table[0]
-    req_of_row = {manager.row_of(r.req_id): r.req_id for r in engine.scheduler.running}
-    num_rows = max(req_of_row, default=-1) + 1
-    pool = manager.pools[0]
-    num_blocks = pool.num_blocks
-    return TableSnapshot(
-        step=engine.step_index,
-        block_size=engine.config.block_size,
-        req_of_row=req_of_row,
-        num_new_tokens_of_row={
-            manager.row_of(s.request.req_id): s.num_new_tokens for s in batch.scheduled
-        },
-        block_table=table.block_table_np[:num_rows].copy(),
-        num_kernel_blocks=table.num_kernel_blocks[:num_rows].copy(),
-        ref_counts=np.array([pool.ref_count(b) for b in range(num_blocks)], dtype=np.int32),
-        cached=np.array([pool.content_id(b) is not None for b in range(num_blocks)]),
-    )
-
-
-def pick_step(snapshots: list[TableSnapshot]) -> TableSnapshot:
-    """The snapshot with the most requests in its batch, the one nearest the middle on ties."""
-    if not snapshots:
-        raise ValueError("no snapshot to pick from")
-    middle = snapshots[len(snapshots) // 2].step
-    return max(snapshots, key=lambda s: (s.num_reqs_in_batch, -abs(s.step - middle)))
 
 
 def draw_snapshot(snap: TableSnapshot, path: str | Path) -> Path:

@@ -9,7 +9,7 @@ Three views of it: a numpy array that row operations write, the CPU tensor it vi
 when CUDA is present), and the device tensor kernels read. The device tensor is allocated once,
 so its address is fixed for CUDA graphs. Its contents change only in
 :meth:`blocktable.commit.Committer.commit`. The ``write_*`` methods are the row writes of every
-table; they trust their input (:class:`~blocktable.table.BlockTable` and
+table; they trust their input (:class:`~blocktable.table.GroupTable` and
 :class:`~blocktable.MultiGroupBlockTable` check everything first) and record what they change.
 """
 

@@ -1,9 +1,9 @@
 """One KV cache group's block table on the host: row operations that check before they write.
 
-A :class:`BlockTable` is a view of one group inside a :class:`MultiGroupBlockTable`, which owns
-the buffers, the commit and the slot mapping. Build a single-group table directly with
-``BlockTable(block_size=..., max_num_reqs=..., max_model_len=..., ...)``; it then owns a private
-one-group :class:`MultiGroupBlockTable` and forwards ``commit``/``compute_slot_mapping`` to it.
+A :class:`GroupTable` is a view of one group inside a :class:`MultiGroupBlockTable`, which owns
+the buffers, the commit and the slot mapping (``table[g]`` returns it). The single-group table
+users build directly, :class:`blocktable.BlockTable`, is this view over a private one-group
+table (:mod:`blocktable.single_group`).
 
 Every operation validates all of its input before the first write, so a rejected call leaves the
 table exactly as it was. Block ids are manager ids; each becomes ``k`` kernel ids.
@@ -19,14 +19,14 @@ import torch
 
 from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array, check_block_ids, check_index
-from blocktable.config import CPConfig, GroupSpec
+from blocktable.config import GroupSpec
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.storage import TableStorage
 
 if TYPE_CHECKING:
     from blocktable.multi_group import MultiGroupBlockTable
 
-class BlockTable:
+class GroupTable:
     """Rows of kernel block ids for one KV cache group.
 
     Attributes
@@ -44,47 +44,8 @@ class BlockTable:
     owner: MultiGroupBlockTable
     group: int
 
-    def __init__(
-        self,
-        block_size: int,
-        max_num_reqs: int,
-        *,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 8192,
-        device: str | torch.device = "cpu",
-        kernel_block_size: int | None = None,
-        max_num_blocks: int | None = None,
-        num_blocks: int | None = None,
-        cp: CPConfig | None = None,
-        backend: str = "auto",
-        commit_staging_entries: int | None = None,
-        debug: bool = False,
-    ) -> None:
-        """Standalone single-group table.
-
-        Everything after ``max_num_reqs`` is keyword-only: vLLM's ``BlockTable`` takes
-        ``max_num_blocks_per_req`` third, where a positional ``max_model_len`` would silently
-        give another width (``blocktable.compat.BlockTable`` takes vLLM's positional form).
-        ``block_size``, ``kernel_block_size``, ``max_num_blocks`` (the width in manager
-        blocks) and ``num_blocks`` as in :class:`GroupSpec`, the rest as in
-        :class:`MultiGroupBlockTable`.
-        """
-        from blocktable.multi_group import MultiGroupBlockTable
-
-        spec = GroupSpec(
-            block_size=block_size,
-            kernel_block_size=kernel_block_size,
-            max_num_blocks=max_num_blocks,
-            num_blocks=num_blocks,
-        )
-        owner = MultiGroupBlockTable(
-            [spec], max_num_reqs, max_model_len, max_num_batched_tokens, device, cp=cp,
-            backend=backend, commit_staging_entries=commit_staging_entries, debug=debug,
-        )
-        self._bind(owner, 0)
-
     @classmethod
-    def for_group(cls, owner: MultiGroupBlockTable, group: int) -> BlockTable:
+    def for_group(cls, owner: MultiGroupBlockTable, group: int) -> GroupTable:
         """The table of ``group`` inside ``owner`` (how the owner builds its per-group views)."""
         table = cls.__new__(cls)
         table._bind(owner, group)

@@ -18,7 +18,7 @@ from blocktable.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from blocktable.config import GroupSpec
     from blocktable.storage import TableStorage
-    from blocktable.table import BlockTable
+    from blocktable.table import GroupTable
 
 
 class AttentionViews:
@@ -27,7 +27,7 @@ class AttentionViews:
     # provided by MultiGroupBlockTable
     specs: tuple[GroupSpec, ...]
     storage: TableStorage
-    tables: list[BlockTable | None]
+    tables: list[GroupTable | None]
     max_num_reqs: int
     device: torch.device
     backend: str
@@ -52,7 +52,7 @@ class AttentionViews:
     def num_groups(self) -> int:
         return len(self.specs)
 
-    def __getitem__(self, group: int) -> BlockTable:
+    def __getitem__(self, group: int) -> GroupTable:
         table = self.tables[check_index("group", group, self.num_groups)]
         if table is None:
             raise ValueError(f"group {group} is encoder-only and has no table")

@@ -124,7 +124,7 @@ def _drive(
     snapshots: list[Any] = []
 
     def snap(eng: DistributedEngine, batch: SchedulerOutput) -> None:
-        from blocktable.picture import take_snapshot
+        from blocktable.engine.snapshot import take_snapshot
 
         # The allocator's view: one block id stands for block_size * world tokens.
         shot = take_snapshot(eng, batch)  # type: ignore[arg-type]

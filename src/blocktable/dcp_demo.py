@@ -17,9 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from blocktable.demo import DemoOptions
-
 if TYPE_CHECKING:
+    from blocktable.demo import DemoOptions
     from blocktable.engine import Request, Verification
     from blocktable.engine.dcp_runner import DCPResult
 
