@@ -1,0 +1,38 @@
+"""Private torch names live in one module (``blocktable._triton``), each behind a public
+fallback, and a CUDA build of torch that drops one fails here, loudly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktable import _triton
+
+PRIVATE = ("_cuda_getCurrentRawStream", "_cuda_getDevice")
+SRC = Path(__file__).resolve().parents[1] / "src" / "blocktable"
+
+
+def test_only_one_module_uses_private_torch_names():
+    users = sorted(
+        str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+        if re.search(r"torch\._C\b", p.read_text()) and p.name != "_triton.py"
+    )
+    assert users == [], f"torch._C used outside blocktable/_triton.py: {users}"
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch has no CUDA names")
+def test_the_private_names_exist_in_this_cuda_build():
+    missing = [name for name in PRIVATE if not hasattr(torch._C, name)]
+    assert not missing, (f"torch {torch.__version__} dropped torch._C.{missing}: blocktable "
+                         "falls back to the public API (slower launches); update _triton.py")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_public_fallbacks_give_the_same_answers(monkeypatch):
+    fast = (_triton._current_device(), _triton._current_stream(0))
+    for name in PRIVATE:
+        monkeypatch.delattr(torch._C, name, raising=False)
+    assert (_triton._current_device(), _triton._current_stream(0)) == fast
