@@ -206,7 +206,7 @@ class DecodePlan:
             group, group_pad, dec_m, dec_q, slots, PAD_ITERS, config.decode_block_n, head_dim,
             block_d, block_size, has_qsl, row_of_batch is not None, cp.world_size > 1,
             window > 0, has_lse, split, _INTERPRET and dtype != "fp32", schedule.num_stages,
-            ids_mode, True, fused, chunk, False,
+            ids_mode, fused, chunk,
             # One offset computation for K and V: a gain with the fused combine only (see
             # BENCHMARKS.md), so only there.
             fused and same_kv, dtype,
@@ -217,7 +217,7 @@ class DecodePlan:
             combine_grid = (num_reqs * slots, num_kv_heads, 1)
             combine_tail = (
                 splits, splits, *out.stride(), *lse_strides, group, group_pad, dec_q, slots,
-                head_dim, block_d, has_qsl, has_lse, True, chunk, dtype,
+                head_dim, block_d, has_qsl, has_lse, chunk, dtype,
             )
         return cls(
             (num_reqs + extra, num_kv_heads, splits), combine_grid, partials, counters, tail,

@@ -86,6 +86,6 @@ def launch_prefill(
         group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
         block_size, SEARCH_RADIX, row_of_batch is not None, cp.world_size > 1, window > 0,
         lse_out is not None, _INTERPRET and dtype != "fp32", config.prefill_num_stages,
-        0, True, True, False, 0, False, strides[8:12] == strides[12:16], dtype,
+        0, strides[8:12] == strides[12:16], dtype,  # block ids prefetched a tile ahead
         num_warps=config.prefill_num_warps,
     )
