@@ -18,8 +18,13 @@ from blocktable.attention import decode_plan as decode_plan_mod
 from blocktable.attention import paged_decode_attention, triton_decode
 from blocktable.attention.cp_layout import CPLayout
 from blocktable.attention.decode_plan import DecodePlan, DecodeWorkspace, tensor_strides
-from blocktable.attention.kernel_config import KernelConfig, decode_schedule, default_config
-from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
+from blocktable.attention.kernel_config import (
+    DECODE_LONG_SPLIT_KEYS,
+    FUSED_COMBINE_MAX_PROGRAMS,
+    KernelConfig,
+    decode_schedule,
+    default_config,
+)
 
 # default_config(128, 4) off the interpreter: decode tiles of 64 keys, 4 warps, 2 stages
 BASE = KernelConfig(128, 64, 8, 3, 64, 4, 2)

@@ -14,9 +14,10 @@ import dataclasses
 import functools
 
 from blocktable._triton import interpreting, next_power_of_2
-from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
 
 _INTERPRET = interpreting()
+FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
+DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
 
 
 @dataclasses.dataclass(frozen=True)

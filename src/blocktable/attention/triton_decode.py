@@ -18,7 +18,7 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
-from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
+from blocktable.attention.kernel_config import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
 from blocktable.attention.triton_tiles import (
     LN_2,
     attend_segments,
