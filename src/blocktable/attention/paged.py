@@ -14,7 +14,7 @@ import torch
 
 from blocktable._checks import check_tensor
 from blocktable._triton import HAS_TRITON, resolve_backend
-from blocktable.attention.planner import PagedAttention
+from blocktable.attention.planner import PagedAttention, call_key
 from blocktable.attention.reference import paged_attention_reference
 from blocktable.config import CPConfig
 
@@ -117,7 +117,17 @@ def paged_attention(
             sliding_window, row_of_batch, cp, cp_block_size, out, lse_out,
             return_lse or lse_out is not None,
         )
-    return default_planner(query.device)(
+    planner = _DEFAULT_PLANNERS.get(query.device) or default_planner(query.device)
+    if seq_lens_cpu is None:  # the per-step path: a plan of this metadata is kept
+        plan = planner.lookup(call_key(
+            query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch, out,
+            lse_out, scale, sliding_window, cp, cp_block_size, max_query_len, min_query_len,
+            num_kv_splits, return_lse or lse_out is not None,
+        ))
+        if plan is not None:
+            return plan.launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                               row_of_batch, out, lse_out)
+    return planner(
         query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=scale,
         sliding_window=sliding_window, row_of_batch=row_of_batch, cp=cp,
         cp_block_size=cp_block_size, out=out, lse_out=lse_out, return_lse=return_lse,

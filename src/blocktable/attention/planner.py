@@ -145,7 +145,7 @@ class PagedAttention:
         plan = AttentionPlan(
             self, resolve_scale(scale, query.shape[2]), window, layout, num_kv_splits,
             decode_only, prefill_only, want_lse,
-            _call_key(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+            call_key(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                       row_of_batch, out, lse_out),
         )
         if decode_only:
@@ -183,15 +183,12 @@ class PagedAttention:
         :func:`~blocktable.attention.paged_attention` with ``backend="triton"``."""
         key = None
         if seq_lens_cpu is None:  # (host values are checked on every call)
-            key = _call_key(
+            key = call_key(
                 query, k_cache, v_cache, block_table, seq_lens, query_start_loc, row_of_batch,
                 out, lse_out, scale, sliding_window, cp, cp_block_size, max_query_len,
                 min_query_len, num_kv_splits, return_lse or lse_out is not None,
             )
-            try:
-                plan = self._plans.get(key) if key is not None else None
-            except TypeError:  # an option that cannot be hashed
-                plan = key = None
+            plan = self.lookup(key)
             if plan is not None:  # inputs with this metadata passed every check before
                 return plan.launch(query, k_cache, v_cache, block_table, seq_lens,
                                    query_start_loc, row_of_batch, out, lse_out)
@@ -203,11 +200,23 @@ class PagedAttention:
             num_kv_splits=num_kv_splits,
         )
         if key is not None:
+            try:
+                hash(key)
+            except TypeError:  # an option that cannot be hashed: the plan is not kept
+                key = None
+        if key is not None:
             if len(self._plans) >= self.max_plans:
                 self._plans.pop(next(iter(self._plans)), None)
             self._plans[key] = plan
         return plan.launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                            row_of_batch, out, lse_out)
+
+    def lookup(self, key: tuple | None) -> AttentionPlan | None:
+        """The kept plan of a :func:`call_key` (``None`` when there is none)."""
+        try:
+            return self._plans.get(key) if key is not None else None
+        except TypeError:  # an option that cannot be hashed
+            return None
 
     def launch(
         self,
@@ -319,7 +328,7 @@ class AttentionPlan:
             When an input's metadata (shape, stride, dtype, device; ``out`` and ``lse_out``
             given or not) differs from the planned one's.
         """
-        key = _call_key(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        key = call_key(query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                         row_of_batch, out, lse_out)
         if key is None or key != self.key:
             raise ValueError(
@@ -361,7 +370,7 @@ class AttentionPlan:
         return with_lse(out, lse_out)
 
 
-def _call_key(
+def call_key(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
