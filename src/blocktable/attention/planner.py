@@ -55,11 +55,17 @@ class PagedAttention:
     --------
     >>> import torch
     >>> from blocktable.attention import PagedAttention
-    >>> attention = PagedAttention("cpu")  # doctest: +SKIP (needs TRITON_INTERPRET=1 on a CPU)
+    >>> device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: TRITON_INTERPRET=1
+    >>> k_cache, v_cache = torch.randn(2, 4, 16, 1, 64, device=device)
+    >>> block_table = torch.tensor([[1, 3], [2, 0]], dtype=torch.int32, device=device)
+    >>> seq_lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
+    >>> query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    >>> query = torch.randn(2, 4, 64, device=device)  # one new token per request
+    >>> attention = PagedAttention(device)
     >>> plan = attention.plan(query, k_cache, v_cache, block_table, seq_lens,
-    ...                       query_start_loc, max_query_len=1)  # doctest: +SKIP
-    >>> out = plan.run(query, k_cache, v_cache, block_table, seq_lens,
-    ...                query_start_loc)  # doctest: +SKIP
+    ...                       query_start_loc, max_query_len=1)
+    >>> plan.run(query, k_cache, v_cache, block_table, seq_lens, query_start_loc).shape
+    torch.Size([2, 4, 64])
     """
 
     def __init__(
