@@ -44,7 +44,8 @@ class PagedAttention:
     Parameters
     ----------
     device : torch.device or str
-        The device of every tensor it is given (CPU tensors need ``TRITON_INTERPRET=1``).
+        The device of every tensor it is given (``"cuda"``: the current CUDA device; CPU
+        tensors need ``TRITON_INTERPRET=1``).
     config : KernelConfig, optional
         Tile sizes, warps, stages and splits; default :func:`default_config` by head size,
         with the decode stages chosen from shapes.
@@ -78,6 +79,8 @@ class PagedAttention:
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors name their index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
         self.max_plans = check_positive("max_plans", max_plans)
         self.workspace = DecodeWorkspace(self.device)
