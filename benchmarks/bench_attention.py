@@ -33,13 +33,8 @@ if "--smoke" in sys.argv:
 import torch
 import triton.testing
 
-from blocktable.attention import paged_attention
-from blocktable.attention.launch import (
-    CPLayout,
-    KernelConfig,
-    default_config,
-    launch_paged_attention,
-)
+from blocktable.attention import KernelConfig, PagedAttention, paged_attention
+from blocktable.attention.kernel_config import default_config
 from blocktable.attention.triton_decode import MAX_KV_SPLITS, default_num_kv_splits
 from blocktable.flashinfer import write_flashinfer_page_table
 
@@ -105,18 +100,11 @@ class Batch:
         self.max_query_len = max(query_lens + [1])
 
     def run(self, config: KernelConfig | None = None) -> Callable[[], object]:
-        """The public entry point, or (with ``config``) the launcher with that config."""
-        if config is None:
-            return lambda: paged_attention(
-                self.query, self.k_cache, self.v_cache, self.block_table, self.seq_lens,
-                self.query_start_loc, out=self.out, max_query_len=self.max_query_len,
-            )
-        scale = 1.0 / math.sqrt(self.shape.head_dim)
-        decode_only = self.max_query_len <= 4
-        return lambda: launch_paged_attention(
-            self.out, None, self.query, self.k_cache, self.v_cache, self.block_table,
-            self.seq_lens, self.query_start_loc, None, scale, None, CPLayout(),
-            decode_only=decode_only, config=config,
+        """The public entry point, or (with ``config``) a planner of its own tuned so."""
+        attend = paged_attention if config is None else PagedAttention(self.query.device, config)
+        return lambda: attend(
+            self.query, self.k_cache, self.v_cache, self.block_table, self.seq_lens,
+            self.query_start_loc, out=self.out, max_query_len=self.max_query_len,
         )
 
     def causal_flops(self) -> float:
@@ -216,50 +204,35 @@ def tune_configs(kind: str, base: KernelConfig, splits: int) -> list[KernelConfi
 
 
 def _tune_grid(kind: str, base: KernelConfig, splits: int) -> list[KernelConfig]:
-    """The defaults, then one variant at a time (see ``KernelConfig``): at most 10 prefill and 7
+    """The defaults, then one variant at a time (see ``KernelConfig``): at most 6 prefill and 6
     decode compilations per case."""
     rep = dataclasses.replace
     if kind == "decode":
         b = rep(base, num_kv_splits=splits)
         return [
             b,
-            rep(b, decode_ids_mode=2),
-            rep(b, decode_fused_combine=False),
             rep(b, num_kv_splits=min(splits * 2, MAX_KV_SPLITS)),
             rep(b, num_kv_splits=max(1, splits // 2)),
-            rep(b, decode_fused_combine=False, decode_wide_combine=True),
-            rep(b, decode_single_loop=True, decode_ids_mode=2),
+            rep(b, decode_block_n=32),
+            rep(b, decode_num_stages=3),
+            rep(b, decode_num_warps=8),
         ]
     return [
         base,
-        rep(base, prefill_ids_mode=1),
-        rep(base, prefill_ids_mode=2),
         rep(base, prefill_block_n=128, prefill_num_stages=2),
-        rep(base, prefill_block_n=128, prefill_num_stages=3, prefill_ids_mode=2),
-        rep(base, prefill_pack_gqa=False, prefill_ids_mode=2),
+        rep(base, prefill_block_n=128, prefill_num_stages=3),
         rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=2),
-        rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=3,
-            prefill_ids_mode=2),
-        rep(base, prefill_prescale_q=True, prefill_ids_mode=2),
-        rep(base, prefill_pair_tiles=True),
+        rep(base, prefill_block_m=64, prefill_num_warps=4, prefill_num_stages=3),
+        rep(base, prefill_num_stages=2),
     ]
 
 
 def describe(c: KernelConfig, kind: str) -> str:
     if kind == "decode":
         return (f"n{c.decode_block_n} w{c.decode_num_warps} s{c.decode_num_stages} "
-                f"splits{c.num_kv_splits} ids{c.decode_ids_mode}"
-                + ("" if c.decode_fa_loop else " oldloop")
-                + (" fused" if c.decode_fused_combine
-                   else " widecombine" if c.decode_wide_combine else " loopcombine")
-                + (" single-loop" if c.decode_single_loop else ""))
+                f"splits{c.num_kv_splits}")
     return (f"m{c.prefill_block_m} n{c.prefill_block_n} w{c.prefill_num_warps} "
-            f"s{c.prefill_num_stages} ids{c.prefill_ids_mode}"
-            + ("" if c.prefill_fa_loop else " oldloop")
-            + ("" if c.prefill_pack_gqa else " nopack")
-            + (" prescale" if c.prefill_prescale_q else "")
-            + (f" ws{c.prefill_warp_specialize}" if c.prefill_warp_specialize else "")
-            + (" pair" if c.prefill_pair_tiles else ""))
+            f"s{c.prefill_num_stages}")
 
 
 def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argparse.Namespace,

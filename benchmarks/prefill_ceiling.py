@@ -38,7 +38,7 @@ import triton.language as tl
 import triton.testing
 from run_info import run_info
 
-from blocktable.attention.launch import CPLayout, KernelConfig, launch_paged_attention
+from blocktable.attention import KernelConfig, PagedAttention
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -229,10 +229,12 @@ def minimal_runner(name: str, x: dict[str, torch.Tensor], out: torch.Tensor, b: 
 
 
 def blocktable_runner(x: dict[str, torch.Tensor], out: torch.Tensor) -> Callable[[], object]:
-    return lambda: launch_paged_attention(
-        out, None, x["q"], x["k_cache"], x["v_cache"], x["table"], x["seq_lens"], x["qsl"],
-        None, HEAD_DIM ** -0.5, None, CPLayout(), decode_only=False, prefill_only=True,
-        config=KernelConfig(),
+    """The prefill kernel alone, as an engine gets it for a step of prompts only."""
+    attention = PagedAttention(x["q"].device, KernelConfig())
+    min_query_len = int((x["qsl"][1:] - x["qsl"][:-1]).min())
+    return lambda: attention(
+        x["q"], x["k_cache"], x["v_cache"], x["table"], x["seq_lens"], x["qsl"],
+        scale=HEAD_DIM ** -0.5, out=out, min_query_len=min_query_len,
     )
 
 

@@ -8,7 +8,7 @@ requests, then times it two ways:
   warm, no host work);
 - ``eager``: one call between two CUDA events with L2 flushed before it (``do_bench``, median),
   host work of the launch included where the device waits for it. Configurations other than
-  the default run through a prebuilt :class:`~blocktable.attention.launch.DecodePlan` (the
+  the default run through a prebuilt :class:`~blocktable.attention.decode_plan.DecodePlan` (the
   launch path of a repeated public call, without its metadata lookup).
 
 For the default configuration it also times the public ``paged_attention`` call: ``eager``
@@ -17,15 +17,15 @@ calls back to back between two events, per call: what a host-bound step sees).
 
 ``--quick`` (under a minute): the public call (graph, eager) at the 6 decode shapes of
 ``bench_attention.py``, and at B=1 x 8192, 1 x 131072 and 8 x 32768 the configuration the
-default rule picks (``default_decode_config``, marked ``rule:``) beside it with one choice
-changed at a time: splits 16 / 32 / 64, stages 2 / 3, block ids 0 / 2, combine fused / loop /
-wide. The rule holds where its row is the fastest of its case (within noise).
+default rule picks (``decode_schedule``, marked ``rule:``) beside it with one choice
+changed at a time: splits 16 / 32 / 64, stages 2 / 3, block ids prefetched / per block,
+combine fused / kernel. The rule holds where its row is the fastest of its case (within
+noise).
 
 Full grid (without ``--quick``; the first 4 shapes unless ``--cases``):
 num_kv_splits {16, 32, 64, 128} x decode_block_n {32, 64, 128} x num_warps {4, 8} x
-num_stages {2, 3, 4} x combine {fused, loop}; then the default with other block-id loads
-(ids1, ids2) and the wide combine, and the decode kernel's own loop (``decode_single_loop``)
-at 32/64 splits x ids 1/2 x 2/3 stages. A configuration that does not compile (shared memory) is
+num_stages {2, 3, 4} x combine {fused, kernel} x block ids {prefetched, per block}. A
+configuration that does not compile (shared memory) is
 reported as failed and skipped. ``--smoke`` runs tiny shapes under Triton's interpreter (no
 timing); ``--host-cpu`` times the public call's host work on the CPU with the launches
 replaced by no-ops.
@@ -58,13 +58,14 @@ import triton.testing
 from bench_attention import Batch, Shape
 
 from blocktable.attention import paged_attention
-from blocktable.attention.launch import (
-    CPLayout,
+from blocktable.attention import KernelConfig
+from blocktable.attention.cp_layout import CPLayout
+from blocktable.attention.decode_plan import (
     DecodePlan,
-    KernelConfig,
-    default_config,
-    default_decode_config,
+    DecodeWorkspace,
+    tensor_strides,
 )
+from blocktable.attention.kernel_config import DecodeSchedule, decode_schedule, default_config
 from blocktable.attention.triton_decode import default_num_kv_splits
 
 CASES = {"1x8192": (1, 8192), "1x131072": (1, 131072), "8x32768": (8, 32768),
@@ -140,65 +141,71 @@ def loop_us(fn: Callable[[], object], n: int = 100) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def grid(base: KernelConfig, quick: bool) -> list[KernelConfig]:
+@dataclass(frozen=True)
+class Variant:
+    """What a row runs: the configuration users tune and the schedule the rule would choose."""
+
+    config: KernelConfig
+    schedule: DecodeSchedule
+
+
+def grid(base: KernelConfig, quick: bool) -> list[Variant]:
     splits = (32, 64) if quick else (16, 32, 64, 128)
     block_n = (64, 128) if quick else (32, 64, 128)
     warps = (4,) if quick else (4, 8)
     stages = (2, 3) if quick else (2, 3, 4)
     rep = dataclasses.replace
-    configs = [
-        rep(base, num_kv_splits=s, decode_block_n=n, decode_num_warps=w, decode_num_stages=st,
-            decode_fused_combine=fused)
-        for s, n, w, st, fused in itertools.product(splits, block_n, warps, stages,
-                                                     (True, False))
+    return [
+        Variant(rep(base, num_kv_splits=s, decode_block_n=n, decode_num_warps=w,
+                    decode_num_stages=st), DecodeSchedule(fused, per_block, st))
+        for s, n, w, st, fused, per_block in itertools.product(
+            splits, block_n, warps, stages, (True, False), (False, True))
     ]
-    configs += [rep(base, decode_ids_mode=1), rep(base, decode_ids_mode=2),
-                rep(base, decode_fused_combine=False, decode_wide_combine=True)]
-    configs += [
-        rep(base, num_kv_splits=s, decode_single_loop=True, decode_ids_mode=ids,
-            decode_num_stages=st)
-        for s, ids, st in itertools.product((32, 64), (1, 2), (2, 3))
-    ]
-    return configs
 
 
 def rule_variants(base: KernelConfig, splits: int, num_reqs: int, num_kv_heads: int,
-                  width: int, block_size: int) -> list[KernelConfig]:
-    """The configuration the default rule picks for the shape (first), then the same with one
-    choice changed: splits 16 / 32 / 64, stages 2 / 3, block ids 0 / 2, combine fused/loop/wide."""
-    rule = dataclasses.replace(
-        default_decode_config(base, splits, num_reqs, num_kv_heads, width, block_size),
-        num_kv_splits=splits,
-    )
+                  width: int, block_size: int) -> list[Variant]:
+    """The schedule the default rule picks for the shape (first), then the same with one
+    choice changed: splits 16 / 32 / 64, stages 2 / 3, block ids prefetched / per block,
+    combine fused / kernel."""
+    config = dataclasses.replace(base, num_kv_splits=splits)
+    rule = Variant(config, decode_schedule(base, splits, num_reqs, num_kv_heads, width,
+                                           block_size))
     rep = dataclasses.replace
-    variants = [rep(rule, num_kv_splits=s) for s in (16, 32, 64)]
-    variants += [rep(rule, decode_num_stages=st) for st in (2, 3)]
-    variants += [rep(rule, decode_ids_mode=ids) for ids in (0, 2)]
-    variants += [rep(rule, decode_fused_combine=f, decode_wide_combine=w)
-                 for f, w in ((True, False), (False, False), (False, True))]
+    variants = [Variant(rep(config, num_kv_splits=s), rule.schedule) for s in (16, 32, 64)]
+    variants += [Variant(config, rep(rule.schedule, num_stages=st)) for st in (2, 3)]
+    variants += [Variant(config, rep(rule.schedule, per_block_ids=b)) for b in (False, True)]
+    variants += [Variant(config, rep(rule.schedule, fused_combine=f)) for f in (True, False)]
     return [rule] + [v for v in dict.fromkeys(variants) if v != rule]
 
 
-def describe(c: KernelConfig) -> str:
-    combine = ("nocombine" if c.num_kv_splits == 1 else "fused" if c.decode_fused_combine
-               else "wide" if c.decode_wide_combine else "loop")
+def describe(v: Variant) -> str:
+    c, sch = v.config, v.schedule
+    combine = ("nocombine" if c.num_kv_splits == 1 else "fused" if sch.fused_combine
+               else "kernel")
     splits = "(default)" if c.num_kv_splits is None else c.num_kv_splits
     return (f"splits{splits} n{c.decode_block_n} w{c.decode_num_warps} "
-            f"s{c.decode_num_stages} ids{c.decode_ids_mode} {combine}"
-            + (" single-loop" if c.decode_single_loop else ""))
+            f"s{sch.num_stages} {'ids-per-block' if sch.per_block_ids else 'ids-prefetched'} "
+            f"{combine}")
 
 
-def plan_runner(batch: Batch, config: KernelConfig) -> Callable[[], None]:
-    """A repeated decode call with ``config``: the plan's launches only."""
-    args = (batch.out, None, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, None)
-    plan = DecodePlan.build(*args, 1.0 / math.sqrt(batch.shape.head_dim), None, CPLayout(),
-                            decode_only=True, config=config)
+def plan_runner(batch: Batch, variant: Variant) -> Callable[[], None]:
+    """A repeated decode call with ``variant``: the plan's launches only."""
+    tensors = (batch.out, None, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
+               batch.seq_lens, batch.query_start_loc, None)
+    strides = tensor_strides(batch.out, None, batch.query, batch.k_cache, batch.v_cache,
+                             batch.block_table)
+    plan = DecodePlan.build(
+        DecodeWorkspace(batch.query.device), batch.out, None, batch.query, batch.k_cache,
+        batch.block_table, batch.seq_lens, batch.query_start_loc, None,
+        1.0 / math.sqrt(batch.shape.head_dim), None, CPLayout(), strides, decode_only=True,
+        config=variant.config, schedule=variant.schedule,
+    )
     assert plan is not None
     ptrs = (batch.query.data_ptr() | batch.k_cache.data_ptr() | batch.v_cache.data_ptr()
             | batch.out.data_ptr())
     aligned = ptrs % 16 == 0
-    return lambda: plan.run(*args, aligned)
+    return lambda: plan.run(*tensors, aligned)
 
 
 def public_runner(batch: Batch) -> Callable[[], object]:
@@ -221,8 +228,8 @@ def checked(batch: Batch, fn: Callable[[], object]) -> float:
     return err
 
 
-def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[KernelConfig],
-               smoke: bool, host_loop: bool = True, rule: KernelConfig | None = None) -> None:
+def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[Variant],
+               smoke: bool, host_loop: bool = True, rule: Variant | None = None) -> None:
     """Time the public call, then each of ``configs`` (``rule``'s row marked ``rule:``)."""
     public = public_runner(batch)
     err = checked(batch, public)
@@ -286,10 +293,10 @@ def host_cpu(n: int = 5000) -> None:
     """Host work of the public decode call at B=1 x 8192 (bf16, 32/8 heads, dim 128, 32
     splits) on CPU tensors, the kernel launches replaced by no-ops: checks, metadata lookup,
     argument assembly (not the launcher's own C code and driver call)."""
-    from blocktable.attention import launch
+    from blocktable.attention import decode_plan
 
     for name in ("_decode_launch", "_decode_launch_unaligned", "_combine_launch"):
-        setattr(launch, name, _NoLaunch())
+        setattr(decode_plan, name, _NoLaunch())
     batch = Batch(Shape(), [8192], [1], "cpu")
     args = (batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
             batch.query_start_loc)
@@ -340,8 +347,9 @@ def main() -> int:
                           torch.tensor([], dtype=shape.dtype).element_size())
     configs = [] if args.quick else grid(base, args.smoke)
     if args.smoke:
-        configs = [dataclasses.replace(c, decode_block_n=16, decode_num_stages=1)
-                   for c in configs[::3]]
+        configs = [Variant(dataclasses.replace(v.config, decode_block_n=16, decode_num_stages=1),
+                           dataclasses.replace(v.schedule, num_stages=1))
+                   for v in configs[::6]]
     rows: list[Row] = []
     t0 = time.monotonic()
     for name, (num_reqs, seq_len) in cases.items():
@@ -354,7 +362,8 @@ def main() -> int:
             variants = rule_variants(base, splits, num_reqs, shape.num_kv_heads, batch.width,
                                      shape.page_size)
             if args.smoke:
-                variants = [dataclasses.replace(v, decode_block_n=16) for v in variants]
+                variants = [Variant(dataclasses.replace(v.config, decode_block_n=16), v.schedule)
+                            for v in variants]
             rule = variants[0]
             case_configs = variants + configs
         sweep_case(rows, name, batch, case_configs, args.smoke, host_loop=not args.quick,

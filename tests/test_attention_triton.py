@@ -14,14 +14,28 @@ import numpy as np
 import pytest
 import torch
 
-from blocktable.attention import paged_attention, paged_attention_reference, paged_decode_attention
-from blocktable.attention.cp_layout import global_positions, local_seq_len
-from blocktable.attention.launch import CPLayout, default_config, launch_paged_attention
+from blocktable.attention import (
+    KernelConfig,
+    PagedAttention,
+    paged_attention,
+    paged_attention_reference,
+    paged_decode_attention,
+)
+from blocktable.attention.cp_layout import CPLayout, global_positions, local_seq_len
+from blocktable.attention.kernel_config import DecodeSchedule, default_config
 from blocktable.config import CPConfig
 from blocktable.constants import NULL_BLOCK_ID
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 LSE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def launch_paged_attention(
+    out: torch.Tensor, lse: torch.Tensor | None, query: torch.Tensor, *args: object,
+    config: KernelConfig | None = None, **kwargs: object,
+) -> None:
+    """The kernels on checked inputs through a fresh planner (its own workspace)."""
+    PagedAttention(query.device, config).launch(out, lse, query, *args, **kwargs)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -111,7 +125,7 @@ def test_min_query_len_leaves_every_request_to_the_prefill_kernel(
 ) -> None:
     """A lower bound above the decode kernel's rows: one launch (no decode plan is built),
     and a bound that is wrong (decode requests, an empty one, pad tokens) changes nothing."""
-    import blocktable.attention.launch as launch_module
+    from blocktable.attention import planner
 
     args = make_case(MIXED, 6, 2, 2, 16, torch.float32, triton_device, pad_tokens=3, seed=11)
     ref, ref_lse = reference(*args, sliding_window=window)
@@ -119,7 +133,7 @@ def test_min_query_len_leaves_every_request_to_the_prefill_kernel(
     def no_decode(*a, **k):
         raise AssertionError("the decode kernel was planned")
 
-    monkeypatch.setattr(launch_module.DecodePlan, "build", no_decode)
+    monkeypatch.setattr(planner.DecodePlan, "build", no_decode)
     out, lse = paged_attention(*args, sliding_window=window, min_query_len=9, return_lse=True,
                                backend="triton")
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
@@ -399,47 +413,21 @@ def test_many_requests_search_and_all_padding(triton_device: str) -> None:
     assert empty.shape == (0, *query.shape[1:])
 
 
-def launch_or_skip(config, *args, **kwargs) -> None:
-    """``launch_paged_attention``; on CUDA, a warp-specialized prefill loop that this Triton
-    cannot compile for this GPU is a skip (the option is an experiment), never a pass."""
-    from triton.compiler.errors import CompilationError
-
-    try:
-        launch_paged_attention(*args, config=config, **kwargs)
-    except (RuntimeError, CompilationError) as exc:
-        if not (config.prefill_warp_specialize and args[2].is_cuda):
-            raise
-        pytest.skip(f"this Triton cannot warp-specialize the prefill loop here: {exc}"[:300])
-
-
-VARIANTS = {
-    "ids-prefetch": {"prefill_ids_mode": 0, "decode_ids_mode": 0},
-    "ids-per-key": {"prefill_ids_mode": 1, "decode_ids_mode": 1},
-    "ids-per-block": {"prefill_ids_mode": 2, "decode_ids_mode": 2},
-    "original-loop": {"prefill_fa_loop": False, "decode_fa_loop": False},
-    "loop-combine": {"decode_fused_combine": False, "decode_wide_combine": False},
-    "wide-combine": {"decode_fused_combine": False, "decode_wide_combine": True},
-    "fused-combine": {"decode_fused_combine": True},
-    "decode-single-loop": {"decode_single_loop": True, "decode_ids_mode": 1},
-    "decode-single-loop-ids-per-block": {"decode_single_loop": True, "decode_ids_mode": 2},
-    "unpacked-gqa": {"prefill_pack_gqa": False, "prefill_ids_mode": 2},
-    "prescaled-q": {"prefill_prescale_q": True},
-    "prescaled-q-per-block": {"prefill_prescale_q": True, "prefill_ids_mode": 2},
-    "warp-specialized": {"prefill_warp_specialize": 1, "prefill_ids_mode": 2},
-    "paired-tiles": {"prefill_pair_tiles": True},
-    "search-radix-2": {"prefill_search_radix": 2, "prefill_pair_tiles": True},
-    "search-radix-64": {"prefill_search_radix": 64},
-    "paired-unpacked-prescaled": {"prefill_pair_tiles": True, "prefill_pack_gqa": False,
-                                  "prefill_prescale_q": True},
+SCHEDULES = {
+    "fused-prefetched-ids": DecodeSchedule(fused_combine=True, per_block_ids=False, num_stages=1),
+    "fused-ids-per-block": DecodeSchedule(fused_combine=True, per_block_ids=True, num_stages=1),
+    "combine-kernel": DecodeSchedule(fused_combine=False, per_block_ids=False, num_stages=1),
+    "combine-kernel-ids-per-block": DecodeSchedule(False, True, 2),
 }
 
 
 @pytest.mark.parametrize("block_size", [4, 6])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_kernel_variants_match_reference(triton_device: str, variant: str, block_size: int) -> None:
-    """Every inner-loop variant of KernelConfig (block-id loads, loop order, GQA packing) on a
-    mixed batch with a window, pad tokens, split decode keys and a corrupt block id (never
-    read); block size 6 does not divide the tile (one id per block falls back to per key)."""
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_decode_schedules_match_reference(triton_device: str, schedule: str, block_size: int) -> None:
+    """Every decode schedule (combine fused or in its own launch, block ids prefetched or one
+    per block) on a mixed batch with a window, pad tokens, split decode keys and a corrupt
+    block id (never read); block size 6 does not divide the tile (one id per block falls back
+    to one per key)."""
     query, k_cache, v_cache, table, seq, qsl = make_case(
         MIXED, block_size, 2, 2, 16, torch.float32, "cpu", pad_tokens=2, seed=7
     )
@@ -447,34 +435,48 @@ def test_kernel_variants_match_reference(triton_device: str, variant: str, block
                              scale=0.3)
     table[3, table.shape[1] - 1] = k_cache.shape[0] + 99  # past request 3's keys: never used
     args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
-    base = default_config(16, 2, 4)
-    config = dataclasses.replace(base, num_kv_splits=2, **VARIANTS[variant])
+    attention = PagedAttention(triton_device, default_config(16, 2, 4))
     for _ in range(2):  # the second call finds the workspace (and fused counters) reused
         out = torch.full_like(args[0], float("nan"))
         lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-        launch_or_skip(config, out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False)
+        attention.launch(out, lse, *args, None, 0.3, 7, CPLayout(), decode_only=False,
+                         num_kv_splits=2, schedule=SCHEDULES[schedule])
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
 
 
-def test_bad_ids_mode_is_a_clear_error_before_the_launch(triton_device: str) -> None:
-    query, k_cache, v_cache, table, seq, qsl = make_case(
-        [(5, 2)], 4, 1, 2, 16, torch.float32, triton_device
-    )
-    out = torch.zeros_like(query)
-    config = dataclasses.replace(default_config(16, 2, 4), prefill_ids_mode=3)
-    with pytest.raises(ValueError, match="ids_mode"):
-        launch_paged_attention(
-            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
-            decode_only=False, config=config,
-        )
-    assert (out == 0).all()
+@pytest.mark.parametrize(
+    "tiles",
+    [{"prefill_block_m": 16, "prefill_block_n": 16}, {"prefill_block_m": 32, "decode_block_n": 32},
+     {"prefill_block_n": 32, "prefill_num_stages": 2}],
+    ids=["m16-n16", "m32-decode-n32", "n32-2-stages"],
+)
+def test_tuned_configurations_match_reference(triton_device: str, tiles) -> None:
+    """What users tune (tile sizes, stages) changes the schedule, never the result."""
+    args = make_case(MIXED, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=2, seed=9)
+    ref, ref_lse = reference(*args, sliding_window=7, scale=0.3)
+    config = dataclasses.replace(default_config(16, 2, 4), num_kv_splits=2, **tiles)
+    out, lse = PagedAttention(triton_device, config)(
+        *args, sliding_window=7, scale=0.3, return_lse=True)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    check_lse(lse, ref_lse, torch.float32)
+
+
+def test_bad_kernel_config_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="KernelConfig.prefill_block_n must be a power of two"):
+        KernelConfig(prefill_block_n=48)
+    with pytest.raises(ValueError, match="KernelConfig.decode_block_n must be >= 16"):
+        KernelConfig(decode_block_n=8)
+    with pytest.raises(ValueError, match="KernelConfig.decode_num_stages must be an int >= 1"):
+        KernelConfig(decode_num_stages=0)
+    with pytest.raises(TypeError, match="config must be a KernelConfig"):
+        PagedAttention("cpu", {"prefill_block_m": 64})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("group, head_dim", [(2, 16), (3, 24)])
-@pytest.mark.parametrize("combine", ["fused", "loop", "wide"])
+@pytest.mark.parametrize("fused", [True, False])
 def test_more_splits_than_one_merge_chunk(
-    triton_device: str, combine: str, group: int, head_dim: int
+    triton_device: str, fused: bool, group: int, head_dim: int
 ) -> None:
     """20 splits (two chunks of the merge, most of them without keys) on a decode step; a
     group of 3 pads the merged heads to 4 and head dim 24 the rows to 32."""
@@ -483,16 +485,13 @@ def test_more_splits_than_one_merge_chunk(
         reqs, 4, 2, group, head_dim, torch.float32, triton_device, seed=3
     )
     ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl, scale=0.25)
-    config = dataclasses.replace(
-        default_config(head_dim, group, 4), num_kv_splits=20,
-        decode_fused_combine=combine == "fused", decode_wide_combine=combine == "wide",
-    )
+    attention = PagedAttention(triton_device, default_config(head_dim, group, 4))
     for _ in range(2):
         out = torch.full_like(query, float("nan"))
         lse = torch.full(query.shape[:2], float("nan"), device=triton_device)
-        launch_paged_attention(
+        attention.launch(
             out, lse, query, k_cache, v_cache, table, seq, qsl, None, 0.25, None, CPLayout(),
-            decode_only=True, config=config,
+            decode_only=True, num_kv_splits=20, schedule=DecodeSchedule(fused, False, 1),
         )
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
         check_lse(lse, ref_lse, torch.float32)
@@ -501,7 +500,7 @@ def test_more_splits_than_one_merge_chunk(
 def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatch) -> None:
     """A call whose inputs have the metadata of a checked one skips the checks and the launch
     set-up, yet reads the new values: new K/V, query and lengths give the new reference."""
-    from blocktable.attention import paged
+    from blocktable.attention import planner
 
     reqs = [(29, 1), (0, 0), (7, 1)]
     query, k_cache, v_cache, table, seq, qsl = make_case(
@@ -516,7 +515,7 @@ def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatc
     def not_again(*args: object) -> bool:
         raise AssertionError("the checks ran again")
 
-    monkeypatch.setattr(paged, "inputs_look_valid", not_again)
+    monkeypatch.setattr(planner, "inputs_look_valid", not_again)
     gen = torch.Generator().manual_seed(6)
     for lens in ([29, 0, 7], [12, 0, 30]):
         k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
@@ -546,10 +545,10 @@ def test_repeated_decode_calls_reuse_their_checks(triton_device: str, monkeypatc
     assert torch.equal(out, before)  # nothing written by the rejected calls (no NaN left)
 
 
-@pytest.mark.parametrize("ids_mode", [1, 2])
-def test_decode_single_loop_with_cp_window_and_splits(triton_device: str, ids_mode: int) -> None:
-    """The decode kernel's own loop on rank 1 of 2 (interleave 4), a window cutting through
-    blocks, keys split three ways, a pad row, and a NaN block before the window (never read)."""
+@pytest.mark.parametrize("per_block_ids", [False, True])
+def test_split_decode_with_cp_and_window(triton_device: str, per_block_ids: bool) -> None:
+    """Decode on rank 1 of 2 (interleave 4), a window cutting through blocks, keys split three
+    ways, a pad row, and a NaN block before the window (never read)."""
     gen = torch.Generator().manual_seed(11)
     block_size, cp_block, kv_heads, group, dim = 4, 8, 2, 2, 16
     reqs = [(37, 1), (26, 1), (2, 1), (0, 0)]
@@ -565,86 +564,46 @@ def test_decode_single_loop_with_cp_window_and_splits(triton_device: str, ids_mo
                              cp_block_size=cp_block, sliding_window=9)
     table[0, 0] = 0  # NaN block: rank 1 holds 17 of request 0's keys, the window starts at 12
     args = [t.to(triton_device) for t in (query, k_cache, v_cache, table, seq, qsl)]
-    config = dataclasses.replace(default_config(dim, group, 4), num_kv_splits=3,
-                                 decode_single_loop=True, decode_ids_mode=ids_mode)
     out = torch.full_like(args[0], float("nan"))
     lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-    launch_paged_attention(out, lse, *args, None, 0.25, 9, CPLayout(2, 1, 4, cp_block),
-                           decode_only=True, config=config)
+    PagedAttention(triton_device).launch(
+        out, lse, *args, None, 0.25, 9, CPLayout(2, 1, 4, cp_block), decode_only=True,
+        num_kv_splits=3, schedule=DecodeSchedule(True, per_block_ids, 1),
+    )
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     check_lse(lse, ref_lse, torch.float32)
 
 
 @pytest.mark.parametrize("window", [None, 11])
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"prefill_pair_tiles": True},
-        {"prefill_pair_tiles": True, "prefill_pack_gqa": False, "prefill_block_m": 16},
-        {"prefill_prescale_q": True, "prefill_warp_specialize": 1, "prefill_ids_mode": 2},
-        {"prefill_warp_specialize": 2, "prefill_pair_tiles": True},
-    ],
-    ids=["paired", "paired-unpacked", "prescaled-ws", "ws-unmasked-paired"],
-)
-def test_prefill_loop_options_on_long_prefills(triton_device: str, options, window) -> None:
-    """Prefills of 5, 4, 3 and 1 query tiles (odd and even pair counts), a chunk over a cached
-    prefix that crosses blocks, a decode and a pad token: the new schedules and loop options
-    against the float64 reference (LSE too)."""
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_long_prefills(triton_device: str, block_m: int, window) -> None:
+    """Prefills of several query tiles, a chunk over a cached prefix that crosses blocks, a
+    decode and a pad token, through the prefill kernel alone, against the float64 reference
+    (LSE too)."""
     reqs = [(40, 40), (37, 29), (30, 21), (13, 1), (9, 8)]
     args = make_case(reqs, 4, 2, 2, 16, torch.float32, triton_device, pad_tokens=1, seed=11)
-    config = dataclasses.replace(default_config(16, 2, 4), **options)
+    config = dataclasses.replace(default_config(16, 2, 4), prefill_block_m=block_m)
     out = torch.full_like(args[0], float("nan"))
     lse = torch.full(args[0].shape[:2], float("nan"), device=triton_device)
-    launch_or_skip(config, out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False)
+    launch_paged_attention(out, lse, *args, None, 0.3, window, CPLayout(), decode_only=False,
+                           prefill_only=True, config=config)
     ref, ref_lse = reference(*args, sliding_window=window, scale=0.3)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     check_lse(lse, ref_lse, torch.float32)
 
 
-def test_bad_prefill_options_are_clear_errors(
-    triton_device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Triton without tl.range(warp_specialize=...), a mode outside 0..2, a search radix
-    that is not a power of two: ValueError before any launch."""
-    from blocktable.attention import launch
-
-    monkeypatch.setattr(launch, "HAS_WS_RANGE", False)
-    query, k_cache, v_cache, table, seq, qsl = make_case(
-        [(5, 2), (7, 1)], 4, 1, 2, 16, torch.float32, triton_device
-    )
-    out = torch.zeros_like(query)
-    config = dataclasses.replace(default_config(16, 2, 4), prefill_warp_specialize=True)
-    with pytest.raises(ValueError, match="prefill_warp_specialize needs"):
-        launch_paged_attention(
-            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
-            decode_only=False, config=config,
-        )
-    with pytest.raises(ValueError, match="prefill_warp_specialize must be 0, 1 or 2, got 3"):
-        launch_paged_attention(
-            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
-            decode_only=False, config=dataclasses.replace(config, prefill_warp_specialize=3),
-        )
-    with pytest.raises(ValueError, match="prefill_search_radix must be a power of two"):
-        launch_paged_attention(
-            out, None, query, k_cache, v_cache, table, seq, qsl, None, 0.3, None, CPLayout(),
-            decode_only=False, config=dataclasses.replace(config, prefill_search_radix=3),
-        )
-    assert (out == 0).all()
-
-
-def test_paired_tiles_zero_every_pad_token(triton_device: str) -> None:
-    """With two tiles per program, the slots past the last request still cover every pad
-    token: a batch of one short prefill and 37 pad tokens, then one of padding only."""
+def test_prefill_zeros_every_pad_token(triton_device: str) -> None:
+    """The programs past the last request cover every pad token: a batch of one short
+    prefill and 37 pad tokens, then one of padding only."""
     query, k_cache, v_cache, table, seq, qsl = make_case(
         [(11, 9)], 4, 1, 2, 16, torch.float32, triton_device, pad_tokens=37, seed=5
     )
-    config = dataclasses.replace(default_config(16, 2, 4), prefill_pair_tiles=True)
     ref, _ = reference(query, k_cache, v_cache, table, seq, qsl)
     for lens in ((seq, qsl), (seq[:0], qsl[:1])):
         out = torch.full_like(query, float("nan"))
         launch_paged_attention(
             out, None, query, k_cache, v_cache, table, *lens, None, 1.0 / 4, None, CPLayout(),
-            decode_only=False, config=config,
+            decode_only=False, prefill_only=True,
         )
         expected = ref if lens[0].numel() else torch.zeros_like(ref)
         assert rel_err(out, expected) < TOLERANCE[torch.float32]

@@ -1,7 +1,8 @@
-"""The decode options of the default configuration follow the shape rule of
-:func:`blocktable.attention.launch.default_decode_config` (no device value read), a caller's
-configuration is taken as given, and the public call under the chosen options (wide combine,
-block ids per block) matches the float64 reference. CPU only (the interpreter for the call).
+"""The decode schedule follows the shape rule of
+:func:`blocktable.attention.kernel_config.decode_schedule` (no device value read), a caller's
+configuration keeps its stages, and the public call under the chosen schedule (combine
+kernel, block ids per block) matches the float64 reference. CPU only (the interpreter for the
+call).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import pytest
 import torch
 from test_attention_triton import TOLERANCE, make_case, reference, rel_err
 
-from blocktable.attention import launch as launch_mod
+from blocktable.attention import decode_plan as decode_plan_mod
 from blocktable.attention import paged_decode_attention, triton_decode
-from blocktable.attention.launch import (
+from blocktable.attention.cp_layout import CPLayout
+from blocktable.attention.decode_plan import DecodePlan, DecodeWorkspace, tensor_strides
+from blocktable.attention.kernel_config import (
     DECODE_LONG_SPLIT_KEYS,
     FUSED_COMBINE_MAX_PROGRAMS,
-    CPLayout,
-    DecodePlan,
     KernelConfig,
-    default_decode_config,
+    decode_schedule,
+    default_config,
 )
 
 # default_config(128, 4) off the interpreter: decode tiles of 64 keys, 4 warps, 2 stages
@@ -30,16 +32,16 @@ H200_SMS = 132
 
 
 def expected(splits: int, num_reqs: int, num_kv_heads: int, width: int,
-             block_size: int) -> tuple[bool, bool, int, int]:
-    """``(fused, wide, ids_mode, stages)`` by the rule, written out independently."""
+             block_size: int) -> tuple[bool, bool, int]:
+    """``(fused, per_block_ids, stages)`` by the rule, written out independently."""
     if splits == 1:
-        return False, False, 0, BASE.decode_num_stages
+        return False, False, BASE.decode_num_stages
     fused = num_reqs * num_kv_heads <= 16
     pow2 = block_size & (block_size - 1) == 0
     long_splits = width * block_size / splits >= 2048
-    ids = 2 if pow2 and 64 % block_size == 0 and not long_splits else 0
+    per_block = pow2 and 64 % block_size == 0 and not long_splits
     stages = 3 if fused and long_splits else BASE.decode_num_stages
-    return fused, not fused, ids, stages
+    return fused, per_block, stages
 
 
 @pytest.mark.parametrize(
@@ -63,16 +65,11 @@ def test_h200_cases_follow_the_rule(monkeypatch, num_reqs: int, seq_len: int, sp
     width = seq_len // 16
     got_splits = triton_decode.default_num_kv_splits(num_reqs, 8, width, torch.device("cuda"), 16)
     assert got_splits == splits
-    config = default_decode_config(BASE, got_splits, num_reqs, 8, width, 16)
-    assert config.decode_fused_combine == fused
-    assert config.decode_wide_combine == (splits > 1 and not fused)
-    assert (config.decode_ids_mode, config.decode_num_stages) == (ids, stages)
-    # nothing else changes
-    assert dataclasses.replace(
-        config, decode_fused_combine=BASE.decode_fused_combine,
-        decode_wide_combine=BASE.decode_wide_combine, decode_ids_mode=BASE.decode_ids_mode,
-        decode_num_stages=BASE.decode_num_stages,
-    ) == BASE
+    schedule = decode_schedule(BASE, got_splits, num_reqs, 8, width, 16)
+    assert schedule.fused_combine == fused
+    assert (schedule.per_block_ids, schedule.num_stages) == (ids == 2, stages)
+    given = decode_schedule(BASE, got_splits, num_reqs, 8, width, 16, choose_stages=False)
+    assert given.num_stages == BASE.decode_num_stages  # a given configuration's stages
 
 
 def expected_splits(num_reqs: int, num_kv_heads: int, width: int, block_size: int) -> int:
@@ -104,10 +101,8 @@ def test_the_rule_over_a_grid_of_shapes(monkeypatch) -> None:
                     assert splits <= 32 and splits & (splits - 1) == 0
                     assert splits == expected_splits(num_reqs, num_kv_heads, width, block_size)
                     for s in {splits, 1, 4, 32}:
-                        c = default_decode_config(BASE, s, num_reqs, num_kv_heads, width,
-                                                  block_size)
-                        got = (c.decode_fused_combine, c.decode_wide_combine,
-                               c.decode_ids_mode, c.decode_num_stages)
+                        c = decode_schedule(BASE, s, num_reqs, num_kv_heads, width, block_size)
+                        got = (c.fused_combine, c.per_block_ids, c.num_stages)
                         assert got == expected(s, num_reqs, num_kv_heads, width, block_size)
 
 
@@ -115,33 +110,34 @@ def _plan(num_reqs: int, config: KernelConfig | None, splits: int) -> DecodePlan
     args = make_case([(9, 1)] * num_reqs, 4, 2, 2, 16, torch.float32, "cpu")
     query, k_cache, v_cache, table, seq_lens, _ = args
     out = torch.empty_like(query)
-    plan = DecodePlan.build(out, None, query, k_cache, v_cache, table, seq_lens, None, None,
-                            0.25, None, CPLayout(), decode_only=True, config=config,
-                            num_kv_splits=splits)
+    strides = tensor_strides(out, None, query, k_cache, v_cache, table)
+    plan = DecodePlan.build(DecodeWorkspace(query.device), out, None, query, k_cache, table,
+                            seq_lens, None, None, 0.25, None, CPLayout(), strides,
+                            decode_only=True, config=config, num_kv_splits=splits)
     assert plan is not None
     return plan
 
 
 def test_plans_use_the_rule_only_without_a_configuration(monkeypatch) -> None:
-    """2 KV heads: 8 requests fuse the combine, 9 launch the combine kernel; a given
-    configuration keeps its own combine; and the rule's inputs are shapes."""
+    """2 KV heads: 8 requests fuse the combine, 9 launch the combine kernel, with or without
+    a given configuration (which keeps its stages); and the rule's inputs are shapes."""
     seen = []
-    real = launch_mod.default_decode_config
+    real = decode_plan_mod.decode_schedule
 
-    def spy(*args):
-        seen.append(args[1:])
-        return real(*args)
+    def spy(*args, **kwargs):
+        seen.append((*args[1:], kwargs["choose_stages"]))
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(launch_mod, "default_decode_config", spy)
+    monkeypatch.setattr(decode_plan_mod, "decode_schedule", spy)
     small, large = _plan(8, None, 4), _plan(9, None, 4)
     assert small.combine_grid is None and small.counters is not None
     assert large.combine_grid == (9, 2, 1) and large.counters is None
     width = 4  # make_case: ceil(9 / 4) blocks + 1
-    assert seen == [(4, 8, 2, width, 4), (4, 9, 2, width, 4)]
-    given = launch_mod.default_config(16, 2, 4)
-    kept = _plan(9, dataclasses.replace(given, decode_fused_combine=True), 4)
-    assert kept.combine_grid is None and kept.counters is not None
-    assert len(seen) == 2  # not consulted for a given configuration
+    assert seen == [(4, 8, 2, width, 4, True), (4, 9, 2, width, 4, True)]
+    given = dataclasses.replace(default_config(16, 2, 4), decode_block_n=32)
+    kept = _plan(9, given, 4)
+    assert kept.combine_grid == (9, 2, 1) and kept.counters is None
+    assert seen[-1] == (4, 9, 2, width, 4, False)  # a given configuration keeps its stages
     unsplit = _plan(9, None, 1)
     assert unsplit.combine_grid is None and unsplit.counters is None
 
@@ -149,7 +145,7 @@ def test_plans_use_the_rule_only_without_a_configuration(monkeypatch) -> None:
 @pytest.mark.parametrize("num_reqs", [3, 9])
 def test_default_choices_match_the_reference(triton_device: str, num_reqs: int) -> None:
     """Split decode under the default configuration: 3 requests x 2 KV heads fuse the
-    combine, 9 use the wide one; blocks of 4 keys: ids per block; lengths 1 to 23."""
+    combine, 9 launch the combine kernel; blocks of 4 keys: ids per block; lengths 1 to 23."""
     reqs = [(1 + 5 * r % 23, 1) for r in range(num_reqs)]
     query, k_cache, v_cache, table, seq_lens, qsl = make_case(
         reqs, 4, 2, 2, 16, torch.float32, triton_device, seed=num_reqs)

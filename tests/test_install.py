@@ -91,7 +91,7 @@ def test_without_triton_the_gpu_path_says_so() -> None:
         "qsl = torch.tensor([0, 1], dtype=torch.int32)\n"
         "print(bt.compute_slot_mapping(qsl, torch.tensor([2]))[0][:2].tolist())\n"
         "import blocktable.attention, blocktable.engine, blocktable.cli  # the demo's imports\n"
-        "print(blocktable.attention.launch.FUSED_COMBINE_MAX_PROGRAMS)\n"
+        "print(blocktable.attention.kernel_config.FUSED_COMBINE_MAX_PROGRAMS)\n"
     )
     lines = out.splitlines()
     assert lines[0] == ("backend='triton' needs the triton package; CUDA builds of torch bring "

@@ -17,7 +17,19 @@ positions are equal.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CPLayout:
+    """Where this rank's keys sit, as the kernels take it (``(1, 0, 1, 1)``: no CP)."""
+
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
+    block_size: int = 1  # the manager block size: the unit of ownership
 
 
 def local_seq_len(

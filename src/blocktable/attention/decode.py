@@ -11,14 +11,16 @@ import torch
 
 from blocktable._checks import check_positive, check_tensor
 from blocktable._triton import HAS_TRITON, resolve_backend
-from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
-from blocktable.attention.launch import launch_paged_attention
-from blocktable.attention.paged import (
+from blocktable.attention._inputs import (
     check_outputs,
+    check_paged_inputs,
+    check_sliding_window,
     check_triton_common,
     inputs_look_valid,
+    resolve_scale,
     with_lse,
 )
+from blocktable.attention.paged import default_planner
 from blocktable.attention.reference import paged_attention_reference
 from blocktable.config import CPConfig
 
@@ -80,7 +82,7 @@ def paged_decode_attention(
     num_kv_splits : int, optional
         Programs sharing each request's keys (flash-decoding), a power of two. ``None``
         (default) picks enough to fill the GPU from ``num_reqs``, ``num_kv_heads`` and
-        ``width`` alone. The split workspace is allocated once per device and shape.
+        ``width`` alone. The split workspace is the device's default planner's.
     row_of_batch : torch.Tensor, optional
         int32 ``[num_reqs]``, the table row of each request (indexed mode).
     cp, cp_block_size : optional
@@ -146,7 +148,7 @@ def paged_decode_attention(
             cp_block_size, out, lse_out,
         )
     else:
-        launch_paged_attention(
+        default_planner(query.device).launch(
             out, lse_out, query, k_cache, v_cache, block_table, seq_lens, None, row_of_batch,
             scale, window, layout, decode_only=True, num_kv_splits=num_kv_splits,
         )

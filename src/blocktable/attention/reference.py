@@ -18,8 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blocktable._checks import check_positive, check_tensor
-from blocktable.attention._inputs import check_paged_inputs, check_sliding_window, resolve_scale
+from blocktable._checks import check_tensor
+from blocktable.attention._inputs import (
+    check_paged_inputs,
+    check_sliding_window,
+    cp_layout_args,
+    resolve_scale,
+)
 from blocktable.attention.cp_layout import global_positions, local_seq_len
 from blocktable.config import CPConfig
 
@@ -122,7 +127,7 @@ def paged_attention_reference(
     window = check_sliding_window(sliding_window)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     scale = resolve_scale(scale, head_dim)
-    layout = _cp_layout(cp, cp_block_size, block_size)
+    layout = cp_layout_args(cp, cp_block_size, block_size)
     rows = list(range(num_reqs))
     if row_of_batch is not None:
         check_tensor(
@@ -172,30 +177,6 @@ def paged_attention_reference(
         out[starts[r] : starts[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
         lse[starts[r] : starts[r + 1]] = row_lse.T.float()
     return (out, lse) if return_lse else out
-
-
-def _cp_layout(cp: CPConfig | None, cp_block_size: int | None, block_size: int) -> dict[str, int]:
-    """The keyword arguments of :mod:`~blocktable.attention.cp_layout` for this call."""
-    if cp is not None and not isinstance(cp, CPConfig):
-        raise TypeError(f"cp must be a CPConfig or None, got {type(cp).__name__}")
-    cp = cp or CPConfig()
-    manager_block_size = block_size if cp_block_size is None else cp_block_size
-    check_positive("cp_block_size", manager_block_size)
-    if manager_block_size % block_size:
-        raise ValueError(
-            f"cp_block_size={manager_block_size} must be a multiple of k_cache's "
-            f"block_size={block_size}"
-        )
-    if cp.world_size > 1 and manager_block_size % cp.interleave:
-        raise ValueError(
-            f"cp interleave={cp.interleave} must divide cp_block_size={manager_block_size}"
-        )
-    return {
-        "world_size": cp.world_size,
-        "rank": cp.rank,
-        "interleave": cp.interleave,
-        "manager_block_size": manager_block_size,
-    }
 
 
 def _check_lengths(

@@ -5,7 +5,7 @@ query heads of its KV head in one ``BLOCK_M``-row tile (decode: one token, the G
 walks its share of the request's visible keys through the block table. With one split it
 writes the output directly; with more (flash-decoding) each split writes its normalized
 partial output and log2-sum-exp into a workspace, and the last split of each (request, KV
-head) to finish merges them (an atomic counter; or, in the configurations without the fused
+head) to finish merges them (an atomic counter; or, for grids too large for the fused
 combine, :func:`combine_kernel` in a second launch) and produces the log-sum-exp. The split
 count is a runtime argument: changing it never recompiles. Requests longer than ``BLOCK_Q``
 are left to the prefill kernel.
@@ -18,7 +18,7 @@ import functools
 import torch
 
 from blocktable._triton import HAS_TRITON, tl, triton
-from blocktable.attention.split_rule import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
+from blocktable.attention.kernel_config import DECODE_LONG_SPLIT_KEYS, FUSED_COMBINE_MAX_PROGRAMS
 from blocktable.attention.triton_tiles import (
     LN_2,
     attend_segments,
@@ -80,80 +80,6 @@ if HAS_TRITON:
             out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
         )
 
-    @triton.jit
-    def attend_decode_tiles(
-        acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, kv_cap, table_row_ptr,
-        table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
-        v_stride_s, v_stride_d, num_blocks, qk_scale,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PER_BLOCK_IDS: tl.constexpr,
-    ):
-        """Online softmax over the key tiles ``kv_start, kv_start + BLOCK_N, ...`` below
-        ``kv_end`` in one masked loop (decode rows see almost every key: the mask costs little
-        beside the loads), each tile's block ids loaded in its own iteration and its V tile
-        loaded beside its K tile, so that the two loads wait for memory together. Keys outside
-        ``[kv_lo, kv_cap)`` are never loaded. ``PER_BLOCK_IDS``: one id per block (the block
-        size a power of two dividing ``BLOCK_N``), else one per key."""
-        n = tl.arange(0, BLOCK_N)
-        d = tl.arange(0, BLOCK_D)
-        for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-            keys = start + n
-            in_row = (keys >= kv_lo) & (keys < kv_cap)
-            if PER_BLOCK_IDS:  # tiles start at multiples of BLOCK_N, hence of BLOCK_SIZE
-                PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-                page = start // BLOCK_SIZE + tl.arange(0, PAGES)
-                page_ids = tl.load(
-                    table_row_ptr + page * table_stride_c,
-                    mask=(page * BLOCK_SIZE < kv_cap) & ((page + 1) * BLOCK_SIZE > kv_lo),
-                    other=-1,
-                )
-                block_id = tl.reshape(
-                    tl.broadcast_to(page_ids[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)
-                )
-                offset = n % BLOCK_SIZE
-            else:
-                block_id = tl.load(
-                    table_row_ptr + (keys // BLOCK_SIZE) * table_stride_c, mask=in_row, other=-1
-                )
-                offset = keys % BLOCK_SIZE
-            # An id outside the cache is never dereferenced: its keys are masked.
-            kv_ok = in_row & (block_id >= 0) & (block_id < num_blocks)
-            block_id = tl.where(kv_ok, block_id, 0).to(tl.int64)
-            kv_mask = kv_ok[:, None]
-            if HEAD_DIM != BLOCK_D:
-                kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-            k = tl.load(
-                k_base + block_id[:, None] * k_stride_b + offset[:, None] * k_stride_s
-                + d[None, :] * k_stride_d,
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_base + block_id[:, None] * v_stride_b + offset[:, None] * v_stride_s
-                + d[None, :] * v_stride_d,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            visible = (
-                (keys[None, :] >= row_lo[:, None])
-                & (keys[None, :] < row_hi[:, None])
-                & kv_ok[None, :]
-            )
-            qk = tl.where(visible, qk, float("-inf"))
-            # The scale rides in one FMA per score (qk_scale > 0, so max commutes with it).
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
-        return acc, m_i, l_i
-
     def _decode_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         lse_ptr,  # float32 [num_tokens, num_heads] (when HAS_LSE)
@@ -205,10 +131,8 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
-        FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
         FUSED_COMBINE: tl.constexpr,  # the last split to finish merges (no combine launch)
         SPLITS_PAD: tl.constexpr,  # splits merged per load (when FUSED_COMBINE)
-        SINGLE_LOOP: tl.constexpr,  # attend_decode_tiles, not attend_segments
         SAME_KV: tl.constexpr,  # V laid out like K (with the fused combine only)
         DTYPE: tl.constexpr,
     ):
@@ -304,24 +228,14 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if SINGLE_LOOP:
-            acc, m_i, l_i = attend_decode_tiles(
-                acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, kv_cap,
-                table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
-                k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
-                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
-                num_blocks, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32,
-                NUM_STAGES, IDS_MODE == 2,
-            )
-        else:
-            acc, m_i, l_i = attend_segments(
-                acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, full_lo, full_hi,
-                kv_cap, table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
-                k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
-                k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
-                num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-                DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, False, 0, SAME_KV,
-            )
+        acc, m_i, l_i = attend_segments(
+            acc, m_i, l_i, q, row_lo, row_hi, kv_start, kv_end, kv_lo, full_lo, full_hi,
+            kv_cap, table_ptr + row.to(tl.int64) * table_stride_r, table_stride_c,
+            k_cache_ptr + kv_head * k_stride_h, v_cache_ptr + kv_head * v_stride_h,
+            k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
+            num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+            DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV,
+        )
         if SPLIT:
             num_heads = tl.num_programs(1) * GROUP
             slot = req * SLOTS + qi
@@ -378,8 +292,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         HAS_QSL: tl.constexpr,
         HAS_LSE: tl.constexpr,
-        WIDE: tl.constexpr,  # SPLITS_PAD splits of a head per [SPLITS_PAD, BLOCK_D] load
-        SPLITS_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,  # splits of every head merged per load
         DTYPE: tl.constexpr,
     ):
         # One program per (workspace row, KV head): merge the splits of GROUP query heads.
@@ -397,39 +310,11 @@ if HAS_TRITON:
             query_len = 1
         if i >= query_len:
             return
-        d = tl.arange(0, BLOCK_D)
-        if WIDE:  # one load of every split per head: no chain of dependent loads
-            merge_splits(
-                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, q_start + i, kv_head,
-                tl.num_programs(1) * GROUP, num_splits, max_splits, out_stride_t, out_stride_h,
-                out_stride_d, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D,
-                SPLITS_PAD, HAS_LSE,
-            )
-            return
-        g = tl.arange(0, GROUP_PAD)
-        heads = kv_head * GROUP + g
-        head_ok = g < GROUP
-        base = (slot.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits
-        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        for s in range(num_splits):
-            lse_s = tl.load(part_lse_ptr + base + s, mask=head_ok, other=float("-inf"))
-            o_s = tl.load(
-                part_o_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-                mask=head_ok[:, None],
-                other=0.0,
-            )
-            m_new = tl.maximum(m_i, lse_s)
-            alpha = tl.exp2(m_i - m_new)
-            w = tl.exp2(lse_s - m_new)
-            l_i = l_i * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o_s
-            m_i = m_new
-        tokens = q_start + i + g * 0
-        store_rows(
-            out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, head_ok, out_stride_t, out_stride_h,
-            out_stride_d, lse_stride_t, lse_stride_h, BLOCK_D, HEAD_DIM, HAS_LSE,
+        merge_splits(
+            out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, slot, q_start + i, kv_head,
+            tl.num_programs(1) * GROUP, num_splits, max_splits, out_stride_t, out_stride_h,
+            out_stride_d, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D,
+            SPLITS_PAD, HAS_LSE,
         )
 
     _UNALIGNED = [
@@ -447,8 +332,8 @@ if HAS_TRITON:
     )(_decode_kernel)
 
 
-MAX_KV_SPLITS = 32  # more lost on an H200 (see launch.default_decode_config)
-MERGE_CHUNK = 16  # at most this many splits per load in the wide and fused combines
+MAX_KV_SPLITS = 32  # more splits only add merge work (measured: BENCHMARKS.md)
+MERGE_CHUNK = 16  # at most this many splits per load of the merge
 MERGE_TILE_ELEMENTS = 8192  # ... and at most this many floats per load (64 a thread at 4 warps)
 
 
@@ -466,14 +351,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Rounding the wanted splits (H200, bf16, 32 query / 8 KV heads, head dim 128, page 16,
-# graph-replayed µs, 2026-12-01): to the power of two below when that grid already fills two
-# programs per multiprocessor (>= FULL_WAVE of it) and its splits are short or fused:
-# B=2 x 8192 26.6 (16 splits) vs 30.5 (32), 2 x 32768 70.3 vs 82.1, 2 x 131072 245.6 vs 251.3,
-# 4 x 8192 48.2 (8) vs 51.4 (16), 8 x 4096 47.2 (4) vs 50.6 (8). Long unfused splits want the
-# power of two above: 4 x 32768 185.8 (8) vs 132.6 (16), 8 x 32768 358.9 (4) vs 250.2 (8),
-# 16 x 8192 184.5 (2) vs 132.4 (4); so do grids well short of a wave: 3 x 8192 43.2 (8, 192
-# programs) vs 35.0 (16), 12 x 4096 85.4 (2) vs 56.4 (4).
 def default_num_kv_splits(
     num_reqs: int, num_kv_heads: int, width: int, device: torch.device, block_size: int = 16
 ) -> int:
@@ -483,8 +360,10 @@ def default_num_kv_splits(
     power of two, at most ``MAX_KV_SPLITS`` (32), each split covering at least 256 keys of
     the widest possible row (``width * block_size``). The wanted count is rounded to the power
     of two above, or to the one below (at least 2) when that grid fills at least ``FULL_WAVE``
-    of two programs per multiprocessor and its splits are short or fused (the comment above
-    has the measurements). 1 off CUDA.
+    of two programs per multiprocessor and its splits are short or fused: there the extra
+    splits cost more merge work than the fuller grid gains, while long unfused splits and
+    grids short of a wave want the splits above (the measurements are in BENCHMARKS.md).
+    1 off CUDA.
     """
     if device.type != "cuda" or num_reqs == 0:
         return 1

@@ -1,16 +1,13 @@
 """The varlen paged attention kernel: prefill, chunks over cached prefixes, any query length.
 
-The grid is ``(cdiv(num_tokens, BLOCK_Q) + num_reqs, num_kv_heads)``, from shapes only (with
-``PACK_GQA`` false: ``num_heads`` programs per tile, ``BLOCK_Q = BLOCK_M`` tokens of one
-query head each). Request
-``r`` owns the query tiles ``[qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1)`` (at least
+The grid is ``(cdiv(num_tokens, BLOCK_Q) + num_reqs, num_kv_heads)``, from shapes only: a
+program's ``BLOCK_M`` rows are ``BLOCK_Q`` query tokens times the query heads of one KV head,
+so one K/V load serves the GQA group. Request ``r`` owns the query tiles
+``[qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1)`` (at least
 ``ceil(query_len / BLOCK_Q)`` of them); a program finds its request with a ``RADIX``-ary
 search over ``query_start_loc`` on the device, and tiles past the last request zero the pad
 tokens. Programs run in reverse tile order so the longest (last) tiles of a causal prefill
-start first. With ``PAIR_TILES`` the grid's unit is a slot of two tiles (``2 * BLOCK_Q`` in
-the formulas above): slot ``j`` of a request of ``n`` tiles runs tiles ``n - 1 - j`` and ``j``,
-so that every program of a causal prefill has the same work. Requests of at most ``short_query_len`` tokens are left to the
-decode kernel.
+start first. Requests of at most ``short_query_len`` tokens are left to the decode kernel.
 """
 
 from __future__ import annotations
@@ -75,43 +72,30 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,  # how tiles read block ids (attend_tiles)
-        FA_LOOP: tl.constexpr,  # scale in one FMA, P @ V accumulated in place (attend_tiles)
-        PACK_GQA: tl.constexpr,  # rows pack the GQA group (grid dim 1: KV heads) or not
-        PRESCALED: tl.constexpr,  # q scaled by qk_scale once, before the loop (IDS_MODE 1 or 2)
-        WS_MODE: tl.constexpr,  # warp-specialized loops: 0 none, 1 all, 2 unmasked (IDS 1 or 2)
-        PAIR_TILES: tl.constexpr,  # a program runs tiles j and n - 1 - j of its request
         SAME_KV: tl.constexpr,  # v_cache has k_cache's strides: one offset computation for both
         DTYPE: tl.constexpr,  # the cache's dtype name: part of the launcher's key
     ):
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
-        if PACK_GQA:  # program (tile, KV head): rows are (token, query head of the group)
-            kv_head = tl.program_id(1)
-            qi = rows // GROUP_PAD
-            g = rows % GROUP_PAD
-            heads = kv_head * GROUP + g
-            head_ok = g < GROUP
-        else:  # program (tile, query head): rows are BLOCK_M tokens of one head
-            kv_head = tl.program_id(1) // GROUP
-            qi = rows
-            heads = tl.program_id(1) + rows * 0
-            head_ok = rows >= 0
+        kv_head = tl.program_id(1)  # rows are (token, query head of the group)
+        qi = rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
 
-        # A slot is one query tile, or with PAIR_TILES two (tiles j and n - 1 - j).
-        SLOT_Q: tl.constexpr = 2 * BLOCK_Q if PAIR_TILES else BLOCK_Q
-        # The request: the largest r <= num_reqs with qsl[r] // SLOT_Q + r <= tile.
+        # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile.
         lanes = tl.arange(0, RADIX)
         req = tile * 0
         stride = search_stride
         while stride > 0:
             cand = req + lanes * stride
             ok = cand <= num_reqs
-            first = tl.load(qsl_ptr + cand, mask=ok, other=0) // SLOT_Q + cand
+            first = tl.load(qsl_ptr + cand, mask=ok, other=0) // BLOCK_Q + cand
             hits = tl.sum((ok & (first <= tile)).to(tl.int32), 0)
             req = req + (hits - 1) * stride
             stride = stride // RADIX
         # The request's scalars, loaded together before any branch (one memory round trip;
-        # a pad slot, req == num_reqs, reads only qsl).
+        # a pad tile, req == num_reqs, reads only qsl).
         real = req < num_reqs
         q_start = tl.load(qsl_ptr + req)
         q_end = tl.load(qsl_ptr + req + 1, mask=real, other=0)
@@ -120,17 +104,16 @@ if HAS_TRITON:
         if INDEXED:
             row = tl.load(row_of_batch_ptr + req, mask=real, other=0)
         if req == num_reqs:  # past the last request: zero the pad tokens of this tile
-            for half in tl.static_range(SLOT_Q // BLOCK_Q):
-                tokens = (tile - num_reqs) * SLOT_Q + half * BLOCK_Q + qi
-                pad = head_ok & (tokens >= q_start) & (tokens < num_tokens)
-                zero_rows(
-                    out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h,
-                    out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D, HEAD_DIM, HAS_LSE,
-                )
+            tokens = (tile - num_reqs) * BLOCK_Q + qi
+            pad = head_ok & (tokens >= q_start) & (tokens < num_tokens)
+            zero_rows(
+                out_ptr, lse_ptr, tokens, heads, pad, out_stride_t, out_stride_h,
+                out_stride_d, lse_stride_t, lse_stride_h, BLOCK_M, BLOCK_D, HEAD_DIM, HAS_LSE,
+            )
             return
         query_len = q_end - q_start
-        j = tile - q_start // SLOT_Q - req  # the slot's index in its request
-        if query_len <= short_query_len:
+        j = tile - q_start // BLOCK_Q - req  # the tile's index in its request
+        if query_len <= short_query_len or j * BLOCK_Q >= query_len:
             return
         row_ok = (row >= 0) & (row < num_rows)
         row = tl.where(row_ok, row, 0)
@@ -140,38 +123,16 @@ if HAS_TRITON:
             width * BLOCK_SIZE,
         )
         kv_cap = tl.where(row_ok, kv_cap, 0)
-        if PAIR_TILES:  # tiles j and n - 1 - j: equal causal work in every program
-            n_tiles = tl.cdiv(query_len, BLOCK_Q)
-            if 2 * j >= n_tiles:  # the request's spare slot
-                return
-            j_long = n_tiles - 1 - j
-        else:
-            if j * BLOCK_Q >= query_len:
-                return
-            j_long = j
         _prefill_tile(
-            j_long * BLOCK_Q, qi, heads, head_ok, q_start, query_len, seq_len, row, kv_cap,
+            j * BLOCK_Q, qi, heads, head_ok, q_start, query_len, seq_len, row, kv_cap,
             out_ptr, lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qk_scale, window,
             num_blocks, cp_world, cp_rank, cp_interleave, cp_block, kv_head,
             out_stride_t, out_stride_h, out_stride_d, lse_stride_t, lse_stride_h,
             q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h, k_stride_d,
             v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r, table_stride_c,
             BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE, HAS_CP, HAS_WINDOW,
-            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE, SAME_KV,
+            HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV,
         )
-        if PAIR_TILES:  # noqa: SIM102 - a compile-time branch around a run-time one
-            if j_long != j:
-                _prefill_tile(
-                    j * BLOCK_Q, qi, heads, head_ok, q_start, query_len, seq_len, row, kv_cap,
-                    out_ptr, lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qk_scale,
-                    window, num_blocks, cp_world, cp_rank, cp_interleave, cp_block, kv_head,
-                    out_stride_t, out_stride_h, out_stride_d, lse_stride_t, lse_stride_h,
-                    q_stride_t, q_stride_h, q_stride_d, k_stride_b, k_stride_s, k_stride_h,
-                    k_stride_d, v_stride_b, v_stride_s, v_stride_h, v_stride_d, table_stride_r,
-                    table_stride_c, BLOCK_M, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                    HAS_CP, HAS_WINDOW, HAS_LSE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP,
-                    PRESCALED, WS_MODE, SAME_KV,
-                )
 
     @triton.jit
     def _prefill_tile(
@@ -193,9 +154,6 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
-        FA_LOOP: tl.constexpr,
-        PRESCALED: tl.constexpr,
-        WS_MODE: tl.constexpr,
         SAME_KV: tl.constexpr,
     ):
         """Query tokens ``[i0, i0 + BLOCK_Q)`` of one request (rows ``qi``, heads ``heads``)
@@ -240,8 +198,6 @@ if HAS_TRITON:
             mask=q_mask,
             other=0.0,
         )
-        if PRESCALED:  # scores come out of the product in the log2 domain
-            q = (q.to(tl.float32) * qk_scale).to(q.dtype)
         if DOT_FP32:
             q = q.to(tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -255,7 +211,7 @@ if HAS_TRITON:
             full_lo, full_hi, kv_cap, table_row_ptr, table_stride_c, k_base, v_base,
             k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s, v_stride_d,
             num_blocks, qk_scale, HAS_WINDOW, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE, SAME_KV,
+            DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV,
         )
         store_rows(
             out_ptr, lse_ptr, acc, m_i, l_i, tokens, heads, row_valid, out_stride_t,

@@ -16,12 +16,8 @@ bound into a local one. Tiles wholly inside every row's range skip the mask.
 
 from __future__ import annotations
 
-import inspect
-
 from blocktable._triton import HAS_TRITON, tl, triton
 
-# tl.range(..., warp_specialize=...) exists (Triton >= 3.4).
-HAS_WS_RANGE = HAS_TRITON and "warp_specialize" in inspect.signature(tl.range).parameters
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -73,8 +69,6 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr,
         IDS_MODE: tl.constexpr,
-        FA_LOOP: tl.constexpr,
-        PRESCALED: tl.constexpr,
         SAME_KV: tl.constexpr,
         LOWER: tl.constexpr,
     ):
@@ -134,25 +128,12 @@ if HAS_TRITON:
                 visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
             else:
                 visible = keys[None, :] < row_hi[:, None]
-        if PRESCALED:  # q carries scale * log2(e): scores are in the log2 domain already
-            if MASKED:
-                qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-        elif FA_LOOP:
-            # The scale rides in one FMA per score (qk_scale > 0, so max commutes with it),
-            # and P @ V accumulates into the rescaled accumulator in place.
-            if MASKED:
-                qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-        else:
-            if MASKED:
-                qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            else:
-                qk = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
+        # The scale rides in one FMA per score (qk_scale > 0, so max commutes with it), and
+        # P @ V accumulates into the rescaled accumulator in place.
+        if MASKED:
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if SAME_KV:  # V laid out like K: the same offsets
@@ -165,10 +146,7 @@ if HAS_TRITON:
         v = tl.load(v_base + v_off, mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
-        if FA_LOOP or PRESCALED:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         return acc, m_new, l_i, next_ids
 
     @triton.jit
@@ -203,9 +181,6 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
-        FA_LOOP: tl.constexpr,
-        PRESCALED: tl.constexpr,
-        WS_LOOP: tl.constexpr,
         SAME_KV: tl.constexpr,
         LOWER: tl.constexpr,
     ):
@@ -216,11 +191,7 @@ if HAS_TRITON:
         IDS_MODE 0: the block ids of tile i+1 are loaded while tile i computes (a loop-carried
         prefetch). 1: each tile loads its ids (one per key) in the loop, which lets the
         software pipeliner issue the table and K/V loads stages ahead. 2: as 1 with one id per
-        block (BLOCK_SIZE divides BLOCK_N), broadcast over its keys. ``PRESCALED``: ``q``
-        already holds ``scale * log2(e)`` (one multiply per score less; the FMA loop order).
-        ``WS_LOOP``: Triton's warp specialization of the loop (producer warps issue the K/V
-        loads, consumer warps the products and the softmax; Triton >= 3.4, where its backend
-        implements it; IDS_MODE 1 or 2 only). ``SAME_KV``: V has K's strides (one offset
+        block (BLOCK_SIZE divides BLOCK_N), broadcast over its keys. ``SAME_KV``: V has K's strides (one offset
         computation serves both loads). ``LOWER``: rows have a lower key bound (``row_lo``, a
         sliding window); else masked tiles compare keys with ``row_hi`` only."""
         n = tl.arange(0, BLOCK_N)
@@ -232,25 +203,14 @@ if HAS_TRITON:
                 mask=(next_keys >= kv_lo) & (next_keys < kv_cap),
                 other=-1,
             )
-        if WS_LOOP:
-            for start in tl.range(
-                kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=True
-            ):
-                acc, m_i, l_i, _ = _attend_tile(
-                    acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
-                    table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
-                    k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
-                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED, SAME_KV, LOWER,
-                )
-        elif IDS_MODE == 0:
+        if IDS_MODE == 0:
             for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, m_i, l_i, next_ids = _attend_tile(
                     acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
                     table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
-                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED, SAME_KV, LOWER,
+                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, SAME_KV,
+                    LOWER,
                 )
         else:
             for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
@@ -258,8 +218,8 @@ if HAS_TRITON:
                     acc, m_i, l_i, next_ids, q, row_lo, row_hi, start, kv_lo, kv_cap,
                     table_row_ptr, table_stride_c, k_base, v_base, k_stride_b, k_stride_s,
                     k_stride_d, v_stride_b, v_stride_s, v_stride_d, num_blocks, qk_scale,
-                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, FA_LOOP,
-                    PRESCALED, SAME_KV, LOWER,
+                    MASKED, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE, DOT_FP32, IDS_MODE, SAME_KV,
+                    LOWER,
                 )
         return acc, m_i, l_i
 
@@ -297,16 +257,12 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         IDS_MODE: tl.constexpr,
-        FA_LOOP: tl.constexpr,
-        PRESCALED: tl.constexpr,
-        WS_MODE: tl.constexpr,
         SAME_KV: tl.constexpr,
     ):
         """Keys ``[max(kv_start, kv_lo), kv_end)`` (``kv_start`` a multiple of ``BLOCK_N``) in
         three runs:
         masked tiles before ``full_lo`` (the window's edge), unmasked tiles inside
         ``[full_lo, full_hi)`` (seen by every row), masked tiles after (the causal diagonal).
-        ``WS_MODE``: 0 no warp specialization, 1 in every run, 2 in the unmasked run only.
         ``SAME_KV``: as in :func:`attend_tiles`."""
         a1 = kv_start
         if HAS_WINDOW:
@@ -315,23 +271,20 @@ if HAS_TRITON:
                 acc, m_i, l_i, q, row_lo, row_hi, kv_start, a1, kv_lo, kv_cap, table_row_ptr,
                 table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
                 v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-                BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
-                SAME_KV, HAS_WINDOW,
+                BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV, HAS_WINDOW,
             )
         b1 = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, kv_end), a1)
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, a1, b1, kv_lo, kv_cap, table_row_ptr, table_stride_c,
             k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b, v_stride_s,
             v_stride_d, num_blocks, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
-            DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE > 0, SAME_KV,
-            HAS_WINDOW,
+            DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV, HAS_WINDOW,
         )
         acc, m_i, l_i = attend_tiles(
             acc, m_i, l_i, q, row_lo, row_hi, b1, kv_end, kv_lo, kv_cap, table_row_ptr,
             table_stride_c, k_base, v_base, k_stride_b, k_stride_s, k_stride_d, v_stride_b,
             v_stride_s, v_stride_d, num_blocks, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM,
-            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, FA_LOOP, PRESCALED, WS_MODE == 1,
-            SAME_KV, HAS_WINDOW,
+            BLOCK_SIZE, DOT_FP32, NUM_STAGES, IDS_MODE, SAME_KV, HAS_WINDOW,
         )
         return acc, m_i, l_i
 

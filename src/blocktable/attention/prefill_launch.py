@@ -1,0 +1,91 @@
+"""Host side of the prefill kernel: one launch over every request longer than the decode
+kernel takes (or every request), from shapes only (never a device value)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting
+from blocktable.attention.cp_layout import CPLayout
+from blocktable.attention.decode_plan import DTYPE_NAMES, tile_sizes
+from blocktable.attention.kernel_config import KernelConfig
+from blocktable.attention.triton_tiles import LOG2_E
+
+if HAS_TRITON:
+    from blocktable.attention import triton_prefill as _pre
+
+SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
+_INTERPRET = interpreting()
+
+
+@functools.lru_cache(maxsize=4096)
+def search_stride(num_reqs: int, radix: int = SEARCH_RADIX) -> int:
+    """``radix ** (levels - 1)`` for a search over ``num_reqs + 1`` start offsets."""
+    stride = 1
+    while stride * radix < num_reqs + 1:
+        stride *= radix
+    return stride
+
+
+def _dynamic_positions(kernel: object, names: tuple[str, ...]) -> tuple[int, ...]:
+    arg_names = list(kernel.arg_names)  # type: ignore[attr-defined]
+    return tuple(arg_names.index(n) for n in names)
+
+
+if HAS_TRITON:
+    _prefill_launch = Launcher(
+        _pre.prefill_kernel, _dynamic_positions(_pre.prefill_kernel, _pre.PREFILL_DYNAMIC_ARGS)
+    )
+    _prefill_launch_unaligned = Launcher(
+        _pre.prefill_kernel_unaligned,
+        _dynamic_positions(_pre.prefill_kernel_unaligned, _pre.PREFILL_DYNAMIC_ARGS),
+    )
+
+
+def launch_prefill(
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    row_of_batch: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    cp: CPLayout,
+    strides: tuple[int, ...],
+    config: KernelConfig,
+    *,
+    short_query_len: int,
+    aligned: bool,
+) -> None:
+    """Launch the prefill kernel on checked inputs; requests of at most ``short_query_len``
+    query tokens are left to the decode kernel (0: the prefill kernel takes every request)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, width = block_table.shape
+    group = num_heads // num_kv_heads
+    block_d, group_pad, _, _ = tile_sizes(head_dim, group)
+    dtype = DTYPE_NAMES[query.dtype]
+    window = sliding_window or 0
+    block_m = max(config.prefill_block_m, group_pad)
+    block_q = block_m // group_pad
+    launch = _prefill_launch if aligned else _prefill_launch_unaligned
+    launch(
+        (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads),
+        out, seq_lens if lse_out is None else lse_out, query, k_cache, v_cache, block_table,
+        seq_lens, query_start_loc, seq_lens if row_of_batch is None else row_of_batch,
+        scale * LOG2_E, window, num_reqs, num_tokens, short_query_len, num_blocks, num_rows,
+        width, cp.world_size, cp.rank, cp.interleave, cp.block_size,
+        search_stride(num_reqs), *strides,
+        group, group_pad, block_m, block_q, config.prefill_block_n, head_dim, block_d,
+        block_size, SEARCH_RADIX, row_of_batch is not None, cp.world_size > 1, window > 0,
+        lse_out is not None, _INTERPRET and dtype != "fp32", config.prefill_num_stages,
+        0, strides[8:12] == strides[12:16], dtype,  # block ids prefetched a tile ahead
+        num_warps=config.prefill_num_warps,
+    )
