@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "KVCacheManager": "blocktable.allocator",
     "OutOfBlocksError": "blocktable.allocator",
     "OutOfRowsError": "blocktable.allocator",
+    "PagedAttention": "blocktable.attention",
     "paged_attention": "blocktable.attention",
     "paged_attention_reference": "blocktable.attention",
     "paged_decode_attention": "blocktable.attention",
@@ -66,6 +67,7 @@ __all__ = [
     "MultiGroupBlockTable",
     "OutOfBlocksError",
     "OutOfRowsError",
+    "PagedAttention",
     "RowBlocks",
     "RowEntries",
     "SlotMappingError",
@@ -104,6 +106,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         OutOfRowsError,
     )
     from blocktable.attention import (
+        PagedAttention,
         paged_attention,
         paged_attention_reference,
         paged_decode_attention,
