@@ -1,0 +1,205 @@
+# The slot mapping and the batch check (included by _compiled.pyx).
+
+cdef class SlotMapper:
+    """The slot mapping of every token-slot group of one table into its slot buffers, bound
+    once: ``flat_table`` (int32 ``[num_entries]``, the tables then the counts), ``out`` (int64
+    ``[num_groups, max_num_tokens]``, writable, overlapping no input) and each group's layout
+    ``(table_offset, width, counts_offset, kernel_block_size, manager_block_size,
+    cp_world_size, cp_rank, cp_interleave)``, all checked here against the buffers.
+
+    :meth:`map` equals :func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` bit for
+    bit on every batch it accepts (the tests compare them on random inputs).
+    """
+
+    cdef const int32_t[::1] table
+    cdef int64_t[:, ::1] out
+    cdef int64_t[:, ::1] layout
+    cdef int64_t max_num_reqs
+
+    def __init__(self, object flat_table, object out, list params, int64_t max_num_reqs):
+        self.table = _int32_in(flat_table, "flat_table")
+        try:
+            self.out = out
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError("out must be a writable C-contiguous 2-D native int64 array: "
+                            f"{exc}") from None
+        cdef Py_ssize_t num_entries = self.table.shape[0], g
+        if self.out.shape[0] != len(params):
+            raise ValueError(f"out has {self.out.shape[0]} rows for {len(params)} groups")
+        if not 0 <= max_num_reqs <= INT32_MAX:
+            raise ValueError(f"max_num_reqs={max_num_reqs} is outside [0, {INT32_MAX}]")
+        self.max_num_reqs = max_num_reqs
+        self.layout = _layout(params)
+        for g in range(len(params)):
+            _check_layout(self.layout[g], num_entries, max_num_reqs)
+        if self.out.shape[0] and self.out.shape[1] and num_entries and _overlap(
+                &self.out[0, 0], self.out.shape[0] * self.out.shape[1] * 8, &self.table[0],
+                num_entries * 4):
+            raise ValueError("out overlaps flat_table")
+
+    def map(self, object query_start_loc, object positions, object row_of_batch):
+        """Every group's slots of a batch, ``PAD_SLOT_ID`` past its tokens; return 0, or -1
+        (nothing written) when ``query_start_loc`` (int32 ``[num_reqs + 1]``) is not well
+        formed: it must start at 0, never decrease and end at ``len(positions)`` (int64).
+        ``row_of_batch``: int32 ``[num_reqs]``, or ``None`` (request ``r`` reads row ``r``)."""
+        cdef const int32_t[::1] qsl = _int32_in(query_start_loc, "query_start_loc")
+        cdef const int64_t[::1] pos = _int64_in(positions, "positions")
+        cdef const int32_t[::1] rows
+        cdef bint indexed = row_of_batch is not None
+        if indexed:
+            rows = _int32_in(row_of_batch, "row_of_batch")
+        cdef Py_ssize_t num_tokens = pos.shape[0], num_reqs = qsl.shape[0] - 1, r, g
+        if num_reqs < 0:
+            raise ValueError("query_start_loc must hold at least one entry")
+        if indexed and rows.shape[0] != num_reqs:
+            raise ValueError(f"row_of_batch has {rows.shape[0]} entries, query_start_loc "
+                             f"describes {num_reqs} requests")
+        cdef Py_ssize_t out_tokens = self.out.shape[1]
+        if num_tokens > out_tokens:
+            raise ValueError(f"positions holds {num_tokens} tokens, more than out's "
+                             f"{out_tokens}")
+        cdef Py_ssize_t out_bytes = self.out.shape[0] * out_tokens * 8
+        if out_bytes and (
+                _overlap(&self.out[0, 0], out_bytes, &qsl[0], (num_reqs + 1) * 4)
+                or (num_tokens and _overlap(&self.out[0, 0], out_bytes, &pos[0],
+                                            num_tokens * 8))
+                or (indexed and num_reqs and
+                    _overlap(&self.out[0, 0], out_bytes, &rows[0], num_reqs * 4))):
+            raise ValueError("out overlaps an input array")
+        if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+            return -1
+        for r in range(num_reqs):
+            if qsl[r + 1] < qsl[r]:
+                return -1
+        for g in range(self.out.shape[0]):
+            _map_group(self.table, self.layout[g], self.max_num_reqs, qsl, pos,
+                       rows if indexed else None, self.out[g])
+        return 0
+
+
+cdef int64_t[:, ::1] _layout(list params) except *:
+    """``params`` (one sequence of 8 integers per group) copied into an int64 array."""
+    cdef cvarray copy = cvarray(shape=(max(len(params), 1), 8), itemsize=8, format="q")
+    cdef int64_t[:, ::1] layout = copy
+    cdef Py_ssize_t g, f
+    for g in range(len(params)):
+        if len(params[g]) != 8:
+            raise ValueError(f"params[{g}] must hold 8 integers")
+        for f in range(8):
+            layout[g, f] = params[g][f]
+    return layout
+
+
+cdef int _check_layout(const int64_t[::1] p, Py_ssize_t num_entries,
+                       int64_t max_num_reqs) except -1:
+    cdef int64_t table_offset = p[0], width = p[1], counts_offset = p[2]
+    cdef int64_t kernel_block_size = p[3], manager_block_size = p[4]
+    cdef int64_t cp_world_size = p[5], cp_rank = p[6], cp_interleave = p[7]
+    if not 1 <= width <= INT32_MAX:
+        raise ValueError(f"width={width} is outside [1, {INT32_MAX}]")
+    # max_num_reqs * width < 2**62: no overflow in the bounds below
+    if table_offset < 0 or table_offset > num_entries or \
+            max_num_reqs * width > num_entries - table_offset:
+        raise ValueError(f"a group's table [{table_offset}, +{max_num_reqs} x {width}) lies "
+                         f"outside flat_table's {num_entries} entries")
+    if counts_offset < 0 or counts_offset > num_entries or \
+            max_num_reqs > num_entries - counts_offset:
+        raise ValueError(f"a group's counts [{counts_offset}, +{max_num_reqs}) lie outside "
+                         f"flat_table's {num_entries} entries")
+    if not 1 <= kernel_block_size <= INT32_MAX:
+        raise ValueError(f"kernel_block_size={kernel_block_size} is outside [1, {INT32_MAX}]")
+    if not kernel_block_size <= manager_block_size <= INT32_MAX or \
+            manager_block_size % kernel_block_size:
+        raise ValueError(f"manager_block_size={manager_block_size} must be a multiple of "
+                         f"kernel_block_size={kernel_block_size}, at most {INT32_MAX}")
+    if not 1 <= cp_world_size <= 65536 or not 0 <= cp_rank < cp_world_size:
+        raise ValueError(f"cp_rank={cp_rank} and cp_world_size={cp_world_size} must satisfy "
+                         "0 <= cp_rank < cp_world_size <= 65536")
+    if not 1 <= cp_interleave <= manager_block_size:
+        raise ValueError(f"cp_interleave={cp_interleave} is outside [1, "
+                         f"manager_block_size={manager_block_size}]")
+    return 0
+
+
+cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_num_reqs,
+                    const int32_t[::1] qsl, const int64_t[::1] pos, object row_of_batch,
+                    int64_t[::1] slots) except -1:
+    """One group's slots (its layout ``p`` checked, ``qsl`` well formed)."""
+    cdef const int32_t[::1] rows
+    cdef bint indexed = row_of_batch is not None
+    if indexed:
+        rows = row_of_batch
+    cdef int64_t table_offset = p[0], width = p[1], counts_offset = p[2]
+    cdef int64_t kernel_block_size = p[3], manager_block_size = p[4]
+    cdef int64_t cp_world_size = p[5], cp_rank = p[6], cp_interleave = p[7]
+    cdef Py_ssize_t t, r, start, stop, num_tokens = pos.shape[0]
+    cdef int64_t row, q, block_index, offset, count, entry, block_id, v, local
+    cdef int64_t virtual_block_size = manager_block_size * cp_world_size
+    cdef int64_t blocks_per_manager_block = manager_block_size // kernel_block_size
+    cdef int64_t table_end = table_offset + max_num_reqs * width  # entries read are clipped
+    cdef bint sharded = cp_world_size > 1
+    for t in range(num_tokens, slots.shape[0]):
+        slots[t] = PAD_SLOT_ID
+    for r in range(qsl.shape[0] - 1):
+        start, stop = qsl[r], qsl[r + 1]
+        row = rows[r] if indexed else r
+        for t in range(start, stop):
+            slots[t] = PAD_SLOT_ID
+            q = pos[t]
+            if row < 0 or row >= max_num_reqs or q < 0:
+                continue
+            if sharded:
+                v = q % virtual_block_size
+                if (v // cp_interleave) % cp_world_size != cp_rank:
+                    continue
+                local = (v // (cp_world_size * cp_interleave)) * cp_interleave \
+                    + v % cp_interleave
+                block_index = (q // virtual_block_size) * blocks_per_manager_block \
+                    + local // kernel_block_size
+                offset = local % kernel_block_size
+            else:
+                block_index = q // kernel_block_size
+                offset = q % kernel_block_size
+            count = table[counts_offset + row]
+            if block_index >= count:
+                continue
+            # count <= width in a sound table; clipped like the numpy path's take otherwise
+            entry = table_offset + row * width + block_index
+            if entry >= table_end:
+                entry = table_end - 1
+            block_id = table[entry]
+            if block_id == NULL_BLOCK_ID:
+                continue
+            slots[t] = block_id * kernel_block_size + offset
+    return 0
+
+
+# ---- the batch check of a step ----------------------------------------------------------
+def check_batch(object query_start_loc, object row_of_batch, int64_t num_tokens,
+                int64_t num_rows):
+    """1 when ``query_start_loc`` is ``0, 1, ..., num_reqs`` (one token per request), 0 when it
+    is otherwise well formed (starts at 0, never decreases, ends at ``num_tokens``) and every
+    row of ``row_of_batch`` (int32 ``[num_reqs]``, or ``None``) lies in ``[0, num_rows)``;
+    -1 for anything else (the caller names the error). Reads only."""
+    cdef const int32_t[::1] qsl = _int32_in(query_start_loc, "query_start_loc")
+    cdef const int32_t[::1] rows
+    cdef bint indexed = row_of_batch is not None
+    if indexed:
+        rows = _int32_in(row_of_batch, "row_of_batch")
+    cdef Py_ssize_t num_reqs = qsl.shape[0] - 1, r
+    if num_reqs < 0 or (indexed and rows.shape[0] != num_reqs):
+        return -1
+    if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+        return -1
+    cdef bint decode = num_tokens == num_reqs
+    for r in range(num_reqs):
+        if qsl[r + 1] < qsl[r]:
+            return -1
+        decode = decode and qsl[r + 1] == r + 1
+    if indexed:
+        for r in range(num_reqs):
+            if rows[r] < 0 or rows[r] >= num_rows:
+                return -1
+    elif num_reqs > num_rows:
+        return -1
+    return 1 if decode else 0

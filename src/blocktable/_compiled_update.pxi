@@ -1,0 +1,373 @@
+# One group's step update and the commit's pairs (included by _compiled.pyx).
+
+# ---- one group's step update: checked, then written ------------------------------------
+cdef enum:
+    OK = 0
+    ROW_RANGE = 1
+    ROW_TWICE = 2
+    NEG_COUNT = 3
+    ID_RANGE = 4
+    ID_SUM = 5
+    WIDTH = 6
+    NULL_RANGE = 7
+    CLEARED = 0
+    ADDED = 1
+    APPENDED = 2
+    NULLED = 3
+
+
+cdef tuple _rows_in_range(const int32_t[::1] rows, Py_ssize_t num_rows, int part):
+    cdef Py_ssize_t i
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= num_rows:
+            return (ROW_RANGE, part, i, rows[i], num_rows)
+    return None
+
+
+cdef tuple _blocks_ok(const int32_t[::1] rows, const int32_t[::1] num, const int32_t[::1] ids,
+                      int64_t max_id, int part, Py_ssize_t num_rows, unsigned char[::1] seen):
+    """Rows in range and listed once, counts >= 0 summing to the ids, ids in ``[0, max_id)``.
+    ``seen`` (``[num_rows]``, all 0) is left all 0."""
+    cdef tuple res = _rows_in_range(rows, num_rows, part)
+    if res is not None:
+        return res
+    cdef Py_ssize_t i, j, n = rows.shape[0]
+    cdef int64_t total = 0
+    for i in range(n):
+        if seen[rows[i]]:
+            for j in range(i):
+                seen[rows[j]] = 0
+            return (ROW_TWICE, part, i, rows[i], 0)
+        seen[rows[i]] = 1
+    for i in range(n):
+        seen[rows[i]] = 0
+    for i in range(n):
+        if num[i] < 0:
+            return (NEG_COUNT, part, i, num[i], 0)
+        total += num[i]
+    if total != ids.shape[0]:
+        return (ID_SUM, part, ids.shape[0], total, 0)
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= max_id:
+            return (ID_RANGE, part, i, ids[i], max_id)
+    return None
+
+
+cdef inline bint _log(int64_t[:, ::1] journal, int64_t[::1] journal_len, int64_t start,
+                      int64_t length) noexcept:
+    """Journal the run ``[start, start + length)``; past capacity, mark the overflow."""
+    cdef int64_t runs = journal_len[0]
+    if runs < 0 or length <= 0:
+        return True
+    if runs + 1 > journal.shape[0] or journal_len[1] + length > journal.shape[0]:
+        journal_len[0] = -1
+        return True
+    journal[runs, 0] = start
+    journal[runs, 1] = length
+    journal_len[0] = runs + 1
+    journal_len[1] += length
+    return True
+
+
+cdef class GroupWriter:
+    """One group's host table, bound once: checks a step update's part for the group, then
+    (if it passed) writes it and journals every written run.
+
+    The compiled twin of :func:`blocktable._host_loops.check_and_write_group_update`. The
+    bound arrays: ``table``, the group's flat host table (int32 ``[num_rows * width]``);
+    ``counts``, its filled entries per row (int32 ``[num_rows]``); ``scratch`` (int64
+    ``[num_rows]``) and ``seen`` (uint8 ``[num_rows]``, all 0), work space; ``dirty`` (uint8
+    ``[num_rows]``), the rows to commit; ``journal`` (int64 ``[capacity, 2]``) and
+    ``journal_len`` (int64 ``[2]``), the written runs of flat indices (``offset`` added). All
+    writable, C-contiguous, native, and overlapping no other.
+    """
+
+    cdef int32_t[::1] tab
+    cdef int32_t[::1] cnt
+    cdef int64_t[::1] after
+    cdef unsigned char[::1] mark
+    cdef unsigned char[::1] dirt
+    cdef int64_t[:, ::1] jour
+    cdef int64_t[::1] jlen
+    cdef int64_t width, k, max_id, offset
+    cdef list outputs
+
+    def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
+                 int64_t offset, object scratch, object seen, object dirty, object journal,
+                 object journal_len):
+        try:
+            self.tab = table
+            self.cnt = counts
+            self.mark = seen
+            self.dirt = dirty
+            self.jour = journal
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError(f"table and counts must be writable C-contiguous 1-D native int32 "
+                            f"arrays, seen and dirty uint8, journal int64 [capacity, 2]: {exc}") \
+                from None
+        self.after = _int64_out(scratch, "scratch")
+        self.jlen = _int64_out(journal_len, "journal_len")
+        cdef Py_ssize_t num_rows = self.cnt.shape[0]
+        if not 1 <= k <= width <= INT32_MAX:
+            raise ValueError(f"k={k} and width={width} must satisfy 1 <= k <= width <= "
+                             f"{INT32_MAX}")
+        if not 0 <= max_id <= INT32_MAX // k + 1:
+            raise ValueError(f"max_id={max_id} is outside [0, {INT32_MAX // k + 1}]")
+        if self.tab.shape[0] != num_rows * width:
+            raise ValueError(f"table has {self.tab.shape[0]} entries, not counts' {num_rows} "
+                             f"rows x width {width}")
+        if self.after.shape[0] != num_rows or self.mark.shape[0] != num_rows or \
+                self.dirt.shape[0] != num_rows:
+            raise ValueError(f"scratch, seen and dirty must have counts' {num_rows} entries")
+        if self.jour.shape[1] != 2 or self.jlen.shape[0] != 2:
+            raise ValueError("journal must be [capacity, 2] and journal_len [2]")
+        if offset < 0 or offset > INT32_MAX:
+            raise ValueError(f"offset={offset} is outside [0, {INT32_MAX}]")
+        self.width, self.k, self.max_id, self.offset = width, k, max_id, offset
+        self.outputs = [
+            (<uintptr_t>(&self.tab[0]) if self.tab.shape[0] else 0, self.tab.shape[0] * 4),
+            (<uintptr_t>(&self.cnt[0]) if num_rows else 0, num_rows * 4),
+            (<uintptr_t>(&self.after[0]) if num_rows else 0, num_rows * 8),
+            (<uintptr_t>(&self.mark[0]) if num_rows else 0, num_rows),
+            (<uintptr_t>(&self.dirt[0]) if num_rows else 0, num_rows),
+            (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0,
+             self.jour.shape[0] * 16),
+            (<uintptr_t>(&self.jlen[0]), 16)]
+        if _any_overlap(self.outputs, self.outputs):
+            raise ValueError("the bound arrays overlap")
+        for i in range(num_rows):
+            if self.mark[i]:
+                raise ValueError("seen must be all 0")
+
+    def apply(self, object cleared, object add_rows, object add_num, object add_ids,
+              object app_rows, object app_num, object app_ids, object null_rows,
+              object null_blocks, bint write=True):
+        """Check the update's part for this group (int32 arrays: ``cleared`` rows, then rows,
+        counts and manager ids of ``added`` and ``appended``, rows and block indices of
+        ``nulled``); write it if it passed and ``write``. Returns ``(code, part, index,
+        value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
+        unless it passed."""
+        cdef const int32_t[::1] c_rows = _int32_in(cleared, "cleared")
+        cdef const int32_t[::1] a_rows = _int32_in(add_rows, "add_rows")
+        cdef const int32_t[::1] a_num = _int32_in(add_num, "add_num")
+        cdef const int32_t[::1] a_ids = _int32_in(add_ids, "add_ids")
+        cdef const int32_t[::1] p_rows = _int32_in(app_rows, "app_rows")
+        cdef const int32_t[::1] p_num = _int32_in(app_num, "app_num")
+        cdef const int32_t[::1] p_ids = _int32_in(app_ids, "app_ids")
+        cdef const int32_t[::1] n_rows = _int32_in(null_rows, "null_rows")
+        cdef const int32_t[::1] n_blocks = _int32_in(null_blocks, "null_blocks")
+        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
+                n_rows.shape[0] != n_blocks.shape[0]:
+            raise ValueError("each part's rows and counts (or block indices) must have one "
+                             "entry per row")
+        cdef list inputs = [_span(c_rows), _span(a_rows), _span(a_num), _span(a_ids),
+                            _span(p_rows), _span(p_num), _span(p_ids), _span(n_rows),
+                            _span(n_blocks)]
+        if _any_overlap(self.outputs, inputs):
+            raise ValueError("an update array overlaps the table's own arrays")
+        return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
+                           n_blocks, write)
+
+    cdef tuple _apply(self, const int32_t[::1] c_rows, const int32_t[::1] a_rows,
+                      const int32_t[::1] a_num, const int32_t[::1] a_ids,
+                      const int32_t[::1] p_rows, const int32_t[::1] p_num,
+                      const int32_t[::1] p_ids, const int32_t[::1] n_rows,
+                      const int32_t[::1] n_blocks, bint write):
+        cdef int32_t[::1] tab = self.tab
+        cdef int32_t[::1] cnt = self.cnt
+        cdef int64_t[::1] after = self.after
+        cdef unsigned char[::1] mark = self.mark
+        cdef unsigned char[::1] dirt = self.dirt
+        cdef int64_t[:, ::1] jour = self.jour
+        cdef int64_t[::1] jlen = self.jlen
+        cdef int64_t width = self.width, k = self.k, max_id = self.max_id
+        cdef int64_t offset = self.offset
+        cdef Py_ssize_t num_rows = cnt.shape[0]
+        # ---- checks (nothing written but the work space, which is restored) -----------------
+        cdef tuple res = _rows_in_range(c_rows, num_rows, CLEARED)
+        if res is None:
+            res = _blocks_ok(a_rows, a_num, a_ids, max_id, ADDED, num_rows, mark)
+        if res is None:
+            res = _blocks_ok(p_rows, p_num, p_ids, max_id, APPENDED, num_rows, mark)
+        if res is None:
+            res = _rows_in_range(n_rows, num_rows, NULLED)
+        if res is not None:
+            return res
+        cdef Py_ssize_t i, j, q
+        cdef int64_t row, old, new, start, stop, b
+        for i in range(a_rows.shape[0]):
+            after[a_rows[i]] = cnt[a_rows[i]]
+        for i in range(p_rows.shape[0]):
+            after[p_rows[i]] = cnt[p_rows[i]]
+        for i in range(n_rows.shape[0]):
+            after[n_rows[i]] = cnt[n_rows[i]]
+        for i in range(c_rows.shape[0]):
+            after[c_rows[i]] = 0
+        for i in range(a_rows.shape[0]):
+            after[a_rows[i]] = a_num[i] * k
+        for i in range(p_rows.shape[0]):
+            after[p_rows[i]] += p_num[i] * k
+        for i in range(a_rows.shape[0]):
+            if after[a_rows[i]] > width:
+                return (WIDTH, 0, a_rows[i], after[a_rows[i]], width)
+        for i in range(p_rows.shape[0]):
+            if after[p_rows[i]] > width:
+                return (WIDTH, 0, p_rows[i], after[p_rows[i]], width)
+        for i in range(n_rows.shape[0]):
+            if n_blocks[i] < 0 or n_blocks[i] * k >= after[n_rows[i]]:
+                return (NULL_RANGE, i, n_blocks[i], n_rows[i], after[n_rows[i]] // k)
+        # every count in [0, width] in a sound table; refuse to write through one that is not
+        for i in range(4):
+            _counts_sound((c_rows, a_rows, p_rows, n_rows)[i], cnt, width)
+        if not write:
+            return (OK, 0, 0, 0, 0)
+
+        # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
+        for i in range(c_rows.shape[0]):
+            row = c_rows[i]
+            if mark[row]:
+                continue  # (a row listed twice is cleared and journaled once)
+            mark[row] = 1
+            old = cnt[row]
+            for q in range(row * width, row * width + old):
+                tab[q] = NULL_BLOCK_ID
+            _log(jour, jlen, offset + row * width, old)
+            cnt[row] = 0
+            dirt[row] = 1
+        for i in range(c_rows.shape[0]):
+            mark[c_rows[i]] = 0
+        j = 0
+        for i in range(a_rows.shape[0]):
+            row = a_rows[i]
+            old = cnt[row]
+            new = a_num[i] * k
+            start = row * width
+            for q in range(a_num[i]):
+                b = a_ids[j + q]
+                for stop in range(k):
+                    tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+            for q in range(start + new, start + old):
+                tab[q] = NULL_BLOCK_ID
+            j += a_num[i]
+            _log(jour, jlen, offset + start, new if new > old else old)
+            cnt[row] = new
+            dirt[row] = 1
+        j = 0
+        for i in range(p_rows.shape[0]):
+            row = p_rows[i]
+            start = row * width + cnt[row]
+            for q in range(p_num[i]):
+                b = p_ids[j + q]
+                for stop in range(k):
+                    tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+            j += p_num[i]
+            _log(jour, jlen, offset + start, p_num[i] * k)
+            cnt[row] += p_num[i] * k
+            dirt[row] = 1
+        for i in range(n_rows.shape[0]):
+            start = n_rows[i] * width + n_blocks[i] * k
+            for q in range(start, start + k):
+                tab[q] = NULL_BLOCK_ID
+            _log(jour, jlen, offset + start, k)
+            dirt[n_rows[i]] = 1
+        return (OK, 0, 0, 0, 0)
+
+
+cdef int _counts_sound(const int32_t[::1] rows, const int32_t[::1] cnt,
+                       int64_t width) except -1:
+    cdef Py_ssize_t i
+    for i in range(rows.shape[0]):
+        if cnt[rows[i]] < 0 or cnt[rows[i]] > width:
+            raise ValueError(f"row {rows[i]} holds count {cnt[rows[i]]}, outside [0, {width}]: "
+                             "the table is corrupt")
+    return 0
+
+
+cdef tuple _span(const int32_t[::1] a):
+    return ((<uintptr_t>(&a[0]) if a.shape[0] else 0), a.shape[0] * 4)
+
+
+cdef bint _any_overlap(list outputs, list others):
+    """Whether a span ``(address, bytes)`` of ``outputs`` overlaps one of ``others`` (another
+    one of ``outputs`` when ``others is outputs``)."""
+    cdef Py_ssize_t i, j
+    cdef bint same = others is outputs
+    for i in range(len(outputs)):
+        for j in range(len(others)):
+            if not (same and i == j) and _overlap(<void*>(<uintptr_t>outputs[i][0]), outputs[i][1],
+                                   <void*>(<uintptr_t>others[j][0]), others[j][1]):
+                return True
+    return False
+
+
+# ---- a commit's pairs ---------------------------------------------------------------
+def fill_staging(object journal, object journal_len, object dirty, int64_t counts_offset,
+                 object host, object staging, int64_t capacity):
+    """Gather a commit's ``(flat index, value)`` pairs into ``staging`` and reset the changes;
+    the compiled twin of :func:`blocktable._host_loops.fill_staging` (``dirty`` as a flat uint8
+    view of ``[groups, rows]``). Returns the number of pairs, or -1 (nothing written or reset)
+    when they exceed ``capacity`` or the journal overflowed."""
+    cdef const int64_t[:, ::1] jour
+    cdef int64_t[::1] jlen = _int64_out(journal_len, "journal_len")
+    cdef unsigned char[::1] dirt
+    cdef const int32_t[::1] src = _int32_in(host, "host")
+    cdef int32_t[::1] out
+    try:
+        jour = journal
+        dirt = dirty
+        out = staging
+    except (ValueError, TypeError, BufferError) as exc:
+        raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array, dirty a "
+                        f"writable uint8 array and staging a writable int32 array: {exc}") \
+            from None
+    if jour.shape[1] != 2 or jlen.shape[0] != 2:
+        raise ValueError("journal must be [capacity, 2] and journal_len [2]")
+    cdef Py_ssize_t num_entries = src.shape[0]
+    if counts_offset < 0 or counts_offset > num_entries or \
+            dirt.shape[0] > num_entries - counts_offset:
+        raise ValueError(f"the counts [{counts_offset}, +{dirt.shape[0]}) lie outside host's "
+                         f"{num_entries} entries")
+    if capacity < 0 or 2 * capacity > out.shape[0]:
+        raise ValueError(f"capacity={capacity} needs staging of {2 * capacity} entries, got "
+                         f"{out.shape[0]}")
+    if _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
+                &src[0] if num_entries else NULL, num_entries * 4) or \
+            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
+                     &jour[0, 0] if jour.shape[0] else NULL, jour.shape[0] * 16) or \
+            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
+                     &dirt[0] if dirt.shape[0] else NULL, dirt.shape[0]) or \
+            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4, &jlen[0], 16):
+        raise ValueError("staging overlaps another argument")
+    cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
+    cdef Py_ssize_t i, at = 0
+    if runs < 0:
+        return -1
+    if runs > jour.shape[0] or num_indices < 0:
+        raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
+    total = num_indices
+    for i in range(dirt.shape[0]):
+        total += dirt[i] != 0
+    if total > capacity:
+        return -1
+    for r in range(runs):  # every run inside host, and the lengths adding up, before writing
+        start, length = jour[r, 0], jour[r, 1]
+        if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
+            raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
+        at += length
+    if at != num_indices:
+        raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
+    at = 0
+    for r in range(runs):
+        for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
+            out[at] = <int32_t>q
+            at += 1
+    for i in range(dirt.shape[0]):
+        if dirt[i]:
+            out[at] = <int32_t>(counts_offset + i)
+            at += 1
+            dirt[i] = 0
+    for i in range(total):
+        out[total + i] = src[out[i]]
+    jlen[0] = 0
+    jlen[1] = 0
+    return total
