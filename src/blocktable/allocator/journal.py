@@ -30,6 +30,8 @@ from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
 _EMPTY32 = np.zeros(0, dtype=np.int32)
 _EMPTY32.flags.writeable = False
+_NO_BLOCKS = RowBlocks(_EMPTY32, _EMPTY32, _EMPTY32)  # (frozen: one serves every update)
+_NO_ENTRIES = RowEntries(_EMPTY32, _EMPTY32)
 
 
 class StepJournal:
@@ -81,35 +83,39 @@ class StepJournal:
     def take(self, allocator_block_sizes: tuple[int, ...] | None = None) -> StepUpdate:
         """The net change of every touched row (``allocator_block_sizes`` stamped on it); then
         reset. A fixed handful of numpy calls per group, whatever the number of rows."""
-        touched = np.sort(np.concatenate(self._order)) if self._order else np.zeros(0, np.intp)
-        self._order = []
+        order, self._order = self._order, []
         self._stamp += 1
+        G = self.num_groups
+        if not order and not self._nulled:  # nothing touched
+            return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G,
+                              (_NO_ENTRIES,) * G, allocator_block_sizes, trusted=True)
+        touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
         state = self.rows
-        live = state.holder_gen[touched]
-        start = self.start_gen[touched]
+        live = state.holder_gen.take(touched)
+        start = self.start_gen.take(touched)
+        if not self._nulled and (live == start).all() and live.all():
+            # every touched row is still held by its first holder and nothing left a window:
+            # rows only grew (decode steps, prefill chunks)
+            return self._take_growth(touched, allocator_block_sizes)
         held = live != 0
         cleared = touched[~held & (start != 0)]
         added = touched[held & (live != start)]
         kept = touched[held & (live == start)]
         parts: list[np.ndarray] = [cleared, added]  # packed into one buffer below
-        for g in range(self.num_groups):
+        for g in range(G):
             counts = state.row_len[g, added]
             parts += [counts, state.gather(g, added, np.zeros_like(counts), counts)]
-            old = self.start_len[g, kept]
-            grew = state.row_len[g, kept] - old
-            grown = grew > 0
-            rows, num, old = kept[grown], grew[grown], old[grown]
-            parts += [rows, num, state.gather(g, rows, old, num)]
+            parts += self._grown(g, kept)
         parts += self._null_parts()
         self._nulled = {}
         views = iter(_frozen_int32(parts))
         cleared_rows, added_rows = next(views), next(views)
         added_blocks, appended_blocks = [], []
-        for _ in range(self.num_groups):
+        for _ in range(G):
             counts, ids = next(views), next(views)
             added_blocks.append(RowBlocks(added_rows, counts, ids))
             appended_blocks.append(RowBlocks(next(views), next(views), next(views)))
-        nulled = [RowEntries(next(views), next(views)) for _ in range(self.num_groups)]
+        nulled = [RowEntries(next(views), next(views)) for _ in range(G)]
         return StepUpdate(
             cleared_rows,
             tuple(added_blocks),
@@ -118,6 +124,28 @@ class StepJournal:
             allocator_block_sizes,
             trusted=True,
         )
+
+    def _grown(self, group: int, kept: np.ndarray) -> list[np.ndarray]:
+        """Rows of ``kept`` (held by their first holder) that grew in ``group``: the rows, how
+        many entries each gained and those entries."""
+        old = self.start_len[group].take(kept)
+        grew = self.rows.row_len[group].take(kept)
+        grew -= old
+        if not len(grew) or grew.min() <= 0:
+            grown = grew > 0
+            kept, grew, old = kept[grown], grew[grown], old[grown]
+        return [kept, grew, self.rows.gather(group, kept, old, grew)]
+
+    def _take_growth(self, touched: np.ndarray,
+                     allocator_block_sizes: tuple[int, ...] | None) -> StepUpdate:
+        """:meth:`take` when every touched row only grew: appended entries, nothing else."""
+        views = iter(_frozen_int32([a for g in range(self.num_groups)
+                                    for a in self._grown(g, touched)]))
+        appended = tuple(RowBlocks(next(views), next(views), next(views))
+                         for _ in range(self.num_groups))
+        G = self.num_groups
+        return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, appended, (_NO_ENTRIES,) * G,
+                          allocator_block_sizes, trusted=True)
 
     def _null_parts(self) -> list[np.ndarray]:
         """Per group, the rows and indices of old entries nulled in rows still held by their

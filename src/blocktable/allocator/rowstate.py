@@ -203,14 +203,14 @@ class RowState:
         n = len(counts)
         if not n:
             return arena[0, :0].copy()
+        if counts.min() == 1 == counts.max():  # one entry a row (decode steps)
+            return arena[rows, starts]
         if n <= _FEW_ROWS:  # a slice per row: cheaper than building indices for a few rows
             parts = [
                 arena[row, start : start + count]
                 for row, start, count in zip(rows.tolist(), starts.tolist(), counts.tolist())
             ]
             return parts[0].copy() if n == 1 else np.concatenate(parts)
-        if int(counts.min()) == 1 and int(counts.max()) == 1:
-            return arena[rows, starts]
         total = int(counts.sum())
         ends = np.cumsum(counts)
         # flat position of each entry in the (C-contiguous) arena: its row's first position
