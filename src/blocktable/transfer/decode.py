@@ -125,7 +125,8 @@ class DecodeWorker:
             return Plan(offer.req_id, PlanStatus.REFUSED, reason="request id already here")
         num_hit = manager.lookup_prefix(tokens)
         if waiting or not manager.can_admit(tokens, num_prompt - num_hit):
-            if self.engine.has_unfinished():  # running requests will free blocks
+            # running requests (and this round's, once they run) will free blocks
+            if self.engine.has_unfinished() or self._planned:
                 self.stats.num_waits += 1
                 return Plan(offer.req_id, PlanStatus.WAIT)
             self.stats.refused.append(offer.req_id)
