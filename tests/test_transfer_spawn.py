@@ -109,3 +109,21 @@ def test_a_side_that_dies_mid_transfer_is_named_within_seconds(
     died_at = float((tmp_path / "died_at").read_text())
     assert seen["raised_at"] - died_at < 3.0, seen  # gloo sees the closed socket at once
 
+
+
+def test_demo_disaggregate_transfers_and_matches(capsys: pytest.CaptureFixture[str]) -> None:
+    from blocktable.cli import main
+
+    assert main(["demo", "--disaggregate", "--num-requests", "3", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "req0: transferred " in out and "total: transferred " in out
+    assert "OK: 3/3 requests decoded after a transfer match" in out
+
+
+def test_demo_disaggregate_refuses_dcp(capsys: pytest.CaptureFixture[str]) -> None:
+    from blocktable.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--disaggregate", "--dcp", "2"])
+    assert info.value.code == 2
+    assert "--disaggregate runs the tiny model without --dcp" in capsys.readouterr().err
