@@ -88,8 +88,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
     """Median host seconds per round for ``args.num_requests`` offers."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, local_pair
-    from blocktable.transfer.messages import Offer, Round
-    from blocktable.transfer.plan import chunk_rows
+    from blocktable.transfer.messages import Offer, OfferBatch, Round
+    from blocktable.transfer.plan import chunk_rows_many
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
     per_req = -(-(tokens + 2) // bs)
@@ -99,22 +99,27 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
     worker = DecodeWorker(engine, local_pair()[1])
     worker.remote = worker.layout
     rng = np.random.default_rng(0)
-    offers = [Offer(f"r{i}", tuple(rng.integers(0, 256, tokens).tolist()), 1, 2,
-                    tuple(rng.permutation(np.arange(1, n * per_req + 1))[:per_req].tolist()))
+    offers = [Offer(f"r{i}", rng.integers(0, 256, tokens), 1, 2,
+                    rng.permutation(np.arange(1, n * per_req + 1, dtype=np.int32))[:per_req])
               for i in range(n)]
     full, mapping = [], []
     for _ in range(args.bookkeeping_repeats):
         t0 = time.perf_counter()
-        plans = [worker._plan(o, False) for o in offers]  # noqa: SLF001 - the step measured
+        batch = OfferBatch.of(offers)  # the prefill side's message
+        received = pickle.loads(pickle.dumps(Round(batch, False)))
+        plans = worker._plan_batch(received.offers)  # noqa: SLF001 - the step measured
         pickle.loads(pickle.dumps(plans))
-        pickle.loads(pickle.dumps(Round(tuple(offers), False)))
         full.append(time.perf_counter() - t0)
+        # the same without the allocator's admissions: messages and both sides' mapping
         t1 = time.perf_counter()
-        for o in offers:
-            chunk_rows(o.block_ids, bs, bs, 0, tokens)
-            chunk_rows(engine.manager.block_ids(o.req_id)[0], bs, bs, 0, tokens)
+        batch = OfferBatch.of(offers)
+        received = pickle.loads(pickle.dumps(Round(batch, False)))
+        b = received.offers
+        counts = np.diff(b.block_starts)
+        firsts, nums = np.zeros(n, np.int64), np.diff(b.prompt_starts)
+        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
+        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
         pickle.loads(pickle.dumps(plans))
-        pickle.loads(pickle.dumps(Round(tuple(offers), False)))
         mapping.append(time.perf_counter() - t1)
         worker._planned.clear()  # noqa: SLF001
         engine.manager.free_many([o.req_id for o in offers])

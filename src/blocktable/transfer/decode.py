@@ -25,8 +25,8 @@ from blocktable.transfer.buffers import chunk_view, scatter_chunks
 from blocktable.transfer.errors import PeerLostError
 from blocktable.transfer.handshake import handshake
 from blocktable.transfer.layout import KVCacheLayout
-from blocktable.transfer.messages import Ack, DataHeader, Offer, Plan, PlanStatus, Round
-from blocktable.transfer.plan import chunk_rows, chunk_tokens_of, num_blocks_touched
+from blocktable.transfer.messages import Ack, DataHeader, Offer, OfferBatch, PlanBatch, PlanStatus, Round
+from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, num_blocks_touched
 from blocktable.transfer.transport import Transport
 
 
@@ -91,13 +91,7 @@ class DecodeWorker:
         return self.stats
 
     def _round(self, rnd: Round) -> None:
-        plans: list[Plan] = []
-        waiting = False
-        for offer in rnd.offers:
-            plan = self._plan(offer, waiting)
-            waiting = waiting or plan.status is PlanStatus.WAIT  # keep arrival order
-            plans.append(plan)
-        self.transport.send_message(plans)
+        self.transport.send_message(self._plan_batch(rnd.offers))
         if not self._planned:
             return
         header: DataHeader = self.transport.recv_message()
@@ -106,44 +100,85 @@ class DecodeWorker:
         if header.sent:
             self._receive(header.sent)
 
-    def _plan(self, offer: Offer, waiting: bool) -> Plan:
-        """Admit and allocate when it fits now; else wait or refuse."""
+    def _plan_batch(self, batch: OfferBatch) -> PlanBatch:
+        """Admit and allocate each offer that fits now, in order (once one waits, the later
+        ones wait too); then map every admitted offer's missing tokens to both sides' rows in
+        one pass per side."""
+        n = len(batch)
+        statuses = np.full(n, PlanStatus.WAIT, dtype=np.int8)
+        reasons: dict[int, str] = {}
+        admitted: list[int] = []
+        admitted_ids: set[str] = set()
+        hits: list[int] = []
+        waiting = False
+        for i in range(n):
+            offer = batch.offer(i)
+            status, detail = self._admit(offer, waiting, admitted_ids)
+            statuses[i] = status
+            if status == PlanStatus.SEND:
+                admitted.append(i)
+                admitted_ids.add(offer.req_id)
+                hits.append(int(detail))
+            elif status == PlanStatus.REFUSED:
+                reasons[i] = str(detail)
+            waiting = waiting or status == PlanStatus.WAIT  # keep arrival order
+        num_blocks = np.zeros(n, dtype=np.int64)
+        if not admitted:
+            return PlanBatch(statuses, np.zeros(0, np.int64), num_blocks, reasons)
+        assert self.remote is not None
+        chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
+        idx = np.array(admitted)
+        first = np.array(hits, dtype=np.int64)
+        num = batch.prompt_starts[idx + 1] - batch.prompt_starts[idx] - first
+        src, _ = chunk_rows_many(batch.block_ids, batch.block_starts[idx],
+                                 batch.block_starts[idx + 1] - batch.block_starts[idx],
+                                 self.remote.block_size, chunk_tokens, first, num)
+        manager = self.engine.manager
+        own = [manager.block_ids(batch.req_ids[i])[0] for i in admitted]
+        own_counts = np.array([len(b) for b in own], dtype=np.int64)
+        own_starts = np.zeros(len(own), dtype=np.int64)
+        np.cumsum(own_counts[:-1], out=own_starts[1:])
+        dst, dst_starts = chunk_rows_many(np.fromiter((b for ids in own for b in ids),
+                                                      dtype=np.int64, count=int(own_counts.sum())),
+                                          own_starts, own_counts, self.layout.block_size,
+                                          chunk_tokens, first, num)
+        for k, i in enumerate(admitted):
+            num_blocks[i] = num_blocks_touched(self.layout.block_size, hits[k], int(num[k]))
+            self._planned[batch.req_ids[i]] = (batch.offer(i), hits[k],
+                                               dst[dst_starts[k]:dst_starts[k + 1]])
+        return PlanBatch(statuses, src, num_blocks, reasons)
+
+    def _admit(self, offer: Offer, waiting: bool, admitted_now: set[str]
+               ) -> tuple[PlanStatus, int | str]:
+        """SEND with the prefix-hit tokens (the request admitted, its prompt's blocks
+        allocated), WAIT, or REFUSED with the reason; ``admitted_now``: this round's earlier
+        SEND offers."""
         manager, config = self.engine.manager, self.engine.config
-        tokens = [*offer.prompt_token_ids, offer.first_token]
+        tokens = np.append(offer.prompt_token_ids, np.int64(offer.first_token))
         num_prompt = len(offer.prompt_token_ids)
         num_kv_tokens = num_prompt + offer.max_new_tokens - 1
         never = (num_kv_tokens > config.max_model_len
                  or math.ceil(num_kv_tokens / config.block_size) > config.num_blocks - 1)
         if never:
             self.stats.refused.append(offer.req_id)
-            return Plan(offer.req_id, PlanStatus.REFUSED, reason=(
+            return PlanStatus.REFUSED, (
                 f"needs {num_kv_tokens} tokens; the decode side has max_model_len="
                 f"{config.max_model_len} and {config.num_blocks - 1} blocks of "
-                f"{config.block_size} tokens"))
-        if offer.req_id in self.engine.requests:
+                f"{config.block_size} tokens")
+        if offer.req_id in self.engine.requests or offer.req_id in admitted_now:
             self.stats.refused.append(offer.req_id)
-            return Plan(offer.req_id, PlanStatus.REFUSED, reason="request id already here")
+            return PlanStatus.REFUSED, "request id already here"
         num_hit = manager.lookup_prefix(tokens)
         if waiting or not manager.can_admit(tokens, num_prompt - num_hit):
             # running requests (and this round's, once they run) will free blocks
-            if self.engine.has_unfinished() or self._planned:
+            if self.engine.has_unfinished() or admitted_now:
                 self.stats.num_waits += 1
-                return Plan(offer.req_id, PlanStatus.WAIT)
+                return PlanStatus.WAIT, 0
             self.stats.refused.append(offer.req_id)
-            return Plan(offer.req_id, PlanStatus.REFUSED,
-                        reason="the decode side is idle and still lacks blocks or rows")
+            return PlanStatus.REFUSED, "the decode side is idle and still lacks blocks or rows"
         num_hit = manager.add_request(offer.req_id, tokens)
         manager.allocate(offer.req_id, num_prompt - num_hit)
-        assert self.remote is not None
-        chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
-        num_missing = num_prompt - num_hit
-        src = chunk_rows(offer.block_ids, self.remote.block_size, chunk_tokens, num_hit,
-                         num_missing)
-        dst = chunk_rows(manager.block_ids(offer.req_id)[0], self.layout.block_size,
-                         chunk_tokens, num_hit, num_missing)
-        self._planned[offer.req_id] = (offer, num_hit, dst)
-        return Plan(offer.req_id, PlanStatus.SEND, tuple(src.tolist()),
-                    num_blocks_touched(self.layout.block_size, num_hit, num_missing))
+        return PlanStatus.SEND, num_hit
 
     def _receive(self, req_ids: tuple[str, ...]) -> None:
         assert self.remote is not None
@@ -171,7 +206,7 @@ class DecodeWorker:
         """The prompt's KV is here: mark it computed, run the request from its first token."""
         engine = self.engine
         engine.manager.mark_computed(offer.req_id, len(offer.prompt_token_ids) - num_hit)
-        req = Request(offer.req_id, list(offer.prompt_token_ids), offer.max_new_tokens,
+        req = Request(offer.req_id, offer.prompt_token_ids.tolist(), offer.max_new_tokens,
                       engine.step_index, status=RequestStatus.RUNNING,
                       output_token_ids=[offer.first_token], num_cached_tokens=num_hit)
         engine.requests[offer.req_id] = req
@@ -181,7 +216,7 @@ class DecodeWorker:
         """The KV never came: free the allocation, compute the request here from its prompt."""
         offer, _, _ = self._planned.pop(req_id)
         self.engine.manager.free(req_id)
-        self.engine.add_request(req_id, offer.prompt_token_ids, offer.max_new_tokens)
+        self.engine.add_request(req_id, offer.prompt_token_ids.tolist(), offer.max_new_tokens)
         self.stats.recomputed.append(req_id)
 
     def _drop_planned(self) -> None:

@@ -21,7 +21,7 @@ from blocktable.transfer.buffers import gather_chunks
 from blocktable.transfer.errors import PeerLostError
 from blocktable.transfer.handshake import handshake
 from blocktable.transfer.layout import KVCacheLayout
-from blocktable.transfer.messages import Ack, DataHeader, Offer, Plan, PlanStatus, Round
+from blocktable.transfer.messages import Ack, DataHeader, Offer, OfferBatch, PlanBatch, PlanStatus, Round
 from blocktable.transfer.plan import chunk_tokens_of
 from blocktable.transfer.transport import Transport
 
@@ -57,6 +57,7 @@ class PrefillWorker:
         self.remote: KVCacheLayout | None = None
         self.pending: list[Request] = []  # prompt done, blocks held, not yet sent
         self.max_new_tokens: dict[str, int] = {}
+        self._offers: dict[str, Offer] = {}  # made once: a waiting request is offered again
         self.stats = PrefillStats()
 
     def submit(self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -85,11 +86,12 @@ class PrefillWorker:
                     self.engine.step()
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
-                self.transport.send_message(Round(tuple(self._offer(r) for r in self.pending),
-                                                  done))
+                offered = list(self.pending)
+                self.transport.send_message(
+                    Round(OfferBatch.of([self._offer(r) for r in offered]), done))
                 if done:
                     return self.stats
-                self._transfer_round()
+                self._transfer_round(offered)
         except PeerLostError:
             self._release(list(self.pending))  # the decode side is gone: nothing leaks here
             raise
@@ -103,31 +105,33 @@ class PrefillWorker:
                 self.pending.append(req)
 
     def _offer(self, req: Request) -> Offer:
-        return Offer(req.req_id, tuple(req.prompt_token_ids), req.output_token_ids[0],
-                     self.max_new_tokens[req.req_id],
-                     tuple(self.engine.manager.block_ids(req.req_id)[0]))
+        offer = self._offers.get(req.req_id)
+        if offer is None:
+            offer = self._offers[req.req_id] = Offer(
+                req.req_id, np.asarray(req.prompt_token_ids, dtype=np.int64),
+                req.output_token_ids[0], self.max_new_tokens[req.req_id],
+                np.asarray(self.engine.manager.block_ids(req.req_id)[0], dtype=np.int32))
+        return offer
 
-    def _transfer_round(self) -> None:
-        plans: list[Plan] = self.transport.recv_message()
-        by_id = {r.req_id: r for r in self.pending}
-        to_send = [p for p in plans if p.status is PlanStatus.SEND]
-        for p in plans:
-            if p.status is PlanStatus.REFUSED:
-                self.stats.refused[p.req_id] = p.reason
-                self._release([by_id[p.req_id]])
-            elif p.status is PlanStatus.WAIT:
+    def _transfer_round(self, offered: list[Request]) -> None:
+        plans: PlanBatch = self.transport.recv_message()
+        to_send = [r for r, st in zip(offered, plans.statuses) if st == PlanStatus.SEND]
+        for i, (req, status) in enumerate(zip(offered, plans.statuses)):
+            if status == PlanStatus.REFUSED:
+                self.stats.refused[req.req_id] = plans.reasons.get(i, "")
+                self._release([req])
+            elif status == PlanStatus.WAIT:
                 self.stats.num_waits += 1
         if not to_send:
             return
         assert self.remote is not None
         chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
-        rows = np.fromiter((r for p in to_send for r in p.src_rows), dtype=np.int64)
         t0 = time.perf_counter()
         try:
-            buffer = self._gather(rows, chunk_tokens)
-            header = DataHeader(tuple(p.req_id for p in to_send), ())
+            buffer = self._gather(plans.src_rows, chunk_tokens)
+            header = DataHeader(tuple(r.req_id for r in to_send), ())
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
-            buffer, header = None, DataHeader((), tuple(p.req_id for p in to_send))
+            buffer, header = None, DataHeader((), tuple(r.req_id for r in to_send))
         self.stats.gather_time_s += time.perf_counter() - t0
         self.transport.send_message(header)
         if buffer is not None:
@@ -135,7 +139,7 @@ class PrefillWorker:
             ack: Ack = self.transport.recv_message()
             self.stats.sent += list(ack.received)
         self.stats.failed += list(header.failed)
-        self._release([by_id[p.req_id] for p in to_send])
+        self._release(to_send)
 
     def _gather(self, rows: np.ndarray, chunk_tokens: int) -> torch.Tensor:
         """Every layer's K and V of ``rows``: one contiguous buffer."""
@@ -144,5 +148,6 @@ class PrefillWorker:
     def _release(self, reqs: list[Request]) -> None:
         for req in reqs:
             self.pending.remove(req)
+            self._offers.pop(req.req_id, None)
             self.engine.manager.free(req.req_id)  # full blocks stay in the prefix cache
             req.status = RequestStatus.FINISHED
