@@ -107,7 +107,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
         t0 = time.perf_counter()
         batch = OfferBatch.of(offers)  # the prefill side's message
         received = pickle.loads(pickle.dumps(Round(batch, False)))
-        plans = worker._plan_batch(received.offers)  # noqa: SLF001 - the step measured
+        plans = worker._plan_batch(received.offers)
         pickle.loads(pickle.dumps(plans))
         full.append(time.perf_counter() - t0)
         # the same without the allocator's admissions: messages and both sides' mapping
@@ -121,7 +121,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
         chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
         pickle.loads(pickle.dumps(plans))
         mapping.append(time.perf_counter() - t1)
-        worker._planned.clear()  # noqa: SLF001
+        worker._planned.clear()
         engine.manager.free_many([o.req_id for o in offers])
     engine.manager.check_integrity()
     return {"round_s": statistics.median(full), "mapping_and_messages_s":

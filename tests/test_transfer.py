@@ -20,6 +20,7 @@ from blocktable.transfer import (
     PeerLostError,
     PrefillWorker,
     chunk_rows,
+    chunk_rows_many,
     chunk_tokens_of,
     handshake,
     local_pair,
@@ -132,8 +133,8 @@ def _both(fn_a: Any, fn_b: Any) -> tuple[Any, Any]:
 ])
 def test_handshake_refuses_a_mismatch_on_both_sides_naming_the_field(field: str, change: dict
                                                                      ) -> None:
-    base = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype="torch.float32", block_size=4,
-                kernel_block_size=4)
+    base = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "torch.float32",
+            "block_size": 4, "kernel_block_size": 4}
     mine, theirs = KVCacheLayout(**base), KVCacheLayout(**{**base, **change})
     tp, td = local_pair(timeout_s=5)
     a, b = _both(lambda: handshake(tp, mine, "prefill", "decode"),
@@ -244,3 +245,28 @@ def test_submit_refuses_a_single_token_request(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
         pw.submit("a", [1, 2, 3], 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=0, max_size=5),
+       st.sampled_from([(4, 4), (8, 4), (6, 2), (12, 3)]), st.integers(0, 2**31 - 1))
+def test_chunk_rows_many_equals_the_slot_formula_per_request(
+        reqs: list[tuple[int, int]], sizes: tuple[int, int], seed: int) -> None:
+    """The batched mapping of several requests, request by request, is the slot formula."""
+    block_size, chunk = sizes
+    rng = np.random.default_rng(seed)
+    ids_per_req = [rng.permutation(np.arange(1, 100))[: -(-(f * block_size + n) // block_size)]
+                   for f, n in reqs]
+    counts = np.array([ids.size for ids in ids_per_req], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    flat = np.concatenate(ids_per_req) if reqs else np.zeros(0, np.int64)
+    firsts = np.array([f * block_size for f, _ in reqs], dtype=np.int64)
+    nums = np.array([n for _, n in reqs], dtype=np.int64)
+    rows, row_starts = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
+    assert row_starts[-1] == rows.size
+    for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
+        mine = rows[row_starts[k]:row_starts[k + 1]]
+        positions = range(int(first), int(first + num))
+        want = slots_reference(ids.tolist(), block_size, positions)
+        got = [int(mine[(p - first) // chunk]) * chunk + (p - first) % chunk for p in positions]
+        assert got == want

@@ -29,8 +29,8 @@ def _config(block_size: int, num_blocks: int = 48) -> EngineConfig:
 
 
 def _session(tmp: Path, **kw: Any) -> Session:
-    base: dict[str, Any] = dict(prefill=_config(4), decode=_config(8), workload=WORKLOAD,
-                                timeout_s=20.0)
+    base: dict[str, Any] = {"prefill": _config(4), "decode": _config(8), "workload": WORKLOAD,
+                            "timeout_s": 20.0}
     return Session(**{**base, **kw})
 
 

@@ -18,7 +18,7 @@ from blocktable.transfer.errors import HandshakeError, PeerLostError, TransferEr
 from blocktable.transfer.handshake import handshake
 from blocktable.transfer.layout import KVCacheLayout, check_compatible
 from blocktable.transfer.local import QueueTransport, local_pair
-from blocktable.transfer.plan import chunk_rows, chunk_tokens_of
+from blocktable.transfer.plan import chunk_rows, chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prefill import PrefillStats, PrefillWorker
 from blocktable.transfer.transport import TorchDistributedTransport, Transport
 
@@ -37,6 +37,7 @@ __all__ = [
     "Transport",
     "check_compatible",
     "chunk_rows",
+    "chunk_rows_many",
     "chunk_tokens_of",
     "handshake",
     "local_pair",

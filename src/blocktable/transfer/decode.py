@@ -25,7 +25,15 @@ from blocktable.transfer.buffers import chunk_view, scatter_chunks
 from blocktable.transfer.errors import PeerLostError
 from blocktable.transfer.handshake import handshake
 from blocktable.transfer.layout import KVCacheLayout
-from blocktable.transfer.messages import Ack, DataHeader, Offer, OfferBatch, PlanBatch, PlanStatus, Round
+from blocktable.transfer.messages import (
+    Ack,
+    DataHeader,
+    Offer,
+    OfferBatch,
+    PlanBatch,
+    PlanStatus,
+    Round,
+)
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, num_blocks_touched
 from blocktable.transfer.transport import Transport
 

@@ -21,7 +21,15 @@ from blocktable.transfer.buffers import gather_chunks
 from blocktable.transfer.errors import PeerLostError
 from blocktable.transfer.handshake import handshake
 from blocktable.transfer.layout import KVCacheLayout
-from blocktable.transfer.messages import Ack, DataHeader, Offer, OfferBatch, PlanBatch, PlanStatus, Round
+from blocktable.transfer.messages import (
+    Ack,
+    DataHeader,
+    Offer,
+    OfferBatch,
+    PlanBatch,
+    PlanStatus,
+    Round,
+)
 from blocktable.transfer.plan import chunk_tokens_of
 from blocktable.transfer.transport import Transport
 

@@ -13,7 +13,6 @@ import torch
 
 from blocktable.engine import EngineConfig, LLMEngine, WorkloadRequest, tiny_llama
 from blocktable.transfer.decode import DecodeWorker
-from blocktable.transfer.errors import PeerLostError
 from blocktable.transfer.prefill import PrefillWorker
 from blocktable.transfer.transport import TorchDistributedTransport
 
@@ -69,10 +68,10 @@ def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
     transport = TorchDistributedTransport(peer_rank, "decode" if is_prefill else "prefill",
                                           device, session.timeout_s)
     if is_prefill:
-        worker: PrefillWorker | DecodeWorker = session.prefill_cls(engine, transport)
+        prefill = session.prefill_cls(engine, transport)
         for w in session.workload:
-            worker.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
-        return worker
+            prefill.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
+        return prefill
     return session.decode_cls(engine, transport)
 
 
@@ -85,20 +84,23 @@ def run_side(rank: int, world_size: int, session: Session) -> dict[str, Any]:
     """
     worker = build_side(rank, session)
     try:
-        stats = worker.run()
-    except PeerLostError:
-        worker.engine.manager.check_integrity()  # what the lost peer held here is freed
-        raise
-    worker.engine.manager.check_integrity()
-    if isinstance(worker, PrefillWorker):
-        return {"role": "prefill", "sent": stats.sent, "refused": stats.refused,
-                "failed": stats.failed, "num_waits": stats.num_waits}
-    return {
-        "role": "decode",
-        "tokens": {r.req_id: r.output_token_ids for r in worker.engine.requests.values()},
-        "transfers": [[t.req_id, t.num_blocks, t.num_bytes, t.time_s, t.num_hit_tokens,
-                       t.batch_size] for t in stats.transfers],
-        "refused": stats.refused,
-        "recomputed": stats.recomputed,
-        "num_waits": stats.num_waits,
-    }
+        if isinstance(worker, PrefillWorker):
+            sent = worker.run()
+            report: dict[str, Any] = {"role": "prefill", "sent": sent.sent,
+                                      "refused": sent.refused, "failed": sent.failed,
+                                      "num_waits": sent.num_waits}
+        else:
+            got = worker.run()
+            report = {
+                "role": "decode",
+                "tokens": {r.req_id: r.output_token_ids
+                           for r in worker.engine.requests.values()},
+                "transfers": [[t.req_id, t.num_blocks, t.num_bytes, t.time_s, t.num_hit_tokens,
+                               t.batch_size] for t in got.transfers],
+                "refused": got.refused,
+                "recomputed": got.recomputed,
+                "num_waits": got.num_waits,
+            }
+    finally:  # on a lost peer too: what it held here must be freed
+        worker.engine.manager.check_integrity()
+    return report

@@ -96,4 +96,4 @@ class TorchDistributedTransport:
         self.recv_tensor(size)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.recv_tensor(data)
-        return pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - our own peer
+        return pickle.loads(data.cpu().numpy().tobytes())
