@@ -32,7 +32,7 @@ def run_disaggregated_demo(opts: DemoOptions, console: Console) -> int:
 
     transformers.logging.set_verbosity_error()
     say = (lambda *a: None) if opts.quiet else (lambda s: console.print(s, soft_wrap=True))
-    model = tiny_llama(seed=opts.seed)
+    model = tiny_llama(seed=opts.seed, device=opts.device)  # the references run there too
     workload = make_workload(opts.num_requests, seed=opts.seed, block_size=opts.block_size,
                              vocab_size=model.config.vocab_size,
                              max_new_tokens=max(2, opts.max_new_tokens))
