@@ -270,3 +270,37 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
         want = slots_reference(ids.tolist(), block_size, positions)
         got = [int(mine[(p - first) // chunk]) * chunk + (p - first) % chunk for p in positions]
         assert got == want
+
+
+class _FailingSomeGathers(PrefillWorker):
+    """Fails the gathers of the rounds whose index is in ``fail_rounds`` (set per example)."""
+
+    fail_rounds: frozenset[int] = frozenset()
+
+    def _gather(self, rows: np.ndarray, chunk_tokens: int) -> torch.Tensor:
+        self.num_gathers = getattr(self, "num_gathers", 0) + 1
+        if self.num_gathers - 1 in self.fail_rounds:
+            raise RuntimeError("injected gather failure")
+        return super()._gather(rows, chunk_tokens)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.sampled_from([2, 4, 8]), st.integers(0, 30),
+       st.frozensets(st.integers(0, 6), max_size=3), st.integers(0, 1000))
+def test_random_runs_match_the_single_engine_and_leak_nothing(
+        model: Any, single_tokens: dict[str, list[int]], bs_prefill: int, bs_decode: int,
+        extra_blocks: int, fail_rounds: frozenset[int], seed: int) -> None:
+    """Any block sizes, a decode pool from just enough to roomy (offers wait), failed gathers
+    in any rounds (recomputed): every request's tokens are the single engine's, and both
+    allocators check out."""
+    workload = make_workload(6, block_size=4, max_new_tokens=MAX_NEW_TOKENS)  # the fixture's
+    longest = max(len(w.prompt_token_ids) for w in workload) + MAX_NEW_TOKENS - 1
+    decode_blocks = -(-longest // bs_decode) + 1 + extra_blocks
+    cls = type("Failing", (_FailingSomeGathers,), {"fail_rounds": fail_rounds})
+    ps, ds, dw = _run_pair(model, workload, _engine(model, bs_prefill),
+                           _engine(model, bs_decode, num_blocks=decode_blocks), prefill_cls=cls)
+    assert not isinstance(ds, Exception), ds
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert got == single_tokens
+    assert sorted(ps.sent + ps.failed) == sorted(single_tokens)
+    assert sorted(ds.recomputed) == sorted(ps.failed)
