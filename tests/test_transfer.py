@@ -304,3 +304,20 @@ def test_random_runs_match_the_single_engine_and_leak_nothing(
     assert got == single_tokens
     assert sorted(ps.sent + ps.failed) == sorted(single_tokens)
     assert sorted(ds.recomputed) == sorted(ps.failed)
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("kernel_block_size", 3, "3, which does not divide its block_size 4"),
+    ("block_size", 0, "0"),
+    ("head_dim", "16", "'16'"),
+])
+def test_handshake_refuses_a_peer_layout_that_makes_no_sense(field: str, value: object,
+                                                             shown: str) -> None:
+    mine = KVCacheLayout(2, 2, 16, "torch.float32", 4, 4)
+    tp, td = local_pair(timeout_s=5)
+    td.send_message({"version": 1, "layout": {**mine.to_dict(), field: value}})
+    with pytest.raises(HandshakeError) as info:
+        handshake(tp, mine, "prefill", "decode")
+    assert info.value.field == field
+    assert f"prefill side {getattr(mine, field)!r}, decode side " in str(info.value)
+    assert shown in str(info.value)
