@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
              "writing into the peers' GPU memory) needs --device cuda; auto picks p2p where "
              "every process can run it, else collectives (default %(default)s)")
     demo.add_argument(
+        "--disaggregate", action="store_true",
+        help="prefill in one process and decode in another (spawned; gloo on the CPU, NCCL "
+             "with --device cuda on two GPUs), moving each request's KV blocks between them")
+    demo.add_argument(
         "--out", metavar="PATH", type=Path, default=defaults.out,
         help="PNG file for the picture of the block table and pool; its folder must exist "
              "(default ./%(default)s)")
@@ -183,6 +187,8 @@ def _fill_defaults(args: argparse.Namespace) -> str | None:
         if args.dcp > 1:
             return ("--dcp with --model is not supported yet: context parallelism runs the "
                     "tiny model only")
+    if args.disaggregate and (args.model is not None or args.dcp > 1):
+        return "--disaggregate runs the tiny model without --dcp (got --model or --dcp)"
     for name in ("num_requests", "block_size", "num_blocks", "max_new_tokens", "token_budget"):
         if getattr(args, name) is None:
             fallback = getattr(defaults, name)
@@ -314,6 +320,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
         cp_interleave=args.cp_interleave, merge_transport=args.merge_transport,
         model=args.model, model_cache=args.model_cache, prompts=tuple(args.prompt or ()),
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, threads=args.threads,
+        disaggregate=args.disaggregate,
     )
     # These need the workload (and so the engine package and torch): after the cheap checks.
     from blocktable.demo import longest_request_blocks
@@ -331,6 +338,9 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
         if not torch.cuda.is_available():
             demo.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() "
                        "is False)")
+        if args.disaggregate and torch.cuda.device_count() < 2:
+            demo.error(f"--disaggregate --device cuda needs 2 GPUs; torch sees "
+                       f"{torch.cuda.device_count()}")
         if args.dcp > torch.cuda.device_count():
             demo.error(f"--dcp {args.dcp} needs {args.dcp} GPUs; torch sees "
                        f"{torch.cuda.device_count()}")

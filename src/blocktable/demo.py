@@ -55,6 +55,7 @@ class DemoOptions:
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     threads: int = 0  # torch threads with --model (0: half the usable cores, 1..8)
+    disaggregate: bool = False  # prefill and decode in two processes, KV blocks moved between
 
 
 MODEL_DEFAULTS = {"block_size": 16, "num_blocks": 64, "token_budget": 64, "max_new_tokens": 48}
@@ -100,6 +101,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         from blocktable.model_demo import run_model_demo
 
         return run_model_demo(opts, console)
+    if opts.disaggregate:
+        from blocktable.transfer.demo import run_disaggregated_demo
+
+        return run_disaggregated_demo(opts, console)
     if opts.dcp > 1:
         from blocktable.dcp_demo import run_dcp_demo
 

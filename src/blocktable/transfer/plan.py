@@ -1,0 +1,114 @@
+"""Which cache rows move: a request's tokens mapped through each side's own slot formula.
+
+Both sides place token ``p`` of a request at slot ``block_ids[p // block_size] * block_size +
+p % block_size`` (the table's slot mapping; with kernel blocks the slot is the same number).
+The transfer moves *chunks* of ``chunk_tokens = gcd(block_size_a, block_size_b)`` tokens: a
+chunk starting at a multiple of ``chunk_tokens`` lies inside one block on both sides, so its
+slots are contiguous on both and it is one row of the cache viewed as
+``[num_layers * 2, num_slots // chunk_tokens, chunk_tokens * num_kv_heads * head_dim]``.
+Equal block sizes make chunks whole blocks; different ones need no other code. A prompt of
+12 tokens, prefill blocks of 4 tokens, decode blocks of 8 (chunks of 4)::
+
+    tokens            0..3    4..7    8..11
+    prefill blocks    7       2       9        -> prefill rows 7, 2, 9
+    decode blocks     3 (tokens 0..7)  5       -> decode rows  6, 7, 10
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def chunk_tokens_of(block_size_a: int, block_size_b: int) -> int:
+    """Tokens per transferred chunk: the largest run contiguous in both caches."""
+    return math.gcd(block_size_a, block_size_b)
+
+
+def slots_reference(block_ids: Sequence[int], block_size: int, positions: Sequence[int]
+                    ) -> list[int]:
+    """The slot of each token position (plain Python; the reference for :func:`chunk_rows`)."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def chunk_rows(block_ids: Sequence[int] | np.ndarray, block_size: int, chunk_tokens: int,
+               first_token: int, num_tokens: int) -> np.ndarray:
+    """Cache rows (in chunks of ``chunk_tokens``) holding tokens ``[first_token,
+    first_token + num_tokens)`` of one request, in token order: :func:`chunk_rows_many` for
+    one request.
+
+    Returns
+    -------
+    np.ndarray
+        int64 ``[ceil(num_tokens / chunk_tokens)]`` on cpu: row ``r`` holds slots
+        ``[r * chunk_tokens, (r + 1) * chunk_tokens)``.
+    """
+    ids = np.asarray(block_ids, dtype=np.int64)
+    rows, _ = chunk_rows_many(ids, np.zeros(1, np.int64), np.array([ids.size]), block_size,
+                              chunk_tokens, np.array([first_token]), np.array([num_tokens]))
+    return rows
+
+
+def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_counts: np.ndarray,
+                    block_size: int, chunk_tokens: int, first_tokens: np.ndarray,
+                    num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk rows of several requests at once (a few numpy passes, no loop per request).
+
+    Parameters
+    ----------
+    block_ids : np.ndarray
+        int ``[total_blocks]``: every request's manager block ids, request ``i``'s at
+        ``block_ids[block_starts[i] : block_starts[i] + block_counts[i]]``, in token order.
+    block_starts, block_counts : np.ndarray
+        int ``[num_reqs]``.
+    block_size : int
+        Tokens per manager block on that side.
+    chunk_tokens : int
+        Divides ``block_size`` and every ``first_tokens`` entry.
+    first_tokens, num_tokens : np.ndarray
+        int ``[num_reqs]``: each request moves tokens ``[first, first + num)``.
+
+    Returns
+    -------
+    rows : np.ndarray
+        int64 ``[total_chunks]``, request after request, each in token order. A last partial
+        chunk moves whole (its tail slots lie in the same block on both sides and are
+        overwritten later).
+    row_starts : np.ndarray
+        int64 ``[num_reqs + 1]``: request ``i``'s rows are ``rows[row_starts[i] :
+        row_starts[i + 1]]``.
+    """
+    first = np.asarray(first_tokens, dtype=np.int64)
+    num = np.asarray(num_tokens, dtype=np.int64)
+    starts = np.asarray(block_starts, dtype=np.int64)
+    counts_blocks = np.asarray(block_counts, dtype=np.int64)
+    if block_size % chunk_tokens or (first % chunk_tokens).any():
+        raise ValueError(
+            f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
+            f"first token (got {first.tolist()})"
+        )
+    if (num < 0).any():
+        raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
+    needed = -(-(first + num) // block_size) * (num > 0)
+    short = np.flatnonzero(needed > counts_blocks)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(
+            f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} tokens; "
+            f"tokens up to {first[i] + num[i]} need {needed[i]}"
+        )
+    counts = -(-num // chunk_tokens)
+    row_starts = np.zeros(num.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_starts[1:])
+    req = np.repeat(np.arange(num.size), counts)
+    token = first[req] + (np.arange(row_starts[-1]) - row_starts[req]) * chunk_tokens
+    ids = np.asarray(block_ids, dtype=np.int64)[starts[req] + token // block_size]
+    return (ids * block_size + token % block_size) // chunk_tokens, row_starts
+
+
+def num_blocks_touched(block_size: int, first_token: int, num_tokens: int) -> int:
+    """Blocks of ``block_size`` that tokens ``[first_token, first_token + num_tokens)``
+    write into (``first_token`` is block-aligned: the tokens past a prefix hit)."""
+    return -(-(first_token + num_tokens) // block_size) - first_token // block_size

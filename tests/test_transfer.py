@@ -1,0 +1,323 @@
+"""Disaggregation in one process: the chunk mapping against the slot formula, the gather and
+scatter, the handshake, and whole runs over an in-memory transport pair (threads)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
+from blocktable.transfer import (
+    DecodeWorker,
+    HandshakeError,
+    KVCacheLayout,
+    PeerLostError,
+    PrefillWorker,
+    chunk_rows,
+    chunk_rows_many,
+    chunk_tokens_of,
+    handshake,
+    local_pair,
+)
+from blocktable.transfer.buffers import gather_chunks, scatter_chunks
+from blocktable.transfer.plan import slots_reference
+
+MAX_NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[Any]:
+    return make_workload(6, block_size=4, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def _engine(model: Any, block_size: int, num_blocks: int = 64, max_num_reqs: int = 8) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=num_blocks,
+                                         max_num_reqs=max_num_reqs, token_budget=32,
+                                         max_model_len=64))
+
+
+@pytest.fixture(scope="module")
+def single_tokens(model: Any, workload: list[Any]) -> dict[str, list[int]]:
+    engine = _engine(model, 4)
+    run_workload(engine, workload)
+    return {r.req_id: r.output_token_ids for r in engine.requests.values()}
+
+
+# ------------------------------------------------------------------ the mapping
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(0, 40),
+       st.integers(0, 2**31 - 1))
+def test_chunk_rows_cover_the_slots_of_both_sides(ka: int, kb: int, scale: int, num_tokens: int,
+                                                  seed: int) -> None:
+    """Row r of chunk c holds the slots the slot formula gives each of c's tokens, on both
+    sides, for any two block sizes (prefix hits start at a block boundary of the receiver)."""
+    rng = np.random.default_rng(seed)
+    bs_a, bs_b = ka * scale * 2, kb * scale
+    chunk = chunk_tokens_of(bs_a, bs_b)
+    first = int(rng.integers(0, 4)) * bs_b
+    end = first + num_tokens
+    for bs in (bs_a, bs_b):
+        if first % chunk:
+            continue
+        ids = rng.permutation(np.arange(1, 64))[: -(-end // bs) or 1]
+        rows = chunk_rows(ids, bs, chunk, first, num_tokens)
+        positions = list(range(first, end))
+        want = slots_reference(ids.tolist(), bs, positions)
+        got = [int(rows[(p - first) // chunk]) * chunk + (p - first) % chunk for p in positions]
+        assert got == want
+
+
+def test_chunk_rows_refuse_too_few_blocks() -> None:
+    with pytest.raises(ValueError, match="block_ids holds 1 blocks of 4 tokens"):
+        chunk_rows([3], 4, 4, 0, 5)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunk_rows([3, 4], 4, 3, 0, 5)
+
+
+def test_gather_then_scatter_moves_every_layer_of_the_chosen_chunks() -> None:
+    src = torch.randn(3, 2, 6, 4, 2, 5)
+    dst = torch.zeros(3, 2, 10, 2, 2, 5)  # block size 2 on the receiving side
+    src_rows = np.array([5, 1, 2])  # chunks of 2 tokens: block 2's second half, block 0's...
+    dst_rows = np.array([7, 3, 9])
+    buffer = gather_chunks(src, src_rows, 2)
+    assert buffer.is_contiguous() and buffer.shape == (6, 3, 2 * 2 * 5)
+    scatter_chunks(dst, dst_rows, 2, buffer)
+    flat_src, flat_dst = src.view(3, 2, 24, 2, 5), dst.view(3, 2, 20, 2, 5)
+    for s, d in zip(src_rows, dst_rows):
+        assert torch.equal(flat_dst[:, :, 2 * d : 2 * d + 2], flat_src[:, :, 2 * s : 2 * s + 2])
+    untouched = [r for r in range(10) if r not in dst_rows]
+    assert not flat_dst.view(3, 2, 10, 2, 2, 5)[:, :, untouched].any()
+    with pytest.raises(ValueError, match="rows must lie in"):
+        gather_chunks(src, np.array([12]), 2)
+    with pytest.raises(ValueError, match="buffer must be"):
+        scatter_chunks(dst, dst_rows[:2], 2, buffer)
+
+
+# ------------------------------------------------------------------ the handshake
+def _both(fn_a: Any, fn_b: Any) -> tuple[Any, Any]:
+    """Run two callables on two threads; return each one's result or exception."""
+    out: dict[int, Any] = {}
+
+    def call(i: int, fn: Any) -> None:
+        try:
+            out[i] = fn()
+        except Exception as exc:  # noqa: BLE001 - compared by the caller
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i, f)) for i, f in enumerate((fn_a, fn_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a side hung"
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize(("field", "change"), [
+    ("num_layers", {"num_layers": 3}),
+    ("num_kv_heads", {"num_kv_heads": 4}),
+    ("head_dim", {"head_dim": 8}),
+    ("dtype", {"dtype": "torch.float16"}),
+    ("cache_layout", {"cache_layout": "layer,block,kv,token,kv_head,head_dim"}),
+])
+def test_handshake_refuses_a_mismatch_on_both_sides_naming_the_field(field: str, change: dict
+                                                                     ) -> None:
+    base = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "torch.float32",
+            "block_size": 4, "kernel_block_size": 4}
+    mine, theirs = KVCacheLayout(**base), KVCacheLayout(**{**base, **change})
+    tp, td = local_pair(timeout_s=5)
+    a, b = _both(lambda: handshake(tp, mine, "prefill", "decode"),
+                 lambda: handshake(td, theirs, "decode", "prefill"))
+    for err, local in ((a, "prefill"), (b, "decode")):
+        assert isinstance(err, HandshakeError) and err.field == field
+        assert f"{local} side {getattr(mine if local == 'prefill' else theirs, field)!r}" in str(err)
+        other = theirs if local == "prefill" else mine
+        assert repr(getattr(other, field)) in str(err)
+
+
+def test_handshake_accepts_different_block_sizes_and_refuses_a_bad_kernel_block_size() -> None:
+    a = KVCacheLayout(2, 2, 16, "torch.float32", 4, 4)
+    b = KVCacheLayout(2, 2, 16, "torch.float32", 16, 8)
+    tp, td = local_pair(timeout_s=5)
+    got_a, got_b = _both(lambda: handshake(tp, a, "prefill", "decode"),
+                         lambda: handshake(td, b, "decode", "prefill"))
+    assert got_a == b and got_b == a
+    with pytest.raises(ValueError, match=r"kernel_block_size \(3\) must divide block_size \(4\)"):
+        KVCacheLayout(2, 2, 16, "torch.float32", 4, 3)
+
+
+# ------------------------------------------------------------------ whole runs
+def _run_pair(model: Any, workload: list[Any], prefill: LLMEngine, decode: LLMEngine,
+              prefill_cls: type[PrefillWorker] = PrefillWorker) -> tuple[Any, Any, DecodeWorker]:
+    tp, td = local_pair(timeout_s=20)
+    pw, dw = prefill_cls(prefill, tp), DecodeWorker(decode, td)
+    for w in workload:
+        pw.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
+    ps, ds = _both(pw.run, dw.run)
+    prefill.manager.check_integrity()
+    decode.manager.check_integrity()
+    # the prefill side holds nothing once every request moved on (cached blocks stay)
+    assert prefill.manager.num_requests == 0
+    assert prefill.manager.num_free_blocks() == prefill.config.num_blocks - 1
+    return ps, ds, dw
+
+
+@pytest.mark.parametrize(("bs_prefill", "bs_decode"), [(4, 4), (4, 8), (8, 2), (6, 4)])
+def test_decode_side_matches_the_single_engine(model: Any, workload: list[Any],
+                                               single_tokens: dict[str, list[int]],
+                                               bs_prefill: int, bs_decode: int) -> None:
+    ps, ds, dw = _run_pair(model, workload, _engine(model, bs_prefill), _engine(model, bs_decode))
+    assert not isinstance(ds, Exception), ds
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert got == single_tokens
+    assert sorted(ps.sent) == sorted(single_tokens)
+    moved = {t.req_id: t for t in ds.transfers}
+    # shared system prompts hit the decode side's prefix cache: fewer bytes move for them
+    assert any(t.num_hit_tokens > 0 for t in moved.values())
+    per_token = 2 * 2 * 2 * 16 * 4
+    chunk = chunk_tokens_of(bs_prefill, bs_decode)
+    for w in workload:
+        t = moved[w.req_id]
+        num_missing = len(w.prompt_token_ids) - t.num_hit_tokens
+        assert t.num_bytes == -(-num_missing // chunk) * chunk * per_token
+
+
+def test_full_decode_side_makes_offers_wait_and_refuses_what_never_fits(
+        model: Any, workload: list[Any], single_tokens: dict[str, list[int]]) -> None:
+    # 9 usable blocks of 4 tokens: one or two requests at a time; a 40-token prompt never fits
+    too_long = type(workload[0])("huge", tuple(range(40)), MAX_NEW_TOKENS, 0)
+    ps, ds, dw = _run_pair(model, [*workload, too_long], _engine(model, 4),
+                           _engine(model, 4, num_blocks=10))
+    assert ps.num_waits > 0 and ds.num_waits == ps.num_waits
+    assert list(ps.refused) == ["huge"] and ds.refused == ["huge"]
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert got == single_tokens
+
+
+class _FailingGather(PrefillWorker):
+    """Its first gather raises (a device error, say): that batch must be recomputed."""
+
+    failed_once = False
+
+    def _gather(self, rows: np.ndarray, chunk_tokens: int) -> torch.Tensor:
+        if not self.failed_once:
+            self.failed_once = True
+            raise RuntimeError("injected gather failure")
+        return super()._gather(rows, chunk_tokens)
+
+
+def test_failed_transfer_is_recomputed_on_the_decode_side(
+        model: Any, workload: list[Any], single_tokens: dict[str, list[int]]) -> None:
+    ps, ds, dw = _run_pair(model, workload, _engine(model, 4), _engine(model, 4),
+                           prefill_cls=_FailingGather)
+    assert ps.failed and ds.recomputed == ps.failed
+    assert not set(ps.failed) & {t.req_id for t in ds.transfers}
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert got == single_tokens
+
+
+def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
+                                                               workload: list[Any]) -> None:
+    engine = _engine(model, 4)
+    tp, td = local_pair(timeout_s=0.5)
+    pw = PrefillWorker(engine, tp)
+    pw.submit("a", workload[0].prompt_token_ids, MAX_NEW_TOKENS)
+    td.send_message({"version": 1, "layout": KVCacheLayout.of_cache(
+        engine.model.kv_cache, 4).to_dict()})  # the decode side says hello, then nothing
+    with pytest.raises(PeerLostError, match=r"lost the decode side while receiving"):
+        pw.run()
+    engine.manager.check_integrity()
+    assert engine.manager.num_requests == 0
+
+
+def test_submit_refuses_a_single_token_request(model: Any) -> None:
+    pw = PrefillWorker(_engine(model, 4), local_pair()[0])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
+        pw.submit("a", [1, 2, 3], 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=0, max_size=5),
+       st.sampled_from([(4, 4), (8, 4), (6, 2), (12, 3)]), st.integers(0, 2**31 - 1))
+def test_chunk_rows_many_equals_the_slot_formula_per_request(
+        reqs: list[tuple[int, int]], sizes: tuple[int, int], seed: int) -> None:
+    """The batched mapping of several requests, request by request, is the slot formula."""
+    block_size, chunk = sizes
+    rng = np.random.default_rng(seed)
+    ids_per_req = [rng.permutation(np.arange(1, 100))[: -(-(f * block_size + n) // block_size)]
+                   for f, n in reqs]
+    counts = np.array([ids.size for ids in ids_per_req], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    flat = np.concatenate(ids_per_req) if reqs else np.zeros(0, np.int64)
+    firsts = np.array([f * block_size for f, _ in reqs], dtype=np.int64)
+    nums = np.array([n for _, n in reqs], dtype=np.int64)
+    rows, row_starts = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
+    assert row_starts[-1] == rows.size
+    for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
+        mine = rows[row_starts[k]:row_starts[k + 1]]
+        positions = range(int(first), int(first + num))
+        want = slots_reference(ids.tolist(), block_size, positions)
+        got = [int(mine[(p - first) // chunk]) * chunk + (p - first) % chunk for p in positions]
+        assert got == want
+
+
+class _FailingSomeGathers(PrefillWorker):
+    """Fails the gathers of the rounds whose index is in ``fail_rounds`` (set per example)."""
+
+    fail_rounds: frozenset[int] = frozenset()
+
+    def _gather(self, rows: np.ndarray, chunk_tokens: int) -> torch.Tensor:
+        self.num_gathers = getattr(self, "num_gathers", 0) + 1
+        if self.num_gathers - 1 in self.fail_rounds:
+            raise RuntimeError("injected gather failure")
+        return super()._gather(rows, chunk_tokens)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.sampled_from([2, 4, 8]), st.integers(0, 30),
+       st.frozensets(st.integers(0, 6), max_size=3), st.integers(0, 1000))
+def test_random_runs_match_the_single_engine_and_leak_nothing(
+        model: Any, single_tokens: dict[str, list[int]], bs_prefill: int, bs_decode: int,
+        extra_blocks: int, fail_rounds: frozenset[int], seed: int) -> None:
+    """Any block sizes, a decode pool from just enough to roomy (offers wait), failed gathers
+    in any rounds (recomputed): every request's tokens are the single engine's, and both
+    allocators check out."""
+    workload = make_workload(6, block_size=4, max_new_tokens=MAX_NEW_TOKENS)  # the fixture's
+    longest = max(len(w.prompt_token_ids) for w in workload) + MAX_NEW_TOKENS - 1
+    decode_blocks = -(-longest // bs_decode) + 1 + extra_blocks
+    cls = type("Failing", (_FailingSomeGathers,), {"fail_rounds": fail_rounds})
+    ps, ds, dw = _run_pair(model, workload, _engine(model, bs_prefill),
+                           _engine(model, bs_decode, num_blocks=decode_blocks), prefill_cls=cls)
+    assert not isinstance(ds, Exception), ds
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert got == single_tokens
+    assert sorted(ps.sent + ps.failed) == sorted(single_tokens)
+    assert sorted(ds.recomputed) == sorted(ps.failed)
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("kernel_block_size", 3, "3, which does not divide its block_size 4"),
+    ("block_size", 0, "0"),
+    ("head_dim", "16", "'16'"),
+])
+def test_handshake_refuses_a_peer_layout_that_makes_no_sense(field: str, value: object,
+                                                             shown: str) -> None:
+    mine = KVCacheLayout(2, 2, 16, "torch.float32", 4, 4)
+    tp, td = local_pair(timeout_s=5)
+    td.send_message({"version": 1, "layout": {**mine.to_dict(), field: value}})
+    with pytest.raises(HandshakeError) as info:
+        handshake(tp, mine, "prefill", "decode")
+    assert info.value.field == field
+    assert f"prefill side {getattr(mine, field)!r}, decode side " in str(info.value)
+    assert shown in str(info.value)
