@@ -81,7 +81,7 @@ def release_order(cls: type[KVCacheManager]) -> str:
     mgr.add_request("probe", list(range(17)))
     blocks = mgr.allocate("probe", 17)[0]
     mgr.mark_computed("probe", 17)  # the next token 17 reads [14, 17]: blocks 0..2 leave
-    queued = [b for b in mgr.pools[0].cached.ids().tolist() if b in blocks[:3]]
+    queued = [b for b in mgr.pools[0].eviction_order() if b in blocks[:3]]
     if queued == blocks[:3]:
         return "oldest first"
     if queued == blocks[2::-1]:
@@ -179,7 +179,8 @@ def run(cls: type[KVCacheManager], seed: int, args: argparse.Namespace) -> dict[
                 sequences[r].append(token)
         if finished:
             mgr.free_many(finished)
-            running = [r for r in running if r not in set(finished)]
+            done = set(finished)
+            running = [r for r in running if r not in done]
         steps += 1
         if steps % 256 == 0 or not (waiting or running):
             try:
@@ -212,7 +213,7 @@ def main() -> int:
     p.add_argument("--window", type=int, default=256, help="sliding window, tokens")
     p.add_argument("--full-blocks", type=int, nargs="+", default=[2048],
                    help="blocks of the full-attention group (one run per size)")
-    p.add_argument("--window-blocks", type=int, nargs="+", default=[256, 384, 512],
+    p.add_argument("--window-blocks", type=int, nargs="+", default=[200, 320, 512],
                    help="blocks of the sliding-window group (one run per size)")
     p.add_argument("--max-reqs", type=int, default=8)
     p.add_argument("--budget", type=int, default=512, help="tokens per step")
