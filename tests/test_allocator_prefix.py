@@ -69,6 +69,30 @@ def test_sliding_window_hit_survives_eviction_of_blocks_before_the_window() -> N
     mgr.check_integrity()
 
 
+def test_blocks_leaving_a_window_together_are_evicted_oldest_first() -> None:
+    """Window 4, block 4: one mark_computed of 24 tokens moves the window past blocks 0..4 at
+    once. They are queued oldest first (block 5 follows when the request is freed), so taking
+    two blocks evicts blocks 0 and 1: resume points that read blocks 2..5 are still served,
+    those reading blocks 0 or 1 are not. (Queued newest first, blocks 4 and 3 would go and
+    the hits would be the other way round.)"""
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 7, sliding_window=4)], 2)  # 6 usable
+    prompt = list(range(100, 124))
+    mgr.add_request("a", prompt)
+    blocks = mgr.allocate("a", 24)[0]
+    mgr.mark_computed("a", 24)  # the next token 24 reads [21, 24]: block 5 only
+    assert mgr.block_ids("a")[0] == [NULL_BLOCK_ID] * 5 + blocks[5:]
+    mgr.free("a")
+    assert mgr.pools[0].eviction_order() == blocks  # no uncached block is left
+    mgr.add_request("x", list(range(900, 908)))
+    assert sorted(mgr.allocate("x", 8)[0]) == sorted(blocks[:2])  # blocks 0 and 1 evicted
+    # resume at n reads block n/4 - 1 only (window 4 = one block)
+    assert mgr.lookup_prefix([*prompt, 7]) == 24  # block 5
+    assert mgr.lookup_prefix(prompt[:21]) == 20  # block 4
+    assert mgr.lookup_prefix(prompt[:13]) == 12  # block 2
+    assert mgr.lookup_prefix(prompt[:9]) == 0  # 8 reads block 1, 4 reads block 0: evicted
+    mgr.check_integrity()
+
+
 def test_sliding_window_hit_needs_the_window_blocks() -> None:
     mgr = KVCacheManager([AllocatorGroupSpec(4, 64, sliding_window=8)], 4)
     prompt = list(range(32))

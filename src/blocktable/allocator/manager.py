@@ -432,6 +432,13 @@ class KVCacheManager(RunningRequests):
 
     # ----------------------------------------------------------------- internals
     def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
+        """Release the blocks of group ``g`` that left each request's window, oldest first.
+
+        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
+        it, and this queues the prompt's head ahead of them for eviction (newest first would
+        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
+        compares the two).
+        """
         bs = self.block_sizes[g]
         released: list[np.ndarray] = []
         state = self._row_state
