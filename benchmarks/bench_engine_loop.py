@@ -41,7 +41,6 @@ from floors import format_floors, measure_floors
 import blocktable.step.runner as step_runner
 from blocktable.demo import DemoOptions
 from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
-from blocktable.step import CapturedStep
 
 
 def p50_us(values: list[float]) -> float:
@@ -67,7 +66,6 @@ class Breakdown:
         "run._check_batch": "step.run",
         "run._check_values": "step.run_staged",
         "run.stager.stage": "step.run",
-        "run.stage_general": "step.run",
         "run._run_numpy": "step.run",
         "run._run_device": "step.run",
         "run.graph_replay": "step.run_staged",

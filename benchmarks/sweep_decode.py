@@ -57,8 +57,7 @@ import triton
 import triton.testing
 from bench_attention import Batch, Shape
 
-from blocktable.attention import paged_attention
-from blocktable.attention import KernelConfig
+from blocktable.attention import KernelConfig, paged_attention
 from blocktable.attention.cp_layout import CPLayout
 from blocktable.attention.decode_plan import (
     DecodePlan,
