@@ -56,3 +56,25 @@ def test_engine_restores_prefixes_from_the_host_and_matches_transformers() -> No
     assert engine.host_cache is not None and engine.host_cache.stats.num_restored_blocks >= 18
     assert all(v.ok for v in verify_requests(model, engine.requests.values()))
     engine.manager.check_integrity()
+
+
+def test_demo_offload_restores_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:
+    from blocktable.cli import main
+
+    code = main(["demo", "--offload", "--quiet", "--num-blocks", "12", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(li for li in out.splitlines() if li.startswith("host tier:"))
+    restored = int(line.split("restored ")[1].split()[0])
+    served = int(line.split("blocks, ")[2].split()[0])
+    assert restored > 0 and served > 0
+    assert "match transformers" in out
+
+
+def test_demo_offload_refuses_dcp(capsys: pytest.CaptureFixture[str]) -> None:
+    from blocktable.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--offload", "--dcp", "2"])
+    assert exc.value.code == 2
+    assert "--offload" in capsys.readouterr().err
