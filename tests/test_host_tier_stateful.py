@@ -12,7 +12,7 @@ whose content was replaced, or a hit on a content that is nowhere, fails the che
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -27,17 +27,17 @@ class HostTierMachine(RuleBasedStateMachine):
         self.ids: dict[tuple[int, ...], int] = {}  # token prefix -> identity (>= 1)
         self.running: dict[int, list[int]] = {}  # req id -> its prompt
         self.next_req = 0
-        self.num_host_hits = 0
+        self.history: list[tuple[int, ...]] = []  # prompts seen
 
     @initialize(
         block_sizes=st.sampled_from([(2,), (4,), (2, 4)]),
-        num_blocks=st.integers(6, 14),
+        num_blocks=st.integers(9, 16),
         host_blocks=st.integers(1, 10),
     )
     def setup(self, block_sizes: tuple[int, ...], num_blocks: int, host_blocks: int) -> None:
         self.block_sizes = block_sizes
         specs = [AllocatorGroupSpec(block_size=bs, num_blocks=num_blocks) for bs in block_sizes]
-        self.mgr = KVCacheManager(specs, max_num_reqs=3, host_blocks=host_blocks)
+        self.mgr = KVCacheManager(specs, max_num_reqs=2, host_blocks=host_blocks)
         self.device = [np.zeros(num_blocks, dtype=np.int64) for _ in block_sizes]
         self.host = [np.zeros(host_blocks + 1, dtype=np.int64) for _ in block_sizes]
 
@@ -45,11 +45,24 @@ class HostTierMachine(RuleBasedStateMachine):
         return self.ids.setdefault(tuple(tokens[:end]), len(self.ids) + 1)
 
     # ----------------------------------------------------------------- rules
-    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 24),
-          tail=st.lists(st.integers(0, 3), max_size=6))
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(2, 16),
+          tail=st.lists(st.integers(0, 3), max_size=3))
     def arrive(self, base: int, cut: int, tail: list[int]) -> None:
-        prompt = BASES[base][:cut] + tail
-        if len(self.running) == 3 or not self.mgr.can_admit(prompt):
+        self.admit(BASES[base][:cut] + tail)
+
+    @rule(data=st.data())
+    def come_back(self, data: st.DataObject) -> None:
+        """An earlier prompt returns (after other traffic: its blocks may be on the host)."""
+        if self.history:
+            self.admit(list(data.draw(st.sampled_from(self.history))))
+
+    def admit(self, prompt: list[int]) -> None:
+        self.history.append(tuple(prompt))
+        if len(self.running) == 2:  # the oldest request leaves: traffic moves on
+            oldest = min(self.running)
+            del self.running[oldest]
+            self.mgr.free(oldest)
+        if not self.mgr.can_admit(prompt):
             return
         looked_up = self.mgr.lookup_prefix(prompt)
         req = self.next_req
@@ -57,7 +70,8 @@ class HostTierMachine(RuleBasedStateMachine):
         before = self.mgr.prefix_cache_stats.num_host_hit_tokens
         hit = self.mgr.add_request(req, prompt)
         assert hit == looked_up  # lookup_prefix predicts admission, host hits included
-        self.num_host_hits += self.mgr.prefix_cache_stats.num_host_hit_tokens - before
+        if self.mgr.prefix_cache_stats.num_host_hit_tokens > before:
+            event("a hit restored from the host")
         self.mgr.allocate(req, len(prompt) - hit)  # can_admit said it fits
         self.running[req] = prompt
         self.step(req, hit, len(prompt))
@@ -70,6 +84,27 @@ class HostTierMachine(RuleBasedStateMachine):
             self.mgr.free(req)
             self.copy_transfers()  # (nothing queued by a free; drained anyway)
 
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        """One generated token for a running request (its blocks fill and get cached too)."""
+        if not self.running:
+            return
+        req = data.draw(st.sampled_from(sorted(self.running)))
+        if not self.mgr.can_allocate_many([req], [1]):
+            return
+        n = self.mgr.num_computed_tokens(req)
+        self.running[req].append(token)
+        self.mgr.append_token_ids(req, [token])
+        self.mgr.allocate(req, 1)
+        self.step(req, n, n + 1)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        """Forgets both tiers when nothing is held; a later prompt is computed again."""
+        if self.mgr.reset_prefix_cache():
+            assert all(self.mgr.lookup_prefix(b[:9]) == 0 for b in BASES)
+        self.copy_transfers()
+
     # ----------------------------------------------------------------- the engine
     def copy_transfers(self) -> None:
         """Offloads first, then restores, each one batched copy (destinations distinct)."""
@@ -80,6 +115,8 @@ class HostTierMachine(RuleBasedStateMachine):
             assert (t.offload[:, 0] > 0).all() and (t.restore[:, 1] > 0).all()
             self.host[g][t.offload[:, 1]] = self.device[g][t.offload[:, 0]]
             self.device[g][t.restore[:, 1]] = self.host[g][t.restore[:, 0]]
+            if len(t.offload) and len(t.restore) and np.isin(t.restore[:, 1], t.offload[:, 0]).any():
+                event("a block offloaded and restored into in one step")
 
     def step(self, req: int, num_computed: int, num_tokens: int) -> None:
         self.copy_transfers()
@@ -106,6 +143,6 @@ class HostTierMachine(RuleBasedStateMachine):
             self.mgr.check_integrity()
 
 
-HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50,
                                              deadline=None)
 TestHostTier = HostTierMachine.TestCase
