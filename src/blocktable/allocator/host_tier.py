@@ -128,8 +128,8 @@ class HostTier:
         self.empty = BlockQueue(n, np.arange(1, n, dtype=np.int32))  # holding no content
         self.lru = BlockQueue(n)  # holding a content, unpinned, least recently used first
         self.pinned = np.zeros(n, dtype=bool)  # on cpu, per host block
-        self._pins: list[int] = []  # pinned host blocks, in pin order
-        self._offloads: list[tuple[int, int]] = []  # (device block, host block)
+        self._pins: list[np.ndarray] = []  # pinned host blocks (int32), in pin order
+        self._offloads: list[np.ndarray] = []  # int32 [n, 2]: (device block, host block)
         self._restores: dict[int, int] = {}  # device block -> host block
         self.num_offloaded = self.num_restored = self.num_dropped = self.num_evicted = 0
 
@@ -149,48 +149,52 @@ class HostTier:
 
     # ----------------------------------------------------------------- device eviction
     def offload(self, slots: np.ndarray, block_ids: np.ndarray) -> None:
-        """The device blocks ``block_ids`` holding records ``slots`` (both ``[n]``, distinct)
-        are being evicted: keep each content on the host (queue its copy), or drop it."""
+        """The device blocks ``block_ids`` holding records ``slots`` (both ``[n]``, distinct,
+        in eviction order) are being evicted: keep each content on the host (queue its copy),
+        or drop it when no host block can be had (the last ones of the call are dropped)."""
         host_block = self.index.host_block
         assert host_block is not None
-        for slot, block_id in zip(slots.tolist(), block_ids.tolist()):
-            hb = int(host_block[slot])
-            if hb:  # a copy is on the host already (restored earlier): it was just used
-                if not self.pinned[hb]:
-                    self.lru.remove(np.array([hb], dtype=np.int32))
-                    self.lru.append(hb)
-                continue
-            hb = self._take_one()
-            if not hb:
-                self.num_dropped += 1
-                continue
-            self.record[hb] = slot
-            host_block[slot] = hb
-            self._pin(hb)
-            self._offloads.append((block_id, hb))
-            self.num_offloaded += 1
+        copies = host_block[slots]
+        on_host = copies != 0
+        if np.count_nonzero(on_host):
+            # a copy is on the host already (restored earlier): it was just used
+            used = copies[on_host]
+            used = used[~self.pinned[used]]
+            self.lru.remove(used)
+            self.lru.extend(used)
+            slots, block_ids = slots[~on_host], block_ids[~on_host]
+        n = len(slots)
+        if not n:
+            return
+        hbs = self.empty.pop(min(n, len(self.empty)))
+        if len(hbs) < n:
+            evicted = self.lru.pop(min(n - len(hbs), len(self.lru)))
+            self._forget_copies(evicted)
+            self.num_evicted += len(evicted)
+            hbs = np.concatenate((hbs, evicted))
+        m = len(hbs)
+        self.num_dropped += n - m
+        if not m:
+            return
+        at = hbs.astype(np.intp)
+        self.record[at] = slots[:m]
+        host_block[slots[:m]] = hbs
+        self.pinned[at] = True
+        self._pins.append(hbs)
+        self._offloads.append(np.stack((block_ids[:m].astype(np.int32), hbs), axis=1))
+        self.num_offloaded += m
 
-    def _take_one(self) -> int:
-        """An empty host block, evicting the least recently used content if needed; 0 when
-        every host block is pinned."""
-        if len(self.empty):
-            return self.empty.pop_one()
-        if not len(self.lru):
-            return 0
-        hb = self.lru.pop_one()
-        self._forget_copy(hb)
-        self.num_evicted += 1
-        return hb
-
-    def _forget_copy(self, hb: int) -> None:
-        """Host block ``hb`` no longer holds its record's content."""
+    def _forget_copies(self, hbs: np.ndarray) -> None:
+        """Host blocks ``hbs`` (just popped) no longer hold their records' contents."""
         index = self.index
-        slot = int(self.record[hb])
-        self.record[hb] = -1
         assert index.host_block is not None
-        index.host_block[slot] = 0
-        if not index.holder[slot]:
-            index.kill(np.array([slot], dtype=np.int64))  # now recyclable, like any dead record
+        at = hbs.astype(np.intp)
+        slots = self.record[at]
+        self.record[at] = -1
+        index.host_block[slots] = 0
+        dead = slots[index.holder[slots] == 0]
+        if len(dead):
+            index.kill(dead)  # now recyclable, like any dead record
 
     # ----------------------------------------------------------------- restore
     def pin_sources(self, slots: np.ndarray) -> np.ndarray:
@@ -198,9 +202,12 @@ class HostTier:
         blocks are taken for them (a take may offload, and must not evict these); return the
         host blocks (int64 ``[n]``)."""
         assert self.index.host_block is not None
-        hbs = self.index.host_block[slots].astype(np.int64)
-        for hb in hbs.tolist():
-            self._pin(hb)
+        hbs = self.index.host_block[slots]
+        free = hbs[~self.pinned[hbs]]  # (unpinned copies wait in the LRU queue)
+        if len(free):
+            self.lru.remove(free)
+            self.pinned[free] = True
+            self._pins.append(free)
         return hbs
 
     def restore(self, host_blocks: np.ndarray, block_ids: np.ndarray) -> None:
@@ -219,29 +226,21 @@ class HostTier:
     def take_transfers(self) -> HostTransfers:
         """The queued copies (offloads, then restores) since the last call; unpins their host
         blocks (most recently used last)."""
-        offload = np.array(self._offloads, dtype=np.int32) if self._offloads else _NO_PAIRS
+        offload = np.concatenate(self._offloads) if self._offloads else _NO_PAIRS
         restore = (
             np.array([(hb, d) for d, hb in self._restores.items()], dtype=np.int32)
             if self._restores
             else _NO_PAIRS
         )
         self._offloads, self._restores = [], {}
-        for hb in self._pins:
-            self.pinned[hb] = False
-            if self.record[hb] >= 0:
-                self.lru.append(hb)
-            else:  # its record left the index meanwhile
-                self.empty.append(hb)
-        self._pins = []
+        if self._pins:
+            pins = np.concatenate(self._pins)
+            self._pins = []
+            self.pinned[pins] = False
+            held = self.record[pins] >= 0
+            self.lru.extend(pins[held])
+            self.empty.extend(pins[~held])  # their records left the index meanwhile
         return HostTransfers(offload, restore)
-
-    def _pin(self, hb: int) -> None:
-        if self.pinned[hb]:
-            return
-        if self.record[hb] >= 0 and self.lru.contains(np.array([hb], dtype=np.int32))[0]:
-            self.lru.remove(np.array([hb], dtype=np.int32))
-        self.pinned[hb] = True
-        self._pins.append(hb)
 
     # ----------------------------------------------------------------- index changes
     def forget_record(self, slot: int) -> None:
@@ -275,7 +274,8 @@ class HostTier:
 
         empty, lru = self.empty.ids().tolist(), self.lru.ids().tolist()
         pins = [hb for hb in range(1, self.num_host_blocks + 1) if self.pinned[hb]]
-        if sorted(pins) != sorted(self._pins):
+        listed = np.concatenate(self._pins).tolist() if self._pins else []
+        if sorted(pins) != sorted(listed):
             fail("pin list and pin flags disagree")
         every = empty + lru + pins
         if sorted(every) != list(range(1, self.num_host_blocks + 1)):

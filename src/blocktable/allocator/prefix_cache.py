@@ -145,6 +145,13 @@ class PrefixCache:
         """Cap hits whose host blocks would find no free device block, the plans of one call
         in order, so that restoring at admission never runs out of blocks. Free device blocks
         that are hits themselves leave the free queue first: they do not count as free."""
+        hits = [plan for plan in plans if plan.num_cached_tokens]
+        if not any(
+            pool.host is not None
+            and any(np.count_nonzero(pool.index.holder[plan.hit_slots[g]] == 0) for plan in hits)
+            for g, pool in enumerate(self.pools)
+        ):
+            return  # every hit is on the device (the common case): nothing to restore
         budgets: list[int | None] = []
         for g, pool in enumerate(self.pools):
             if pool.host is None:
