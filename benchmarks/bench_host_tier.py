@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from allocator_workload import AllocatorWorkload  # noqa: E402
+from allocator_workload import AllocatorWorkload
 
-from blocktable.allocator import AllocatorGroupSpec, KVCacheManager  # noqa: E402
-from blocktable.allocator.host_tier import HostTransfers  # noqa: E402
-from blocktable.engine.host_cache import HostKVCache  # noqa: E402
+from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+from blocktable.allocator.host_tier import HostTransfers
+from blocktable.engine.host_cache import HostKVCache
 
 
 def bench_allocator(args: argparse.Namespace) -> dict[str, float]:

@@ -72,10 +72,10 @@ def run_offload_demo(opts: DemoOptions, console: Console) -> int:
     max_model_len = 2 * (prompt_len + TURN_LEN + opts.max_new_tokens)
     host_blocks = 4 * opts.num_blocks
     engines = {}
-    for name, host in (("host tier", host_blocks), ("device only", 0)):
+    for name, num_host in (("host tier", host_blocks), ("device only", 0)):
         engine = LLMEngine(model, EngineConfig(
             block_size=opts.block_size, num_blocks=opts.num_blocks, max_num_reqs=2,
-            token_budget=opts.token_budget, max_model_len=max_model_len, host_blocks=host,
+            token_budget=opts.token_budget, max_model_len=max_model_len, host_blocks=num_host,
         ))
         run_waves(engine, opts, vocab_size)
         engines[name] = engine
