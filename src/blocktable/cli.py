@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quiet", action="store_true",
         help="print only the final line (no progress or tables)")
+    demo.add_argument(
+        "--offload", action="store_true",
+        help="a workload whose shared prompt prefixes do not fit the device pool, run with a "
+             "host tier (evicted blocks offloaded to host memory, restored on a hit) and "
+             "without; prints what moved and the prefill saved, verifies every request")
     real = demo.add_argument_group(
         "real model", "with --model the engine answers chat prompts with a real model and "
         "checks every answer against transformers' generate (pip install 'blocktable[models]')")
@@ -177,6 +182,10 @@ def _fill_defaults(args: argparse.Namespace) -> str | None:
     from blocktable.demo import MODEL_DEFAULTS, DemoOptions
 
     defaults = DemoOptions()
+    if args.offload and args.disaggregate:
+        return "--offload and --disaggregate are separate demos: pick one"
+    if args.offload and (args.model is not None or args.dcp > 1):
+        return "--offload runs the tiny model on one process (not with --model or --dcp)"
     if args.model is None:
         for name in ("prompt", "model_cache"):
             if getattr(args, name) is not None:
@@ -320,7 +329,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoO
         cp_interleave=args.cp_interleave, merge_transport=args.merge_transport,
         model=args.model, model_cache=args.model_cache, prompts=tuple(args.prompt or ()),
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, threads=args.threads,
-        disaggregate=args.disaggregate,
+        disaggregate=args.disaggregate, offload=args.offload,
     )
     # These need the workload (and so the engine package and torch): after the cheap checks.
     from blocktable.demo import longest_request_blocks

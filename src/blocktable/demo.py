@@ -56,6 +56,7 @@ class DemoOptions:
     top_k: int = 0  # 0: no limit
     threads: int = 0  # torch threads with --model (0: half the usable cores, 1..8)
     disaggregate: bool = False  # prefill and decode in two processes, KV blocks moved between
+    offload: bool = False  # the host-tier workload (blocktable.offload_demo)
 
 
 MODEL_DEFAULTS = {"block_size": 16, "num_blocks": 64, "token_budget": 64, "max_new_tokens": 48}
@@ -109,6 +110,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         from blocktable.dcp_demo import run_dcp_demo
 
         return run_dcp_demo(opts, console)
+    if opts.offload:
+        from blocktable.offload_demo import run_offload_demo
+
+        return run_offload_demo(opts, console)
 
     from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
     from blocktable.engine.verify import LOGITS_RTOL, verify_requests

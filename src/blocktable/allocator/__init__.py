@@ -40,6 +40,11 @@ How it is built, and the choices an engine author should know:
   sliding-window group needs only the blocks its window reads (see
   :mod:`~blocktable.allocator.prefix`), so it never caps a full-attention group to less than
   both can serve.
+* **Host tier.** With ``host_blocks=N`` each group keeps up to ``N`` evicted cached blocks in
+  host memory (:mod:`~blocktable.allocator.host_tier`), in the same prefix index: a hit may be
+  on the device, on the host, or split, and host blocks get fresh device blocks at admission.
+  :meth:`KVCacheManager.take_transfers` returns each step's copies (offloads, then restores)
+  for the engine to perform before the forward; the table sees ordinary device blocks.
 * **Planning.** ``lookup_prefix`` and ``can_admit`` have no side effects (``can_admit`` counts
   hit blocks taken out of the free queue); ``reset_prefix_cache`` forgets every cached content
   and refuses (returns False) while any block is held.
@@ -55,6 +60,7 @@ from blocktable.allocator.hashing import (
     hash_block_tokens,
     sha256_block_hash,
 )
+from blocktable.allocator.host_tier import HostTierStats, HostTransfers
 from blocktable.allocator.manager import KVCacheManager
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.spec import AllocatorGroupSpec
@@ -65,6 +71,8 @@ __all__ = [
     "AllocatorGroupSpec",
     "BlockPool",
     "HashFn",
+    "HostTierStats",
+    "HostTransfers",
     "IntegrityError",
     "KVCacheManager",
     "OutOfBlocksError",

@@ -42,11 +42,22 @@ class PrefixIndex:
     block_size : int
         Tokens per block.
     max_records : int, optional
-        Records kept, live or dead (default ``max(2 * num_blocks, 4096)``); at least
-        ``num_blocks``.
+        Records kept, live or dead (default ``max(2 * num_blocks, 4096)``, counting host
+        blocks as blocks); at least ``num_blocks + num_host_blocks``.
+    num_host_blocks : int
+        Blocks of the pool's host tier (:mod:`blocktable.allocator.host_tier`); when positive
+        every record also notes the host block holding a copy (``host_block``), and a record
+        with a host copy is never recycled.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_records: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_records: int | None = None,
+        num_host_blocks: int = 0,
+    ) -> None:
+        num_blocks += num_host_blocks  # records a live or host copy may pin
         if max_records is None:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
@@ -59,6 +70,8 @@ class PrefixIndex:
         self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
+        # host block holding a copy, 0 = none (None: the pool has no host tier)
+        self.host_block = np.zeros(capacity, dtype=np.int32) if num_host_blocks else None
         self.key = self.keys.key_of_value  # block key per record slot (max_records long)
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
@@ -173,6 +186,8 @@ class PrefixIndex:
             holder = self.holder
             keep = self.cid[batch] != 0
             keep &= holder[batch] == 0
+            if self.host_block is not None:  # (killed again when the host copy goes)
+                keep &= self.host_block[batch] == 0
             # (usually all are kept: no copy; count_nonzero is cheaper than boolean indexing)
             if np.count_nonzero(keep) < len(batch):
                 batch = batch[keep]
@@ -192,8 +207,10 @@ class PrefixIndex:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.cid)
-        for name in ("cid", "parent", "holder"):  # `key` is the key table's, full size
+        for name in ("cid", "parent", "holder", "host_block"):  # (`key`: full size already)
             arr = getattr(self, name)
+            if arr is None:
+                continue
             new = np.zeros(capacity, dtype=arr.dtype)
             new[:old] = arr
             setattr(self, name, new)
@@ -212,11 +229,19 @@ class PrefixIndex:
         """Slots of live records (for checks)."""
         return np.flatnonzero((self.cid != 0) & (self.holder != 0))
 
+    def findable(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, nonzero when its content is on the device or on the host (int32)."""
+        if self.host_block is None:
+            return self.holder[slots]
+        return self.holder[slots] | self.host_block[slots]
+
     def clear(self) -> None:
         """Forget every record."""
         self.keys.clear()
         self.cid[:] = 0
         self.holder[:] = 0
+        if self.host_block is not None:
+            self.host_block[:] = 0
         self.hashes = [None] * len(self.cid)
         self._free = np.arange(len(self.cid) - 1, -1, -1, dtype=np.int64)
         self._num_free = len(self.cid)

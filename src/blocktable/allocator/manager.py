@@ -20,6 +20,7 @@ from blocktable.allocator.hashing import (
     HashFn,
     sha256_block_hash,
 )
+from blocktable.allocator.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
@@ -33,6 +34,12 @@ from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.constants import NULL_BLOCK_ID
+
+# Host-tier ids are int32 (as device block ids): a bound far above any real host memory
+MAX_HOST_BLOCKS = 2**31 - 2
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+_NO_PAIRS.flags.writeable = False
+_NO_TRANSFERS = HostTransfers(_NO_PAIRS, _NO_PAIRS)
 
 
 class KVCacheManager(RunningRequests):
@@ -80,6 +87,11 @@ class KVCacheManager(RunningRequests):
     max_records : int, optional
         Per pool, block contents the prefix index remembers, live or evicted (default
         ``max(2 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
+    host_blocks : int
+        Per group, blocks of a host tier (:mod:`blocktable.allocator.host_tier`; default 0,
+        none): evicted cached blocks are offloaded there and restored on a prefix hit. The
+        engine copies the pairs :meth:`take_transfers` returns every step. Needs prefix
+        caching and full-attention groups; at most ``MAX_HOST_BLOCKS``.
 
     Examples
     --------
@@ -104,6 +116,7 @@ class KVCacheManager(RunningRequests):
         hash_fn: str | HashFn | None = None,
         max_model_len: int | None = None,
         max_records: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         groups = tuple(groups)
         if not groups:
@@ -118,6 +131,13 @@ class KVCacheManager(RunningRequests):
             check_positive("max_model_len", max_model_len)
         if max_records is not None:
             check_positive("max_records", max_records)
+        check_count("host_blocks", host_blocks, MAX_HOST_BLOCKS, "MAX_HOST_BLOCKS")
+        check_host_blocks_fit(host_blocks, max(spec.block_size for spec in groups), len(groups))
+        if host_blocks and not enable_prefix_caching:
+            raise ValueError("host_blocks needs enable_prefix_caching=True (it keeps cached blocks)")
+        if host_blocks and any(spec.sliding_window is not None for spec in groups):
+            raise ValueError("host_blocks is supported for full-attention groups only")
+        self.host_blocks = int(host_blocks)
         self.byte_hash_fn = _byte_hash_fn(hash_fn)
         self.groups = groups
         self.max_num_reqs = int(max_num_reqs)
@@ -129,6 +149,7 @@ class KVCacheManager(RunningRequests):
                 spec.block_size,
                 enable_caching=self.enable_prefix_caching,
                 max_records=max_records,
+                num_host_blocks=self.host_blocks,
             )
             for spec in groups
         )
@@ -422,6 +443,28 @@ class KVCacheManager(RunningRequests):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.prefix_cache.stats
+
+    # ----------------------------------------------------------------- host tier
+    def take_transfers(self) -> tuple[HostTransfers, ...]:
+        """Per group, the host-tier copies queued since the last call (call once per step,
+        after admission and allocation, before the forward).
+
+        The engine copies each group's ``offload`` pairs (device block -> host block) first,
+        then its ``restore`` pairs (host block -> device block), before the first layer reads
+        the step's blocks; the host blocks involved stay pinned until this call. Empty pairs
+        when the manager has no host tier.
+        """
+        return tuple(
+            _NO_TRANSFERS if pool.host is None else pool.host.take_transfers()
+            for pool in self.pools
+        )
+
+    @property
+    def host_tier_stats(self) -> tuple[HostTierStats, ...]:
+        """Per group, the host tier's block counters (all zero without a host tier)."""
+        return tuple(
+            HostTierStats() if pool.host is None else pool.host.stats for pool in self.pools
+        )
 
     def check_integrity(self) -> None:
         """Verify every invariant (refcounts, queues, index, rows); raise ``IntegrityError``.

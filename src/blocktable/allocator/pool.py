@@ -8,6 +8,7 @@ import numpy as np
 
 from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.errors import OutOfBlocksError
+from blocktable.allocator.host_tier import HostTier
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
 from blocktable.allocator.queue import BlockQueue
@@ -45,6 +46,9 @@ class BlockPool:
         When False, nothing is ever cached and every free block is uncached.
     max_records : int, optional
         Records the prefix index keeps, live or dead (see :class:`PrefixIndex`).
+    num_host_blocks : int
+        Blocks of a host tier (:class:`~blocktable.allocator.host_tier.HostTier`) that keeps
+        evicted contents findable; 0 (default): none, evicted contents are forgotten.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class BlockPool:
         *,
         enable_caching: bool = True,
         max_records: int | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
@@ -71,7 +76,8 @@ class BlockPool:
         self.dups: dict[int, list[int]] = {}  # record slot -> its owned duplicate blocks
         self.uncached = BlockQueue(num_blocks, np.arange(1, num_blocks, dtype=np.int32))
         self.cached = BlockQueue(num_blocks)  # least recently used first
-        self.index = PrefixIndex(num_blocks, block_size, max_records)
+        self.index = PrefixIndex(num_blocks, block_size, max_records, num_host_blocks)
+        self.host = HostTier(num_host_blocks, self.index) if num_host_blocks else None
         self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
 
     # ----------------------------------------------------------------- queries
@@ -120,6 +126,8 @@ class BlockPool:
             block_ids = self.uncached.pop(num_blocks)
             # (an int32 index costs a cast inside every gather and scatter, more than one astype)
             self.ref_counts[block_ids.astype(np.intp)] = 1
+            if self.host is not None and self.host.has_pending_restores:
+                self.host.cancel_restores(block_ids)
             return block_ids
         num_evict = num_blocks - num_uncached
         if num_evict > len(self.cached):
@@ -133,7 +141,9 @@ class BlockPool:
         if num_uncached:
             uncached = self.uncached.pop(num_uncached)
             self.ref_counts[uncached.astype(np.intp)] = 1
-            return np.concatenate((uncached, evicted))
+            evicted = np.concatenate((uncached, evicted))
+        if self.host is not None and self.host.has_pending_restores:
+            self.host.cancel_restores(evicted)
         return evicted
 
     def take_one(self) -> int:
@@ -144,12 +154,17 @@ class BlockPool:
             block_id = self.cached.pop_one()
             self._evict(np.array([block_id], dtype=np.intp))
         self.ref_counts[block_id] = 1
+        if self.host is not None and self.host.has_pending_restores:
+            self.host.cancel_restores(np.array([block_id]))
         return block_id
 
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
         record = self.record
-        self.index.kill(record.take(block_ids))
+        slots = record.take(block_ids)
+        if self.host is not None:
+            self.host.offload(slots, block_ids)
+        self.index.kill(slots)
         record[block_ids] = -1
         self.num_cached_blocks -= len(block_ids)
 
@@ -349,6 +364,8 @@ class BlockPool:
             self.num_cached_blocks -= 1
         for block_id in self.dups.pop(slot, []):
             self.dup_of[block_id] = -1
+        if self.host is not None:
+            self.host.forget_record(slot)
         self.index.drop(np.array([slot]))
 
     def reset_cache(self) -> None:
@@ -358,7 +375,35 @@ class BlockPool:
         self.uncached.extend(cached)
         self.record[:] = -1
         self.index.clear()
+        if self.host is not None:
+            self.host.clear()
         self.num_cached_blocks = 0
+
+    def restore(self, slots: np.ndarray) -> np.ndarray:
+        """Give records ``slots`` (distinct, int64 ``[n]``, findable only on the host) fresh
+        device blocks holding them again (reference count 1 each, like :meth:`take`) and queue
+        their copies from the host; return the blocks (int32 ``[n]``).
+
+        Raises
+        ------
+        OutOfBlocksError
+            Fewer than ``n`` free blocks; nothing changed.
+        """
+        host = self.host
+        if host is None:
+            raise ValueError("this pool has no host tier")
+        if len(slots) > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"restore needs {len(slots)} blocks, {self.num_free_blocks} free"
+            )
+        host_blocks = host.pin_sources(slots)  # (before the take: it may evict on the host)
+        block_ids = self.take(len(slots))
+        at = block_ids.astype(np.intp)
+        self.record[at] = slots
+        self.index.holder[slots] = block_ids
+        self.num_cached_blocks += len(slots)
+        host.restore(host_blocks, block_ids)
+        return block_ids
 
     def check_integrity(self, expected_ref_counts: Sequence[int] | np.ndarray) -> None:
         """Check refcounts against ``expected_ref_counts`` and the queues against the index.
@@ -366,3 +411,5 @@ class BlockPool:
         See :func:`blocktable.allocator.integrity.check_pool_integrity`.
         """
         check_pool_integrity(self, expected_ref_counts)
+        if self.host is not None:
+            self.host.check_integrity()

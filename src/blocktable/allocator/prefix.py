@@ -190,7 +190,7 @@ def find_hits(
         np.not_equal(parents[1:], index.cid[slots[:-1]], out=bad[1:])
         for i, start in starts.items():
             bad[start] = parents.item(start) != plans[i].root
-        alive = index.holder[slots]
+        alive = index.findable(slots)  # (on the device, or on the host)
         # (take: numpy's row-wise fancy indexing costs three times as much)
         stored = index.tokens.take(slots, axis=0)
         # Counts first: in the common case (every block verifies) no flags are merged; equal

@@ -16,12 +16,20 @@ class PrefixCacheStats:
     num_query_tokens : int
         Their prompt tokens.
     num_hit_tokens : int
-        Tokens served from the cache.
+        Tokens served from the cache (either tier).
+    num_host_hit_tokens : int
+        Of those, tokens whose block (in some group) was restored from the host tier.
     """
 
     num_queries: int = 0
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+
+    @property
+    def num_device_hit_tokens(self) -> int:
+        """Hit tokens served by blocks already on the device."""
+        return self.num_hit_tokens - self.num_host_hit_tokens
 
     @property
     def hit_rate(self) -> float:

@@ -36,6 +36,7 @@ from blocktable._triton import resolve_backend
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.config import GroupSpec
 from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs
+from blocktable.engine.host_cache import HostKVCache
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
 from blocktable.engine.request import Request
 from blocktable.engine.sampling import GREEDY, SamplingParams, sample_token
@@ -73,6 +74,9 @@ class EngineConfig:
         (one staged write and one CUDA-graph replay on CUDA, numpy on the CPU); ``False``:
         ``apply``, ``commit`` and ``compute_slot_mapping`` one after the other. CUDA with the
         torch backend always takes the three calls.
+    host_blocks : int
+        Blocks of a host tier (0: none): cached blocks evicted from the pool are offloaded to
+        host memory and restored on prefix hits (:class:`~blocktable.engine.host_cache.HostKVCache`).
     """
 
     block_size: int = 4
@@ -84,11 +88,14 @@ class EngineConfig:
     record_logits: bool = True
     backend: str = "auto"
     captured_step: bool = True
+    host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_reqs", "token_budget", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_blocks < 0:
+            raise ValueError(f"host_blocks must be >= 0, got {self.host_blocks}")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
 
@@ -149,6 +156,10 @@ class LLMEngine:
             config.max_num_reqs,
             enable_prefix_caching=config.enable_prefix_caching,
             max_model_len=config.max_model_len,
+            host_blocks=config.host_blocks,
+        )
+        self.host_cache = (
+            HostKVCache(self.model.kv_cache, config.host_blocks) if config.host_blocks else None
         )
         self.table = MultiGroupBlockTable(
             [GroupSpec(config.block_size, num_blocks=config.num_blocks)],
@@ -225,6 +236,11 @@ class LLMEngine:
         forward, when the table and the allocator hold exactly what this step reads.
         """
         batch = self.scheduler.schedule()
+        if self.host_cache is not None:
+            # Evicted blocks leave before anything writes them, restored ones arrive before
+            # any layer reads them (on CUDA the compute stream waits on the copies' events).
+            [transfers] = self.manager.take_transfers()
+            self.host_cache.transfer(transfers)
         num_blocks_used = self.config.num_blocks - 1 - self.manager.num_free_blocks()
         if self.captured_step is not None:
             attn, inputs, table_time_s, inputs_time_s = self._captured_table_step(batch)
