@@ -10,8 +10,8 @@ import pytest
 
 from blocktable.cli import main
 from blocktable.context_parallel import launch
-from blocktable.demo import DemoOptions
 from blocktable.dcp_demo import run_dcp_demo
+from blocktable.demo import DemoOptions
 
 
 @pytest.mark.parametrize(
