@@ -180,9 +180,6 @@ def _fill_defaults(args: argparse.Namespace) -> str | None:
     else:
         if args.num_requests is not None:
             return "--num-requests sizes the synthetic workload; with --model use --prompt"
-        if args.dcp > 1:
-            return ("--dcp with --model is not supported yet: context parallelism runs the "
-                    "tiny model only")
     for name in ("num_requests", "block_size", "num_blocks", "max_new_tokens", "token_budget"):
         if getattr(args, name) is None:
             fallback = getattr(defaults, name)
