@@ -14,7 +14,9 @@ sends its report to the parent, which prints it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import sys
 import time
 from dataclasses import dataclass
@@ -230,13 +232,13 @@ def _rank_table(per_rank: list[DCPResult], opts: DemoOptions) -> Table:
 def _load_once(source: ModelSource, device: str) -> tuple[LoadedModel, float]:
     """The model and tokenizer of ``source`` in this process, and the load time (s): the
     builder and the driver of a rank share one load."""
-    from transformers.utils import logging as hf_logging
-
     from blocktable.hf_loader import load_model
 
-    hf_logging.disable_progress_bar()  # every rank's bar on one terminal is a garble
     t0 = time.perf_counter()
-    loaded = load_model(source, device=device)
+    # Every rank's progress bars on one terminal are a garble (the GGUF reader's tqdm writes
+    # to sys.stderr whatever transformers' settings); a failure still raises.
+    with contextlib.redirect_stderr(io.StringIO()):
+        loaded = load_model(source, device=device)
     return loaded, time.perf_counter() - t0
 
 
@@ -283,10 +285,13 @@ class ChatDriver:
             f"{engine.allocator_block_size} tokens; {opts.token_budget} tokens/step; "
             f"{'greedy' if plan.sampling.greedy else f'sampling {plan.sampling}'}")
         try:
-            return run_chat(engine, model, loaded.tokenizer, plan, header,
-                            snapshot_block_size=engine.allocator_block_size)
+            report = run_chat(engine, model, loaded.tokenizer, plan, header,
+                              snapshot_block_size=engine.allocator_block_size)
         except ValueError as exc:  # raised by add_request, between two steps
             return str(exc)
+        for r in report.requests:  # verified here; a vocabulary per token need not travel
+            r.logits.clear()
+        return report
 
 
 def model_run_config(opts: DemoOptions) -> Any:
