@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --temperature: keep the K most likely tokens (0: all; default %(default)s)")
     real.add_argument(
         "--threads", metavar="N", type=int, default=defaults.threads,
-        help=f"torch threads for the engine and transformers alike (1..{MAX_THREADS}; default "
-             "0: half the usable cores, 1 to 8)")
+        help=f"torch threads for the engine and transformers alike, per process with --dcp "
+             f"(1..{MAX_THREADS}; default 0: half the usable cores, 1 to 8, shared among the "
+             "--dcp processes)")
     return parser
 
 
