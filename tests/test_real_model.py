@@ -161,3 +161,37 @@ def test_dcp_2_answers_real_prompts_token_for_token(
             written[cells[0]] = int(cells[1])
     assert set(written) == {"0", "1"} and min(written.values()) > 0, text
     assert (tmp_path / "step.png").stat().st_size > 0
+
+
+def test_dcp_driver_refusal_is_one_line_exit_2(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What rank 0 refuses (here a prompt past max_model_len) reaches the parent as one
+    line and exit 2; each rank is handed the model's source to load, never a model."""
+    from rich.console import Console
+
+    from blocktable.context_parallel import launch
+    from blocktable.dcp_demo import ChatDriver, LoadInRank
+    from blocktable.engine.dcp_plan import RankStats
+    from blocktable.engine.dcp_runner import DCPResult
+    from blocktable.model_demo import run_model_demo
+
+    why = "request p0's prompt has 4201 tokens; with --max-new-tokens 8 it needs 4208 > 2048"
+    runs = []
+
+    def fake_ranks(fn: object, world: int, args: tuple[list[object]], **kw: object) -> list:
+        runs.extend(args[0])
+        return [[DCPResult(RankStats(r, world), driven=why if r == 0 else None)]
+                for r in range(world)]
+
+    monkeypatch.setattr(launch, "run_ranks", fake_ranks)
+    opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "x.png", prompts=("hi",),
+                       max_new_tokens=8, block_size=16, num_blocks=64, token_budget=64)
+    assert run_model_demo(opts, Console(quiet=True)) == 2
+    assert capsys.readouterr().err.splitlines() == [f"blocktable demo: error: {why}"]
+    assert not (tmp_path / "x.png").exists()
+    (run,) = runs
+    assert run.build_model == LoadInRank(smollm2_source)
+    assert isinstance(run.drive, ChatDriver) and run.drive.source == smollm2_source
+    assert run.config.max_num_reqs == 1  # the one prompt (no follow-up turn of a user's)

@@ -271,10 +271,9 @@ class ChatDriver:
         plan = plan_chat(opts, model, loaded.tokenizer, loaded.label)
         if isinstance(plan, str):
             return plan
-        if len(plan.requests) + 1 > engine.config.max_num_reqs:
-            return (f"{len(plan.requests)} requests and a follow-up need "
-                    f"{len(plan.requests) + 1} table rows, the engine has "
-                    f"{engine.config.max_num_reqs}")
+        if plan.num_requests > engine.config.max_num_reqs:  # model_run_config counted less
+            return (f"the run has {plan.num_requests} requests, the engine "
+                    f"{engine.config.max_num_reqs} table rows")
         where = f"by each of {world} processes ({opts.device})"
         header = (
             f"[bold]blocktable demo --dcp {world}[/]: "
@@ -300,11 +299,10 @@ def model_run_config(opts: DemoOptions) -> Any:
     from blocktable.engine import EngineConfig
     from blocktable.model_demo import MAX_MODEL_LEN, QUESTIONS
 
-    # the built-in questions, a request with its own stop token and a long prompt
-    num_requests = len(opts.prompts) or len(QUESTIONS) + 2
+    # the built-in questions, one with its own stop token, a long prompt and a follow-up
+    num_requests = len(opts.prompts) or len(QUESTIONS) + 3
     return EngineConfig(
-        block_size=opts.block_size, num_blocks=opts.num_blocks,
-        max_num_reqs=num_requests + 1,  # and the follow-up turn
+        block_size=opts.block_size, num_blocks=opts.num_blocks, max_num_reqs=num_requests,
         token_budget=opts.token_budget, max_model_len=MAX_MODEL_LEN,
         record_logits=opts.temperature == 0,
     )

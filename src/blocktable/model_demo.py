@@ -124,6 +124,16 @@ class ChatPlan:
     max_new_tokens: int
     max_model_len: int
 
+    @property
+    def follows_up(self) -> bool:
+        """Whether q0's next turn is added once q0 is done (the built-in questions only)."""
+        return any(r.req_id == "q0" for r in self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests over the whole run, the follow-up turn included."""
+        return len(self.requests) + self.follows_up
+
 
 @dataclass
 class ChatReport:
@@ -187,7 +197,7 @@ def run_chat(engine: Any, model: Any, tokenizer: Any, plan: ChatPlan, header: st
     snapshots = []
     first_hits: dict[str, int] = {}
     shows = {r.req_id: r.shows for r in plan.requests}
-    followed = not any(r.req_id == "q0" for r in plan.requests)
+    followed = not plan.follows_up
 
     def hook(eng: Any, batch: Any) -> None:
         for s in batch.scheduled:
@@ -285,7 +295,7 @@ def run_model_demo(opts: DemoOptions, console: Console,
         return 2
     engine = LLMEngine(model, EngineConfig(
         block_size=opts.block_size, num_blocks=opts.num_blocks,
-        max_num_reqs=len(plan.requests) + 1, token_budget=opts.token_budget,
+        max_num_reqs=plan.num_requests, token_budget=opts.token_budget,
         max_model_len=plan.max_model_len, record_logits=plan.sampling.greedy,
     ))
     header = (f"[bold]blocktable demo[/]: "
