@@ -29,7 +29,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from blocktable.demo import DemoOptions
-    from blocktable.engine import Request, Verification
+    from blocktable.engine import EngineConfig, Request, Verification
     from blocktable.engine.dcp_runner import DCPResult
     from blocktable.engine.distributed import DistributedEngine
     from blocktable.engine.model import HFLlama
@@ -264,7 +264,7 @@ class ChatDriver:
     threads: int  # torch threads per rank
 
     def __call__(self, engine: DistributedEngine, model: HFLlama) -> ChatReport | str:
-        from blocktable.model_demo import describe_model, plan_chat, run_chat
+        from blocktable.model_demo import RequestRefused, describe_model, plan_chat, run_chat
 
         opts, world = self.opts, engine.cp.world_size
         loaded, load_time_s = _load_once(self.source, str(model.lm_head.weight.device))
@@ -286,14 +286,14 @@ class ChatDriver:
         try:
             report = run_chat(engine, model, loaded.tokenizer, plan, header,
                               snapshot_block_size=engine.allocator_block_size)
-        except ValueError as exc:  # raised by add_request, between two steps
+        except RequestRefused as exc:  # between two steps: the others can be stopped
             return str(exc)
         for r in report.requests:  # verified here; a vocabulary per token need not travel
             r.logits.clear()
         return report
 
 
-def model_run_config(opts: DemoOptions) -> Any:
+def model_run_config(opts: DemoOptions) -> EngineConfig:
     """The distributed engine's sizes for the real-model demo (per rank, see
     :class:`~blocktable.engine.dcp_runner.DCPRun`)."""
     from blocktable.engine import EngineConfig

@@ -114,6 +114,20 @@ def build_requests(tokenizer: Any, model_stops: frozenset[int],
     return reqs
 
 
+class RequestRefused(ValueError):
+    """The engine refused a request of the run (it cannot fit the pool); raised between two
+    steps, so the engine is left consistent."""
+
+
+def _add(engine: Any, req_id: str, prompt_token_ids: list[int], max_new_tokens: int,
+         stops: frozenset[int], sampling: SamplingParams) -> None:
+    try:
+        engine.add_request(req_id, prompt_token_ids, max_new_tokens, stop_token_ids=stops,
+                           sampling=sampling)
+    except ValueError as exc:
+        raise RequestRefused(str(exc)) from exc
+
+
 @dataclass(frozen=True)
 class ChatPlan:
     """What a run asks of the engine: its requests, their stop tokens, sampling and sizes."""
@@ -186,6 +200,11 @@ def run_chat(engine: Any, model: Any, tokenizer: Any, plan: ChatPlan, header: st
 
     ``snapshot_block_size``: the tokens one allocator block stands for in the pictures
     (default the engine's block size; a ``--dcp`` run's allocator blocks span every rank).
+
+    Raises
+    ------
+    RequestRefused
+        The engine refused a request (too long for its pool).
     """
     import dataclasses
 
@@ -214,17 +233,15 @@ def run_chat(engine: Any, model: Any, tokenizer: Any, plan: ChatPlan, header: st
     while pending or engine.has_unfinished() or not followed:
         while pending and pending[0].arrival_step <= engine.step_index:
             r = pending.pop(0)
-            engine.add_request(r.req_id, r.prompt_token_ids, max_new,
-                               stop_token_ids=r.stop_token_ids,
-                               sampling=own_seed(sampling, len(engine.requests)))
+            _add(engine, r.req_id, r.prompt_token_ids, max_new, r.stop_token_ids,
+                 own_seed(sampling, len(engine.requests)))
         first = engine.requests.get("q0")
         if not followed and first is not None and first.is_finished:
             ids, reused = follow_up(
                 tokenizer, [{"role": "system", "content": SYSTEM_PROMPT},
                             {"role": "user", "content": QUESTIONS[0]}],
                 first.output_token_ids, FOLLOW_UP, stops)
-            engine.add_request("turn2", ids, max_new, stop_token_ids=stops,
-                               sampling=own_seed(sampling, len(engine.requests)))
+            _add(engine, "turn2", ids, max_new, stops, own_seed(sampling, len(engine.requests)))
             shows["turn2"] = ("q0's next turn: reuses its KV" if reused else
                               "q0's next turn (answer re-tokenized)")
             followed = True
@@ -306,7 +323,7 @@ def run_model_demo(opts: DemoOptions, console: Console,
     say(header)
     try:
         report = run_chat(engine, model, tokenizer, plan, header, say)
-    except ValueError as exc:  # a request that cannot fit the pool
+    except RequestRefused as exc:  # a request that cannot fit the pool
         print(f"blocktable demo: error: {exc}", file=sys.stderr)
         return 2
     engine.manager.check_integrity()
