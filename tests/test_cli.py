@@ -47,7 +47,7 @@ def test_help_version_and_refusals_never_import_torch(tmp_path: Path) -> None:
         ["demo", "--num-blocks", "99999999999999999999"], ["demo", "--token-budget", "99999999999"],
         ["demo", "--block-size", "100000"], ["demo", "--num-requests", "100000"],
         ["demo", "--out", "/proc/x.png"], ["demo", "--dcp", "9"],
-        ["demo", "--model", "no-such-model"], ["demo", "--model", "smollm2", "--dcp", "2"],
+        ["demo", "--model", "no-such-model"], ["demo", "--model", "smollm2", "--dcp", "9"],
         ["demo", "--model", "smollm2", "--temperature", "-1"],
     ]
     results = _probe(argvs, tmp_path)
@@ -95,7 +95,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         (["--device", "tpu"], "invalid choice"),
         (["--num-requests", "two"], "invalid int value"),
         (["--model", "no-such-model"], "unknown model 'no-such-model': not a known name (smollm2)"),
-        (["--model", "smollm2", "--dcp", "2"], "--dcp with --model is not supported yet"),
+        (["--model", "smollm2", "--dcp", "9"], "--dcp 9 is out of range [1, 8]"),
         (["--model", "smollm2", "--num-requests", "3"], "with --model use --prompt"),
         (["--prompt", "hi"], "--prompt needs --model"),
         (["--model-cache", "/tmp"], "--model-cache needs --model"),

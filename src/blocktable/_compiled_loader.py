@@ -27,7 +27,7 @@ COMPILED: ModuleType | None = _load()
 def describe() -> str:
     """Which slot mapping the CPU backend runs, for ``blocktable --version`` and reports."""
     if COMPILED is not None:
-        return "compiled (Cython)"
+        return "compiled"
     if os.environ.get("BLOCKTABLE_COMPILED", "1") == "0":
-        return "numpy (BLOCKTABLE_COMPILED=0)"
-    return "numpy (the compiled part was not built: no C compiler at install)"
+        return "numpy, BLOCKTABLE_COMPILED=0"
+    return "numpy, not built at install"

@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --temperature: keep the K most likely tokens (0: all; default %(default)s)")
     real.add_argument(
         "--threads", metavar="N", type=int, default=defaults.threads,
-        help=f"torch threads for the engine and transformers alike (1..{MAX_THREADS}; default "
-             "0: half the usable cores, 1 to 8)")
+        help=f"torch threads for the engine and transformers alike, per process with --dcp "
+             f"(1..{MAX_THREADS}; default 0: half the usable cores, 1 to 8, shared among the "
+             "--dcp processes)")
     return parser
 
 
@@ -193,9 +194,6 @@ def _fill_defaults(args: argparse.Namespace) -> str | None:
     else:
         if args.num_requests is not None:
             return "--num-requests sizes the synthetic workload; with --model use --prompt"
-        if args.dcp > 1:
-            return ("--dcp with --model is not supported yet: context parallelism runs the "
-                    "tiny model only")
     if args.disaggregate and (args.model is not None or args.dcp > 1):
         return "--disaggregate runs the tiny model without --dcp (got --model or --dcp)"
     for name in ("num_requests", "block_size", "num_blocks", "max_new_tokens", "token_budget"):

@@ -5,12 +5,22 @@ schedules and broadcasts each step's plan; every rank writes only the KV it owns
 shard and merges every layer's attention. The parent then checks every request's tokens and
 logits against ``transformers.generate`` and its tokens against the single-process engine, and
 prints the demo's tables plus each rank's KV usage.
+
+With ``--model``, every rank loads the real model itself (a model does not cross a process
+start) and rank 0 runs the real-model demo's chat requests (:mod:`blocktable.model_demo`) on
+the distributed engine, then checks each answer against ``transformers.generate`` there and
+sends its report to the parent, which prints it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import sys
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
@@ -19,10 +29,18 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from blocktable.demo import DemoOptions
-    from blocktable.engine import Request, Verification
+    from blocktable.engine import EngineConfig, Request, Verification
     from blocktable.engine.dcp_runner import DCPResult
+    from blocktable.engine.distributed import DistributedEngine
+    from blocktable.engine.model import HFLlama
+    from blocktable.hf_loader import LoadedModel, ModelSource
+    from blocktable.model_demo import ChatReport
 
 JOB_TIMEOUT_S = 3600.0  # a dead rank ends the job at once; this only bounds a stuck one
+MODEL_PG_TIMEOUT_S = 600.0
+"""With ``--model``: how long a collective waits for a peer. The ranks load the model
+(tens of seconds on a small machine) before their first collective, and rank 0 verifies
+its answers before it stops the others."""
 
 
 def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
@@ -38,7 +56,7 @@ def run_dcp_demo(opts: DemoOptions, console: Console | None = None) -> int:
 
     console = console or Console()
     try:
-        return _run(opts, console)
+        return _run(opts, console) if opts.model is None else _run_model(opts, console)
     except Interrupted as err:
         console.print(f"blocktable demo --dcp {opts.dcp}: {err}", soft_wrap=True)
         return err.exit_code
@@ -208,6 +226,134 @@ def _rank_table(per_rank: list[DCPResult], opts: DemoOptions) -> Table:
                   str(s.peak_kv_tokens), str(s.num_empty_queries),
                   f"{s.kv_cache_bytes / 1024:.1f} KiB")
     return t
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once(source: ModelSource, device: str) -> tuple[LoadedModel, float]:
+    """The model and tokenizer of ``source`` in this process, and the load time (s): the
+    builder and the driver of a rank share one load."""
+    from blocktable.hf_loader import load_model
+
+    t0 = time.perf_counter()
+    # Every rank's progress bars on one terminal are a garble (the GGUF reader's tqdm writes
+    # to sys.stderr whatever transformers' settings); a failure still raises.
+    with contextlib.redirect_stderr(io.StringIO()):
+        loaded = load_model(source, device=device)
+    return loaded, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class LoadInRank:
+    """A :class:`~blocktable.engine.dcp_runner.ModelBuilder`: each rank loads ``source``."""
+
+    source: ModelSource
+
+    def __call__(self, device: Any) -> HFLlama:
+        return _load_once(self.source, str(device))[0].model
+
+
+@dataclass(frozen=True)
+class ChatDriver:
+    """A :class:`~blocktable.engine.dcp_runner.Driver`: rank 0 runs the real-model demo's
+    requests, times ``transformers.generate`` and verifies; returns its
+    :class:`~blocktable.model_demo.ChatReport`, or a one-line error when the requests
+    cannot run (no step was taken then)."""
+
+    source: ModelSource
+    opts: DemoOptions
+    threads: int  # torch threads per rank
+
+    def __call__(self, engine: DistributedEngine, model: HFLlama) -> ChatReport | str:
+        from blocktable.model_demo import RequestRefused, describe_model, plan_chat, run_chat
+
+        opts, world = self.opts, engine.cp.world_size
+        loaded, load_time_s = _load_once(self.source, str(model.lm_head.weight.device))
+        plan = plan_chat(opts, model, loaded.tokenizer, loaded.label)
+        if isinstance(plan, str):
+            return plan
+        if plan.num_requests > engine.config.max_num_reqs:  # model_run_config counted less
+            return (f"the run has {plan.num_requests} requests, the engine "
+                    f"{engine.config.max_num_reqs} table rows")
+        where = f"by each of {world} processes ({opts.device})"
+        header = (
+            f"[bold]blocktable demo --dcp {world}[/]: "
+            f"{describe_model(loaded.label, model, load_time_s, where)}, {self.threads} torch "
+            f"thread{'s' if self.threads > 1 else ''} each, merge transport "
+            f"{engine.merge_transport}, interleave {opts.cp_interleave}; each rank: "
+            f"{opts.num_blocks} blocks of {opts.block_size} tokens, the allocator's: "
+            f"{engine.allocator_block_size} tokens; {opts.token_budget} tokens/step; "
+            f"{'greedy' if plan.sampling.greedy else f'sampling {plan.sampling}'}")
+        try:
+            report = run_chat(engine, model, loaded.tokenizer, plan, header,
+                              snapshot_block_size=engine.allocator_block_size)
+        except RequestRefused as exc:  # between two steps: the others can be stopped
+            return str(exc)
+        for r in report.requests:  # verified here; a vocabulary per token need not travel
+            r.logits.clear()
+        return report
+
+
+def model_run_config(opts: DemoOptions) -> EngineConfig:
+    """The distributed engine's sizes for the real-model demo (per rank, see
+    :class:`~blocktable.engine.dcp_runner.DCPRun`)."""
+    from blocktable.engine import EngineConfig
+    from blocktable.model_demo import MAX_MODEL_LEN, QUESTIONS
+
+    # the built-in questions, one with its own stop token, a long prompt and a follow-up
+    num_requests = len(opts.prompts) or len(QUESTIONS) + 3
+    return EngineConfig(
+        block_size=opts.block_size, num_blocks=opts.num_blocks, max_num_reqs=num_requests,
+        token_budget=opts.token_budget, max_model_len=MAX_MODEL_LEN,
+        record_logits=opts.temperature == 0,
+    )
+
+
+def _run_model(opts: DemoOptions, console: Console) -> int:
+    from blocktable._triton import HAS_TRITON
+    from blocktable.context_parallel.launch import RankFailedError, run_ranks
+    from blocktable.engine.dcp_runner import DCPRun, run_dcp_rank
+    from blocktable.hf_loader import ModelLoadError, resolve_model
+    from blocktable.model_demo import default_num_threads, print_report
+
+    assert opts.model is not None
+    world = opts.dcp
+    say = (lambda *a: None) if opts.quiet else console.print
+    if opts.merge_transport == "p2p" and not HAS_TRITON:
+        console.print("--merge-transport p2p needs triton: pip install triton")
+        return 2
+    try:  # fetched once here, not by every rank at once
+        source = resolve_model(opts.model, opts.model_cache, say=lambda s: say(s))
+    except ModelLoadError as exc:
+        print(f"blocktable demo: error: {exc}", file=sys.stderr)
+        return 2
+    threads = opts.threads or max(1, default_num_threads() // world)
+    run = DCPRun(model_run_config(opts), (), interleave=opts.cp_interleave, device=opts.device,
+                 merge_transport=opts.merge_transport, build_model=LoadInRank(source),
+                 drive=ChatDriver(source, opts, threads))
+    say(f"loading {source.label} in each of {world} processes ...")
+    try:
+        results = run_ranks(run_dcp_rank, world, args=([run],), device=opts.device,
+                            timeout_s=JOB_TIMEOUT_S, pg_timeout_s=MODEL_PG_TIMEOUT_S,
+                            num_threads=threads)
+    except RankFailedError as err:
+        console.print(f"[red]FAILED[/]: {escape(err.summary)}", soft_wrap=True)
+        console.print(escape("\n\n".join(str(err).split("\n\n")[1:])), highlight=False,
+                      soft_wrap=True)
+        return 3
+    except TimeoutError as err:
+        console.print(f"[red]FAILED[/]: {escape(str(err))}")
+        return 3
+    per_rank = [r[0] for r in results]
+    report = per_rank[0].driven
+    if isinstance(report, str):
+        print(f"blocktable demo: error: {report}", file=sys.stderr)
+        return 2
+    say(report.header)
+    code = print_report(console, report, opts, opts.temperature == 0, extra_rows=(
+        ("attention merge", f"{per_rank[0].merge_transport}, every layer of every step"),
+        ("preemptions", str(per_rank[0].num_preemptions)),
+    ), extra_tables=(_rank_table(per_rank, opts),))
+    return code
 
 
 __all__ = ["run_dcp_demo"]

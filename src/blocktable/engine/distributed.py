@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +44,7 @@ from blocktable.engine.dcp_plan import RankStats, StepPlan, check_cp_group
 from blocktable.engine.engine import EngineConfig, StepResult, sample_and_finish
 from blocktable.engine.model import AttentionInputs, HFLlama
 from blocktable.engine.request import Request
+from blocktable.engine.sampling import GREEDY, SamplingParams
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.group_layout import GroupLayout, build_specs
 from blocktable.multi_group import MultiGroupBlockTable
@@ -75,7 +76,7 @@ StepHook = Callable[["DistributedEngine", SchedulerOutput], None]
 
 
 class DistributedEngine:
-    """Greedy generation with each request's KV sharded over the ranks of a CP group.
+    """Generation with each request's KV sharded over the ranks of a CP group.
 
     Every rank of ``group`` constructs one, at the same time (collective set-up). Rank 0
     accepts requests and calls :meth:`step`; the others call :meth:`serve`.
@@ -238,9 +239,19 @@ class DistributedEngine:
 
     # ---------------------------------------------------------------- driver: requests
     def add_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        sampling: SamplingParams = GREEDY,
     ) -> Request:
         """Queue a request (driver only); it is admitted by a later :meth:`step`.
+
+        It finishes after ``max_new_tokens`` tokens or at the first of ``stop_token_ids``
+        (kept as its last token); rank 0 picks its tokens by ``sampling`` (greedy by default)
+        from the merged logits, as :meth:`blocktable.engine.LLMEngine.add_request` does.
 
         Raises
         ------
@@ -264,7 +275,9 @@ class DistributedEngine:
                 f"of {self.allocator_block_size} tokens; max_model_len="
                 f"{self.config.max_model_len}, the pool has {self.config.num_blocks - 1} blocks"
             )
-        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index)
+        req = Request(req_id, [int(t) for t in prompt_token_ids], max_new_tokens, self.step_index,
+                      stop_token_ids=frozenset(int(t) for t in stop_token_ids),
+                      sampling=sampling)
         self.requests[req_id] = req
         scheduler.add(req)
         return req
@@ -472,7 +485,7 @@ class DistributedEngine:
                 )
 
     def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[str]:
-        """Record computed tokens, sample greedily, finish (as the single-process engine)."""
+        """Record computed tokens, sample, finish (as the single-process engine)."""
         assert self.manager is not None and self.scheduler is not None
         return sample_and_finish(
             self.manager, self.scheduler, batch, logits, self.step_index,
