@@ -255,7 +255,7 @@ def bench_step(device, rng, results):
         **{f"step_{k}_host_us": median_us(v) for k, v in parts.items()},
     })
     if cuda:
-        row["step_anchor"] = "805 / 703 us (issue 258 / 130 us)"
+        row["step_anchor"] = "805 / 703 us (host issue 258 / 130 us)"
     assert bt.device_equals_host()
     results["step"] = row
 

@@ -1,4 +1,4 @@
-"""Every bad input of issue 2: a clear exception naming the argument, and nothing changed."""
+"""Every bad input: a clear exception naming the argument, and nothing changed."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def test_several_groups_one_launch(world):
 
 
 def test_interleave_larger_than_kernel_block_regression():
-    """vLLM v0.25.1 mapped positions 16 and 32 to one slot here (SPEC §5)."""
+    """vLLM v0.25.1 mapped positions 16 and 32 to one slot here (CP ownership in kernel-block units)."""
     spec = GroupSpec(block_size=32, kernel_block_size=16)
     slots = {}
     for rank in range(2):

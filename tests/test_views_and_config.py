@@ -12,7 +12,7 @@ from blocktable import CPConfig, GroupSpec, MultiGroupBlockTable, row_width
 @pytest.mark.parametrize(
     ("block_size", "kernel", "max_model_len", "world", "want"),
     [
-        (16, None, 131072, 1, 8192),  # SPEC §6 anchor: width 8192
+        (16, None, 131072, 1, 8192),  # 128K context at block 16: width 8192
         (16, None, 100, 1, 8),  # 7 blocks -> multiple of 8 blocks (128 tokens)
         (32, 16, 100, 1, 8),  # 4 manager blocks aligned to 4, x2 kernel blocks
         (1, None, 130, 1, 256),  # 130 -> multiple of 128
