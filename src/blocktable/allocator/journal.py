@@ -89,7 +89,8 @@ class StepJournal:
         if not order and not self._nulled:  # nothing touched
             return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G,
                               (_NO_ENTRIES,) * G, allocator_block_sizes, trusted=True)
-        touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
+        # (one batch: the rows in the order the call that touched them listed them)
+        touched = order[0] if len(order) == 1 else np.sort(np.concatenate(order))
         state = self.rows
         live = state.holder_gen.take(touched)
         start = self.start_gen.take(touched)
@@ -165,10 +166,10 @@ class StepJournal:
 
 
 def _frozen_int32(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """``arrays`` (integers) as int32 read-only views of one immutable buffer (a ``bytes``
-    object, so nobody can make them writable again); empty ones are one shared empty array."""
+    """``arrays`` (integers) as int32 read-only views of one read-only buffer (a view of a
+    read-only array cannot be made writable); empty ones are one shared empty array."""
     flat = np.concatenate(arrays, dtype=np.int32, casting="unsafe")
-    flat = np.frombuffer(flat.tobytes(), dtype=np.int32)
+    flat.flags.writeable = False  # (its views cannot be made writable)
     out, at = [], 0
     for a in arrays:
         n = len(a)
