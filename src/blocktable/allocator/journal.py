@@ -89,8 +89,8 @@ class StepJournal:
         if not order and not self._nulled:  # nothing touched
             return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G,
                               (_NO_ENTRIES,) * G, allocator_block_sizes, trusted=True)
-        # (one batch: the rows in the order the call that touched them listed them)
-        touched = order[0] if len(order) == 1 else np.sort(np.concatenate(order))
+        # rows in order: the same update whichever calls (batched or not) touched them
+        touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
         state = self.rows
         live = state.holder_gen.take(touched)
         start = self.start_gen.take(touched)
