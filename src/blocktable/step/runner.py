@@ -148,7 +148,6 @@ class CapturedStep:
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
         )
-        self._slots_np = table.slot_buffers.numpy() if self.mode == "numpy" else None
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
@@ -262,7 +261,6 @@ class CapturedStep:
         if self.mode == "numpy":
             if staged:
                 table.committer.scatter_on_host(v.pairs, staged)
-            assert self._slots_np is not None
             if table.slot_params:
                 table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
         else:
