@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.update import RowBlocks, StepUpdate
+
+# every test runs with the compiled diff of the touched rows and with numpy's
+pytestmark = pytest.mark.usefixtures("compiled_mode")
 
 
 def make(num_groups: int = 1, max_num_reqs: int = 4) -> KVCacheManager:
@@ -306,3 +311,57 @@ def test_every_update_keeps_the_trusted_promise(num_groups: int) -> None:
         for r in running:
             for g in range(num_groups):
                 assert table[g][mgr.row_of(r)] == mgr.block_ids(r)[g], (step, r, g)
+
+
+def random_steps(mgr: KVCacheManager, seed: int, num_steps: int) -> list[StepUpdate]:
+    """``num_steps`` random steps (admissions, frees, preemptions, batched and single
+    allocations, sliding windows) on ``mgr``; the update of each."""
+    rng = np.random.default_rng(seed)
+    running: list[int] = []
+    updates = []
+    for step in range(num_steps):
+        for _ in range(int(rng.integers(0, 3))):
+            prompt = list(range(7 * step, 7 * step + int(rng.integers(1, 13))))
+            if len(running) < 14 and mgr.can_admit(prompt):
+                mgr.add_request(step, prompt)
+                mgr.allocate(step, len(prompt))
+                mgr.mark_computed(step, len(prompt))
+                running.append(step)
+                break
+        if running and rng.random() < 0.4:
+            victim = running.pop(int(rng.integers(len(running))))
+            (mgr.free if rng.random() < 0.7 else mgr.preempt)(victim)
+        reqs = [r for r in running if rng.random() < 0.7]
+        new = [int(rng.choice([1, 3, 9])) for _ in reqs]
+        if reqs and mgr.can_allocate_many(reqs, new):
+            mgr.allocate_many(reqs, new)
+            mgr.append_token_ids_many(reqs, [[1] * n for n in new])
+            mgr.mark_computed_many(reqs, new)
+        updates.append(mgr.take_step_update())
+    return updates
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_and_numpy_diffs_give_the_same_updates(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same random steps on a manager whose journal diffs with the compiled loop and on
+    one that diffs with numpy: equal updates, array by array, every step."""
+    import blocktable._compiled_loader as loader
+
+    module = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
+    specs = [AllocatorGroupSpec(4, 256), AllocatorGroupSpec(8, 128, sliding_window=16)]
+    monkeypatch.setattr(loader, "COMPILED", module)
+    compiled = random_steps(KVCacheManager(specs, 16), seed, 80)
+    monkeypatch.setattr(loader, "COMPILED", None)
+    plain = random_steps(KVCacheManager(specs, 16), seed, 80)
+    for step, (a, b) in enumerate(zip(compiled, plain)):
+        assert a.trusted and b.trusted
+        np.testing.assert_array_equal(a.cleared_rows, b.cleared_rows, err_msg=str(step))
+        for g in range(2):
+            for part_a, part_b in ((a.added[g], b.added[g]), (a.appended[g], b.appended[g]),
+                                   (a.nulled[g], b.nulled[g])):
+                for field in dataclasses.fields(part_a):
+                    x, y = getattr(part_a, field.name), getattr(part_b, field.name)
+                    assert x.dtype == y.dtype == np.int32 and not x.flags.writeable
+                    np.testing.assert_array_equal(x, y, err_msg=str(step))

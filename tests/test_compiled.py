@@ -409,3 +409,70 @@ def test_check_batch_and_fill_staging_refuse_hostile_arguments() -> None:
                                            staging, 4), arrays)  # lengths that disagree
     # staging that aliases the host buffer
     _refused(lambda: compiled.fill_staging(journal, jlen, dirty, 8, host, host[:8], 4), arrays)
+
+
+def journal_args() -> list:
+    """A valid journal diff of 4 rows, 2 groups: row 0 cleared, row 1 added, row 2 grew in
+    group 0, row 3 untouched."""
+    touched = np.array([5, 5, 5, 4], I64)
+    start_gen = np.array([7, 3, 8, 9], I64)
+    holder_gen = np.array([0, 4, 8, 9], I64)
+    start_len = np.array([[2, 0, 1, 1], [1, 0, 2, 1]], I64)
+    row_len = np.array([[0, 2, 3, 1], [0, 1, 2, 1]], I64)
+    arenas = [np.arange(16, dtype=I32).reshape(4, 4), np.arange(8, dtype=I32).reshape(4, 2)]
+    return [touched, 5, start_gen, holder_gen, start_len, row_len, arenas]
+
+
+def test_journal_diff_parts() -> None:
+    flat, lengths = compiled.journal_diff(*journal_args())
+    parts, at = [], 0
+    for n in lengths:
+        parts.append(flat[at : at + n].tolist())
+        at += n
+    assert at == len(flat) and flat.dtype == I32
+    assert parts == [[0], [1],
+                     [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
+                     [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
+
+
+def test_journal_diff_refuses_hostile_arguments() -> None:
+    valid = journal_args()
+    before = snapshot([valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
+
+    def check(args: list) -> None:
+        with pytest.raises((TypeError, ValueError)):
+            compiled.journal_diff(*args)
+        unchanged(before, [valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
+
+    for i in (0, 2, 3, 4, 5):
+        variants = hostile_variants(valid[i])
+        if valid[i].ndim == 2:
+            variants.append(("1-D", valid[i].ravel()))
+        for label, bad in variants:
+            args = journal_args()
+            args[i] = bad
+            check(args)
+    for label, bad in hostile_variants(valid[6][0]) + [("1-D", valid[6][0].ravel())]:
+        args = journal_args()
+        args[6] = [bad, valid[6][1]]
+        check(args)
+    for i, short in ((0, np.zeros(3, I64)), (2, np.zeros(5, I64)), (4, np.zeros((1, 4), I64)),
+                     (5, np.zeros((2, 3), I64))):
+        args = journal_args()
+        args[i] = short
+        check(args)  # shapes that disagree
+    args = journal_args()
+    args[6] = [valid[6][0]]
+    check(args)  # fewer arenas than groups
+    args = journal_args()
+    args[6] = [valid[6][0][:3], valid[6][1]]
+    check(args)  # an arena with fewer rows
+    for group, row, value in ((0, 1, 5), (1, 2, 3), (0, 1, -1), (0, 2, 2**62)):
+        args = journal_args()
+        args[5] = valid[5].copy()
+        args[5][group, row] = value
+        check(args)  # a row longer than its arena, or negative
+    args = journal_args()
+    args[4] = valid[4].copy()
+    args[4][0, 2] = -3
+    check(args)  # a row that grew from a negative length

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=True, wraparound=False, initializedcheck=True
 # cython: cdivision=True, embedsignature=True
-"""The compiled slot mapping of one KV cache group on the host (the CPU backend).
+"""The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
+the CPU backend's slot mapping and the allocator journal's diff of the touched rows.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
@@ -9,13 +10,16 @@ accepted and a read-only output refused. Every size and offset is checked agains
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere.
 
-Results equal :func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` bit for bit for
-every batch this function accepts (the tests compare them on random inputs); a batch whose
-``query_start_loc`` is not well formed is left to that function.
+Each piece has a numpy twin that gives the same results bit for bit for every input the piece
+accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
+:func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` and the numpy classification in
+:meth:`blocktable.allocator.journal.StepJournal.take`.
 """
 
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uintptr_t
+
+import numpy as _np
 
 cdef enum:
     PAD_SLOT_ID = -1
@@ -54,3 +58,4 @@ cdef inline bint _overlap(const void* a, Py_ssize_t a_bytes, const void* b,
 
 include "_compiled_slots.pxi"
 include "_compiled_update.pxi"
+include "_compiled_journal.pxi"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable import _compiled_loader as _loader
 from blocktable.allocator.rowstate import RowState
 from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
@@ -55,6 +56,9 @@ class StepJournal:
         self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
+        # the compiled diff of the touched rows, where the install built it (else numpy)
+        compiled = _loader.COMPILED
+        self._compiled_diff = None if compiled is None else compiled.journal_diff
 
     def touch(self, rows: list[int] | np.ndarray) -> None:
         """Remember ``rows`` (distinct table rows) as they are now, before their first change
@@ -89,6 +93,8 @@ class StepJournal:
         if not order and not self._nulled:  # nothing touched
             return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G,
                               (_NO_ENTRIES,) * G, allocator_block_sizes, trusted=True)
+        if self._compiled_diff is not None:
+            return self._take_compiled(allocator_block_sizes)
         # rows in order: the same update whichever calls (batched or not) touched them
         touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
         state = self.rows
@@ -125,6 +131,33 @@ class StepJournal:
             allocator_block_sizes,
             trusted=True,
         )
+
+    def _take_compiled(self, allocator_block_sizes: tuple[int, ...] | None) -> StepUpdate:
+        """:meth:`take` through the compiled diff (one pass over the touched stamps, the same
+        parts in the same order as the numpy classification below)."""
+        state = self.rows
+        assert self._compiled_diff is not None
+        flat, lengths = self._compiled_diff(self.touched, self._stamp - 1, self.start_gen,
+                                            state.holder_gen, self.start_len, state.row_len,
+                                            state.blocks)
+        flat.flags.writeable = False  # (its views cannot be made writable)
+        views, at = [], 0
+        for n in lengths:
+            views.append(flat[at : at + n] if n else _EMPTY32)
+            at += n
+        cleared_rows, added_rows = views[0], views[1]
+        G = self.num_groups
+        added_blocks = tuple(RowBlocks(added_rows, views[2 + 5 * g], views[3 + 5 * g])
+                             for g in range(G))
+        appended_blocks = tuple(RowBlocks(*views[4 + 5 * g : 7 + 5 * g]) for g in range(G))
+        if self._nulled:
+            nulls = iter(_frozen_int32(self._null_parts()))
+            self._nulled = {}
+            nulled = tuple(RowEntries(next(nulls), next(nulls)) for _ in range(G))
+        else:
+            nulled = (_NO_ENTRIES,) * G
+        return StepUpdate(cleared_rows, added_blocks, appended_blocks, nulled,
+                          allocator_block_sizes, trusted=True)
 
     def _grown(self, group: int, kept: np.ndarray) -> list[np.ndarray]:
         """Rows of ``kept`` (held by their first holder) that grew in ``group``: the rows, how
