@@ -90,7 +90,8 @@ cdef class GroupWriter:
     cdef int64_t[:, ::1] jour
     cdef int64_t[::1] jlen
     cdef int64_t width, k, max_id, offset
-    cdef list outputs
+    cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
+    cdef Py_ssize_t out_bytes[7]
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -124,7 +125,7 @@ cdef class GroupWriter:
         if offset < 0 or offset > INT32_MAX:
             raise ValueError(f"offset={offset} is outside [0, {INT32_MAX}]")
         self.width, self.k, self.max_id, self.offset = width, k, max_id, offset
-        self.outputs = [
+        spans = [
             (<uintptr_t>(&self.tab[0]) if self.tab.shape[0] else 0, self.tab.shape[0] * 4),
             (<uintptr_t>(&self.cnt[0]) if num_rows else 0, num_rows * 4),
             (<uintptr_t>(&self.after[0]) if num_rows else 0, num_rows * 8),
@@ -133,8 +134,12 @@ cdef class GroupWriter:
             (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0,
              self.jour.shape[0] * 16),
             (<uintptr_t>(&self.jlen[0]), 16)]
-        if _any_overlap(self.outputs, self.outputs):
-            raise ValueError("the bound arrays overlap")
+        for i in range(7):
+            self.out_start[i], self.out_bytes[i] = spans[i]
+        for i in range(7):
+            if _overlaps_any(self.out_start[i], self.out_bytes[i], self.out_start, self.out_bytes,
+                             7, i):
+                raise ValueError("the bound arrays overlap")
         for i in range(num_rows):
             if self.mark[i]:
                 raise ValueError("seen must be all 0")
@@ -160,11 +165,21 @@ cdef class GroupWriter:
                 n_rows.shape[0] != n_blocks.shape[0]:
             raise ValueError("each part's rows and counts (or block indices) must have one "
                              "entry per row")
-        cdef list inputs = [_span(c_rows), _span(a_rows), _span(a_num), _span(a_ids),
-                            _span(p_rows), _span(p_num), _span(p_ids), _span(n_rows),
-                            _span(n_blocks)]
-        if _any_overlap(self.outputs, inputs):
-            raise ValueError("an update array overlaps the table's own arrays")
+        cdef uintptr_t in_start[9]
+        cdef Py_ssize_t in_bytes[9]
+        _span(c_rows, in_start, in_bytes, 0)
+        _span(a_rows, in_start, in_bytes, 1)
+        _span(a_num, in_start, in_bytes, 2)
+        _span(a_ids, in_start, in_bytes, 3)
+        _span(p_rows, in_start, in_bytes, 4)
+        _span(p_num, in_start, in_bytes, 5)
+        _span(p_ids, in_start, in_bytes, 6)
+        _span(n_rows, in_start, in_bytes, 7)
+        _span(n_blocks, in_start, in_bytes, 8)
+        cdef int i
+        for i in range(9):
+            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1):
+                raise ValueError("an update array overlaps the table's own arrays")
         return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
                            n_blocks, write)
 
@@ -283,20 +298,19 @@ cdef int _counts_sound(const int32_t[::1] rows, const int32_t[::1] cnt,
     return 0
 
 
-cdef tuple _span(const int32_t[::1] a):
-    return ((<uintptr_t>(&a[0]) if a.shape[0] else 0), a.shape[0] * 4)
+cdef inline void _span(const int32_t[::1] a, uintptr_t* start, Py_ssize_t* nbytes,
+                       int i) noexcept:
+    start[i] = <uintptr_t>(&a[0]) if a.shape[0] else 0
+    nbytes[i] = a.shape[0] * 4
 
 
-cdef bint _any_overlap(list outputs, list others):
-    """Whether a span ``(address, bytes)`` of ``outputs`` overlaps one of ``others`` (another
-    one of ``outputs`` when ``others is outputs``)."""
-    cdef Py_ssize_t i, j
-    cdef bint same = others is outputs
-    for i in range(len(outputs)):
-        for j in range(len(others)):
-            if not (same and i == j) and _overlap(<void*>(<uintptr_t>outputs[i][0]), outputs[i][1],
-                                   <void*>(<uintptr_t>others[j][0]), others[j][1]):
-                return True
+cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
+                       const Py_ssize_t* sizes, int n, int skip) noexcept:
+    """Whether ``[start, start + nbytes)`` overlaps one of the ``n`` spans but ``skip``."""
+    cdef int j
+    for j in range(n):
+        if j != skip and _overlap(<void*>start, nbytes, <void*>starts[j], sizes[j]):
+            return True
     return False
 
 

@@ -117,11 +117,21 @@ def apply_group_update(
     trusted: bool = False,
 ) -> None:
     """Check and apply in one call (a table with one group: nothing else to wait for)."""
-    arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
     st = table.storage
-    if table.writer is not None:
-        code, part, i, value, bound = table.writer.apply(*arrays)
+    writer = table.writer
+    if writer is not None:
+        try:  # the allocator's format (int32 arrays) goes straight to the compiled writer
+            code, part, i, value, bound = writer.apply(
+                cleared_rows, added.rows, added.num_manager_blocks, added.block_ids,
+                appended.rows, appended.num_manager_blocks, appended.block_ids, nulled.rows,
+                nulled.block_indices)
+        except (TypeError, ValueError):
+            # anything else is converted first, and a bad argument is named: the writer
+            # refused it before writing
+            arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
+            code, part, i, value, bound = writer.apply(*arrays)
     else:
+        arrays = _group_arrays(table, cleared_rows, added, appended, nulled)
         code, part, i, value, bound = loops.check_and_write_group_update(  # type: ignore[call-arg]
             table.block_table_np.reshape(-1), table.num_kernel_blocks, table.width, table.k,
             table.block_id_bound, table.offset, *arrays, table.scratch_counts,

@@ -105,6 +105,10 @@ class MultiGroupBlockTable(AttentionViews):
         self.cp = cp if cp is not None else CPConfig()
         for spec in self.specs:
             check_cp_for_group(spec, self.cp)
+        # the block sizes an allocator for this table stamps on its updates (checked in full,
+        # with a message, only when an update's differ)
+        self._update_block_sizes = tuple(
+            spec.block_size * effective_cp(spec, self.cp).world_size for spec in self.specs)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -292,7 +296,9 @@ class MultiGroupBlockTable(AttentionViews):
         """
         if not isinstance(update, StepUpdate):
             raise TypeError(f"update must be a StepUpdate, got {type(update).__name__}")
-        check_update_block_sizes(self.specs, self.cp, update)
+        sizes = update.allocator_block_sizes
+        if sizes is not None and not (type(sizes) is tuple and sizes == self._update_block_sizes):
+            check_update_block_sizes(self.specs, self.cp, update)
         n = self.num_groups
         if not len(update.added) == len(update.appended) == len(update.nulled) == n:
             for name in ("added", "appended", "nulled"):
