@@ -145,11 +145,13 @@ class StepJournal:
         for n in lengths:
             views.append(flat[at : at + n] if n else _EMPTY32)
             at += n
-        cleared_rows, added_rows = views[0], views[1]
         G = self.num_groups
-        added_blocks = tuple(RowBlocks(added_rows, views[2 + 5 * g], views[3 + 5 * g])
-                             for g in range(G))
-        appended_blocks = tuple(RowBlocks(*views[4 + 5 * g : 7 + 5 * g]) for g in range(G))
+        cleared_rows, added_rows = views[0], views[1]
+        # empty parts are the shared empty ones (most steps only grow rows)
+        added_blocks = (tuple(RowBlocks(added_rows, views[2 + 5 * g], views[3 + 5 * g])
+                              for g in range(G)) if lengths[1] else (_NO_BLOCKS,) * G)
+        appended_blocks = tuple(RowBlocks(*views[4 + 5 * g : 7 + 5 * g]) if lengths[4 + 5 * g]
+                                else _NO_BLOCKS for g in range(G))
         if self._nulled:
             nulls = iter(_frozen_int32(self._null_parts()))
             self._nulled = {}
