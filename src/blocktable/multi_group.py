@@ -139,7 +139,7 @@ class MultiGroupBlockTable(AttentionViews):
         self.storage = TableStorage(widths, self.max_num_reqs, self.device,
                                     journal_capacity=commit_staging_entries)
         self.tables: list[GroupTable | None] = [
-            GroupTable.for_group(self, g) if spec.has_table else None
+            GroupTable(self, g) if spec.has_table else None
             for g, spec in enumerate(self.specs)
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]

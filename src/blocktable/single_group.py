@@ -53,7 +53,7 @@ class BlockTable(GroupTable):
             [spec], max_num_reqs, max_model_len, max_num_batched_tokens, device, cp=cp,
             backend=backend, commit_staging_entries=commit_staging_entries, debug=debug,
         )
-        self._bind(owner, 0)
+        super().__init__(owner, 0)
 
 
 __all__ = ["BlockTable"]

@@ -44,14 +44,8 @@ class GroupTable:
     owner: MultiGroupBlockTable
     group: int
 
-    @classmethod
-    def for_group(cls, owner: MultiGroupBlockTable, group: int) -> GroupTable:
+    def __init__(self, owner: MultiGroupBlockTable, group: int) -> None:
         """The table of ``group`` inside ``owner`` (how the owner builds its per-group views)."""
-        table = cls.__new__(cls)
-        table._bind(owner, group)
-        return table
-
-    def _bind(self, owner: MultiGroupBlockTable, group: int) -> None:
         self.owner = owner
         self.group = group
         self.spec: GroupSpec = owner.specs[group]
