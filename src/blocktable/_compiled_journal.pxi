@@ -54,17 +54,23 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
             slen.shape[1] != num_rows or rlen.shape[1] != num_rows:
         raise ValueError(f"start_len and row_len must be [{num_groups}, {num_rows}] (one row "
                          "per arena)")
-    cdef const int32_t[:, ::1] arena
+    # the touched rows, in order: every later pass visits only them
+    rows_obj = _np.empty(num_rows, dtype=_np.intp)
+    cdef Py_ssize_t[::1] rows = rows_obj
+    cdef Py_ssize_t n = 0, i
     cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
     cdef int64_t live, old, new
     for r in range(num_rows):
         if tch[r] == stamp:
+            rows[n] = r
+            n += 1
             live = hgen[r]
             if live == 0:
                 n_cleared += sgen[r] != 0
             elif live != sgen[r]:
                 n_added += 1
     # ---- sizes, with every length checked against its arena ----------------------------
+    cdef const int32_t[:, ::1] arena
     cdef list lengths = [n_cleared, n_added]
     cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
     for g in range(num_groups):
@@ -73,9 +79,10 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
             raise ValueError(f"arenas[{g}] must have {num_rows} rows and at most {INT32_MAX} "
                              "columns")
         add_ids = grown = new_ids = 0
-        for r in range(num_rows):
+        for i in range(n):
+            r = rows[i]
             live = hgen[r]
-            if tch[r] != stamp or live == 0:
+            if live == 0:
                 continue
             new = rlen[g, r]
             _check_len(new, arena.shape[1], "row_len", r, g)
@@ -93,41 +100,42 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
     flat = _np.empty(total, dtype=_np.int32)
     cdef int32_t[::1] out = flat
     at = 0
-    for r in range(num_rows):
-        if tch[r] == stamp and hgen[r] == 0 and sgen[r] != 0:
+    for i in range(n):
+        r = rows[i]
+        if hgen[r] == 0 and sgen[r] != 0:
             out[at] = <int32_t>r
             at += 1
-    for r in range(num_rows):
-        live = hgen[r]
-        if tch[r] == stamp and live != 0 and live != sgen[r]:
+    for i in range(n):
+        r = rows[i]
+        if hgen[r] != 0 and hgen[r] != sgen[r]:
             out[at] = <int32_t>r
             at += 1
     for g in range(num_groups):
         arena = arenas[g]
-        for r in range(num_rows):  # added: each row's count, then all their ids
-            live = hgen[r]
-            if tch[r] == stamp and live != 0 and live != sgen[r]:
+        for i in range(n):  # added: each row's count, then all their ids
+            r = rows[i]
+            if hgen[r] != 0 and hgen[r] != sgen[r]:
                 out[at] = <int32_t>rlen[g, r]
                 at += 1
-        for r in range(num_rows):
-            live = hgen[r]
-            if tch[r] == stamp and live != 0 and live != sgen[r]:
+        for i in range(n):
+            r = rows[i]
+            if hgen[r] != 0 and hgen[r] != sgen[r]:
                 for q in range(rlen[g, r]):
                     out[at] = arena[r, q]
                     at += 1
-        for r in range(num_rows):  # grown: the rows, their growth, then their new ids
-            if tch[r] == stamp and hgen[r] != 0 and hgen[r] == sgen[r] and \
-                    rlen[g, r] > slen[g, r]:
+        for i in range(n):  # grown: the rows, their growth, then their new ids
+            r = rows[i]
+            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
                 out[at] = <int32_t>r
                 at += 1
-        for r in range(num_rows):
-            if tch[r] == stamp and hgen[r] != 0 and hgen[r] == sgen[r] and \
-                    rlen[g, r] > slen[g, r]:
+        for i in range(n):
+            r = rows[i]
+            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
                 out[at] = <int32_t>(rlen[g, r] - slen[g, r])
                 at += 1
-        for r in range(num_rows):
-            if tch[r] == stamp and hgen[r] != 0 and hgen[r] == sgen[r] and \
-                    rlen[g, r] > slen[g, r]:
+        for i in range(n):
+            r = rows[i]
+            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
                 for q in range(slen[g, r], rlen[g, r]):
                     out[at] = arena[r, q]
                     at += 1
