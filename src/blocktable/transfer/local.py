@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from blocktable.transfer.errors import PeerLostError
+from blocktable.transfer.transfer_errors import PeerLostError
 
 
 class QueueTransport:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from blocktable.engine import EngineConfig, LLMEngine, WorkloadRequest, tiny_llama
-from blocktable.transfer.decode import DecodeWorker
-from blocktable.transfer.prefill import PrefillWorker
+from blocktable.transfer.decode_side import DecodeWorker
+from blocktable.transfer.prefill_side import PrefillWorker
 from blocktable.transfer.transport import TorchDistributedTransport
 
 

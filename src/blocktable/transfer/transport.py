@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from blocktable.transfer.errors import PeerLostError
+from blocktable.transfer.transfer_errors import PeerLostError
 
 
 class Transport(Protocol):

@@ -18,9 +18,9 @@ import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import gather_chunks
-from blocktable.transfer.errors import PeerLostError
-from blocktable.transfer.handshake import handshake
-from blocktable.transfer.layout import KVCacheLayout
+from blocktable.transfer.transfer_errors import PeerLostError
+from blocktable.transfer.kv_handshake import handshake
+from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
     Ack,
     DataHeader,
