@@ -36,14 +36,25 @@ import numpy as np
 import torch
 
 from blocktable.context_parallel.launch import run_ranks
-from blocktable.transfer.buffers import gather_chunks, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
 from blocktable.transfer.transport import TorchDistributedTransport
 
 
-def _cache(args: argparse.Namespace, device: torch.device, num_blocks: int) -> torch.Tensor:
-    dtype = getattr(torch, args.dtype)
-    return torch.randn(args.num_layers, 2, num_blocks, args.block_size, args.kv_heads,
-                       args.head_dim, device=device).to(dtype)
+def _cache(args: argparse.Namespace, device: torch.device, num_blocks: int, seed: int
+           ) -> torch.Tensor:
+    # random bits, not randn: no float32 temporary twice the cache's size
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (args.num_layers, 2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen)
+    return bits.view(getattr(torch, args.dtype)).to(device) if args.dtype in (
+        "bfloat16", "float16") else bits.to(device).to(getattr(torch, args.dtype))
+
+
+def _row_sums(kv: torch.Tensor, rows: np.ndarray, block_size: int) -> torch.Tensor:
+    """One checksum per moved row over every layer, K and V (compared across the ranks)."""
+    view = chunk_view(kv, block_size)
+    index = torch.from_numpy(rows).to(kv.device)
+    return view.index_select(1, index).view(torch.int16).to(torch.float64).sum(dim=(0, 2))
 
 
 def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -52,36 +63,48 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     num_prompt_blocks = -(-args.num_tokens // args.block_size)
     num_blocks = num_prompt_blocks + 1
-    kv = _cache(args, device, num_blocks)
+    kv = _cache(args, device, num_blocks, seed=rank)
     rng = np.random.default_rng(rank)
     rows = rng.permutation(np.arange(1, num_blocks))[:num_prompt_blocks]  # whole blocks
     transport = TorchDistributedTransport(1 - rank, "decode" if rank == 0 else "prefill",
                                           device, timeout_s=120.0)
-    view_shape = (kv.shape[0] * 2, num_prompt_blocks, kv[0, 0, 0].numel())
-    flat = torch.empty(view_shape, dtype=kv.dtype, device=device)  # the plain tensor
-    landing = torch.empty_like(flat)
+    view = chunk_view(kv, args.block_size)
+    flat = torch.zeros(view.shape[0], num_prompt_blocks, view.shape[2], dtype=kv.dtype,
+                       device=device)  # the plain tensor (rank 0 sends it, rank 1 lands it)
+    # the workers' own path: a staging buffer per side, reused, sent piece by piece
+    kinds = {"plain": None, **{f"pieces of {mib:g} MiB": StagingBuffer(int(mib * 2**20))
+                               for mib in args.piece_mib}}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    paged_s, plain_s = [], []
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(args.warmup + args.repeats):
-        for kind in ("paged", "plain"):
+        for kind, staging in kinds.items():
             dist.barrier()
             sync()
             t0 = time.perf_counter()
-            if rank == 0 and kind == "paged":
-                transport.send_tensor(gather_chunks(kv, rows, args.block_size))
-            elif rank == 0:
+            if staging is None and rank == 0:
                 transport.send_tensor(flat)
-            elif kind == "paged":
-                transport.recv_tensor(landing)
-                scatter_chunks(kv, rows, args.block_size, landing)
+            elif staging is None:
+                transport.recv_tensor(flat)
+            elif rank == 0:
+                transport.send_tensors(staging.gather(kv, rows, args.block_size))
             else:
-                transport.recv_tensor(landing)
+                pieces = staging.pieces(view, rows.size, staging.rows_per_piece(view))
+                for k in transport.recv_tensors([p for _, _, p in pieces]):
+                    start, stop, piece = pieces[k]
+                    scatter_chunks(kv, rows[start:stop], args.block_size, piece)
             sync()
             if i >= args.warmup:
-                (paged_s if kind == "paged" else plain_s).append(time.perf_counter() - t0)
-    nbytes = flat.numel() * flat.element_size()
-    return {"bytes": nbytes, "paged_s": statistics.median(paged_s),
-            "plain_s": statistics.median(plain_s)}
+                times[kind].append(time.perf_counter() - t0)
+    # the moved rows arrived intact: rank 0's rows (its order) equal rank 1's (its order)
+    sums = _row_sums(kv, rows, args.block_size)
+    theirs = torch.empty_like(sums)
+    if rank == 0:
+        transport.send_tensor(sums)
+        intact = True
+    else:
+        transport.recv_tensor(theirs)
+        intact = bool(torch.equal(theirs, sums))
+    return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact}
 
 
 def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
@@ -128,54 +151,72 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
             statistics.median(mapping)}
 
 
+def _spread(xs: list[float], scale: float, fmt: str) -> str:
+    return (f"{statistics.median(xs) * scale:{fmt}} [{min(xs) * scale:{fmt}}–"
+            f"{max(xs) * scale:{fmt}}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--num-tokens", type=int, default=None,
-                   help="prompt tokens moved (default 8192 on cuda, 1024 on cpu)")
-    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--num-tokens", type=int, default=8192, help="prompt tokens moved")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="default 32 on cuda, 8 on cpu (Llama-8B's layers, fewer of them)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--piece-mib", type=float, nargs="+", default=[1e6, 16.0],
+                   help="send-buffer piece sizes to measure (1e6: one piece)")
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--bookkeeping-repeats", type=int, default=20)
+    p.add_argument("--bookkeeping-repeats", type=int, default=30)
+    p.add_argument("--skip", choices=["bandwidth", "bookkeeping"], default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.num_tokens is None:
-        args.num_tokens = 8192 if args.device == "cuda" else 1024
+    if args.num_layers is None:
+        args.num_layers = 32 if args.device == "cuda" else 8
     torch.set_num_threads(1)
-    book = bookkeeping(args)
-    results = run_ranks(bandwidth_job, 2, args=(args,), device=args.device, timeout_s=600.0,
-                        pg_timeout_s=120.0, num_threads=1)
-    bw = results[1]
-    gib = bw["bytes"] / 2**30
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    rows = [
-        (f"transfer: gather + send + recv + scatter ({backend})",
-         f"{bw['paged_s'] * 1e3:.1f} ms", f"{gib / bw['paged_s']:.2f} GiB/s"),
-        (f"one contiguous tensor, send + recv ({backend})",
-         f"{bw['plain_s'] * 1e3:.1f} ms", f"{gib / bw['plain_s']:.2f} GiB/s"),
-        ("transfer / contiguous bandwidth", "", f"{bw['plain_s'] / bw['paged_s']:.0%}"),
-        (f"host bookkeeping, round of {args.num_requests} requests (allocator included)",
-         f"{book['round_s'] * 1e6:.0f} µs", ""),
-        (f"host bookkeeping, mapping + messages only ({args.num_requests} requests)",
-         f"{book['mapping_and_messages_s'] * 1e6:.0f} µs", ""),
-    ]
-    print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads x "
-          f"{args.head_dim} ({args.dtype}, block {args.block_size}) = {bw['bytes'] / 2**20:.0f} "
-          f"MiB; {args.device}; medians of {args.repeats}")
-    width = max(len(r[0]) for r in rows)
+    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
+    ok = True
+    table: list[tuple[str, str, str]] = []
+    if args.skip != "bookkeeping":
+        book = out["bookkeeping"] = bookkeeping(args)
+        ok = ok and book.pop("checked")
+        for name, xs in book.items():
+            table.append((name, _spread(xs, 1e6, ".0f") + " µs", ""))
+    if args.skip != "bandwidth":
+        bw = run_ranks(bandwidth_job, 2, args=(args,), device=args.device, timeout_s=600.0,
+                       pg_timeout_s=120.0, num_threads=args.num_threads)[1]
+        out["bandwidth"] = bw
+        ok = ok and bw["intact"]
+        gib = bw["bytes"] / 2**30
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        plain = bw["times_s"]["plain"]
+        for kind, xs in bw["times_s"].items():
+            what = (f"one contiguous tensor, send + recv ({backend})" if kind == "plain" else
+                    f"transfer, {kind}: gather + send + recv + scatter ({backend})")
+            ratio = "" if kind == "plain" else ", vs contiguous " + _spread(
+                [a / b for a, b in zip(plain, xs)], 100, ".0f") + " %"
+            table.append((what, _spread(xs, 1e3, ".1f") + " ms",
+                          _spread([gib / x for x in xs], 1, ".2f") + " GiB/s" + ratio))
+        print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads "
+              f"x {args.head_dim} ({args.dtype}, block {args.block_size}) = "
+              f"{bw['bytes'] / 2**20:.0f} MiB; {args.device}, {args.num_threads} thread(s) per "
+              f"rank; median [min–max] of {args.repeats}, the kinds alternated")
+    width = max(len(r[0]) for r in table)
     print(f"| {'what':<{width}} | time | rate |\n|{'-' * (width + 2)}|---|---|")
-    for name, t, rate in rows:
+    for name, t, rate in table:
         print(f"| {name:<{width}} | {t} | {rate} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                  if k != "json"}, **bw, **book}, indent=1))
-    return 0
+        args.json.write_text(json.dumps(out, indent=1))
+    if not ok:
+        print("FAILED: the moved KV differs from the source, or the bookkeeping's plans differ",
+              file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ See ``docs/disaggregation.md``.
 from __future__ import annotations
 
 from blocktable.transfer.decode_side import DecodeStats, DecodeWorker, TransferRecord
-from blocktable.transfer.transfer_errors import HandshakeError, PeerLostError, TransferError
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout, check_compatible
 from blocktable.transfer.local import QueueTransport, local_pair
 from blocktable.transfer.plan import chunk_rows, chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prefill_side import PrefillStats, PrefillWorker
+from blocktable.transfer.transfer_errors import HandshakeError, PeerLostError, TransferError
 from blocktable.transfer.transport import TorchDistributedTransport, Transport
 
 __all__ = [

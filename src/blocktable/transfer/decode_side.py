@@ -18,11 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
-from blocktable.transfer.buffers import chunk_view, scatter_chunks
-from blocktable.transfer.transfer_errors import PeerLostError
+from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
@@ -35,6 +33,7 @@ from blocktable.transfer.messages import (
     Round,
 )
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, num_blocks_touched
+from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
 
@@ -77,6 +76,7 @@ class DecodeWorker:
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
         self.stats = DecodeStats()
+        self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._planned: dict[str, tuple[Offer, int, np.ndarray]] = {}  # id -> (offer, hit, rows)
 
     def run(self) -> DecodeStats:
@@ -106,7 +106,7 @@ class DecodeWorker:
         for req_id in header.failed:
             self._recompute(req_id)
         if header.sent:
-            self._receive(header.sent)
+            self._receive(header.sent, header.rows_per_piece)
 
     def _plan_batch(self, batch: OfferBatch) -> PlanBatch:
         """Admit and allocate each offer that fits now, in order (once one waits, the later
@@ -188,17 +188,19 @@ class DecodeWorker:
         manager.allocate(offer.req_id, num_prompt - num_hit)
         return PlanStatus.SEND, num_hit
 
-    def _receive(self, req_ids: tuple[str, ...]) -> None:
+    def _receive(self, req_ids: tuple[str, ...], rows_per_piece: int) -> None:
+        """Receive the buffer piece by piece into this side's staging memory, scattering each
+        piece while the next arrives."""
         assert self.remote is not None
         chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
         kv_cache = self.engine.model.kv_cache
         dst = np.concatenate([self._planned[r][2] for r in req_ids])
         view = chunk_view(kv_cache, chunk_tokens)
-        buffer = torch.empty(view.shape[0], dst.size, view.shape[2], dtype=view.dtype,
-                             device=view.device)
+        pieces = self.staging.pieces(view, dst.size, rows_per_piece)
         t0 = time.perf_counter()
-        self.transport.recv_tensor(buffer)
-        scatter_chunks(kv_cache, dst, chunk_tokens, buffer)
+        for i in self.transport.recv_tensors([piece for _, _, piece in pieces]):
+            start, stop, piece = pieces[i]
+            scatter_chunks(kv_cache, dst[start:stop], chunk_tokens, piece)
         elapsed = time.perf_counter() - t0
         bytes_per_row = view.shape[0] * view.shape[2] * view.element_size()
         self.transport.send_message(Ack(req_ids))

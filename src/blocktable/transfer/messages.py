@@ -103,6 +103,7 @@ class DataHeader:
 
     sent: tuple[str, ...]
     failed: tuple[str, ...]
+    rows_per_piece: int = 1  # the buffer comes in pieces of this many chunk rows
 
 
 @dataclass(frozen=True)

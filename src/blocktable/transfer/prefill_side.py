@@ -10,15 +10,14 @@ once the decode side acknowledges the receive, refuses the request, or is lost.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
-from blocktable.transfer.buffers import gather_chunks
-from blocktable.transfer.transfer_errors import PeerLostError
+from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
@@ -31,6 +30,7 @@ from blocktable.transfer.messages import (
     Round,
 )
 from blocktable.transfer.plan import chunk_tokens_of
+from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
 
@@ -42,7 +42,7 @@ class PrefillStats:
     refused: dict[str, str] = field(default_factory=dict)  # request -> the decode side's reason
     failed: list[str] = field(default_factory=list)  # gathers that failed (recomputed there)
     num_waits: int = 0  # offers the decode side asked to repeat later
-    gather_time_s: float = 0.0
+    send_time_s: float = 0.0  # gathers and sends, overlapped
 
 
 class PrefillWorker:
@@ -54,13 +54,18 @@ class PrefillWorker:
         The prefill engine (its allocator, table and KV cache).
     transport : Transport
         The wire to the decode side.
+    piece_bytes : int
+        The send buffer goes out in pieces of about this size, each gathered while the one
+        before travels (:class:`~blocktable.transfer.buffers.StagingBuffer`).
     """
 
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, transport: Transport) -> None:
+    def __init__(self, engine: LLMEngine, transport: Transport,
+                 piece_bytes: int = 16 << 20) -> None:
         self.engine = engine
         self.transport = transport
+        self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
         self.pending: list[Request] = []  # prompt done, blocks held, not yet sent
@@ -134,24 +139,27 @@ class PrefillWorker:
             return
         assert self.remote is not None
         chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
-        t0 = time.perf_counter()
         try:
-            buffer = self._gather(plans.src_rows, chunk_tokens)
-            header = DataHeader(tuple(r.req_id for r in to_send), ())
+            pieces = self._gather(plans.src_rows, chunk_tokens)
+            view = chunk_view(self.engine.model.kv_cache, chunk_tokens)
+            header = DataHeader(tuple(r.req_id for r in to_send), (),
+                                self.staging.rows_per_piece(view))
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
-            buffer, header = None, DataHeader((), tuple(r.req_id for r in to_send))
-        self.stats.gather_time_s += time.perf_counter() - t0
+            pieces, header = None, DataHeader((), tuple(r.req_id for r in to_send))
         self.transport.send_message(header)
-        if buffer is not None:
-            self.transport.send_tensor(buffer)
+        if pieces is not None:
+            t0 = time.perf_counter()
+            self.transport.send_tensors(pieces)
+            self.stats.send_time_s += time.perf_counter() - t0
             ack: Ack = self.transport.recv_message()
             self.stats.sent += list(ack.received)
         self.stats.failed += list(header.failed)
         self._release(to_send)
 
-    def _gather(self, rows: np.ndarray, chunk_tokens: int) -> torch.Tensor:
-        """Every layer's K and V of ``rows``: one contiguous buffer."""
-        return gather_chunks(self.engine.model.kv_cache, rows, chunk_tokens)
+    def _gather(self, rows: np.ndarray, chunk_tokens: int) -> Iterator[torch.Tensor]:
+        """Every layer's K and V of ``rows``, piece after piece of the send buffer (checked
+        at the call; each piece gathered in one launch when the transport asks for it)."""
+        return self.staging.gather(self.engine.model.kv_cache, rows, chunk_tokens)
 
     def _release(self, reqs: list[Request]) -> None:
         for req in reqs:
