@@ -60,9 +60,9 @@ class DiesBeforeSending(PrefillWorker):
 
 
 class DiesBeforeAck(DecodeWorker):
-    """Receives the first buffer, then dies before acknowledging it."""
+    """Receives the first buffer and acknowledges it, then dies before decoding."""
 
-    def _start_decoding(self, offer: Any, num_hit: int) -> None:
+    def _start_decoding(self, plan: Any) -> None:
         _die()
 
 

@@ -107,8 +107,3 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     ids = np.asarray(block_ids, dtype=np.int64)[starts[req] + token // block_size]
     return (ids * block_size + token % block_size) // chunk_tokens, row_starts
 
-
-def num_blocks_touched(block_size: int, first_token: int, num_tokens: int) -> int:
-    """Blocks of ``block_size`` that tokens ``[first_token, first_token + num_tokens)``
-    write into (``first_token`` is block-aligned: the tokens past a prefix hit)."""
-    return -(-(first_token + num_tokens) // block_size) - first_token // block_size

@@ -23,7 +23,6 @@ from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
     Ack,
     DataHeader,
-    Offer,
     OfferBatch,
     PlanBatch,
     PlanStatus,
@@ -70,7 +69,9 @@ class PrefillWorker:
         self.remote: KVCacheLayout | None = None
         self.pending: list[Request] = []  # prompt done, blocks held, not yet sent
         self.max_new_tokens: dict[str, int] = {}
-        self._offers: dict[str, Offer] = {}  # made once: a waiting request is offered again
+        # per request, made once: its prompt with room for the first token, its table row
+        self._token_ids: dict[str, np.ndarray] = {}  # on cpu, int64 [num_prompt + 1]
+        self._rows: dict[str, int] = {}
         self.stats = PrefillStats()
 
     def submit(self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -88,6 +89,8 @@ class PrefillWorker:
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2)
         self.max_new_tokens[req_id] = max_new_tokens
+        tokens = self._token_ids[req_id] = np.empty(len(prompt_token_ids) + 1, dtype=np.int64)
+        tokens[:-1] = prompt_token_ids
 
     def run(self) -> PrefillStats:
         """Handshake, then prefill and transfer until every submitted request is handed over
@@ -100,8 +103,7 @@ class PrefillWorker:
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
                 offered = list(self.pending)
-                self.transport.send_message(
-                    Round(OfferBatch.of([self._offer(r) for r in offered]), done))
+                self.transport.send_message(Round(self._offer_batch(offered), done))
                 if done:
                     return self.stats
                 self._transfer_round(offered)
@@ -111,50 +113,72 @@ class PrefillWorker:
 
     def _collect_prefilled(self) -> None:
         """Take requests whose prompt is done out of the scheduler (blocks kept)."""
-        scheduler = self.engine.scheduler
-        for req in list(scheduler.running):
-            if req.output_token_ids:
-                scheduler.running.remove(req)
-                self.pending.append(req)
+        scheduler, manager = self.engine.scheduler, self.engine.manager
+        done = [req for req in scheduler.running if req.output_token_ids]
+        if not done:
+            return
+        scheduler.running[:] = [req for req in scheduler.running if not req.output_token_ids]
+        for req in done:
+            self._token_ids[req.req_id][-1] = req.output_token_ids[0]
+            self._rows[req.req_id] = manager.row_of(req.req_id)
+        self.pending += done
 
-    def _offer(self, req: Request) -> Offer:
-        offer = self._offers.get(req.req_id)
-        if offer is None:
-            offer = self._offers[req.req_id] = Offer(
-                req.req_id, np.asarray(req.prompt_token_ids, dtype=np.int64),
-                req.output_token_ids[0], self.max_new_tokens[req.req_id],
-                np.asarray(self.engine.manager.block_ids(req.req_id)[0], dtype=np.int32))
-        return offer
+    def _offer_batch(self, offered: list[Request]) -> OfferBatch:
+        """The offers of ``offered`` as one message: the block ids are the table's rows,
+        read in one pass."""
+        n = len(offered)
+        if not n:
+            return OfferBatch.empty()
+        ids = tuple(req.req_id for req in offered)
+        table = self.engine.table.tables[0]
+        assert table is not None
+        rows = np.fromiter((self._rows[r] for r in ids), dtype=np.int64, count=n)
+        counts = table.num_kernel_blocks[rows].astype(np.int64)
+        block_starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=block_starts[1:])
+        width = table.block_table_np.shape[1]
+        block_ids = table.block_table_np[rows][np.arange(width) < counts[:, None]]
+        tokens = [self._token_ids[r] for r in ids]
+        token_starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, tokens), dtype=np.int64, count=n), out=token_starts[1:])
+        max_new = np.fromiter((self.max_new_tokens[r] for r in ids), dtype=np.int64, count=n)
+        return OfferBatch(ids, np.concatenate(tokens), token_starts, max_new, block_ids,
+                          block_starts)
 
     def _transfer_round(self, offered: list[Request]) -> None:
         plans: PlanBatch = self.transport.recv_message()
-        to_send = [r for r, st in zip(offered, plans.statuses) if st == PlanStatus.SEND]
-        for i, (req, status) in enumerate(zip(offered, plans.statuses)):
-            if status == PlanStatus.REFUSED:
-                self.stats.refused[req.req_id] = plans.reasons.get(i, "")
-                self._release([req])
-            elif status == PlanStatus.WAIT:
-                self.stats.num_waits += 1
+        statuses = plans.statuses
+        refused = np.flatnonzero(statuses == PlanStatus.REFUSED)
+        for i in refused.tolist():
+            self.stats.refused[offered[i].req_id] = plans.reasons.get(i, "")
+        self.stats.num_waits += int(np.count_nonzero(statuses == PlanStatus.WAIT))
+        to_send = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.SEND).tolist()]
         if not to_send:
+            self._release([offered[i] for i in refused.tolist()])
             return
         assert self.remote is not None
-        chunk_tokens = chunk_tokens_of(self.layout.block_size, self.remote.block_size)
+        chunk_tokens = chunk_tokens_of(self.layout.kernel_block_size,
+                                       self.remote.kernel_block_size)
         try:
             pieces = self._gather(plans.src_rows, chunk_tokens)
             view = chunk_view(self.engine.model.kv_cache, chunk_tokens)
-            header = DataHeader(tuple(r.req_id for r in to_send), (),
-                                self.staging.rows_per_piece(view))
+            header = DataHeader(True, self.staging.rows_per_piece(view))
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
-            pieces, header = None, DataHeader((), tuple(r.req_id for r in to_send))
+            pieces, header = None, DataHeader(False)
         self.transport.send_message(header)
+        ids = [req.req_id for req in to_send]
         if pieces is not None:
             t0 = time.perf_counter()
             self.transport.send_tensors(pieces)
             self.stats.send_time_s += time.perf_counter() - t0
             ack: Ack = self.transport.recv_message()
-            self.stats.sent += list(ack.received)
-        self.stats.failed += list(header.failed)
-        self._release(to_send)
+            if ack.num_received != len(ids):
+                raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
+                                   f"{ack.num_received} requests, {len(ids)} were sent")
+            self.stats.sent += ids
+        else:
+            self.stats.failed += ids
+        self._release(to_send + [offered[i] for i in refused.tolist()])
 
     def _gather(self, rows: np.ndarray, chunk_tokens: int) -> Iterator[torch.Tensor]:
         """Every layer's K and V of ``rows``, piece after piece of the send buffer (checked
@@ -162,8 +186,14 @@ class PrefillWorker:
         return self.staging.gather(self.engine.model.kv_cache, rows, chunk_tokens)
 
     def _release(self, reqs: list[Request]) -> None:
+        """Free their blocks (full ones stay in the prefix cache) in one allocator call."""
+        if not reqs:
+            return
+        gone = {req.req_id for req in reqs}
+        self.pending = [req for req in self.pending if req.req_id not in gone]
+        for req_id in gone:
+            del self._token_ids[req_id]
+            del self._rows[req_id]
+        self.engine.manager.free_many([req.req_id for req in reqs])
         for req in reqs:
-            self.pending.remove(req)
-            self._offers.pop(req.req_id, None)
-            self.engine.manager.free(req.req_id)  # full blocks stay in the prefix cache
             req.status = RequestStatus.FINISHED
