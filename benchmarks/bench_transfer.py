@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import statistics
 import sys
 import time
@@ -107,48 +106,126 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
     return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact}
 
 
-def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
-    """Median host seconds per round for ``args.num_requests`` offers."""
+_ALLOCATOR_CALLS = ("add_requests", "add_request", "allocate_many", "allocate", "lookup_prefix",
+                    "can_admit", "mark_computed_many", "free_many", "row_of")
+
+
+def _time_allocator_calls(manager: Any, spent: list[float]) -> None:
+    """Wrap ``manager``'s admission calls so that ``spent[0]`` accumulates their thread time
+    (outermost calls only: ``add_request`` calls ``add_requests``)."""
+    depth = [0]
+
+    def timed(fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            depth[0] += 1
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.thread_time() - t0
+        return call
+
+    for name in _ALLOCATOR_CALLS:
+        setattr(manager, name, timed(getattr(manager, name)))
+
+
+def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -> None:
+    """Put requests on the prefill side as if their prompt had just run: admitted,
+    allocated, in the table, first token sampled (no forward: only the host state matters)."""
+    from blocktable.engine import RequestStatus
+
+    engine = pw.engine
+    for req_id, prompt in zip(ids, prompts):
+        pw.submit(req_id, prompt, 4)
+    manager = engine.manager
+    hits = manager.add_requests(ids, prompts)
+    manager.allocate_many(ids, [len(p) - h for p, h in zip(prompts, hits)])
+    engine.table.apply(manager.take_step_update())
+    engine.scheduler.waiting.clear()
+    for req_id in ids:
+        req = engine.requests[req_id]
+        req.status, req.output_token_ids = RequestStatus.RUNNING, [first]
+        engine.scheduler.running.append(req)
+
+
+def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
+    """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
+    workers' own methods, messages encoded and decoded as the torch.distributed transport
+    does), split into the allocator's admission calls, the engine's request objects, and the
+    rest: what the transfer adds. The KV's gather, send and scatter are not in it."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
-    from blocktable.transfer import DecodeWorker, local_pair
-    from blocktable.transfer.messages import Offer, OfferBatch, Round
-    from blocktable.transfer.plan import chunk_rows_many
+    from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
+    from blocktable.transfer.messages import PlanBatch, Round, data_status
+    from blocktable.transfer.wire_format import decode_message, empty_frames, message_tensors
+
+    def wire(obj: Any) -> Any:
+        """Both ends of send_message / recv_message; the wire's own copy of the frames into
+        the receiver's memory is left out (it is the transport's data movement)."""
+        header, *frames = message_tensors(obj)
+        sent = iter(frames)
+        return decode_message([next(sent).numpy() if f.size else f
+                               for f in empty_frames(header.numpy())])
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
-    per_req = -(-(tokens + 2) // bs)
-    engine = LLMEngine(tiny_llama(), EngineConfig(
-        block_size=bs, num_blocks=n * per_req + 1, max_num_reqs=n,
-        max_model_len=tokens + 2, enable_prefix_caching=False))
-    worker = DecodeWorker(engine, local_pair()[1])
-    worker.remote = worker.layout
+    num_blocks = n * -(-(tokens + 4) // bs) + 1
+    model = tiny_llama()
+    config = EngineConfig(block_size=bs, num_blocks=num_blocks, max_num_reqs=n,
+                          max_model_len=tokens + 4, token_budget=n * tokens)
+    pw = PrefillWorker(LLMEngine(model, config), local_pair()[0])
+    dw = DecodeWorker(LLMEngine(model, config), local_pair()[1])
+    pw.remote, dw.remote = dw.layout, pw.layout
+    spent = [0.0]
+    for manager in (pw.engine.manager, dw.engine.manager):
+        _time_allocator_calls(manager, spent)
     rng = np.random.default_rng(0)
-    offers = [Offer(f"r{i}", rng.integers(0, 256, tokens), 1, 2,
-                    rng.permutation(np.arange(1, n * per_req + 1, dtype=np.int32))[:per_req])
-              for i in range(n)]
-    full, mapping = [], []
-    for _ in range(args.bookkeeping_repeats):
-        t0 = time.perf_counter()
-        batch = OfferBatch.of(offers)  # the prefill side's message
-        received = pickle.loads(pickle.dumps(Round(batch, False)))
-        plans = worker._plan_batch(received.offers)
-        pickle.loads(pickle.dumps(plans))
-        full.append(time.perf_counter() - t0)
-        # the same without the allocator's admissions: messages and both sides' mapping
-        t1 = time.perf_counter()
-        batch = OfferBatch.of(offers)
-        received = pickle.loads(pickle.dumps(Round(batch, False)))
-        b = received.offers
-        counts = np.diff(b.block_starts)
-        firsts, nums = np.zeros(n, np.int64), np.diff(b.prompt_starts)
-        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
-        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
-        pickle.loads(pickle.dumps(plans))
-        mapping.append(time.perf_counter() - t1)
-        worker._planned.clear()
-        engine.manager.free_many([o.req_id for o in offers])
-    engine.manager.check_integrity()
-    return {"round_s": statistics.median(full), "mapping_and_messages_s":
-            statistics.median(mapping)}
+    totals, allocator, requests = [], [], []
+    checked = True
+    for rep in range(args.bookkeeping_warmup + args.bookkeeping_repeats):
+        ids = [f"r{rep}.{i}" for i in range(n)]
+        prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # fresh: no hits
+        _prefilled(pw, ids, prompts, first=7)
+        spent[0] = 0.0
+        t0 = time.thread_time()
+        pw._collect_prefilled()
+        offered = list(pw.pending)
+        rnd: Round = wire(Round(pw._offer_batch(offered), False))
+        plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
+        pw._acknowledged(plans.num_acked)
+        to_send, refused = pw._read_plans(offered, plans)
+        status = torch.from_numpy(data_status(True, 1))  # (then the KV: measured as bandwidth)
+        plan = dw._plan
+        t1, s1 = time.thread_time(), spent[0]
+        dw._start_decoding(plan)  # mark_computed_many, then the engine's Request objects
+        t2, s2 = time.thread_time(), spent[0]
+        pw._release(to_send + refused)
+        dw._plan = None
+        total = time.thread_time() - t0
+        checked = checked and bool(status[0]) and n == len(to_send) and (
+            dw.engine.manager.num_requests == n)
+        # the plan maps every token of every prompt (no hits): row counts are the reference's
+        checked = checked and plans.src_rows.size == n * -(-tokens // bs)
+        if rep >= args.bookkeeping_warmup:
+            totals.append(total)
+            allocator.append(spent[0])
+            requests.append((t2 - t1) - (s2 - s1))  # its mark_computed_many is in `spent`
+        dw.engine.manager.free_many(ids)
+        for req_id in ids:
+            del dw.engine.requests[req_id], pw.engine.requests[req_id]
+        dw.engine.scheduler.running.clear()
+    for m in (pw.engine.manager, dw.engine.manager):
+        m.check_integrity()
+    added = [t - a - r for t, a, r in zip(totals, allocator, requests)]
+    return {
+        "checked": checked,
+        f"host time of one round of {n} requests ({tokens}-token prompts), both sides": totals,
+        "  of which the allocator's calls (admission, allocation, mark computed, free)":
+            allocator,
+        "  of which the engine's Request objects for the decode side (mark computed excluded)":
+            requests,
+        "  the rest: what the transfer adds (messages, mapping, plans)": added,
+    }
 
 
 def _spread(xs: list[float], scale: float, fmt: str) -> str:
@@ -174,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--bookkeeping-repeats", type=int, default=30)
+    p.add_argument("--bookkeeping-warmup", type=int, default=3)
     p.add_argument("--skip", choices=["bandwidth", "bookkeeping"], default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

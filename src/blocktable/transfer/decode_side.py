@@ -14,17 +14,16 @@ side frees every allocation of the round and raises :class:`PeerLostError`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
-    Ack,
-    DataHeader,
     OfferBatch,
     PlanBatch,
     PlanStatus,
@@ -108,6 +107,7 @@ class DecodeWorker:
         self.stats = DecodeStats()
         self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
+        self._num_received = 0  # requests whose KV came last round: the next plan says so
 
     def run(self) -> DecodeStats:
         """Handshake, then take rounds until the prefill side is done, decoding one step per
@@ -115,13 +115,13 @@ class DecodeWorker:
         self.remote = handshake(self.transport, self.layout, "decode", "prefill")
         while True:
             rnd: Round = self.transport.recv_message()
-            if rnd.done:
-                break
             try:
                 self._round(rnd)
             except PeerLostError:
                 self._drop_planned()
                 raise
+            if rnd.done:
+                break
             if self.engine.has_unfinished():
                 self.engine.step()
         while self.engine.has_unfinished():
@@ -135,13 +135,20 @@ class DecodeWorker:
         return chunk_tokens_of(self.layout.kernel_block_size, self.remote.kernel_block_size)
 
     def _round(self, rnd: Round) -> None:
-        self.transport.send_message(self._plan_batch(rnd.offers))
+        """Answer the offers (acknowledging the last round's data), then take this round's."""
+        plans = self._plan_batch(rnd.offers)
+        self.transport.send_message(replace(plans, num_acked=self._num_received))
+        self._num_received = 0
         plan = self._plan
         if plan is None:
             return
-        header: DataHeader = self.transport.recv_message()
-        if header.gathered:
-            self._receive(plan, header.rows_per_piece)
+        status = torch.empty(2, dtype=torch.int64, device=self.engine.model.kv_cache.device)
+        for _ in self.transport.recv_tensors((status,)):
+            pass
+        gathered, rows_per_piece = status.tolist()
+        if gathered:
+            self._receive(plan, rows_per_piece)
+            self._num_received = len(plan.req_ids)
         else:
             self._recompute(plan)
         self._plan = None
@@ -266,7 +273,7 @@ class DecodeWorker:
 
     def _receive(self, plan: _RoundPlan, rows_per_piece: int) -> None:
         """Receive the buffer piece by piece into this side's staging memory, scattering each
-        piece while the next arrives; then acknowledge and start decoding."""
+        piece while the next arrives; then start decoding (the next plan acknowledges)."""
         chunk_tokens = self.chunk_tokens
         kv_cache = self.engine.model.kv_cache
         view = chunk_view(kv_cache, chunk_tokens)
@@ -276,7 +283,6 @@ class DecodeWorker:
             start, stop, piece = pieces[i]
             scatter_chunks(kv_cache, plan.dst_rows[start:stop], chunk_tokens, piece)
         elapsed = time.perf_counter() - t0
-        self.transport.send_message(Ack(len(plan.req_ids)))
         self._start_decoding(plan)
         self.stats.rounds.append(_ReceivedRound(
             plan, view.shape[0] * view.shape[2] * view.element_size(), elapsed))

@@ -1,9 +1,10 @@
 """What the two sides say to each other, one round at a time.
 
-A round: the prefill side sends a :class:`Round` (an :class:`OfferBatch` of requests ready to
-move, or ``done``); the decode side answers a :class:`PlanBatch` (per offer: send these rows,
-wait, or refused); for the offers to send the prefill side sends a :class:`DataHeader` and one
-buffer; the decode side answers an :class:`Ack`.
+A round is one message each way: the prefill side sends a :class:`Round` (an
+:class:`OfferBatch` of requests ready to move, and ``done``); the decode side answers a
+:class:`PlanBatch` (per offer: send these rows, wait, or refused; and how many requests of the
+previous round's data arrived). For the offers to send, the prefill side then sends the data:
+:func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: they pickle as a few buffers.
 """
@@ -30,7 +31,7 @@ class OfferBatch:
     block_starts[i + 1]]``."""
 
     req_ids: tuple[str, ...]
-    token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
+    token_ids: np.ndarray  # on cpu, int32 [total tokens]: each prompt, then its first token
     token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
     block_ids: np.ndarray  # on cpu, int32 [total blocks]
@@ -39,7 +40,7 @@ class OfferBatch:
     @classmethod
     def empty(cls) -> OfferBatch:
         none = np.zeros(0, dtype=np.int64)
-        return cls((), none, np.zeros(1, np.int64), none, np.zeros(0, np.int32),
+        return cls((), np.zeros(0, np.int32), np.zeros(1, np.int64), none, np.zeros(0, np.int32),
                    np.zeros(1, np.int64))
 
     def __len__(self) -> int:
@@ -52,7 +53,7 @@ class OfferBatch:
 
     @property
     def first_tokens(self) -> np.ndarray:
-        """int64 ``[num_reqs]``: the token each request's decode starts from."""
+        """int32 ``[num_reqs]``: the token each request's decode starts from."""
         return self.token_ids[self.token_starts[1:] - 1]
 
     def prompt(self, i: int) -> np.ndarray:
@@ -67,6 +68,7 @@ class PlanBatch:
     statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
     src_rows: np.ndarray  # on cpu, int64 [total chunks]: the SEND offers' prefill rows, in order
     reasons: dict[int, str]  # offer index -> why it was refused
+    num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,7 @@ class Round:
     done: bool  # nothing left on the prefill side: the decode side finishes alone
 
 
-@dataclass(frozen=True)
-class DataHeader:
-    """Whether the buffer of the planned (SEND) offers follows; ``gathered`` False: the
-    prefill side could not gather it, the decode side recomputes those requests."""
-
-    gathered: bool
-    rows_per_piece: int = 1  # the buffer comes in pieces of this many chunk rows
-
-
-@dataclass(frozen=True)
-class Ack:
-    num_received: int  # the planned requests, all of them, are in the decode side's cache
+def data_status(gathered: bool, rows_per_piece: int) -> np.ndarray:
+    """The two int64 that lead a round's data (no pickle): whether the buffer follows (else
+    the decode side recomputes the planned requests) and its rows per piece."""
+    return np.array([int(gathered), rows_per_piece], dtype=np.int64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -21,12 +22,11 @@ from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import (
-    Ack,
-    DataHeader,
     OfferBatch,
     PlanBatch,
     PlanStatus,
     Round,
+    data_status,
 )
 from blocktable.transfer.plan import chunk_tokens_of
 from blocktable.transfer.transfer_errors import PeerLostError
@@ -68,9 +68,10 @@ class PrefillWorker:
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
         self.pending: list[Request] = []  # prompt done, blocks held, not yet sent
+        self._unacked: list[Request] = []  # sent, blocks held until the next plan's ack
         self.max_new_tokens: dict[str, int] = {}
         # per request, made once: its prompt with room for the first token, its table row
-        self._token_ids: dict[str, np.ndarray] = {}  # on cpu, int64 [num_prompt + 1]
+        self._token_ids: dict[str, np.ndarray] = {}  # on cpu, int32 [num_prompt + 1]
         self._rows: dict[str, int] = {}
         self.stats = PrefillStats()
 
@@ -89,7 +90,7 @@ class PrefillWorker:
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2)
         self.max_new_tokens[req_id] = max_new_tokens
-        tokens = self._token_ids[req_id] = np.empty(len(prompt_token_ids) + 1, dtype=np.int64)
+        tokens = self._token_ids[req_id] = np.empty(len(prompt_token_ids) + 1, dtype=np.int32)
         tokens[:-1] = prompt_token_ids
 
     def run(self) -> PrefillStats:
@@ -104,11 +105,13 @@ class PrefillWorker:
                 done = not self.engine.has_unfinished() and not self.pending
                 offered = list(self.pending)
                 self.transport.send_message(Round(self._offer_batch(offered), done))
+                plans: PlanBatch = self.transport.recv_message()
+                self._acknowledged(plans.num_acked)
                 if done:
                     return self.stats
-                self._transfer_round(offered)
-        except PeerLostError:
-            self._release(list(self.pending))  # the decode side is gone: nothing leaks here
+                self._transfer_round(offered, plans)
+        except PeerLostError:  # the decode side is gone: nothing leaks here
+            self._release(self.pending + self._unacked)
             raise
 
     def _collect_prefilled(self) -> None:
@@ -145,16 +148,10 @@ class PrefillWorker:
         return OfferBatch(ids, np.concatenate(tokens), token_starts, max_new, block_ids,
                           block_starts)
 
-    def _transfer_round(self, offered: list[Request]) -> None:
-        plans: PlanBatch = self.transport.recv_message()
-        statuses = plans.statuses
-        refused = np.flatnonzero(statuses == PlanStatus.REFUSED)
-        for i in refused.tolist():
-            self.stats.refused[offered[i].req_id] = plans.reasons.get(i, "")
-        self.stats.num_waits += int(np.count_nonzero(statuses == PlanStatus.WAIT))
-        to_send = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.SEND).tolist()]
+    def _transfer_round(self, offered: list[Request], plans: PlanBatch) -> None:
+        to_send, refused = self._read_plans(offered, plans)
+        self._release(refused)
         if not to_send:
-            self._release([offered[i] for i in refused.tolist()])
             return
         assert self.remote is not None
         chunk_tokens = chunk_tokens_of(self.layout.kernel_block_size,
@@ -162,23 +159,38 @@ class PrefillWorker:
         try:
             pieces = self._gather(plans.src_rows, chunk_tokens)
             view = chunk_view(self.engine.model.kv_cache, chunk_tokens)
-            header = DataHeader(True, self.staging.rows_per_piece(view))
+            status = data_status(True, self.staging.rows_per_piece(view))
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
-            pieces, header = None, DataHeader(False)
-        self.transport.send_message(header)
-        ids = [req.req_id for req in to_send]
-        if pieces is not None:
-            t0 = time.perf_counter()
-            self.transport.send_tensors(pieces)
-            self.stats.send_time_s += time.perf_counter() - t0
-            ack: Ack = self.transport.recv_message()
-            if ack.num_received != len(ids):
-                raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
-                                   f"{ack.num_received} requests, {len(ids)} were sent")
-            self.stats.sent += ids
+            pieces, status = iter(()), data_status(False, 0)
+        device = self.engine.model.kv_cache.device
+        t0 = time.perf_counter()
+        self.transport.send_tensors(chain((torch.from_numpy(status).to(device),), pieces))
+        self.stats.send_time_s += time.perf_counter() - t0
+        if status[0]:  # freed once the next plan acknowledges them
+            self.pending = [req for req in self.pending if req not in to_send]
+            self._unacked = to_send
         else:
-            self.stats.failed += ids
-        self._release(to_send + [offered[i] for i in refused.tolist()])
+            self.stats.failed += [req.req_id for req in to_send]
+            self._release(to_send)
+
+    def _acknowledged(self, num_acked: int) -> None:
+        """The decode side holds the last round's KV: free those requests' blocks here."""
+        if num_acked != len(self._unacked):
+            raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
+                               f"{num_acked} requests, {len(self._unacked)} were sent")
+        self.stats.sent += [req.req_id for req in self._unacked]
+        self._release(self._unacked)
+
+    def _read_plans(self, offered: list[Request], plans: PlanBatch
+                    ) -> tuple[list[Request], list[Request]]:
+        """The offers to send and the refused ones (recorded); waiting ones are counted."""
+        statuses = plans.statuses
+        refused = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.REFUSED).tolist()]
+        for req in refused:
+            self.stats.refused[req.req_id] = plans.reasons.get(offered.index(req), "")
+        self.stats.num_waits += int(np.count_nonzero(statuses == PlanStatus.WAIT))
+        to_send = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.SEND).tolist()]
+        return to_send, refused
 
     def _gather(self, rows: np.ndarray, chunk_tokens: int) -> Iterator[torch.Tensor]:
         """Every layer's K and V of ``rows``, piece after piece of the send buffer (checked
@@ -191,6 +203,7 @@ class PrefillWorker:
             return
         gone = {req.req_id for req in reqs}
         self.pending = [req for req in self.pending if req.req_id not in gone]
+        self._unacked = [req for req in self._unacked if req.req_id not in gone]
         for req_id in gone:
             del self._token_ids[req_id]
             del self._rows[req_id]

@@ -7,7 +7,6 @@ bounded: a peer that died or stopped answering raises :class:`PeerLostError` nam
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -15,6 +14,12 @@ from typing import Any, Protocol
 import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
+from blocktable.transfer.wire_format import (
+    MAX_FRAMES,
+    decode_message,
+    empty_frames,
+    message_tensors,
+)
 
 
 class Transport(Protocol):
@@ -110,14 +115,16 @@ class TorchDistributedTransport:
             pass
 
     def send_message(self, obj: Any) -> None:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.send_tensor(torch.tensor([len(payload)], dtype=torch.int64, device=self.device))
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        self.send_tensor(data)
+        self.send_tensors(t.to(self.device) for t in message_tensors(obj))
 
     def recv_message(self) -> Any:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.recv_tensor(size)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.recv_tensor(data)
-        return pickle.loads(data.cpu().numpy().tobytes())
+        header = torch.empty(MAX_FRAMES + 1, dtype=torch.int64, device=self.device)
+        self.recv_tensor(header)
+        frames = empty_frames(header.cpu().numpy())
+        landed = [torch.from_numpy(f).to(self.device) for f in frames if f.size]
+        for _ in self.recv_tensors(landed):
+            pass
+        if self.device.type != "cpu":
+            full = iter(landed)
+            frames = [next(full).cpu().numpy() if f.size else f for f in frames]
+        return decode_message(frames)
