@@ -106,31 +106,6 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
     return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact}
 
 
-_ALLOCATOR_CALLS = ("add_requests", "add_request", "allocate_many", "allocate", "lookup_prefix",
-                    "can_admit", "mark_computed_many", "free_many", "row_of")
-
-
-def _time_allocator_calls(manager: Any, spent: list[float]) -> None:
-    """Wrap ``manager``'s admission calls so that ``spent[0]`` accumulates their thread time
-    (outermost calls only: ``add_request`` calls ``add_requests``)."""
-    depth = [0]
-
-    def timed(fn: Any) -> Any:
-        def call(*a: Any, **kw: Any) -> Any:
-            depth[0] += 1
-            t0 = time.thread_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                depth[0] -= 1
-                if not depth[0]:
-                    spent[0] += time.thread_time() - t0
-        return call
-
-    for name in _ALLOCATOR_CALLS:
-        setattr(manager, name, timed(getattr(manager, name)))
-
-
 def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -> None:
     """Put requests on the prefill side as if their prompt had just run: admitted,
     allocated, in the table, first token sampled (no forward: only the host state matters)."""
@@ -150,11 +125,35 @@ def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -
         engine.scheduler.running.append(req)
 
 
+def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray]) -> None:
+    """What admitting the same requests costs an engine without a transfer: the decode side's
+    allocator calls and Request objects (their prompt lists made from the token ids as they
+    arrive, ``arrived``: int32 arrays, each prompt then its first token), the prefill side's
+    row look-ups (the engine makes one per scheduled request each step) and its free."""
+    from blocktable.engine import Request, RequestStatus
+
+    manager, engine = dw.engine.manager, dw.engine
+    for req_id in ids:
+        pw.engine.manager.row_of(req_id)
+    hits = manager.add_requests(ids, arrived)
+    num_new = [len(t) - 1 - h for t, h in zip(arrived, hits)]
+    manager.allocate_many(ids, num_new)
+    manager.mark_computed_many(ids, num_new)
+    for req_id, tokens, hit in zip(ids, arrived, hits):
+        req = Request(req_id, tokens[:-1].tolist(), 4, engine.step_index,
+                      status=RequestStatus.RUNNING, output_token_ids=[int(tokens[-1])],
+                      num_cached_tokens=hit)
+        engine.requests[req_id] = req
+        engine.scheduler.running.append(req)
+    pw.engine.manager.free_many(ids)
+
+
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
-    does), split into the allocator's admission calls, the engine's request objects, and the
-    rest: what the transfer adds. The KV's gather, send and scatter are not in it."""
+    does; the KV's gather, send and scatter are not in it), alternated with what admitting
+    the same requests costs an engine without a transfer (:func:`_admission_only`). The
+    difference is what the transfer adds."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
     from blocktable.transfer.messages import PlanBatch, Round, data_status
@@ -176,55 +175,59 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     pw = PrefillWorker(LLMEngine(model, config), local_pair()[0])
     dw = DecodeWorker(LLMEngine(model, config), local_pair()[1])
     pw.remote, dw.remote = dw.layout, pw.layout
-    spent = [0.0]
-    for manager in (pw.engine.manager, dw.engine.manager):
-        _time_allocator_calls(manager, spent)
     rng = np.random.default_rng(0)
-    totals, allocator, requests = [], [], []
+    rounds, admissions = [], []
     checked = True
     for rep in range(args.bookkeeping_warmup + args.bookkeeping_repeats):
-        ids = [f"r{rep}.{i}" for i in range(n)]
-        prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # fresh: no hits
-        _prefilled(pw, ids, prompts, first=7)
-        spent[0] = 0.0
-        t0 = time.thread_time()
-        pw._collect_prefilled()
-        offered = list(pw.pending)
-        rnd: Round = wire(Round(pw._offer_batch(offered), False))
-        plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
-        pw._acknowledged(plans.num_acked)
-        to_send, refused = pw._read_plans(offered, plans)
-        status = torch.from_numpy(data_status(True, 1))  # (then the KV: measured as bandwidth)
-        plan = dw._plan
-        t1, s1 = time.thread_time(), spent[0]
-        dw._start_decoding(plan)  # mark_computed_many, then the engine's Request objects
-        t2, s2 = time.thread_time(), spent[0]
-        pw._release(to_send + refused)
-        dw._plan = None
-        total = time.thread_time() - t0
-        checked = checked and bool(status[0]) and n == len(to_send) and (
-            dw.engine.manager.num_requests == n)
-        # the plan maps every token of every prompt (no hits): row counts are the reference's
-        checked = checked and plans.src_rows.size == n * -(-tokens // bs)
-        if rep >= args.bookkeeping_warmup:
-            totals.append(total)
-            allocator.append(spent[0])
-            requests.append((t2 - t1) - (s2 - s1))  # its mark_computed_many is in `spent`
-        dw.engine.manager.free_many(ids)
-        for req_id in ids:
-            del dw.engine.requests[req_id], pw.engine.requests[req_id]
-        dw.engine.scheduler.running.clear()
-    for m in (pw.engine.manager, dw.engine.manager):
-        m.check_integrity()
-    added = [t - a - r for t, a, r in zip(totals, allocator, requests)]
+        for kind in ("round", "admission"):
+            ids = [f"{kind}{rep}.{i}" for i in range(n)]
+            prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
+            _prefilled(pw, ids, prompts, first=7)
+            arrived = [np.array(p + [7], dtype=np.int32) for p in prompts]
+            t0 = time.thread_time()
+            if kind == "admission":
+                _admission_only(pw, dw, ids, arrived)
+            else:
+                pw._collect_prefilled()
+                offered = list(pw.pending)
+                rnd: Round = wire(Round(pw._offer_batch(offered), False))
+                plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
+                pw._acknowledged(plans.num_acked)
+                to_send, refused = pw._read_plans(offered, plans)
+                status = torch.from_numpy(data_status(True, 1))  # then the KV: bandwidth
+                dw._start_decoding(dw._plan)
+                pw._release(to_send + refused)
+                dw._plan = None
+            elapsed = time.thread_time() - t0
+            if kind == "round":
+                checked = checked and bool(status[0]) and n == len(to_send) and (
+                    plans.src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
+            else:
+                for req_id in ids:  # (the prefill side's own bookkeeping, untimed here)
+                    pw.engine.requests.pop(req_id)
+                    pw.engine.scheduler.running.clear()
+            checked = checked and dw.engine.manager.num_requests == n
+            if rep >= args.bookkeeping_warmup:
+                (rounds if kind == "round" else admissions).append(elapsed)
+            dw.engine.manager.free_many(ids)
+            for req_id in ids:
+                del dw.engine.requests[req_id]
+                pw.engine.requests.pop(req_id, None)
+            dw.engine.scheduler.running.clear()
+            pw.pending.clear()
+            pw._token_ids.clear()
+            pw._rows.clear()
+    for manager in (pw.engine.manager, dw.engine.manager):
+        manager.check_integrity()
+        checked = checked and manager.num_requests == 0
     return {
         "checked": checked,
-        f"host time of one round of {n} requests ({tokens}-token prompts), both sides": totals,
-        "  of which the allocator's calls (admission, allocation, mark computed, free)":
-            allocator,
-        "  of which the engine's Request objects for the decode side (mark computed excluded)":
-            requests,
-        "  the rest: what the transfer adds (messages, mapping, plans)": added,
+        f"host time of one transfer round of {n} requests ({tokens}-token prompts), both "
+        "sides": rounds,
+        "admitting the same requests without a transfer (allocator calls, Request objects)":
+            admissions,
+        "what the transfer adds (messages, mapping, plans): the difference": [
+            r - a for r, a in zip(rounds, admissions)],
     }
 
 
