@@ -95,7 +95,7 @@ class StagingBuffer:
         sends one piece: one gather launch and one send.
     """
 
-    def __init__(self, piece_bytes: int = 16 << 20) -> None:
+    def __init__(self, piece_bytes: int = 64 << 20) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
         self.piece_bytes = int(piece_bytes)

@@ -61,7 +61,7 @@ class PrefillWorker:
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, transport: Transport,
-                 piece_bytes: int = 16 << 20) -> None:
+                 piece_bytes: int = 64 << 20) -> None:
         self.engine = engine
         self.transport = transport
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
