@@ -4,9 +4,12 @@
 - :mod:`~blocktable.transfer.transport`: the wire (:class:`Transport`), over
   ``torch.distributed`` point-to-point (gloo on the CPU, NCCL on GPUs);
 - :mod:`~blocktable.transfer.plan`: which cache rows move, mapped through token positions;
-- :mod:`~blocktable.transfer.buffers`: one gather into a contiguous buffer, one scatter;
+- :mod:`~blocktable.transfer.buffers`: the gather into a reusable staging buffer, sent in
+  pieces, and the scatter;
 - :mod:`~blocktable.transfer.prefill_side` / :mod:`~blocktable.transfer.decode_side`: the two sides;
-- :mod:`~blocktable.transfer.messages`: what they say to each other each round.
+- :mod:`~blocktable.transfer.messages`: what they say to each other each round;
+- :mod:`~blocktable.transfer.wire_format`: how a message travels (pickle plus its arrays'
+  memory).
 
 See ``docs/disaggregation.md``.
 """
