@@ -192,8 +192,8 @@ class DecodeWorker:
         fits = np.cumsum(need) <= manager.num_free_blocks()
         k = min(int(fits.argmin()) if not fits.all() else len(fits), manager.num_free_rows)
         admitted = [int(i) for i in candidates[:k]]
-        hits, new_ids = self._admit_many(batch, candidates[:k])
-        hits, new_ids = [hits], [new_ids]
+        sure_hits, sure_ids = self._admit_many(batch, candidates[:k])
+        hits, new_ids = [sure_hits], [sure_ids]
         waiting = False
         for i in candidates[k:].tolist():
             status, hit, ids = self._admit_one(batch, i, waiting, bool(admitted))

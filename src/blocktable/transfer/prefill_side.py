@@ -167,7 +167,8 @@ class PrefillWorker:
         self.transport.send_tensors(chain((torch.from_numpy(status).to(device),), pieces))
         self.stats.send_time_s += time.perf_counter() - t0
         if status[0]:  # freed once the next plan acknowledges them
-            self.pending = [req for req in self.pending if req not in to_send]
+            sent = {id(req) for req in to_send}
+            self.pending = [req for req in self.pending if id(req) not in sent]
             self._unacked = to_send
         else:
             self.stats.failed += [req.req_id for req in to_send]
