@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--piece-mib", type=float, nargs="+", default=[1e6, 16.0],
                    help="send-buffer piece sizes to measure (1e6: one piece)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per run")
+    p.add_argument("--runs", type=int, default=3, help="process pairs spawned one after another")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--num-requests", type=int, default=64)
@@ -270,8 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, xs in book.items():
             table.append((name, _spread(xs, 1e6, ".0f") + " µs", ""))
     if args.skip != "bandwidth":
-        bw = run_ranks(bandwidth_job, 2, args=(args,), device=args.device, timeout_s=600.0,
-                       pg_timeout_s=120.0, num_threads=args.num_threads)[1]
+        bw: dict[str, Any] = {}
+        for _ in range(args.runs):  # fresh processes each run; the repeats of all runs pooled
+            got = run_ranks(bandwidth_job, 2, args=(args,), device=args.device,
+                            timeout_s=600.0, pg_timeout_s=120.0,
+                            num_threads=args.num_threads)[1]
+            if not bw:
+                bw = got
+            else:
+                bw["intact"] = bw["intact"] and got["intact"]
+                for kind, xs in got["times_s"].items():
+                    bw["times_s"][kind] += xs
         out["bandwidth"] = bw
         ok = ok and bw["intact"]
         gib = bw["bytes"] / 2**30
@@ -287,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads "
               f"x {args.head_dim} ({args.dtype}, block {args.block_size}) = "
               f"{bw['bytes'] / 2**20:.0f} MiB; {args.device}, {args.num_threads} thread(s) per "
-              f"rank; median [min–max] of {args.repeats}, the kinds alternated")
+              f"rank; median [min–max] of {args.runs} runs x {args.repeats} repeats, the kinds "
+              "alternated")
     width = max(len(r[0]) for r in table)
     print(f"| {'what':<{width}} | time | rate |\n|{'-' * (width + 2)}|---|---|")
     for name, t, rate in table:
