@@ -176,7 +176,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     dw = DecodeWorker(LLMEngine(model, config), local_pair()[1])
     pw.remote, dw.remote = dw.layout, pw.layout
     rng = np.random.default_rng(0)
-    rounds, admissions = [], []
+    rounds: list[float] = []
+    admissions: list[float] = []
     checked = True
     for rep in range(args.bookkeeping_warmup + args.bookkeeping_repeats):
         for kind in ("round", "admission"):
@@ -195,6 +196,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 pw._acknowledged(plans.num_acked)
                 to_send, refused = pw._read_plans(offered, plans)
                 status = torch.from_numpy(data_status(True, 1))  # then the KV: bandwidth
+                assert dw._plan is not None
                 dw._start_decoding(dw._plan)
                 pw._release(to_send + refused)
                 dw._plan = None
