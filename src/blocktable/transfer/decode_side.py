@@ -61,8 +61,12 @@ class _RoundPlan:
 
 @dataclass(frozen=True, eq=False)
 class _ReceivedRound:
-    plan: _RoundPlan
-    bytes_per_row: int
+    """What a received round leaves in the statistics (not its prompts)."""
+
+    req_ids: list[str]
+    num_blocks: np.ndarray  # on cpu, int64 [k]
+    num_hit: np.ndarray  # on cpu, int64 [k]
+    num_bytes: np.ndarray  # on cpu, int64 [k]
     time_s: float
 
 
@@ -76,14 +80,9 @@ class DecodeStats:
     @property
     def transfers(self) -> list[TransferRecord]:
         """One record per received request (built when asked, not per round)."""
-        out = []
-        for r in self.rounds:
-            p = r.plan
-            rows = np.diff(p.dst_starts) * r.bytes_per_row
-            for j, req_id in enumerate(p.req_ids):
-                out.append(TransferRecord(req_id, int(p.num_blocks[j]), int(rows[j]), r.time_s,
-                                          int(p.num_hit[j]), len(p.req_ids)))
-        return out
+        return [TransferRecord(req_id, int(r.num_blocks[j]), int(r.num_bytes[j]), r.time_s,
+                               int(r.num_hit[j]), len(r.req_ids))
+                for r in self.rounds for j, req_id in enumerate(r.req_ids)]
 
 
 class DecodeWorker:
@@ -284,8 +283,10 @@ class DecodeWorker:
             scatter_chunks(kv_cache, plan.dst_rows[start:stop], chunk_tokens, piece)
         elapsed = time.perf_counter() - t0
         self._start_decoding(plan)
-        self.stats.rounds.append(_ReceivedRound(
-            plan, view.shape[0] * view.shape[2] * view.element_size(), elapsed))
+        bytes_per_row = view.shape[0] * view.shape[2] * view.element_size()
+        self.stats.rounds.append(_ReceivedRound(plan.req_ids, plan.num_blocks, plan.num_hit,
+                                                np.diff(plan.dst_starts) * bytes_per_row,
+                                                elapsed))
 
     def _start_decoding(self, plan: _RoundPlan) -> None:
         """The prompts' KV is here: mark it computed (one allocator call); each request runs
