@@ -2,9 +2,10 @@
 
 Each round: one engine step; requests whose prompt is done (first token sampled) leave the
 scheduler but keep their blocks; they are offered to the decode side, which answers with the
-chunk rows it lacks, in order. Those rows of every layer are gathered into one buffer and sent
-in one operation. A request's blocks are freed (its full blocks stay in the prefix cache) only
-once the decode side acknowledges the receive, refuses the request, or is lost.
+chunk rows it lacks, in order. Those rows of every layer are gathered into one staging buffer,
+piece by piece, each piece sent while the next is gathered. A request's blocks are freed (its
+full blocks stay in the prefix cache) only once the decode side's next plan acknowledges the
+data, or it refuses the request, or it is lost.
 """
 
 from __future__ import annotations
