@@ -2,23 +2,27 @@
 
 Two figures:
 
-1. **Bandwidth.** Two spawned ranks (gloo on the CPU, NCCL with ``--device cuda``). Rank 0 holds
-   a KV cache of ``--num-layers`` layers, rank 1 another; per repeat, rank 0 gathers a prompt's
-   blocks (shuffled ids, as an allocator hands them out) of every layer into one buffer
-   (:func:`blocktable.transfer.buffers.gather_chunks`) and sends it
-   (:class:`blocktable.transfer.TorchDistributedTransport`); rank 1 receives and scatters into
-   its own shuffled blocks. Timed on rank 1 from a barrier to the end of its scatter. Interleaved
-   with it, the same number of bytes as one contiguous tensor, plain send/recv. Medians.
-2. **Host bookkeeping per round for 64 requests** (in this process): the decode side's plans
-   (allocator admission and allocation, the token-position mapping of both sides) and the
-   messages' pickling, over ``--num-requests`` offers of ``--prompt-tokens`` tokens; the mapping
-   and the messages alone are shown too (the allocator's share is the allocator's cost).
+1. **Bandwidth.** Two spawned ranks (gloo on the CPU, NCCL with ``--device cuda``), ``--runs``
+   times. Rank 0 holds a KV cache of ``--num-layers`` layers, rank 1 another; per repeat, rank 0
+   gathers a prompt's blocks (shuffled ids, as an allocator hands them out) of every layer into
+   its reusable staging buffer, piece by piece (``--piece-mib``; a huge piece is one gather and
+   one send), sending each piece while gathering the next, as the prefill side does
+   (:class:`blocktable.transfer.buffers.StagingBuffer`,
+   :class:`blocktable.transfer.TorchDistributedTransport`); rank 1 receives piece by piece and
+   scatters each into its own shuffled blocks. Alternated with it, the same bytes as one
+   contiguous tensor, plain send/recv. Timed on rank 1 from a barrier to the end of its last
+   scatter; the moved rows are compared across the ranks at the end (a mismatch exits 1).
+2. **Host bookkeeping of one round of ``--num-requests`` requests** (in this process, thread
+   time): both workers' own per-round methods, messages through the wire format, the KV left
+   out; alternated with admitting the same requests into an engine without a transfer
+   (allocator calls, ``Request`` objects). The difference is what the transfer adds.
 
     PYTHONPATH=src python benchmarks/bench_transfer.py                  # CPU, gloo
-    PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda --num-tokens 8192
+    PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda    # NCCL, two GPUs
 
-Llama-8B-sized layers by default: 32 layers, 8 KV heads, head dim 128, bfloat16 (128 KiB per
-token); the CPU default moves 1,024 tokens (128 MiB) to stay short on a shared machine.
+An 8,192-token prompt of Llama-8B-sized layers (8 KV heads, head dim 128, bfloat16, 128 KiB per
+token over 32 layers): all 32 layers on CUDA (1 GiB), 8 of them by default on the CPU (256 MiB)
+to fit a shared machine's memory and time.
 """
 
 from __future__ import annotations
