@@ -2,30 +2,33 @@
 
 Two figures:
 
-1. **Bandwidth.** Two spawned ranks (gloo on the CPU, NCCL with ``--device cuda``). Rank 0 holds
-   a KV cache of ``--num-layers`` layers, rank 1 another; per repeat, rank 0 gathers a prompt's
-   blocks (shuffled ids, as an allocator hands them out) of every layer into one buffer
-   (:func:`blocktable.transfer.buffers.gather_chunks`) and sends it
-   (:class:`blocktable.transfer.TorchDistributedTransport`); rank 1 receives and scatters into
-   its own shuffled blocks. Timed on rank 1 from a barrier to the end of its scatter. Interleaved
-   with it, the same number of bytes as one contiguous tensor, plain send/recv. Medians.
-2. **Host bookkeeping per round for 64 requests** (in this process): the decode side's plans
-   (allocator admission and allocation, the token-position mapping of both sides) and the
-   messages' pickling, over ``--num-requests`` offers of ``--prompt-tokens`` tokens; the mapping
-   and the messages alone are shown too (the allocator's share is the allocator's cost).
+1. **Bandwidth.** Two spawned ranks (gloo on the CPU, NCCL with ``--device cuda``), ``--runs``
+   times. Rank 0 holds a KV cache of ``--num-layers`` layers, rank 1 another; per repeat, rank 0
+   gathers a prompt's blocks (shuffled ids, as an allocator hands them out) of every layer into
+   its reusable staging buffer, piece by piece (``--piece-mib``; a huge piece is one gather and
+   one send), sending each piece while gathering the next, as the prefill side does
+   (:class:`blocktable.transfer.buffers.StagingBuffer`,
+   :class:`blocktable.transfer.TorchDistributedTransport`); rank 1 receives piece by piece and
+   scatters each into its own shuffled blocks. Alternated with it, the same bytes as one
+   contiguous tensor, plain send/recv. Timed on rank 1 from a barrier to the end of its last
+   scatter; the moved rows are compared across the ranks at the end (a mismatch exits 1).
+2. **Host bookkeeping of one round of ``--num-requests`` requests** (in this process, thread
+   time): both workers' own per-round methods, messages through the wire format, the KV left
+   out; alternated with admitting the same requests into an engine without a transfer
+   (allocator calls, ``Request`` objects). The difference is what the transfer adds.
 
     PYTHONPATH=src python benchmarks/bench_transfer.py                  # CPU, gloo
-    PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda --num-tokens 8192
+    PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda    # NCCL, two GPUs
 
-Llama-8B-sized layers by default: 32 layers, 8 KV heads, head dim 128, bfloat16 (128 KiB per
-token); the CPU default moves 1,024 tokens (128 MiB) to stay short on a shared machine.
+An 8,192-token prompt of Llama-8B-sized layers (8 KV heads, head dim 128, bfloat16, 128 KiB per
+token over 32 layers): all 32 layers on CUDA (1 GiB), 8 of them by default on the CPU (256 MiB)
+to fit a shared machine's memory and time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import statistics
 import sys
 import time
@@ -36,14 +39,25 @@ import numpy as np
 import torch
 
 from blocktable.context_parallel.launch import run_ranks
-from blocktable.transfer.buffers import gather_chunks, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
 from blocktable.transfer.transport import TorchDistributedTransport
 
 
-def _cache(args: argparse.Namespace, device: torch.device, num_blocks: int) -> torch.Tensor:
-    dtype = getattr(torch, args.dtype)
-    return torch.randn(args.num_layers, 2, num_blocks, args.block_size, args.kv_heads,
-                       args.head_dim, device=device).to(dtype)
+def _cache(args: argparse.Namespace, device: torch.device, num_blocks: int, seed: int
+           ) -> torch.Tensor:
+    # random bits, not randn: no float32 temporary twice the cache's size
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (args.num_layers, 2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen)
+    return bits.view(getattr(torch, args.dtype)).to(device) if args.dtype in (
+        "bfloat16", "float16") else bits.to(device).to(getattr(torch, args.dtype))
+
+
+def _row_sums(kv: torch.Tensor, rows: np.ndarray, block_size: int) -> torch.Tensor:
+    """One checksum per moved row over every layer, K and V (compared across the ranks)."""
+    view = chunk_view(kv, block_size)
+    index = torch.from_numpy(rows).to(kv.device)
+    return view.index_select(1, index).view(torch.int16).to(torch.float64).sum(dim=(0, 2))
 
 
 def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -52,130 +66,255 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     num_prompt_blocks = -(-args.num_tokens // args.block_size)
     num_blocks = num_prompt_blocks + 1
-    kv = _cache(args, device, num_blocks)
+    kv = _cache(args, device, num_blocks, seed=rank)
     rng = np.random.default_rng(rank)
     rows = rng.permutation(np.arange(1, num_blocks))[:num_prompt_blocks]  # whole blocks
     transport = TorchDistributedTransport(1 - rank, "decode" if rank == 0 else "prefill",
                                           device, timeout_s=120.0)
-    view_shape = (kv.shape[0] * 2, num_prompt_blocks, kv[0, 0, 0].numel())
-    flat = torch.empty(view_shape, dtype=kv.dtype, device=device)  # the plain tensor
-    landing = torch.empty_like(flat)
+    view = chunk_view(kv, args.block_size)
+    flat = torch.zeros(view.shape[0], num_prompt_blocks, view.shape[2], dtype=kv.dtype,
+                       device=device)  # the plain tensor (rank 0 sends it, rank 1 lands it)
+    # the workers' own path: a staging buffer per side, reused, sent piece by piece
+    kinds = {"plain": None, **{f"pieces of {mib:g} MiB": StagingBuffer(int(mib * 2**20))
+                               for mib in args.piece_mib}}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    paged_s, plain_s = [], []
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(args.warmup + args.repeats):
-        for kind in ("paged", "plain"):
+        for kind, staging in kinds.items():
             dist.barrier()
             sync()
             t0 = time.perf_counter()
-            if rank == 0 and kind == "paged":
-                transport.send_tensor(gather_chunks(kv, rows, args.block_size))
-            elif rank == 0:
+            if staging is None and rank == 0:
                 transport.send_tensor(flat)
-            elif kind == "paged":
-                transport.recv_tensor(landing)
-                scatter_chunks(kv, rows, args.block_size, landing)
+            elif staging is None:
+                transport.recv_tensor(flat)
+            elif rank == 0:
+                transport.send_tensors(staging.gather(kv, rows, args.block_size))
             else:
-                transport.recv_tensor(landing)
+                pieces = staging.pieces(view, rows.size, staging.rows_per_piece(view))
+                for k in transport.recv_tensors([p for _, _, p in pieces]):
+                    start, stop, piece = pieces[k]
+                    scatter_chunks(kv, rows[start:stop], args.block_size, piece)
             sync()
             if i >= args.warmup:
-                (paged_s if kind == "paged" else plain_s).append(time.perf_counter() - t0)
-    nbytes = flat.numel() * flat.element_size()
-    return {"bytes": nbytes, "paged_s": statistics.median(paged_s),
-            "plain_s": statistics.median(plain_s)}
+                times[kind].append(time.perf_counter() - t0)
+    # the moved rows arrived intact: rank 0's rows (its order) equal rank 1's (its order)
+    sums = _row_sums(kv, rows, args.block_size)
+    theirs = torch.empty_like(sums)
+    if rank == 0:
+        transport.send_tensor(sums)
+        intact = True
+    else:
+        transport.recv_tensor(theirs)
+        intact = bool(torch.equal(theirs, sums))
+    return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact}
 
 
-def bookkeeping(args: argparse.Namespace) -> dict[str, float]:
-    """Median host seconds per round for ``args.num_requests`` offers."""
+def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -> None:
+    """Put requests on the prefill side as if their prompt had just run: admitted,
+    allocated, in the table, first token sampled (no forward: only the host state matters)."""
+    from blocktable.engine import RequestStatus
+
+    engine = pw.engine
+    for req_id, prompt in zip(ids, prompts):
+        pw.submit(req_id, prompt, 4)
+    manager = engine.manager
+    hits = manager.add_requests(ids, prompts)
+    manager.allocate_many(ids, [len(p) - h for p, h in zip(prompts, hits)])
+    engine.table.apply(manager.take_step_update())
+    engine.scheduler.waiting.clear()
+    for req_id in ids:
+        req = engine.requests[req_id]
+        req.status, req.output_token_ids = RequestStatus.RUNNING, [first]
+        engine.scheduler.running.append(req)
+
+
+def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray]) -> None:
+    """What admitting the same requests costs an engine without a transfer: the decode side's
+    allocator calls and Request objects (their prompt lists made from the token ids as they
+    arrive, ``arrived``: int32 arrays, each prompt then its first token), the prefill side's
+    row look-ups (the engine makes one per scheduled request each step) and its free."""
+    from blocktable.engine import Request, RequestStatus
+
+    manager, engine = dw.engine.manager, dw.engine
+    for req_id in ids:
+        pw.engine.manager.row_of(req_id)
+    hits = manager.add_requests(ids, arrived)
+    num_new = [len(t) - 1 - h for t, h in zip(arrived, hits)]
+    manager.allocate_many(ids, num_new)
+    manager.mark_computed_many(ids, num_new)
+    for req_id, tokens, hit in zip(ids, arrived, hits):
+        req = Request(req_id, tokens[:-1].tolist(), 4, engine.step_index,
+                      status=RequestStatus.RUNNING, output_token_ids=[int(tokens[-1])],
+                      num_cached_tokens=hit)
+        engine.requests[req_id] = req
+        engine.scheduler.running.append(req)
+    pw.engine.manager.free_many(ids)
+
+
+def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
+    """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
+    workers' own methods, messages encoded and decoded as the torch.distributed transport
+    does; the KV's gather, send and scatter are not in it), alternated with what admitting
+    the same requests costs an engine without a transfer (:func:`_admission_only`). The
+    difference is what the transfer adds."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
-    from blocktable.transfer import DecodeWorker, local_pair
-    from blocktable.transfer.messages import Offer, OfferBatch, Round
-    from blocktable.transfer.plan import chunk_rows_many
+    from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
+    from blocktable.transfer.messages import PlanBatch, Round, data_status
+    from blocktable.transfer.wire_format import decode_message, empty_frames, message_tensors
+
+    def wire(obj: Any) -> Any:
+        """Both ends of send_message / recv_message; the wire's own copy of the frames into
+        the receiver's memory is left out (it is the transport's data movement)."""
+        header, *frames = message_tensors(obj)
+        sent = iter(frames)
+        return decode_message([next(sent).numpy() if f.size else f
+                               for f in empty_frames(header.numpy())])
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
-    per_req = -(-(tokens + 2) // bs)
-    engine = LLMEngine(tiny_llama(), EngineConfig(
-        block_size=bs, num_blocks=n * per_req + 1, max_num_reqs=n,
-        max_model_len=tokens + 2, enable_prefix_caching=False))
-    worker = DecodeWorker(engine, local_pair()[1])
-    worker.remote = worker.layout
+    num_blocks = n * -(-(tokens + 4) // bs) + 1
+    model = tiny_llama()
+    config = EngineConfig(block_size=bs, num_blocks=num_blocks, max_num_reqs=n,
+                          max_model_len=tokens + 4, token_budget=n * tokens)
+    pw = PrefillWorker(LLMEngine(model, config), local_pair()[0])
+    dw = DecodeWorker(LLMEngine(model, config), local_pair()[1])
+    pw.remote, dw.remote = dw.layout, pw.layout
     rng = np.random.default_rng(0)
-    offers = [Offer(f"r{i}", rng.integers(0, 256, tokens), 1, 2,
-                    rng.permutation(np.arange(1, n * per_req + 1, dtype=np.int32))[:per_req])
-              for i in range(n)]
-    full, mapping = [], []
-    for _ in range(args.bookkeeping_repeats):
-        t0 = time.perf_counter()
-        batch = OfferBatch.of(offers)  # the prefill side's message
-        received = pickle.loads(pickle.dumps(Round(batch, False)))
-        plans = worker._plan_batch(received.offers)
-        pickle.loads(pickle.dumps(plans))
-        full.append(time.perf_counter() - t0)
-        # the same without the allocator's admissions: messages and both sides' mapping
-        t1 = time.perf_counter()
-        batch = OfferBatch.of(offers)
-        received = pickle.loads(pickle.dumps(Round(batch, False)))
-        b = received.offers
-        counts = np.diff(b.block_starts)
-        firsts, nums = np.zeros(n, np.int64), np.diff(b.prompt_starts)
-        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
-        chunk_rows_many(b.block_ids, b.block_starts[:-1], counts, bs, bs, firsts, nums)
-        pickle.loads(pickle.dumps(plans))
-        mapping.append(time.perf_counter() - t1)
-        worker._planned.clear()
-        engine.manager.free_many([o.req_id for o in offers])
-    engine.manager.check_integrity()
-    return {"round_s": statistics.median(full), "mapping_and_messages_s":
-            statistics.median(mapping)}
+    rounds: list[float] = []
+    admissions: list[float] = []
+    checked = True
+    for rep in range(args.bookkeeping_warmup + args.bookkeeping_repeats):
+        for kind in ("round", "admission"):
+            ids = [f"{kind}{rep}.{i}" for i in range(n)]
+            prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
+            _prefilled(pw, ids, prompts, first=7)
+            arrived = [np.array(p + [7], dtype=np.int32) for p in prompts]
+            t0 = time.thread_time()
+            if kind == "admission":
+                _admission_only(pw, dw, ids, arrived)
+            else:
+                pw._collect_prefilled()
+                offered = list(pw.pending)
+                rnd: Round = wire(Round(pw._offer_batch(offered), False))
+                plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
+                pw._acknowledged(plans.num_acked)
+                to_send, refused = pw._read_plans(offered, plans)
+                status = torch.from_numpy(data_status(True, 1))  # then the KV: bandwidth
+                assert dw._plan is not None
+                dw._start_decoding(dw._plan)
+                pw._release(to_send + refused)
+                dw._plan = None
+            elapsed = time.thread_time() - t0
+            if kind == "round":
+                checked = checked and bool(status[0]) and n == len(to_send) and (
+                    plans.src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
+            else:
+                for req_id in ids:  # (the prefill side's own bookkeeping, untimed here)
+                    pw.engine.requests.pop(req_id)
+                    pw.engine.scheduler.running.clear()
+            checked = checked and dw.engine.manager.num_requests == n
+            if rep >= args.bookkeeping_warmup:
+                (rounds if kind == "round" else admissions).append(elapsed)
+            dw.engine.manager.free_many(ids)
+            for req_id in ids:
+                del dw.engine.requests[req_id]
+                pw.engine.requests.pop(req_id, None)
+            dw.engine.scheduler.running.clear()
+            pw.pending.clear()
+            pw._token_ids.clear()
+            pw._rows.clear()
+    for manager in (pw.engine.manager, dw.engine.manager):
+        manager.check_integrity()
+        checked = checked and manager.num_requests == 0
+    return {
+        "checked": checked,
+        f"host time of one transfer round of {n} requests ({tokens}-token prompts), both "
+        "sides": rounds,
+        "admitting the same requests without a transfer (allocator calls, Request objects)":
+            admissions,
+        "what the transfer adds (messages, mapping, plans): the difference": [
+            r - a for r, a in zip(rounds, admissions)],
+    }
+
+
+def _spread(xs: list[float], scale: float, fmt: str) -> str:
+    return (f"{statistics.median(xs) * scale:{fmt}} [{min(xs) * scale:{fmt}}–"
+            f"{max(xs) * scale:{fmt}}]")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--num-tokens", type=int, default=None,
-                   help="prompt tokens moved (default 8192 on cuda, 1024 on cpu)")
-    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--num-tokens", type=int, default=8192, help="prompt tokens moved")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="default 32 on cuda, 8 on cpu (Llama-8B's layers, fewer of them)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--piece-mib", type=float, nargs="+", default=[1e6, 16.0],
+                   help="send-buffer piece sizes to measure (1e6: one piece)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per run")
+    p.add_argument("--runs", type=int, default=3, help="process pairs spawned one after another")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--bookkeeping-repeats", type=int, default=20)
+    p.add_argument("--bookkeeping-repeats", type=int, default=30)
+    p.add_argument("--bookkeeping-warmup", type=int, default=3)
+    p.add_argument("--skip", choices=["bandwidth", "bookkeeping"], default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.num_tokens is None:
-        args.num_tokens = 8192 if args.device == "cuda" else 1024
+    if args.num_layers is None:
+        args.num_layers = 32 if args.device == "cuda" else 8
     torch.set_num_threads(1)
-    book = bookkeeping(args)
-    results = run_ranks(bandwidth_job, 2, args=(args,), device=args.device, timeout_s=600.0,
-                        pg_timeout_s=120.0, num_threads=1)
-    bw = results[1]
-    gib = bw["bytes"] / 2**30
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    rows = [
-        (f"transfer: gather + send + recv + scatter ({backend})",
-         f"{bw['paged_s'] * 1e3:.1f} ms", f"{gib / bw['paged_s']:.2f} GiB/s"),
-        (f"one contiguous tensor, send + recv ({backend})",
-         f"{bw['plain_s'] * 1e3:.1f} ms", f"{gib / bw['plain_s']:.2f} GiB/s"),
-        ("transfer / contiguous bandwidth", "", f"{bw['plain_s'] / bw['paged_s']:.0%}"),
-        (f"host bookkeeping, round of {args.num_requests} requests (allocator included)",
-         f"{book['round_s'] * 1e6:.0f} µs", ""),
-        (f"host bookkeeping, mapping + messages only ({args.num_requests} requests)",
-         f"{book['mapping_and_messages_s'] * 1e6:.0f} µs", ""),
-    ]
-    print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads x "
-          f"{args.head_dim} ({args.dtype}, block {args.block_size}) = {bw['bytes'] / 2**20:.0f} "
-          f"MiB; {args.device}; medians of {args.repeats}")
-    width = max(len(r[0]) for r in rows)
+    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
+    ok = True
+    table: list[tuple[str, str, str]] = []
+    if args.skip != "bookkeeping":
+        book = out["bookkeeping"] = bookkeeping(args)
+        ok = ok and book.pop("checked")
+        for name, xs in book.items():
+            table.append((name, _spread(xs, 1e6, ".0f") + " µs", ""))
+    if args.skip != "bandwidth":
+        bw: dict[str, Any] = {}
+        for _ in range(args.runs):  # fresh processes each run; the repeats of all runs pooled
+            got = run_ranks(bandwidth_job, 2, args=(args,), device=args.device,
+                            timeout_s=600.0, pg_timeout_s=120.0,
+                            num_threads=args.num_threads)[1]
+            if not bw:
+                bw = got
+            else:
+                bw["intact"] = bw["intact"] and got["intact"]
+                for kind, xs in got["times_s"].items():
+                    bw["times_s"][kind] += xs
+        out["bandwidth"] = bw
+        ok = ok and bw["intact"]
+        gib = bw["bytes"] / 2**30
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        plain = bw["times_s"]["plain"]
+        for kind, xs in bw["times_s"].items():
+            what = (f"one contiguous tensor, send + recv ({backend})" if kind == "plain" else
+                    f"transfer, {kind}: gather + send + recv + scatter ({backend})")
+            ratio = "" if kind == "plain" else ", vs contiguous " + _spread(
+                [a / b for a, b in zip(plain, xs)], 100, ".0f") + " %"
+            table.append((what, _spread(xs, 1e3, ".1f") + " ms",
+                          _spread([gib / x for x in xs], 1, ".2f") + " GiB/s" + ratio))
+        print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads "
+              f"x {args.head_dim} ({args.dtype}, block {args.block_size}) = "
+              f"{bw['bytes'] / 2**20:.0f} MiB; {args.device}, {args.num_threads} thread(s) per "
+              f"rank; median [min–max] of {args.runs} runs x {args.repeats} repeats, the kinds "
+              "alternated")
+    width = max(len(r[0]) for r in table)
     print(f"| {'what':<{width}} | time | rate |\n|{'-' * (width + 2)}|---|---|")
-    for name, t, rate in rows:
+    for name, t, rate in table:
         print(f"| {name:<{width}} | {t} | {rate} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                  if k != "json"}, **bw, **book}, indent=1))
-    return 0
+        args.json.write_text(json.dumps(out, indent=1))
+    if not ok:
+        print("FAILED: the moved KV differs from the source, or the bookkeeping's plans differ",
+              file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ from blocktable.transfer import (
     handshake,
     local_pair,
 )
-from blocktable.transfer.buffers import gather_chunks, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view, gather_chunks, scatter_chunks
+from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
+from blocktable.transfer.wire_format import (
+    MAX_FRAMES,
+    decode_message,
+    empty_frames,
+    message_tensors,
+)
 
 MAX_NEW_TOKENS = 6
 
@@ -104,6 +111,80 @@ def test_gather_then_scatter_moves_every_layer_of_the_chosen_chunks() -> None:
         scatter_chunks(dst, dst_rows[:2], 2, buffer)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 12), st.integers(1, 400), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(0, 2**31 - 1))
+def test_pieces_gathered_sent_and_scattered_equal_one_buffer(num_rows: int, piece_bytes: int,
+                                                             dtype: torch.dtype,
+                                                             seed: int) -> None:
+    """Any piece size: the staging buffer's pieces, laid end to end, are the one-buffer
+    gather, and scattering them piece by piece writes what one scatter writes."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(2, 2, 7, 4, 2, 3, generator=gen).to(dtype)  # 14 chunks of 2 tokens
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(14)[:num_rows]
+    dst_rows = rng.permutation(14)[:num_rows]
+    whole = gather_chunks(src, rows, 2)
+    staging = StagingBuffer(piece_bytes)
+    pieces = list(staging.gather(src, rows, 2))
+    assert all(p.is_contiguous() for p in pieces)
+    got = torch.cat(pieces, dim=1) if pieces else whole
+    assert torch.equal(got, whole)
+    one, by_piece = torch.zeros_like(src), torch.zeros_like(src)
+    scatter_chunks(one, dst_rows, 2, whole)
+    landing = StagingBuffer(piece_bytes).pieces(chunk_view(by_piece, 2), num_rows,
+                                                staging.rows_per_piece(chunk_view(src, 2)))
+    assert [b - a for a, b, _ in landing] == [p.shape[1] for p in pieces]
+    for (a, b, piece), sent in zip(landing, pieces):
+        piece.copy_(sent)
+        scatter_chunks(by_piece, dst_rows[a:b], 2, piece)
+    assert torch.equal(one, by_piece)
+
+
+def test_staging_buffer_is_reused_and_refuses_bad_sizes() -> None:
+    src = torch.randn(2, 2, 4, 2, 1, 4)
+    staging = StagingBuffer(1 << 20)
+    (first,) = staging.gather(src, np.array([3, 1]), 2)
+    (again,) = staging.gather(src, np.array([0]), 2)
+    assert again.data_ptr() == first.data_ptr()  # no fresh memory per round
+    with pytest.raises(ValueError, match="piece_bytes must be >= 1"):
+        StagingBuffer(0)
+    with pytest.raises(ValueError, match="rows must lie in"):
+        staging.gather(src, np.array([0, 8]), 2)  # refused at the call, before any piece
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        gather_chunks(src, np.array([1]), 2, out=torch.empty(4, 2, 8))
+
+
+def _through_the_wire(obj: Any) -> Any:
+    header, *frames = message_tensors(obj)
+    sent = iter(frames)
+    landed = [next(sent).numpy().copy() if f.size else f for f in empty_frames(header.numpy())]
+    assert next(sent, None) is None
+    return decode_message(landed)
+
+
+def test_messages_cross_the_wire_format_with_their_arrays() -> None:
+    ids = np.arange(5, dtype=np.int32)
+    ids.flags.writeable = False  # as the allocator's arrays are
+    batch = OfferBatch(("a", "b"), np.array([1, 2, 3, 9, 4, 8], np.int32),
+                       np.array([0, 4, 6]), np.array([3, 5]), ids, np.array([0, 3, 5]))
+    got = _through_the_wire(Round(batch, False))
+    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_starts"):
+        mine, theirs = getattr(batch, name), getattr(got.offers, name)
+        assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
+    assert got.offers.req_ids == ("a", "b") and got.done is False
+    assert got.offers.first_tokens.tolist() == [9, 8] and got.offers.prompt(1).tolist() == [4]
+    empty = _through_the_wire(Round(OfferBatch.empty(), True))
+    assert len(empty.offers) == 0 and empty.done
+    plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.zeros(0, np.int64),
+                                       {1: "never fits"}, 3))
+    assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
+    many = [np.full(3, i) for i in range(MAX_FRAMES + 2)]  # too many frames: in the pickle
+    assert [a.tolist() for a in _through_the_wire(many)] == [a.tolist() for a in many]
+    with pytest.raises(ValueError, match="must list 1 to 16 frames, got 0"):
+        empty_frames(np.zeros(MAX_FRAMES + 1, dtype=np.int64))
+
+
 # ------------------------------------------------------------------ the handshake
 def _both(fn_a: Any, fn_b: Any) -> tuple[Any, Any]:
     """Run two callables on two threads; return each one's result or exception."""
@@ -159,9 +240,10 @@ def test_handshake_accepts_different_block_sizes_and_refuses_a_bad_kernel_block_
 
 # ------------------------------------------------------------------ whole runs
 def _run_pair(model: Any, workload: list[Any], prefill: LLMEngine, decode: LLMEngine,
-              prefill_cls: type[PrefillWorker] = PrefillWorker) -> tuple[Any, Any, DecodeWorker]:
+              prefill_cls: type[PrefillWorker] = PrefillWorker, piece_bytes: int = 64 << 20
+              ) -> tuple[Any, Any, DecodeWorker]:
     tp, td = local_pair(timeout_s=20)
-    pw, dw = prefill_cls(prefill, tp), DecodeWorker(decode, td)
+    pw, dw = prefill_cls(prefill, tp, piece_bytes), DecodeWorker(decode, td)
     for w in workload:
         pw.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
     ps, ds = _both(pw.run, dw.run)
@@ -173,11 +255,15 @@ def _run_pair(model: Any, workload: list[Any], prefill: LLMEngine, decode: LLMEn
     return ps, ds, dw
 
 
-@pytest.mark.parametrize(("bs_prefill", "bs_decode"), [(4, 4), (4, 8), (8, 2), (6, 4)])
+@pytest.mark.parametrize(("bs_prefill", "bs_decode", "piece_bytes"),
+                         [(4, 4, 64 << 20), (4, 8, 64 << 20), (8, 2, 1000), (6, 4, 1)])
 def test_decode_side_matches_the_single_engine(model: Any, workload: list[Any],
                                                single_tokens: dict[str, list[int]],
-                                               bs_prefill: int, bs_decode: int) -> None:
-    ps, ds, dw = _run_pair(model, workload, _engine(model, bs_prefill), _engine(model, bs_decode))
+                                               bs_prefill: int, bs_decode: int,
+                                               piece_bytes: int) -> None:
+    """Any block sizes on the two sides; the buffer in one piece or in many."""
+    ps, ds, dw = _run_pair(model, workload, _engine(model, bs_prefill), _engine(model, bs_decode),
+                           piece_bytes=piece_bytes)
     assert not isinstance(ds, Exception), ds
     got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
     assert got == single_tokens

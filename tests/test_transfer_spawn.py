@@ -60,9 +60,9 @@ class DiesBeforeSending(PrefillWorker):
 
 
 class DiesBeforeAck(DecodeWorker):
-    """Receives the first buffer, then dies before acknowledging it."""
+    """Receives the first buffer and acknowledges it, then dies before decoding."""
 
-    def _start_decoding(self, offer: Any, num_hit: int) -> None:
+    def _start_decoding(self, plan: Any) -> None:
         _die()
 
 
@@ -72,8 +72,10 @@ def _single_engine_tokens() -> dict[str, list[int]]:
     return {r.req_id: r.output_token_ids for r in engine.requests.values()}
 
 
-def test_two_processes_match_the_single_engine(tmp_path: Path) -> None:
-    session = _session(tmp_path)
+@pytest.mark.parametrize("piece_bytes", [64 << 20, 700])
+def test_two_processes_match_the_single_engine(tmp_path: Path, piece_bytes: int) -> None:
+    """One buffer per round, or many pieces in flight at once over gloo."""
+    session = _session(tmp_path, piece_bytes=piece_bytes)
     prefill, decode = run_ranks(run_side, 2, tmp_path, args=(session,), timeout_s=60.0)
     assert prefill["role"] == "prefill" and decode["role"] == "decode"
     assert decode["tokens"] == _single_engine_tokens()

@@ -103,7 +103,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
 
         return run_model_demo(opts, console)
     if opts.disaggregate:
-        from blocktable.transfer.demo import run_disaggregated_demo
+        from blocktable.transfer.transfer_demo import run_disaggregated_demo
 
         return run_disaggregated_demo(opts, console)
     if opts.dcp > 1:

@@ -1,25 +1,28 @@
 """Prefill/decode disaggregation: move a request's KV blocks from one engine to another.
 
-- :mod:`~blocktable.transfer.layout`: the cache facts both sides must share (handshake);
+- :mod:`~blocktable.transfer.kv_layout`: the cache facts both sides must share (handshake);
 - :mod:`~blocktable.transfer.transport`: the wire (:class:`Transport`), over
   ``torch.distributed`` point-to-point (gloo on the CPU, NCCL on GPUs);
 - :mod:`~blocktable.transfer.plan`: which cache rows move, mapped through token positions;
-- :mod:`~blocktable.transfer.buffers`: one gather into a contiguous buffer, one scatter;
-- :mod:`~blocktable.transfer.prefill` / :mod:`~blocktable.transfer.decode`: the two sides;
-- :mod:`~blocktable.transfer.messages`: what they say to each other each round.
+- :mod:`~blocktable.transfer.buffers`: the gather into a reusable staging buffer, sent in
+  pieces, and the scatter;
+- :mod:`~blocktable.transfer.prefill_side` / :mod:`~blocktable.transfer.decode_side`: the two sides;
+- :mod:`~blocktable.transfer.messages`: what they say to each other each round;
+- :mod:`~blocktable.transfer.wire_format`: how a message travels (pickle plus its arrays'
+  memory).
 
 See ``docs/disaggregation.md``.
 """
 
 from __future__ import annotations
 
-from blocktable.transfer.decode import DecodeStats, DecodeWorker, TransferRecord
-from blocktable.transfer.errors import HandshakeError, PeerLostError, TransferError
-from blocktable.transfer.handshake import handshake
-from blocktable.transfer.layout import KVCacheLayout, check_compatible
+from blocktable.transfer.decode_side import DecodeStats, DecodeWorker, TransferRecord
+from blocktable.transfer.kv_handshake import handshake
+from blocktable.transfer.kv_layout import KVCacheLayout, check_compatible
 from blocktable.transfer.local import QueueTransport, local_pair
 from blocktable.transfer.plan import chunk_rows, chunk_rows_many, chunk_tokens_of
-from blocktable.transfer.prefill import PrefillStats, PrefillWorker
+from blocktable.transfer.prefill_side import PrefillStats, PrefillWorker
+from blocktable.transfer.transfer_errors import HandshakeError, PeerLostError, TransferError
 from blocktable.transfer.transport import TorchDistributedTransport, Transport
 
 __all__ = [

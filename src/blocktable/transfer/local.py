@@ -7,11 +7,12 @@ raise :class:`PeerLostError` after ``timeout_s``.
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from blocktable.transfer.errors import PeerLostError
+from blocktable.transfer.transfer_errors import PeerLostError
 
 
 class QueueTransport:
@@ -39,16 +40,18 @@ class QueueTransport:
                                f"got a {kind}")
         return obj
 
-    def send_tensor(self, tensor: torch.Tensor) -> None:
-        self._outbox.put(("tensor", tensor.clone()))
+    def send_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._outbox.put(("tensor", tensor.clone()))
 
-    def recv_tensor(self, out: torch.Tensor) -> None:
-        kind, obj = self._get("receiving a tensor")
-        if kind != "tensor" or obj.shape != out.shape or obj.dtype != out.dtype:
-            raise RuntimeError(f"protocol error: expected a {out.dtype} tensor "
-                               f"{list(out.shape)} from the {self.peer}, got {kind}")
-        out.copy_(obj)
-
+    def recv_tensors(self, outs: Sequence[torch.Tensor]) -> Iterator[int]:
+        for i, out in enumerate(outs):
+            kind, obj = self._get("receiving a tensor")
+            if kind != "tensor" or obj.shape != out.shape or obj.dtype != out.dtype:
+                raise RuntimeError(f"protocol error: expected a {out.dtype} tensor "
+                                   f"{list(out.shape)} from the {self.peer}, got {kind}")
+            out.copy_(obj)
+            yield i
 
 def local_pair(timeout_s: float = 10.0) -> tuple[QueueTransport, QueueTransport]:
     """``(prefill_end, decode_end)``: what one sends the other receives, in order."""

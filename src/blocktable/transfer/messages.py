@@ -1,9 +1,10 @@
 """What the two sides say to each other, one round at a time.
 
-A round: the prefill side sends a :class:`Round` (an :class:`OfferBatch` of requests ready to
-move, or ``done``); the decode side answers a :class:`PlanBatch` (per offer: send these rows,
-wait, or refused); for the offers to send the prefill side sends a :class:`DataHeader` and one
-buffer; the decode side answers an :class:`Ack`.
+A round is one message each way: the prefill side sends a :class:`Round` (an
+:class:`OfferBatch` of requests ready to move, and ``done``); the decode side answers a
+:class:`PlanBatch` (per offer: send these rows, wait, or refused; and how many requests of the
+previous round's data arrived). For the offers to send, the prefill side then sends the data:
+:func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: they pickle as a few buffers.
 """
@@ -11,7 +12,6 @@ Batches are a few flat numpy arrays, not an object per request: they pickle as a
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,60 +24,41 @@ class PlanStatus(enum.IntEnum):
 
 
 @dataclass(frozen=True, eq=False)
-class Offer:
-    """A request whose prompt is prefilled and whose first token is sampled."""
-
-    req_id: str
-    prompt_token_ids: np.ndarray  # on cpu, int64 [num_prompt_tokens]
-    first_token: int
-    max_new_tokens: int
-    block_ids: np.ndarray  # on cpu, int32 [num_blocks]: the prefill side's, in token order
-
-
-def _starts(lengths: Sequence[int]) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-@dataclass(frozen=True, eq=False)
 class OfferBatch:
-    """Offers flattened: request ``i``'s prompt is ``prompt_token_ids[prompt_starts[i] :
-    prompt_starts[i + 1]]``, its blocks ``block_ids[block_starts[i] : block_starts[i + 1]]``."""
+    """Requests ready to move, flattened: request ``i``'s token ids (its prompt, then the first
+    token the prefill side sampled) are ``token_ids[token_starts[i] : token_starts[i + 1]]``,
+    its prefill-side block ids (the table's row, kernel blocks) ``block_ids[block_starts[i] :
+    block_starts[i + 1]]``."""
 
     req_ids: tuple[str, ...]
-    prompt_token_ids: np.ndarray  # on cpu, int64 [total prompt tokens]
-    prompt_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
-    first_tokens: np.ndarray  # on cpu, int64 [num_reqs]
+    token_ids: np.ndarray  # on cpu, int32 [total tokens]: each prompt, then its first token
+    token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
     block_ids: np.ndarray  # on cpu, int32 [total blocks]
     block_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
 
     @classmethod
-    def of(cls, offers: Sequence[Offer]) -> OfferBatch:
-        if not offers:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls((), empty, np.zeros(1, np.int64), empty, empty,
-                       np.zeros(0, np.int32), np.zeros(1, np.int64))
-        return cls(
-            tuple(o.req_id for o in offers),
-            np.concatenate([o.prompt_token_ids for o in offers]),
-            _starts([o.prompt_token_ids.size for o in offers]),
-            np.array([o.first_token for o in offers], dtype=np.int64),
-            np.array([o.max_new_tokens for o in offers], dtype=np.int64),
-            np.concatenate([o.block_ids for o in offers]),
-            _starts([o.block_ids.size for o in offers]),
-        )
+    def empty(cls) -> OfferBatch:
+        none = np.zeros(0, dtype=np.int64)
+        return cls((), np.zeros(0, np.int32), np.zeros(1, np.int64), none, np.zeros(0, np.int32),
+                   np.zeros(1, np.int64))
 
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def offer(self, i: int) -> Offer:
-        """Request ``i`` (views into the batch's arrays)."""
-        p, b = self.prompt_starts, self.block_starts
-        return Offer(self.req_ids[i], self.prompt_token_ids[p[i]:p[i + 1]],
-                     int(self.first_tokens[i]), int(self.max_new_tokens[i]),
-                     self.block_ids[b[i]:b[i + 1]])
+    @property
+    def num_prompt_tokens(self) -> np.ndarray:
+        """int64 ``[num_reqs]``: each prompt's length (its first token excluded)."""
+        return np.diff(self.token_starts) - 1
+
+    @property
+    def first_tokens(self) -> np.ndarray:
+        """int32 ``[num_reqs]``: the token each request's decode starts from."""
+        return self.token_ids[self.token_starts[1:] - 1]
+
+    def prompt(self, i: int) -> np.ndarray:
+        """Request ``i``'s prompt (a view)."""
+        return self.token_ids[self.token_starts[i]:self.token_starts[i + 1] - 1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,8 +67,8 @@ class PlanBatch:
 
     statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
     src_rows: np.ndarray  # on cpu, int64 [total chunks]: the SEND offers' prefill rows, in order
-    num_blocks: np.ndarray  # on cpu, int64 [num_reqs]: decode blocks each SEND offer fills
     reasons: dict[int, str]  # offer index -> why it was refused
+    num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache
 
 
 @dataclass(frozen=True)
@@ -96,15 +77,7 @@ class Round:
     done: bool  # nothing left on the prefill side: the decode side finishes alone
 
 
-@dataclass(frozen=True)
-class DataHeader:
-    """Which of the planned requests the buffer holds, in plan order; ``failed`` ones were not
-    gathered (the decode side recomputes them)."""
-
-    sent: tuple[str, ...]
-    failed: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Ack:
-    received: tuple[str, ...]
+def data_status(gathered: bool, rows_per_piece: int) -> np.ndarray:
+    """The two int64 that lead a round's data (no pickle): whether the buffer follows (else
+    the decode side recomputes the planned requests) and its rows per piece."""
+    return np.array([int(gathered), rows_per_piece], dtype=np.int64)

@@ -99,16 +99,15 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
             f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} tokens; "
             f"tokens up to {first[i] + num[i]} need {needed[i]}"
         )
+    q = block_size // chunk_tokens  # chunks per block
     counts = -(-num // chunk_tokens)
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.cumsum(counts, out=row_starts[1:])
-    req = np.repeat(np.arange(num.size), counts)
-    token = first[req] + (np.arange(row_starts[-1]) - row_starts[req]) * chunk_tokens
-    ids = np.asarray(block_ids, dtype=np.int64)[starts[req] + token // block_size]
-    return (ids * block_size + token % block_size) // chunk_tokens, row_starts
-
-
-def num_blocks_touched(block_size: int, first_token: int, num_tokens: int) -> int:
-    """Blocks of ``block_size`` that tokens ``[first_token, first_token + num_tokens)``
-    write into (``first_token`` is block-aligned: the tokens past a prefix hit)."""
-    return -(-(first_token + num_tokens) // block_size) - first_token // block_size
+    # chunk j of request i, counted in chunks from the start of the flat block_ids:
+    # q * (its block's flat position) + (its chunk inside that block)
+    offset = np.repeat(starts * q + first // chunk_tokens - row_starts[:-1], counts)
+    offset += np.arange(row_starts[-1])
+    ids = np.asarray(block_ids)
+    if q == 1:
+        return ids[offset].astype(np.int64), row_starts
+    return ids[offset // q].astype(np.int64) * q + offset % q, row_starts

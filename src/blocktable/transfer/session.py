@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from blocktable.engine import EngineConfig, LLMEngine, WorkloadRequest, tiny_llama
-from blocktable.transfer.decode import DecodeWorker
-from blocktable.transfer.prefill import PrefillWorker
+from blocktable.transfer.decode_side import DecodeWorker
+from blocktable.transfer.prefill_side import PrefillWorker
 from blocktable.transfer.transport import TorchDistributedTransport
 
 
@@ -38,6 +38,8 @@ class Session:
     prefill_rank, decode_rank : int
     prefill_cls, decode_cls : type
         The worker classes (tests pass subclasses that fail on purpose).
+    piece_bytes : int
+        The prefill side's send-buffer piece size (:class:`PrefillWorker`).
     """
 
     prefill: EngineConfig
@@ -52,6 +54,7 @@ class Session:
     decode_rank: int = 1
     prefill_cls: type[PrefillWorker] = PrefillWorker
     decode_cls: type[DecodeWorker] = DecodeWorker
+    piece_bytes: int = 64 << 20
 
 
 def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
@@ -68,7 +71,7 @@ def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
     transport = TorchDistributedTransport(peer_rank, "decode" if is_prefill else "prefill",
                                           device, session.timeout_s)
     if is_prefill:
-        prefill = session.prefill_cls(engine, transport)
+        prefill = session.prefill_cls(engine, transport, session.piece_bytes)
         for w in session.workload:
             prefill.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
         return prefill

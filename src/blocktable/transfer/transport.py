@@ -7,13 +7,19 @@ bounded: a peer that died or stopped answering raises :class:`PeerLostError` nam
 
 from __future__ import annotations
 
-import pickle
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
-from blocktable.transfer.errors import PeerLostError
+from blocktable.transfer.transfer_errors import PeerLostError
+from blocktable.transfer.wire_format import (
+    MAX_FRAMES,
+    decode_message,
+    empty_frames,
+    message_tensors,
+)
 
 
 class Transport(Protocol):
@@ -27,11 +33,14 @@ class Transport(Protocol):
     def recv_message(self) -> Any:
         """Receive the next object :meth:`send_message` sent."""
 
-    def send_tensor(self, tensor: torch.Tensor) -> None:
-        """Send a contiguous tensor whose shape and dtype the peer already knows."""
+    def send_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Send contiguous tensors whose shapes and dtypes the peer already knows, each as
+        soon as the iterable yields it (the next one may be produced while this one travels);
+        return once every one is sent."""
 
-    def recv_tensor(self, out: torch.Tensor) -> None:
-        """Receive into ``out`` (contiguous, the sender's shape and dtype)."""
+    def recv_tensors(self, outs: Sequence[torch.Tensor]) -> Iterator[int]:
+        """Receive into ``outs`` (contiguous, the sender's shapes and dtypes) in order,
+        yielding ``i`` once ``outs[i]`` holds its data (the rest may still be arriving)."""
 
 
 class TorchDistributedTransport:
@@ -75,25 +84,47 @@ class TorchDistributedTransport:
             raise PeerLostError(self.peer, f"{what} (no answer in "
                                 f"{self.timeout.total_seconds():g} s)")
 
+    def send_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        works = []
+        try:
+            for tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                works.append((self._dist.isend(tensor, self.peer_rank, group=self.group),
+                              nbytes))
+        finally:  # a failed producer still waits for what is already posted
+            for work, nbytes in works:
+                self._wait(work, f"sending {nbytes} bytes")
+                self.bytes_sent += nbytes
+
+    def recv_tensors(self, outs: Sequence[torch.Tensor]) -> Iterator[int]:
+        # every receive is posted first, so piece i + 1 lands while the caller uses piece i
+        works = [self._dist.irecv(out, self.peer_rank, group=self.group) for out in outs]
+        for i, (work, out) in enumerate(zip(works, outs)):
+            nbytes = out.numel() * out.element_size()
+            self._wait(work, f"receiving {nbytes} bytes")
+            self.bytes_received += nbytes
+            yield i
+
     def send_tensor(self, tensor: torch.Tensor) -> None:
-        work = self._dist.isend(tensor, self.peer_rank, group=self.group)
-        self._wait(work, f"sending {tensor.numel() * tensor.element_size()} bytes")
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+        """One tensor: :meth:`send_tensors` of one."""
+        self.send_tensors((tensor,))
 
     def recv_tensor(self, out: torch.Tensor) -> None:
-        work = self._dist.irecv(out, self.peer_rank, group=self.group)
-        self._wait(work, f"receiving {out.numel() * out.element_size()} bytes")
-        self.bytes_received += out.numel() * out.element_size()
+        """One tensor: :meth:`recv_tensors` of one."""
+        for _ in self.recv_tensors((out,)):
+            pass
 
     def send_message(self, obj: Any) -> None:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.send_tensor(torch.tensor([len(payload)], dtype=torch.int64, device=self.device))
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        self.send_tensor(data)
+        self.send_tensors(t.to(self.device) for t in message_tensors(obj))
 
     def recv_message(self) -> Any:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.recv_tensor(size)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.recv_tensor(data)
-        return pickle.loads(data.cpu().numpy().tobytes())
+        header = torch.empty(MAX_FRAMES + 1, dtype=torch.int64, device=self.device)
+        self.recv_tensor(header)
+        frames = empty_frames(header.cpu().numpy())
+        landed = [torch.from_numpy(f).to(self.device) for f in frames if f.size]
+        for _ in self.recv_tensors(landed):
+            pass
+        if self.device.type != "cpu":
+            full = iter(landed)
+            frames = [next(full).cpu().numpy() if f.size else f for f in frames]
+        return decode_message(frames)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from blocktable.transfer.errors import HandshakeError
+from blocktable.transfer.transfer_errors import HandshakeError
 
 CACHE_LAYOUT = "layer,kv,block,token,kv_head,head_dim"
 """The engine's cache order (:class:`blocktable.engine.PagedLlama`'s ``kv_cache``)."""

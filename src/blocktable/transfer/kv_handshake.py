@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from blocktable.transfer.errors import HandshakeError
-from blocktable.transfer.layout import KVCacheLayout, check_compatible
+from blocktable.transfer.kv_layout import KVCacheLayout, check_compatible
+from blocktable.transfer.transfer_errors import HandshakeError
 from blocktable.transfer.transport import Transport
 
 PROTOCOL_VERSION = 1
