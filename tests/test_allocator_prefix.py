@@ -17,7 +17,7 @@ from blocktable.allocator import (
     fast_block_keys,
     hash_block_tokens,
 )
-from blocktable.allocator.hashing import (
+from blocktable.block_hashing import (
     ChainPowers,
     block_content_hashes,
     chain_keys,

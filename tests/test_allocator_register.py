@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.allocator.hashing import fast_block_keys
+from blocktable.block_hashing import fast_block_keys
 from blocktable.allocator.rowstate import TOKEN_ROW_CAP
 
 

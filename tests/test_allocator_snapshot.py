@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.allocator.hashing import ChainPowers
+from blocktable.block_hashing import ChainPowers
 
 _SKIP_FIELDS = {"_powers", "_last_batch"}
 

@@ -23,11 +23,11 @@ How it is built, and the choices an engine author should know:
   that does not fit raise with every pool, row and counter as it was.
 * **Arrays.** Token ids are a numpy int64 buffer per request and a request's row an int32
   buffer per group (a decode step writes one id into it; a free or a step's journal slices
-  and concatenates these arrays); pools, free queues, records and the key table are numpy
-  arrays (:mod:`~blocktable.allocator.pool`, :mod:`~blocktable.allocator.queue`,
-  :mod:`~blocktable.allocator.index`, :mod:`~blocktable.allocator.keytable`).
+  and concatenates these arrays); pools, free queues and records are numpy arrays
+  (:mod:`~blocktable.allocator.pool`, :mod:`~blocktable.allocator.queue`,
+  :mod:`~blocktable.allocator.index`); the prefix index maps keys to records in a ``dict``.
 * **Keys, once per token.** A prompt's block keys are computed at admission in one vectorized
-  pass for all prompts of the call (:mod:`~blocktable.allocator.hashing`); chunks of a long
+  pass for all prompts of the call (:mod:`~blocktable.block_hashing`); chunks of a long
   prompt reuse them, and blocks filled by generated tokens are keyed when registered, all
   requests of a call in one pass. Chunked prefill therefore hashes what one allocation does.
 * **Exact hits.** A key only names a record; a block is shared when its stored tokens and its
@@ -53,7 +53,7 @@ How it is built, and the choices an engine author should know:
 from __future__ import annotations
 
 from blocktable.allocator.errors import IntegrityError, OutOfBlocksError, OutOfRowsError
-from blocktable.allocator.hashing import (
+from blocktable.block_hashing import (
     ROOT_BLOCK_HASH,
     HashFn,
     fast_block_keys,

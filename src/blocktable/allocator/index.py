@@ -4,9 +4,8 @@ A **record** (a slot in these arrays) describes one block content: its unique co
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
 holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
-:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
-(:mod:`blocktable.allocator.hashing`) to the record slot filed under it; ``key[slot]`` is the
-key a record is filed under.
+:class:`KeyIndex` (a ``dict``), maps a block key (:mod:`blocktable.block_hashing`) to the
+record slot filed under it; ``key[slot]`` is the key a record is filed under.
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -24,12 +23,63 @@ whose record was recycled), the new content takes the key: the old record leaves
 
 from __future__ import annotations
 
-import numpy as np
+from itertools import repeat
 
-from blocktable.allocator.keytable import KeyTable
+import numpy as np
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
+
+
+class KeyIndex:
+    """Distinct 64-bit block keys -> distinct record slots in ``[0, num_values)``: a ``dict``,
+    and the key filed with each slot (``key_of_value``, uint64 ``[num_values]``; meaningful
+    for filed slots only), so that a record leaves the index by its slot."""
+
+    def __init__(self, num_values: int) -> None:
+        self.slot_of_key: dict[int, int] = {}
+        self.key_of_value = np.zeros(max(num_values, 1), dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.slot_of_key)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(keys, slots)`` filed (uint64, int64; for checks)."""
+        d = self.slot_of_key
+        return np.array(list(d), dtype=np.uint64), np.array(list(d.values()), dtype=np.int64)
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key, -1 where absent (int64 ``[len(keys)]``; ``keys`` uint64)."""
+        found = map(self.slot_of_key.get, keys.tolist(), repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(keys))
+
+    def insert_one(self, key: int, value: int) -> None:
+        """File ``key`` (not filed yet) under ``value``."""
+        self.slot_of_key[key] = value
+        self.key_of_value[value] = key
+
+    def insert_absent(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """File ``keys`` (uint64 ``[n]``) under ``values`` (int64 ``[n]``) if none is filed and
+        none repeats (return True); else change nothing and return False."""
+        d = self.slot_of_key
+        new = keys.tolist()
+        if not d.keys().isdisjoint(new):
+            return False
+        size = len(d)
+        d.update(zip(new, values.tolist()))
+        if len(d) != size + len(new):  # a key given twice: all of them were new
+            for key in new:
+                d.pop(key, None)
+            return False
+        self.key_of_value[values] = keys
+        return True
+
+    def delete_values(self, values: np.ndarray) -> None:
+        """Remove the keys filed under these slots (every one filed)."""
+        list(map(self.slot_of_key.__delitem__, self.key_of_value[values].tolist()))
+
+    def clear(self) -> None:
+        self.slot_of_key.clear()
 
 
 class PrefixIndex:
@@ -62,7 +112,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys = KeyTable(self.max_records)  # block key -> record slot
+        self.keys = KeyIndex(self.max_records)  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -95,7 +145,7 @@ class PrefixIndex:
 
     def find_one(self, key: int) -> int:
         """Record slot of ``key``, -1 where none."""
-        return self.keys.get_one(key)
+        return self.keys.slot_of_key.get(key, -1)
 
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if

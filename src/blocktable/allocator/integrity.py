@@ -9,7 +9,7 @@ import numpy as np
 
 from blocktable.allocator.arrays import has_repeats
 from blocktable.allocator.errors import IntegrityError
-from blocktable.allocator.hashing import (
+from blocktable.block_hashing import (
     ChainPowers,
     block_content_hashes,
     chain_keys,

@@ -15,7 +15,7 @@ from blocktable.allocator.checks import (
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
-from blocktable.allocator.hashing import (
+from blocktable.block_hashing import (
     ROOT_BLOCK_HASH,
     HashFn,
     sha256_block_hash,
@@ -78,7 +78,7 @@ class KVCacheManager(RunningRequests):
     enable_prefix_caching : bool
         Index full computed blocks so later requests with the same prefix share them.
     hash_fn : "fast", "sha256" or callable, optional
-        The block hash reported for cached blocks (see :mod:`blocktable.allocator.hashing`):
+        The block hash reported for cached blocks (see :mod:`blocktable.block_hashing`):
         ``"fast"`` (default, the 64-bit block key), ``"sha256"`` (stable, collision-resistant
         identity across processes, namespace included) or ``callable(bytes) -> bytes`` chained
         like SHA-256. Lookups never trust a hash: they compare tokens and parents exactly.

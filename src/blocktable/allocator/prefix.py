@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
+from blocktable.block_hashing import ChainPowers, block_content_hashes, chain_keys
 from blocktable.allocator.pool import BlockPool
 
 _U64 = np.uint64

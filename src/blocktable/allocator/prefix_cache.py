@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable.allocator.checks import check_model_len
-from blocktable.allocator.hashing import ChainPowers, HashFn, encode_namespace, namespace_seed
+from blocktable.block_hashing import ChainPowers, HashFn, encode_namespace, namespace_seed
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks
