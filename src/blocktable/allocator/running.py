@@ -154,9 +154,7 @@ class RunningRequests:
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
         _, _, _, needs = self._needs(req_ids, num_new_tokens)
-        return all(
-            int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
-        )
+        return all(sum(need) <= pool.num_free_blocks for need, pool in zip(needs, self.pools))
 
     def allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -180,62 +178,71 @@ class RunningRequests:
         """
         reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
         for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            total = int(need.sum())
+            total = sum(need)
             if total > pool.num_free_blocks:
                 who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
                        else f"{len(reqs)} requests need")
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        grows = needs[0] > 0
-        for need in needs[1:]:
-            grows |= need > 0
-        grown = rows[grows]
-        self._journal.touch(grown)
+        # per-request counts as Python ints (a per-request call pays no array per count)
+        grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
+        if not grown:
+            return tuple(RowBlocks() for _ in self.pools)
+        self._journal.touch([rows[i] for i in grown])
         state = self._row_state
         out = []
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            got = np.flatnonzero(need)
-            if not len(got):
+        for g, (pool, need, old_len) in enumerate(zip(self.pools, needs, old_lens)):
+            got = [i for i in grown if need[i]]
+            if not got:
                 out.append(RowBlocks())
                 continue
-            g_rows, num, starts = rows[got], need[got], old_lens[g][got]
-            new = pool.take(int(num.sum()))
-            ends = starts + num
-            arena = state.ensure_width(g, int(ends.max()))
-            # each row's run of new ids: its first flat position in the (C-contiguous) arena
-            # plus 0, 1, ... (where its run starts in `new`: the running sum before it)
-            first = g_rows * arena.shape[1] + starts - (np.cumsum(num) - num)
-            arena.reshape(-1)[first.repeat(num) + np.arange(len(new))] = new
-            state.row_len[g][g_rows] = ends
+            g_rows = [rows[i] for i in got]
+            num = [need[i] for i in got]
+            ends = [old_len[i] + need[i] for i in got]
+            new = pool.take(sum(num))
+            arena = state.ensure_width(g, max(ends))
+            if len(got) == 1:
+                arena[g_rows[0], old_len[got[0]] : ends[0]] = new
+            else:
+                # each row's run of new ids: its first flat position in the (C-contiguous)
+                # arena plus 0, 1, ... (where its run starts in `new`: the running sum before)
+                num_arr = np.array(num)
+                first = np.array(g_rows) * arena.shape[1] + np.array(ends) - num_arr.cumsum()
+                arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
+            row_len = state.row_len_mvs[g]
+            for row, end in zip(g_rows, ends):
+                row_len[row] = end
             data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             n = len(g_rows)
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        if len(grown):  # the tokens every group's blocks hold
-            slots = (old_lens[0] + needs[0]) * self.block_sizes[0]
-            for g in range(1, len(self.pools)):
-                np.minimum(slots, (old_lens[g] + needs[g]) * self.block_sizes[g], out=slots)
-            state.num_slots[grown] = slots[grows]
+        # the tokens every group's blocks hold
+        num_slots, sizes = state.num_slots_mv, self.block_sizes
+        for i in grown:
+            num_slots[rows[i]] = min(
+                (old_len[i] + need[i]) * bs for old_len, need, bs in zip(old_lens, needs, sizes)
+            )
         return tuple(out)
 
     def _needs(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray], list[np.ndarray]]:
-        """The running requests of ``req_ids``, their rows (intp) and, per group, their row
-        lengths and the blocks each needs for ``num_new_tokens`` more tokens (int64 ``[n]``);
-        checked, including ``max_model_len``."""
-        req_ids, reqs, rows = self._running(req_ids)
+    ) -> tuple[list[RequestState], list[int], list[list[int]], list[list[int]]]:
+        """The running requests of ``req_ids``, their rows and, per group, their row lengths
+        and the blocks each needs for ``num_new_tokens`` more tokens (lists of int); checked,
+        including ``max_model_len``."""
+        req_ids, reqs, _ = self._running(req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        state = self._row_state
-        totals = state.num_computed.take(rows) + np.array(counts, dtype=np.int64)
-        if self.max_model_len is not None and len(reqs):
-            over = np.flatnonzero(totals > self.max_model_len)
-            if len(over):
-                i = int(over[0])
-                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        old_lens = [row_len.take(rows) for row_len in state.row_len]
-        needs = [np.maximum(-(-totals // bs) - old_len, 0)
-                 for bs, old_len in zip(self.block_sizes, old_lens)]
+        rows = [req.row for req in reqs]
+        num_computed = self._row_state.num_computed_mv
+        totals = [num_computed[row] + count for row, count in zip(rows, counts)]
+        if self.max_model_len is not None and totals and max(totals) > self.max_model_len:
+            i = next(i for i, t in enumerate(totals) if t > self.max_model_len)
+            self._check_request_len(reqs[i].req_id, "allocation", totals[i])
+        old_lens, needs = [], []
+        for row_len, bs in zip(self._row_state.row_len_mvs, self.block_sizes):
+            old_len = [row_len[row] for row in rows]
+            old_lens.append(old_len)
+            needs.append([max(-(-t // bs) - n, 0) for t, n in zip(totals, old_len)])
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
