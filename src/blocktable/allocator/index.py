@@ -62,14 +62,14 @@ class KeyIndex:
         """File ``keys`` (uint64 ``[n]``) under ``values`` (int64 ``[n]``) if none is filed and
         none repeats (return True); else change nothing and return False."""
         d = self.slot_of_key
-        new = keys.tolist()
-        if not d.keys().isdisjoint(new):
-            return False
-        size = len(d)
-        d.update(zip(new, values.tolist()))
-        if len(d) != size + len(new):  # a key given twice: all of them were new
-            for key in new:
-                d.pop(key, None)
+        new, slots = keys.tolist(), values.tolist()
+        # one pass: a filed key keeps its slot, and so does a key given twice (its second
+        # entry's slot is not the one filed); where any differs, undo the keys filed here
+        found = list(map(d.setdefault, new, slots))
+        if found != slots:
+            for key, slot, got in zip(new, slots, found):
+                if got == slot:
+                    del d[key]
             return False
         self.key_of_value[values] = keys
         return True

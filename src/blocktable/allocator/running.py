@@ -11,6 +11,7 @@ changes anything; the per-request calls are wrappers over the batched ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add, sub
 
 import numpy as np
 
@@ -48,8 +49,8 @@ class RunningRequests:
     def __init__(
         self, pools: Sequence[BlockPool], max_num_reqs: int, max_model_len: int | None
     ) -> None:
-        self.pools = tuple(pools)
-        self.block_sizes = tuple(pool.block_size for pool in self.pools)
+        self._pools = tuple(pools)
+        self.block_sizes = tuple(pool.block_size for pool in self._pools)
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self._requests: dict[ReqId, RequestState] = {}
@@ -59,9 +60,29 @@ class RunningRequests:
         # request leaves (a request's state and row are fixed while it runs)
         self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(max_num_reqs)
-        self._row_state = RowState(max_num_reqs, len(self.pools))
-        self._journal = StepJournal(len(self.pools), self._row_state)
+        self._row_state = RowState(max_num_reqs, len(self._pools))
+        self._journal = StepJournal(len(self._pools), self._row_state)
         self.num_preemptions = 0
+        # per-request mark_computed calls recorded since the last call of any other method
+        # (distinct requests, in call order): applied by _settle as one batched call
+        self._pending_computed: dict[ReqId, int] = {}
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        """Per KV cache group, its block pool."""
+        self._settle()
+        return self._pools
+
+    def _settle(self) -> None:
+        """Apply the recorded per-request ``mark_computed`` calls (one batched call); every
+        other public method calls this first, so what it reads or changes is up to date."""
+        pending = self._pending_computed
+        if pending:
+            self._pending_computed = {}
+            self._apply_computed(list(pending), list(pending.values()))
+
+    def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
+        raise NotImplementedError  # KVCacheManager.mark_computed_many's work
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
@@ -72,6 +93,7 @@ class RunningRequests:
     ) -> None:
         """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
+        self._settle()
         req_ids, reqs, rows = self._running(req_ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
             check_same_length("token_ids", token_ids, len(req_ids))
@@ -153,8 +175,9 @@ class RunningRequests:
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
+        self._settle()
         _, _, _, needs = self._needs(req_ids, num_new_tokens)
-        return all(sum(need) <= pool.num_free_blocks for need, pool in zip(needs, self.pools))
+        return all(sum(need) <= pool.num_free_blocks for need, pool in zip(needs, self._pools))
 
     def allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -176,8 +199,9 @@ class RunningRequests:
             blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
             read-only arrays.
         """
+        self._settle()
         reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
+        for g, (pool, need) in enumerate(zip(self._pools, needs)):
             total = sum(need)
             if total > pool.num_free_blocks:
                 who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
@@ -185,24 +209,32 @@ class RunningRequests:
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
         # per-request counts as Python ints (a per-request call pays no array per count)
-        grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
+        if len(needs) == 1:
+            grown = [i for i, n in enumerate(needs[0]) if n]
+        else:
+            grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
         if not grown:
-            return tuple(RowBlocks() for _ in self.pools)
-        self._journal.touch([rows[i] for i in grown])
+            return tuple(RowBlocks() for _ in self._pools)
+        everyone = len(grown) == len(rows)  # (usually: no index lists to build)
+        self._journal.touch(rows if everyone else [rows[i] for i in grown])
         state = self._row_state
         out = []
-        for g, (pool, need, old_len) in enumerate(zip(self.pools, needs, old_lens)):
-            got = [i for i in grown if need[i]]
-            if not got:
-                out.append(RowBlocks())
-                continue
-            g_rows = [rows[i] for i in got]
-            num = [need[i] for i in got]
-            ends = [old_len[i] + need[i] for i in got]
+        for g, (pool, need, old_len) in enumerate(zip(self._pools, needs, old_lens)):
+            if everyone and len(needs) == 1:
+                g_rows, num, starts = rows, need, old_len
+            else:
+                got = [i for i in grown if need[i]]
+                if not got:
+                    out.append(RowBlocks())
+                    continue
+                g_rows = [rows[i] for i in got]
+                num = [need[i] for i in got]
+                starts = [old_len[i] for i in got]
+            ends = list(map(add, starts, num))
             new = pool.take(sum(num))
             arena = state.ensure_width(g, max(ends))
-            if len(got) == 1:
-                arena[g_rows[0], old_len[got[0]] : ends[0]] = new
+            if len(g_rows) == 1:
+                arena[g_rows[0], starts[0] : ends[0]] = new
             else:
                 # each row's run of new ids: its first flat position in the (C-contiguous)
                 # arena plus 0, 1, ... (where its run starts in `new`: the running sum before)
@@ -218,10 +250,14 @@ class RunningRequests:
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
         # the tokens every group's blocks hold
         num_slots, sizes = state.num_slots_mv, self.block_sizes
-        for i in grown:
-            num_slots[rows[i]] = min(
-                (old_len[i] + need[i]) * bs for old_len, need, bs in zip(old_lens, needs, sizes)
-            )
+        if len(sizes) == 1:  # (the rows and row ends of the one group)
+            for row, end in zip(g_rows, ends):
+                num_slots[row] = end * sizes[0]
+        else:
+            for i in grown:
+                num_slots[rows[i]] = min(
+                    (length[i] + need[i]) * bs for length, need, bs in zip(old_lens, needs, sizes)
+                )
         return tuple(out)
 
     def _needs(
@@ -233,16 +269,16 @@ class RunningRequests:
         req_ids, reqs, _ = self._running(req_ids)
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         rows = [req.row for req in reqs]
-        num_computed = self._row_state.num_computed_mv
-        totals = [num_computed[row] + count for row, count in zip(rows, counts)]
+        totals = list(map(add, map(self._row_state.num_computed_mv.__getitem__, rows), counts))
         if self.max_model_len is not None and totals and max(totals) > self.max_model_len:
             i = next(i for i, t in enumerate(totals) if t > self.max_model_len)
             self._check_request_len(reqs[i].req_id, "allocation", totals[i])
         old_lens, needs = [], []
         for row_len, bs in zip(self._row_state.row_len_mvs, self.block_sizes):
-            old_len = [row_len[row] for row in rows]
+            old_len = list(map(row_len.__getitem__, rows))
             old_lens.append(old_len)
-            needs.append([max(-(-t // bs) - n, 0) for t, n in zip(totals, old_len)])
+            # blocks for the total, less those held (lookahead may hold more)
+            needs.append([max(n, 0) for n in map(sub, [-(-t // bs) for t in totals], old_len)])
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
@@ -260,6 +296,7 @@ class RunningRequests:
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
+        self._settle()
         req_ids = as_list("req_ids", req_ids)
         preempted = self._preempted
         running = [r for r in req_ids if r not in preempted] if preempted else req_ids
@@ -277,6 +314,7 @@ class RunningRequests:
         Its computed full blocks stay cached, so re-admission with all its tokens so far
         (prompt and generated) usually hits them.
         """
+        self._settle()
         self._release([self._get(req_id)])
         self._preempted.add(req_id)
         self.num_preemptions += 1
@@ -291,40 +329,49 @@ class RunningRequests:
         ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
         """
         # Stamp the block sizes so a table built for another block size refuses the ids.
+        self._settle()
         return self._journal.take(self.block_sizes)
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, req_id: object) -> bool:
+        self._settle()
         return req_id in self._requests
 
     def row_of(self, req_id: ReqId) -> int:
         """The table row of a running request."""
+        self._settle()
         return self._get(req_id).row
 
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
+        self._settle()
         req = self._get(req_id)
-        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
+        return tuple(req.blocks(g).tolist() for g in range(len(self._pools)))
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
+        self._settle()
         return self._get(req_id).num_computed_tokens
 
     def num_tokens(self, req_id: ReqId) -> int:
         """Token ids known for the request (prompt plus appended)."""
+        self._settle()
         return self._get(req_id).num_tokens
 
     def is_preempted(self, req_id: ReqId) -> bool:
         """Whether ``req_id`` was preempted and not re-admitted or freed since."""
+        self._settle()
         return req_id in self._preempted
 
     @property
     def num_requests(self) -> int:
         """Running requests (each holds a row)."""
+        self._settle()
         return len(self._requests)
 
     @property
     def num_free_rows(self) -> int:
+        self._settle()
         return self._rows.num_free
 
     def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
@@ -366,7 +413,7 @@ class RunningRequests:
             del requests[req.req_id]
         self._journal.touch(rows)
         for pool, arena, row_len, num_skipped in zip(
-            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
+            self._pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
             parts = []
             for row in rows:
