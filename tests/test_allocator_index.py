@@ -8,8 +8,8 @@ import pytest
 from test_allocator_pool import cache
 
 from blocktable.allocator import BlockPool
-from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import KeyIndex, PrefixIndex
+from blocktable.block_queue import last_occurrences
 
 
 @pytest.mark.parametrize("seed", range(4))

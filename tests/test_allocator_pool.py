@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue, last_occurrences
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 

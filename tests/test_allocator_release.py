@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import BlockPool, OutOfRowsError
-from blocktable.allocator.queue import BlockQueue
 from blocktable.allocator.rows import RowAllocator
+from blocktable.block_queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 

@@ -24,7 +24,7 @@ How it is built, and the choices an engine author should know:
 * **Arrays.** Token ids are a numpy int64 buffer per request and a request's row an int32
   buffer per group (a decode step writes one id into it; a free or a step's journal slices
   and concatenates these arrays); pools, free queues and records are numpy arrays
-  (:mod:`~blocktable.allocator.pool`, :mod:`~blocktable.allocator.queue`,
+  (:mod:`~blocktable.allocator.pool`, :mod:`~blocktable.block_queue`,
   :mod:`~blocktable.allocator.index`); the prefix index maps keys to records in a ``dict``.
 * **Keys, once per token.** A prompt's block keys are computed at admission in one vectorized
   pass for all prompts of the call (:mod:`~blocktable.block_hashing`); chunks of a long
@@ -53,6 +53,11 @@ How it is built, and the choices an engine author should know:
 from __future__ import annotations
 
 from blocktable.allocator.errors import IntegrityError, OutOfBlocksError, OutOfRowsError
+from blocktable.allocator.host_tier import HostTierStats, HostTransfers
+from blocktable.allocator.manager import KVCacheManager
+from blocktable.allocator.pool import BlockPool
+from blocktable.allocator.spec import AllocatorGroupSpec
+from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.block_hashing import (
     ROOT_BLOCK_HASH,
     HashFn,
@@ -60,11 +65,6 @@ from blocktable.block_hashing import (
     hash_block_tokens,
     sha256_block_hash,
 )
-from blocktable.allocator.host_tier import HostTierStats, HostTransfers
-from blocktable.allocator.manager import KVCacheManager
-from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.spec import AllocatorGroupSpec
-from blocktable.allocator.stats import PrefixCacheStats
 
 __all__ = [
     "ROOT_BLOCK_HASH",

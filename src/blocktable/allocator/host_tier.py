@@ -32,7 +32,7 @@ import numpy as np
 
 from blocktable.allocator.errors import IntegrityError
 from blocktable.allocator.index import PrefixIndex
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 _NO_PAIRS.flags.writeable = False

@@ -7,8 +7,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from blocktable.allocator.arrays import has_repeats
 from blocktable.allocator.errors import IntegrityError
+from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.block_hashing import (
     ChainPowers,
     block_content_hashes,
@@ -16,11 +16,18 @@ from blocktable.block_hashing import (
     encode_namespace,
     namespace_seed,
 )
-from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
 # The manager and the pool call these checks: they are typed Any here, so that this module
 # imports neither of them (no import cycle).
+
+
+def has_repeats(ids: np.ndarray) -> bool:
+    """Whether some value occurs twice in ``ids``."""
+    if len(ids) < 2:
+        return False
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
 
 
 def _check_request(mgr: Any, req: RequestState, ref_counts: list[np.ndarray]) -> None:

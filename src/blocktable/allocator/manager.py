@@ -15,11 +15,6 @@ from blocktable.allocator.checks import (
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
-from blocktable.block_hashing import (
-    ROOT_BLOCK_HASH,
-    HashFn,
-    sha256_block_hash,
-)
 from blocktable.allocator.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
@@ -33,7 +28,7 @@ from blocktable.allocator.request import (
 from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
-from blocktable.constants import NULL_BLOCK_ID
+from blocktable.block_hashing import ROOT_BLOCK_HASH, HashFn, byte_hash_fn
 
 # Host-tier ids are int32 (as device block ids): a bound far above any real host memory
 MAX_HOST_BLOCKS = 2**31 - 2
@@ -138,7 +133,7 @@ class KVCacheManager(RunningRequests):
         if host_blocks and any(spec.sliding_window is not None for spec in groups):
             raise ValueError("host_blocks is supported for full-attention groups only")
         self.host_blocks = int(host_blocks)
-        self.byte_hash_fn = _byte_hash_fn(hash_fn)
+        self.byte_hash_fn = byte_hash_fn(hash_fn)
         self.groups = groups
         self.max_num_reqs = int(max_num_reqs)
         self.max_model_len = max_model_len
@@ -379,20 +374,6 @@ class KVCacheManager(RunningRequests):
                 if window is not None:
                     self._release_outside_window(reqs, g, window)
 
-    def _check_computed(self, req: RequestState, num_computed: int) -> None:
-        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
-        if num_computed > req.num_tokens:
-            raise ValueError(
-                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
-                f"{req.num_tokens} token ids are known (append_token_ids first)"
-            )
-        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
-            if num_computed > row_len * bs:
-                raise ValueError(
-                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                    f"group {g} has blocks for {row_len * bs} (allocate first)"
-                )
-
     # ----------------------------------------------------------------- release
     def fork(self, parent_id: ReqId, child_id: ReqId) -> tuple[list[tuple[int, int]], ...]:
         """Admit ``child_id`` as a copy of ``parent_id`` (parallel sampling, beam search).
@@ -508,48 +489,3 @@ class KVCacheManager(RunningRequests):
         """
         self._settle()
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
-
-    # ----------------------------------------------------------------- internals
-    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
-        """Release the blocks of group ``g`` that left each request's window, oldest first.
-
-        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
-        it, and this queues the prompt's head ahead of them for eviction (newest first would
-        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
-        compares the two).
-        """
-        bs = self.block_sizes[g]
-        released: list[np.ndarray] = []
-        state = self._row_state
-        for req in reqs:
-            row = req.row
-            first = int(state.num_skipped[g, row])
-            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
-            if skip <= first:
-                continue
-            self._journal.touch([row])
-            entries = state.blocks[g][row]
-            released.append(entries[first:skip].copy())  # oldest first
-            entries[first:skip] = NULL_BLOCK_ID
-            for i in range(first, skip):
-                self._journal.null(row, g, i)
-            state.num_skipped[g, row] = skip
-        if released:
-            ids = released[0] if len(released) == 1 else np.concatenate(released)
-            self._pools[g].release(ids, may_repeat=len(released) > 1)
-
-def _byte_hash_fn(hash_fn: object) -> HashFn | None:
-    """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""
-    if hash_fn is None or hash_fn == "fast":
-        return None
-    if hash_fn == "sha256":
-        return sha256_block_hash
-    if isinstance(hash_fn, str):
-        raise ValueError(  # noqa: TRY004 (a str of the right type, naming no hash)
-            f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}"
-        )
-    if not callable(hash_fn):
-        raise TypeError(
-            f"hash_fn must be 'fast', 'sha256' or a callable, got {type(hash_fn).__name__}"
-        )
-    return hash_fn  # type: ignore[return-value]

@@ -6,12 +6,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.host_tier import HostTier
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue, last_occurrences
 
 # The reference a release drops, in the dtype of ref_counts (a Python int would take ufunc.at's
 # slow path, ~20x slower; a 0-d array costs a little less per call than a numpy scalar).

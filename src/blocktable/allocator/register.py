@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.block_hashing import ChainPowers, HashFn, byte_chain, token_chain_keys
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
+from blocktable.block_hashing import ChainPowers, HashFn, byte_chain, token_chain_keys
 
 
 def register_computed_blocks(

@@ -28,6 +28,7 @@ from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import RequestState, TokenIds, token_array
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
+from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
@@ -401,6 +402,20 @@ class RunningRequests:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
+    def _check_computed(self, req: RequestState, num_computed: int) -> None:
+        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
+        if num_computed > req.num_tokens:
+            raise ValueError(
+                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+                f"{req.num_tokens} token ids are known (append_token_ids first)"
+            )
+        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
+            if num_computed > row_len * bs:
+                raise ValueError(
+                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                    f"group {g} has blocks for {row_len * bs} (allocate first)"
+                )
+
     def _release(self, reqs: list[RequestState]) -> None:
         """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
         slice of each request's row (tail first, read through memoryviews), one concatenation
@@ -425,3 +440,31 @@ class RunningRequests:
                 pool.release(ids, may_repeat=len(parts) > 1)
         state.stop(rows)
         self._rows.release_many(rows)
+
+    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
+        """Release the blocks of group ``g`` that left each request's window, oldest first.
+
+        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
+        it, and this queues the prompt's head ahead of them for eviction (newest first would
+        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
+        compares the two).
+        """
+        bs = self.block_sizes[g]
+        released: list[np.ndarray] = []
+        state = self._row_state
+        for req in reqs:
+            row = req.row
+            first = int(state.num_skipped[g, row])
+            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
+            if skip <= first:
+                continue
+            self._journal.touch([row])
+            entries = state.blocks[g][row]
+            released.append(entries[first:skip].copy())  # oldest first
+            entries[first:skip] = NULL_BLOCK_ID
+            for i in range(first, skip):
+                self._journal.null(row, g, i)
+            state.num_skipped[g, row] = skip
+        if released:
+            ids = released[0] if len(released) == 1 else np.concatenate(released)
+            self._pools[g].release(ids, may_repeat=len(released) > 1)

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
+
+def last_occurrences(ids: np.ndarray) -> np.ndarray:
+    """``ids`` without repeats, each value kept where it occurs last, in the original order."""
+    if len(ids) < 2:
+        return ids
+    order = np.argsort(ids, kind="stable")
+    s = ids[order]
+    last = np.ones(len(ids), dtype=bool)
+    last[:-1] = s[:-1] != s[1:]
+    return ids[np.sort(order[last])]
 
 
 class BlockQueue:
