@@ -11,7 +11,7 @@ changes anything; the per-request calls are wrappers over the batched ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add, sub
+from operator import add
 
 import numpy as np
 
@@ -210,13 +210,15 @@ class RunningRequests:
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
         # per-request counts as Python ints (a per-request call pays no array per count)
-        if len(needs) == 1:
+        if len(needs) == 1 and 0 not in needs[0]:
+            grown = range(len(rows))  # (usually: every request grows, no index lists)
+        elif len(needs) == 1:
             grown = [i for i, n in enumerate(needs[0]) if n]
         else:
             grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
         if not grown:
             return tuple(RowBlocks() for _ in self._pools)
-        everyone = len(grown) == len(rows)  # (usually: no index lists to build)
+        everyone = len(grown) == len(rows)
         self._journal.touch(rows if everyone else [rows[i] for i in grown])
         state = self._row_state
         out = []
@@ -267,7 +269,7 @@ class RunningRequests:
         """The running requests of ``req_ids``, their rows and, per group, their row lengths
         and the blocks each needs for ``num_new_tokens`` more tokens (lists of int); checked,
         including ``max_model_len``."""
-        req_ids, reqs, _ = self._running(req_ids)
+        reqs = running_requests(self._requests, self._preempted, as_list("req_ids", req_ids))
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
         rows = [req.row for req in reqs]
         totals = list(map(add, map(self._row_state.num_computed_mv.__getitem__, rows), counts))
@@ -279,7 +281,7 @@ class RunningRequests:
             old_len = list(map(row_len.__getitem__, rows))
             old_lens.append(old_len)
             # blocks for the total, less those held (lookahead may hold more)
-            needs.append([max(n, 0) for n in map(sub, [-(-t // bs) for t in totals], old_len)])
+            needs.append([max(-(-t // bs) - n, 0) for t, n in zip(totals, old_len)])
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
