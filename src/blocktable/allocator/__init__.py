@@ -41,7 +41,7 @@ How it is built, and the choices an engine author should know:
   :mod:`~blocktable.allocator.prefix`), so it never caps a full-attention group to less than
   both can serve.
 * **Host tier.** With ``host_blocks=N`` each group keeps up to ``N`` evicted cached blocks in
-  host memory (:mod:`~blocktable.allocator.host_tier`), in the same prefix index: a hit may be
+  host memory (:mod:`~blocktable.host_tier`), in the same prefix index: a hit may be
   on the device, on the host, or split, and host blocks get fresh device blocks at admission.
   :meth:`KVCacheManager.take_transfers` returns each step's copies (offloads, then restores)
   for the engine to perform before the forward; the table sees ordinary device blocks.
@@ -53,7 +53,6 @@ How it is built, and the choices an engine author should know:
 from __future__ import annotations
 
 from blocktable.allocator.errors import IntegrityError, OutOfBlocksError, OutOfRowsError
-from blocktable.allocator.host_tier import HostTierStats, HostTransfers
 from blocktable.allocator.manager import KVCacheManager
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.spec import AllocatorGroupSpec
@@ -65,6 +64,7 @@ from blocktable.block_hashing import (
     hash_block_tokens,
     sha256_block_hash,
 )
+from blocktable.host_tier import HostTierStats, HostTransfers
 
 __all__ = [
     "ROOT_BLOCK_HASH",

@@ -95,7 +95,7 @@ class PrefixIndex:
         Records kept, live or dead (default ``max(2 * num_blocks, 4096)``, counting host
         blocks as blocks); at least ``num_blocks + num_host_blocks``.
     num_host_blocks : int
-        Blocks of the pool's host tier (:mod:`blocktable.allocator.host_tier`); when positive
+        Blocks of the pool's host tier (:mod:`blocktable.host_tier`); when positive
         every record also notes the host block holding a copy (``host_block``), and a record
         with a host copy is never recycled.
     """

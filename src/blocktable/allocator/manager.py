@@ -15,7 +15,6 @@ from blocktable.allocator.checks import (
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
-from blocktable.allocator.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
@@ -29,6 +28,7 @@ from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.block_hashing import ROOT_BLOCK_HASH, HashFn, byte_hash_fn
+from blocktable.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 
 # Host-tier ids are int32 (as device block ids): a bound far above any real host memory
 MAX_HOST_BLOCKS = 2**31 - 2
@@ -83,7 +83,7 @@ class KVCacheManager(RunningRequests):
         Per pool, block contents the prefix index remembers, live or evicted (default
         ``max(2 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
     host_blocks : int
-        Per group, blocks of a host tier (:mod:`blocktable.allocator.host_tier`; default 0,
+        Per group, blocks of a host tier (:mod:`blocktable.host_tier`; default 0,
         none): evicted cached blocks are offloaded there and restored on a prefix hit. The
         engine copies the pairs :meth:`take_transfers` returns every step. Needs prefix
         caching and full-attention groups; at most ``MAX_HOST_BLOCKS``.

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
-from blocktable.allocator.errors import OutOfBlocksError
-from blocktable.allocator.host_tier import HostTier
+from blocktable.allocator.errors import IntegrityError, OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
 from blocktable.block_queue import BlockQueue, last_occurrences
+from blocktable.host_tier import HostTier
 
 # The reference a release drops, in the dtype of ref_counts (a Python int would take ufunc.at's
 # slow path, ~20x slower; a 0-d array costs a little less per call than a numpy scalar).
@@ -46,7 +47,7 @@ class BlockPool:
     max_records : int, optional
         Records the prefix index keeps, live or dead (see :class:`PrefixIndex`).
     num_host_blocks : int
-        Blocks of a host tier (:class:`~blocktable.allocator.host_tier.HostTier`) that keeps
+        Blocks of a host tier (:class:`~blocktable.host_tier.HostTier`) that keeps
         evicted contents findable; 0 (default): none, evicted contents are forgotten.
     """
 
@@ -411,4 +412,8 @@ class BlockPool:
         """
         check_pool_integrity(self, expected_ref_counts)
         if self.host is not None:
-            self.host.check_integrity()
+            self.host.check_integrity(_host_tier_failed)
+
+
+def _host_tier_failed(msg: str) -> NoReturn:
+    raise IntegrityError(f"host tier: {msg}")

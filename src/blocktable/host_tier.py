@@ -1,6 +1,7 @@
 """The host tier of one pool: host-memory copies of cached block contents, indexed by record.
 
-The prefix index (:mod:`blocktable.allocator.index`) is shared by both tiers: a record's
+The pool's prefix index (:mod:`blocktable.allocator.index`, read and written here through
+:class:`RecordIndex`) is shared by both tiers: a record's
 ``holder`` is its device block (0 once evicted from the device) and its ``host_block`` the host
 block holding a copy (0 when none). A record is *findable* while either is set.
 
@@ -26,12 +27,12 @@ host tensor has ``num_host_blocks + 1`` blocks, block 0 unused.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn, Protocol
 
 import numpy as np
 
-from blocktable.allocator.errors import IntegrityError
-from blocktable.allocator.index import PrefixIndex
 from blocktable.block_queue import BlockQueue
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
@@ -107,6 +108,19 @@ class HostTierStats:
     num_host_evictions: int = 0
 
 
+class RecordIndex(Protocol):
+    """What the host tier reads and writes of a prefix index's records (all on cpu, by record
+    slot): ``cid`` (int64, 0 for an unused slot), ``holder`` (int32, the device block, 0 when
+    evicted) and ``host_block`` (int32, the host block holding a copy, 0 when none);
+    ``kill(slots)`` marks records with no copy left as dead (recyclable)."""
+
+    cid: np.ndarray
+    holder: np.ndarray
+    host_block: np.ndarray | None
+
+    def kill(self, slots: np.ndarray) -> None: ...
+
+
 class HostTier:
     """``num_host_blocks`` host blocks holding copies of the contents of ``index``'s records.
 
@@ -114,11 +128,11 @@ class HostTier:
     ----------
     num_host_blocks : int
         Host blocks (at least 1).
-    index : PrefixIndex
+    index : RecordIndex
         The pool's prefix index; its ``host_block`` array is this tier's record side.
     """
 
-    def __init__(self, num_host_blocks: int, index: PrefixIndex) -> None:
+    def __init__(self, num_host_blocks: int, index: RecordIndex) -> None:
         if index.host_block is None:
             raise ValueError("the prefix index was built without a host tier")
         self.num_host_blocks = num_host_blocks
@@ -263,14 +277,12 @@ class HostTier:
         self.record[:] = -1
 
     # ----------------------------------------------------------------- checks
-    def check_integrity(self) -> None:
+    def check_integrity(self, fail: Callable[[str], NoReturn]) -> None:
         """Records and host blocks point to each other; every host block is empty, in the
-        LRU queue or pinned, exactly once; host copies belong to used records."""
+        LRU queue or pinned, exactly once; host copies belong to used records. ``fail(msg)``
+        raises what the caller reports an inconsistency with."""
         index = self.index
         assert index.host_block is not None
-
-        def fail(msg: str) -> None:
-            raise IntegrityError(f"host tier: {msg}")
 
         empty, lru = self.empty.ids().tolist(), self.lru.ids().tolist()
         pins = [hb for hb in range(1, self.num_host_blocks + 1) if self.pinned[hb]]
