@@ -73,7 +73,7 @@ def test_uncached_free_blocks_are_reused_least_recently_freed_first() -> None:
     pool.release(ids(5, 4))
     assert pool.eviction_order() == [2, 5, 4]
     assert pool.take(2).tolist() == [2, 5]
-    assert pool.take_one() == 4
+    assert pool.take(1).tolist() == [4]
 
 
 def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
@@ -94,7 +94,7 @@ def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
     assert pool.take(4).tolist() == [7, 6, 5, 4]  # the last one evicted block 4
     assert pool.num_cached_blocks == 3
     assert pool.block_hash(4) is None and pool.content_id(4) is None
-    assert pool.take_one() == 2  # evicts too
+    assert pool.take(1).tolist() == [2]  # evicts too
     pool.check_integrity([0, 0, 1, 0, 1, 1, 1, 1])
 
 
@@ -261,7 +261,7 @@ def test_block_queue_against_a_list(repeats: bool) -> None:
             assert q.pop(n).tolist() == model[:n]
             model = model[n:]
         elif op == 3 and model:
-            assert q.pop_one() == model.pop(0)
+            assert q.pop(1).tolist() == [model.pop(0)]
         assert q.ids().tolist() == model and len(q) == len(model)
         assert q.contains(np.array(model, dtype=np.int64)).all()
         others = np.array([b for b in range(1, 40) if b not in model], dtype=np.int64)

@@ -16,7 +16,7 @@ import pytest
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.block_hashing import ChainPowers
 
-_SKIP_FIELDS = {"_powers", "_last_batch"}
+_SKIP_FIELDS = {"_powers"}
 
 
 def _snap(value: object, seen: dict[int, object]) -> object:

@@ -137,17 +137,6 @@ class BlockQueue:
         self._len -= num_blocks
         return taken
 
-    def pop_one(self) -> int:
-        """Pop the oldest id (the queue must not be empty); the decode fast path."""
-        slots, position, head = self._slots, self._position, self._head
-        block_id = int(slots[head])
-        while position[block_id] != head:
-            head += 1
-            block_id = int(slots[head])
-        self._head = head + 1
-        self._len -= 1
-        return block_id
-
     def _compact(self) -> None:
         live = self.ids()
         n = len(live)

@@ -146,18 +146,6 @@ class BlockPool:
             self.host.cancel_restores(evicted)
         return evicted
 
-    def take_one(self) -> int:
-        """:meth:`take` of one block (the pool must have a free block); the decode fast path."""
-        if len(self.uncached):
-            block_id = self.uncached.pop_one()
-        else:
-            block_id = self.cached.pop_one()
-            self._evict(np.array([block_id], dtype=np.intp))
-        self.ref_counts[block_id] = 1
-        if self.host is not None and self.host.has_pending_restores:
-            self.host.cancel_restores(np.array([block_id]))
-        return block_id
-
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
         record = self.record

@@ -56,10 +56,6 @@ class RunningRequests:
         self.max_model_len = max_model_len
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
-        # the last batched call's (req_ids, their states, their rows): a step's calls often
-        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
-        # request leaves (a request's state and row are fixed while it runs)
-        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(max_num_reqs)
         self._row_state = RowState(max_num_reqs, len(self._pools))
         self._journal = StepJournal(len(self._pools), self._row_state)
@@ -379,17 +375,10 @@ class RunningRequests:
 
     def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
         """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
-        answer when it named the same requests (nobody left since)."""
+        ``KeyError`` naming one not running, ``ValueError`` for a repeat."""
         req_ids = as_list("req_ids", req_ids)
-        last = self._last_batch
-        if last is not None and last[0] == req_ids:
-            return req_ids, last[1], last[2]
         reqs = running_requests(self._requests, self._preempted, req_ids)
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        rows.flags.writeable = False
-        self._last_batch = (req_ids.copy(), reqs, rows)
-        return req_ids, reqs, rows
+        return req_ids, reqs, np.array([req.row for req in reqs], dtype=np.intp)
 
     def _get(self, req_id: ReqId) -> RequestState:
         req = self._requests.get(req_id)
@@ -423,7 +412,6 @@ class RunningRequests:
         slice of each request's row (tail first, read through memoryviews), one concatenation
         and one release; then the rows."""
         state, requests = self._row_state, self._requests
-        self._last_batch = None  # it may name a request of reqs
         rows = []
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
