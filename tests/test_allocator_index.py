@@ -1,5 +1,5 @@
-"""The prefix index: its key index against a dict, token rows written whole, recycling of
-dead records (against references)."""
+"""The prefix index: filing keys against a dict, token rows written whole, recycling of dead
+records (against references)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import pytest
 from test_allocator_pool import cache
 
 from blocktable.allocator import BlockPool
-from blocktable.allocator.index import KeyIndex, PrefixIndex
+from blocktable.allocator.index import PrefixIndex
 from blocktable.block_queue import last_occurrences
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_key_index_against_a_dict(seed: int) -> None:
+def test_key_filing_against_a_dict(seed: int) -> None:
     """Filing batches of new keys (refused whole, changing nothing, when one is filed already
-    or given twice), filing one by one, deleting by slot and looking up agree with a dict, and
-    ``key_of_value`` names each filed slot's key."""
+    or given twice), filing one by one, dropping records and looking keys up agree with a
+    dict, and ``key`` names each filed record's key."""
     rng = np.random.default_rng(seed)
-    index, model = KeyIndex(4096), {}
+    index, model = PrefixIndex(4096, 4), {}
     universe = np.unique(rng.integers(0, 2**64, 400, dtype=np.uint64))
-    free_values = rng.permutation(4096).tolist()
     for _ in range(150):
         op = int(rng.integers(0, 4))
         if op <= 1 or not model:
@@ -34,29 +33,32 @@ def test_key_index_against_a_dict(seed: int) -> None:
                 keys[int(rng.integers(len(keys)))] = list(model)[int(rng.integers(len(model)))]
             elif bad == 2 and len(keys) > 1:
                 keys[-1] = keys[0]
-            values = [free_values.pop() for _ in keys]
+            slots = index.take_slots(len(keys))
             fresh = len(set(keys)) == len(keys) and not any(k in model for k in keys)
             if op == 0:
-                ok = index.insert_absent(np.array(keys, dtype=np.uint64), np.array(values))
+                ok = index.file_absent(np.array(keys, dtype=np.uint64), slots)
                 assert ok == fresh
-            else:
-                for key, value in zip(keys, values):
-                    index.insert_one(key, value)
+            elif fresh:
+                for key, slot in zip(keys, slots.tolist()):
+                    index.file_one(key, slot)
             if fresh:
-                model.update(zip(keys, values))
+                model.update(zip(keys, slots.tolist()))
+                index.cid[slots] = 1  # (used records, for drop)
             else:
-                free_values += values
-        else:  # delete some filed keys by their slots
+                index.untake_slots(slots)
+        else:  # drop some records: their keys leave the index
             held = list(model)
             gone = [held[i] for i in rng.permutation(len(held))[: rng.integers(1, 12)]]
-            index.delete_values(np.array([model[k] for k in gone], dtype=np.int64))
+            index.drop(np.array([model[k] for k in gone], dtype=np.int64))
             for k in gone:
-                free_values.append(model.pop(k))
+                del model[k]
         query = np.array(universe, dtype=np.uint64)
-        assert index.get(query).tolist() == [model.get(k, -1) for k in query.tolist()]
-        keys_held, values_held = index.items()
-        assert dict(zip(keys_held.tolist(), values_held.tolist())) == model
-        assert index.key_of_value[values_held].tolist() == keys_held.tolist()
+        assert index.find(query).tolist() == [model.get(k, -1) for k in query.tolist()]
+        assert [index.find_one(k) for k in query[:40].tolist()] == [
+            model.get(k, -1) for k in query[:40].tolist()
+        ]
+        assert index.slot_of_key == model
+        assert index.key[list(model.values())].tolist() == list(model)
         assert len(index) == len(model)
 
 

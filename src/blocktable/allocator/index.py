@@ -3,9 +3,9 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
-:class:`KeyIndex` (a ``dict``), maps a block key (:mod:`blocktable.block_hashing`) to the
-record slot filed under it; ``key[slot]`` is the key a record is filed under.
+holds it now (0 once the block was evicted: the record is then *dead*). ``slot_of_key``, a
+``dict``, maps a block key (:mod:`blocktable.block_hashing`) to the record slot filed under
+it; ``key[slot]`` is the key a record is filed under (so a record leaves by its slot).
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -29,57 +29,6 @@ import numpy as np
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
-
-
-class KeyIndex:
-    """Distinct 64-bit block keys -> distinct record slots in ``[0, num_values)``: a ``dict``,
-    and the key filed with each slot (``key_of_value``, uint64 ``[num_values]``; meaningful
-    for filed slots only), so that a record leaves the index by its slot."""
-
-    def __init__(self, num_values: int) -> None:
-        self.slot_of_key: dict[int, int] = {}
-        self.key_of_value = np.zeros(max(num_values, 1), dtype=np.uint64)
-
-    def __len__(self) -> int:
-        return len(self.slot_of_key)
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every ``(keys, slots)`` filed (uint64, int64; for checks)."""
-        d = self.slot_of_key
-        return np.array(list(d), dtype=np.uint64), np.array(list(d.values()), dtype=np.int64)
-
-    def get(self, keys: np.ndarray) -> np.ndarray:
-        """The slot of each key, -1 where absent (int64 ``[len(keys)]``; ``keys`` uint64)."""
-        found = map(self.slot_of_key.get, keys.tolist(), repeat(-1))
-        return np.fromiter(found, dtype=np.int64, count=len(keys))
-
-    def insert_one(self, key: int, value: int) -> None:
-        """File ``key`` (not filed yet) under ``value``."""
-        self.slot_of_key[key] = value
-        self.key_of_value[value] = key
-
-    def insert_absent(self, keys: np.ndarray, values: np.ndarray) -> bool:
-        """File ``keys`` (uint64 ``[n]``) under ``values`` (int64 ``[n]``) if none is filed and
-        none repeats (return True); else change nothing and return False."""
-        d = self.slot_of_key
-        new, slots = keys.tolist(), values.tolist()
-        # one pass: a filed key keeps its slot, and so does a key given twice (its second
-        # entry's slot is not the one filed); where any differs, undo the keys filed here
-        found = list(map(d.setdefault, new, slots))
-        if found != slots:
-            for key, slot, got in zip(new, slots, found):
-                if got == slot:
-                    del d[key]
-            return False
-        self.key_of_value[values] = keys
-        return True
-
-    def delete_values(self, values: np.ndarray) -> None:
-        """Remove the keys filed under these slots (every one filed)."""
-        list(map(self.slot_of_key.__delitem__, self.key_of_value[values].tolist()))
-
-    def clear(self) -> None:
-        self.slot_of_key.clear()
 
 
 class PrefixIndex:
@@ -112,7 +61,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys = KeyIndex(self.max_records)  # block key -> record slot
+        self.slot_of_key: dict[int, int] = {}  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -122,7 +71,7 @@ class PrefixIndex:
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
         # host block holding a copy, 0 = none (None: the pool has no host tier)
         self.host_block = np.zeros(capacity, dtype=np.int32) if num_host_blocks else None
-        self.key = self.keys.key_of_value  # block key per record slot (max_records long)
+        self.key = np.zeros(self.max_records, dtype=np.uint64)  # per slot, its key if filed
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -141,20 +90,34 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        return self.keys.get(np.asarray(keys, dtype=np.uint64))
+        keys = np.asarray(keys, dtype=np.uint64)
+        found = map(self.slot_of_key.get, keys.tolist(), repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(keys))
 
     def find_one(self, key: int) -> int:
         """Record slot of ``key``, -1 where none."""
-        return self.keys.slot_of_key.get(key, -1)
+        return self.slot_of_key.get(key, -1)
 
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
-        return self.keys.insert_absent(keys, slots)  # (writes key[slots])
+        d = self.slot_of_key
+        new, at = keys.tolist(), slots.tolist()
+        # one pass: a filed key keeps its slot, and so does a key given twice (its second
+        # entry's slot is not the one filed); where any differs, undo the keys filed here
+        found = list(map(d.setdefault, new, at))
+        if found != at:
+            for key, slot, got in zip(new, at, found):
+                if got == slot:
+                    del d[key]
+            return False
+        self.key[slots] = keys
+        return True
 
     def file_one(self, key: int, slot: int) -> None:
         """File ``key`` (not filed yet) under ``slot``."""
-        self.keys.insert_one(key, slot)  # (writes key[slot])
+        self.slot_of_key[key] = slot
+        self.key[slot] = key
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
@@ -194,7 +157,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        self.keys.delete_values(slots)
+        list(map(self.slot_of_key.__delitem__, self.key[slots].tolist()))
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:
@@ -287,7 +250,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Forget every record."""
-        self.keys.clear()
+        self.slot_of_key.clear()
         self.cid[:] = 0
         self.holder[:] = 0
         if self.host_block is not None:
