@@ -182,7 +182,7 @@ def test_dead_records_are_bounded_and_recycled_oldest_first() -> None:
         cache(pool, [b], [i])
         pool.release(ids(b))
         pool.check_integrity([0] * 5)
-    assert len(pool.index) <= 8 and len(pool.index.keys) <= 8
+    assert len(pool.index) <= 8 and len(pool.index.slot_of_key) <= 8
     for i in range(196, 200):  # the live ones are findable
         assert pool.index.find([i * 1000 + 7])[0] >= 0
     assert pool.index.find([190 * 1000 + 7])[0] == -1  # recycled
