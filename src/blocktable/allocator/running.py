@@ -206,6 +206,7 @@ class RunningRequests:
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
         # per-request counts as Python ints (a per-request call pays no array per count)
+        grown: Sequence[int]
         if len(needs) == 1 and 0 not in needs[0]:
             grown = range(len(rows))  # (usually: every request grows, no index lists)
         elif len(needs) == 1:
