@@ -88,7 +88,7 @@ def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
     assert pool.eviction_order() == [7, 6, 5, 4, 3, 2, 1]
     assert pool.num_cached_blocks == 4
     # Reusing a cached block (a hit) refreshes its recency.
-    pool.share(ids(3), ids(1))
+    pool.share_many(ids(3))
     pool.release(ids(3))
     assert pool.eviction_order() == [7, 6, 5, 4, 2, 1, 3]
     assert pool.take(4).tolist() == [7, 6, 5, 4]  # the last one evicted block 4
@@ -104,7 +104,7 @@ def test_share_takes_a_free_cached_block_out_of_the_free_queue() -> None:
     cache(pool, [b], [7])
     pool.release(ids(b))
     assert pool.num_free_blocks == 3
-    pool.share(ids(b), ids(2))
+    pool.share_many(ids(b, b))
     assert pool.ref_count(b) == 2 and pool.num_free_blocks == 2
     assert b not in pool.eviction_order()
     pool.release(ids(b))
@@ -117,7 +117,7 @@ def test_share_takes_a_free_cached_block_out_of_the_free_queue() -> None:
 def test_release_with_repeats_queues_each_block_where_its_last_reference_went() -> None:
     pool = BlockPool(6)
     pool.take(5)
-    pool.share(ids(2, 3), ids(1, 1))
+    pool.share_many(ids(2, 3))
     pool.release(ids(3, 2, 1, 5, 3, 4, 2), may_repeat=True)
     assert pool.eviction_order() == [1, 5, 3, 4, 2]
     pool.check_integrity([0] * 6)
@@ -300,7 +300,7 @@ def test_release_finds_cached_blocks_as_the_records_say(cached_share: float) -> 
             if held and rng.random() < 0.3:  # a second reference on some held blocks
                 distinct = sorted(set(held))
                 extra = rng.choice(distinct, size=min(len(distinct), 3), replace=False)
-                pool.share(extra.astype(np.int32), np.ones(len(extra), dtype=np.int32))
+                pool.share_many(extra.astype(np.int32))
                 held += extra.tolist()
             continue
         num = int(rng.integers(1, min(len(held), 8) + 1))

@@ -414,7 +414,7 @@ class KVCacheManager(RunningRequests):
             num_full = num_computed // bs
             shared = parent.blocks(g)[:num_full].copy()
             real = shared[int(parent.num_skipped_blocks[g]) :]
-            pool.share(real, np.ones(len(real), dtype=np.int32))
+            pool.share_many(real)
             child.set_blocks(g, shared)
             copies.append([])
             if num_computed % bs:

@@ -156,18 +156,9 @@ class BlockPool:
         record[block_ids] = -1
         self.num_cached_blocks -= len(block_ids)
 
-    def share(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """``counts[i]`` more references on block ``block_ids[i]`` (distinct, cached or owned);
-        free ones leave the free queue."""
-        ref_counts = self.ref_counts
-        was_free = block_ids[ref_counts[block_ids] == 0]
-        if len(was_free):
-            self.cached.remove(was_free)
-        ref_counts[block_ids] += counts
-
     def share_many(self, block_ids: np.ndarray) -> None:
-        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed):
-        :meth:`share` without sorting out the repeats first."""
+        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed);
+        free ones leave the free queue."""
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
         if np.count_nonzero(refs) < len(refs):  # some were free
