@@ -17,10 +17,13 @@ How it is built, and the choices an engine author should know:
   prefix index.
 * **Batched calls.** ``add_requests``, ``allocate_many``, ``mark_computed_many``,
   ``free_many`` and ``append_token_ids_many`` take every request of a step; ``add_request``,
-  ``allocate``, ``mark_computed``, ``free`` and ``append_token_ids`` are thin wrappers that
-  call them for one request. Every argument of a batched call is checked before anything
-  changes, so a bad id, a repeated id, lengths that disagree, ``max_model_len`` or a step
-  that does not fit raise with every pool, row and counter as it was.
+  ``allocate``, ``free`` and ``append_token_ids`` are thin wrappers that call them for one
+  request; ``mark_computed`` checks its request and records it, and the next call of any
+  other method applies the recorded marks as one ``mark_computed_many`` (so a loop of
+  per-request marks costs one batched call). Every argument of a batched call is checked
+  before anything changes, so a bad id, a repeated id, lengths that disagree,
+  ``max_model_len`` or a step that does not fit raise with every pool, row and counter as
+  it was.
 * **Arrays.** Token ids are a numpy int64 buffer per request and a request's row an int32
   buffer per group (a decode step writes one id into it; a free or a step's journal slices
   and concatenates these arrays); pools, free queues and records are numpy arrays

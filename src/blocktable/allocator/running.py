@@ -11,7 +11,7 @@ changes anything; the per-request calls are wrappers over the batched ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add
+from operator import add, sub
 
 import numpy as np
 
@@ -233,27 +233,29 @@ class RunningRequests:
             ends = list(map(add, starts, num))
             new = pool.take(sum(num))
             arena = state.ensure_width(g, max(ends))
-            if len(g_rows) == 1:
+            n = len(g_rows)
+            if n == 1:  # (Python ints: no numpy for one request's counts)
                 arena[g_rows[0], starts[0] : ends[0]] = new
+                state.row_len_mvs[g][g_rows[0]] = ends[0]
+                data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
             else:
+                at, num_arr, ends_arr = np.array(g_rows), np.array(num), np.array(ends)
                 # each row's run of new ids: its first flat position in the (C-contiguous)
                 # arena plus 0, 1, ... (where its run starts in `new`: the running sum before)
-                num_arr = np.array(num)
-                first = np.array(g_rows) * arena.shape[1] + np.array(ends) - num_arr.cumsum()
+                first = at * arena.shape[1] + ends_arr - num_arr.cumsum()
                 arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
-            row_len = state.row_len_mvs[g]
-            for row, end in zip(g_rows, ends):
-                row_len[row] = end
-            data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
+                state.row_len[g][at] = ends_arr
+                data = np.concatenate((at, num_arr, new), dtype=np.int32, casting="unsafe")
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
-            n = len(g_rows)
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
         # the tokens every group's blocks hold
-        num_slots, sizes = state.num_slots_mv, self.block_sizes
-        if len(sizes) == 1:  # (the rows and row ends of the one group)
-            for row, end in zip(g_rows, ends):
-                num_slots[row] = end * sizes[0]
+        sizes = self.block_sizes
+        if len(sizes) == 1 and len(g_rows) == 1:  # (the rows and row ends of the one group)
+            state.num_slots_mv[g_rows[0]] = ends[0] * sizes[0]
+        elif len(sizes) == 1:
+            state.num_slots[at] = ends_arr * sizes[0]
         else:
+            num_slots = state.num_slots_mv
             for i in grown:
                 num_slots[rows[i]] = min(
                     (length[i] + need[i]) * bs for length, need, bs in zip(old_lens, needs, sizes)
@@ -278,7 +280,8 @@ class RunningRequests:
             old_len = list(map(row_len.__getitem__, rows))
             old_lens.append(old_len)
             # blocks for the total, less those held (lookahead may hold more)
-            needs.append([max(-(-t // bs) - n, 0) for t, n in zip(totals, old_len)])
+            need = list(map(sub, [-(-t // bs) for t in totals], old_len))
+            needs.append(need if min(need, default=0) >= 0 else [max(n, 0) for n in need])
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
