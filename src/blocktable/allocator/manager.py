@@ -404,7 +404,7 @@ class KVCacheManager(RunningRequests):
         for g, (pool, bs) in enumerate(zip(self._pools, self.block_sizes)):
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
-        row = self._rows.take(None)  # type: ignore[arg-type]  # the holder is set below
+        [row] = self._rows.take_many([None])  # type: ignore[list-item]  # holder set below
         self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
