@@ -119,6 +119,10 @@ class PrefixIndex:
         self.slot_of_key[key] = slot
         self.key[slot] = key
 
+    def unfile(self, slots: np.ndarray) -> None:
+        """Remove the keys filed under ``slots`` (int64, each filed)."""
+        list(map(self.slot_of_key.__delitem__, self.key[slots].tolist()))
+
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """``self.tokens[slots] = tokens`` (``slots``: distinct, int64 ``[n]``; ``tokens``:
@@ -157,7 +161,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        list(map(self.slot_of_key.__delitem__, self.key[slots].tolist()))
+        self.unfile(slots)
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:
