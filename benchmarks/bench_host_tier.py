@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from allocator_workload import AllocatorWorkload
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.allocator.host_tier import HostTransfers
 from blocktable.engine.host_cache import HostKVCache
+from blocktable.host_tier import HostTransfers
 
 
 def bench_allocator(args: argparse.Namespace) -> dict[str, float]:

@@ -204,6 +204,9 @@ class BlocktableAllocator:
         else:
             for req_id, n in zip(req_ids, num_new):
                 self.mgr.mark_computed(req_id, n)
+            # per-request marks are recorded and applied by the next call: make that call
+            # here, so that their work counts in this phase (and in the 1M-token prompt row)
+            self.mgr.num_free_blocks()
 
     def after_step(self, req_ids: list[int], num_new: list[int]) -> None:
         pass

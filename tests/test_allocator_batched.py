@@ -402,3 +402,60 @@ def test_a_pickled_manager_goes_on_exactly_as_the_original() -> None:
     assert as_lists(mgr.take_step_update()) == as_lists(copy.take_step_update())
     assert mgr._requests["r0"].token_ids() == copy._requests["r0"].token_ids()
     copy.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        lambda m: m.lookup_prefix(list(range(12))),
+        lambda m: m.num_cached_blocks(),
+        lambda m: m.num_free_blocks(1),
+        lambda m: m.num_computed_tokens("a"),
+        lambda m: m.block_ids("a"),
+        lambda m: m.pools[1].eviction_order(),
+        lambda m: m.prefix_cache.num_query_tokens,
+        lambda m: as_lists(m.take_step_update()),
+        lambda m: m.fork("b", "c"),
+        lambda m: (m.free("a"), observable(m)),
+        lambda m: (m.append_token_ids("a", [1, 2]), m.num_tokens("a")),
+        lambda m: m.can_allocate("a", 4),
+    ],
+)
+def test_per_request_marks_are_applied_before_the_next_call(probe: object) -> None:
+    """mark_computed is recorded and applied by the next call of any other method: whatever
+    that call reads or changes sees the marks applied, in call order, exactly as the batched
+    call leaves them (a request marked twice applies its first mark first)."""
+    pair = []
+    for per_request in (True, False):
+        mgr = make()
+        for req_id, base in (("a", 0), ("b", 100)):
+            mgr.add_request(req_id, list(range(base, base + 24)))
+            mgr.allocate(req_id, 24)
+        if per_request:
+            mgr.mark_computed("a", 8)
+            mgr.mark_computed("b", 24)
+            mgr.mark_computed("a", 16)
+        else:
+            mgr.mark_computed_many(["a", "b"], [8, 24])
+            mgr.mark_computed_many(["a"], [16])
+        pair.append((probe(mgr), observable(mgr)))  # type: ignore[operator]
+    assert pair[0][0] == pair[1][0]
+    assert pair[0][1] == pair[1][1]
+
+
+def test_a_bad_per_request_mark_raises_at_once_and_records_nothing() -> None:
+    mgr = make()
+    mgr.add_request("a", list(range(24)))
+    mgr.allocate("a", 16)
+    mgr.mark_computed("a", 4)
+    with pytest.raises(ValueError, match="has blocks for 16"):
+        mgr.mark_computed("a", 13)  # 17 tokens computed, blocks for 16
+    with pytest.raises(ValueError, match="only 24 token ids are known"):
+        mgr.mark_computed("a", 25)
+    with pytest.raises(KeyError, match="unknown request 'z'"):
+        mgr.mark_computed("z", 1)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        mgr.mark_computed("a", -1)
+    assert mgr.num_computed_tokens("a") == 4  # the first mark only
+    mgr.mark_computed("a", 12)
+    assert mgr.num_computed_tokens("a") == 16

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, BlockPool, OutOfBlocksError
-from blocktable.allocator.arrays import last_occurrences
 from blocktable.allocator.index import PrefixIndex
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue, last_occurrences
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
@@ -74,7 +73,7 @@ def test_uncached_free_blocks_are_reused_least_recently_freed_first() -> None:
     pool.release(ids(5, 4))
     assert pool.eviction_order() == [2, 5, 4]
     assert pool.take(2).tolist() == [2, 5]
-    assert pool.take_one() == 4
+    assert pool.take(1).tolist() == [4]
 
 
 def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
@@ -89,13 +88,13 @@ def test_cached_blocks_go_after_uncached_ones_in_lru_order() -> None:
     assert pool.eviction_order() == [7, 6, 5, 4, 3, 2, 1]
     assert pool.num_cached_blocks == 4
     # Reusing a cached block (a hit) refreshes its recency.
-    pool.share(ids(3), ids(1))
+    pool.share_many(ids(3))
     pool.release(ids(3))
     assert pool.eviction_order() == [7, 6, 5, 4, 2, 1, 3]
     assert pool.take(4).tolist() == [7, 6, 5, 4]  # the last one evicted block 4
     assert pool.num_cached_blocks == 3
     assert pool.block_hash(4) is None and pool.content_id(4) is None
-    assert pool.take_one() == 2  # evicts too
+    assert pool.take(1).tolist() == [2]  # evicts too
     pool.check_integrity([0, 0, 1, 0, 1, 1, 1, 1])
 
 
@@ -105,7 +104,7 @@ def test_share_takes_a_free_cached_block_out_of_the_free_queue() -> None:
     cache(pool, [b], [7])
     pool.release(ids(b))
     assert pool.num_free_blocks == 3
-    pool.share(ids(b), ids(2))
+    pool.share_many(ids(b, b))
     assert pool.ref_count(b) == 2 and pool.num_free_blocks == 2
     assert b not in pool.eviction_order()
     pool.release(ids(b))
@@ -118,7 +117,7 @@ def test_share_takes_a_free_cached_block_out_of_the_free_queue() -> None:
 def test_release_with_repeats_queues_each_block_where_its_last_reference_went() -> None:
     pool = BlockPool(6)
     pool.take(5)
-    pool.share(ids(2, 3), ids(1, 1))
+    pool.share_many(ids(2, 3))
     pool.release(ids(3, 2, 1, 5, 3, 4, 2), may_repeat=True)
     assert pool.eviction_order() == [1, 5, 3, 4, 2]
     pool.check_integrity([0] * 6)
@@ -183,7 +182,7 @@ def test_dead_records_are_bounded_and_recycled_oldest_first() -> None:
         cache(pool, [b], [i])
         pool.release(ids(b))
         pool.check_integrity([0] * 5)
-    assert len(pool.index) <= 8 and len(pool.index.keys) <= 8
+    assert len(pool.index) <= 8 and len(pool.index.slot_of_key) <= 8
     for i in range(196, 200):  # the live ones are findable
         assert pool.index.find([i * 1000 + 7])[0] >= 0
     assert pool.index.find([190 * 1000 + 7])[0] == -1  # recycled
@@ -262,7 +261,7 @@ def test_block_queue_against_a_list(repeats: bool) -> None:
             assert q.pop(n).tolist() == model[:n]
             model = model[n:]
         elif op == 3 and model:
-            assert q.pop_one() == model.pop(0)
+            assert q.pop(1).tolist() == [model.pop(0)]
         assert q.ids().tolist() == model and len(q) == len(model)
         assert q.contains(np.array(model, dtype=np.int64)).all()
         others = np.array([b for b in range(1, 40) if b not in model], dtype=np.int64)
@@ -301,7 +300,7 @@ def test_release_finds_cached_blocks_as_the_records_say(cached_share: float) -> 
             if held and rng.random() < 0.3:  # a second reference on some held blocks
                 distinct = sorted(set(held))
                 extra = rng.choice(distinct, size=min(len(distinct), 3), replace=False)
-                pool.share(extra.astype(np.int32), np.ones(len(extra), dtype=np.int32))
+                pool.share_many(extra.astype(np.int32))
                 held += extra.tolist()
             continue
         num = int(rng.integers(1, min(len(held), 8) + 1))

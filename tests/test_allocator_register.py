@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.allocator.hashing import fast_block_keys
 from blocktable.allocator.rowstate import TOKEN_ROW_CAP
+from blocktable.block_hashing import fast_block_keys
 
 
 def _registered(mgr: KVCacheManager, req_id: int, bs: int) -> list[tuple]:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import BlockPool, OutOfRowsError
-from blocktable.allocator.queue import BlockQueue
 from blocktable.allocator.rows import RowAllocator
+from blocktable.block_queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
@@ -146,30 +146,27 @@ def test_block_queue_extend_with_repeats_against_a_list() -> None:
         assert q.ids().tolist() == model and len(q) == len(model)
 
 
-def test_row_allocator_batched_calls_equal_the_single_ones() -> None:
+def test_row_allocator_hands_out_the_lowest_free_rows() -> None:
     rng = np.random.default_rng(6)
-    batched: RowAllocator[int] = RowAllocator(40)
-    single: RowAllocator[int] = RowAllocator(40)
-    held: list[int] = []
+    rows_of: RowAllocator[int] = RowAllocator(40)
+    model: dict[int, int] = {}  # row -> holder
     for step in range(300):
-        if rng.integers(2) and held:
-            rows = rng.permutation(held)[: rng.integers(1, 9)].tolist()
-            batched.release_many(rows)
+        if rng.integers(2) and model:
+            rows = rng.permutation(list(model))[: rng.integers(1, 9)].tolist()
+            rows_of.release_many(rows)
             for row in rows:
-                single.release(row)
-            held = [r for r in held if r not in rows]
+                del model[row]
         else:
             holders = list(range(step * 100, step * 100 + int(rng.integers(0, 9))))
-            if len(holders) > batched.num_free:
+            if len(holders) > rows_of.num_free:
                 with pytest.raises(OutOfRowsError, match=f"no {len(holders)} free rows"):
-                    batched.take_many(holders)
+                    rows_of.take_many(holders)
                 continue
-            rows = batched.take_many(holders)
-            assert rows == [single.take(h) for h in holders]
-            assert rows == sorted(set(range(40)) - set(held))[: len(holders)]  # lowest first
-            held += rows
-        assert batched.holders == single.holders
-        assert sorted(batched.free_rows()) == sorted(single.free_rows())
+            rows = rows_of.take_many(holders)
+            assert rows == sorted(set(range(40)) - set(model))[: len(holders)]  # lowest first
+            model.update(zip(rows, holders))
+        assert rows_of.holders == [model.get(row) for row in range(40)]
+        assert sorted(rows_of.free_rows()) == sorted(set(range(40)) - set(model))
 
 
 def test_row_allocator_take_many_failure_changes_nothing() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blocktable.allocator.host_tier import HostTransfers
 from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
 from blocktable.engine.host_cache import HostKVCache
 from blocktable.engine.verify import verify_requests
+from blocktable.host_tier import HostTransfers
 
 
 def test_host_kv_cache_copies_blocks_both_ways() -> None:

@@ -3,10 +3,9 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``keys``, a
-:class:`~blocktable.allocator.keytable.KeyTable`, maps a block key
-(:mod:`blocktable.allocator.hashing`) to the record slot filed under it; ``key[slot]`` is the
-key a record is filed under.
+holds it now (0 once the block was evicted: the record is then *dead*). ``slot_of_key``, a
+``dict``, maps a block key (:mod:`blocktable.block_hashing`) to the record slot filed under
+it; ``key[slot]`` is the key a record is filed under (so a record leaves by its slot).
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -24,9 +23,9 @@ whose record was recycled), the new content takes the key: the old record leaves
 
 from __future__ import annotations
 
-import numpy as np
+from itertools import repeat
 
-from blocktable.allocator.keytable import KeyTable
+import numpy as np
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
@@ -45,7 +44,7 @@ class PrefixIndex:
         Records kept, live or dead (default ``max(2 * num_blocks, 4096)``, counting host
         blocks as blocks); at least ``num_blocks + num_host_blocks``.
     num_host_blocks : int
-        Blocks of the pool's host tier (:mod:`blocktable.allocator.host_tier`); when positive
+        Blocks of the pool's host tier (:mod:`blocktable.host_tier`); when positive
         every record also notes the host block holding a copy (``host_block``), and a record
         with a host copy is never recycled.
     """
@@ -62,7 +61,7 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.keys = KeyTable(self.max_records)  # block key -> record slot
+        self.slot_of_key: dict[int, int] = {}  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
@@ -72,7 +71,7 @@ class PrefixIndex:
         self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
         # host block holding a copy, 0 = none (None: the pool has no host tier)
         self.host_block = np.zeros(capacity, dtype=np.int32) if num_host_blocks else None
-        self.key = self.keys.key_of_value  # block key per record slot (max_records long)
+        self.key = np.zeros(self.max_records, dtype=np.uint64)  # per slot, its key if filed
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -91,20 +90,38 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        return self.keys.get(np.asarray(keys, dtype=np.uint64))
+        keys = np.asarray(keys, dtype=np.uint64)
+        found = map(self.slot_of_key.get, keys.tolist(), repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(keys))
 
     def find_one(self, key: int) -> int:
         """Record slot of ``key``, -1 where none."""
-        return self.keys.get_one(key)
+        return self.slot_of_key.get(key, -1)
 
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
-        return self.keys.insert_absent(keys, slots)  # (writes key[slots])
+        d = self.slot_of_key
+        new, at = keys.tolist(), slots.tolist()
+        # one pass: a filed key keeps its slot, and so does a key given twice (its second
+        # entry's slot is not the one filed); where any differs, undo the keys filed here
+        found = list(map(d.setdefault, new, at))
+        if found != at:
+            for key, slot, got in zip(new, at, found):
+                if got == slot:
+                    del d[key]
+            return False
+        self.key[slots] = keys
+        return True
 
     def file_one(self, key: int, slot: int) -> None:
         """File ``key`` (not filed yet) under ``slot``."""
-        self.keys.insert_one(key, slot)  # (writes key[slot])
+        self.slot_of_key[key] = slot
+        self.key[slot] = key
+
+    def unfile(self, slots: np.ndarray) -> None:
+        """Remove the keys filed under ``slots`` (int64, each filed)."""
+        list(map(self.slot_of_key.__delitem__, self.key[slots].tolist()))
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
@@ -144,7 +161,7 @@ class PrefixIndex:
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget records now (they leave the index; their slots become unused)."""
-        self.keys.delete_values(slots)
+        self.unfile(slots)
         self.cid[slots] = 0
         self.holder[slots] = 0
         if self.any_hashes:
@@ -237,7 +254,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Forget every record."""
-        self.keys.clear()
+        self.slot_of_key.clear()
         self.cid[:] = 0
         self.holder[:] = 0
         if self.host_block is not None:

@@ -7,20 +7,27 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from blocktable.allocator.arrays import has_repeats
 from blocktable.allocator.errors import IntegrityError
-from blocktable.allocator.hashing import (
+from blocktable.allocator.request import KeyChains, RequestState
+from blocktable.block_hashing import (
     ChainPowers,
     block_content_hashes,
     chain_keys,
     encode_namespace,
     namespace_seed,
 )
-from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.constants import NULL_BLOCK_ID
 
 # The manager and the pool call these checks: they are typed Any here, so that this module
 # imports neither of them (no import cycle).
+
+
+def has_repeats(ids: np.ndarray) -> bool:
+    """Whether some value occurs twice in ``ids``."""
+    if len(ids) < 2:
+        return False
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
 
 
 def _check_request(mgr: Any, req: RequestState, ref_counts: list[np.ndarray]) -> None:
@@ -183,9 +190,10 @@ def check_pool_integrity(pool: Any, expected_ref_counts: Sequence[int] | np.ndar
     if len(holders) != pool.num_cached_blocks:
         fail(f"{len(holders)} blocks cached, the counter says {pool.num_cached_blocks}")
     used = np.flatnonzero(index.cid != 0)
-    if len(used) != len(index.keys) or len(used) != len(index):
-        fail(f"{len(used)} records, {len(index.keys)} keys, counter {len(index)}")
-    keys, slots = index.keys.items()
+    if len(used) != len(index.slot_of_key) or len(used) != len(index):
+        fail(f"{len(used)} records, {len(index.slot_of_key)} keys, counter {len(index)}")
+    keys = np.array(list(index.slot_of_key), dtype=np.uint64)
+    slots = np.array(list(index.slot_of_key.values()), dtype=np.int64)
     if (index.cid[slots] == 0).any() or not np.array_equal(index.key[slots], keys):
         fail("a key is filed under a record of another key")
     if has_repeats(index.cid[used]):

@@ -15,12 +15,6 @@ from blocktable.allocator.checks import (
     token_counts,
 )
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
-from blocktable.allocator.hashing import (
-    ROOT_BLOCK_HASH,
-    HashFn,
-    sha256_block_hash,
-)
-from blocktable.allocator.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
@@ -33,7 +27,8 @@ from blocktable.allocator.request import (
 from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
-from blocktable.constants import NULL_BLOCK_ID
+from blocktable.block_hashing import ROOT_BLOCK_HASH, HashFn, byte_hash_fn
+from blocktable.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
 
 # Host-tier ids are int32 (as device block ids): a bound far above any real host memory
 MAX_HOST_BLOCKS = 2**31 - 2
@@ -78,7 +73,7 @@ class KVCacheManager(RunningRequests):
     enable_prefix_caching : bool
         Index full computed blocks so later requests with the same prefix share them.
     hash_fn : "fast", "sha256" or callable, optional
-        The block hash reported for cached blocks (see :mod:`blocktable.allocator.hashing`):
+        The block hash reported for cached blocks (see :mod:`blocktable.block_hashing`):
         ``"fast"`` (default, the 64-bit block key), ``"sha256"`` (stable, collision-resistant
         identity across processes, namespace included) or ``callable(bytes) -> bytes`` chained
         like SHA-256. Lookups never trust a hash: they compare tokens and parents exactly.
@@ -88,7 +83,7 @@ class KVCacheManager(RunningRequests):
         Per pool, block contents the prefix index remembers, live or evicted (default
         ``max(2 * num_blocks, 4096)``); see :mod:`blocktable.allocator.index`.
     host_blocks : int
-        Per group, blocks of a host tier (:mod:`blocktable.allocator.host_tier`; default 0,
+        Per group, blocks of a host tier (:mod:`blocktable.host_tier`; default 0,
         none): evicted cached blocks are offloaded there and restored on a prefix hit. The
         engine copies the pairs :meth:`take_transfers` returns every step. Needs prefix
         caching and full-attention groups; at most ``MAX_HOST_BLOCKS``.
@@ -138,12 +133,12 @@ class KVCacheManager(RunningRequests):
         if host_blocks and any(spec.sliding_window is not None for spec in groups):
             raise ValueError("host_blocks is supported for full-attention groups only")
         self.host_blocks = int(host_blocks)
-        self.byte_hash_fn = _byte_hash_fn(hash_fn)
+        self.byte_hash_fn = byte_hash_fn(hash_fn)
         self.groups = groups
         self.max_num_reqs = int(max_num_reqs)
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.pools = tuple(
+        pools = tuple(
             BlockPool(
                 spec.num_blocks,
                 spec.block_size,
@@ -156,9 +151,9 @@ class KVCacheManager(RunningRequests):
         self.block_sizes = tuple(spec.block_size for spec in groups)
         self.windows = tuple(spec.sliding_window for spec in groups)
         self._has_windows = any(w is not None for w in self.windows)
-        super().__init__(self.pools, self.max_num_reqs, max_model_len)
-        self.prefix_cache = PrefixCache(
-            self.pools,
+        super().__init__(pools, self.max_num_reqs, max_model_len)
+        self._prefix_cache = PrefixCache(
+            pools,
             self.block_sizes,
             self.windows,
             self.max_num_reqs,
@@ -174,7 +169,8 @@ class KVCacheManager(RunningRequests):
         The number :meth:`add_request` would return for the same prompt and namespace (while
         the pools stay as they are). Prefix-cache statistics are not updated.
         """
-        return self.prefix_cache.lookup(prompt_token_ids, cache_namespace).num_cached_tokens
+        self._settle()
+        return self._prefix_cache.lookup(prompt_token_ids, cache_namespace).num_cached_tokens
 
     def can_admit(
         self,
@@ -203,13 +199,14 @@ class KVCacheManager(RunningRequests):
         ValueError
             Empty prompt, or prompt or allocation longer than ``max_model_len``.
         """
-        plan = self.prefix_cache.lookup(prompt_token_ids, cache_namespace)
+        self._settle()
+        plan = self._prefix_cache.lookup(prompt_token_ids, cache_namespace)
         num_cached = plan.num_cached_tokens
         if num_new_tokens is None:
             num_new_tokens = len(plan.tokens) - num_cached
         num_tokens = num_cached + check_count("num_new_tokens", num_new_tokens)
         check_model_len(self.max_model_len, "new request", "allocation", num_tokens)
-        return self._rows.num_free > 0 and self.prefix_cache.fits(plan, num_tokens)
+        return self._rows.num_free > 0 and self._prefix_cache.fits(plan, num_tokens)
 
     def add_request(
         self, req_id: ReqId, prompt_token_ids: TokenIds, *, cache_namespace: object = None
@@ -262,6 +259,7 @@ class KVCacheManager(RunningRequests):
         list of int
             Per request, the tokens served by the prefix cache.
         """
+        self._settle()
         req_ids = as_list("req_ids", req_ids)
         distinct_new_ids(self._requests, req_ids)
         prompts = as_list("prompts", prompts)
@@ -273,13 +271,13 @@ class KVCacheManager(RunningRequests):
             check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
-        plans, pending = self.prefix_cache.plan_many(req_ids, prompts, cache_namespaces)
+        plans, pending = self._prefix_cache.plan_many(req_ids, prompts, cache_namespaces)
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
-        self.prefix_cache.find(plans, pending)
+        self._prefix_cache.find(plans, pending)
         self._admit(req_ids, plans, cache_namespaces)
         return [plan.num_cached_tokens for plan in plans]
 
@@ -292,7 +290,7 @@ class KVCacheManager(RunningRequests):
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
         self._journal.touch(rows)  # free, or freed earlier in this step
         buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
-        num_groups = len(self.pools)
+        num_groups = len(self._pools)
         reqs = []
         for req_id, plan, namespace, row, buffer in zip(req_ids, plans, namespaces, rows, buffers):
             req = RequestState(
@@ -314,7 +312,7 @@ class KVCacheManager(RunningRequests):
             reqs.append(req)
         for req_id in req_ids:
             self._preempted.discard(req_id)
-        self.prefix_cache.admit(reqs, plans, state)
+        self._prefix_cache.admit(reqs, plans, state)
 
     # ----------------------------------------------------------------- computed tokens
     def mark_computed(self, req_id: ReqId, num_tokens: int) -> None:
@@ -323,20 +321,39 @@ class KVCacheManager(RunningRequests):
         Full blocks become findable by later requests; sliding-window groups release the
         blocks wholly outside the window of the next token to compute (their entries become
         ``NULL_BLOCK_ID`` and show up in ``StepUpdate.nulled``). Same as
-        ``mark_computed_many([req_id], [num_tokens])``.
+        ``mark_computed_many([req_id], [num_tokens])``: checked now; the work is done by one
+        :meth:`mark_computed_many` of the requests marked since the last call of any other
+        method, which that call makes first (a request marked twice applies the first mark
+        then), so the per-request form costs what the batched one costs.
 
         Raises
         ------
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        self.mark_computed_many([req_id], [num_tokens])
+        req = self._get(req_id)
+        count = check_count("num_tokens", num_tokens)
+        pending = self._pending_computed
+        if req_id in pending:
+            self._settle()
+            pending = self._pending_computed
+        num_computed = req.num_computed_tokens + count
+        if num_computed > req.num_slots or num_computed > req.num_tokens:
+            self._check_computed(req, num_computed)
+            raise AssertionError("a count past num_slots or num_tokens passed the checks")
+        pending[req_id] = count
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
     ) -> None:
         """:meth:`mark_computed` for every request of a step: one hashing pass for all newly
         full blocks, one registration and one release per group. Checked fully first."""
+        self._settle()
+        self._apply_computed(req_ids, num_tokens)
+
+    def _apply_computed(
+        self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
+    ) -> None:
         req_ids, reqs, rows = self._running(req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         if not reqs:
@@ -351,25 +368,11 @@ class KVCacheManager(RunningRequests):
             self._check_computed(reqs[i], int(num_computed[i]))
             raise AssertionError("a count past num_slots or num_tokens passed the checks")
         state.num_computed[rows] = num_computed
-        self.prefix_cache.register(reqs, rows, state)
+        self._prefix_cache.register(reqs, rows, state)
         if self._has_windows:
             for g, window in enumerate(self.windows):
                 if window is not None:
                     self._release_outside_window(reqs, g, window)
-
-    def _check_computed(self, req: RequestState, num_computed: int) -> None:
-        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
-        if num_computed > req.num_tokens:
-            raise ValueError(
-                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
-                f"{req.num_tokens} token ids are known (append_token_ids first)"
-            )
-        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
-            if num_computed > row_len * bs:
-                raise ValueError(
-                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                    f"group {g} has blocks for {row_len * bs} (allocate first)"
-                )
 
     # ----------------------------------------------------------------- release
     def fork(self, parent_id: ReqId, child_id: ReqId) -> tuple[list[tuple[int, int]], ...]:
@@ -391,30 +394,31 @@ class KVCacheManager(RunningRequests):
         OutOfRowsError, OutOfBlocksError
             No free row, or no block for a partial-block copy; nothing changed.
         """
+        self._settle()
         parent = self._get(parent_id)
         check_req_id("child_id", child_id)
         if child_id in self._requests or child_id in self._preempted:
             raise ValueError(f"child_id {child_id!r} is already a known request")
         self._rows.check_free(f"request {child_id!r}")
         num_computed = parent.num_computed_tokens
-        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+        for g, (pool, bs) in enumerate(zip(self._pools, self.block_sizes)):
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
-        row = self._rows.take(None)  # type: ignore[arg-type]  # the holder is set below
+        [row] = self._rows.take_many([None])  # type: ignore[list-item]  # holder set below
         self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
-        self.prefix_cache.chains.copy_row(parent.row, row)
+        self._prefix_cache.chains.copy_row(parent.row, row)
         copies: list[list[tuple[int, int]]] = []
-        for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes)):
+        for g, (pool, bs) in enumerate(zip(self._pools, self.block_sizes)):
             num_full = num_computed // bs
             shared = parent.blocks(g)[:num_full].copy()
             real = shared[int(parent.num_skipped_blocks[g]) :]
-            pool.share(real, np.ones(len(real), dtype=np.int32))
+            pool.share_many(real)
             child.set_blocks(g, shared)
             copies.append([])
             if num_computed % bs:
-                dst = pool.take_one()
+                [dst] = pool.take(1).tolist()
                 child.append_block(g, dst)
                 copies[g].append((int(parent.blocks(g)[num_full]), dst))
         self._row_state.update_num_slots(self.block_sizes, row)
@@ -429,20 +433,30 @@ class KVCacheManager(RunningRequests):
         block becomes a plain free block and True is returned. The prefix-cache counters are
         not reset (they count since the manager was built).
         """
-        return self.prefix_cache.reset(list(self._requests.values()))
+        self._settle()
+        return self._prefix_cache.reset(list(self._requests.values()))
 
     # ----------------------------------------------------------------- step result
     def num_free_blocks(self, group: int = 0) -> int:
         """Blocks of ``group`` that can be allocated now (uncached or evictable)."""
-        return self.pools[group].num_free_blocks
+        self._settle()
+        return self._pools[group].num_free_blocks
 
     def num_cached_blocks(self, group: int = 0) -> int:
         """Blocks of ``group`` findable by prefix lookup (held or free)."""
-        return self.pools[group].num_cached_blocks
+        self._settle()
+        return self._pools[group].num_cached_blocks
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """What is known about block contents (namespaces, hits, registration)."""
+        self._settle()
+        return self._prefix_cache
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self.prefix_cache.stats
+        self._settle()
+        return self._prefix_cache.stats
 
     # ----------------------------------------------------------------- host tier
     def take_transfers(self) -> tuple[HostTransfers, ...]:
@@ -454,16 +468,18 @@ class KVCacheManager(RunningRequests):
         the step's blocks; the host blocks involved stay pinned until this call. Empty pairs
         when the manager has no host tier.
         """
+        self._settle()
         return tuple(
             _NO_TRANSFERS if pool.host is None else pool.host.take_transfers()
-            for pool in self.pools
+            for pool in self._pools
         )
 
     @property
     def host_tier_stats(self) -> tuple[HostTierStats, ...]:
         """Per group, the host tier's block counters (all zero without a host tier)."""
+        self._settle()
         return tuple(
-            HostTierStats() if pool.host is None else pool.host.stats for pool in self.pools
+            HostTierStats() if pool.host is None else pool.host.stats for pool in self._pools
         )
 
     def check_integrity(self) -> None:
@@ -471,49 +487,5 @@ class KVCacheManager(RunningRequests):
 
         O(num_blocks + records + requests' blocks): for tests and debug modes.
         """
+        self._settle()
         check_manager_integrity(self, self._requests, self._rows.holders, self._rows.free_rows())
-
-    # ----------------------------------------------------------------- internals
-    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
-        """Release the blocks of group ``g`` that left each request's window, oldest first.
-
-        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
-        it, and this queues the prompt's head ahead of them for eviction (newest first would
-        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
-        compares the two).
-        """
-        bs = self.block_sizes[g]
-        released: list[np.ndarray] = []
-        state = self._row_state
-        for req in reqs:
-            row = req.row
-            first = int(state.num_skipped[g, row])
-            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
-            if skip <= first:
-                continue
-            self._journal.touch([row])
-            entries = state.blocks[g][row]
-            released.append(entries[first:skip].copy())  # oldest first
-            entries[first:skip] = NULL_BLOCK_ID
-            for i in range(first, skip):
-                self._journal.null(row, g, i)
-            state.num_skipped[g, row] = skip
-        if released:
-            ids = released[0] if len(released) == 1 else np.concatenate(released)
-            self.pools[g].release(ids, may_repeat=len(released) > 1)
-
-def _byte_hash_fn(hash_fn: object) -> HashFn | None:
-    """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""
-    if hash_fn is None or hash_fn == "fast":
-        return None
-    if hash_fn == "sha256":
-        return sha256_block_hash
-    if isinstance(hash_fn, str):
-        raise ValueError(  # noqa: TRY004 (a str of the right type, naming no hash)
-            f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}"
-        )
-    if not callable(hash_fn):
-        raise TypeError(
-            f"hash_fn must be 'fast', 'sha256' or a callable, got {type(hash_fn).__name__}"
-        )
-    return hash_fn  # type: ignore[return-value]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
-from blocktable.allocator.errors import OutOfBlocksError
-from blocktable.allocator.host_tier import HostTier
+from blocktable.allocator.errors import IntegrityError, OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue, last_occurrences
+from blocktable.host_tier import HostTier
 
 # The reference a release drops, in the dtype of ref_counts (a Python int would take ufunc.at's
 # slow path, ~20x slower; a 0-d array costs a little less per call than a numpy scalar).
@@ -47,7 +47,7 @@ class BlockPool:
     max_records : int, optional
         Records the prefix index keeps, live or dead (see :class:`PrefixIndex`).
     num_host_blocks : int
-        Blocks of a host tier (:class:`~blocktable.allocator.host_tier.HostTier`) that keeps
+        Blocks of a host tier (:class:`~blocktable.host_tier.HostTier`) that keeps
         evicted contents findable; 0 (default): none, evicted contents are forgotten.
     """
 
@@ -146,18 +146,6 @@ class BlockPool:
             self.host.cancel_restores(evicted)
         return evicted
 
-    def take_one(self) -> int:
-        """:meth:`take` of one block (the pool must have a free block); the decode fast path."""
-        if len(self.uncached):
-            block_id = self.uncached.pop_one()
-        else:
-            block_id = self.cached.pop_one()
-            self._evict(np.array([block_id], dtype=np.intp))
-        self.ref_counts[block_id] = 1
-        if self.host is not None and self.host.has_pending_restores:
-            self.host.cancel_restores(np.array([block_id]))
-        return block_id
-
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
         record = self.record
@@ -168,18 +156,9 @@ class BlockPool:
         record[block_ids] = -1
         self.num_cached_blocks -= len(block_ids)
 
-    def share(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """``counts[i]`` more references on block ``block_ids[i]`` (distinct, cached or owned);
-        free ones leave the free queue."""
-        ref_counts = self.ref_counts
-        was_free = block_ids[ref_counts[block_ids] == 0]
-        if len(was_free):
-            self.cached.remove(was_free)
-        ref_counts[block_ids] += counts
-
     def share_many(self, block_ids: np.ndarray) -> None:
-        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed):
-        :meth:`share` without sorting out the repeats first."""
+        """One more reference per entry of ``block_ids`` (cached or owned; repeats allowed);
+        free ones leave the free queue."""
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
         if np.count_nonzero(refs) < len(refs):  # some were free
@@ -412,4 +391,8 @@ class BlockPool:
         """
         check_pool_integrity(self, expected_ref_counts)
         if self.host is not None:
-            self.host.check_integrity()
+            self.host.check_integrity(_host_tier_failed)
+
+
+def _host_tier_failed(msg: str) -> NoReturn:
+    raise IntegrityError(f"host tier: {msg}")

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.hashing import ChainPowers, block_content_hashes, chain_keys
 from blocktable.allocator.pool import BlockPool
+from blocktable.block_hashing import ChainPowers, block_content_hashes, chain_keys
 
 _U64 = np.uint64
 

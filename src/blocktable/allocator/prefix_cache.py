@@ -16,14 +16,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable.allocator.checks import check_model_len
-from blocktable.allocator.hashing import ChainPowers, HashFn, encode_namespace, namespace_seed
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks
 from blocktable.allocator.request import KeyChains, RequestState, TokenIds, token_array
 from blocktable.allocator.rowstate import RowState
 from blocktable.allocator.stats import PrefixCacheStats
+from blocktable.block_hashing import ChainPowers, HashFn, encode_namespace, namespace_seed
 from blocktable.constants import NULL_BLOCK_ID
+from blocktable.host_tier import fit_restores, restore_hits
 
 _INT64 = np.dtype(np.int64)
 Namespaces = dict[bytes, tuple[int, int]]  # encoding -> (root content id, key seed)
@@ -139,55 +140,7 @@ class PrefixCache:
         prompt_keys(plans, self.block_sizes, self.powers)
         find_hits(plans, self.pools, self.block_sizes, self.windows, self.align_tokens)
         if self.has_host_tier:
-            self._fit_restores(plans)
-
-    def _fit_restores(self, plans: list[PromptPlan]) -> None:
-        """Cap hits whose host blocks would find no free device block, the plans of one call
-        in order, so that restoring at admission never runs out of blocks. Free device blocks
-        that are hits themselves leave the free queue first: they do not count as free."""
-        hits = [plan for plan in plans if plan.num_cached_tokens]
-        if not any(
-            pool.host is not None
-            and any(np.count_nonzero(pool.index.holder[plan.hit_slots[g]] == 0) for plan in hits)
-            for g, pool in enumerate(self.pools)
-        ):
-            return  # every hit is on the device (the common case): nothing to restore
-        budgets: list[int | None] = []
-        for g, pool in enumerate(self.pools):
-            if pool.host is None:
-                budgets.append(None)
-                continue
-            on_device: set[int] = set()
-            for plan in plans:
-                if plan.num_cached_tokens:
-                    blocks = pool.index.holder[plan.hit_slots[g]]
-                    on_device.update(blocks[pool.ref_counts[blocks] == 0].tolist())
-            on_device.discard(0)
-            budgets.append(pool.num_free_blocks - len(on_device))
-        seen: list[set[int]] = [set() for _ in self.pools]  # restores counted already
-        for plan in plans:
-            n = plan.num_cached_tokens
-            if not n:
-                continue
-            for g, (pool, bs, budget) in enumerate(zip(self.pools, self.block_sizes, budgets)):
-                if budget is None:
-                    continue
-                slots = plan.hit_slots[g][: n // bs]
-                host_only = slots[pool.index.holder[slots] == 0].tolist()
-                new = [i for i, slot in enumerate(host_only) if slot not in seen[g]]
-                if len(new) > budget:  # the first restore that does not fit ends the hit
-                    first = int(np.flatnonzero(slots == host_only[new[budget]])[0])
-                    n = min(n, first * bs)
-            n = n // self.align_tokens * self.align_tokens
-            if n < plan.num_cached_tokens:
-                _cap_hit(plan, n, self.block_sizes)
-            for g, (pool, bs, budget) in enumerate(zip(self.pools, self.block_sizes, budgets)):
-                if budget is None or not n:
-                    continue
-                slots = plan.hit_slots[g]
-                fresh = set(slots[pool.index.holder[slots] == 0].tolist()) - seen[g]
-                seen[g] |= fresh
-                budgets[g] = budget - len(fresh)
+            fit_restores(plans, self.pools, self.block_sizes, self.align_tokens, _cap_hit)
 
     def lookup(self, prompt: TokenIds, namespace: object) -> PromptPlan:
         """The plan of one prompt with its hit, changing nothing."""
@@ -235,7 +188,11 @@ class PrefixCache:
             arena = state.ensure_width(g, max(num_cached) // bs)
             row_len, num_skipped = state.row_len_mvs[g], state.num_skipped_mvs[g]
             num_hashed, parent_cid = chains.group_views(g)
-            restored = self._restore_hits(pool, g, hits) if pool.host is not None else None
+            restored = (
+                restore_hits(pool, [plan.hit_slots[g] for _, plan in hits])
+                if pool.host is not None
+                else None
+            )
             gathered: dict[int, tuple[np.ndarray, int]] = {}  # id(slots) -> blocks, last cid
             parts = []
             for (req, plan), row, n in zip(hits, hit_rows, num_cached):
@@ -272,24 +229,6 @@ class PrefixCache:
             num_slots[row] = n
         self.num_hit_tokens += sum(num_cached)
         self.num_host_hit_tokens += sum(num_host)
-
-    @staticmethod
-    def _restore_hits(
-        pool: BlockPool, g: int, hits: list[tuple[RequestState, PromptPlan]]
-    ) -> np.ndarray | None:
-        """Give the hits' records that are only on the host fresh device blocks (restores
-        queued on the pool's host tier); return those blocks (int32, one reference each), or
-        None when every hit block is on the device. The hits' device blocks are shared first
-        (one reference per hit) so that the restore's take cannot evict them."""
-        parts = [plan.hit_slots[g] for _, plan in hits]
-        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        held = pool.index.holder[slots]
-        on_host = held == 0
-        if not np.count_nonzero(on_host):
-            return None
-        pool.share_many(held[~on_host])
-        need, first = np.unique(slots[on_host], return_index=True)
-        return pool.restore(need[np.argsort(first)])  # (in prompt order)
 
     # ----------------------------------------------------------------- computed blocks
     def register(self, reqs: list[RequestState], rows: np.ndarray, state: RowState) -> None:

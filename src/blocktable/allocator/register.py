@@ -2,7 +2,7 @@
 
 Block keys of a prompt's full blocks are computed at admission. Keys of blocks filled later
 (generated tokens) are computed here from each request's key chain state, for every request of
-the call in one :func:`~blocktable.allocator.hashing.token_chain_keys` pass. Groups of one
+the call in one :func:`~blocktable.block_hashing.token_chain_keys` pass. Groups of one
 block size register the same blocks (their registration always stands at the same block), so
 keys and token ids are found once per block size, and each group then files its new blocks
 with one :meth:`BlockPool.cache` call. Where each request's registration stands (blocks
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.hashing import ChainPowers, HashFn, byte_chain, token_chain_keys
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
+from blocktable.block_hashing import ChainPowers, HashFn, byte_chain, token_chain_keys
 
 
 def register_computed_blocks(

@@ -307,11 +307,6 @@ class KeyChains:
         Python ints)."""
         return self._start_mvs[group]
 
-    def set(self, row: int, bs: int, num_keys: int, state: int) -> None:
-        num_keys_mv, state_mv = self._set_mvs[bs]
-        num_keys_mv[row] = num_keys
-        state_mv[row] = state
-
     def copy_row(self, src: int, dst: int) -> None:
         """Row ``dst`` continues the chains of row ``src`` (a fork)."""
         for num_hashed, parent_cid in zip(self.num_hashed, self.parent_cid):

@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 
 class RowAllocator(Generic[T]):
-    """Rows ``0 .. num_rows - 1``; :meth:`take` hands out the lowest free row.
+    """Rows ``0 .. num_rows - 1``; :meth:`take_many` hands out the lowest free rows.
 
     Lowest-first keeps the held rows dense at the top of the table, so a table committing
     ``[0, max held row]`` moves little. The free rows are a heap: a step frees and takes a few
@@ -38,18 +38,9 @@ class RowAllocator(Generic[T]):
             f"no {num_rows} free rows for {what}: {num_free} free of {len(self.holders)}"
         )
 
-    def take(self, holder: T) -> int:
-        """Give the lowest free row to ``holder`` (call :meth:`check_free` first)."""
-        row = heapq.heappop(self._free)
-        self.holders[row] = holder
-        return row
-
     def take_many(self, holders: Sequence[T]) -> list[int]:
-        """Give the lowest free rows to ``holders``, in order (ascending rows).
-
-        :meth:`take` per holder, with the check first: raises :class:`OutOfRowsError` (nothing
-        taken) when fewer rows are free than holders are given.
-        """
+        """Give the lowest free rows to ``holders``, in order (ascending rows); raises
+        :class:`OutOfRowsError` (nothing taken) when fewer rows are free than holders."""
         free = self._free
         if len(holders) > len(free):
             self.check_free("the requests", len(holders))
@@ -60,12 +51,8 @@ class RowAllocator(Generic[T]):
             rows.append(row)
         return rows
 
-    def release(self, row: int) -> None:
-        self.holders[row] = None
-        heapq.heappush(self._free, row)
-
     def release_many(self, rows: Iterable[int]) -> None:
-        """:meth:`release` of each of ``rows`` (held, distinct)."""
+        """Free ``rows`` (held, distinct)."""
         held, free, push = self.holders, self._free, heapq.heappush
         for row in rows:
             held[row] = None

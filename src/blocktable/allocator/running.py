@@ -11,6 +11,7 @@ changes anything; the per-request calls are wrappers over the batched ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add, sub
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import RequestState, TokenIds, token_array
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
+from blocktable.constants import NULL_BLOCK_ID
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
@@ -48,20 +50,36 @@ class RunningRequests:
     def __init__(
         self, pools: Sequence[BlockPool], max_num_reqs: int, max_model_len: int | None
     ) -> None:
-        self.pools = tuple(pools)
-        self.block_sizes = tuple(pool.block_size for pool in self.pools)
+        self._pools = tuple(pools)
+        self.block_sizes = tuple(pool.block_size for pool in self._pools)
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self._requests: dict[ReqId, RequestState] = {}
         self._preempted: set[ReqId] = set()
-        # the last batched call's (req_ids, their states, their rows): a step's calls often
-        # name the same requests (allocate_many, then mark_computed_many); dropped whenever a
-        # request leaves (a request's state and row are fixed while it runs)
-        self._last_batch: tuple[list, list[RequestState], np.ndarray] | None = None
         self._rows: RowAllocator[RequestState] = RowAllocator(max_num_reqs)
-        self._row_state = RowState(max_num_reqs, len(self.pools))
-        self._journal = StepJournal(len(self.pools), self._row_state)
+        self._row_state = RowState(max_num_reqs, len(self._pools))
+        self._journal = StepJournal(len(self._pools), self._row_state)
         self.num_preemptions = 0
+        # per-request mark_computed calls recorded since the last call of any other method
+        # (distinct requests, in call order): applied by _settle as one batched call
+        self._pending_computed: dict[ReqId, int] = {}
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        """Per KV cache group, its block pool."""
+        self._settle()
+        return self._pools
+
+    def _settle(self) -> None:
+        """Apply the recorded per-request ``mark_computed`` calls (one batched call); every
+        other public method calls this first, so what it reads or changes is up to date."""
+        pending = self._pending_computed
+        if pending:
+            self._pending_computed = {}
+            self._apply_computed(list(pending), list(pending.values()))
+
+    def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
+        raise NotImplementedError  # KVCacheManager.mark_computed_many's work
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
@@ -72,6 +90,7 @@ class RunningRequests:
     ) -> None:
         """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
+        self._settle()
         req_ids, reqs, rows = self._running(req_ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
             check_same_length("token_ids", token_ids, len(req_ids))
@@ -153,10 +172,9 @@ class RunningRequests:
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
     ) -> bool:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
+        self._settle()
         _, _, _, needs = self._needs(req_ids, num_new_tokens)
-        return all(
-            int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self.pools)
-        )
+        return all(sum(need) <= pool.num_free_blocks for need, pool in zip(needs, self._pools))
 
     def allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -178,64 +196,92 @@ class RunningRequests:
             blocks, in call order), ``num_blocks`` (int32 ``[k]``) and the new ids (int32);
             read-only arrays.
         """
+        self._settle()
         reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            total = int(need.sum())
+        for g, (pool, need) in enumerate(zip(self._pools, needs)):
+            total = sum(need)
             if total > pool.num_free_blocks:
                 who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
                        else f"{len(reqs)} requests need")
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        grows = needs[0] > 0
-        for need in needs[1:]:
-            grows |= need > 0
-        grown = rows[grows]
-        self._journal.touch(grown)
+        # per-request counts as Python ints (a per-request call pays no array per count)
+        grown: Sequence[int]
+        if len(needs) == 1 and 0 not in needs[0]:
+            grown = range(len(rows))  # (usually: every request grows, no index lists)
+        elif len(needs) == 1:
+            grown = [i for i, n in enumerate(needs[0]) if n]
+        else:
+            grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
+        if not grown:
+            return tuple(RowBlocks() for _ in self._pools)
+        everyone = len(grown) == len(rows)
+        self._journal.touch(rows if everyone else [rows[i] for i in grown])
         state = self._row_state
         out = []
-        for g, (pool, need) in enumerate(zip(self.pools, needs)):
-            got = np.flatnonzero(need)
-            if not len(got):
-                out.append(RowBlocks())
-                continue
-            g_rows, num, starts = rows[got], need[got], old_lens[g][got]
-            new = pool.take(int(num.sum()))
-            ends = starts + num
-            arena = state.ensure_width(g, int(ends.max()))
-            # each row's run of new ids: its first flat position in the (C-contiguous) arena
-            # plus 0, 1, ... (where its run starts in `new`: the running sum before it)
-            first = g_rows * arena.shape[1] + starts - (np.cumsum(num) - num)
-            arena.reshape(-1)[first.repeat(num) + np.arange(len(new))] = new
-            state.row_len[g][g_rows] = ends
-            data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
-            flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
+        for g, (pool, need, old_len) in enumerate(zip(self._pools, needs, old_lens)):
+            if everyone and len(needs) == 1:
+                g_rows, num, starts = rows, need, old_len
+            else:
+                got = [i for i in grown if need[i]]
+                if not got:
+                    out.append(RowBlocks())
+                    continue
+                g_rows = [rows[i] for i in got]
+                num = [need[i] for i in got]
+                starts = [old_len[i] for i in got]
+            ends = list(map(add, starts, num))
+            new = pool.take(sum(num))
+            arena = state.ensure_width(g, max(ends))
             n = len(g_rows)
+            if n == 1:  # (Python ints: no numpy for one request's counts)
+                arena[g_rows[0], starts[0] : ends[0]] = new
+                state.row_len_mvs[g][g_rows[0]] = ends[0]
+                data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
+            else:
+                at, num_arr, ends_arr = np.array(g_rows), np.array(num), np.array(ends)
+                # each row's run of new ids: its first flat position in the (C-contiguous)
+                # arena plus 0, 1, ... (where its run starts in `new`: the running sum before)
+                first = at * arena.shape[1] + ends_arr - num_arr.cumsum()
+                arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
+                state.row_len[g][at] = ends_arr
+                data = np.concatenate((at, num_arr, new), dtype=np.int32, casting="unsafe")
+            flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        if len(grown):  # the tokens every group's blocks hold
-            slots = (old_lens[0] + needs[0]) * self.block_sizes[0]
-            for g in range(1, len(self.pools)):
-                np.minimum(slots, (old_lens[g] + needs[g]) * self.block_sizes[g], out=slots)
-            state.num_slots[grown] = slots[grows]
+        # the tokens every group's blocks hold
+        sizes = self.block_sizes
+        if len(sizes) == 1 and len(g_rows) == 1:  # (the rows and row ends of the one group)
+            state.num_slots_mv[g_rows[0]] = ends[0] * sizes[0]
+        elif len(sizes) == 1:
+            state.num_slots[at] = ends_arr * sizes[0]
+        else:
+            num_slots = state.num_slots_mv
+            for i in grown:
+                num_slots[rows[i]] = min(
+                    (length[i] + need[i]) * bs for length, need, bs in zip(old_lens, needs, sizes)
+                )
         return tuple(out)
 
     def _needs(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray], list[np.ndarray]]:
-        """The running requests of ``req_ids``, their rows (intp) and, per group, their row
-        lengths and the blocks each needs for ``num_new_tokens`` more tokens (int64 ``[n]``);
-        checked, including ``max_model_len``."""
-        req_ids, reqs, rows = self._running(req_ids)
+    ) -> tuple[list[RequestState], list[int], list[list[int]], list[list[int]]]:
+        """The running requests of ``req_ids``, their rows and, per group, their row lengths
+        and the blocks each needs for ``num_new_tokens`` more tokens (lists of int); checked,
+        including ``max_model_len``."""
+        reqs = running_requests(self._requests, self._preempted, as_list("req_ids", req_ids))
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        state = self._row_state
-        totals = state.num_computed.take(rows) + np.array(counts, dtype=np.int64)
-        if self.max_model_len is not None and len(reqs):
-            over = np.flatnonzero(totals > self.max_model_len)
-            if len(over):
-                i = int(over[0])
-                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
-        old_lens = [row_len.take(rows) for row_len in state.row_len]
-        needs = [np.maximum(-(-totals // bs) - old_len, 0)
-                 for bs, old_len in zip(self.block_sizes, old_lens)]
+        rows = [req.row for req in reqs]
+        totals = list(map(add, map(self._row_state.num_computed_mv.__getitem__, rows), counts))
+        if self.max_model_len is not None and totals and max(totals) > self.max_model_len:
+            i = next(i for i, t in enumerate(totals) if t > self.max_model_len)
+            self._check_request_len(reqs[i].req_id, "allocation", totals[i])
+        old_lens, needs = [], []
+        for row_len, bs in zip(self._row_state.row_len_mvs, self.block_sizes):
+            old_len = list(map(row_len.__getitem__, rows))
+            old_lens.append(old_len)
+            # blocks for the total, less those held (lookahead may hold more)
+            need = list(map(sub, [-(-t // bs) for t in totals], old_len))
+            needs.append(need if min(need, default=0) >= 0 else [max(n, 0) for n in need])
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
@@ -253,6 +299,7 @@ class RunningRequests:
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
+        self._settle()
         req_ids = as_list("req_ids", req_ids)
         preempted = self._preempted
         running = [r for r in req_ids if r not in preempted] if preempted else req_ids
@@ -270,6 +317,7 @@ class RunningRequests:
         Its computed full blocks stay cached, so re-admission with all its tokens so far
         (prompt and generated) usually hits them.
         """
+        self._settle()
         self._release([self._get(req_id)])
         self._preempted.add(req_id)
         self.num_preemptions += 1
@@ -284,55 +332,57 @@ class RunningRequests:
         ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
         """
         # Stamp the block sizes so a table built for another block size refuses the ids.
+        self._settle()
         return self._journal.take(self.block_sizes)
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, req_id: object) -> bool:
+        self._settle()
         return req_id in self._requests
 
     def row_of(self, req_id: ReqId) -> int:
         """The table row of a running request."""
+        self._settle()
         return self._get(req_id).row
 
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
+        self._settle()
         req = self._get(req_id)
-        return tuple(req.blocks(g).tolist() for g in range(len(self.pools)))
+        return tuple(req.blocks(g).tolist() for g in range(len(self._pools)))
 
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens of the request already in the KV cache."""
+        self._settle()
         return self._get(req_id).num_computed_tokens
 
     def num_tokens(self, req_id: ReqId) -> int:
         """Token ids known for the request (prompt plus appended)."""
+        self._settle()
         return self._get(req_id).num_tokens
 
     def is_preempted(self, req_id: ReqId) -> bool:
         """Whether ``req_id`` was preempted and not re-admitted or freed since."""
+        self._settle()
         return req_id in self._preempted
 
     @property
     def num_requests(self) -> int:
         """Running requests (each holds a row)."""
+        self._settle()
         return len(self._requests)
 
     @property
     def num_free_rows(self) -> int:
+        self._settle()
         return self._rows.num_free
 
     def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
         """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat. The last call's
-        answer when it named the same requests (nobody left since)."""
+        ``KeyError`` naming one not running, ``ValueError`` for a repeat."""
         req_ids = as_list("req_ids", req_ids)
-        last = self._last_batch
-        if last is not None and last[0] == req_ids:
-            return req_ids, last[1], last[2]
         reqs = running_requests(self._requests, self._preempted, req_ids)
-        rows = np.array([req.row for req in reqs], dtype=np.intp)
-        rows.flags.writeable = False
-        self._last_batch = (req_ids.copy(), reqs, rows)
-        return req_ids, reqs, rows
+        return req_ids, reqs, np.array([req.row for req in reqs], dtype=np.intp)
 
     def _get(self, req_id: ReqId) -> RequestState:
         req = self._requests.get(req_id)
@@ -347,19 +397,32 @@ class RunningRequests:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
+    def _check_computed(self, req: RequestState, num_computed: int) -> None:
+        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
+        if num_computed > req.num_tokens:
+            raise ValueError(
+                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+                f"{req.num_tokens} token ids are known (append_token_ids first)"
+            )
+        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
+            if num_computed > row_len * bs:
+                raise ValueError(
+                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                    f"group {g} has blocks for {row_len * bs} (allocate first)"
+                )
+
     def _release(self, reqs: list[RequestState]) -> None:
         """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
         slice of each request's row (tail first, read through memoryviews), one concatenation
         and one release; then the rows."""
         state, requests = self._row_state, self._requests
-        self._last_batch = None  # it may name a request of reqs
         rows = []
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
             del requests[req.req_id]
         self._journal.touch(rows)
         for pool, arena, row_len, num_skipped in zip(
-            self.pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
+            self._pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
             parts = []
             for row in rows:
@@ -371,3 +434,31 @@ class RunningRequests:
                 pool.release(ids, may_repeat=len(parts) > 1)
         state.stop(rows)
         self._rows.release_many(rows)
+
+    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
+        """Release the blocks of group ``g`` that left each request's window, oldest first.
+
+        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
+        it, and this queues the prompt's head ahead of them for eviction (newest first would
+        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
+        compares the two).
+        """
+        bs = self.block_sizes[g]
+        released: list[np.ndarray] = []
+        state = self._row_state
+        for req in reqs:
+            row = req.row
+            first = int(state.num_skipped[g, row])
+            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
+            if skip <= first:
+                continue
+            self._journal.touch([row])
+            entries = state.blocks[g][row]
+            released.append(entries[first:skip].copy())  # oldest first
+            entries[first:skip] = NULL_BLOCK_ID
+            for i in range(first, skip):
+                self._journal.null(row, g, i)
+            state.num_skipped[g, row] = skip
+        if released:
+            ids = released[0] if len(released) == 1 else np.concatenate(released)
+            self._pools[g].release(ids, may_repeat=len(released) > 1)

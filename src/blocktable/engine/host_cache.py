@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from blocktable.allocator.host_tier import HostTransfers
+from blocktable.host_tier import HostTransfers
 
 _BLOCK_DIM = 2  # kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 

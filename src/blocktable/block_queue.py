@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from blocktable.allocator.arrays import last_occurrences
+
+def last_occurrences(ids: np.ndarray) -> np.ndarray:
+    """``ids`` without repeats, each value kept where it occurs last, in the original order."""
+    if len(ids) < 2:
+        return ids
+    order = np.argsort(ids, kind="stable")
+    s = ids[order]
+    last = np.ones(len(ids), dtype=bool)
+    last[:-1] = s[:-1] != s[1:]
+    return ids[np.sort(order[last])]
 
 
 class BlockQueue:
@@ -127,17 +136,6 @@ class BlockQueue:
         self._head = end  # (the taken ids' positions now lie before the head: not live)
         self._len -= num_blocks
         return taken
-
-    def pop_one(self) -> int:
-        """Pop the oldest id (the queue must not be empty); the decode fast path."""
-        slots, position, head = self._slots, self._position, self._head
-        block_id = int(slots[head])
-        while position[block_id] != head:
-            head += 1
-            block_id = int(slots[head])
-        self._head = head + 1
-        self._len -= 1
-        return block_id
 
     def _compact(self) -> None:
         live = self.ids()

@@ -287,3 +287,20 @@ def byte_chain(
         parent = hash_fn(parent + data[i * step : (i + 1) * step] + namespace_bytes)
         out.append(parent)
     return out
+
+
+def byte_hash_fn(hash_fn: object) -> HashFn | None:
+    """The byte-chained hash function a ``hash_fn`` argument selects (None: the fast key)."""
+    if hash_fn is None or hash_fn == "fast":
+        return None
+    if hash_fn == "sha256":
+        return sha256_block_hash
+    if isinstance(hash_fn, str):
+        raise ValueError(  # noqa: TRY004 (a str of the right type, naming no hash)
+            f"hash_fn must be 'fast', 'sha256' or a callable, got {hash_fn!r}"
+        )
+    if not callable(hash_fn):
+        raise TypeError(
+            f"hash_fn must be 'fast', 'sha256' or a callable, got {type(hash_fn).__name__}"
+        )
+    return hash_fn  # type: ignore[return-value]

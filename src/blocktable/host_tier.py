@@ -1,6 +1,7 @@
 """The host tier of one pool: host-memory copies of cached block contents, indexed by record.
 
-The prefix index (:mod:`blocktable.allocator.index`) is shared by both tiers: a record's
+The pool's prefix index (:mod:`blocktable.allocator.index`, read and written here through
+:class:`RecordIndex`) is shared by both tiers: a record's
 ``holder`` is its device block (0 once evicted from the device) and its ``host_block`` the host
 block holding a copy (0 when none). A record is *findable* while either is set.
 
@@ -26,13 +27,13 @@ host tensor has ``num_host_blocks + 1`` blocks, block 0 unused.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
-from blocktable.allocator.errors import IntegrityError
-from blocktable.allocator.index import PrefixIndex
-from blocktable.allocator.queue import BlockQueue
+from blocktable.block_queue import BlockQueue
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 _NO_PAIRS.flags.writeable = False
@@ -107,6 +108,19 @@ class HostTierStats:
     num_host_evictions: int = 0
 
 
+class RecordIndex(Protocol):
+    """What the host tier reads and writes of a prefix index's records (all on cpu, by record
+    slot): ``cid`` (int64, 0 for an unused slot), ``holder`` (int32, the device block, 0 when
+    evicted) and ``host_block`` (int32, the host block holding a copy, 0 when none);
+    ``kill(slots)`` marks records with no copy left as dead (recyclable)."""
+
+    cid: np.ndarray
+    holder: np.ndarray
+    host_block: np.ndarray | None
+
+    def kill(self, slots: np.ndarray) -> None: ...
+
+
 class HostTier:
     """``num_host_blocks`` host blocks holding copies of the contents of ``index``'s records.
 
@@ -114,11 +128,11 @@ class HostTier:
     ----------
     num_host_blocks : int
         Host blocks (at least 1).
-    index : PrefixIndex
+    index : RecordIndex
         The pool's prefix index; its ``host_block`` array is this tier's record side.
     """
 
-    def __init__(self, num_host_blocks: int, index: PrefixIndex) -> None:
+    def __init__(self, num_host_blocks: int, index: RecordIndex) -> None:
         if index.host_block is None:
             raise ValueError("the prefix index was built without a host tier")
         self.num_host_blocks = num_host_blocks
@@ -263,14 +277,12 @@ class HostTier:
         self.record[:] = -1
 
     # ----------------------------------------------------------------- checks
-    def check_integrity(self) -> None:
+    def check_integrity(self, fail: Callable[[str], NoReturn]) -> None:
         """Records and host blocks point to each other; every host block is empty, in the
-        LRU queue or pinned, exactly once; host copies belong to used records."""
+        LRU queue or pinned, exactly once; host copies belong to used records. ``fail(msg)``
+        raises what the caller reports an inconsistency with."""
         index = self.index
         assert index.host_block is not None
-
-        def fail(msg: str) -> None:
-            raise IntegrityError(f"host tier: {msg}")
 
         empty, lru = self.empty.ids().tolist(), self.lru.ids().tolist()
         pins = [hb for hb in range(1, self.num_host_blocks + 1) if self.pinned[hb]]
@@ -296,3 +308,79 @@ class HostTier:
         for hb in self._restores.values():
             if not self.pinned[hb]:
                 fail(f"queued restore from host block {hb}, which is not pinned")
+
+
+# ----------------------------------------------------------------- admission
+def fit_restores(
+    plans: Sequence[Any],
+    pools: Sequence[Any],
+    block_sizes: Sequence[int],
+    align_tokens: int,
+    cap_hit: Callable[[Any, int, Sequence[int]], None],
+) -> None:
+    """Cap hits whose host blocks would find no free device block, the plans of one call
+    in order, so that restoring at admission never runs out of blocks. Free device blocks
+    that are hits themselves leave the free queue first: they do not count as free.
+
+    ``plans``: the call's prompt plans (``num_cached_tokens``, per group ``hit_slots``);
+    ``pools``: per group, a block pool (``host``, ``index.holder``, ``ref_counts``,
+    ``num_free_blocks``); ``cap_hit(plan, num_tokens, block_sizes)`` shortens a plan's hit."""
+    hits = [plan for plan in plans if plan.num_cached_tokens]
+    if not any(
+        pool.host is not None
+        and any(np.count_nonzero(pool.index.holder[plan.hit_slots[g]] == 0) for plan in hits)
+        for g, pool in enumerate(pools)
+    ):
+        return  # every hit is on the device (the common case): nothing to restore
+    budgets: list[int | None] = []
+    for g, pool in enumerate(pools):
+        if pool.host is None:
+            budgets.append(None)
+            continue
+        on_device: set[int] = set()
+        for plan in plans:
+            if plan.num_cached_tokens:
+                blocks = pool.index.holder[plan.hit_slots[g]]
+                on_device.update(blocks[pool.ref_counts[blocks] == 0].tolist())
+        on_device.discard(0)
+        budgets.append(pool.num_free_blocks - len(on_device))
+    seen: list[set[int]] = [set() for _ in pools]  # restores counted already
+    for plan in plans:
+        n = plan.num_cached_tokens
+        if not n:
+            continue
+        for g, (pool, bs, budget) in enumerate(zip(pools, block_sizes, budgets)):
+            if budget is None:
+                continue
+            slots = plan.hit_slots[g][: n // bs]
+            host_only = slots[pool.index.holder[slots] == 0].tolist()
+            new = [i for i, slot in enumerate(host_only) if slot not in seen[g]]
+            if len(new) > budget:  # the first restore that does not fit ends the hit
+                first = int(np.flatnonzero(slots == host_only[new[budget]])[0])
+                n = min(n, first * bs)
+        n = n // align_tokens * align_tokens
+        if n < plan.num_cached_tokens:
+            cap_hit(plan, n, block_sizes)
+        for g, (pool, bs, budget) in enumerate(zip(pools, block_sizes, budgets)):
+            if budget is None or not n:
+                continue
+            slots = plan.hit_slots[g]
+            fresh = set(slots[pool.index.holder[slots] == 0].tolist()) - seen[g]
+            seen[g] |= fresh
+            budgets[g] = budget - len(fresh)
+
+
+def restore_hits(pool: Any, hit_slots: list[np.ndarray]) -> np.ndarray | None:
+    """Give the hits' records that are only on the host fresh device blocks (restores
+    queued on the pool's host tier); return those blocks (int32, one reference each), or
+    None when every hit block is on the device. The hits' device blocks are shared first
+    (one reference per hit) so that the restore's take cannot evict them. ``hit_slots``: per
+    hit, the record slots of one group's pool ``pool``."""
+    slots = hit_slots[0] if len(hit_slots) == 1 else np.concatenate(hit_slots)
+    held = pool.index.holder[slots]
+    on_host = held == 0
+    if not np.count_nonzero(on_host):
+        return None
+    pool.share_many(held[~on_host])
+    need, first = np.unique(slots[on_host], return_index=True)
+    return pool.restore(need[np.argsort(first)])  # (in prompt order)
