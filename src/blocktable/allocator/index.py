@@ -102,14 +102,14 @@ class PrefixIndex:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
         d = self.slot_of_key
-        new, at = keys.tolist(), slots.tolist()
-        # one pass: a filed key keeps its slot, and so does a key given twice (its second
-        # entry's slot is not the one filed); where any differs, undo the keys filed here
-        found = list(map(d.setdefault, new, at))
-        if found != at:
-            for key, slot, got in zip(new, at, found):
-                if got == slot:
-                    del d[key]
+        new = keys.tolist()
+        if not d.keys().isdisjoint(new):
+            return False
+        size = len(d)
+        d.update(zip(new, slots.tolist()))  # (one C loop: cheaper than a call per key)
+        if len(d) != size + len(new):  # a key given twice: undo (none was filed before)
+            for key in set(new):
+                del d[key]
             return False
         self.key[slots] = keys
         return True
