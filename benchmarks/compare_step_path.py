@@ -68,7 +68,7 @@ def main() -> int:
     result = {
         **run_info(),
         "base_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base,
-                                      capture_output=True, text=True).stdout.strip(),
+                                      capture_output=True, text=True, check=True).stdout.strip(),
         "clock": "thread CPU time", "unit": "us, p50 over steps per run",
         "runs": runs, "summary": {name: summary(r) for name, r in runs.items()},
     }
