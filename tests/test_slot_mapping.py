@@ -250,7 +250,7 @@ def test_debug_mode_reports_tokens_past_their_blocks(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_and_no_recompile():
     """Captured once, replayed with new batch contents: exact slots, padded tail, one compile."""
-    from blocktable.slot_mapping import triton_kernel
+    from blocktable.slot_mapping import fused_kernel
 
     rng = np.random.default_rng(3)
     bt = MultiGroupBlockTable([GroupSpec(16), GroupSpec(32, 16)], 8, 1024, MAX_TOKENS, "cuda")
@@ -259,7 +259,7 @@ def test_cuda_graph_replay_and_no_recompile():
     qsl = torch.zeros(num_reqs + 1, dtype=torch.int32, device="cuda")
     pos = torch.zeros(num_tokens, dtype=torch.int64, device="cuda")
     bt.compute_slot_mapping(qsl, pos)  # compile before capture
-    compiled_before = len(triton_kernel._launch._compiled)
+    compiled_before = len(fused_kernel._launch._compiled)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         slots = bt.compute_slot_mapping(qsl, pos)
@@ -277,4 +277,4 @@ def test_cuda_graph_replay_and_no_recompile():
     for n in (1, 17, 40):  # eager calls with other token and request counts
         q = np.array([0, n], np.int32)
         bt.compute_slot_mapping(torch.from_numpy(q).cuda(), torch.arange(n, device="cuda"))
-    assert len(triton_kernel._launch._compiled) == compiled_before
+    assert len(fused_kernel._launch._compiled) == compiled_before
