@@ -75,10 +75,17 @@ class _Guard(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _triton_launches(guard: _Guard, record: list | None) -> Iterator[None]:
-    """Route every interpreted Triton launch past ``guard`` (and into ``record``)."""
+    """Route every interpreted Triton launch past ``guard`` (and into ``record``), and refuse
+    ``Tensor.tolist`` (a copy to the host that bypasses torch's dispatcher)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     original = InterpretedFunction.run
+    tolist = torch.Tensor.tolist
+
+    def refuse_tolist(t: torch.Tensor) -> Any:
+        if guard.paused:
+            return tolist(t)
+        raise HostSyncError("Tensor.tolist reads device data on the host (a sync on CUDA)")
 
     def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         guard.paused += 1
@@ -91,10 +98,12 @@ def _triton_launches(guard: _Guard, record: list | None) -> Iterator[None]:
         return result
 
     InterpretedFunction.run = run  # type: ignore[method-assign]
+    torch.Tensor.tolist = refuse_tolist  # type: ignore[method-assign]
     try:
         yield
     finally:
         InterpretedFunction.run = original  # type: ignore[method-assign]
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

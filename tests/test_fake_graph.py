@@ -38,6 +38,7 @@ def test_a_host_value_read_during_capture_stays_baked() -> None:
     lambda t: bool(t.any()),
     lambda t: t[t > 1],
     lambda t: t.nonzero(),
+    lambda t: t.tolist(),
 ])
 def test_a_host_sync_raises_inside_capture_and_no_host_sync(sync) -> None:
     t = torch.tensor([0, 1, 2, 3])
