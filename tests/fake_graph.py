@@ -8,12 +8,12 @@ the device.
 
 :class:`FakeGraph` holds CPU code to the same contract. Inside ``with graph.capture():`` every
 torch operation and every Triton launch runs once and is recorded with its arguments;
-:meth:`FakeGraph.replay` runs the record again on the same tensors. An operation that would
-make the host wait for the device (``.item()``, ``bool(t)``, ``nonzero``, ``tolist``...) raises
-inside the capture, as it does in a CUDA capture, and an operation whose output shape differs at
-replay raises too. So a test that captures, changes the inputs in place and replays finds host values
-baked into a step on a machine without a GPU. :func:`graph_for` gives a real CUDA graph on CUDA
-and this one on the CPU, behind the same two calls; :func:`no_host_sync` is the sync check alone.
+:meth:`FakeGraph.replay` runs the record again on the same tensors. An operation that would make
+the host wait for the device (``.item()``, ``bool(t)``, ``nonzero``, ``tolist``...) raises inside
+the capture, as it does in a CUDA capture, and an operation whose output shape differs at replay
+raises too. So a test that captures, changes the inputs in place and replays finds host values
+baked into a step on a machine without a GPU. :func:`graph_for` gives a real CUDA graph on CUDA and
+this one on the CPU, behind the same two calls; :func:`no_host_sync` is the sync check alone.
 """
 
 from __future__ import annotations
