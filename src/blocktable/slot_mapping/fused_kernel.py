@@ -152,7 +152,8 @@ def search_levels(max_num_reqs: int, radix: int) -> int:
     return levels
 
 
-# Tuned on an H200 (BENCHMARKS.md): tokens per program, search radix, warps.
+# Chosen with benchmarks/tune_slot_kernel.py on an H200 (the sweep: BENCHMARKS.md at 7aa778c):
+# tokens per program, search radix, warps.
 DEFAULT_BLOCK = 128
 DEFAULT_RADIX = 4
 DEFAULT_NUM_WARPS = 4
