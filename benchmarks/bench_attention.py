@@ -1,8 +1,9 @@
 """Time blocktable's Triton paged attention beside FlashInfer and torch's SDPA on one GPU.
 
 bf16, 32 query / 8 KV heads, head dim 128, page 16. Cases: decode (one query per request, from
-a CUDA graph, and "eager": ``triton.testing.do_bench``, i.e. CUDA events around one call after
-an L2 flush, device time that includes host work only where the GPU waits for it), causal
+a CUDA graph, and "flushed": device time with a flushed L2, ``triton.testing.do_bench``, i.e.
+CUDA events around one call after an L2 flush, host work included only where the GPU waits for
+it; not an eager call's wall time), causal
 prefill (TFLOP/s counted exactly from the causal mask), and a mixed step (255 decodes + one
 7937-token chunk over a 4096-token cached prefix) against the sum of its two parts run
 separately. Every case is checked against a float32 torch computation on a few sampled
@@ -61,7 +62,7 @@ class Row:
     kind: str  # decode / prefill / mixed
     case: str
     impl: str  # triton / flashinfer / sdpa / triton-parts / tune:<config>
-    eager_us: float | None
+    flushed_us: float | None  # device time with a flushed L2 (do_bench)
     graph_us: float | None
     tflops: float | None = None
     max_err: float | None = None
@@ -146,11 +147,11 @@ def timed(fn: Callable[[], object], graph: bool, smoke: bool,
     if smoke:
         fn()
         return None, None
-    eager = triton.testing.do_bench(fn, rep=rep_ms, return_mode="median") * 1e3
+    flushed = triton.testing.do_bench(fn, rep=rep_ms, return_mode="median") * 1e3
     graph_us = None
     if graph:
         graph_us = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
-    return eager, graph_us
+    return flushed, graph_us
 
 
 def flashinfer_runner(batch: Batch, decode: bool, graph: bool) -> Callable[[], object] | None:
@@ -241,10 +242,10 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
     run = batch.run()
     run()
     err = batch.check(batch.out)
-    eager, graph = timed(run, graph=decode or kind == "mixed", smoke=args.smoke)
+    flushed, graph = timed(run, graph=decode or kind == "mixed", smoke=args.smoke)
     flops = batch.causal_flops()
-    tflops = None if eager is None else flops / (eager * 1e-6) / 1e12
-    rows.append(Row(kind, label, "triton", eager, graph, None if decode else tflops, err))
+    tflops = None if flushed is None else flops / (flushed * 1e-6) / 1e12
+    rows.append(Row(kind, label, "triton", flushed, graph, None if decode else tflops, err))
     if not args.smoke and kind != "mixed":
         try:
             fi = flashinfer_runner(batch, decode, graph=False)
@@ -287,7 +288,7 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
             t = cg if cg is not None else ce
             rows.append(Row(kind, label, f"tune:{name}", ce, cg, None, cerr))
             if t is not None:
-                print(f"  tune {kind} {label}: {name} eager {ce:.1f} us"
+                print(f"  tune {kind} {label}: {name} flushed {ce:.1f} us"
                       + ("" if cg is None else f" graph {cg:.1f} us")
                       + f" err {cerr:.4f}", flush=True)
             if t is not None and (best is None or t < best[0]):
@@ -309,20 +310,20 @@ def bench_mixed(rows: list[Row], shape: Shape, device: str, args: argparse.Names
     alone = Batch(shape, seq[-1:], qlens[-1:], device, seed=5)
     times = [timed(b.run(), graph=True, smoke=args.smoke) for b in (decodes, alone)]
     if times[0][0] is not None:
-        eager = times[0][0] + times[1][0]
+        flushed = times[0][0] + times[1][0]
         graph = times[0][1] + times[1][1]
-        rows.append(Row("mixed", label, "triton-parts", eager, graph))
+        rows.append(Row("mixed", label, "triton-parts", flushed, graph))
 
 
 def print_table(rows: list[Row]) -> None:
     def f(v: float | None, d: int = 1) -> str:
         return "" if v is None else f"{v:.{d}f}"
 
-    print(f"{'kind':<8} {'case':<34} {'impl':<34} {'eager us':>9} {'graph us':>9} "
+    print(f"{'kind':<8} {'case':<34} {'impl':<34} {'flushed us':>10} {'graph us':>9} "
           f"{'TFLOP/s':>8} {'max err':>8} note")
     print("-" * 130)
     for r in rows:
-        print(f"{r.kind:<8} {r.case:<34} {r.impl:<34} {f(r.eager_us):>9} {f(r.graph_us):>9} "
+        print(f"{r.kind:<8} {r.case:<34} {r.impl:<34} {f(r.flushed_us):>10} {f(r.graph_us):>9} "
               f"{f(r.tflops):>8} {f(r.max_err, 4):>8} {r.note}")
 
 
@@ -338,7 +339,7 @@ def print_ratios(rows: list[Row]) -> None:
             o = by.get((kind, case, other))
             if o is None:
                 continue
-            for name, a, b in (("eager", r.eager_us, o.eager_us), ("graph", r.graph_us,
+            for name, a, b in (("flushed", r.flushed_us, o.flushed_us), ("graph", r.graph_us,
                                                                     o.graph_us)):
                 if a and b:
                     parts.append(f"{name} time / {other} {a / b:.2f}")

@@ -1,10 +1,11 @@
 """Time the block table's consumers on CUDA: KV write, paged decode attention, FlashInfer export.
 
-Medians of ``triton.testing.do_bench`` (eager launches, L2 flushed between runs) and, for the
+Medians of ``triton.testing.do_bench`` (device time with a flushed L2: CUDA events around one
+eager launch after an L2 flush; not the call's wall time) and, for the
 Triton kernels, of ``do_bench_cudagraph`` (graph replays). Torch paths synchronize (they read
 data-dependent sizes), so they have no graph time. Decode attention runs with the default
 number of KV splits ("s=") and, where that is more than one, unsplit. "GB/s" counts the bytes
-a kernel must move at least (KV read and written, KV read by attention), over the eager median.
+a kernel must move at least (KV read and written, KV read by attention), over the flushed median.
 
     python benchmarks/bench_consumers.py [--json out.json] [--quick]
 """
@@ -37,15 +38,15 @@ class Row:
     consumer: str
     scenario: str
     backend: str
-    eager_us: float
+    flushed_us: float  # device time with a flushed L2 (do_bench)
     graph_us: float | None
     gb_per_s: float | None
 
 
 def bench(fn: Callable[[], object], graph: bool) -> tuple[float, float | None]:
-    eager_ms = triton.testing.do_bench(fn, return_mode="median")
+    flushed_ms = triton.testing.do_bench(fn, return_mode="median")
     graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median") if graph else None
-    return eager_ms * 1e3, None if graph_ms is None else graph_ms * 1e3
+    return flushed_ms * 1e3, None if graph_ms is None else graph_ms * 1e3
 
 
 def bandwidth(num_bytes: int, us: float) -> float:
@@ -70,8 +71,8 @@ def bench_kv_write(rows: list[Row], quick: bool) -> None:
         args = (key, value, kv_cache[0], kv_cache[1], slot_mapping)
         for backend in ("triton", "torch"):
             run = partial(write_kv_cache, *args, check=False, backend=backend)
-            eager, graph = bench(run, graph=backend == "triton")
-            rows.append(Row("kv_write", label, backend, eager, graph, bandwidth(num_bytes, eager)))
+            flushed, graph = bench(run, graph=backend == "triton")
+            rows.append(Row("kv_write", label, backend, flushed, graph, bandwidth(num_bytes, flushed)))
 
 
 def gather_sdpa(
@@ -104,11 +105,11 @@ def bench_decode(rows: list[Row], quick: bool) -> None:
         default_splits = default_num_kv_splits(num_reqs, NUM_KV_HEADS, width, query.device)
         for splits in sorted({default_splits, 1}, reverse=True):
             run = partial(paged_decode_attention, *args, seq_lens, out=out, num_kv_splits=splits)
-            eager, graph = bench(run, graph=True)
-            gbs = bandwidth(num_bytes, eager)
-            rows.append(Row("decode_attn", label, f"triton s={splits}", eager, graph, gbs))
-        eager, _ = bench(partial(gather_sdpa, *args), graph=False)
-        rows.append(Row("decode_attn", label, "gather+sdpa", eager, None, None))
+            flushed, graph = bench(run, graph=True)
+            gbs = bandwidth(num_bytes, flushed)
+            rows.append(Row("decode_attn", label, f"triton s={splits}", flushed, graph, gbs))
+        flushed, _ = bench(partial(gather_sdpa, *args), graph=False)
+        rows.append(Row("decode_attn", label, "gather+sdpa", flushed, None, None))
 
 
 def bench_flashinfer(rows: list[Row], quick: bool) -> None:
@@ -126,9 +127,9 @@ def bench_flashinfer(rows: list[Row], quick: bool) -> None:
         args = (block_table, seq_lens, BLOCK_SIZE, kv_indptr, kv_indices, kv_last_page_len)
         for backend in ("triton", "torch"):
             run = partial(write_flashinfer_page_table, *args, backend=backend)
-            eager, graph = bench(run, graph=backend == "triton")
+            flushed, graph = bench(run, graph=backend == "triton")
             rows.append(
-                Row("flashinfer", label, backend, eager, graph, bandwidth(num_bytes, eager))
+                Row("flashinfer", label, backend, flushed, graph, bandwidth(num_bytes, flushed))
             )
 
 
@@ -137,10 +138,10 @@ def print_table(rows: list[Row]) -> None:
         return "" if value is None else f"{value:.{digits}f}"
 
     header = ("consumer", "scenario", "backend")
-    print(f"{header[0]:<12} {header[1]:<22} {header[2]:<12} {'eager µs':>9} {'graph µs':>9} GB/s")
+    print(f"{header[0]:<12} {header[1]:<22} {header[2]:<12} {'flushed µs':>11} {'graph µs':>9} GB/s")
     print("-" * 75)
     for r in rows:
-        times = f"{fmt(r.eager_us, 1):>9} {fmt(r.graph_us, 1):>9} {fmt(r.gb_per_s, 0):>5}"
+        times = f"{fmt(r.flushed_us, 1):>11} {fmt(r.graph_us, 1):>9} {fmt(r.gb_per_s, 0):>5}"
         print(f"{r.consumer:<12} {r.scenario:<22} {r.backend:<12} {times}")
 
 

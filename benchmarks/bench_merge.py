@@ -2,8 +2,9 @@
 
 One process per rank (spawned here, no torchrun), ``file://`` rendezvous in a temp dir. Each
 pattern and batch size is first checked against the float64 reference, then timed: per-call
-medians over many calls replayed from one CUDA graph and issued eagerly (CUDA events), and the
-same for the pattern's collectives alone on the merger's own buffers. vLLM's figures for its
+medians over many calls replayed from one CUDA graph, and "eager": CUDA events around many
+eager calls issued back to back, per call (stream time: host launch work counts where the GPU
+waits for it), and the same for the pattern's collectives alone on the merger's own buffers. vLLM's figures for its
 own merge are constants quoted from one earlier measurement (2 H200s, 2026-11-30, graph, same
 shapes), not measured by this run; the column says so.
 
@@ -79,7 +80,8 @@ def time_cuda(
     fn: Callable[[], object], calls: int, repeats: int,
     verify: Callable[[], float] | None = None, reset: Callable[[], None] | None = None,
 ) -> tuple[float, float, float | None]:
-    """(graph, eager) per-call medians in µs (``calls`` calls per graph replay / per timed run)
+    """(graph, eager back to back) per-call medians in µs (``calls`` calls per graph replay / per
+    timed run of eager calls between two events)
     and ``verify()`` after ``reset()`` and one more replay (the graph's own result)."""
     for _ in range(3):
         fn()

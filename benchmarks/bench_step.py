@@ -3,10 +3,12 @@
 Scenarios: manager block 16, 1024 max requests, width 8192 (128K context), 8192 max batched
 tokens. The captured step (:class:`blocktable.step.CapturedStep`: the update and the batch
 staged in a pinned buffer, one CUDA-graph replay) is timed for decode-1024 and decode-256
-beside the three-call step. On CUDA, kernel times are medians of CUDA-graph replays and of eager calls
-(``triton.testing.do_bench``); host times are medians of ``perf_counter`` over many calls. The
+beside the three-call step. On CUDA, kernel times are medians of CUDA-graph replays and device
+times with a flushed L2 (``triton.testing.do_bench``: CUDA events around one call after an L2
+flush; "flushed"); host times are medians of ``perf_counter`` over many calls. The
 host-time floors of the machine (an empty torch op; on CUDA ``current_stream()`` and an empty
-Triton launch, an empty graph replay) are measured in the same run and printed beside the step's host issue time. On
+Triton launch, an empty graph replay) are measured in the same run and printed beside the
+step's host issue time. On
 the CPU, slot mapping is timed with torch's default intra-op threads and with one thread (the
 CPU backend must not depend on them); only what was measured is printed.
 
@@ -38,7 +40,8 @@ MAX_MODEL_LEN = 131072
 MAX_TOKENS = 8192
 BLOCK = 16
 
-# vLLM anchors (its own code on one H200, 2026-11-29): graph / eager slot map (0.25.1, 0.33.0), µs
+# vLLM anchors (its own code on one H200, 2026-11-29): graph / L2-flushed device time of
+# the slot mapping (0.25.1, 0.33.0), µs
 ANCHORS = {
     "decode-256": "2.5/6.1 (0.25.1), 2.2/9.9 (0.33.0)",
     "decode-1024": "3.8/7.4 (0.25.1), 2.9/6.1 (0.33.0)",
@@ -162,10 +165,10 @@ def bench_slot_mapping(device, rng, results):
             import triton.testing
 
             row["graph_us"], row["graph_amortized_us"] = time_graph_us(call)
-            row["eager_us"] = triton.testing.do_bench(call, warmup=50, rep=300,
-                                                      return_mode="median") * 1e3
+            row["flushed_us"] = triton.testing.do_bench(call, warmup=50, rep=300,
+                                                        return_mode="median") * 1e3
             row["host_us"] = time_host_us(call, sync=torch.cuda.synchronize)
-            row["vllm_anchor_graph_eager_us"] = ANCHORS[name]
+            row["vllm_anchor_graph_flushed_us"] = ANCHORS[name]
         else:
             threads = torch.get_num_threads()
             row["host_us"] = time_host_us(call, n=200)
@@ -428,12 +431,12 @@ def print_table(results: dict) -> None:
     print(f"\nblocktable per-step benchmark on {where} (torch {results['torch']}, triton "
           f"{results.get('triton')}, CPU host loops {results['cpu_host_loops']})")
     if cuda:
-        print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'eager µs':>10}"
-              f"{'host µs':>9}   vLLM graph/eager µs")
+        print(f"{'scenario':<16}{'tokens':>7}{'graph µs':>10}{'graph/20':>10}{'flushed µs':>12}"
+              f"{'host µs':>9}   vLLM graph/flushed µs")
         for r in results["slot_mapping"]:
             print(f"{r['scenario']:<16}{r['tokens']:>7}{r['graph_us']:>10.2f}"
-                  f"{r['graph_amortized_us']:>10.2f}{r['eager_us']:>10.2f}{r['host_us']:>9.1f}   "
-                  f"{r['vllm_anchor_graph_eager_us']}")
+                  f"{r['graph_amortized_us']:>10.2f}{r['flushed_us']:>12.2f}{r['host_us']:>9.1f}   "
+                  f"{r['vllm_anchor_graph_flushed_us']}")
     else:
         print(f"{'scenario':<16}{'tokens':>7}{'host µs':>9}{'1 thread':>10}")
         for r in results["slot_mapping"]:

@@ -6,16 +6,17 @@ requests, then times it two ways:
 
 - ``graph``: a CUDA graph of 20 calls replayed; the median replay over 20 (device time, L2
   warm, no host work);
-- ``eager``: one call between two CUDA events with L2 flushed before it (``do_bench``, median),
-  host work of the launch included where the device waits for it. Configurations other than
+- ``flushed``: device time with a flushed L2: one call between two CUDA events with L2 flushed
+  before it (``do_bench``, median), host work of the launch included where the device waits
+  for it (not an eager call's wall time). Configurations other than
   the default run through a prebuilt :class:`~blocktable.attention.decode_plan.DecodePlan` (the
   launch path of a repeated public call, without its metadata lookup).
 
-For the default configuration it also times the public ``paged_attention`` call: ``eager``
+For the default configuration it also times the public ``paged_attention`` call: ``flushed``
 as above, ``host`` (the host time of one call with the GPU idle, median) and ``loop`` (100
 calls back to back between two events, per call: what a host-bound step sees).
 
-``--quick`` (under a minute): the public call (graph, eager) at the 6 decode shapes of
+``--quick`` (under a minute): the public call (graph, flushed) at the 6 decode shapes of
 ``bench_attention.py``, and at B=1 x 8192, 1 x 131072 and 8 x 32768 the configuration the
 default rule picks (``decode_schedule``, marked ``rule:``) beside it with one choice
 changed at a time: splits 16 / 32 / 64, stages 2 / 3, block ids prefetched / per block,
@@ -80,7 +81,7 @@ class Row:
     case: str
     config: str
     graph_us: float | None
-    eager_us: float | None
+    flushed_us: float | None  # device time with a flushed L2 (do_bench)
     max_err: float | None = None
     host_us: float | None = None
     loop_us: float | None = None
@@ -111,7 +112,7 @@ def graph_us(fn: Callable[[], object], replays: int = 7) -> float:
     return statistics.median(times)
 
 
-def eager_us(fn: Callable[[], object]) -> float:
+def flushed_us(fn: Callable[[], object]) -> float:
     """``do_bench``'s median: L2 flushed before each call, CUDA events around it."""
     return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median") * 1e3
 
@@ -234,11 +235,11 @@ def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[Variant],
     err = checked(batch, public)
     row = Row(name, "default (public call)", None, None, err)
     if not smoke:
-        row.graph_us, row.eager_us = graph_us(public), eager_us(public)
+        row.graph_us, row.flushed_us = graph_us(public), flushed_us(public)
         if host_loop:
             row.host_us, row.loop_us = host_us(public), loop_us(public)
     rows.append(row)
-    print(f"{name}: default graph {row.graph_us} eager {row.eager_us} host {row.host_us} "
+    print(f"{name}: default graph {row.graph_us} flushed {row.flushed_us} host {row.host_us} "
           f"loop {row.loop_us}", flush=True)
     for config in configs:
         label = ("rule: " if config == rule else "") + describe(config)
@@ -247,7 +248,7 @@ def sweep_case(rows: list[Row], name: str, batch: Batch, configs: list[Variant],
             err = checked(batch, fn)
             g = e = None
             if not smoke:
-                g, e = graph_us(fn), eager_us(fn)
+                g, e = graph_us(fn), flushed_us(fn)
         except WrongResult as exc:
             rows.append(Row(name, label, None, None, note=f"WRONG: {exc}"[:100]))
             continue
@@ -261,21 +262,21 @@ def print_table(rows: list[Row]) -> None:
     def f(v: float | None, d: int = 1) -> str:
         return "" if v is None else f"{v:.{d}f}"
 
-    print(f"\n{'case':<9} {'config':<46} {'graph us':>9} {'eager us':>9} {'host us':>8} "
+    print(f"\n{'case':<9} {'config':<46} {'graph us':>9} {'flushed us':>11} {'host us':>8} "
           f"{'loop us':>8} {'max err':>8} note")
     print("-" * 112)
     for r in rows:
-        print(f"{r.case:<9} {r.config:<46} {f(r.graph_us):>9} {f(r.eager_us):>9} "
+        print(f"{r.case:<9} {r.config:<46} {f(r.graph_us):>9} {f(r.flushed_us):>11} "
               f"{f(r.host_us):>8} {f(r.loop_us):>8} {f(r.max_err, 4):>8} {r.note}")
-    print("\nbest per case (graph / eager):")
+    print("\nbest per case (graph / flushed):")
     for case in dict.fromkeys(r.case for r in rows):
         timed = [r for r in rows if r.case == case and r.graph_us is not None]
         if not timed:
             continue
         bg = min(timed, key=lambda r: r.graph_us)  # type: ignore[arg-type, return-value]
-        be = min(timed, key=lambda r: r.eager_us)  # type: ignore[arg-type, return-value]
+        be = min(timed, key=lambda r: r.flushed_us)  # type: ignore[arg-type, return-value]
         print(f"  {case:<9} graph {bg.graph_us:.1f} us ({bg.config}); "
-              f"eager {be.eager_us:.1f} us ({be.config})")
+              f"flushed {be.flushed_us:.1f} us ({be.config})")
 
 
 class _NoLaunch:

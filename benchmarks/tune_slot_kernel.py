@@ -24,7 +24,7 @@ from bench_step import BLOCK, batch, build_table, decode_updates, scenarios, tim
 from run_info import run_info
 
 from blocktable import GroupSpec
-from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
+from blocktable.slot_mapping.fused_kernel import launch_slot_mapping
 
 
 def tune(rng, out):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from test_allocator_snapshot import full_state
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-from blocktable.engine.request import Request, RequestStatus
+from blocktable.engine.generation_request import Request, RequestStatus
 from blocktable.engine.scheduler import Scheduler
 
 

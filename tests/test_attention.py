@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from fake_graph import graph_for
 
 from blocktable.attention import paged_attention_reference, paged_decode_attention
 from blocktable.constants import NULL_BLOCK_ID
@@ -304,24 +305,28 @@ def test_decode_triton_takes_any_block_size(triton_device: str) -> None:
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_decode_and_kv_write_replay_in_a_cuda_graph() -> None:
-    """One decode step, KV write then attention, captured once and replayed with new data."""
+def test_decode_and_kv_write_replay_in_a_graph(triton_device: str) -> None:
+    """One decode step, KV write then attention, captured once (a CUDA graph, or its CPU
+    stand-in under Triton's interpreter) and replayed with new data."""
     from blocktable.kv_write import write_kv_cache
 
-    k_cache, v_cache, block_table, seq = make_paged([40, 9, 0], 2, 64, 16, torch.float16, "cuda")
-    query = torch.randn(3, 4, 64, device="cuda").half()
-    key, value = torch.randn(2, 3, 2, 64, device="cuda").half()
-    slot_mapping = torch.full((8,), -1, dtype=torch.int64, device="cuda")
+    dev = triton_device
+    k_cache, v_cache, block_table, seq = make_paged([40, 9, 0], 2, 64, 16, torch.float16, dev)
+    query = torch.randn(3, 4, 64, device=dev).half()
+    key, value = torch.randn(2, 3, 2, 64, device=dev).half()
+    slot_mapping = torch.full((8,), -1, dtype=torch.int64, device=dev)
     out = torch.empty_like(query)
 
     def step() -> None:
-        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-        paged_decode_attention(query, k_cache, v_cache, block_table, seq, out=out)
+        # check=False: on CPU tensors the slots are checked on the host by default (free
+        # there, a sync on CUDA, where the default skips it)
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend="triton", check=False)
+        paged_decode_attention(query, k_cache, v_cache, block_table, seq, out=out,
+                               backend="triton")
 
     step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph = graph_for(dev)
+    with graph.capture():
         step()
     seq.copy_(torch.tensor([41, 10, 0], dtype=torch.int32))  # each live request grows by one
     positions = seq[:2].long() - 1

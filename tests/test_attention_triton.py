@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from fake_graph import graph_for
 
 from blocktable.attention import (
     KernelConfig,
@@ -363,22 +364,24 @@ def test_bad_inputs_are_clear_errors_before_the_launch(triton_device: str) -> No
                             backend="triton")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_mixed_step_replays_in_a_cuda_graph() -> None:
-    """Captured once with one batch, replayed with other lengths (same shapes)."""
+def test_mixed_step_replays_in_a_graph(triton_device: str) -> None:
+    """Captured once with one batch (a CUDA graph, or its CPU stand-in under Triton's
+    interpreter), replayed with other lengths (same shapes)."""
+    dev = triton_device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter computes in numpy
     reqs = [(40, 1), (33, 20), (9, 1), (0, 0)]
-    query, k_cache, v_cache, table, seq, qsl = make_case(
-        reqs, 16, 2, 4, 64, torch.bfloat16, "cuda", pad_tokens=4
-    )
+    query, k_cache, v_cache, table, seq, qsl = make_case(reqs, 16, 2, 4, 64, dtype, dev,
+                                                         pad_tokens=4)
     out = torch.empty_like(query)
-    lse = torch.empty(query.shape[:2], device="cuda")
+    lse = torch.empty(query.shape[:2], device=dev)
 
     def step() -> None:
-        paged_attention(query, k_cache, v_cache, table, seq, qsl, out=out, lse_out=lse)
+        paged_attention(query, k_cache, v_cache, table, seq, qsl, out=out, lse_out=lse,
+                        backend="triton")
 
     step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph = graph_for(dev)
+    with graph.capture():
         step()
     new_reqs = [(41, 2), (45, 3), (16, 15), (0, 0)]  # within each row's blocks; more padding
     seq.copy_(torch.tensor([s for s, _ in new_reqs], dtype=torch.int32))
@@ -386,8 +389,8 @@ def test_mixed_step_replays_in_a_cuda_graph() -> None:
     query.normal_()
     graph.replay()
     ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
-    check_lse(lse, ref_lse, torch.bfloat16)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    check_lse(lse, ref_lse, dtype)
 
 
 def test_many_requests_search_and_all_padding(triton_device: str) -> None:

@@ -28,7 +28,7 @@ def test_decode_step_moves_only_new_ids(backend, triton_device):
 
 
 def test_decode_1024_steady_state_bytes():
-    """The issue-3 scenario: 1024 rows x 8192 wide, 64 rows gain a block: far under 64 KiB."""
+    """A decode step of 1024 rows x 8192 wide where 64 rows gain a block moves far under 64 KiB."""
     bt = BlockTable(16, 1024, max_model_len=131072, max_num_batched_tokens=8192)
     assert bt.width == 8192
     rng = np.random.default_rng(1)

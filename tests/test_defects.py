@@ -161,7 +161,7 @@ def test_fast_launch_env_var(monkeypatch):
 
 
 def test_public_launch_path_gives_identical_slots(triton_device):
-    from blocktable.slot_mapping import triton_kernel
+    from blocktable.slot_mapping import fused_kernel
 
     def slots():
         bt = MultiGroupBlockTable([GroupSpec(4), GroupSpec(8, 4)], 4, 64, 16,
@@ -174,7 +174,7 @@ def test_public_launch_path_gives_identical_slots(triton_device):
         rob = torch.tensor([0, 2], dtype=torch.int32, device=triton_device)
         return [s.cpu().clone() for s in bt.compute_slot_mapping(qsl, pos, row_of_batch=rob)]
 
-    launcher = triton_kernel._launch
+    launcher = fused_kernel._launch
     fast = launcher.fast
     try:
         launcher.fast = True

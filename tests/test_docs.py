@@ -29,7 +29,8 @@ import blocktable
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]
-CITATION = re.compile(r"SPEC|§|\bissue [0-9]")
+# "SPEC", "§", "issue 3", "issues #3", "issue-3" (not "host issue 258 us", a time)
+CITATION = re.compile(r"\bSPEC\b|§|(?<!host )\b[Ii]ssues? #?[0-9]|\b[Ii]ssue-[0-9]")
 MARKER = re.compile(r"<!--\s*example:\s*(.*?)\s*-->")
 RUN_KINDS = ("here", "processes")
 FENCE_LANGUAGES = ("", "python", "bash")  # "" is a diagram or a listing, never code
@@ -78,7 +79,11 @@ PYTHON_BLOCKS = [block for block in ALL_BLOCKS if block.language == "python"]
 
 
 def _user_facing_files() -> list[Path]:
-    return [*PAGES, ROOT / "BENCHMARKS.md", *sorted((ROOT / "src").rglob("*.py"))]
+    """Pages, sources, tests and benchmarks (this file spells the pattern out)."""
+    code = [p for folder in ("src", "tests", "benchmarks")
+            for p in sorted((ROOT / folder).rglob("*"))
+            if p.suffix in (".py", ".pyx", ".pxi") and p != Path(__file__).resolve()]
+    return [*PAGES, ROOT / "BENCHMARKS.md", *code]
 
 
 def test_no_citations_a_user_cannot_follow() -> None:

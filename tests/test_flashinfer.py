@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fake_graph import graph_for
 
 from blocktable.flashinfer import (
     flashinfer_indptr_host,
@@ -205,19 +206,20 @@ def test_bad_inputs_name_the_argument() -> None:
         flashinfer_page_table_host(table.numpy(), [65], 16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_cuda_graph_replay_sees_new_seq_lens() -> None:
+def test_graph_replay_sees_new_seq_lens(triton_device: str) -> None:
+    """Captured once (a CUDA graph, or its CPU stand-in under Triton's interpreter), replayed
+    after new sequence lengths were written into the same buffer."""
     _, table, seq = random_case(7, 6, 16, 9)
-    block_table = torch.from_numpy(table).cuda()
-    seq_lens = torch.from_numpy(seq).cuda()
-    kv_indptr = torch.empty(8, dtype=torch.int32, device="cuda")
-    kv_indices = torch.full((42,), POISON, dtype=torch.int32, device="cuda")
-    kv_last_page_len = torch.empty(7, dtype=torch.int32, device="cuda")
+    block_table = torch.from_numpy(table).to(triton_device)
+    seq_lens = torch.from_numpy(seq).to(triton_device)
+    kv_indptr = torch.empty(8, dtype=torch.int32, device=triton_device)
+    kv_indices = torch.full((42,), POISON, dtype=torch.int32, device=triton_device)
+    kv_last_page_len = torch.empty(7, dtype=torch.int32, device=triton_device)
     args = (block_table, seq_lens, 16, kv_indptr, kv_indices, kv_last_page_len)
-    write_flashinfer_page_table(*args)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        write_flashinfer_page_table(*args)
+    write_flashinfer_page_table(*args, backend="triton")  # compile outside the capture
+    graph = graph_for(triton_device)
+    with graph.capture():
+        write_flashinfer_page_table(*args, backend="triton")
     new_seq = np.random.default_rng(10).integers(0, 6 * 16 + 1, size=7).astype(np.int32)
     seq_lens.copy_(torch.from_numpy(new_seq))
     kv_indices.fill_(POISON)

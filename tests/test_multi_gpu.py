@@ -136,9 +136,9 @@ def test_two_gpus_in_one_process() -> None:
         second.slots([0, 3, 4], [0, 1, 2, 9], [3, 0])
     assert torch.cuda.current_device() == 0
     from blocktable import commit
-    from blocktable.slot_mapping import triton_kernel
+    from blocktable.slot_mapping import fused_kernel
 
-    for launcher in (triton_kernel._launch, commit._scatter_launcher):
+    for launcher in (fused_kernel._launch, commit._scatter_launcher):
         if launcher.fast:  # one compiled kernel per device, never shared
             assert {key[0] for key in launcher._compiled} == {0, 1}
 
@@ -147,9 +147,9 @@ def test_two_gpus_in_one_process() -> None:
 @pytest.mark.parametrize("device", [f"cuda:{i}" for i in range(min(NUM_GPUS, 2))] or ["cuda"])
 def test_fast_and_public_launch_paths_agree(device: str) -> None:
     from blocktable import commit
-    from blocktable.slot_mapping import triton_kernel
+    from blocktable.slot_mapping import fused_kernel
 
-    launchers = (triton_kernel._launch, commit._scatter_launcher)
+    launchers = (fused_kernel._launch, commit._scatter_launcher)
     saved = [launcher.fast for launcher in launchers]
     results = []
     try:

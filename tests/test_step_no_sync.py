@@ -1,11 +1,12 @@
-"""A whole block-table step issues no hidden host-device synchronization (CUDA), and its output
-buffers keep their addresses step after step (every device)."""
+"""A whole block-table step issues no hidden host-device synchronization (on CUDA, and on the CPU
+through the CUDA path's kernels under Triton's interpreter), and its output buffers keep their
+addresses step after step (every device)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
+from fake_graph import sync_check_for
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable.flashinfer import flashinfer_page_table_host, write_flashinfer_page_table
@@ -17,10 +18,11 @@ NUM_REQS, MAX_REQS, BLOCK, NUM_BLOCKS = 6, 8, 16, 64
 class Step:
     """Inputs of a few decode steps, built before the timed/checked region."""
 
-    def __init__(self, device: str, rng: np.random.Generator) -> None:
+    def __init__(self, device: str, rng: np.random.Generator, backend: str = "auto") -> None:
         self.device = device
+        self.backend = backend
         self.bt = MultiGroupBlockTable([GroupSpec(BLOCK, num_blocks=NUM_BLOCKS)], MAX_REQS,
-                                       BLOCK * 16, 64, device)
+                                       BLOCK * 16, 64, device, backend=backend)
         rows = np.arange(NUM_REQS, dtype=np.int32)
         ids = rng.permutation(np.arange(1, NUM_BLOCKS))[: NUM_REQS * 3].astype(np.int32)
         self.bt.apply(StepUpdate.make(1, added=[RowBlocks(rows, np.full(NUM_REQS, 2, np.int32),
@@ -57,8 +59,11 @@ class Step:
                                         query_start_loc_cpu=self.qsl_cpu)[0]
         view = bt.gather_view(0, self.row_of_batch)
         write_flashinfer_page_table(view, self.seq_lens, BLOCK, self.kv_indptr, self.kv_indices,
-                                    self.kv_last, seq_lens_cpu=self.seq_lens_cpu)
-        write_kv_cache(self.key, self.key, self.k_cache, self.v_cache, slots)
+                                    self.kv_last, seq_lens_cpu=self.seq_lens_cpu,
+                                    backend=self.backend)
+        # check=False is CUDA's default; on CPU tensors the slots are checked on the host
+        write_kv_cache(self.key, self.key, self.k_cache, self.v_cache, slots, check=False,
+                       backend=self.backend)
         return [t.data_ptr() for t in (bt.storage.device_tensor, slots, view, self.kv_indices,
                                        self.k_cache)]
 
@@ -71,18 +76,18 @@ class Step:
         assert self.bt.device_equals_host()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_step_never_synchronizes():
-    step = Step("cuda", np.random.default_rng(0))
+def test_step_never_synchronizes(triton_device):
+    """The Triton path's step, checked by CUDA's sync debug mode, or on the CPU by refusing
+    every operation that would synchronize on CUDA."""
+    step = Step(triton_device, np.random.default_rng(0), backend="triton")
     step.run(0)  # first calls compile the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    if triton_device == "cuda":
+        torch.cuda.synchronize()
+    with sync_check_for(triton_device)():
         for i in range(1, NUM_REQS):
             step.run(i)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    if triton_device == "cuda":
+        torch.cuda.synchronize()
     step.check()
 
 

@@ -33,7 +33,7 @@ _warned_no_triton = False
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids. (``triton.cdiv`` is a constexpr function in recent
-    Triton: about 7 µs a call on the lent H200's host, too slow for a per-step path.)"""
+    Triton, too slow to call on a per-step path.)"""
     return -(-a // b)
 
 
@@ -127,8 +127,8 @@ def fast_launch_enabled(
 class Launcher:
     """Launch a ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
 
-    ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call
-    (~10-40 µs of host time). This keeps the compiled kernel for each device and each
+    ``kernel[grid](...)`` binds arguments and recomputes the specialization key on every call,
+    host time that can exceed a small kernel's run. This keeps the compiled kernel for each device and each
     combination of the non-tensor, non-dynamic arguments and tensor dtypes seen, and calls its
     launcher directly
     (Triton's private launcher ABI: only on :data:`FAST_LAUNCH_TRITON_VERSIONS`, see

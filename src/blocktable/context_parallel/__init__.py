@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from blocktable.context_parallel.handshake import ConfigMismatchError
+from blocktable.context_parallel.agreement import ConfigMismatchError
 from blocktable.context_parallel.merge import (
     PATTERNS,
     TRANSPORTS,

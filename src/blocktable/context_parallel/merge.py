@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from blocktable._checks import check_positive, check_tensor
 from blocktable.config import CPConfig
+from blocktable.context_parallel.agreement import agree
 from blocktable.context_parallel.collectives import Collectives
 from blocktable.context_parallel.correction import A2ALayout, MergeKernels
-from blocktable.context_parallel.handshake import agree
 from blocktable.context_parallel.p2p import (
     P2PLayout,
     P2PMerge,
@@ -62,7 +62,7 @@ class AttentionMerger:
     Every rank of the group constructs its merger at the same point with the same settings:
     construction gathers every rank's settings once (pattern, dtype, heads, head_dim,
     max_num_tokens, transport, device type, library version, world and rank order) and raises
-    :class:`~blocktable.context_parallel.handshake.ConfigMismatchError` on every rank when they
+    :class:`~blocktable.context_parallel.agreement.ConfigMismatchError` on every rank when they
     differ. Then every rank must call :meth:`merge` in the same order with the same
     ``num_tokens``, empty batches included (a call with no token still takes part in the
     collectives). With ``check_calls`` (the default on the CPU) each call first all-gathers a

@@ -1,6 +1,6 @@
 """A minimal continuous-batching engine on blocktable: how the pieces fit in a real loop.
 
-- :mod:`~blocktable.engine.request`: a request's tokens and state;
+- :mod:`~blocktable.engine.generation_request`: a request's tokens and state;
 - :mod:`~blocktable.engine.scheduler`: token budget, chunked prefill, preemption;
 - :mod:`~blocktable.engine.engine`: the step loop (allocator -> table -> commit -> slot
   mapping -> KV write + paged attention -> sampling);
@@ -19,8 +19,8 @@ from __future__ import annotations
 from blocktable.engine.dcp_plan import RankStats, StepPlan
 from blocktable.engine.distributed import DistributedEngine
 from blocktable.engine.engine import EngineConfig, LLMEngine, StepResult
+from blocktable.engine.generation_request import Request, RequestStatus
 from blocktable.engine.model import AttentionInputs, PagedLlama, tiny_llama
-from blocktable.engine.request import Request, RequestStatus
 from blocktable.engine.sampling import SamplingParams
 from blocktable.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from blocktable.engine.verify import Verification, reference_generate, verify_requests

@@ -81,7 +81,7 @@ class BatchInputBuffers:
         # the words from the input ids on (ids and the logits' indices): what fill_staged sends
         self._host_tail = self._host[ids:]
         self._device_tail = self._device[ids:]
-        # views by size, made once: slicing a tensor costs about a microsecond of host time
+        # views by size, made once: slicing tensors every step costs host time
         self._ids_views: dict[int, torch.Tensor] = {}
         self._last_views: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if cuda else None

@@ -23,8 +23,8 @@ from blocktable.config import CPConfig
 from blocktable.engine.dcp_plan import RankStats
 from blocktable.engine.distributed import DistributedEngine, StepHook
 from blocktable.engine.engine import EngineConfig, StepResult
+from blocktable.engine.generation_request import Request
 from blocktable.engine.model import HFLlama, tiny_llama
-from blocktable.engine.request import Request
 from blocktable.engine.scheduler import SchedulerOutput
 from blocktable.engine.workload import WorkloadRequest, run_workload
 

@@ -16,7 +16,7 @@ One :meth:`DistributedEngine.step`:
 
 The other ranks run :meth:`DistributedEngine.serve` until the driver calls
 :meth:`DistributedEngine.shutdown`. Construction is a handshake: every rank's settings are
-gathered once and compared (:func:`~blocktable.context_parallel.handshake.agree`), so ranks
+gathered once and compared (:func:`~blocktable.context_parallel.agreement.agree`), so ranks
 that disagree (on the interleave, the block size, the model...) fail at once, on every rank.
 """
 
@@ -37,13 +37,13 @@ from blocktable.allocator import KVCacheManager
 from blocktable.attention.cp_layout import local_seq_len
 from blocktable.config import CPConfig
 from blocktable.constants import PAD_SLOT_ID
-from blocktable.context_parallel.handshake import agree
+from blocktable.context_parallel.agreement import agree
 from blocktable.context_parallel.launch import report_step
 from blocktable.engine.cp_model import CPPagedLlama, Merger
 from blocktable.engine.dcp_plan import RankStats, StepPlan, check_cp_group
 from blocktable.engine.engine import EngineConfig, StepResult, sample_and_finish
+from blocktable.engine.generation_request import Request
 from blocktable.engine.model import AttentionInputs, HFLlama
-from blocktable.engine.request import Request
 from blocktable.engine.sampling import GREEDY, SamplingParams
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.group_layout import GroupLayout, build_specs

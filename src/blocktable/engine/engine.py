@@ -36,9 +36,9 @@ from blocktable._triton import resolve_backend
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.config import GroupSpec
 from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs
+from blocktable.engine.generation_request import Request
 from blocktable.engine.host_cache import HostKVCache
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
-from blocktable.engine.request import Request
 from blocktable.engine.sampling import GREEDY, SamplingParams, sample_token
 from blocktable.engine.scheduler import Scheduler, SchedulerOutput
 from blocktable.multi_group import MultiGroupBlockTable

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from blocktable.allocator import KVCacheManager, OutOfBlocksError
-from blocktable.engine.request import Request, RequestStatus
+from blocktable.engine.generation_request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

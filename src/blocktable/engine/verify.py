@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blocktable.engine.generation_request import Request
 from blocktable.engine.model import HFLlama
-from blocktable.engine.request import Request
 
 LOGITS_RTOL = 1e-4
 """Bound on ``max |engine - reference|`` over a request's logits, relative to

@@ -11,7 +11,7 @@ FlashInfer's paged KV cache describes request ``r`` by its pages
 
 ``page_size`` is the kernel block size: the table's ids are FlashInfer page ids.
 :func:`write_flashinfer_page_table` fills caller-owned device buffers without a host sync
-(``device``, with the Triton kernel in ``triton_kernel``); :func:`flashinfer_indptr_host` and
+(``device``, with the Triton kernel in ``csr_kernel``); :func:`flashinfer_indptr_host` and
 :func:`flashinfer_page_table_host` give the same arrays with numpy from host-side sequence
 lengths, for FlashInfer's ``plan()`` (``host``).
 """

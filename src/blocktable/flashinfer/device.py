@@ -6,8 +6,8 @@ import torch
 
 from blocktable._checks import check_positive, check_tensor
 from blocktable._triton import on_device, resolve_backend
+from blocktable.flashinfer.csr_kernel import launch_flashinfer_page_table
 from blocktable.flashinfer.host import num_pages_host
-from blocktable.flashinfer.triton_kernel import launch_flashinfer_page_table
 
 
 def write_flashinfer_page_table(

@@ -1,7 +1,7 @@
 """Slot mapping: position -> KV slot for every scheduled token (``docs/layout.md``).
 
 ``reference`` defines the math in plain Python; ``torch_impl`` is the CPU backend (numpy);
-``triton_kernel`` is the fused one-launch kernel for CUDA (and CPU under the interpreter).
+``fused_kernel`` is the fused one-launch kernel for CUDA (and CPU under the interpreter).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def compute_slots(
     if not params:
         return
     if backend == "triton":
-        from blocktable.slot_mapping.triton_kernel import launch_slot_mapping
+        from blocktable.slot_mapping.fused_kernel import launch_slot_mapping
 
         launch_slot_mapping(
             flat_table, packed_params, query_start_loc, positions, row_of_batch, out,

@@ -5,7 +5,8 @@ of the whole ``max_num_tokens`` buffer and finds each token's request: first the
 ``request = token`` (right for every token of a decode-only batch, checked with two loads), else
 a ``RADIX``-ary search over ``query_start_loc`` (``RADIX`` lanes a level, so fewer dependent
 loads than a binary search). Then it writes that token's slot in every group at once, as a
-``[tokens, groups]`` tile whose loads all issue before the one store (PAD past ``num_tokens``). The grid depends only on ``max_num_tokens``, so one compiled kernel and one
+``[tokens, groups]`` tile whose loads all issue before the one store (PAD past
+``num_tokens``). The grid depends only on ``max_num_tokens``, so one compiled kernel and one
 grid serve every step (CUDA-graph safe); ``num_tokens`` and ``num_reqs`` are runtime values
 that never recompile. Index math is int32 (the flat table has < 2**31 entries, positions past
 2**31 are PAD); when every size is a power of two (``POW2``) it shifts and masks instead of
@@ -151,7 +152,8 @@ def search_levels(max_num_reqs: int, radix: int) -> int:
     return levels
 
 
-# Tuned on an H200 (BENCHMARKS.md): tokens per program, search radix, warps.
+# Chosen with benchmarks/tune_slot_kernel.py on an H200 (the sweep: BENCHMARKS.md at 7aa778c):
+# tokens per program, search radix, warps.
 DEFAULT_BLOCK = 128
 DEFAULT_RADIX = 4
 DEFAULT_NUM_WARPS = 4
