@@ -19,7 +19,7 @@ accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 
-import numpy as _np
+cdef object _np = None  # numpy, imported at the first journal diff (not by `--help`)
 
 cdef enum:
     PAD_SLOT_ID = -1

@@ -40,6 +40,10 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
     ``2 + 5 * num_groups`` parts. Inputs are only read; every length is checked against its
     arena before anything is gathered.
     """
+    global _np
+    if _np is None:
+        import numpy
+        _np = numpy
     cdef const int64_t[::1] tch = _int64_in(touched, "touched")
     cdef const int64_t[::1] sgen = _int64_in(start_gen, "start_gen")
     cdef const int64_t[::1] hgen = _int64_in(holder_gen, "holder_gen")
