@@ -192,13 +192,13 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         for i in range(n_tiles):
             start = i * BLOCK_N
-            s = s * qk_scale
             if start + BLOCK_N > full_hi:  # a row of the tile misses some of its keys
                 visible = gl.expand_dims(start + cols, 0) < gl.expand_dims(row_hi, 1)
                 s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # Scaled once per row, not per score: exp2(s * scale - m) is one FMA per score.
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
