@@ -25,12 +25,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import MAX_ABS_ERR, Batch, Shape, sdpa_runner  # noqa: E402
-from run_info import run_info  # noqa: E402
+from bench_attention import MAX_ABS_ERR, Batch, Shape, sdpa_runner
+from run_info import run_info
 
-from blocktable.attention import PagedAttention, paged_attention  # noqa: E402
-from blocktable.attention import prefill_launch  # noqa: E402
-from blocktable.attention.kernel_config import default_config  # noqa: E402
+from blocktable.attention import (
+    PagedAttention,
+    paged_attention,
+    prefill_launch,
+)
+from blocktable.attention.kernel_config import default_config
 
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
@@ -130,7 +133,7 @@ def main() -> int:
         import triton
 
         batch = Batch(shape, [8192], [1], "cuda")
-        fn = lambda: paged_attention(  # noqa: E731
+        fn = lambda: paged_attention(
             batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
             batch.query_start_loc, out=batch.out, max_query_len=1,
         )

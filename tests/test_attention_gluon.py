@@ -21,9 +21,9 @@ from test_attention_triton import (
 )
 
 from blocktable.attention import KernelConfig, PagedAttention
-from blocktable.attention.kernel_config import default_config
 from blocktable.attention.cp_layout import CPLayout
 from blocktable.attention.gluon_prefill import HAS_GLUON, supports
+from blocktable.attention.kernel_config import default_config
 from blocktable.attention.prefill_launch import gluon_reason
 
 HOPPER = (
@@ -130,7 +130,7 @@ def test_auto_picks_gluon_on_hopper_and_triton_for_what_it_cannot_serve(monkeypa
     monkeypatch.setattr(prefill_launch, "_launch_gluon",
                         lambda *a, **k: (calls.append(1), real(*a, **k)))
     args = make_case(LONG, 16, 2, 4, 64, torch.bfloat16, "cuda", seed=2)
-    out, lse = run_prefill(args, "auto")
+    _out, _lse = run_prefill(args, "auto")
     assert calls == [1]
     out_w, _ = run_prefill(args, "auto", window=7)  # a window: the Triton kernel
     assert calls == [1]
@@ -172,7 +172,7 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
 
 @needs_hopper
 @pytest.mark.parametrize("tiles", [
-    dict(pipelined=False), dict(block_m=64, warps=4), dict(block_n=128), dict(block_n=32, stages=4),
+    {"pipelined": False}, {"block_m": 64, "warps": 4}, {"block_n": 128}, {"block_n": 32, "stages": 4},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch

@@ -67,7 +67,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     @gluon.constexpr_function
     def _rows_layout(width, num_warps):
         """Blocked layout of ``[rows, width]`` tiles: 16-byte vectors along the head."""
-        vec = 8 if width >= 8 else width
+        vec = min(8, width)
         cols = max(1, min(32, width // vec))
         return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
 
