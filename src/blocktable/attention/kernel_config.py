@@ -41,8 +41,8 @@ class KernelConfig:
         chosen from shapes (:func:`~blocktable.attention.triton_decode.default_num_kv_splits`).
     prefill_kernel : {"auto", "gluon", "triton"}
         Which prefill kernel runs: ``"auto"``, the Gluon kernel for Hopper
-        (:mod:`~blocktable.attention.gluon_prefill`) where it serves the inputs, else the
-        Triton kernel; ``"gluon"``, the Gluon kernel or a ``ValueError`` saying why not;
+        (:mod:`~blocktable.attention.gluon_prefill`) where it serves the inputs and
+        ``prefill_launch.AUTO_PICKS_GLUON`` is set, else the Triton kernel; ``"gluon"``, the Gluon kernel or a ``ValueError`` saying why not;
         ``"triton"``, the portable Triton kernel (the one the CPU interpreter runs). The
         ``prefill_*`` tile fields tune the Triton kernel only.
     """

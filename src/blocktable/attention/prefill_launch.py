@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -19,6 +20,10 @@ if HAS_TRITON:
 from blocktable.attention import gluon_prefill as _gluon
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
+# Whether KernelConfig(prefill_kernel="auto") takes the Gluon kernel where it serves the
+# inputs: off unless BLOCKTABLE_GLUON_PREFILL=1 until tests/test_attention_gluon.py has passed
+# on a Hopper GPU (see benchmarks/notes_gluon.md); prefill_kernel="gluon" asks for it anyway.
+AUTO_PICKS_GLUON = os.environ.get("BLOCKTABLE_GLUON_PREFILL", "0") == "1"
 _INTERPRET = interpreting()
 
 
@@ -77,7 +82,7 @@ def launch_prefill(
     window = sliding_window or 0
     block_m = max(config.prefill_block_m, group_pad)
     block_q = block_m // group_pad
-    if config.prefill_kernel != "triton":
+    if config.prefill_kernel == "gluon" or config.prefill_kernel == "auto" and AUTO_PICKS_GLUON:
         reason = gluon_reason(query, k_cache, v_cache, out, group_pad, window, cp)
         if reason is None:
             _launch_gluon(
