@@ -18,6 +18,7 @@ from blocktable._triton import interpreting, next_power_of_2
 _INTERPRET = interpreting()
 FUSED_COMBINE_MAX_PROGRAMS = 16  # num_reqs * num_kv_heads up to which the combine is fused
 DECODE_LONG_SPLIT_KEYS = 2048  # keys per split (of the widest row) from which a split is long
+PREFILL_KERNELS = ("auto", "gluon", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,12 @@ class KernelConfig:
     num_kv_splits : int or None
         Programs sharing a decode request's keys (flash-decoding), a power of two; ``None``:
         chosen from shapes (:func:`~blocktable.attention.triton_decode.default_num_kv_splits`).
+    prefill_kernel : {"auto", "gluon", "triton"}
+        Which prefill kernel runs: ``"auto"``, the Gluon kernel for Hopper
+        (:mod:`~blocktable.attention.gluon_prefill`) where it serves the inputs and
+        ``prefill_launch.AUTO_PICKS_GLUON`` is set, else the Triton kernel; ``"gluon"``, the Gluon kernel or a ``ValueError`` saying why not;
+        ``"triton"``, the portable Triton kernel (the one the CPU interpreter runs). The
+        ``prefill_*`` tile fields tune the Triton kernel only.
     """
 
     prefill_block_m: int = 128
@@ -48,11 +55,17 @@ class KernelConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     num_kv_splits: int | None = None
+    prefill_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(
+                f"KernelConfig.prefill_kernel must be one of {PREFILL_KERNELS}, "
+                f"got {self.prefill_kernel!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "num_kv_splits" and value is None:
+            if field.name == "prefill_kernel" or field.name == "num_kv_splits" and value is None:
                 continue
             if type(value) is not int or value < 1:
                 raise ValueError(f"KernelConfig.{field.name} must be an int >= 1, got {value!r}")

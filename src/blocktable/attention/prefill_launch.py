@@ -3,7 +3,9 @@ kernel takes (or every request), from shapes only (never a device value)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import torch
 
@@ -15,8 +17,13 @@ from blocktable.attention.triton_tiles import LOG2_E
 
 if HAS_TRITON:
     from blocktable.attention import triton_prefill as _pre
+from blocktable.attention import gluon_prefill as _gluon
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
+# Whether KernelConfig(prefill_kernel="auto") takes the Gluon kernel where it serves the
+# inputs: off unless BLOCKTABLE_GLUON_PREFILL=1 until tests/test_attention_gluon.py has passed
+# on a Hopper GPU (see benchmarks/notes_gluon.md); prefill_kernel="gluon" asks for it anyway.
+AUTO_PICKS_GLUON = os.environ.get("BLOCKTABLE_GLUON_PREFILL", "0") == "1"
 _INTERPRET = interpreting()
 
 
@@ -75,6 +82,16 @@ def launch_prefill(
     window = sliding_window or 0
     block_m = max(config.prefill_block_m, group_pad)
     block_q = block_m // group_pad
+    if config.prefill_kernel == "gluon" or config.prefill_kernel == "auto" and AUTO_PICKS_GLUON:
+        reason = gluon_reason(query, k_cache, v_cache, out, group_pad, window, cp)
+        if reason is None:
+            _launch_gluon(
+                out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                row_of_batch, scale, strides, group, group_pad, short_query_len,
+            )
+            return
+        if config.prefill_kernel == "gluon":
+            raise ValueError(f"prefill_kernel='gluon' cannot serve these inputs: {reason}")
     launch = _prefill_launch if aligned else _prefill_launch_unaligned
     launch(
         (cdiv(num_tokens, block_q) + num_reqs, num_kv_heads),
@@ -88,4 +105,88 @@ def launch_prefill(
         lse_out is not None, _INTERPRET and dtype != "fp32", config.prefill_num_stages,
         0, strides[8:12] == strides[12:16], dtype,  # block ids prefetched a tile ahead
         num_warps=config.prefill_num_warps,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def gluon_reason(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    group_pad: int,
+    window: int,
+    cp: CPLayout,
+) -> str | None:
+    """``None`` when the Gluon prefill kernel serves these (checked) inputs, else why not:
+    it needs a Hopper GPU, 16-byte aligned tensors with a contiguous head dimension and
+    other strides in multiples of 16 elements, and what :func:`gluon_prefill.supports`
+    asks."""
+    reason = _gluon.supports(DTYPE_NAMES[query.dtype], query.shape[2], cp.world_size, window)
+    if reason is not None:
+        return reason
+    if not query.is_cuda or _capability(query.device)[0] != 9:
+        return "not a Hopper (sm_90) GPU"
+    if group_pad > GLUON_TILES.block_m:
+        return f"a GQA group over {GLUON_TILES.block_m}"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        strides = t.stride()
+        if strides[-1] != 1 or any(s % 16 for s in strides[:-1]) or t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned with a contiguous head dimension"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonTiles:
+    """Launch shape of the Gluon kernel: query rows per program (64 per warpgroup), keys per
+    tile, K/V tiles in flight, warps, and whether the scores of the next tile are computed
+    while the softmax of this one runs (needs ``stages >= 3``)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    stages: int = 3
+    warps: int = 8
+    pipelined: bool = True
+
+
+GLUON_TILES = GluonTiles()  # measured in benchmarks/notes_gluon.md
+
+
+def _launch_gluon(
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    row_of_batch: torch.Tensor | None,
+    scale: float,
+    strides: tuple[int, ...],
+    group: int,
+    group_pad: int,
+    short_query_len: int,
+) -> None:
+    num_tokens, _, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, width = block_table.shape
+    tiles = GLUON_TILES
+    block_q = tiles.block_m // group_pad
+    o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, k_h, _, v_b, v_s, v_h, _, tb_r, tb_c = (
+        strides
+    )
+    _gluon.gluon_prefill_kernel[(cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)](
+        out, seq_lens if lse_out is None else lse_out, query, k_cache, v_cache, block_table,
+        seq_lens, query_start_loc, seq_lens if row_of_batch is None else row_of_batch,
+        scale * LOG2_E, num_reqs, num_tokens, short_query_len, num_blocks, num_rows, width,
+        search_stride(num_reqs), o_t, o_h, lse_t, lse_h, q_t, q_h, k_b, k_s, k_h, v_b, v_s,
+        v_h, tb_r, tb_c, group, group_pad, tiles.block_m, block_q, tiles.block_n, head_dim,
+        block_size, SEARCH_RADIX, row_of_batch is not None, lse_out is not None,
+        tiles.stages, tiles.pipelined and tiles.stages >= 3, num_warps=tiles.warps,
     )

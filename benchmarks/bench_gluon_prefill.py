@@ -1,0 +1,166 @@
+"""The Gluon prefill kernel against the Triton one and PyTorch SDPA on one Hopper GPU.
+
+Usage: ``PYTHONPATH=src python benchmarks/bench_gluon_prefill.py [--json PATH] [--sweep]``
+
+bf16, 32 query / 8 KV heads, head dim 128, page 16 (bench_attention.py's shape), causal
+prefills of 1 x 8,192, 4 x 2,048 and 16 x 512 tokens, every request a prefill (the prefill
+kernel alone runs). SDPA runs dense, non-paged, KV heads expanded. Each implementation is
+timed in ``--rounds`` rounds, alternated, by ``triton.testing.do_bench`` (CUDA events around
+one call); the row gives the median over every sample of every round and the lowest and
+highest round median. TFLOP/s count the causal mask's visible pairs exactly, and are set
+against the H200's measured dense bf16 peak. ``--sweep`` adds the Gluon kernel with other
+tile shapes; ``--decode`` adds batch-1 decode at 8,192 keys, replayed from a CUDA graph. A
+result off float32 attention by more than ``MAX_ABS_ERR`` exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_attention import MAX_ABS_ERR, Batch, Shape, sdpa_runner
+from run_info import run_info
+
+from blocktable.attention import (
+    PagedAttention,
+    paged_attention,
+    prefill_launch,
+)
+from blocktable.attention.kernel_config import default_config
+
+PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
+PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
+SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
+    prefill_launch.GluonTiles(128, 64, 3, 8, pipelined=False),
+    prefill_launch.GluonTiles(128, 64, 4, 8),
+    prefill_launch.GluonTiles(128, 128, 3, 8),
+    prefill_launch.GluonTiles(128, 32, 4, 8),
+    prefill_launch.GluonTiles(64, 64, 3, 4),
+]
+
+
+def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):
+    shape = batch.shape
+    config = dataclasses.replace(
+        default_config(shape.head_dim, shape.num_heads // shape.num_kv_heads),
+        prefill_kernel=kernel,
+    )
+    attention = PagedAttention(batch.query.device, config)
+    n = batch.max_query_len
+
+    def run() -> torch.Tensor:
+        if tiles is not None:
+            prefill_launch.GLUON_TILES = tiles
+        try:
+            return attention(
+                batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+                batch.query_start_loc, out=batch.out, max_query_len=n, min_query_len=n,
+            )
+        finally:
+            prefill_launch.GLUON_TILES = prefill_launch.GluonTiles()
+
+    return run
+
+
+def measure(fns: dict[str, object], rounds: int, rep_ms: int) -> dict[str, dict]:
+    import triton
+
+    samples: dict[str, list[list[float]]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(
+                [t * 1e3 for t in triton.testing.do_bench(fn, rep=rep_ms, return_mode="all")]
+            )
+    out = {}
+    for name, runs in samples.items():
+        medians = [statistics.median(r) for r in runs]
+        out[name] = {
+            "median_us": statistics.median([t for r in runs for t in r]),
+            "round_medians_us": medians,
+        }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep-ms", type=int, default=200)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--decode", action="store_true")
+    args = parser.parse_args()
+    shape = Shape()
+    rows = []
+    failed = False
+    for b, n in PREFILL_CASES:
+        batch = Batch(shape, [n] * b, [n] * b, "cuda")
+        fns = {"gluon": paged_runner(batch, "gluon"), "triton": paged_runner(batch, "triton")}
+        if args.sweep:
+            for t in SWEEP:
+                fns[f"gluon m{t.block_m} n{t.block_n} s{t.stages} w{t.warps} p{int(t.pipelined)}"] = paged_runner(
+                    batch, "gluon", t
+                )
+        errors = {}
+        for name, fn in fns.items():
+            batch.out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            errors[name] = batch.check(batch.out)
+            if not errors[name] <= MAX_ABS_ERR:
+                print(f"FAILED: {name} {b} x {n}: max abs error {errors[name]}")
+                failed = True
+        fns["sdpa"] = sdpa_runner(batch)
+        flops = batch.causal_flops()
+        for name, r in measure(fns, args.rounds, args.rep_ms).items():
+            tflops = flops / (r["median_us"] * 1e-6) / 1e12
+            row = {"case": f"prefill causal {b} x {n}", "impl": name, **r, "tflops": tflops,
+                   "of_peak": tflops / PEAK_TFLOPS, "max_abs_err": errors.get(name)}
+            rows.append(row)
+            lo, hi = min(r["round_medians_us"]), max(r["round_medians_us"])
+            print(f"{row['case']:<26} {name:<26} {r['median_us']:9.1f} us "
+                  f"({lo:.1f}-{hi:.1f})  {tflops:6.1f} TFLOP/s ({tflops / PEAK_TFLOPS:.0%} of "
+                  f"peak)  err {errors.get(name)}")
+        del batch
+        torch.cuda.empty_cache()
+    if args.decode:
+        import triton
+
+        batch = Batch(shape, [8192], [1], "cuda")
+        fn = lambda: paged_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+            batch.query_start_loc, out=batch.out, max_query_len=1,
+        )
+        fn()
+        err = batch.check(batch.out)
+        failed |= not err <= MAX_ABS_ERR
+        graph = [triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+                 for _ in range(args.rounds)]
+        eager = [triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e3
+                 for _ in range(args.rounds)]
+        row = {"case": "decode 1 x 8192", "impl": "triton", "graph_round_medians_us": graph,
+               "eager_round_medians_us": eager, "max_abs_err": err}
+        rows.append(row)
+        print(f"decode 1 x 8192: graph {statistics.median(graph):.2f} us "
+              f"({min(graph):.2f}-{max(graph):.2f}), eager (CUDA events around one call) "
+              f"{statistics.median(eager):.2f} us, err {err}")
+    info = run_info()
+    info["gpu"] = torch.cuda.get_device_name()
+    import triton
+
+    info["triton"] = triton.__version__
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    print(json.dumps(info))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The Gluon prefill kernel (Hopper) against the float64 reference, and the choice between it
+and the portable Triton kernel.
+
+The GPU tests run where a Hopper GPU and Triton's Gluon are present; the choice's errors are
+checked everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_attention_triton import (
+    MIXED,
+    TOLERANCE,
+    check_lse,
+    make_case,
+    reference,
+    rel_err,
+)
+
+from blocktable.attention import KernelConfig, PagedAttention
+from blocktable.attention.cp_layout import CPLayout
+from blocktable.attention.gluon_prefill import HAS_GLUON, supports
+from blocktable.attention.kernel_config import default_config
+from blocktable.attention.prefill_launch import gluon_reason
+
+HOPPER = (
+    HAS_GLUON and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
+
+# The request mixes of the Triton tests, and long ones: several query tiles, a chunk over a
+# cached prefix that starts mid-block, a decode beside a prefill, an empty request.
+LONG = [(40, 40), (37, 29), (30, 21), (13, 1), (9, 8)]
+BIG = [(1000, 1000), (1337, 300), (257, 1), (0, 0), (700, 700), (129, 64)]
+
+
+def run_prefill(args, kernel: str, *, lse: bool = True, window=None, row_of_batch=None,
+                prefill_only: bool = True, scale: float = 0.3):
+    """Output and LSE (poisoned with NaN first) of one launch through ``kernel``."""
+    query = args[0]
+    group = query.shape[1] // args[1].shape[2]
+    config = dataclasses.replace(
+        default_config(query.shape[2], group, query.element_size()), prefill_kernel=kernel
+    )
+    out = torch.full_like(query, float("nan"))
+    lse_out = torch.full(query.shape[:2], float("nan"), device=query.device) if lse else None
+    PagedAttention(query.device, config).launch(
+        out, lse_out, *args, row_of_batch, scale, window, CPLayout(), decode_only=False,
+        prefill_only=prefill_only,
+    )
+    return out, lse_out
+
+
+def test_the_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="prefill_kernel must be one of"):
+        KernelConfig(prefill_kernel="cuda")
+    assert supports("fp32", 128, 1, 0) is not None
+    assert supports("bf16", 96, 1, 0) is not None
+    assert supports("bf16", 128, 2, 0) is not None
+    assert supports("bf16", 128, 1, 7) is not None
+
+
+def test_forcing_gluon_where_it_cannot_run_is_a_clear_error(triton_device: str) -> None:
+    args = make_case(LONG, 4, 2, 2, 16, torch.float32, triton_device, seed=1)
+    with pytest.raises(ValueError, match="prefill_kernel='gluon' cannot serve"):
+        run_prefill(args, "gluon")
+    if triton_device == "cpu":
+        bf16 = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in args]
+        assert gluon_reason(bf16[0], bf16[1], bf16[2], bf16[0], 2, 0, CPLayout()) is not None
+
+
+CASES = [
+    # block_size, num_kv_heads, group, head_dim, dtype: the Triton tests' shapes in 16 bits,
+    # then the kernel block sizes and head sizes the Gluon kernel is for.
+    (4, 1, 1, 16, torch.bfloat16),
+    (6, 2, 2, 16, torch.float16),
+    (16, 1, 4, 64, torch.float16),
+    (32, 1, 8, 16, torch.bfloat16),
+    (16, 8, 4, 128, torch.bfloat16),
+    (64, 2, 8, 128, torch.float16),
+    (128, 4, 2, 64, torch.bfloat16),
+    (256, 2, 1, 32, torch.bfloat16),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
+@pytest.mark.parametrize("reqs", [MIXED, LONG, BIG], ids=["mixed", "long", "big"])
+def test_gluon_matches_reference(case, reqs) -> None:
+    block_size, num_kv_heads, group, head_dim, dtype = case
+    args = make_case(reqs, block_size, num_kv_heads, group, head_dim, dtype, "cuda",
+                     pad_tokens=5, seed=block_size + head_dim)
+    out, lse = run_prefill(args, "gluon")
+    ref, ref_lse = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    check_lse(lse, ref_lse, dtype)
+    # Each row against the reference too (a norm can hide one bad row).
+    worst = (out.double().cpu() - ref).abs().max().item()
+    assert worst < 4 * TOLERANCE[dtype], worst
+
+
+@needs_hopper
+@pytest.mark.parametrize("prefill_only", [True, False])
+def test_gluon_and_triton_agree_with_row_of_batch_and_no_lse(prefill_only: bool) -> None:
+    args = make_case(BIG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=4,
+                     extra_rows=3)
+    rows = torch.tensor([2, 0, 1, 5, 4, 3], dtype=torch.int32, device="cuda")
+    table = args[3]
+    permuted = table.clone()
+    permuted[rows.long()] = table[: len(BIG)]
+    args[3] = permuted
+    out_g, _ = run_prefill(args, "gluon", lse=False, row_of_batch=rows, prefill_only=prefill_only)
+    out_t, _ = run_prefill(args, "triton", lse=False, row_of_batch=rows,
+                           prefill_only=prefill_only)
+    args[3] = table
+    ref, _ = reference(*args, scale=0.3)
+    assert rel_err(out_g, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out_t, ref) < TOLERANCE[torch.bfloat16]
+
+
+@needs_hopper
+def test_auto_picks_gluon_where_enabled_and_triton_for_what_it_cannot_serve(monkeypatch) -> None:
+    from blocktable.attention import gluon_prefill, prefill_launch
+
+    calls = []
+    real = prefill_launch._launch_gluon
+    monkeypatch.setattr(prefill_launch, "_launch_gluon",
+                        lambda *a, **k: (calls.append(1), real(*a, **k)))
+    args = make_case(LONG, 16, 2, 4, 64, torch.bfloat16, "cuda", seed=2)
+    run_prefill(args, "auto")
+    expected = [1] if prefill_launch.AUTO_PICKS_GLUON else []
+    assert calls == expected
+    out_w, _ = run_prefill(args, "auto", window=7)  # a window: the Triton kernel
+    assert calls == expected
+    ref, _ = reference(*args, scale=0.3, sliding_window=7)
+    assert rel_err(out_w, ref) < TOLERANCE[torch.bfloat16]
+    assert gluon_prefill.HAS_GLUON
+
+
+@needs_hopper
+def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
+    import numpy as np
+
+    from blocktable.attention import paged_attention
+
+    reqs = [(400, 300), (33, 20), (900, 1), (0, 0)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=4
+    )
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device="cuda")
+
+    def step() -> None:
+        paged_attention(query, k_cache, v_cache, table, seq, qsl, out=out, lse_out=lse)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_reqs = [(399, 200), (48, 30), (899, 15), (0, 0)]  # within each row's blocks
+    seq.copy_(torch.tensor([s for s, _ in new_reqs], dtype=torch.int32))
+    qsl.copy_(torch.tensor(np.cumsum([0] + [q for _, q in new_reqs]), dtype=torch.int32))
+    query.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    ref, ref_lse = reference(query, k_cache, v_cache, table, seq, qsl)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tiles", [
+    {"pipelined": False}, {"block_m": 64, "warps": 4}, {"block_n": 128}, {"block_n": 32, "stages": 4},
+], ids=str)
+def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
+    from blocktable.attention import prefill_launch
+
+    monkeypatch.setattr(prefill_launch, "GLUON_TILES", prefill_launch.GluonTiles(**tiles))
+    args = make_case(BIG + LONG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=2, seed=9)
+    out, lse = run_prefill(args, "gluon")
+    ref, ref_lse = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
