@@ -11,8 +11,6 @@ import blocktable
 PACKAGE = Path(blocktable.__file__).resolve().parent
 # a package's own entry point, and each layer's readable oracle, by convention
 SHARED_BY_DESIGN = {"__init__.py", "reference.py"}
-# shared today by modules of the transfer package and another, renamed where they are owned
-NOT_YET_RENAMED = {"decode.py", "demo.py", "errors.py", "layout.py"}
 
 
 def test_module_names_are_unique() -> None:
@@ -20,6 +18,6 @@ def test_module_names_are_unique() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         where[path.name].append(str(path.relative_to(PACKAGE)))
     shared = {name: paths for name, paths in where.items() if len(paths) > 1}
-    unexpected = {n: p for n, p in shared.items() if n not in SHARED_BY_DESIGN | NOT_YET_RENAMED}
+    unexpected = {n: p for n, p in shared.items() if n not in SHARED_BY_DESIGN}
     assert not unexpected, unexpected
     assert len(where) > 50  # the walk found the package
