@@ -153,7 +153,7 @@ class GluonTiles:
     pipelined: bool = True
 
 
-GLUON_TILES = GluonTiles()  # measured in benchmarks/notes_gluon.md
+GLUON_TILES = GluonTiles()  # from compile checks (benchmarks/notes_gluon.md); not yet timed on a GPU
 
 
 def _launch_gluon(
