@@ -14,6 +14,13 @@ cdef inline const int32_t[:, ::1] _int32_2d_in(object value, str name) except *:
         raise TypeError(f"{name} must be a C-contiguous 2-D native int32 array: {exc}") from None
 
 
+cdef enum:  # what a touched row's change is (ordered: kinds >= _ADDED_ROW are held)
+    _UNCHANGED_ROW = 0  # free at its first touch and now
+    _CLEARED_ROW = 1  # its holder left
+    _ADDED_ROW = 2  # held by another request than at its first touch: added whole
+    _KEPT_ROW = 3  # held by the same request: appends its entries past the old length
+
+
 cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_t row,
                            Py_ssize_t group) except -1:
     if length < 0 or length > width:
@@ -58,21 +65,27 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
             slen.shape[1] != num_rows or rlen.shape[1] != num_rows:
         raise ValueError(f"start_len and row_len must be [{num_groups}, {num_rows}] (one row "
                          "per arena)")
-    # the touched rows, in order: every later pass visits only them
+    # the touched rows, in order, each with its kind: every later pass visits only them
     rows_obj = _np.empty(num_rows, dtype=_np.intp)
+    kinds_obj = _np.empty(num_rows, dtype=_np.uint8)
     cdef Py_ssize_t[::1] rows = rows_obj
+    cdef unsigned char[::1] kinds = kinds_obj
     cdef Py_ssize_t n = 0, i
     cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
     cdef int64_t live, old, new
     for r in range(num_rows):
         if tch[r] == stamp:
-            rows[n] = r
-            n += 1
             live = hgen[r]
             if live == 0:
+                kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
                 n_cleared += sgen[r] != 0
             elif live != sgen[r]:
+                kinds[n] = _ADDED_ROW
                 n_added += 1
+            else:
+                kinds[n] = _KEPT_ROW
+            rows[n] = r
+            n += 1
     # ---- sizes, with every length checked against its arena ----------------------------
     cdef const int32_t[:, ::1] arena
     cdef list lengths = [n_cleared, n_added]
@@ -84,13 +97,12 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
                              "columns")
         add_ids = grown = new_ids = 0
         for i in range(n):
-            r = rows[i]
-            live = hgen[r]
-            if live == 0:
+            if kinds[i] < _ADDED_ROW:
                 continue
+            r = rows[i]
             new = rlen[g, r]
             _check_len(new, arena.shape[1], "row_len", r, g)
-            if live != sgen[r]:
+            if kinds[i] == _ADDED_ROW:
                 add_ids += new
             else:
                 old = slen[g, r]
@@ -105,41 +117,38 @@ def journal_diff(object touched, int64_t stamp, object start_gen, object holder_
     cdef int32_t[::1] out = flat
     at = 0
     for i in range(n):
-        r = rows[i]
-        if hgen[r] == 0 and sgen[r] != 0:
-            out[at] = <int32_t>r
+        if kinds[i] == _CLEARED_ROW:
+            out[at] = <int32_t>rows[i]
             at += 1
     for i in range(n):
-        r = rows[i]
-        if hgen[r] != 0 and hgen[r] != sgen[r]:
-            out[at] = <int32_t>r
+        if kinds[i] == _ADDED_ROW:
+            out[at] = <int32_t>rows[i]
             at += 1
     for g in range(num_groups):
         arena = arenas[g]
         for i in range(n):  # added: each row's count, then all their ids
-            r = rows[i]
-            if hgen[r] != 0 and hgen[r] != sgen[r]:
-                out[at] = <int32_t>rlen[g, r]
+            if kinds[i] == _ADDED_ROW:
+                out[at] = <int32_t>rlen[g, rows[i]]
                 at += 1
         for i in range(n):
-            r = rows[i]
-            if hgen[r] != 0 and hgen[r] != sgen[r]:
+            if kinds[i] == _ADDED_ROW:
+                r = rows[i]
                 for q in range(rlen[g, r]):
                     out[at] = arena[r, q]
                     at += 1
         for i in range(n):  # grown: the rows, their growth, then their new ids
             r = rows[i]
-            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
+            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
                 out[at] = <int32_t>r
                 at += 1
         for i in range(n):
             r = rows[i]
-            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
+            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
                 out[at] = <int32_t>(rlen[g, r] - slen[g, r])
                 at += 1
         for i in range(n):
             r = rows[i]
-            if hgen[r] != 0 and hgen[r] == sgen[r] and rlen[g, r] > slen[g, r]:
+            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
                 for q in range(slen[g, r], rlen[g, r]):
                     out[at] = arena[r, q]
                     at += 1
