@@ -1,5 +1,5 @@
 """The prefix index: filing keys against a dict, token rows written whole, recycling of dead
-records (against references)."""
+records (against references); its key table compiled and as a dict."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from blocktable.allocator.index import PrefixIndex
 from blocktable.block_queue import last_occurrences
 
 
+@pytest.mark.usefixtures("compiled_mode")
 @pytest.mark.parametrize("seed", range(4))
 def test_key_filing_against_a_dict(seed: int) -> None:
     """Filing batches of new keys (refused whole, changing nothing, when one is filed already
@@ -57,7 +58,7 @@ def test_key_filing_against_a_dict(seed: int) -> None:
         assert [index.find_one(k) for k in query[:40].tolist()] == [
             model.get(k, -1) for k in query[:40].tolist()
         ]
-        assert index.slot_of_key == model
+        assert dict(zip(*index.slot_of_key.items())) == model
         assert index.key[list(model.values())].tolist() == list(model)
         assert len(index) == len(model)
 

@@ -32,6 +32,8 @@ def _snap(value: object, seen: dict[int, object]) -> object:
         return ("set", frozenset(value))
     if isinstance(value, ChainPowers):
         return "powers"
+    if type(value).__name__ in ("KeyTable", "DictKeyTable"):  # the prefix index's key map
+        return ("keys", frozenset(zip(*value.items())))
     if id(value) in seen:  # an object referenced twice (a request in rows and journal)
         return ("ref", type(value).__name__, id(value))
     seen[id(value)] = value
@@ -62,7 +64,7 @@ def test_full_state_sees_every_kind_of_change() -> None:
     assert full_state(mgr) == before
     mutations = [
         lambda: mgr.pools[0].ref_counts.__setitem__(3, 7),
-        lambda: mgr.pools[0].index.slot_of_key.popitem(),
+        lambda: mgr.pools[0].index.slot_of_key.insert(12345, 0),
         lambda: mgr.prefix_cache.chains.num_hashed[0].__setitem__(mgr.row_of("a"), 0),
         lambda: mgr.prefix_cache.chains.state[4].__setitem__(mgr.row_of("a"), 1),
         lambda: mgr._journal.touched.fill(False),

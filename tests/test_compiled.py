@@ -27,6 +27,7 @@ def hostile_variants(arr: np.ndarray) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     # (uint8 flag arrays also take bool, whose bytes are 0 or 1 as well)
     same_size = {np.dtype(I32): (np.float32, np.uint32), np.dtype(I64): (np.float64, np.uint64),
+                 np.dtype(np.uint64): (np.float64, np.int64),
                  np.dtype(np.uint8): (np.int8,)}.get(arr.dtype, ())
     for dt in same_size:
         out.append((f"as {np.dtype(dt).name}", arr.view(dt)))
@@ -476,3 +477,43 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
     args[4] = valid[4].copy()
     args[4][0, 2] = -3
     check(args)  # a row that grew from a negative length
+
+
+def test_key_table_refuses_hostile_arguments() -> None:
+    table = compiled.KeyTable()
+    keys = np.array([3, 2**64 - 1, 2**63], np.uint64)
+    assert table.insert_absent(keys, np.array([0, 1, 2], I64))
+    before = sorted(zip(*table.items()))
+
+    def refused(call) -> None:
+        with pytest.raises((TypeError, ValueError, KeyError, OverflowError)):
+            call()
+        assert sorted(zip(*table.items())) == before
+
+    new = np.array([5, 6], np.uint64)
+    values = np.array([7, 8], I64)
+    for label, bad in hostile_variants(new):
+        refused(lambda: table.insert_absent(bad, values))
+        refused(lambda: table.remove(bad))
+        refused(lambda: table.find(bad, np.empty(2, I64)))
+    for label, bad in hostile_variants(values):
+        refused(lambda: table.insert_absent(new, bad))
+    out = np.empty(2, I64)
+    for label, bad in hostile_variants(out) + [("read-only", read_only(out))]:
+        refused(lambda: table.find(new, bad))
+    refused(lambda: table.find(new, new.view(I64)))  # out aliases keys
+    refused(lambda: table.find(new, np.empty(3, I64)))  # lengths that disagree
+    refused(lambda: table.insert_absent(new, np.array([1], I64)))
+    refused(lambda: table.insert_absent(new, np.array([1, -1], I64)))  # negative value
+    refused(lambda: table.insert(9, -5))
+    refused(lambda: table.insert(3, 1))  # filed already
+    refused(lambda: table.insert(-1, 1))  # not a uint64
+    refused(lambda: table.insert(2**64, 1))
+    refused(lambda: table.get(-1))
+    refused(lambda: table.remove(np.array([3, 4], np.uint64)))  # 4 is not filed
+    refused(lambda: table.remove(np.array([3, 3], np.uint64)))  # repeated
+    refused(lambda: compiled.KeyTable(-1))
+    refused(lambda: compiled.KeyTable(2**62))
+    assert not table.insert_absent(np.array([9, 3], np.uint64), np.array([1, 1], I64))
+    assert not table.insert_absent(np.array([9, 9], np.uint64), np.array([1, 1], I64))
+    assert sorted(zip(*table.items())) == before

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run tests against blocktable's compiled part built with AddressSanitizer and UBSan.
 #
-#   bash tools/asan.sh                      # the hostile-input fuzz of the compiled part
+#   bash tools/asan.sh                      # the compiled part's hostile-input fuzz and key table
 #   bash tools/asan.sh tests/               # the whole suite
 #
 # Builds the extension with -fsanitize=address,undefined into a fresh copy of the source
@@ -21,10 +21,13 @@ trap 'rm -rf "$work"' EXIT
 cp -r "$top/src" "$top/tests" "$top/setup.py" "$top/pyproject.toml" "$top/README.md" "$work/"
 find "$work/src" -name "_compiled*.so" -delete
 cd "$work"
+if [ $# -eq 0 ]; then
+  set -- tests/test_compiled.py tests/test_key_table.py
+fi
 flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all -O1"
 CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace \
   >/dev/null
 # Python's own allocations are not instrumented: leaks are not checked, errors are
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH="$work/src" \
-  python -m pytest -q -p no:cacheprovider "${@:-tests/test_compiled.py}"
+  python -m pytest -q -p no:cacheprovider "$@"

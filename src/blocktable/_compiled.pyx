@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=True, wraparound=False, initializedcheck=True
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
-the CPU backend's slot mapping and the allocator journal's diff of the touched rows.
+the CPU backend's slot mapping, the allocator journal's diff of the touched rows and the
+prefix index's key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
@@ -12,8 +13,9 @@ the output may not overlap an input. Bounds checking stays on (the default) ever
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
-:func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` and the numpy classification in
-:meth:`blocktable.allocator.journal.StepJournal.take`.
+:func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy`, the numpy classification in
+:meth:`blocktable.allocator.journal.StepJournal.take` and the ``dict`` of
+:class:`blocktable.key_table.DictKeyTable`.
 """
 
 from cython.view cimport array as cvarray
@@ -59,3 +61,4 @@ cdef inline bint _overlap(const void* a, Py_ssize_t a_bytes, const void* b,
 include "_compiled_slots.pxi"
 include "_compiled_update.pxi"
 include "_compiled_journal.pxi"
+include "_compiled_keys.pxi"

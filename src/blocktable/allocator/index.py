@@ -3,9 +3,9 @@
 A **record** (a slot in these arrays) describes one block content: its unique content id
 (``cid``, never reused), the content id of its parent (the previous block of the prefix; the
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
-holds it now (0 once the block was evicted: the record is then *dead*). ``slot_of_key``, a
-``dict``, maps a block key (:mod:`blocktable.block_hashing`) to the record slot filed under
-it; ``key[slot]`` is the key a record is filed under (so a record leaves by its slot).
+holds it now (0 once the block was evicted: the record is then *dead*). ``slot_of_key`` (a
+:mod:`blocktable.key_table`) maps a block key (:mod:`blocktable.block_hashing`) to the record
+slot filed under it; ``key[slot]`` is the key a record is filed under (so a record leaves by its slot).
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
@@ -23,9 +23,9 @@ whose record was recycled), the new content takes the key: the old record leaves
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
+
+from blocktable.key_table import new_key_table
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
@@ -61,8 +61,8 @@ class PrefixIndex:
             max_records = max(RECORDS_PER_BLOCK * num_blocks, _MIN_RECORDS)
         self.block_size = block_size
         self.max_records = max(int(max_records), num_blocks)
-        self.slot_of_key: dict[int, int] = {}  # block key -> record slot
         capacity = min(self.max_records, max(num_blocks, 64))
+        self.slot_of_key = new_key_table(capacity)  # block key -> record slot
         self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
         self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
         self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
@@ -90,9 +90,10 @@ class PrefixIndex:
     # ----------------------------------------------------------------- lookup
     def find(self, keys: np.ndarray | list[int]) -> np.ndarray:
         """Record slot of each key, -1 where none (int64 ``[len(keys)]``)."""
-        keys = np.asarray(keys, dtype=np.uint64)
-        found = map(self.slot_of_key.get, keys.tolist(), repeat(-1))
-        return np.fromiter(found, dtype=np.int64, count=len(keys))
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        slots = np.empty(len(keys), dtype=np.int64)
+        self.slot_of_key.find(keys, slots)
+        return slots
 
     def find_one(self, key: int) -> int:
         """Record slot of ``key``, -1 where none."""
@@ -101,27 +102,19 @@ class PrefixIndex:
     def file_absent(self, keys: np.ndarray, slots: np.ndarray) -> bool:
         """File ``keys`` (uint64 ``[n]``) under ``slots`` (int64 ``[n]``) and return True if
         none is filed yet and none repeats; else change nothing and return False."""
-        d = self.slot_of_key
-        new = keys.tolist()
-        if not d.keys().isdisjoint(new):
-            return False
-        size = len(d)
-        d.update(zip(new, slots.tolist()))  # (one C loop: cheaper than a call per key)
-        if len(d) != size + len(new):  # a key given twice: undo (none was filed before)
-            for key in set(new):
-                del d[key]
+        if not self.slot_of_key.insert_absent(keys, slots):
             return False
         self.key[slots] = keys
         return True
 
     def file_one(self, key: int, slot: int) -> None:
         """File ``key`` (not filed yet) under ``slot``."""
-        self.slot_of_key[key] = slot
+        self.slot_of_key.insert(key, slot)
         self.key[slot] = key
 
     def unfile(self, slots: np.ndarray) -> None:
         """Remove the keys filed under ``slots`` (int64, each filed)."""
-        list(map(self.slot_of_key.__delitem__, self.key[slots].tolist()))
+        self.slot_of_key.remove(self.key[slots])
 
     # ----------------------------------------------------------------- records
     def write_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:

@@ -192,8 +192,9 @@ def check_pool_integrity(pool: Any, expected_ref_counts: Sequence[int] | np.ndar
     used = np.flatnonzero(index.cid != 0)
     if len(used) != len(index.slot_of_key) or len(used) != len(index):
         fail(f"{len(used)} records, {len(index.slot_of_key)} keys, counter {len(index)}")
-    keys = np.array(list(index.slot_of_key), dtype=np.uint64)
-    slots = np.array(list(index.slot_of_key.values()), dtype=np.int64)
+    filed_keys, filed_slots = index.slot_of_key.items()
+    keys = np.array(filed_keys, dtype=np.uint64)
+    slots = np.array(filed_slots, dtype=np.int64)
     if (index.cid[slots] == 0).any() or not np.array_equal(index.key[slots], keys):
         fail("a key is filed under a record of another key")
     if has_repeats(index.cid[used]):
