@@ -6,7 +6,18 @@
 from libc.stdint cimport uint64_t
 from libc.string cimport memset
 
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define BT_PREFETCH(address) __builtin_prefetch(address)
+    #else
+    #define BT_PREFETCH(address) ((void)0)
+    #endif
+    """
+    void BT_PREFETCH(const void* address) noexcept nogil
+
 cdef enum:
+    _PREFETCH_AHEAD = 8  # keys whose first position is fetched while earlier ones are probed
     _EMPTY = -1  # a free position's value; values filed are >= 0
     _MIN_POSITIONS = 64
 
@@ -31,8 +42,10 @@ cdef class KeyTable:
     returns False leaves the map as it was.
     """
 
-    cdef uint64_t[::1] _keys
-    cdef int64_t[::1] _values  # _EMPTY where free
+    # position i: _entries[2 * i] holds the key (its bits), _entries[2 * i + 1] the value
+    # (_EMPTY where free); side by side, so a probe reads one cache line, not two
+    cdef int64_t[::1] _entries
+    cdef Py_ssize_t _positions
     cdef Py_ssize_t _count
     cdef uint64_t _mask
     cdef int _shift  # 64 - log2(positions)
@@ -50,11 +63,10 @@ cdef class KeyTable:
         self._allocate(_positions_for(capacity))
 
     cdef void _allocate(self, Py_ssize_t positions) except *:
-        cdef cvarray keys = cvarray(shape=(positions,), itemsize=8, format="Q")
-        cdef cvarray values = cvarray(shape=(positions,), itemsize=8, format="q")
-        self._keys = keys
-        self._values = values
-        memset(&self._values[0], 0xFF, positions * 8)  # every value _EMPTY (-1)
+        cdef cvarray entries = cvarray(shape=(2 * positions,), itemsize=8, format="q")
+        self._entries = entries
+        memset(&self._entries[0], 0xFF, 2 * positions * 8)  # every value _EMPTY (-1)
+        self._positions = positions
         self._count = 0
         self._mask = <uint64_t>(positions - 1)
         self._shift = 64 - _log2(positions)
@@ -62,12 +74,17 @@ cdef class KeyTable:
     cdef inline Py_ssize_t _home(self, uint64_t key) noexcept:
         return <Py_ssize_t>((key * self.multiplier) >> self._shift)
 
+    cdef inline void _prefetch(self, const uint64_t[::1] keys, Py_ssize_t i) noexcept:
+        """Start reading the first position of ``keys[i]`` (a hint; nothing if past the end)."""
+        if i < keys.shape[0]:
+            BT_PREFETCH(&self._entries[2 * self._home(keys[i])])
+
     cdef inline Py_ssize_t _position(self, uint64_t key) noexcept:
         """Where ``key`` is, or -1."""
         cdef Py_ssize_t i = self._home(key)
         cdef uint64_t mask = self._mask
-        while self._values[i] != _EMPTY:
-            if self._keys[i] == key:
+        while self._entries[2 * i + 1] != _EMPTY:
+            if <uint64_t>self._entries[2 * i] == key:
                 return i
             i = <Py_ssize_t>((<uint64_t>i + 1) & mask)
         return -1
@@ -76,12 +93,12 @@ cdef class KeyTable:
         """File ``key`` (room checked by the caller); False if it is filed already."""
         cdef Py_ssize_t i = self._home(key)
         cdef uint64_t mask = self._mask
-        while self._values[i] != _EMPTY:
-            if self._keys[i] == key:
+        while self._entries[2 * i + 1] != _EMPTY:
+            if <uint64_t>self._entries[2 * i] == key:
                 return False
             i = <Py_ssize_t>((<uint64_t>i + 1) & mask)
-        self._keys[i] = key
-        self._values[i] = value
+        self._entries[2 * i] = <int64_t>key
+        self._entries[2 * i + 1] = value
         self._count += 1
         return True
 
@@ -92,15 +109,15 @@ cdef class KeyTable:
         cdef uint64_t home
         while True:
             j = <Py_ssize_t>((<uint64_t>j + 1) & mask)
-            if self._values[j] == _EMPTY:
+            if self._entries[2 * j + 1] == _EMPTY:
                 break
-            home = <uint64_t>self._home(self._keys[j])
+            home = <uint64_t>self._home(<uint64_t>self._entries[2 * j])
             # the entry at j may move back to i when i lies on its probe path (home .. j)
             if ((<uint64_t>j - home) & mask) >= ((<uint64_t>j - <uint64_t>i) & mask):
-                self._keys[i] = self._keys[j]
-                self._values[i] = self._values[j]
+                self._entries[2 * i] = self._entries[2 * j]
+                self._entries[2 * i + 1] = self._entries[2 * j + 1]
                 i = j
-        self._values[i] = _EMPTY
+        self._entries[2 * i + 1] = _EMPTY
         self._count -= 1
 
     cdef void _reserve(self, Py_ssize_t more) except *:
@@ -108,15 +125,14 @@ cdef class KeyTable:
         if more > (<Py_ssize_t>1 << 40):
             raise ValueError(f"cannot file {more} keys at once")
         cdef Py_ssize_t want = _positions_for(self._count + more)
-        if want <= self._keys.shape[0]:
+        if want <= self._positions:
             return
-        cdef uint64_t[::1] old_keys = self._keys
-        cdef int64_t[::1] old_values = self._values
+        cdef int64_t[::1] old = self._entries
         cdef Py_ssize_t i
         self._allocate(want)
-        for i in range(old_keys.shape[0]):
-            if old_values[i] != _EMPTY:
-                self._put_absent(old_keys[i], old_values[i])
+        for i in range(old.shape[0] // 2):
+            if old[2 * i + 1] != _EMPTY:
+                self._put_absent(<uint64_t>old[2 * i], old[2 * i + 1])
 
     def __len__(self):
         return self._count
@@ -124,7 +140,7 @@ cdef class KeyTable:
     def get(self, uint64_t key, int64_t default=-1):
         """The value of ``key``, else ``default``."""
         cdef Py_ssize_t i = self._position(key)
-        return default if i < 0 else self._values[i]
+        return default if i < 0 else self._entries[2 * i + 1]
 
     def find(self, object keys, object out):
         """``out[i]`` = the value of ``keys[i]`` (uint64 ``[n]``), -1 where absent (``out``:
@@ -138,9 +154,12 @@ cdef class KeyTable:
             return
         if _overlap(&k[0], n * 8, &o[0], n * 8):
             raise ValueError("out must not overlap keys")
+        for i in range(min(n, _PREFETCH_AHEAD)):
+            self._prefetch(k, i)
         for i in range(n):
+            self._prefetch(k, i + _PREFETCH_AHEAD)
             at = self._position(k[i])
-            o[i] = -1 if at < 0 else self._values[at]
+            o[i] = -1 if at < 0 else self._entries[2 * at + 1]
 
     def insert_absent(self, object keys, object values):
         """File ``keys[i]`` (uint64 ``[n]``) with ``values[i]`` (int64 ``[n]``, >= 0) and
@@ -155,7 +174,10 @@ cdef class KeyTable:
             if v[i] < 0:
                 raise ValueError(f"values[{i}] is {v[i]}, values must be >= 0")
         self._reserve(n)
+        for i in range(min(n, _PREFETCH_AHEAD)):
+            self._prefetch(k, i)
         for i in range(n):
+            self._prefetch(k, i + _PREFETCH_AHEAD)
             if not self._put_absent(k[i], v[i]):
                 for j in range(i):  # undo: the keys filed by this call
                     self._remove_at(self._position(k[j]))
@@ -178,15 +200,18 @@ cdef class KeyTable:
         cdef Py_ssize_t n = k.shape[0], i, j, at
         # First mark every key's entry (value v -> -2 - v, still occupied): an absent key or
         # a repeat (its entry marked already) is found before anything is removed.
+        for i in range(min(n, _PREFETCH_AHEAD)):
+            self._prefetch(k, i)
         for i in range(n):
+            self._prefetch(k, i + _PREFETCH_AHEAD)
             at = self._position(k[i])
-            if at < 0 or self._values[at] < 0:
+            if at < 0 or self._entries[2 * at + 1] < 0:
                 what = "not filed" if at < 0 else "repeated"
                 for j in range(i):  # unmark
                     at = self._position(k[j])
-                    self._values[at] = -2 - self._values[at]
+                    self._entries[2 * at + 1] = -2 - self._entries[2 * at + 1]
                 raise KeyError(f"keys[{i}] ({k[i]}) is {what}")
-            self._values[at] = -2 - self._values[at]
+            self._entries[2 * at + 1] = -2 - self._entries[2 * at + 1]
         for i in range(n):
             self._remove_at(self._position(k[i]))
 
@@ -198,10 +223,10 @@ cdef class KeyTable:
         """Every key and its value, as two lists in the same (unspecified) order."""
         keys, values = [], []
         cdef Py_ssize_t i
-        for i in range(self._keys.shape[0]):
-            if self._values[i] != _EMPTY:
-                keys.append(self._keys[i])
-                values.append(self._values[i])
+        for i in range(self._positions):
+            if self._entries[2 * i + 1] != _EMPTY:
+                keys.append(<uint64_t>self._entries[2 * i])
+                values.append(self._entries[2 * i + 1])
         return keys, values
 
     def __reduce__(self):

@@ -128,7 +128,7 @@ class RunningRequests:
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
-        block = _equal_lists(token_ids)
+        block = _equal_lists(token_ids) if len(token_ids) > 1 else None
         if block is not None:  # (usually: lists of as many tokens each, converted at once)
             self._append_rows(reqs, rows, block)
             return
