@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run tests against blocktable's compiled part built with AddressSanitizer and UBSan.
 #
-#   bash tools/asan.sh                      # the hostile-input fuzz of the compiled part
+#   bash tools/asan.sh                      # the tests of the compiled part (and its fuzz)
 #   bash tools/asan.sh tests/               # the whole suite
 #
 # Builds the extension with -fsanitize=address,undefined into a fresh copy of the source
@@ -9,6 +9,9 @@
 # preloaded. Needs gcc with its sanitizer runtimes (Debian/Ubuntu: gcc, libasan, libubsan)
 # and an environment with the package's test extras and Cython.
 set -euo pipefail
+if [ $# -eq 0 ]; then
+  set -- tests/test_compiled.py tests/test_compiled_tokens.py
+fi
 top=$(cd "$(dirname "$0")/.." && pwd)
 asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)
@@ -27,4 +30,4 @@ CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_
 # Python's own allocations are not instrumented: leaks are not checked, errors are
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH="$work/src" \
-  python -m pytest -q -p no:cacheprovider "${@:-tests/test_compiled.py}"
+  python -m pytest -q -p no:cacheprovider "$@"

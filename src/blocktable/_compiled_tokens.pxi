@@ -1,0 +1,145 @@
+# Python lists of token ids -> int64 arrays (included by _compiled.pyx).
+#
+# Items are read one at a time through bounds-checked indexing, each held by a reference while
+# it is converted: an item's ``__index__`` is Python code and may change the list it sits in,
+# so every length is checked again before and after its items are read, and a change is an
+# error (never a read or write past the end).
+
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
+from cpython.number cimport PyIndex_Check, PyNumber_Index
+
+
+cdef object _numpy():
+    global _np
+    if _np is None:
+        import numpy
+        _np = numpy
+    return _np
+
+
+cdef str _label(str name, Py_ssize_t which):
+    """``name``, or ``name[which]`` for one list of a batch (``which >= 0``)."""
+    return name if which < 0 else f"{name}[{which}]"
+
+
+cdef inline int64_t _token_id(object item, str name, Py_ssize_t which,
+                              Py_ssize_t j) except? -1:
+    """Item ``j`` as int64: an int (bool included) or an object with ``__index__``, the set
+    ``struct.pack("q", ...)`` accepts. An int outside the int64 range raises Cython's
+    ``OverflowError``, which the caller names (one ``try`` per list, not per item)."""
+    if not PyLong_Check(item):
+        try:
+            if not PyIndex_Check(item):
+                raise TypeError("not an integer")
+            item = PyNumber_Index(item)  # (a 1-element array's __index__ raises TypeError)
+        except TypeError as exc:
+            raise TypeError(f"{_label(name, which)} must hold int64 token ids: item {j} is a "
+                            f"{type(item).__name__}: {exc}") from None
+    return <int64_t>item  # an int: Cython reads its digits, no Python code runs
+
+
+cdef int _raise_out_of_range(str name, Py_ssize_t which, Py_ssize_t j) except -1:
+    raise OverflowError(f"{_label(name, which)} must hold int64 token ids: item {j} is "
+                        "outside the int64 range") from None
+
+
+cdef int _ints_into(object seq, int64_t[::1] out, Py_ssize_t at, Py_ssize_t n, str name,
+                    Py_ssize_t which) except -1:
+    """Write the ``n`` items of ``seq`` (an exact list or tuple) to ``out[at : at + n]``."""
+    cdef Py_ssize_t j = 0
+    cdef list items
+    try:
+        if type(seq) is tuple:  # immutable: its length was checked by the caller
+            for j in range(n):
+                out[at + j] = _token_id((<tuple>seq)[j], name, which, j)
+            return 0
+        items = <list>seq
+        for j in range(n):
+            if len(items) != n:
+                break
+            out[at + j] = _token_id(items[j], name, which, j)
+    except OverflowError:
+        _raise_out_of_range(name, which, j)
+    if len(items) != n:
+        raise RuntimeError(f"{_label(name, which)} changed size while it was converted (an "
+                           "item's __index__ changed it)")
+    return 0
+
+
+def int64_from_ints(object values, str name not None):
+    """A list or tuple of token ids as a new int64 array ``[len(values)]`` (C-contiguous, on
+    cpu, writable).
+
+    The compiled twin of ``numpy.frombuffer(struct.pack(f"={n}q", *values), numpy.int64)``:
+    it accepts the same items (ints, bools as 0 and 1, objects with ``__index__`` such as
+    numpy integers) and gives the same array. ``values`` must be exactly a list or a tuple
+    (a subclass may iterate differently: its caller converts it the plain way).
+
+    Raises ``TypeError`` for another container or an item that is not an integer, and
+    ``OverflowError`` for an item outside the int64 range, each naming ``name`` and the item's
+    index; ``values`` is only read.
+    """
+    if type(values) is not list and type(values) is not tuple:
+        raise TypeError(f"{name} must be a list or tuple of ints, got {type(values).__name__}")
+    cdef Py_ssize_t n = len(values)
+    array = _numpy().empty(n, dtype=_np.int64)
+    _ints_into(values, array, 0, n, name, -1)
+    return array
+
+
+def int64_from_int_lists(object lists, str name not None):
+    """Many lists of token ids as one flat int64 array and its offsets, or ``None``.
+
+    ``lists``: a list or tuple whose items are lists or tuples of token ids (each converted as
+    by :func:`int64_from_ints`) or single ints (one token each). Returns ``(flat, offsets)``:
+    ``flat`` int64 ``[offsets[-1]]`` holds item ``i``'s ids at ``flat[offsets[i] :
+    offsets[i + 1]]``; ``offsets`` int64 ``[len(lists) + 1]``, starting at 0; both new,
+    C-contiguous, on cpu. Returns ``None`` (nothing converted) when an item is of another type
+    (an array, a tensor, a bool, a subclass): the caller converts such batches item by item.
+
+    Raises ``TypeError`` when ``lists`` is not a list or tuple or a token id is not an
+    integer, and ``OverflowError`` when one is outside the int64 range, naming
+    ``name[i]`` and the item's index; ``lists`` is only read.
+    """
+    if type(lists) is not list and type(lists) is not tuple:
+        raise TypeError(f"{name} must be a list or tuple, got {type(lists).__name__}")
+    np = _numpy()
+    cdef Py_ssize_t num_lists = len(lists), i, m, total = 0
+    offsets = np.empty(num_lists + 1, dtype=np.int64)
+    cdef int64_t[::1] offs = offsets
+    for i in range(num_lists):
+        item = lists[i]
+        if type(item) is list or type(item) is tuple:
+            m = len(item)
+        elif type(item) is int:
+            m = 1
+        else:
+            return None
+        if m > PY_SSIZE_T_MAX - total:
+            raise OverflowError(f"{name} holds more than {PY_SSIZE_T_MAX} token ids")
+        offs[i] = total
+        total += m
+    offs[num_lists] = total
+    flat = np.empty(total, dtype=np.int64)
+    cdef int64_t[::1] out = flat
+    for i in range(num_lists):
+        if len(lists) != num_lists:
+            break
+        item = lists[i]
+        m = <Py_ssize_t>(offs[i + 1] - offs[i])
+        if type(item) is int:
+            if m != 1:
+                break
+            try:
+                out[offs[i]] = _token_id(item, name, i, 0)
+            except OverflowError:
+                _raise_out_of_range(name, i, 0)
+        elif (type(item) is list or type(item) is tuple) and len(item) == m:
+            _ints_into(item, out, <Py_ssize_t>offs[i], m, name, i)
+        else:
+            break
+    else:
+        if len(lists) == num_lists:
+            return flat, offsets
+    raise RuntimeError(f"{name} changed while it was converted (an item's __index__ changed "
+                       "it)")
