@@ -176,6 +176,16 @@ class Growing(Shrinking):
         return 1
 
 
+class ShrinkingThenFailing(Shrinking):
+    """Empties the list holding it (its only reference) and returns a float, so that Python
+    raises (once its frame is gone): the error must not read the item through the list's
+    dropped reference."""
+
+    def __index__(self) -> int:
+        self.owner.clear()
+        return 1.5  # type: ignore[return-value]  # noqa: PLE0305 (the point)
+
+
 class Swapping(Shrinking):
     """Replaces the other lists of the batch holding it by longer ones."""
 
@@ -255,6 +265,10 @@ def test_int64_from_ints_refuses_hostile_input() -> None:
         values[50] = kind(values)
         with pytest.raises(RuntimeError, match="ids changed size"):
             compiled.int64_from_ints(values, "ids")
+    values = list(range(100))
+    values[50] = ShrinkingThenFailing(values)
+    with pytest.raises(TypeError, match="item 50 is a ShrinkingThenFailing: __index__ returned"):
+        compiled.int64_from_ints(values, "ids")
 
 
 def test_int64_from_int_lists_refuses_hostile_input() -> None:
@@ -282,10 +296,10 @@ def test_int64_from_int_lists_refuses_hostile_input() -> None:
         with pytest.raises(OverflowError, match=r"token_ids\[2\]"):
             compiled.int64_from_int_lists([[1], 2, big], "token_ids")
     # lists that an item's __index__ changes while the batch is converted
-    for kind in (Shrinking, Growing):
+    for kind in (Shrinking, Growing, ShrinkingThenFailing):
         lists = [[0] * 10, [0] * 10]
         lists[0][5] = kind(lists[0])
-        with pytest.raises(RuntimeError, match="changed"):
+        with pytest.raises((RuntimeError, TypeError), match="changed|__index__ returned"):
             compiled.int64_from_int_lists(lists, "token_ids")
     outer: list[object] = [[1, 2], [3, 4], [5, 6]]
     outer[0] = [Swapping(outer), 1]

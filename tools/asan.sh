@@ -3,6 +3,7 @@
 #
 #   bash tools/asan.sh                      # the tests of the compiled part (and its fuzz)
 #   bash tools/asan.sh tests/               # the whole suite
+#   bash tools/asan.sh -s tests/test_x.py  # with a failure's report (pytest captures stderr)
 #
 # Builds the extension with -fsanitize=address,undefined into a fresh copy of the source
 # tree (the installed package is left alone), then runs pytest there with both runtimes
@@ -27,7 +28,8 @@ cd "$work"
 flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all -O1"
 CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace \
   >/dev/null
-# Python's own allocations are not instrumented: leaks are not checked, errors are
-LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+# every Python object comes from malloc (PYTHONMALLOC), so a stale reference to one is caught
+# too; leaks are not checked, errors are
+LD_PRELOAD="$asan $ubsan" PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH="$work/src" \
   python -m pytest -q -p no:cacheprovider "$@"

@@ -6,7 +6,10 @@
 # error (never a read or write past the end).
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.number cimport PyIndex_Check, PyNumber_Index
+from cpython.ref cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM
 
 
 cdef object _numpy():
@@ -22,20 +25,31 @@ cdef str _label(str name, Py_ssize_t which):
     return name if which < 0 else f"{name}[{which}]"
 
 
-cdef inline int64_t _token_id(object item, str name, Py_ssize_t which,
+cdef inline int64_t _token_id(PyObject* item, str name, Py_ssize_t which,
                               Py_ssize_t j) except? -1:
     """Item ``j`` as int64: an int (bool included) or an object with ``__index__``, the set
     ``struct.pack("q", ...)`` accepts. An int outside the int64 range raises Cython's
-    ``OverflowError``, which the caller names (one ``try`` per list, not per item)."""
-    if not PyLong_Check(item):
-        try:
-            if not PyIndex_Check(item):
-                raise TypeError("not an integer")
-            item = PyNumber_Index(item)  # (a 1-element array's __index__ raises TypeError)
-        except TypeError as exc:
-            raise TypeError(f"{_label(name, which)} must hold int64 token ids: item {j} is a "
-                            f"{type(item).__name__}: {exc}") from None
-    return <int64_t>item  # an int: Cython reads its digits, no Python code runs
+    ``OverflowError``, which the caller names (one ``try`` per list, not per item).
+
+    ``item`` is borrowed from its list, which the caller read it from after checking the
+    index: an int's digits are read with no Python code running (nothing can drop it), and
+    any other item is held by a reference of its own before its ``__index__`` runs."""
+    if PyLong_Check(<object>item):
+        return <int64_t><object>item  # Cython reads the digits
+    return _index_token_id(<object>item, name, which, j)
+
+
+cdef int64_t _index_token_id(object item, str name, Py_ssize_t which, Py_ssize_t j) except? -1:
+    """:func:`_token_id` of an item that is not an int."""
+    cdef object held = item  # a reference of our own: __index__ may drop the list's
+    try:
+        if not PyIndex_Check(held):
+            raise TypeError("not an integer")
+        value = PyNumber_Index(held)  # (a 1-element array's __index__ raises TypeError)
+    except TypeError as exc:
+        raise TypeError(f"{_label(name, which)} must hold int64 token ids: item {j} is a "
+                        f"{type(held).__name__}: {exc}") from None
+    return <int64_t>value
 
 
 cdef int _raise_out_of_range(str name, Py_ssize_t which, Py_ssize_t j) except -1:
@@ -51,13 +65,13 @@ cdef int _ints_into(object seq, int64_t[::1] out, Py_ssize_t at, Py_ssize_t n, s
     try:
         if type(seq) is tuple:  # immutable: its length was checked by the caller
             for j in range(n):
-                out[at + j] = _token_id((<tuple>seq)[j], name, which, j)
+                out[at + j] = _token_id(PyTuple_GET_ITEM(seq, j), name, which, j)
             return 0
         items = <list>seq
         for j in range(n):
-            if len(items) != n:
+            if PyList_GET_SIZE(items) != n:  # (checked before each read: see _token_id)
                 break
-            out[at + j] = _token_id(items[j], name, which, j)
+            out[at + j] = _token_id(PyList_GET_ITEM(items, j), name, which, j)
     except OverflowError:
         _raise_out_of_range(name, which, j)
     if len(items) != n:
@@ -131,7 +145,7 @@ def int64_from_int_lists(object lists, str name not None):
             if m != 1:
                 break
             try:
-                out[offs[i]] = _token_id(item, name, i, 0)
+                out[offs[i]] = _token_id(<PyObject*>item, name, i, 0)  # (held by `item`)
             except OverflowError:
                 _raise_out_of_range(name, i, 0)
         elif (type(item) is list or type(item) is tuple) and len(item) == m:
