@@ -1,15 +1,16 @@
 # Python lists of token ids -> int64 arrays (included by _compiled.pyx).
 #
-# Items are read one at a time through bounds-checked indexing, each held by a reference while
-# it is converted: an item's ``__index__`` is Python code and may change the list it sits in,
-# so every length is checked again before and after its items are read, and a change is an
-# error (never a read or write past the end).
+# Each item is read after its index was checked against the list's size at that moment. An
+# int is converted through the list's own reference (no Python code runs meanwhile, so nothing
+# can drop it); any other item is held by a reference of its own, since its ``__index__`` is
+# Python code that may change the list. Every length is checked again before each read and
+# after the last, and a change is an error (never a read or write past the end).
 
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
+from cpython.long cimport PyLong_Check
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.number cimport PyIndex_Check, PyNumber_Index
 from cpython.ref cimport PyObject
-from cpython.tuple cimport PyTuple_GET_ITEM
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 
 cdef object _numpy():
@@ -63,7 +64,9 @@ cdef int _ints_into(object seq, int64_t[::1] out, Py_ssize_t at, Py_ssize_t n, s
     cdef Py_ssize_t j = 0
     cdef list items
     try:
-        if type(seq) is tuple:  # immutable: its length was checked by the caller
+        if type(seq) is tuple:  # immutable: one check of its length
+            if PyTuple_GET_SIZE(seq) != n:
+                raise ValueError(f"{_label(name, which)} holds {len(seq)} ids, not {n}")
             for j in range(n):
                 out[at + j] = _token_id(PyTuple_GET_ITEM(seq, j), name, which, j)
             return 0
