@@ -1,25 +1,33 @@
 # cython: language_level=3, boundscheck=True, wraparound=False, initializedcheck=True
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
-the CPU backend's slot mapping, the allocator journal's diff of the touched rows and the
-prefix index's key table.
+the CPU backend's slot mapping, the allocator journal's diff of the touched rows, the
+conversion of Python lists of token ids, the byte-chained block hashes and the prefix index's
+key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
 byte-swapped, object or strided array), and ``const`` marks the inputs, so a read-only input is
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
-the output may not overlap an input. Bounds checking stays on (the default) everywhere.
+the output may not overlap an input. Bounds checking stays on (the default) everywhere. Python
+lists are read item by item through bounds-checked indexing, their lengths checked again
+after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
 :func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy`, the numpy classification in
-:meth:`blocktable.allocator.journal.StepJournal.take` and the ``dict`` of
+:meth:`blocktable.allocator.journal.StepJournal.take`, ``struct.pack`` in
+:func:`blocktable.allocator.request.token_array`,
+:func:`blocktable.block_hashing.byte_chain_python` and the ``dict`` of
 :class:`blocktable.key_table.DictKeyTable`.
 """
 
 from cython.view cimport array as cvarray
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+
+cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
 
 cdef object _np = None  # numpy, imported at the first journal diff (not by `--help`)
 
@@ -62,3 +70,5 @@ include "_compiled_slots.pxi"
 include "_compiled_update.pxi"
 include "_compiled_journal.pxi"
 include "_compiled_keys.pxi"
+include "_compiled_tokens.pxi"
+include "_compiled_hashing.pxi"

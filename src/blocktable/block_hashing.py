@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from blocktable import _compiled_loader as _loader
+
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""
 
@@ -279,12 +281,56 @@ def byte_chain(
     namespace_bytes: bytes,
     hash_fn: HashFn,
 ) -> list[bytes]:
-    """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` (int64), after ``parent``."""
+    """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` after ``parent``.
+
+    ``tokens``: integer ``[n]`` (on cpu), block ``i`` being ``tokens[i * block_size : (i + 1)
+    * block_size]``; each block's digest ``hash_fn(parent + little-endian int64 token bytes +
+    namespace_bytes)`` is the next block's parent. Returns the ``stop - first`` digests.
+    Compiled where the install built it (``hash_fn`` :func:`sha256_block_hash` then costs no
+    Python call per block), else :func:`byte_chain_python`; the results are equal.
+
+    Raises ``ValueError`` when the blocks are not full blocks of ``tokens``, ``TypeError``
+    when ``parent``, ``namespace_bytes`` or a digest is not bytes.
+    """
+    compiled = _loader.COMPILED
+    if compiled is not None:
+        return compiled.byte_chain(  # type: ignore[no-any-return]
+            np.ascontiguousarray(tokens, dtype=np.int64),
+            first,
+            stop,
+            block_size,
+            parent,
+            namespace_bytes,
+            hash_fn,
+        )
+    return byte_chain_python(tokens, first, stop, block_size, parent, namespace_bytes, hash_fn)
+
+
+def byte_chain_python(
+    tokens: np.ndarray,
+    first: int,
+    stop: int,
+    block_size: int,
+    parent: bytes,
+    namespace_bytes: bytes,
+    hash_fn: HashFn,
+) -> list[bytes]:
+    """:func:`byte_chain` in Python (the reference of the compiled one)."""
+    if block_size < 1 or not 0 <= first <= stop <= len(tokens) // block_size:
+        raise ValueError(
+            f"blocks {first} .. {stop} of {block_size} tokens must lie in the "
+            f"{len(tokens) // max(block_size, 1)} full blocks of tokens (block_size >= 1)"
+        )
+    for name, value in (("parent", parent), ("namespace_bytes", namespace_bytes)):
+        if not isinstance(value, bytes):
+            raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
     data = tokens[first * block_size : stop * block_size].astype("<i8", copy=False).tobytes()
     step = block_size * 8
     out: list[bytes] = []
     for i in range(stop - first):
         parent = hash_fn(parent + data[i * step : (i + 1) * step] + namespace_bytes)
+        if not isinstance(parent, bytes):
+            raise TypeError(f"hash_fn must return bytes, got {type(parent).__name__}")
         out.append(parent)
     return out
 
