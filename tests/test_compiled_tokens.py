@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from blocktable import _compiled_loader
-from blocktable.allocator.request import int64_from_ints_python, token_array
 from blocktable.block_hashing import (
     ROOT_BLOCK_HASH,
     byte_chain,
@@ -24,6 +23,7 @@ from blocktable.block_hashing import (
     hash_block_tokens,
     sha256_block_hash,
 )
+from blocktable.token_ids import int64_from_ints_python, token_array, token_rows
 
 compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
 
@@ -365,3 +365,37 @@ def test_byte_chain_refuses_hostile_input() -> None:
     assert compiled.byte_chain(frozen, 0, 4, 16, b"", b"", sha256_block_hash) == byte_chain_python(
         tokens, 0, 4, 16, b"", b"", sha256_block_hash
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_rows_compiled_and_python_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal-length lists become one [n, k] array (ints: k = 1) with the compiled part and
+    without it; anything else (lengths that differ, other kinds, an id out of range) is None."""
+    rng = np.random.default_rng(seed)
+    cases: list[list] = []
+    for _ in range(40):
+        n, k = int(rng.integers(1, 9)), int(rng.integers(0, 6))
+        rows = rng.integers(I64_MIN, I64_MAX, (n, k), endpoint=True).tolist()
+        kind = int(rng.integers(0, 6))
+        if kind == 1:
+            rows = [tuple(r) for r in rows]
+        elif kind == 2:
+            rows = [r[0] if r else 7 for r in rows]  # ints, one token each
+        elif kind == 3 and n > 1:
+            rows[-1] = rows[-1] + [1]  # a longer one
+        elif kind == 4:
+            rows[0] = np.array(rows[0], dtype=np.int64)  # not a list
+        elif kind == 5 and k:
+            rows[-1][0] = 2**63  # out of range
+        cases.append(rows)
+    results = []
+    for mode in ("compiled", "python"):
+        if mode == "python":
+            monkeypatch.setattr(_compiled_loader, "COMPILED", None)
+        results.append([token_rows(rows) for rows in cases])
+    for rows, got, want in zip(cases, *results):
+        if want is None:
+            assert got is None
+            continue
+        ints = [[r] if type(r) is int else list(r) for r in rows]
+        assert got.dtype == np.int64 and got.tolist() == want.tolist() == ints

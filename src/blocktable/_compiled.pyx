@@ -18,7 +18,7 @@ Each piece has a numpy twin that gives the same results bit for bit for every in
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
 :func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy`, the numpy classification in
 :meth:`blocktable.allocator.journal.StepJournal.take`, ``struct.pack`` in
-:func:`blocktable.allocator.request.token_array`,
+:func:`blocktable.token_ids.int64_from_ints_python`,
 :func:`blocktable.block_hashing.byte_chain_python` and the ``dict`` of
 :class:`blocktable.key_table.DictKeyTable`.
 """

@@ -19,16 +19,13 @@ from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
 from blocktable.allocator.prefix_cache import PrefixCache
-from blocktable.allocator.request import (
-    RequestState,
-    TokenIds,
-    check_req_id,
-)
+from blocktable.allocator.request import RequestState, check_req_id
 from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.block_hashing import ROOT_BLOCK_HASH, HashFn, byte_hash_fn
 from blocktable.host_tier import HostTierStats, HostTransfers, check_host_blocks_fit
+from blocktable.token_ids import TokenIds
 
 # Host-tier ids are int32 (as device block ids): a bound far above any real host memory
 MAX_HOST_BLOCKS = 2**31 - 2

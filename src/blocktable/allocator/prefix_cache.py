@@ -19,12 +19,13 @@ from blocktable.allocator.checks import check_model_len
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks
-from blocktable.allocator.request import KeyChains, RequestState, TokenIds, token_array
+from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
 from blocktable.allocator.stats import PrefixCacheStats
 from blocktable.block_hashing import ChainPowers, HashFn, encode_namespace, namespace_seed
 from blocktable.constants import NULL_BLOCK_ID
 from blocktable.host_tier import fit_restores, restore_hits
+from blocktable.token_ids import TokenIds, token_array
 
 _INT64 = np.dtype(np.int64)
 Namespaces = dict[bytes, tuple[int, int]]  # encoding -> (root content id, key seed)

@@ -1,22 +1,13 @@
-"""Per-request bookkeeping of the manager (numpy rows and tokens), and token-id conversion."""
+"""Per-request bookkeeping of the manager (numpy rows and tokens)."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-import torch
 
-from blocktable import _compiled_loader as _loader
-from blocktable._checks import as_index_array
 from blocktable.allocator.rowstate import RowState
-
-TokenIds = Sequence[int] | np.ndarray | torch.Tensor
-"""Token ids as the manager accepts them: a list/tuple of ints, an int array or tensor."""
-
-_EMPTY_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 def check_req_id(name: str, req_id: object) -> None:
@@ -26,47 +17,6 @@ def check_req_id(name: str, req_id: object) -> None:
         return
     if isinstance(req_id, bool) or not isinstance(req_id, (str, int)):
         raise TypeError(f"{name} must be a str or int, got {type(req_id).__name__}")
-
-
-def token_array(name: str, value: object) -> np.ndarray:
-    """Token ids as an int64 array (1-D, on cpu); ``TypeError`` naming ``name`` if not integers.
-
-    Accepts one int, lists and tuples of ints (bools count as 0 and 1, objects with
-    ``__index__`` such as numpy integers as their value), 1-D integer numpy arrays and CPU
-    integer tensors. An int64 array is returned as is, not copied: callers copy what they keep.
-    """
-    kind = type(value)
-    if (kind is list or kind is tuple) and _loader.COMPILED is not None:
-        try:  # one compiled loop over the items, naming the first bad one
-            return _loader.COMPILED.int64_from_ints(value, name)  # type: ignore[no-any-return]
-        except OverflowError as exc:  # (one error type for every bad token id)
-            raise TypeError(str(exc)) from None
-    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1:
-        return value
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-        value = (int(value),)
-    elif isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0:
-        value = value.reshape(1)
-    if isinstance(value, (list, tuple)):
-        return int64_from_ints_python(value, name)
-    if isinstance(value, (np.ndarray, torch.Tensor)):
-        return as_index_array(name, value).astype(np.int64, copy=False)
-    raise TypeError(
-        f"{name} must be an int, list, tuple, numpy array or tensor of ints, "
-        f"got {type(value).__name__}"
-    )
-
-
-def int64_from_ints_python(values: Sequence[int], name: str) -> np.ndarray:
-    """A list or tuple of token ids as int64 ``[len(values)]`` with ``struct``: the reference
-    of the compiled ``int64_from_ints`` and the path without it (one C loop, faster than
-    ``np.array``); ``TypeError`` naming ``name`` for an item that is not an int64 integer."""
-    if not values:
-        return _EMPTY_TOKENS
-    try:
-        return np.frombuffer(struct.pack(f"={len(values)}q", *values), dtype=np.int64)
-    except struct.error as exc:
-        raise TypeError(f"{name} must hold int64 token ids: {exc}") from None
 
 
 def grown(buffer: np.ndarray, size: int) -> np.ndarray:

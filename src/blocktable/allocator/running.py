@@ -11,7 +11,6 @@ changes anything; the per-request calls are wrappers over the batched ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from operator import add, sub
 
 import numpy as np
@@ -26,39 +25,14 @@ from blocktable.allocator.checks import (
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
-from blocktable.allocator.request import RequestState, TokenIds, token_array
+from blocktable.allocator.request import RequestState
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
 from blocktable.constants import NULL_BLOCK_ID
+from blocktable.token_ids import TokenIds, token_array, token_rows
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
-
-
-def _equal_lists(values: list) -> np.ndarray | None:
-    """Lists or tuples of int64 token ids, all of one length ``k`` (or ints: ``k = 1``), as one
-    int64 ``[n, k]`` array; None for anything else (other kinds, lengths, or a value that does not convert:
-    the caller converts them one by one, naming the request at fault)."""
-    if not values:
-        return None
-    if type(values[0]) is int:  # one token each
-        flat_ids = values if all(type(value) is int for value in values) else None
-        k = 1
-    elif type(values[0]) is list or type(values[0]) is tuple:
-        k = len(values[0])
-        for value in values:
-            if type(value) is not list and type(value) is not tuple or len(value) != k:
-                return None
-        flat_ids = list(chain.from_iterable(values))
-    else:
-        return None
-    if flat_ids is None:
-        return None
-    try:
-        flat = token_array("token_ids", flat_ids)
-    except TypeError:
-        return None
-    return flat.reshape(len(values), k)
 
 
 class RunningRequests:
@@ -128,7 +102,7 @@ class RunningRequests:
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
-        block = _equal_lists(token_ids) if len(token_ids) > 1 else None
+        block = token_rows(token_ids) if len(token_ids) > 1 else None
         if block is not None:  # (usually: lists of as many tokens each, converted at once)
             self._append_rows(reqs, rows, block)
             return
