@@ -1,8 +1,9 @@
-"""One validation helper for tensors and indices; every error names the argument and the bound."""
+"""Argument checks shared by every layer (tensors, indices, per-request lists of batched calls);
+every error names the argument and the bound."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 import numpy as np
 import torch
@@ -182,3 +183,56 @@ def as_index_array(name: str, value: object) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
     return arr.astype(np.int64, copy=False)
+
+
+# ---- per-request arguments of batched calls
+def as_list(name: str, value: object) -> list:
+    """A list, tuple or 1-D array as a list; ``TypeError`` naming ``name`` otherwise."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    raise TypeError(f"{name} must be a list, tuple or 1-D array, got {type(value).__name__}")
+
+
+def check_same_length(name: str, value: Sized, num_reqs: int) -> None:
+    if len(value) != num_reqs:
+        raise ValueError(f"{name} has {len(value)} entries but req_ids has {num_reqs}")
+
+
+def token_counts(name: str, value: object, num_reqs: int) -> list[int]:
+    """Per-request token counts (ints >= 0), as a list of ``num_reqs`` ints."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a 1-D integer array, got {value.dtype} {value.shape}")
+        check_same_length(name, value, num_reqs)
+        if len(value) and value.min() < 0:
+            raise ValueError(f"{name} must be >= 0, got {int(value.min())}")
+        return value.tolist()
+    counts = as_list(name, value)
+    check_same_length(name, counts, num_reqs)
+    if set(map(type, counts)) <= {int} and min(counts, default=0) >= 0:
+        return counts  # plain ints (the common case): read only
+    for count in counts:
+        if type(count) is not int or count < 0:
+            check_count(f"{name} entries", count)
+    return [int(c) for c in counts]
+
+
+def first_repeat(values: list) -> object:
+    seen = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
+
+
+def check_model_len(max_model_len: int | None, who: str, what: str, num_tokens: int) -> None:
+    """``ValueError`` naming ``who`` and ``what`` when ``num_tokens`` exceeds the limit."""
+    if max_model_len is not None and num_tokens > max_model_len:
+        raise ValueError(
+            f"{who}: {what} of {num_tokens} tokens exceeds max_model_len={max_model_len}"
+        )

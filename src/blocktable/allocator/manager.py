@@ -6,14 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable._checks import check_count, check_positive
-from blocktable.allocator.checks import (
+from blocktable._checks import (
     as_list,
+    check_count,
     check_model_len,
+    check_positive,
     check_same_length,
-    distinct_new_ids,
     token_counts,
 )
+from blocktable.allocator.checks import distinct_new_ids
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable.allocator.checks import check_model_len
+from blocktable._checks import check_model_len
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks

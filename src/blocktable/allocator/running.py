@@ -15,13 +15,8 @@ from operator import add, sub
 
 import numpy as np
 
-from blocktable.allocator.checks import (
-    as_list,
-    check_model_len,
-    check_same_length,
-    running_requests,
-    token_counts,
-)
+from blocktable._checks import as_list, check_model_len, check_same_length, token_counts
+from blocktable.allocator.checks import running_requests
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
