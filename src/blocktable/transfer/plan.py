@@ -105,8 +105,10 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     np.cumsum(counts, out=row_starts[1:])
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block)
-    offset = np.repeat(starts * q + first // chunk_tokens - row_starts[:-1], counts)
-    offset += np.arange(row_starts[-1])
+    shift = starts * q + first // chunk_tokens - row_starts[:-1]
+    offset = np.arange(row_starts[-1])
+    if shift.any():  # else every request's rows follow the last one's (a whole round, no hit)
+        offset += np.repeat(shift, counts)
     ids = np.asarray(block_ids)
     if q == 1:
         return ids[offset].astype(np.int64), row_starts
