@@ -169,8 +169,8 @@ class DecodeWorker:
         config, manager = self.engine.config, self.engine.manager
         num_prompt = batch.num_prompt_tokens
         num_kv = num_prompt + batch.max_new_tokens - 1
-        never = (num_kv > config.max_model_len) | (
-            -(-num_kv // config.block_size) > config.num_blocks - 1)
+        # past max_model_len, or more blocks than the pool has (the null block aside)
+        never = num_kv > min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
         known = self.engine.requests
         if known.keys().isdisjoint(batch.req_ids) and len(set(batch.req_ids)) == n:
             here = np.zeros(n, dtype=bool)
@@ -193,11 +193,11 @@ class DecodeWorker:
                               f"{config.block_size} tokens")
             candidates = np.flatnonzero(~bad)
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        need = -(-num_prompt[candidates] // config.block_size)
-        fits = np.cumsum(need) <= manager.num_free_blocks()
-        k = min(int(fits.argmin()) if not fits.all() else len(fits), manager.num_free_rows)
+        need = np.cumsum(-(-num_prompt[candidates] // config.block_size))
+        k = min(int(np.searchsorted(need, manager.num_free_blocks(), side="right")),
+                manager.num_free_rows)
         admitted = candidates[:k].tolist()
-        sure_hits, sure_ids = self._admit_many(batch, candidates[:k])
+        sure_hits, sure_ids = self._admit_many(batch, candidates[:k], num_prompt)
         hits, new_ids = [sure_hits], [sure_ids]
         waiting = False
         for i in candidates[k:].tolist():
@@ -212,9 +212,9 @@ class DecodeWorker:
             waiting = waiting or status == PlanStatus.WAIT  # keep arrival order
         if not admitted:
             return PlanBatch(statuses, np.zeros(0, np.int64), reasons)
-        idx = np.array(admitted, dtype=np.int64)
+        idx = candidates[:k] if len(hits) == 1 else np.array(admitted, dtype=np.int64)
         statuses[idx] = PlanStatus.SEND
-        num_hit = np.concatenate(hits)
+        num_hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
         num = num_prompt[idx] - num_hit
         chunk_tokens = self.chunk_tokens
         assert self.remote is not None
@@ -236,10 +236,12 @@ class DecodeWorker:
         self._plan = _RoundPlan(batch, req_ids, idx, num_hit, num_blocks, dst, dst_starts)
         return PlanBatch(statuses, src, reasons)
 
-    def _admit_many(self, batch: OfferBatch, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Admit ``batch``'s offers at ``index`` (they fit) and allocate their prompts: one
-        batched call each. Returns their prefix-hit tokens (int64 ``[k]``) and the new block
-        ids, request after request (int32)."""
+    def _admit_many(self, batch: OfferBatch, index: np.ndarray, num_prompt: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Admit ``batch``'s offers at ``index`` (they fit; ``num_prompt``: every offer's
+        prompt tokens) and allocate their prompts: one batched call each. Returns their
+        prefix-hit tokens (int64 ``[k]``) and the new block ids, request after request
+        (int32)."""
         if not index.size:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         manager = self.engine.manager
@@ -248,7 +250,7 @@ class DecodeWorker:
         prompts = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
         hits = np.array(manager.add_requests(ids, prompts), dtype=np.int64)
         try:
-            blocks = manager.allocate_many(ids, batch.num_prompt_tokens[index] - hits)[0]
+            blocks = manager.allocate_many(ids, num_prompt[index] - hits)[0]
         except Exception:
             manager.free_many(ids)
             raise
