@@ -75,3 +75,105 @@ def test_dcp_chunk_rows_refuse_bad_sizes() -> None:
     with pytest.raises(ValueError, match="holds 1 blocks of 8 tokens; tokens up to 9 need 2"):
         dcp_chunk_rows_many(block_size=4, world_size=2, interleave=2, chunk_tokens=2,
                             **{**args, "num_tokens": np.array([9])})
+
+
+# ------------------------------------------------------------------ spawned: 1 prefill + N DCP
+PROMPTS = [list(range(3, 16)), list(range(40, 60)), [7, 1, 9, 200, 5, 5, 31]]
+PREFILL_BLOCK = 4
+DCP_NUM_BLOCKS = 24
+
+
+def dcp_job(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir: str
+            ) -> dict[str, Any]:
+    """Rank 0 prefills and sends; ranks ``1..world-1`` are DCP ranks ``0..world-2`` (DCP rank
+    0 the driver, with the group's allocator). Each saves its cache for the parent."""
+    import torch
+
+    from blocktable import CPConfig, GroupLayout, KVCacheManager
+    from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
+    from blocktable.transfer import TorchDistributedTransport
+    from blocktable.transfer.dcp_transfer import dcp_rank_receive, prefill_to_dcp
+
+    num_dcp = world - 1
+    model = tiny_llama()
+    if rank == 0:
+        engine = LLMEngine(model, EngineConfig(block_size=PREFILL_BLOCK, num_blocks=32,
+                                               max_num_reqs=4, token_budget=64,
+                                               max_model_len=64))
+        to_ranks = [TorchDistributedTransport(r, "decode", "cpu", 20.0) for r in range(1, world)]
+        report = prefill_to_dcp(engine, to_ranks, PROMPTS)
+        engine.manager.check_integrity()
+        torch.save(engine.model.kv_cache, f"{out_dir}/prefill.pt")
+        return report
+    dcp_rank = rank - 1
+    shape = list(model.model.layers[0].self_attn.k_proj.weight.shape)  # [kv_heads * head_dim, _]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    kv = torch.zeros(model.config.num_hidden_layers, 2, DCP_NUM_BLOCKS, dcp_block_size,
+                     shape[0] // head_dim, head_dim)
+    to_prefill = TorchDistributedTransport(0, "prefill", "cpu", 20.0)
+    to_ranks: list[Any] = [None] * num_dcp
+    manager = None
+    if dcp_rank == 0:
+        to_ranks = [None] + [TorchDistributedTransport(r + 1, "decode", "cpu", 20.0)
+                             for r in range(1, num_dcp)]
+        cp = CPConfig(num_dcp, 0, interleave)
+        manager = KVCacheManager([GroupLayout(block_size=dcp_block_size,
+                                              num_blocks=DCP_NUM_BLOCKS).allocator_spec(cp)],
+                                 max_num_reqs=4)
+    else:
+        to_ranks[0] = TorchDistributedTransport(1, "decode driver", "cpu", 20.0)
+    plan, num_bytes = dcp_rank_receive(dcp_rank, kv, dcp_block_size, to_prefill, to_ranks,
+                                       manager, interleave)
+    if manager is not None:
+        manager.check_integrity()
+    torch.save(kv, f"{out_dir}/dcp{dcp_rank}.pt")
+    return {"block_ids": plan.block_ids.tolist(), "block_starts": plan.block_starts.tolist(),
+            "bytes": num_bytes, "chunk_tokens": plan.chunk_tokens}
+
+
+@pytest.mark.parametrize(("num_dcp", "interleave", "dcp_block_size"), [(2, 2, 4), (3, 1, 2)])
+def test_each_dcp_rank_holds_exactly_its_tokens_of_the_prefill(
+        tmp_path: Any, num_dcp: int, interleave: int, dcp_block_size: int) -> None:
+    """Every prompt token's K and V (every layer) sit on the one DCP rank the table's CP slot
+    formula names, at its slot there; each rank received only its own chunks (their bytes sum
+    to the whole once); the prefill side freed its blocks only after every rank confirmed."""
+    import torch
+    from spawn import run_ranks
+
+    results = run_ranks(dcp_job, 1 + num_dcp, tmp_path,
+                        args=(interleave, dcp_block_size, str(tmp_path)), timeout_s=120.0)
+    prefill, decode = results[0], results[1:]
+    src = torch.load(tmp_path / "prefill.pt")
+    caches = [torch.load(tmp_path / f"dcp{r}.pt") for r in range(num_dcp)]
+    starts = decode[0]["block_starts"]
+    chunk = decode[0]["chunk_tokens"]
+    written = [torch.zeros(c.shape[2] * c.shape[3], dtype=torch.bool) for c in caches]
+    total_chunks = 0
+    for i, prompt in enumerate(PROMPTS):
+        ids = np.array(decode[0]["block_ids"][starts[i]:starts[i + 1]])
+        assert all(d["block_ids"] == decode[0]["block_ids"] for d in decode)  # same ids
+        total_chunks += -(-len(prompt) // chunk)
+        for p in range(-(-len(prompt) // chunk) * chunk):  # a last partial chunk moves whole
+            slots = [slot_of_position(p, ids, ids.size, kernel_block_size=dcp_block_size,
+                                      manager_block_size=dcp_block_size, cp_world_size=num_dcp,
+                                      cp_rank=r, cp_interleave=interleave)
+                     for r in range(num_dcp)]
+            [owner] = [r for r, s in enumerate(slots) if s != PAD_SLOT_ID]
+            written[owner][slots[owner]] = True
+            if p >= len(prompt):
+                continue
+            block = prefill["block_ids"][i][p // PREFILL_BLOCK]
+            want = src[:, :, block, p % PREFILL_BLOCK]
+            slot = slots[owner]
+            got = caches[owner][:, :, slot // dcp_block_size, slot % dcp_block_size]
+            assert torch.equal(got, want), (i, p, owner)
+            assert want.abs().sum() > 0  # a real prefill wrote it
+    # no rank holds anything outside the chunks it owns
+    for r, cache in enumerate(caches):
+        touched = cache.flatten(2, 3).abs().sum(dim=(0, 1, 3, 4)) > 0
+        assert not (touched & ~written[r]).any(), r
+    # each chunk went to one rank once: the bytes add up to every moved chunk exactly
+    row_bytes = src[:, :, 0, :chunk].numel() * src.element_size()
+    assert [d["bytes"] for d in decode] == prefill["bytes_per_rank"]
+    assert sum(prefill["bytes_per_rank"]) == total_chunks * row_bytes
+    assert all(b > 0 for b in prefill["bytes_per_rank"])

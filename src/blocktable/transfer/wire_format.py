@@ -83,7 +83,7 @@ def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
     if body.dtype != np.uint8 or body.ndim != 1 or body.size != size or not 0 <= start < size:
         raise ValueError(f"body must be uint8 [{size}] with its pickle at [{start}, {size}), "
                          f"got {body.dtype} {list(body.shape)}")
-    cls, rest, layout = pickle.loads(body[start:])
+    cls, rest, layout = pickle.loads(body[start:].tobytes())
     if cls is None:
         return rest
     offsets = _offsets([np.dtype(dtype).itemsize * count for dtype, count in layout])
