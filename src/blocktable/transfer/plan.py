@@ -83,34 +83,41 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     """
     first = np.asarray(first_tokens, dtype=np.int64)
     num = np.asarray(num_tokens, dtype=np.int64)
-    starts = np.asarray(block_starts, dtype=np.int64)
-    counts_blocks = np.asarray(block_counts, dtype=np.int64)
-    if block_size % chunk_tokens or (first % chunk_tokens).any():
+    hit = bool(first.any())  # else (a round without prefix hits) the first-token terms vanish
+    if block_size % chunk_tokens or (hit and (first % chunk_tokens).any()):
         raise ValueError(
             f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
             f"first token (got {first.tolist()})"
         )
-    if (num < 0).any():
+    if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
-    needed = -(-(first + num) // block_size) * (num > 0)
-    short = np.flatnonzero(needed > counts_blocks)
+    q = block_size // chunk_tokens  # chunks per block
+    counts = -(-num // chunk_tokens)
+    first_chunks = first // chunk_tokens if hit else first
+    # the chunk past a request's last one, counted from its first block, must lie in its blocks
+    counts_blocks = np.asarray(block_counts, dtype=np.int64)
+    beyond = first_chunks + counts > counts_blocks * q
+    short = np.flatnonzero(beyond & (num > 0) if hit else beyond)  # no tokens: nothing read
     if short.size:
         i = int(short[0])
         raise ValueError(
             f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} tokens; "
-            f"tokens up to {first[i] + num[i]} need {needed[i]}"
+            f"tokens up to {first[i] + num[i]} need {-(-(first[i] + num[i]) // block_size)}"
         )
-    q = block_size // chunk_tokens  # chunks per block
-    counts = -(-num // chunk_tokens)
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.cumsum(counts, out=row_starts[1:])
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block)
-    shift = starts * q + first // chunk_tokens - row_starts[:-1]
-    offset = np.arange(row_starts[-1])
-    if shift.any():  # else every request's rows follow the last one's (a whole round, no hit)
-        offset += np.repeat(shift, counts)
+    starts = np.asarray(block_starts, dtype=np.int64)
+    shift = starts * q if q > 1 else starts
+    shift = (shift + first_chunks if hit else shift) - row_starts[:-1]
     ids = np.asarray(block_ids)
+    if not shift.any():  # every request's rows follow the last one's (a round, no hit)
+        if q == 1:
+            return ids[:row_starts[-1]].astype(np.int64), row_starts
+        offset = np.arange(row_starts[-1])
+    else:
+        offset = np.arange(row_starts[-1]) + np.repeat(shift, counts)
     if q == 1:
         return ids[offset].astype(np.int64), row_starts
     return ids[offset // q].astype(np.int64) * q + offset % q, row_starts

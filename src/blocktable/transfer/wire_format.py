@@ -40,17 +40,6 @@ class WireMessage(Protocol):
         """The message again, from what :meth:`to_wire` gave (the arrays as views)."""
 
 
-def _offsets(nbytes: Sequence[int]) -> list[int]:
-    """Where each array starts in a body (aligned), then where the pickle starts."""
-    out, end = [], 0
-    for n in nbytes:
-        start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
-        out.append(start)
-        end = start + n
-    out.append(end)
-    return out
-
-
 def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
     """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]``, new
     arrays on cpu. A :class:`WireMessage`'s arrays are copied once, into ``body``."""
@@ -60,20 +49,20 @@ def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
         body = np.frombuffer(bytearray(payload), dtype=np.uint8)
         return np.array([body.size, 0], dtype=np.int64), body
     arrays, rest = to_wire(obj)
-    arrays = [np.ascontiguousarray(a) for a in arrays]
+    layout, end = [], 0
     for a in arrays:
         if a.ndim != 1 or a.dtype.hasobject or a.dtype.names is not None:
             raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of plain "
                              f"dtypes, got {a.dtype} of shape {a.shape}")
-    offsets = _offsets([a.nbytes for a in arrays])
-    payload = pickle.dumps((type(obj), rest, tuple((a.dtype.str, a.size) for a in arrays)),
-                           protocol=5)
-    start = offsets[-1]
-    body = np.empty(start + len(payload), dtype=np.uint8)
-    for a, offset in zip(arrays, offsets):
-        body[offset:offset + a.nbytes] = a.view(np.uint8)
-    body[start:] = np.frombuffer(payload, dtype=np.uint8)
-    return np.array([body.size, start], dtype=np.int64), body
+        offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        layout.append((a.dtype.str, a.size, offset))
+        end = offset + a.nbytes
+    payload = pickle.dumps((type(obj), rest, layout), protocol=5)
+    body = np.empty(end + len(payload), dtype=np.uint8)
+    for a, (_, size, offset) in zip(arrays, layout):
+        np.ndarray(size, a.dtype, body, offset)[...] = a  # a strided view is laid out too
+    body[end:] = np.frombuffer(payload, dtype=np.uint8)
+    return np.array([body.size, end], dtype=np.int64), body
 
 
 def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
@@ -86,9 +75,8 @@ def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
     cls, rest, layout = pickle.loads(body[start:].tobytes())
     if cls is None:
         return rest
-    offsets = _offsets([np.dtype(dtype).itemsize * count for dtype, count in layout])
     arrays = [np.frombuffer(body, dtype=dtype, count=count, offset=offset)
-              for (dtype, count), offset in zip(layout, offsets)]
+              for dtype, count, offset in layout]
     return cls.from_wire(arrays, rest)
 
 
