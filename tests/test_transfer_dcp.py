@@ -4,15 +4,27 @@ across spawned processes against the prefill side's cache."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from spawn import run_ranks
 
+from blocktable import CPConfig, GroupLayout, KVCacheManager
 from blocktable.constants import PAD_SLOT_ID
+from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
 from blocktable.slot_mapping.reference import slot_of_position
+from blocktable.transfer import TorchDistributedTransport
+from blocktable.transfer.dcp_transfer import dcp_rank_receive, prefill_to_dcp
+from blocktable.transfer.kv_handshake import handshake
+from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.plan import dcp_chunk_rows_many
 
 
@@ -83,17 +95,22 @@ PREFILL_BLOCK = 4
 DCP_NUM_BLOCKS = 24
 
 
-def dcp_job(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir: str
-            ) -> dict[str, Any]:
+def dcp_job(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir: str,
+            dying_dcp_rank: int = -1) -> dict[str, Any]:
     """Rank 0 prefills and sends; ranks ``1..world-1`` are DCP ranks ``0..world-2`` (DCP rank
-    0 the driver, with the group's allocator). Each saves its cache for the parent."""
-    import torch
+    0 the driver, with the group's allocator). Each saves its cache for the parent.
+    ``dying_dcp_rank`` exits right after its handshake; a survivor that raises writes what it
+    saw (error, time) and whether its allocator checked out."""
+    try:
+        return _dcp_side(rank, world, interleave, dcp_block_size, out_dir, dying_dcp_rank)
+    except Exception as exc:
+        Path(out_dir, f"survivor{rank}.json").write_text(json.dumps({
+            "error": f"{type(exc).__name__}: {exc}", "raised_at": time.time()}))
+        raise
 
-    from blocktable import CPConfig, GroupLayout, KVCacheManager
-    from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
-    from blocktable.transfer import TorchDistributedTransport
-    from blocktable.transfer.dcp_transfer import dcp_rank_receive, prefill_to_dcp
 
+def _dcp_side(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir: str,
+              dying_dcp_rank: int) -> dict[str, Any]:
     num_dcp = world - 1
     model = tiny_llama()
     if rank == 0:
@@ -101,8 +118,11 @@ def dcp_job(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir
                                                max_num_reqs=4, token_budget=64,
                                                max_model_len=64))
         to_ranks = [TorchDistributedTransport(r, "decode", "cpu", 20.0) for r in range(1, world)]
-        report = prefill_to_dcp(engine, to_ranks, PROMPTS)
-        engine.manager.check_integrity()
+        try:
+            report = prefill_to_dcp(engine, to_ranks, PROMPTS)
+        finally:  # on a lost rank too: the blocks must be free
+            engine.manager.check_integrity()
+            assert engine.manager.num_requests == 0
         torch.save(engine.model.kv_cache, f"{out_dir}/prefill.pt")
         return report
     dcp_rank = rank - 1
@@ -122,8 +142,18 @@ def dcp_job(rank: int, world: int, interleave: int, dcp_block_size: int, out_dir
                                  max_num_reqs=4)
     else:
         to_ranks[0] = TorchDistributedTransport(1, "decode driver", "cpu", 20.0)
-    plan, num_bytes = dcp_rank_receive(dcp_rank, kv, dcp_block_size, to_prefill, to_ranks,
-                                       manager, interleave)
+    if dcp_rank == dying_dcp_rank:
+        handshake(to_prefill, KVCacheLayout.of_cache(kv, dcp_block_size), "decode", "prefill")
+        Path(out_dir, "died_at").write_text(str(time.time()))
+        os._exit(17)
+    try:
+        plan, num_bytes = dcp_rank_receive(dcp_rank, kv, dcp_block_size, to_prefill, to_ranks,
+                                           manager, interleave)
+    except Exception:
+        if manager is not None:  # what the round allocated is freed
+            manager.check_integrity()
+            assert manager.num_requests == 0
+        raise
     if manager is not None:
         manager.check_integrity()
     torch.save(kv, f"{out_dir}/dcp{dcp_rank}.pt")
@@ -137,9 +167,6 @@ def test_each_dcp_rank_holds_exactly_its_tokens_of_the_prefill(
     """Every prompt token's K and V (every layer) sit on the one DCP rank the table's CP slot
     formula names, at its slot there; each rank received only its own chunks (their bytes sum
     to the whole once); the prefill side freed its blocks only after every rank confirmed."""
-    import torch
-    from spawn import run_ranks
-
     results = run_ranks(dcp_job, 1 + num_dcp, tmp_path,
                         args=(interleave, dcp_block_size, str(tmp_path)), timeout_s=120.0)
     prefill, decode = results[0], results[1:]
@@ -177,3 +204,18 @@ def test_each_dcp_rank_holds_exactly_its_tokens_of_the_prefill(
     assert [d["bytes"] for d in decode] == prefill["bytes_per_rank"]
     assert sum(prefill["bytes_per_rank"]) == total_chunks * row_bytes
     assert all(b > 0 for b in prefill["bytes_per_rank"])
+
+
+def test_a_dcp_rank_that_dies_is_named_within_seconds(tmp_path: Path) -> None:
+    """DCP rank 1 dies after its handshake: the driver, sending it the plan, raises naming it
+    within seconds and frees its allocation; the prefill side then loses the driver, raises
+    naming it and frees its blocks (both allocators are checked in the children). No hang."""
+    with pytest.raises(AssertionError) as info:
+        run_ranks(dcp_job, 3, tmp_path, args=(2, 4, str(tmp_path), 1), timeout_s=120.0)
+    assert "rank 2: died (exit code 17)" in str(info.value)
+    died_at = float((tmp_path / "died_at").read_text())
+    driver = json.loads((tmp_path / "survivor1.json").read_text())
+    assert driver["error"].startswith("PeerLostError: lost the decode side (rank 2)"), driver
+    prefill = json.loads((tmp_path / "survivor0.json").read_text())
+    assert prefill["error"].startswith("PeerLostError: lost the decode side (rank "), prefill
+    assert max(driver["raised_at"], prefill["raised_at"]) - died_at < 5.0

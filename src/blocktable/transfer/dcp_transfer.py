@@ -34,6 +34,7 @@ from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, data_status
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, dcp_chunk_rows_many
+from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
 
@@ -87,6 +88,15 @@ def prefill_to_dcp(engine: LLMEngine, to_ranks: list[Transport],
         running = engine.scheduler.running
         done += [req for req in running if req.output_token_ids]
         running[:] = [req for req in running if not req.output_token_ids]
+    try:
+        return _send_to_dcp(engine, to_ranks, prompts, ids)
+    except PeerLostError:  # a rank is gone: nothing leaks here
+        engine.manager.free_many([r for r in ids if r in engine.manager])
+        raise
+
+
+def _send_to_dcp(engine: LLMEngine, to_ranks: list[Transport], prompts: list[list[int]],
+                 ids: list[str]) -> dict[str, Any]:
     own = [np.asarray(engine.manager.block_ids(r)[0], dtype=np.int64) for r in ids]
     tokens = [np.array([*p, engine.requests[r].output_token_ids[0]], np.int32)
               for r, p in zip(ids, prompts)]
@@ -127,31 +137,41 @@ def dcp_rank_receive(dcp_rank: int, kv_cache: torch.Tensor, block_size: int,
     receive the plan from ``to_ranks[0]``. Returns the plan and the bytes received here."""
     layout = KVCacheLayout.of_cache(kv_cache, block_size)
     remote = handshake(to_prefill, layout, "decode", "prefill")
-    world = len(to_ranks)
-    if dcp_rank == 0:
-        if manager is None:
-            raise ValueError("the DCP driver (rank 0) needs the group's allocator (manager)")
-        offer: OfferBatch = to_prefill.recv_message()
-        prompts = [offer.token_ids[a:b] for a, b in zip(offer.token_starts[:-1].tolist(),
-                                                          offer.token_starts[1:].tolist())]
-        ids = list(offer.req_ids)
-        hits = np.array(manager.add_requests(ids, prompts), dtype=np.int64)
+    if dcp_rank > 0:
+        driver = to_ranks[0]
+        assert driver is not None
+        return _receive_share(dcp_rank, kv_cache, driver.recv_message(), to_prefill)
+    if manager is None:
+        raise ValueError("the DCP driver (rank 0) needs the group's allocator (manager)")
+    offer: OfferBatch = to_prefill.recv_message()
+    starts = offer.token_starts.tolist()
+    ids = list(offer.req_ids)
+    prompts = [offer.token_ids[starts[i]:starts[i + 1]] for i in range(len(ids))]
+    hits = np.array(manager.add_requests(ids, prompts), dtype=np.int64)
+    try:
         num_prompt = offer.num_prompt_tokens
         manager.allocate_many(ids, num_prompt - hits)
         # a request's blocks from its first token (the hit's, then the new ones)
         own = [np.asarray(manager.block_ids(r)[0], np.int64) for r in ids]
-        plan = DcpPlan(np.concatenate(own), _starts([o.size for o in own]), hits, num_prompt, world, interleave, block_size,
+        plan = DcpPlan(np.concatenate(own), _starts([o.size for o in own]), hits, num_prompt,
+                       len(to_ranks), interleave, block_size,
                        chunk_tokens_of(remote.kernel_block_size, layout.kernel_block_size,
                                        interleave))
         to_prefill.send_message(plan)
         for transport in to_ranks[1:]:
             assert transport is not None
             transport.send_message(plan)
-        manager.mark_computed_many(ids, num_prompt - hits)
-    else:
-        driver = to_ranks[0]
-        assert driver is not None
-        plan = driver.recv_message()
+        received = _receive_share(0, kv_cache, plan, to_prefill)
+    except PeerLostError:  # the prefill side or a rank is gone: nothing leaks here
+        manager.free_many(ids)
+        raise
+    manager.mark_computed_many(ids, num_prompt - hits)
+    return received
+
+
+def _receive_share(dcp_rank: int, kv_cache: torch.Tensor, plan: DcpPlan,
+                   to_prefill: Transport) -> tuple[DcpPlan, int]:
+    """Receive this rank's chunks (their rows by the plan) and scatter them; acknowledge."""
     owners, rows = plan.chunks()
     mine = rows[owners == dcp_rank]
     status = torch.empty(2, dtype=torch.int64)
