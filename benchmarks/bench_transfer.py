@@ -14,8 +14,9 @@ Two figures:
    scatter; the moved rows are compared across the ranks at the end (a mismatch exits 1).
 2. **Host bookkeeping of one round of ``--num-requests`` requests** (in this process, thread
    time): both workers' own per-round methods, messages through the wire format, the KV left
-   out; alternated with admitting the same requests into an engine without a transfer
-   (allocator calls, ``Request`` objects). The difference is what the transfer adds.
+   out. What the transfer adds is the round's time outside the engine's own calls made in it
+   (allocator, row look-ups, ``Request`` objects), timed in the same round; for reference,
+   also alternated with admitting the same requests into an engine without a transfer.
 
     PYTHONPATH=src python benchmarks/bench_transfer.py                  # CPU, gloo
     PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda    # NCCL, two GPUs
@@ -152,24 +153,47 @@ def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray])
     pw.engine.manager.free_many(ids)
 
 
+class _EngineClock:
+    """Thread time spent inside the engine's own calls (allocator, row look-ups, ``Request``
+    objects) during a transfer round: every one of them is a batched call, so the clock's own
+    cost is a few calls per round."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - t0
+
+        setattr(obj, name, timed)
+
+
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
-    does; the KV's gather, send and scatter are not in it), alternated with what admitting
-    the same requests costs an engine without a transfer (:func:`_admission_only`). The
-    difference is what the transfer adds."""
+    does; the KV's gather, send and scatter are not in it).
+
+    What the transfer adds is measured two ways. Paired: the round's time minus the time spent
+    inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
+    calls on both sides, the prefill side's row look-ups, the decode side's ``Request``
+    objects). Unpaired: the round's time minus admitting the same requests into an engine
+    without a transfer (:func:`_admission_only`), run alternately; the difference of two
+    independent ~2 ms figures, so its spread is wider than the target it is compared with."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
     from blocktable.transfer.messages import PlanBatch, Round, data_status
-    from blocktable.transfer.wire_format import decode_message, empty_frames, message_tensors
+    from blocktable.transfer.wire_format import decode_message, encode_message
 
     def wire(obj: Any) -> Any:
-        """Both ends of send_message / recv_message; the wire's own copy of the frames into
+        """Both ends of send_message / recv_message; the wire's own copy of the body into
         the receiver's memory is left out (it is the transport's data movement)."""
-        header, *frames = message_tensors(obj)
-        sent = iter(frames)
-        return decode_message([next(sent).numpy() if f.size else f
-                               for f in empty_frames(header.numpy())])
+        return decode_message(*encode_message(obj))
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
     num_blocks = n * -(-(tokens + 4) // bs) + 1
@@ -179,8 +203,16 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     pw = PrefillWorker(LLMEngine(model, config), local_pair()[0])
     dw = DecodeWorker(LLMEngine(model, config), local_pair()[1])
     pw.remote, dw.remote = dw.layout, pw.layout
+    clock = _EngineClock()
+    for manager in (pw.engine.manager, dw.engine.manager):
+        for name in ("add_requests", "allocate_many", "mark_computed_many", "free_many",
+                     "lookup_prefix", "can_admit", "add_request", "allocate"):
+            clock.wrap(manager, name)
+    clock.wrap(pw, "_rows_of")
+    clock.wrap(dw, "_add_running")
     rng = np.random.default_rng(0)
     rounds: list[float] = []
+    engine_calls: list[float] = []
     admissions: list[float] = []
     checked = True
     for rep in range(args.bookkeeping_warmup + args.bookkeeping_repeats):
@@ -189,6 +221,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
             _prefilled(pw, ids, prompts, first=7)
             arrived = [np.array(p + [7], dtype=np.int32) for p in prompts]
+            clock.seconds = 0.0
             t0 = time.thread_time()
             if kind == "admission":
                 _admission_only(pw, dw, ids, arrived)
@@ -214,7 +247,11 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                     pw.engine.scheduler.running.clear()
             checked = checked and dw.engine.manager.num_requests == n
             if rep >= args.bookkeeping_warmup:
-                (rounds if kind == "round" else admissions).append(elapsed)
+                if kind == "round":
+                    rounds.append(elapsed)
+                    engine_calls.append(clock.seconds)
+                else:
+                    admissions.append(elapsed)
             dw.engine.manager.free_many(ids)
             for req_id in ids:
                 del dw.engine.requests[req_id]
@@ -230,9 +267,13 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
         "checked": checked,
         f"host time of one transfer round of {n} requests ({tokens}-token prompts), both "
         "sides": rounds,
+        "of which the engine's own calls (allocator, row look-ups, Request objects)":
+            engine_calls,
+        "what the transfer adds (messages, mapping, plans), paired: the rest of the round": [
+            r - e for r, e in zip(rounds, engine_calls)],
         "admitting the same requests without a transfer (allocator calls, Request objects)":
             admissions,
-        "what the transfer adds (messages, mapping, plans): the difference": [
+        "what the transfer adds, unpaired: round minus admission": [
             r - a for r, a in zip(rounds, admissions)],
     }
 

@@ -4,12 +4,13 @@ scatter, the handshake, and whole runs over an in-memory transport pair (threads
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
@@ -29,10 +30,10 @@ from blocktable.transfer.buffers import StagingBuffer, chunk_view, gather_chunks
 from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
-    MAX_FRAMES,
+    ALIGN_BYTES,
+    check_header,
     decode_message,
-    empty_frames,
-    message_tensors,
+    encode_message,
 )
 
 MAX_NEW_TOKENS = 6
@@ -156,11 +157,10 @@ def test_staging_buffer_is_reused_and_refuses_bad_sizes() -> None:
 
 
 def _through_the_wire(obj: Any) -> Any:
-    header, *frames = message_tensors(obj)
-    sent = iter(frames)
-    landed = [next(sent).numpy().copy() if f.size else f for f in empty_frames(header.numpy())]
-    assert next(sent, None) is None
-    return decode_message(landed)
+    header, body = encode_message(obj)
+    landed = np.empty(check_header(header), dtype=np.uint8)  # as the receiver lands it
+    landed[:] = body
+    return decode_message(header.copy(), landed)
 
 
 def test_messages_cross_the_wire_format_with_their_arrays() -> None:
@@ -179,10 +179,48 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.zeros(0, np.int64),
                                        {1: "never fits"}, 3))
     assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
-    many = [np.full(3, i) for i in range(MAX_FRAMES + 2)]  # too many frames: in the pickle
-    assert [a.tolist() for a in _through_the_wire(many)] == [a.tolist() for a in many]
-    with pytest.raises(ValueError, match="must list 1 to 16 frames, got 0"):
-        empty_frames(np.zeros(MAX_FRAMES + 1, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class _ArraysAndRest:
+    arrays: tuple[np.ndarray, ...]
+    rest: Any
+
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], Any]:
+        return self.arrays, self.rest
+
+    @classmethod
+    def from_wire(cls, arrays: list[np.ndarray], rest: Any) -> _ArraysAndRest:
+        return cls(tuple(arrays), rest)
+
+
+def test_the_wire_format_on_random_arrays() -> None:
+    """Random 1-D arrays (every dtype kind, empty ones, strided views, byte orders) come back
+    equal and aligned beside the pickled rest; any other object travels pickled whole."""
+    rng = np.random.default_rng(7)
+    dtypes = ["<i8", "<i4", "i1", "<u2", "<f8", "<f4", "?", ">i4", "<c16"]
+    for _ in range(60):
+        arrays = []
+        for _ in range(int(rng.integers(0, 6))):
+            a = rng.integers(-100, 100, int(rng.integers(0, 9))).astype(rng.choice(dtypes))
+            arrays.append(a[::2] if rng.random() < 0.3 else a)  # a strided view
+        header, body = encode_message(_ArraysAndRest(tuple(arrays), {"x": ("a", 3)}))
+        landed = np.empty(check_header(header), dtype=np.uint8)
+        landed[:] = body
+        got = decode_message(header, landed)
+        assert got.rest == {"x": ("a", 3)} and len(got.arrays) == len(arrays)
+        for mine, theirs in zip(arrays, got.arrays):
+            assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine)
+            assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
+            assert np.shares_memory(theirs, landed) or not theirs.size
+    assert _through_the_wire({"layout": [np.arange(3)], "v": 1})["v"] == 1  # pickled whole
+    with pytest.raises(ValueError, match="a message header must give a body"):
+        check_header(np.zeros(2, dtype=np.int64))
+    header, body = encode_message(_ArraysAndRest((np.arange(3),), None))
+    with pytest.raises(ValueError, match="body must be uint8"):
+        decode_message(header, body[:-1])
+    with pytest.raises(ValueError, match="must give 1-D arrays of plain dtypes"):
+        encode_message(_ArraysAndRest((np.zeros((2, 2)),), None))
 
 
 # ------------------------------------------------------------------ the handshake
@@ -336,6 +374,9 @@ def test_submit_refuses_a_single_token_request(model: Any) -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=0, max_size=5),
        st.sampled_from([(4, 4), (8, 4), (6, 2), (12, 3)]), st.integers(0, 2**31 - 1))
+@example([(0, 8), (0, 4)], (4, 4), 1)  # every request's rows follow the last one's
+@example([(0, 8), (0, 16)], (8, 4), 2)  # the same, two chunks per block
+@example([(1, 8), (0, 5)], (4, 4), 3)  # a hit: the rows start inside the request's blocks
 def test_chunk_rows_many_equals_the_slot_formula_per_request(
         reqs: list[tuple[int, int]], sizes: tuple[int, int], seed: int) -> None:
     """The batched mapping of several requests, request by request, is the slot formula."""

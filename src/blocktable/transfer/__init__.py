@@ -7,9 +7,11 @@
 - :mod:`~blocktable.transfer.buffers`: the gather into a reusable staging buffer, sent in
   pieces, and the scatter;
 - :mod:`~blocktable.transfer.prefill_side` / :mod:`~blocktable.transfer.decode_side`: the two sides;
+- :mod:`~blocktable.transfer.dcp_transfer`: a context-parallel decode side, each rank receiving
+  only the chunks it owns;
 - :mod:`~blocktable.transfer.messages`: what they say to each other each round;
-- :mod:`~blocktable.transfer.wire_format`: how a message travels (pickle plus its arrays'
-  memory).
+- :mod:`~blocktable.transfer.wire_format`: how a message travels (its arrays' bytes in one
+  buffer, then a small pickle).
 
 See ``docs/disaggregation.md``.
 """
@@ -20,7 +22,12 @@ from blocktable.transfer.decode_side import DecodeStats, DecodeWorker, TransferR
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout, check_compatible
 from blocktable.transfer.local import QueueTransport, local_pair
-from blocktable.transfer.plan import chunk_rows, chunk_rows_many, chunk_tokens_of
+from blocktable.transfer.plan import (
+    chunk_rows,
+    chunk_rows_many,
+    chunk_tokens_of,
+    dcp_chunk_rows_many,
+)
 from blocktable.transfer.prefill_side import PrefillStats, PrefillWorker
 from blocktable.transfer.transfer_errors import HandshakeError, PeerLostError, TransferError
 from blocktable.transfer.transport import TorchDistributedTransport, Transport
@@ -42,6 +49,7 @@ __all__ = [
     "chunk_rows",
     "chunk_rows_many",
     "chunk_tokens_of",
+    "dcp_chunk_rows_many",
     "handshake",
     "local_pair",
 ]

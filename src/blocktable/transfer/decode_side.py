@@ -169,29 +169,35 @@ class DecodeWorker:
         config, manager = self.engine.config, self.engine.manager
         num_prompt = batch.num_prompt_tokens
         num_kv = num_prompt + batch.max_new_tokens - 1
-        never = (num_kv > config.max_model_len) | (
-            -(-num_kv // config.block_size) > config.num_blocks - 1)
+        # past max_model_len, or more blocks than the pool has (the null block aside)
+        never = num_kv > min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
         known = self.engine.requests
-        here = np.fromiter((r in known for r in batch.req_ids), dtype=bool, count=n)
-        if len(set(batch.req_ids)) != n:  # a repeated id: its later offers are refused
+        if known.keys().isdisjoint(batch.req_ids) and len(set(batch.req_ids)) == n:
+            here = np.zeros(n, dtype=bool)
+        else:  # an id already here, or repeated: its later offers are refused
+            here = np.fromiter((r in known for r in batch.req_ids), dtype=bool, count=n)
             seen: set[str] = set()
             for i, r in enumerate(batch.req_ids):
                 here[i] |= r in seen
                 seen.add(r)
-        for i in np.flatnonzero(never | here).tolist():
-            statuses[i] = PlanStatus.REFUSED
-            self.stats.refused.append(batch.req_ids[i])
-            reasons[i] = ("request id already here" if here[i] else
-                          f"needs {num_kv[i]} tokens; the decode side has max_model_len="
-                          f"{config.max_model_len} and {config.num_blocks - 1} blocks of "
-                          f"{config.block_size} tokens")
-        candidates = np.flatnonzero(~(never | here))
+        bad = never | here
+        if not bad.any():
+            candidates = np.arange(n)
+        else:
+            for i in np.flatnonzero(bad).tolist():
+                statuses[i] = PlanStatus.REFUSED
+                self.stats.refused.append(batch.req_ids[i])
+                reasons[i] = ("request id already here" if here[i] else
+                              f"needs {num_kv[i]} tokens; the decode side has max_model_len="
+                              f"{config.max_model_len} and {config.num_blocks - 1} blocks of "
+                              f"{config.block_size} tokens")
+            candidates = np.flatnonzero(~bad)
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        need = -(-num_prompt[candidates] // config.block_size)
-        fits = np.cumsum(need) <= manager.num_free_blocks()
-        k = min(int(fits.argmin()) if not fits.all() else len(fits), manager.num_free_rows)
-        admitted = [int(i) for i in candidates[:k]]
-        sure_hits, sure_ids = self._admit_many(batch, candidates[:k])
+        need = np.cumsum(-(-num_prompt[candidates] // config.block_size))
+        k = min(int(np.searchsorted(need, manager.num_free_blocks(), side="right")),
+                manager.num_free_rows)
+        admitted = candidates[:k].tolist()
+        sure_hits, sure_ids = self._admit_many(batch, candidates[:k], num_prompt)
         hits, new_ids = [sure_hits], [sure_ids]
         waiting = False
         for i in candidates[k:].tolist():
@@ -206,9 +212,9 @@ class DecodeWorker:
             waiting = waiting or status == PlanStatus.WAIT  # keep arrival order
         if not admitted:
             return PlanBatch(statuses, np.zeros(0, np.int64), reasons)
-        idx = np.array(admitted, dtype=np.int64)
+        idx = candidates[:k] if len(hits) == 1 else np.array(admitted, dtype=np.int64)
         statuses[idx] = PlanStatus.SEND
-        num_hit = np.concatenate(hits)
+        num_hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
         num = num_prompt[idx] - num_hit
         chunk_tokens = self.chunk_tokens
         assert self.remote is not None
@@ -226,25 +232,25 @@ class DecodeWorker:
         np.cumsum(num_blocks[:-1], out=own_starts[1:])
         dst, dst_starts = chunk_rows_many(own, own_starts, num_blocks, config.block_size,
                                           chunk_tokens, np.zeros_like(num), num)
-        self._plan = _RoundPlan(batch, [batch.req_ids[i] for i in admitted], idx, num_hit,
-                                num_blocks, dst, dst_starts)
+        req_ids = list(batch.req_ids) if idx.size == n else [batch.req_ids[i] for i in admitted]
+        self._plan = _RoundPlan(batch, req_ids, idx, num_hit, num_blocks, dst, dst_starts)
         return PlanBatch(statuses, src, reasons)
 
-    def _admit_many(self, batch: OfferBatch, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Admit ``batch``'s offers at ``index`` (they fit) and allocate their prompts: one
-        batched call each. Returns their prefix-hit tokens (int64 ``[k]``) and the new block
-        ids, request after request (int32)."""
+    def _admit_many(self, batch: OfferBatch, index: np.ndarray, num_prompt: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Admit ``batch``'s offers at ``index`` (they fit; ``num_prompt``: every offer's
+        prompt tokens) and allocate their prompts: one batched call each. Returns their
+        prefix-hit tokens (int64 ``[k]``) and the new block ids, request after request
+        (int32)."""
         if not index.size:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         manager = self.engine.manager
         ids = [batch.req_ids[i] for i in index.tolist()]
-        starts = batch.token_starts[index].tolist()
-        ends = batch.token_starts[index + 1].tolist()
-        tokens = batch.token_ids
-        hits = np.array(manager.add_requests(ids, [tokens[a:b] for a, b in zip(starts, ends)]),
-                        dtype=np.int64)
+        tokens, starts = batch.token_ids, batch.token_starts.tolist()
+        prompts = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
+        hits = np.array(manager.add_requests(ids, prompts), dtype=np.int64)
         try:
-            blocks = manager.allocate_many(ids, batch.num_prompt_tokens[index] - hits)[0]
+            blocks = manager.allocate_many(ids, num_prompt[index] - hits)[0]
         except Exception:
             manager.free_many(ids)
             raise
@@ -291,17 +297,26 @@ class DecodeWorker:
     def _start_decoding(self, plan: _RoundPlan) -> None:
         """The prompts' KV is here: mark it computed (one allocator call); each request runs
         from its first token."""
-        engine, batch = self.engine, plan.batch
+        batch = plan.batch
         num_prompt = batch.num_prompt_tokens[plan.index]
-        engine.manager.mark_computed_many(plan.req_ids, num_prompt - plan.num_hit)
+        self.engine.manager.mark_computed_many(plan.req_ids, num_prompt - plan.num_hit)
+        self._add_running(plan)
+
+    def _add_running(self, plan: _RoundPlan) -> None:
+        """The engine's ``Request`` of each, running from its first token."""
+        engine, batch = self.engine, plan.batch
         max_new = batch.max_new_tokens[plan.index].tolist()
         first = batch.first_tokens[plan.index].tolist()
+        hit = plan.num_hit.tolist()
+        tokens = batch.token_ids
+        starts = batch.token_starts.tolist()
+        step, running, requests = engine.step_index, engine.scheduler.running, engine.requests
         for j, (req_id, i) in enumerate(zip(plan.req_ids, plan.index.tolist())):
-            req = Request(req_id, batch.prompt(i).tolist(), max_new[j], engine.step_index,
+            req = Request(req_id, tokens[starts[i]:starts[i + 1] - 1].tolist(), max_new[j], step,
                           status=RequestStatus.RUNNING, output_token_ids=[first[j]],
-                          num_cached_tokens=int(plan.num_hit[j]))
-            engine.requests[req_id] = req
-            engine.scheduler.running.append(req)
+                          num_cached_tokens=hit[j])
+            requests[req_id] = req
+            running.append(req)
 
     def _recompute(self, plan: _RoundPlan) -> None:
         """The KV never came: free the allocations, compute the requests here from their

@@ -6,7 +6,8 @@ A round is one message each way: the prefill side sends a :class:`Round` (an
 previous round's data arrived). For the offers to send, the prefill side then sends the data:
 :func:`data_status` and the buffer's pieces, tensors only.
 
-Batches are a few flat numpy arrays, not an object per request: they pickle as a few buffers.
+Batches are a few flat numpy arrays, not an object per request: on the wire they are those
+arrays' bytes and a small pickle of the request ids (:mod:`~blocktable.transfer.wire_format`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ class OfferBatch:
         """Request ``i``'s prompt (a view)."""
         return self.token_ids[self.token_starts[i]:self.token_starts[i + 1] - 1]
 
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
+        return (self.token_ids, self.token_starts, self.max_new_tokens, self.block_ids,
+                self.block_starts), self.req_ids
+
+    @classmethod
+    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[str, ...]) -> OfferBatch:
+        return cls(rest, *arrays)
+
 
 @dataclass(frozen=True, eq=False)
 class PlanBatch:
@@ -70,11 +79,27 @@ class PlanBatch:
     reasons: dict[int, str]  # offer index -> why it was refused
     num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache
 
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[dict[int, str], int]]:
+        return (self.statuses, self.src_rows), (self.reasons, self.num_acked)
+
+    @classmethod
+    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[dict[int, str], int]
+                  ) -> PlanBatch:
+        return cls(arrays[0], arrays[1], *rest)
+
 
 @dataclass(frozen=True)
 class Round:
     offers: OfferBatch
     done: bool  # nothing left on the prefill side: the decode side finishes alone
+
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[tuple[str, ...], bool]]:
+        arrays, req_ids = self.offers.to_wire()
+        return arrays, (req_ids, self.done)
+
+    @classmethod
+    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[tuple[str, ...], bool]) -> Round:
+        return cls(OfferBatch.from_wire(arrays, rest[0]), rest[1])
 
 
 def data_status(gathered: bool, rows_per_piece: int) -> np.ndarray:

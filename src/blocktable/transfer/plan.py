@@ -22,9 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def chunk_tokens_of(block_size_a: int, block_size_b: int) -> int:
-    """Tokens per transferred chunk: the largest run contiguous in both caches."""
-    return math.gcd(block_size_a, block_size_b)
+def chunk_tokens_of(block_size_a: int, block_size_b: int, interleave: int = 0) -> int:
+    """Tokens per transferred chunk: the largest run contiguous in both caches (and, towards
+    a context-parallel side, inside one rank's run of ``interleave`` tokens)."""
+    return math.gcd(block_size_a, block_size_b, interleave)
 
 
 def slots_reference(block_ids: Sequence[int], block_size: int, positions: Sequence[int]
@@ -82,32 +83,115 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     """
     first = np.asarray(first_tokens, dtype=np.int64)
     num = np.asarray(num_tokens, dtype=np.int64)
-    starts = np.asarray(block_starts, dtype=np.int64)
-    counts_blocks = np.asarray(block_counts, dtype=np.int64)
-    if block_size % chunk_tokens or (first % chunk_tokens).any():
+    hit = bool(first.any())  # else (a round without prefix hits) the first-token terms vanish
+    if block_size % chunk_tokens or (hit and (first % chunk_tokens).any()):
         raise ValueError(
             f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
             f"first token (got {first.tolist()})"
         )
-    if (num < 0).any():
+    if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
-    needed = -(-(first + num) // block_size) * (num > 0)
-    short = np.flatnonzero(needed > counts_blocks)
+    q = block_size // chunk_tokens  # chunks per block
+    counts = -(-num // chunk_tokens)
+    first_chunks = first // chunk_tokens if hit else first
+    # the chunk past a request's last one, counted from its first block, must lie in its blocks
+    counts_blocks = np.asarray(block_counts, dtype=np.int64)
+    beyond = first_chunks + counts > counts_blocks * q
+    short = np.flatnonzero(beyond & (num > 0) if hit else beyond)  # no tokens: nothing read
     if short.size:
         i = int(short[0])
         raise ValueError(
             f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} tokens; "
-            f"tokens up to {first[i] + num[i]} need {needed[i]}"
+            f"tokens up to {first[i] + num[i]} need {-(-(first[i] + num[i]) // block_size)}"
         )
-    q = block_size // chunk_tokens  # chunks per block
-    counts = -(-num // chunk_tokens)
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.cumsum(counts, out=row_starts[1:])
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block)
-    offset = np.repeat(starts * q + first // chunk_tokens - row_starts[:-1], counts)
-    offset += np.arange(row_starts[-1])
+    starts = np.asarray(block_starts, dtype=np.int64)
+    shift = starts * q if q > 1 else starts
+    shift = (shift + first_chunks if hit else shift) - row_starts[:-1]
     ids = np.asarray(block_ids)
+    if not shift.any():  # every request's rows follow the last one's (a round, no hit)
+        if q == 1:
+            return ids[:row_starts[-1]].astype(np.int64), row_starts
+        offset = np.arange(row_starts[-1])
+    else:
+        offset = np.arange(row_starts[-1]) + np.repeat(shift, counts)
     if q == 1:
         return ids[offset].astype(np.int64), row_starts
     return ids[offset // q].astype(np.int64) * q + offset % q, row_starts
+
+
+def dcp_chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray,
+                        block_counts: np.ndarray, block_size: int, world_size: int,
+                        interleave: int, chunk_tokens: int, first_tokens: np.ndarray,
+                        num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each chunk of several requests lands on a context-parallel (DCP) side: the
+    owning rank and its row there, by the table's CP slot formula.
+
+    Every rank holds the same block ids; an allocator block holds ``block_size * world_size``
+    tokens, and token ``p`` (offset ``v = p % (block_size * world_size)`` in its block ``b``)
+    lives on rank ``(v // interleave) % world_size`` at slot ``block_ids[b] * block_size +
+    (v // (world_size * interleave)) * interleave + v % interleave``. A chunk of
+    ``chunk_tokens`` (dividing ``interleave``) starts a run of one rank, so it is contiguous
+    there.
+
+    Parameters
+    ----------
+    block_ids, block_starts, block_counts : np.ndarray
+        As :func:`chunk_rows_many`: every request's allocator block ids (the same on every
+        rank), int.
+    block_size : int
+        Tokens per block on one rank (the table's block size; the allocator's is
+        ``block_size * world_size``); a multiple of ``interleave``.
+    world_size, interleave : int
+        The DCP group's size and its runs of tokens per rank.
+    chunk_tokens : int
+        Divides ``interleave`` and every ``first_tokens`` entry.
+    first_tokens, num_tokens : np.ndarray
+        int ``[num_reqs]``: each request moves tokens ``[first, first + num)``.
+
+    Returns
+    -------
+    owners : np.ndarray
+        int64 ``[total_chunks]``: the rank holding each chunk, request after request, each in
+        token order.
+    rows : np.ndarray
+        int64 ``[total_chunks]``: its row on that rank (slot ``// chunk_tokens``).
+    row_starts : np.ndarray
+        int64 ``[num_reqs + 1]``: request ``i``'s chunks are ``[row_starts[i],
+        row_starts[i + 1])``.
+    """
+    for name, value in (("world_size", world_size), ("interleave", interleave),
+                        ("chunk_tokens", chunk_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if interleave % chunk_tokens or block_size % interleave:
+        raise ValueError(f"chunk_tokens ({chunk_tokens}) must divide interleave ({interleave}), "
+                         f"and interleave the block size ({block_size})")
+    first = np.asarray(first_tokens, dtype=np.int64)
+    num = np.asarray(num_tokens, dtype=np.int64)
+    if (first % chunk_tokens).any() or (num < 0).any():
+        raise ValueError(f"first tokens must be multiples of chunk_tokens ({chunk_tokens}) and "
+                         f"num_tokens >= 0, got {first.tolist()} and {num.tolist()}")
+    virtual = block_size * world_size
+    counts_blocks = np.asarray(block_counts, dtype=np.int64)
+    needed = -(-(first + num) // virtual) * (num > 0)
+    short = np.flatnonzero(needed > counts_blocks)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"request {i}: block_ids holds {counts_blocks[i]} blocks of {virtual} "
+                         f"tokens; tokens up to {first[i] + num[i]} need {needed[i]}")
+    counts = -(-num // chunk_tokens)
+    row_starts = np.zeros(num.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_starts[1:])
+    # each chunk's first token position p, its block (flat index into block_ids) and offset v
+    p = (np.repeat(first - row_starts[:-1] * chunk_tokens, counts)
+         + np.arange(row_starts[-1]) * chunk_tokens)
+    block = np.repeat(np.asarray(block_starts, dtype=np.int64), counts) + p // virtual
+    v = p % virtual
+    owners = (v // interleave) % world_size
+    local = (v // (world_size * interleave)) * interleave + v % interleave
+    slots = np.asarray(block_ids, dtype=np.int64)[block] * block_size + local
+    return owners, slots // chunk_tokens, row_starts

@@ -117,15 +117,25 @@ class PrefillWorker:
 
     def _collect_prefilled(self) -> None:
         """Take requests whose prompt is done out of the scheduler (blocks kept)."""
-        scheduler, manager = self.engine.scheduler, self.engine.manager
-        done = [req for req in scheduler.running if req.output_token_ids]
+        running = self.engine.scheduler.running
+        done = [req for req in running if req.output_token_ids]
         if not done:
             return
-        scheduler.running[:] = [req for req in scheduler.running if not req.output_token_ids]
-        for req in done:
-            self._token_ids[req.req_id][-1] = req.output_token_ids[0]
-            self._rows[req.req_id] = manager.row_of(req.req_id)
+        if len(done) == len(running):
+            running.clear()
+        else:
+            running[:] = [req for req in running if not req.output_token_ids]
+        token_ids, rows = self._token_ids, self._rows
+        for req, row in zip(done, self._rows_of(done)):
+            req_id = req.req_id
+            token_ids[req_id][-1] = req.output_token_ids[0]
+            rows[req_id] = row
         self.pending += done
+
+    def _rows_of(self, reqs: list[Request]) -> list[int]:
+        """Their table rows (the allocator's look-up, one per request)."""
+        row_of = self.engine.manager.row_of
+        return [row_of(req.req_id) for req in reqs]
 
     def _offer_batch(self, offered: list[Request]) -> OfferBatch:
         """The offers of ``offered`` as one message: the block ids are the table's rows,
@@ -133,19 +143,19 @@ class PrefillWorker:
         n = len(offered)
         if not n:
             return OfferBatch.empty()
-        ids = tuple(req.req_id for req in offered)
+        ids = tuple([req.req_id for req in offered])
         table = self.engine.table.tables[0]
         assert table is not None
-        rows = np.fromiter((self._rows[r] for r in ids), dtype=np.int64, count=n)
-        counts = table.num_kernel_blocks[rows].astype(np.int64)
+        rows = np.array([self._rows[r] for r in ids], dtype=np.int64)
+        counts = table.num_kernel_blocks[rows]
         block_starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=block_starts[1:])
-        width = table.block_table_np.shape[1]
-        block_ids = table.block_table_np[rows][np.arange(width) < counts[:, None]]
+        block_ids = table.block_table_np[rows][np.arange(table.block_table_np.shape[1])
+                                               < counts[:, None]]
         tokens = [self._token_ids[r] for r in ids]
         token_starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, tokens), dtype=np.int64, count=n), out=token_starts[1:])
-        max_new = np.fromiter((self.max_new_tokens[r] for r in ids), dtype=np.int64, count=n)
+        np.cumsum([t.size for t in tokens], out=token_starts[1:])
+        max_new = np.array([self.max_new_tokens[r] for r in ids], dtype=np.int64)
         return OfferBatch(ids, np.concatenate(tokens), token_starts, max_new, block_ids,
                           block_starts)
 
@@ -168,8 +178,11 @@ class PrefillWorker:
         self.transport.send_tensors(chain((torch.from_numpy(status).to(device),), pieces))
         self.stats.send_time_s += time.perf_counter() - t0
         if status[0]:  # freed once the next plan acknowledges them
-            sent = {id(req) for req in to_send}
-            self.pending = [req for req in self.pending if id(req) not in sent]
+            if len(to_send) == len(self.pending):
+                self.pending = []
+            else:
+                sent = {id(req) for req in to_send}
+                self.pending = [req for req in self.pending if id(req) not in sent]
             self._unacked = to_send
         else:
             self.stats.failed += [req.req_id for req in to_send]
@@ -187,11 +200,14 @@ class PrefillWorker:
                     ) -> tuple[list[Request], list[Request]]:
         """The offers to send and the refused ones (recorded); waiting ones are counted."""
         statuses = plans.statuses
+        send = statuses == PlanStatus.SEND
+        if send.all():  # the common round: everything fits
+            return offered, []
         refused = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.REFUSED).tolist()]
         for req in refused:
             self.stats.refused[req.req_id] = plans.reasons.get(offered.index(req), "")
         self.stats.num_waits += int(np.count_nonzero(statuses == PlanStatus.WAIT))
-        to_send = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.SEND).tolist()]
+        to_send = [offered[i] for i in np.flatnonzero(send).tolist()]
         return to_send, refused
 
     def _gather(self, rows: np.ndarray, chunk_tokens: int) -> Iterator[torch.Tensor]:
@@ -203,12 +219,15 @@ class PrefillWorker:
         """Free their blocks (full ones stay in the prefix cache) in one allocator call."""
         if not reqs:
             return
-        gone = {req.req_id for req in reqs}
-        self.pending = [req for req in self.pending if req.req_id not in gone]
-        self._unacked = [req for req in self._unacked if req.req_id not in gone]
+        ids = [req.req_id for req in reqs]
+        gone = set(ids)
+        if self.pending:
+            self.pending = [req for req in self.pending if req.req_id not in gone]
+        if self._unacked:
+            self._unacked = [req for req in self._unacked if req.req_id not in gone]
+        token_ids, rows = self._token_ids, self._rows
         for req_id in gone:
-            del self._token_ids[req_id]
-            del self._rows[req_id]
-        self.engine.manager.free_many([req.req_id for req in reqs])
+            del token_ids[req_id], rows[req_id]
+        self.engine.manager.free_many(ids)
         for req in reqs:
             req.status = RequestStatus.FINISHED

@@ -15,10 +15,10 @@ import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.wire_format import (
-    MAX_FRAMES,
+    HEADER_LEN,
+    check_header,
     decode_message,
-    empty_frames,
-    message_tensors,
+    encode_message,
 )
 
 
@@ -115,16 +115,13 @@ class TorchDistributedTransport:
             pass
 
     def send_message(self, obj: Any) -> None:
-        self.send_tensors(t.to(self.device) for t in message_tensors(obj))
+        header, body = encode_message(obj)
+        self.send_tensors(torch.from_numpy(t).to(self.device) for t in (header, body))
 
     def recv_message(self) -> Any:
-        header = torch.empty(MAX_FRAMES + 1, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self.recv_tensor(header)
-        frames = empty_frames(header.cpu().numpy())
-        landed = [torch.from_numpy(f).to(self.device) for f in frames if f.size]
-        for _ in self.recv_tensors(landed):
-            pass
-        if self.device.type != "cpu":
-            full = iter(landed)
-            frames = [next(full).cpu().numpy() if f.size else f for f in frames]
-        return decode_message(frames)
+        header_np = header.cpu().numpy()
+        body = torch.empty(check_header(header_np), dtype=torch.uint8, device=self.device)
+        self.recv_tensor(body)
+        return decode_message(header_np, body.cpu().numpy())

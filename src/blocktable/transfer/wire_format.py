@@ -1,62 +1,89 @@
-"""How a message travels: its pickle and, beside it, the memory of the numpy arrays it holds.
+"""How a message travels: one byte buffer holding its numpy arrays' memory, then a pickle.
 
-Pickle protocol 5 hands every array's buffer out of band: a message of flat arrays (an
-:class:`~blocktable.transfer.messages.OfferBatch` of 64 prompts) is sent from the arrays'
-own memory and rebuilt on the other side as arrays viewing the received bytes, with no copy
-into or out of a pickle on either side. A message is a fixed-size header (int64
-``[MAX_FRAMES + 1]``: the number of frames, then their byte sizes), then every non-empty frame.
+A round's messages (an :class:`~blocktable.transfer.messages.OfferBatch` of 64 prompts, a
+plan) are mostly a few flat numpy arrays. Pickling an array costs more than copying its bytes,
+so a message that can split itself (``to_wire() -> (arrays, rest)`` and the class method
+``from_wire(arrays, rest)``, see :class:`WireMessage`) travels as its arrays' bytes laid out
+in one buffer, then a small pickle of the rest (request ids, flags, reasons) and of each
+array's dtype and length. Any other object is pickled whole. The receiver views the arrays in
+the landed buffer (no copy)::
+
+    header (int64 [2]): the body's bytes, where its pickle starts
+    body (uint8):       array 0 | pad | array 1 | pad | ... | pickle
+
+Arrays start at multiples of :data:`ALIGN_BYTES`. A message is two sends, whatever it holds.
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-MAX_FRAMES = 16
-"""Most frames one message travels in (its pickle, then its arrays' memory)."""
+HEADER_LEN = 2
+"""int64 entries of a message header: the body's bytes, then where its pickle starts."""
 
-
-def encode_message(obj: Any) -> list[memoryview]:
-    """``obj`` as frames: its pickle, then the memory of every numpy array it holds (not
-    copied); a message with more arrays than fit in :data:`MAX_FRAMES` keeps them inside the
-    pickle."""
-    arrays: list[pickle.PickleBuffer] = []
-    payload = pickle.dumps(obj, protocol=5, buffer_callback=arrays.append)
-    if len(arrays) >= MAX_FRAMES:
-        return [memoryview(pickle.dumps(obj, protocol=5))]
-    return [memoryview(payload)] + [a.raw() for a in arrays]
+ALIGN_BYTES = 16
+"""Every array in a body starts at a multiple of this many bytes."""
 
 
-def decode_message(frames: Sequence[Any]) -> Any:
-    """The object :func:`encode_message` made ``frames`` of (byte buffers, in order); its
-    arrays view the frames' memory."""
-    return pickle.loads(frames[0], buffers=frames[1:])
+class WireMessage(Protocol):
+    """A message that travels as flat arrays plus a small picklable rest."""
+
+    def to_wire(self) -> tuple[Sequence[np.ndarray], Any]:
+        """Its 1-D numpy arrays (plain dtypes) and everything else."""
+
+    @classmethod
+    def from_wire(cls, arrays: list[np.ndarray], rest: Any) -> Any:
+        """The message again, from what :meth:`to_wire` gave (the arrays as views)."""
 
 
-def message_tensors(obj: Any) -> list[torch.Tensor]:
-    """What goes on the wire for ``obj`` (cpu tensors): the header, then every non-empty
-    frame of :func:`encode_message` (uint8)."""
-    frames = encode_message(obj)
-    header = np.zeros(MAX_FRAMES + 1, dtype=np.int64)
-    header[0] = len(frames)
-    header[1:len(frames) + 1] = [f.nbytes for f in frames]
-    return [torch.from_numpy(header)] + [_frame_tensor(f) for f in frames if f.nbytes]
+def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]``, new
+    arrays on cpu. A :class:`WireMessage`'s arrays are copied once, into ``body``."""
+    to_wire = getattr(type(obj), "to_wire", None)
+    if to_wire is None:
+        payload = pickle.dumps((None, obj, ()), protocol=5)
+        body = np.frombuffer(bytearray(payload), dtype=np.uint8)
+        return np.array([body.size, 0], dtype=np.int64), body
+    arrays, rest = to_wire(obj)
+    layout, end = [], 0
+    for a in arrays:
+        if a.ndim != 1 or a.dtype.hasobject or a.dtype.names is not None:
+            raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of plain "
+                             f"dtypes, got {a.dtype} of shape {a.shape}")
+        offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        layout.append((a.dtype.str, a.size, offset))
+        end = offset + a.nbytes
+    payload = pickle.dumps((type(obj), rest, layout), protocol=5)
+    body = np.empty(end + len(payload), dtype=np.uint8)
+    for a, (_, size, offset) in zip(arrays, layout):
+        np.ndarray(size, a.dtype, body, offset)[...] = a  # a strided view is laid out too
+    body[end:] = np.frombuffer(payload, dtype=np.uint8)
+    return np.array([body.size, end], dtype=np.int64), body
 
 
-def empty_frames(header: np.ndarray) -> list[np.ndarray]:
-    """Uninitialized uint8 frames (on cpu) of the sizes ``header`` lists: where the
-    receiver lands a message's frames before :func:`decode_message`."""
-    if not 1 <= int(header[0]) <= MAX_FRAMES:
-        raise ValueError(f"a message header must list 1 to {MAX_FRAMES} frames, got "
-                         f"{int(header[0])}")
-    return [np.empty(n, dtype=np.uint8) for n in header[1:int(header[0]) + 1].tolist()]
+def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
+    """The object :func:`encode_message` made ``(header, body)`` of; its arrays view
+    ``body``'s memory."""
+    size, start = int(header[0]), int(header[1])
+    if body.dtype != np.uint8 or body.ndim != 1 or body.size != size or not 0 <= start < size:
+        raise ValueError(f"body must be uint8 [{size}] with its pickle at [{start}, {size}), "
+                         f"got {body.dtype} {list(body.shape)}")
+    cls, rest, layout = pickle.loads(body[start:].tobytes())
+    if cls is None:
+        return rest
+    arrays = [np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+              for dtype, count, offset in layout]
+    return cls.from_wire(arrays, rest)
 
 
-def _frame_tensor(frame: memoryview) -> torch.Tensor:
-    if frame.readonly:  # torch views only writable memory: copy (the pickle: small)
-        frame = memoryview(bytearray(frame))
-    return torch.frombuffer(frame, dtype=torch.uint8)
+def check_header(header: np.ndarray) -> int:
+    """The body's bytes a received ``header`` announces (raises on a malformed one)."""
+    size, start = int(header[0]), int(header[1])
+    if size < 1 or not 0 <= start < size:
+        raise ValueError(f"a message header must give a body of >= 1 bytes and its pickle's "
+                         f"start inside it, got {size} bytes, pickle at {start}")
+    return size
