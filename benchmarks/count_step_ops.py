@@ -1,0 +1,432 @@
+"""Calls one engine step makes on the CUDA code path, counted on the CPU: a diagnostic, not a
+timing.
+
+On a GPU host every torch call (an operator, a tensor constructor, ``.copy_``, ``.item()``, a
+graph replay, an event or stream call) costs several microseconds and every Python frame a
+fraction of one, so an engine step's block-table host time follows the *number* of those
+calls more than anything else. This script counts them, deterministically, without a GPU:
+
+- the engine (``blocktable.engine.LLMEngine``, a tiny random Llama, CPU tensors) runs the
+  captured step built for ``device="cuda"`` behind a fake ``torch.cuda`` (events, streams,
+  graphs, pinned and device tensor constructors; CUDA graphs are ``tests/fake_graph.py``'s
+  :class:`FakeGraph`, whose kernels run under Triton's interpreter), so the step takes its
+  CUDA branch: two staging buffers, graph replays, events;
+- around each piece of the step it counts, per step:
+
+  ``torch``   calls caught by a ``TorchFunctionMode`` (operators, tensor methods and
+              constructors, ``.copy_``, slicing, ``.numpy()``...);
+  ``cuda``    ``torch.cuda`` calls reaching the fake (``CUDAGraph.replay``, ``Event.record``,
+              ``Event.synchronize``, ``current_stream``...; an ``Event.record()`` without a
+              stream counts torch's own ``current_stream()`` lookup too, as torch makes it);
+  ``py``      Python frames entered (``sys.setprofile`` 'call' events; the fake's own frames
+              and the replayed device work are left out);
+  ``c``       calls of C functions from Python (builtins, numpy, the compiled loops, torch's
+              C methods): 'c_call' events.
+
+The pieces: ``take_step_update`` (the allocator's journal), ``run_staged`` (update, staging,
+launch: with the first, the engine's ``table_time_s``), and, as the engine's input time
+counts them, ``batch_views`` (waits until a staging buffer is free) and ``fill_staged`` (the
+engine's own inputs). Workloads are those of ``bench_engine_loop.py``: ``demo`` (every step
+but each run's first) and ``decode-N`` (decode-only steps, but the first).
+
+    PYTHONPATH=src python benchmarks/count_step_ops.py
+    PYTHONPATH=/work/wt/base/src python benchmarks/count_step_ops.py   # another checkout
+
+Counts are per step: median (mean) over the workload's steps. The real CUDA path differs from
+this one only below the fake (torch's C++ and the driver); a checkout whose step launches its
+graphs through the CUDA driver itself (not ``CUDAGraph.replay``) is counted as replaying.
+The run checks that the device table equals the host table at the end and that the step's
+generated tokens equal those of the engine's CPU path, and exits non-zero otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the graphs' kernels, on CPU tensors
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fake_graph import FakeGraph  # noqa: E402
+
+import blocktable  # noqa: E402
+from blocktable.demo import DemoOptions  # noqa: E402
+from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama  # noqa: E402
+from blocktable.engine.batch_inputs import BatchInputBuffers  # noqa: E402
+from blocktable.engine.engine import StepResult  # noqa: E402
+from blocktable.step import CapturedStep  # noqa: E402
+
+KINDS = ("torch", "cuda", "py", "c")
+PIECES = ("take_step_update", "run_staged", "batch_views", "fill_staged")
+CUDA0 = torch.device("cuda", 0)
+_THIS = __file__
+
+
+class Tally:
+    """Per-step counts by piece and kind; what is counted now (``kind``: 'torch' or 'frames')."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.active = 0  # inside a counted piece (pieces may nest: run calls run_staged)
+        self.paused = 0  # inside the fake's replay: device work, not counted
+        self.piece = ""
+        self.step: dict[tuple[str, str], int] = defaultdict(int)
+        self.steps: list[dict[tuple[str, str], int]] = []
+        self.cuda_names: dict[str, int] = defaultdict(int)  # over all kept steps
+
+    def add(self, what: str, n: int = 1) -> None:
+        if self.active and not self.paused:
+            self.step[(self.piece, what)] += n
+
+    def cuda(self, name: str) -> None:
+        if self.active and not self.paused:
+            self.step[(self.piece, "cuda")] += 1
+            self.step[("names", name)] += 1
+
+    def end_step(self, keep: bool) -> None:
+        if keep:
+            self.steps.append(dict(self.step))
+        self.step.clear()
+
+
+TALLY: Tally | None = None
+
+
+def _cuda(name: str) -> None:
+    if TALLY is not None:
+        TALLY.cuda(name)
+
+
+class _Counter(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if TALLY is not None:
+            TALLY.add("torch")
+        return func(*args, **(kwargs or {}))
+
+
+def _profile(frame, event, arg) -> None:  # noqa: ANN001
+    t = TALLY
+    if t is None or t.paused:
+        return
+    if event == "call":
+        if frame.f_code.co_filename != _THIS:
+            t.add("py")
+    elif event == "c_call":
+        t.add("c")
+
+
+@contextlib.contextmanager
+def counted(piece: str) -> Iterator[None]:
+    t = TALLY
+    if t is None or t.active:
+        yield
+        return
+    t.active, t.piece = 1, piece
+    if t.kind == "torch":
+        with _Counter():
+            try:
+                yield
+            finally:
+                t.active = 0
+    else:
+        sys.setprofile(_profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(None)
+            t.active = 0
+            t.step[(piece, "c")] -= 1  # the sys.setprofile(None) call itself
+
+
+def wrap(owner: object, attr: str, piece: str) -> None:
+    fn = getattr(owner, attr)
+
+    def counted_call(*args, **kwargs):  # noqa: ANN002, ANN003
+        with counted(piece):
+            return fn(*args, **kwargs)
+
+    setattr(owner, attr, counted_call)
+
+
+# ---------------------------------------------------------------- the fake torch.cuda
+class _Stream:
+    cuda_stream = 0
+    device = CUDA0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        _cuda("Stream.wait_stream")
+
+    def wait_event(self, event: object) -> None:
+        _cuda("Stream.wait_event")
+
+    def synchronize(self) -> None:
+        _cuda("Stream.synchronize")
+
+
+def _current_stream(device: object = None) -> _Stream:
+    _cuda("current_stream")
+    return _Stream()
+
+
+class _Event:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        if stream is None:  # torch's Event.record looks the current stream up itself
+            _current_stream()
+        _cuda("Event.record")
+
+    def synchronize(self) -> None:
+        _cuda("Event.synchronize")
+
+    def query(self) -> bool:
+        _cuda("Event.query")
+        return True
+
+    def wait(self, stream: object = None) -> None:
+        if stream is None:
+            _current_stream()
+        _cuda("Event.wait")
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph`` over a :class:`FakeGraph` (its replay is the device's work:
+    not counted, but for the call itself)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.fake = FakeGraph()
+
+    def replay(self) -> None:
+        _cuda("CUDAGraph.replay")
+        t = TALLY
+        profile = sys.getprofile()
+        if t is not None:
+            t.paused += 1
+        sys.setprofile(None)
+        try:
+            self.fake.replay()
+        finally:
+            sys.setprofile(profile)
+            if t is not None:
+                t.paused -= 1
+
+
+def _graph(graph: _Graph, *args: object, **kwargs: object) -> contextlib.AbstractContextManager:
+    return graph.fake.capture()
+
+
+def _on_cpu(make: Callable) -> Callable:
+    def constructor(*args: object, **kwargs: object) -> torch.Tensor:
+        kwargs.pop("pin_memory", None)
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs["device"] = "cpu"
+        return make(*args, **kwargs)
+
+    return constructor
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[None]:
+    """``torch.cuda`` as far as the step uses it, on the CPU (counted by :data:`TALLY`)."""
+    patches = {
+        (torch.cuda, "Event"): _Event, (torch.cuda, "Stream"): _Stream,
+        (torch.cuda, "CUDAGraph"): _Graph, (torch.cuda, "graph"): _graph,
+        (torch.cuda, "current_stream"): _current_stream,
+        (torch.cuda, "stream"): lambda s: contextlib.nullcontext(),
+        (torch.cuda, "device"): lambda d: contextlib.nullcontext(),
+        (torch.cuda, "synchronize"): lambda device=None: _cuda("synchronize"),
+        (torch.cuda, "current_device"): lambda: 0,
+        **{(torch, name): _on_cpu(getattr(torch, name))
+           for name in ("zeros", "full", "empty", "ones")},
+    }
+    saved = {key: getattr(*key) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------- the engine
+def as_cuda_engine(engine: LLMEngine) -> None:
+    """Give ``engine`` (CPU tensors, captured step) the captured step and input buffers built
+    for CUDA: the table's kernels (Triton, interpreted) in graphs, two staging buffers, events."""
+    table = engine.table
+    table.backend = "triton"  # the CUDA path's kernels
+    table.device = CUDA0
+    try:
+        engine.captured_step = CapturedStep(table)
+        engine._inputs = BatchInputBuffers(engine.config.max_num_reqs, engine.config.token_budget,
+                                           CUDA0)
+    finally:
+        table.device = torch.device("cpu")
+    step = engine.captured_step
+    assert step._graphs is not None, "the step did not take its CUDA branch"
+    wrap(engine.manager, "take_step_update", "take_step_update")
+    for attr in ("run", "run_staged", "batch_views"):
+        wrap(step, attr, "batch_views" if attr == "batch_views" else "run_staged")
+    wrap(engine._inputs, "fill_staged", "fill_staged")
+
+
+def demo_runs(repeats: int, cuda: bool, tally: Tally | None) -> list[list[int]]:
+    """The demo's workload ``repeats`` times; the tokens each request generated."""
+    opts = DemoOptions(device="cpu")
+    model = tiny_llama(seed=opts.seed, device="cpu")
+    workload = make_workload(opts.num_requests, seed=opts.seed, block_size=opts.block_size,
+                             vocab_size=model.config.vocab_size,
+                             max_new_tokens=opts.max_new_tokens)
+    max_model_len = max(len(w.prompt_token_ids) for w in workload) + opts.max_new_tokens
+    outputs = []
+    for _ in range(repeats):
+        engine = LLMEngine(model, EngineConfig(
+            block_size=opts.block_size, num_blocks=opts.num_blocks,
+            max_num_reqs=opts.num_requests, token_budget=opts.token_budget,
+            max_model_len=max_model_len, record_logits=False))
+        if cuda:
+            as_cuda_engine(engine)
+        run_workload(engine, workload, on_step=None if tally is None else _after_first(tally))
+        outputs += [engine.requests[w.req_id].output_token_ids for w in workload]
+        if cuda and not engine.table.device_equals_host():
+            raise SystemExit("FAILED: the device table differs from the host table")
+    return outputs
+
+
+def _after_first(tally: Tally) -> Callable:
+    """Keep every step with requests but the run's first (its one-time set-up)."""
+    seen = [False]
+
+    def on_step(result: StepResult) -> None:
+        tally.end_step(result.num_reqs > 0 and seen[0])
+        seen[0] = seen[0] or result.num_reqs > 0
+
+    return on_step
+
+
+def decode_run(num_reqs: int, decode_steps: int, cuda: bool,
+               tally: Tally | None) -> list[list[int]]:
+    """``bench_engine_loop.py``'s decode workload: ``num_reqs`` requests admitted together."""
+    model = tiny_llama(seed=0, device="cpu")
+    rng = random.Random(0)
+    max_len = 64 + decode_steps + 1
+    engine = LLMEngine(model, EngineConfig(
+        block_size=16, num_blocks=num_reqs * -(-max_len // 16) + 1, max_num_reqs=num_reqs,
+        token_budget=num_reqs * 64, max_model_len=max_len, enable_prefix_caching=False,
+        record_logits=False))
+    if cuda:
+        as_cuda_engine(engine)
+    for i in range(num_reqs):
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(16, 63))]
+        engine.add_request(f"r{i}", prompt, decode_steps + 1)
+    first = True
+    while engine.has_unfinished():
+        r = engine.step()
+        decode = r.num_reqs == num_reqs and r.num_tokens == num_reqs
+        if tally is not None:
+            tally.end_step(decode and not first)
+        first = first and not decode
+    if cuda and not engine.table.device_equals_host():
+        raise SystemExit("FAILED: the device table differs from the host table")
+    return [engine.requests[f"r{i}"].output_token_ids for i in range(num_reqs)]
+
+
+def count(run: Callable[[bool, Tally | None], list[list[int]]]) -> dict:
+    """Run the workload on the CPU path (the reference tokens), then twice on the fake CUDA
+    path (torch calls, then frames); per piece and kind, median and mean per step."""
+    global TALLY
+    reference = run(False, None)
+    tallies = {}
+    for kind in ("torch", "frames"):
+        TALLY = tallies[kind] = Tally(kind)
+        try:
+            with fake_cuda():
+                tokens = run(True, TALLY)
+        finally:
+            TALLY = None
+        if tokens != reference:
+            raise SystemExit("FAILED: the fake CUDA path generated other tokens than the CPU path")
+    steps = [len(t.steps) for t in tallies.values()]
+    if steps[0] != steps[1]:
+        raise SystemExit(f"FAILED: the two passes kept {steps} steps")
+    out: dict = {"steps": steps[0]}
+    merged = [{**a, **b} for a, b in zip(tallies["torch"].steps, tallies["frames"].steps)]
+    for piece in (*PIECES, "table", "inputs"):
+        parts = {"table": ("take_step_update", "run_staged"),
+                 "inputs": ("batch_views", "fill_staged")}.get(piece, (piece,))
+        out[piece] = {}
+        for kind in KINDS:
+            values = [sum(st.get((p, kind), 0) for p in parts) for st in merged]
+            out[piece][kind] = (statistics.median(values), statistics.mean(values))
+    names: dict[str, float] = defaultdict(float)
+    for st in tallies["torch"].steps:
+        for (group, name), n in st.items():
+            if group == "names":
+                names[name] += n / len(tallies["torch"].steps)
+    out["cuda_calls"] = dict(sorted(names.items()))
+    return out
+
+
+def checkout() -> str:
+    src = Path(blocktable.__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "src"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(src)
+    return f"{src} @ {rev}{'+dirty' if dirty else ''}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of the demo workload")
+    ap.add_argument("--num-reqs", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=17,
+                    help="decode steps (block size 16: 16 steps see every row gain a block)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    np.random.seed(0)
+    results = {
+        "demo": count(lambda cuda, t: demo_runs(args.repeats, cuda, t)),
+        f"decode-{args.num_reqs}": count(
+            lambda cuda, t: decode_run(args.num_reqs, args.decode_steps, cuda, t)),
+    }
+    print(f"calls per engine step on the CUDA code path (fake torch.cuda on the CPU; not a "
+          f"timing)\ncheckout {checkout()}, torch {torch.__version__}")
+    print("median (mean) per step; torch = TorchFunctionMode calls, cuda = torch.cuda calls, "
+          "py = Python frames, c = C-function calls")
+    for name, res in results.items():
+        print(f"\n{name} ({res['steps']} steps)")
+        print(f"  {'piece':<18}" + "".join(f"{k:>16}" for k in KINDS))
+        for piece in (*PIECES, "table", "inputs"):
+            label = {"table": "= table time", "inputs": "= inputs time"}.get(piece, piece)
+            cells = "".join(f"{f'{m:g} ({a:.1f})':>16}" for m, a in
+                            (res[piece][k] for k in KINDS))
+            print(f"  {label:<18}{cells}")
+        calls = ", ".join(f"{n} {v:.2f}" for n, v in res["cuda_calls"].items())
+        print(f"  torch.cuda calls per step (mean): {calls or 'none'}")
+    print("\ntable time = take_step_update + run_staged (the engine's table_time_s); inputs = "
+          "batch_views + fill_staged")
+
+
+if __name__ == "__main__":
+    main()
