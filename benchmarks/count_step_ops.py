@@ -121,33 +121,44 @@ def _profile(frame, event, arg) -> None:  # noqa: ANN001
     if t is None or t.paused:
         return
     if event == "call":
-        if frame.f_code.co_filename != _THIS:
+        code = frame.f_code
+        if code.co_filename != _THIS:
             t.add("py")
+            t.add("frame " + code.co_qualname)
     elif event == "c_call":
         t.add("c")
 
 
-@contextlib.contextmanager
-def counted(piece: str) -> Iterator[None]:
-    t = TALLY
-    if t is None or t.active:
-        yield
-        return
-    t.active, t.piece = 1, piece
-    if t.kind == "torch":
-        with _Counter():
-            try:
-                yield
-            finally:
-                t.active = 0
-    else:
-        sys.setprofile(_profile)
-        try:
-            yield
-        finally:
+class counted:
+    """Count what runs inside the block as ``piece`` (a class: its frames are not counted)."""
+
+    def __init__(self, piece: str) -> None:
+        self.piece = piece
+        self.mode: _Counter | None = None
+        self.outer = False
+
+    def __enter__(self) -> None:
+        t = TALLY
+        self.outer = t is not None and not t.active
+        if not self.outer:
+            return
+        t.active, t.piece = 1, self.piece
+        if t.kind == "torch":
+            self.mode = _Counter()
+            self.mode.__enter__()
+        else:
+            sys.setprofile(_profile)
+
+    def __exit__(self, *exc: object) -> None:
+        t = TALLY
+        if not self.outer or t is None:
+            return
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        else:
             sys.setprofile(None)
-            t.active = 0
-            t.step[(piece, "c")] -= 1  # the sys.setprofile(None) call itself
+            t.step[(self.piece, "c")] -= 1  # the sys.setprofile(None) call itself
+        t.active = 0
 
 
 def wrap(owner: object, attr: str, piece: str) -> None:
@@ -380,6 +391,12 @@ def count(run: Callable[[bool, Tally | None], list[list[int]]]) -> dict:
             if group == "names":
                 names[name] += n / len(tallies["torch"].steps)
     out["cuda_calls"] = dict(sorted(names.items()))
+    frames: dict[tuple[str, str], float] = defaultdict(float)
+    for st in tallies["frames"].steps:
+        for (piece, name), n in st.items():
+            if name.startswith("frame "):
+                frames[(piece, name[6:])] += n / len(tallies["frames"].steps)
+    out["frames"] = dict(sorted(frames.items()))
     return out
 
 
@@ -402,6 +419,8 @@ def main() -> None:
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=17,
                     help="decode steps (block size 16: 16 steps see every row gain a block)")
+    ap.add_argument("--frames", action="store_true",
+                    help="also list the Python functions each piece enters (mean per step)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     np.random.seed(0)
@@ -424,6 +443,9 @@ def main() -> None:
             print(f"  {label:<18}{cells}")
         calls = ", ".join(f"{n} {v:.2f}" for n, v in res["cuda_calls"].items())
         print(f"  torch.cuda calls per step (mean): {calls or 'none'}")
+        if args.frames:
+            for (piece, fn), n in res["frames"].items():
+                print(f"    {piece:<18}{n:6.2f}  {fn}")
     print("\ntable time = take_step_update + run_staged (the engine's table_time_s); inputs = "
           "batch_views + fill_staged")
 

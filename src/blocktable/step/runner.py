@@ -12,11 +12,14 @@ A step is, in order:
 
 Only step 4 differs by backend. On CUDA it is one CUDA graph per staging buffer, captured once:
 a copy of the (pinned) staging buffer to the device, the scatter (its pair count read from the
-buffer), the slot-mapping kernel. Launch shapes come from the capacities, so one graph serves
-every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding requests own no
-token. Two staging buffers alternate; an event recorded after each replay says when a buffer
-may be refilled. On the CPU backend it is numpy on the calling thread: a ``put`` of the pairs
-into the CPU "device" table and the host slot mapping. With ``backend="triton"`` on CPU tensors
+buffer), the slot-mapping kernel, and the record of an event (an *external* event: a node of
+the graph, so a step's one call into torch is the replay). Launch shapes come from the
+capacities, so one graph serves every batch: ``query_start_loc`` is padded with
+``num_tokens``, so padding requests own no token. Two staging buffers alternate; a buffer is
+refilled once its event says the replay that read it has finished. (A torch without external
+events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend it
+is numpy on the calling thread: a ``put`` of the pairs into the CPU "device" table and the host
+slot mapping. With ``backend="triton"`` on CPU tensors
 (under ``TRITON_INTERPRET=1``) the graph's kernels launch eagerly: the tests' way to run the
 CUDA path's kernels without a GPU.
 
@@ -27,6 +30,7 @@ staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -66,6 +70,10 @@ class StepOutputs(NamedTuple):
     num_pairs: int  # table entries the step moved (-1: too many; the table's commit moved them)
 
 
+# StepOutputs from a tuple of its fields in one C call (a NamedTuple's own __new__ is Python)
+_step_outputs = partial(tuple.__new__, StepOutputs)
+
+
 class CapturedStep:
     """The block-table part of an engine step: update, commit and slot mapping in one call.
 
@@ -82,7 +90,8 @@ class CapturedStep:
         is still correct: the table's own commit moves it, before the step's device work.
         Default ``max(1024, 4 * max_num_reqs)``.
     use_graph : bool
-        On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly.
+        On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly
+        (as does a torch without external CUDA events, before 2.5).
 
     Examples
     --------
@@ -129,12 +138,22 @@ class CapturedStep:
         # staging buffer (kernels), or the one staging buffer itself (numpy)
         self._dev = (torch.zeros(L.num_words, dtype=torch.int32, device=self.device)
                      if self.mode == "kernels" else self._host[0])
-        self._events = [torch.cuda.Event() for _ in range(num_slots)] if cuda else None
+        # one event per staging buffer, recorded by the device work after its last read of
+        # the buffer: inside the graph (an external event is a node of it), or eagerly
+        self._events: list[torch.cuda.Event] | None = None
+        if cuda:
+            try:
+                self._events = [torch.cuda.Event(external=True) for _ in range(num_slots)]
+            except TypeError:  # a torch before 2.5: the record cannot be a graph node
+                self._events = [torch.cuda.Event() for _ in range(num_slots)]
+                use_graph = False
         self._pending = [False] * num_slots  # a replay may still read this staging buffer
         self._padded = [(-1, -1)] * num_slots  # (num_reqs, num_tokens) its qsl is padded for
         self._slot = 0
         self._lent = -1  # the slot whose views batch_views() handed out
         self._arange = np.arange(R, dtype=np.int32)
+        # per slot, what batch_views() hands out (the same views every step)
+        self._staged = [StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens) for v in self._views]
         compiled = _loader.COMPILED  # the compiled batch check, where built (else numpy)
         self._compiled_check = None if compiled is None else compiled.check_batch
         d = self._dev
@@ -143,15 +162,24 @@ class CapturedStep:
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
         self._d_positions = d[L.positions : L.num_words].view(torch.int64)
         self._views_by_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per slot, by num_reqs: its numpy qsl[: num_reqs + 1] and rows[:num_reqs]
+        self._batch_by_n: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [
+            {} for _ in range(num_slots)]
         self._positions_by_t: dict[int, torch.Tensor] = {}
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        # per slot, the call that issues its device work (a graph's replay, or the kernels)
+        self._launches: list = []
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._capture(use_graph)
+            self._launches = ([g.replay for g in self._graphs] if self._graphs is not None
+                              else [partial(self._device_work, s) for s in range(num_slots)])
+        elif self.mode == "kernels":
+            self._launches = [partial(self._device_work, 0)]
 
     # ---------------------------------------------------------------- one step
     def run(
@@ -218,8 +246,7 @@ class CapturedStep:
             self._events[slot].synchronize()
             self._pending[slot] = False
         self._lent = slot
-        v = self._views[slot]
-        return StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens)
+        return self._staged[slot]
 
     def run_staged(self, update: StepUpdate, num_reqs: int, num_tokens: int, *,
                    with_seq_lens: bool = True) -> StepOutputs:
@@ -247,7 +274,10 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
         v = self._views[slot]
-        qsl, rows = v.qsl[: num_reqs + 1], v.rows[:num_reqs]
+        batch = self._batch_by_n[slot].get(num_reqs)
+        if batch is None:
+            batch = self._batch_by_n[slot][num_reqs] = (v.qsl[: num_reqs + 1], v.rows[:num_reqs])
+        qsl, rows = batch
         table = self.table
         check = self._compiled_check
         if check is None or check(qsl, rows, num_tokens, table.max_num_reqs) < 0:
@@ -268,12 +298,8 @@ class CapturedStep:
             if self._padded[slot] != (num_reqs, num_tokens):
                 v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
                 self._padded[slot] = (num_reqs, num_tokens)
-            if self._graphs is not None:
-                self._graphs[slot].replay()
-            else:
-                self._device_work(slot)
-            if self._events is not None:
-                self._events[slot].record()
+            self._launches[slot]()
+            if self._events is not None:  # (the launch records the slot's event)
                 self._pending[slot] = True
                 self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
@@ -286,8 +312,8 @@ class CapturedStep:
         by_t = self._positions_by_t.get(num_tokens)
         if by_t is None:
             by_t = self._positions_by_t[num_tokens] = self._d_positions[:num_tokens]
-        return StepOutputs(self._slot_views, by_n[0], by_t, by_n[1],
-                           by_n[2] if with_seq_lens else None, num_pairs)
+        return _step_outputs((self._slot_views, by_n[0], by_t, by_n[1],
+                              by_n[2] if with_seq_lens else None, num_pairs))
 
     # ---------------------------------------------------------------- checks
     def _check_arrays(self, qsl: object, positions: object, rows: object,
@@ -317,14 +343,16 @@ class CapturedStep:
 
     # ---------------------------------------------------------------- device work
     def _device_work(self, slot: int) -> None:
-        """Bring staging ``slot`` to the device, scatter its pairs into the device table and
-        map the slots (padded): what each CUDA graph holds."""
+        """Bring staging ``slot`` to the device, scatter its pairs into the device table, map
+        the slots (padded) and, on CUDA, record the slot's event: what each CUDA graph holds."""
         self._dev.copy_(self._host[slot], non_blocking=True)
         L = self.layout
         launch_scatter_pairs(self.table.storage.device_tensor, self._dev[: L.qsl], L.max_pairs)
         if self.table.slot_params:
             self.table.launch_slot_mapping_unchecked(self._d_qsl, self._d_positions,
                                                      self._d_rows)
+        if self._events is not None:
+            self._events[slot].record()
 
     def _capture(self, use_graph: bool) -> None:
         """Warm up (compiles the kernels) on a side stream, then capture one graph per
