@@ -283,8 +283,11 @@ def as_cuda_engine(engine: LLMEngine) -> None:
     table = engine.table
     table.backend = "triton"  # the CUDA path's kernels
     table.device = CUDA0
+    # the engine's own step's options (its payload, where this checkout has one)
+    payload = getattr(engine.captured_step.layout, "payload_words", 0)
     try:
-        engine.captured_step = CapturedStep(table)
+        engine.captured_step = CapturedStep(table, **({"payload_words": payload} if payload
+                                                      else {}))
         engine._inputs = BatchInputBuffers(engine.config.max_num_reqs, engine.config.token_budget,
                                            CUDA0)
     finally:

@@ -25,7 +25,9 @@ CUDA path's kernels without a GPU.
 
 A caller that builds its batch with numpy anyway (an engine) writes it straight into the
 staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
-:meth:`CapturedStep.run_staged` checks what was written and runs the step.
+:meth:`CapturedStep.run_staged` checks what was written and runs the step. Its own per-step
+inputs (an engine's token ids) may travel in the same buffer, as a *payload*: then one copy
+brings everything a step sends to the device.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class StagedBatch(NamedTuple):
     positions: np.ndarray  # int64 [max_num_tokens]
     row_of_batch: np.ndarray  # int32 [max_num_reqs]
     seq_lens: np.ndarray  # int32 [max_num_reqs]
+    payload: np.ndarray  # int32 [payload_words]: the caller's own inputs (not checked)
 
 
 class StepOutputs(NamedTuple):
@@ -92,6 +95,10 @@ class CapturedStep:
     use_graph : bool
         On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly
         (as does a torch without external CUDA events, before 2.5).
+    payload_words : int
+        int32 words of the caller's own per-step inputs that travel with the batch: written
+        into ``batch_views().payload``, on the device in :attr:`device_payload` once the
+        step's device work ran (default 0).
 
     Examples
     --------
@@ -114,6 +121,7 @@ class CapturedStep:
         max_num_tokens: int | None = None,
         max_pairs: int | None = None,
         use_graph: bool = True,
+        payload_words: int = 0,
     ) -> None:
         if not isinstance(table, MultiGroupBlockTable):
             raise TypeError(f"table must be a MultiGroupBlockTable, got {type(table).__name__}")
@@ -124,7 +132,9 @@ class CapturedStep:
         T = _capacity("max_num_tokens", max_num_tokens, table.max_num_batched_tokens)
         P = check_positive("max_pairs", max_pairs) if max_pairs is not None else max(1024, 4 * R)
         self.table = table
-        self.layout = L = StepLayout(P, R, T)
+        if not (type(payload_words) is int and payload_words >= 0):
+            raise ValueError(f"payload_words must be an int >= 0, got {payload_words!r}")
+        self.layout = L = StepLayout(P, R, T, payload_words)
         self.device = table.device
         cuda = self.device.type == "cuda"
         # "kernels": the device work is the graph's kernels (CUDA, or eagerly under Triton's
@@ -153,14 +163,17 @@ class CapturedStep:
         self._lent = -1  # the slot whose views batch_views() handed out
         self._arange = np.arange(R, dtype=np.int32)
         # per slot, what batch_views() hands out (the same views every step)
-        self._staged = [StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens) for v in self._views]
+        self._staged = [StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens, v.payload)
+                        for v in self._views]
         compiled = _loader.COMPILED  # the compiled batch check, where built (else numpy)
         self._compiled_check = None if compiled is None else compiled.check_batch
         d = self._dev
         self._d_qsl = d[L.qsl : L.rows]
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
-        self._d_positions = d[L.positions : L.num_words].view(torch.int64)
+        self._d_positions = d[L.positions : L.payload].view(torch.int64)
+        # on device, int32 [payload_words]: the payload of the last step's device work
+        self.device_payload = d[L.payload : L.num_words]
         self._views_by_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # per slot, by num_reqs: its numpy qsl[: num_reqs + 1] and rows[:num_reqs]
         self._batch_by_n: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [
