@@ -54,19 +54,19 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the graphs' kernels, on CPU tensors
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fake_graph import FakeGraph  # noqa: E402
+from fake_graph import FakeGraph
 
-import blocktable  # noqa: E402
-from blocktable.demo import DemoOptions  # noqa: E402
-from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama  # noqa: E402
-from blocktable.engine.batch_inputs import BatchInputBuffers  # noqa: E402
-from blocktable.engine.engine import StepResult  # noqa: E402
-from blocktable.step import CapturedStep  # noqa: E402
+import blocktable
+from blocktable.demo import DemoOptions
+from blocktable.engine import EngineConfig, LLMEngine, make_workload, run_workload, tiny_llama
+from blocktable.engine.batch_inputs import BatchInputBuffers
+from blocktable.engine.engine import StepResult
+from blocktable.step import CapturedStep
 
 KINDS = ("torch", "cuda", "py", "c")
 PIECES = ("take_step_update", "run_staged", "batch_views", "fill_staged")
@@ -110,13 +110,13 @@ def _cuda(name: str) -> None:
 
 
 class _Counter(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         if TALLY is not None:
             TALLY.add("torch")
         return func(*args, **(kwargs or {}))
 
 
-def _profile(frame, event, arg) -> None:  # noqa: ANN001
+def _profile(frame, event, arg) -> None:
     t = TALLY
     if t is None or t.paused:
         return
@@ -164,7 +164,7 @@ class counted:
 def wrap(owner: object, attr: str, piece: str) -> None:
     fn = getattr(owner, attr)
 
-    def counted_call(*args, **kwargs):  # noqa: ANN002, ANN003
+    def counted_call(*args, **kwargs):
         with counted(piece):
             return fn(*args, **kwargs)
 

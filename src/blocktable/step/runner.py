@@ -165,8 +165,12 @@ class CapturedStep:
         # per slot, what batch_views() hands out (the same views every step)
         self._staged = [StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens, v.payload)
                         for v in self._views]
-        compiled = _loader.COMPILED  # the compiled batch check, where built (else numpy)
-        self._compiled_check = None if compiled is None else compiled.check_batch
+        # per slot, the compiled batch check bound to its staging buffer, where built (else
+        # numpy)
+        compiled = _loader.COMPILED
+        self._checks = (None if compiled is None else
+                        [compiled.BatchChecker(v.qsl, v.rows, table.max_num_reqs).check
+                         for v in self._views])
         d = self._dev
         self._d_qsl = d[L.qsl : L.rows]
         self._d_rows = d[L.rows : L.seq_lens]
@@ -287,13 +291,10 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
         v = self._views[slot]
-        batch = self._batch_by_n[slot].get(num_reqs)
-        if batch is None:
-            batch = self._batch_by_n[slot][num_reqs] = (v.qsl[: num_reqs + 1], v.rows[:num_reqs])
-        qsl, rows = batch
         table = self.table
-        check = self._compiled_check
-        if check is None or check(qsl, rows, num_tokens, table.max_num_reqs) < 0:
+        checks = self._checks
+        if checks is None or checks[slot](num_reqs, num_tokens) < 0:
+            qsl, rows = self._batch(slot, num_reqs)
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1
@@ -305,6 +306,7 @@ class CapturedStep:
             if staged:
                 table.committer.scatter_on_host(v.pairs, staged)
             if table.slot_params:
+                qsl, rows = self._batch(slot, num_reqs)
                 table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
         else:
             v.header[NUM_PAIRS] = staged
@@ -327,6 +329,15 @@ class CapturedStep:
             by_t = self._positions_by_t[num_tokens] = self._d_positions[:num_tokens]
         return _step_outputs((self._slot_views, by_n[0], by_t, by_n[1],
                               by_n[2] if with_seq_lens else None, num_pairs))
+
+    def _batch(self, slot: int, num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Staging ``slot``'s numpy ``query_start_loc[: num_reqs + 1]`` and
+        ``row_of_batch[:num_reqs]`` (made once per size)."""
+        batch = self._batch_by_n[slot].get(num_reqs)
+        if batch is None:
+            v = self._views[slot]
+            batch = self._batch_by_n[slot][num_reqs] = (v.qsl[: num_reqs + 1], v.rows[:num_reqs])
+        return batch
 
     # ---------------------------------------------------------------- checks
     def _check_arrays(self, qsl: object, positions: object, rows: object,
