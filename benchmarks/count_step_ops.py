@@ -42,14 +42,13 @@ generated tokens equal those of the engine's CPU path, and exits non-zero otherw
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import statistics
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the graphs' kernels, on CPU tensors
@@ -59,7 +58,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fake_graph import FakeGraph
+import fake_graph
+from fake_graph import fake_cuda
 
 import blocktable
 from blocktable.demo import DemoOptions
@@ -70,8 +70,8 @@ from blocktable.step import CapturedStep
 
 KINDS = ("torch", "cuda", "py", "c")
 PIECES = ("take_step_update", "run_staged", "batch_views", "fill_staged")
-CUDA0 = torch.device("cuda", 0)
-_THIS = __file__
+CUDA0 = torch.device("cuda", 0)  # (a torch.device, made without CUDA)
+_NOT_COUNTED = {__file__, fake_graph.__file__}  # the frames of this script and of the fake
 
 
 class Tally:
@@ -122,7 +122,7 @@ def _profile(frame, event, arg) -> None:
         return
     if event == "call":
         code = frame.f_code
-        if code.co_filename != _THIS:
+        if code.co_filename not in _NOT_COUNTED:
             t.add("py")
             t.add("frame " + code.co_qualname)
     elif event == "c_call":
@@ -171,109 +171,20 @@ def wrap(owner: object, attr: str, piece: str) -> None:
     setattr(owner, attr, counted_call)
 
 
-# ---------------------------------------------------------------- the fake torch.cuda
-class _Stream:
-    cuda_stream = 0
-    device = CUDA0
+class _uncounted:
+    """The replayed graph's work: device work, not counted (a class: its frames are not
+    counted either)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def wait_stream(self, other: object) -> None:
-        _cuda("Stream.wait_stream")
-
-    def wait_event(self, event: object) -> None:
-        _cuda("Stream.wait_event")
-
-    def synchronize(self) -> None:
-        _cuda("Stream.synchronize")
-
-
-def _current_stream(device: object = None) -> _Stream:
-    _cuda("current_stream")
-    return _Stream()
-
-
-class _Event:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def record(self, stream: object = None) -> None:
-        if stream is None:  # torch's Event.record looks the current stream up itself
-            _current_stream()
-        _cuda("Event.record")
-
-    def synchronize(self) -> None:
-        _cuda("Event.synchronize")
-
-    def query(self) -> bool:
-        _cuda("Event.query")
-        return True
-
-    def wait(self, stream: object = None) -> None:
-        if stream is None:
-            _current_stream()
-        _cuda("Event.wait")
-
-
-class _Graph:
-    """``torch.cuda.CUDAGraph`` over a :class:`FakeGraph` (its replay is the device's work:
-    not counted, but for the call itself)."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.fake = FakeGraph()
-
-    def replay(self) -> None:
-        _cuda("CUDAGraph.replay")
-        t = TALLY
-        profile = sys.getprofile()
-        if t is not None:
-            t.paused += 1
+    def __enter__(self) -> None:
+        self.profile = sys.getprofile()
+        if TALLY is not None:
+            TALLY.paused += 1
         sys.setprofile(None)
-        try:
-            self.fake.replay()
-        finally:
-            sys.setprofile(profile)
-            if t is not None:
-                t.paused -= 1
 
-
-def _graph(graph: _Graph, *args: object, **kwargs: object) -> contextlib.AbstractContextManager:
-    return graph.fake.capture()
-
-
-def _on_cpu(make: Callable) -> Callable:
-    def constructor(*args: object, **kwargs: object) -> torch.Tensor:
-        kwargs.pop("pin_memory", None)
-        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
-            kwargs["device"] = "cpu"
-        return make(*args, **kwargs)
-
-    return constructor
-
-
-@contextlib.contextmanager
-def fake_cuda() -> Iterator[None]:
-    """``torch.cuda`` as far as the step uses it, on the CPU (counted by :data:`TALLY`)."""
-    patches = {
-        (torch.cuda, "Event"): _Event, (torch.cuda, "Stream"): _Stream,
-        (torch.cuda, "CUDAGraph"): _Graph, (torch.cuda, "graph"): _graph,
-        (torch.cuda, "current_stream"): _current_stream,
-        (torch.cuda, "stream"): lambda s: contextlib.nullcontext(),
-        (torch.cuda, "device"): lambda d: contextlib.nullcontext(),
-        (torch.cuda, "synchronize"): lambda device=None: _cuda("synchronize"),
-        (torch.cuda, "current_device"): lambda: 0,
-        **{(torch, name): _on_cpu(getattr(torch, name))
-           for name in ("zeros", "full", "empty", "ones")},
-    }
-    saved = {key: getattr(*key) for key in patches}
-    for (owner, name), value in patches.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for (owner, name), value in saved.items():
-            setattr(owner, name, value)
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self.profile)
+        if TALLY is not None:
+            TALLY.paused -= 1
 
 
 # ---------------------------------------------------------------- the engine
@@ -370,7 +281,7 @@ def count(run: Callable[[bool, Tally | None], list[list[int]]]) -> dict:
     for kind in ("torch", "frames"):
         TALLY = tallies[kind] = Tally(kind)
         try:
-            with fake_cuda():
+            with fake_cuda(on_call=_cuda, replaying=_uncounted):
                 tokens = run(True, TALLY)
         finally:
             TALLY = None

@@ -187,7 +187,7 @@ class BatchInputBuffers:
             raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
         qsl = qsl_out[: n + 1]
         qsl[0] = 0
-        np.cumsum(num_new_tokens, out=qsl[1:])
+        np.add.accumulate(num_new_tokens, out=qsl[1:])  # (np.cumsum wraps this in Python)
         num_tokens = int(qsl[n])
         if num_tokens > self.max_num_tokens or len(input_ids) != num_tokens:
             raise ValueError(
