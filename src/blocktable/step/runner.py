@@ -32,6 +32,7 @@ brings everything a step sends to the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -53,7 +54,8 @@ _U32 = np.dtype(np.uint32)
 class StagedBatch(NamedTuple):
     """numpy views (on cpu, pinned with CUDA) of the staging buffer the next
     :meth:`CapturedStep.run_staged` sends, at full capacity: write the batch's first
-    ``num_reqs + 1`` / ``num_tokens`` / ``num_reqs`` entries, then call ``run_staged``."""
+    ``num_reqs + 1`` / ``num_tokens`` / ``num_reqs`` entries (and the payload, where the step
+    has one), then call ``run_staged``."""
 
     query_start_loc: np.ndarray  # int32 [max_num_reqs + 1]
     positions: np.ndarray  # int64 [max_num_tokens]
@@ -189,7 +191,7 @@ class CapturedStep:
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         # per slot, the call that issues its device work (a graph's replay, or the kernels)
-        self._launches: list = []
+        self._launches: list[Callable[[], None]] = []
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._capture(use_graph)
