@@ -20,6 +20,7 @@ step's event says when the buffer may be refilled: no copy and no event from her
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -47,6 +48,10 @@ class ModelInputs(NamedTuple):
     input_ids: torch.Tensor  # on device, int64 [num_tokens]
     logits_indices: torch.Tensor  # on device, int64 [num_reqs]: each request's last token
     num_tokens: int
+
+
+# ModelInputs from a tuple of its fields in one C call (a NamedTuple's own __new__ is Python)
+_model_inputs = partial(tuple.__new__, ModelInputs)
 
 
 def staged_payload_words(max_num_reqs: int, max_num_tokens: int) -> int:
@@ -166,7 +171,7 @@ class BatchInputBuffers:
         last = self._last_views.get(n)
         if last is None:
             last = self._last_views[n] = device_payload[2 * T : 2 * (T + n)].view(torch.int64)
-        return ModelInputs(ids, last, num_tokens)
+        return _model_inputs((ids, last, num_tokens))
 
     def _write(
         self,
