@@ -20,8 +20,10 @@ calls more than anything else. This script counts them, deterministically, witho
               stream counts torch's own ``current_stream()`` lookup too, as torch makes it);
   ``py``      Python frames entered (``sys.setprofile`` 'call' events; the fake's own frames
               and the replayed device work are left out);
-  ``c``       calls of C functions from Python (builtins, numpy, the compiled loops, torch's
-              C methods): 'c_call' events.
+  ``c``       calls of builtin C functions and methods from Python (builtins, numpy's and
+              torch's C methods): 'c_call' events. The compiled loops (Cython functions)
+              and numpy's indexing are not seen: per step the block-table work makes three
+              compiled calls, the batch check, the group's update and the commit's pairs.
 
 The pieces: ``take_step_update`` (the allocator's journal), ``run_staged`` (update, staging,
 launch: with the first, the engine's ``table_time_s``), and, as the engine's input time
