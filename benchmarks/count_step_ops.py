@@ -7,10 +7,10 @@ fraction of one, so an engine step's block-table host time follows the *number* 
 calls more than anything else. This script counts them, deterministically, without a GPU:
 
 - the engine (``blocktable.engine.LLMEngine``, a tiny random Llama, CPU tensors) runs the
-  captured step built for ``device="cuda"`` behind a fake ``torch.cuda`` (events, streams,
-  graphs, pinned and device tensor constructors; CUDA graphs are ``tests/fake_graph.py``'s
-  :class:`FakeGraph`, whose kernels run under Triton's interpreter), so the step takes its
-  CUDA branch: two staging buffers, graph replays, events;
+  captured step built for ``device="cuda"`` behind ``tests/fake_graph.py``'s ``fake_cuda``
+  (events, streams, pinned and device tensor constructors; CUDA graphs are its
+  ``FakeGraph``, whose kernels run under Triton's interpreter), so the step takes its CUDA
+  branch: two staging buffers, graph replays, events;
 - around each piece of the step it counts, per step:
 
   ``torch``   calls caught by a ``TorchFunctionMode`` (operators, tensor methods and
@@ -19,7 +19,8 @@ calls more than anything else. This script counts them, deterministically, witho
               ``Event.synchronize``, ``current_stream``...; an ``Event.record()`` without a
               stream counts torch's own ``current_stream()`` lookup too, as torch makes it);
   ``py``      Python frames entered (``sys.setprofile`` 'call' events; the fake's own frames
-              and the replayed device work are left out);
+              and the replayed device work are left out, and so are torch's Python wrappers
+              of the ``cuda`` calls: one frame each, about a dozen for ``current_stream``);
   ``c``       calls of builtin C functions and methods from Python (builtins, numpy's and
               torch's C methods): 'c_call' events. The compiled loops (Cython functions)
               and numpy's indexing are not seen: per step the block-table work makes three
