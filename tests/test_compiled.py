@@ -142,9 +142,12 @@ def test_group_writer_equals_the_numpy_update(seed: int) -> None:
     rng = np.random.default_rng(seed)
     a, b = Group(capacity=40), Group(capacity=40)
     writer = a.writer()
+    shared_empty = np.zeros(0, I32)  # as the allocator's updates hold their empty parts
     refused = 0
     for step in range(300):
         parts = random_parts(rng, a.counts, valid=rng.random() < 0.7)
+        if rng.random() < 0.5:
+            parts = [p if len(p) else shared_empty for p in parts]
         got = writer.apply(*parts)
         want = b.numpy_apply([p.copy() for p in parts])
         assert tuple(int(x) for x in got) == tuple(int(x) for x in want), (step, parts)
@@ -299,6 +302,28 @@ def _refused(call, arrays: list[np.ndarray], *, refusal: int | None = None) -> N
     else:
         assert refusal is not None and got == refusal, f"accepted, returning {got!r}"
     unchanged(before, arrays)
+
+
+def test_group_writer_remembers_one_empty_array_and_checks_every_other() -> None:
+    """The empty parts of an update as one shared empty array: the writer takes it once and
+    knows it again; every other array, an empty one of the wrong kind included, is still
+    taken and checked."""
+    g = Group()
+    writer = g.writer()
+    empty = np.zeros(0, I32)
+    empty.flags.writeable = False
+    assert writer.apply(*[empty] * 9)[0] == 0
+    one = np.array([1], I32)
+    append = [empty, empty, empty, empty, one, one, np.array([7], I32), empty, empty]
+    assert writer.apply(*append)[0] == 0
+    assert g.counts[1] == K and g.table[WIDTH : WIDTH + K].tolist() == [14, 15]
+    for label, bad in hostile_variants(np.zeros(0, I32)):
+        for i in range(9):
+            parts: list[object] = [empty] * 9
+            parts[i] = bad
+            with pytest.raises(TypeError):
+                writer.apply(*parts)
+    assert writer.apply(*append)[0] == 0 and g.counts[1] == 2 * K  # still the same writer
 
 
 def test_group_writer_refuses_hostile_bound_arrays() -> None:

@@ -80,6 +80,11 @@ cdef class GroupWriter:
     ``[num_rows]``), the rows to commit; ``journal`` (int64 ``[capacity, 2]``) and
     ``journal_len`` (int64 ``[2]``), the written runs of flat indices (``offset`` added). All
     writable, C-contiguous, native, and overlapping no other.
+
+    An update's empty parts are usually one shared empty array (the allocator's): the last
+    empty int32 array taken is remembered, and that same object passed again reuses its
+    (empty) view instead of being taken again. It holds nothing to read or write, so nothing
+    done to it in between can matter.
     """
 
     cdef int32_t[::1] tab
@@ -92,6 +97,8 @@ cdef class GroupWriter:
     cdef int64_t width, k, max_id, offset
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t out_bytes[7]
+    cdef object empty  # the last empty array taken (None at first), and its view
+    cdef const int32_t[::1] empty_view
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -152,15 +159,15 @@ cdef class GroupWriter:
         ``nulled``); write it if it passed and ``write``. Returns ``(code, part, index,
         value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
         unless it passed."""
-        cdef const int32_t[::1] c_rows = _int32_in(cleared, "cleared")
-        cdef const int32_t[::1] a_rows = _int32_in(add_rows, "add_rows")
-        cdef const int32_t[::1] a_num = _int32_in(add_num, "add_num")
-        cdef const int32_t[::1] a_ids = _int32_in(add_ids, "add_ids")
-        cdef const int32_t[::1] p_rows = _int32_in(app_rows, "app_rows")
-        cdef const int32_t[::1] p_num = _int32_in(app_num, "app_num")
-        cdef const int32_t[::1] p_ids = _int32_in(app_ids, "app_ids")
-        cdef const int32_t[::1] n_rows = _int32_in(null_rows, "null_rows")
-        cdef const int32_t[::1] n_blocks = _int32_in(null_blocks, "null_blocks")
+        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
+        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
+        cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
+        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids")
+        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows")
+        cdef const int32_t[::1] p_num = self._take(app_num, "app_num")
+        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
+        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
+        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
         if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
                 n_rows.shape[0] != n_blocks.shape[0]:
             raise ValueError("each part's rows and counts (or block indices) must have one "
@@ -182,6 +189,16 @@ cdef class GroupWriter:
                 raise ValueError("an update array overlaps the table's own arrays")
         return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
                            n_blocks, write)
+
+    cdef const int32_t[::1] _take(self, object value, str name) except *:
+        """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
+        remembered empty array."""
+        if value is self.empty and value is not None:
+            return self.empty_view
+        cdef const int32_t[::1] view = _int32_in(value, name)
+        if view.shape[0] == 0:
+            self.empty, self.empty_view = value, view
+        return view
 
     cdef tuple _apply(self, const int32_t[::1] c_rows, const int32_t[::1] a_rows,
                       const int32_t[::1] a_num, const int32_t[::1] a_ids,
