@@ -81,10 +81,8 @@ class Breakdown:
         self.step_calls: list[dict[str, int]] = []
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(self, owner: object, attr: str, name: str) -> None:
-        fn = getattr(owner, attr, None)
-        if fn is None:  # not in this version of the code
-            return
+    def timed(self, fn: Callable, name: str) -> Callable:
+        """``fn``, its time and calls added to piece ``name``."""
         acc, calls, clock = self.step, self.calls, time.perf_counter
 
         def timed(*args, **kwargs):
@@ -95,7 +93,14 @@ class Breakdown:
                 acc[name] += clock() - t0
                 calls[name] += 1
 
-        setattr(owner, attr, timed)
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None:  # not in this version of the code
+            return
+        setattr(owner, attr, self.timed(fn, name))
         if isinstance(owner, type) or type(owner).__name__ == "module":
             self._undo.append(lambda: setattr(owner, attr, fn))
         else:
@@ -115,7 +120,13 @@ class Breakdown:
             self.wrap(engine.table.committer, "stage", "run.committer.stage")
             self.wrap(step_runner, "slot_mapping_numpy", "run.slot_mapping_numpy")
             self.wrap(step, "_device_work", "run._device_work")  # CUDA without a graph
-            for graph in step._graphs or ():  # the replay itself (inlined in the step's path)
+            launches = getattr(step, "_launches", None)
+            if launches and step._graphs is not None:  # the replays, bound per staging buffer
+                for i, launch in enumerate(launches):
+                    launches[i] = self.timed(launch, "run.graph_replay")
+                self._undo.append(lambda: launches.__setitem__(slice(None), [
+                    getattr(f, "__wrapped__", f) for f in launches]))
+            for graph in (step._graphs or ()) if launches is None else ():  # older checkouts
                 try:
                     self.wrap(graph, "replay", "run.graph_replay")
                 except (AttributeError, TypeError):  # a graph object without instance attributes

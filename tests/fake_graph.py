@@ -14,6 +14,11 @@ the capture, as it does in a CUDA capture, and an operation whose output shape d
 raises too. So a test that captures, changes the inputs in place and replays finds host values
 baked into a step on a machine without a GPU. :func:`graph_for` gives a real CUDA graph on CUDA and
 this one on the CPU, behind the same two calls; :func:`no_host_sync` is the sync check alone.
+
+:func:`fake_cuda` goes one step further: ``torch.cuda`` as far as an object built for
+``device="cuda"`` uses it (events, streams, graphs as :class:`FakeGraph`, pinned and device
+tensor constructors that make CPU tensors), so code that takes its CUDA branch runs on the CPU
+and every ``torch.cuda`` call it makes can be seen.
 """
 
 from __future__ import annotations
@@ -191,3 +196,114 @@ def sync_check_for(device: str) -> Callable[[], contextlib.AbstractContextManage
             torch.cuda.set_sync_debug_mode("default")
 
     return cuda_sync_error
+
+
+# ---------------------------------------------------------------- a fake torch.cuda
+_on_call: Callable[[str], None] = lambda name: None
+_replaying: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        _on_call("Stream.wait_stream")
+
+    def wait_event(self, event: object) -> None:
+        _on_call("Stream.wait_event")
+
+    def synchronize(self) -> None:
+        _on_call("Stream.synchronize")
+
+
+def _current_stream(device: object = None) -> _Stream:
+    _on_call("current_stream")
+    return _Stream()
+
+
+class _Event:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        if stream is None:  # torch's Event.record looks the current stream up itself
+            _current_stream()
+        _on_call("Event.record")
+
+    def synchronize(self) -> None:
+        _on_call("Event.synchronize")
+
+    def query(self) -> bool:
+        _on_call("Event.query")
+        return True
+
+    def wait(self, stream: object = None) -> None:
+        if stream is None:
+            _current_stream()
+        _on_call("Event.wait")
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph`` over a :class:`FakeGraph`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.fake = FakeGraph()
+
+    def replay(self) -> None:
+        _on_call("CUDAGraph.replay")
+        with _replaying():
+            self.fake.replay()
+
+
+def _on_cpu(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def constructor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.pop("pin_memory", None)
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs["device"] = "cpu"
+        return make(*args, **kwargs)
+
+    return constructor
+
+
+@contextlib.contextmanager
+def fake_cuda(
+    on_call: Callable[[str], None] | None = None,
+    replaying: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> Iterator[None]:
+    """``torch.cuda`` on the CPU, as far as a captured step and an engine's buffers use it.
+
+    Events and streams do nothing, graphs are :class:`FakeGraph` (``torch.cuda.graph``
+    captures into one), ``torch.zeros``/``full``/``empty``/``ones`` drop ``pin_memory`` and
+    make CPU tensors for a CUDA device. ``on_call(name)`` sees every call (``"CUDAGraph.replay"``,
+    ``"Event.record"``...; an ``Event.record()`` without a stream is preceded by the
+    ``"current_stream"`` lookup torch makes for it); ``replaying()`` is entered around each
+    replay's work. Build the object with its device's type ``"cuda"`` inside the block (e.g. a
+    CPU table whose ``device`` attribute says ``cuda`` while the step is made)."""
+    global _on_call, _replaying
+    patches = {
+        (torch.cuda, "Event"): _Event, (torch.cuda, "Stream"): _Stream,
+        (torch.cuda, "CUDAGraph"): _Graph,
+        (torch.cuda, "graph"): lambda graph, **kwargs: graph.fake.capture(),
+        (torch.cuda, "current_stream"): _current_stream,
+        (torch.cuda, "stream"): lambda stream: contextlib.nullcontext(),
+        (torch.cuda, "device"): lambda device: contextlib.nullcontext(),
+        (torch.cuda, "synchronize"): lambda device=None: _on_call("synchronize"),
+        (torch.cuda, "current_device"): lambda: 0,
+        **{(torch, name): _on_cpu(getattr(torch, name))
+           for name in ("zeros", "full", "empty", "ones")},
+    }
+    saved = {key: getattr(*key) for key in patches}
+    hooks = (_on_call, _replaying)
+    _on_call = on_call or (lambda name: None)
+    _replaying = replaying or contextlib.nullcontext
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+        _on_call, _replaying = hooks

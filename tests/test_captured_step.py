@@ -192,6 +192,42 @@ def test_staged_and_decode_batches_match_apply_commit_slot_mapping(backend, spec
         check_same(bt, ref, out, qsl, positions, rows, seq_lens)
 
 
+def test_cuda_branch_on_the_cpu_replays_once_a_step_and_equals_three_calls():
+    """The step built for CUDA (two staging buffers, a graph each, events recorded by the
+    graphs, a payload), run on the CPU behind a fake ``torch.cuda``: the same results as the
+    three calls, and the only ``torch.cuda`` calls of a step are the graph's replay and the
+    wait for a staging buffer the replay before last read."""
+    from fake_graph import fake_cuda
+
+    calls: list[str] = []
+    bt, ref = make_table("cpu", "triton"), make_table("cpu", "torch")
+    with fake_cuda(on_call=calls.append):
+        bt.device = torch.device("cuda", 0)
+        try:
+            step = CapturedStep(bt, payload_words=3)
+        finally:
+            bt.device = torch.device("cpu")
+        assert calls.count("Event.record") == 4  # warm-up and capture; none per step after
+        model = Model(bt, np.random.default_rng(7))
+        for i in range(10):
+            update = (model.decode, model.decode_with_clears, model.general)[i % 3]()
+            qsl, positions, rows, seq_lens = model.batch()
+            calls.clear()
+            batch = step.batch_views()
+            batch.payload[:] = (i, i + 1, i + 2)
+            n, t = len(qsl) - 1, len(positions)
+            batch.query_start_loc[: n + 1] = qsl
+            batch.positions[:t] = positions
+            batch.row_of_batch[:n] = rows
+            batch.seq_lens[:n] = seq_lens
+            out = step.run_staged(update, n, t)
+            assert calls == (["CUDAGraph.replay"] if i < 2 else
+                             ["Event.synchronize", "CUDAGraph.replay"])
+            reference_step(ref, update, qsl, positions, rows)
+            check_same(bt, ref, out, qsl, positions, rows, seq_lens)
+            assert step.device_payload.tolist() == [i, i + 1, i + 2]
+
+
 def test_run_staged_rejects_bad_use_before_any_write(device):
     backend = "torch" if device == "cpu" else "triton"
     bt = make_table(device, backend)

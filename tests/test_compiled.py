@@ -143,9 +143,12 @@ def test_group_writer_equals_the_numpy_update(seed: int) -> None:
     rng = np.random.default_rng(seed)
     a, b = Group(capacity=40), Group(capacity=40)
     writer = a.writer()
+    shared_empty = np.zeros(0, I32)  # as the allocator's updates hold their empty parts
     refused = 0
     for step in range(300):
         parts = random_parts(rng, a.counts, valid=rng.random() < 0.7)
+        if rng.random() < 0.5:
+            parts = [p if len(p) else shared_empty for p in parts]
         got = writer.apply(*parts)
         want = b.numpy_apply([p.copy() for p in parts])
         assert tuple(int(x) for x in got) == tuple(int(x) for x in want), (step, parts)
@@ -187,7 +190,8 @@ def test_fill_staging_equals_numpy() -> None:
             j, jl, d = journal.copy(), jlen.copy(), dirty.copy()
             staging = np.full(2 * capacity, 7, I32)
             if use_compiled:
-                n = compiled.fill_staging(j, jl, d.view(np.uint8), 48, host, staging, capacity)
+                stager = compiled.PairStager(j, jl, d.view(np.uint8), 48, host)
+                n = stager.fill(staging, capacity)
             else:
                 n = loops.fill_staging(j, jl, d.reshape(1, -1), 48, host, staging, capacity)
             results.append((n, staging[: 2 * max(n, 0)].tolist(), jl.tolist(), d.tolist()))
@@ -240,10 +244,51 @@ def test_malformed_batches_are_left_to_numpy_with_nothing_written() -> None:
                      (np.array([0, 2], I32), np.zeros(3, I64))):  # does not end at num_tokens
         assert mapper.map(qsl, pos, None) == -1
         assert (out == 5).all()
-    assert compiled.check_batch(np.array([0, 2, 1], I32), None, 1, 4) == -1
-    assert compiled.check_batch(np.array([0, 1, 2], I32), np.array([0, 4], I32), 2, 4) == -1
-    assert compiled.check_batch(np.array([0, 1, 2], I32), np.array([0, 3], I32), 2, 4) == 1
-    assert compiled.check_batch(np.array([0, 2, 2], I32), None, 2, 4) == 0
+
+def check_batch(qsl: list[int], rows: list[int], num_reqs: int, num_tokens: int) -> int:
+    """The bound batch check of a staging buffer holding ``qsl`` and ``rows`` (4 table rows)."""
+    return compiled.BatchChecker(np.array(qsl, I32), np.array(rows, I32), 4).check(num_reqs,
+                                                                                  num_tokens)
+
+
+def test_batch_checker_reads_only_the_batch() -> None:
+    assert check_batch([0, 2, 1], [0, 0], 2, 1) == -1  # decreases
+    assert check_batch([1, 2, 2], [0, 0], 2, 2) == -1  # does not start at 0
+    assert check_batch([0, 1, 2], [0, 4], 2, 2) == -1  # a row past the table
+    assert check_batch([0, 1, 2], [0, -1], 2, 2) == -1  # a negative row
+    assert check_batch([0, 1, 2], [0, 3], 2, 2) == 1  # one token per request
+    assert check_batch([0, 2, 2], [3, 0], 2, 2) == 0
+    # only the batch's first entries count: past them, anything
+    assert check_batch([0, 1, -5], [0, 9], 1, 1) == 1
+    assert check_batch([0, 0, 0], [9, 9], 0, 0) == 1  # no request
+    assert check_batch([0, 0, 0], [9, 9], 0, 1) == -1  # no request, but a token
+    for num_reqs in (-1, 3, 2**40, -2**40):  # outside the capacity: refused, nothing read
+        assert check_batch([0, 1, 2], [0, 1], num_reqs, 2) == -1
+
+
+def test_batch_checker_equals_numpy() -> None:
+    """Random batches (decreasing, rows out of range): the compiled check accepts exactly what
+    the step's numpy check accepts."""
+    from blocktable.step.runner import _check_batch_values
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        capacity = int(rng.integers(1, 7))
+        qsl = np.sort(rng.integers(0, 9, capacity + 1)).astype(I32)
+        qsl[0] = 0 if rng.random() < 0.9 else 1
+        if rng.random() < 0.2:
+            qsl = rng.permutation(qsl)
+        rows = rng.integers(-1, 6, capacity).astype(I32)
+        num_reqs = int(rng.integers(0, capacity + 1))
+        num_tokens = int(qsl[num_reqs]) if rng.random() < 0.9 else int(rng.integers(0, 9))
+        code = compiled.BatchChecker(qsl, rows, 5).check(num_reqs, num_tokens)
+        try:
+            _check_batch_values(qsl[: num_reqs + 1], rows[:num_reqs], num_tokens, 5)
+        except (ValueError, IndexError):
+            assert code == -1
+        else:
+            decode = num_tokens == num_reqs and (qsl[: num_reqs + 1] == np.arange(num_reqs + 1)).all()
+            assert code == (1 if decode else 0)
 
 
 # ---- the hostile fuzz --------------------------------------------------------------------
@@ -258,6 +303,28 @@ def _refused(call, arrays: list[np.ndarray], *, refusal: int | None = None) -> N
     else:
         assert refusal is not None and got == refusal, f"accepted, returning {got!r}"
     unchanged(before, arrays)
+
+
+def test_group_writer_remembers_one_empty_array_and_checks_every_other() -> None:
+    """The empty parts of an update as one shared empty array: the writer takes it once and
+    knows it again; every other array, an empty one of the wrong kind included, is still
+    taken and checked."""
+    g = Group()
+    writer = g.writer()
+    empty = np.zeros(0, I32)
+    empty.flags.writeable = False
+    assert writer.apply(*[empty] * 9)[0] == 0
+    one = np.array([1], I32)
+    append = [empty, empty, empty, empty, one, one, np.array([7], I32), empty, empty]
+    assert writer.apply(*append)[0] == 0
+    assert g.counts[1] == K and g.table[WIDTH : WIDTH + K].tolist() == [14, 15]
+    for label, bad in hostile_variants(np.zeros(0, I32)):
+        for i in range(9):
+            parts: list[object] = [empty] * 9
+            parts[i] = bad
+            with pytest.raises(TypeError):
+                writer.apply(*parts)
+    assert writer.apply(*append)[0] == 0 and g.counts[1] == 2 * K  # still the same writer
 
 
 def test_group_writer_refuses_hostile_bound_arrays() -> None:
@@ -373,43 +440,58 @@ def test_slot_mapper_refuses_hostile_arguments() -> None:
     assert out[0].tolist() == [-1] * 8
 
 
-def test_check_batch_and_fill_staging_refuse_hostile_arguments() -> None:
+def test_batch_checker_and_pair_stager_refuse_hostile_arguments() -> None:
     qsl, rows = np.array([0, 1, 2], I32), np.array([0, 1], I32)
     for label, bad in hostile_variants(qsl):
         with pytest.raises(TypeError):
-            compiled.check_batch(bad, rows, 2, 4)
+            compiled.BatchChecker(bad, rows, 4)
     for label, bad in hostile_variants(rows):
         with pytest.raises(TypeError):
-            compiled.check_batch(qsl, bad, 2, 4)
+            compiled.BatchChecker(qsl, bad, 4)
+    for bad_qsl, bad_rows, num_rows in ((qsl, rows[:1], 4), (qsl[:2], rows, 4), (qsl, rows, -1)):
+        with pytest.raises(ValueError):
+            compiled.BatchChecker(bad_qsl, bad_rows, num_rows)
     journal, jlen = np.array([[0, 2], [0, 0]], I64), np.array([1, 2], I64)
     dirty, host = np.array([1, 0], np.uint8), np.arange(10, dtype=I32)
     staging = np.zeros(8, I32)
     arrays = [journal, jlen, dirty, host, staging]
 
     def args() -> list:
-        return [journal, jlen, dirty, 8, host, staging, 4]
+        return [journal, jlen, dirty, 8, host]
 
-    for i in (0, 1, 2, 4, 5):
+    for i in (0, 1, 2, 4):  # the bound arrays
         variants = hostile_variants(args()[i])
-        if i in (1, 2, 5):
+        if i in (1, 2):
             variants.append(("read-only", read_only(args()[i])))
         for label, bad in variants:
             a = args()
             a[i] = bad
-            _refused(lambda: compiled.fill_staging(*a), arrays)
-    for counts_offset, capacity in ((-1, 4), (9, 4), (2**40, 4), (8, 5), (8, -1), (8, 2**40)):
-        _refused(lambda: compiled.fill_staging(journal, jlen, dirty, counts_offset, host,
-                                               staging, capacity), arrays)
+            _refused(lambda: compiled.PairStager(*a), arrays)
+    for counts_offset in (-1, 9, 2**40, -2**40):
+        _refused(lambda: compiled.PairStager(journal, jlen, dirty, counts_offset, host), arrays)
+    # bound arrays that overlap: dirty inside the host buffer, journal_len inside the journal
+    _refused(lambda: compiled.PairStager(journal, jlen, host[:2].view(np.uint8), 8, host), arrays)
+    _refused(lambda: compiled.PairStager(journal, journal.reshape(-1)[:2], dirty, 8, host),
+             arrays)
+    stager = compiled.PairStager(journal, jlen, dirty, 8, host)
+    for label, bad in [*hostile_variants(staging), ("read-only", read_only(staging))]:
+        _refused(lambda: stager.fill(bad, 4), arrays)
+    for capacity in (5, -1, 2**40, -2**40):
+        _refused(lambda: stager.fill(staging, capacity), arrays)
+    # staging that aliases a bound array
+    _refused(lambda: stager.fill(host[:8], 4), arrays)
+    _refused(lambda: stager.fill(jlen.view(I32), 2), arrays)
     for bad_run in ([[-1, 2]], [[9, 2]], [[0, -1]], [[0, 2**40]], [[2**62, 2]]):
         j = np.array(bad_run + [[0, 0]], I64)
-        _refused(lambda: compiled.fill_staging(j, np.array([1, bad_run[0][1]], I64), dirty, 8,
-                                               host, staging, 4), arrays, refusal=-1)
-    _refused(lambda: compiled.fill_staging(journal, np.array([3, 2], I64), dirty, 8, host,
-                                           staging, 4), arrays)  # more runs than the journal
-    _refused(lambda: compiled.fill_staging(journal, np.array([1, 3], I64), dirty, 8, host,
-                                           staging, 4), arrays)  # lengths that disagree
-    # staging that aliases the host buffer
-    _refused(lambda: compiled.fill_staging(journal, jlen, dirty, 8, host, host[:8], 4), arrays)
+        jl = np.array([1, bad_run[0][1]], I64)
+        _refused(lambda: compiled.PairStager(j, jl, dirty, 8, host).fill(staging, 4),
+                 [*arrays, j, jl], refusal=-1)
+    for bad_len in ([3, 2], [1, 3], [1, -1]):  # more runs than the journal; lengths disagree
+        jlen[:] = bad_len
+        _refused(lambda: stager.fill(staging, 4), arrays)
+    jlen[:] = [1, 2]
+    assert stager.fill(staging, 4) == 3  # the valid call still works: 2 entries and a count
+    assert staging[:6].tolist() == [0, 1, 8, 0, 1, 8]
 
 
 def journal_args() -> list:

@@ -189,13 +189,14 @@ def test_batch_inputs_staged_equal_own_buffers(decode: bool) -> None:
     engine's own buffers, and the same ids and logits' indices; a decode batch (one token per
     request) takes the shortcut for positions."""
     from blocktable import GroupSpec, MultiGroupBlockTable, StepUpdate
-    from blocktable.engine.batch_inputs import BatchInputBuffers
+    from blocktable.engine.batch_inputs import BatchInputBuffers, staged_payload_words
     from blocktable.step import CapturedStep
 
     rng = np.random.default_rng(4 + decode)
     own, staged = BatchInputBuffers(8, 40, torch.device("cpu")), BatchInputBuffers(
         8, 40, torch.device("cpu"))
-    step = CapturedStep(MultiGroupBlockTable([GroupSpec(4)], 8, 64, 40))
+    step = CapturedStep(MultiGroupBlockTable([GroupSpec(4)], 8, 64, 40),
+                        payload_words=staged_payload_words(8, 40))
     for _ in range(5):
         n = int(rng.integers(1, 9))
         starts = rng.integers(0, 50, n).astype(np.int64)
@@ -204,7 +205,7 @@ def test_batch_inputs_staged_equal_own_buffers(decode: bool) -> None:
         ids = rng.integers(0, 100, int(num_new.sum())).tolist()
         a = own.fill(starts, num_new, rows, ids)
         views = step.batch_views()
-        b = staged.fill_staged(starts, num_new, rows, ids, views)
+        b = staged.fill_staged(starts, num_new, rows, ids, views, step.device_payload)
         t = a.num_tokens
         assert b.num_tokens == t
         want_pos = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, num_new)])

@@ -175,31 +175,46 @@ cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_
 
 
 # ---- the batch check of a step ----------------------------------------------------------
-def check_batch(object query_start_loc, object row_of_batch, int64_t num_tokens,
-                int64_t num_rows):
-    """1 when ``query_start_loc`` is ``0, 1, ..., num_reqs`` (one token per request), 0 when it
-    is otherwise well formed (starts at 0, never decreases, ends at ``num_tokens``) and every
-    row of ``row_of_batch`` (int32 ``[num_reqs]``, or ``None``) lies in ``[0, num_rows)``;
-    -1 for anything else (the caller names the error). Reads only."""
-    cdef const int32_t[::1] qsl = _int32_in(query_start_loc, "query_start_loc")
+cdef class BatchChecker:
+    """A staging buffer's batch, bound once: ``query_start_loc`` (int32 ``[capacity + 1]``) and
+    ``row_of_batch`` (int32 ``[capacity]``), read only, at full capacity; rows must lie in
+    ``[0, num_rows)``. Each step checks the batch's first entries without taking the arrays
+    again."""
+
+    cdef const int32_t[::1] qsl
     cdef const int32_t[::1] rows
-    cdef bint indexed = row_of_batch is not None
-    if indexed:
-        rows = _int32_in(row_of_batch, "row_of_batch")
-    cdef Py_ssize_t num_reqs = qsl.shape[0] - 1, r
-    if num_reqs < 0 or (indexed and rows.shape[0] != num_reqs):
-        return -1
-    if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
-        return -1
-    cdef bint decode = num_tokens == num_reqs
-    for r in range(num_reqs):
-        if qsl[r + 1] < qsl[r]:
+    cdef int64_t num_rows
+
+    def __init__(self, object query_start_loc, object row_of_batch, int64_t num_rows):
+        self.qsl = _int32_in(query_start_loc, "query_start_loc")
+        self.rows = _int32_in(row_of_batch, "row_of_batch")
+        if self.qsl.shape[0] != self.rows.shape[0] + 1:
+            raise ValueError(f"query_start_loc has {self.qsl.shape[0]} entries, not "
+                             f"row_of_batch's {self.rows.shape[0]} + 1")
+        if num_rows < 0:
+            raise ValueError(f"num_rows={num_rows} is negative")
+        self.num_rows = num_rows
+
+    def check(self, int64_t num_reqs, int64_t num_tokens):
+        """1 when ``query_start_loc[:num_reqs + 1]`` is ``0, 1, ..., num_reqs`` (one token per
+        request), 0 when it is otherwise well formed (starts at 0, never decreases, ends at
+        ``num_tokens``) and every row of ``row_of_batch[:num_reqs]`` lies in
+        ``[0, num_rows)``; -1 for anything else, ``num_reqs`` outside ``[0, capacity]``
+        included (the caller names the error). Reads only."""
+        cdef const int32_t[::1] qsl = self.qsl
+        cdef const int32_t[::1] rows = self.rows
+        cdef int64_t num_rows = self.num_rows
+        cdef Py_ssize_t r
+        if num_reqs < 0 or num_reqs > rows.shape[0]:
             return -1
-        decode = decode and qsl[r + 1] == r + 1
-    if indexed:
+        if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+            return -1
+        cdef bint decode = num_tokens == num_reqs
+        for r in range(num_reqs):
+            if qsl[r + 1] < qsl[r]:
+                return -1
+            decode = decode and qsl[r + 1] == r + 1
         for r in range(num_reqs):
             if rows[r] < 0 or rows[r] >= num_rows:
                 return -1
-    elif num_reqs > num_rows:
-        return -1
-    return 1 if decode else 0
+        return 1 if decode else 0

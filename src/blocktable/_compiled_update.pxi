@@ -80,6 +80,11 @@ cdef class GroupWriter:
     ``[num_rows]``), the rows to commit; ``journal`` (int64 ``[capacity, 2]``) and
     ``journal_len`` (int64 ``[2]``), the written runs of flat indices (``offset`` added). All
     writable, C-contiguous, native, and overlapping no other.
+
+    An update's empty parts are usually one shared empty array (the allocator's): the last
+    empty int32 array taken is remembered, and that same object passed again reuses its
+    (empty) view instead of being taken again. It holds nothing to read or write, so nothing
+    done to it in between can matter.
     """
 
     cdef int32_t[::1] tab
@@ -92,6 +97,8 @@ cdef class GroupWriter:
     cdef int64_t width, k, max_id, offset
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t out_bytes[7]
+    cdef object empty  # the last empty array taken (None at first), and its view
+    cdef const int32_t[::1] empty_view
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -152,15 +159,15 @@ cdef class GroupWriter:
         ``nulled``); write it if it passed and ``write``. Returns ``(code, part, index,
         value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
         unless it passed."""
-        cdef const int32_t[::1] c_rows = _int32_in(cleared, "cleared")
-        cdef const int32_t[::1] a_rows = _int32_in(add_rows, "add_rows")
-        cdef const int32_t[::1] a_num = _int32_in(add_num, "add_num")
-        cdef const int32_t[::1] a_ids = _int32_in(add_ids, "add_ids")
-        cdef const int32_t[::1] p_rows = _int32_in(app_rows, "app_rows")
-        cdef const int32_t[::1] p_num = _int32_in(app_num, "app_num")
-        cdef const int32_t[::1] p_ids = _int32_in(app_ids, "app_ids")
-        cdef const int32_t[::1] n_rows = _int32_in(null_rows, "null_rows")
-        cdef const int32_t[::1] n_blocks = _int32_in(null_blocks, "null_blocks")
+        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
+        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
+        cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
+        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids")
+        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows")
+        cdef const int32_t[::1] p_num = self._take(app_num, "app_num")
+        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
+        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
+        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
         if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
                 n_rows.shape[0] != n_blocks.shape[0]:
             raise ValueError("each part's rows and counts (or block indices) must have one "
@@ -182,6 +189,16 @@ cdef class GroupWriter:
                 raise ValueError("an update array overlaps the table's own arrays")
         return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
                            n_blocks, write)
+
+    cdef const int32_t[::1] _take(self, object value, str name) except *:
+        """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
+        remembered empty array."""
+        if value is self.empty and value is not None:
+            return self.empty_view
+        cdef const int32_t[::1] view = _int32_in(value, name)
+        if view.shape[0] == 0:
+            self.empty, self.empty_view = value, view
+        return view
 
     cdef tuple _apply(self, const int32_t[::1] c_rows, const int32_t[::1] a_rows,
                       const int32_t[::1] a_num, const int32_t[::1] a_ids,
@@ -315,73 +332,110 @@ cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* sta
 
 
 # ---- a commit's pairs ---------------------------------------------------------------
-def fill_staging(object journal, object journal_len, object dirty, int64_t counts_offset,
-                 object host, object staging, int64_t capacity):
-    """Gather a commit's ``(flat index, value)`` pairs into ``staging`` and reset the changes;
-    the compiled twin of :func:`blocktable._host_loops.fill_staging` (``dirty`` as a flat uint8
-    view of ``[groups, rows]``). Returns the number of pairs, or -1 (nothing written or reset)
-    when they exceed ``capacity`` or the journal overflowed."""
+cdef class PairStager:
+    """A table's changes, bound once: gathers a commit's ``(flat index, value)`` pairs into a
+    staging buffer and resets the changes; the compiled twin of
+    :func:`blocktable._host_loops.fill_staging`.
+
+    The bound arrays: ``journal`` (int64 ``[capacity, 2]``, the written runs: start, length)
+    and ``host`` (int32 ``[num_entries]``, the flat host table), read only; ``journal_len``
+    (int64 ``[2]``: runs, indices; -1 runs after an overflow) and ``dirty`` (uint8, the flat
+    ``[groups, rows]`` dirty rows), written. The counts start at ``counts_offset`` of ``host``.
+    All C-contiguous, native, and overlapping no other.
+    """
+
     cdef const int64_t[:, ::1] jour
-    cdef int64_t[::1] jlen = _int64_out(journal_len, "journal_len")
+    cdef int64_t[::1] jlen
     cdef unsigned char[::1] dirt
-    cdef const int32_t[::1] src = _int32_in(host, "host")
-    cdef int32_t[::1] out
-    try:
-        jour = journal
-        dirt = dirty
-        out = staging
-    except (ValueError, TypeError, BufferError) as exc:
-        raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array, dirty a "
-                        f"writable uint8 array and staging a writable int32 array: {exc}") \
-            from None
-    if jour.shape[1] != 2 or jlen.shape[0] != 2:
-        raise ValueError("journal must be [capacity, 2] and journal_len [2]")
-    cdef Py_ssize_t num_entries = src.shape[0]
-    if counts_offset < 0 or counts_offset > num_entries or \
-            dirt.shape[0] > num_entries - counts_offset:
-        raise ValueError(f"the counts [{counts_offset}, +{dirt.shape[0]}) lie outside host's "
-                         f"{num_entries} entries")
-    if capacity < 0 or 2 * capacity > out.shape[0]:
-        raise ValueError(f"capacity={capacity} needs staging of {2 * capacity} entries, got "
-                         f"{out.shape[0]}")
-    if _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
-                &src[0] if num_entries else NULL, num_entries * 4) or \
-            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
-                     &jour[0, 0] if jour.shape[0] else NULL, jour.shape[0] * 16) or \
-            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4,
-                     &dirt[0] if dirt.shape[0] else NULL, dirt.shape[0]) or \
-            _overlap(&out[0] if out.shape[0] else NULL, out.shape[0] * 4, &jlen[0], 16):
-        raise ValueError("staging overlaps another argument")
-    cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
-    cdef Py_ssize_t i, at = 0
-    if runs < 0:
-        return -1
-    if runs > jour.shape[0] or num_indices < 0:
-        raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
-    total = num_indices
-    for i in range(dirt.shape[0]):
-        total += dirt[i] != 0
-    if total > capacity:
-        return -1
-    for r in range(runs):  # every run inside host, and the lengths adding up, before writing
-        start, length = jour[r, 0], jour[r, 1]
-        if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
-            raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
-        at += length
-    if at != num_indices:
-        raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
-    at = 0
-    for r in range(runs):
-        for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
-            out[at] = <int32_t>q
-            at += 1
-    for i in range(dirt.shape[0]):
-        if dirt[i]:
-            out[at] = <int32_t>(counts_offset + i)
-            at += 1
-            dirt[i] = 0
-    for i in range(total):
-        out[total + i] = src[out[i]]
-    jlen[0] = 0
-    jlen[1] = 0
-    return total
+    cdef const int32_t[::1] src
+    cdef int64_t counts_offset
+    cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
+    cdef Py_ssize_t bound_bytes[4]
+
+    def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
+                 object host):
+        try:
+            self.jour = journal
+            self.dirt = dirty
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array and dirty "
+                            f"a writable uint8 array: {exc}") from None
+        self.jlen = _int64_out(journal_len, "journal_len")
+        self.src = _int32_in(host, "host")
+        if self.jour.shape[1] != 2 or self.jlen.shape[0] != 2:
+            raise ValueError("journal must be [capacity, 2] and journal_len [2]")
+        cdef Py_ssize_t num_entries = self.src.shape[0], num_dirty = self.dirt.shape[0]
+        if counts_offset < 0 or counts_offset > num_entries or \
+                num_dirty > num_entries - counts_offset:
+            raise ValueError(f"the counts [{counts_offset}, +{num_dirty}) lie outside host's "
+                             f"{num_entries} entries")
+        self.counts_offset = counts_offset
+        spans = [
+            (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0, self.jour.shape[0] * 16),
+            (<uintptr_t>(&self.jlen[0]), 16),
+            (<uintptr_t>(&self.dirt[0]) if num_dirty else 0, num_dirty),
+            (<uintptr_t>(&self.src[0]) if num_entries else 0, num_entries * 4)]
+        cdef int i
+        for i in range(4):
+            self.bound_start[i], self.bound_bytes[i] = spans[i]
+        for i in range(4):
+            if _overlaps_any(self.bound_start[i], self.bound_bytes[i], self.bound_start,
+                             self.bound_bytes, 4, i):
+                raise ValueError("the bound arrays overlap")
+
+    def fill(self, object staging, int64_t capacity):
+        """Gather the pairs into ``staging`` (int32, writable, at least ``2 * capacity``
+        entries: the flat indices, then their values) and reset the changes. Returns the
+        number of pairs, or -1 (nothing written or reset) when they exceed ``capacity`` or the
+        journal overflowed."""
+        cdef int32_t[::1] out
+        try:
+            out = staging
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError(
+                f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
+                from None
+        if capacity < 0 or 2 * capacity > out.shape[0]:
+            raise ValueError(f"capacity={capacity} needs staging of {2 * capacity} entries, got "
+                             f"{out.shape[0]}")
+        if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
+                         self.bound_start, self.bound_bytes, 4, -1):
+            raise ValueError("staging overlaps the bound arrays")
+        cdef const int64_t[:, ::1] jour = self.jour
+        cdef int64_t[::1] jlen = self.jlen
+        cdef unsigned char[::1] dirt = self.dirt
+        cdef const int32_t[::1] src = self.src
+        cdef Py_ssize_t num_entries = src.shape[0]
+        cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
+        cdef Py_ssize_t i, at = 0
+        if runs < 0:
+            return -1
+        if runs > jour.shape[0] or num_indices < 0:
+            raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
+        total = num_indices
+        for i in range(dirt.shape[0]):
+            total += dirt[i] != 0
+        if total > capacity:
+            return -1
+        for r in range(runs):  # every run inside host, and the lengths adding up, before writing
+            start, length = jour[r, 0], jour[r, 1]
+            if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
+                raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
+            at += length
+        if at != num_indices:
+            raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
+        at = 0
+        for r in range(runs):
+            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
+                out[at] = <int32_t>q
+                at += 1
+        for i in range(dirt.shape[0]):
+            if dirt[i]:
+                out[at] = <int32_t>(self.counts_offset + i)
+                at += 1
+                dirt[i] = 0
+        for i in range(total):
+            out[total + i] = src[out[i]]
+        jlen[0] = 0
+        jlen[1] = 0
+        return total

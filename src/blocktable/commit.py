@@ -58,10 +58,13 @@ class Committer:
         self.storage = storage
         self.backend = backend
         self.capacity = storage.journal_capacity
-        # the compiled gathering of the pairs, where the install built it (else numpy)
+        # the compiled gathering of the pairs, bound to the storage's journal, dirty rows
+        # (as flat uint8, the same memory) and host buffer, where the install built it (else
+        # numpy)
         compiled = _loader.COMPILED
-        self._compiled_fill = None if compiled is None else compiled.fill_staging
-        self._dirty_u8 = storage.dirty_rows.reshape(-1).view(np.uint8)  # (same memory)
+        self._compiled_fill = None if compiled is None else compiled.PairStager(
+            storage.journal, storage.journal_len, storage.dirty_rows.reshape(-1).view(np.uint8),
+            storage.counts_offset, storage.host).fill
         cuda = storage.device.type == "cuda"
         # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
         self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
@@ -86,8 +89,7 @@ class Committer:
         if not st.changed:
             return 0
         if self._compiled_fill is not None:
-            n = self._compiled_fill(st.journal, st.journal_len, self._dirty_u8, st.counts_offset,
-                                    st.host, pairs, capacity)
+            n = self._compiled_fill(pairs, capacity)
         else:
             n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
                              st.host, pairs, capacity)

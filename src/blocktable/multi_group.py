@@ -299,7 +299,7 @@ class MultiGroupBlockTable(AttentionViews):
         sizes = update.allocator_block_sizes
         if sizes is not None and not (type(sizes) is tuple and sizes == self._update_block_sizes):
             check_update_block_sizes(self.specs, self.cp, update)
-        n = self.num_groups
+        n = len(self.specs)
         if not len(update.added) == len(update.appended) == len(update.nulled) == n:
             for name in ("added", "appended", "nulled"):
                 if len(getattr(update, name)) != n:
@@ -308,7 +308,8 @@ class MultiGroupBlockTable(AttentionViews):
                         f"{len(getattr(update, name))}"
                     )
         if n == 1 and self.tables[0] is not None:  # one group: check and write in one call
-            self.storage.before_host_write()
+            if self.storage.host_read_event is not None:
+                self.storage.before_host_write()
             apply_group_update(self.tables[0], update.cleared_rows, update.added[0],
                                update.appended[0], update.nulled[0], update.trusted)
             return

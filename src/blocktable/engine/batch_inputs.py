@@ -8,15 +8,19 @@ CUDA, and crosses in *one* asynchronous copy into one device buffer of the same 
 
 (``R`` = max requests, ``T`` = max tokens; the int64 parts are int32 pairs viewed as int64).
 No torch tensor is allocated per step, only views of the fixed buffers; on the CPU the device
-buffer is the host buffer itself. With a captured step (:meth:`BatchInputBuffers.fill_staged`),
-``query_start_loc``, rows, ``seq_lens`` and positions are written into the step's staging
-buffer instead, which carries them to the device, and only the input ids and the logits'
-indices cross from here: the batch crosses once. A step may refill the host buffer only once the previous
+buffer is the host buffer itself. A step may refill the host buffer only once the previous
 step's copy has read it: an event recorded after the copy says so.
+
+With a captured step (:meth:`BatchInputBuffers.fill_staged`) everything is written into the
+step's staging buffer instead: ``query_start_loc``, rows, ``seq_lens`` and positions in their
+places, the input ids and the logits' indices in its payload
+(:func:`staged_payload_words` words). The step's one copy carries them to the device, and the
+step's event says when the buffer may be refilled: no copy and no event from here.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +48,17 @@ class ModelInputs(NamedTuple):
     input_ids: torch.Tensor  # on device, int64 [num_tokens]
     logits_indices: torch.Tensor  # on device, int64 [num_reqs]: each request's last token
     num_tokens: int
+
+
+# ModelInputs from a tuple of its fields in one C call (a NamedTuple's own __new__ is Python)
+_model_inputs = partial(tuple.__new__, ModelInputs)
+
+
+def staged_payload_words(max_num_reqs: int, max_num_tokens: int) -> int:
+    """int32 words of a captured step's payload that :meth:`BatchInputBuffers.fill_staged`
+    fills: the input ids (int64 ``[max_num_tokens]``), then the logits' indices (int64
+    ``[max_num_reqs]``)."""
+    return 2 * max_num_tokens + 2 * max_num_reqs
 
 
 class BatchInputBuffers:
@@ -78,10 +93,9 @@ class BatchInputBuffers:
         self._d_last = d[last:].view(torch.int64)
         self._arange = np.arange(max(R, T), dtype=np.int64)
         self._decode_qsl = np.arange(R + 1, dtype=np.int32).tobytes()  # 1 token per request
-        # the words from the input ids on (ids and the logits' indices): what fill_staged sends
-        self._host_tail = self._host[ids:]
-        self._device_tail = self._device[ids:]
-        # views by size, made once: slicing tensors every step costs host time
+        # fill_staged's: a captured step's device payload (int32, on device) and its views by
+        # size, made once (slicing tensors every step costs host time)
+        self._payload: torch.Tensor | None = None
         self._ids_views: dict[int, torch.Tensor] = {}
         self._last_views: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if cuda else None
@@ -107,8 +121,11 @@ class BatchInputBuffers:
         input_ids : list of int
             ``[num_tokens]``: the step's tokens, request after request.
         """
+        if self._in_flight and self._copied is not None:
+            self._copied.synchronize()  # the last copy must have read the host buffer
         n, num_tokens = self._write(starts, num_new_tokens, rows, input_ids, self._qsl,
-                                    self._positions, self._rows, self._seq_lens)
+                                    self._positions, self._rows, self._seq_lens,
+                                    self._input_ids, self._last)
         if self._copied is not None:
             self._device.copy_(self._host, non_blocking=True)
             self._copied.record()
@@ -126,25 +143,35 @@ class BatchInputBuffers:
         rows: np.ndarray,
         input_ids: list[int],
         batch: StagedBatch,
+        device_payload: torch.Tensor,
     ) -> ModelInputs:
-        """:meth:`fill` with ``query_start_loc``, positions, rows and ``seq_lens`` written into
-        ``batch`` (a captured step's staging, which sends them to the device itself); only the
-        input ids and the logits' indices cross from here. Returns those two on the device and
+        """:meth:`fill` into a captured step's staging: ``query_start_loc``, positions, rows and
+        ``seq_lens`` in ``batch``'s places, the input ids and the logits' indices in its
+        payload (the step's ``payload_words`` at least :func:`staged_payload_words`). The
+        step sends them all. Returns the ids and the logits' indices as views of
+        ``device_payload`` (the step's, int32 on device: valid once its device work ran) and
         the token count; the positions the model needs are the captured step's."""
+        R, T = self.max_num_reqs, self.max_num_tokens
+        payload = batch.payload
+        if len(payload) < 2 * (T + R):
+            raise ValueError(f"the step's payload holds {len(payload)} words, fewer than the "
+                             f"{2 * (T + R)} of staged_payload_words({R}, {T})")
+        ids_out = payload[: 2 * T].view(np.int64)
         n, num_tokens = self._write(starts, num_new_tokens, rows, input_ids,
                                     batch.query_start_loc, batch.positions, batch.row_of_batch,
-                                    batch.seq_lens)
-        if self._copied is not None:
-            self._device_tail.copy_(self._host_tail, non_blocking=True)
-            self._copied.record()
-            self._in_flight = True
+                                    batch.seq_lens, ids_out,
+                                    payload[2 * T : 2 * (T + R)].view(np.int64))
+        if device_payload is not self._payload:
+            self._payload = device_payload
+            self._ids_views.clear()
+            self._last_views.clear()
         ids = self._ids_views.get(num_tokens)
         if ids is None:
-            ids = self._ids_views[num_tokens] = self._d_input_ids[:num_tokens]
+            ids = self._ids_views[num_tokens] = device_payload[: 2 * num_tokens].view(torch.int64)
         last = self._last_views.get(n)
         if last is None:
-            last = self._last_views[n] = self._d_last[:n]
-        return ModelInputs(ids, last, num_tokens)
+            last = self._last_views[n] = device_payload[2 * T : 2 * (T + n)].view(torch.int64)
+        return _model_inputs((ids, last, num_tokens))
 
     def _write(
         self,
@@ -156,16 +183,16 @@ class BatchInputBuffers:
         positions_out: np.ndarray,
         rows_out: np.ndarray,
         seq_lens_out: np.ndarray,
+        ids_out: np.ndarray,
+        last_out: np.ndarray,
     ) -> tuple[int, int]:
         """The numpy work of a fill into the given int32 / int64 buffers; ``(n, num_tokens)``."""
         n = len(starts)
         if n > self.max_num_reqs:
             raise ValueError(f"{n} requests, more than max_num_reqs={self.max_num_reqs}")
-        if self._in_flight and self._copied is not None:
-            self._copied.synchronize()  # the last copy must have read the host buffer
         qsl = qsl_out[: n + 1]
         qsl[0] = 0
-        np.cumsum(num_new_tokens, out=qsl[1:])
+        np.add.accumulate(num_new_tokens, out=qsl[1:])  # (np.cumsum wraps this in Python)
         num_tokens = int(qsl[n])
         if num_tokens > self.max_num_tokens or len(input_ids) != num_tokens:
             raise ValueError(
@@ -181,6 +208,6 @@ class BatchInputBuffers:
             positions += self._arange[:num_tokens]
         rows_out[:n] = rows
         np.add(starts, num_new_tokens, out=seq_lens_out[:n], casting="unsafe")
-        np.subtract(qsl[1:], 1, out=self._last[:n])
-        self._input_ids[:num_tokens] = input_ids
+        np.subtract(qsl[1:], 1, out=last_out[:n])
+        ids_out[:num_tokens] = input_ids
         return n, num_tokens

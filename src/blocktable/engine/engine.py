@@ -5,9 +5,9 @@ One :meth:`LLMEngine.step`:
 1. the :class:`~blocktable.engine.scheduler.Scheduler` picks the batch and the allocator
    (:class:`~blocktable.allocator.KVCacheManager`) gives it blocks, preempting if needed;
 2. positions, ``query_start_loc`` and the other per-step inputs are built with numpy in
-   persistent (pinned) buffers: with the captured step, ``query_start_loc``, rows,
-   ``seq_lens`` and positions straight into the step's staging buffer, and only the token ids
-   and the logits' indices in the engine's own (the batch crosses to the device once);
+   persistent (pinned) buffers: with the captured step, all of them straight into the step's
+   staging buffer (the token ids and the logits' indices in its payload), which crosses to
+   the device in one copy;
 3. the block-table step (:class:`~blocktable.step.CapturedStep`): the allocator's update is
    applied to the host table, its changed entries are staged beside the batch, and one
    CUDA-graph replay copies the staging, commits the table and computes the slot mapping
@@ -35,7 +35,7 @@ import torch
 from blocktable._triton import resolve_backend
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
 from blocktable.config import GroupSpec
-from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs
+from blocktable.engine.batch_inputs import BatchInputBuffers, ModelInputs, staged_payload_words
 from blocktable.engine.generation_request import Request
 from blocktable.engine.host_cache import HostKVCache
 from blocktable.engine.model import AttentionInputs, HFLlama, PagedLlama
@@ -172,7 +172,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.token_budget)
         self._inputs = BatchInputBuffers(config.max_num_reqs, config.token_budget, self.device)
         captured = config.captured_step and (backend == "triton" or self.device.type == "cpu")
-        self.captured_step = CapturedStep(self.table) if captured else None
+        # the step's payload carries the token ids and the logits' indices: one copy a step
+        self.captured_step = CapturedStep(self.table, payload_words=staged_payload_words(
+            config.max_num_reqs, config.token_budget)) if captured else None
         self._no_batch = (np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int64))
         # every row of the device table (fixed address): attention reads rows by row_of_batch
         self._block_table = self.table.device_view(0, self.table.max_num_reqs)
@@ -303,10 +305,10 @@ class LLMEngine:
     def _captured_table_step(
         self, batch: SchedulerOutput
     ) -> tuple[AttentionInputs | None, _ForwardInputs | None, float, float]:
-        """The same through the captured step: ``query_start_loc``, rows, ``seq_lens`` and
-        positions are built straight into the step's staging buffer (the batch crosses to the
-        device once, with the step), then the update is applied and staged and one replay
-        runs (its host time is the table's time)."""
+        """The same through the captured step: the batch and the model's inputs are built
+        straight into the step's staging buffer (they cross to the device once, with the
+        step), then the update is applied and staged and one replay runs (its host time is
+        the table's time)."""
         step = self.captured_step
         assert step is not None
         t0 = time.perf_counter()
@@ -317,7 +319,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         starts, num_new, rows, input_ids = self._batch_lists(batch)
         inputs: ModelInputs = self._inputs.fill_staged(starts, num_new, rows, input_ids,
-                                                       step.batch_views())
+                                                       step.batch_views(), step.device_payload)
         t2 = time.perf_counter()
         out = step.run_staged(update, len(rows), inputs.num_tokens)
         table_time_s = (t1 - t0) + (time.perf_counter() - t2)

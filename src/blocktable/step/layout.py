@@ -2,13 +2,16 @@
 
 ::
 
-    [ num_pairs : 1 | pairs : 2P | qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T ]
+    [ num_pairs : 1 | pairs : 2P | qsl : R+1 | rows : R | seq_lens : R | (pad) | positions : 2T
+      | payload : W ]
 
 ``pairs`` holds the step's ``num_pairs`` changed flat table indices, then their values (packed:
 the values start at ``pairs + num_pairs``): the same pairs :meth:`MultiGroupBlockTable.commit`
 moves. ``qsl`` is padded past the batch with ``num_tokens``, so the padding requests own no
-token. ``positions`` is int64 (int32 pairs), at an even word offset. ``P`` = most staged pairs,
-``R`` = most requests, ``T`` = most tokens per step.
+token. ``positions`` is int64 (int32 pairs), at an even word offset. ``payload`` is the caller's
+own per-step inputs (an engine's token ids), carried to the device with the batch; it starts at
+an even word offset too. ``P`` = most staged pairs, ``R`` = most requests, ``T`` = most tokens per
+step, ``W`` = payload words.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ HEADER_WORDS = 1
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Word offsets of the staging buffer for ``max_pairs``, ``max_num_reqs``, ``max_num_tokens``."""
+    """Word offsets of the staging buffer for ``max_pairs``, ``max_num_reqs``,
+    ``max_num_tokens`` and ``payload_words``."""
 
     max_pairs: int
     max_num_reqs: int
     max_num_tokens: int
+    payload_words: int = 0
 
     @property
     def pairs(self) -> int:
@@ -51,8 +56,12 @@ class StepLayout:
         return end + end % 2  # int64 values need an even int32 offset
 
     @property
-    def num_words(self) -> int:
+    def payload(self) -> int:
         return self.positions + 2 * self.max_num_tokens
+
+    @property
+    def num_words(self) -> int:
+        return self.payload + self.payload_words
 
 
 class StagingViews:
@@ -66,4 +75,5 @@ class StagingViews:
         self.qsl = buffer[L.qsl : L.rows]  # int32 [R+1]
         self.rows = buffer[L.rows : L.seq_lens]  # int32 [R]
         self.seq_lens = buffer[L.seq_lens : L.seq_lens + L.max_num_reqs]  # int32 [R]
-        self.positions = buffer[L.positions : L.num_words].view(np.int64)  # int64 [T]
+        self.positions = buffer[L.positions : L.payload].view(np.int64)  # int64 [T]
+        self.payload = buffer[L.payload : L.num_words]  # int32 [W]

@@ -12,21 +12,28 @@ A step is, in order:
 
 Only step 4 differs by backend. On CUDA it is one CUDA graph per staging buffer, captured once:
 a copy of the (pinned) staging buffer to the device, the scatter (its pair count read from the
-buffer), the slot-mapping kernel. Launch shapes come from the capacities, so one graph serves
-every batch: ``query_start_loc`` is padded with ``num_tokens``, so padding requests own no
-token. Two staging buffers alternate; an event recorded after each replay says when a buffer
-may be refilled. On the CPU backend it is numpy on the calling thread: a ``put`` of the pairs
-into the CPU "device" table and the host slot mapping. With ``backend="triton"`` on CPU tensors
+buffer), the slot-mapping kernel, and the record of an event (an *external* event: a node of
+the graph, so a step's one call into torch is the replay). Launch shapes come from the
+capacities, so one graph serves every batch: ``query_start_loc`` is padded with
+``num_tokens``, so padding requests own no token. Two staging buffers alternate; a buffer is
+refilled once its event says the replay that read it has finished. (A torch without external
+events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend it
+is numpy on the calling thread: a ``put`` of the pairs into the CPU "device" table and the host
+slot mapping. With ``backend="triton"`` on CPU tensors
 (under ``TRITON_INTERPRET=1``) the graph's kernels launch eagerly: the tests' way to run the
 CUDA path's kernels without a GPU.
 
 A caller that builds its batch with numpy anyway (an engine) writes it straight into the
 staging buffer: :meth:`CapturedStep.batch_views` hands out its views, and
-:meth:`CapturedStep.run_staged` checks what was written and runs the step.
+:meth:`CapturedStep.run_staged` checks what was written and runs the step. Its own per-step
+inputs (an engine's token ids) may travel in the same buffer, as a *payload*: then one copy
+brings everything a step sends to the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -47,12 +54,14 @@ _U32 = np.dtype(np.uint32)
 class StagedBatch(NamedTuple):
     """numpy views (on cpu, pinned with CUDA) of the staging buffer the next
     :meth:`CapturedStep.run_staged` sends, at full capacity: write the batch's first
-    ``num_reqs + 1`` / ``num_tokens`` / ``num_reqs`` entries, then call ``run_staged``."""
+    ``num_reqs + 1`` / ``num_tokens`` / ``num_reqs`` entries (and the payload, where the step
+    has one), then call ``run_staged``."""
 
     query_start_loc: np.ndarray  # int32 [max_num_reqs + 1]
     positions: np.ndarray  # int64 [max_num_tokens]
     row_of_batch: np.ndarray  # int32 [max_num_reqs]
     seq_lens: np.ndarray  # int32 [max_num_reqs]
+    payload: np.ndarray  # int32 [payload_words]: the caller's own inputs (not checked)
 
 
 class StepOutputs(NamedTuple):
@@ -64,6 +73,10 @@ class StepOutputs(NamedTuple):
     row_of_batch: torch.Tensor  # on device, int32 [num_reqs]
     seq_lens: torch.Tensor | None  # on device, int32 [num_reqs]; None if not given
     num_pairs: int  # table entries the step moved (-1: too many; the table's commit moved them)
+
+
+# StepOutputs from a tuple of its fields in one C call (a NamedTuple's own __new__ is Python)
+_step_outputs = partial(tuple.__new__, StepOutputs)
 
 
 class CapturedStep:
@@ -82,7 +95,12 @@ class CapturedStep:
         is still correct: the table's own commit moves it, before the step's device work.
         Default ``max(1024, 4 * max_num_reqs)``.
     use_graph : bool
-        On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly.
+        On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly
+        (as does a torch without external CUDA events, before 2.5).
+    payload_words : int
+        int32 words of the caller's own per-step inputs that travel with the batch: written
+        into ``batch_views().payload``, on the device in :attr:`device_payload` once the
+        step's device work ran (default 0).
 
     Examples
     --------
@@ -105,6 +123,7 @@ class CapturedStep:
         max_num_tokens: int | None = None,
         max_pairs: int | None = None,
         use_graph: bool = True,
+        payload_words: int = 0,
     ) -> None:
         if not isinstance(table, MultiGroupBlockTable):
             raise TypeError(f"table must be a MultiGroupBlockTable, got {type(table).__name__}")
@@ -115,7 +134,9 @@ class CapturedStep:
         T = _capacity("max_num_tokens", max_num_tokens, table.max_num_batched_tokens)
         P = check_positive("max_pairs", max_pairs) if max_pairs is not None else max(1024, 4 * R)
         self.table = table
-        self.layout = L = StepLayout(P, R, T)
+        if not (type(payload_words) is int and payload_words >= 0):
+            raise ValueError(f"payload_words must be an int >= 0, got {payload_words!r}")
+        self.layout = L = StepLayout(P, R, T, payload_words)
         self.device = table.device
         cuda = self.device.type == "cuda"
         # "kernels": the device work is the graph's kernels (CUDA, or eagerly under Triton's
@@ -129,29 +150,55 @@ class CapturedStep:
         # staging buffer (kernels), or the one staging buffer itself (numpy)
         self._dev = (torch.zeros(L.num_words, dtype=torch.int32, device=self.device)
                      if self.mode == "kernels" else self._host[0])
-        self._events = [torch.cuda.Event() for _ in range(num_slots)] if cuda else None
+        # one event per staging buffer, recorded by the device work after its last read of
+        # the buffer: inside the graph (an external event is a node of it), or eagerly
+        self._events: list[torch.cuda.Event] | None = None
+        if cuda:
+            try:
+                self._events = [torch.cuda.Event(external=True) for _ in range(num_slots)]
+            except TypeError:  # a torch before 2.5: the record cannot be a graph node
+                self._events = [torch.cuda.Event() for _ in range(num_slots)]
+                use_graph = False
         self._pending = [False] * num_slots  # a replay may still read this staging buffer
         self._padded = [(-1, -1)] * num_slots  # (num_reqs, num_tokens) its qsl is padded for
         self._slot = 0
         self._lent = -1  # the slot whose views batch_views() handed out
         self._arange = np.arange(R, dtype=np.int32)
-        compiled = _loader.COMPILED  # the compiled batch check, where built (else numpy)
-        self._compiled_check = None if compiled is None else compiled.check_batch
+        # per slot, what batch_views() hands out (the same views every step)
+        self._staged = [StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens, v.payload)
+                        for v in self._views]
+        # per slot, the compiled batch check bound to its staging buffer, where built (else
+        # numpy)
+        compiled = _loader.COMPILED
+        self._checks = (None if compiled is None else
+                        [compiled.BatchChecker(v.qsl, v.rows, table.max_num_reqs).check
+                         for v in self._views])
         d = self._dev
         self._d_qsl = d[L.qsl : L.rows]
         self._d_rows = d[L.rows : L.seq_lens]
         self._d_seq_lens = d[L.seq_lens : L.seq_lens + R]
-        self._d_positions = d[L.positions : L.num_words].view(torch.int64)
+        self._d_positions = d[L.positions : L.payload].view(torch.int64)
+        # on device, int32 [payload_words]: the payload of the last step's device work
+        self.device_payload = d[L.payload : L.num_words]
         self._views_by_n: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per slot, by num_reqs: its numpy qsl[: num_reqs + 1] and rows[:num_reqs]
+        self._batch_by_n: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [
+            {} for _ in range(num_slots)]
         self._positions_by_t: dict[int, torch.Tensor] = {}
         self._slot_views = tuple(
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
         )
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        # per slot, the call that issues its device work (a graph's replay, or the kernels)
+        self._launches: list[Callable[[], None]] = []
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._capture(use_graph)
+            self._launches = ([g.replay for g in self._graphs] if self._graphs is not None
+                              else [partial(self._device_work, s) for s in range(num_slots)])
+        elif self.mode == "kernels":
+            self._launches = [partial(self._device_work, 0)]
 
     # ---------------------------------------------------------------- one step
     def run(
@@ -218,8 +265,7 @@ class CapturedStep:
             self._events[slot].synchronize()
             self._pending[slot] = False
         self._lent = slot
-        v = self._views[slot]
-        return StagedBatch(v.qsl, v.positions, v.rows, v.seq_lens)
+        return self._staged[slot]
 
     def run_staged(self, update: StepUpdate, num_reqs: int, num_tokens: int, *,
                    with_seq_lens: bool = True) -> StepOutputs:
@@ -247,10 +293,10 @@ class CapturedStep:
             raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
                              f"got {num_tokens!r}")
         v = self._views[slot]
-        qsl, rows = v.qsl[: num_reqs + 1], v.rows[:num_reqs]
         table = self.table
-        check = self._compiled_check
-        if check is None or check(qsl, rows, num_tokens, table.max_num_reqs) < 0:
+        checks = self._checks
+        if checks is None or checks[slot](num_reqs, num_tokens) < 0:
+            qsl, rows = self._batch(slot, num_reqs)
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1
@@ -262,18 +308,15 @@ class CapturedStep:
             if staged:
                 table.committer.scatter_on_host(v.pairs, staged)
             if table.slot_params:
+                qsl, rows = self._batch(slot, num_reqs)
                 table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
         else:
             v.header[NUM_PAIRS] = staged
             if self._padded[slot] != (num_reqs, num_tokens):
                 v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
                 self._padded[slot] = (num_reqs, num_tokens)
-            if self._graphs is not None:
-                self._graphs[slot].replay()
-            else:
-                self._device_work(slot)
-            if self._events is not None:
-                self._events[slot].record()
+            self._launches[slot]()
+            if self._events is not None:  # (the launch records the slot's event)
                 self._pending[slot] = True
                 self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
@@ -286,8 +329,17 @@ class CapturedStep:
         by_t = self._positions_by_t.get(num_tokens)
         if by_t is None:
             by_t = self._positions_by_t[num_tokens] = self._d_positions[:num_tokens]
-        return StepOutputs(self._slot_views, by_n[0], by_t, by_n[1],
-                           by_n[2] if with_seq_lens else None, num_pairs)
+        return _step_outputs((self._slot_views, by_n[0], by_t, by_n[1],
+                              by_n[2] if with_seq_lens else None, num_pairs))
+
+    def _batch(self, slot: int, num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Staging ``slot``'s numpy ``query_start_loc[: num_reqs + 1]`` and
+        ``row_of_batch[:num_reqs]`` (made once per size)."""
+        batch = self._batch_by_n[slot].get(num_reqs)
+        if batch is None:
+            v = self._views[slot]
+            batch = self._batch_by_n[slot][num_reqs] = (v.qsl[: num_reqs + 1], v.rows[:num_reqs])
+        return batch
 
     # ---------------------------------------------------------------- checks
     def _check_arrays(self, qsl: object, positions: object, rows: object,
@@ -317,14 +369,16 @@ class CapturedStep:
 
     # ---------------------------------------------------------------- device work
     def _device_work(self, slot: int) -> None:
-        """Bring staging ``slot`` to the device, scatter its pairs into the device table and
-        map the slots (padded): what each CUDA graph holds."""
+        """Bring staging ``slot`` to the device, scatter its pairs into the device table, map
+        the slots (padded) and, on CUDA, record the slot's event: what each CUDA graph holds."""
         self._dev.copy_(self._host[slot], non_blocking=True)
         L = self.layout
         launch_scatter_pairs(self.table.storage.device_tensor, self._dev[: L.qsl], L.max_pairs)
         if self.table.slot_params:
             self.table.launch_slot_mapping_unchecked(self._d_qsl, self._d_positions,
                                                      self._d_rows)
+        if self._events is not None:
+            self._events[slot].record()
 
     def _capture(self, use_graph: bool) -> None:
         """Warm up (compiles the kernels) on a side stream, then capture one graph per
