@@ -38,6 +38,8 @@ cdef enum:
 
 
 cdef inline const int32_t[::1] _int32_in(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:
@@ -45,6 +47,8 @@ cdef inline const int32_t[::1] _int32_in(object value, str name) except *:
 
 
 cdef inline const int64_t[::1] _int64_in(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:
@@ -52,6 +56,8 @@ cdef inline const int64_t[::1] _int64_in(object value, str name) except *:
 
 
 cdef inline int64_t[::1] _int64_out(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:

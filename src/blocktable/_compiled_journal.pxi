@@ -1,6 +1,8 @@
 # The allocator's step journal: the net change of every touched row (included by _compiled.pyx).
 
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:
@@ -8,6 +10,8 @@ cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
 
 
 cdef inline const int32_t[:, ::1] _int32_2d_in(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:

@@ -23,6 +23,8 @@ cdef enum:
 
 
 cdef inline const uint64_t[::1] _uint64_in(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return value
     except (ValueError, TypeError, BufferError) as exc:

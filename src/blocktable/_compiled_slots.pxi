@@ -18,6 +18,8 @@ cdef class SlotMapper:
 
     def __init__(self, object flat_table, object out, list params, int64_t max_num_reqs):
         self.table = _int32_in(flat_table, "flat_table")
+        if out is None:
+            raise TypeError("out must be an array, got None")
         try:
             self.out = out
         except (ValueError, TypeError, BufferError) as exc:

@@ -103,6 +103,8 @@ cdef class GroupWriter:
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
                  object journal_len):
+        if table is None or counts is None or seen is None or dirty is None or journal is None:
+            raise TypeError("table, counts, seen, dirty and journal must be arrays, got None")
         try:
             self.tab = table
             self.cnt = counts
@@ -354,6 +356,8 @@ cdef class PairStager:
 
     def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
                  object host):
+        if journal is None or dirty is None:
+            raise TypeError("journal and dirty must be arrays, got None")
         try:
             self.jour = journal
             self.dirt = dirty
