@@ -5,7 +5,8 @@ A **record** (a slot in these arrays) describes one block content: its unique co
 first block's parent is ``-(namespace id)``), its token ids, and its *holder*, the block that
 holds it now (0 once the block was evicted: the record is then *dead*). ``slot_of_key`` (a
 :mod:`blocktable.key_table`) maps a block key (:mod:`blocktable.block_hashing`) to the record
-slot filed under it; ``key[slot]`` is the key a record is filed under (so a record leaves by its slot).
+slot filed under it; ``key[slot]`` is the key a record is filed under (so a record leaves by
+its slot).
 
 A lookup (:func:`blocktable.allocator.prefix.find_hits`, for all prompts of a call at once)
 shares block ``i`` of a prompt only when the record found under key ``i`` holds
