@@ -138,7 +138,7 @@ def test_dcp_2_answers_real_prompts_token_for_token(
     from rich.console import Console
 
     from blocktable import dcp_demo
-    from blocktable.model_demo import run_model_demo
+    from blocktable.demo import run_demo
 
     # the job: two model loads on a busy 2-core machine (a minute or more), then the run
     monkeypatch.setattr(dcp_demo, "JOB_TIMEOUT_S", 480.0)
@@ -146,7 +146,7 @@ def test_dcp_2_answers_real_prompts_token_for_token(
     opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "step.png", threads=1,
                        prompts=("What is the capital of France?", "Name three primary colors."),
                        max_new_tokens=16, block_size=8, num_blocks=32, token_budget=32)
-    code = run_model_demo(opts, console)
+    code = run_demo(opts, console)
     text = console.export_text()
     assert code == 0, text
     assert "p0: The capital of France is Paris." in text
@@ -173,9 +173,9 @@ def test_dcp_driver_refusal_is_one_line_exit_2(
 
     from blocktable.context_parallel import launch
     from blocktable.dcp_demo import ChatDriver, LoadInRank
+    from blocktable.demo import run_demo
     from blocktable.engine.dcp_plan import RankStats
     from blocktable.engine.dcp_runner import DCPResult
-    from blocktable.model_demo import run_model_demo
 
     why = "request p0's prompt has 4201 tokens; with --max-new-tokens 8 it needs 4208 > 2048"
     runs = []
@@ -188,7 +188,7 @@ def test_dcp_driver_refusal_is_one_line_exit_2(
     monkeypatch.setattr(launch, "run_ranks", fake_ranks)
     opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "x.png", prompts=("hi",),
                        max_new_tokens=8, block_size=16, num_blocks=64, token_budget=64)
-    assert run_model_demo(opts, Console(quiet=True)) == 2
+    assert run_demo(opts, Console(quiet=True)) == 2
     assert capsys.readouterr().err.splitlines() == [f"blocktable demo: error: {why}"]
     assert not (tmp_path / "x.png").exists()
     (run,) = runs

@@ -98,6 +98,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         print(f"blocktable demo needs {exc.name}: pip install 'blocktable[demo]'")
         return 2
     console = console or Console()
+    if opts.model is not None and opts.dcp > 1:  # each process loads the model
+        from blocktable.dcp_demo import run_dcp_demo
+
+        return run_dcp_demo(opts, console)
     if opts.model is not None:
         from blocktable.model_demo import run_model_demo
 

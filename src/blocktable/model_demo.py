@@ -278,18 +278,15 @@ def run_model_demo(opts: DemoOptions, console: Console,
                    loaded: LoadedModel | None = None) -> int:
     """Run the real-model demo; return the exit code (0 all match, 1 a mismatch, 2 bad input
     or a model that cannot be fetched or loaded). ``loaded``: a model already loaded (then
-    ``opts.model`` is only its name). With ``opts.dcp > 1`` the engine runs on that many
-    processes, each loading ``opts.model`` itself (``loaded`` is not used), see
-    :func:`blocktable.dcp_demo.run_dcp_demo`."""
+    ``opts.model`` is only its name). One process: ``demo --model M --dcp N`` runs
+    :func:`blocktable.dcp_demo.run_dcp_demo` instead (each process loads the model)."""
     import torch
 
     from blocktable.engine import EngineConfig, LLMEngine
     from blocktable.hf_loader import ModelLoadError, load_model, resolve_model
 
-    if opts.dcp > 1:
-        from blocktable.dcp_demo import run_dcp_demo
-
-        return run_dcp_demo(opts, console)
+    if opts.dcp != 1:
+        raise ValueError(f"run_model_demo runs one process (dcp=1), got dcp={opts.dcp}")
     say = (lambda *a: None) if opts.quiet else console.print
     threads = opts.threads or default_num_threads()
     torch.set_num_threads(threads)

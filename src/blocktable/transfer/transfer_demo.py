@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from blocktable.demo import DemoOptions
-
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from blocktable.demo import DemoOptions
 
 JOB_TIMEOUT_S = 600.0  # a dead rank ends the job at once; this only bounds a stuck one
 
