@@ -79,7 +79,17 @@ class RunningRequests:
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
-        self.append_token_ids_many([req_id], [token_ids])
+        self._settle()
+        try:
+            req = self._requests.get(req_id)
+        except TypeError:  # unhashable: append_token_ids_many names it
+            req = None
+        if req is None:
+            self.append_token_ids_many([req_id], [token_ids])  # raises the error
+            return
+        new = token_array(f"token_ids of request {req_id!r}", token_ids)
+        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
+        req.append_tokens(new)
 
     def append_token_ids_many(
         self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
@@ -166,7 +176,38 @@ class RunningRequests:
         ValueError
             The request would exceed ``max_model_len``.
         """
-        return tuple(part.block_ids.tolist() for part in self.allocate_many([req_id], [num_new_tokens]))
+        self._settle()
+        try:
+            req = self._requests.get(req_id)
+        except TypeError:  # unhashable: allocate_many names it
+            req = None
+        if req is None or type(num_new_tokens) is not int or num_new_tokens < 0:
+            return self._allocate_checked(req_id, num_new_tokens)  # raises the error
+        # One request in Python ints: the batched call's arrays cost more than they save here.
+        state, row = self._row_state, req.row
+        total = state.num_computed_mv[row] + num_new_tokens
+        needs = [max(0, -(-total // bs) - row_len[row])
+                 for row_len, bs in zip(state.row_len_mvs, self.block_sizes)]
+        if (self.max_model_len is not None and total > self.max_model_len) or any(
+            need > pool.num_free_blocks for need, pool in zip(needs, self._pools)
+        ):
+            return self._allocate_checked(req_id, num_new_tokens)  # raises the error
+        if not any(needs):
+            return tuple([] for _ in needs)
+        self._journal.touch((row,))
+        out = []
+        for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, state.row_len_mvs)):
+            start = row_len[row]
+            new = pool.take(need)
+            state.ensure_width(g, start + need)[row, start : start + need] = new
+            row_len[row] = start + need
+            out.append(new.tolist())
+        state.update_num_slots(self.block_sizes, row)
+        return tuple(out)
+
+    def _allocate_checked(self, req_id: ReqId, num_new_tokens: object) -> tuple[list[int], ...]:
+        parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
+        return tuple(part.block_ids.tolist() for part in parts)
 
     def can_allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -295,7 +336,15 @@ class RunningRequests:
         KeyError
             Unknown request, or freed twice.
         """
-        self.free_many([req_id])
+        self._settle()
+        try:
+            req = self._requests.get(req_id)
+        except TypeError:  # unhashable: free_many names it
+            req = None
+        if req is None:  # preempted (forgotten), or an error
+            self.free_many([req_id])
+        else:
+            self._release([req])
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
