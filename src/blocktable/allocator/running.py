@@ -246,7 +246,6 @@ class RunningRequests:
                        else f"{len(reqs)} requests need")
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        # per-request counts as Python ints (a per-request call pays no array per count)
         grown: Sequence[int]
         if len(needs) == 1 and 0 not in needs[0]:
             grown = range(len(rows))  # (usually: every request grows, no index lists)
@@ -275,25 +274,18 @@ class RunningRequests:
             new = pool.take(sum(num))
             arena = state.ensure_width(g, max(ends))
             n = len(g_rows)
-            if n == 1:  # (Python ints: no numpy for one request's counts)
-                arena[g_rows[0], starts[0] : ends[0]] = new
-                state.row_len_mvs[g][g_rows[0]] = ends[0]
-                data = np.concatenate((g_rows, num, new), dtype=np.int32, casting="unsafe")
-            else:
-                at, num_arr, ends_arr = np.array(g_rows), np.array(num), np.array(ends)
-                # each row's run of new ids: its first flat position in the (C-contiguous)
-                # arena plus 0, 1, ... (where its run starts in `new`: the running sum before)
-                first = at * arena.shape[1] + ends_arr - num_arr.cumsum()
-                arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
-                state.row_len[g][at] = ends_arr
-                data = np.concatenate((at, num_arr, new), dtype=np.int32, casting="unsafe")
+            at, num_arr, ends_arr = np.array(g_rows), np.array(num), np.array(ends)
+            # each row's run of new ids: its first flat position in the (C-contiguous) arena
+            # plus 0, 1, ... (where its run starts in `new`: the running sum before)
+            first = at * arena.shape[1] + ends_arr - num_arr.cumsum()
+            arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
+            state.row_len[g][at] = ends_arr
+            data = np.concatenate((at, num_arr, new), dtype=np.int32, casting="unsafe")
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
         # the tokens every group's blocks hold
         sizes = self.block_sizes
-        if len(sizes) == 1 and len(g_rows) == 1:  # (the rows and row ends of the one group)
-            state.num_slots_mv[g_rows[0]] = ends[0] * sizes[0]
-        elif len(sizes) == 1:
+        if len(sizes) == 1:  # (the rows and row ends of the one group)
             state.num_slots[at] = ends_arr * sizes[0]
         else:
             num_slots = state.num_slots_mv
