@@ -83,10 +83,10 @@ def block_id_error(name: str, block_id: int, bound: int, declared: bool) -> Valu
 
 def check_block_ids(name: str, ids: np.ndarray, bound: int, declared: bool) -> None:
     """Raise :func:`block_id_error` unless every id of the 1-D integer array is in ``[0, bound)``."""
-    if len(ids):
+    # one reduction: read as unsigned, a negative id is larger than any bound
+    if len(ids) and int(ids.astype(np.uint64).max()) >= bound:
         lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= bound:
-            raise block_id_error(name, lo if lo < 0 else hi, bound, declared)
+        raise block_id_error(name, lo if lo < 0 else hi, bound, declared)
 
 
 def check_row_of_batch(

@@ -32,6 +32,9 @@ from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
 
 
+_ID_LIST_TYPES = {list, tuple, np.ndarray, torch.Tensor, type(None)}
+
+
 class MultiGroupBlockTable(AttentionViews):
     """One block table per KV cache group, one commit and one slot-mapping launch for all.
 
@@ -198,7 +201,11 @@ class MultiGroupBlockTable(AttentionViews):
         """One kernel-id array per group (None for encoder-only), every group checked."""
         n = self.num_groups
         got = None
-        if isinstance(block_ids, (np.ndarray, torch.Tensor)):
+        if (type(block_ids) is tuple or type(block_ids) is list) and len(block_ids) == n and (
+            set(map(type, block_ids)) <= _ID_LIST_TYPES
+        ):
+            pass  # (the common case: one list or array per group)
+        elif isinstance(block_ids, (np.ndarray, torch.Tensor)):
             got = f"an array of shape {list(block_ids.shape)}"
         elif not hasattr(block_ids, "__len__") or isinstance(block_ids, (str, bytes)):
             got = repr(block_ids)

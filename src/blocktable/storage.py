@@ -42,6 +42,7 @@ class TableStorage:
         self.device = device
         sizes = [max_num_reqs * w for w in widths]
         self.table_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._table_offsets = self.table_offsets.tolist()
         self.counts_offset = int(sum(sizes))
         self.num_entries = self.counts_offset + self.num_groups * max_num_reqs
         if self.num_entries > np.iinfo(np.int32).max:
@@ -77,6 +78,12 @@ class TableStorage:
         self.host_read_event: torch.cuda.Event | None = None
         self._tables = [self.host_table(g) for g in range(self.num_groups)]
         self._counts = [self.host_counts(g) for g in range(self.num_groups)]
+        # One-row writes read and write scalars through memoryviews (Python ints; a numpy
+        # scalar costs more); none of these arrays is ever reallocated.
+        self._counts_mv = [c.data for c in self._counts]
+        self._dirty_mv = [d.data for d in self.dirty_rows]
+        self._journal_mv = self.journal.reshape(-1).data
+        self._journal_len_mv = self.journal_len.data
 
     # ---- views -------------------------------------------------------------------------
     def host_table(self, group: int) -> np.ndarray:
@@ -114,18 +121,20 @@ class TableStorage:
 
     def record_run(self, group: int, row: int, start: int, length: int) -> None:
         """Note that ``row`` of ``group`` changed, writing flat entries ``[start, start+length)``."""
-        self.dirty_rows[group, row] = True
+        self._dirty_mv[group][row] = True
         self.changed = True
-        runs = int(self.journal_len[0])
+        journal_len = self._journal_len_mv
+        runs = journal_len[0]
         if runs < 0 or length <= 0:
             return
-        total = int(self.journal_len[1]) + length
-        if runs >= len(self.journal) or total > len(self.journal):
-            self.journal_len[0] = -1
+        total = journal_len[1] + length
+        if runs >= self.journal_capacity or total > self.journal_capacity:
+            journal_len[0] = -1
             return
-        self.journal[runs] = (start, length)
-        self.journal_len[0] = runs + 1
-        self.journal_len[1] = total
+        self._journal_mv[2 * runs] = start
+        self._journal_mv[2 * runs + 1] = length
+        journal_len[0] = runs + 1
+        journal_len[1] = total
 
     def record_rows(self, group: int, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
         """Vectorized :meth:`record_run` for several rows (flat ``starts``)."""
@@ -148,13 +157,13 @@ class TableStorage:
     # ---- row writes (inputs already checked; every change recorded) -------------------
     def _record(self, group: int, row: int, lo: int, hi: int) -> None:
         """Note for the next commit that columns ``[lo, hi)`` of ``row`` of ``group`` changed."""
-        start = int(self.table_offsets[group]) + row * self.widths[group] + lo
+        start = self._table_offsets[group] + row * self.widths[group] + lo
         self.record_run(group, row, start, hi - lo)
 
     def write_add(self, group: int, row: int, kernel_ids: np.ndarray) -> None:
         """Replace ``row`` with ``kernel_ids`` (int32, fits the width); null the stale tail."""
-        table, counts = self._tables[group], self._counts[group]
-        old, new = int(counts[row]), len(kernel_ids)
+        table, counts = self._tables[group], self._counts_mv[group]
+        old, new = counts[row], len(kernel_ids)
         table[row, :new] = kernel_ids
         if old > new:
             table[row, new:old] = NULL_BLOCK_ID
@@ -163,8 +172,8 @@ class TableStorage:
 
     def write_append(self, group: int, row: int, kernel_ids: np.ndarray) -> None:
         """Append ``kernel_ids`` (int32, fits the width) after the row's filled entries."""
-        table, counts = self._tables[group], self._counts[group]
-        start = int(counts[row])
+        table, counts = self._tables[group], self._counts_mv[group]
+        start = counts[row]
         stop = start + len(kernel_ids)
         table[row, start:stop] = kernel_ids
         counts[row] = stop
