@@ -46,7 +46,6 @@ class BlockQueue:
         self._slots.fill(0)
         self._position = np.full(num_blocks, -1, dtype=np.int32)  # on cpu, block id -> slot
         self._iota = np.arange(len(self._slots), dtype=np.int32)  # on cpu, slot numbers
-        self._slots_mv, self._position_mv = self._slots.data, self._position.data  # (fixed)
         self._head = 0  # first slot not popped
         self._tail = 0  # first unused slot
         self._len = 0  # live slots
@@ -55,13 +54,6 @@ class BlockQueue:
 
     def __len__(self) -> int:
         return self._len
-
-    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
-        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-        self._slots_mv, self._position_mv = self._slots.data, self._position.data
 
     def ids(self) -> np.ndarray:
         """The queued ids, oldest first (int32, a copy; for checks and tests)."""
@@ -102,15 +94,6 @@ class BlockQueue:
         else:
             position[block_ids] = stamps
             self._len += n
-
-    def pop_one(self) -> int:
-        """Pop the oldest id (the queue is not empty), skipping stale slots in Python."""
-        slots, position, head = self._slots_mv, self._position_mv, self._head
-        while position[slots[head]] != head:
-            head += 1
-        self._head = head + 1
-        self._len -= 1
-        return slots[head]  # type: ignore[no-any-return]
 
     def append(self, block_id: int) -> None:
         """Queue one id last."""

@@ -79,18 +79,6 @@ class BlockPool:
         self.index = PrefixIndex(num_blocks, block_size, max_records, num_host_blocks)
         self.host = HostTier(num_host_blocks, self.index) if num_host_blocks else None
         self.num_cached_blocks = 0  # blocks whose content is findable (owned or free)
-        self._views()
-
-    def _views(self) -> None:
-        # (one-block paths read and write Python ints; these arrays are never reallocated)
-        self._ref_counts_mv, self._record_mv = self.ref_counts.data, self.record.data
-
-    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
-        return {k: v for k, v in self.__dict__.items() if not k.endswith("_mv")}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-        self._views()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -133,8 +121,6 @@ class BlockPool:
         OutOfBlocksError
             When fewer blocks are free; nothing is taken.
         """
-        if num_blocks == 1 and self.host is None and self.num_free_blocks:
-            return np.array((self._take_one(),), dtype=np.int32)  # (a decode step's block)
         num_uncached = len(self.uncached)
         if num_blocks <= num_uncached:
             block_ids = self.uncached.pop(num_blocks)
@@ -159,19 +145,6 @@ class BlockPool:
         if self.host is not None and self.host.has_pending_restores:
             self.host.cancel_restores(evicted)
         return evicted
-
-    def _take_one(self) -> int:
-        """:meth:`take` of one block (some free, no host tier) in Python ints."""
-        if len(self.uncached):
-            block_id = self.uncached.pop_one()
-        else:
-            block_id = self.cached.pop_one()
-            record = self._record_mv
-            self.index.kill_one(record[block_id])
-            record[block_id] = -1
-            self.num_cached_blocks -= 1
-        self._ref_counts_mv[block_id] = 1
-        return block_id
 
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
