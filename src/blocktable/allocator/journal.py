@@ -54,37 +54,15 @@ class StepJournal:
         self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
         self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
         self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
-        self._views()
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
         # the compiled diff of the touched rows, where the install built it (else numpy)
         compiled = _loader.COMPILED
         self._compiled_diff = None if compiled is None else compiled.journal_diff
 
-    def _views(self) -> None:
-        # (one-row touches read and write Python ints; these arrays are never reallocated)
-        self._touched_mv, self._start_gen_mv = self.touched.data, self.start_gen.data
-        self._start_len_mvs = [a.data for a in self.start_len]
-
-    def __getstate__(self) -> dict[str, object]:  # memoryviews do not pickle or copy
-        return {k: v for k, v in self.__dict__.items() if not k.endswith(("_mv", "_mvs"))}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-        self._views()
-
     def touch(self, rows: list[int] | np.ndarray) -> None:
         """Remember ``rows`` (distinct table rows) as they are now, before their first change
         in this step; rows touched before in this step are left as they were."""
-        if len(rows) == 1:  # (one request's call: Python ints, no arrays but the one kept)
-            row, stamp = int(rows[0]), self._stamp
-            if self._touched_mv[row] != stamp:
-                self._touched_mv[row] = stamp
-                self._start_gen_mv[row] = self.rows.holder_gen_mv[row]
-                for start_len, row_len in zip(self._start_len_mvs, self.rows.row_len_mvs):
-                    start_len[row] = row_len[row]
-                self._order.append(np.array((row,), dtype=np.intp))
-            return
         rows = np.asarray(rows, dtype=np.intp)
         fresh = rows[self.touched.take(rows) != self._stamp]
         if not len(fresh):
