@@ -459,3 +459,58 @@ def test_a_bad_per_request_mark_raises_at_once_and_records_nothing() -> None:
     assert mgr.num_computed_tokens("a") == 4  # the first mark only
     mgr.mark_computed("a", 12)
     assert mgr.num_computed_tokens("a") == 16
+
+
+@pytest.mark.parametrize(
+    "req_id, num_new_tokens",
+    [
+        ("zz", 4),  # unknown
+        ("b", 4),  # preempted
+        (["a"], 4),  # not an id
+        (True, 4),
+        ("a", -1),
+        ("a", True),
+        ("a", 2.0),
+        ("a", 69),  # past max_model_len
+        ("c", 76),  # with most blocks taken (below): more than are free
+    ],
+)
+def test_a_bad_per_request_allocate_raises_as_the_batched_call_and_changes_nothing(
+    req_id: object, num_new_tokens: object
+) -> None:
+    """``allocate`` works on its one request by itself; its errors are ``allocate_many``'s."""
+    errors = []
+    for call in ("allocate", "allocate_many"):
+        mgr = running_pair()
+        mgr.add_request("d", list(range(100, 180)))
+        mgr.allocate("d", 80)
+        before = full_state(mgr)
+        args = (req_id, num_new_tokens) if call == "allocate" else ([req_id], [num_new_tokens])
+        with pytest.raises((KeyError, TypeError, ValueError, OutOfBlocksError)) as info:
+            getattr(mgr, call)(*args)
+        errors.append((info.type, str(info.value)))
+        assert full_state(mgr) == before
+        mgr.check_integrity()
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_per_request_allocate_of_any_integer_count_equals_the_batched_call(
+    num_groups: int,
+) -> None:
+    rng = np.random.default_rng(num_groups)
+    one, many = make(GROUPS[:num_groups]), make(GROUPS[:num_groups])
+    for mgr in (one, many):
+        mgr.add_requests(["a", "b"], [list(range(30)), list(range(5, 17))])
+    for _ in range(12):
+        req_id = ["a", "b"][int(rng.integers(0, 2))]
+        count = int(rng.integers(0, 9))
+        kind = [int, np.int64, np.int32][int(rng.integers(0, 3))]
+        got = one.allocate(req_id, kind(count))
+        want = many.allocate_many([req_id], [count])
+        assert got == tuple(part.block_ids.tolist() for part in want)
+        for mgr in (one, many):
+            mgr.mark_computed(req_id, min(count, mgr.num_tokens(req_id)
+                                          - mgr.num_computed_tokens(req_id)))
+        assert observable(one) == observable(many)
+        assert as_lists(one.take_step_update()) == as_lists(many.take_step_update())

@@ -28,8 +28,8 @@ def _raise_not_running(
 ) -> NoReturn:
     """Raise the error naming the first of ``req_ids`` that is not running."""
     for req_id in req_ids:
+        check_req_id("req_ids entries", req_id)  # (first: an unhashable one is named)
         if requests.get(req_id) is None:
-            check_req_id("req_ids entries", req_id)
             if req_id in preempted:
                 raise KeyError(f"request {req_id!r} is preempted (add_request it again)")
             raise KeyError(f"unknown request {req_id!r} (never added, or already freed)")

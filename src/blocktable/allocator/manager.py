@@ -54,14 +54,6 @@ class KVCacheManager(RunningRequests):
        vectorized pass and become findable; sliding-window groups release blocks that left the
        window) and :meth:`append_token_ids_many` for sampled tokens.
 
-    The counts, row lengths and block ids of running requests live in arrays indexed by row
-    (per group an int32 array ``[max_num_reqs, width]``, the width doubling up to the longest
-    row so far), token ids in an int64 array of the same rows (at most 4096 per row; longer
-    sequences in a buffer of their own); a batched call costs a few numpy passes
-    over its rows, tokens and blocks plus a little Python per request, and a long prompt's
-    chunks cost what one allocation of the whole prompt costs (keys are computed once, at
-    admission).
-
     Parameters
     ----------
     groups : sequence of AllocatorGroupSpec
@@ -337,8 +329,7 @@ class KVCacheManager(RunningRequests):
             pending = self._pending_computed
         num_computed = req.num_computed_tokens + count
         if num_computed > req.num_slots or num_computed > req.num_tokens:
-            self._check_computed(req, num_computed)
-            raise AssertionError("a count past num_slots or num_tokens passed the checks")
+            self._raise_computed(req, num_computed)
         pending[req_id] = count
 
     def mark_computed_many(
@@ -363,8 +354,7 @@ class KVCacheManager(RunningRequests):
         bad |= num_computed > state.num_tokens[rows]
         if np.count_nonzero(bad):  # (cheaper than any() on bools)
             i = int(bad.argmax())
-            self._check_computed(reqs[i], int(num_computed[i]))
-            raise AssertionError("a count past num_slots or num_tokens passed the checks")
+            self._raise_computed(reqs[i], int(num_computed[i]))
         state.num_computed[rows] = num_computed
         self._prefix_cache.register(reqs, rows, state)
         if self._has_windows:

@@ -5,7 +5,8 @@ does not know about block contents: it hands blocks out of the pools (``allocate
 appends sampled tokens, releases a leaving request's blocks and row, answers queries about
 running requests, and turns the step's row changes into a
 :class:`~blocktable.update.StepUpdate`. Every batched call checks all its arguments before it
-changes anything; the per-request calls are wrappers over the batched ones.
+changes anything; the per-request calls are wrappers over the batched ones, but for
+``allocate``, which works on its one request in Python ints.
 """
 
 from __future__ import annotations
@@ -79,17 +80,7 @@ class RunningRequests:
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence."""
-        self._settle()
-        try:
-            req = self._requests.get(req_id)
-        except TypeError:  # unhashable: append_token_ids_many names it
-            req = None
-        if req is None:
-            self.append_token_ids_many([req_id], [token_ids])  # raises the error
-            return
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
-        req.append_tokens(new)
+        self.append_token_ids_many([req_id], [token_ids])
 
     def append_token_ids_many(
         self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
@@ -177,35 +168,28 @@ class RunningRequests:
             The request would exceed ``max_model_len``.
         """
         self._settle()
-        try:
-            req = self._requests.get(req_id)
-        except TypeError:  # unhashable: allocate_many names it
-            req = None
-        if req is None or type(num_new_tokens) is not int or num_new_tokens < 0:
-            return self._allocate_checked(req_id, num_new_tokens)  # raises the error
-        # One request in Python ints: the batched call's arrays cost more than they save here.
-        state, row = self._row_state, req.row
-        total = state.num_computed_mv[row] + num_new_tokens
-        needs = [max(0, -(-total // bs) - row_len[row])
-                 for row_len, bs in zip(state.row_len_mvs, self.block_sizes)]
-        if (self.max_model_len is not None and total > self.max_model_len) or any(
-            need > pool.num_free_blocks for need, pool in zip(needs, self._pools)
-        ):
-            return self._allocate_checked(req_id, num_new_tokens)  # raises the error
-        if not any(needs):
-            return tuple([] for _ in needs)
-        self._journal.touch((row,))
-        out = []
-        for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, state.row_len_mvs)):
-            start = row_len[row]
-            new = pool.take(need)
-            state.ensure_width(g, start + need)[row, start : start + need] = new
-            row_len[row] = start + need
-            out.append(new.tolist())
-        state.update_num_slots(self.block_sizes, row)
-        return tuple(out)
-
-    def _allocate_checked(self, req_id: ReqId, num_new_tokens: object) -> tuple[list[int], ...]:
+        req = self._requests.get(req_id) if type(req_id) in (int, str) else None
+        if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
+            # one request in Python ints: the batched call's arrays cost more than they save
+            state, row = self._row_state, req.row
+            total = state.num_computed_mv[row] + num_new_tokens
+            needs = [max(0, -(-total // bs) - row_len[row])
+                     for row_len, bs in zip(state.row_len_mvs, self.block_sizes)]
+            if (self.max_model_len is None or total <= self.max_model_len) and all(
+                need <= pool.num_free_blocks for need, pool in zip(needs, self._pools)
+            ):
+                self._journal.touch((row,))  # (an unchanged row drops out of the update)
+                out = []
+                lens = state.row_len_mvs
+                for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, lens)):
+                    start = row_len[row]
+                    new = pool.take(need)
+                    state.ensure_width(g, start + need)[row, start : start + need] = new
+                    row_len[row] = start + need
+                    out.append(new.tolist())
+                state.update_num_slots(self.block_sizes, row)
+                return tuple(out)
+        # an error (or a count of another integer type): the batched call checks and words it
         parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
         return tuple(part.block_ids.tolist() for part in parts)
 
@@ -328,15 +312,7 @@ class RunningRequests:
         KeyError
             Unknown request, or freed twice.
         """
-        self._settle()
-        try:
-            req = self._requests.get(req_id)
-        except TypeError:  # unhashable: free_many names it
-            req = None
-        if req is None:  # preempted (forgotten), or an error
-            self.free_many([req_id])
-        else:
-            self._release([req])
+        self.free_many([req_id])
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
@@ -366,13 +342,10 @@ class RunningRequests:
     def take_step_update(self) -> StepUpdate:
         """The net row changes since the last call, as flat arrays for the table; then reset.
 
-        See :mod:`blocktable.allocator.journal` for how operations within one step merge: a
-        request admitted and allocated in the same step is only in ``added`` (cached hits and
-        new blocks together); a freed row is in ``cleared_rows`` unless another request took
-        it in the same step, in which case it is only in ``added``. The update is built with
-        ``trusted=True`` (rows, counts and ids checked here) from read-only arrays.
+        Operations within one step merge as :mod:`blocktable.allocator.journal` describes.
+        The update is trusted (checked here), read-only, and stamped with the block sizes, so
+        a table built for another block size refuses its ids.
         """
-        # Stamp the block sizes so a table built for another block size refuses the ids.
         self._settle()
         return self._journal.take(self.block_sizes)
 
@@ -438,8 +411,8 @@ class RunningRequests:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
-    def _check_computed(self, req: RequestState, num_computed: int) -> None:
-        """Raise ``ValueError`` unless ``req`` has token ids and blocks for ``num_computed``."""
+    def _raise_computed(self, req: RequestState, num_computed: int) -> None:
+        """Raise ``ValueError``: ``req`` lacks token ids or blocks for ``num_computed``."""
         if num_computed > req.num_tokens:
             raise ValueError(
                 f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
@@ -451,6 +424,7 @@ class RunningRequests:
                     f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
                     f"group {g} has blocks for {row_len * bs} (allocate first)"
                 )
+        raise AssertionError(f"request {req.req_id!r} has tokens and blocks for {num_computed}")
 
     def _release(self, reqs: list[RequestState]) -> None:
         """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
