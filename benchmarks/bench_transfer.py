@@ -133,7 +133,7 @@ def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -
 def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray]) -> None:
     """What admitting the same requests costs an engine without a transfer: the decode side's
     allocator calls and Request objects (their prompt lists made from the token ids as they
-    arrive, ``arrived``: int32 arrays, each prompt then its first token), the prefill side's
+    arrive, ``arrived``: int64 arrays, each prompt then its first token), the prefill side's
     row look-ups (the engine makes one per scheduled request each step) and its free."""
     from blocktable.engine import Request, RequestStatus
 
@@ -187,7 +187,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     independent ~2 ms figures, so its spread is wider than the target it is compared with."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
-    from blocktable.transfer.messages import PlanBatch, Round, data_status
+    from blocktable.transfer.messages import PlanBatch, Round
     from blocktable.transfer.wire_format import decode_message, encode_message
 
     def wire(obj: Any) -> Any:
@@ -220,26 +220,25 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             ids = [f"{kind}{rep}.{i}" for i in range(n)]
             prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
             _prefilled(pw, ids, prompts, first=7)
-            arrived = [np.array(p + [7], dtype=np.int32) for p in prompts]
+            arrived = [np.array(p + [7], dtype=np.int64) for p in prompts]
             clock.seconds = 0.0
             t0 = time.thread_time()
             if kind == "admission":
                 _admission_only(pw, dw, ids, arrived)
             else:
                 pw._collect_prefilled()
-                offered = list(pw.pending)
-                rnd: Round = wire(Round(pw._offer_batch(offered), False))
+                rnd: Round = wire(Round(pw._offer_batch(), False))
                 plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
                 pw._acknowledged(plans.num_acked)
-                to_send, refused = pw._read_plans(offered, plans)
-                status = torch.from_numpy(data_status(True, 1))  # then the KV: bandwidth
+                num_sent = pw._read_plans(plans)
+                status = pw._data_status(True, 1)  # then the KV: bandwidth
                 assert dw._plan is not None
                 dw._start_decoding(dw._plan)
-                pw._release(to_send + refused)
+                pw._acknowledged(num_sent)  # as the next round's plan does
                 dw._plan = None
             elapsed = time.thread_time() - t0
             if kind == "round":
-                checked = checked and bool(status[0]) and n == len(to_send) and (
+                checked = checked and bool(status[0]) and n == num_sent and (
                     plans.src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
             else:
                 for req_id in ids:  # (the prefill side's own bookkeeping, untimed here)
@@ -257,9 +256,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 del dw.engine.requests[req_id]
                 pw.engine.requests.pop(req_id, None)
             dw.engine.scheduler.running.clear()
-            pw.pending.clear()
-            pw._token_ids.clear()
-            pw._rows.clear()
+            pw._token_ids.clear()  # (submitted by the admission kind, never collected)
+            pw._max_new_tokens.clear()
     for manager in (pw.engine.manager, dw.engine.manager):
         manager.check_integrity()
         checked = checked and manager.num_requests == 0

@@ -98,7 +98,7 @@ def prefill_to_dcp(engine: LLMEngine, to_ranks: list[Transport],
 def _send_to_dcp(engine: LLMEngine, to_ranks: list[Transport], prompts: list[list[int]],
                  ids: list[str]) -> dict[str, Any]:
     own = [np.asarray(engine.manager.block_ids(r)[0], dtype=np.int64) for r in ids]
-    tokens = [np.array([*p, engine.requests[r].output_token_ids[0]], np.int32)
+    tokens = [np.array([*p, engine.requests[r].output_token_ids[0]], np.int64)
               for r, p in zip(ids, prompts)]
     offer = OfferBatch(tuple(ids), np.concatenate(tokens), _starts([t.size for t in tokens]),
                        np.full(len(ids), 2, np.int64), np.concatenate(own).astype(np.int32),

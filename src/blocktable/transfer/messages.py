@@ -26,13 +26,15 @@ class PlanStatus(enum.IntEnum):
 
 @dataclass(frozen=True, eq=False)
 class OfferBatch:
-    """Requests ready to move, flattened: request ``i``'s token ids (its prompt, then the first
-    token the prefill side sampled) are ``token_ids[token_starts[i] : token_starts[i + 1]]``,
-    its prefill-side block ids (the table's row, kernel blocks) ``block_ids[block_starts[i] :
-    block_starts[i + 1]]``."""
+    """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
+    then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
+    token_starts[i + 1]]``, its prefill-side block ids (the table's row, kernel blocks)
+    ``block_ids[block_starts[i] : block_starts[i + 1]]``.
+
+    The token ids are int64, the dtype the decode side's allocator reads without a copy."""
 
     req_ids: tuple[str, ...]
-    token_ids: np.ndarray  # on cpu, int32 [total tokens]: each prompt, then its first token
+    token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
     token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
     block_ids: np.ndarray  # on cpu, int32 [total blocks]
@@ -41,8 +43,8 @@ class OfferBatch:
     @classmethod
     def empty(cls) -> OfferBatch:
         none = np.zeros(0, dtype=np.int64)
-        return cls((), np.zeros(0, np.int32), np.zeros(1, np.int64), none, np.zeros(0, np.int32),
-                   np.zeros(1, np.int64))
+        start = np.zeros(1, dtype=np.int64)
+        return cls((), none, start, none, np.zeros(0, np.int32), start)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -54,7 +56,7 @@ class OfferBatch:
 
     @property
     def first_tokens(self) -> np.ndarray:
-        """int32 ``[num_reqs]``: the token each request's decode starts from."""
+        """int64 ``[num_reqs]``: the token each request's decode starts from."""
         return self.token_ids[self.token_starts[1:] - 1]
 
     def prompt(self, i: int) -> np.ndarray:
@@ -67,7 +69,26 @@ class OfferBatch:
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], rest: tuple[str, ...]) -> OfferBatch:
-        return cls(rest, *arrays)
+        """The batch again; raises ``ValueError`` naming the first field whose length does
+        not fit the others (a malformed message)."""
+        n = len(rest)
+        if len(arrays) != 5:
+            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 5 "
+                             "expected")
+        batch = cls(rest, *arrays)
+        token_ids, token_starts, max_new_tokens, block_ids, block_starts = arrays
+        if ((token_starts.size, max_new_tokens.size, block_starts.size) == (n + 1, n, n + 1)
+                and token_ids.size == token_starts[-1] and block_ids.size == block_starts[-1]):
+            return batch
+        checks = [("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
+                  ("block_starts", block_starts, n + 1), ("token_ids", token_ids, token_starts),
+                  ("block_ids", block_ids, block_starts)]
+        for name, array, want in checks:  # the offsets' lengths are checked before they count
+            want = want if isinstance(want, int) else int(want[-1])
+            if array.size != want:
+                raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
+                                 f"{array.size} entries, {want} expected")
+        return batch
 
 
 @dataclass(frozen=True, eq=False)
