@@ -155,11 +155,14 @@ def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray])
 
 class _EngineClock:
     """Thread time spent inside the engine's own calls (allocator, row look-ups, ``Request``
-    objects) during a transfer round: every one of them is a batched call, so the clock's own
-    cost is a few calls per round."""
+    objects) during a transfer round: every one of them is a batched call, so the clock runs
+    a few times per round. What a wrapped call costs outside its own reading (entering the
+    wrapper, reading the clock) would count as the transfer's: :meth:`own_cost_s` measures it
+    on a no-op, to be taken off per call."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls = 0
 
     def wrap(self, obj: Any, name: str) -> None:
         fn = getattr(obj, name)
@@ -170,8 +173,30 @@ class _EngineClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - t0
+                self.calls += 1
 
         setattr(obj, name, timed)
+
+    def own_cost_s(self, num_calls: int = 20_000) -> float:
+        """Seconds a wrapped call adds outside its reading: over ``num_calls`` calls of a
+        wrapped no-op, their whole time less what the clock read inside them and the loop's
+        own time."""
+
+        class NoOp:
+            def call(self) -> None:
+                return None
+
+        probe, clock = NoOp(), _EngineClock()
+        clock.wrap(probe, "call")
+        call = probe.call
+        t0 = time.thread_time()
+        for _ in range(num_calls):
+            pass
+        t1 = time.thread_time()
+        for _ in range(num_calls):
+            call()
+        whole = time.thread_time() - t1 - (t1 - t0)
+        return max(0.0, (whole - clock.seconds) / num_calls)
 
 
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,7 +207,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
     calls on both sides, the prefill side's row look-ups, the decode side's ``Request``
-    objects). Unpaired: the round's time minus admitting the same requests into an engine
+    objects), and minus the clock's own cost for each call it timed (measured on a no-op, so
+    what the paired figure keeps is the transfer's code only). Unpaired: the round's time minus admitting the same requests into an engine
     without a transfer (:func:`_admission_only`), run alternately; the difference of two
     independent ~2 ms figures, so its spread is wider than the target it is compared with."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
@@ -210,6 +236,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             clock.wrap(manager, name)
     clock.wrap(pw, "_rows_of")
     clock.wrap(dw, "_add_running")
+    per_call_s = statistics.median(clock.own_cost_s() for _ in range(5))
     rng = np.random.default_rng(0)
     rounds: list[float] = []
     engine_calls: list[float] = []
@@ -221,7 +248,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
             _prefilled(pw, ids, prompts, first=7)
             arrived = [np.array(p + [7], dtype=np.int64) for p in prompts]
-            clock.seconds = 0.0
+            clock.seconds, clock.calls = 0.0, 0
             t0 = time.thread_time()
             if kind == "admission":
                 _admission_only(pw, dw, ids, arrived)
@@ -248,7 +275,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             if rep >= args.bookkeeping_warmup:
                 if kind == "round":
                     rounds.append(elapsed)
-                    engine_calls.append(clock.seconds)
+                    engine_calls.append(clock.seconds + clock.calls * per_call_s)
                 else:
                     admissions.append(elapsed)
             dw.engine.manager.free_many(ids)
@@ -256,7 +283,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 del dw.engine.requests[req_id]
                 pw.engine.requests.pop(req_id, None)
             dw.engine.scheduler.running.clear()
-            pw._token_ids.clear()  # (submitted by the admission kind, never collected)
+            pw.prompts.drop(ids)  # (submitted by the admission kind, never collected)
             pw._max_new_tokens.clear()
     for manager in (pw.engine.manager, dw.engine.manager):
         manager.check_integrity()
@@ -265,14 +292,16 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
         "checked": checked,
         f"host time of one transfer round of {n} requests ({tokens}-token prompts), both "
         "sides": rounds,
-        "of which the engine's own calls (allocator, row look-ups, Request objects)":
-            engine_calls,
+        "of which the engine's own calls (allocator, row look-ups, Request objects) and the "
+        "clock's own cost per call": engine_calls,
         "what the transfer adds (messages, mapping, plans), paired: the rest of the round": [
             r - e for r, e in zip(rounds, engine_calls)],
         "admitting the same requests without a transfer (allocator calls, Request objects)":
             admissions,
         "what the transfer adds, unpaired: round minus admission": [
             r - a for r, a in zip(rounds, admissions)],
+        "the clock's own cost per wrapped call (median of 5 calibrations on a no-op)":
+            [per_call_s],
     }
 
 

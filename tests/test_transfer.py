@@ -167,9 +167,9 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     ids = np.arange(5, dtype=np.int32)
     ids.flags.writeable = False  # as the allocator's arrays are
     batch = OfferBatch(("a", "b"), np.array([1, 2, 3, 9, 4, 8]), np.array([0, 4, 6]),
-                       np.array([3, 5]), ids, np.array([0, 3, 5]))
+                       np.array([3, 5]), ids, np.array([3, 2], np.int32))
     got = _through_the_wire(Round(batch, False))
-    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_starts"):
+    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_counts"):
         mine, theirs = getattr(batch, name), getattr(got.offers, name)
         assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
     assert got.offers.req_ids == ("a", "b") and got.done is False
@@ -185,7 +185,7 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
 @pytest.mark.parametrize(("field", "change", "shown"), [
     ("token_starts", np.array([0, 4]), "token_starts holds 2 entries, 3 expected"),
     ("max_new_tokens", np.array([3, 5, 7]), "max_new_tokens holds 3 entries, 2 expected"),
-    ("block_starts", np.array([0]), "block_starts holds 1 entries, 3 expected"),
+    ("block_counts", np.array([3]), "block_counts holds 1 entries, 2 expected"),
     ("token_ids", np.array([1, 2, 3]), "token_ids holds 3 entries, 6 expected"),
     ("block_ids", np.arange(6, dtype=np.int32), "block_ids holds 6 entries, 5 expected"),
 ])
@@ -193,7 +193,7 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
                                                              shown: str) -> None:
     fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
               "max_new_tokens": np.array([3, 5]),
-              "block_ids": np.arange(5, dtype=np.int32), "block_starts": np.array([0, 3, 5])}
+              "block_ids": np.arange(5, dtype=np.int32), "block_counts": np.array([3, 2])}
     header, body = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)

@@ -268,12 +268,12 @@ class DecodeWorker:
         assert self.remote is not None
         hit = bool(num_hit.any())
         if index is None:
-            src_starts, src_counts = None, np.diff(batch.block_starts)
+            src_starts, src_counts = None, batch.block_counts
             max_new = batch.max_new_tokens
         else:
             num_prompt, prompt_blocks = num_prompt[index], prompt_blocks[index]
-            src_starts = batch.block_starts[index]
-            src_counts = batch.block_starts[index + 1] - src_starts
+            block_starts = np.cumsum(batch.block_counts, dtype=np.int64) - batch.block_counts
+            src_starts, src_counts = block_starts[index], batch.block_counts[index]
             max_new = batch.max_new_tokens[index]
         num_new = num_prompt - num_hit if hit else num_prompt
         src, _ = chunk_rows_many(batch.block_ids, src_starts, src_counts,

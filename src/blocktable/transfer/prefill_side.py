@@ -24,6 +24,7 @@ from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
 from blocktable.transfer.plan import chunk_tokens_of
+from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
@@ -44,14 +45,12 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("reqs", "req_ids", "rows", "token_ids", "first_tokens", "max_new_tokens")
+    __slots__ = ("reqs", "req_ids", "rows", "first_tokens", "max_new_tokens")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
         self.rows: list[int] = []  # table rows
-        # the bytes of an int64 [num_prompt + 1] each: the prompt, then room for the first token
-        self.token_ids: list[memoryview] = []
         self.first_tokens: list[int] = []
         self.max_new_tokens: list[int] = []
 
@@ -96,13 +95,13 @@ class PrefillWorker:
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
-        # per submitted request until its prompt is done: its prompt with room for the first
-        # token (int64, made once; its bytes) and max_new_tokens
-        self._token_ids: dict[str, memoryview] = {}
-        self._max_new_tokens: dict[str, int] = {}
+        # per request until it is handed over: its prompt (with room for the first token)
+        self.prompts = PromptArena()
+        self._max_new_tokens: dict[str, int] = {}  # submitted, prompt not done yet
         self.pending = _Handed()  # prompt done, blocks held, not yet sent
         self._unacked = _Handed()  # handed over this round, blocks held until the next ack
         self.stats = PrefillStats()
+        self._columns = np.zeros(0, dtype=np.int64)  # 0, 1, ... up to the table's width
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -123,9 +122,7 @@ class PrefillWorker:
                              f"prefill side samples the first), got {max_new_tokens}")
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2)
-        tokens = np.empty(len(prompt_token_ids) + 1, dtype=np.int64)
-        tokens[:-1] = prompt_token_ids
-        self._token_ids[req_id] = memoryview(tokens)
+        self.prompts.add(req_id, prompt_token_ids)
         self._max_new_tokens[req_id] = max_new_tokens
 
     def run(self) -> PrefillStats:
@@ -166,7 +163,6 @@ class PrefillWorker:
         p.reqs += done
         p.req_ids += ids
         p.rows += self._rows_of(ids)
-        p.token_ids += map(self._token_ids.pop, ids)
         p.max_new_tokens += map(self._max_new_tokens.pop, ids)
         p.first_tokens += [req.output_token_ids[0] for req in done]
 
@@ -186,16 +182,12 @@ class PrefillWorker:
         rows = np.array(p.rows, dtype=np.intp)
         counts = table.num_kernel_blocks[rows]
         block_table = table.block_table_np
-        block_ids = block_table[rows][np.arange(block_table.shape[1]) < counts[:, None]]
-        block_starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=block_starts[1:])
-        token_starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(list(map(len, p.token_ids)), out=token_starts[1:])
-        # one join of the requests' bytes: np.concatenate pays more per array than per byte
-        token_ids = np.frombuffer(bytearray().join(p.token_ids), dtype=np.int64)
-        token_ids[token_starts[1:] - 1] = p.first_tokens  # each one's last slot
+        if self._columns.size != block_table.shape[1]:
+            self._columns = np.arange(block_table.shape[1])
+        block_ids = block_table[rows][self._columns < counts[:, None]]
+        token_ids, token_starts = self.prompts.token_ids(p.req_ids, p.first_tokens)
         return OfferBatch(tuple(p.req_ids), token_ids, token_starts,
-                          np.array(p.max_new_tokens, dtype=np.int64), block_ids, block_starts)
+                          np.array(p.max_new_tokens, dtype=np.int64), block_ids, counts)
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         if not self._read_plans(plans):
@@ -236,6 +228,7 @@ class PrefillWorker:
                                f"{statuses.size} offers, {len(self.pending)} were made")
         if not statuses.any():  # the common round: every offer is sent (SEND is 0)
             self._unacked, self.pending = self.pending, _Handed()
+            self.prompts.drop(self._unacked.req_ids)  # (in the message already)
             return len(self._unacked)
         codes = statuses.tolist()
         self.stats.num_waits += codes.count(PlanStatus.WAIT)
@@ -246,6 +239,7 @@ class PrefillWorker:
         for req_id, i in zip(refused.req_ids, refused_at):
             self.stats.refused[req_id] = plans.reasons.get(i, "")
         self._release(refused)
+        self.prompts.drop(self._unacked.req_ids)
         return len(self._unacked)
 
     def _data_status(self, gathered: bool, rows_per_piece: int) -> torch.Tensor:
@@ -264,9 +258,11 @@ class PrefillWorker:
         return self.staging.gather(self.engine.model.kv_cache, rows, chunk_tokens)
 
     def _release(self, handed: _Handed) -> None:
-        """Free their blocks (full ones stay in the prefix cache) in one allocator call."""
+        """Free their blocks (full ones stay in the prefix cache) in one allocator call, and
+        their prompts."""
         if not handed.req_ids:
             return
+        self.prompts.drop(handed.req_ids)
         self.engine.manager.free_many(handed.req_ids)
         for req in handed.reqs:
             req.status = RequestStatus.FINISHED
