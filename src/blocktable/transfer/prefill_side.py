@@ -142,6 +142,7 @@ class PrefillWorker:
                     return self.stats
                 self._transfer_round(plans)
         except PeerLostError:  # the decode side is gone: nothing leaks here
+            self.prompts.drop(self.pending.req_ids)
             self._release(self.pending)
             self._release(self._unacked)
             self.pending, self._unacked = _Handed(), _Handed()
@@ -238,8 +239,9 @@ class PrefillWorker:
         refused_at = [i for i, c in enumerate(codes) if c == PlanStatus.REFUSED]
         for req_id, i in zip(refused.req_ids, refused_at):
             self.stats.refused[req_id] = plans.reasons.get(i, "")
-        self._release(refused)
+        self.prompts.drop(refused.req_ids)
         self.prompts.drop(self._unacked.req_ids)
+        self._release(refused)
         return len(self._unacked)
 
     def _data_status(self, gathered: bool, rows_per_piece: int) -> torch.Tensor:
@@ -258,11 +260,10 @@ class PrefillWorker:
         return self.staging.gather(self.engine.model.kv_cache, rows, chunk_tokens)
 
     def _release(self, handed: _Handed) -> None:
-        """Free their blocks (full ones stay in the prefix cache) in one allocator call, and
-        their prompts."""
+        """Free their blocks (full ones stay in the prefix cache) in one allocator call (their
+        prompts are dropped when they leave the pending ones)."""
         if not handed.req_ids:
             return
-        self.prompts.drop(handed.req_ids)
         self.engine.manager.free_many(handed.req_ids)
         for req in handed.reqs:
             req.status = RequestStatus.FINISHED

@@ -71,10 +71,14 @@ class PromptArena:
     def drop(self, req_ids: Sequence[object]) -> None:
         """Forget these requests' prompts (unknown ids are skipped)."""
         starts, lengths = self._starts, self._lengths
-        for req_id in req_ids:
-            if starts.pop(req_id, None) is not None:
-                del lengths[req_id]
-        if not starts:  # a fresh buffer: a view handed out earlier is never written over
+        if len(req_ids) >= len(starts) and starts.keys() <= set(req_ids):
+            starts.clear()  # all of them: the usual round hands every offer over
+            lengths.clear()
+        else:
+            for req_id in req_ids:
+                if starts.pop(req_id, None) is not None:
+                    del lengths[req_id]
+        if not starts and self._end:  # a fresh buffer: a view handed out is never written over
             self._buffer = np.empty(self._buffer.size, dtype=np.int64)
             self._end = 0
 
