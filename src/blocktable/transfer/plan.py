@@ -102,7 +102,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     first_chunks = first // chunk_tokens if hit else 0
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
-    counts_blocks = np.asarray(block_counts, dtype=np.int64)
+    counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
     capacity = counts_blocks * q if q > 1 else counts_blocks
     spare = capacity - counts - first_chunks if hit else capacity - counts
     tight = not spare.any()  # the common round: each request's blocks hold just its chunks
