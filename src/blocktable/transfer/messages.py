@@ -83,11 +83,12 @@ class OfferBatch:
         if ((token_starts.size, max_new_tokens.size, block_counts.size) == (n + 1, n, n)
                 and token_ids.size == token_starts[-1] and block_ids.size == block_counts.sum()):
             return batch
-        checks = [("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
-                  ("block_counts", block_counts, n), ("token_ids", token_ids, token_starts[-1:]),
-                  ("block_ids", block_ids, block_counts)]
-        for name, array, want in checks:  # the offsets' lengths are checked before they count
-            want = want if isinstance(want, int) else int(want.sum())
+        checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
+            ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
+            ("block_counts", block_counts, n), ("token_ids", token_ids, token_starts[-1:]),
+            ("block_ids", block_ids, block_counts)]
+        for name, array, size in checks:  # the offsets' lengths are checked before they count
+            want = size if isinstance(size, int) else int(size.sum())
             if array.size != want:
                 raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
                                  f"{array.size} entries, {want} expected")

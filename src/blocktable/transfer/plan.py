@@ -88,31 +88,31 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         row_starts[i + 1]]``.
     """
     num = np.asarray(num_tokens, dtype=np.int64)
-    first = None if first_tokens is None else np.asarray(first_tokens, dtype=np.int64)
-    hit = first is not None and bool(first.any())  # else the first-token terms vanish
-    if block_size % chunk_tokens or (hit and (first % chunk_tokens).any()):
+    first = np.zeros(0, np.int64) if first_tokens is None else np.asarray(first_tokens, np.int64)
+    # None: no request starts past its token 0, so the first-token terms vanish
+    first_chunks = first // chunk_tokens if first.any() else None
+    if block_size % chunk_tokens or (first_chunks is not None and (first % chunk_tokens).any()):
         raise ValueError(
             f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
-            f"first token (got {[] if first is None else first.tolist()})"
+            f"first token (got {first.tolist()})"
         )
     if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
     q = block_size // chunk_tokens  # chunks per block
     counts = (num + (chunk_tokens - 1)) // chunk_tokens if chunk_tokens > 1 else num
-    first_chunks = first // chunk_tokens if hit else 0
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
     counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
     capacity = counts_blocks * q if q > 1 else counts_blocks
-    spare = capacity - counts - first_chunks if hit else capacity - counts
+    spare = capacity - counts if first_chunks is None else capacity - counts - first_chunks
     tight = not spare.any()  # the common round: each request's blocks hold just its chunks
     if not tight:
         short = spare < 0
-        if hit:
+        if first_chunks is not None:
             short &= num > 0  # no tokens: nothing read
         if short.any():
             i = int(np.flatnonzero(short)[0])
-            end = (0 if first is None else int(first[i])) + int(num[i])
+            end = (int(first[i]) if first.size else 0) + int(num[i])
             raise ValueError(
                 f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} "
                 f"tokens; tokens up to {end} need {-(-end // block_size)}"
@@ -122,18 +122,20 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     ids = np.asarray(block_ids)
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
+    shift: np.ndarray | None
     if block_starts is None:  # back to back: the chunks the earlier requests skip
-        if not hit and tight:  # every request's rows follow the last one's
+        if first_chunks is None and tight:  # every request's rows follow the last one's
             shift = None
         else:
             shift = np.zeros(num.size, dtype=np.int64)
-            np.cumsum(spare[:-1] + first_chunks[:-1] if hit else spare[:-1], out=shift[1:])
-            if hit:
+            skipped = spare[:-1] if first_chunks is None else spare[:-1] + first_chunks[:-1]
+            np.cumsum(skipped, out=shift[1:])
+            if first_chunks is not None:
                 shift += first_chunks
     else:
         starts = np.asarray(block_starts, dtype=np.int64)
         shift = (starts * q if q > 1 else starts) - row_starts[:-1]
-        if hit:
+        if first_chunks is not None:
             shift += first_chunks
         if not shift.any():
             shift = None

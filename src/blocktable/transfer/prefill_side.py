@@ -45,7 +45,7 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("reqs", "req_ids", "rows", "first_tokens", "max_new_tokens")
+    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs", "rows")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []

@@ -52,7 +52,9 @@ def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
         body = np.frombuffer(bytearray(payload), dtype=np.uint8)
         return np.array([body.size, 0], dtype=np.int64), body
     arrays, rest = to_wire(obj)
-    layout, parts, end = [], [], 0
+    layout: list[tuple[str, int, int]] = []
+    parts: list[bytes | memoryview] = []  # joined into the body
+    end = 0
     for a in arrays:
         if a.ndim != 1 or a.dtype.kind in "OV":  # objects, structured or void records
             raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of plain "
@@ -62,7 +64,7 @@ def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
             parts.append(_PADDING[:pad])
             end += pad
         layout.append((a.dtype.str, a.size, end))
-        parts.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+        parts.append((a if a.flags.c_contiguous else np.ascontiguousarray(a)).data)
         end += a.nbytes
     parts.append(pickle.dumps((type(obj), rest, layout), protocol=5))
     body = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
@@ -76,7 +78,7 @@ def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
     if body.dtype != np.uint8 or body.ndim != 1 or body.size != size or not 0 <= start < size:
         raise ValueError(f"body must be uint8 [{size}] with its pickle at [{start}, {size}), "
                          f"got {body.dtype} {list(body.shape)}")
-    cls, rest, layout = pickle.loads(body[start:])
+    cls, rest, layout = pickle.loads(body[start:].data)
     if cls is None:
         return rest
     arrays = [np.frombuffer(body, dtype=dtype, count=count, offset=offset)
