@@ -385,6 +385,13 @@ def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
     assert engine.manager.num_requests == 0
 
 
+def test_a_plan_for_other_offers_is_a_protocol_error(model: Any) -> None:
+    pw = PrefillWorker(_engine(model, 4), local_pair()[0])
+    plans = PlanBatch(np.zeros(2, np.int8), np.zeros(0, np.int64), {})
+    with pytest.raises(RuntimeError, match="answered 2 offers, 0 were made"):
+        pw._read_plans(plans)
+
+
 def test_submit_refuses_a_single_token_request(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
