@@ -133,7 +133,7 @@ def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -
 def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray]) -> None:
     """What admitting the same requests costs an engine without a transfer: the decode side's
     allocator calls and Request objects (their prompt lists made from the token ids as they
-    arrive, ``arrived``: int32 arrays, each prompt then its first token), the prefill side's
+    arrive, ``arrived``: int64 arrays, each prompt then its first token), the prefill side's
     row look-ups (the engine makes one per scheduled request each step) and its free."""
     from blocktable.engine import Request, RequestStatus
 
@@ -155,11 +155,14 @@ def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray])
 
 class _EngineClock:
     """Thread time spent inside the engine's own calls (allocator, row look-ups, ``Request``
-    objects) during a transfer round: every one of them is a batched call, so the clock's own
-    cost is a few calls per round."""
+    objects) during a transfer round: every one of them is a batched call, so the clock runs
+    a few times per round. What a wrapped call costs outside its own reading (entering the
+    wrapper, reading the clock) would count as the transfer's: :meth:`own_cost_s` measures it
+    on a no-op, to be taken off per call."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls = 0
 
     def wrap(self, obj: Any, name: str) -> None:
         fn = getattr(obj, name)
@@ -170,8 +173,30 @@ class _EngineClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - t0
+                self.calls += 1
 
         setattr(obj, name, timed)
+
+    def own_cost_s(self, num_calls: int = 20_000) -> float:
+        """Seconds a wrapped call adds outside its reading: over ``num_calls`` calls of a
+        wrapped no-op, their whole time less what the clock read inside them and the loop's
+        own time."""
+
+        class NoOp:
+            def call(self) -> None:
+                return None
+
+        probe, clock = NoOp(), _EngineClock()
+        clock.wrap(probe, "call")
+        call = probe.call
+        t0 = time.thread_time()
+        for _ in range(num_calls):
+            pass
+        t1 = time.thread_time()
+        for _ in range(num_calls):
+            call()
+        whole = time.thread_time() - t1 - (t1 - t0)
+        return max(0.0, (whole - clock.seconds) / num_calls)
 
 
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,12 +207,13 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
     calls on both sides, the prefill side's row look-ups, the decode side's ``Request``
-    objects). Unpaired: the round's time minus admitting the same requests into an engine
+    objects), and minus the clock's own cost for each call it timed (measured on a no-op, so
+    what the paired figure keeps is the transfer's code only). Unpaired: the round's time minus admitting the same requests into an engine
     without a transfer (:func:`_admission_only`), run alternately; the difference of two
     independent ~2 ms figures, so its spread is wider than the target it is compared with."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
-    from blocktable.transfer.messages import PlanBatch, Round, data_status
+    from blocktable.transfer.messages import PlanBatch, Round
     from blocktable.transfer.wire_format import decode_message, encode_message
 
     def wire(obj: Any) -> Any:
@@ -210,6 +236,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             clock.wrap(manager, name)
     clock.wrap(pw, "_rows_of")
     clock.wrap(dw, "_add_running")
+    per_call_s = statistics.median(clock.own_cost_s() for _ in range(5))
     rng = np.random.default_rng(0)
     rounds: list[float] = []
     engine_calls: list[float] = []
@@ -220,26 +247,25 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             ids = [f"{kind}{rep}.{i}" for i in range(n)]
             prompts = [rng.integers(0, 256, tokens).tolist() for _ in range(n)]  # no hits
             _prefilled(pw, ids, prompts, first=7)
-            arrived = [np.array(p + [7], dtype=np.int32) for p in prompts]
-            clock.seconds = 0.0
+            arrived = [np.array(p + [7], dtype=np.int64) for p in prompts]
+            clock.seconds, clock.calls = 0.0, 0
             t0 = time.thread_time()
             if kind == "admission":
                 _admission_only(pw, dw, ids, arrived)
             else:
                 pw._collect_prefilled()
-                offered = list(pw.pending)
-                rnd: Round = wire(Round(pw._offer_batch(offered), False))
+                rnd: Round = wire(Round(pw._offer_batch(), False))
                 plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
                 pw._acknowledged(plans.num_acked)
-                to_send, refused = pw._read_plans(offered, plans)
-                status = torch.from_numpy(data_status(True, 1))  # then the KV: bandwidth
+                num_sent = pw._read_plans(plans)
+                status = pw._data_status(True, 1)  # then the KV: bandwidth
                 assert dw._plan is not None
                 dw._start_decoding(dw._plan)
-                pw._release(to_send + refused)
+                pw._acknowledged(num_sent)  # as the next round's plan does
                 dw._plan = None
             elapsed = time.thread_time() - t0
             if kind == "round":
-                checked = checked and bool(status[0]) and n == len(to_send) and (
+                checked = checked and bool(status[0]) and n == num_sent and (
                     plans.src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
             else:
                 for req_id in ids:  # (the prefill side's own bookkeeping, untimed here)
@@ -249,7 +275,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             if rep >= args.bookkeeping_warmup:
                 if kind == "round":
                     rounds.append(elapsed)
-                    engine_calls.append(clock.seconds)
+                    engine_calls.append(clock.seconds + clock.calls * per_call_s)
                 else:
                     admissions.append(elapsed)
             dw.engine.manager.free_many(ids)
@@ -257,9 +283,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 del dw.engine.requests[req_id]
                 pw.engine.requests.pop(req_id, None)
             dw.engine.scheduler.running.clear()
-            pw.pending.clear()
-            pw._token_ids.clear()
-            pw._rows.clear()
+            pw.prompts.drop(ids)  # (submitted by the admission kind, never collected)
+            pw._max_new_tokens.clear()
     for manager in (pw.engine.manager, dw.engine.manager):
         manager.check_integrity()
         checked = checked and manager.num_requests == 0
@@ -267,14 +292,16 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
         "checked": checked,
         f"host time of one transfer round of {n} requests ({tokens}-token prompts), both "
         "sides": rounds,
-        "of which the engine's own calls (allocator, row look-ups, Request objects)":
-            engine_calls,
+        "of which the engine's own calls (allocator, row look-ups, Request objects) and the "
+        "clock's own cost per call": engine_calls,
         "what the transfer adds (messages, mapping, plans), paired: the rest of the round": [
             r - e for r, e in zip(rounds, engine_calls)],
         "admitting the same requests without a transfer (allocator calls, Request objects)":
             admissions,
         "what the transfer adds, unpaired: round minus admission": [
             r - a for r, a in zip(rounds, admissions)],
+        "the clock's own cost per wrapped call (median of 5 calibrations on a no-op)":
+            [per_call_s],
     }
 
 

@@ -166,19 +166,39 @@ def _through_the_wire(obj: Any) -> Any:
 def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     ids = np.arange(5, dtype=np.int32)
     ids.flags.writeable = False  # as the allocator's arrays are
-    batch = OfferBatch(("a", "b"), np.array([1, 2, 3, 9, 4, 8], np.int32),
-                       np.array([0, 4, 6]), np.array([3, 5]), ids, np.array([0, 3, 5]))
+    batch = OfferBatch(("a", "b"), np.array([1, 2, 3, 9, 4, 8]), np.array([0, 4, 6]),
+                       np.array([3, 5]), ids, np.array([3, 2], np.int32))
     got = _through_the_wire(Round(batch, False))
-    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_starts"):
+    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_counts"):
         mine, theirs = getattr(batch, name), getattr(got.offers, name)
         assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
     assert got.offers.req_ids == ("a", "b") and got.done is False
     assert got.offers.first_tokens.tolist() == [9, 8] and got.offers.prompt(1).tolist() == [4]
+    assert got.offers.num_prompt_tokens.tolist() == [3, 1]
     empty = _through_the_wire(Round(OfferBatch.empty(), True))
     assert len(empty.offers) == 0 and empty.done
     plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.zeros(0, np.int64),
                                        {1: "never fits"}, 3))
     assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
+
+
+@pytest.mark.parametrize(("field", "change", "shown"), [
+    ("token_starts", np.array([0, 4]), "token_starts holds 2 entries, 3 expected"),
+    ("max_new_tokens", np.array([3, 5, 7]), "max_new_tokens holds 3 entries, 2 expected"),
+    ("block_counts", np.array([3]), "block_counts holds 1 entries, 2 expected"),
+    ("token_ids", np.array([1, 2, 3]), "token_ids holds 3 entries, 6 expected"),
+    ("block_ids", np.arange(6, dtype=np.int32), "block_ids holds 6 entries, 5 expected"),
+])
+def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change: np.ndarray,
+                                                             shown: str) -> None:
+    fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
+              "max_new_tokens": np.array([3, 5]),
+              "block_ids": np.arange(5, dtype=np.int32), "block_counts": np.array([3, 2])}
+    header, body = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
+    with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
+        decode_message(header, body)
+    with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 4 arrays, 5"):
+        OfferBatch.from_wire(list(fields.values())[:4], ("a", "b"))
 
 
 @dataclass(frozen=True)
@@ -365,6 +385,13 @@ def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
     assert engine.manager.num_requests == 0
 
 
+def test_a_plan_for_other_offers_is_a_protocol_error(model: Any) -> None:
+    pw = PrefillWorker(_engine(model, 4), local_pair()[0])
+    plans = PlanBatch(np.zeros(2, np.int8), np.zeros(0, np.int64), {})
+    with pytest.raises(RuntimeError, match="answered 2 offers, 0 were made"):
+        pw._read_plans(plans)
+
+
 def test_submit_refuses_a_single_token_request(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
@@ -373,16 +400,22 @@ def test_submit_refuses_a_single_token_request(model: Any) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=0, max_size=5),
-       st.sampled_from([(4, 4), (8, 4), (6, 2), (12, 3)]), st.integers(0, 2**31 - 1))
-@example([(0, 8), (0, 4)], (4, 4), 1)  # every request's rows follow the last one's
-@example([(0, 8), (0, 16)], (8, 4), 2)  # the same, two chunks per block
-@example([(1, 8), (0, 5)], (4, 4), 3)  # a hit: the rows start inside the request's blocks
+       st.sampled_from([(4, 4), (8, 4), (6, 2), (12, 3)]), st.booleans(),
+       st.integers(0, 2**31 - 1))
+@example([(0, 8), (0, 4)], (4, 4), False, 1)  # every request's rows follow the last one's
+@example([(0, 8), (0, 16)], (8, 4), False, 2)  # the same, two chunks per block
+@example([(0, 8), (0, 16)], (8, 4), True, 2)  # the same with a spare block or two
+@example([(1, 8), (0, 5)], (4, 4), False, 3)  # a hit: the rows start inside the request's blocks
 def test_chunk_rows_many_equals_the_slot_formula_per_request(
-        reqs: list[tuple[int, int]], sizes: tuple[int, int], seed: int) -> None:
-    """The batched mapping of several requests, request by request, is the slot formula."""
+        reqs: list[tuple[int, int]], sizes: tuple[int, int], spare: bool, seed: int) -> None:
+    """The batched mapping of several requests, request by request, is the slot formula;
+    also with the blocks given back to back (no starts) and, without hits, no first tokens.
+    With ``spare``, requests may hold a block more than they need (a table row past the
+    prompt)."""
     block_size, chunk = sizes
     rng = np.random.default_rng(seed)
-    ids_per_req = [rng.permutation(np.arange(1, 100))[: -(-(f * block_size + n) // block_size)]
+    ids_per_req = [rng.permutation(np.arange(1, 100))[: -(-(f * block_size + n) // block_size)
+                                                       + int(spare and rng.integers(0, 2))]
                    for f, n in reqs]
     counts = np.array([ids.size for ids in ids_per_req], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -391,6 +424,9 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
     nums = np.array([n for _, n in reqs], dtype=np.int64)
     rows, row_starts = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
     assert row_starts[-1] == rows.size
+    again = chunk_rows_many(flat, None, counts, block_size, chunk,
+                            firsts if firsts.any() else None, nums)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
     for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
         mine = rows[row_starts[k]:row_starts[k + 1]]
         positions = range(int(first), int(first + num))

@@ -10,6 +10,8 @@
 - :mod:`~blocktable.transfer.dcp_transfer`: a context-parallel decode side, each rank receiving
   only the chunks it owns;
 - :mod:`~blocktable.transfer.messages`: what they say to each other each round;
+- :mod:`~blocktable.transfer.prompt_arena`: the prefill side's submitted prompts, back to back
+  in one buffer;
 - :mod:`~blocktable.transfer.wire_format`: how a message travels (its arrays' bytes in one
   buffer, then a small pickle).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -33,6 +34,14 @@ from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
+
+
+def _token_ids(batch: OfferBatch, i: int) -> np.ndarray:
+    """Offer ``i``'s token ids (a view): its prompt, then its first token."""
+    return batch.token_ids[batch.token_starts[i]:batch.token_starts[i + 1]]
+
 
 @dataclass(frozen=True)
 class TransferRecord:
@@ -48,13 +57,15 @@ class TransferRecord:
 
 @dataclass(frozen=True, eq=False)
 class _RoundPlan:
-    """A round's admitted (SEND) offers, in offer order: flat arrays, no object per request."""
+    """A round's admitted (SEND) offers, in offer order: flat arrays, no object per request
+    (but the views of each one's token ids that the allocator was given)."""
 
-    batch: OfferBatch
     req_ids: list[str]
-    index: np.ndarray  # on cpu, int64 [k]: their positions in the batch
+    token_ids: list[np.ndarray]  # on cpu, int64 views into the offer: prompt, first token
+    max_new_tokens: np.ndarray  # on cpu, int64 [k]
     num_hit: np.ndarray  # on cpu, int64 [k]: prompt tokens this side's prefix cache held
-    num_blocks: np.ndarray  # on cpu, int64 [k]: blocks allocated here for the rest
+    num_new: np.ndarray  # on cpu, int64 [k]: prompt tokens past the hit, the ones that move
+    num_blocks: np.ndarray  # on cpu, int64 [k]: blocks allocated here for them
     dst_rows: np.ndarray  # on cpu, int64 [total chunks]: this side's chunk rows, in order
     dst_starts: np.ndarray  # on cpu, int64 [k + 1]: request j's rows are dst_rows[s[j]:s[j+1]]
 
@@ -158,46 +169,75 @@ class DecodeWorker:
         one pass per side.
 
         The leading offers that fit even with no prefix hit are admitted by one batched
-        allocator call; the rest one by one, as the engine's scheduler admits (a prefix hit
-        may make one fit)."""
+        allocator call (in the common round, all of them); the rest one by one, as the
+        engine's scheduler admits (a prefix hit may make one fit)."""
         n = len(batch)
-        statuses = np.full(n, PlanStatus.WAIT, dtype=np.int8)
-        reasons: dict[int, str] = {}
         self._plan = None
         if not n:
-            return PlanBatch(statuses, np.zeros(0, np.int64), reasons)
+            return PlanBatch(np.zeros(0, np.int8), _NO_ROWS, {})
         config, manager = self.engine.config, self.engine.manager
         num_prompt = batch.num_prompt_tokens
-        num_kv = num_prompt + batch.max_new_tokens - 1
-        # past max_model_len, or more blocks than the pool has (the null block aside)
-        never = num_kv > min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
-        known = self.engine.requests
-        if known.keys().isdisjoint(batch.req_ids) and len(set(batch.req_ids)) == n:
-            here = np.zeros(n, dtype=bool)
-        else:  # an id already here, or repeated: its later offers are refused
-            here = np.fromiter((r in known for r in batch.req_ids), dtype=bool, count=n)
-            seen: set[str] = set()
-            for i, r in enumerate(batch.req_ids):
-                here[i] |= r in seen
-                seen.add(r)
-        bad = never | here
-        if not bad.any():
-            candidates = np.arange(n)
+        # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
+        prompt_blocks = (num_prompt + (config.block_size - 1)) // config.block_size
+        reasons = self._refusals(batch, num_prompt)
+        if (not reasons and n <= manager.num_free_rows
+                and int(prompt_blocks.sum()) <= manager.num_free_blocks()):
+            index = None  # the common round: every offer fits
+            statuses = np.zeros(n, dtype=np.int8)  # PlanStatus.SEND
+            req_ids, token_ids, num_hit, own = self._admit_many(batch, None, num_prompt)
         else:
-            for i in np.flatnonzero(bad).tolist():
-                statuses[i] = PlanStatus.REFUSED
-                self.stats.refused.append(batch.req_ids[i])
-                reasons[i] = ("request id already here" if here[i] else
-                              f"needs {num_kv[i]} tokens; the decode side has max_model_len="
+            statuses = np.full(n, int(PlanStatus.WAIT), dtype=np.int8)
+            index, req_ids, token_ids, num_hit, own = self._admit_some(
+                batch, statuses, reasons, num_prompt, prompt_blocks)
+            if index is None:
+                return PlanBatch(statuses, _NO_ROWS, reasons)
+        return PlanBatch(statuses, self._map_rows(batch, index, req_ids, token_ids, num_hit,
+                                                  own, num_prompt, prompt_blocks), reasons)
+
+    def _refusals(self, batch: OfferBatch, num_prompt: np.ndarray) -> dict[int, str]:
+        """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
+        id already here or repeated), by index, with the reason; ``{}`` in the common round
+        (two numpy calls and a set)."""
+        config = self.engine.config
+        # past max_model_len, or more blocks than the pool has (the null block aside)
+        limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
+        num_kv_plus_1 = num_prompt + batch.max_new_tokens
+        known, req_ids = self.engine.requests, batch.req_ids
+        fresh = known.keys().isdisjoint(req_ids) and len(set(req_ids)) == len(req_ids)
+        if fresh and int(num_kv_plus_1.max()) <= limit + 1:
+            return {}
+        num_kv = num_kv_plus_1 - 1
+        reasons: dict[int, str] = {}
+        seen: set[str] = set()
+        for i, (req_id, kv) in enumerate(zip(req_ids, num_kv.tolist())):
+            if req_id in known or req_id in seen:  # its later offers are refused
+                reasons[i] = "request id already here"
+            elif kv > limit:
+                reasons[i] = (f"needs {kv} tokens; the decode side has max_model_len="
                               f"{config.max_model_len} and {config.num_blocks - 1} blocks of "
                               f"{config.block_size} tokens")
-            candidates = np.flatnonzero(~bad)
-        # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        need = np.cumsum(-(-num_prompt[candidates] // config.block_size))
+            seen.add(req_id)
+        self.stats.refused += [req_ids[i] for i in reasons]
+        return reasons
+
+    def _admit_some(self, batch: OfferBatch, statuses: np.ndarray, reasons: dict[int, str],
+                    num_prompt: np.ndarray, prompt_blocks: np.ndarray
+                    ) -> tuple[np.ndarray | None, list[str], list[np.ndarray], np.ndarray,
+                               np.ndarray]:
+        """A round where not every offer fits, or some are refused: the leading ones that fit
+        even with no hit in one batched call, then one by one. Sets ``statuses`` and
+        ``reasons``; returns the admitted offers' indices (``None``: none), ids, token ids, hits
+        and new block ids, as :meth:`_admit_many`."""
+        manager = self.engine.manager
+        for i in reasons:
+            statuses[i] = PlanStatus.REFUSED
+        candidates = np.flatnonzero(statuses != PlanStatus.REFUSED)
+        need = np.cumsum(prompt_blocks[candidates])
         k = min(int(np.searchsorted(need, manager.num_free_blocks(), side="right")),
                 manager.num_free_rows)
+        req_ids, token_ids, sure_hits, sure_ids = self._admit_many(batch, candidates[:k],
+                                                                     num_prompt)
         admitted = candidates[:k].tolist()
-        sure_hits, sure_ids = self._admit_many(batch, candidates[:k], num_prompt)
         hits, new_ids = [sure_hits], [sure_ids]
         waiting = False
         for i in candidates[k:].tolist():
@@ -205,56 +245,80 @@ class DecodeWorker:
             statuses[i] = status
             if status == PlanStatus.SEND:
                 admitted.append(i)
+                req_ids.append(batch.req_ids[i])
+                token_ids.append(_token_ids(batch, i))
                 hits.append(np.array([hit], dtype=np.int64))
                 new_ids.append(ids)
             elif status == PlanStatus.REFUSED:
                 reasons[i] = "the decode side is idle and still lacks blocks or rows"
             waiting = waiting or status == PlanStatus.WAIT  # keep arrival order
         if not admitted:
-            return PlanBatch(statuses, np.zeros(0, np.int64), reasons)
-        idx = candidates[:k] if len(hits) == 1 else np.array(admitted, dtype=np.int64)
-        statuses[idx] = PlanStatus.SEND
-        num_hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
-        num = num_prompt[idx] - num_hit
+            return None, [], [], _NO_ROWS, _NO_ROWS
+        index = np.array(admitted, dtype=np.int64)
+        statuses[index] = PlanStatus.SEND
+        return index, req_ids, token_ids, np.concatenate(hits), np.concatenate(new_ids)
+
+    def _map_rows(self, batch: OfferBatch, index: np.ndarray | None, req_ids: list[str],
+                  token_ids: list[np.ndarray], num_hit: np.ndarray, own: np.ndarray,
+                  num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> np.ndarray:
+        """Both sides' chunk rows of the admitted offers (``index`` into the batch, ``None``:
+        all), their missing tokens only; keeps this side's in the round's plan and returns
+        the prefill side's."""
+        config = self.engine.config
         chunk_tokens = self.chunk_tokens
         assert self.remote is not None
-        src_starts = batch.block_starts[idx]
-        src, _ = chunk_rows_many(batch.block_ids, src_starts, batch.block_starts[idx + 1]
-                                 - src_starts, self.remote.kernel_block_size, chunk_tokens,
-                                 num_hit, num)
+        hit = bool(num_hit.any())
+        if index is None:
+            src_starts, src_counts = None, batch.block_counts
+            max_new = batch.max_new_tokens
+        else:
+            num_prompt, prompt_blocks = num_prompt[index], prompt_blocks[index]
+            block_starts = np.cumsum(batch.block_counts, dtype=np.int64) - batch.block_counts
+            src_starts, src_counts = block_starts[index], batch.block_counts[index]
+            max_new = batch.max_new_tokens[index]
+        num_new = num_prompt - num_hit if hit else num_prompt
+        src, _ = chunk_rows_many(batch.block_ids, src_starts, src_counts,
+                                 self.remote.kernel_block_size, chunk_tokens,
+                                 num_hit if hit else None, num_new)
         # this side's new blocks hold exactly the tokens past the hit (a block boundary)
-        num_blocks = -(-num_prompt[idx] // config.block_size) - num_hit // config.block_size
-        own = np.concatenate(new_ids)
+        num_blocks = prompt_blocks - num_hit // config.block_size if hit else prompt_blocks
         if own.size != int(num_blocks.sum()):
             raise AssertionError(f"the allocator gave {own.size} blocks, "
                                  f"{int(num_blocks.sum())} were expected")
-        own_starts = np.zeros(idx.size, dtype=np.int64)
-        np.cumsum(num_blocks[:-1], out=own_starts[1:])
-        dst, dst_starts = chunk_rows_many(own, own_starts, num_blocks, config.block_size,
-                                          chunk_tokens, np.zeros_like(num), num)
-        req_ids = list(batch.req_ids) if idx.size == n else [batch.req_ids[i] for i in admitted]
-        self._plan = _RoundPlan(batch, req_ids, idx, num_hit, num_blocks, dst, dst_starts)
-        return PlanBatch(statuses, src, reasons)
+        dst, dst_starts = chunk_rows_many(own, None, num_blocks, config.block_size,
+                                          chunk_tokens, None, num_new)
+        self._plan = _RoundPlan(req_ids, token_ids, max_new, num_hit, num_new, num_blocks, dst,
+                                dst_starts)
+        return src
 
-    def _admit_many(self, batch: OfferBatch, index: np.ndarray, num_prompt: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Admit ``batch``'s offers at ``index`` (they fit; ``num_prompt``: every offer's
-        prompt tokens) and allocate their prompts: one batched call each. Returns their
-        prefix-hit tokens (int64 ``[k]``) and the new block ids, request after request
-        (int32)."""
-        if not index.size:
-            return np.zeros(0, np.int64), np.zeros(0, np.int32)
-        manager = self.engine.manager
-        ids = [batch.req_ids[i] for i in index.tolist()]
+    def _admit_many(self, batch: OfferBatch, index: np.ndarray | None, num_prompt: np.ndarray
+                    ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:
+        """Admit ``batch``'s offers at ``index`` (``None``: all; they fit) and allocate their
+        prompts (``num_prompt``: every offer's prompt tokens): one batched call each. Returns
+        their ids, token ids (views: prompt, then first token; the first one's id known from
+        the start, as after a prefill here), prefix-hit tokens (int64 ``[k]``) and the new
+        block ids, request after request (int32)."""
         tokens, starts = batch.token_ids, batch.token_starts.tolist()
-        prompts = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
-        hits = np.array(manager.add_requests(ids, prompts), dtype=np.int64)
+        if index is None:
+            req_ids = list(batch.req_ids)
+            token_ids = [tokens[a:b] for a, b in pairwise(starts)]
+        else:
+            if not index.size:
+                return [], [], _NO_ROWS, np.zeros(0, np.int32)
+            req_ids = [batch.req_ids[i] for i in index.tolist()]
+            token_ids = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
+        manager = self.engine.manager
+        hits = manager.add_requests(req_ids, token_ids)
+        num_hit = np.array(hits, dtype=np.int64)
+        if index is not None:
+            num_prompt = num_prompt[index]
         try:
-            blocks = manager.allocate_many(ids, num_prompt[index] - hits)[0]
+            blocks = manager.allocate_many(req_ids, num_prompt - num_hit if any(hits)
+                                           else num_prompt)[0]
         except Exception:
-            manager.free_many(ids)
+            manager.free_many(req_ids)
             raise
-        return hits, blocks.block_ids
+        return req_ids, token_ids, num_hit, blocks.block_ids
 
     def _admit_one(self, batch: OfferBatch, i: int, waiting: bool, admitted_before: bool
                    ) -> tuple[PlanStatus, int, np.ndarray]:
@@ -262,7 +326,7 @@ class DecodeWorker:
         prompt's blocks allocated), WAIT, or REFUSED (this side is idle and still lacks
         room); ``admitted_before``: this round admitted an earlier offer."""
         manager = self.engine.manager
-        tokens = batch.token_ids[batch.token_starts[i]:batch.token_starts[i + 1]]
+        tokens = _token_ids(batch, i)
         num_prompt = tokens.size - 1
         num_hit = manager.lookup_prefix(tokens)
         if waiting or not manager.can_admit(tokens, num_prompt - num_hit):
@@ -297,24 +361,20 @@ class DecodeWorker:
     def _start_decoding(self, plan: _RoundPlan) -> None:
         """The prompts' KV is here: mark it computed (one allocator call); each request runs
         from its first token."""
-        batch = plan.batch
-        num_prompt = batch.num_prompt_tokens[plan.index]
-        self.engine.manager.mark_computed_many(plan.req_ids, num_prompt - plan.num_hit)
+        self.engine.manager.mark_computed_many(plan.req_ids, plan.num_new)
         self._add_running(plan)
 
     def _add_running(self, plan: _RoundPlan) -> None:
         """The engine's ``Request`` of each, running from its first token."""
-        engine, batch = self.engine, plan.batch
-        max_new = batch.max_new_tokens[plan.index].tolist()
-        first = batch.first_tokens[plan.index].tolist()
-        hit = plan.num_hit.tolist()
-        tokens = batch.token_ids
-        starts = batch.token_starts.tolist()
+        engine = self.engine
         step, running, requests = engine.step_index, engine.scheduler.running, engine.requests
-        for j, (req_id, i) in enumerate(zip(plan.req_ids, plan.index.tolist())):
-            req = Request(req_id, tokens[starts[i]:starts[i + 1] - 1].tolist(), max_new[j], step,
-                          status=RequestStatus.RUNNING, output_token_ids=[first[j]],
-                          num_cached_tokens=hit[j])
+        for req_id, tokens, max_new, hit in zip(plan.req_ids, plan.token_ids,
+                                                plan.max_new_tokens.tolist(),
+                                                plan.num_hit.tolist()):
+            prompt = tokens.tolist()
+            first = prompt.pop()
+            req = Request(req_id, prompt, max_new, step, status=RequestStatus.RUNNING,
+                          output_token_ids=[first], num_cached_tokens=hit)
             requests[req_id] = req
             running.append(req)
 
@@ -322,9 +382,9 @@ class DecodeWorker:
         """The KV never came: free the allocations, compute the requests here from their
         prompts."""
         self.engine.manager.free_many(plan.req_ids)
-        for req_id, i in zip(plan.req_ids, plan.index.tolist()):
-            self.engine.add_request(req_id, plan.batch.prompt(i).tolist(),
-                                    int(plan.batch.max_new_tokens[i]))
+        for req_id, tokens, max_new in zip(plan.req_ids, plan.token_ids,
+                                           plan.max_new_tokens.tolist()):
+            self.engine.add_request(req_id, tokens[:-1].tolist(), max_new)
             self.stats.recomputed.append(req_id)
 
     def _drop_planned(self) -> None:

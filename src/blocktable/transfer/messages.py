@@ -26,23 +26,25 @@ class PlanStatus(enum.IntEnum):
 
 @dataclass(frozen=True, eq=False)
 class OfferBatch:
-    """Requests ready to move, flattened: request ``i``'s token ids (its prompt, then the first
-    token the prefill side sampled) are ``token_ids[token_starts[i] : token_starts[i + 1]]``,
-    its prefill-side block ids (the table's row, kernel blocks) ``block_ids[block_starts[i] :
-    block_starts[i + 1]]``."""
+    """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
+    then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
+    token_starts[i + 1]]``; its prefill-side block ids (the table's row, kernel blocks) are the
+    ``block_counts[i]`` entries of ``block_ids`` after those of the requests before it.
+
+    The token ids are int64, the dtype the decode side's allocator reads without a copy."""
 
     req_ids: tuple[str, ...]
-    token_ids: np.ndarray  # on cpu, int32 [total tokens]: each prompt, then its first token
+    token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
     token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
     block_ids: np.ndarray  # on cpu, int32 [total blocks]
-    block_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
+    block_counts: np.ndarray  # on cpu, int32 [num_reqs]
 
     @classmethod
     def empty(cls) -> OfferBatch:
         none = np.zeros(0, dtype=np.int64)
-        return cls((), np.zeros(0, np.int32), np.zeros(1, np.int64), none, np.zeros(0, np.int32),
-                   np.zeros(1, np.int64))
+        return cls((), none, np.zeros(1, dtype=np.int64), none, np.zeros(0, np.int32),
+                   np.zeros(0, np.int32))
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -50,11 +52,14 @@ class OfferBatch:
     @property
     def num_prompt_tokens(self) -> np.ndarray:
         """int64 ``[num_reqs]``: each prompt's length (its first token excluded)."""
-        return np.diff(self.token_starts) - 1
+        starts = self.token_starts
+        num = starts[1:] - starts[:-1]
+        num -= 1
+        return num
 
     @property
     def first_tokens(self) -> np.ndarray:
-        """int32 ``[num_reqs]``: the token each request's decode starts from."""
+        """int64 ``[num_reqs]``: the token each request's decode starts from."""
         return self.token_ids[self.token_starts[1:] - 1]
 
     def prompt(self, i: int) -> np.ndarray:
@@ -63,11 +68,31 @@ class OfferBatch:
 
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
         return (self.token_ids, self.token_starts, self.max_new_tokens, self.block_ids,
-                self.block_starts), self.req_ids
+                self.block_counts), self.req_ids
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], rest: tuple[str, ...]) -> OfferBatch:
-        return cls(rest, *arrays)
+        """The batch again; raises ``ValueError`` naming the first field whose length does
+        not fit the others (a malformed message)."""
+        n = len(rest)
+        if len(arrays) != 5:
+            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 5 "
+                             "expected")
+        batch = cls(rest, *arrays)
+        token_ids, token_starts, max_new_tokens, block_ids, block_counts = arrays
+        if ((token_starts.size, max_new_tokens.size, block_counts.size) == (n + 1, n, n)
+                and token_ids.size == token_starts[-1] and block_ids.size == block_counts.sum()):
+            return batch
+        checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
+            ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
+            ("block_counts", block_counts, n), ("token_ids", token_ids, token_starts[-1:]),
+            ("block_ids", block_ids, block_counts)]
+        for name, array, size in checks:  # the offsets' lengths are checked before they count
+            want = size if isinstance(size, int) else int(size.sum())
+            if array.size != want:
+                raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
+                                 f"{array.size} entries, {want} expected")
+        return batch
 
 
 @dataclass(frozen=True, eq=False)

@@ -52,9 +52,10 @@ def chunk_rows(block_ids: Sequence[int] | np.ndarray, block_size: int, chunk_tok
     return rows
 
 
-def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_counts: np.ndarray,
-                    block_size: int, chunk_tokens: int, first_tokens: np.ndarray,
-                    num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
+                    block_counts: np.ndarray, block_size: int, chunk_tokens: int,
+                    first_tokens: np.ndarray | None, num_tokens: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """The chunk rows of several requests at once (a few numpy passes, no loop per request).
 
     Parameters
@@ -62,13 +63,18 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     block_ids : np.ndarray
         int ``[total_blocks]``: every request's manager block ids, request ``i``'s at
         ``block_ids[block_starts[i] : block_starts[i] + block_counts[i]]``, in token order.
-    block_starts, block_counts : np.ndarray
+    block_starts : np.ndarray or None
+        int ``[num_reqs]``; ``None``: the requests' blocks lie back to back in ``block_ids``
+        (request ``i``'s start where request ``i - 1``'s end), as an allocator hands them out.
+    block_counts : np.ndarray
         int ``[num_reqs]``.
     block_size : int
         Tokens per manager block on that side.
     chunk_tokens : int
         Divides ``block_size`` and every ``first_tokens`` entry.
-    first_tokens, num_tokens : np.ndarray
+    first_tokens : np.ndarray or None
+        int ``[num_reqs]``; ``None``: every request moves from its token 0.
+    num_tokens : np.ndarray
         int ``[num_reqs]``: each request moves tokens ``[first, first + num)``.
 
     Returns
@@ -81,10 +87,11 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
         int64 ``[num_reqs + 1]``: request ``i``'s rows are ``rows[row_starts[i] :
         row_starts[i + 1]]``.
     """
-    first = np.asarray(first_tokens, dtype=np.int64)
     num = np.asarray(num_tokens, dtype=np.int64)
-    hit = bool(first.any())  # else (a round without prefix hits) the first-token terms vanish
-    if block_size % chunk_tokens or (hit and (first % chunk_tokens).any()):
+    first = np.zeros(0, np.int64) if first_tokens is None else np.asarray(first_tokens, np.int64)
+    # None: no request starts past its token 0, so the first-token terms vanish
+    first_chunks = first // chunk_tokens if first.any() else None
+    if block_size % chunk_tokens or (first_chunks is not None and (first % chunk_tokens).any()):
         raise ValueError(
             f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
             f"first token (got {first.tolist()})"
@@ -92,27 +99,47 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray, block_count
     if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
     q = block_size // chunk_tokens  # chunks per block
-    counts = -(-num // chunk_tokens)
-    first_chunks = first // chunk_tokens if hit else first
-    # the chunk past a request's last one, counted from its first block, must lie in its blocks
-    counts_blocks = np.asarray(block_counts, dtype=np.int64)
-    beyond = first_chunks + counts > counts_blocks * q
-    short = np.flatnonzero(beyond & (num > 0) if hit else beyond)  # no tokens: nothing read
-    if short.size:
-        i = int(short[0])
-        raise ValueError(
-            f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} tokens; "
-            f"tokens up to {first[i] + num[i]} need {-(-(first[i] + num[i]) // block_size)}"
-        )
+    counts = (num + (chunk_tokens - 1)) // chunk_tokens if chunk_tokens > 1 else num
+    # chunks each request's blocks hold past the ones it moves (from its first block on):
+    # negative means its blocks are too few
+    counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
+    capacity = counts_blocks * q if q > 1 else counts_blocks
+    spare = capacity - counts if first_chunks is None else capacity - counts - first_chunks
+    tight = not spare.any()  # the common round: each request's blocks hold just its chunks
+    if not tight:
+        short = spare < 0
+        if first_chunks is not None:
+            short &= num > 0  # no tokens: nothing read
+        if short.any():
+            i = int(np.flatnonzero(short)[0])
+            end = (int(first[i]) if first.size else 0) + int(num[i])
+            raise ValueError(
+                f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} "
+                f"tokens; tokens up to {end} need {-(-end // block_size)}"
+            )
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.cumsum(counts, out=row_starts[1:])
-    # chunk j of request i, counted in chunks from the start of the flat block_ids:
-    # q * (its block's flat position) + (its chunk inside that block)
-    starts = np.asarray(block_starts, dtype=np.int64)
-    shift = starts * q if q > 1 else starts
-    shift = (shift + first_chunks if hit else shift) - row_starts[:-1]
     ids = np.asarray(block_ids)
-    if not shift.any():  # every request's rows follow the last one's (a round, no hit)
+    # chunk j of request i, counted in chunks from the start of the flat block_ids:
+    # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
+    shift: np.ndarray | None
+    if block_starts is None:  # back to back: the chunks the earlier requests skip
+        if first_chunks is None and tight:  # every request's rows follow the last one's
+            shift = None
+        else:
+            shift = np.zeros(num.size, dtype=np.int64)
+            skipped = spare[:-1] if first_chunks is None else spare[:-1] + first_chunks[:-1]
+            np.cumsum(skipped, out=shift[1:])
+            if first_chunks is not None:
+                shift += first_chunks
+    else:
+        starts = np.asarray(block_starts, dtype=np.int64)
+        shift = (starts * q if q > 1 else starts) - row_starts[:-1]
+        if first_chunks is not None:
+            shift += first_chunks
+        if not shift.any():
+            shift = None
+    if shift is None:
         if q == 1:
             return ids[:row_starts[-1]].astype(np.int64), row_starts
         offset = np.arange(row_starts[-1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, compress
 
 import numpy as np
 import torch
@@ -22,14 +22,9 @@ from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
-from blocktable.transfer.messages import (
-    OfferBatch,
-    PlanBatch,
-    PlanStatus,
-    Round,
-    data_status,
-)
+from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
 from blocktable.transfer.plan import chunk_tokens_of
+from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
 
@@ -43,6 +38,38 @@ class PrefillStats:
     failed: list[str] = field(default_factory=list)  # gathers that failed (recomputed there)
     num_waits: int = 0  # offers the decode side asked to repeat later
     send_time_s: float = 0.0  # gathers and sends, overlapped
+
+
+class _Handed:
+    """Requests of the prefill side, one list per field (no object of its own per request):
+    the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
+    acknowledgement. A round's offer is then a few array conversions of whole lists."""
+
+    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs", "rows")
+
+    def __init__(self) -> None:
+        self.reqs: list[Request] = []
+        self.req_ids: list[str] = []
+        self.rows: list[int] = []  # table rows
+        self.first_tokens: list[int] = []
+        self.max_new_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def extend(self, other: _Handed) -> None:
+        for name in self.__slots__:
+            getattr(self, name).extend(getattr(other, name))
+
+    def split(self, keep: Sequence[bool]) -> tuple[_Handed, _Handed]:
+        """``(kept, rest)``: the requests where ``keep`` is true, and the others, in order."""
+        kept, rest = _Handed(), _Handed()
+        drop = [not k for k in keep]
+        for name in self.__slots__:
+            values = getattr(self, name)
+            setattr(kept, name, list(compress(values, keep)))
+            setattr(rest, name, list(compress(values, drop)))
+        return kept, rest
 
 
 class PrefillWorker:
@@ -68,13 +95,18 @@ class PrefillWorker:
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
-        self.pending: list[Request] = []  # prompt done, blocks held, not yet sent
-        self._unacked: list[Request] = []  # sent, blocks held until the next plan's ack
-        self.max_new_tokens: dict[str, int] = {}
-        # per request, made once: its prompt with room for the first token, its table row
-        self._token_ids: dict[str, np.ndarray] = {}  # on cpu, int32 [num_prompt + 1]
-        self._rows: dict[str, int] = {}
+        # per request until it is handed over: its prompt (with room for the first token)
+        self.prompts = PromptArena()
+        self._max_new_tokens: dict[str, int] = {}  # submitted, prompt not done yet
+        self.pending = _Handed()  # prompt done, blocks held, not yet sent
+        self._unacked = _Handed()  # handed over this round, blocks held until the next ack
         self.stats = PrefillStats()
+        self._columns = np.zeros(0, dtype=np.int64)  # 0, 1, ... up to the table's width
+        # on the CPU, the data's leading tensor (and its numpy view), reused every round
+        self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
+        if engine.model.kv_cache.device.type == "cpu":
+            status = torch.zeros(2, dtype=torch.int64)
+            self._status_cpu = status, status.numpy()
 
     def submit(self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
         """Queue a request; its decode runs on the decode side.
@@ -90,9 +122,8 @@ class PrefillWorker:
                              f"prefill side samples the first), got {max_new_tokens}")
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2)
-        self.max_new_tokens[req_id] = max_new_tokens
-        tokens = self._token_ids[req_id] = np.empty(len(prompt_token_ids) + 1, dtype=np.int32)
-        tokens[:-1] = prompt_token_ids
+        self.prompts.add(req_id, prompt_token_ids)
+        self._max_new_tokens[req_id] = max_new_tokens
 
     def run(self) -> PrefillStats:
         """Handshake, then prefill and transfer until every submitted request is handed over
@@ -104,19 +135,22 @@ class PrefillWorker:
                     self.engine.step()
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
-                offered = list(self.pending)
-                self.transport.send_message(Round(self._offer_batch(offered), done))
+                self.transport.send_message(Round(self._offer_batch(), done))
                 plans: PlanBatch = self.transport.recv_message()
                 self._acknowledged(plans.num_acked)
                 if done:
                     return self.stats
-                self._transfer_round(offered, plans)
+                self._transfer_round(plans)
         except PeerLostError:  # the decode side is gone: nothing leaks here
-            self._release(self.pending + self._unacked)
+            self.prompts.drop(self.pending.req_ids)
+            self._release(self.pending)
+            self._release(self._unacked)
+            self.pending, self._unacked = _Handed(), _Handed()
             raise
 
     def _collect_prefilled(self) -> None:
-        """Take requests whose prompt is done out of the scheduler (blocks kept)."""
+        """Take requests whose prompt is done out of the scheduler (blocks kept) into the
+        pending ones."""
         running = self.engine.scheduler.running
         done = [req for req in running if req.output_token_ids]
         if not done:
@@ -125,44 +159,39 @@ class PrefillWorker:
             running.clear()
         else:
             running[:] = [req for req in running if not req.output_token_ids]
-        token_ids, rows = self._token_ids, self._rows
-        for req, row in zip(done, self._rows_of(done)):
-            req_id = req.req_id
-            token_ids[req_id][-1] = req.output_token_ids[0]
-            rows[req_id] = row
-        self.pending += done
+        p = self.pending
+        ids = [req.req_id for req in done]
+        p.reqs += done
+        p.req_ids += ids
+        p.rows += self._rows_of(ids)
+        p.max_new_tokens += map(self._max_new_tokens.pop, ids)
+        p.first_tokens += [req.output_token_ids[0] for req in done]
 
-    def _rows_of(self, reqs: list[Request]) -> list[int]:
+    def _rows_of(self, req_ids: list[str]) -> list[int]:
         """Their table rows (the allocator's look-up, one per request)."""
-        row_of = self.engine.manager.row_of
-        return [row_of(req.req_id) for req in reqs]
+        return list(map(self.engine.manager.row_of, req_ids))
 
-    def _offer_batch(self, offered: list[Request]) -> OfferBatch:
-        """The offers of ``offered`` as one message: the block ids are the table's rows,
-        read in one pass."""
-        n = len(offered)
+    def _offer_batch(self) -> OfferBatch:
+        """Every pending request as one message: one array per field, the block ids read from
+        the table's rows in one pass."""
+        p = self.pending
+        n = len(p)
         if not n:
             return OfferBatch.empty()
-        ids = tuple([req.req_id for req in offered])
         table = self.engine.table.tables[0]
         assert table is not None
-        rows = np.array([self._rows[r] for r in ids], dtype=np.int64)
+        rows = np.array(p.rows, dtype=np.intp)
         counts = table.num_kernel_blocks[rows]
-        block_starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=block_starts[1:])
-        block_ids = table.block_table_np[rows][np.arange(table.block_table_np.shape[1])
-                                               < counts[:, None]]
-        tokens = [self._token_ids[r] for r in ids]
-        token_starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([t.size for t in tokens], out=token_starts[1:])
-        max_new = np.array([self.max_new_tokens[r] for r in ids], dtype=np.int64)
-        return OfferBatch(ids, np.concatenate(tokens), token_starts, max_new, block_ids,
-                          block_starts)
+        block_table = table.block_table_np
+        if self._columns.size != block_table.shape[1]:
+            self._columns = np.arange(block_table.shape[1])
+        block_ids = block_table[rows][self._columns < counts[:, None]]
+        token_ids, token_starts = self.prompts.token_ids(p.req_ids, p.first_tokens)
+        return OfferBatch(tuple(p.req_ids), token_ids, token_starts,
+                          np.array(p.max_new_tokens, dtype=np.int64), block_ids, counts)
 
-    def _transfer_round(self, offered: list[Request], plans: PlanBatch) -> None:
-        to_send, refused = self._read_plans(offered, plans)
-        self._release(refused)
-        if not to_send:
+    def _transfer_round(self, plans: PlanBatch) -> None:
+        if not self._read_plans(plans):
             return
         assert self.remote is not None
         chunk_tokens = chunk_tokens_of(self.layout.kernel_block_size,
@@ -170,64 +199,71 @@ class PrefillWorker:
         try:
             pieces = self._gather(plans.src_rows, chunk_tokens)
             view = chunk_view(self.engine.model.kv_cache, chunk_tokens)
-            status = data_status(True, self.staging.rows_per_piece(view))
+            gathered, status = True, self._data_status(True, self.staging.rows_per_piece(view))
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
-            pieces, status = iter(()), data_status(False, 0)
-        device = self.engine.model.kv_cache.device
+            pieces, gathered, status = iter(()), False, self._data_status(False, 0)
         t0 = time.perf_counter()
-        self.transport.send_tensors(chain((torch.from_numpy(status).to(device),), pieces))
+        self.transport.send_tensors(chain((status,), pieces))
         self.stats.send_time_s += time.perf_counter() - t0
-        if status[0]:  # freed once the next plan acknowledges them
-            if len(to_send) == len(self.pending):
-                self.pending = []
-            else:
-                sent = {id(req) for req in to_send}
-                self.pending = [req for req in self.pending if id(req) not in sent]
-            self._unacked = to_send
-        else:
-            self.stats.failed += [req.req_id for req in to_send]
-            self._release(to_send)
+        if not gathered:  # the decode side recomputes them: nothing to acknowledge
+            self.stats.failed += self._unacked.req_ids
+            self._release(self._unacked)
+            self._unacked = _Handed()
 
     def _acknowledged(self, num_acked: int) -> None:
         """The decode side holds the last round's KV: free those requests' blocks here."""
         if num_acked != len(self._unacked):
             raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
                                f"{num_acked} requests, {len(self._unacked)} were sent")
-        self.stats.sent += [req.req_id for req in self._unacked]
+        self.stats.sent += self._unacked.req_ids
         self._release(self._unacked)
+        self._unacked = _Handed()
 
-    def _read_plans(self, offered: list[Request], plans: PlanBatch
-                    ) -> tuple[list[Request], list[Request]]:
-        """The offers to send and the refused ones (recorded); waiting ones are counted."""
+    def _read_plans(self, plans: PlanBatch) -> int:
+        """Hand the offers to send over (their blocks held until the acknowledgement), free
+        the refused ones (recorded), keep the waiting ones pending. Returns how many are
+        handed over."""
         statuses = plans.statuses
-        send = statuses == PlanStatus.SEND
-        if send.all():  # the common round: everything fits
-            return offered, []
-        refused = [offered[i] for i in np.flatnonzero(statuses == PlanStatus.REFUSED).tolist()]
-        for req in refused:
-            self.stats.refused[req.req_id] = plans.reasons.get(offered.index(req), "")
-        self.stats.num_waits += int(np.count_nonzero(statuses == PlanStatus.WAIT))
-        to_send = [offered[i] for i in np.flatnonzero(send).tolist()]
-        return to_send, refused
+        if statuses.size != len(self.pending):
+            raise RuntimeError(f"protocol error: the {self.transport.peer} answered "
+                               f"{statuses.size} offers, {len(self.pending)} were made")
+        if not statuses.any():  # the common round: every offer is sent (SEND is 0)
+            self._unacked, self.pending = self.pending, _Handed()
+            self.prompts.drop(self._unacked.req_ids)  # (in the message already)
+            return len(self._unacked)
+        codes = statuses.tolist()
+        self.stats.num_waits += codes.count(PlanStatus.WAIT)
+        self._unacked, rest = self.pending.split([c == PlanStatus.SEND for c in codes])
+        refused, self.pending = rest.split([c == PlanStatus.REFUSED for c in codes
+                                            if c != PlanStatus.SEND])
+        refused_at = [i for i, c in enumerate(codes) if c == PlanStatus.REFUSED]
+        for req_id, i in zip(refused.req_ids, refused_at):
+            self.stats.refused[req_id] = plans.reasons.get(i, "")
+        self.prompts.drop(refused.req_ids)
+        self.prompts.drop(self._unacked.req_ids)
+        self._release(refused)
+        return len(self._unacked)
+
+    def _data_status(self, gathered: bool, rows_per_piece: int) -> torch.Tensor:
+        """:func:`~blocktable.transfer.messages.data_status` on the cache's device; on the CPU
+        one tensor reused every round (the transport returns once it is sent)."""
+        if self._status_cpu is None:
+            return torch.from_numpy(data_status(gathered, rows_per_piece)).to(
+                self.engine.model.kv_cache.device)
+        status, host = self._status_cpu
+        host[0], host[1] = int(gathered), rows_per_piece
+        return status
 
     def _gather(self, rows: np.ndarray, chunk_tokens: int) -> Iterator[torch.Tensor]:
         """Every layer's K and V of ``rows``, piece after piece of the send buffer (checked
         at the call; each piece gathered in one launch when the transport asks for it)."""
         return self.staging.gather(self.engine.model.kv_cache, rows, chunk_tokens)
 
-    def _release(self, reqs: list[Request]) -> None:
-        """Free their blocks (full ones stay in the prefix cache) in one allocator call."""
-        if not reqs:
+    def _release(self, handed: _Handed) -> None:
+        """Free their blocks (full ones stay in the prefix cache) in one allocator call (their
+        prompts are dropped when they leave the pending ones)."""
+        if not handed.req_ids:
             return
-        ids = [req.req_id for req in reqs]
-        gone = set(ids)
-        if self.pending:
-            self.pending = [req for req in self.pending if req.req_id not in gone]
-        if self._unacked:
-            self._unacked = [req for req in self._unacked if req.req_id not in gone]
-        token_ids, rows = self._token_ids, self._rows
-        for req_id in gone:
-            del token_ids[req_id], rows[req_id]
-        self.engine.manager.free_many(ids)
-        for req in reqs:
+        self.engine.manager.free_many(handed.req_ids)
+        for req in handed.reqs:
             req.status = RequestStatus.FINISHED

@@ -28,6 +28,8 @@ HEADER_LEN = 2
 ALIGN_BYTES = 16
 """Every array in a body starts at a multiple of this many bytes."""
 
+_PADDING = bytes(ALIGN_BYTES)
+
 
 class WireMessage(Protocol):
     """A message that travels as flat arrays plus a small picklable rest."""
@@ -42,26 +44,30 @@ class WireMessage(Protocol):
 
 def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
     """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]``, new
-    arrays on cpu. A :class:`WireMessage`'s arrays are copied once, into ``body``."""
+    arrays on cpu. A :class:`WireMessage`'s arrays are copied once, into ``body`` (one join
+    of their bytes, the padding and the pickle)."""
     to_wire = getattr(type(obj), "to_wire", None)
     if to_wire is None:
         payload = pickle.dumps((None, obj, ()), protocol=5)
         body = np.frombuffer(bytearray(payload), dtype=np.uint8)
         return np.array([body.size, 0], dtype=np.int64), body
     arrays, rest = to_wire(obj)
-    layout, end = [], 0
+    layout: list[tuple[str, int, int]] = []
+    parts: list[bytes | memoryview] = []  # joined into the body
+    end = 0
     for a in arrays:
-        if a.ndim != 1 or a.dtype.hasobject or a.dtype.names is not None:
+        if a.ndim != 1 or a.dtype.kind in "OV":  # objects, structured or void records
             raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of plain "
                              f"dtypes, got {a.dtype} of shape {a.shape}")
-        offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES
-        layout.append((a.dtype.str, a.size, offset))
-        end = offset + a.nbytes
-    payload = pickle.dumps((type(obj), rest, layout), protocol=5)
-    body = np.empty(end + len(payload), dtype=np.uint8)
-    for a, (_, size, offset) in zip(arrays, layout):
-        np.ndarray(size, a.dtype, body, offset)[...] = a  # a strided view is laid out too
-    body[end:] = np.frombuffer(payload, dtype=np.uint8)
+        pad = -end % ALIGN_BYTES
+        if pad:
+            parts.append(_PADDING[:pad])
+            end += pad
+        layout.append((a.dtype.str, a.size, end))
+        parts.append((a if a.flags.c_contiguous else np.ascontiguousarray(a)).data)
+        end += a.nbytes
+    parts.append(pickle.dumps((type(obj), rest, layout), protocol=5))
+    body = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
     return np.array([body.size, end], dtype=np.int64), body
 
 
@@ -72,7 +78,7 @@ def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
     if body.dtype != np.uint8 or body.ndim != 1 or body.size != size or not 0 <= start < size:
         raise ValueError(f"body must be uint8 [{size}] with its pickle at [{start}, {size}), "
                          f"got {body.dtype} {list(body.shape)}")
-    cls, rest, layout = pickle.loads(body[start:].tobytes())
+    cls, rest, layout = pickle.loads(body[start:].data)
     if cls is None:
         return rest
     arrays = [np.frombuffer(body, dtype=dtype, count=count, offset=offset)
