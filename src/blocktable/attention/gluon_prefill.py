@@ -183,6 +183,11 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         acc = warpgroup_mma_init(acc)  # the loop carries it in flight
+        # P (in registers) of the P @ V product in flight. A wgmma reads its register operands
+        # until the wait that retires it, so P is named in that wait's deps: registers the
+        # allocator sees dead after the wgmma get reused (without this, the next tile's mask
+        # and row max overwrote P in the sm_90 SASS while the tensor cores still read it).
+        p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, P_LAYOUT)
 
         async_copy.wait_group(NUM_STAGES - 2)  # tile 0
         fence_async_shared()
@@ -201,8 +206,9 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
+            # P @ V of tile i - 1 retires; only then is tile i's P packed into registers.
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P @ V of tile i - 1
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
             acc = acc * gl.expand_dims(alpha_o, 1)
             # Tile i + 1 landed (tiles up to i + NUM_STAGES - 2 are committed); every warp
@@ -222,8 +228,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             s_next = warpgroup_mma(q_smem, k_smem.index((i + 1) % NUM_STAGES).permute((1, 0)),
                                    zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(i % NUM_STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, p_op))
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         return acc, m_i, l_i
 
     @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
