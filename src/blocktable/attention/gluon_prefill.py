@@ -31,6 +31,11 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
             warpgroup_mma_wait,
         )
 
+        # Names that later Tritons changed (3.6 on the GPU machine; CI compiles with newer).
+        _async_load = getattr(async_copy, "async_load", None) or (
+            async_copy.async_copy_global_to_shared
+        )
+        _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
         HAS_GLUON = True
     except (ImportError, AttributeError):
         pass
@@ -105,8 +110,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             + gl.expand_dims(d, 0)
         v_ptrs = v_base + gl.expand_dims(ids * v_stride_b + slot * v_stride_s, 1) \
             + gl.expand_dims(d, 0)
-        async_copy.async_copy_global_to_shared(k_smem.index(stage), k_ptrs, mask=mask)
-        async_copy.async_copy_global_to_shared(v_smem.index(stage), v_ptrs, mask=mask)
+        _async_load(k_smem.index(stage), k_ptrs, mask=mask)
+        _async_load(v_smem.index(stage), v_ptrs, mask=mask)
 
     @gluon.jit
     def _attend(
@@ -129,7 +134,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             stage = it % NUM_STAGES
             async_copy.wait_group(NUM_STAGES - 2)
             fence_async_shared()
-            gl.thread_barrier()  # every warp's copies landed; every warp left the tile before
+            _cta_barrier()  # every warp's copies landed; every warp left the tile before
             nxt = it + NUM_STAGES - 1
             if nxt < n_tiles_total:
                 _issue_kv(
@@ -191,7 +196,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
         async_copy.wait_group(NUM_STAGES - 2)  # tile 0
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -215,7 +220,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             # is done with tile i - 1, whose stage the copy of tile i + NUM_STAGES - 1 takes.
             async_copy.wait_group(NUM_STAGES - 3)
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             nxt = i + NUM_STAGES - 1
             if nxt < n_tiles:
                 _issue_kv(
