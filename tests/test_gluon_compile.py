@@ -28,7 +28,10 @@ if "nvidia" not in getattr(triton.backends, "backends", {}):
 from blocktable.attention import gluon_prefill
 if not gluon_prefill.HAS_GLUON:
     sys.exit(77)
-from triton.experimental.gluon._runtime import GluonASTSource
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:
+    sys.exit(77)
 
 kernel = gluon_prefill.gluon_prefill_kernel
 group, block_m, block_n, stages, warps, head_dim, out = sys.argv[1:]
