@@ -117,7 +117,8 @@ class Batch:
         return 4.0 * self.shape.num_heads * self.shape.head_dim * pairs
 
     def check(self, out: torch.Tensor, samples: int = 3, max_queries: int = 64) -> float:
-        """Max abs error against float32 attention on a few requests' last queries."""
+        """Max abs error against float32 attention on a few requests' last queries; NaN when
+        any checked output is NaN."""
         shape, page = self.shape, self.shape.page_size
         group = shape.num_heads // shape.num_kv_heads
         reqs = sorted({0, len(self.seq_lens_list) // 2, len(self.seq_lens_list) - 1})[:samples]
@@ -138,7 +139,10 @@ class Batch:
             mask = torch.arange(s, device=k.device)[None, :] <= pos[:, None]
             scores = scores.masked_fill(~mask, float("-inf"))
             ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-            worst = max(worst, float((out[tokens].float() - ref).abs().max()))
+            err = float((out[tokens].float() - ref).abs().max())
+            if math.isnan(err):  # max() would keep the old value and hide the NaN
+                return err
+            worst = max(worst, err)
         return worst
 
 

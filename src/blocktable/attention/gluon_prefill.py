@@ -31,6 +31,11 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
             warpgroup_mma_wait,
         )
 
+        # Names that later Tritons changed (3.6 on the GPU machine; CI compiles with newer).
+        _async_load = getattr(async_copy, "async_load", None) or (
+            async_copy.async_copy_global_to_shared
+        )
+        _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
         HAS_GLUON = True
     except (ImportError, AttributeError):
         pass
@@ -105,8 +110,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             + gl.expand_dims(d, 0)
         v_ptrs = v_base + gl.expand_dims(ids * v_stride_b + slot * v_stride_s, 1) \
             + gl.expand_dims(d, 0)
-        async_copy.async_copy_global_to_shared(k_smem.index(stage), k_ptrs, mask=mask)
-        async_copy.async_copy_global_to_shared(v_smem.index(stage), v_ptrs, mask=mask)
+        _async_load(k_smem.index(stage), k_ptrs, mask=mask)
+        _async_load(v_smem.index(stage), v_ptrs, mask=mask)
 
     @gluon.jit
     def _attend(
@@ -129,7 +134,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             stage = it % NUM_STAGES
             async_copy.wait_group(NUM_STAGES - 2)
             fence_async_shared()
-            gl.thread_barrier()  # every warp's copies landed; every warp left the tile before
+            _cta_barrier()  # every warp's copies landed; every warp left the tile before
             nxt = it + NUM_STAGES - 1
             if nxt < n_tiles_total:
                 _issue_kv(
@@ -183,10 +188,15 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         acc = warpgroup_mma_init(acc)  # the loop carries it in flight
+        # P (in registers) of the P @ V product in flight. A wgmma reads its register operands
+        # until the wait that retires it, so P is named in that wait's deps: registers the
+        # allocator sees dead after the wgmma get reused (without this, the next tile's mask
+        # and row max overwrote P in the sm_90 SASS while the tensor cores still read it).
+        p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, P_LAYOUT)
 
         async_copy.wait_group(NUM_STAGES - 2)  # tile 0
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -201,15 +211,16 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
+            # P @ V of tile i - 1 retires; only then is tile i's P packed into registers.
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P @ V of tile i - 1
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
             acc = acc * gl.expand_dims(alpha_o, 1)
             # Tile i + 1 landed (tiles up to i + NUM_STAGES - 2 are committed); every warp
             # is done with tile i - 1, whose stage the copy of tile i + NUM_STAGES - 1 takes.
             async_copy.wait_group(NUM_STAGES - 3)
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             nxt = i + NUM_STAGES - 1
             if nxt < n_tiles:
                 _issue_kv(
@@ -222,8 +233,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             s_next = warpgroup_mma(q_smem, k_smem.index((i + 1) % NUM_STAGES).permute((1, 0)),
                                    zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(i % NUM_STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, p_op))
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         return acc, m_i, l_i
 
     @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
