@@ -167,3 +167,18 @@ def test_side_by_side_tiny_run(tmp_path: Path) -> None:
         if row["vllm"] is not None:
             assert row["ratio"] == pytest.approx(row["vllm"]["median"]
                                                  / row["blocktable"]["median"])
+
+
+def test_per_request_allocate_benchmark_tiny_run(tmp_path: Path) -> None:
+    """Both ways of a per-request allocate run the same events and agree every step."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(BENCH / "bench_per_request_allocate.py"), "--steps", "4",
+           "--warmup", "1", "--num-reqs", "96", "--num-blocks", "16000", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    data = json.loads(out.read_text())
+    assert set(data["rows"]) == {"one-request path", "thin wrapper"}
+    assert all(row["n"] == 4 for row in data["rows"].values())
