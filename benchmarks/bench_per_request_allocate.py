@@ -85,7 +85,7 @@ def main() -> int:
             if i >= args.warmup:
                 times[name].append(ns / 1e6)
         KVCacheManager.allocate = ONE_REQUEST
-        (wa, a), (wb, b) = sides[names[0]], sides[names[1]]
+        (wa, a), (_, b) = sides[names[0]], sides[names[1]]
         if a.num_free_blocks() != b.num_free_blocks() or any(
             a.block_ids(r) != b.block_ids(r) for r in wa.running
         ):
