@@ -601,3 +601,93 @@ def test_key_table_refuses_hostile_arguments() -> None:
     assert not table.insert_absent(np.array([9, 3], np.uint64), np.array([1, 1], I64))
     assert not table.insert_absent(np.array([9, 9], np.uint64), np.array([1, 1], I64))
     assert sorted(zip(*table.items())) == before
+
+
+# ---- the CPU backend's device work of a captured step ------------------------------------
+def launch_case(rng: np.random.Generator):
+    """A staging buffer's parts (4 pairs at most, 3 requests, 8 tokens), a device table of
+    5 rows and a mapper reading it."""
+    flat, layout, rows, _, _, _ = slot_case(rng, int(rng.integers(1, 3)))
+    P, R, T = 4, 3, 8
+    n = int(rng.integers(0, P + 1))
+    header_pairs = np.zeros(1 + 2 * P, I32)
+    header_pairs[0] = n
+    header_pairs[1 : 1 + n] = rng.choice(len(flat), n, replace=False)
+    header_pairs[1 + n : 1 + 2 * n] = rng.integers(0, 30, n)
+    num_reqs = int(rng.integers(0, R + 1))
+    qsl = np.concatenate([[0], np.cumsum(rng.integers(0, 3, num_reqs))]).astype(I32)
+    qsl = np.concatenate([qsl, np.full(R - num_reqs, qsl[-1])]).astype(I32)  # padded
+    positions = rng.integers(-3, 40, T).astype(I64)
+    row_of_batch = rng.integers(-1, rows + 1, R).astype(I32)
+    out = np.full((1, 10), 99, I64)
+    return flat, layout, rows, header_pairs, qsl, row_of_batch, positions, out
+
+
+def test_host_launch_equals_numpy_put_and_slot_mapping() -> None:
+    """Random staged pairs and padded batches: the pairs put into the table, then the slots
+    of the batch, as numpy does them."""
+    from blocktable.slot_mapping.params import SlotGroupParams
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        flat, layout, rows, hp, qsl, row_of_batch, positions, out = launch_case(rng)
+        want_flat, want_out = flat.copy(), out.copy()
+        mapper = compiled.SlotMapper(flat, out, [layout], rows)
+        compiled.HostLaunch(hp, qsl, row_of_batch, positions, flat, mapper).launch()
+        n = hp[0]
+        want_flat.put(hp[1 : 1 + n], hp[1 + n : 1 + 2 * n])
+        params = [SlotGroupParams(*layout[:5], layout[5], layout[6], layout[7])]
+        slot_mapping_numpy(want_flat, params, qsl, positions[: qsl[-1]], row_of_batch,
+                           want_out, rows)
+        np.testing.assert_array_equal(flat, want_flat)
+        np.testing.assert_array_equal(out, want_out)
+
+
+def test_host_launch_refuses_hostile_arguments() -> None:
+    rng = np.random.default_rng(12)
+    flat, layout, rows, hp, qsl, row_of_batch, positions, out = launch_case(rng)
+    mapper = compiled.SlotMapper(flat, out, [layout], rows)
+    parts = [hp, qsl, row_of_batch, positions, flat]
+    arrays = [*parts, out]
+
+    def make(i: int, bad: object):
+        args: list = list(parts)
+        args[i] = bad
+        return compiled.HostLaunch(*args, mapper)
+
+    for i, arr in enumerate(parts):
+        variants = hostile_variants(arr)
+        if i == 4:
+            variants.append(("read-only", read_only(arr)))
+        for label, bad in variants:
+            _refused(lambda: make(i, bad), arrays)
+    for i, short in ((0, hp[:8]), (0, hp[:0]), (1, qsl[:3]), (2, row_of_batch[:2])):
+        _refused(lambda: make(i, short), arrays)  # shapes that disagree
+    _refused(lambda: make(3, np.zeros(11, I64)), arrays)  # more tokens than the slot buffers
+    # read arrays that alias a written one, and a table that aliases the slot buffers
+    _refused(lambda: make(0, flat[: len(hp)]), arrays)
+    _refused(lambda: make(1, flat[-4:]), arrays)
+    _refused(lambda: make(3, out[0, :8]), arrays)
+    _refused(lambda: make(2, out[0].view(I32)[:3]), arrays)
+    wide = np.zeros((1, 40), I64)
+    aliased = compiled.SlotMapper(flat, wide, [layout], rows)
+    _refused(lambda: compiled.HostLaunch(hp, qsl, row_of_batch, positions,
+                                         wide[0].view(I32)[: len(flat)], aliased), [*arrays, wide])
+
+    launch = compiled.HostLaunch(*parts, mapper).launch
+    good = hp.copy()
+    for count in (-1, 5, 2**31 - 1, -2**31):  # the pair count outside [0, max_pairs]
+        hp[0] = count
+        _refused(launch, arrays)
+    hp[:] = good
+    hp[0] = 2
+    for index in (-1, len(flat), 2**31 - 1, -2**31):  # a pair index outside the table
+        hp[2] = index
+        _refused(launch, arrays)
+    hp[:] = good
+    good_qsl = qsl.copy()
+    for bad in ([1, 1, 1, 1], [0, 2, 1, 1], [0, 0, 0, 9], [0, 0, 0, -1]):
+        qsl[:] = bad  # does not start at 0, decreases, more tokens than positions, negative
+        _refused(launch, arrays)
+    qsl[:] = good_qsl
+    launch()  # the valid call still works

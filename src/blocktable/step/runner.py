@@ -33,6 +33,7 @@ brings everything a step sends to the device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import astuple
 from functools import partial
 from typing import NamedTuple
 
@@ -199,6 +200,8 @@ class CapturedStep:
                               else [partial(self._device_work, s) for s in range(num_slots)])
         elif self.mode == "kernels":
             self._launches = [partial(self._device_work, 0)]
+        else:
+            self._launches = [self._host_launch(s) for s in range(num_slots)]
 
     # ---------------------------------------------------------------- one step
     def run(
@@ -303,22 +306,14 @@ class CapturedStep:
         num_pairs = table.committer.stage(v.pairs, L.max_pairs)
         if num_pairs == FULL:
             table.commit()  # copies row spans, on the current stream before the device work
-        staged = max(num_pairs, 0)
-        if self.mode == "numpy":
-            if staged:
-                table.committer.scatter_on_host(v.pairs, staged)
-            if table.slot_params:
-                qsl, rows = self._batch(slot, num_reqs)
-                table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
-        else:
-            v.header[NUM_PAIRS] = staged
-            if self._padded[slot] != (num_reqs, num_tokens):
-                v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
-                self._padded[slot] = (num_reqs, num_tokens)
-            self._launches[slot]()
-            if self._events is not None:  # (the launch records the slot's event)
-                self._pending[slot] = True
-                self._slot = slot ^ 1
+        v.header[NUM_PAIRS] = num_pairs if num_pairs > 0 else 0
+        if self._padded[slot] != (num_reqs, num_tokens):
+            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+            self._padded[slot] = (num_reqs, num_tokens)
+        self._launches[slot]()
+        if self._events is not None:  # (the launch records the slot's event)
+            self._pending[slot] = True
+            self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
         # the step's host work with the caches cold
         by_n = self._views_by_n.get(num_reqs)
@@ -379,6 +374,30 @@ class CapturedStep:
                                                      self._d_rows)
         if self._events is not None:
             self._events[slot].record()
+
+    def _host_launch(self, slot: int) -> Callable[[], None]:
+        """The CPU backend's device work of staging ``slot``, as a graph replay does it: the
+        staged pairs into the CPU "device" table, then the slots of the padded batch. One
+        compiled call where the install built it, else numpy with the same results."""
+        table, v = self.table, self._views[slot]
+        device_np = table.storage.device_np
+        assert device_np is not None
+        header_pairs = v.buffer[: self.layout.qsl]
+        compiled = _loader.COMPILED
+        if compiled is not None:
+            mapper = compiled.SlotMapper(device_np, table.slot_buffers.numpy(),
+                                         [astuple(p) for p in table.slot_params],
+                                         table.max_num_reqs)
+            return compiled.HostLaunch(header_pairs, v.qsl, v.rows, v.positions, device_np,
+                                       mapper).launch
+
+        def launch() -> None:
+            n = int(v.header[NUM_PAIRS])
+            device_np.put(v.pairs[:n], v.pairs[n : 2 * n])
+            if table.slot_params:
+                table.map_slots_on_host(v.qsl, v.positions[: v.qsl[-1]], v.rows)
+
+        return launch
 
     def _capture(self, use_graph: bool) -> None:
         """Warm up (compiles the kernels) on a side stream, then capture one graph per
