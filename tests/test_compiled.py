@@ -11,11 +11,14 @@ its documented refusal) and leave every array exactly as it was.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import numpy as np
 import pytest
 
 from blocktable import _host_loops as loops
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
+from blocktable.update import RowBlocks
 
 compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
 
@@ -508,16 +511,59 @@ def journal_args() -> list:
     return [touched, 5, start_gen, holder_gen, start_len, row_len, arenas]
 
 
+EMPTY32 = np.zeros(0, I32)
+EMPTY32.flags.writeable = False
+
+
+NO_BLOCKS = RowBlocks(EMPTY32, EMPTY32, EMPTY32)
+
+
+def journal_diff(touched, stamp, start_gen, holder_gen, start_len, row_len, arenas) -> list:
+    """A journal diff bound to the arrays, called once: its parts as flat arrays (cleared
+    rows, added rows, then per group added counts and ids, grown rows, growth, new ids)."""
+    cleared, added, appended = compiled.JournalDiff(
+        touched, start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS,
+    ).diff(stamp, arenas)
+    parts = [cleared, added[0].rows]
+    for a, p in zip(added, appended):
+        parts += [a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks, p.block_ids]
+    return parts
+
+
 def test_journal_diff_parts() -> None:
-    flat, lengths = compiled.journal_diff(*journal_args())
-    parts, at = [], 0
-    for n in lengths:
-        parts.append(flat[at : at + n].tolist())
-        at += n
-    assert at == len(flat) and flat.dtype == I32
-    assert parts == [[0], [1],
-                     [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
-                     [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
+    parts = journal_diff(*journal_args())
+    assert [p.tolist() for p in parts] == [
+        [0], [1],
+        [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
+        [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
+    assert all(p.dtype == I32 and not p.flags.writeable for p in parts)
+    assert all(p is EMPTY32 for p in parts[-3:])  # empty parts: the one given
+    assert compiled.JournalDiff(*[journal_args()[i] for i in (0, 2, 3, 4, 5)], EMPTY32,
+                                RowBlocks, NO_BLOCKS).diff(5, journal_args()[6])[2][1] is NO_BLOCKS
+    with pytest.raises(ValueError):
+        parts[0].flags.writeable = True  # a view of a read-only buffer
+
+
+def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None:
+    touched, stamp, start_gen, holder_gen, start_len, row_len, arenas = journal_args()
+    bound = compiled.JournalDiff(touched, start_gen, holder_gen, start_len, row_len,
+                                 EMPTY32, RowBlocks, NO_BLOCKS).diff
+
+    def diff(stamp, arenas):
+        cleared, added, appended = bound(stamp, arenas)
+        return [cleared] + [a for b in added + appended for a in astuple(b)]
+
+    first = [p.tolist() for p in diff(stamp, arenas)]
+    assert [p.tolist() for p in diff(stamp, arenas)] == first  # the same arenas again
+    wider = [np.hstack([a, a + 100]) for a in arenas]  # an arena that grew: taken anew
+    assert [p.tolist() for p in diff(stamp, wider)] == first
+    before = snapshot([touched, start_gen, holder_gen, start_len, row_len, *wider])
+    for bad in ([wider[0][:3], wider[1]], [wider[0].astype(np.uint32), wider[1]],
+                [wider[0]], [wider[0], wider[1], wider[1]]):
+        with pytest.raises((TypeError, ValueError)):
+            diff(stamp, bad)  # a new arena is checked (rows, dtype); one arena per group
+        unchanged(before, [touched, start_gen, holder_gen, start_len, row_len, *wider])
+    assert [p.tolist() for p in diff(stamp, wider)] == first
 
 
 def test_journal_diff_refuses_hostile_arguments() -> None:
@@ -526,7 +572,7 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
 
     def check(args: list) -> None:
         with pytest.raises((TypeError, ValueError)):
-            compiled.journal_diff(*args)
+            journal_diff(*args)
         unchanged(before, [valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
 
     for i in (0, 2, 3, 4, 5):
@@ -561,6 +607,10 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
     args[4] = valid[4].copy()
     args[4][0, 2] = -3
     check(args)  # a row that grew from a negative length
+    for label, bad in hostile_variants(EMPTY32) + [("not empty", np.zeros(1, I32))]:
+        with pytest.raises((TypeError, ValueError)):
+            compiled.JournalDiff(*[valid[i] for i in (0, 2, 3, 4, 5)], bad, RowBlocks,
+                                 NO_BLOCKS)
 
 
 def test_key_table_refuses_hostile_arguments() -> None:

@@ -289,13 +289,9 @@ class CapturedStep:
         if self._lent != slot:
             raise RuntimeError("run_staged needs batch_views() first (once per step)")
         L = self.layout
-        if not (type(num_reqs) is int and 0 <= num_reqs <= L.max_num_reqs):
-            raise ValueError(f"num_reqs must be an int in [0, {L.max_num_reqs}], "
-                             f"got {num_reqs!r}")
-        if not (type(num_tokens) is int and 0 <= num_tokens <= L.max_num_tokens):
-            raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
-                             f"got {num_tokens!r}")
-        v = self._views[slot]
+        if not (type(num_reqs) is int and type(num_tokens) is int
+                and 0 <= num_reqs <= L.max_num_reqs and 0 <= num_tokens <= L.max_num_tokens):
+            _check_counts(num_reqs, num_tokens, L)  # names the bad one
         table = self.table
         checks = self._checks
         if checks is None or checks[slot](num_reqs, num_tokens) < 0:
@@ -303,10 +299,13 @@ class CapturedStep:
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1
+        v = self._views[slot]
         num_pairs = table.committer.stage(v.pairs, L.max_pairs)
         if num_pairs == FULL:
             table.commit()  # copies row spans, on the current stream before the device work
-        v.header[NUM_PAIRS] = num_pairs if num_pairs > 0 else 0
+            v.header[NUM_PAIRS] = 0
+        else:
+            v.header[NUM_PAIRS] = num_pairs
         if self._padded[slot] != (num_reqs, num_tokens):
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = (num_reqs, num_tokens)
@@ -434,6 +433,14 @@ def _check_batch_values(qsl: np.ndarray, rows: np.ndarray, num_tokens: int,
     if num_reqs and rows.view(_U32).max() >= num_rows:
         bad = int(rows[(rows < 0) | (rows >= num_rows)][0])
         raise IndexError(f"row_of_batch holds row {bad}, outside [0, {num_rows})")
+
+
+def _check_counts(num_reqs: object, num_tokens: object, layout: StepLayout) -> None:
+    """Raise unless ``num_reqs`` and ``num_tokens`` are ints within ``layout``'s capacities."""
+    for name, value, bound in (("num_reqs", num_reqs, layout.max_num_reqs),
+                               ("num_tokens", num_tokens, layout.max_num_tokens)):
+        if not (type(value) is int and 0 <= value <= bound):
+            raise ValueError(f"{name} must be an int in [0, {bound}], got {value!r}")
 
 
 def _capacity(name: str, value: int | None, bound: int) -> int:
