@@ -1,5 +1,7 @@
 # The allocator's step journal: the net change of every touched row (included by _compiled.pyx).
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
     if value is None:  # (a memoryview would take None as an empty array)
         raise TypeError(f"{name} must be an array, got None")
@@ -167,8 +169,15 @@ cdef class JournalDiff:
             lengths += [n_added, add_ids, grown, grown, new_ids]
             total += n_added + add_ids + 2 * grown + new_ids
         # ---- the parts, in the order of ``lengths`` -------------------------------------
-        flat = _np.empty(total, dtype=_np.int32)
-        cdef int32_t[::1] out = flat
+        make, none = self.row_blocks, self.no_blocks
+        if total == 0:  # nothing to gather: every part is empty
+            return self.empty, (none,) * num_groups, (none,) * num_groups
+        if total > PY_SSIZE_T_MAX // 4:
+            raise ValueError(f"the update would hold {total} ids")
+        # a new bytes object, written here before anyone else sees it: its array is read-only
+        # from birth, and so is every view of it
+        cdef bytes buf = PyBytes_FromStringAndSize(NULL, total * 4)
+        cdef int32_t[::1] out = <int32_t[:total]> <int32_t*> PyBytes_AS_STRING(buf)
         at = 0
         for i in range(n):
             if kinds[i] == _CLEARED_ROW:
@@ -206,14 +215,13 @@ cdef class JournalDiff:
                     for q in range(slen[g, r], rlen[g, r]):
                         out[at] = arena[r, q]
                         at += 1
-        flat.setflags(write=False)  # (its views cannot be made writable)
+        flat = _np.frombuffer(buf, dtype=_np.int32)
         cdef list parts = []
         at = 0
         for length in lengths:
             parts.append(flat[at : at + length] if length else self.empty)
             at += length
         # the added rows serve every group; a group's empty part is the one empty instance
-        make, none = self.row_blocks, self.no_blocks
         added = tuple([make(parts[1], parts[2 + 5 * g], parts[3 + 5 * g])
                        for g in range(num_groups)]) if n_added else (none,) * num_groups
         appended = tuple([make(parts[4 + 5 * g], parts[5 + 5 * g], parts[6 + 5 * g])
