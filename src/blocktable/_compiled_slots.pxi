@@ -70,17 +70,20 @@ cdef class SlotMapper:
             raise ValueError("out overlaps an input array")
         if not _well_formed(qsl, num_tokens):
             return -1
-        self._map(qsl, pos, rows if indexed else None)
+        if not indexed:
+            rows = qsl  # (not read: request r reads row r)
+        self._map(qsl, pos, rows, indexed)
         return 0
 
     cdef int _map(self, const int32_t[::1] qsl, const int64_t[::1] pos,
-                  object rows) except -1:
-        """Every group's slots of a checked batch (``qsl`` well formed for ``pos``, ``rows``
-        an int32 view of its requests' rows or ``None``, overlapping no output)."""
+                  const int32_t[::1] rows, bint indexed) except -1:
+        """Every group's slots of a checked batch (``qsl`` well formed for ``pos``; ``rows``
+        its requests' rows where ``indexed``, else request ``r`` reads row ``r``; overlapping
+        no output). Views only: no Python object per call."""
         cdef Py_ssize_t g
         for g in range(self.out.shape[0]):
             _map_group(self.table, self.layout[g], self.max_num_reqs, qsl, pos, rows,
-                       self.out[g])
+                       indexed, self.out[g])
         return 0
 
     cdef bint _overlaps_out(self, const void* start, Py_ssize_t nbytes) noexcept:
@@ -188,7 +191,7 @@ cdef class HostLaunch:
         for i in range(1, n + 1):
             table[pairs[i]] = pairs[n + i]
         if self.mapper is not None:
-            self.mapper._map(self.qsl, self.pos[:num_tokens], self.rows)
+            self.mapper._map(self.qsl, self.pos[:num_tokens], self.rows, True)
 
 
 cdef int64_t[:, ::1] _layout(list params) except *:
@@ -236,13 +239,10 @@ cdef int _check_layout(const int64_t[::1] p, Py_ssize_t num_entries,
 
 
 cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_num_reqs,
-                    const int32_t[::1] qsl, const int64_t[::1] pos, object row_of_batch,
-                    int64_t[::1] slots) except -1:
-    """One group's slots (its layout ``p`` checked, ``qsl`` well formed)."""
-    cdef const int32_t[::1] rows
-    cdef bint indexed = row_of_batch is not None
-    if indexed:
-        rows = row_of_batch
+                    const int32_t[::1] qsl, const int64_t[::1] pos, const int32_t[::1] rows,
+                    bint indexed, int64_t[::1] slots) except -1:
+    """One group's slots (its layout ``p`` checked, ``qsl`` well formed; ``rows`` read only
+    where ``indexed``)."""
     cdef int64_t table_offset = p[0], width = p[1], counts_offset = p[2]
     cdef int64_t kernel_block_size = p[3], manager_block_size = p[4]
     cdef int64_t cp_world_size = p[5], cp_rank = p[6], cp_interleave = p[7]
