@@ -37,8 +37,7 @@ cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_
 
 cdef class JournalDiff:
     """The journal's arrays, bound once: the net change of every touched row, in row order;
-    the compiled twin of the classification and gathers of
-    :meth:`blocktable.allocator.journal.StepJournal.take`.
+    the compiled twin of :meth:`blocktable.allocator.journal.StepJournal._diff`.
 
     The bound arrays, read only: ``touched`` (int64 ``[num_rows]``: the stamp of each row's
     last first touch), ``start_gen`` and ``holder_gen`` (int64 ``[num_rows]``: the holder at

@@ -17,9 +17,10 @@ the graph, so a step's one call into torch is the replay). Launch shapes come fr
 capacities, so one graph serves every batch: ``query_start_loc`` is padded with
 ``num_tokens``, so padding requests own no token. Two staging buffers alternate; a buffer is
 refilled once its event says the replay that read it has finished. (A torch without external
-events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend it
-is numpy on the calling thread: a ``put`` of the pairs into the CPU "device" table and the host
-slot mapping. With ``backend="triton"`` on CPU tensors
+events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend
+the launch is one call on the calling thread that reads the staging buffer as the graph does:
+the pairs into the CPU "device" table, then the host slot mapping (compiled where the install
+built it, else numpy). With ``backend="triton"`` on CPU tensors
 (under ``TRITON_INTERPRET=1``) the graph's kernels launch eagerly: the tests' way to run the
 CUDA path's kernels without a GPU.
 
