@@ -11,11 +11,14 @@ its documented refusal) and leave every array exactly as it was.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import numpy as np
 import pytest
 
 from blocktable import _host_loops as loops
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
+from blocktable.update import RowBlocks
 
 compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
 
@@ -508,16 +511,59 @@ def journal_args() -> list:
     return [touched, 5, start_gen, holder_gen, start_len, row_len, arenas]
 
 
+EMPTY32 = np.zeros(0, I32)
+EMPTY32.flags.writeable = False
+
+
+NO_BLOCKS = RowBlocks(EMPTY32, EMPTY32, EMPTY32)
+
+
+def journal_diff(touched, stamp, start_gen, holder_gen, start_len, row_len, arenas) -> list:
+    """A journal diff bound to the arrays, called once: its parts as flat arrays (cleared
+    rows, added rows, then per group added counts and ids, grown rows, growth, new ids)."""
+    cleared, added, appended = compiled.JournalDiff(
+        touched, start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS,
+    ).diff(stamp, arenas)
+    parts = [cleared, added[0].rows]
+    for a, p in zip(added, appended):
+        parts += [a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks, p.block_ids]
+    return parts
+
+
 def test_journal_diff_parts() -> None:
-    flat, lengths = compiled.journal_diff(*journal_args())
-    parts, at = [], 0
-    for n in lengths:
-        parts.append(flat[at : at + n].tolist())
-        at += n
-    assert at == len(flat) and flat.dtype == I32
-    assert parts == [[0], [1],
-                     [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
-                     [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
+    parts = journal_diff(*journal_args())
+    assert [p.tolist() for p in parts] == [
+        [0], [1],
+        [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
+        [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
+    assert all(p.dtype == I32 and not p.flags.writeable for p in parts)
+    assert all(p is EMPTY32 for p in parts[-3:])  # empty parts: the one given
+    assert compiled.JournalDiff(*[journal_args()[i] for i in (0, 2, 3, 4, 5)], EMPTY32,
+                                RowBlocks, NO_BLOCKS).diff(5, journal_args()[6])[2][1] is NO_BLOCKS
+    with pytest.raises(ValueError):
+        parts[0].flags.writeable = True  # a view of a read-only buffer
+
+
+def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None:
+    touched, stamp, start_gen, holder_gen, start_len, row_len, arenas = journal_args()
+    bound = compiled.JournalDiff(touched, start_gen, holder_gen, start_len, row_len,
+                                 EMPTY32, RowBlocks, NO_BLOCKS).diff
+
+    def diff(stamp, arenas):
+        cleared, added, appended = bound(stamp, arenas)
+        return [cleared] + [a for b in added + appended for a in astuple(b)]
+
+    first = [p.tolist() for p in diff(stamp, arenas)]
+    assert [p.tolist() for p in diff(stamp, arenas)] == first  # the same arenas again
+    wider = [np.hstack([a, a + 100]) for a in arenas]  # an arena that grew: taken anew
+    assert [p.tolist() for p in diff(stamp, wider)] == first
+    before = snapshot([touched, start_gen, holder_gen, start_len, row_len, *wider])
+    for bad in ([wider[0][:3], wider[1]], [wider[0].astype(np.uint32), wider[1]],
+                [wider[0]], [wider[0], wider[1], wider[1]]):
+        with pytest.raises((TypeError, ValueError)):
+            diff(stamp, bad)  # a new arena is checked (rows, dtype); one arena per group
+        unchanged(before, [touched, start_gen, holder_gen, start_len, row_len, *wider])
+    assert [p.tolist() for p in diff(stamp, wider)] == first
 
 
 def test_journal_diff_refuses_hostile_arguments() -> None:
@@ -526,7 +572,7 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
 
     def check(args: list) -> None:
         with pytest.raises((TypeError, ValueError)):
-            compiled.journal_diff(*args)
+            journal_diff(*args)
         unchanged(before, [valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
 
     for i in (0, 2, 3, 4, 5):
@@ -561,6 +607,10 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
     args[4] = valid[4].copy()
     args[4][0, 2] = -3
     check(args)  # a row that grew from a negative length
+    for label, bad in hostile_variants(EMPTY32) + [("not empty", np.zeros(1, I32))]:
+        with pytest.raises((TypeError, ValueError)):
+            compiled.JournalDiff(*[valid[i] for i in (0, 2, 3, 4, 5)], bad, RowBlocks,
+                                 NO_BLOCKS)
 
 
 def test_key_table_refuses_hostile_arguments() -> None:
@@ -601,3 +651,93 @@ def test_key_table_refuses_hostile_arguments() -> None:
     assert not table.insert_absent(np.array([9, 3], np.uint64), np.array([1, 1], I64))
     assert not table.insert_absent(np.array([9, 9], np.uint64), np.array([1, 1], I64))
     assert sorted(zip(*table.items())) == before
+
+
+# ---- the CPU backend's device work of a captured step ------------------------------------
+def launch_case(rng: np.random.Generator):
+    """A staging buffer's parts (4 pairs at most, 3 requests, 8 tokens), a device table of
+    5 rows and a mapper reading it."""
+    flat, layout, rows, _, _, _ = slot_case(rng, int(rng.integers(1, 3)))
+    P, R, T = 4, 3, 8
+    n = int(rng.integers(0, P + 1))
+    header_pairs = np.zeros(1 + 2 * P, I32)
+    header_pairs[0] = n
+    header_pairs[1 : 1 + n] = rng.choice(len(flat), n, replace=False)
+    header_pairs[1 + n : 1 + 2 * n] = rng.integers(0, 30, n)
+    num_reqs = int(rng.integers(0, R + 1))
+    qsl = np.concatenate([[0], np.cumsum(rng.integers(0, 3, num_reqs))]).astype(I32)
+    qsl = np.concatenate([qsl, np.full(R - num_reqs, qsl[-1])]).astype(I32)  # padded
+    positions = rng.integers(-3, 40, T).astype(I64)
+    row_of_batch = rng.integers(-1, rows + 1, R).astype(I32)
+    out = np.full((1, 10), 99, I64)
+    return flat, layout, rows, header_pairs, qsl, row_of_batch, positions, out
+
+
+def test_host_launch_equals_numpy_put_and_slot_mapping() -> None:
+    """Random staged pairs and padded batches: the pairs put into the table, then the slots
+    of the batch, as numpy does them."""
+    from blocktable.slot_mapping.params import SlotGroupParams
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        flat, layout, rows, hp, qsl, row_of_batch, positions, out = launch_case(rng)
+        want_flat, want_out = flat.copy(), out.copy()
+        mapper = compiled.SlotMapper(flat, out, [layout], rows)
+        compiled.HostLaunch(hp, qsl, row_of_batch, positions, flat, mapper).launch()
+        n = hp[0]
+        want_flat.put(hp[1 : 1 + n], hp[1 + n : 1 + 2 * n])
+        params = [SlotGroupParams(*layout[:5], layout[5], layout[6], layout[7])]
+        slot_mapping_numpy(want_flat, params, qsl, positions[: qsl[-1]], row_of_batch,
+                           want_out, rows)
+        np.testing.assert_array_equal(flat, want_flat)
+        np.testing.assert_array_equal(out, want_out)
+
+
+def test_host_launch_refuses_hostile_arguments() -> None:
+    rng = np.random.default_rng(12)
+    flat, layout, rows, hp, qsl, row_of_batch, positions, out = launch_case(rng)
+    mapper = compiled.SlotMapper(flat, out, [layout], rows)
+    parts = [hp, qsl, row_of_batch, positions, flat]
+    arrays = [*parts, out]
+
+    def make(i: int, bad: object):
+        args: list = list(parts)
+        args[i] = bad
+        return compiled.HostLaunch(*args, mapper)
+
+    for i, arr in enumerate(parts):
+        variants = hostile_variants(arr)
+        if i == 4:
+            variants.append(("read-only", read_only(arr)))
+        for label, bad in variants:
+            _refused(lambda: make(i, bad), arrays)
+    for i, short in ((0, hp[:8]), (0, hp[:0]), (1, qsl[:3]), (2, row_of_batch[:2])):
+        _refused(lambda: make(i, short), arrays)  # shapes that disagree
+    _refused(lambda: make(3, np.zeros(11, I64)), arrays)  # more tokens than the slot buffers
+    # read arrays that alias a written one, and a table that aliases the slot buffers
+    _refused(lambda: make(0, flat[: len(hp)]), arrays)
+    _refused(lambda: make(1, flat[-4:]), arrays)
+    _refused(lambda: make(3, out[0, :8]), arrays)
+    _refused(lambda: make(2, out[0].view(I32)[:3]), arrays)
+    wide = np.zeros((1, 40), I64)
+    aliased = compiled.SlotMapper(flat, wide, [layout], rows)
+    _refused(lambda: compiled.HostLaunch(hp, qsl, row_of_batch, positions,
+                                         wide[0].view(I32)[: len(flat)], aliased), [*arrays, wide])
+
+    launch = compiled.HostLaunch(*parts, mapper).launch
+    good = hp.copy()
+    for count in (-1, 5, 2**31 - 1, -2**31):  # the pair count outside [0, max_pairs]
+        hp[0] = count
+        _refused(launch, arrays)
+    hp[:] = good
+    hp[0] = 2
+    for index in (-1, len(flat), 2**31 - 1, -2**31):  # a pair index outside the table
+        hp[2] = index
+        _refused(launch, arrays)
+    hp[:] = good
+    good_qsl = qsl.copy()
+    for bad in ([1, 1, 1, 1], [0, 2, 1, 1], [0, 0, 0, 9], [0, 0, 0, -1]):
+        qsl[:] = bad  # does not start at 0, decreases, more tokens than positions, negative
+        _refused(launch, arrays)
+    qsl[:] = good_qsl
+    launch()  # the valid call still works

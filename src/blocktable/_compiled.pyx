@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=True, wraparound=False, initializedcheck=True
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
-the CPU backend's slot mapping, the allocator journal's diff of the touched rows, the
+the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the touched rows, the
 conversion of Python lists of token ids, the byte-chained block hashes and the prefix index's
 key table.
 
@@ -16,8 +16,9 @@ after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
-:func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy`, the numpy classification in
-:meth:`blocktable.allocator.journal.StepJournal.take`, ``struct.pack`` in
+:func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` (after ``numpy.put`` of the
+pairs, for the captured step's launch), the numpy diff in
+:class:`blocktable.allocator.journal.StepJournal`, ``struct.pack`` in
 :func:`blocktable.token_ids.int64_from_ints_python`,
 :func:`blocktable.block_hashing.byte_chain_python` and the ``dict`` of
 :class:`blocktable.key_table.DictKeyTable`.

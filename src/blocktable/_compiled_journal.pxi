@@ -1,5 +1,7 @@
 # The allocator's step journal: the net change of every touched row (included by _compiled.pyx).
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
     if value is None:  # (a memoryview would take None as an empty array)
         raise TypeError(f"{name} must be an array, got None")
@@ -33,127 +35,194 @@ cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_
     return 0
 
 
-def journal_diff(object touched, int64_t stamp, object start_gen, object holder_gen,
-                 object start_len, object row_len, list arenas):
-    """The net change of every row ``r`` with ``touched[r] == stamp``, in row order; the
-    compiled twin of the classification and gathers of
-    :meth:`blocktable.allocator.journal.StepJournal.take`.
+cdef class JournalDiff:
+    """The journal's arrays, bound once: the net change of every touched row, in row order;
+    the compiled twin of :meth:`blocktable.allocator.journal.StepJournal._diff`.
 
-    ``touched``, ``start_gen``, ``holder_gen``: int64 ``[num_rows]``; ``start_len`` and
-    ``row_len``: int64 ``[num_groups, num_rows]``; ``arenas``: per group the int32 block rows
-    ``[num_rows, width_g]``. A row whose holder left (``holder_gen`` 0, ``start_gen`` not) is
-    cleared; a row held by another request than at its first touch is added whole; a row held
-    by the same request appends its entries past ``start_len``.
+    The bound arrays, read only: ``touched`` (int64 ``[num_rows]``: the stamp of each row's
+    last first touch), ``start_gen`` and ``holder_gen`` (int64 ``[num_rows]``: the holder at
+    the first touch and now), ``start_len`` and ``row_len`` (int64 ``[num_groups,
+    num_rows]``: the row lengths at the first touch and now), and ``empty``, an empty int32
+    array handed out for every empty array; ``row_blocks`` makes a group's rows and blocks
+    (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance. A row whose holder left (``holder_gen`` 0,
+    ``start_gen`` not) is cleared; a row held by another request than at its first touch is
+    added whole; a row held by the same request appends its entries past ``start_len``.
 
-    Returns ``(flat, lengths)``: ``flat`` a new int32 array holding, one after the other, the
-    cleared rows, the added rows, then per group the added counts, the added ids, the rows
-    that grew, their growth and their new ids; ``lengths`` the length of each of those
-    ``2 + 5 * num_groups`` parts. Inputs are only read; every length is checked against its
-    arena before anything is gathered.
+    The arenas (per group the int32 block rows ``[num_rows, width_g]``) come with each call,
+    as a list: an arena grows by being replaced. The one last taken of each group is
+    remembered, and the same object passed again reuses its view (its shape checked when it
+    was taken; an array's memory does not move while a view of it is held).
     """
-    global _np
-    if _np is None:
-        import numpy
-        _np = numpy
-    cdef const int64_t[::1] tch = _int64_in(touched, "touched")
-    cdef const int64_t[::1] sgen = _int64_in(start_gen, "start_gen")
-    cdef const int64_t[::1] hgen = _int64_in(holder_gen, "holder_gen")
-    cdef const int64_t[:, ::1] slen = _int64_2d_in(start_len, "start_len")
-    cdef const int64_t[:, ::1] rlen = _int64_2d_in(row_len, "row_len")
-    cdef Py_ssize_t num_rows = tch.shape[0], num_groups = len(arenas)
-    if num_rows > INT32_MAX:
-        raise ValueError(f"touched has {num_rows} rows, more than {INT32_MAX}")
-    if sgen.shape[0] != num_rows or hgen.shape[0] != num_rows:
-        raise ValueError(f"start_gen and holder_gen must have touched's {num_rows} entries")
-    if slen.shape[0] != num_groups or rlen.shape[0] != num_groups or \
-            slen.shape[1] != num_rows or rlen.shape[1] != num_rows:
-        raise ValueError(f"start_len and row_len must be [{num_groups}, {num_rows}] (one row "
-                         "per arena)")
-    # the touched rows, in order, each with its kind: every later pass visits only them
-    rows_obj = _np.empty(num_rows, dtype=_np.intp)
-    kinds_obj = _np.empty(num_rows, dtype=_np.uint8)
-    cdef Py_ssize_t[::1] rows = rows_obj
-    cdef unsigned char[::1] kinds = kinds_obj
-    cdef Py_ssize_t n = 0, i
-    cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
-    cdef int64_t live, old, new
-    for r in range(num_rows):
-        if tch[r] == stamp:
-            live = hgen[r]
-            if live == 0:
-                kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                n_cleared += sgen[r] != 0
-            elif live != sgen[r]:
-                kinds[n] = _ADDED_ROW
-                n_added += 1
-            else:
-                kinds[n] = _KEPT_ROW
-            rows[n] = r
-            n += 1
-    # ---- sizes, with every length checked against its arena ----------------------------
-    cdef const int32_t[:, ::1] arena
-    cdef list lengths = [n_cleared, n_added]
-    cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
-    for g in range(num_groups):
-        arena = _int32_2d_in(arenas[g], f"arenas[{g}]")
-        if arena.shape[0] != num_rows or arena.shape[1] > INT32_MAX:
-            raise ValueError(f"arenas[{g}] must have {num_rows} rows and at most {INT32_MAX} "
-                             "columns")
-        add_ids = grown = new_ids = 0
-        for i in range(n):
-            if kinds[i] < _ADDED_ROW:
-                continue
-            r = rows[i]
-            new = rlen[g, r]
-            _check_len(new, arena.shape[1], "row_len", r, g)
-            if kinds[i] == _ADDED_ROW:
-                add_ids += new
-            else:
-                old = slen[g, r]
-                if new > old:
-                    _check_len(old, arena.shape[1], "start_len", r, g)
-                    grown += 1
-                    new_ids += new - old
-        lengths += [n_added, add_ids, grown, grown, new_ids]
-        total += n_added + add_ids + 2 * grown + new_ids
-    # ---- the parts, in the order of ``lengths`` -----------------------------------------
-    flat = _np.empty(total, dtype=_np.int32)
-    cdef int32_t[::1] out = flat
-    at = 0
-    for i in range(n):
-        if kinds[i] == _CLEARED_ROW:
-            out[at] = <int32_t>rows[i]
-            at += 1
-    for i in range(n):
-        if kinds[i] == _ADDED_ROW:
-            out[at] = <int32_t>rows[i]
-            at += 1
-    for g in range(num_groups):
-        arena = arenas[g]
-        for i in range(n):  # added: each row's count, then all their ids
-            if kinds[i] == _ADDED_ROW:
-                out[at] = <int32_t>rlen[g, rows[i]]
-                at += 1
-        for i in range(n):
-            if kinds[i] == _ADDED_ROW:
+
+    cdef const int64_t[::1] tch
+    cdef const int64_t[::1] sgen
+    cdef const int64_t[::1] hgen
+    cdef const int64_t[:, ::1] slen
+    cdef const int64_t[:, ::1] rlen
+    cdef Py_ssize_t[::1] rows  # work space: the touched rows of a call, in order
+    cdef unsigned char[::1] kinds  # and the kind of each
+    cdef object empty
+    cdef object row_blocks  # the class of a group's rows and blocks, and its empty instance
+    cdef object no_blocks
+    cdef list arena_objs  # per group, the arena last taken (None at first)
+    cdef list arena_views  # and its view
+
+    def __init__(self, object touched, object start_gen, object holder_gen, object start_len,
+                 object row_len, object empty, object row_blocks, object no_blocks):
+        global _np
+        if _np is None:
+            import numpy
+            _np = numpy
+        self.tch = _int64_in(touched, "touched")
+        self.sgen = _int64_in(start_gen, "start_gen")
+        self.hgen = _int64_in(holder_gen, "holder_gen")
+        self.slen = _int64_2d_in(start_len, "start_len")
+        self.rlen = _int64_2d_in(row_len, "row_len")
+        if _int32_in(empty, "empty").shape[0] != 0:
+            raise ValueError("empty must be an empty int32 array")
+        cdef Py_ssize_t num_rows = self.tch.shape[0], num_groups = self.slen.shape[0]
+        if num_rows > INT32_MAX:
+            raise ValueError(f"touched has {num_rows} rows, more than {INT32_MAX}")
+        if self.sgen.shape[0] != num_rows or self.hgen.shape[0] != num_rows:
+            raise ValueError(f"start_gen and holder_gen must have touched's {num_rows} entries")
+        if self.rlen.shape[0] != num_groups or self.slen.shape[1] != num_rows or \
+                self.rlen.shape[1] != num_rows:
+            raise ValueError(f"start_len and row_len must both be [num_groups, {num_rows}]")
+        self.rows = _np.empty(num_rows, dtype=_np.intp)
+        self.kinds = _np.empty(num_rows, dtype=_np.uint8)
+        self.empty = empty
+        self.row_blocks, self.no_blocks = row_blocks, no_blocks
+        self.arena_objs = [None] * num_groups
+        self.arena_views = [None] * num_groups
+
+    cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
+        """Group ``g``'s arena as a view: the remembered one for the remembered object."""
+        cdef object obj = arenas[g]
+        if obj is self.arena_objs[g] and obj is not None:
+            return self.arena_views[g]
+        cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
+        if arena.shape[0] != self.tch.shape[0] or arena.shape[1] > INT32_MAX:
+            raise ValueError(f"arenas[{g}] must have {self.tch.shape[0]} rows and at most "
+                             f"{INT32_MAX} columns")
+        self.arena_objs[g], self.arena_views[g] = obj, arena
+        return arena
+
+    def diff(self, int64_t stamp, list arenas):
+        """The net change of every row ``r`` with ``touched[r] == stamp``, in row order.
+
+        Returns ``(cleared_rows, added, appended)``: the cleared rows (int32), and per group
+        ``row_blocks(rows, counts, ids)`` of the added rows (their whole rows) and of the rows
+        that grew (their growth and new ids), or ``no_blocks`` where a group has none. The
+        arrays are read-only int32 views of one new buffer; empty ones are ``empty``. Inputs
+        are only read; every length is checked against its arena before anything is
+        gathered.
+        """
+        cdef const int64_t[::1] tch = self.tch
+        cdef const int64_t[::1] sgen = self.sgen
+        cdef const int64_t[::1] hgen = self.hgen
+        cdef const int64_t[:, ::1] slen = self.slen
+        cdef const int64_t[:, ::1] rlen = self.rlen
+        cdef Py_ssize_t[::1] rows = self.rows
+        cdef unsigned char[::1] kinds = self.kinds
+        cdef Py_ssize_t num_rows = tch.shape[0], num_groups = slen.shape[0]
+        if len(arenas) != num_groups:
+            raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
+        # the touched rows, in order, each with its kind: every later pass visits only them
+        cdef Py_ssize_t n = 0, i
+        cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
+        cdef int64_t live, old, new
+        for r in range(num_rows):
+            if tch[r] == stamp:
+                live = hgen[r]
+                if live == 0:
+                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                    n_cleared += sgen[r] != 0
+                elif live != sgen[r]:
+                    kinds[n] = _ADDED_ROW
+                    n_added += 1
+                else:
+                    kinds[n] = _KEPT_ROW
+                rows[n] = r
+                n += 1
+        # ---- sizes, with every length checked against its arena ------------------------
+        cdef const int32_t[:, ::1] arena
+        cdef list lengths = [n_cleared, n_added]
+        cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
+        for g in range(num_groups):
+            arena = self._arena(arenas, g)
+            add_ids = grown = new_ids = 0
+            for i in range(n):
+                if kinds[i] < _ADDED_ROW:
+                    continue
                 r = rows[i]
-                for q in range(rlen[g, r]):
-                    out[at] = arena[r, q]
-                    at += 1
-        for i in range(n):  # grown: the rows, their growth, then their new ids
-            r = rows[i]
-            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                out[at] = <int32_t>r
+                new = rlen[g, r]
+                _check_len(new, arena.shape[1], "row_len", r, g)
+                if kinds[i] == _ADDED_ROW:
+                    add_ids += new
+                else:
+                    old = slen[g, r]
+                    if new > old:
+                        _check_len(old, arena.shape[1], "start_len", r, g)
+                        grown += 1
+                        new_ids += new - old
+            lengths += [n_added, add_ids, grown, grown, new_ids]
+            total += n_added + add_ids + 2 * grown + new_ids
+        # ---- the parts, in the order of ``lengths`` -------------------------------------
+        make, none = self.row_blocks, self.no_blocks
+        if total == 0:  # nothing to gather: every part is empty
+            return self.empty, (none,) * num_groups, (none,) * num_groups
+        if total > PY_SSIZE_T_MAX // 4:
+            raise ValueError(f"the update would hold {total} ids")
+        # a new bytes object, written here before anyone else sees it: its array is read-only
+        # from birth, and so is every view of it
+        cdef bytes buf = PyBytes_FromStringAndSize(NULL, total * 4)
+        cdef int32_t[::1] out = <int32_t[:total]> <int32_t*> PyBytes_AS_STRING(buf)
+        at = 0
+        for i in range(n):
+            if kinds[i] == _CLEARED_ROW:
+                out[at] = <int32_t>rows[i]
                 at += 1
         for i in range(n):
-            r = rows[i]
-            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                out[at] = <int32_t>(rlen[g, r] - slen[g, r])
+            if kinds[i] == _ADDED_ROW:
+                out[at] = <int32_t>rows[i]
                 at += 1
-        for i in range(n):
-            r = rows[i]
-            if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                for q in range(slen[g, r], rlen[g, r]):
-                    out[at] = arena[r, q]
+        for g in range(num_groups):
+            arena = self._arena(arenas, g)
+            for i in range(n):  # added: each row's count, then all their ids
+                if kinds[i] == _ADDED_ROW:
+                    out[at] = <int32_t>rlen[g, rows[i]]
                     at += 1
-    return flat, lengths
+            for i in range(n):
+                if kinds[i] == _ADDED_ROW:
+                    r = rows[i]
+                    for q in range(rlen[g, r]):
+                        out[at] = arena[r, q]
+                        at += 1
+            for i in range(n):  # grown: the rows, their growth, then their new ids
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    out[at] = <int32_t>r
+                    at += 1
+            for i in range(n):
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    out[at] = <int32_t>(rlen[g, r] - slen[g, r])
+                    at += 1
+            for i in range(n):
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    for q in range(slen[g, r], rlen[g, r]):
+                        out[at] = arena[r, q]
+                        at += 1
+        flat = _np.frombuffer(buf, dtype=_np.int32)
+        cdef list parts = []
+        at = 0
+        for length in lengths:
+            parts.append(flat[at : at + length] if length else self.empty)
+            at += length
+        # the added rows serve every group; a group's empty part is the one empty instance
+        added = tuple([make(parts[1], parts[2 + 5 * g], parts[3 + 5 * g])
+                       for g in range(num_groups)]) if n_added else (none,) * num_groups
+        appended = tuple([make(parts[4 + 5 * g], parts[5 + 5 * g], parts[6 + 5 * g])
+                          if lengths[4 + 5 * g] else none for g in range(num_groups)])
+        return parts[0], added, appended

@@ -68,15 +68,130 @@ cdef class SlotMapper:
                 or (indexed and num_reqs and
                     _overlap(&self.out[0, 0], out_bytes, &rows[0], num_reqs * 4))):
             raise ValueError("out overlaps an input array")
-        if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+        if not _well_formed(qsl, num_tokens):
             return -1
-        for r in range(num_reqs):
-            if qsl[r + 1] < qsl[r]:
-                return -1
-        for g in range(self.out.shape[0]):
-            _map_group(self.table, self.layout[g], self.max_num_reqs, qsl, pos,
-                       rows if indexed else None, self.out[g])
+        if not indexed:
+            rows = qsl  # (not read: request r reads row r)
+        self._map(qsl, pos, rows, indexed)
         return 0
+
+    cdef int _map(self, const int32_t[::1] qsl, const int64_t[::1] pos,
+                  const int32_t[::1] rows, bint indexed) except -1:
+        """Every group's slots of a checked batch (``qsl`` well formed for ``pos``; ``rows``
+        its requests' rows where ``indexed``, else request ``r`` reads row ``r``; overlapping
+        no output). Views only: no Python object per call."""
+        cdef Py_ssize_t g
+        for g in range(self.out.shape[0]):
+            _map_group(self.table, self.layout[g], self.max_num_reqs, qsl, pos, rows,
+                       indexed, self.out[g])
+        return 0
+
+    cdef bint _overlaps_out(self, const void* start, Py_ssize_t nbytes) noexcept:
+        return self.out.shape[0] > 0 and self.out.shape[1] > 0 and _overlap(
+            &self.out[0, 0], self.out.shape[0] * self.out.shape[1] * 8, start, nbytes)
+
+
+cdef bint _well_formed(const int32_t[::1] qsl, Py_ssize_t num_tokens) noexcept:
+    """Whether ``qsl`` (``[num_reqs + 1]``, at least one entry) starts at 0, never decreases
+    and ends at ``num_tokens``."""
+    cdef Py_ssize_t r, num_reqs = qsl.shape[0] - 1
+    if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+        return False
+    for r in range(num_reqs):
+        if qsl[r + 1] < qsl[r]:
+            return False
+    return True
+
+
+# ---- the CPU backend's device work of a captured step ------------------------------------
+cdef class HostLaunch:
+    """The CPU backend's device work of one staging buffer of a captured step, bound once:
+    what a CUDA graph replay does on an accelerator, reading the same buffer the same way.
+
+    The bound arrays, read only: ``header_pairs`` (int32 ``[1 + 2 * max_pairs]``: the number
+    of staged pairs ``n``, then their flat indices, then their values, packed: the values
+    start at ``1 + n``), ``query_start_loc`` (int32 ``[max_num_reqs + 1]``, padded past the
+    batch with ``num_tokens``), ``row_of_batch`` (int32 ``[max_num_reqs]``) and ``positions``
+    (int64 ``[max_num_tokens]``). Written: ``device_table`` (int32 ``[num_entries]``, the CPU
+    backend's device table) and the slot buffers of ``mapper`` (a :class:`SlotMapper` that
+    reads ``device_table``; ``None``: no slot mapping). No read array may overlap a written
+    one, nor the two written ones each other.
+    """
+
+    cdef const int32_t[::1] pairs
+    cdef const int32_t[::1] qsl
+    cdef const int32_t[::1] rows
+    cdef const int64_t[::1] pos
+    cdef int32_t[::1] table
+    cdef SlotMapper mapper
+
+    def __init__(self, object header_pairs, object query_start_loc, object row_of_batch,
+                 object positions, object device_table, SlotMapper mapper):
+        self.pairs = _int32_in(header_pairs, "header_pairs")
+        self.qsl = _int32_in(query_start_loc, "query_start_loc")
+        self.rows = _int32_in(row_of_batch, "row_of_batch")
+        self.pos = _int64_in(positions, "positions")
+        if device_table is None:
+            raise TypeError("device_table must be an array, got None")
+        try:
+            self.table = device_table
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError("device_table must be a writable C-contiguous 1-D native int32 "
+                            f"array: {exc}") from None
+        self.mapper = mapper
+        if self.pairs.shape[0] < 1 or self.pairs.shape[0] % 2 != 1:
+            raise ValueError(f"header_pairs must hold 1 + 2 * max_pairs entries, got "
+                             f"{self.pairs.shape[0]}")
+        if self.qsl.shape[0] != self.rows.shape[0] + 1:
+            raise ValueError(f"query_start_loc has {self.qsl.shape[0]} entries, not "
+                             f"row_of_batch's {self.rows.shape[0]} + 1")
+        cdef Py_ssize_t table_bytes = self.table.shape[0] * 4
+        cdef const void* table_start = &self.table[0] if table_bytes else NULL
+        cdef const void* starts[4]
+        cdef Py_ssize_t sizes[4]
+        starts[0], sizes[0] = &self.pairs[0], self.pairs.shape[0] * 4
+        starts[1], sizes[1] = &self.qsl[0], self.qsl.shape[0] * 4
+        starts[2], sizes[2] = (&self.rows[0] if self.rows.shape[0] else NULL,
+                               self.rows.shape[0] * 4)
+        starts[3], sizes[3] = (&self.pos[0] if self.pos.shape[0] else NULL,
+                               self.pos.shape[0] * 8)
+        cdef int i
+        for i in range(4):
+            if _overlap(starts[i], sizes[i], table_start, table_bytes) or (
+                    mapper is not None and mapper._overlaps_out(starts[i], sizes[i])):
+                raise ValueError("a read array overlaps device_table or the slot buffers")
+        if mapper is not None and mapper._overlaps_out(table_start, table_bytes):
+            raise ValueError("device_table overlaps the slot buffers")
+        if mapper is not None and mapper.out.shape[1] < self.pos.shape[0]:
+            raise ValueError(f"positions has {self.pos.shape[0]} entries, more than the slot "
+                             f"buffers' {mapper.out.shape[1]}")
+
+    def launch(self):
+        """Scatter the staged pairs into ``device_table``, then map the slots of the batch
+        (``num_tokens = query_start_loc[-1]``). Raises, with nothing written, unless the pair
+        count lies in ``[0, max_pairs]``, every index in ``device_table`` and
+        ``query_start_loc`` is well formed for at most ``max_num_tokens`` tokens."""
+        cdef const int32_t[::1] pairs = self.pairs
+        cdef int32_t[::1] table = self.table
+        cdef int64_t n = pairs[0], num_entries = table.shape[0], idx
+        cdef Py_ssize_t i
+        if n < 0 or 2 * n + 1 > pairs.shape[0]:
+            raise ValueError(f"the staged pair count {n} is outside [0, "
+                             f"{(pairs.shape[0] - 1) // 2}]")
+        for i in range(1, n + 1):
+            idx = pairs[i]
+            if idx < 0 or idx >= num_entries:
+                raise ValueError(f"staged pair {i - 1} has index {idx}, outside [0, "
+                                 f"{num_entries})")
+        cdef int64_t num_tokens = self.qsl[self.qsl.shape[0] - 1]
+        if self.mapper is not None and not (0 <= num_tokens <= self.pos.shape[0]
+                                            and _well_formed(self.qsl, num_tokens)):
+            raise ValueError("query_start_loc must start at 0, never decrease and end at "
+                             f"num_tokens <= {self.pos.shape[0]}")
+        for i in range(1, n + 1):
+            table[pairs[i]] = pairs[n + i]
+        if self.mapper is not None:
+            self.mapper._map(self.qsl, self.pos[:num_tokens], self.rows, True)
 
 
 cdef int64_t[:, ::1] _layout(list params) except *:
@@ -124,13 +239,10 @@ cdef int _check_layout(const int64_t[::1] p, Py_ssize_t num_entries,
 
 
 cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_num_reqs,
-                    const int32_t[::1] qsl, const int64_t[::1] pos, object row_of_batch,
-                    int64_t[::1] slots) except -1:
-    """One group's slots (its layout ``p`` checked, ``qsl`` well formed)."""
-    cdef const int32_t[::1] rows
-    cdef bint indexed = row_of_batch is not None
-    if indexed:
-        rows = row_of_batch
+                    const int32_t[::1] qsl, const int64_t[::1] pos, const int32_t[::1] rows,
+                    bint indexed, int64_t[::1] slots) except -1:
+    """One group's slots (its layout ``p`` checked, ``qsl`` well formed; ``rows`` read only
+    where ``indexed``)."""
     cdef int64_t table_offset = p[0], width = p[1], counts_offset = p[2]
     cdef int64_t kernel_block_size = p[3], manager_block_size = p[4]
     cdef int64_t cp_world_size = p[5], cp_rank = p[6], cp_interleave = p[7]

@@ -251,8 +251,11 @@ cdef class GroupWriter:
             if n_blocks[i] < 0 or n_blocks[i] * k >= after[n_rows[i]]:
                 return (NULL_RANGE, i, n_blocks[i], n_rows[i], after[n_rows[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        for i in range(4):
-            _counts_sound((c_rows, a_rows, p_rows, n_rows)[i], cnt, width)
+        # (one call per part: a tuple of the views would make each a Python object)
+        _counts_sound(c_rows, cnt, width)
+        _counts_sound(a_rows, cnt, width)
+        _counts_sound(p_rows, cnt, width)
+        _counts_sound(n_rows, cnt, width)
         if not write:
             return (OK, 0, 0, 0, 0)
 

@@ -53,6 +53,13 @@ class RowBlocks:
     num_manager_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     block_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
 
+    def __init__(self, rows: np.ndarray = _EMPTY, num_manager_blocks: np.ndarray = _EMPTY,
+                 block_ids: np.ndarray = _EMPTY) -> None:
+        # (frozen: this is the one write, into the instance dict: the generated __init__
+        # calls object.__setattr__ per field, and the allocator makes these every step)
+        d = self.__dict__
+        d["rows"], d["num_manager_blocks"], d["block_ids"] = rows, num_manager_blocks, block_ids
+
     @classmethod
     def from_lists(cls, rows: Sequence[int], ids_per_row: Sequence[Sequence[int]]) -> RowBlocks:
         """Build from a row list and one id list per row (convenience, not the hot path)."""
@@ -80,6 +87,10 @@ class RowEntries:
     rows: np.ndarray = field(default_factory=lambda: _EMPTY)
     block_indices: np.ndarray = field(default_factory=lambda: _EMPTY)
 
+    def __init__(self, rows: np.ndarray = _EMPTY, block_indices: np.ndarray = _EMPTY) -> None:
+        d = self.__dict__  # (frozen: as RowBlocks)
+        d["rows"], d["block_indices"] = rows, block_indices
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -106,6 +117,15 @@ class StepUpdate:
     nulled: tuple[RowEntries, ...]
     allocator_block_sizes: tuple[int, ...] | None = None
     trusted: bool = False
+
+    def __init__(self, cleared_rows: np.ndarray, added: tuple[RowBlocks, ...],
+                 appended: tuple[RowBlocks, ...], nulled: tuple[RowEntries, ...],
+                 allocator_block_sizes: tuple[int, ...] | None = None,
+                 trusted: bool = False) -> None:
+        d = self.__dict__  # (frozen: as RowBlocks)
+        d["cleared_rows"], d["added"], d["appended"], d["nulled"] = (cleared_rows, added,
+                                                                     appended, nulled)
+        d["allocator_block_sizes"], d["trusted"] = allocator_block_sizes, trusted
 
     @classmethod
     def empty(cls, num_groups: int) -> StepUpdate:

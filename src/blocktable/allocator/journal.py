@@ -56,9 +56,14 @@ class StepJournal:
         self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
-        # the compiled diff of the touched rows, where the install built it (else numpy)
+        # the compiled diff of the touched rows, bound to these arrays (the row state's are
+        # never reallocated), where the install built it (else numpy)
         compiled = _loader.COMPILED
-        self._compiled_diff = None if compiled is None else compiled.journal_diff
+        self._compiled_diff = None if compiled is None else compiled.JournalDiff(
+            self.touched, self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
+            _EMPTY32, RowBlocks, _NO_BLOCKS).diff
+        self._no_blocks = (_NO_BLOCKS,) * num_groups
+        self._no_entries = (_NO_ENTRIES,) * num_groups
 
     def touch(self, rows: list[int] | np.ndarray) -> None:
         """Remember ``rows`` (distinct table rows) as they are now, before their first change
@@ -89,77 +94,49 @@ class StepJournal:
         reset. A fixed handful of numpy calls per group, whatever the number of rows."""
         order, self._order = self._order, []
         self._stamp += 1
-        G = self.num_groups
         if not order and not self._nulled:  # nothing touched
-            return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, (_NO_BLOCKS,) * G,
-                              (_NO_ENTRIES,) * G, allocator_block_sizes, trusted=True)
+            return StepUpdate(_EMPTY32, self._no_blocks, self._no_blocks, self._no_entries,
+                              allocator_block_sizes, trusted=True)
         if self._compiled_diff is not None:
-            return self._take_compiled(allocator_block_sizes)
+            cleared_rows, added, appended = self._compiled_diff(self._stamp - 1,
+                                                                self.rows.blocks)
+        else:
+            cleared_rows, added, appended = self._diff(order)
+        if self._nulled:
+            nulls = _frozen_int32(self._null_parts())
+            self._nulled = {}
+            nulled = tuple([RowEntries(nulls[2 * g], nulls[2 * g + 1])
+                            for g in range(self.num_groups)])
+        else:
+            nulled = self._no_entries
+        return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes,
+                          trusted=True)
+
+    def _diff(self, order: list[np.ndarray]
+              ) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
+        """The numpy twin of the compiled diff of the touched rows ``order`` (in batches):
+        the cleared rows, and per group the added rows (whole) and the rows that grew."""
         # rows in order: the same update whichever calls (batched or not) touched them
         touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
         state = self.rows
         live = state.holder_gen.take(touched)
         start = self.start_gen.take(touched)
-        if not self._nulled and (live == start).all() and live.all():
-            # every touched row is still held by its first holder and nothing left a window:
-            # rows only grew (decode steps, prefill chunks)
-            return self._take_growth(touched, allocator_block_sizes)
         held = live != 0
         cleared = touched[~held & (start != 0)]
-        added = touched[held & (live != start)]
+        new_holder = touched[held & (live != start)]
         kept = touched[held & (live == start)]
-        parts: list[np.ndarray] = [cleared, added]  # packed into one buffer below
-        for g in range(G):
-            counts = state.row_len[g, added]
-            parts += [counts, state.gather(g, added, np.zeros_like(counts), counts)]
-            parts += self._grown(g, kept)
-        parts += self._null_parts()
-        self._nulled = {}
-        views = iter(_frozen_int32(parts))
-        cleared_rows, added_rows = next(views), next(views)
-        added_blocks, appended_blocks = [], []
-        for _ in range(G):
-            counts, ids = next(views), next(views)
-            added_blocks.append(RowBlocks(added_rows, counts, ids))
-            appended_blocks.append(RowBlocks(next(views), next(views), next(views)))
-        nulled = [RowEntries(next(views), next(views)) for _ in range(G)]
-        return StepUpdate(
-            cleared_rows,
-            tuple(added_blocks),
-            tuple(appended_blocks),
-            tuple(nulled),
-            allocator_block_sizes,
-            trusted=True,
-        )
-
-    def _take_compiled(self, allocator_block_sizes: tuple[int, ...] | None) -> StepUpdate:
-        """:meth:`take` through the compiled diff (one pass over the touched stamps, the same
-        parts in the same order as the numpy classification below)."""
-        state = self.rows
-        assert self._compiled_diff is not None
-        flat, lengths = self._compiled_diff(self.touched, self._stamp - 1, self.start_gen,
-                                            state.holder_gen, self.start_len, state.row_len,
-                                            state.blocks)
-        flat.flags.writeable = False  # (its views cannot be made writable)
-        views, at = [], 0
-        for n in lengths:
-            views.append(flat[at : at + n] if n else _EMPTY32)
-            at += n
+        arrays: list[np.ndarray] = [cleared, new_holder]  # packed into one buffer below
+        for g in range(self.num_groups):
+            counts = state.row_len[g, new_holder]
+            arrays += [counts, state.gather(g, new_holder, np.zeros_like(counts), counts)]
+            arrays += self._grown(g, kept)
+        parts = _frozen_int32(arrays)
         G = self.num_groups
-        cleared_rows, added_rows = views[0], views[1]
-        # empty parts are the shared empty ones (most steps only grow rows)
-        added_blocks = (tuple(RowBlocks(added_rows, views[2 + 5 * g], views[3 + 5 * g])
-                              for g in range(G)) if lengths[1] else (_NO_BLOCKS,) * G)
-        appended_blocks = tuple(RowBlocks(*views[4 + 5 * g : 7 + 5 * g]) if lengths[4 + 5 * g]
-                                else _NO_BLOCKS for g in range(G))
-        if self._nulled:
-            nulls = iter(_frozen_int32(self._null_parts()))
-            self._nulled = {}
-            nulled = tuple(RowEntries(next(nulls), next(nulls)) for _ in range(G))
-        else:
-            nulled = (_NO_ENTRIES,) * G
-        return StepUpdate(cleared_rows, added_blocks, appended_blocks, nulled,
-                          allocator_block_sizes, trusted=True)
+        added = (tuple([RowBlocks(parts[1], parts[2 + 5 * g], parts[3 + 5 * g])
+                        for g in range(G)]) if len(parts[1]) else self._no_blocks)
+        appended = tuple([RowBlocks(parts[4 + 5 * g], parts[5 + 5 * g], parts[6 + 5 * g])
+                          if len(parts[4 + 5 * g]) else _NO_BLOCKS for g in range(G)])
+        return parts[0], added, appended
 
     def _grown(self, group: int, kept: np.ndarray) -> list[np.ndarray]:
         """Rows of ``kept`` (held by their first holder) that grew in ``group``: the rows, how
@@ -171,17 +148,6 @@ class StepJournal:
             grown = grew > 0
             kept, grew, old = kept[grown], grew[grown], old[grown]
         return [kept, grew, self.rows.gather(group, kept, old, grew)]
-
-    def _take_growth(self, touched: np.ndarray,
-                     allocator_block_sizes: tuple[int, ...] | None) -> StepUpdate:
-        """:meth:`take` when every touched row only grew: appended entries, nothing else."""
-        views = iter(_frozen_int32([a for g in range(self.num_groups)
-                                    for a in self._grown(g, touched)]))
-        appended = tuple(RowBlocks(next(views), next(views), next(views))
-                         for _ in range(self.num_groups))
-        G = self.num_groups
-        return StepUpdate(_EMPTY32, (_NO_BLOCKS,) * G, appended, (_NO_ENTRIES,) * G,
-                          allocator_block_sizes, trusted=True)
 
     def _null_parts(self) -> list[np.ndarray]:
         """Per group, the rows and indices of old entries nulled in rows still held by their

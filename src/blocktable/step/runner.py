@@ -17,9 +17,10 @@ the graph, so a step's one call into torch is the replay). Launch shapes come fr
 capacities, so one graph serves every batch: ``query_start_loc`` is padded with
 ``num_tokens``, so padding requests own no token. Two staging buffers alternate; a buffer is
 refilled once its event says the replay that read it has finished. (A torch without external
-events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend it
-is numpy on the calling thread: a ``put`` of the pairs into the CPU "device" table and the host
-slot mapping. With ``backend="triton"`` on CPU tensors
+events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend
+the launch is one call on the calling thread that reads the staging buffer as the graph does:
+the pairs into the CPU "device" table, then the host slot mapping (compiled where the install
+built it, else numpy). With ``backend="triton"`` on CPU tensors
 (under ``TRITON_INTERPRET=1``) the graph's kernels launch eagerly: the tests' way to run the
 CUDA path's kernels without a GPU.
 
@@ -33,6 +34,7 @@ brings everything a step sends to the device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import astuple
 from functools import partial
 from typing import NamedTuple
 
@@ -199,6 +201,8 @@ class CapturedStep:
                               else [partial(self._device_work, s) for s in range(num_slots)])
         elif self.mode == "kernels":
             self._launches = [partial(self._device_work, 0)]
+        else:
+            self._launches = [self._host_launch(s) for s in range(num_slots)]
 
     # ---------------------------------------------------------------- one step
     def run(
@@ -286,13 +290,9 @@ class CapturedStep:
         if self._lent != slot:
             raise RuntimeError("run_staged needs batch_views() first (once per step)")
         L = self.layout
-        if not (type(num_reqs) is int and 0 <= num_reqs <= L.max_num_reqs):
-            raise ValueError(f"num_reqs must be an int in [0, {L.max_num_reqs}], "
-                             f"got {num_reqs!r}")
-        if not (type(num_tokens) is int and 0 <= num_tokens <= L.max_num_tokens):
-            raise ValueError(f"num_tokens must be an int in [0, {L.max_num_tokens}], "
-                             f"got {num_tokens!r}")
-        v = self._views[slot]
+        if not (type(num_reqs) is int and type(num_tokens) is int
+                and 0 <= num_reqs <= L.max_num_reqs and 0 <= num_tokens <= L.max_num_tokens):
+            _check_counts(num_reqs, num_tokens, L)  # names the bad one
         table = self.table
         checks = self._checks
         if checks is None or checks[slot](num_reqs, num_tokens) < 0:
@@ -300,25 +300,20 @@ class CapturedStep:
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
         table.apply(update)  # checks everything before its first write
         self._lent = -1
+        v = self._views[slot]
         num_pairs = table.committer.stage(v.pairs, L.max_pairs)
         if num_pairs == FULL:
             table.commit()  # copies row spans, on the current stream before the device work
-        staged = max(num_pairs, 0)
-        if self.mode == "numpy":
-            if staged:
-                table.committer.scatter_on_host(v.pairs, staged)
-            if table.slot_params:
-                qsl, rows = self._batch(slot, num_reqs)
-                table.map_slots_on_host(qsl, v.positions[:num_tokens], rows)
+            v.header[NUM_PAIRS] = 0
         else:
-            v.header[NUM_PAIRS] = staged
-            if self._padded[slot] != (num_reqs, num_tokens):
-                v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
-                self._padded[slot] = (num_reqs, num_tokens)
-            self._launches[slot]()
-            if self._events is not None:  # (the launch records the slot's event)
-                self._pending[slot] = True
-                self._slot = slot ^ 1
+            v.header[NUM_PAIRS] = num_pairs
+        if self._padded[slot] != (num_reqs, num_tokens):
+            v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
+            self._padded[slot] = (num_reqs, num_tokens)
+        self._launches[slot]()
+        if self._events is not None:  # (the launch records the slot's event)
+            self._pending[slot] = True
+            self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
         # the step's host work with the caches cold
         by_n = self._views_by_n.get(num_reqs)
@@ -380,6 +375,30 @@ class CapturedStep:
         if self._events is not None:
             self._events[slot].record()
 
+    def _host_launch(self, slot: int) -> Callable[[], None]:
+        """The CPU backend's device work of staging ``slot``, as a graph replay does it: the
+        staged pairs into the CPU "device" table, then the slots of the padded batch. One
+        compiled call where the install built it, else numpy with the same results."""
+        table, v = self.table, self._views[slot]
+        device_np = table.storage.device_np
+        assert device_np is not None
+        header_pairs = v.buffer[: self.layout.qsl]
+        compiled = _loader.COMPILED
+        if compiled is not None:
+            mapper = compiled.SlotMapper(device_np, table.slot_buffers.numpy(),
+                                         [astuple(p) for p in table.slot_params],
+                                         table.max_num_reqs)
+            return compiled.HostLaunch(header_pairs, v.qsl, v.rows, v.positions, device_np,
+                                       mapper).launch
+
+        def launch() -> None:
+            n = int(v.header[NUM_PAIRS])
+            device_np.put(v.pairs[:n], v.pairs[n : 2 * n])
+            if table.slot_params:
+                table.map_slots_on_host(v.qsl, v.positions[: v.qsl[-1]], v.rows)
+
+        return launch
+
     def _capture(self, use_graph: bool) -> None:
         """Warm up (compiles the kernels) on a side stream, then capture one graph per
         staging buffer."""
@@ -415,6 +434,14 @@ def _check_batch_values(qsl: np.ndarray, rows: np.ndarray, num_tokens: int,
     if num_reqs and rows.view(_U32).max() >= num_rows:
         bad = int(rows[(rows < 0) | (rows >= num_rows)][0])
         raise IndexError(f"row_of_batch holds row {bad}, outside [0, {num_rows})")
+
+
+def _check_counts(num_reqs: object, num_tokens: object, layout: StepLayout) -> None:
+    """Raise unless ``num_reqs`` and ``num_tokens`` are ints within ``layout``'s capacities."""
+    for name, value, bound in (("num_reqs", num_reqs, layout.max_num_reqs),
+                               ("num_tokens", num_tokens, layout.max_num_tokens)):
+        if not (type(value) is int and 0 <= value <= bound):
+            raise ValueError(f"{name} must be an int in [0, {bound}], got {value!r}")
 
 
 def _capacity(name: str, value: int | None, bound: int) -> int:
