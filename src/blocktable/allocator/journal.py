@@ -56,14 +56,24 @@ class StepJournal:
         self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
         # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
-        # the compiled diff of the touched rows, bound to these arrays (the row state's are
-        # never reallocated), where the install built it (else numpy)
-        compiled = _loader.COMPILED
+        self._bind()
+        self._no_blocks = (_NO_BLOCKS,) * num_groups
+        self._no_entries = (_NO_ENTRIES,) * num_groups
+
+    def _bind(self) -> None:
+        """The compiled diff of the touched rows, bound to these arrays (the row state's are
+        never reallocated), where the install built it (else numpy)."""
+        compiled, rows = _loader.COMPILED, self.rows
         self._compiled_diff = None if compiled is None else compiled.JournalDiff(
             self.touched, self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
             _EMPTY32, RowBlocks, _NO_BLOCKS).diff
-        self._no_blocks = (_NO_BLOCKS,) * num_groups
-        self._no_entries = (_NO_ENTRIES,) * num_groups
+
+    def __getstate__(self) -> dict[str, object]:  # the compiled diff is bound, not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled_diff"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._bind()
 
     def touch(self, rows: list[int] | np.ndarray) -> None:
         """Remember ``rows`` (distinct table rows) as they are now, before their first change
