@@ -31,8 +31,7 @@ from blocktable.table import GroupTable
 from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
 
-
-_ID_LIST_TYPES = {list, tuple, np.ndarray, torch.Tensor, type(None)}
+_ID_LIST_TYPES = {list, tuple, np.ndarray, torch.Tensor, type(None)}  # per group: ids or None
 
 
 class MultiGroupBlockTable(AttentionViews):

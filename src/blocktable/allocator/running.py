@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import add, sub
+from typing import NoReturn
 
 import numpy as np
 
@@ -98,9 +99,9 @@ class RunningRequests:
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
-        block = token_rows(token_ids) if len(token_ids) > 1 else None
-        if block is not None:  # (usually: lists of as many tokens each, converted at once)
-            self._append_rows(reqs, rows, block)
+        rows_block = token_rows(token_ids) if len(token_ids) > 1 else None
+        if rows_block is not None:  # (usually: lists of as many tokens each, converted at once)
+            self._append_rows(reqs, rows, rows_block)
             return
         arrays = [
             token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
@@ -178,7 +179,7 @@ class RunningRequests:
             if (self.max_model_len is None or total <= self.max_model_len) and all(
                 need <= pool.num_free_blocks for need, pool in zip(needs, self._pools)
             ):
-                self._journal.touch((row,))  # (an unchanged row drops out of the update)
+                self._journal.touch([row])  # (an unchanged row drops out of the update)
                 out = []
                 lens = state.row_len_mvs
                 for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, lens)):
@@ -411,7 +412,7 @@ class RunningRequests:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
-    def _raise_computed(self, req: RequestState, num_computed: int) -> None:
+    def _raise_computed(self, req: RequestState, num_computed: int) -> NoReturn:
         """Raise ``ValueError``: ``req`` lacks token ids or blocks for ``num_computed``."""
         if num_computed > req.num_tokens:
             raise ValueError(
