@@ -73,14 +73,14 @@ class GroupTable:
     # ---- checks (no writes) -------------------------------------------------------------
     def kernel_ids(self, block_ids: object, name: str = "block_ids") -> np.ndarray:
         """Validate manager ids and expand them to int32 kernel ids (null stays null)."""
-        kind, compiled = type(block_ids), _loader.COMPILED
-        try:  # a list of ints (the common case) in one compiled loop
-            if (kind is list or kind is tuple) and compiled is not None:
+        kind, compiled, ids = type(block_ids), _loader.COMPILED, None
+        if (kind is list or kind is tuple) and compiled is not None:
+            try:  # a list of ints (the common case) in one compiled loop
                 ids = compiled.int64_from_ints(block_ids, name)
-            else:
-                ids = as_index_array(name, block_ids)
-        except (TypeError, OverflowError):
-            ids = as_index_array(name, block_ids)  # raises, with the message of every path
+            except (TypeError, OverflowError):
+                pass  # as_index_array raises, worded as on every other path
+        if ids is None:
+            ids = as_index_array(name, block_ids)
         check_block_ids(name, ids, self.block_id_bound, self.num_blocks_declared)
         if self.k == 1:
             return ids.astype(np.int32)

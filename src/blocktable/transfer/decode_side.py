@@ -308,13 +308,11 @@ class DecodeWorker:
             req_ids = [batch.req_ids[i] for i in index.tolist()]
             token_ids = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
         manager = self.engine.manager
-        hits = manager.add_requests(req_ids, token_ids)
-        num_hit = np.array(hits, dtype=np.int64)
+        num_hit = np.array(manager.add_requests(req_ids, token_ids), dtype=np.int64)
         if index is not None:
             num_prompt = num_prompt[index]
         try:
-            blocks = manager.allocate_many(req_ids, num_prompt - num_hit if any(hits)
-                                           else num_prompt)[0]
+            blocks = manager.allocate_many(req_ids, num_prompt - num_hit)[0]
         except Exception:
             manager.free_many(req_ids)
             raise

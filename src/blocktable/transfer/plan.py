@@ -99,12 +99,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
     q = block_size // chunk_tokens  # chunks per block
-    counts = (num + (chunk_tokens - 1)) // chunk_tokens if chunk_tokens > 1 else num
+    counts = -(-num // chunk_tokens)
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
     counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
-    capacity = counts_blocks * q if q > 1 else counts_blocks
-    spare = capacity - counts if first_chunks is None else capacity - counts - first_chunks
+    spare = counts_blocks * q - counts
+    if first_chunks is not None:
+        spare -= first_chunks
     tight = not spare.any()  # the common round: each request's blocks hold just its chunks
     if not tight:
         short = spare < 0
@@ -134,17 +135,16 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                 shift += first_chunks
     else:
         starts = np.asarray(block_starts, dtype=np.int64)
-        shift = (starts * q if q > 1 else starts) - row_starts[:-1]
+        shift = starts * q - row_starts[:-1]
         if first_chunks is not None:
             shift += first_chunks
         if not shift.any():
             shift = None
-    if shift is None:
-        if q == 1:
-            return ids[:row_starts[-1]].astype(np.int64), row_starts
-        offset = np.arange(row_starts[-1])
-    else:
-        offset = np.arange(row_starts[-1]) + np.repeat(shift, counts)
+    if shift is None and q == 1:  # every request's chunks are its blocks, back to back
+        return ids[:row_starts[-1]].astype(np.int64), row_starts
+    offset = np.arange(row_starts[-1])
+    if shift is not None:
+        offset += np.repeat(shift, counts)
     if q == 1:
         return ids[offset].astype(np.int64), row_starts
     return ids[offset // q].astype(np.int64) * q + offset % q, row_starts

@@ -239,8 +239,7 @@ class PrefillWorker:
         refused_at = [i for i, c in enumerate(codes) if c == PlanStatus.REFUSED]
         for req_id, i in zip(refused.req_ids, refused_at):
             self.stats.refused[req_id] = plans.reasons.get(i, "")
-        self.prompts.drop(refused.req_ids)
-        self.prompts.drop(self._unacked.req_ids)
+        self.prompts.drop(refused.req_ids + self._unacked.req_ids)
         self._release(refused)
         return len(self._unacked)
 
