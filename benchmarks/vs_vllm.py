@@ -3,8 +3,11 @@
 vLLM is not installed: its released wheel is downloaded at run time (``pip download --no-deps
 vllm==VERSION`` into ``~/.cache/blocktable-bench``) and only its pure-Python allocator
 (``vllm/v1/core``: ``KVCacheManager``, ``BlockPool``, ``kv_cache_utils``), its ``Request`` and
-its worker ``BlockTable`` are imported from it, with everything they import beyond that stubbed
-(see ``benchmarks/vllm_shim.py``). No vLLM code lives in this repository.
+its worker ``BlockTable`` with the Triton slot-mapping kernel it launches (and that kernel's
+launch helpers) are imported from it, with everything they import beyond that stubbed (see
+``benchmarks/vllm_shim.py``). No vLLM code lives in this repository. ``--vllm-dir DIR`` imports
+an unpacked tree instead (nothing is downloaded); ``--export-vllm-subset DIR`` copies the few
+files imported (about 0.5 MiB) into DIR, for a machine without network.
 
 Rows (CPU):
 
@@ -25,7 +28,12 @@ Rows (CPU):
   mappings only in a Triton kernel, which does not run on a CPU; blocktable's row has no vLLM
   figure.
 
-Times are this process's CPU time by default (``--clock wall`` for wall time), torch on one
+Rows (CUDA, where torch sees a GPU; ``benchmarks/vs_vllm_cuda.py``): the graph-replayed slot
+mapping of a decode and a prefill batch, and the whole block-table step (rows, commit, slot
+mapping: vLLM's ``MultiGroupBlockTable`` as its model runner drives it, blocktable's
+``CapturedStep``), in host wall time and device time, each row naming its clock.
+
+The CPU rows' times are this process's CPU time by default (``--clock wall`` for wall time), torch on one
 thread. vLLM's stubbed imports cost about 16 stub calls per step (a few microseconds).
 
 Every step checks that both sides agree: the same prefix hits, the same block ids in every
@@ -35,12 +43,18 @@ to a numpy formula. Any disagreement exits with status 1.
 Usage::
 
     python benchmarks/vs_vllm.py --quick --json out.json
+    python benchmarks/vs_vllm.py --export-vllm-subset build/vllm-0.33.0   # with network
+    python benchmarks/vs_vllm.py --vllm-dir build/vllm-0.33.0 --cuda-only --json cuda.json
+    TRITON_INTERPRET=1 python benchmarks/vs_vllm.py --cuda-only --cuda-device cpu \
+        --num-reqs 16 --prompt-len 64 --num-blocks 4000 --cuda-steps 4   # dry run, no GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 import time
 import types
@@ -52,205 +66,28 @@ import numpy as np
 import torch
 from allocator_workload import AllocatorWorkload, StepEvents
 from run_info import run_info
-from vllm_shim import load_vllm
+from vllm_shim import export_subset, fetch_wheel, load_vllm
 
 # the checkout's own code, whose commit the results name (not another installed copy)
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from vs_vllm_cuda import cuda_rows
+from vs_vllm_sides import (
+    PHASES,
+    BlocktableAllocator,
+    CheckFailed,
+    VllmAllocator,
+    check,
+    check_sides,
+    result_row,
+    run_allocator_step,
+    slot_reference,
+)
+
 import blocktable
 from blocktable import GroupSpec, MultiGroupBlockTable
-from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
-
-PHASES = ("free", "append", "admit", "allocate", "step_output", "mark_computed")
-
-
-class CheckFailed(Exception):
-    """Both sides disagree: the run is invalid."""
-
-
-def check(ok: bool, what: str) -> None:
-    if not ok:
-        raise CheckFailed(what)
-
-
-# ---------------------------------------------------------------------------------- sides
-class VllmAllocator:
-    """vLLM's KVCacheManager driven as its scheduler drives it, one call per request."""
-
-    name = "vllm"
-
-    def __init__(self, v: types.SimpleNamespace, block_size: int, num_blocks: int,
-                 max_model_len: int) -> None:
-        ki = v.kv_cache_interface
-        spec = ki.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64,
-                                    dtype=torch.float16)
-        config = ki.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                  kv_cache_groups=[ki.KVCacheGroupSpec(["layer.0"], spec)])
-        self.mgr = v.kv_cache_manager.KVCacheManager(
-            config, max_model_len=max_model_len, scheduler_block_size=block_size,
-            hash_block_size=block_size)
-        hash_fn = v.hashing.get_hash_fn_by_name("sha256")  # vLLM's default algorithm
-        v.kv_cache_utils.init_none_hash(hash_fn)
-        self.hasher = v.kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
-        self.request_cls = v.request.Request
-        # what the engine's sampling parameters carry that the allocator path reads
-        self.params = types.SimpleNamespace(max_tokens=1 << 40, extra_args=None,
-                                            skip_reading_prefix_cache=None,
-                                            structured_outputs=None)
-        self.block_size = block_size
-        self.requests: dict[int, Any] = {}
-        self.pending: dict[int, tuple[Any, int]] = {}  # admitted: (cached blocks, hit tokens)
-        self.hits: dict[int, int] = {}  # allocated this step after admission: hit tokens
-
-    def free(self, req_ids: list[int]) -> None:
-        for req_id in req_ids:
-            self.mgr.free(self.requests.pop(req_id))
-
-    def append(self, req_ids: list[int], tokens: list[list[int]]) -> None:
-        for req_id, toks in zip(req_ids, tokens):
-            self.requests[req_id].append_output_token_ids(toks)
-
-    def admit(self, req_ids: list[int], prompts: list[list[int]]) -> list[int]:
-        hits = []
-        for req_id, prompt in zip(req_ids, prompts):
-            req = self.request_cls(str(req_id), prompt, self.params, None,
-                                   block_hasher=self.hasher)
-            blocks, num_hit, _ = self.mgr.get_computed_blocks(req)
-            self.requests[req_id] = req
-            self.pending[req_id] = (blocks, num_hit)
-            hits.append(num_hit)
-        return hits
-
-    def allocate(self, req_ids: list[int], num_new: list[int]) -> Any:
-        out = []
-        for req_id, n in zip(req_ids, num_new):
-            req = self.requests[req_id]
-            blocks, num_hit = self.pending.pop(req_id, (None, 0))
-            if blocks is not None:
-                self.hits[req_id] = num_hit
-            new = self.mgr.allocate_slots(req, n, num_hit, blocks)
-            if new is None:
-                raise CheckFailed(f"vLLM: no blocks for request {req_id}")
-            out.append((req_id, new))
-        return out
-
-    def step_output(self, allocated: Any) -> Any:
-        # the scheduler's output: every scheduled request's block ids
-        return [blocks.get_block_ids() for _, blocks in allocated]
-
-    def mark_computed(self, req_ids: list[int], num_new: list[int]) -> None:
-        pass  # vLLM cached the blocks inside allocate_slots
-
-    def after_step(self, req_ids: list[int], num_new: list[int]) -> None:
-        # the scheduler's bookkeeping, not timed: an admitted request starts at its hits
-        for req_id, n in zip(req_ids, num_new):
-            req = self.requests[req_id]
-            req.num_computed_tokens = self.hits.pop(req_id, req.num_computed_tokens) + n
-
-    def block_ids(self, req_id: int) -> list[int]:
-        return list(self.mgr.get_block_ids(str(req_id))[0])
-
-    def num_free_blocks(self) -> int:
-        return self.mgr.block_pool.get_num_free_blocks()
-
-
-class BlocktableAllocator:
-    """blocktable's KVCacheManager, per-request calls or batched calls."""
-
-    def __init__(self, batched: bool, hash_fn: str, block_size: int, num_blocks: int,
-                 max_num_reqs: int) -> None:
-        self.batched = batched
-        self.name = "batched" if batched else "per-request"
-        # vLLM counts the null block in num_blocks; blocktable too (block 0 is never handed out)
-        self.mgr = KVCacheManager([AllocatorGroupSpec(block_size, num_blocks)], max_num_reqs,
-                                  hash_fn=hash_fn)
-        self.update: Any = None
-
-    def free(self, req_ids: list[int]) -> None:
-        if self.batched:
-            self.mgr.free_many(req_ids)
-        else:
-            for req_id in req_ids:
-                self.mgr.free(req_id)
-
-    def append(self, req_ids: list[int], tokens: list[list[int]]) -> None:
-        if self.batched:
-            self.mgr.append_token_ids_many(req_ids, tokens)
-        else:
-            for req_id, toks in zip(req_ids, tokens):
-                self.mgr.append_token_ids(req_id, toks)
-
-    def admit(self, req_ids: list[int], prompts: list[list[int]]) -> list[int]:
-        if self.batched:
-            return self.mgr.add_requests(req_ids, prompts)
-        return [self.mgr.add_request(r, p) for r, p in zip(req_ids, prompts)]
-
-    def allocate(self, req_ids: list[int], num_new: list[int]) -> Any:
-        if self.batched:
-            self.mgr.allocate_many(req_ids, num_new)
-        else:
-            for req_id, n in zip(req_ids, num_new):
-                self.mgr.allocate(req_id, n)
-        return None
-
-    def step_output(self, allocated: Any) -> Any:
-        self.update = self.mgr.take_step_update()
-        return self.update
-
-    def mark_computed(self, req_ids: list[int], num_new: list[int]) -> None:
-        if self.batched:
-            self.mgr.mark_computed_many(req_ids, num_new)
-        else:
-            for req_id, n in zip(req_ids, num_new):
-                self.mgr.mark_computed(req_id, n)
-            # per-request marks are recorded and applied by the next call: make that call
-            # here, so that their work counts in this phase (and in the 1M-token prompt row)
-            self.mgr.num_free_blocks()
-
-    def after_step(self, req_ids: list[int], num_new: list[int]) -> None:
-        pass
-
-    def block_ids(self, req_id: int) -> list[int]:
-        return list(self.mgr.block_ids(req_id)[0])
-
-    def num_free_blocks(self) -> int:
-        return self.mgr.num_free_blocks()
-
-
-def run_allocator_step(side: Any, events: StepEvents, prompts: list[Any],
-                       sampled: list[list[int]], block_size: int, clock: Callable[[], int],
-                       ) -> tuple[dict[str, float], list[int], list[int], list[int]]:
-    """One scheduling step on one side; phase times in ms, hits, scheduled ids and counts."""
-    t = [clock()]
-    side.free(events.finished)
-    t.append(clock())
-    side.append(events.decoding, sampled)
-    t.append(clock())
-    hits = side.admit(events.new_ids, prompts)
-    t.append(clock())
-    scheduled = events.new_ids + events.decoding
-    num_new = [len(p) - h for p, h in zip(prompts, hits)] + [block_size] * len(events.decoding)
-    allocated = side.allocate(scheduled, num_new)
-    t.append(clock())
-    side.step_output(allocated)
-    t.append(clock())
-    side.mark_computed(scheduled, num_new)
-    t.append(clock())
-    side.after_step(scheduled, num_new)
-    return {p: (t[i + 1] - t[i]) / 1e6 for i, p in enumerate(PHASES)}, hits, scheduled, num_new
-
-
-def check_sides(sides: list[Any], req_ids: list[int], what: str) -> None:
-    ref = sides[0]
-    free = ref.num_free_blocks()
-    for side in sides[1:]:
-        check(side.num_free_blocks() == free,
-              f"{what}: free blocks {ref.name} {free} != {side.name} {side.num_free_blocks()}")
-        for req_id in req_ids:
-            a, b = ref.block_ids(req_id), side.block_ids(req_id)
-            check(a == b, f"{what}: request {req_id}: {ref.name} blocks {a[:8]}... != "
-                          f"{side.name} {b[:8]}... (lengths {len(a)}, {len(b)})")
+from blocktable._compiled_loader import describe as compiled_part
 
 
 # ---------------------------------------------------------------------------------- tables
@@ -312,14 +149,6 @@ class Tables:
                 check(dev[row, : len(ids)].tolist() == ids,
                       f"{what}: {name} table row {row} != the allocator's blocks")
 
-
-def slot_reference(table_rows: np.ndarray, rows: np.ndarray, qsl: np.ndarray,
-                   positions: np.ndarray, block_size: int) -> np.ndarray:
-    """slot = block id of the position's block * block_size + offset in the block."""
-    req_of_token = np.repeat(np.arange(len(rows)), np.diff(qsl))
-    row = rows[req_of_token]
-    return table_rows[row, positions // block_size].astype(np.int64) * block_size + (
-        positions % block_size)
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -460,21 +289,6 @@ def long_prompt_run(v: types.SimpleNamespace, args: argparse.Namespace, hash_mod
 
 
 # ---------------------------------------------------------------------------------- output
-def stats(values: list[float]) -> dict[str, Any]:
-    a = np.asarray(values)
-    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
-            "p90": float(np.percentile(a, 90)), "n": int(a.size),
-            "values": [round(float(x), 5) for x in a]}
-
-
-def row(name: str, unit: str, ours: list[float], theirs: list[float] | None,
-        **extra: Any) -> dict[str, Any]:
-    b = stats(ours)
-    t = stats(theirs) if theirs else None
-    return {"name": name, "unit": unit, "blocktable": b, "vllm": t,
-            "ratio": t["median"] / b["median"] if t else None, **extra}
-
-
 def _split(times: list[tuple[float, float]]) -> dict[str, float]:
     return {"rows": float(np.median([a for a, _ in times])),
             "commit": float(np.median([b for _, b in times]))}
@@ -490,7 +304,8 @@ def step_totals(phases: dict[str, list[float]]) -> list[float]:
 
 def markdown(result: dict[str, Any]) -> str:
     title = (f"vLLM {result['vllm']} beside blocktable {result['commit'][:10]}, "
-             f"{result['machine']}, {result['date']}, clock: {result['clock']}, torch threads: "
+             f"{result['machine']}{', ' + result['gpu'] if 'gpu' in result else ''}, "
+             f"{result['date']}, CPU rows' clock: {result['clock']}, torch threads: "
              f"{result['torch_threads']}; medians (p10-p90)")
     lines = [
         title,
@@ -506,7 +321,10 @@ def markdown(result: dict[str, Any]) -> str:
 
     for r in result["rows"]:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else r.get("note", "n/a")
-        lines.append(f"| {r['name']} | {r['unit']} | {cell(r['vllm'])} | {cell(r['blocktable'])} "
+        name = r["name"] + (f" [{r['clock']}]" if "clock" in r else "")
+        if r.get("late"):  # the GPU caught up with the host: those samples include host gaps
+            name += f" [{r['late']} samples late]"
+        lines.append(f"| {name} | {r['unit']} | {cell(r['vllm'])} | {cell(r['blocktable'])} "
                      f"| {ratio} |")
     phase_title = ("by phase, medians in ms (vLLM caches blocks inside allocate; step output: "
                    "vLLM get_block_ids, blocktable take_step_update)")
@@ -518,12 +336,31 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vllm-version", default="0.33.0")
-    p.add_argument("--quick", action="store_true", help="fewer steps and reps (CPU rows only)")
+    p.add_argument("--vllm-dir", type=Path, default=None,
+                   help="an unpacked vLLM tree (holding vllm/) to import instead of the "
+                        "downloaded wheel: nothing is downloaded (e.g. the export below)")
+    p.add_argument("--export-vllm-subset", type=Path, default=None, metavar="DIR",
+                   help="copy only the vLLM files this script imports into DIR (to carry to "
+                        "a machine without network, then --vllm-dir DIR), and exit")
+    p.add_argument("--quick", action="store_true", help="fewer steps and reps")
+    p.add_argument("--cuda-only", action="store_true", help="only the CUDA rows")
+    p.add_argument("--no-cuda", action="store_true", help="only the CPU rows")
+    p.add_argument("--cuda-device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a dry run of the CUDA rows' inputs and checks, both sides' "
+                        "Triton kernels in the interpreter (needs TRITON_INTERPRET=1; use "
+                        "small sizes); its times are not a benchmark")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 1000, quick 300)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 50, quick 30)")
+    p.add_argument("--cuda-steps", type=int, default=None,
+                   help="timed CUDA block-table steps (default 600, quick 200)")
+    p.add_argument("--cuda-warmup", type=int, default=20, help="untimed CUDA steps (20)")
+    p.add_argument("--cuda-replays", type=int, default=None,
+                   help="graph replays per side and batch (default 2000, quick 500)")
+    p.add_argument("--prompt-len", type=int, default=2048,
+                   help="CUDA rows: prompt length of the arrivals and prefill batch (2048)")
     p.add_argument("--long-reps", type=int, default=None, help="1M-token prompt reps (15, quick 5)")
     p.add_argument("--long-prompt-len", type=int, default=1_000_000)
     p.add_argument("--num-reqs", type=int, default=1024)
@@ -531,76 +368,111 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="cpu (default): this process's CPU time; for this single-threaded work "
-                        "it equals wall time on a quiet machine, and on a shared one it leaves "
-                        "out the time other processes hold the core (wall time then inflates "
-                        "long calls more than short ones)")
+                   help="CPU rows: cpu (default): this process's CPU time; for this "
+                        "single-threaded work it equals wall time on a quiet machine, and on a "
+                        "shared one it leaves out the time other processes hold the core (wall "
+                        "time then inflates long calls more than short ones). The CUDA rows "
+                        "name their own clocks")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared machine, a 2-thread "
                         "copy of a few MiB waits for a busy core and takes milliseconds)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
-    torch.set_num_threads(args.torch_threads)
     args.steps = args.steps or (300 if args.quick else 1000)
     args.warmup = args.warmup if args.warmup is not None else (30 if args.quick else 50)
     args.long_reps = args.long_reps or (5 if args.quick else 15)
+    args.cuda_steps = args.cuda_steps or (200 if args.quick else 600)
+    args.cuda_replays = args.cuda_replays or (500 if args.quick else 2000)
+    if args.cuda_only and args.no_cuda:
+        p.error("--cuda-only and --no-cuda exclude each other")
+    if args.cuda_device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--cuda-device cpu runs the Triton kernels in the interpreter: set "
+                "TRITON_INTERPRET=1")
+    return args
+
+
+def cpu_rows(v: types.SimpleNamespace, args: argparse.Namespace, clock: Callable[[], int],
+             rows: list[dict[str, Any]]) -> None:
+    for hash_mode in ("defaults", "sha256"):
+        print(f"allocator steps, {hash_mode} ...", file=sys.stderr)
+        run = allocator_run(v, args, hash_mode, clock, with_tables=hash_mode == "defaults")
+        label = ("defaults (vLLM SHA-256; blocktable fast key + token check)"
+                 if hash_mode == "defaults" else "both SHA-256")
+        theirs = step_totals(run["times"]["vllm"])
+        phase_medians = {name: {p: float(np.median(v_)) for p, v_ in ph.items()}
+                         for name, ph in run["times"].items()}
+        for api in ("batched", "per-request"):
+            rows.append(result_row(f"allocator step, {api} calls, {label}", "ms",
+                                   step_totals(run["times"][api]), theirs,
+                                   phases_ms={"vllm": phase_medians["vllm"],
+                                              "blocktable": phase_medians[api]}))
+        if run["tables"] is not None:
+            t = run["tables"]
+            rows.append(result_row("table rows + commit, per call (add_row/append_row)", "ms",
+                                   _total(t["calls"]), _total(t["vllm"]),
+                                   phases_ms={"vllm": _split(t["vllm"]),
+                                              "blocktable": _split(t["calls"])}))
+            rows.append(result_row("table rows + commit, batched apply(StepUpdate)", "ms",
+                                   _total(t["applied"]), _total(t["vllm"]),
+                                   phases_ms={"vllm": _split(t["vllm"]),
+                                              "blocktable": _split(t["applied"])}))
+            note = "vLLM: Triton kernel only, no CPU path"
+            rows.append(result_row(f"CPU slot mapping, decode {args.num_reqs} x 1", "ms",
+                                   run["slots"]["decode"], None, note=note))
+            rows.append(result_row("CPU slot mapping, prefill 4 x 2048", "ms",
+                                   run["slots"]["prefill"], None, note=note))
+        print(f"{args.long_prompt_len}-token prompt, {hash_mode} ...", file=sys.stderr)
+        long = long_prompt_run(v, args, hash_mode, clock)
+        for api in ("batched", "per-request"):
+            rows.append(result_row(f"{args.long_prompt_len:,}-token prompt, {api} calls, "
+                                   f"{label}", "ms", long[api], long["vllm"]))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.export_vllm_subset is not None:
+        root = args.vllm_dir or fetch_wheel(args.vllm_version)
+        copies = export_subset(root, args.export_vllm_subset)
+        size = sum(c.stat().st_size for c in copies)
+        print(f"{len(copies)} files of vLLM {args.vllm_version}, {size / 1024:.0f} KiB, in "
+              f"{args.export_vllm_subset}: run with --vllm-dir {args.export_vllm_subset}")
+        return 0
+    torch.set_num_threads(args.torch_threads)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
     if Path(blocktable.__file__).resolve().parents[1] != REPO / "src":
         print(f"FAILED: blocktable imported from {blocktable.__file__}, not from {REPO / 'src'}",
               file=sys.stderr)
         return 1
-    v = load_vllm(args.vllm_version)
+    with_cuda = not args.no_cuda and (torch.cuda.is_available() or args.cuda_device == "cpu")
+    if args.cuda_only and not with_cuda:
+        print("FAILED: --cuda-only, but torch sees no GPU (--cuda-device cpu: a dry run)",
+              file=sys.stderr)
+        return 1
+    v = load_vllm(args.vllm_version, args.vllm_dir)
     result: dict[str, Any] = {
         **run_info(),
         "vllm": args.vllm_version,
         "clock": args.clock,
         "torch_threads": args.torch_threads,
-        "scenario": {k: getattr(args, k) for k in ("steps", "warmup", "long_reps",
-                                                   "long_prompt_len", "num_reqs", "num_blocks",
-                                                   "block_size", "seed")},
+        "blocktable_compiled": compiled_part(),
+        "scenario": {k: getattr(args, k) for k in (
+            "steps", "warmup", "long_reps", "long_prompt_len", "num_reqs", "num_blocks",
+            "block_size", "seed", "cuda_steps", "cuda_warmup", "cuda_replays", "prompt_len")},
         "rows": [],
     }
-    rows = result["rows"]
+    if with_cuda and args.cuda_device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["triton"] = importlib.import_module("triton").__version__
     try:
-        for hash_mode in ("defaults", "sha256"):
-            print(f"allocator steps, {hash_mode} ...", file=sys.stderr)
-            run = allocator_run(v, args, hash_mode, clock, with_tables=hash_mode == "defaults")
-            label = ("defaults (vLLM SHA-256; blocktable fast key + token check)"
-                     if hash_mode == "defaults" else "both SHA-256")
-            theirs = step_totals(run["times"]["vllm"])
-            phase_medians = {name: {p: float(np.median(v_)) for p, v_ in ph.items()}
-                             for name, ph in run["times"].items()}
-            for api in ("batched", "per-request"):
-                rows.append(row(f"allocator step, {api} calls, {label}", "ms",
-                                step_totals(run["times"][api]), theirs,
-                                phases_ms={"vllm": phase_medians["vllm"],
-                                           "blocktable": phase_medians[api]}))
-            if run["tables"] is not None:
-                t = run["tables"]
-                rows.append(row("table rows + commit, per call (add_row/append_row)", "ms",
-                                _total(t["calls"]), _total(t["vllm"]),
-                                phases_ms={"vllm": _split(t["vllm"]),
-                                           "blocktable": _split(t["calls"])}))
-                rows.append(row("table rows + commit, batched apply(StepUpdate)", "ms",
-                                _total(t["applied"]), _total(t["vllm"]),
-                                phases_ms={"vllm": _split(t["vllm"]),
-                                           "blocktable": _split(t["applied"])}))
-                note = "vLLM: Triton kernel only, no CPU path"
-                rows.append(row(f"CPU slot mapping, decode {args.num_reqs} x 1", "ms",
-                                run["slots"]["decode"], None, note=note))
-                rows.append(row("CPU slot mapping, prefill 4 x 2048", "ms",
-                                run["slots"]["prefill"], None, note=note))
-            print(f"{args.long_prompt_len}-token prompt, {hash_mode} ...", file=sys.stderr)
-            long = long_prompt_run(v, args, hash_mode, clock)
-            for api in ("batched", "per-request"):
-                rows.append(row(f"{args.long_prompt_len:,}-token prompt, {api} calls, {label}",
-                                "ms", long[api], long["vllm"]))
+        if not args.cuda_only:
+            cpu_rows(v, args, clock, result["rows"])
+        if with_cuda:
+            print(f"CUDA rows on {args.cuda_device} ...", file=sys.stderr)
+            result["rows"] += cuda_rows(v, args)
     except CheckFailed as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
-    if torch.cuda.is_available():
-        print("CUDA is present, but this version has no CUDA rows yet", file=sys.stderr)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -58,15 +58,19 @@ def test_hook_runs_real_modules_and_stubs_the_rest(tmp_path: Path) -> None:
     (pkg / "math_utils.py").write_text(textwrap.dedent("""
         import zmq  # absent here: stubbed
         from vllm.logger import init_logger
-        from vllm.triton_utils import triton
+        from vllm.compilation.decorators import support_torch_compile
+        from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
         logger = init_logger(__name__)
 
-        @triton.jit
+        @support_torch_compile
         def cdiv(a, b):
             logger.debug("called")
             return -(-a // b)
     """))
+    backends = wheel / "vllm" / "v1" / "attention" / "backends"
+    backends.mkdir(parents=True)
+    (backends / "utils.py").write_text("import nothing_here\nPAD_SLOT_ID = -3\n")
     (wheel / ".unpacked").touch()
     code = textwrap.dedent(f"""
         import importlib.util, os, sys
@@ -76,6 +80,7 @@ def test_hook_runs_real_modules_and_stubs_the_rest(tmp_path: Path) -> None:
         vllm_shim.REAL_MODULES = frozenset({{"vllm.utils", "vllm.utils.math_utils"}})
         v = vllm_shim.load_vllm("9.9.9")
         assert v.math_utils.cdiv(7, 2) == 4
+        assert v.math_utils.PAD_SLOT_ID == -3  # a stub's constant, read from the source
         assert v.utils.UTILS == "real package"
         assert isinstance(sys.modules["vllm.logger"], vllm_shim.StubModule)
         assert isinstance(sys.modules["zmq"], vllm_shim.StubModule) == (not zmq_installed)
@@ -86,6 +91,40 @@ def test_hook_runs_real_modules_and_stubs_the_rest(tmp_path: Path) -> None:
                          env=_env(), timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_export_subset_holds_what_the_hook_reads(tmp_path: Path) -> None:
+    """The exported subset serves the same imports with nothing downloaded."""
+    import vllm_shim
+
+    wheel = tmp_path / "unpacked"
+    (wheel / "vllm" / "utils").mkdir(parents=True)
+    (wheel / "vllm" / "utils" / "__init__.py").write_text("UTILS = 1\n")
+    (wheel / "vllm" / "utils" / "math_utils.py").write_text("X = 2\n")
+    (wheel / "vllm" / "big_unused.py").write_text("Y = 3\n")
+    real = vllm_shim.REAL_MODULES
+    constants = vllm_shim.CONSTANTS
+    try:
+        vllm_shim.REAL_MODULES = frozenset({"vllm.utils", "vllm.utils.math_utils"})
+        vllm_shim.CONSTANTS = {}
+        copies = vllm_shim.export_subset(wheel, tmp_path / "subset")
+        with pytest.raises(FileNotFoundError, match="not in the unpacked vLLM tree"):
+            vllm_shim.REAL_MODULES = frozenset({"vllm.absent"})
+            vllm_shim.export_subset(wheel, tmp_path / "other")
+    finally:
+        vllm_shim.REAL_MODULES, vllm_shim.CONSTANTS = real, constants
+    got = sorted(str(c.relative_to(tmp_path / "subset")) for c in copies)
+    assert got == ["vllm/utils/__init__.py", "vllm/utils/math_utils.py"]
+    assert (tmp_path / "subset" / "vllm" / "utils" / "math_utils.py").read_text() == "X = 2\n"
+
+
+def test_every_real_module_file_is_exported() -> None:
+    """Each real module and constant source maps to one file of the tree, none twice."""
+    import vllm_shim
+
+    files = vllm_shim.module_files(Path("/tree"))
+    assert len(set(files)) == len(vllm_shim.REAL_MODULES) + len(vllm_shim.CONSTANTS)
+    assert Path("/tree/vllm/v1/worker/block_table.py") in files
 
 
 def test_workload_matches_the_scenario() -> None:
@@ -182,3 +221,79 @@ def test_per_request_allocate_benchmark_tiny_run(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data["rows"]) == {"one-request path", "thin wrapper"}
     assert all(row["n"] == 4 for row in data["rows"].values())
+
+
+_CUDA_CHECKS = textwrap.dedent("""
+    import sys
+    import numpy as np, torch
+    from vllm_shim import load_vllm
+    v = load_vllm("0.33.0")
+    import vs_vllm_cuda
+    from vs_vllm_sides import CheckFailed
+    from blocktable import RowBlocks, StepUpdate
+
+    sides = vs_vllm_cuda.Sides(v, torch.device("cpu"), 4, 3, 32, 16)
+    rows = {0: [5, 6], 1: [7], 2: [9, 3, 2]}
+    for r, ids in rows.items():
+        sides.vllm.add_row((ids,), r)
+    sides.vllm.commit_block_table(3)
+    sides.ours.apply(StepUpdate.make(1, added=[RowBlocks.from_lists(list(rows),
+                                                                    list(rows.values()))]))
+    sides.ours.commit()
+    qsl = np.array([0, 2, 3, 5], np.int32)
+    pos = np.array([0, 7, 3, 10, 11], np.int64)
+    q, p = torch.from_numpy(qsl), torch.from_numpy(pos)
+    sides.vllm.compute_slot_mapping(3, q, p)  # vLLM's Triton kernel, in the interpreter
+    sides.ours.compute_slot_mapping(q, p)
+    sides.check(rows, qsl, pos, "same")
+    assert sides.ours.slot_mapping(0)[:5].tolist() == [20, 27, 31, 10, 11]
+
+    def fails(what):
+        try:
+            sides.check(rows, qsl, pos, what)
+        except CheckFailed as e:
+            print("caught:", e)
+        else:
+            sys.exit(what + ": not caught")
+
+    ours, theirs = sides.ours.slot_mapping(0), sides.vllm[0].slot_mapping.gpu
+    ours[1] += 1; fails("one slot"); ours[1] -= 1
+    theirs[9] = 0; fails("padding"); theirs[9] = -1
+    sides.vllm[0].block_table.gpu[2, 1] += 1; fails("device table")
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not _cached_wheel(), reason="no vLLM 0.33.0 wheel in the benchmark cache")
+def test_cuda_rows_compare_vllms_kernel_and_catch_differences() -> None:
+    """vLLM's own slot-mapping kernel and ours agree; a changed slot, padding entry or device
+    table entry on either side fails the check."""
+    env = _env() | {"TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _CUDA_CHECKS], capture_output=True, text=True,
+                         env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("caught:") == 3 and out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(not _cached_wheel(), reason="no vLLM 0.33.0 wheel in the benchmark cache")
+def test_cuda_rows_dry_run(tmp_path: Path) -> None:
+    """The CUDA rows' inputs and checks, both sides' kernels in Triton's interpreter, from an
+    exported subset of the wheel (nothing downloaded)."""
+    subset, out = tmp_path / "vllm-subset", tmp_path / "out.json"
+    base = [sys.executable, str(BENCH / "vs_vllm.py")]
+    env = _env() | {"TRITON_INTERPRET": "1"}
+    res = subprocess.run(base + ["--export-vllm-subset", str(subset)], capture_output=True,
+                         text=True, env=env, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sum(f.stat().st_size for f in subset.rglob("*") if f.is_file()) < 2 << 20
+    cmd = base + ["--vllm-dir", str(subset), "--cuda-only", "--cuda-device", "cpu",
+                  "--num-reqs", "16", "--prompt-len", "64", "--num-blocks", "4000",
+                  "--cuda-steps", "3", "--cuda-warmup", "1", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"].split(",")[0] for r in rows] == ["slot mapping"] * 2 + ["block-table step"]
+    assert all(r["vllm"]["n"] >= 1 and r["blocktable"]["n"] >= 1 for r in rows)
