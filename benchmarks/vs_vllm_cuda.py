@@ -14,7 +14,9 @@ and its ``CapturedStep``. Two kinds of rows:
   from blocktable's allocator, outside the timing), each step a mixed batch: every running
   request in row order, the arrivals' uncached prompt tokens and one token for every other.
   vLLM as its model runner drives its table: ``add_row``/``append_row``, ``commit_block_table``,
-  the batch written into its pinned buffers and copied, ``compute_slot_mapping``; blocktable:
+  the batch written into its pinned buffers (``CpuGpuBuffer``) and copied,
+  ``compute_slot_mapping`` (vLLM's runner derives positions on the GPU from copied per-request
+  counts; here both sides move the same positions from the host); blocktable:
   ``CapturedStep.run(update, query_start_loc, positions)`` (one graph replay). Host wall time to
   issue a step (every step), host wall time until the step's device work is done (odd steps),
   and device time (even steps: CUDA events with the GPU kept busy ahead; ours is one graph
