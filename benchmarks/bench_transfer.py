@@ -202,7 +202,8 @@ class _EngineClock:
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
-    does; the KV's gather, send and scatter are not in it).
+    does, each side encoding into its own reused buffer; the KV's gather, send and scatter are
+    not in it, nor is the receiver's landing of a message's bytes).
 
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
