@@ -366,6 +366,23 @@ def test_decode_side_matches_the_single_engine(model: Any, workload: list[Any],
         assert t.num_bytes == -(-num_missing // chunk) * chunk * per_token
 
 
+def test_a_prompt_wholly_in_the_decode_side_cache_moves_no_rows(model: Any) -> None:
+    """A prompt whose every block the decode side already caches (the same prompt, offered a
+    round later) is handed over with no rows: the data's status still goes, nothing hangs,
+    and it decodes what the first copy decoded."""
+    prompt = tuple(range(10, 18))  # two full blocks of 4
+    Req = type(make_workload(1, block_size=4, max_new_tokens=MAX_NEW_TOKENS)[0])
+    workload = [Req("a", prompt, MAX_NEW_TOKENS, 0), Req("b", prompt, MAX_NEW_TOKENS, 0)]
+    # one request a step on the prefill side: "b" is offered a round after "a"
+    ps, ds, dw = _run_pair(model, workload, _engine(model, 4, max_num_reqs=1), _engine(model, 4))
+    assert not isinstance(ds, Exception), ds
+    moved = {t.req_id: t for t in ds.transfers}
+    assert (moved["b"].num_hit_tokens, moved["b"].num_bytes) == (len(prompt), 0)
+    assert moved["a"].num_bytes > 0 and sorted(ps.sent) == ["a", "b"]
+    tokens = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert tokens["a"] == tokens["b"] and len(tokens["a"]) == MAX_NEW_TOKENS
+
+
 def test_full_decode_side_makes_offers_wait_and_refuses_what_never_fits(
         model: Any, workload: list[Any], single_tokens: dict[str, list[int]]) -> None:
     # 9 usable blocks of 4 tokens: one or two requests at a time; a 40-token prompt never fits

@@ -4,9 +4,9 @@ Each round: one engine step; requests whose prompt is done (first token sampled)
 scheduler but keep their blocks; they are offered to the decode side, which answers, per
 offer, from which prompt token on it lacks the KV. Those tokens are mapped to this side's
 chunk rows (its table's rows, one numpy pass for the round), whose every layer is gathered
-into one staging buffer, piece by piece, each piece sent while the next is gathered. A request's blocks are freed (its
-full blocks stay in the prefix cache) only once the decode side's next plan acknowledges the
-data, or it refuses the request, or it is lost.
+into one staging buffer, piece by piece, each piece sent while the next is gathered. A
+request's blocks are freed (its full blocks stay in the prefix cache) only once the decode
+side's next plan acknowledges the data, or it refuses the request, or it is lost.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class PrefillWorker:
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         rows = self._read_plans(plans)
-        if not rows.size:
+        if not self._unacked:  # nothing handed over (a request wholly hit there has no rows)
             return
         try:
             pieces = self._gather(rows, self.chunk_tokens)
