@@ -202,7 +202,8 @@ class _EngineClock:
 def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
-    does; the KV's gather, send and scatter are not in it).
+    does, each side encoding into its own reused buffer; the KV's gather, send and scatter are
+    not in it, nor is the receiver's landing of a message's bytes).
 
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
@@ -214,12 +215,15 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
     from blocktable.transfer.messages import PlanBatch, Round
-    from blocktable.transfer.wire_format import decode_message, encode_message
+    from blocktable.transfer.wire_format import MessageWriter, decode_message
 
-    def wire(obj: Any) -> Any:
-        """Both ends of send_message / recv_message; the wire's own copy of the body into
-        the receiver's memory is left out (it is the transport's data movement)."""
-        return decode_message(*encode_message(obj))
+    writers = {"prefill": MessageWriter(), "decode": MessageWriter()}  # one per transport
+
+    def wire(obj: Any, sender: str) -> Any:
+        """Both ends of send_message / recv_message (the sender's transport encodes into its
+        own writer); the wire's own copy of the body into the receiver's memory is left out
+        (it is the transport's data movement)."""
+        return decode_message(*writers[sender].encode(obj))
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
     num_blocks = n * -(-(tokens + 4) // bs) + 1
@@ -254,10 +258,11 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 _admission_only(pw, dw, ids, arrived)
             else:
                 pw._collect_prefilled()
-                rnd: Round = wire(Round(pw._offer_batch(), False))
-                plans: PlanBatch = wire(dw._plan_batch(rnd.offers))
+                rnd: Round = wire(Round(pw._offer_batch(), False), "prefill")
+                plans: PlanBatch = wire(dw._plan_batch(rnd.offers), "decode")
                 pw._acknowledged(plans.num_acked)
-                num_sent = pw._read_plans(plans)
+                src_rows = pw._read_plans(plans)
+                num_sent = len(pw._unacked)
                 status = pw._data_status(True, 1)  # then the KV: bandwidth
                 assert dw._plan is not None
                 dw._start_decoding(dw._plan)
@@ -266,7 +271,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
             elapsed = time.thread_time() - t0
             if kind == "round":
                 checked = checked and bool(status[0]) and n == num_sent and (
-                    plans.src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
+                    src_rows.size == n * -(-tokens // bs))  # every prompt token mapped
             else:
                 for req_id in ids:  # (the prefill side's own bookkeeping, untimed here)
                     pw.engine.requests.pop(req_id)

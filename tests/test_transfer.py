@@ -31,6 +31,7 @@ from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
+    MessageWriter,
     check_header,
     decode_message,
     encode_message,
@@ -91,6 +92,8 @@ def test_chunk_rows_refuse_too_few_blocks() -> None:
         chunk_rows([3], 4, 4, 0, 5)
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunk_rows([3, 4], 4, 3, 0, 5)
+    with pytest.raises(ValueError, match=r"which must be >= 0 \(got \[-4\]\)"):
+        chunk_rows([3, 4], 4, 4, -4, 4)  # would read the block before the request's
 
 
 def test_gather_then_scatter_moves_every_layer_of_the_chosen_chunks() -> None:
@@ -164,12 +167,11 @@ def _through_the_wire(obj: Any) -> Any:
 
 
 def test_messages_cross_the_wire_format_with_their_arrays() -> None:
-    ids = np.arange(5, dtype=np.int32)
-    ids.flags.writeable = False  # as the allocator's arrays are
-    batch = OfferBatch(("a", "b"), np.array([1, 2, 3, 9, 4, 8]), np.array([0, 4, 6]),
-                       np.array([3, 5]), ids, np.array([3, 2], np.int32))
+    tokens = np.array([1, 2, 3, 9, 4, 8])
+    tokens.flags.writeable = False  # as a view of the prompts' buffer may be
+    batch = OfferBatch(("a", "b"), tokens, np.array([0, 4, 6]), np.array([3, 5]))
     got = _through_the_wire(Round(batch, False))
-    for name in ("token_ids", "token_starts", "max_new_tokens", "block_ids", "block_counts"):
+    for name in ("token_ids", "token_starts", "max_new_tokens"):
         mine, theirs = getattr(batch, name), getattr(got.offers, name)
         assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
     assert got.offers.req_ids == ("a", "b") and got.done is False
@@ -177,28 +179,55 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     assert got.offers.num_prompt_tokens.tolist() == [3, 1]
     empty = _through_the_wire(Round(OfferBatch.empty(), True))
     assert len(empty.offers) == 0 and empty.done
-    plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.zeros(0, np.int64),
+    plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.array([4, 0]),
                                        {1: "never fits"}, 3))
     assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
+    assert plan.num_hit.tolist() == [4, 0] and plan.statuses.tolist() == [0, 2]
+
+
+def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
+    """One writer's messages share its memory (no fresh pages per round); each decodes to
+    what was sent, a large one after a small one and a small one after a large one."""
+    writer = MessageWriter()
+    rng = np.random.default_rng(3)
+    first_body = None
+    for n in (2, 300, 1, 40):
+        tokens = rng.integers(0, 1000, 5 * n)
+        batch = OfferBatch(tuple(map(str, range(n))), tokens, np.arange(0, 5 * n + 1, 5),
+                           np.full(n, 7))
+        header, body = writer.encode(Round(batch, n == 1))
+        if n == 300:
+            first_body = body
+        elif first_body is not None:
+            assert np.shares_memory(body, first_body)  # grown once, then reused
+        got = decode_message(header.copy(), body.copy())
+        assert got.offers.req_ids == batch.req_ids and got.done == (n == 1)
+        assert np.array_equal(got.offers.token_ids, tokens)
 
 
 @pytest.mark.parametrize(("field", "change", "shown"), [
     ("token_starts", np.array([0, 4]), "token_starts holds 2 entries, 3 expected"),
     ("max_new_tokens", np.array([3, 5, 7]), "max_new_tokens holds 3 entries, 2 expected"),
-    ("block_counts", np.array([3]), "block_counts holds 1 entries, 2 expected"),
     ("token_ids", np.array([1, 2, 3]), "token_ids holds 3 entries, 6 expected"),
-    ("block_ids", np.arange(6, dtype=np.int32), "block_ids holds 6 entries, 5 expected"),
 ])
 def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change: np.ndarray,
                                                              shown: str) -> None:
     fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
-              "max_new_tokens": np.array([3, 5]),
-              "block_ids": np.arange(5, dtype=np.int32), "block_counts": np.array([3, 2])}
+              "max_new_tokens": np.array([3, 5])}
     header, body = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)
-    with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 4 arrays, 5"):
-        OfferBatch.from_wire(list(fields.values())[:4], ("a", "b"))
+    with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 3"):
+        OfferBatch.from_wire(list(fields.values())[:2], ("a", "b"))
+
+
+def test_a_malformed_plan_is_refused_naming_the_field() -> None:
+    header, body = encode_message(PlanBatch(np.zeros(3, np.int8), np.zeros(2, np.int64), {}))
+    with pytest.raises(ValueError, match="malformed PlanBatch of 3 offers: num_hit holds 2 "
+                                         "entries, 3 expected"):
+        decode_message(header, body)
+    with pytest.raises(ValueError, match="malformed PlanBatch: 1 arrays, 2 expected"):
+        PlanBatch.from_wire([np.zeros(3, np.int8)], ({}, 0))
 
 
 @dataclass(frozen=True)
@@ -337,6 +366,23 @@ def test_decode_side_matches_the_single_engine(model: Any, workload: list[Any],
         assert t.num_bytes == -(-num_missing // chunk) * chunk * per_token
 
 
+def test_a_prompt_wholly_in_the_decode_side_cache_moves_no_rows(model: Any) -> None:
+    """A prompt whose every block the decode side already caches (the same prompt, offered a
+    round later) is handed over with no rows: the data's status still goes, nothing hangs,
+    and it decodes what the first copy decoded."""
+    prompt = tuple(range(10, 18))  # two full blocks of 4
+    Req = type(make_workload(1, block_size=4, max_new_tokens=MAX_NEW_TOKENS)[0])
+    workload = [Req("a", prompt, MAX_NEW_TOKENS, 0), Req("b", prompt, MAX_NEW_TOKENS, 0)]
+    # one request a step on the prefill side: "b" is offered a round after "a"
+    ps, ds, dw = _run_pair(model, workload, _engine(model, 4, max_num_reqs=1), _engine(model, 4))
+    assert not isinstance(ds, Exception), ds
+    moved = {t.req_id: t for t in ds.transfers}
+    assert (moved["b"].num_hit_tokens, moved["b"].num_bytes) == (len(prompt), 0)
+    assert moved["a"].num_bytes > 0 and sorted(ps.sent) == ["a", "b"]
+    tokens = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert tokens["a"] == tokens["b"] and len(tokens["a"]) == MAX_NEW_TOKENS
+
+
 def test_full_decode_side_makes_offers_wait_and_refuses_what_never_fits(
         model: Any, workload: list[Any], single_tokens: dict[str, list[int]]) -> None:
     # 9 usable blocks of 4 tokens: one or two requests at a time; a 40-token prompt never fits
@@ -387,9 +433,42 @@ def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
 
 def test_a_plan_for_other_offers_is_a_protocol_error(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
-    plans = PlanBatch(np.zeros(2, np.int8), np.zeros(0, np.int64), {})
+    plans = PlanBatch(np.zeros(2, np.int8), np.zeros(2, np.int64), {})
     with pytest.raises(RuntimeError, match="answered 2 offers, 0 were made"):
         pw._read_plans(plans)
+
+
+@pytest.mark.parametrize(("num_hit", "shown"), [
+    ([2, 0], "must divide block_size .4. and every first token"),
+    ([12, 0], "num_tokens must be >= 0"),
+    ([-4, 0], "which must be >= 0"),
+])
+def test_a_plan_whose_hits_do_not_fit_the_offers_changes_nothing(
+        model: Any, workload: list[Any], num_hit: list[int], shown: str) -> None:
+    """The prefill side maps the plan's tokens to its rows before it hands anything over: a
+    hit off a chunk boundary, past a prompt or negative is a protocol error, and the offers
+    stay pending with their blocks."""
+    pw = PrefillWorker(_engine(model, 4), local_pair()[0])
+    pw.remote = pw.layout
+    for w in workload[:2]:
+        pw.submit(w.req_id, w.prompt_token_ids[:10], MAX_NEW_TOKENS)
+    while len(pw.pending) < 2:
+        pw.engine.step()
+        pw._collect_prefilled()
+    offers = pw._offer_batch()
+    plans = PlanBatch(np.zeros(2, np.int8), np.array(num_hit), {})
+    with pytest.raises(RuntimeError, match=f"plan does not fit the offers: .*{shown}|{shown}"):
+        pw._read_plans(plans)
+    assert pw.pending.req_ids == list(offers.req_ids) and not pw._unacked
+    assert all(r in pw.prompts for r in offers.req_ids)
+    rows = pw._read_plans(PlanBatch(np.zeros(2, np.int8), np.array([4, 0]), {}))
+    table = pw.engine.table.tables[0]
+    assert table is not None
+    expected = [table.block_table_np[pw.engine.manager.row_of(r)][:-(-10 // 4)]
+                for r in offers.req_ids]  # chunks are blocks here; the first skips one
+    assert rows.tolist() == [*expected[0][1:].tolist(), *expected[1].tolist()]
+    pw._acknowledged(2)
+    pw.engine.manager.check_integrity()
 
 
 def test_submit_refuses_a_single_token_request(model: Any) -> None:

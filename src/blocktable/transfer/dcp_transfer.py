@@ -101,12 +101,12 @@ def _send_to_dcp(engine: LLMEngine, to_ranks: list[Transport], prompts: list[lis
     tokens = [np.array([*p, engine.requests[r].output_token_ids[0]], np.int64)
               for r, p in zip(ids, prompts)]
     offer = OfferBatch(tuple(ids), np.concatenate(tokens), _starts([t.size for t in tokens]),
-                       np.full(len(ids), 2, np.int64), np.concatenate(own).astype(np.int32),
-                       np.array([o.size for o in own], np.int32))
+                       np.full(len(ids), 2, np.int64))
     to_ranks[0].send_message(offer)
     plan: DcpPlan = to_ranks[0].recv_message()
-    src, _ = chunk_rows_many(offer.block_ids, None, offer.block_counts, engine.config.block_size,
-                             plan.chunk_tokens, plan.num_hit, plan.num_prompt - plan.num_hit)
+    src, _ = chunk_rows_many(np.concatenate(own), None, np.array([o.size for o in own]),
+                             engine.config.block_size, plan.chunk_tokens, plan.num_hit,
+                             plan.num_prompt - plan.num_hit)
     owners, _ = plan.chunks()
     kv_cache, staging = engine.model.kv_cache, StagingBuffer(1 << 62)  # one piece per rank
     sent = []

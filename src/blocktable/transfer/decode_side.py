@@ -2,9 +2,10 @@
 
 For each offer the decode side asks its allocator: a prefix hit shares cached blocks (those
 tokens are not sent), then blocks for the rest of the prompt are allocated. The plan sent back
-lists the prefill side's chunk rows for exactly the missing tokens, in token order; the
-buffer that comes back is scattered into this side's rows (its own block ids and block size),
-the tokens are marked computed and the request joins the running batch with its first token.
+says, per offer, from which prompt token on this side lacks the KV (the prefill side maps those
+tokens to its own rows, in token order); the buffer that comes back is scattered into this
+side's rows (its own block ids and block size), the tokens are marked computed and the request
+joins the running batch with its first token.
 
 Out of blocks: the offer waits while running requests will free some, else it is refused.
 A batch the prefill side could not gather is recomputed here from its prompt. A lost prefill
@@ -190,9 +191,14 @@ class DecodeWorker:
             index, req_ids, token_ids, num_hit, own = self._admit_some(
                 batch, statuses, reasons, num_prompt, prompt_blocks)
             if index is None:
-                return PlanBatch(statuses, _NO_ROWS, reasons)
-        return PlanBatch(statuses, self._map_rows(batch, index, req_ids, token_ids, num_hit,
-                                                  own, num_prompt, prompt_blocks), reasons)
+                return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons)
+        self._plan = self._map_rows(batch, index, req_ids, token_ids, num_hit, own, num_prompt,
+                                    prompt_blocks)
+        if index is None:
+            return PlanBatch(statuses, num_hit, reasons)
+        hits = np.zeros(n, dtype=np.int64)
+        hits[index] = num_hit
+        return PlanBatch(statuses, hits, reasons)
 
     def _refusals(self, batch: OfferBatch, num_prompt: np.ndarray) -> dict[int, str]:
         """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
@@ -260,36 +266,26 @@ class DecodeWorker:
 
     def _map_rows(self, batch: OfferBatch, index: np.ndarray | None, req_ids: list[str],
                   token_ids: list[np.ndarray], num_hit: np.ndarray, own: np.ndarray,
-                  num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> np.ndarray:
-        """Both sides' chunk rows of the admitted offers (``index`` into the batch, ``None``:
-        all), their missing tokens only; keeps this side's in the round's plan and returns
-        the prefill side's."""
+                  num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> _RoundPlan:
+        """The round's plan: this side's chunk rows of the admitted offers (``index`` into the
+        batch, ``None``: all), their missing tokens only, in one pass."""
         config = self.engine.config
-        chunk_tokens = self.chunk_tokens
-        assert self.remote is not None
         hit = bool(num_hit.any())
         if index is None:
-            src_starts, src_counts = None, batch.block_counts
             max_new = batch.max_new_tokens
         else:
             num_prompt, prompt_blocks = num_prompt[index], prompt_blocks[index]
-            block_starts = np.cumsum(batch.block_counts, dtype=np.int64) - batch.block_counts
-            src_starts, src_counts = block_starts[index], batch.block_counts[index]
             max_new = batch.max_new_tokens[index]
         num_new = num_prompt - num_hit if hit else num_prompt
-        src, _ = chunk_rows_many(batch.block_ids, src_starts, src_counts,
-                                 self.remote.kernel_block_size, chunk_tokens,
-                                 num_hit if hit else None, num_new)
         # this side's new blocks hold exactly the tokens past the hit (a block boundary)
         num_blocks = prompt_blocks - num_hit // config.block_size if hit else prompt_blocks
         if own.size != int(num_blocks.sum()):
             raise AssertionError(f"the allocator gave {own.size} blocks, "
                                  f"{int(num_blocks.sum())} were expected")
         dst, dst_starts = chunk_rows_many(own, None, num_blocks, config.block_size,
-                                          chunk_tokens, None, num_new)
-        self._plan = _RoundPlan(req_ids, token_ids, max_new, num_hit, num_new, num_blocks, dst,
-                                dst_starts)
-        return src
+                                          self.chunk_tokens, None, num_new)
+        return _RoundPlan(req_ids, token_ids, max_new, num_hit, num_new, num_blocks, dst,
+                          dst_starts)
 
     def _admit_many(self, batch: OfferBatch, index: np.ndarray | None, num_prompt: np.ndarray
                     ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:

@@ -2,8 +2,9 @@
 
 A round is one message each way: the prefill side sends a :class:`Round` (an
 :class:`OfferBatch` of requests ready to move, and ``done``); the decode side answers a
-:class:`PlanBatch` (per offer: send these rows, wait, or refused; and how many requests of the
-previous round's data arrived). For the offers to send, the prefill side then sends the data:
+:class:`PlanBatch` (per offer: send its tokens from the first one this side's prefix cache
+lacks, wait, or refused; and how many requests of the previous round's data arrived). For the
+offers to send, the prefill side maps those tokens to its own cache rows and sends the data:
 :func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: on the wire they are those
@@ -28,23 +29,21 @@ class PlanStatus(enum.IntEnum):
 class OfferBatch:
     """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
     then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
-    token_starts[i + 1]]``; its prefill-side block ids (the table's row, kernel blocks) are the
-    ``block_counts[i]`` entries of ``block_ids`` after those of the requests before it.
+    token_starts[i + 1]]``.
 
-    The token ids are int64, the dtype the decode side's allocator reads without a copy."""
+    The token ids are int64, the dtype the decode side's allocator reads without a copy. The
+    prefill side's block ids do not travel: it maps the tokens the plan asks for to its own
+    rows."""
 
     req_ids: tuple[str, ...]
     token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
     token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
-    block_ids: np.ndarray  # on cpu, int32 [total blocks]
-    block_counts: np.ndarray  # on cpu, int32 [num_reqs]
 
     @classmethod
     def empty(cls) -> OfferBatch:
         none = np.zeros(0, dtype=np.int64)
-        return cls((), none, np.zeros(1, dtype=np.int64), none, np.zeros(0, np.int32),
-                   np.zeros(0, np.int32))
+        return cls((), none, np.zeros(1, dtype=np.int64), none)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -67,50 +66,57 @@ class OfferBatch:
         return self.token_ids[self.token_starts[i]:self.token_starts[i + 1] - 1]
 
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
-        return (self.token_ids, self.token_starts, self.max_new_tokens, self.block_ids,
-                self.block_counts), self.req_ids
+        return (self.token_ids, self.token_starts, self.max_new_tokens), self.req_ids
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], rest: tuple[str, ...]) -> OfferBatch:
         """The batch again; raises ``ValueError`` naming the first field whose length does
         not fit the others (a malformed message)."""
         n = len(rest)
-        if len(arrays) != 5:
-            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 5 "
+        if len(arrays) != 3:
+            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 3 "
                              "expected")
-        batch = cls(rest, *arrays)
-        token_ids, token_starts, max_new_tokens, block_ids, block_counts = arrays
-        if ((token_starts.size, max_new_tokens.size, block_counts.size) == (n + 1, n, n)
-                and token_ids.size == token_starts[-1] and block_ids.size == block_counts.sum()):
-            return batch
+        token_ids, token_starts, max_new_tokens = arrays
+        if (token_starts.size == n + 1 and max_new_tokens.size == n
+                and token_ids.size == token_starts[-1]):
+            return cls(rest, token_ids, token_starts, max_new_tokens)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
-            ("block_counts", block_counts, n), ("token_ids", token_ids, token_starts[-1:]),
-            ("block_ids", block_ids, block_counts)]
-        for name, array, size in checks:  # the offsets' lengths are checked before they count
+            ("token_ids", token_ids, token_starts[-1:])]
+        for name, array, size in checks:  # the offsets' length is checked before they count
             want = size if isinstance(size, int) else int(size.sum())
             if array.size != want:
                 raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
                                  f"{array.size} entries, {want} expected")
-        return batch
+        return cls(rest, token_ids, token_starts, max_new_tokens)
 
 
 @dataclass(frozen=True, eq=False)
 class PlanBatch:
-    """The decode side's answer to an :class:`OfferBatch`, in its order."""
+    """The decode side's answer to an :class:`OfferBatch`, in its order: per offer, its status
+    and, for a SEND offer, the prompt tokens this side's prefix cache already holds (a
+    multiple of the moved chunk; the prefill side sends the tokens from there to the prompt's
+    end, mapped to its own rows)."""
 
     statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
-    src_rows: np.ndarray  # on cpu, int64 [total chunks]: the SEND offers' prefill rows, in order
+    num_hit: np.ndarray  # on cpu, int64 [num_reqs]: prompt tokens not sent (0 unless SEND)
     reasons: dict[int, str]  # offer index -> why it was refused
     num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache
 
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[dict[int, str], int]]:
-        return (self.statuses, self.src_rows), (self.reasons, self.num_acked)
+        return (self.statuses, self.num_hit), (self.reasons, self.num_acked)
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], rest: tuple[dict[int, str], int]
                   ) -> PlanBatch:
-        return cls(arrays[0], arrays[1], *rest)
+        """The plan again; raises ``ValueError`` naming the field that does not fit."""
+        if len(arrays) != 2:
+            raise ValueError(f"malformed PlanBatch: {len(arrays)} arrays, 2 expected")
+        statuses, num_hit = arrays
+        if num_hit.size != statuses.size:
+            raise ValueError(f"malformed PlanBatch of {statuses.size} offers: num_hit holds "
+                             f"{num_hit.size} entries, {statuses.size} expected")
+        return cls(statuses, num_hit, *rest)
 
 
 @dataclass(frozen=True)

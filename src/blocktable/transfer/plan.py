@@ -87,23 +87,28 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         int64 ``[num_reqs + 1]``: request ``i``'s rows are ``rows[row_starts[i] :
         row_starts[i + 1]]``.
     """
+    # (a round's mapping is a few dozen numpy calls: each one is spared where it can be)
     num = np.asarray(num_tokens, dtype=np.int64)
-    first = np.zeros(0, np.int64) if first_tokens is None else np.asarray(first_tokens, np.int64)
-    # None: no request starts past its token 0, so the first-token terms vanish
-    first_chunks = first // chunk_tokens if first.any() else None
-    if block_size % chunk_tokens or (first_chunks is not None and (first % chunk_tokens).any()):
+    first: np.ndarray | None = None
+    if first_tokens is not None:
+        first = np.asarray(first_tokens, np.int64)
+        if not first.any():
+            first = None  # no request starts past its token 0: the first-token terms vanish
+    first_chunks = None if first is None else first // chunk_tokens
+    if block_size % chunk_tokens or (first is not None and (
+            (first % chunk_tokens).any() or first.min() < 0)):
         raise ValueError(
             f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
-            f"first token (got {first.tolist()})"
+            f"first token, which must be >= 0 (got {[] if first is None else first.tolist()})"
         )
     if num.size and num.min() < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
     q = block_size // chunk_tokens  # chunks per block
-    counts = -(-num // chunk_tokens)
+    counts = num if chunk_tokens == 1 else (num + (chunk_tokens - 1)) // chunk_tokens
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
     counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
-    spare = counts_blocks * q - counts
+    spare = (counts_blocks * q if q > 1 else counts_blocks) - counts
     if first_chunks is not None:
         spare -= first_chunks
     tight = not spare.any()  # the common round: each request's blocks hold just its chunks
@@ -113,13 +118,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
             short &= num > 0  # no tokens: nothing read
         if short.any():
             i = int(np.flatnonzero(short)[0])
-            end = (int(first[i]) if first.size else 0) + int(num[i])
+            end = (0 if first is None else int(first[i])) + int(num[i])
             raise ValueError(
                 f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} "
                 f"tokens; tokens up to {end} need {-(-end // block_size)}"
             )
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=row_starts[1:])
+    counts.cumsum(out=row_starts[1:])
     ids = np.asarray(block_ids)
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
@@ -135,7 +140,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                 shift += first_chunks
     else:
         starts = np.asarray(block_starts, dtype=np.int64)
-        shift = starts * q - row_starts[:-1]
+        shift = (starts * q if q > 1 else starts) - row_starts[:-1]
         if first_chunks is not None:
             shift += first_chunks
         if not shift.any():

@@ -1,11 +1,12 @@
 """The prefill side: compute prompts, offer them, send the blocks the decode side asks for.
 
 Each round: one engine step; requests whose prompt is done (first token sampled) leave the
-scheduler but keep their blocks; they are offered to the decode side, which answers with the
-chunk rows it lacks, in order. Those rows of every layer are gathered into one staging buffer,
-piece by piece, each piece sent while the next is gathered. A request's blocks are freed (its
-full blocks stay in the prefix cache) only once the decode side's next plan acknowledges the
-data, or it refuses the request, or it is lost.
+scheduler but keep their blocks; they are offered to the decode side, which answers, per
+offer, from which prompt token on it lacks the KV. Those tokens are mapped to this side's
+chunk rows (its table's rows, one numpy pass for the round), whose every layer is gathered
+into one staging buffer, piece by piece, each piece sent while the next is gathered. A
+request's blocks are freed (its full blocks stay in the prefix cache) only once the decode
+side's next plan acknowledges the data, or it refuses the request, or it is lost.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
-from blocktable.transfer.plan import chunk_tokens_of
+from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 
 @dataclass
@@ -101,7 +105,8 @@ class PrefillWorker:
         self.pending = _Handed()  # prompt done, blocks held, not yet sent
         self._unacked = _Handed()  # handed over this round, blocks held until the next ack
         self.stats = PrefillStats()
-        self._columns = np.zeros(0, dtype=np.int64)  # 0, 1, ... up to the table's width
+        # the last offer's token offsets (its prompts' lengths, for the plan's mapping)
+        self._offered_starts = np.zeros(1, dtype=np.int64)
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -172,33 +177,23 @@ class PrefillWorker:
         return list(map(self.engine.manager.row_of, req_ids))
 
     def _offer_batch(self) -> OfferBatch:
-        """Every pending request as one message: one array per field, the block ids read from
-        the table's rows in one pass."""
+        """Every pending request as one message: its token ids (a slice of the prompts'
+        buffer, in the usual round) and one array per other field."""
         p = self.pending
-        n = len(p)
-        if not n:
+        if not p:
             return OfferBatch.empty()
-        table = self.engine.table.tables[0]
-        assert table is not None
-        rows = np.array(p.rows, dtype=np.intp)
-        counts = table.num_kernel_blocks[rows]
-        block_table = table.block_table_np
-        if self._columns.size != block_table.shape[1]:
-            self._columns = np.arange(block_table.shape[1])
-        block_ids = block_table[rows][self._columns < counts[:, None]]
         token_ids, token_starts = self.prompts.token_ids(p.req_ids, p.first_tokens)
+        self._offered_starts = token_starts
         return OfferBatch(tuple(p.req_ids), token_ids, token_starts,
-                          np.array(p.max_new_tokens, dtype=np.int64), block_ids, counts)
+                          np.array(p.max_new_tokens, dtype=np.int64))
 
     def _transfer_round(self, plans: PlanBatch) -> None:
-        if not self._read_plans(plans):
+        rows = self._read_plans(plans)
+        if not self._unacked:  # nothing handed over (a request wholly hit there has no rows)
             return
-        assert self.remote is not None
-        chunk_tokens = chunk_tokens_of(self.layout.kernel_block_size,
-                                       self.remote.kernel_block_size)
         try:
-            pieces = self._gather(plans.src_rows, chunk_tokens)
-            view = chunk_view(self.engine.model.kv_cache, chunk_tokens)
+            pieces = self._gather(rows, self.chunk_tokens)
+            view = chunk_view(self.engine.model.kv_cache, self.chunk_tokens)
             gathered, status = True, self._data_status(True, self.staging.rows_per_piece(view))
         except Exception:  # noqa: BLE001 - the decode side recomputes; we free the blocks
             pieces, gathered, status = iter(()), False, self._data_status(False, 0)
@@ -210,6 +205,12 @@ class PrefillWorker:
             self._release(self._unacked)
             self._unacked = _Handed()
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per moved chunk: contiguous in both sides' caches (kernel blocks)."""
+        assert self.remote is not None
+        return chunk_tokens_of(self.layout.kernel_block_size, self.remote.kernel_block_size)
+
     def _acknowledged(self, num_acked: int) -> None:
         """The decode side holds the last round's KV: free those requests' blocks here."""
         if num_acked != len(self._unacked):
@@ -219,21 +220,28 @@ class PrefillWorker:
         self._release(self._unacked)
         self._unacked = _Handed()
 
-    def _read_plans(self, plans: PlanBatch) -> int:
+    def _read_plans(self, plans: PlanBatch) -> np.ndarray:
         """Hand the offers to send over (their blocks held until the acknowledgement), free
-        the refused ones (recorded), keep the waiting ones pending. Returns how many are
-        handed over."""
+        the refused ones (recorded), keep the waiting ones pending. Returns the chunk rows to
+        send here, request after request, each from its first token the decode side lacks
+        (int64 ``[total chunks]``); a plan that does not fit the offers raises before anything
+        changes."""
         statuses = plans.statuses
         if statuses.size != len(self.pending):
             raise RuntimeError(f"protocol error: the {self.transport.peer} answered "
                                f"{statuses.size} offers, {len(self.pending)} were made")
+        if not statuses.size:
+            return _NO_ROWS
         if not statuses.any():  # the common round: every offer is sent (SEND is 0)
+            rows = self._src_rows(None, plans.num_hit)
             self._unacked, self.pending = self.pending, _Handed()
             self.prompts.drop(self._unacked.req_ids)  # (in the message already)
-            return len(self._unacked)
+            return rows
         codes = statuses.tolist()
+        send = [c == PlanStatus.SEND for c in codes]
+        rows = self._src_rows(np.flatnonzero(send), plans.num_hit) if any(send) else _NO_ROWS
         self.stats.num_waits += codes.count(PlanStatus.WAIT)
-        self._unacked, rest = self.pending.split([c == PlanStatus.SEND for c in codes])
+        self._unacked, rest = self.pending.split(send)
         refused, self.pending = rest.split([c == PlanStatus.REFUSED for c in codes
                                             if c != PlanStatus.SEND])
         refused_at = [i for i, c in enumerate(codes) if c == PlanStatus.REFUSED]
@@ -241,7 +249,38 @@ class PrefillWorker:
             self.stats.refused[req_id] = plans.reasons.get(i, "")
         self.prompts.drop(refused.req_ids + self._unacked.req_ids)
         self._release(refused)
-        return len(self._unacked)
+        return rows
+
+    def _src_rows(self, index: np.ndarray | None, num_hit: np.ndarray) -> np.ndarray:
+        """This side's chunk rows of the offers at ``index`` (``None``: all), from each one's
+        ``num_hit[i]``-th prompt token to its prompt's end: its table row's block ids through
+        the slot formula, one numpy pass for the round.
+
+        Raises
+        ------
+        RuntimeError
+            A hit past the prompt, negative, or not at a chunk boundary (a malformed plan).
+        """
+        table = self.engine.table.tables[0]
+        assert table is not None
+        rows = np.array(self.pending.rows, dtype=np.intp)
+        starts = self._offered_starts
+        num_prompt = starts[1:] - starts[:-1]
+        num_prompt -= 1
+        if index is not None:
+            rows, num_prompt, num_hit = rows[index], num_prompt[index], num_hit[index]
+        block_table = table.block_table_np  # [max_num_reqs, width], row r at r * width
+        hit = bool(num_hit.any())
+        try:
+            src, _ = chunk_rows_many(block_table.reshape(-1), rows * block_table.shape[1],
+                                     table.num_kernel_blocks[rows],
+                                     self.layout.kernel_block_size, self.chunk_tokens,
+                                     num_hit if hit else None,
+                                     num_prompt - num_hit if hit else num_prompt)
+        except ValueError as exc:
+            raise RuntimeError(f"protocol error: the {self.transport.peer}'s plan does not fit "
+                               f"the offers: {exc}") from exc
+        return src
 
     def _data_status(self, gathered: bool, rows_per_piece: int) -> torch.Tensor:
         """:func:`~blocktable.transfer.messages.data_status` on the cache's device; on the CPU

@@ -14,12 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
-from blocktable.transfer.wire_format import (
-    HEADER_LEN,
-    check_header,
-    decode_message,
-    encode_message,
-)
+from blocktable.transfer.wire_format import HEADER_LEN, MessageWriter, check_header, decode_message
 
 
 class Transport(Protocol):
@@ -74,6 +69,7 @@ class TorchDistributedTransport:
         self.group = group
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._writer = MessageWriter()  # its buffer is free again once send_message returns
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -115,7 +111,7 @@ class TorchDistributedTransport:
             pass
 
     def send_message(self, obj: Any) -> None:
-        header, body = encode_message(obj)
+        header, body = self._writer.encode(obj)
         self.send_tensors(torch.from_numpy(t).to(self.device) for t in (header, body))
 
     def recv_message(self) -> Any:

@@ -12,6 +12,7 @@ the landed buffer (no copy)::
     body (uint8):       array 0 | pad | array 1 | pad | ... | pickle
 
 Arrays start at multiples of :data:`ALIGN_BYTES`. A message is two sends, whatever it holds.
+A sender keeps one :class:`MessageWriter`, whose body buffer every message reuses.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ HEADER_LEN = 2
 ALIGN_BYTES = 16
 """Every array in a body starts at a multiple of this many bytes."""
 
-_PADDING = bytes(ALIGN_BYTES)
-
-
 class WireMessage(Protocol):
     """A message that travels as flat arrays plus a small picklable rest."""
 
@@ -42,33 +40,58 @@ class WireMessage(Protocol):
         """The message again, from what :meth:`to_wire` gave (the arrays as views)."""
 
 
+class MessageWriter:
+    """Encodes messages into one body buffer it keeps, grown when a larger message comes and
+    never shrunk: a fresh buffer per message would fault in its pages every round (a round's
+    offer carries every prompt's token ids), which costs more than copying them.
+
+    :meth:`encode`'s arrays are valid until its next call: a sender encodes, sends, and waits
+    for the send before it encodes again (as :class:`~blocktable.transfer.transport.
+    TorchDistributedTransport` does)."""
+
+    def __init__(self) -> None:
+        self._body = np.empty(0, dtype=np.uint8)
+        self._header = np.zeros(HEADER_LEN, dtype=np.int64)
+
+    def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]`` on
+        cpu, views of this writer's memory. A :class:`WireMessage`'s arrays are copied once,
+        into ``body``."""
+        to_wire = getattr(type(obj), "to_wire", None)
+        if to_wire is None:
+            arrays: Sequence[np.ndarray] = ()
+            tail = pickle.dumps((None, obj, ()), protocol=5)
+        else:
+            arrays, rest = to_wire(obj)
+        layout: list[tuple[str, int, int]] = []
+        end = 0
+        for a in arrays:
+            if a.ndim != 1 or a.dtype.kind in "OV":  # objects, structured or void records
+                raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of "
+                                 f"plain dtypes, got {a.dtype} of shape {a.shape}")
+            end += -end % ALIGN_BYTES
+            layout.append((a.dtype.str, a.size, end))
+            end += a.nbytes
+        if to_wire is not None:
+            tail = pickle.dumps((type(obj), rest, layout), protocol=5)
+        size = end + len(tail)
+        if self._body.size < size:
+            # zeros: the padding never carries stale heap bytes (only earlier messages')
+            self._body = np.zeros(max(size, 2 * self._body.size), dtype=np.uint8)
+        body = self._body[:size]
+        for a, (dtype, count, offset) in zip(arrays, layout):
+            # a typed view of the body (offsets are aligned): strided arrays copy in place
+            np.copyto(body[offset:offset + a.nbytes].view(a.dtype), a)
+        body[end:] = np.frombuffer(tail, dtype=np.uint8)
+        header = self._header
+        header[0], header[1] = size, end
+        return header, body
+
+
 def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]``, new
-    arrays on cpu. A :class:`WireMessage`'s arrays are copied once, into ``body`` (one join
-    of their bytes, the padding and the pickle)."""
-    to_wire = getattr(type(obj), "to_wire", None)
-    if to_wire is None:
-        payload = pickle.dumps((None, obj, ()), protocol=5)
-        body = np.frombuffer(bytearray(payload), dtype=np.uint8)
-        return np.array([body.size, 0], dtype=np.int64), body
-    arrays, rest = to_wire(obj)
-    layout: list[tuple[str, int, int]] = []
-    parts: list[bytes | memoryview] = []  # joined into the body
-    end = 0
-    for a in arrays:
-        if a.ndim != 1 or a.dtype.kind in "OV":  # objects, structured or void records
-            raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of plain "
-                             f"dtypes, got {a.dtype} of shape {a.shape}")
-        pad = -end % ALIGN_BYTES
-        if pad:
-            parts.append(_PADDING[:pad])
-            end += pad
-        layout.append((a.dtype.str, a.size, end))
-        parts.append((a if a.flags.c_contiguous else np.ascontiguousarray(a)).data)
-        end += a.nbytes
-    parts.append(pickle.dumps((type(obj), rest, layout), protocol=5))
-    body = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
-    return np.array([body.size, end], dtype=np.int64), body
+    """``obj`` as ``(header, body)`` in new arrays (:meth:`MessageWriter.encode` of a new
+    writer)."""
+    return MessageWriter().encode(obj)
 
 
 def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
