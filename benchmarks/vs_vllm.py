@@ -538,6 +538,9 @@ def main() -> int:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared machine, a 2-thread "
                         "copy of a few MiB waits for a busy core and takes milliseconds)")
+    p.add_argument("--rows", choices=("all", "allocator"), default="all",
+                   help="all (default), or allocator: only the allocator-step rows (no table, "
+                        "slot-mapping or 1M-token prompt rows)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -556,6 +559,7 @@ def main() -> int:
         "vllm": args.vllm_version,
         "clock": args.clock,
         "torch_threads": args.torch_threads,
+        "row_filter": args.rows,
         "scenario": {k: getattr(args, k) for k in ("steps", "warmup", "long_reps",
                                                    "long_prompt_len", "num_reqs", "num_blocks",
                                                    "block_size", "seed")},
@@ -565,7 +569,8 @@ def main() -> int:
     try:
         for hash_mode in ("defaults", "sha256"):
             print(f"allocator steps, {hash_mode} ...", file=sys.stderr)
-            run = allocator_run(v, args, hash_mode, clock, with_tables=hash_mode == "defaults")
+            with_tables = hash_mode == "defaults" and args.rows == "all"
+            run = allocator_run(v, args, hash_mode, clock, with_tables=with_tables)
             label = ("defaults (vLLM SHA-256; blocktable fast key + token check)"
                      if hash_mode == "defaults" else "both SHA-256")
             theirs = step_totals(run["times"]["vllm"])
@@ -591,6 +596,8 @@ def main() -> int:
                                 run["slots"]["decode"], None, note=note))
                 rows.append(row("CPU slot mapping, prefill 4 x 2048", "ms",
                                 run["slots"]["prefill"], None, note=note))
+            if args.rows == "allocator":
+                continue
             print(f"{args.long_prompt_len}-token prompt, {hash_mode} ...", file=sys.stderr)
             long = long_prompt_run(v, args, hash_mode, clock)
             for api in ("batched", "per-request"):

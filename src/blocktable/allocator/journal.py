@@ -67,9 +67,12 @@ class StepJournal:
         self._compiled_diff = None if compiled is None else compiled.JournalDiff(
             self.touched, self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
             _EMPTY32, RowBlocks, _NO_BLOCKS).diff
+        # a touch of one row (per-request calls) reads and writes Python ints through these
+        self._one_row = (self.touched.data, self.start_gen.data, rows.holder_gen_mv,
+                         [(a.data, b) for a, b in zip(self.start_len, rows.row_len_mvs)])
 
-    def __getstate__(self) -> dict[str, object]:  # the compiled diff is bound, not pickled
-        return {k: v for k, v in self.__dict__.items() if k != "_compiled_diff"}
+    def __getstate__(self) -> dict[str, object]:  # bound views are not pickled
+        return {k: v for k, v in self.__dict__.items() if k not in ("_compiled_diff", "_one_row")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -78,6 +81,16 @@ class StepJournal:
     def touch(self, rows: list[int] | np.ndarray) -> None:
         """Remember ``rows`` (distinct table rows) as they are now, before their first change
         in this step; rows touched before in this step are left as they were."""
+        if type(rows) is list and len(rows) == 1:
+            [row] = rows
+            touched, start_gen, holder_gen, lens = self._one_row
+            if touched[row] != self._stamp:
+                touched[row] = self._stamp
+                start_gen[row] = holder_gen[row]
+                for start_len, row_len in lens:
+                    start_len[row] = row_len[row]
+                self._order.append([row])  # type: ignore[list-item]  # (np.sort, concatenate read it)
+            return
         rows = np.asarray(rows, dtype=np.intp)
         fresh = rows[self.touched.take(rows) != self._stamp]
         if not len(fresh):
