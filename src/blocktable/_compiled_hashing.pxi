@@ -93,3 +93,68 @@ def byte_chain(object tokens, object first, object stop, object block_size, obje
         out.append(digest)
         parent = digest
     return out
+
+
+
+def chain_block_keys(object tokens, object counts, object seeds, object token_powers,
+                     object block_base):
+    """The fast keys and chain states of several token sequences' full blocks, in one loop;
+    the compiled twin of :func:`blocktable.block_hashing.block_content_hashes` followed by
+    :func:`blocktable.block_hashing.chain_keys`, equal to them bit for bit.
+
+    ``tokens``: int64 ``[sum(counts) * bs]`` (C-contiguous, native byte order; only read),
+    sequence ``r``'s ``counts[r]`` blocks (int64 ``[n]``, each >= 0) back to back, its chain
+    starting from ``seeds[r]`` (uint64 ``[n]``); ``token_powers``: uint64 ``[bs]``, ``bs >=
+    1``; ``block_base``: ``B**bs`` mod 2**64. Block ``i``'s content hash is ``sum_j
+    token_powers[j] * tokens[i * bs + j]`` mod 2**64, its state ``K_i = K_{i-1} * block_base
+    + h_i`` and its key ``fmix64(K_i)``. Returns ``(keys, states)``, new uint64 arrays
+    ``[sum(counts)]``.
+
+    Raises ``TypeError`` for an array of the wrong kind, byte order or layout or a
+    ``block_base`` that is not an integer, ``OverflowError`` for one outside the uint64 range
+    and ``ValueError`` for a negative count, lengths that disagree or an empty
+    ``token_powers`` (all checked before anything is computed).
+    """
+    if not PyIndex_Check(block_base):
+        raise TypeError(f"block_base must be an integer, got {type(block_base).__name__}")
+    cdef uint64_t base = PyNumber_Index(block_base)
+    cdef const int64_t[::1] tok = _int64_in(tokens, "tokens")
+    cdef const int64_t[::1] cnt = _int64_in(counts, "counts")
+    cdef const uint64_t[::1] seed = _uint64_in(seeds, "seeds")
+    cdef const uint64_t[::1] powers = _uint64_in(token_powers, "token_powers")
+    cdef Py_ssize_t bs = powers.shape[0], n = cnt.shape[0], r, i, j, total = 0
+    if bs < 1:
+        raise ValueError("token_powers must hold at least one power (the block size)")
+    if seed.shape[0] != n:
+        raise ValueError(f"seeds has {seed.shape[0]} entries, counts {n}")
+    for r in range(n):
+        if cnt[r] < 0 or cnt[r] > tok.shape[0]:  # (then the sum below cannot overflow)
+            raise ValueError(f"counts[{r}] = {cnt[r]} is outside [0, {tok.shape[0]}]")
+        total += cnt[r]
+    if total > tok.shape[0] // bs or total * bs != tok.shape[0]:
+        raise ValueError(f"tokens holds {tok.shape[0]} ids, counts want {total} blocks of {bs}")
+    global _np
+    if _np is None:
+        import numpy
+        _np = numpy
+    keys_arr = _np.empty(total, dtype=_np.uint64)
+    states_arr = _np.empty(total, dtype=_np.uint64)
+    cdef uint64_t[::1] keys = keys_arr, states = states_arr
+    cdef uint64_t state, h, k
+    cdef Py_ssize_t at = 0, b = 0
+    for r in range(n):
+        state = seed[r]
+        for i in range(cnt[r]):
+            h = 0
+            for j in range(bs):
+                h += powers[j] * <uint64_t>tok[at + j]
+            at += bs
+            state = state * base + h
+            states[b] = state
+            k = state ^ (state >> 33)
+            k *= 0xFF51AFD7ED558CCDULL
+            k ^= k >> 33
+            k *= 0xC4CEB9FE1A85EC53ULL
+            keys[b] = k ^ (k >> 33)
+            b += 1
+    return keys_arr, states_arr

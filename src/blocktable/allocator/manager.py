@@ -300,8 +300,7 @@ class KVCacheManager(RunningRequests):
             holders[row] = req
             requests[req_id] = req
             reqs.append(req)
-        for req_id in req_ids:
-            self._preempted.discard(req_id)
+        self._preempted.difference_update(req_ids)
         self._prefix_cache.admit(reqs, plans, state)
 
     # ----------------------------------------------------------------- computed tokens
@@ -323,14 +322,12 @@ class KVCacheManager(RunningRequests):
         """
         req = self._get(req_id)
         count = check_count("num_tokens", num_tokens)
-        pending = self._pending_computed
-        if req_id in pending:
+        if req_id in self._pending_computed:
             self._settle()
-            pending = self._pending_computed
         num_computed = req.num_computed_tokens + count
         if num_computed > req.num_slots or num_computed > req.num_tokens:
             self._raise_computed(req, num_computed)
-        pending[req_id] = count
+        self._pending_computed[req_id] = count
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray

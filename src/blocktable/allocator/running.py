@@ -80,10 +80,8 @@ class RunningRequests:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
-        """Append generated tokens (one int or a sequence) to the request's sequence.
-
-        Same as ``append_token_ids_many([req_id], [token_ids])``, which words any error about
-        the request."""
+        """Append generated tokens (one int or a sequence) to the request's sequence; the same
+        as ``append_token_ids_many([req_id], [token_ids])``, which words any error."""
         self._settle()
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is None:
@@ -182,21 +180,20 @@ class RunningRequests:
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
-            state, row = self._row_state, req.row
+            state, row, lens = self._row_state, req.row, self._row_state.row_len_mvs
             total = state.num_computed_mv[row] + num_new_tokens
-            needs = [max(0, -(-total // bs) - row_len[row])
-                     for row_len, bs in zip(state.row_len_mvs, self.block_sizes)]
+            ends = [max(-(-total // bs), n[row]) for n, bs in zip(lens, self.block_sizes)]
             if (self.max_model_len is None or total <= self.max_model_len) and all(
-                need <= pool.num_free_blocks for need, pool in zip(needs, self._pools)
+                end - row_len[row] <= pool.num_free_blocks
+                for end, row_len, pool in zip(ends, lens, self._pools)
             ):
                 self._journal.touch([row])  # (an unchanged row drops out of the update)
                 out = []
-                lens = state.row_len_mvs
-                for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, lens)):
+                for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
-                    new = pool.take(need)
-                    state.ensure_width(g, start + need)[row, start : start + need] = new
-                    row_len[row] = start + need
+                    new = pool.take(end - start)
+                    state.ensure_width(g, end)[row, start:end] = new
+                    row_len[row] = end
                     out.append(new.tolist())
                 state.update_num_slots(self.block_sizes, row)
                 return tuple(out)
@@ -335,8 +332,7 @@ class RunningRequests:
         if preempted:
             if len(set(req_ids)) != len(req_ids):
                 raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-            for req_id in req_ids:
-                preempted.discard(req_id)
+            preempted.difference_update(req_ids)
         self._release(reqs)
 
     def preempt(self, req_id: ReqId) -> None:
