@@ -80,16 +80,8 @@ class RunningRequests:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
-        """Append generated tokens (one int or a sequence) to the request's sequence; the same
-        as ``append_token_ids_many([req_id], [token_ids])``, which words any error."""
-        self._settle()
-        req = self._requests.get(req_id) if type(req_id) in (int, str) else None
-        if req is None:
-            self.append_token_ids_many([req_id], [token_ids])
-            return
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
-        req.append_tokens(new)
+        """Append generated tokens (one int or a sequence) to the request's sequence."""
+        self.append_token_ids_many([req_id], [token_ids])
 
     def append_token_ids_many(
         self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
