@@ -340,11 +340,11 @@ class KVCacheManager(RunningRequests):
     def _apply_computed(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
     ) -> None:
-        req_ids, reqs, rows = self._running(req_ids)
+        req_ids, reqs = self._running(req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         if not reqs:
             return
-        state = self._row_state
+        state, rows = self._row_state, np.array([req.row for req in reqs], dtype=np.intp)
         num_computed = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         # num_slots: what every group's blocks hold
         bad = num_computed > state.num_slots[rows]

@@ -89,19 +89,19 @@ class RunningRequests:
         """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
         self._settle()
-        req_ids, reqs, rows = self._running(req_ids)
+        req_ids, reqs = self._running(req_ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
             check_same_length("token_ids", token_ids, len(req_ids))
             # one conversion of the whole array; then every request appends a row of width k
             name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
             block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
-            self._append_rows(reqs, rows, block)
+            self._append_rows(reqs, block)
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
         rows_block = token_rows(token_ids) if len(token_ids) > 1 else None
         if rows_block is not None:  # (usually: lists of as many tokens each, converted at once)
-            self._append_rows(reqs, rows, rows_block)
+            self._append_rows(reqs, rows_block)
             return
         arrays = [
             token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
@@ -111,9 +111,9 @@ class RunningRequests:
         for req, new in zip(reqs, arrays):
             req.append_tokens(new)
 
-    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
-        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
-        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
+    def _append_rows(self, reqs: list[RequestState], block: np.ndarray) -> None:
+        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
+        against ``max_model_len`` before any write."""
         k = block.shape[1]
         num_tokens = self._row_state.num_tokens_mv
         if self.max_model_len is not None:
@@ -122,6 +122,7 @@ class RunningRequests:
         if not k or not reqs:
             return
         state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         # (count_nonzero: cheaper than all() here; argmax and an index than max())
         if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
@@ -390,12 +391,11 @@ class RunningRequests:
         self._settle()
         return self._rows.num_free
 
-    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
-        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat."""
+    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState]]:
+        """``req_ids`` as a list and their states; ``KeyError`` naming one not running,
+        ``ValueError`` for a repeat."""
         req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        return req_ids, reqs, np.array([req.row for req in reqs], dtype=np.intp)
+        return req_ids, running_requests(self._requests, self._preempted, req_ids)
 
     def _get(self, req_id: ReqId) -> RequestState:
         req = self._requests.get(req_id)
