@@ -175,11 +175,12 @@ class RunningRequests:
             # one request in Python ints: the batched call's arrays cost more than they save
             state, row, lens = self._row_state, req.row, self._row_state.row_len_mvs
             total = state.num_computed_mv[row] + num_new_tokens
-            ends = [max(-(-total // bs), n[row]) for n, bs in zip(lens, self.block_sizes)]
-            if (self.max_model_len is None or total <= self.max_model_len) and all(
-                end - row_len[row] <= pool.num_free_blocks
-                for end, row_len, pool in zip(ends, lens, self._pools)
-            ):
+            fits = self.max_model_len is None or total <= self.max_model_len
+            ends = []  # per group, the row's length after
+            for row_len, bs, pool in zip(lens, self.block_sizes, self._pools):
+                ends.append(max(-(-total // bs), row_len[row]))
+                fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
+            if fits:
                 out = []
                 for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
