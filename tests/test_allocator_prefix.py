@@ -285,15 +285,6 @@ def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(blocktable.allocator.prefix, "block_content_hashes", counting)
     monkeypatch.setattr(blocktable.allocator.register, "token_chain_keys", counting_keys)
-    compiled = blocktable.allocator.prefix._loader.COMPILED
-    if compiled is not None:  # (prompt keys are hashed and chained by one compiled loop)
-        real_compiled = compiled.chain_block_keys
-
-        def counting_compiled(tokens, counts, seeds, token_powers, block_base):  # type: ignore[no-untyped-def]
-            hashed_rows.append(len(tokens) // len(token_powers))
-            return real_compiled(tokens, counts, seeds, token_powers, block_base)
-
-        monkeypatch.setattr(compiled, "chain_block_keys", counting_compiled)
     mgr = KVCacheManager([AllocatorGroupSpec(16, 2048)], 2)
     prompt = np.arange(20_000) % 5000
     mgr.add_request("a", prompt)

@@ -1,7 +1,6 @@
 # ruff: noqa: B023  (each lambda is called at once, inside its loop iteration)
-"""The compiled token-id conversion, byte-chained hashes and fast block keys
-(``blocktable._compiled``): equal to their Python twins (``struct.pack``,
-:func:`byte_chain_python`, the numpy keys and :func:`fast_block_keys`) on fresh random inputs, and
+"""The compiled token-id conversion and byte-chained hashes (``blocktable._compiled``): equal
+to their Python twins (``struct.pack``, :func:`byte_chain_python`) on fresh random inputs, and
 memory-safe on hostile ones: wrong containers and item types, huge and negative ints, lists
 that an item's ``__index__`` changes mid-conversion, arrays of the wrong kind, ranges outside
 the tokens, digests that are not bytes. Each must raise (``TypeError``, ``ValueError``,
@@ -19,15 +18,9 @@ import pytest
 from blocktable import _compiled_loader
 from blocktable.block_hashing import (
     ROOT_BLOCK_HASH,
-    ChainPowers,
-    block_content_hashes,
     byte_chain,
     byte_chain_python,
-    chain_keys,
-    encode_namespace,
-    fast_block_keys,
     hash_block_tokens,
-    namespace_seed,
     sha256_block_hash,
 )
 from blocktable.token_ids import int64_from_ints_python, token_array, token_rows
@@ -372,68 +365,6 @@ def test_byte_chain_refuses_hostile_input() -> None:
     assert compiled.byte_chain(frozen, 0, 4, 16, b"", b"", sha256_block_hash) == byte_chain_python(
         tokens, 0, 4, 16, b"", b"", sha256_block_hash
     )
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_chain_block_keys_equals_numpy_and_python(seed: int) -> None:
-    """Several sequences' keys and states in one call, bit for bit those of the numpy product
-    and scan (token ids over the whole int64 range, empty sequences, block sizes 1 to 32), and
-    the keys those of the plain Python reference."""
-    rng = np.random.default_rng(seed)
-    for bs in (1, 3, 16, 32):
-        powers = ChainPowers(bs)
-        counts = rng.integers(0, 7, int(rng.integers(1, 6))).astype(np.int64)
-        tokens = rng.integers(I64_MIN, I64_MAX, int(counts.sum()) * bs, np.int64, endpoint=True)
-        seeds = rng.integers(0, 2**64, len(counts), np.uint64, endpoint=False)
-        keys, states = compiled.chain_block_keys(tokens, counts, seeds, powers.token_powers,
-                                                 powers.block_base)
-        want = chain_keys(block_content_hashes(tokens.reshape(-1, bs), powers), counts, seeds,
-                          powers)
-        assert keys.dtype == states.dtype == np.uint64
-        assert np.array_equal(keys, want[0]) and np.array_equal(states, want[1])
-    small = rng.integers(0, 32000, 5 * 16).astype(np.int64)
-    seed_of_none = np.array([namespace_seed(encode_namespace(None))], np.uint64)
-    keys, _ = compiled.chain_block_keys(small, np.array([5]), seed_of_none,
-                                        ChainPowers(16).token_powers, ChainPowers(16).block_base)
-    assert keys.tolist() == fast_block_keys(small.tolist(), 16)
-
-
-def test_chain_block_keys_refuses_hostile_input() -> None:
-    powers = ChainPowers(16)
-    tokens, counts = np.arange(64, dtype=np.int64), np.array([1, 3], np.int64)
-    seeds = np.array([7, 9], np.uint64)
-    good = [tokens, counts, seeds, powers.token_powers, powers.block_base]
-
-    def call(i: int, value: object):
-        args = list(good)
-        args[i] = value
-        return lambda: compiled.chain_block_keys(*args)
-
-    int64_bad = lambda a: [a.view(np.float64), a.view(np.uint64), a.astype(">i8"),
-                           np.repeat(a, 2)[::2], a.reshape(1, -1), a.astype(object),
-                           a.astype(np.int32), np.array(5, np.int64), a.tolist(), None]
-    uint64_bad = lambda a: [a.view(np.float64), a.view(np.int64), a.astype(">u8"),
-                            np.repeat(a, 2)[::2], a.reshape(1, -1), a.astype(object),
-                            a.astype(np.uint32), a.tolist(), None]
-    for i, variants in ((0, int64_bad(tokens)), (1, int64_bad(counts)),
-                        (2, uint64_bad(seeds)), (3, uint64_bad(powers.token_powers))):
-        for bad in variants:
-            refused(call(i, bad), *good[:4])
-    for bad_counts in ([1, 2], [0, 5], [-1, 5], [4, 1], [2**62, 2**62], [I64_MIN, 4]):
-        refused(call(1, np.array(bad_counts, np.int64)), *good[:4])
-    for bad in ([7], [7, 9, 11], []):
-        refused(call(2, np.array(bad, np.uint64)), *good[:4])
-    refused(call(3, np.zeros(0, np.uint64)), *good[:4])
-    for bad_base in (-1, 2**64, 1.5, None):
-        refused(call(4, bad_base), *good[:4])
-    refused(call(0, tokens[:63]), *good[:4])  # not whole blocks
-    # read-only inputs are fine (only read); the outputs are new arrays
-    frozen = [a.copy() for a in good[:4]]
-    for a in frozen:
-        a.flags.writeable = False
-    keys, _ = compiled.chain_block_keys(*frozen, powers.block_base)
-    assert keys.flags.writeable and not np.shares_memory(keys, tokens)
-    assert np.array_equal(keys, compiled.chain_block_keys(*good)[0])
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -2,8 +2,8 @@
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
 the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the
-touched rows, the conversion of Python lists of token ids, the byte-chained block hashes, the fast block
-keys of prompts and the prefix index's key table.
+touched rows, the conversion of Python lists of token ids, the byte-chained block hashes and
+the prefix index's key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
@@ -20,8 +20,7 @@ accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`
 pairs, for the captured step's launch), the numpy diff in
 :class:`blocktable.allocator.journal.StepJournal`, ``struct.pack`` in
 :func:`blocktable.token_ids.int64_from_ints_python`,
-:func:`blocktable.block_hashing.byte_chain_python`, ``block_content_hashes`` then
-``chain_keys`` of :mod:`blocktable.block_hashing`, and the ``dict`` of
+:func:`blocktable.block_hashing.byte_chain_python` and the ``dict`` of
 :class:`blocktable.key_table.DictKeyTable`.
 """
 
