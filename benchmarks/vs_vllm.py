@@ -35,6 +35,7 @@ to a numpy formula. Any disagreement exits with status 1.
 Usage::
 
     python benchmarks/vs_vllm.py --quick --json out.json
+    python benchmarks/vs_vllm.py --quick --rows allocator  # the allocator-step rows only
 """
 
 from __future__ import annotations
