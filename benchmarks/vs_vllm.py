@@ -43,6 +43,7 @@ to a numpy formula. Any disagreement exits with status 1.
 Usage::
 
     python benchmarks/vs_vllm.py --quick --json out.json
+    python benchmarks/vs_vllm.py --quick --rows allocator  # the allocator-step rows only
     python benchmarks/vs_vllm.py --export-vllm-subset build/vllm-0.33.0   # with network
     python benchmarks/vs_vllm.py --vllm-dir build/vllm-0.33.0 --cuda-only --json cuda.json
     TRITON_INTERPRET=1 python benchmarks/vs_vllm.py --cuda-only --cuda-device cpu \
@@ -376,6 +377,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared machine, a 2-thread "
                         "copy of a few MiB waits for a busy core and takes milliseconds)")
+    p.add_argument("--rows", choices=("all", "allocator"), default="all",
+                   help="all (default), or allocator: only the allocator-step rows (no table, "
+                        "slot-mapping or 1M-token prompt rows)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     args.steps = args.steps or (300 if args.quick else 1000)
@@ -395,7 +399,8 @@ def cpu_rows(v: types.SimpleNamespace, args: argparse.Namespace, clock: Callable
              rows: list[dict[str, Any]]) -> None:
     for hash_mode in ("defaults", "sha256"):
         print(f"allocator steps, {hash_mode} ...", file=sys.stderr)
-        run = allocator_run(v, args, hash_mode, clock, with_tables=hash_mode == "defaults")
+        with_tables = hash_mode == "defaults" and args.rows == "all"
+        run = allocator_run(v, args, hash_mode, clock, with_tables=with_tables)
         label = ("defaults (vLLM SHA-256; blocktable fast key + token check)"
                  if hash_mode == "defaults" else "both SHA-256")
         theirs = step_totals(run["times"]["vllm"])
@@ -421,6 +426,8 @@ def cpu_rows(v: types.SimpleNamespace, args: argparse.Namespace, clock: Callable
                                    run["slots"]["decode"], None, note=note))
             rows.append(result_row("CPU slot mapping, prefill 4 x 2048", "ms",
                                    run["slots"]["prefill"], None, note=note))
+        if args.rows == "allocator":
+            continue
         print(f"{args.long_prompt_len}-token prompt, {hash_mode} ...", file=sys.stderr)
         long = long_prompt_run(v, args, hash_mode, clock)
         for api in ("batched", "per-request"):
@@ -456,6 +463,7 @@ def main() -> int:
         "clock": args.clock,
         "torch_threads": args.torch_threads,
         "blocktable_compiled": compiled_part(),
+        "row_filter": args.rows,
         "scenario": {k: getattr(args, k) for k in (
             "steps", "warmup", "long_reps", "long_prompt_len", "num_reqs", "num_blocks",
             "block_size", "seed", "cuda_steps", "cuda_warmup", "cuda_replays", "prompt_len")},

@@ -278,7 +278,6 @@ class KVCacheManager(RunningRequests):
         its token ids and its prefix hit."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        self._journal.touch(rows)  # free, or freed earlier in this step
         buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
         num_groups = len(self._pools)
         reqs = []
@@ -300,8 +299,7 @@ class KVCacheManager(RunningRequests):
             holders[row] = req
             requests[req_id] = req
             reqs.append(req)
-        for req_id in req_ids:
-            self._preempted.discard(req_id)
+        self._preempted.difference_update(req_ids)
         self._prefix_cache.admit(reqs, plans, state)
 
     # ----------------------------------------------------------------- computed tokens
@@ -323,14 +321,12 @@ class KVCacheManager(RunningRequests):
         """
         req = self._get(req_id)
         count = check_count("num_tokens", num_tokens)
-        pending = self._pending_computed
-        if req_id in pending:
+        if req_id in self._pending_computed:
             self._settle()
-            pending = self._pending_computed
         num_computed = req.num_computed_tokens + count
         if num_computed > req.num_slots or num_computed > req.num_tokens:
             self._raise_computed(req, num_computed)
-        pending[req_id] = count
+        self._pending_computed[req_id] = count
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
@@ -343,11 +339,11 @@ class KVCacheManager(RunningRequests):
     def _apply_computed(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
     ) -> None:
-        req_ids, reqs, rows = self._running(req_ids)
+        req_ids, reqs = self._running(req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         if not reqs:
             return
-        state = self._row_state
+        state, rows = self._row_state, np.array([req.row for req in reqs], dtype=np.intp)
         num_computed = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         # num_slots: what every group's blocks hold
         bad = num_computed > state.num_slots[rows]
@@ -393,7 +389,6 @@ class KVCacheManager(RunningRequests):
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         [row] = self._rows.take_many([None])  # type: ignore[list-item]  # holder set below
-        self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
         self._prefix_cache.chains.copy_row(parent.row, row)

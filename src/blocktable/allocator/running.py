@@ -89,19 +89,19 @@ class RunningRequests:
         """Append tokens to several requests: ``token_ids[i]`` (an int, a sequence, or row ``i``
         of an int array ``[num_reqs, k]``) to ``req_ids[i]``. Checked fully before any write."""
         self._settle()
-        req_ids, reqs, rows = self._running(req_ids)
+        req_ids, reqs = self._running(req_ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
             check_same_length("token_ids", token_ids, len(req_ids))
             # one conversion of the whole array; then every request appends a row of width k
             name = f"token_ids of request {req_ids[0]!r}" if req_ids else "token_ids"
             block = token_array(name, token_ids.reshape(-1)).reshape(token_ids.shape)
-            self._append_rows(reqs, rows, block)
+            self._append_rows(reqs, block)
             return
         token_ids = as_list("token_ids", token_ids)
         check_same_length("token_ids", token_ids, len(req_ids))
         rows_block = token_rows(token_ids) if len(token_ids) > 1 else None
         if rows_block is not None:  # (usually: lists of as many tokens each, converted at once)
-            self._append_rows(reqs, rows, rows_block)
+            self._append_rows(reqs, rows_block)
             return
         arrays = [
             token_array(f"token_ids of request {r!r}", ids) for r, ids in zip(req_ids, token_ids)
@@ -111,9 +111,9 @@ class RunningRequests:
         for req, new in zip(reqs, arrays):
             req.append_tokens(new)
 
-    def _append_rows(self, reqs: list[RequestState], rows: np.ndarray, block: np.ndarray) -> None:
-        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]`` (holding
-        ``rows[i]``, intp); checked against ``max_model_len`` before any write."""
+    def _append_rows(self, reqs: list[RequestState], block: np.ndarray) -> None:
+        """Append row ``i`` of ``block`` (int64 ``[len(reqs), k]``) to ``reqs[i]``; checked
+        against ``max_model_len`` before any write."""
         k = block.shape[1]
         num_tokens = self._row_state.num_tokens_mv
         if self.max_model_len is not None:
@@ -122,6 +122,7 @@ class RunningRequests:
         if not k or not reqs:
             return
         state = self._row_state
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         # (count_nonzero: cheaper than all() here; argmax and an index than max())
         if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
@@ -172,21 +173,20 @@ class RunningRequests:
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
-            state, row = self._row_state, req.row
+            state, row, lens = self._row_state, req.row, self._row_state.row_len_mvs
             total = state.num_computed_mv[row] + num_new_tokens
-            needs = [max(0, -(-total // bs) - row_len[row])
-                     for row_len, bs in zip(state.row_len_mvs, self.block_sizes)]
-            if (self.max_model_len is None or total <= self.max_model_len) and all(
-                need <= pool.num_free_blocks for need, pool in zip(needs, self._pools)
-            ):
-                self._journal.touch([row])  # (an unchanged row drops out of the update)
+            fits = self.max_model_len is None or total <= self.max_model_len
+            ends = []  # per group, the row's length after
+            for row_len, bs, pool in zip(lens, self.block_sizes, self._pools):
+                ends.append(max(-(-total // bs), row_len[row]))
+                fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
+            if fits:
                 out = []
-                lens = state.row_len_mvs
-                for g, (pool, need, row_len) in enumerate(zip(self._pools, needs, lens)):
+                for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
-                    new = pool.take(need)
-                    state.ensure_width(g, start + need)[row, start : start + need] = new
-                    row_len[row] = start + need
+                    new = pool.take(end - start)
+                    state.ensure_width(g, end)[row, start:end] = new
+                    row_len[row] = end
                     out.append(new.tolist())
                 state.update_num_slots(self.block_sizes, row)
                 return tuple(out)
@@ -241,7 +241,6 @@ class RunningRequests:
         if not grown:
             return tuple(RowBlocks() for _ in self._pools)
         everyone = len(grown) == len(rows)
-        self._journal.touch(rows if everyone else [rows[i] for i in grown])
         state = self._row_state
         out = []
         for g, (pool, need, old_len) in enumerate(zip(self._pools, needs, old_lens)):
@@ -325,8 +324,7 @@ class RunningRequests:
         if preempted:
             if len(set(req_ids)) != len(req_ids):
                 raise ValueError(f"req_ids holds a request twice: {req_ids!r}")
-            for req_id in req_ids:
-                preempted.discard(req_id)
+            preempted.difference_update(req_ids)
         self._release(reqs)
 
     def preempt(self, req_id: ReqId) -> None:
@@ -392,12 +390,11 @@ class RunningRequests:
         self._settle()
         return self._rows.num_free
 
-    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState], np.ndarray]:
-        """``req_ids`` as a list, their states and their rows (intp ``[n]``, read-only);
-        ``KeyError`` naming one not running, ``ValueError`` for a repeat."""
+    def _running(self, req_ids: Sequence[ReqId]) -> tuple[list, list[RequestState]]:
+        """``req_ids`` as a list and their states; ``KeyError`` naming one not running,
+        ``ValueError`` for a repeat."""
         req_ids = as_list("req_ids", req_ids)
-        reqs = running_requests(self._requests, self._preempted, req_ids)
-        return req_ids, reqs, np.array([req.row for req in reqs], dtype=np.intp)
+        return req_ids, running_requests(self._requests, self._preempted, req_ids)
 
     def _get(self, req_id: ReqId) -> RequestState:
         req = self._requests.get(req_id)
@@ -436,7 +433,6 @@ class RunningRequests:
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
             del requests[req.req_id]
-        self._journal.touch(rows)
         for pool, arena, row_len, num_skipped in zip(
             self._pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
@@ -468,7 +464,6 @@ class RunningRequests:
             skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
             if skip <= first:
                 continue
-            self._journal.touch([row])
             entries = state.blocks[g][row]
             released.append(entries[first:skip].copy())  # oldest first
             entries[first:skip] = NULL_BLOCK_ID
