@@ -21,9 +21,9 @@ cdef inline const int32_t[:, ::1] _int32_2d_in(object value, str name) except *:
 
 
 cdef enum:  # what a touched row's change is (ordered: kinds >= _ADDED_ROW are held)
-    _UNCHANGED_ROW = 0  # free at the start and now
+    _UNCHANGED_ROW = 0  # free at its first touch and now
     _CLEARED_ROW = 1  # its holder left
-    _ADDED_ROW = 2  # held by another request than at the start: added whole
+    _ADDED_ROW = 2  # held by another request than at its first touch: added whole
     _KEPT_ROW = 3  # held by the same request: appends its entries past the old length
 
 
@@ -39,14 +39,13 @@ cdef class JournalDiff:
     """The journal's arrays, bound once: the net change of every touched row, in row order;
     the compiled twin of :meth:`blocktable.allocator.journal.StepJournal._diff`.
 
-    The bound arrays, read only: ``touched`` (int64 ``[num_rows]``: the stamp of the last
-    diff that found each row changed), ``start_gen`` and ``holder_gen`` (int64
-    ``[num_rows]``: the holder at the start, the journal's last take, and now), ``start_len``
-    and ``row_len`` (int64 ``[num_groups, num_rows]``: the row lengths at the start and now),
-    and ``empty``, an empty int32
+    The bound arrays, read only: ``touched`` (int64 ``[num_rows]``: the stamp of each row's
+    last first touch), ``start_gen`` and ``holder_gen`` (int64 ``[num_rows]``: the holder at
+    the first touch and now), ``start_len`` and ``row_len`` (int64 ``[num_groups,
+    num_rows]``: the row lengths at the first touch and now), and ``empty``, an empty int32
     array handed out for every empty array; ``row_blocks`` makes a group's rows and blocks
     (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance. A row whose holder left (``holder_gen`` 0,
-    ``start_gen`` not) is cleared; a row held by another request than at the start is
+    ``start_gen`` not) is cleared; a row held by another request than at its first touch is
     added whole; a row held by the same request appends its entries past ``start_len``.
 
     The arenas (per group the int32 block rows ``[num_rows, width_g]``) come with each call,

@@ -1,11 +1,10 @@
 """The journal of row changes between two steps, turned into one :class:`StepUpdate`.
 
-Rather than logging every operation, the journal remembers which request held each row and how
-long its rows were at the last :meth:`StepJournal.take`. The next ``take`` diffs that against
-the live state (holder generations are never reused, so a row that changed hands differs), so
-any sequence of operations within a step (admit then allocate, allocate then free, free then
-reuse the row for another request) collapses to its net effect, and the operations themselves
-record nothing:
+Rather than logging every operation, the journal remembers, for each row touched since the last
+:meth:`StepJournal.take`, which request held it and how long its rows were at the first touch.
+At ``take`` time it diffs that against the live state, so any sequence of operations within a
+step (admit then allocate, allocate then free, free then reuse the row for another request)
+collapses to its net effect:
 
 * a row whose holder left and that is now free          -> ``cleared_rows``
 * a row held by a different request than at the start    -> ``added`` (the whole row, every
@@ -37,32 +36,32 @@ _NO_ENTRIES = RowEntries(_EMPTY32, _EMPTY32)
 
 
 class StepJournal:
-    """Every row's holder and lengths at the last :meth:`take`, to diff the live state against.
+    """Rows touched since the last :meth:`take`, with their holder and lengths at first touch.
 
-    Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): ``take`` finds
-    the rows whose holder or lengths changed with a compare per array, reads their live state
-    with gathers (holder generations tell a row's first holder from the live one), then copies
-    the live state as the next start.
+    Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): a touch of many
+    rows is one gather and a few scatters, and ``take`` reads the live state of every touched
+    row with gathers (holder generations tell a row's first holder from the live one).
     """
 
     def __init__(self, num_groups: int, rows: RowState) -> None:
         self.num_groups = num_groups
         self.rows = rows
         num_rows = rows.num_rows
-        # on cpu, [num_rows]: the compiled diff reads the rows that changed as those whose
-        # stamp is the take's (each take has a new one, so nothing is reset per row)
+        # on cpu, [num_rows]: a row was touched in this step when its stamp is `_stamp`;
+        # take() moves `_stamp` on, so nothing is reset per row
         self.touched = np.zeros(num_rows, dtype=np.int64)
         self._stamp = 1
-        self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the last take
+        self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
         self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
-        # row -> per group, old entries nulled since the last take (same holder only)
+        self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
+        # row -> per group, old entries nulled since the first touch (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
         self._bind()
         self._no_blocks = (_NO_BLOCKS,) * num_groups
         self._no_entries = (_NO_ENTRIES,) * num_groups
 
     def _bind(self) -> None:
-        """The compiled diff of the changed rows, bound to these arrays (the row state's are
+        """The compiled diff of the touched rows, bound to these arrays (the row state's are
         never reallocated), where the install built it (else numpy)."""
         compiled, rows = _loader.COMPILED, self.rows
         self._compiled_diff = None if compiled is None else compiled.JournalDiff(
@@ -76,9 +75,22 @@ class StepJournal:
         self.__dict__.update(state)
         self._bind()
 
+    def touch(self, rows: list[int] | np.ndarray) -> None:
+        """Remember ``rows`` (distinct table rows) as they are now, before their first change
+        in this step; rows touched before in this step are left as they were."""
+        rows = np.asarray(rows, dtype=np.intp)
+        fresh = rows[self.touched.take(rows) != self._stamp]
+        if not len(fresh):
+            return
+        self.touched[fresh] = self._stamp
+        self.start_gen[fresh] = self.rows.holder_gen.take(fresh)
+        for start_len, row_len in zip(self.start_len, self.rows.row_len):
+            start_len[fresh] = row_len.take(fresh)
+        self._order.append(fresh)
+
     def null(self, row: int, group: int, block_index: int) -> None:
-        """Record that entry ``block_index`` of ``group`` in ``row`` became the null block (kept
-        where the row is held by its holder at the last take and the entry is older)."""
+        """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
+        request since) became the null block."""
         if (
             self.start_gen[row] == self.rows.holder_gen[row]
             and block_index < self.start_len[group, row]
@@ -88,23 +100,18 @@ class StepJournal:
             self._nulled[row][group].append(block_index)
 
     def take(self, allocator_block_sizes: tuple[int, ...] | None = None) -> StepUpdate:
-        """The net change of every row since the last take (``allocator_block_sizes`` stamped on
-        it); the live state becomes the next start. A fixed handful of numpy calls per group
-        (over every row: a compare and a copy of a few KiB)."""
-        state = self.rows
-        changed = state.holder_gen != self.start_gen
-        for start_len, row_len in zip(self.start_len, state.row_len):
-            changed |= start_len != row_len
-        rows = np.flatnonzero(changed)
-        if not len(rows) and not self._nulled:  # nothing changed
+        """The net change of every touched row (``allocator_block_sizes`` stamped on it); then
+        reset. A fixed handful of numpy calls per group, whatever the number of rows."""
+        order, self._order = self._order, []
+        self._stamp += 1
+        if not order and not self._nulled:  # nothing touched
             return StepUpdate(_EMPTY32, self._no_blocks, self._no_blocks, self._no_entries,
                               allocator_block_sizes, trusted=True)
         if self._compiled_diff is not None:
-            self._stamp += 1
-            self.touched[rows] = self._stamp
-            cleared_rows, added, appended = self._compiled_diff(self._stamp, state.blocks)
+            cleared_rows, added, appended = self._compiled_diff(self._stamp - 1,
+                                                                self.rows.blocks)
         else:
-            cleared_rows, added, appended = self._diff(rows)
+            cleared_rows, added, appended = self._diff(order)
         if self._nulled:
             nulls = _frozen_int32(self._null_parts())
             self._nulled = {}
@@ -112,16 +119,15 @@ class StepJournal:
                             for g in range(self.num_groups)])
         else:
             nulled = self._no_entries
-        np.copyto(self.start_gen, state.holder_gen)
-        np.copyto(self.start_len, state.row_len)
         return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes,
                           trusted=True)
 
-    def _diff(self, touched: np.ndarray
+    def _diff(self, order: list[np.ndarray]
               ) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
-        """The numpy twin of the compiled diff of the changed rows ``touched`` (intp, in
-        order): the cleared rows, and per group the added rows (whole) and the rows that
-        grew."""
+        """The numpy twin of the compiled diff of the touched rows ``order`` (in batches):
+        the cleared rows, and per group the added rows (whole) and the rows that grew."""
+        # rows in order: the same update whichever calls (batched or not) touched them
+        touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
         state = self.rows
         live = state.holder_gen.take(touched)
         start = self.start_gen.take(touched)
