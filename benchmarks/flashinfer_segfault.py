@@ -14,9 +14,10 @@ the signal that ended the child and the next variant still runs:
 - ``eager``: the eager tensor-core wrapper alone at B=1024 x 1024;
 - ``graph``: the CUDA-graph wrapper alone (256 MiB float workspace, as the benchmark);
 - ``graph-ws512``: the same with a 512 MiB workspace (suspect: workspace too small for the plan);
-- ``graph-handbuilt``: the same with CSR arrays built by torch ops, host copies to ``plan()``
-  and separate device buffers (suspect: blocktable's export);
-- ``graph-cudacores``: the CUDA-core decode kernel instead of the tensor-core one;
+- ``graph-handbuilt``: ``graph-ws512`` with CSR arrays built by torch ops, host copies to
+  ``plan()`` and separate device buffers (suspect: blocktable's export);
+- ``graph-cudacores``: ``graph-ws512`` with the CUDA-core decode kernel instead of the
+  tensor-core one;
 - ``small-cache``: B=1024 x 1024 with page ids drawn from 4,096 pages (suspect: page offsets
   past 2**31 bytes of cache, which the full case reaches: 65,537 pages of 32 KiB);
 - ``b512x2048``: the same page count (65,536) at half the batch (suspect: cache size rather
@@ -346,8 +347,8 @@ def run_child(variant: str, replays: int) -> int:
         "eager": [(1024, 1024, {**d, "graph": False})],
         "graph": [(1024, 1024, d)],
         "graph-ws512": [(1024, 1024, {**d, "workspace_mib": 512})],
-        "graph-handbuilt": [(1024, 1024, {**d, "handbuilt": True})],
-        "graph-cudacores": [(1024, 1024, {**d, "tensor_cores": False})],
+        "graph-handbuilt": [(1024, 1024, {**d, "workspace_mib": 512, "handbuilt": True})],
+        "graph-cudacores": [(1024, 1024, {**d, "workspace_mib": 512, "tensor_cores": False})],
         "small-cache": [(1024, 1024, {**d, "graph": False, "page_pool": 4096}),
                         (1024, 1024, {**d, "workspace_mib": 512, "page_pool": 4096})],
         "b512x2048": [(512, 2048, {**d, "graph": False}),
