@@ -8,7 +8,9 @@ prefill (TFLOP/s counted exactly from the causal mask), and a mixed step (255 de
 7937-token chunk over a 4096-token cached prefix) against the sum of its two parts run
 separately. Every case is checked against a float32 torch computation on a few sampled
 requests before it is timed; an error above the tolerance makes the script exit 1. FlashInfer (when
-importable) reads blocktable's own CSR export; its ``plan()`` runs outside the timed region.
+importable) reads blocktable's own CSR export; its ``plan()`` runs outside the timed region, and
+each of its configurations worth trying (``flashinfer_configs``: tensor cores or not for decode,
+FA2 or FA3) is timed, its fastest being the "flashinfer" row.
 ``--tune`` also times a small grid of kernel configurations per case and prints the best.
 ``--smoke`` runs tiny shapes on the CPU under Triton's interpreter (no timing).
 
@@ -158,7 +160,47 @@ def timed(fn: Callable[[], object], graph: bool, smoke: bool,
     return flushed, graph_us
 
 
-def flashinfer_runner(batch: Batch, decode: bool, graph: bool) -> Callable[[], object] | None:
+# Float workspace for FlashInfer's split-KV partials: its planner asks for ~322 MiB at B=1024
+# decode under CUDA graphs (more than the 128 MiB its docs suggest), so every shape here fits.
+FLASHINFER_WORKSPACE_BYTES = 1 << 30
+
+
+def flashinfer_version() -> tuple[int, ...]:
+    """FlashInfer's version as numbers, ``()`` when it is not importable."""
+    if flashinfer is None:
+        return ()
+    numbers = []
+    for part in str(flashinfer.__version__).split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
+
+
+def flashinfer_configs(decode: bool) -> list[dict[str, object]]:
+    """FlashInfer's choices worth timing for this batch; its fastest is its row.
+
+    Decode: its tensor-core path (the prefill kernel on packed GQA rows) and its CUDA-core
+    decode kernel (which is faster depends on the group size and batch), and from 0.3 on the
+    Hopper (fa3) tensor-core kernel. Prefill: the FA3 (Hopper) and FA2 kernels.
+    """
+    if decode:
+        configs: list[dict[str, object]] = [{"use_tensor_cores": True},
+                                            {"use_tensor_cores": False}]
+        if flashinfer_version() >= (0, 3):
+            configs.append({"use_tensor_cores": True, "backend": "fa3"})
+        return configs
+    return [{"backend": "fa3"}, {"backend": "fa2"}]
+
+
+def describe_flashinfer(config: dict[str, object]) -> str:
+    names = {"use_tensor_cores": "tc"}
+    return ",".join(f"{names.get(k, k)}={v}" for k, v in config.items())
+
+
+def flashinfer_runner(batch: Batch, decode: bool, graph: bool,
+                      config: dict[str, object]) -> Callable[[], object] | None:
     """FlashInfer's wrapper fed blocktable's CSR export; planned here, outside any timing."""
     if flashinfer is None:
         return None
@@ -169,25 +211,60 @@ def flashinfer_runner(batch: Batch, decode: bool, graph: bool) -> Callable[[], o
     kv_last = torch.empty(num_reqs, dtype=torch.int32, device=device)
     write_flashinfer_page_table(batch.block_table, batch.seq_lens, shape.page_size, kv_indptr,
                                 kv_indices, kv_last)
-    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+    # FlashInfer asks for a zeroed float workspace before its first use.
+    ws = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     common = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
     if decode:
-        kwargs = {}
+        kwargs = dict(config)
         if graph:
-            kwargs = {"use_cuda_graph": True, "paged_kv_indptr_buffer": kv_indptr,
-                      "paged_kv_indices_buffer": kv_indices,
-                      "paged_kv_last_page_len_buffer": kv_last}
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_tensor_cores=True, **kwargs
-        )
+            kwargs.update(use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
+                          paged_kv_indices_buffer=kv_indices,
+                          paged_kv_last_page_len_buffer=kv_last)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kwargs)
         wrapper.plan(kv_indptr, kv_indices, kv_last, *common, q_data_type=shape.dtype,
                      kv_data_type=shape.dtype)
     else:
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **config)
         wrapper.plan(batch.query_start_loc, kv_indptr, kv_indices, kv_last, *common,
                      causal=True, q_data_type=shape.dtype, kv_data_type=shape.dtype)
     cache = (batch.k_cache, batch.v_cache)
     return lambda: wrapper.run(batch.query, cache)
+
+
+def bench_flashinfer(rows: list[Row], kind: str, label: str, batch: Batch) -> None:
+    """Every configuration of ``flashinfer_configs``, checked, then its fastest as "flashinfer"
+    (from a graph for decode)."""
+    decode = kind == "decode"
+    flops = batch.causal_flops()
+    tried: list[Row] = []
+    for config in flashinfer_configs(decode):
+        name = f"flashinfer:{describe_flashinfer(config)}"
+        try:
+            fi = flashinfer_runner(batch, decode, graph=False, config=config)
+            if fi is None:
+                return
+            fi_err = batch.check(fi())
+            fe, _ = timed(fi, graph=False, smoke=False)
+            del fi
+            fg = None
+            if decode:
+                fig = flashinfer_runner(batch, decode, graph=True, config=config)
+                fig()
+                fg = triton.testing.do_bench_cudagraph(fig, rep=100, return_mode="median") * 1e3
+                del fig
+            fi_tf = None if decode else flops / (fe * 1e-6) / 1e12
+            row = Row(kind, label, name, fe, fg, fi_tf, fi_err)
+            tried.append(row)
+        except Exception as exc:  # noqa: BLE001 - e.g. a backend this build lacks
+            row = Row(kind, label, name, None, None, note=f"failed: {exc}"[:120])
+        rows.append(row)
+        print(f"  {kind} {label} {name}: flushed {row.flushed_us} us graph {row.graph_us} us "
+              f"err {row.max_err} {row.note}", flush=True)
+    usable = [r for r in tried if r.max_err is not None and r.max_err <= MAX_ABS_ERR]
+    if usable:
+        best = min(usable, key=lambda r: r.graph_us if decode else r.flushed_us)
+        rows.append(dataclasses.replace(best, impl="flashinfer",
+                                        note=f"fastest: {best.impl.split(':', 1)[1]}"))
 
 
 def sdpa_runner(batch: Batch) -> Callable[[], object]:
@@ -251,21 +328,7 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
     tflops = None if flushed is None else flops / (flushed * 1e-6) / 1e12
     rows.append(Row(kind, label, "triton", flushed, graph, None if decode else tflops, err))
     if not args.smoke and kind != "mixed":
-        try:
-            fi = flashinfer_runner(batch, decode, graph=False)
-            if fi is not None:
-                fi_out = fi()
-                fi_err = batch.check(fi_out)
-                fe, _ = timed(fi, graph=False, smoke=False)
-                fg = None
-                if decode:
-                    fig = flashinfer_runner(batch, decode, graph=True)
-                    fig()
-                    _, fg = timed(fig, graph=True, smoke=False)
-                fi_tf = None if decode else flops / (fe * 1e-6) / 1e12
-                rows.append(Row(kind, label, "flashinfer", fe, fg, fi_tf, fi_err))
-        except Exception as exc:  # noqa: BLE001 - report and keep going
-            rows.append(Row(kind, label, "flashinfer", None, None, note=f"failed: {exc}"[:120]))
+        bench_flashinfer(rows, kind, label, batch)
     if sdpa:
         fn = sdpa_runner(batch)
         se, _ = timed(fn, graph=False, smoke=args.smoke)
