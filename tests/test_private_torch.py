@@ -4,6 +4,7 @@ fallback, and a CUDA build of torch that drops one fails here, loudly."""
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,6 @@ def test_the_private_names_exist_in_this_cuda_build():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_public_fallbacks_give_the_same_answers(monkeypatch):
     fast = (_triton._current_device(), _triton._current_stream(0))
-    for name in PRIVATE:
-        monkeypatch.delattr(torch._C, name, raising=False)
+    # torch's public calls use the private names themselves: hide them from blocktable only
+    monkeypatch.setattr(_triton, "_PRIVATE_C", types.SimpleNamespace())
     assert (_triton._current_device(), _triton._current_stream(0)) == fast

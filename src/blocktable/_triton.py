@@ -253,8 +253,13 @@ def _device_index(tensor: torch.Tensor) -> int:
     return 0 if index is None else int(index)
 
 
+# where the private names are looked up: torch's own, or (in a test of the fallbacks) a stand-in
+# without them, since torch's public calls use the same names internally
+_PRIVATE_C: object = torch._C
+
+
 def _current_device() -> int:
-    get = getattr(torch._C, "_cuda_getDevice", None)
+    get = getattr(_PRIVATE_C, "_cuda_getDevice", None)
     return int(get()) if get is not None else torch.cuda.current_device()
 
 
@@ -263,7 +268,7 @@ def _device_guard(device: int) -> AbstractContextManager[object]:
 
 
 def _current_stream(device_index: int) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    raw = getattr(_PRIVATE_C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
         return int(raw(device_index))
     return int(torch.cuda.current_stream(device_index).cuda_stream)
