@@ -2,7 +2,7 @@
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
 the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the
-touched rows, the conversion of Python lists of token ids, the byte-chained block hashes and
+changed rows, the conversion of Python lists of token ids, the byte-chained block hashes and
 the prefix index's key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
