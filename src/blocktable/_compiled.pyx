@@ -10,9 +10,10 @@ Typed memoryviews check each array's kind, item size, byte order, dimensions and
 byte-swapped, object or strided array), and ``const`` marks the inputs, so a read-only input is
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
-the output may not overlap an input. Bounds checking stays on (the default) everywhere. Python
-lists are read item by item through bounds-checked indexing, their lengths checked again
-after any item's Python code ran.
+the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
+the journal's two loops over rows, whose indices are below the row count that every array they
+index was checked to have when the arrays were bound. Python lists are read item by item
+through bounds-checked indexing, their lengths checked again after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
