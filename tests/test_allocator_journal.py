@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from blocktable.allocator import AllocatorGroupSpec, KVCacheManager
+from blocktable.allocator.journal import StepJournal
+from blocktable.allocator.rowstate import RowState
 from blocktable.update import RowBlocks, StepUpdate
 
-# every test runs with the compiled diff of the touched rows and with numpy's
+# every test runs with the compiled diff of the changed rows and with numpy's
 pytestmark = pytest.mark.usefixtures("compiled_mode")
 
 
@@ -365,3 +367,65 @@ def test_compiled_and_numpy_diffs_give_the_same_updates(
                     x, y = getattr(part_a, field.name), getattr(part_b, field.name)
                     assert x.dtype == y.dtype == np.int32 and not x.flags.writeable
                     np.testing.assert_array_equal(x, y, err_msg=str(step))
+
+
+def _random_row_change(state: RowState, rng: np.random.Generator) -> None:
+    """Random holders, lengths and ids on some rows of ``state`` (lengths within the arena;
+    rows left as they were, freed, re-held, grown or shrunk)."""
+    n = state.num_rows
+    rows = rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False)
+    for row in rows.tolist():
+        kind = rng.integers(4)
+        if kind == 0:
+            state.holder_gen[row] = 0
+        elif kind == 1:
+            state.holder_gen[row] = int(rng.integers(1, 2**40))
+        for g, arena in enumerate(state.blocks):
+            if rng.random() < 0.6:
+                state.row_len[g, row] = int(rng.integers(0, arena.shape[1] + 1))
+            arena[row] = rng.integers(0, 2**31, size=arena.shape[1], dtype=np.int32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_and_numpy_takes_agree_on_random_row_states(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Journals over random row states (any holders, lengths and ids, not only those the
+    allocator makes), one taking with the compiled pass and one with numpy: equal updates and
+    equal next starts, array by array, over several takes."""
+    import blocktable._compiled_loader as loader
+
+    module = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
+    rng = np.random.default_rng(seed)
+    num_rows, num_groups = int(rng.integers(1, 70)), int(rng.integers(1, 4))
+    state = RowState(num_rows, num_groups)
+    for g in range(num_groups):
+        state.ensure_width(g, int(rng.integers(1, 40)))
+    _random_row_change(state, rng)
+    monkeypatch.setattr(loader, "COMPILED", module)
+    fast = StepJournal(num_groups, state)
+    monkeypatch.setattr(loader, "COMPILED", None)
+    plain = StepJournal(num_groups, state)
+    assert fast._compiled_diff is not None and plain._compiled_diff is None
+    start_gen = rng.integers(0, 3, size=num_rows) * state.holder_gen  # some rows unchanged
+    start_len = np.minimum(state.row_len, rng.integers(0, 40, size=(num_groups, num_rows)))
+    for journal in (fast, plain):  # the same random start
+        journal.start_gen[:] = start_gen
+        journal.start_len[:] = start_len
+    num_ids = 0
+    for step in range(5):
+        a, b = fast.take((4,) * num_groups), plain.take((4,) * num_groups)
+        np.testing.assert_array_equal(a.cleared_rows, b.cleared_rows, err_msg=str(step))
+        for g in range(num_groups):
+            for part_a, part_b in ((a.added[g], b.added[g]), (a.appended[g], b.appended[g])):
+                for field in dataclasses.fields(part_a):
+                    x, y = getattr(part_a, field.name), getattr(part_b, field.name)
+                    assert x.dtype == y.dtype == np.int32 and not x.flags.writeable
+                    np.testing.assert_array_equal(x, y, err_msg=f"{step} {field.name}")
+            num_ids += len(a.added[g].block_ids) + len(a.appended[g].block_ids)
+        np.testing.assert_array_equal(fast.start_gen, state.holder_gen)
+        np.testing.assert_array_equal(plain.start_gen, state.holder_gen)
+        np.testing.assert_array_equal(fast.start_len, state.row_len)
+        np.testing.assert_array_equal(plain.start_len, state.row_len)
+        _random_row_change(state, rng)
+    assert num_ids > 0  # (the states made changes to diff)

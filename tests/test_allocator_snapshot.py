@@ -67,7 +67,7 @@ def test_full_state_sees_every_kind_of_change() -> None:
         lambda: mgr.pools[0].index.slot_of_key.insert(12345, 0),
         lambda: mgr.prefix_cache.chains.num_hashed[0].__setitem__(mgr.row_of("a"), 0),
         lambda: mgr.prefix_cache.chains.state[4].__setitem__(mgr.row_of("a"), 1),
-        lambda: mgr._journal.touched.fill(False),
+        lambda: mgr._journal.start_len.fill(3),
         lambda: mgr._row_state.num_computed.__setitem__(mgr.row_of("a"), 1),
         lambda: mgr._row_state.blocks[0].__setitem__((mgr.row_of("a"), 0), 9),
         lambda: setattr(mgr.prefix_cache, "num_hit_tokens", 5),

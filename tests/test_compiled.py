@@ -501,14 +501,13 @@ def test_batch_checker_and_pair_stager_refuse_hostile_arguments() -> None:
 
 def journal_args() -> list:
     """A valid journal diff of 4 rows, 2 groups: row 0 cleared, row 1 added, row 2 grew in
-    group 0, row 3 untouched."""
-    touched = np.array([5, 5, 5, 4], I64)
+    group 0, row 3 unchanged."""
     start_gen = np.array([7, 3, 8, 9], I64)
     holder_gen = np.array([0, 4, 8, 9], I64)
     start_len = np.array([[2, 0, 1, 1], [1, 0, 2, 1]], I64)
     row_len = np.array([[0, 2, 3, 1], [0, 1, 2, 1]], I64)
     arenas = [np.arange(16, dtype=I32).reshape(4, 4), np.arange(8, dtype=I32).reshape(4, 2)]
-    return [touched, 5, start_gen, holder_gen, start_len, row_len, arenas]
+    return [start_gen, holder_gen, start_len, row_len, arenas]
 
 
 EMPTY32 = np.zeros(0, I32)
@@ -518,99 +517,134 @@ EMPTY32.flags.writeable = False
 NO_BLOCKS = RowBlocks(EMPTY32, EMPTY32, EMPTY32)
 
 
-def journal_diff(touched, stamp, start_gen, holder_gen, start_len, row_len, arenas) -> list:
+def journal_diff(start_gen, holder_gen, start_len, row_len, arenas) -> list:
     """A journal diff bound to the arrays, called once: its parts as flat arrays (cleared
     rows, added rows, then per group added counts and ids, grown rows, growth, new ids)."""
     cleared, added, appended = compiled.JournalDiff(
-        touched, start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS,
-    ).diff(stamp, arenas)
+        start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS,
+    ).diff(arenas)
     parts = [cleared, added[0].rows]
     for a, p in zip(added, appended):
         parts += [a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks, p.block_ids]
     return parts
 
 
-def test_journal_diff_parts() -> None:
-    parts = journal_diff(*journal_args())
+def test_journal_diff_parts_and_the_next_start() -> None:
+    args = journal_args()
+    parts = journal_diff(*args)
     assert [p.tolist() for p in parts] == [
         [0], [1],
         [2], [4, 5], [2], [2], [9, 10],  # group 0: row 1 added, row 2 grew by 2
         [1], [2], [], [], []]  # group 1: row 1 added, nothing grew
     assert all(p.dtype == I32 and not p.flags.writeable for p in parts)
     assert all(p is EMPTY32 for p in parts[-3:])  # empty parts: the one given
-    assert compiled.JournalDiff(*[journal_args()[i] for i in (0, 2, 3, 4, 5)], EMPTY32,
-                                RowBlocks, NO_BLOCKS).diff(5, journal_args()[6])[2][1] is NO_BLOCKS
+    # the live state is the next start: the same arrays diffed again give nothing
+    np.testing.assert_array_equal(args[0], args[1])
+    np.testing.assert_array_equal(args[2], args[3])
+    again = journal_diff(*args)
+    assert all(p is EMPTY32 for p in again)
+    assert compiled.JournalDiff(*journal_args()[:4], EMPTY32, RowBlocks,
+                                NO_BLOCKS).diff(journal_args()[4])[2][1] is NO_BLOCKS
     with pytest.raises(ValueError):
         parts[0].flags.writeable = True  # a view of a read-only buffer
 
 
-def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None:
-    touched, stamp, start_gen, holder_gen, start_len, row_len, arenas = journal_args()
-    bound = compiled.JournalDiff(touched, start_gen, holder_gen, start_len, row_len,
-                                 EMPTY32, RowBlocks, NO_BLOCKS).diff
+def test_journal_diff_moves_the_start_of_a_changed_row_that_yields_nothing() -> None:
+    """A free row whose stale lengths changed and a row that shrank: no part, new start."""
+    start_gen, holder_gen = np.array([0, 5], I64), np.array([0, 5], I64)
+    start_len, row_len = np.array([[1, 3]], I64), np.array([[2, 1]], I64)
+    bound = compiled.JournalDiff(start_gen, holder_gen, start_len, row_len, EMPTY32,
+                                 RowBlocks, NO_BLOCKS)
+    cleared, added, appended = bound.diff([np.zeros((2, 4), I32)])
+    assert cleared is EMPTY32 and added[0] is NO_BLOCKS and appended[0] is NO_BLOCKS
+    assert start_len.tolist() == [[2, 1]]
 
-    def diff(stamp, arenas):
-        cleared, added, appended = bound(stamp, arenas)
+
+def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None:
+    start_gen, holder_gen, start_len, row_len, arenas = journal_args()
+    starts = [start_gen.copy(), start_len.copy()]
+
+    def diff(arenas):  # from the same start every time
+        np.copyto(start_gen, starts[0])
+        np.copyto(start_len, starts[1])
+        cleared, added, appended = bound(arenas)
         return [cleared] + [a for b in added + appended for a in astuple(b)]
 
-    first = [p.tolist() for p in diff(stamp, arenas)]
-    assert [p.tolist() for p in diff(stamp, arenas)] == first  # the same arenas again
+    bound = compiled.JournalDiff(start_gen, holder_gen, start_len, row_len,
+                                 EMPTY32, RowBlocks, NO_BLOCKS).diff
+    first = [p.tolist() for p in diff(arenas)]
+    assert [p.tolist() for p in diff(arenas)] == first  # the same arenas again
     wider = [np.hstack([a, a + 100]) for a in arenas]  # an arena that grew: taken anew
-    assert [p.tolist() for p in diff(stamp, wider)] == first
-    before = snapshot([touched, start_gen, holder_gen, start_len, row_len, *wider])
+    assert [p.tolist() for p in diff(wider)] == first
     for bad in ([wider[0][:3], wider[1]], [wider[0].astype(np.uint32), wider[1]],
                 [wider[0]], [wider[0], wider[1], wider[1]]):
+        np.copyto(start_gen, starts[0])
+        np.copyto(start_len, starts[1])
+        before = snapshot([start_gen, holder_gen, start_len, row_len, *wider])
         with pytest.raises((TypeError, ValueError)):
-            diff(stamp, bad)  # a new arena is checked (rows, dtype); one arena per group
-        unchanged(before, [touched, start_gen, holder_gen, start_len, row_len, *wider])
-    assert [p.tolist() for p in diff(stamp, wider)] == first
+            bound(bad)  # a new arena is checked (rows, dtype); one arena per group
+        unchanged(before, [start_gen, holder_gen, start_len, row_len, *wider])
+    assert [p.tolist() for p in diff(wider)] == first
 
 
 def test_journal_diff_refuses_hostile_arguments() -> None:
     valid = journal_args()
-    before = snapshot([valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
+    before = snapshot([*valid[:4], *valid[4]])
 
     def check(args: list) -> None:
         with pytest.raises((TypeError, ValueError)):
             journal_diff(*args)
-        unchanged(before, [valid[0], valid[2], valid[3], valid[4], valid[5], *valid[6]])
+        unchanged(before, [*valid[:4], *valid[4]])
 
-    for i in (0, 2, 3, 4, 5):
+    for i in range(4):
         variants = hostile_variants(valid[i])
         if valid[i].ndim == 2:
             variants.append(("1-D", valid[i].ravel()))
+        if i in (0, 2):  # the written starts
+            variants.append(("read-only", read_only(valid[i])))
         for label, bad in variants:
             args = journal_args()
             args[i] = bad
             check(args)
-    for label, bad in hostile_variants(valid[6][0]) + [("1-D", valid[6][0].ravel())]:
+    for label, bad in hostile_variants(valid[4][0]) + [("1-D", valid[4][0].ravel())]:
         args = journal_args()
-        args[6] = [bad, valid[6][1]]
+        args[4] = [bad, valid[4][1]]
         check(args)
-    for i, short in ((0, np.zeros(3, I64)), (2, np.zeros(5, I64)), (4, np.zeros((1, 4), I64)),
-                     (5, np.zeros((2, 3), I64))):
+    for i, short in ((0, np.zeros(3, I64)), (1, np.zeros(5, I64)), (2, np.zeros((1, 4), I64)),
+                     (3, np.zeros((2, 3), I64))):
         args = journal_args()
         args[i] = short
         check(args)  # shapes that disagree
+    # a written start that overlaps a bound array (the same memory, or part of it)
+    shared = np.zeros(12, I64)
+    for written, other, (wi, oi) in (
+        (shared[:4], shared[:4], (0, 1)),  # start_gen is holder_gen
+        (shared[:8].reshape(2, 4), shared[4:12].reshape(2, 4), (2, 3)),  # start_len, row_len
+        (shared[:4], shared[2:10].reshape(2, 4), (0, 2)),  # start_gen in start_len
+        (shared[:4], shared[3:11].reshape(2, 4), (0, 3)),  # start_gen in row_len
+        (shared[2:10].reshape(2, 4), shared[:4], (2, 1)),  # start_len over holder_gen
+    ):
+        args = journal_args()
+        args[wi], args[oi] = written, other
+        check(args)
     args = journal_args()
-    args[6] = [valid[6][0]]
+    args[4] = [valid[4][0]]
     check(args)  # fewer arenas than groups
     args = journal_args()
-    args[6] = [valid[6][0][:3], valid[6][1]]
+    args[4] = [valid[4][0][:3], valid[4][1]]
     check(args)  # an arena with fewer rows
     for group, row, value in ((0, 1, 5), (1, 2, 3), (0, 1, -1), (0, 2, 2**62)):
         args = journal_args()
-        args[5] = valid[5].copy()
-        args[5][group, row] = value
+        args[3] = valid[3].copy()
+        args[3][group, row] = value
         check(args)  # a row longer than its arena, or negative
     args = journal_args()
-    args[4] = valid[4].copy()
-    args[4][0, 2] = -3
+    args[2] = valid[2].copy()
+    args[2][0, 2] = -3
     check(args)  # a row that grew from a negative length
     for label, bad in hostile_variants(EMPTY32) + [("not empty", np.zeros(1, I32))]:
         with pytest.raises((TypeError, ValueError)):
-            compiled.JournalDiff(*[valid[i] for i in (0, 2, 3, 4, 5)], bad, RowBlocks,
-                                 NO_BLOCKS)
+            compiled.JournalDiff(*valid[:4], bad, RowBlocks, NO_BLOCKS)
 
 
 def test_key_table_refuses_hostile_arguments() -> None:

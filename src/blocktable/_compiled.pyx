@@ -2,7 +2,7 @@
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
 the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the
-touched rows, the conversion of Python lists of token ids, the byte-chained block hashes and
+changed rows, the conversion of Python lists of token ids, the byte-chained block hashes and
 the prefix index's key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
@@ -10,9 +10,10 @@ Typed memoryviews check each array's kind, item size, byte order, dimensions and
 byte-swapped, object or strided array), and ``const`` marks the inputs, so a read-only input is
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
-the output may not overlap an input. Bounds checking stays on (the default) everywhere. Python
-lists are read item by item through bounds-checked indexing, their lengths checked again
-after any item's Python code ran.
+the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
+the journal's two loops over rows, whose indices are below the row count that every array they
+index was checked to have when the arrays were bound. Python lists are read item by item
+through bounds-checked indexing, their lengths checked again after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,

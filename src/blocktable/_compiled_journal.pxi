@@ -1,5 +1,7 @@
-# The allocator's step journal: the net change of every touched row (included by _compiled.pyx).
+# The allocator's step journal: the net change of every row since the last take (included by
+# _compiled.pyx).
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
@@ -11,6 +13,16 @@ cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
         raise TypeError(f"{name} must be a C-contiguous 2-D native int64 array: {exc}") from None
 
 
+cdef inline int64_t[:, ::1] _int64_2d_out(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        return value
+    except (ValueError, TypeError, BufferError) as exc:
+        raise TypeError(
+            f"{name} must be a writable C-contiguous 2-D native int64 array: {exc}") from None
+
+
 cdef inline const int32_t[:, ::1] _int32_2d_in(object value, str name) except *:
     if value is None:  # (a memoryview would take None as an empty array)
         raise TypeError(f"{name} must be an array, got None")
@@ -20,10 +32,10 @@ cdef inline const int32_t[:, ::1] _int32_2d_in(object value, str name) except *:
         raise TypeError(f"{name} must be a C-contiguous 2-D native int32 array: {exc}") from None
 
 
-cdef enum:  # what a touched row's change is (ordered: kinds >= _ADDED_ROW are held)
-    _UNCHANGED_ROW = 0  # free at its first touch and now
+cdef enum:  # what a changed row's change is (ordered: kinds >= _ADDED_ROW are held)
+    _UNCHANGED_ROW = 0  # free at the start and now (only its stale lengths moved)
     _CLEARED_ROW = 1  # its holder left
-    _ADDED_ROW = 2  # held by another request than at its first touch: added whole
+    _ADDED_ROW = 2  # held by another request than at the start: added whole
     _KEPT_ROW = 3  # held by the same request: appends its entries past the old length
 
 
@@ -35,18 +47,25 @@ cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_
     return 0
 
 
-cdef class JournalDiff:
-    """The journal's arrays, bound once: the net change of every touched row, in row order;
-    the compiled twin of :meth:`blocktable.allocator.journal.StepJournal._diff`.
+cdef inline Py_ssize_t _nbytes(const void* start, Py_ssize_t n) noexcept:
+    return n * 8 if start != NULL else 0
 
-    The bound arrays, read only: ``touched`` (int64 ``[num_rows]``: the stamp of each row's
-    last first touch), ``start_gen`` and ``holder_gen`` (int64 ``[num_rows]``: the holder at
-    the first touch and now), ``start_len`` and ``row_len`` (int64 ``[num_groups,
-    num_rows]``: the row lengths at the first touch and now), and ``empty``, an empty int32
-    array handed out for every empty array; ``row_blocks`` makes a group's rows and blocks
-    (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance. A row whose holder left (``holder_gen`` 0,
-    ``start_gen`` not) is cleared; a row held by another request than at its first touch is
-    added whole; a row held by the same request appends its entries past ``start_len``.
+
+cdef class JournalDiff:
+    """The journal's arrays, bound once: the net change of every row since the start (the last
+    take), in row order, and the live state copied as the next start; the compiled twin of
+    :meth:`blocktable.allocator.journal.StepJournal.take`'s numpy diff.
+
+    The bound arrays: ``start_gen`` and ``holder_gen`` (int64 ``[num_rows]``: each row's holder
+    at the start and now), ``start_len`` and ``row_len`` (int64 ``[num_groups, num_rows]``:
+    the row lengths at the start and now), and ``empty``, an empty int32 array handed out for
+    every empty array; ``row_blocks`` makes a group's rows and blocks
+    (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance. A row
+    changed where its holder or any of its lengths differs from the start. A changed row whose
+    holder left (``holder_gen`` 0, ``start_gen`` not) is cleared; one held by another request
+    than at the start is added whole; one held by the same request appends its entries past
+    ``start_len``. ``holder_gen`` and ``row_len`` are only read; ``start_gen`` and
+    ``start_len`` are written (they must be writable and overlap no other bound array).
 
     The arenas (per group the int32 block rows ``[num_rows, width_g]``) come with each call,
     as a list: an arena grows by being replaced. The one last taken of each group is
@@ -54,12 +73,11 @@ cdef class JournalDiff:
     was taken; an array's memory does not move while a view of it is held).
     """
 
-    cdef const int64_t[::1] tch
-    cdef const int64_t[::1] sgen
+    cdef int64_t[::1] sgen
     cdef const int64_t[::1] hgen
-    cdef const int64_t[:, ::1] slen
+    cdef int64_t[:, ::1] slen
     cdef const int64_t[:, ::1] rlen
-    cdef Py_ssize_t[::1] rows  # work space: the touched rows of a call, in order
+    cdef Py_ssize_t[::1] rows  # work space: the changed rows of a call, in order
     cdef unsigned char[::1] kinds  # and the kind of each
     cdef object empty
     cdef object row_blocks  # the class of a group's rows and blocks, and its empty instance
@@ -67,27 +85,38 @@ cdef class JournalDiff:
     cdef list arena_objs  # per group, the arena last taken (None at first)
     cdef list arena_views  # and its view
 
-    def __init__(self, object touched, object start_gen, object holder_gen, object start_len,
-                 object row_len, object empty, object row_blocks, object no_blocks):
+    def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
+                 object empty, object row_blocks, object no_blocks):
         global _np
         if _np is None:
             import numpy
             _np = numpy
-        self.tch = _int64_in(touched, "touched")
-        self.sgen = _int64_in(start_gen, "start_gen")
+        self.sgen = _int64_out(start_gen, "start_gen")
         self.hgen = _int64_in(holder_gen, "holder_gen")
-        self.slen = _int64_2d_in(start_len, "start_len")
+        self.slen = _int64_2d_out(start_len, "start_len")
         self.rlen = _int64_2d_in(row_len, "row_len")
         if _int32_in(empty, "empty").shape[0] != 0:
             raise ValueError("empty must be an empty int32 array")
-        cdef Py_ssize_t num_rows = self.tch.shape[0], num_groups = self.slen.shape[0]
+        cdef Py_ssize_t num_rows = self.sgen.shape[0], num_groups = self.slen.shape[0]
         if num_rows > INT32_MAX:
-            raise ValueError(f"touched has {num_rows} rows, more than {INT32_MAX}")
-        if self.sgen.shape[0] != num_rows or self.hgen.shape[0] != num_rows:
-            raise ValueError(f"start_gen and holder_gen must have touched's {num_rows} entries")
+            raise ValueError(f"start_gen has {num_rows} rows, more than {INT32_MAX}")
+        if self.hgen.shape[0] != num_rows:
+            raise ValueError(f"holder_gen must have start_gen's {num_rows} entries")
         if self.rlen.shape[0] != num_groups or self.slen.shape[1] != num_rows or \
                 self.rlen.shape[1] != num_rows:
             raise ValueError(f"start_len and row_len must both be [num_groups, {num_rows}]")
+        # the written arrays overlap nothing bound: a write never changes what is compared
+        cdef Py_ssize_t n_len = num_groups * num_rows
+        cdef const void* sg = &self.sgen[0] if num_rows else NULL
+        cdef const void* hg = &self.hgen[0] if num_rows else NULL
+        cdef const void* sl = &self.slen[0, 0] if n_len else NULL
+        cdef const void* rl = &self.rlen[0, 0] if n_len else NULL
+        if _overlap(sg, _nbytes(sg, num_rows), hg, _nbytes(hg, num_rows)) or \
+                _overlap(sg, _nbytes(sg, num_rows), sl, _nbytes(sl, n_len)) or \
+                _overlap(sg, _nbytes(sg, num_rows), rl, _nbytes(rl, n_len)) or \
+                _overlap(sl, _nbytes(sl, n_len), hg, _nbytes(hg, num_rows)) or \
+                _overlap(sl, _nbytes(sl, n_len), rl, _nbytes(rl, n_len)):
+            raise ValueError("start_gen and start_len must overlap no other bound array")
         self.rows = _np.empty(num_rows, dtype=_np.intp)
         self.kinds = _np.empty(num_rows, dtype=_np.uint8)
         self.empty = empty
@@ -101,49 +130,54 @@ cdef class JournalDiff:
         if obj is self.arena_objs[g] and obj is not None:
             return self.arena_views[g]
         cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
-        if arena.shape[0] != self.tch.shape[0] or arena.shape[1] > INT32_MAX:
-            raise ValueError(f"arenas[{g}] must have {self.tch.shape[0]} rows and at most "
+        if arena.shape[0] != self.sgen.shape[0] or arena.shape[1] > INT32_MAX:
+            raise ValueError(f"arenas[{g}] must have {self.sgen.shape[0]} rows and at most "
                              f"{INT32_MAX} columns")
         self.arena_objs[g], self.arena_views[g] = obj, arena
         return arena
 
-    def diff(self, int64_t stamp, list arenas):
-        """The net change of every row ``r`` with ``touched[r] == stamp``, in row order.
+    def diff(self, list arenas):
+        """The net change of every row since the start, in row order; then the live holders
+        and lengths of the changed rows are copied into ``start_gen`` and ``start_len``.
 
         Returns ``(cleared_rows, added, appended)``: the cleared rows (int32), and per group
         ``row_blocks(rows, counts, ids)`` of the added rows (their whole rows) and of the rows
         that grew (their growth and new ids), or ``no_blocks`` where a group has none. The
-        arrays are read-only int32 views of one new buffer; empty ones are ``empty``. Inputs
-        are only read; every length is checked against its arena before anything is
-        gathered.
+        arrays are read-only int32 views of one new buffer; empty ones are ``empty``. Every
+        length is checked against its arena before anything is gathered; on an error nothing
+        is written.
         """
-        cdef const int64_t[::1] tch = self.tch
-        cdef const int64_t[::1] sgen = self.sgen
+        cdef int64_t[::1] sgen = self.sgen
         cdef const int64_t[::1] hgen = self.hgen
-        cdef const int64_t[:, ::1] slen = self.slen
+        cdef int64_t[:, ::1] slen = self.slen
         cdef const int64_t[:, ::1] rlen = self.rlen
         cdef Py_ssize_t[::1] rows = self.rows
         cdef unsigned char[::1] kinds = self.kinds
-        cdef Py_ssize_t num_rows = tch.shape[0], num_groups = slen.shape[0]
+        cdef Py_ssize_t num_rows = sgen.shape[0], num_groups = slen.shape[0]
         if len(arenas) != num_groups:
             raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
-        # the touched rows, in order, each with its kind: every later pass visits only them
+        # the changed rows, in order, each with its kind: every later pass visits only them
         cdef Py_ssize_t n = 0, i
         cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
         cdef int64_t live, old, new
-        for r in range(num_rows):
-            if tch[r] == stamp:
-                live = hgen[r]
-                if live == 0:
-                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                    n_cleared += sgen[r] != 0
-                elif live != sgen[r]:
-                    kinds[n] = _ADDED_ROW
-                    n_added += 1
-                else:
-                    kinds[n] = _KEPT_ROW
-                rows[n] = r
-                n += 1
+        cdef bint changed
+        with cython.boundscheck(False):  # r < num_rows, g < num_groups and n <= r: every
+            for r in range(num_rows):  # bound array and work space has these shapes (checked
+                live = hgen[r]  # at construction; memoryviews are never rebound)
+                changed = live != sgen[r]
+                for g in range(num_groups):
+                    changed = changed | (rlen[g, r] != slen[g, r])
+                if changed:
+                    if live == 0:
+                        kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                        n_cleared += sgen[r] != 0
+                    elif live != sgen[r]:
+                        kinds[n] = _ADDED_ROW
+                        n_added += 1
+                    else:
+                        kinds[n] = _KEPT_ROW
+                    rows[n] = r
+                    n += 1
         # ---- sizes, with every length checked against its arena ------------------------
         cdef const int32_t[:, ::1] arena
         cdef list lengths = [n_cleared, n_added]
@@ -170,6 +204,7 @@ cdef class JournalDiff:
         # ---- the parts, in the order of ``lengths`` -------------------------------------
         make, none = self.row_blocks, self.no_blocks
         if total == 0:  # nothing to gather: every part is empty
+            self._restart(n)
             return self.empty, (none,) * num_groups, (none,) * num_groups
         if total > PY_SSIZE_T_MAX // 4:
             raise ValueError(f"the update would hold {total} ids")
@@ -225,4 +260,22 @@ cdef class JournalDiff:
                        for g in range(num_groups)]) if n_added else (none,) * num_groups
         appended = tuple([make(parts[4 + 5 * g], parts[5 + 5 * g], parts[6 + 5 * g])
                           if lengths[4 + 5 * g] else none for g in range(num_groups)])
+        self._restart(n)
         return parts[0], added, appended
+
+    cdef int _restart(self, Py_ssize_t n) except -1:
+        """The live holders and lengths of the first ``n`` changed rows become their start
+        (the other rows' start equals their live state already)."""
+        cdef int64_t[::1] sgen = self.sgen
+        cdef const int64_t[::1] hgen = self.hgen
+        cdef int64_t[:, ::1] slen = self.slen
+        cdef const int64_t[:, ::1] rlen = self.rlen
+        cdef const Py_ssize_t[::1] rows = self.rows
+        cdef Py_ssize_t i, r, g
+        with cython.boundscheck(False):  # n <= num_rows and every row r < num_rows: the diff's
+            for i in range(n):  # first pass wrote them, into a work space of num_rows
+                r = rows[i]
+                sgen[r] = hgen[r]
+                for g in range(slen.shape[0]):
+                    slen[g, r] = rlen[g, r]
+        return 0

@@ -1,10 +1,11 @@
 """The journal of row changes between two steps, turned into one :class:`StepUpdate`.
 
-Rather than logging every operation, the journal remembers, for each row touched since the last
-:meth:`StepJournal.take`, which request held it and how long its rows were at the first touch.
-At ``take`` time it diffs that against the live state, so any sequence of operations within a
-step (admit then allocate, allocate then free, free then reuse the row for another request)
-collapses to its net effect:
+Rather than logging every operation, the journal remembers which request held each row and how
+long its rows were at the last :meth:`StepJournal.take`. The next ``take`` diffs that against
+the live state (holder generations are never reused, so a row that changed hands differs), so
+any sequence of operations within a step (admit then allocate, allocate then free, free then
+reuse the row for another request) collapses to its net effect, and the operations themselves
+record nothing:
 
 * a row whose holder left and that is now free          -> ``cleared_rows``
 * a row held by a different request than at the start    -> ``added`` (the whole row, every
@@ -36,36 +37,34 @@ _NO_ENTRIES = RowEntries(_EMPTY32, _EMPTY32)
 
 
 class StepJournal:
-    """Rows touched since the last :meth:`take`, with their holder and lengths at first touch.
+    """Every row's holder and lengths at the last :meth:`take`, to diff the live state against.
 
-    Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): a touch of many
-    rows is one gather and a few scatters, and ``take`` reads the live state of every touched
-    row with gathers (holder generations tell a row's first holder from the live one).
+    Kept in arrays indexed by row (``rows``: the manager's :class:`RowState`): ``take`` finds
+    the rows whose holder or lengths changed by comparing every row, reads their live state
+    (holder generations tell a row's holder at the last take from the live one), then copies
+    the live state as the next start. The operations themselves record nothing (but entries
+    nulled in a row, see :meth:`null`). Where the install built the compiled part the whole
+    take is one compiled pass over the rows; else a few numpy calls per group.
     """
 
     def __init__(self, num_groups: int, rows: RowState) -> None:
         self.num_groups = num_groups
         self.rows = rows
         num_rows = rows.num_rows
-        # on cpu, [num_rows]: a row was touched in this step when its stamp is `_stamp`;
-        # take() moves `_stamp` on, so nothing is reset per row
-        self.touched = np.zeros(num_rows, dtype=np.int64)
-        self._stamp = 1
-        self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the first touch
+        self.start_gen = np.zeros(num_rows, dtype=np.int64)  # holder at the last take
         self.start_len = np.zeros((num_groups, num_rows), dtype=np.int64)  # its row lengths
-        self._order: list[np.ndarray] = []  # the touched rows, in batches (distinct overall)
-        # row -> per group, old entries nulled since the first touch (same holder only)
+        # row -> per group, old entries nulled since the last take (same holder only)
         self._nulled: dict[int, list[list[int]]] = {}
         self._bind()
         self._no_blocks = (_NO_BLOCKS,) * num_groups
         self._no_entries = (_NO_ENTRIES,) * num_groups
 
     def _bind(self) -> None:
-        """The compiled diff of the touched rows, bound to these arrays (the row state's are
-        never reallocated), where the install built it (else numpy)."""
+        """The compiled diff of every row, bound to these arrays (the row state's are never
+        reallocated), where the install built it (else numpy)."""
         compiled, rows = _loader.COMPILED, self.rows
         self._compiled_diff = None if compiled is None else compiled.JournalDiff(
-            self.touched, self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
+            self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
             _EMPTY32, RowBlocks, _NO_BLOCKS).diff
 
     def __getstate__(self) -> dict[str, object]:  # the compiled diff is bound, not pickled
@@ -75,22 +74,9 @@ class StepJournal:
         self.__dict__.update(state)
         self._bind()
 
-    def touch(self, rows: list[int] | np.ndarray) -> None:
-        """Remember ``rows`` (distinct table rows) as they are now, before their first change
-        in this step; rows touched before in this step are left as they were."""
-        rows = np.asarray(rows, dtype=np.intp)
-        fresh = rows[self.touched.take(rows) != self._stamp]
-        if not len(fresh):
-            return
-        self.touched[fresh] = self._stamp
-        self.start_gen[fresh] = self.rows.holder_gen.take(fresh)
-        for start_len, row_len in zip(self.start_len, self.rows.row_len):
-            start_len[fresh] = row_len.take(fresh)
-        self._order.append(fresh)
-
     def null(self, row: int, group: int, block_index: int) -> None:
-        """Record that entry ``block_index`` of ``group`` in ``row`` (touched, held by the same
-        request since) became the null block."""
+        """Record that entry ``block_index`` of ``group`` in ``row`` became the null block (kept
+        where the row is held by its holder at the last take and the entry is older)."""
         if (
             self.start_gen[row] == self.rows.holder_gen[row]
             and block_index < self.start_len[group, row]
@@ -100,41 +86,50 @@ class StepJournal:
             self._nulled[row][group].append(block_index)
 
     def take(self, allocator_block_sizes: tuple[int, ...] | None = None) -> StepUpdate:
-        """The net change of every touched row (``allocator_block_sizes`` stamped on it); then
-        reset. A fixed handful of numpy calls per group, whatever the number of rows."""
-        order, self._order = self._order, []
-        self._stamp += 1
-        if not order and not self._nulled:  # nothing touched
-            return StepUpdate(_EMPTY32, self._no_blocks, self._no_blocks, self._no_entries,
-                              allocator_block_sizes, trusted=True)
+        """The net change of every row since the last take (``allocator_block_sizes`` stamped on
+        it); the live state becomes the next start. On an error (a corrupt row state) nothing
+        changes."""
+        # the nulled entries first: they are kept by the holders at the start
+        nulled = self._null_update() if self._nulled else self._no_entries
         if self._compiled_diff is not None:
-            cleared_rows, added, appended = self._compiled_diff(self._stamp - 1,
-                                                                self.rows.blocks)
+            cleared_rows, added, appended = self._compiled_diff(self.rows.blocks)
         else:
-            cleared_rows, added, appended = self._diff(order)
-        if self._nulled:
-            nulls = _frozen_int32(self._null_parts())
-            self._nulled = {}
-            nulled = tuple([RowEntries(nulls[2 * g], nulls[2 * g + 1])
-                            for g in range(self.num_groups)])
-        else:
-            nulled = self._no_entries
+            cleared_rows, added, appended = self._numpy_diff()
+        self._nulled = {}
         return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes,
                           trusted=True)
 
-    def _diff(self, order: list[np.ndarray]
-              ) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
-        """The numpy twin of the compiled diff of the touched rows ``order`` (in batches):
-        the cleared rows, and per group the added rows (whole) and the rows that grew."""
-        # rows in order: the same update whichever calls (batched or not) touched them
-        touched = np.sort(order[0] if len(order) == 1 else np.concatenate(order))
+    def _numpy_diff(self) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
+        """The numpy twin of the compiled diff: compare every row with its start, diff the
+        changed ones, then copy the live state as the next start."""
         state = self.rows
-        live = state.holder_gen.take(touched)
-        start = self.start_gen.take(touched)
+        changed = state.holder_gen != self.start_gen
+        for start_len, row_len in zip(self.start_len, state.row_len):
+            changed |= start_len != row_len
+        rows = np.flatnonzero(changed)
+        if not len(rows):  # nothing changed
+            return _EMPTY32, self._no_blocks, self._no_blocks
+        out = self._diff(rows)
+        np.copyto(self.start_gen, state.holder_gen)
+        np.copyto(self.start_len, state.row_len)
+        return out
+
+    def _null_update(self) -> tuple[RowEntries, ...]:
+        """Per group, the entries nulled since the last take, as the update's part."""
+        nulls = _frozen_int32(self._null_parts())
+        return tuple([RowEntries(nulls[2 * g], nulls[2 * g + 1]) for g in range(self.num_groups)])
+
+    def _diff(self, changed: np.ndarray
+              ) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
+        """The diff of the changed rows ``changed`` (intp, in order): the cleared rows, and
+        per group the added rows (whole) and the rows that grew."""
+        state = self.rows
+        live = state.holder_gen.take(changed)
+        start = self.start_gen.take(changed)
         held = live != 0
-        cleared = touched[~held & (start != 0)]
-        new_holder = touched[held & (live != start)]
-        kept = touched[held & (live == start)]
+        cleared = changed[~held & (start != 0)]
+        new_holder = changed[held & (live != start)]
+        kept = changed[held & (live == start)]
         arrays: list[np.ndarray] = [cleared, new_holder]  # packed into one buffer below
         for g in range(self.num_groups):
             counts = state.row_len[g, new_holder]
@@ -149,7 +144,7 @@ class StepJournal:
         return parts[0], added, appended
 
     def _grown(self, group: int, kept: np.ndarray) -> list[np.ndarray]:
-        """Rows of ``kept`` (held by their first holder) that grew in ``group``: the rows, how
+        """Rows of ``kept`` (held by their holder at the start) that grew in ``group``: the rows, how
         many entries each gained and those entries."""
         old = self.start_len[group].take(kept)
         grew = self.rows.row_len[group].take(kept)
@@ -161,7 +156,7 @@ class StepJournal:
 
     def _null_parts(self) -> list[np.ndarray]:
         """Per group, the rows and indices of old entries nulled in rows still held by their
-        first holder (sorted by row, in the order they were nulled)."""
+        holder at the last take (sorted by row, in the order they were nulled)."""
         gens = self.rows.holder_gen
         out = []
         for g in range(self.num_groups):

@@ -278,7 +278,6 @@ class KVCacheManager(RunningRequests):
         its token ids and its prefix hit."""
         state, holders, requests = self._row_state, self._rows.holders, self._requests
         rows = self._rows.take_many([None] * len(plans))  # type: ignore[list-item]  # set below
-        self._journal.touch(rows)  # free, or freed earlier in this step
         buffers = state.start_many(rows, [plan.tokens for plan in plans])  # copied
         num_groups = len(self._pools)
         reqs = []
@@ -390,7 +389,6 @@ class KVCacheManager(RunningRequests):
             if num_computed % bs and pool.num_free_blocks < 1:
                 raise OutOfBlocksError(f"fork of {parent_id!r}: no free block in group {g}")
         [row] = self._rows.take_many([None])  # type: ignore[list-item]  # holder set below
-        self._journal.touch([row])
         child = parent.fork(child_id, row)
         self._rows.holders[row] = child
         self._prefix_cache.chains.copy_row(parent.row, row)

@@ -53,7 +53,7 @@ class RowState:
         Whether the row's token ids are in ``tokens`` (else in its request's own buffer).
     holder_gen : int64 ``[num_rows]``
         A number given to each admission (never reused), 0 for a free row: the step journal
-        tells a row's holder at its first touch from the live one by comparing these.
+        tells a row's holder at its last take from the live one by comparing these.
     """
 
     def __init__(self, num_rows: int, num_groups: int) -> None:

@@ -181,7 +181,6 @@ class RunningRequests:
                 ends.append(max(-(-total // bs), row_len[row]))
                 fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
             if fits:
-                self._journal.touch([row])  # (an unchanged row drops out of the update)
                 out = []
                 for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
@@ -242,7 +241,6 @@ class RunningRequests:
         if not grown:
             return tuple(RowBlocks() for _ in self._pools)
         everyone = len(grown) == len(rows)
-        self._journal.touch(rows if everyone else [rows[i] for i in grown])
         state = self._row_state
         out = []
         for g, (pool, need, old_len) in enumerate(zip(self._pools, needs, old_lens)):
@@ -435,7 +433,6 @@ class RunningRequests:
         for req in reqs:  # (checked: nothing below fails)
             rows.append(req.row)
             del requests[req.req_id]
-        self._journal.touch(rows)
         for pool, arena, row_len, num_skipped in zip(
             self._pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
         ):
@@ -467,7 +464,6 @@ class RunningRequests:
             skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
             if skip <= first:
                 continue
-            self._journal.touch([row])
             entries = state.blocks[g][row]
             released.append(entries[first:skip].copy())  # oldest first
             entries[first:skip] = NULL_BLOCK_ID
