@@ -84,6 +84,8 @@ cdef class JournalDiff:
     cdef object no_blocks
     cdef list arena_objs  # per group, the arena last taken (None at first)
     cdef list arena_views  # and its view
+    cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
+    cdef object int32  # numpy's int32 dtype, for the parts' array
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
                  object empty, object row_blocks, object no_blocks):
@@ -123,6 +125,8 @@ cdef class JournalDiff:
         self.row_blocks, self.no_blocks = row_blocks, no_blocks
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
+        self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
+        self.int32 = _np.dtype(_np.int32)
 
     cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
         """Group ``g``'s arena as a view: the remembered one for the remembered object."""
@@ -208,10 +212,11 @@ cdef class JournalDiff:
             return self.empty, (none,) * num_groups, (none,) * num_groups
         if total > PY_SSIZE_T_MAX // 4:
             raise ValueError(f"the update would hold {total} ids")
-        # a new bytes object, written here before anyone else sees it: its array is read-only
-        # from birth, and so is every view of it
-        cdef bytes buf = PyBytes_FromStringAndSize(NULL, total * 4)
-        cdef int32_t[::1] out = <int32_t[:total]> <int32_t*> PyBytes_AS_STRING(buf)
+        # gathered into the work space (grown to fit), then copied into a new bytes object:
+        # its array is read-only from birth, and so is every view of it
+        if total > self.work.shape[0]:
+            self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
+        cdef int32_t[::1] out = self.work
         at = 0
         for i in range(n):
             if kinds[i] == _CLEARED_ROW:
@@ -249,7 +254,10 @@ cdef class JournalDiff:
                     for q in range(slen[g, r], rlen[g, r]):
                         out[at] = arena[r, q]
                         at += 1
-        flat = _np.frombuffer(buf, dtype=_np.int32)
+        if at != total:  # (the sizes above count exactly what was gathered)
+            raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
+        cdef bytes buf = PyBytes_FromStringAndSize(<char*> &out[0], total * 4)
+        flat = _np.frombuffer(buf, self.int32)
         cdef list parts = []
         at = 0
         for length in lengths:
