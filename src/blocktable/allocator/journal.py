@@ -96,8 +96,8 @@ class StepJournal:
         else:
             cleared_rows, added, appended = self._numpy_diff()
         self._nulled = {}
-        return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes,
-                          trusted=True)
+        # (trusted passed by position: a class called with a keyword builds a dict for it)
+        return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes, True)
 
     def _numpy_diff(self) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
         """The numpy twin of the compiled diff: compare every row with its start, diff the
