@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from cuda_graphs import capture
 from run_info import run_info
 
 from blocktable.context_parallel.launch import run_ranks
@@ -97,16 +98,7 @@ def _time_graph(fn: Any, iters: int) -> tuple[float | None, str]:
     import torch.distributed as dist
 
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()

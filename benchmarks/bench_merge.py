@@ -42,6 +42,7 @@ os.environ.update(NO_MULTICAST)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cuda_graphs import capture
 
 # Quoted, not measured here: vLLM 0.33's own merge, 2 H200s, 2026-11-30, NCCL, 32 heads x 128,
 # bf16, fp32 LSE; µs per call replayed from a CUDA graph, by batch size.
@@ -95,17 +96,7 @@ def time_cuda(
         end.record()
     torch.cuda.synchronize()
     eager = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture(fn, calls, warmup=2)
     graph.replay()
     torch.cuda.synchronize()
     for start, end in events:

@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.testing
 from bench_attention import Batch, Shape
+from cuda_graphs import capture
 
 from blocktable.attention import KernelConfig, paged_attention
 from blocktable.attention.cp_layout import CPLayout
@@ -90,15 +91,7 @@ class Row:
 
 def graph_us(fn: Callable[[], object], replays: int = 7) -> float:
     """Median time per call of a CUDA graph of ``GRAPH_CALLS`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiled and planned before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
+    graph = capture(fn, GRAPH_CALLS, warmup=1)  # compiled and planned before the capture
     for _ in range(2):
         graph.replay()
     times = []

@@ -46,6 +46,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from allocator_workload import AllocatorWorkload
+from cuda_graphs import capture
 from vs_vllm_sides import BlocktableAllocator, CheckFailed, check, result_row, slot_reference
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
@@ -99,22 +100,6 @@ class Sides:
 
 
 # ---------------------------------------------------------------------------------- timing
-def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one call of ``fn`` (warmed up, its kernels compiled, on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 class BusyGpu:
     """Keeps the GPU busy while the host issues timed work, so that CUDA events bracket only
     the device work. ``late`` counts the times the GPU had caught up with the host anyway."""
