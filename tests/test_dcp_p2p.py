@@ -110,6 +110,8 @@ def _bench_job(rank: int, world: int, path: str) -> dict[str, Any]:
 
     _use_file_buffers(path)
     file = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dcp_decode.py"
+    if str(file.parent) not in sys.path:  # its own imports (run_info, cuda_graphs)
+        sys.path.insert(0, str(file.parent))
     spec = importlib.util.spec_from_file_location("bench_dcp_decode", file)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
