@@ -31,10 +31,12 @@ from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
+    HEADER_LEN,
     MessageWriter,
     check_header,
     decode_message,
     encode_message,
+    register_message,
 )
 
 MAX_NEW_TOKENS = 6
@@ -218,7 +220,7 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)
     with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 3"):
-        OfferBatch.from_wire(list(fields.values())[:2], ("a", "b"))
+        OfferBatch.from_wire(list(fields.values())[:2], ["a", "b"])
 
 
 def test_a_malformed_plan_is_refused_naming_the_field() -> None:
@@ -226,50 +228,91 @@ def test_a_malformed_plan_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="malformed PlanBatch of 3 offers: num_hit holds 2 "
                                          "entries, 3 expected"):
         decode_message(header, body)
-    with pytest.raises(ValueError, match="malformed PlanBatch: 1 arrays, 2 expected"):
-        PlanBatch.from_wire([np.zeros(3, np.int8)], ({}, 0))
+    with pytest.raises(ValueError, match="malformed PlanBatch: 1 arrays, 3 expected"):
+        PlanBatch.from_wire([np.zeros(3, np.int8)], [], 0)
 
 
-@dataclass(frozen=True)
-class _ArraysAndRest:
-    arrays: tuple[np.ndarray, ...]
-    rest: Any
-
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], Any]:
-        return self.arrays, self.rest
-
-    @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: Any) -> _ArraysAndRest:
-        return cls(tuple(arrays), rest)
+_RANDOM_DTYPES = ["<i8", "<i4", "i1", "<u2", "<f8", "<f4", "?", ">i4", "<c16"]
 
 
-def test_the_wire_format_on_random_arrays() -> None:
-    """Random 1-D arrays (every dtype kind, empty ones, strided views, byte orders) come back
-    equal and aligned beside the pickled rest; any other object travels pickled whole."""
+def _random_message_class(kind: int, dtypes: tuple[str, ...]) -> type:
+    """A registered message of these array dtypes (and strings, and one integer)."""
+
+    @register_message(kind)
+    @dataclass(frozen=True)
+    class Random:
+        WIRE_DTYPES = dtypes
+
+        arrays: tuple[np.ndarray, ...]
+        texts: tuple[str, ...]
+        value: int
+
+        def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
+            return self.arrays, self.texts, self.value
+
+        @classmethod
+        def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Any:
+            return cls(tuple(arrays), tuple(texts), value)
+
+    return Random
+
+
+_RANDOM_CLASSES = [_random_message_class(100 + k, tuple(
+    np.random.default_rng(k).choice(_RANDOM_DTYPES, k % 5))) for k in range(8)]
+
+
+def test_the_wire_format_on_random_messages() -> None:
+    """Random 1-D arrays (every dtype kind, empty ones, strided views, byte orders), strings
+    (empty ones, non-ASCII) and integers come back equal, the arrays aligned views of the
+    landed body; any other object travels pickled whole; a header that does not fit its body
+    is refused."""
     rng = np.random.default_rng(7)
-    dtypes = ["<i8", "<i4", "i1", "<u2", "<f8", "<f4", "?", ">i4", "<c16"]
-    for _ in range(60):
+    alphabet = ["a", "é", "区", " ", "", "req-7"]
+    for _ in range(80):
+        cls = _RANDOM_CLASSES[int(rng.integers(len(_RANDOM_CLASSES)))]
         arrays = []
-        for _ in range(int(rng.integers(0, 6))):
-            a = rng.integers(-100, 100, int(rng.integers(0, 9))).astype(rng.choice(dtypes))
+        for dtype in cls.WIRE_DTYPES:
+            a = rng.integers(-100, 100, int(rng.integers(0, 9))).astype(dtype)
             arrays.append(a[::2] if rng.random() < 0.3 else a)  # a strided view
-        header, body = encode_message(_ArraysAndRest(tuple(arrays), {"x": ("a", 3)}))
+        texts = tuple("".join(rng.choice(alphabet, int(rng.integers(0, 3))))
+                      for _ in range(int(rng.integers(0, 4))))
+        value = int(rng.integers(-2**62, 2**62))
+        header, body = encode_message(cls(tuple(arrays), texts, value))
         landed = np.empty(check_header(header), dtype=np.uint8)
         landed[:] = body
-        got = decode_message(header, landed)
-        assert got.rest == {"x": ("a", 3)} and len(got.arrays) == len(arrays)
+        got = decode_message(header.copy(), landed)
+        assert got.texts == texts and got.value == value and len(got.arrays) == len(arrays)
         for mine, theirs in zip(arrays, got.arrays):
             assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine)
             assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
             assert np.shares_memory(theirs, landed) or not theirs.size
     assert _through_the_wire({"layout": [np.arange(3)], "v": 1})["v"] == 1  # pickled whole
     with pytest.raises(ValueError, match="a message header must give a body"):
-        check_header(np.zeros(2, dtype=np.int64))
-    header, body = encode_message(_ArraysAndRest((np.arange(3),), None))
+        check_header(np.full(HEADER_LEN, -1, dtype=np.int64))
+    two = next(c for c in _RANDOM_CLASSES if len(c.WIRE_DTYPES) == 2)
+    header, body = encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
+                                       np.arange(2).astype(two.WIRE_DTYPES[1])), ("a",), 1))
     with pytest.raises(ValueError, match="body must be uint8"):
         decode_message(header, body[:-1])
-    with pytest.raises(ValueError, match="must give 1-D arrays of plain dtypes"):
-        encode_message(_ArraysAndRest((np.zeros((2, 2)),), None))
+    bad = header.copy()
+    bad[4] = 1000  # the first array's length, past the body
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_message(bad, body)
+    bad = header.copy()
+    bad[3] = 2  # two strings; the body holds one
+    with pytest.raises(ValueError, match="gives 2 strings, its body holds 1"):
+        decode_message(bad, body)
+    bad = header.copy()
+    bad[1] = 99  # no such kind
+    with pytest.raises(ValueError, match="unknown message kind 99"):
+        decode_message(bad, body)
+    with pytest.raises(ValueError, match="must give 1-D"):
+        encode_message(two((np.zeros((2, 2)), np.zeros(2)), (), 0))
+    with pytest.raises(ValueError, match="holds a NUL character"):
+        encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
+                            np.arange(2).astype(two.WIRE_DTYPES[1])), ("a", "b\0c"), 0))
+    with pytest.raises(ValueError, match="must be > 0 and not taken"):
+        _random_message_class(100, ())
 
 
 # ------------------------------------------------------------------ the handshake

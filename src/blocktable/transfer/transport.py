@@ -112,12 +112,14 @@ class TorchDistributedTransport:
 
     def send_message(self, obj: Any) -> None:
         header, body = self._writer.encode(obj)
-        self.send_tensors(torch.from_numpy(t).to(self.device) for t in (header, body))
+        parts = (header, body) if body.size else (header,)  # the header says: no body
+        self.send_tensors(torch.from_numpy(t).to(self.device) for t in parts)
 
     def recv_message(self) -> Any:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self.recv_tensor(header)
         header_np = header.cpu().numpy()
         body = torch.empty(check_header(header_np), dtype=torch.uint8, device=self.device)
-        self.recv_tensor(body)
+        if body.numel():
+            self.recv_tensor(body)
         return decode_message(header_np, body.cpu().numpy())
