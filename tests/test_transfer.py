@@ -96,6 +96,12 @@ def test_chunk_rows_refuse_too_few_blocks() -> None:
         chunk_rows([3, 4], 4, 3, 0, 5)
     with pytest.raises(ValueError, match=r"which must be >= 0 \(got \[-4\]\)"):
         chunk_rows([3, 4], 4, 4, -4, 4)  # would read the block before the request's
+    with pytest.raises(ValueError, match="2 blocks per row is too narrow for 3 blocks"):
+        chunk_rows_many(np.zeros((2, 2), np.int32), np.array([1]), np.array([3]), 4, 4, None,
+                        np.array([12]))
+    with pytest.raises(ValueError, match="block_starts must give each request's row"):
+        chunk_rows_many(np.zeros((2, 2), np.int32), None, np.array([2]), 4, 4, None,
+                        np.array([8]))
 
 
 def test_gather_then_scatter_moves_every_layer_of_the_chosen_chunks() -> None:
@@ -549,6 +555,16 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
     again = chunk_rows_many(flat, None, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
     assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    # the same blocks leading the rows of a table (rows shuffled, junk past each request's)
+    width = int(counts.max(initial=0)) + int(rng.integers(0, 3))
+    table = rng.integers(0, 100, (len(reqs) + 2, width)).astype(np.int32)
+    table_rows = rng.permutation(len(reqs) + 2)[:len(reqs)]
+    for ids, r in zip(ids_per_req, table_rows):
+        table[r, :ids.size] = ids
+    again = chunk_rows_many(table, table_rows, counts, block_size, chunk,
+                            firsts if firsts.any() else None, nums)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert again[0].dtype == np.int64
     for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
         mine = rows[row_starts[k]:row_starts[k + 1]]
         positions = range(int(first), int(first + num))

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from blocktable.transfer.transport import Transport
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
+_REQ_ID, _OUTPUT, _FIRST = attrgetter("req_id"), attrgetter("output_token_ids"), itemgetter(0)
 
 
 @dataclass
@@ -165,12 +167,12 @@ class PrefillWorker:
         else:
             running[:] = [req for req in running if not req.output_token_ids]
         p = self.pending
-        ids = [req.req_id for req in done]
+        ids = list(map(_REQ_ID, done))
         p.reqs += done
         p.req_ids += ids
         p.rows += self._rows_of(ids)
         p.max_new_tokens += map(self._max_new_tokens.pop, ids)
-        p.first_tokens += [req.output_token_ids[0] for req in done]
+        p.first_tokens += map(_FIRST, map(_OUTPUT, done))
 
     def _rows_of(self, req_ids: list[str]) -> list[int]:
         """Their table rows (the allocator's look-up, one per request)."""
@@ -232,7 +234,7 @@ class PrefillWorker:
                                f"{statuses.size} offers, {len(self.pending)} were made")
         if not statuses.size:
             return _NO_ROWS
-        if not statuses.any():  # the common round: every offer is sent (SEND is 0)
+        if not np.count_nonzero(statuses):  # the common round: every offer is sent (SEND: 0)
             rows = self._src_rows(None, plans.num_hit)
             self._unacked, self.pending = self.pending, _Handed()
             self.prompts.drop(self._unacked.req_ids)  # (in the message already)
@@ -269,11 +271,9 @@ class PrefillWorker:
         num_prompt -= 1
         if index is not None:
             rows, num_prompt, num_hit = rows[index], num_prompt[index], num_hit[index]
-        block_table = table.block_table_np  # [max_num_reqs, width], row r at r * width
-        hit = bool(num_hit.any())
+        hit = np.count_nonzero(num_hit)
         try:
-            src, _ = chunk_rows_many(block_table.reshape(-1), rows * block_table.shape[1],
-                                     table.num_kernel_blocks[rows],
+            src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
                                      self.layout.kernel_block_size, self.chunk_tokens,
                                      num_hit if hit else None,
                                      num_prompt - num_hit if hit else num_prompt)
