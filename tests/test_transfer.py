@@ -31,8 +31,10 @@ from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
+    BULK_BYTES,
     HEADER_LEN,
     MessageWriter,
+    bulk_arrays,
     check_header,
     decode_message,
     encode_message,
@@ -168,10 +170,10 @@ def test_staging_buffer_is_reused_and_refuses_bad_sizes() -> None:
 
 
 def _through_the_wire(obj: Any) -> Any:
-    header, body = encode_message(obj)
+    header, body, bulk = encode_message(obj)
     landed = np.empty(check_header(header), dtype=np.uint8)  # as the receiver lands it
     landed[:] = body
-    return decode_message(header.copy(), landed)
+    return decode_message(header.copy(), landed, [a.copy() for a in bulk])
 
 
 def test_messages_cross_the_wire_format_with_their_arrays() -> None:
@@ -203,12 +205,12 @@ def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
         tokens = rng.integers(0, 1000, 5 * n)
         batch = OfferBatch(tuple(map(str, range(n))), tokens, np.arange(0, 5 * n + 1, 5),
                            np.full(n, 7))
-        header, body = writer.encode(Round(batch, n == 1))
+        header, body, bulk = writer.encode(Round(batch, n == 1))
         if n == 300:
             first_body = body
         elif first_body is not None:
             assert np.shares_memory(body, first_body)  # grown once, then reused
-        got = decode_message(header.copy(), body.copy())
+        got = decode_message(header.copy(), body.copy(), bulk)
         assert got.offers.req_ids == batch.req_ids and got.done == (n == 1)
         assert np.array_equal(got.offers.token_ids, tokens)
 
@@ -222,7 +224,7 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
                                                              shown: str) -> None:
     fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
               "max_new_tokens": np.array([3, 5])}
-    header, body = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
+    header, body, _ = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)
     with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 3"):
@@ -230,7 +232,7 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
 
 
 def test_a_malformed_plan_is_refused_naming_the_field() -> None:
-    header, body = encode_message(PlanBatch(np.zeros(3, np.int8), np.zeros(2, np.int64), {}))
+    header, body, _ = encode_message(PlanBatch(np.zeros(3, np.int8), np.zeros(2, np.int64), {}))
     with pytest.raises(ValueError, match="malformed PlanBatch of 3 offers: num_hit holds 2 "
                                          "entries, 3 expected"):
         decode_message(header, body)
@@ -278,25 +280,40 @@ def test_the_wire_format_on_random_messages() -> None:
         cls = _RANDOM_CLASSES[int(rng.integers(len(_RANDOM_CLASSES)))]
         arrays = []
         for dtype in cls.WIRE_DTYPES:
-            a = rng.integers(-100, 100, int(rng.integers(0, 9))).astype(dtype)
+            large = rng.random() < 0.2  # at least BULK_BYTES: a send of its own
+            n = int(rng.integers(BULK_BYTES, 2 * BULK_BYTES) if large else rng.integers(0, 9))
+            a = rng.integers(-100, 100, n).astype(dtype)
             arrays.append(a[::2] if rng.random() < 0.3 else a)  # a strided view
         texts = tuple("".join(rng.choice(alphabet, int(rng.integers(0, 3))))
                       for _ in range(int(rng.integers(0, 4))))
         value = int(rng.integers(-2**62, 2**62))
-        header, body = encode_message(cls(tuple(arrays), texts, value))
+        header, body, bulk = encode_message(cls(tuple(arrays), texts, value))
         landed = np.empty(check_header(header), dtype=np.uint8)
         landed[:] = body
-        got = decode_message(header.copy(), landed)
+        want = bulk_arrays(header)
+        assert [(a.dtype, a.size) for a in bulk] == want
+        landed_bulk = [np.empty(n, d) for d, n in want]  # as the receiver lands them
+        for out, a in zip(landed_bulk, bulk):
+            out[:] = a
+        got = decode_message(header.copy(), landed, landed_bulk)
         assert got.texts == texts and got.value == value and len(got.arrays) == len(arrays)
         for mine, theirs in zip(arrays, got.arrays):
             assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine)
-            assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
-            assert np.shares_memory(theirs, landed) or not theirs.size
+            if mine.nbytes >= BULK_BYTES and mine.dtype.isnative:  # came on its own
+                assert any(theirs is b for b in landed_bulk)
+                sent_from_itself = any(np.shares_memory(mine, a) for a in bulk)
+                assert sent_from_itself == mine.flags.c_contiguous  # no copy unless strided
+            else:
+                assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
+                assert np.shares_memory(theirs, landed) or not theirs.size
+        if bulk:
+            with pytest.raises(ValueError, match="large arrays of"):
+                decode_message(header.copy(), landed, landed_bulk[:-1])
     assert _through_the_wire({"layout": [np.arange(3)], "v": 1})["v"] == 1  # pickled whole
     with pytest.raises(ValueError, match="a message header must give a body"):
         check_header(np.full(HEADER_LEN, -1, dtype=np.int64))
     two = next(c for c in _RANDOM_CLASSES if len(c.WIRE_DTYPES) == 2)
-    header, body = encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
+    header, body, _ = encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
                                        np.arange(2).astype(two.WIRE_DTYPES[1])), ("a",), 1))
     with pytest.raises(ValueError, match="body must be uint8"):
         decode_message(header, body[:-1])

@@ -11,10 +11,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
-from blocktable.transfer.wire_format import HEADER_LEN, MessageWriter, check_header, decode_message
+from blocktable.transfer.wire_format import (
+    HEADER_LEN,
+    MessageWriter,
+    bulk_arrays,
+    check_header,
+    decode_message,
+)
 
 
 class Transport(Protocol):
@@ -111,8 +118,8 @@ class TorchDistributedTransport:
             pass
 
     def send_message(self, obj: Any) -> None:
-        header, body = self._writer.encode(obj)
-        parts = (header, body) if body.size else (header,)  # the header says: no body
+        header, body, bulk = self._writer.encode(obj)
+        parts = [header, body, *bulk] if body.size else [header, *bulk]  # the header says
         self.send_tensors(torch.from_numpy(t).to(self.device) for t in parts)
 
     def recv_message(self) -> Any:
@@ -120,6 +127,8 @@ class TorchDistributedTransport:
         self.recv_tensor(header)
         header_np = header.cpu().numpy()
         body = torch.empty(check_header(header_np), dtype=torch.uint8, device=self.device)
-        if body.numel():
-            self.recv_tensor(body)
-        return decode_message(header_np, body.cpu().numpy())
+        bulk = [torch.from_numpy(np.empty(count, dtype)).to(self.device)
+                for dtype, count in bulk_arrays(header_np)]
+        for _ in self.recv_tensors([body, *bulk] if body.numel() else bulk):
+            pass
+        return decode_message(header_np, body.cpu().numpy(), [t.cpu().numpy() for t in bulk])

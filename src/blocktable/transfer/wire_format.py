@@ -1,20 +1,24 @@
-"""How a message travels: a fixed int64 header, then one byte buffer; no pickle for a round.
+"""How a message travels: a fixed int64 header, one byte buffer, and its large arrays as they
+are; no pickle for a round.
 
 A round's messages (an :class:`~blocktable.transfer.messages.OfferBatch` of 64 prompts, a
 plan) are a few flat numpy arrays, some strings (request ids) and one integer. A class that
 says so (:class:`WireMessage`: a registered ``WIRE_KIND``, its arrays' ``WIRE_DTYPES``,
 ``to_wire`` and ``from_wire``) travels in a fixed binary form: the header holds its kind, its
-integer and every array's length, the body its arrays' bytes, then its strings in UTF-8
-joined by NUL. The receiver views the arrays in the landed body (no copy) and splits the
-strings once::
+integer and every array's length, the body its small arrays' bytes, then its strings in UTF-8
+joined by NUL. An array of :data:`BULK_BYTES` or more (a round's token ids) is not copied
+into the body: it travels as its own send, from its own memory. The receiver views the small
+arrays in the landed body, takes the large ones as they landed, and splits the strings once::
 
     header (int64 [HEADER_LEN]): body bytes | kind | value | number of strings | length of
                                  array 0 | ... | length of array MAX_ARRAYS - 1
-    body (uint8):                array 0 | pad | array 1 | pad | ... | strings
+    body (uint8):                small array | pad | small array | pad | ... | strings
+    then each large array, in order
 
-Arrays start at multiples of :data:`ALIGN_BYTES`. Any other object (the handshake's layout,
-a context-parallel plan) is pickled whole (kind 0). A message is two sends, whatever it holds.
-A sender keeps one :class:`MessageWriter`, whose body buffer every message reuses.
+Both sides tell a large array from a small one by its length and dtype (:func:`bulk_arrays`).
+Arrays start at multiples of :data:`ALIGN_BYTES`. Any other object (the handshake's layout, a
+context-parallel plan) is pickled whole (kind 0). A sender keeps one :class:`MessageWriter`,
+whose body buffer every message reuses.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ HEADER_LEN = 4 + MAX_ARRAYS
 
 ALIGN_BYTES = 16
 """Every array in a body starts at a multiple of this many bytes."""
+
+BULK_BYTES = 1 << 16
+"""An array of at least this many bytes travels as its own send, not copied into the body."""
 
 PICKLED = 0
 """The kind of a message pickled whole."""
@@ -81,13 +88,30 @@ def register_message(kind: int) -> Callable[[T], T]:
 
 
 def _layout(lengths: Sequence[int], dtypes: Sequence[np.dtype]) -> tuple[list[int], int]:
-    """Each array's byte offset in the body, and where the strings start."""
+    """Each array's byte offset in the body (-1: a large one, sent on its own), and where the
+    strings start."""
     offsets, end = [], 0
     for count, dtype in zip(lengths, dtypes):
+        nbytes = count * dtype.itemsize
+        if nbytes >= BULK_BYTES and dtype.isnative:  # (a tensor holds native bytes only)
+            offsets.append(-1)
+            continue
         end += -end % ALIGN_BYTES
         offsets.append(end)
-        end += count * dtype.itemsize
+        end += nbytes
     return offsets, end
+
+
+def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
+    """``(dtype, length)`` of each large array that follows the body of the message whose
+    ``header`` this is, in order (none for a pickled one or an unknown kind)."""
+    cls = _KINDS.get(int(header[1]))
+    if cls is None:
+        return []
+    lengths = header[4:].tolist()
+    offsets, _ = _layout(lengths, cls.WIRE_DTYPES)
+    return [(dtype, count) for dtype, count, offset in zip(cls.WIRE_DTYPES, lengths, offsets)
+            if offset < 0]
 
 
 class MessageWriter:
@@ -95,18 +119,20 @@ class MessageWriter:
     never shrunk: a fresh buffer per message would fault in its pages every round (a round's
     offer carries every prompt's token ids), which costs more than copying them.
 
-    :meth:`encode`'s arrays are valid until its next call: a sender encodes, sends, and waits
-    for the send before it encodes again (as :class:`~blocktable.transfer.transport.
+    :meth:`encode`'s header and body are valid until its next call, and its large arrays are
+    the message's own memory: a sender encodes, sends, and waits for the send before it
+    encodes again or changes the message (as :class:`~blocktable.transfer.transport.
     TorchDistributedTransport` does)."""
 
     def __init__(self) -> None:
         self._body = np.empty(0, dtype=np.uint8)
         self._header = np.zeros(HEADER_LEN, dtype=np.int64)
 
-    def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]`` on
-        cpu, views of this writer's memory. A :class:`WireMessage`'s arrays are copied once,
-        into ``body``.
+    def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """``obj`` as ``(header, body, bulk)``: int64 ``[HEADER_LEN]`` and uint8
+        ``[header[0]]`` on cpu, views of this writer's memory, and the large arrays
+        (contiguous: the message's own when they are). A :class:`WireMessage`'s small arrays
+        are copied once, into ``body``.
 
         Raises
         ------
@@ -141,27 +167,31 @@ class MessageWriter:
             # zeros: the padding never carries stale heap bytes (only earlier messages')
             self._body = np.zeros(max(size, 2 * self._body.size), dtype=np.uint8)
         body = self._body[:size]
+        bulk = []
         for a, dtype, offset in zip(arrays, cls.WIRE_DTYPES if kind else (), offsets):
             if a.ndim != 1 or a.dtype.kind != dtype.kind:
                 raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, got "
                                  f"{a.dtype} of shape {a.shape}")
-            # a typed view of the body (offsets are aligned): strided arrays copy in place
-            np.copyto(np.frombuffer(body, dtype, a.shape[0], offset), a)
-        body[end:] = np.frombuffer(tail, dtype=np.uint8)
+            if offset < 0:  # large: sent from where it is (copied only if it must be)
+                bulk.append(np.ascontiguousarray(a, dtype))
+            else:  # a typed view of the body (offsets are aligned): strided arrays too
+                np.copyto(np.frombuffer(body, dtype, a.shape[0], offset), a)
+        if tail:
+            body[end:] = np.frombuffer(tail, dtype=np.uint8)
         header = self._header
         header[:] = (size, kind, value, num_texts, *lengths, *[0] * (MAX_ARRAYS - len(lengths)))
-        return header, body
+        return header, body, bulk
 
 
-def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``obj`` as ``(header, body)`` in new arrays (:meth:`MessageWriter.encode` of a new
-    writer)."""
+def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """``obj`` as ``(header, body, bulk)`` (:meth:`MessageWriter.encode` of a new writer)."""
     return MessageWriter().encode(obj)
 
 
-def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
-    """The object :func:`encode_message` made ``(header, body)`` of; its arrays view
-    ``body``'s memory (read-only).
+def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarray] = ()
+                   ) -> Any:
+    """The object :func:`encode_message` made ``(header, body, bulk)`` of; its small arrays
+    view ``body``'s memory (read-only), its large ones are ``bulk``'s arrays.
 
     Raises
     ------
@@ -181,8 +211,16 @@ def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
     if min(lengths) < 0 or any(lengths[len(dtypes):]) or end > size or num_texts < 0:
         raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries, "
                          f"{num_texts} strings and a body of {size} bytes, which do not fit")
-    arrays = [np.frombuffer(body, dtype, count, offset)
+    large = iter(bulk)
+    arrays = [np.frombuffer(body, dtype, count, offset) if offset >= 0 else next(large, None)
               for dtype, count, offset in zip(dtypes, lengths, offsets)]
+    num_bulk = offsets.count(-1)
+    if len(bulk) != num_bulk or any(
+            a is None or a.dtype != d or a.shape != (n,)
+            for a, d, n, o in zip(arrays, dtypes, lengths, offsets) if o < 0):
+        raise ValueError(f"a {cls.__name__} header gives {num_bulk} large arrays of "
+                         f"{[(str(d), n) for d, n, o in zip(dtypes, lengths, offsets) if o < 0]}"
+                         f", got {[(str(a.dtype), a.size) for a in bulk]}")
     texts = bytes(body[end:]).decode().split(TEXT_SEPARATOR) if num_texts else []
     if len(texts) != num_texts:
         raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
