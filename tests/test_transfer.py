@@ -541,6 +541,9 @@ def test_submit_refuses_a_single_token_request(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
         pw.submit("a", [1, 2, 3], 1)
+    with pytest.raises(ValueError, match="req_id must not hold a NUL character"):
+        pw.submit("a\0b", [1, 2, 3], 4)
+    assert not pw.engine.requests and len(pw.prompts) == 0
 
 
 @settings(max_examples=40, deadline=None)

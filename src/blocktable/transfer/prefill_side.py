@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
-from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -29,10 +28,10 @@ from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
+from blocktable.transfer.wire_format import TEXT_SEPARATOR
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
-_REQ_ID, _OUTPUT, _FIRST = attrgetter("req_id"), attrgetter("output_token_ids"), itemgetter(0)
 
 
 @dataclass
@@ -121,9 +120,12 @@ class PrefillWorker:
         Raises
         ------
         ValueError
-            ``max_new_tokens < 2`` (one token needs no decode side), or what
-            :meth:`LLMEngine.add_request` refuses.
+            ``max_new_tokens < 2`` (one token needs no decode side), a ``req_id`` holding a
+            NUL character (it cannot travel), or what :meth:`LLMEngine.add_request` refuses.
         """
+        if isinstance(req_id, str) and TEXT_SEPARATOR in req_id:
+            raise ValueError(f"req_id must not hold a NUL character (it cannot travel), got "
+                             f"{req_id!r}")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2 for a disaggregated request (the "
                              f"prefill side samples the first), got {max_new_tokens}")
@@ -167,12 +169,12 @@ class PrefillWorker:
         else:
             running[:] = [req for req in running if not req.output_token_ids]
         p = self.pending
-        ids = list(map(_REQ_ID, done))
+        ids = [req.req_id for req in done]
         p.reqs += done
         p.req_ids += ids
         p.rows += self._rows_of(ids)
         p.max_new_tokens += map(self._max_new_tokens.pop, ids)
-        p.first_tokens += map(_FIRST, map(_OUTPUT, done))
+        p.first_tokens += [req.output_token_ids[0] for req in done]
 
     def _rows_of(self, req_ids: list[str]) -> list[int]:
         """Their table rows (the allocator's look-up, one per request)."""
