@@ -21,7 +21,6 @@ import numpy as np
 
 from blocktable.transfer.wire_format import register_message
 
-
 _NO_INDEX = np.zeros(0, dtype=np.int64)
 _NO_INDEX.flags.writeable = False
 

@@ -47,7 +47,7 @@ PICKLED = 0
 TEXT_SEPARATOR = "\0"
 """Between the strings of a message (a string holding it cannot travel)."""
 
-_KINDS: dict[int, type] = {}  # kind -> WireMessage class, filled by register_message
+_KINDS: dict[int, Any] = {}  # kind -> WireMessage class, filled by register_message
 
 
 class WireMessage(Protocol):
@@ -76,11 +76,12 @@ def register_message(kind: int) -> Callable[[T], T]:
         if kind <= PICKLED or kind in _KINDS:
             raise ValueError(f"message kind {kind} of {cls.__name__} must be > 0 and not "
                              f"taken (taken: {sorted(_KINDS)})")
-        dtypes = tuple(np.dtype(d) for d in cls.WIRE_DTYPES)
+        message: Any = cls
+        dtypes = tuple(np.dtype(d) for d in message.WIRE_DTYPES)
         if len(dtypes) > MAX_ARRAYS or any(d.kind in "OV" for d in dtypes):
             raise ValueError(f"{cls.__name__}.WIRE_DTYPES must be at most {MAX_ARRAYS} plain "
                              f"dtypes, got {dtypes}")
-        cls.WIRE_KIND, cls.WIRE_DTYPES = kind, dtypes  # type: ignore[attr-defined]
+        message.WIRE_KIND, message.WIRE_DTYPES = kind, dtypes
         _KINDS[kind] = cls
         return cls
 
@@ -109,6 +110,8 @@ def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
     if cls is None:
         return []
     lengths = header[4:].tolist()
+    if min(lengths) < 0:
+        raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries")
     offsets, _ = _layout(lengths, cls.WIRE_DTYPES)
     return [(dtype, count) for dtype, count, offset in zip(cls.WIRE_DTYPES, lengths, offsets)
             if offset < 0]
@@ -116,8 +119,7 @@ def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
 
 class MessageWriter:
     """Encodes messages into one body buffer it keeps, grown when a larger message comes and
-    never shrunk: a fresh buffer per message would fault in its pages every round (a round's
-    offer carries every prompt's token ids), which costs more than copying them.
+    never shrunk: a fresh buffer per message would fault in its pages every round.
 
     :meth:`encode`'s header and body are valid until its next call, and its large arrays are
     the message's own memory: a sender encodes, sends, and waits for the send before it
@@ -140,7 +142,7 @@ class MessageWriter:
             An array that is not 1-D or not of its ``WIRE_DTYPES`` entry's kind, or a string
             holding :data:`TEXT_SEPARATOR` (nothing is sent).
         """
-        cls = type(obj)
+        cls: Any = type(obj)
         kind = getattr(cls, "WIRE_KIND", PICKLED)
         if kind == PICKLED:
             arrays: Sequence[np.ndarray] = ()
