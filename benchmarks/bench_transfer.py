@@ -261,8 +261,9 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
 
     def wire(obj: Any, sender: str) -> Any:
         """Both ends of send_message / recv_message (the sender's transport encodes into its
-        own writer); the wire's own copy of the body into the receiver's memory is left out
-        (it is the transport's data movement)."""
+        own writer); the wire's own copy of the body and of the large arrays (the offer's
+        token ids, their own send) into the receiver's memory is left out (it is the
+        transport's data movement, timed with the transport's own cost in figure 3)."""
         return decode_message(*writers[sender].encode(obj))
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
