@@ -17,6 +17,10 @@ Two figures:
    out. What the transfer adds is the round's time outside the engine's own calls made in it
    (allocator, row look-ups, ``Request`` objects), timed in the same round; for reference,
    also alternated with admitting the same requests into an engine without a transfer.
+3. **A round's two messages through the transport** (in the bandwidth's two processes,
+   thread time per side): an offer of ``--num-requests`` prompts of ``--prompt-tokens``
+   tokens and its plan, sent and received with ``send_message`` / ``recv_message``: the host
+   cost of the wire itself, which figure 2 leaves out.
 
     PYTHONPATH=src python benchmarks/bench_transfer.py                  # CPU, gloo
     PYTHONPATH=src python benchmarks/bench_transfer.py --device cuda    # NCCL, two GPUs
@@ -99,6 +103,7 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
             sync()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - t0)
+    message_s = _message_round_times(transport, rank, args)
     # the moved rows arrived intact: rank 0's rows (its order) equal rank 1's (its order)
     sums = _row_sums(kv, rows, args.block_size)
     theirs = torch.empty_like(sums)
@@ -108,7 +113,42 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
     else:
         transport.recv_tensor(theirs)
         intact = bool(torch.equal(theirs, sums))
-    return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact}
+    return {"bytes": flat.numel() * flat.element_size(), "times_s": times, "intact": intact,
+            "message_s": message_s}
+
+
+def _message_round_times(transport: TorchDistributedTransport, rank: int,
+                         args: argparse.Namespace) -> list[float]:
+    """Thread time of each round's offer and plan on this side (rank 0 sends the offer and
+    receives the plan, rank 1 the other way), over ``args.repeats`` rounds after a warm-up."""
+    import torch.distributed as dist
+
+    from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
+
+    n, tokens = args.num_requests, args.prompt_tokens + 1
+    rng = np.random.default_rng(0)
+    offer = Round(OfferBatch(tuple(f"req{i}" for i in range(n)),
+                             rng.integers(0, 50_000, n * tokens), np.arange(n + 1) * tokens,
+                             np.full(n, 4)), False)
+    plan = PlanBatch(np.zeros(n, np.int8), np.zeros(n, np.int64), {}, n)
+    out = []
+    for i in range(args.warmup + 3 * args.repeats):
+        dist.barrier()
+        t0 = time.thread_time()
+        if rank == 0:
+            transport.send_message(offer)
+            got = transport.recv_message()
+            ok = got.num_acked == n
+        else:
+            got = transport.recv_message()
+            transport.send_message(plan)
+            ok = got.offers.req_ids == offer.offers.req_ids
+        elapsed = time.thread_time() - t0
+        if not ok:
+            raise AssertionError("a message came back different")
+        if i >= args.warmup:
+            out.append(elapsed)
+    return out
 
 
 def _prefilled(pw: Any, ids: list[str], prompts: list[np.ndarray], first: int) -> None:
@@ -221,8 +261,9 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
 
     def wire(obj: Any, sender: str) -> Any:
         """Both ends of send_message / recv_message (the sender's transport encodes into its
-        own writer); the wire's own copy of the body into the receiver's memory is left out
-        (it is the transport's data movement)."""
+        own writer); the wire's own copy of the body and of the large arrays (the offer's
+        token ids, their own send) into the receiver's memory is left out (it is the
+        transport's data movement, timed with the transport's own cost in figure 3)."""
         return decode_message(*writers[sender].encode(obj))
 
     n, tokens, bs = args.num_requests, args.prompt_tokens, args.block_size
@@ -352,15 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip != "bandwidth":
         bw: dict[str, Any] = {}
         for _ in range(args.runs):  # fresh processes each run; the repeats of all runs pooled
-            got = run_ranks(bandwidth_job, 2, args=(args,), device=args.device,
-                            timeout_s=600.0, pg_timeout_s=120.0,
-                            num_threads=args.num_threads)[1]
+            ranks = run_ranks(bandwidth_job, 2, args=(args,), device=args.device,
+                              timeout_s=600.0, pg_timeout_s=120.0,
+                              num_threads=args.num_threads)
+            got = ranks[1]
             if not bw:
                 bw = got
+                bw["message_s"] = {"prefill": ranks[0]["message_s"], "decode": got["message_s"]}
             else:
                 bw["intact"] = bw["intact"] and got["intact"]
                 for kind, xs in got["times_s"].items():
                     bw["times_s"][kind] += xs
+                bw["message_s"]["prefill"] += ranks[0]["message_s"]
+                bw["message_s"]["decode"] += got["message_s"]
         out["bandwidth"] = bw
         ok = ok and bw["intact"]
         gib = bw["bytes"] / 2**30
@@ -373,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
                 [a / b for a, b in zip(plain, xs)], 100, ".0f") + " %"
             table.append((what, _spread(xs, 1e3, ".1f") + " ms",
                           _spread([gib / x for x in xs], 1, ".2f") + " GiB/s" + ratio))
+        for side, xs in bw["message_s"].items():
+            what = "sends the offer, receives the plan" if side == "prefill" else (
+                "receives the offer, sends the plan")
+            name = (f"a round's messages through {backend}, {side} side ({what}; "
+                    f"{args.num_requests} requests)")
+            table.append((name, _spread(xs, 1e6, ".0f") + " µs", ""))
         print(f"{args.num_tokens} tokens x {args.num_layers} layers x {args.kv_heads} KV heads "
               f"x {args.head_dim} ({args.dtype}, block {args.block_size}) = "
               f"{bw['bytes'] / 2**20:.0f} MiB; {args.device}, {args.num_threads} thread(s) per "

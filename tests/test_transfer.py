@@ -31,10 +31,14 @@ from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
+    BULK_BYTES,
+    HEADER_LEN,
     MessageWriter,
+    bulk_arrays,
     check_header,
     decode_message,
     encode_message,
+    register_message,
 )
 
 MAX_NEW_TOKENS = 6
@@ -94,6 +98,12 @@ def test_chunk_rows_refuse_too_few_blocks() -> None:
         chunk_rows([3, 4], 4, 3, 0, 5)
     with pytest.raises(ValueError, match=r"which must be >= 0 \(got \[-4\]\)"):
         chunk_rows([3, 4], 4, 4, -4, 4)  # would read the block before the request's
+    with pytest.raises(ValueError, match="2 blocks per row is too narrow for 3 blocks"):
+        chunk_rows_many(np.zeros((2, 2), np.int32), np.array([1]), np.array([3]), 4, 4, None,
+                        np.array([12]))
+    with pytest.raises(ValueError, match="block_starts must give each request's row"):
+        chunk_rows_many(np.zeros((2, 2), np.int32), None, np.array([2]), 4, 4, None,
+                        np.array([8]))
 
 
 def test_gather_then_scatter_moves_every_layer_of_the_chosen_chunks() -> None:
@@ -160,10 +170,10 @@ def test_staging_buffer_is_reused_and_refuses_bad_sizes() -> None:
 
 
 def _through_the_wire(obj: Any) -> Any:
-    header, body = encode_message(obj)
+    header, body, bulk = encode_message(obj)
     landed = np.empty(check_header(header), dtype=np.uint8)  # as the receiver lands it
     landed[:] = body
-    return decode_message(header.copy(), landed)
+    return decode_message(header.copy(), landed, [a.copy() for a in bulk])
 
 
 def test_messages_cross_the_wire_format_with_their_arrays() -> None:
@@ -195,12 +205,12 @@ def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
         tokens = rng.integers(0, 1000, 5 * n)
         batch = OfferBatch(tuple(map(str, range(n))), tokens, np.arange(0, 5 * n + 1, 5),
                            np.full(n, 7))
-        header, body = writer.encode(Round(batch, n == 1))
+        header, body, bulk = writer.encode(Round(batch, n == 1))
         if n == 300:
             first_body = body
         elif first_body is not None:
             assert np.shares_memory(body, first_body)  # grown once, then reused
-        got = decode_message(header.copy(), body.copy())
+        got = decode_message(header.copy(), body.copy(), bulk)
         assert got.offers.req_ids == batch.req_ids and got.done == (n == 1)
         assert np.array_equal(got.offers.token_ids, tokens)
 
@@ -214,62 +224,118 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
                                                              shown: str) -> None:
     fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
               "max_new_tokens": np.array([3, 5])}
-    header, body = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
+    header, body, _ = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)
     with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 3"):
-        OfferBatch.from_wire(list(fields.values())[:2], ("a", "b"))
+        OfferBatch.from_wire(list(fields.values())[:2], ["a", "b"])
 
 
 def test_a_malformed_plan_is_refused_naming_the_field() -> None:
-    header, body = encode_message(PlanBatch(np.zeros(3, np.int8), np.zeros(2, np.int64), {}))
+    header, body, _ = encode_message(PlanBatch(np.zeros(3, np.int8), np.zeros(2, np.int64), {}))
     with pytest.raises(ValueError, match="malformed PlanBatch of 3 offers: num_hit holds 2 "
                                          "entries, 3 expected"):
         decode_message(header, body)
-    with pytest.raises(ValueError, match="malformed PlanBatch: 1 arrays, 2 expected"):
-        PlanBatch.from_wire([np.zeros(3, np.int8)], ({}, 0))
+    with pytest.raises(ValueError, match="malformed PlanBatch: 1 arrays, 3 expected"):
+        PlanBatch.from_wire([np.zeros(3, np.int8)], [], 0)
 
 
-@dataclass(frozen=True)
-class _ArraysAndRest:
-    arrays: tuple[np.ndarray, ...]
-    rest: Any
-
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], Any]:
-        return self.arrays, self.rest
-
-    @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: Any) -> _ArraysAndRest:
-        return cls(tuple(arrays), rest)
+_RANDOM_DTYPES = ["<i8", "<i4", "i1", "<u2", "<f8", "<f4", "?", ">i4", "<c16"]
 
 
-def test_the_wire_format_on_random_arrays() -> None:
-    """Random 1-D arrays (every dtype kind, empty ones, strided views, byte orders) come back
-    equal and aligned beside the pickled rest; any other object travels pickled whole."""
+def _random_message_class(kind: int, dtypes: tuple[str, ...]) -> type:
+    """A registered message of these array dtypes (and strings, and one integer)."""
+
+    @register_message(kind)
+    @dataclass(frozen=True)
+    class Random:
+        WIRE_DTYPES = dtypes
+
+        arrays: tuple[np.ndarray, ...]
+        texts: tuple[str, ...]
+        value: int
+
+        def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
+            return self.arrays, self.texts, self.value
+
+        @classmethod
+        def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Any:
+            return cls(tuple(arrays), tuple(texts), value)
+
+    return Random
+
+
+_RANDOM_CLASSES = [_random_message_class(100 + k, tuple(
+    np.random.default_rng(k).choice(_RANDOM_DTYPES, k % 5))) for k in range(8)]
+
+
+def test_the_wire_format_on_random_messages() -> None:
+    """Random 1-D arrays (every dtype kind, empty ones, strided views, byte orders), strings
+    (empty ones, non-ASCII) and integers come back equal, the arrays aligned views of the
+    landed body; any other object travels pickled whole; a header that does not fit its body
+    is refused."""
     rng = np.random.default_rng(7)
-    dtypes = ["<i8", "<i4", "i1", "<u2", "<f8", "<f4", "?", ">i4", "<c16"]
-    for _ in range(60):
+    alphabet = ["a", "é", "区", " ", "", "req-7"]
+    for _ in range(80):
+        cls = _RANDOM_CLASSES[int(rng.integers(len(_RANDOM_CLASSES)))]
         arrays = []
-        for _ in range(int(rng.integers(0, 6))):
-            a = rng.integers(-100, 100, int(rng.integers(0, 9))).astype(rng.choice(dtypes))
+        for dtype in cls.WIRE_DTYPES:
+            large = rng.random() < 0.2  # at least BULK_BYTES: a send of its own
+            n = int(rng.integers(BULK_BYTES, 2 * BULK_BYTES) if large else rng.integers(0, 9))
+            a = rng.integers(-100, 100, n).astype(dtype)
             arrays.append(a[::2] if rng.random() < 0.3 else a)  # a strided view
-        header, body = encode_message(_ArraysAndRest(tuple(arrays), {"x": ("a", 3)}))
+        texts = tuple("".join(rng.choice(alphabet, int(rng.integers(0, 3))))
+                      for _ in range(int(rng.integers(0, 4))))
+        value = int(rng.integers(-2**62, 2**62))
+        header, body, bulk = encode_message(cls(tuple(arrays), texts, value))
         landed = np.empty(check_header(header), dtype=np.uint8)
         landed[:] = body
-        got = decode_message(header, landed)
-        assert got.rest == {"x": ("a", 3)} and len(got.arrays) == len(arrays)
+        want = bulk_arrays(header)
+        assert [(a.dtype, a.size) for a in bulk] == want
+        landed_bulk = [np.empty(n, d) for d, n in want]  # as the receiver lands them
+        for out, a in zip(landed_bulk, bulk):
+            out[:] = a
+        got = decode_message(header.copy(), landed, landed_bulk)
+        assert got.texts == texts and got.value == value and len(got.arrays) == len(arrays)
         for mine, theirs in zip(arrays, got.arrays):
             assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine)
-            assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
-            assert np.shares_memory(theirs, landed) or not theirs.size
+            if mine.nbytes >= BULK_BYTES and mine.dtype.isnative:  # came on its own
+                assert any(theirs is b for b in landed_bulk)
+                sent_from_itself = any(np.shares_memory(mine, a) for a in bulk)
+                assert sent_from_itself == mine.flags.c_contiguous  # no copy unless strided
+            else:
+                assert (theirs.ctypes.data - landed.ctypes.data) % ALIGN_BYTES == 0
+                assert np.shares_memory(theirs, landed) or not theirs.size
+        if bulk:
+            with pytest.raises(ValueError, match="large arrays of"):
+                decode_message(header.copy(), landed, landed_bulk[:-1])
     assert _through_the_wire({"layout": [np.arange(3)], "v": 1})["v"] == 1  # pickled whole
     with pytest.raises(ValueError, match="a message header must give a body"):
-        check_header(np.zeros(2, dtype=np.int64))
-    header, body = encode_message(_ArraysAndRest((np.arange(3),), None))
+        check_header(np.full(HEADER_LEN, -1, dtype=np.int64))
+    two = next(c for c in _RANDOM_CLASSES if len(c.WIRE_DTYPES) == 2)
+    header, body, _ = encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
+                                       np.arange(2).astype(two.WIRE_DTYPES[1])), ("a",), 1))
     with pytest.raises(ValueError, match="body must be uint8"):
         decode_message(header, body[:-1])
-    with pytest.raises(ValueError, match="must give 1-D arrays of plain dtypes"):
-        encode_message(_ArraysAndRest((np.zeros((2, 2)),), None))
+    bad = header.copy()
+    bad[4] = 1000  # the first array's length, past the body
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_message(bad, body)
+    bad = header.copy()
+    bad[3] = 2  # two strings; the body holds one
+    with pytest.raises(ValueError, match="gives 2 strings, its body holds 1"):
+        decode_message(bad, body)
+    bad = header.copy()
+    bad[1] = 99  # no such kind
+    with pytest.raises(ValueError, match="unknown message kind 99"):
+        decode_message(bad, body)
+    with pytest.raises(ValueError, match="must give 1-D"):
+        encode_message(two((np.zeros((2, 2)), np.zeros(2)), (), 0))
+    with pytest.raises(ValueError, match="holds a NUL character"):
+        encode_message(two((np.arange(3).astype(two.WIRE_DTYPES[0]),
+                            np.arange(2).astype(two.WIRE_DTYPES[1])), ("a", "b\0c"), 0))
+    with pytest.raises(ValueError, match="must be > 0 and not taken"):
+        _random_message_class(100, ())
 
 
 # ------------------------------------------------------------------ the handshake
@@ -475,6 +541,9 @@ def test_submit_refuses_a_single_token_request(model: Any) -> None:
     pw = PrefillWorker(_engine(model, 4), local_pair()[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
         pw.submit("a", [1, 2, 3], 1)
+    with pytest.raises(ValueError, match="req_id must not hold a NUL character"):
+        pw.submit("a\0b", [1, 2, 3], 4)
+    assert not pw.engine.requests and len(pw.prompts) == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -506,6 +575,16 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
     again = chunk_rows_many(flat, None, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
     assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    # the same blocks leading the rows of a table (rows shuffled, junk past each request's)
+    width = int(counts.max(initial=0)) + int(rng.integers(0, 3))
+    table = rng.integers(0, 100, (len(reqs) + 2, width)).astype(np.int32)
+    table_rows = rng.permutation(len(reqs) + 2)[:len(reqs)]
+    for ids, r in zip(ids_per_req, table_rows):
+        table[r, :ids.size] = ids
+    again = chunk_rows_many(table, table_rows, counts, block_size, chunk,
+                            firsts if firsts.any() else None, nums)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert again[0].dtype == np.int64
     for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
         mine = rows[row_starts[k]:row_starts[k + 1]]
         positions = range(int(first), int(first + num))

@@ -12,8 +12,8 @@
 - :mod:`~blocktable.transfer.messages`: what they say to each other each round;
 - :mod:`~blocktable.transfer.prompt_arena`: the prefill side's submitted prompts, back to back
   in one buffer;
-- :mod:`~blocktable.transfer.wire_format`: how a message travels (its arrays' bytes in one
-  buffer, then a small pickle).
+- :mod:`~blocktable.transfer.wire_format`: how a message travels (a fixed int64 header, its
+  small arrays and strings in one buffer, its large arrays as they are).
 
 See ``docs/disaggregation.md``.
 """

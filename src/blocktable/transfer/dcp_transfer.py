@@ -51,15 +51,6 @@ class DcpPlan:
     block_size: int  # tokens per block on one rank
     chunk_tokens: int
 
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[int, int, int, int]]:
-        return ((self.block_ids, self.block_starts, self.num_hit, self.num_prompt),
-                (self.world_size, self.interleave, self.block_size, self.chunk_tokens))
-
-    @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[int, int, int, int]) -> DcpPlan:
-        block_ids, block_starts, num_hit, num_prompt = arrays
-        return cls(block_ids, block_starts, num_hit, num_prompt, *rest)
-
     def chunks(self) -> tuple[np.ndarray, np.ndarray]:
         """Owner rank and row there of every moved chunk (int64 ``[total chunks]`` each),
         request after request, in token order."""

@@ -15,7 +15,7 @@ side frees every allocation of the round and raises :class:`PeerLostError`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
@@ -37,6 +37,8 @@ from blocktable.transfer.transport import Transport
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
+_NO_STATUSES = np.zeros(0, dtype=np.int8)
+_NO_STATUSES.flags.writeable = False
 
 
 def _token_ids(batch: OfferBatch, i: int) -> np.ndarray:
@@ -56,7 +58,7 @@ class TransferRecord:
     batch_size: int  # requests moved in the same buffer
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class _RoundPlan:
     """A round's admitted (SEND) offers, in offer order: flat arrays, no object per request
     (but the views of each one's token ids that the allocator was given)."""
@@ -147,8 +149,8 @@ class DecodeWorker:
 
     def _round(self, rnd: Round) -> None:
         """Answer the offers (acknowledging the last round's data), then take this round's."""
-        plans = self._plan_batch(rnd.offers)
-        self.transport.send_message(replace(plans, num_acked=self._num_received))
+        plans = self._plan_batch(rnd.offers, self._num_received)
+        self.transport.send_message(plans)
         self._num_received = 0
         plan = self._plan
         if plan is None:
@@ -164,22 +166,25 @@ class DecodeWorker:
             self._recompute(plan)
         self._plan = None
 
-    def _plan_batch(self, batch: OfferBatch) -> PlanBatch:
+    def _plan_batch(self, batch: OfferBatch, num_acked: int = 0) -> PlanBatch:
         """Admit and allocate each offer that fits now, in order (once one waits, the later
-        ones wait too); then map every admitted offer's missing tokens to both sides' rows in
-        one pass per side.
+        ones wait too); then map every admitted offer's missing tokens to this side's rows in
+        one pass. ``num_acked``: the previous round's requests whose data arrived.
 
         The leading offers that fit even with no prefix hit are admitted by one batched
         allocator call (in the common round, all of them); the rest one by one, as the
         engine's scheduler admits (a prefix hit may make one fit)."""
-        n = len(batch)
+        n = len(batch.req_ids)
         self._plan = None
         if not n:
-            return PlanBatch(np.zeros(0, np.int8), _NO_ROWS, {})
+            return PlanBatch(_NO_STATUSES, _NO_ROWS, {}, num_acked)
         config, manager = self.engine.config, self.engine.manager
-        num_prompt = batch.num_prompt_tokens
+        starts = batch.token_starts
+        num_prompt = starts[1:] - starts[:-1]
+        num_prompt -= 1
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        prompt_blocks = (num_prompt + (config.block_size - 1)) // config.block_size
+        prompt_blocks = num_prompt + (config.block_size - 1)
+        prompt_blocks //= config.block_size
         reasons = self._refusals(batch, num_prompt)
         if (not reasons and n <= manager.num_free_rows
                 and int(prompt_blocks.sum()) <= manager.num_free_blocks()):
@@ -191,14 +196,14 @@ class DecodeWorker:
             index, req_ids, token_ids, num_hit, own = self._admit_some(
                 batch, statuses, reasons, num_prompt, prompt_blocks)
             if index is None:
-                return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons)
+                return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons, num_acked)
         self._plan = self._map_rows(batch, index, req_ids, token_ids, num_hit, own, num_prompt,
                                     prompt_blocks)
         if index is None:
-            return PlanBatch(statuses, num_hit, reasons)
+            return PlanBatch(statuses, num_hit, reasons, num_acked)
         hits = np.zeros(n, dtype=np.int64)
         hits[index] = num_hit
-        return PlanBatch(statuses, hits, reasons)
+        return PlanBatch(statuses, hits, reasons, num_acked)
 
     def _refusals(self, batch: OfferBatch, num_prompt: np.ndarray) -> dict[int, str]:
         """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
@@ -207,12 +212,13 @@ class DecodeWorker:
         config = self.engine.config
         # past max_model_len, or more blocks than the pool has (the null block aside)
         limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
-        num_kv_plus_1 = num_prompt + batch.max_new_tokens
+        num_kv = num_prompt + batch.max_new_tokens
+        num_kv -= 1
         known, req_ids = self.engine.requests, batch.req_ids
-        fresh = known.keys().isdisjoint(req_ids) and len(set(req_ids)) == len(req_ids)
-        if fresh and int(num_kv_plus_1.max()) <= limit + 1:
+        distinct = set(req_ids)
+        if (len(distinct) == len(req_ids) and distinct.isdisjoint(known)
+                and not np.count_nonzero(num_kv > limit)):
             return {}
-        num_kv = num_kv_plus_1 - 1
         reasons: dict[int, str] = {}
         seen: set[str] = set()
         for i, (req_id, kv) in enumerate(zip(req_ids, num_kv.tolist())):
@@ -269,8 +275,8 @@ class DecodeWorker:
                   num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> _RoundPlan:
         """The round's plan: this side's chunk rows of the admitted offers (``index`` into the
         batch, ``None``: all), their missing tokens only, in one pass."""
-        config = self.engine.config
-        hit = bool(num_hit.any())
+        block_size = self.engine.config.block_size
+        hit = np.count_nonzero(num_hit)
         if index is None:
             max_new = batch.max_new_tokens
         else:
@@ -278,12 +284,12 @@ class DecodeWorker:
             max_new = batch.max_new_tokens[index]
         num_new = num_prompt - num_hit if hit else num_prompt
         # this side's new blocks hold exactly the tokens past the hit (a block boundary)
-        num_blocks = prompt_blocks - num_hit // config.block_size if hit else prompt_blocks
+        num_blocks = prompt_blocks - num_hit // block_size if hit else prompt_blocks
         if own.size != int(num_blocks.sum()):
             raise AssertionError(f"the allocator gave {own.size} blocks, "
                                  f"{int(num_blocks.sum())} were expected")
-        dst, dst_starts = chunk_rows_many(own, None, num_blocks, config.block_size,
-                                          self.chunk_tokens, None, num_new)
+        dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, self.chunk_tokens,
+                                          None, num_new)
         return _RoundPlan(req_ids, token_ids, max_new, num_hit, num_new, num_blocks, dst,
                           dst_starts)
 

@@ -8,7 +8,8 @@ offers to send, the prefill side maps those tokens to its own cache rows and sen
 :func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: on the wire they are those
-arrays' bytes and a small pickle of the request ids (:mod:`~blocktable.transfer.wire_format`).
+arrays' bytes and the request ids' text, in a fixed binary form
+(:mod:`~blocktable.transfer.wire_format`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blocktable.transfer.wire_format import register_message
+
+_NO_INDEX = np.zeros(0, dtype=np.int64)
+_NO_INDEX.flags.writeable = False
+
 
 class PlanStatus(enum.IntEnum):
     SEND = 0  # blocks allocated on the decode side: send these rows
@@ -25,6 +31,7 @@ class PlanStatus(enum.IntEnum):
     REFUSED = 2  # it can never fit on the decode side: the prefill side drops it
 
 
+@register_message(1)
 @dataclass(frozen=True, eq=False)
 class OfferBatch:
     """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
@@ -34,6 +41,8 @@ class OfferBatch:
     The token ids are int64, the dtype the decode side's allocator reads without a copy. The
     prefill side's block ids do not travel: it maps the tokens the plan asks for to its own
     rows."""
+
+    WIRE_DTYPES = (np.int64, np.int64, np.int64)
 
     req_ids: tuple[str, ...]
     token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
@@ -65,18 +74,20 @@ class OfferBatch:
         """Request ``i``'s prompt (a view)."""
         return self.token_ids[self.token_starts[i]:self.token_starts[i + 1] - 1]
 
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
-        return (self.token_ids, self.token_starts, self.max_new_tokens), self.req_ids
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
+        return (self.token_ids, self.token_starts, self.max_new_tokens), self.req_ids, 0
 
     @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[str, ...]) -> OfferBatch:
+    def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int = 0
+                  ) -> OfferBatch:
         """The batch again; raises ``ValueError`` naming the first field whose length does
         not fit the others (a malformed message)."""
-        n = len(rest)
+        n = len(texts)
         if len(arrays) != 3:
             raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 3 "
                              "expected")
         token_ids, token_starts, max_new_tokens = arrays
+        rest = tuple(texts)
         if (token_starts.size == n + 1 and max_new_tokens.size == n
                 and token_ids.size == token_starts[-1]):
             return cls(rest, token_ids, token_starts, max_new_tokens)
@@ -91,6 +102,7 @@ class OfferBatch:
         return cls(rest, token_ids, token_starts, max_new_tokens)
 
 
+@register_message(2)
 @dataclass(frozen=True, eq=False)
 class PlanBatch:
     """The decode side's answer to an :class:`OfferBatch`, in its order: per offer, its status
@@ -98,39 +110,51 @@ class PlanBatch:
     multiple of the moved chunk; the prefill side sends the tokens from there to the prompt's
     end, mapped to its own rows)."""
 
+    WIRE_DTYPES = (np.int8, np.int64, np.int64)
+
     statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
     num_hit: np.ndarray  # on cpu, int64 [num_reqs]: prompt tokens not sent (0 unless SEND)
     reasons: dict[int, str]  # offer index -> why it was refused
     num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache
 
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[dict[int, str], int]]:
-        return (self.statuses, self.num_hit), (self.reasons, self.num_acked)
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], list[str], int]:
+        reasons = self.reasons
+        at = np.fromiter(reasons, np.int64, len(reasons)) if reasons else _NO_INDEX
+        return (self.statuses, self.num_hit, at), list(reasons.values()), self.num_acked
 
     @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[dict[int, str], int]
+    def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int = 0
                   ) -> PlanBatch:
         """The plan again; raises ``ValueError`` naming the field that does not fit."""
-        if len(arrays) != 2:
-            raise ValueError(f"malformed PlanBatch: {len(arrays)} arrays, 2 expected")
-        statuses, num_hit = arrays
+        if len(arrays) != 3:
+            raise ValueError(f"malformed PlanBatch: {len(arrays)} arrays, 3 expected")
+        statuses, num_hit, reason_at = arrays
         if num_hit.size != statuses.size:
             raise ValueError(f"malformed PlanBatch of {statuses.size} offers: num_hit holds "
                              f"{num_hit.size} entries, {statuses.size} expected")
-        return cls(statuses, num_hit, *rest)
+        if reason_at.size != len(texts):
+            raise ValueError(f"malformed PlanBatch of {statuses.size} offers: {reason_at.size} "
+                             f"reasons' offers, {len(texts)} reasons")
+        reasons = dict(zip(reason_at.tolist(), texts)) if texts else {}
+        return cls(statuses, num_hit, reasons, value)
 
 
+@register_message(3)
 @dataclass(frozen=True)
 class Round:
+    WIRE_DTYPES = OfferBatch.WIRE_DTYPES
+
     offers: OfferBatch
     done: bool  # nothing left on the prefill side: the decode side finishes alone
 
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[tuple[str, ...], bool]]:
-        arrays, req_ids = self.offers.to_wire()
-        return arrays, (req_ids, self.done)
+    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
+        offers = self.offers
+        return ((offers.token_ids, offers.token_starts, offers.max_new_tokens), offers.req_ids,
+                int(self.done))
 
     @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: tuple[tuple[str, ...], bool]) -> Round:
-        return cls(OfferBatch.from_wire(arrays, rest[0]), rest[1])
+    def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Round:
+        return cls(OfferBatch.from_wire(arrays, texts), bool(value))
 
 
 def data_status(gathered: bool, rows_per_piece: int) -> np.ndarray:

@@ -62,10 +62,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     ----------
     block_ids : np.ndarray
         int ``[total_blocks]``: every request's manager block ids, request ``i``'s at
-        ``block_ids[block_starts[i] : block_starts[i] + block_counts[i]]``, in token order.
+        ``block_ids[block_starts[i] : block_starts[i] + block_counts[i]]``, in token order;
+        or int ``[num_rows, width]``, a block table: request ``i``'s blocks lead its row
+        ``block_starts[i]``.
     block_starts : np.ndarray or None
-        int ``[num_reqs]``; ``None``: the requests' blocks lie back to back in ``block_ids``
-        (request ``i``'s start where request ``i - 1``'s end), as an allocator hands them out.
+        int ``[num_reqs]``: where each request's blocks start (or its row of a table);
+        ``None``: the requests' blocks lie back to back in a flat ``block_ids`` (request
+        ``i``'s start where request ``i - 1``'s end), as an allocator hands them out.
     block_counts : np.ndarray
         int ``[num_reqs]``.
     block_size : int
@@ -87,23 +90,24 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         int64 ``[num_reqs + 1]``: request ``i``'s rows are ``rows[row_starts[i] :
         row_starts[i + 1]]``.
     """
-    # (a round's mapping is a few dozen numpy calls: each one is spared where it can be)
+    # (a round's mapping is a few dozen numpy calls: each one is spared where it can be, and
+    # the checks count with count_nonzero, a C call, rather than any/min, Python wrappers)
     num = np.asarray(num_tokens, dtype=np.int64)
-    first: np.ndarray | None = None
+    first_chunks: np.ndarray | None = None
     if first_tokens is not None:
         first = np.asarray(first_tokens, np.int64)
-        if not first.any():
-            first = None  # no request starts past its token 0: the first-token terms vanish
-    first_chunks = None if first is None else first // chunk_tokens
-    if block_size % chunk_tokens or (first is not None and (
-            (first % chunk_tokens).any() or first.min() < 0)):
-        raise ValueError(
-            f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and every "
-            f"first token, which must be >= 0 (got {[] if first is None else first.tolist()})"
-        )
-    if num.size and num.min() < 0:
+        if np.count_nonzero(first):  # else no request starts past its token 0
+            first_chunks, off = np.divmod(first, chunk_tokens)
+            if np.count_nonzero(off) or np.count_nonzero(first < 0):
+                raise ValueError(
+                    f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size}) and "
+                    f"every first token, which must be >= 0 (got {first.tolist()})")
+    q, rem = divmod(block_size, chunk_tokens)  # chunks per block
+    if rem:
+        raise ValueError(f"chunk_tokens ({chunk_tokens}) must divide block_size ({block_size})"
+                         " and every first token")
+    if np.count_nonzero(num < 0):
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
-    q = block_size // chunk_tokens  # chunks per block
     counts = num if chunk_tokens == 1 else (num + (chunk_tokens - 1)) // chunk_tokens
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
@@ -111,21 +115,35 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     spare = (counts_blocks * q if q > 1 else counts_blocks) - counts
     if first_chunks is not None:
         spare -= first_chunks
-    tight = not spare.any()  # the common round: each request's blocks hold just its chunks
+    tight = not np.count_nonzero(spare)  # the common round: the blocks hold just the chunks
     if not tight:
         short = spare < 0
         if first_chunks is not None:
             short &= num > 0  # no tokens: nothing read
-        if short.any():
-            i = int(np.flatnonzero(short)[0])
-            end = (0 if first is None else int(first[i])) + int(num[i])
+        if np.count_nonzero(short):
+            i = int(short.argmax())
+            end = (0 if first_chunks is None else int(first_chunks[i]) * chunk_tokens
+                   ) + int(num[i])
             raise ValueError(
                 f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} "
                 f"tokens; tokens up to {end} need {-(-end // block_size)}"
             )
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     counts.cumsum(out=row_starts[1:])
+    total = int(row_starts[-1])
     ids = np.asarray(block_ids)
+    if ids.ndim == 2:  # a table: request i's blocks lead its row block_starts[i]
+        if block_starts is None:
+            raise ValueError("block_starts must give each request's row of a block table")
+        rows_of = np.asarray(block_starts, dtype=np.intp)
+        if first_chunks is None and q == 1:  # each request's rows: the first blocks of its row
+            leading = np.arange(ids.shape[1]) < counts[:, None]
+            out = ids[rows_of][leading]
+            if out.size != total:
+                raise ValueError(f"a block table of {ids.shape[1]} blocks per row is too "
+                                 f"narrow for {int(counts.max())} blocks")
+            return out.astype(np.int64), row_starts
+        block_starts, ids = rows_of * ids.shape[1], ids.reshape(-1)
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
     shift: np.ndarray | None
@@ -135,7 +153,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         else:
             shift = np.zeros(num.size, dtype=np.int64)
             skipped = spare[:-1] if first_chunks is None else spare[:-1] + first_chunks[:-1]
-            np.cumsum(skipped, out=shift[1:])
+            skipped.cumsum(out=shift[1:])
             if first_chunks is not None:
                 shift += first_chunks
     else:
@@ -143,13 +161,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         shift = (starts * q if q > 1 else starts) - row_starts[:-1]
         if first_chunks is not None:
             shift += first_chunks
-        if not shift.any():
+        if not np.count_nonzero(shift):
             shift = None
     if shift is None and q == 1:  # every request's chunks are its blocks, back to back
-        return ids[:row_starts[-1]].astype(np.int64), row_starts
-    offset = np.arange(row_starts[-1])
+        return ids[:total].astype(np.int64), row_starts
+    offset = np.arange(total)
     if shift is not None:
-        offset += np.repeat(shift, counts)
+        offset += shift.repeat(counts)
     if q == 1:
         return ids[offset].astype(np.int64), row_starts
     return ids[offset // q].astype(np.int64) * q + offset % q, row_starts

@@ -28,6 +28,7 @@ from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
+from blocktable.transfer.wire_format import TEXT_SEPARATOR
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
@@ -119,9 +120,12 @@ class PrefillWorker:
         Raises
         ------
         ValueError
-            ``max_new_tokens < 2`` (one token needs no decode side), or what
-            :meth:`LLMEngine.add_request` refuses.
+            ``max_new_tokens < 2`` (one token needs no decode side), a ``req_id`` holding a
+            NUL character (it cannot travel), or what :meth:`LLMEngine.add_request` refuses.
         """
+        if isinstance(req_id, str) and TEXT_SEPARATOR in req_id:
+            raise ValueError(f"req_id must not hold a NUL character (it cannot travel), got "
+                             f"{req_id!r}")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2 for a disaggregated request (the "
                              f"prefill side samples the first), got {max_new_tokens}")
@@ -232,7 +236,7 @@ class PrefillWorker:
                                f"{statuses.size} offers, {len(self.pending)} were made")
         if not statuses.size:
             return _NO_ROWS
-        if not statuses.any():  # the common round: every offer is sent (SEND is 0)
+        if not np.count_nonzero(statuses):  # the common round: every offer is sent (SEND: 0)
             rows = self._src_rows(None, plans.num_hit)
             self._unacked, self.pending = self.pending, _Handed()
             self.prompts.drop(self._unacked.req_ids)  # (in the message already)
@@ -269,11 +273,9 @@ class PrefillWorker:
         num_prompt -= 1
         if index is not None:
             rows, num_prompt, num_hit = rows[index], num_prompt[index], num_hit[index]
-        block_table = table.block_table_np  # [max_num_reqs, width], row r at r * width
-        hit = bool(num_hit.any())
+        hit = np.count_nonzero(num_hit)
         try:
-            src, _ = chunk_rows_many(block_table.reshape(-1), rows * block_table.shape[1],
-                                     table.num_kernel_blocks[rows],
+            src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
                                      self.layout.kernel_block_size, self.chunk_tokens,
                                      num_hit if hit else None,
                                      num_prompt - num_hit if hit else num_prompt)

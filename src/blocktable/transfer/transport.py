@@ -3,6 +3,13 @@
 The workers only ever call the four methods of :class:`Transport`; another transport (NIXL
 over UCX, Mooncake) would implement them (see ``docs/disaggregation.md``). Every wait is
 bounded: a peer that died or stopped answering raises :class:`PeerLostError` naming it.
+
+A message (:mod:`~blocktable.transfer.wire_format`) goes out as one fixed frame of
+:data:`FRAME_BYTES` (its header, then as much of its body as fits: a whole plan, an offer's
+small part), then the body's rest if any, then each large array: a point-to-point receive
+must know its size, and each operation costs the host more than copying a few KiB. The
+receiver lands them in memory it keeps (grown, never shrunk), so a message's arrays are valid
+until its next :meth:`~TorchDistributedTransport.recv_message`.
 """
 
 from __future__ import annotations
@@ -11,10 +18,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
-from blocktable.transfer.wire_format import HEADER_LEN, MessageWriter, check_header, decode_message
+from blocktable.transfer.wire_format import (
+    ALIGN_BYTES,
+    HEADER_LEN,
+    MessageWriter,
+    bulk_arrays,
+    check_header,
+    decode_message,
+)
 
 
 class Transport(Protocol):
@@ -26,7 +41,8 @@ class Transport(Protocol):
         """Send a small picklable object (plans, acknowledgements)."""
 
     def recv_message(self) -> Any:
-        """Receive the next object :meth:`send_message` sent."""
+        """Receive the next object :meth:`send_message` sent. Its arrays may view this
+        transport's memory until the next call (copy what must outlive it)."""
 
     def send_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         """Send contiguous tensors whose shapes and dtypes the peer already knows, each as
@@ -70,6 +86,10 @@ class TorchDistributedTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._writer = MessageWriter()  # its buffer is free again once send_message returns
+        # the first send of every message, each way (host memory; moved when the device is not)
+        self._frame_out = np.zeros(FRAME_BYTES, dtype=np.uint8)
+        self._frame_in = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        self._landing = torch.empty(0, dtype=torch.uint8, device=self.device)  # grown
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -111,13 +131,49 @@ class TorchDistributedTransport:
             pass
 
     def send_message(self, obj: Any) -> None:
-        header, body = self._writer.encode(obj)
-        self.send_tensors(torch.from_numpy(t).to(self.device) for t in (header, body))
+        header, body, bulk = self._writer.encode(obj)
+        frame, first = self._frame_out, min(body.size, _FRAME_BODY_BYTES)
+        frame[:_HEADER_BYTES] = header.view(np.uint8)
+        frame[_HEADER_BYTES:_HEADER_BYTES + first] = body[:first]
+        parts = [frame, body[first:], *bulk] if body.size > first else [frame, *bulk]
+        self.send_tensors(torch.from_numpy(t).to(self.device) for t in parts)
 
     def recv_message(self) -> Any:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self.recv_tensor(header)
-        header_np = header.cpu().numpy()
-        body = torch.empty(check_header(header_np), dtype=torch.uint8, device=self.device)
-        self.recv_tensor(body)
-        return decode_message(header_np, body.cpu().numpy())
+        frame = self._frame_in
+        self.recv_tensor(frame)
+        frame_np = frame.cpu().numpy()
+        header = frame_np[:_HEADER_BYTES].view(np.int64)
+        size = check_header(header)
+        shapes = bulk_arrays(header)
+        first = min(size, _FRAME_BODY_BYTES)
+        # landing: the body's rest at [first, size), then each large array, aligned
+        offsets, end = [], size
+        for dtype, count in shapes:
+            end += -end % ALIGN_BYTES
+            offsets.append(end)
+            end += count * dtype.itemsize
+        if self._landing.numel() < end:
+            self._landing = torch.empty(max(end, 2 * self._landing.numel()), dtype=torch.uint8,
+                                        device=self.device)
+        landing = self._landing
+        outs = [landing[o:o + count * dtype.itemsize].view(_torch_dtype(dtype))
+                for (dtype, count), o in zip(shapes, offsets)]
+        for _ in self.recv_tensors([landing[first:size], *outs] if size > first else outs):
+            pass
+        if size > first:
+            body = landing[:size].cpu().numpy()
+            body[:first] = frame_np[_HEADER_BYTES:_HEADER_BYTES + first]
+        else:
+            body = frame_np[_HEADER_BYTES:_HEADER_BYTES + size]
+        return decode_message(header, body, [t.cpu().numpy() for t in outs])
+
+
+FRAME_BYTES = 4096
+"""Bytes of a message's first send: its header, then the start of its body."""
+
+_HEADER_BYTES = HEADER_LEN * 8
+_FRAME_BODY_BYTES = FRAME_BYTES - _HEADER_BYTES
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype

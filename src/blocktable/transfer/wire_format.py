@@ -1,118 +1,238 @@
-"""How a message travels: one byte buffer holding its numpy arrays' memory, then a pickle.
+"""How a message travels: a fixed int64 header, one byte buffer, and its large arrays as they
+are; no pickle for a round.
 
 A round's messages (an :class:`~blocktable.transfer.messages.OfferBatch` of 64 prompts, a
-plan) are mostly a few flat numpy arrays. Pickling an array costs more than copying its bytes,
-so a message that can split itself (``to_wire() -> (arrays, rest)`` and the class method
-``from_wire(arrays, rest)``, see :class:`WireMessage`) travels as its arrays' bytes laid out
-in one buffer, then a small pickle of the rest (request ids, flags, reasons) and of each
-array's dtype and length. Any other object is pickled whole. The receiver views the arrays in
-the landed buffer (no copy)::
+plan) are a few flat numpy arrays, some strings (request ids) and one integer. A class that
+says so (:class:`WireMessage`: a registered ``WIRE_KIND``, its arrays' ``WIRE_DTYPES``,
+``to_wire`` and ``from_wire``) travels in a fixed binary form: the header holds its kind, its
+integer and every array's length, the body its small arrays' bytes, then its strings in UTF-8
+joined by NUL. An array of :data:`BULK_BYTES` or more (a round's token ids) is not copied
+into the body: it travels as its own send, from its own memory. The receiver views the small
+arrays in the landed body, takes the large ones as they landed, and splits the strings once::
 
-    header (int64 [2]): the body's bytes, where its pickle starts
-    body (uint8):       array 0 | pad | array 1 | pad | ... | pickle
+    header (int64 [HEADER_LEN]): body bytes | kind | value | number of strings | length of
+                                 array 0 | ... | length of array MAX_ARRAYS - 1
+    body (uint8):                small array | pad | small array | pad | ... | strings
+    then each large array, in order
 
-Arrays start at multiples of :data:`ALIGN_BYTES`. A message is two sends, whatever it holds.
-A sender keeps one :class:`MessageWriter`, whose body buffer every message reuses.
+Both sides tell a large array from a small one by its length and dtype (:func:`bulk_arrays`).
+Arrays start at multiples of :data:`ALIGN_BYTES`. Any other object (the handshake's layout, a
+context-parallel plan) is pickled whole (kind 0). A sender keeps one :class:`MessageWriter`,
+whose body buffer every message reuses.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-HEADER_LEN = 2
-"""int64 entries of a message header: the body's bytes, then where its pickle starts."""
+MAX_ARRAYS = 4
+"""Arrays one message may carry."""
+
+HEADER_LEN = 4 + MAX_ARRAYS
+"""int64 entries of a message header."""
 
 ALIGN_BYTES = 16
 """Every array in a body starts at a multiple of this many bytes."""
 
-class WireMessage(Protocol):
-    """A message that travels as flat arrays plus a small picklable rest."""
+BULK_BYTES = 1 << 16
+"""An array of at least this many bytes travels as its own send, not copied into the body."""
 
-    def to_wire(self) -> tuple[Sequence[np.ndarray], Any]:
-        """Its 1-D numpy arrays (plain dtypes) and everything else."""
+PICKLED = 0
+"""The kind of a message pickled whole."""
+
+TEXT_SEPARATOR = "\0"
+"""Between the strings of a message (a string holding it cannot travel)."""
+
+_KINDS: dict[int, Any] = {}  # kind -> WireMessage class, filled by register_message
+
+
+class WireMessage(Protocol):
+    """A message that travels as flat arrays, strings and one integer."""
+
+    WIRE_KIND: ClassVar[int]  # > 0, the same in every process (see register_message)
+    WIRE_DTYPES: ClassVar[tuple[np.dtype, ...]]  # its arrays' dtypes, in order
+
+    def to_wire(self) -> tuple[Sequence[np.ndarray], Sequence[str], int]:
+        """Its 1-D arrays (of ``WIRE_DTYPES``, any strides), its strings and one integer."""
 
     @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], rest: Any) -> Any:
-        """The message again, from what :meth:`to_wire` gave (the arrays as views)."""
+    def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Any:
+        """The message again, from what :meth:`to_wire` gave (the arrays as read-only
+        views of the landed body)."""
+
+
+T = TypeVar("T", bound=type)
+
+
+def register_message(kind: int) -> Callable[[T], T]:
+    """Class decorator: messages of this class travel in the fixed form as ``kind`` (> 0,
+    unique; sender and receiver must register the same classes under the same kinds)."""
+
+    def register(cls: T) -> T:
+        if kind <= PICKLED or kind in _KINDS:
+            raise ValueError(f"message kind {kind} of {cls.__name__} must be > 0 and not "
+                             f"taken (taken: {sorted(_KINDS)})")
+        message: Any = cls
+        dtypes = tuple(np.dtype(d) for d in message.WIRE_DTYPES)
+        if len(dtypes) > MAX_ARRAYS or any(d.kind in "OV" for d in dtypes):
+            raise ValueError(f"{cls.__name__}.WIRE_DTYPES must be at most {MAX_ARRAYS} plain "
+                             f"dtypes, got {dtypes}")
+        message.WIRE_KIND, message.WIRE_DTYPES = kind, dtypes
+        _KINDS[kind] = cls
+        return cls
+
+    return register
+
+
+def _layout(lengths: Sequence[int], dtypes: Sequence[np.dtype]) -> tuple[list[int], int]:
+    """Each array's byte offset in the body (-1: a large one, sent on its own), and where the
+    strings start."""
+    offsets, end = [], 0
+    for count, dtype in zip(lengths, dtypes):
+        nbytes = count * dtype.itemsize
+        if nbytes >= BULK_BYTES and dtype.isnative:  # (a tensor holds native bytes only)
+            offsets.append(-1)
+            continue
+        end += -end % ALIGN_BYTES
+        offsets.append(end)
+        end += nbytes
+    return offsets, end
+
+
+def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
+    """``(dtype, length)`` of each large array that follows the body of the message whose
+    ``header`` this is, in order (none for a pickled one or an unknown kind)."""
+    cls = _KINDS.get(int(header[1]))
+    if cls is None:
+        return []
+    lengths = header[4:].tolist()
+    if min(lengths) < 0:
+        raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries")
+    offsets, _ = _layout(lengths, cls.WIRE_DTYPES)
+    return [(dtype, count) for dtype, count, offset in zip(cls.WIRE_DTYPES, lengths, offsets)
+            if offset < 0]
 
 
 class MessageWriter:
     """Encodes messages into one body buffer it keeps, grown when a larger message comes and
-    never shrunk: a fresh buffer per message would fault in its pages every round (a round's
-    offer carries every prompt's token ids), which costs more than copying them.
+    never shrunk: a fresh buffer per message would fault in its pages every round.
 
-    :meth:`encode`'s arrays are valid until its next call: a sender encodes, sends, and waits
-    for the send before it encodes again (as :class:`~blocktable.transfer.transport.
+    :meth:`encode`'s header and body are valid until its next call, and its large arrays are
+    the message's own memory: a sender encodes, sends, and waits for the send before it
+    encodes again or changes the message (as :class:`~blocktable.transfer.transport.
     TorchDistributedTransport` does)."""
 
     def __init__(self) -> None:
         self._body = np.empty(0, dtype=np.uint8)
         self._header = np.zeros(HEADER_LEN, dtype=np.int64)
 
-    def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``obj`` as ``(header, body)``: int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]`` on
-        cpu, views of this writer's memory. A :class:`WireMessage`'s arrays are copied once,
-        into ``body``."""
-        to_wire = getattr(type(obj), "to_wire", None)
-        if to_wire is None:
+    def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """``obj`` as ``(header, body, bulk)``: int64 ``[HEADER_LEN]`` and uint8
+        ``[header[0]]`` on cpu, views of this writer's memory, and the large arrays
+        (contiguous: the message's own when they are). A :class:`WireMessage`'s small arrays
+        are copied once, into ``body``.
+
+        Raises
+        ------
+        ValueError
+            An array that is not 1-D or not of its ``WIRE_DTYPES`` entry's kind, or a string
+            holding :data:`TEXT_SEPARATOR` (nothing is sent).
+        """
+        cls: Any = type(obj)
+        kind = getattr(cls, "WIRE_KIND", PICKLED)
+        if kind == PICKLED:
             arrays: Sequence[np.ndarray] = ()
-            tail = pickle.dumps((None, obj, ()), protocol=5)
+            lengths: list[int] = []
+            value, num_texts = 0, 0
+            tail = pickle.dumps(obj, protocol=5)
         else:
-            arrays, rest = to_wire(obj)
-        layout: list[tuple[str, int, int]] = []
-        end = 0
-        for a in arrays:
-            if a.ndim != 1 or a.dtype.kind in "OV":  # objects, structured or void records
-                raise ValueError(f"{type(obj).__name__}.to_wire must give 1-D arrays of "
-                                 f"plain dtypes, got {a.dtype} of shape {a.shape}")
-            end += -end % ALIGN_BYTES
-            layout.append((a.dtype.str, a.size, end))
-            end += a.nbytes
-        if to_wire is not None:
-            tail = pickle.dumps((type(obj), rest, layout), protocol=5)
+            arrays, texts, value = obj.to_wire()
+            dtypes = cls.WIRE_DTYPES
+            if len(arrays) != len(dtypes):
+                raise ValueError(f"{cls.__name__}.to_wire gave {len(arrays)} arrays, "
+                                 f"{len(dtypes)} expected")
+            lengths = [a.shape[0] for a in arrays]
+            num_texts = len(texts)
+            joined = TEXT_SEPARATOR.join(texts)
+            if joined.count(TEXT_SEPARATOR) != num_texts - (num_texts > 0):
+                bad = next(t for t in texts if TEXT_SEPARATOR in t)
+                raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
+                                 "which cannot travel")
+            tail = joined.encode()
+        offsets, end = _layout(lengths, cls.WIRE_DTYPES if kind else ())
         size = end + len(tail)
         if self._body.size < size:
             # zeros: the padding never carries stale heap bytes (only earlier messages')
             self._body = np.zeros(max(size, 2 * self._body.size), dtype=np.uint8)
         body = self._body[:size]
-        for a, (dtype, count, offset) in zip(arrays, layout):
-            # a typed view of the body (offsets are aligned): strided arrays copy in place
-            np.copyto(body[offset:offset + a.nbytes].view(a.dtype), a)
-        body[end:] = np.frombuffer(tail, dtype=np.uint8)
+        bulk = []
+        for a, dtype, offset in zip(arrays, cls.WIRE_DTYPES if kind else (), offsets):
+            if a.ndim != 1 or a.dtype.kind != dtype.kind:
+                raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, got "
+                                 f"{a.dtype} of shape {a.shape}")
+            if offset < 0:  # large: sent from where it is (copied only if it must be)
+                bulk.append(np.ascontiguousarray(a, dtype))
+            else:  # a typed view of the body (offsets are aligned): strided arrays too
+                np.copyto(np.frombuffer(body, dtype, a.shape[0], offset), a)
+        if tail:
+            body[end:] = np.frombuffer(tail, dtype=np.uint8)
         header = self._header
-        header[0], header[1] = size, end
-        return header, body
+        header[:] = (size, kind, value, num_texts, *lengths, *[0] * (MAX_ARRAYS - len(lengths)))
+        return header, body, bulk
 
 
-def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``obj`` as ``(header, body)`` in new arrays (:meth:`MessageWriter.encode` of a new
-    writer)."""
+def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """``obj`` as ``(header, body, bulk)`` (:meth:`MessageWriter.encode` of a new writer)."""
     return MessageWriter().encode(obj)
 
 
-def decode_message(header: np.ndarray, body: np.ndarray) -> Any:
-    """The object :func:`encode_message` made ``(header, body)`` of; its arrays view
-    ``body``'s memory."""
-    size, start = int(header[0]), int(header[1])
-    if body.dtype != np.uint8 or body.ndim != 1 or body.size != size or not 0 <= start < size:
-        raise ValueError(f"body must be uint8 [{size}] with its pickle at [{start}, {size}), "
-                         f"got {body.dtype} {list(body.shape)}")
-    cls, rest, layout = pickle.loads(body[start:].data)
+def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarray] = ()
+                   ) -> Any:
+    """The object :func:`encode_message` made ``(header, body, bulk)`` of; its small arrays
+    view ``body``'s memory (read-only), its large ones are ``bulk``'s arrays.
+
+    Raises
+    ------
+    ValueError
+        A header that does not fit the body, or an unknown kind (nothing is kept).
+    """
+    size, kind, value, num_texts, *lengths = header.tolist()
+    if body.dtype != np.uint8 or body.ndim != 1 or body.size != size:
+        raise ValueError(f"body must be uint8 [{size}], got {body.dtype} {list(body.shape)}")
+    if kind == PICKLED:
+        return pickle.loads(body.data)
+    cls = _KINDS.get(kind)
     if cls is None:
-        return rest
-    arrays = [np.frombuffer(body, dtype=dtype, count=count, offset=offset)
-              for dtype, count, offset in layout]
-    return cls.from_wire(arrays, rest)
+        raise ValueError(f"unknown message kind {kind} (known: {sorted(_KINDS)})")
+    dtypes = cls.WIRE_DTYPES
+    offsets, end = _layout(lengths, dtypes)
+    if min(lengths) < 0 or any(lengths[len(dtypes):]) or end > size or num_texts < 0:
+        raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries, "
+                         f"{num_texts} strings and a body of {size} bytes, which do not fit")
+    large = iter(bulk)
+    arrays = [np.frombuffer(body, dtype, count, offset) if offset >= 0 else next(large, None)
+              for dtype, count, offset in zip(dtypes, lengths, offsets)]
+    num_bulk = offsets.count(-1)
+    if len(bulk) != num_bulk or any(
+            a is None or a.dtype != d or a.shape != (n,)
+            for a, d, n, o in zip(arrays, dtypes, lengths, offsets) if o < 0):
+        raise ValueError(f"a {cls.__name__} header gives {num_bulk} large arrays of "
+                         f"{[(str(d), n) for d, n, o in zip(dtypes, lengths, offsets) if o < 0]}"
+                         f", got {[(str(a.dtype), a.size) for a in bulk]}")
+    texts = bytes(body[end:]).decode().split(TEXT_SEPARATOR) if num_texts else []
+    if len(texts) != num_texts:
+        raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
+                         f"{len(texts)}")
+    return cls.from_wire(arrays, texts, value)
 
 
 def check_header(header: np.ndarray) -> int:
     """The body's bytes a received ``header`` announces (raises on a malformed one)."""
-    size, start = int(header[0]), int(header[1])
-    if size < 1 or not 0 <= start < size:
-        raise ValueError(f"a message header must give a body of >= 1 bytes and its pickle's "
-                         f"start inside it, got {size} bytes, pickle at {start}")
+    size = int(header[0])
+    if size < 0:
+        raise ValueError(f"a message header must give a body of >= 0 bytes, got {size}")
     return size
