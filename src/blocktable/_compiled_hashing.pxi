@@ -93,3 +93,108 @@ def byte_chain(object tokens, object first, object stop, object block_size, obje
         out.append(digest)
         parent = digest
     return out
+
+
+# ---------------------------------------------------------------- the fast chained block keys
+cdef inline uint64_t[::1] _uint64_out(object value, str name) except *:
+    if value is None:  # (a memoryview would take None as an empty array)
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        return value
+    except (ValueError, TypeError, BufferError) as exc:
+        raise TypeError(
+            f"{name} must be a writable C-contiguous 1-D native uint64 array: {exc}") from None
+
+
+cdef inline uint64_t _fmix64(uint64_t k) noexcept:
+    k ^= k >> 33
+    k *= <uint64_t>0xFF51AFD7ED558CCD
+    k ^= k >> 33
+    k *= <uint64_t>0xC4CEB9FE1A85EC53
+    return k ^ (k >> 33)
+
+
+def token_chain_keys(object tokens, object segment_lengths, object start_states,
+                     object token_powers, object block_base, object keys, object states):
+    """The chained block keys of several segments of blocks into ``keys`` and ``states``; the
+    compiled twin of :func:`blocktable.block_hashing.chain_keys` after
+    :func:`~blocktable.block_hashing.block_content_hashes`, equal to them for every input it
+    accepts.
+
+    ``tokens``: int64 ``[n * bs]``, the ``n`` blocks of ``bs = len(token_powers)`` tokens of
+    every segment back to back (read as uint64); segment ``r`` is ``segment_lengths[r]``
+    (int64, >= 0, summing to ``n``) blocks long and continues from ``start_states[r]`` (uint64).
+    Block ``i``: ``h = sum_j tokens[i * bs + j] * token_powers[j]``, ``K = K * block_base + h``
+    (mod 2**64, ``K`` the state of the block before, or the segment's start state), then
+    ``states[i] = K`` and ``keys[i] = fmix64(K)``. Inputs are only read (read-only accepted);
+    ``keys`` and ``states`` (uint64 ``[n]``, writable, overlapping no input nor each other) are
+    written, only once every argument was checked.
+
+    Raises ``TypeError`` for an array of the wrong kind (dtype, byte order, dimensions,
+    contiguity, writability) or a ``block_base`` that is not an integer, ``ValueError`` for
+    sizes that disagree, a negative length, a ``block_base`` outside ``[0, 2**64)``, no token
+    powers, or outputs that overlap.
+    """
+    cdef const int64_t[::1] tok = _int64_in(tokens, "tokens")
+    cdef const int64_t[::1] lengths = _int64_in(segment_lengths, "segment_lengths")
+    cdef const uint64_t[::1] starts = _uint64_in(start_states, "start_states")
+    cdef const uint64_t[::1] powers = _uint64_in(token_powers, "token_powers")
+    cdef uint64_t[::1] out_keys = _uint64_out(keys, "keys")
+    cdef uint64_t[::1] out_states = _uint64_out(states, "states")
+    if not PyIndex_Check(block_base):
+        raise TypeError(f"block_base must be an integer, got {type(block_base).__name__}")
+    base_value = PyNumber_Index(block_base)
+    if not 0 <= base_value < 2**64:
+        raise ValueError(f"block_base must lie in [0, 2**64), got {base_value}")
+    cdef uint64_t base = <uint64_t>base_value
+    cdef Py_ssize_t bs = powers.shape[0], n = out_keys.shape[0], m = lengths.shape[0]
+    if bs < 1:
+        raise ValueError("token_powers must hold at least one power (the block size)")
+    if out_states.shape[0] != n:
+        raise ValueError(f"states has {out_states.shape[0]} entries, keys {n}")
+    # (no product of two sizes: tokens must hold exactly n blocks)
+    if tok.shape[0] % bs or tok.shape[0] // bs != n:
+        raise ValueError(f"tokens has {tok.shape[0]} entries, not the {n} blocks of {bs} that "
+                         f"keys has room for")
+    if starts.shape[0] != m:
+        raise ValueError(f"start_states has {starts.shape[0]} entries, segment_lengths {m}")
+    cdef Py_ssize_t r, j, total = 0
+    for r in range(m):
+        if lengths[r] < 0 or lengths[r] > n - total:
+            raise ValueError(f"segment_lengths must be >= 0 and sum to {n}: "
+                             f"segment_lengths[{r}] is {lengths[r]} after {total}")
+        total += <Py_ssize_t>lengths[r]
+    if total != n:
+        raise ValueError(f"segment_lengths sum to {total}, not {n}")
+    # the outputs may overlap no input and not each other (an input read after an output was
+    # written would change the keys)
+    cdef Py_ssize_t out_bytes = n * 8  # (n uint64 exist)
+    cdef const void* outs[2]
+    cdef const void* ins[4]
+    cdef Py_ssize_t in_bytes[4]
+    outs[0] = &out_keys[0] if n else NULL
+    outs[1] = &out_states[0] if n else NULL
+    ins[0], in_bytes[0] = (&tok[0] if n else NULL), tok.shape[0] * 8
+    ins[1], in_bytes[1] = (&lengths[0] if m else NULL), m * 8
+    ins[2], in_bytes[2] = (&starts[0] if m else NULL), m * 8
+    ins[3], in_bytes[3] = &powers[0], bs * 8
+    if _overlap(outs[0], out_bytes, outs[1], out_bytes):
+        raise ValueError("keys and states overlap")
+    for r in range(2):
+        for j in range(4):
+            if _overlap(outs[r], out_bytes, ins[j], in_bytes[j]):
+                raise ValueError(f"{('keys', 'states')[r]} overlaps an input")
+    cdef Py_ssize_t i = 0, at = 0, end
+    cdef uint64_t k, h
+    for r in range(m):
+        k = starts[r]
+        end = i + <Py_ssize_t>lengths[r]
+        while i < end:
+            h = 0
+            for j in range(bs):
+                h += <uint64_t>tok[at + j] * powers[j]
+            at += bs
+            k = k * base + h
+            out_states[i] = k
+            out_keys[i] = _fmix64(k)
+            i += 1

@@ -210,10 +210,29 @@ def token_chain_keys(
     powers: ChainPowers,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`block_content_hashes` of ``tokens`` (int64 ``[n, block_size]``: the blocks of
-    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``."""
-    return chain_keys(
-        block_content_hashes(tokens, powers), segment_lengths, start_states, powers
+    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``.
+
+    ``segment_lengths``: int64 ``[m]``; ``start_states``: uint64 ``[m]``. Compiled where the
+    install built it (one pass over the tokens, no temporary per step of the recurrence), else
+    those two numpy functions; the results are equal.
+    """
+    compiled = _loader.COMPILED
+    if compiled is None:
+        return chain_keys(
+            block_content_hashes(tokens, powers), segment_lengths, start_states, powers
+        )
+    n = len(tokens)
+    keys, states = np.empty(n, dtype=_U64), np.empty(n, dtype=_U64)
+    compiled.token_chain_keys(
+        np.ascontiguousarray(tokens).reshape(-1),
+        segment_lengths,
+        start_states,
+        powers.token_powers,
+        powers.block_base,
+        keys,
+        states,
     )
+    return keys, states
 
 
 def fast_block_keys(
