@@ -319,14 +319,15 @@ class KVCacheManager(RunningRequests):
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        req = self._get(req_id)
-        count = check_count("num_tokens", num_tokens)
-        if req_id in self._pending_computed:
+        req = self._defer("computed", req_id)
+        if req is None:
             self._settle()
+            req = self._get(req_id)  # (raises)
+        count = check_count("num_tokens", num_tokens)
         num_computed = req.num_computed_tokens + count
         if num_computed > req.num_slots or num_computed > req.num_tokens:
             self._raise_computed(req, num_computed)
-        self._pending_computed[req_id] = count
+        self._record("computed", req_id, count)
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
