@@ -2,18 +2,47 @@
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, \
     PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
 
+cdef extern from *:
+    """
+    #ifdef BT_HAVE_OPENSSL
+    /* the SHA256_* calls: a context on the stack, no allocation or algorithm fetch per block
+       (OpenSSL 3's one-shot SHA256() and hashlib's calls both cost more than the hash) */
+    #define OPENSSL_SUPPRESS_DEPRECATED 1
+    #include <openssl/sha.h>
+    #define BT_SHA256_BUILT 1
+    static void bt_sha256(const void* a, size_t a_len, const void* b, size_t b_len,
+                          const void* c, size_t c_len, void* out) {
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, a, a_len);
+        SHA256_Update(&ctx, b, b_len);
+        SHA256_Update(&ctx, c, c_len);
+        SHA256_Final((unsigned char*)out, &ctx);
+    }
+    #else
+    #define BT_SHA256_BUILT 0
+    static void bt_sha256(const void* a, size_t a_len, const void* b, size_t b_len,
+                          const void* c, size_t c_len, void* out) {}
+    #endif
+    """
+    const bint BT_SHA256_BUILT  # whether OpenSSL's SHA-256 was built in
+    # SHA-256 of the bytes of a, then b, then c, into out (32 bytes)
+    void bt_sha256(const void* a, size_t a_len, const void* b, size_t b_len, const void* c,
+                   size_t c_len, void* out) noexcept nogil
+
 cdef object _sha256_block_hash = None  # blocktable.block_hashing's, looked up at first use
-cdef object _sha256_new = None  # hashlib.sha256: what it calls
+
+SHA256_BUILT_IN = bool(BT_SHA256_BUILT)  # (for `blocktable --version` and the tests)
 
 
 cdef bint _is_project_sha256(object hash_fn) except -1:
-    global _sha256_block_hash, _sha256_new
+    global _sha256_block_hash
     if _sha256_block_hash is None:
-        import hashlib
         from blocktable.block_hashing import sha256_block_hash
-        _sha256_block_hash, _sha256_new = sha256_block_hash, hashlib.sha256
+        _sha256_block_hash = sha256_block_hash
     return hash_fn is _sha256_block_hash
 
 
@@ -38,8 +67,8 @@ def byte_chain(object tokens, object first, object stop, object block_size, obje
     little-endian token bytes + namespace_bytes)``, its digest the next block's parent.
     ``parent`` and ``namespace_bytes``: bytes; ``hash_fn``: ``callable(bytes) -> bytes``,
     called as is, except that :func:`~blocktable.block_hashing.sha256_block_hash` is done by
-    calling ``hashlib.sha256(data).digest()`` here. Returns the ``stop - first`` digests, a
-    list of bytes.
+    OpenSSL's ``SHA256`` here where the build found OpenSSL (``SHA256_BUILT_IN``). Returns
+    the ``stop - first`` digests, a list of bytes.
 
     Raises ``TypeError`` for a wrong argument type (a float for an integer included) or a
     digest that is not bytes, ``OverflowError`` for an integer outside the int64 range, and
@@ -61,37 +90,50 @@ def byte_chain(object tokens, object first, object stop, object block_size, obje
     if not 0 <= first_i <= stop_i <= num_full:
         raise ValueError(f"blocks {first_i} .. {stop_i} must lie in [0, {num_full}] (tokens "
                          f"holds {num_full} full blocks of {bs})")
-    cdef bint sha256 = _is_project_sha256(hash_fn)
+    cdef bint sha256 = BT_SHA256_BUILT and _is_project_sha256(hash_fn)
     # block_size * 8 <= len(tokens) * 8 fits: a buffer of len(tokens) int64 exists
     cdef Py_ssize_t step = <Py_ssize_t>bs * 8, ns_len = PyBytes_GET_SIZE(namespace_bytes)
     cdef Py_ssize_t parent_len, size, i, k, b
     cdef int64_t value
     cdef unsigned char* data
+    cdef unsigned char* token_bytes = NULL  # SHA-256 built in: one block's token bytes
     cdef list out = []
-    for i in range(<Py_ssize_t>(stop_i - first_i)):
-        parent_len = PyBytes_GET_SIZE(parent)
-        if parent_len > PY_SSIZE_T_MAX - step - ns_len:
-            raise OverflowError(f"the input of block {first_i + i} is longer than "
-                                f"{PY_SSIZE_T_MAX} bytes")
-        size = parent_len + step + ns_len
-        block = PyBytes_FromStringAndSize(NULL, size)  # filled below, before anyone sees it
-        data = <unsigned char*>PyBytes_AS_STRING(block)
-        memcpy(data, PyBytes_AS_STRING(parent), parent_len)
-        data += parent_len
-        for k in range((first_i + i) * bs, (first_i + i + 1) * bs):
-            value = tok[k]
-            for b in range(8):  # little-endian on every host
-                data[b] = <unsigned char>((<uint64_t>value) >> (8 * b))
-            data += 8
-        memcpy(data, PyBytes_AS_STRING(namespace_bytes), ns_len)
-        if sha256:
-            digest = _sha256_new(block).digest()
-        else:
-            digest = hash_fn(block)
-        if not PyBytes_Check(digest):
-            raise TypeError(f"hash_fn must return bytes, got {type(digest).__name__}")
-        out.append(digest)
-        parent = digest
+    if sha256:
+        token_bytes = <unsigned char*>PyMem_Malloc(step)
+        if token_bytes == NULL:
+            raise MemoryError()
+    try:
+        for i in range(<Py_ssize_t>(stop_i - first_i)):
+            parent_len = PyBytes_GET_SIZE(parent)
+            if parent_len > PY_SSIZE_T_MAX - step - ns_len:
+                raise OverflowError(f"the input of block {first_i + i} is longer than "
+                                    f"{PY_SSIZE_T_MAX} bytes")
+            if sha256:
+                data = token_bytes
+            else:
+                size = parent_len + step + ns_len
+                block = PyBytes_FromStringAndSize(NULL, size)  # filled before anyone sees it
+                data = <unsigned char*>PyBytes_AS_STRING(block)
+                memcpy(data, PyBytes_AS_STRING(parent), parent_len)
+                data += parent_len
+            for k in range((first_i + i) * bs, (first_i + i + 1) * bs):
+                value = tok[k]
+                for b in range(8):  # little-endian on every host
+                    data[b] = <unsigned char>((<uint64_t>value) >> (8 * b))
+                data += 8
+            if sha256:
+                digest = PyBytes_FromStringAndSize(NULL, 32)  # filled before anyone sees it
+                bt_sha256(PyBytes_AS_STRING(parent), parent_len, token_bytes, step,
+                          PyBytes_AS_STRING(namespace_bytes), ns_len, PyBytes_AS_STRING(digest))
+            else:
+                memcpy(data, PyBytes_AS_STRING(namespace_bytes), ns_len)
+                digest = hash_fn(block)
+                if not PyBytes_Check(digest):
+                    raise TypeError(f"hash_fn must return bytes, got {type(digest).__name__}")
+            out.append(digest)
+            parent = digest
+    finally:
+        PyMem_Free(token_bytes)
     return out
 
 
