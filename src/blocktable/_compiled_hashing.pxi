@@ -56,82 +56,108 @@ cdef int64_t _index_arg(object value, str name) except? -1:
         raise OverflowError(f"{name}={value} is outside the int64 range") from None
 
 
-def byte_chain(object tokens, object first, object stop, object block_size, object parent,
-               object namespace_bytes, object hash_fn):
-    """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` after ``parent``; the
-    compiled twin of :func:`blocktable.block_hashing.byte_chain_python`, equal to it for every
-    input it accepts.
+cdef list _bytes_list(object values, str name, Py_ssize_t count):
+    """A new list of ``values`` (a list or tuple of ``count`` bytes), checked."""
+    if type(values) is not list and type(values) is not tuple:
+        raise TypeError(f"{name} must be a list of bytes, got {type(values).__name__}")
+    cdef list out = list(values)  # (ours: a hash_fn that changes the caller's list is harmless)
+    if len(out) != count:
+        raise ValueError(f"{name} has {len(out)} entries, segment_lengths {count}")
+    for value in out:
+        if not PyBytes_Check(value):
+            raise TypeError(f"{name} must hold bytes, got {type(value).__name__}")
+    return out
 
-    ``tokens``: int64 ``[n]`` (C-contiguous, native byte order; only read); block ``i`` is
-    ``tokens[i * block_size : (i + 1) * block_size]``, hashed as ``hash_fn(parent +
-    little-endian token bytes + namespace_bytes)``, its digest the next block's parent.
-    ``parent`` and ``namespace_bytes``: bytes; ``hash_fn``: ``callable(bytes) -> bytes``,
-    called as is, except that :func:`~blocktable.block_hashing.sha256_block_hash` is done by
-    OpenSSL's ``SHA256`` here where the build found OpenSSL (``SHA256_BUILT_IN``). Returns
-    the ``stop - first`` digests, a list of bytes.
+
+def byte_chain(object tokens, object segment_lengths, object parents, object namespaces,
+               object block_size, object hash_fn):
+    """Byte-chained hashes of several segments of blocks, each after its own parent; the
+    compiled twin of :func:`blocktable.block_hashing.byte_chain_python`, equal to it for
+    every input it accepts.
+
+    ``tokens``: int64 ``[n * block_size]`` (C-contiguous, native byte order; only read), the
+    ``n`` blocks of every segment back to back; segment ``r`` is ``segment_lengths[r]`` blocks
+    (int64 ``[m]``, >= 0, summing to ``n``) after ``parents[r]`` with ``namespaces[r]`` (lists
+    or tuples of ``m`` bytes). Block ``i`` is hashed as ``hash_fn(parent + little-endian token
+    bytes + namespace)``, its digest the next block's parent. ``hash_fn``:
+    ``callable(bytes) -> bytes``, called as is, except that
+    :func:`~blocktable.block_hashing.sha256_block_hash` is done by OpenSSL's SHA-256 here
+    where the build found OpenSSL (``SHA256_BUILT_IN``). Returns the ``n`` digests, a list of
+    bytes.
 
     Raises ``TypeError`` for a wrong argument type (a float for an integer included) or a
     digest that is not bytes, ``OverflowError`` for an integer outside the int64 range, and
-    ``ValueError`` when ``block_size < 1`` or ``0 <= first <= stop <= n // block_size``
-    does not hold (all but the digests checked before the first hash).
+    ``ValueError`` when ``block_size < 1``, the tokens are not whole blocks, the lengths are
+    negative or do not sum to the blocks, or the lists' lengths disagree (all but the digests
+    checked before the first hash).
     """
     cdef const int64_t[::1] tok = _int64_in(tokens, "tokens")
-    cdef int64_t first_i = _index_arg(first, "first"), stop_i = _index_arg(stop, "stop")
+    cdef const int64_t[::1] lengths = _int64_in(segment_lengths, "segment_lengths")
+    cdef Py_ssize_t m = lengths.shape[0]
+    cdef list parent_list = _bytes_list(parents, "parents", m)
+    cdef list namespace_list = _bytes_list(namespaces, "namespaces", m)
     cdef int64_t bs = _index_arg(block_size, "block_size")
-    if not PyBytes_Check(parent):
-        raise TypeError(f"parent must be bytes, got {type(parent).__name__}")
-    if not PyBytes_Check(namespace_bytes):
-        raise TypeError(f"namespace_bytes must be bytes, got {type(namespace_bytes).__name__}")
     if not callable(hash_fn):
         raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
     if bs < 1:
         raise ValueError(f"block_size must be at least 1, got {bs}")
-    cdef int64_t num_full = tok.shape[0] // bs
-    if not 0 <= first_i <= stop_i <= num_full:
-        raise ValueError(f"blocks {first_i} .. {stop_i} must lie in [0, {num_full}] (tokens "
-                         f"holds {num_full} full blocks of {bs})")
+    if tok.shape[0] % bs:
+        raise ValueError(f"tokens has {tok.shape[0]} entries, not whole blocks of {bs}")
+    cdef Py_ssize_t n = <Py_ssize_t>(tok.shape[0] // bs), r, total = 0
+    for r in range(m):
+        if lengths[r] < 0 or lengths[r] > n - total:
+            raise ValueError(f"segment_lengths must be >= 0 and sum to the {n} blocks: "
+                             f"segment_lengths[{r}] is {lengths[r]} after {total}")
+        total += <Py_ssize_t>lengths[r]
+    if total != n:
+        raise ValueError(f"segment_lengths sum to {total}, not the {n} blocks of tokens")
     cdef bint sha256 = BT_SHA256_BUILT and _is_project_sha256(hash_fn)
-    # block_size * 8 <= len(tokens) * 8 fits: a buffer of len(tokens) int64 exists
-    cdef Py_ssize_t step = <Py_ssize_t>bs * 8, ns_len = PyBytes_GET_SIZE(namespace_bytes)
-    cdef Py_ssize_t parent_len, size, i, k, b
+    # n >= 1 blocks of bs int64 exist when a block is hashed: bs * 8 fits then
+    cdef Py_ssize_t step = <Py_ssize_t>bs * 8 if n else 0
+    cdef Py_ssize_t parent_len, ns_len, size, i, k, b, at = 0
     cdef int64_t value
     cdef unsigned char* data
     cdef unsigned char* token_bytes = NULL  # SHA-256 built in: one block's token bytes
     cdef list out = []
-    if sha256:
+    if sha256 and n:
         token_bytes = <unsigned char*>PyMem_Malloc(step)
         if token_bytes == NULL:
             raise MemoryError()
     try:
-        for i in range(<Py_ssize_t>(stop_i - first_i)):
-            parent_len = PyBytes_GET_SIZE(parent)
-            if parent_len > PY_SSIZE_T_MAX - step - ns_len:
-                raise OverflowError(f"the input of block {first_i + i} is longer than "
-                                    f"{PY_SSIZE_T_MAX} bytes")
-            if sha256:
-                data = token_bytes
-            else:
-                size = parent_len + step + ns_len
-                block = PyBytes_FromStringAndSize(NULL, size)  # filled before anyone sees it
-                data = <unsigned char*>PyBytes_AS_STRING(block)
-                memcpy(data, PyBytes_AS_STRING(parent), parent_len)
-                data += parent_len
-            for k in range((first_i + i) * bs, (first_i + i + 1) * bs):
-                value = tok[k]
-                for b in range(8):  # little-endian on every host
-                    data[b] = <unsigned char>((<uint64_t>value) >> (8 * b))
-                data += 8
-            if sha256:
-                digest = PyBytes_FromStringAndSize(NULL, 32)  # filled before anyone sees it
-                bt_sha256(PyBytes_AS_STRING(parent), parent_len, token_bytes, step,
-                          PyBytes_AS_STRING(namespace_bytes), ns_len, PyBytes_AS_STRING(digest))
-            else:
-                memcpy(data, PyBytes_AS_STRING(namespace_bytes), ns_len)
-                digest = hash_fn(block)
-                if not PyBytes_Check(digest):
-                    raise TypeError(f"hash_fn must return bytes, got {type(digest).__name__}")
-            out.append(digest)
-            parent = digest
+        for r in range(m):
+            parent, namespace = parent_list[r], namespace_list[r]
+            ns_len = PyBytes_GET_SIZE(namespace)
+            for i in range(<Py_ssize_t>lengths[r]):
+                parent_len = PyBytes_GET_SIZE(parent)
+                if parent_len > PY_SSIZE_T_MAX - step - ns_len:
+                    raise OverflowError(f"the input of block {at} is longer than "
+                                        f"{PY_SSIZE_T_MAX} bytes")
+                if sha256:
+                    data = token_bytes
+                else:
+                    size = parent_len + step + ns_len
+                    block = PyBytes_FromStringAndSize(NULL, size)  # filled before it is seen
+                    data = <unsigned char*>PyBytes_AS_STRING(block)
+                    memcpy(data, PyBytes_AS_STRING(parent), parent_len)
+                    data += parent_len
+                for k in range(at * bs, (at + 1) * bs):
+                    value = tok[k]
+                    for b in range(8):  # little-endian on every host
+                        data[b] = <unsigned char>((<uint64_t>value) >> (8 * b))
+                    data += 8
+                if sha256:
+                    digest = PyBytes_FromStringAndSize(NULL, 32)  # filled before it is seen
+                    bt_sha256(PyBytes_AS_STRING(parent), parent_len, token_bytes, step,
+                              PyBytes_AS_STRING(namespace), ns_len, PyBytes_AS_STRING(digest))
+                else:
+                    memcpy(data, PyBytes_AS_STRING(namespace), ns_len)
+                    digest = hash_fn(block)
+                    if not PyBytes_Check(digest):
+                        raise TypeError(
+                            f"hash_fn must return bytes, got {type(digest).__name__}")
+                out.append(digest)
+                parent = digest
+                at += 1
     finally:
         PyMem_Free(token_bytes)
     return out
