@@ -5,8 +5,10 @@ does not know about block contents: it hands blocks out of the pools (``allocate
 appends sampled tokens, releases a leaving request's blocks and row, answers queries about
 running requests, and turns the step's row changes into a
 :class:`~blocktable.update.StepUpdate`. Every batched call checks all its arguments before it
-changes anything; the per-request calls are wrappers over the batched ones, but for
-``allocate``, which works on its one request in Python ints.
+changes anything; the per-request calls are wrappers over the batched ones (``free`` and
+``append_token_ids`` check and record the call, applied with the others of its kind by one
+batched call at the next call of anything else), but for ``allocate``, which works on its one
+request in Python ints.
 """
 
 from __future__ import annotations
