@@ -27,8 +27,20 @@ cdef extern from *:
     static void bt_sha256(const void* a, size_t a_len, const void* b, size_t b_len,
                           const void* c, size_t c_len, void* out) {}
     #endif
+    static void bt_store_le64(unsigned char* out, const int64_t* values, Py_ssize_t n) {
+    #if PY_LITTLE_ENDIAN
+        memcpy(out, values, (size_t)n * 8);
+    #else
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v = (uint64_t)values[i];
+            for (int b = 0; b < 8; b++) out[8 * i + b] = (unsigned char)(v >> (8 * b));
+        }
+    #endif
+    }
     """
     const bint BT_SHA256_BUILT  # whether OpenSSL's SHA-256 was built in
+    # n int64 as little-endian bytes (a copy on little-endian hosts)
+    void bt_store_le64(unsigned char* out, const int64_t* values, Py_ssize_t n) noexcept nogil
     # SHA-256 of the bytes of a, then b, then c, into out (32 bytes)
     void bt_sha256(const void* a, size_t a_len, const void* b, size_t b_len, const void* c,
                    size_t c_len, void* out) noexcept nogil
@@ -114,8 +126,7 @@ def byte_chain(object tokens, object segment_lengths, object parents, object nam
     cdef bint sha256 = BT_SHA256_BUILT and _is_project_sha256(hash_fn)
     # n >= 1 blocks of bs int64 exist when a block is hashed: bs * 8 fits then
     cdef Py_ssize_t step = <Py_ssize_t>bs * 8 if n else 0
-    cdef Py_ssize_t parent_len, ns_len, size, i, k, b, at = 0
-    cdef int64_t value
+    cdef Py_ssize_t parent_len, ns_len, size, i, at = 0
     cdef unsigned char* data
     cdef unsigned char* token_bytes = NULL  # SHA-256 built in: one block's token bytes
     cdef list out = []
@@ -140,11 +151,8 @@ def byte_chain(object tokens, object segment_lengths, object parents, object nam
                     data = <unsigned char*>PyBytes_AS_STRING(block)
                     memcpy(data, PyBytes_AS_STRING(parent), parent_len)
                     data += parent_len
-                for k in range(at * bs, (at + 1) * bs):
-                    value = tok[k]
-                    for b in range(8):  # little-endian on every host
-                        data[b] = <unsigned char>((<uint64_t>value) >> (8 * b))
-                    data += 8
+                bt_store_le64(data, &tok[at * bs], bs)  # (at < n: a whole block of tok)
+                data += step
                 if sha256:
                     digest = PyBytes_FromStringAndSize(NULL, 32)  # filled before it is seen
                     bt_sha256(PyBytes_AS_STRING(parent), parent_len, token_bytes, step,
