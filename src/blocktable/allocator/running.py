@@ -231,9 +231,12 @@ class RunningRequests:
                 ends.append(max(-(-total // bs), row_len[row]))
                 fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
             if fits:
-                out = []
+                out: list[list[int]] = []
                 for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
+                    if end == start:  # (most decode steps: the last block has room)
+                        out.append([])
+                        continue
                     new = pool.take(end - start)
                     state.ensure_width(g, end)[row, start:end] = new
                     row_len[row] = end
