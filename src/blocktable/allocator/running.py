@@ -90,18 +90,14 @@ class RunningRequests:
                 self._release([self._requests[req_id] for req_id in req_ids])
 
     def _defer(self, kind: str, req_id: ReqId) -> RequestState | None:
-        """Before a per-request call of ``kind`` is recorded: settle unless the calls pending
-        are of this kind on other requests; return the request, or None when ``req_id`` is
-        not a running request's id (the batched call then checks and words it)."""
+        """Before a per-request call of ``kind`` is checked and recorded (``_pending_kind`` set
+        to ``kind``, ``_pending[req_id]`` to what the batched call needs): settle unless the
+        calls pending are of this kind on other requests; return the request, or None when
+        ``req_id`` is not a running request's id (the batched call then checks and words it)."""
         plain = type(req_id) in (int, str)  # (else: maybe unhashable)
         if self._pending and (self._pending_kind != kind or not plain or req_id in self._pending):
             self._settle()
         return self._requests.get(req_id) if plain else None
-
-    def _record(self, kind: str, req_id: ReqId, value: object) -> None:
-        """Record a checked per-request call of ``kind`` (after :meth:`_defer`)."""
-        self._pending_kind = kind
-        self._pending[req_id] = value
 
     def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
@@ -119,8 +115,10 @@ class RunningRequests:
             self.append_token_ids_many([req_id], [token_ids])
             return
         new = token_array(f"token_ids of request {req_id!r}", token_ids)
-        self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
-        self._record("append", req_id, new)
+        if self.max_model_len is not None:
+            self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
+        self._pending_kind = "append"  # recorded (see _settle)
+        self._pending[req_id] = new
 
     def _apply_appends(self, req_ids: list[ReqId], arrays: list[np.ndarray]) -> None:
         """Append ``arrays[i]`` (int64, checked) to running request ``req_ids[i]`` (distinct):
@@ -371,7 +369,8 @@ class RunningRequests:
             self._settle()
             self.free_many([req_id])
             return
-        self._record("free", req_id, None)
+        self._pending_kind = "free"  # recorded (see _settle)
+        self._pending[req_id] = None
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
