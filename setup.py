@@ -34,10 +34,25 @@ def _extensions() -> list[Extension]:
         return []
     from Cython.Build import cythonize
 
+    macros, libraries = [], []
+    if _have_openssl():
+        # SHA-256 of a block by OpenSSL's one-shot call: no Python call per block
+        macros.append(("BT_HAVE_OPENSSL", "1"))
+        libraries.append("crypto")
     return cythonize(
-        [Extension("blocktable._compiled", ["src/blocktable/_compiled.pyx"])],
+        [Extension("blocktable._compiled", ["src/blocktable/_compiled.pyx"],
+                   define_macros=macros, libraries=libraries)],
         compiler_directives={"language_level": 3},
     )
+
+
+def _have_openssl() -> bool:
+    """Whether OpenSSL's headers are installed (``BLOCKTABLE_NO_OPENSSL=1``: don't look);
+    without them SHA-256 block hashes call ``hashlib`` once per block."""
+    if os.environ.get("BLOCKTABLE_NO_OPENSSL") == "1":
+        return False
+    dirs = [sysconfig.get_config_var("INCLUDEDIR") or "", "/usr/include", "/usr/local/include"]
+    return any(os.path.exists(os.path.join(d, "openssl", "sha.h")) for d in dirs if d)
 
 
 setup(ext_modules=_extensions())

@@ -21,6 +21,7 @@ def make(groups: list[AllocatorGroupSpec] = GROUPS, **kwargs: object) -> KVCache
 
 
 def observable(mgr: KVCacheManager) -> tuple:
+    mgr._settle()  # (apply the per-request calls recorded, before private state is read)
     reqs = {r: (mgr.block_ids(r), mgr.num_computed_tokens(r), mgr.row_of(r)) for r in mgr._requests}
     pools = [(p.eviction_order(), p.num_cached_blocks, p.ref_counts.tolist()) for p in mgr.pools]
     return reqs, pools, mgr.prefix_cache_stats
@@ -370,6 +371,7 @@ def test_token_ids_past_the_arena_move_to_a_buffer_and_batched_appends_agree(
             mgr.append_token_ids_many(ids, block)
         for r, new in zip(ids, block.tolist()):
             model[r] += new
+        mgr._settle()  # (apply the per-request calls recorded, before private state is read)
         for r in ids:
             assert mgr._requests[r].token_ids() == model[r]
             n = len(model[r])
@@ -441,6 +443,70 @@ def test_per_request_marks_are_applied_before_the_next_call(probe: object) -> No
         pair.append((probe(mgr), observable(mgr)))  # type: ignore[operator]
     assert pair[0][0] == pair[1][0]
     assert pair[0][1] == pair[1][1]
+
+
+# per-request calls and the batched calls they stand for, in order
+CALL_SEQUENCES = [
+    [("append", "a", [1, 2]), ("append", "b", [3]), ("append", "a", [4, 5])],
+    [("append", "a", [1] * 8), ("append", "b", [2] * 8), ("mark", "a", 20), ("free", "b", None)],
+    [("free", "b", None), ("free", "a", None)],
+    [("mark", "a", 16), ("free", "b", None), ("append", "a", 7), ("mark", "a", 8)],
+]
+
+
+@pytest.mark.parametrize("calls", CALL_SEQUENCES)
+@pytest.mark.parametrize(
+    "probe",
+    [
+        observable,
+        lambda m: as_lists(m.take_step_update()),
+        lambda m: m.add_request("c", list(range(24))),
+        lambda m: "a" in m and m.num_tokens("a"),
+        lambda m: m.free_many([r for r in ("a", "b") if r in m]),
+    ],
+)
+def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: object) -> None:
+    """append_token_ids, free and mark_computed are recorded and applied by the next call of
+    another method or kind (or of the same kind on the same request): every call after sees
+    what the batched calls, made one by one, leave."""
+    pair = []
+    for per_request in (True, False):
+        mgr = make()
+        for req_id, base in (("a", 0), ("b", 100)):
+            mgr.add_request(req_id, list(range(base, base + 24)))
+            mgr.allocate(req_id, 32)
+        for kind, req_id, arg in calls:
+            if kind == "append":
+                (mgr.append_token_ids if per_request else mgr.append_token_ids_many)(
+                    *((req_id, arg) if per_request else ([req_id], [arg])))
+            elif kind == "free":
+                mgr.free(req_id) if per_request else mgr.free_many([req_id])
+            else:
+                (mgr.mark_computed if per_request else mgr.mark_computed_many)(
+                    *((req_id, arg) if per_request else ([req_id], [arg])))
+        pair.append((probe(mgr), observable(mgr)))  # type: ignore[operator]
+        mgr.check_integrity()
+    assert pair[0] == pair[1]
+
+
+def test_a_bad_per_request_append_or_free_raises_at_once_and_records_nothing() -> None:
+    mgr = make()
+    mgr.add_request("a", list(range(24)))
+    mgr.append_token_ids("a", [1, 2])
+    with pytest.raises(TypeError, match="token_ids of request 'a' must hold int64"):
+        mgr.append_token_ids("a", [1.5])
+    with pytest.raises(ValueError, match="max_model_len"):
+        mgr.append_token_ids("a", list(range(60)))  # 26 + 60 > 80
+    with pytest.raises(KeyError, match="unknown request 'z'"):
+        mgr.append_token_ids("z", [1])
+    assert mgr.num_tokens("a") == 26  # the first append only
+    mgr.free("a")
+    with pytest.raises(KeyError, match="unknown request 'a'"):
+        mgr.free("a")  # twice
+    with pytest.raises(KeyError, match="unknown request 'a'"):
+        mgr.append_token_ids("a", [1])
+    assert "a" not in mgr and mgr.num_free_rows == 6
+    mgr.check_integrity()
 
 
 def test_a_bad_per_request_mark_raises_at_once_and_records_nothing() -> None:

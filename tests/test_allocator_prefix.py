@@ -271,19 +271,13 @@ def test_sha256_and_callable_block_hashes_chain_with_the_namespace() -> None:
 def test_chunked_prefill_hashes_each_token_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys of a prompt are computed at admission, in one pass; chunks re-read nothing."""
     hashed_rows: list[int] = []
-    real = block_content_hashes
-
-    def counting(tokens: np.ndarray, powers: ChainPowers) -> np.ndarray:
-        hashed_rows.append(len(tokens))
-        return real(tokens, powers)
-
     real_keys = blocktable.allocator.register.token_chain_keys
 
     def counting_keys(tokens, lengths, starts, powers):  # type: ignore[no-untyped-def]
         hashed_rows.append(len(tokens))
         return real_keys(tokens, lengths, starts, powers)
 
-    monkeypatch.setattr(blocktable.allocator.prefix, "block_content_hashes", counting)
+    monkeypatch.setattr(blocktable.allocator.prefix, "token_chain_keys", counting_keys)
     monkeypatch.setattr(blocktable.allocator.register, "token_chain_keys", counting_keys)
     mgr = KVCacheManager([AllocatorGroupSpec(16, 2048)], 2)
     prompt = np.arange(20_000) % 5000

@@ -3,7 +3,9 @@
 ``full_state(mgr)`` walks the manager's objects (pools, queues, records, index, requests, rows,
 journal, counters) and turns every array, list, dict and field into comparable values. The
 power tables of the key hash (a cache of constants) and the last batched call's requests and
-rows (a cache of lookups, refreshed by any call) are left out.
+rows (a cache of lookups, refreshed by any call) are left out. Per-request calls the manager
+recorded and has not applied yet are applied first: every later call sees them applied (a
+rejected call may apply them), so applying them is no change.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _snap(value: object, seen: dict[int, object]) -> object:
 
 def full_state(mgr: KVCacheManager) -> object:
     """Every value the manager holds (see the module docstring)."""
+    mgr._settle()
     return _snap(mgr, {})
 
 

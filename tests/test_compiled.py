@@ -16,7 +16,16 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
+from blocktable import _compiled_loader
 from blocktable import _host_loops as loops
+from blocktable.block_hashing import (
+    ChainPowers,
+    block_content_hashes,
+    chain_keys,
+    fast_block_keys,
+    namespace_seed,
+    token_chain_keys,
+)
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
 from blocktable.update import RowBlocks
 
@@ -775,3 +784,88 @@ def test_host_launch_refuses_hostile_arguments() -> None:
         _refused(launch, arrays)
     qsl[:] = good_qsl
     launch()  # the valid call still works
+
+
+# ---- the fast chained block keys -----------------------------------------------------------
+def chain_case(rng: np.random.Generator, bs: int):
+    """Segments of random lengths (some empty) over random int64 tokens, random start states."""
+    lengths = rng.integers(0, 6, int(rng.integers(0, 7))).astype(I64)
+    n = int(lengths.sum())
+    tokens = rng.integers(-(2**63), 2**63 - 1, (n, bs), dtype=I64, endpoint=True)
+    starts = rng.integers(0, 2**64 - 1, len(lengths), dtype=np.uint64, endpoint=True)
+    return tokens, lengths, starts
+
+
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_token_chain_keys_equals_numpy_and_python(bs: int, monkeypatch) -> None:
+    """Bit for bit the numpy pass (content hashes, then the segmented scan), on any int64
+    tokens and start states; and the plain-Python keys of a prompt."""
+    powers = ChainPowers(bs)
+    rng = np.random.default_rng(bs)
+    for _ in range(60):
+        tokens, lengths, starts = chain_case(rng, bs)
+        want = chain_keys(block_content_hashes(tokens, powers), lengths, starts, powers)
+        keys, states = np.empty(len(tokens), np.uint64), np.empty(len(tokens), np.uint64)
+        compiled.token_chain_keys(tokens.reshape(-1), lengths, starts, powers.token_powers,
+                                  powers.block_base, keys, states)
+        np.testing.assert_array_equal(keys, want[0])
+        np.testing.assert_array_equal(states, want[1])
+        for use in (compiled, None):  # the public function, compiled or not
+            monkeypatch.setattr(_compiled_loader, "COMPILED", use)
+            got = token_chain_keys(tokens, lengths, starts, powers)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+    prompt = rng.integers(0, 32000, 10 * bs + 1)
+    seed = np.array([namespace_seed(b"")], np.uint64)
+    keys, _ = token_chain_keys(prompt[: 10 * bs].reshape(-1, bs), np.array([10]), seed, powers)
+    assert keys.tolist() == fast_block_keys(prompt.tolist(), bs)[:10]
+
+
+def test_token_chain_keys_refuses_hostile_arguments() -> None:
+    powers = ChainPowers(4)
+    tokens = np.arange(12, dtype=I64)
+    lengths, starts = np.array([1, 2], I64), np.array([5, 2**64 - 1], np.uint64)
+    keys, states = np.zeros(3, np.uint64), np.zeros(3, np.uint64)
+    valid = [tokens, lengths, starts, powers.token_powers, powers.block_base, keys, states]
+    arrays = [tokens, lengths, starts, powers.token_powers, keys, states]
+
+    def call(args):
+        return lambda: compiled.token_chain_keys(*args)
+
+    for i in (0, 1, 2, 3, 5, 6):
+        variants = hostile_variants(valid[i])
+        if i >= 5:
+            variants.append(("read-only", read_only(valid[i])))
+        for label, bad in variants:
+            args = list(valid)
+            args[i] = bad
+            _refused(call(args), arrays)
+    for bad_base in (-1, 2**64, 1.0, None, "3"):
+        _refused(call(valid[:4] + [bad_base] + valid[5:]), arrays)
+    out_pair = np.zeros(4, np.uint64)
+    for args in (
+        [tokens[:11], *valid[1:]],  # not whole blocks
+        [tokens[:8], *valid[1:]],  # fewer blocks than keys
+        [tokens, np.array([1, 3], I64), *valid[2:]],  # lengths sum past n
+        [tokens, np.array([4, -1], I64), *valid[2:]],  # a negative length
+        [tokens, np.array([1, 1], I64), *valid[2:]],  # lengths sum short of n
+        [tokens, np.array([-(2**63), 2**63 - 1], I64), *valid[2:]],  # sums that overflow
+        [tokens, lengths, starts[:1], *valid[3:]],  # a start state per segment
+        [tokens, *valid[1:3], np.zeros(0, np.uint64), *valid[4:]],  # no block size
+        [*valid[:6], np.zeros(2, np.uint64)],  # states shorter than keys
+        [*valid[:5], keys, keys],  # the outputs alias
+        [*valid[:5], out_pair[:3], out_pair[1:]],  # the outputs overlap
+    ):
+        _refused(call(args), arrays + [out_pair])
+    # outputs that overlap an input
+    shared = np.zeros(15, np.uint64)
+    for i, at in ((0, 0), (1, 3), (2, 3), (3, 0)):
+        args = list(valid)
+        view = shared[at : at + len(valid[i])]
+        view[:] = valid[i].view(np.uint64) if valid[i].dtype != np.uint64 else valid[i]
+        args[i] = view.view(valid[i].dtype)
+        args[5] = shared[at : at + 3] if i != 0 else shared[:3]
+        _refused(call(args), arrays + [shared])
+    # a read-only input is fine (only read)
+    compiled.token_chain_keys(*[read_only(a) if isinstance(a, np.ndarray) else a
+                                for a in valid[:5]], keys, states)

@@ -110,8 +110,9 @@ def test_token_array_takes_either_path_with_the_same_results(
 
 @pytest.mark.parametrize("seed", range(4))
 def test_byte_chain_equals_python(seed: int) -> None:
-    """Random tokens (any int64), ranges, parents and namespaces; SHA-256 (done without its
-    Python function) and other callables, including digests of other lengths."""
+    """Random tokens (any int64), segments (some empty), parents and namespaces; SHA-256
+    (done without its Python function) and other callables, including digests of other
+    lengths."""
     rng = np.random.default_rng(seed)
     fns = [
         sha256_block_hash,
@@ -120,29 +121,33 @@ def test_byte_chain_equals_python(seed: int) -> None:
     ]
     for _ in range(40):
         bs = int(rng.integers(1, 20))
+        lengths = rng.integers(0, 5, int(rng.integers(0, 5))).astype(np.int64)
         tokens = rng.integers(
-            I64_MIN,
-            I64_MAX,
-            int(rng.integers(0, 12)) * bs + int(rng.integers(0, bs)),
-            dtype=np.int64,
-            endpoint=True,
+            I64_MIN, I64_MAX, int(lengths.sum()) * bs, dtype=np.int64, endpoint=True
         )
-        num_full = len(tokens) // bs
-        first = int(rng.integers(0, num_full + 1))
-        stop = int(rng.integers(first, num_full + 1))
-        parent = rng.bytes(int(rng.choice([0, 1, 32, 77])))
-        ns = rng.bytes(int(rng.choice([0, 5, 300])))
+        parents = [rng.bytes(int(rng.choice([0, 1, 32, 77]))) for _ in lengths]
+        namespaces = [rng.bytes(int(rng.choice([0, 5, 300]))) for _ in lengths]
         fn = fns[int(rng.integers(0, len(fns)))]
-        want = byte_chain_python(tokens, first, stop, bs, parent, ns, fn)
-        assert compiled.byte_chain(tokens, first, stop, bs, parent, ns, fn) == want
-        assert byte_chain(tokens, first, stop, bs, parent, ns, fn) == want
+        want = byte_chain_python(tokens, lengths, parents, namespaces, bs, fn)
+        assert len(want) == lengths.sum()
+        assert compiled.byte_chain(tokens, lengths, parents, namespaces, bs, fn) == want
+        assert byte_chain(tokens, lengths, tuple(parents), namespaces, bs, fn) == want
         # the public function converts other integer arrays first, as the twin does
-        assert byte_chain(tokens.astype(">i8"), first, stop, bs, parent, ns, fn) == want
-        assert byte_chain(np.repeat(tokens, 2)[::2], first, stop, bs, parent, ns, fn) == want
+        assert byte_chain(tokens.astype(">i8"), lengths, parents, namespaces, bs, fn) == want
+        assert byte_chain(np.repeat(tokens, 2)[::2], lengths, parents, namespaces, bs, fn) == want
+        # one segment after another: each continues from the digest before
+        at, chained = 0, []
+        for length, parent, ns in zip(lengths.tolist(), parents, namespaces):
+            chained += byte_chain(tokens[at * bs : (at + length) * bs], np.array([length]),
+                                  [parent], [ns], bs, fn)
+            at += length
+        assert chained == want
     ids = rng.integers(0, 32000, 100).tolist()
     assert byte_chain(
-        np.array(ids), 0, 6, 16, ROOT_BLOCK_HASH, b"", sha256_block_hash
-    ) == hash_block_tokens(ids, 16)
+        np.array(ids[:96]), np.array([2, 4]), [ROOT_BLOCK_HASH, b""], [b"", b""], 16,
+        sha256_block_hash
+    )[:2] == hash_block_tokens(ids, 16)[:2]
+    assert compiled.SHA256_BUILT_IN in (True, False)
 
 
 # ---- the hostile fuzz --------------------------------------------------------------------
@@ -313,57 +318,67 @@ def test_int64_from_int_lists_refuses_hostile_input() -> None:
 
 def test_byte_chain_refuses_hostile_input() -> None:
     tokens = np.arange(64, dtype=np.int64)
-    good = [tokens, 0, 4, 16, ROOT_BLOCK_HASH, b"ns", sha256_block_hash]
+    lengths = np.array([1, 3], np.int64)
+    good = [tokens, lengths, [ROOT_BLOCK_HASH, b"p"], [b"ns", b""], 16, sha256_block_hash]
 
     def call(i: int, value: object):
         args = list(good)
         args[i] = value
         return lambda: compiled.byte_chain(*args)
 
-    for bad in (
-        tokens.view(np.float64),
-        tokens.view(np.uint64),
-        tokens.astype(">i8"),
-        np.repeat(tokens, 2)[::2],
-        tokens.reshape(4, 16),
-        tokens.astype(object),
-        tokens.astype(np.int32),
-        np.array(5, np.int64),
-        tokens.tolist(),
-        None,
-    ):
-        refused(call(0, bad), tokens)
-    for i, values in (
-        (1, (-1, 5, 2**63, 2**70, 1.5, None)),
-        (2, (-1, 5, 3 - 2**63, 2**63, 2**40)),
-        (3, (0, -16, 17, 2**62, 2**63, I64_MIN, 2.0)),
-    ):
-        for value in values:
-            refused(call(i, value), tokens)
-    refused(
-        lambda: compiled.byte_chain(tokens, 3, 2, 16, ROOT_BLOCK_HASH, b"", sha256_block_hash),
-        tokens,
-    )  # first > stop
-    for bad in ("x", bytearray(32), memoryview(bytes(32)), None, 0):
-        refused(call(4, bad), tokens)
-        refused(call(5, bad), tokens)
+    for arr, i in ((tokens, 0), (lengths, 1)):
+        for bad in (
+            arr.view(np.float64),
+            arr.view(np.uint64),
+            arr.astype(">i8"),
+            np.repeat(arr, 2)[::2],
+            arr.reshape(2, -1),
+            arr.astype(object),
+            arr.astype(np.int32),
+            np.array(5, np.int64),
+            arr.tolist(),
+            None,
+        ):
+            refused(call(i, bad), tokens, lengths)
+    for bad_lengths in ([1, 2], [4, 1], [-1, 5], [5, -1], [2**62, 2**62], [0, 0]):
+        refused(call(1, np.array(bad_lengths, np.int64)), tokens, lengths)
+    refused(call(0, tokens[:63]), tokens, lengths)  # not whole blocks
+    for value in (0, -16, 17, 2**62, 2**63, I64_MIN, 2.0, None):
+        refused(call(4, value), tokens, lengths)
+    for i in (2, 3):
+        for bad in ("x", b"xy", None, [b""], [b"", b"", b""], [b"", "x"], [b"", bytearray(2)],
+                    [memoryview(b""), b""], iter([b"", b""]), {b"": 1, b"x": 2}):
+            refused(call(i, bad), tokens, lengths)
     for bad_fn in (None, "sha256", 5):
-        refused(call(6, bad_fn), tokens)
+        refused(call(5, bad_fn), tokens, lengths)
     for digest in ("x", bytearray(32), None, 7, memoryview(bytes(32))):
-        refused(call(6, lambda d: digest), tokens)
+        refused(call(5, lambda d: digest), tokens, lengths)
     with pytest.raises(ZeroDivisionError):  # the callable's own error is passed through
-        compiled.byte_chain(tokens, 0, 4, 16, b"", b"", lambda d: 1 // 0)
-    # the public function and its twin refuse the same ranges and digests
+        compiled.byte_chain(tokens, lengths, [b"", b""], [b"", b""], 16, lambda d: 1 // 0)
+    # a hash_fn that empties the caller's lists: the call reads its own copies
+    parents, namespaces = [b"", b""], [b"", b""]
+
+    def clearing(data: bytes) -> bytes:
+        parents.clear()
+        namespaces.clear()
+        return hashlib.md5(data).digest()
+
+    want = byte_chain_python(tokens, lengths, [b"", b""], [b"", b""], 16, clearing)
+    parents, namespaces = [b"", b""], [b"", b""]
+    assert compiled.byte_chain(tokens, lengths, parents, namespaces, 16, clearing) == want
+    # the public function and its twin refuse the same inputs
     for fn in (byte_chain, byte_chain_python):
-        refused(lambda: fn(tokens, 0, 5, 16, b"", b"", sha256_block_hash), tokens)
-        refused(lambda: fn(tokens, 0, 1, 0, b"", b"", sha256_block_hash), tokens)
-        refused(lambda: fn(tokens, 0, 2, 16, b"", b"", lambda d: bytearray(d)), tokens)
-        refused(lambda: fn(tokens, 0, 2, 16, "", b"", sha256_block_hash), tokens)
-    # a read-only input is fine (only read)
-    frozen = tokens.copy()
-    frozen.flags.writeable = False
-    assert compiled.byte_chain(frozen, 0, 4, 16, b"", b"", sha256_block_hash) == byte_chain_python(
-        tokens, 0, 4, 16, b"", b"", sha256_block_hash
+        refused(lambda: fn(tokens, np.array([5]), [b""], [b""], 16, sha256_block_hash), tokens)
+        refused(lambda: fn(tokens, np.array([4]), [b""], [b""], 0, sha256_block_hash), tokens)
+        refused(lambda: fn(tokens, np.array([4]), [b""], [b""], 16, bytearray), tokens)
+        refused(lambda: fn(tokens, np.array([4]), [""], [b""], 16, sha256_block_hash), tokens)
+        refused(lambda: fn(tokens, np.array([4]), [b""], [b"", b""], 16, sha256_block_hash),
+                tokens)
+    # read-only inputs are fine (only read)
+    frozen, frozen_lengths = tokens.copy(), lengths.copy()
+    frozen.flags.writeable = frozen_lengths.flags.writeable = False
+    assert compiled.byte_chain(frozen, frozen_lengths, *good[2:]) == byte_chain_python(
+        tokens, lengths, *good[2:]
     )
 
 

@@ -2,8 +2,9 @@
 # cython: cdivision=True, embedsignature=True
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
 the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the
-changed rows, the conversion of Python lists of token ids, the byte-chained block hashes and
-the prefix index's key table.
+changed rows, the conversion of Python lists of token ids, the byte-chained block hashes
+(SHA-256 by OpenSSL where the build found it), the fast chained block keys and the prefix
+index's key table.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
@@ -21,7 +22,9 @@ accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`
 pairs, for the captured step's launch), the numpy diff in
 :class:`blocktable.allocator.journal.StepJournal`, ``struct.pack`` in
 :func:`blocktable.token_ids.int64_from_ints_python`,
-:func:`blocktable.block_hashing.byte_chain_python` and the ``dict`` of
+:func:`blocktable.block_hashing.byte_chain_python`,
+:func:`~blocktable.block_hashing.chain_keys` after
+:func:`~blocktable.block_hashing.block_content_hashes`, and the ``dict`` of
 :class:`blocktable.key_table.DictKeyTable`.
 """
 

@@ -13,6 +13,10 @@ from cpython.ref cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 
+cdef enum:
+    _INTS_AHEAD = 16  # items whose int object is fetched while earlier ones are converted
+
+
 cdef object _numpy():
     global _np
     if _np is None:
@@ -68,12 +72,16 @@ cdef int _ints_into(object seq, int64_t[::1] out, Py_ssize_t at, Py_ssize_t n, s
             if PyTuple_GET_SIZE(seq) != n:
                 raise ValueError(f"{_label(name, which)} holds {len(seq)} ids, not {n}")
             for j in range(n):
+                if j + _INTS_AHEAD < n:  # (an address only: a hint, nothing is read through it)
+                    BT_PREFETCH(PyTuple_GET_ITEM(seq, j + _INTS_AHEAD))
                 out[at + j] = _token_id(PyTuple_GET_ITEM(seq, j), name, which, j)
             return 0
         items = <list>seq
         for j in range(n):
             if PyList_GET_SIZE(items) != n:  # (checked before each read: see _token_id)
                 break
+            if j + _INTS_AHEAD < n:  # (an address only: a hint, nothing is read through it)
+                BT_PREFETCH(PyList_GET_ITEM(items, j + _INTS_AHEAD))
             out[at + j] = _token_id(PyList_GET_ITEM(items, j), name, which, j)
     except OverflowError:
         _raise_out_of_range(name, which, j)

@@ -210,10 +210,29 @@ def token_chain_keys(
     powers: ChainPowers,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`block_content_hashes` of ``tokens`` (int64 ``[n, block_size]``: the blocks of
-    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``."""
-    return chain_keys(
-        block_content_hashes(tokens, powers), segment_lengths, start_states, powers
+    the segments, back to back) then :func:`chain_keys`: ``(keys, states)``, uint64 ``[n]``.
+
+    ``segment_lengths``: int64 ``[m]``; ``start_states``: uint64 ``[m]``. Compiled where the
+    install built it (one pass over the tokens, no temporary per step of the recurrence), else
+    those two numpy functions; the results are equal.
+    """
+    compiled = _loader.COMPILED
+    if compiled is None:
+        return chain_keys(
+            block_content_hashes(tokens, powers), segment_lengths, start_states, powers
+        )
+    n = len(tokens)
+    keys, states = np.empty(n, dtype=_U64), np.empty(n, dtype=_U64)
+    compiled.token_chain_keys(
+        np.ascontiguousarray(tokens).reshape(-1),
+        segment_lengths,
+        start_states,
+        powers.token_powers,
+        powers.block_base,
+        keys,
+        states,
     )
+    return keys, states
 
 
 def fast_block_keys(
@@ -274,64 +293,75 @@ def hash_block_tokens(
 
 def byte_chain(
     tokens: np.ndarray,
-    first: int,
-    stop: int,
+    segment_lengths: np.ndarray,
+    parents: list[bytes],
+    namespaces: list[bytes],
     block_size: int,
-    parent: bytes,
-    namespace_bytes: bytes,
     hash_fn: HashFn,
 ) -> list[bytes]:
-    """Byte-chained hashes of blocks ``first .. stop-1`` of ``tokens`` after ``parent``.
+    """Byte-chained hashes of several segments of blocks, each after its own parent.
 
-    ``tokens``: integer ``[n]`` (on cpu), block ``i`` being ``tokens[i * block_size : (i + 1)
-    * block_size]``; each block's digest ``hash_fn(parent + little-endian int64 token bytes +
-    namespace_bytes)`` is the next block's parent. Returns the ``stop - first`` digests.
-    Compiled where the install built it (``hash_fn`` :func:`sha256_block_hash` then costs no
-    Python call per block), else :func:`byte_chain_python`; the results are equal.
+    ``tokens``: integer ``[n * block_size]`` (on cpu), the ``n`` blocks of every segment back
+    to back; segment ``r`` is ``segment_lengths[r]`` blocks (int64 ``[m]``, >= 0, summing to
+    ``n``), its first block's parent ``parents[r]`` and its namespace ``namespaces[r]``
+    (bytes). Each block's digest ``hash_fn(parent + little-endian int64 token bytes +
+    namespace)`` is the next block's parent. Returns the ``n`` digests in order. Compiled where
+    the install built it (``hash_fn`` :func:`sha256_block_hash` then costs no Python call per
+    block), else :func:`byte_chain_python`; the results are equal.
 
-    Raises ``ValueError`` when the blocks are not full blocks of ``tokens``, ``TypeError``
-    when ``parent``, ``namespace_bytes`` or a digest is not bytes.
+    Raises ``ValueError`` when the lengths do not cut ``tokens`` into whole blocks or disagree
+    with the parents, ``TypeError`` when a parent, a namespace or a digest is not bytes.
     """
     compiled = _loader.COMPILED
     if compiled is not None:
         return compiled.byte_chain(  # type: ignore[no-any-return]
             np.ascontiguousarray(tokens, dtype=np.int64),
-            first,
-            stop,
+            np.ascontiguousarray(segment_lengths, dtype=np.int64),
+            parents,
+            namespaces,
             block_size,
-            parent,
-            namespace_bytes,
             hash_fn,
         )
-    return byte_chain_python(tokens, first, stop, block_size, parent, namespace_bytes, hash_fn)
+    return byte_chain_python(tokens, segment_lengths, parents, namespaces, block_size, hash_fn)
 
 
 def byte_chain_python(
     tokens: np.ndarray,
-    first: int,
-    stop: int,
+    segment_lengths: np.ndarray,
+    parents: list[bytes],
+    namespaces: list[bytes],
     block_size: int,
-    parent: bytes,
-    namespace_bytes: bytes,
     hash_fn: HashFn,
 ) -> list[bytes]:
     """:func:`byte_chain` in Python (the reference of the compiled one)."""
-    if block_size < 1 or not 0 <= first <= stop <= len(tokens) // block_size:
+    lengths = [int(n) for n in segment_lengths]
+    if len(parents) != len(lengths) or len(namespaces) != len(lengths):
         raise ValueError(
-            f"blocks {first} .. {stop} of {block_size} tokens must lie in the "
-            f"{len(tokens) // max(block_size, 1)} full blocks of tokens (block_size >= 1)"
+            f"{len(lengths)} segments, {len(parents)} parents and {len(namespaces)} namespaces"
         )
-    for name, value in (("parent", parent), ("namespace_bytes", namespace_bytes)):
-        if not isinstance(value, bytes):
-            raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
-    data = tokens[first * block_size : stop * block_size].astype("<i8", copy=False).tobytes()
+    num_blocks = len(tokens) // max(block_size, 1)
+    if block_size < 1 or len(tokens) % block_size or min(lengths, default=0) < 0 or sum(
+        lengths
+    ) != num_blocks:
+        raise ValueError(
+            f"segment_lengths {lengths} must be >= 0 and cut the tokens into their "
+            f"{num_blocks} blocks of {block_size} (block_size >= 1)"
+        )
+    for name, values in (("parents", parents), ("namespaces", namespaces)):
+        for value in values:
+            if not isinstance(value, bytes):
+                raise TypeError(f"{name} must hold bytes, got {type(value).__name__}")
+    data = np.asarray(tokens).astype("<i8", copy=False).tobytes()
     step = block_size * 8
     out: list[bytes] = []
-    for i in range(stop - first):
-        parent = hash_fn(parent + data[i * step : (i + 1) * step] + namespace_bytes)
-        if not isinstance(parent, bytes):
-            raise TypeError(f"hash_fn must return bytes, got {type(parent).__name__}")
-        out.append(parent)
+    at = 0
+    for length, parent, namespace in zip(lengths, parents, namespaces):
+        for _ in range(length):
+            parent = hash_fn(parent + data[at : at + step] + namespace)
+            if not isinstance(parent, bytes):
+                raise TypeError(f"hash_fn must return bytes, got {type(parent).__name__}")
+            out.append(parent)
+            at += step
     return out
 
 

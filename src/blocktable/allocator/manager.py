@@ -319,14 +319,19 @@ class KVCacheManager(RunningRequests):
         ValueError
             The tokens are not known yet (append them first) or have no block allocated.
         """
-        req = self._get(req_id)
-        count = check_count("num_tokens", num_tokens)
-        if req_id in self._pending_computed:
+        req = self._defer("computed", req_id)
+        if req is None:
             self._settle()
-        num_computed = req.num_computed_tokens + count
-        if num_computed > req.num_slots or num_computed > req.num_tokens:
+            req = self._get(req_id)  # (raises)
+        count = num_tokens
+        if type(count) is not int or count < 0:
+            count = check_count("num_tokens", num_tokens)
+        state, row = self._row_state, req.row
+        num_computed = state.num_computed_mv[row] + count
+        if num_computed > state.num_slots_mv[row] or num_computed > state.num_tokens_mv[row]:
             self._raise_computed(req, num_computed)
-        self._pending_computed[req_id] = count
+        self._pending_kind = "computed"  # recorded (see _settle)
+        self._pending[req_id] = count
 
     def mark_computed_many(
         self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blocktable.allocator.pool import BlockPool
-from blocktable.block_hashing import ChainPowers, block_content_hashes, chain_keys
+from blocktable.block_hashing import ChainPowers, token_chain_keys
 
 _U64 = np.uint64
 
@@ -71,8 +71,8 @@ def prompt_keys(
     plans: Sequence[PromptPlan], block_sizes: Sequence[int], powers: dict[int, ChainPowers]
 ) -> None:
     """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
-    (the plans' token ids concatenated once, hashed with one product and chained in one scan;
-    each plan's keys and states are views of that pass's arrays)."""
+    (the plans' token ids concatenated once and keyed in one call; each plan's keys and states
+    are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
     for bs in sorted(set(block_sizes)):
         counts, starts, parts, end = [], [], [], 0
@@ -86,9 +86,9 @@ def prompt_keys(
             # (the full blocks: a whole prompt of full blocks is not sliced)
             parts.append(tokens if count * bs == num_tokens else tokens[: count * bs])
         blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        hashes = block_content_hashes(blocks.reshape(-1, bs), powers[bs])
-        segments = np.array((counts, starts), dtype=np.int64)  # one conversion for both
-        keys, states = chain_keys(hashes, segments[0], seeds, powers[bs], segments[1])
+        keys, states = token_chain_keys(
+            blocks.reshape(-1, bs), np.array(counts, dtype=np.int64), seeds, powers[bs]
+        )
         for plan, start, count in zip(plans, starts, counts):
             stop = start + count
             plan.keys[bs] = keys[start:stop]

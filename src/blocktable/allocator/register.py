@@ -112,12 +112,11 @@ def _register_size(
         parents = np.zeros(total, dtype=np.int64)  # 0: the content of the block before
         parents[seg_starts] = parent_cid[seg_rows]
         hashes = None
-        if byte_hash_fn is not None:
-            hashes = []
-            for req, f, s, at in zip(seg_reqs, first.tolist(), stop.tolist(), seg_starts.tolist()):
-                hashes += byte_chain(tokens[at * bs : s * bs - f * bs + at * bs], 0, s - f, bs,
-                                     req.parent_hashes[g], req.namespace_bytes, byte_hash_fn)
-                req.parent_hashes[g] = hashes[-1]
+        if byte_hash_fn is not None:  # every segment's blocks in one call
+            hashes = byte_chain(tokens, lengths, [req.parent_hashes[g] for req in seg_reqs],
+                                [req.namespace_bytes for req in seg_reqs], bs, byte_hash_fn)
+            for req, end in zip(seg_reqs, ends.tolist()):
+                req.parent_hashes[g] = hashes[end - 1]
         arena = state.blocks[g]
         if pos is None:
             block_ids = state.gather(g, seg_rows, first, lengths)

@@ -5,8 +5,10 @@ does not know about block contents: it hands blocks out of the pools (``allocate
 appends sampled tokens, releases a leaving request's blocks and row, answers queries about
 running requests, and turns the step's row changes into a
 :class:`~blocktable.update.StepUpdate`. Every batched call checks all its arguments before it
-changes anything; the per-request calls are wrappers over the batched ones, but for
-``allocate``, which works on its one request in Python ints.
+changes anything; the per-request calls are wrappers over the batched ones (``free`` and
+``append_token_ids`` check and record the call, applied with the others of its kind by one
+batched call at the next call of anything else), but for ``allocate``, which works on its one
+request in Python ints.
 """
 
 from __future__ import annotations
@@ -58,9 +60,14 @@ class RunningRequests:
         self._row_state = RowState(max_num_reqs, len(self._pools))
         self._journal = StepJournal(len(self._pools), self._row_state)
         self.num_preemptions = 0
-        # per-request mark_computed calls recorded since the last call of any other method
-        # (distinct requests, in call order): applied by _settle as one batched call
-        self._pending_computed: dict[ReqId, int] = {}
+        # Per-request calls of one kind (mark_computed, append_token_ids or free), checked when
+        # made and recorded since the last call of any other method or kind (distinct
+        # requests, in call order; per request what the batched call needs): applied by
+        # _settle as one batched call. Calls of one kind on distinct requests commute, and
+        # each was checked against the state the earlier ones leave for it, so the batched
+        # call cannot fail.
+        self._pending: dict[ReqId, object] = {}
+        self._pending_kind = ""  # "computed", "append" or "free"
 
     @property
     def pools(self) -> tuple[BlockPool, ...]:
@@ -69,19 +76,60 @@ class RunningRequests:
         return self._pools
 
     def _settle(self) -> None:
-        """Apply the recorded per-request ``mark_computed`` calls (one batched call); every
-        other public method calls this first, so what it reads or changes is up to date."""
-        pending = self._pending_computed
+        """Apply the recorded per-request calls (one batched call); every other public method
+        calls this first, so what it reads or changes is up to date."""
+        pending = self._pending
         if pending:
-            self._pending_computed = {}
-            self._apply_computed(list(pending), list(pending.values()))
+            self._pending = {}
+            req_ids, kind = list(pending), self._pending_kind
+            if kind == "computed":
+                self._apply_computed(req_ids, list(pending.values()))  # type: ignore[arg-type]
+            elif kind == "append":
+                self._apply_appends(req_ids, list(pending.values()))  # type: ignore[arg-type]
+            else:
+                self._release([self._requests[req_id] for req_id in req_ids])
+
+    def _defer(self, kind: str, req_id: ReqId) -> RequestState | None:
+        """Before a per-request call of ``kind`` is checked and recorded (``_pending_kind`` set
+        to ``kind``, ``_pending[req_id]`` to what the batched call needs): settle unless the
+        calls pending are of this kind on other requests; return the request, or None when
+        ``req_id`` is not a running request's id (the batched call then checks and words it)."""
+        plain = type(req_id) in (int, str)  # (else: maybe unhashable)
+        if self._pending and (self._pending_kind != kind or not plain or req_id in self._pending):
+            self._settle()
+        return self._requests.get(req_id) if plain else None
 
     def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
-        """Append generated tokens (one int or a sequence) to the request's sequence."""
-        self.append_token_ids_many([req_id], [token_ids])
+        """Append generated tokens (one int or a sequence) to the request's sequence.
+
+        Same as ``append_token_ids_many([req_id], [token_ids])``: checked now; the work is done
+        by one batched call of the requests appended to since the last call of any other
+        method (see :meth:`mark_computed`).
+        """
+        req = self._defer("append", req_id)
+        if req is None:
+            self._settle()
+            self.append_token_ids_many([req_id], [token_ids])
+            return
+        new = token_array(f"token_ids of request {req_id!r}", token_ids)
+        if self.max_model_len is not None:
+            self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
+        self._pending_kind = "append"  # recorded (see _settle)
+        self._pending[req_id] = new
+
+    def _apply_appends(self, req_ids: list[ReqId], arrays: list[np.ndarray]) -> None:
+        """Append ``arrays[i]`` (int64, checked) to running request ``req_ids[i]`` (distinct):
+        arrays of one length as one block."""
+        reqs = [self._requests[req_id] for req_id in req_ids]
+        k = len(arrays[0])
+        if len(arrays) > 1 and all(len(new) == k for new in arrays):
+            self._append_rows(reqs, np.concatenate(arrays).reshape(len(arrays), k))
+            return
+        for req, new in zip(reqs, arrays):
+            req.append_tokens(new)
 
     def append_token_ids_many(
         self, req_ids: Sequence[ReqId], token_ids: Sequence[int | TokenIds] | np.ndarray
@@ -181,9 +229,12 @@ class RunningRequests:
                 ends.append(max(-(-total // bs), row_len[row]))
                 fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
             if fits:
-                out = []
+                out: list[list[int]] = []
                 for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
                     start = row_len[row]
+                    if end == start:  # (most decode steps: the last block has room)
+                        out.append([])
+                        continue
                     new = pool.take(end - start)
                     state.ensure_width(g, end)[row, start:end] = new
                     row_len[row] = end
@@ -305,14 +356,21 @@ class RunningRequests:
         """Release a finished request's blocks (cached ones stay findable) and its row.
 
         A preempted request (holding nothing) is forgotten. Blocks are queued tail first, so a
-        request's tail is evicted before its (possibly shared) prefix.
+        request's tail is evicted before its (possibly shared) prefix. Same as
+        ``free_many([req_id])``: checked now; the work is done by one batched call of the
+        requests freed since the last call of any other method (see :meth:`mark_computed`).
 
         Raises
         ------
         KeyError
             Unknown request, or freed twice.
         """
-        self.free_many([req_id])
+        if self._defer("free", req_id) is None:  # preempted, or not a running request
+            self._settle()
+            self.free_many([req_id])
+            return
+        self._pending_kind = "free"  # recorded (see _settle)
+        self._pending[req_id] = None
 
     def free_many(self, req_ids: Sequence[ReqId]) -> None:
         """:meth:`free` of several requests at once (in order); checked fully first."""
