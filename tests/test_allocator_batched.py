@@ -186,6 +186,11 @@ def running_pair() -> KVCacheManager:
         (lambda m: m.mark_computed_many(["a", "a"], [0, 0]), ValueError, "twice"),
         (lambda m: m.mark_computed_many(["a"], [1, 2]), ValueError, "num_tokens has 2 entries"),
         (lambda m: m.free_many(["a", "zz"]), KeyError, "unknown request 'zz'"),
+        (lambda m: m.rows_of(["a", "zz"]), KeyError, "unknown request 'zz'"),
+        (lambda m: m.rows_of(["c", "b"]), KeyError, "request 'b' is preempted"),
+        (lambda m: m.rows_of(["c", "a", "c"]), ValueError, "twice"),
+        (lambda m: m.rows_of("ac"), TypeError, "req_ids must be a list"),
+        (lambda m: m.rows_of([["a"]]), TypeError, "req_ids entries"),
         (lambda m: m.free_many(["a", "a"]), ValueError, "twice"),
         (lambda m: m.free_many(["b", "b"]), ValueError, "twice"),
         (
@@ -580,3 +585,27 @@ def test_per_request_allocate_of_any_integer_count_equals_the_batched_call(
                                           - mgr.num_computed_tokens(req_id)))
         assert observable(one) == observable(many)
         assert as_lists(one.take_step_update()) == as_lists(many.take_step_update())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_of_equals_row_of_with_per_request_calls_recorded(seed: int) -> None:
+    """The batched look-up settles the per-request calls recorded before it (a recorded
+    free makes the request unknown), then answers what row_of answers, in the order asked."""
+    rng = np.random.default_rng(seed)
+    mgr = KVCacheManager([AllocatorGroupSpec(4, 64)], 8)
+    live: list[int] = []
+    for step in range(30):
+        arrivals = [100 * step + i for i in range(int(rng.integers(0, 8 - len(live) + 1)))]
+        mgr.add_requests(arrivals, [rng.integers(0, 9, int(rng.integers(1, 12))) for _ in arrivals])
+        live += arrivals
+        for r in [r for r in live if rng.random() < 0.3]:
+            mgr.free(r)  # recorded, applied by the next call
+            live.remove(r)
+            with pytest.raises(KeyError, match=f"unknown request {r}"):
+                mgr.rows_of([*live, r])
+        asked = rng.permutation(np.array(live, dtype=np.int64))[: int(rng.integers(0, len(live) + 1))]
+        got = mgr.rows_of(asked)  # (an int array of ids, as the requests' own ids)
+        assert got.dtype == np.int32
+        assert got.tolist() == [mgr.row_of(int(r)) for r in asked]
+    assert sorted(mgr.rows_of(live).tolist()) == sorted(mgr.row_of(r) for r in live)
+    mgr.check_integrity()

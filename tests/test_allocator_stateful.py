@@ -310,6 +310,30 @@ class AllocatorMachine(RuleBasedStateMachine):
                 mgr.mark_computed_many(live, [MAX_MODEL_LEN + 1] * len(live))
         assert self.snapshot() == before
 
+    @rule(data=st.data())
+    def rows_of(self, data: st.DataObject) -> None:
+        """The batched row look-up equals the per-request one and the reference, for any
+        subset in any order (with per-request calls still recorded); a request that is not
+        running or a repeat raises naming it and changes nothing."""
+        mgr = self.mgr
+        assert mgr is not None
+        order = data.draw(st.permutations(sorted(self.live)))
+        ids = order[: data.draw(st.integers(0, len(order)))]
+        got = mgr.rows_of(ids if data.draw(st.booleans()) else tuple(ids))
+        assert got.dtype == np.int32 and got.shape == (len(ids),)
+        assert got.tolist() == [self.ref.reqs[r].row for r in ids]
+        assert got.tolist() == [mgr.row_of(r) for r in ids]
+        before = self.snapshot()
+        gone = data.draw(st.sampled_from([*self.preempted, self.next_id + 1000]))
+        with pytest.raises(KeyError, match=repr(gone)):
+            mgr.rows_of([*ids, gone])
+        if ids:
+            with pytest.raises(ValueError, match="twice"):
+                mgr.rows_of([*ids, ids[0]])
+        with pytest.raises(TypeError, match="req_ids must be a list"):
+            mgr.rows_of(set(ids))  # type: ignore[arg-type]
+        assert self.snapshot() == before
+
     @rule(
         params=st.lists(
             st.tuples(st.integers(1, 12), st.integers(0, 3), st.integers(0, VOCAB - 1)),

@@ -14,7 +14,7 @@ request in Python ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add, sub
+from operator import add, attrgetter, sub
 from typing import NoReturn
 
 import numpy as np
@@ -32,6 +32,7 @@ from blocktable.token_ids import TokenIds, token_array, token_rows
 from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
+_ROW = attrgetter("row")
 
 
 class RunningRequests:
@@ -415,6 +416,24 @@ class RunningRequests:
         """The table row of a running request."""
         self._settle()
         return self._get(req_id).row
+
+    def rows_of(self, req_ids: Sequence[ReqId]) -> np.ndarray:
+        """:meth:`row_of` of several running requests (distinct), in order.
+
+        Returns
+        -------
+        np.ndarray
+            int32 ``[len(req_ids)]`` on cpu, a new array.
+
+        Raises
+        ------
+        KeyError
+            A request that is not running (named); ``ValueError`` for one given twice,
+            ``TypeError`` for ``req_ids`` not a list, tuple or 1-D array. Nothing changes.
+        """
+        self._settle()
+        reqs = running_requests(self._requests, self._preempted, as_list("req_ids", req_ids))
+        return np.fromiter(map(_ROW, reqs), np.int32, len(reqs))
 
     def block_ids(self, req_id: ReqId) -> tuple[list[int], ...]:
         """Per group, the request's manager block ids (``NULL_BLOCK_ID`` outside a window)."""
