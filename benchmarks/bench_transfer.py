@@ -174,12 +174,11 @@ def _admission_only(pw: Any, dw: Any, ids: list[str], arrived: list[np.ndarray])
     """What admitting the same requests costs an engine without a transfer: the decode side's
     allocator calls and Request objects (their prompt lists made from the token ids as they
     arrive, ``arrived``: int64 arrays, each prompt then its first token), the prefill side's
-    row look-ups (the engine makes one per scheduled request each step) and its free."""
+    row look-up (one batched call, as in the round) and its free."""
     from blocktable.engine import Request, RequestStatus
 
     manager, engine = dw.engine.manager, dw.engine
-    for req_id in ids:
-        pw.engine.manager.row_of(req_id)
+    pw.engine.manager.rows_of(ids)
     hits = manager.add_requests(ids, arrived)
     num_new = [len(t) - 1 - h for t, h in zip(arrived, hits)]
     manager.allocate_many(ids, num_new)
@@ -247,7 +246,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
 
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
-    calls on both sides, the prefill side's row look-ups, the decode side's ``Request``
+    calls on both sides, the prefill side's row look-up, the decode side's ``Request``
     objects), and minus the clock's own cost for each call it timed (measured on a no-op, so
     what the paired figure keeps is the transfer's code only). Unpaired: the round's time minus admitting the same requests into an engine
     without a transfer (:func:`_admission_only`), run alternately; the difference of two
@@ -277,9 +276,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     clock = _EngineClock()
     for manager in (pw.engine.manager, dw.engine.manager):
         for name in ("add_requests", "allocate_many", "mark_computed_many", "free_many",
-                     "lookup_prefix", "can_admit", "add_request", "allocate"):
+                     "lookup_prefix", "can_admit", "add_request", "allocate", "rows_of"):
             clock.wrap(manager, name)
-    clock.wrap(pw, "_rows_of")
     clock.wrap(dw, "_add_running")
     per_call_s = statistics.median(clock.own_cost_s() for _ in range(5))
     rng = np.random.default_rng(0)

@@ -50,12 +50,11 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs", "rows")
+    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
-        self.rows: list[int] = []  # table rows
         self.first_tokens: list[int] = []
         self.max_new_tokens: list[int] = []
 
@@ -172,13 +171,8 @@ class PrefillWorker:
         ids = [req.req_id for req in done]
         p.reqs += done
         p.req_ids += ids
-        p.rows += self._rows_of(ids)
         p.max_new_tokens += map(self._max_new_tokens.pop, ids)
         p.first_tokens += [req.output_token_ids[0] for req in done]
-
-    def _rows_of(self, req_ids: list[str]) -> list[int]:
-        """Their table rows (the allocator's look-up, one per request)."""
-        return list(map(self.engine.manager.row_of, req_ids))
 
     def _offer_batch(self) -> OfferBatch:
         """Every pending request as one message: its token ids (a slice of the prompts'
@@ -267,7 +261,7 @@ class PrefillWorker:
         """
         table = self.engine.table.tables[0]
         assert table is not None
-        rows = np.array(self.pending.rows, dtype=np.intp)
+        rows = self.engine.manager.rows_of(self.pending.req_ids)
         starts = self._offered_starts
         num_prompt = starts[1:] - starts[:-1]
         num_prompt -= 1
