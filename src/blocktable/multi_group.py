@@ -12,7 +12,7 @@ from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array, check_count, check_index, check_positive
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
-from blocktable.commit import CommitStats, Committer
+from blocktable.commit import FULL, CommitStats, Committer
 from blocktable.config import (
     CPConfig,
     GroupKind,
@@ -32,6 +32,7 @@ from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
 
 _ID_LIST_TYPES = {list, tuple, np.ndarray, torch.Tensor, type(None)}  # per group: ids or None
+_REFUSED = -2  # GroupWriter.apply_and_stage: the update was refused (nothing written)
 
 
 class MultiGroupBlockTable(AttentionViews):
@@ -146,6 +147,13 @@ class MultiGroupBlockTable(AttentionViews):
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
         self.committer = Committer(self.storage, self.backend)
+        # a one-group table's compiled apply-and-stage (None: two calls): its group's writer,
+        # draining into the committer's stager
+        self._staging_writer = None
+        writer = self.tables[0].writer if len(self.tables) == 1 and self.tables[0] else None
+        if writer is not None and self.committer.compiled_stager is not None:
+            writer.bind_stager(self.committer.compiled_stager)
+            self._staging_writer = writer
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
@@ -334,6 +342,39 @@ class MultiGroupBlockTable(AttentionViews):
         self.storage.before_host_write()
         for table, plan in plans:
             write_group_update(table, plan)
+
+    def apply_and_stage(self, update: StepUpdate, staging: np.ndarray, max_pairs: int) -> int:
+        """:meth:`apply`, then ``committer.stage(staging, max_pairs)``: the update written to
+        the host table and every change since the last commit drained into ``staging`` as
+        ``(flat index, value)`` pairs (int32 ``[>= 1 + 2 * max_pairs]`` on cpu: the number of
+        pairs, the indices, the values). Returns the number of pairs, or
+        :data:`~blocktable.commit.FULL` when they exceed ``max_pairs`` (the update is written;
+        its changes wait for :meth:`commit`).
+
+        For a one-group table where the install built the compiled part this is one compiled
+        call that checks everything before its first write; a refused update changes nothing
+        and raises as :meth:`apply` does.
+        """
+        writer = self._staging_writer
+        if writer is not None and type(update) is StepUpdate and (
+                self.storage.host_read_event is None):
+            sizes = update.allocator_block_sizes
+            added, appended, nulled = update.added, update.appended, update.nulled
+            if (sizes is None or sizes == self._update_block_sizes) and (
+                    len(added) == len(appended) == len(nulled) == 1):
+                a, p, z = added[0], appended[0], nulled[0]
+                try:  # the allocator's format (int32 arrays) goes straight to the writer
+                    n = writer.apply_and_stage(
+                        update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
+                        p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices,
+                        staging, max_pairs)
+                except (TypeError, ValueError):
+                    n = _REFUSED  # anything else: apply converts it, or names what is wrong
+                if n != _REFUSED:
+                    self.storage.changed = n == FULL
+                    return n
+        self.apply(update)  # raises for a refused update (the writer wrote nothing)
+        return self.committer.stage(staging, max_pairs)
 
     # ---- host -> device ------------------------------------------------------------------
     def commit(self, num_reqs: int | None = None) -> CommitStats:
