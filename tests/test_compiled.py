@@ -18,7 +18,7 @@ import pytest
 
 from blocktable import _host_loops as loops
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
-from blocktable.update import RowBlocks
+from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
 compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
 
@@ -533,6 +533,12 @@ class StagedGroup(Group):
                                   ROWS * WIDTH, self.host, staging, capacity)
 
 
+def one_group_update(parts: list[object]) -> StepUpdate:
+    """An update of one group holding the nine arrays of ``parts`` (as ``random_parts``)."""
+    return StepUpdate(parts[0], (RowBlocks(*parts[1:4]),), (RowBlocks(*parts[4:7]),),
+                      (RowEntries(*parts[7:9]),))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_apply_and_stage_equals_the_numpy_update_then_fill(seed: int) -> None:
     """Random updates, valid and not, staged into buffers of random capacity: the same answer,
@@ -548,7 +554,7 @@ def test_apply_and_stage_equals_the_numpy_update_then_fill(seed: int) -> None:
         capacity = int(rng.choice([0, 3, 12, 40]))
         staging = stagings[step % 2]
         want_staging = staging.copy()
-        got = writer.apply_and_stage(*parts, staging, capacity)
+        got = writer.apply_and_stage(one_group_update(parts), staging, capacity)
         want = b.numpy_apply_and_stage([p.copy() for p in parts], want_staging, capacity)
         assert got == want, (step, parts)
         answers.append(got)
@@ -579,9 +585,9 @@ def test_apply_and_stage_refuses_hostile_arguments_with_nothing_written() -> Non
     staging = np.zeros(1 + 2 * 16, I32)
     visible = [a for a in g.arrays() if a is not g.scratch] + [staging]
     empty = [np.zeros(0, I32)] * 9
-    append = [*empty[:4], np.array([1], I32), np.array([1], I32), np.array([7], I32),
-              *empty[7:]]
-    _refused(lambda: g.writer().apply_and_stage(*append, staging, 16), visible)  # unbound
+    append = one_group_update([*empty[:4], np.array([1], I32), np.array([1], I32),
+                               np.array([7], I32), *empty[7:]])
+    _refused(lambda: g.writer().apply_and_stage(append, staging, 16), visible)  # unbound
     other = StagedGroup()  # a stager draining another journal
     with pytest.raises(ValueError):
         g.writer().bind_stager(other.stager())
@@ -589,30 +595,41 @@ def test_apply_and_stage_refuses_hostile_arguments_with_nothing_written() -> Non
         g.writer().bind_stager(None)
     writer = g.bound_writer()
     for label, bad in [*hostile_variants(staging), ("read-only", read_only(staging))]:
-        _refused(lambda: writer.apply_and_stage(*append, bad, 16), visible)
+        _refused(lambda: writer.apply_and_stage(append, bad, 16), visible)
     for capacity in (17, -1, 2**40, 2**62, 2**63 - 1, -2**40):
-        _refused(lambda: writer.apply_and_stage(*append, staging, capacity), visible)
-    _refused(lambda: writer.apply_and_stage(*append, staging[:0], 0), visible)
+        _refused(lambda: writer.apply_and_stage(append, staging, capacity), visible)
+    _refused(lambda: writer.apply_and_stage(append, staging[:0], 0), visible)
     # staging over the table's own arrays: the host's rows or counts, the journal
     for alias in (g.host[:9], g.counts, g.journal.reshape(-1).view(I32)[:9]):
-        _refused(lambda: writer.apply_and_stage(*append, alias, 4), visible)
-    # update arrays of every hostile kind, over the staging or over the table
+        _refused(lambda: writer.apply_and_stage(append, alias, 4), visible)
+    # update arrays of every hostile kind, over the staging or over the table: refused (-2)
+    # or raised, nothing written
     for i in range(9):
         for label, bad in hostile_variants(np.array([1, 2], I32)) + [
                 ("staging", staging[1:3]), ("host", g.host[:2]), ("counts", g.counts[:2])]:
-            parts = list(empty)
+            parts: list[object] = list(empty)
             parts[i] = bad
-            _refused(lambda: writer.apply_and_stage(*parts, staging, 16), visible)
+            _refused(lambda: writer.apply_and_stage(one_group_update(parts), staging, 16),
+                     visible, refusal=-2)
+    # not one group's update: two groups, parts that are not sequences of parts, lengths
+    # that disagree, no update at all
+    two = StepUpdate(empty[0], (RowBlocks(),) * 2, (RowBlocks(),) * 2, (RowEntries(),) * 2)
+    for bad_update in (two, StepUpdate(empty[0], 5, (RowBlocks(),), (RowEntries(),)),
+                       StepUpdate(empty[0], (None,), (RowBlocks(),), (RowEntries(),)),
+                       one_group_update([empty[0], np.array([1], I32), *empty[2:]]),
+                       None, object()):
+        _refused(lambda: writer.apply_and_stage(bad_update, staging, 16), visible,
+                 refusal=-2)
     # refused by value: -2, nothing written, nothing staged (apply names the error)
-    bad_row = [np.array([ROWS], I32), *empty[1:]]
-    _refused(lambda: writer.apply_and_stage(*bad_row, staging, 16), visible, refusal=-2)
+    bad_row = one_group_update([np.array([ROWS], I32), *empty[1:]])
+    _refused(lambda: writer.apply_and_stage(bad_row, staging, 16), visible, refusal=-2)
     # the valid call after all that: written, then staged with the count in word 0
-    assert writer.apply_and_stage(*append, staging, 16) == 3
+    assert writer.apply_and_stage(append, staging, 16) == 3
     assert g.counts[1] == K and staging[:7].tolist() == [3, 6, 7, 25, 14, 15, 2]
     assert g.journal_len.tolist() == [0, 0] and not g.dirty.any()
     # more pairs than the capacity: the update is written, nothing staged, the journal kept
     before = staging.copy()
-    assert writer.apply_and_stage(*append[:6], np.array([8], I32), *empty[7:], staging, 2) == -1
+    assert writer.apply_and_stage(append, staging, 2) == -1
     assert g.counts[1] == 2 * K and g.journal_len.tolist() == [1, 2]
     np.testing.assert_array_equal(staging, before)
 

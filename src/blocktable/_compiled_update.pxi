@@ -338,32 +338,42 @@ cdef class GroupWriter:
             raise ValueError("the stager must drain this writer's journal")
         self.stager = stager
 
-    def apply_and_stage(self, object cleared, object add_rows, object add_num,
-                        object add_ids, object app_rows, object app_num, object app_ids,
-                        object null_rows, object null_blocks, object staging,
-                        int64_t capacity):
-        """:meth:`apply` then, if it passed, the bound stager's :meth:`PairStager.fill` into
-        ``staging`` (int32 ``[>= 1 + 2 * capacity]``: the number of pairs, the flat indices,
-        the values), every argument checked before the first write. Returns the number of
-        pairs; -1 when they exceed ``capacity`` (the update is written, nothing staged: the
-        changes wait for the table's commit); -2 when the update was refused (nothing
-        written: :meth:`apply` names why)."""
+    def apply_and_stage(self, object update, object staging, int64_t capacity):
+        """:meth:`apply` of a one-group step update then, if it passed, the bound stager's
+        :meth:`PairStager.fill` into ``staging`` (int32 ``[>= 1 + 2 * capacity]``: the number
+        of pairs, the flat indices, the values), every argument checked before the first
+        write.
+
+        ``update`` is read as a :class:`blocktable.update.StepUpdate`: its ``cleared_rows``
+        and the one entry of each of ``added``, ``appended`` and ``nulled`` (int32 arrays).
+        Returns the number of pairs; -1 when they exceed ``capacity`` (the update is written,
+        nothing staged: the changes wait for the table's commit); -2, nothing written, when
+        the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
+        arrays names why). A bad ``staging`` or ``capacity`` raises."""
         if self.stager is None:
             raise ValueError("apply_and_stage needs bind_stager() first")
         cdef int32_t[::1] out = self._staging(staging, capacity)
-        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
-        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
-        cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
-        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids")
-        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows")
-        cdef const int32_t[::1] p_num = self._take(app_num, "app_num")
-        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
-        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
-        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
+        cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
+        cdef const int32_t[::1] n_rows, n_blocks
+        try:
+            added, appended, nulled = update.added, update.appended, update.nulled
+            if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
+                return -2
+            a, p, z = added[0], appended[0], nulled[0]
+            c_rows = self._take(update.cleared_rows, "cleared")
+            a_rows = self._take(a.rows, "add_rows")
+            a_num = self._take(a.num_manager_blocks, "add_num")
+            a_ids = self._take(a.block_ids, "add_ids")
+            p_rows = self._take(p.rows, "app_rows")
+            p_num = self._take(p.num_manager_blocks, "app_num")
+            p_ids = self._take(p.block_ids, "app_ids")
+            n_rows = self._take(z.rows, "null_rows")
+            n_blocks = self._take(z.block_indices, "null_blocks")
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return -2
         if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
                 n_rows.shape[0] != n_blocks.shape[0]:
-            raise ValueError("each part's rows and counts (or block indices) must have one "
-                             "entry per row")
+            return -2
         cdef uintptr_t in_start[9]
         cdef Py_ssize_t in_bytes[9]
         _span(c_rows, in_start, in_bytes, 0)

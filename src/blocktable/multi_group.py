@@ -359,18 +359,9 @@ class MultiGroupBlockTable(AttentionViews):
         if writer is not None and type(update) is StepUpdate and (
                 self.storage.host_read_event is None):
             sizes = update.allocator_block_sizes
-            added, appended, nulled = update.added, update.appended, update.nulled
-            if (sizes is None or sizes == self._update_block_sizes) and (
-                    len(added) == len(appended) == len(nulled) == 1):
-                a, p, z = added[0], appended[0], nulled[0]
-                try:  # the allocator's format (int32 arrays) goes straight to the writer
-                    n = writer.apply_and_stage(
-                        update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
-                        p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices,
-                        staging, max_pairs)
-                except (TypeError, ValueError):
-                    n = _REFUSED  # anything else: apply converts it, or names what is wrong
-                if n != _REFUSED:
+            if sizes is None or sizes == self._update_block_sizes:
+                n = writer.apply_and_stage(update, staging, max_pairs)
+                if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
                     self.storage.changed = n == FULL
                     return n
         self.apply(update)  # raises for a refused update (the writer wrote nothing)
