@@ -62,10 +62,11 @@ class Committer:
         # (as flat uint8, the same memory) and host buffer, where the install built it (else
         # numpy)
         compiled = _loader.COMPILED
-        self.compiled_stager = None if compiled is None else compiled.PairStager(
+        stager = None if compiled is None else compiled.PairStager(
             storage.journal, storage.journal_len, storage.dirty_rows.reshape(-1).view(np.uint8),
             storage.counts_offset, storage.host)
-        self._compiled_fill = None if compiled is None else self.compiled_stager.fill
+        self.compiled_stager = stager
+        self._compiled_fill = None if stager is None else stager.fill
         cuda = storage.device.type == "cuda"
         # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
         self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
