@@ -399,7 +399,10 @@ cdef class GroupWriter:
 
     cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
         """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
-        this writer's arrays); the remembered view for one of the last two arrays taken."""
+        this writer's arrays); the remembered view for one of the last two arrays taken (a
+        captured step's two staging buffers). As with the bound arrays, a remembered array is
+        held: its memory cannot be freed while the writer holds its view, and it was writable
+        and apart from every bound array when it was taken."""
         cdef int32_t[::1] out
         if staging is self.staged_a and staging is not None:
             out = self.staged_view_a
