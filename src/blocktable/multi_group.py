@@ -147,13 +147,12 @@ class MultiGroupBlockTable(AttentionViews):
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
         self.committer = Committer(self.storage, self.backend)
-        # a one-group table's compiled apply-and-stage (None: two calls): its group's writer,
-        # draining into the committer's stager
-        self._staging_writer = None
+        # a one-group table's writer, draining into the committer's stager (None: two calls)
         writer = self.tables[0].writer if len(self.tables) == 1 and self.tables[0] else None
-        if writer is not None and self.committer.compiled_stager is not None:
-            writer.bind_stager(self.committer.compiled_stager)
-            self._staging_writer = writer
+        stager = self.committer.compiled_stager
+        self._staging_writer = None if writer is None or stager is None else writer
+        if self._staging_writer is not None:
+            self._staging_writer.bind_stager(stager)
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
@@ -344,22 +343,15 @@ class MultiGroupBlockTable(AttentionViews):
             write_group_update(table, plan)
 
     def apply_and_stage(self, update: StepUpdate, staging: np.ndarray, max_pairs: int) -> int:
-        """:meth:`apply`, then ``committer.stage(staging, max_pairs)``: the update written to
-        the host table and every change since the last commit drained into ``staging`` as
-        ``(flat index, value)`` pairs (int32 ``[>= 1 + 2 * max_pairs]`` on cpu: the number of
-        pairs, the indices, the values). Returns the number of pairs, or
-        :data:`~blocktable.commit.FULL` when they exceed ``max_pairs`` (the update is written;
-        its changes wait for :meth:`commit`).
-
-        For a one-group table where the install built the compiled part this is one compiled
-        call that checks everything before its first write; a refused update changes nothing
-        and raises as :meth:`apply` does.
-        """
+        """:meth:`apply`, then ``committer.stage(staging, max_pairs)`` (``staging``: int32
+        ``[>= 1 + 2 * max_pairs]`` on cpu, filled with the number of pairs, the flat indices,
+        the values); returns the number of pairs, or :data:`~blocktable.commit.FULL` (the
+        update written, its changes left for :meth:`commit`). One compiled call, every check
+        before its first write, for a one-group table where the compiled part is built."""
         writer = self._staging_writer
         if writer is not None and type(update) is StepUpdate and (
                 self.storage.host_read_event is None):
-            sizes = update.allocator_block_sizes
-            if sizes is None or sizes == self._update_block_sizes:
+            if update.allocator_block_sizes in (None, self._update_block_sizes):
                 n = writer.apply_and_stage(update, staging, max_pairs)
                 if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
                     self.storage.changed = n == FULL
