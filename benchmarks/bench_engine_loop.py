@@ -65,6 +65,7 @@ class Breakdown:
         "step.run_staged": "",
         "run._check_batch": "step.run",
         "run._check_values": "step.run_staged",
+        "run.apply_and_stage": "step.run_staged",
         "run.stager.stage": "step.run",
         "run._run_numpy": "step.run",
         "run._run_device": "step.run",
@@ -117,6 +118,7 @@ class Breakdown:
             self.wrap(step, "_check_arrays", "run._check_arrays")
             self.wrap(step_runner, "_check_batch_values", "run._check_batch_values")
             self.wrap(engine.table, "apply", "run.apply")
+            self.wrap(engine.table, "apply_and_stage", "run.apply_and_stage")
             self.wrap(engine.table.committer, "stage", "run.committer.stage")
             self.wrap(step_runner, "slot_mapping_numpy", "run.slot_mapping_numpy")
             self.wrap(step, "_device_work", "run._device_work")  # CUDA without a graph

@@ -27,7 +27,7 @@ from blocktable.block_hashing import (
     token_chain_keys,
 )
 from blocktable.slot_mapping.torch_impl import slot_mapping_numpy
-from blocktable.update import RowBlocks
+from blocktable.update import RowBlocks, RowEntries, StepUpdate
 
 compiled = pytest.importorskip("blocktable._compiled", reason="the compiled part is not built")
 
@@ -201,13 +201,15 @@ def test_fill_staging_equals_numpy() -> None:
         results = []
         for use_compiled in (True, False):
             j, jl, d = journal.copy(), jlen.copy(), dirty.copy()
-            staging = np.full(2 * capacity, 7, I32)
+            staging = np.full(1 + 2 * capacity, 7, I32)
             if use_compiled:
                 stager = compiled.PairStager(j, jl, d.view(np.uint8), 48, host)
                 n = stager.fill(staging, capacity)
             else:
                 n = loops.fill_staging(j, jl, d.reshape(1, -1), 48, host, staging, capacity)
-            results.append((n, staging[: 2 * max(n, 0)].tolist(), jl.tolist(), d.tolist()))
+            if n >= 0:
+                assert staging[0] == n
+            results.append((n, staging.tolist(), jl.tolist(), d.tolist()))
         assert results[0] == results[1]
 
 
@@ -467,7 +469,7 @@ def test_batch_checker_and_pair_stager_refuse_hostile_arguments() -> None:
             compiled.BatchChecker(bad_qsl, bad_rows, num_rows)
     journal, jlen = np.array([[0, 2], [0, 0]], I64), np.array([1, 2], I64)
     dirty, host = np.array([1, 0], np.uint8), np.arange(10, dtype=I32)
-    staging = np.zeros(8, I32)
+    staging = np.zeros(9, I32)
     arrays = [journal, jlen, dirty, host, staging]
 
     def args() -> list:
@@ -490,11 +492,13 @@ def test_batch_checker_and_pair_stager_refuse_hostile_arguments() -> None:
     stager = compiled.PairStager(journal, jlen, dirty, 8, host)
     for label, bad in [*hostile_variants(staging), ("read-only", read_only(staging))]:
         _refused(lambda: stager.fill(bad, 4), arrays)
-    for capacity in (5, -1, 2**40, -2**40):
+    for capacity in (5, -1, 2**40, 2**62, 2**63 - 1, -2**40):
         _refused(lambda: stager.fill(staging, capacity), arrays)
+    _refused(lambda: stager.fill(staging[:8], 4), arrays)  # no room for the header
+    _refused(lambda: stager.fill(staging[:0], 0), arrays)
     # staging that aliases a bound array
-    _refused(lambda: stager.fill(host[:8], 4), arrays)
-    _refused(lambda: stager.fill(jlen.view(I32), 2), arrays)
+    _refused(lambda: stager.fill(host[:9], 4), arrays)
+    _refused(lambda: stager.fill(jlen.view(I32), 1), arrays)
     for bad_run in ([[-1, 2]], [[9, 2]], [[0, -1]], [[0, 2**40]], [[2**62, 2]]):
         j = np.array(bad_run + [[0, 0]], I64)
         jl = np.array([1, bad_run[0][1]], I64)
@@ -505,7 +509,138 @@ def test_batch_checker_and_pair_stager_refuse_hostile_arguments() -> None:
         _refused(lambda: stager.fill(staging, 4), arrays)
     jlen[:] = [1, 2]
     assert stager.fill(staging, 4) == 3  # the valid call still works: 2 entries and a count
-    assert staging[:6].tolist() == [0, 1, 8, 0, 1, 8]
+    assert staging[:7].tolist() == [3, 0, 1, 8, 0, 1, 8]
+
+
+class StagedGroup(Group):
+    """A one-group table as the table binds it: the rows and counts in one host buffer, a
+    writer and a pair stager over the same journal, the writer bound to the stager."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        super().__init__(capacity)
+        self.host = np.zeros(ROWS * WIDTH + ROWS, I32)
+        self.table, self.counts = self.host[: ROWS * WIDTH], self.host[ROWS * WIDTH :]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.host, self.scratch, self.seen, self.dirty, self.journal, self.journal_len]
+
+    def stager(self):
+        return compiled.PairStager(self.journal, self.journal_len, self.dirty, ROWS * WIDTH,
+                                   self.host)
+
+    def bound_writer(self):
+        writer = self.writer()
+        writer.bind_stager(self.stager())
+        return writer
+
+    def numpy_apply_and_stage(self, parts: list[np.ndarray], staging: np.ndarray,
+                              capacity: int) -> int:
+        """The two numpy twins, one after the other: the writer's answer."""
+        if self.numpy_apply(parts)[0] != 0:
+            return -2
+        return loops.fill_staging(self.journal, self.journal_len, self.dirty.view(bool),
+                                  ROWS * WIDTH, self.host, staging, capacity)
+
+
+def one_group_update(parts: list[object]) -> StepUpdate:
+    """An update of one group holding the nine arrays of ``parts`` (as ``random_parts``)."""
+    return StepUpdate(parts[0], (RowBlocks(*parts[1:4]),), (RowBlocks(*parts[4:7]),),
+                      (RowEntries(*parts[7:9]),))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_apply_and_stage_equals_the_numpy_update_then_fill(seed: int) -> None:
+    """Random updates, valid and not, staged into buffers of random capacity: the same answer,
+    host table, dirty rows, journal and staging as the numpy update followed by the numpy
+    fill."""
+    rng = np.random.default_rng(100 + seed)
+    a, b = StagedGroup(capacity=40), StagedGroup(capacity=40)
+    writer = a.bound_writer()
+    stagings = [np.full(1 + 2 * 40, 7, I32), np.full(1 + 2 * 40, 7, I32)]  # as a step's two
+    answers = []
+    for step in range(300):
+        parts = random_parts(rng, a.counts, valid=rng.random() < 0.7)
+        capacity = int(rng.choice([0, 3, 12, 40]))
+        staging = stagings[step % 2]
+        want_staging = staging.copy()
+        got = writer.apply_and_stage(one_group_update(parts), staging, capacity)
+        want = b.numpy_apply_and_stage([p.copy() for p in parts], want_staging, capacity)
+        assert got == want, (step, parts)
+        answers.append(got)
+        if got >= 0:  # the same pairs (in the journal's order, which is the implementation's)
+            assert staging[0] == want_staging[0] == got
+            assert sorted(zip(staging[1 : 1 + got], staging[1 + got : 1 + 2 * got])) == \
+                sorted(zip(want_staging[1 : 1 + got], want_staging[1 + got : 1 + 2 * got]))
+        else:  # nothing staged
+            np.testing.assert_array_equal(staging, want_staging)
+        for x, y in ((a.host, b.host), (a.dirty, b.dirty)):
+            np.testing.assert_array_equal(x, y)
+        assert a.journal_len[0] == b.journal_len[0]
+        runs = int(a.journal_len[0])  # (-1: overflowed, the commit copies row spans)
+        if runs >= 0:
+            assert a.journal_len[1] == b.journal_len[1]
+        runs = max(runs, 0)
+        assert sorted(map(tuple, a.journal[:runs].tolist())) == sorted(
+            map(tuple, b.journal[:runs].tolist()))
+        if got == -1 and rng.random() < 0.5:  # the table's commit drains what did not fit
+            for g in (a, b):
+                g.journal_len[:] = 0
+                g.dirty[:] = 0
+    assert {-2, -1} <= set(answers) and max(answers) > 0
+
+
+def test_apply_and_stage_refuses_hostile_arguments_with_nothing_written() -> None:
+    g = StagedGroup()
+    staging = np.zeros(1 + 2 * 16, I32)
+    visible = [a for a in g.arrays() if a is not g.scratch] + [staging]
+    empty = [np.zeros(0, I32)] * 9
+    append = one_group_update([*empty[:4], np.array([1], I32), np.array([1], I32),
+                               np.array([7], I32), *empty[7:]])
+    _refused(lambda: g.writer().apply_and_stage(append, staging, 16), visible)  # unbound
+    other = StagedGroup()  # a stager draining another journal
+    with pytest.raises(ValueError):
+        g.writer().bind_stager(other.stager())
+    with pytest.raises(TypeError):
+        g.writer().bind_stager(None)
+    writer = g.bound_writer()
+    for label, bad in [*hostile_variants(staging), ("read-only", read_only(staging))]:
+        _refused(lambda: writer.apply_and_stage(append, bad, 16), visible)
+    for capacity in (17, -1, 2**40, 2**62, 2**63 - 1, -2**40):
+        _refused(lambda: writer.apply_and_stage(append, staging, capacity), visible)
+    _refused(lambda: writer.apply_and_stage(append, staging[:0], 0), visible)
+    # staging over the table's own arrays: the host's rows or counts, the journal
+    for alias in (g.host[:9], g.counts, g.journal.reshape(-1).view(I32)[:9]):
+        _refused(lambda: writer.apply_and_stage(append, alias, 4), visible)
+    # update arrays of every hostile kind, over the staging or over the table: refused (-2)
+    # or raised, nothing written
+    for i in range(9):
+        for label, bad in hostile_variants(np.array([1, 2], I32)) + [
+                ("staging", staging[1:3]), ("host", g.host[:2]), ("counts", g.counts[:2])]:
+            parts: list[object] = list(empty)
+            parts[i] = bad
+            _refused(lambda: writer.apply_and_stage(one_group_update(parts), staging, 16),
+                     visible, refusal=-2)
+    # not one group's update: two groups, parts that are not sequences of parts, lengths
+    # that disagree, no update at all
+    two = StepUpdate(empty[0], (RowBlocks(),) * 2, (RowBlocks(),) * 2, (RowEntries(),) * 2)
+    for bad_update in (two, StepUpdate(empty[0], 5, (RowBlocks(),), (RowEntries(),)),
+                       StepUpdate(empty[0], (None,), (RowBlocks(),), (RowEntries(),)),
+                       one_group_update([empty[0], np.array([1], I32), *empty[2:]]),
+                       None, object()):
+        _refused(lambda: writer.apply_and_stage(bad_update, staging, 16), visible,
+                 refusal=-2)
+    # refused by value: -2, nothing written, nothing staged (apply names the error)
+    bad_row = one_group_update([np.array([ROWS], I32), *empty[1:]])
+    _refused(lambda: writer.apply_and_stage(bad_row, staging, 16), visible, refusal=-2)
+    # the valid call after all that: written, then staged with the count in word 0
+    assert writer.apply_and_stage(append, staging, 16) == 3
+    assert g.counts[1] == K and staging[:7].tolist() == [3, 6, 7, 25, 14, 15, 2]
+    assert g.journal_len.tolist() == [0, 0] and not g.dirty.any()
+    # more pairs than the capacity: the update is written, nothing staged, the journal kept
+    before = staging.copy()
+    assert writer.apply_and_stage(append, staging, 2) == -1
+    assert g.counts[1] == 2 * K and g.journal_len.tolist() == [1, 2]
+    np.testing.assert_array_equal(staging, before)
 
 
 def journal_args() -> list:

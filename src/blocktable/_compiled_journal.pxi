@@ -85,6 +85,7 @@ cdef class JournalDiff:
     cdef list arena_objs  # per group, the arena last taken (None at first)
     cdef list arena_views  # and its view
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
+    cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
     cdef object int32  # numpy's int32 dtype, for the parts' array
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
@@ -126,6 +127,7 @@ cdef class JournalDiff:
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
+        self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
         self.int32 = _np.dtype(_np.int32)
 
     cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
@@ -184,7 +186,8 @@ cdef class JournalDiff:
                     n += 1
         # ---- sizes, with every length checked against its arena ------------------------
         cdef const int32_t[:, ::1] arena
-        cdef list lengths = [n_cleared, n_added]
+        cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
+        lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
             arena = self._arena(arenas, g)
@@ -203,9 +206,10 @@ cdef class JournalDiff:
                         _check_len(old, arena.shape[1], "start_len", r, g)
                         grown += 1
                         new_ids += new - old
-            lengths += [n_added, add_ids, grown, grown, new_ids]
+            lens[2 + 5 * g], lens[3 + 5 * g], lens[4 + 5 * g] = n_added, add_ids, grown
+            lens[5 + 5 * g], lens[6 + 5 * g] = grown, new_ids
             total += n_added + add_ids + 2 * grown + new_ids
-        # ---- the parts, in the order of ``lengths`` -------------------------------------
+        # ---- the parts, in the order of ``lens`` ----------------------------------------
         make, none = self.row_blocks, self.no_blocks
         if total == 0:  # nothing to gather: every part is empty
             self._restart(n)
@@ -258,18 +262,32 @@ cdef class JournalDiff:
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
         cdef bytes buf = PyBytes_FromStringAndSize(<char*> &out[0], total * 4)
         flat = _np.frombuffer(buf, self.int32)
-        cdef list parts = []
-        at = 0
-        for length in lengths:
-            parts.append(flat[at : at + length] if length else self.empty)
-            at += length
+        cleared = self._part(flat, 0, n_cleared)
+        added_rows = self._part(flat, n_cleared, n_added)
+        at = n_cleared + n_added
         # the added rows serve every group; a group's empty part is the one empty instance
-        added = tuple([make(parts[1], parts[2 + 5 * g], parts[3 + 5 * g])
-                       for g in range(num_groups)]) if n_added else (none,) * num_groups
-        appended = tuple([make(parts[4 + 5 * g], parts[5 + 5 * g], parts[6 + 5 * g])
-                          if lengths[4 + 5 * g] else none for g in range(num_groups)])
+        cdef list added = [], appended = []
+        for g in range(num_groups):
+            if n_added:
+                added.append(make(added_rows, self._part(flat, at, n_added),
+                                  self._part(flat, at + n_added, lens[3 + 5 * g])))
+            else:
+                added.append(none)
+            at += n_added + lens[3 + 5 * g]
+            grown = lens[4 + 5 * g]
+            if grown:
+                appended.append(make(self._part(flat, at, grown),
+                                     self._part(flat, at + grown, grown),
+                                     self._part(flat, at + 2 * grown, lens[6 + 5 * g])))
+            else:
+                appended.append(none)
+            at += 2 * grown + lens[6 + 5 * g]
         self._restart(n)
-        return parts[0], added, appended
+        return cleared, tuple(added), tuple(appended)
+
+    cdef object _part(self, object flat, Py_ssize_t start, Py_ssize_t length):
+        """``flat[start : start + length]``, or the one empty array."""
+        return flat[start : start + length] if length else self.empty
 
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start

@@ -69,6 +69,138 @@ cdef inline bint _log(int64_t[:, ::1] journal, int64_t[::1] journal_len, int64_t
     return True
 
 
+# ---- a commit's pairs ---------------------------------------------------------------
+cdef class PairStager:
+    """A table's changes, bound once: gathers a commit's ``(flat index, value)`` pairs into a
+    staging buffer and resets the changes; the compiled twin of
+    :func:`blocktable._host_loops.fill_staging`.
+
+    The bound arrays: ``journal`` (int64 ``[capacity, 2]``, the written runs: start, length)
+    and ``host`` (int32 ``[num_entries]``, the flat host table), read only; ``journal_len``
+    (int64 ``[2]``: runs, indices; -1 runs after an overflow) and ``dirty`` (uint8, the flat
+    ``[groups, rows]`` dirty rows), written. The counts start at ``counts_offset`` of ``host``.
+    All C-contiguous, native, and overlapping no other.
+    """
+
+    cdef const int64_t[:, ::1] jour
+    cdef int64_t[::1] jlen
+    cdef unsigned char[::1] dirt
+    cdef const int32_t[::1] src
+    cdef int64_t counts_offset
+    cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
+    cdef Py_ssize_t bound_bytes[4]
+
+    def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
+                 object host):
+        if journal is None or dirty is None:
+            raise TypeError("journal and dirty must be arrays, got None")
+        try:
+            self.jour = journal
+            self.dirt = dirty
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array and dirty "
+                            f"a writable uint8 array: {exc}") from None
+        self.jlen = _int64_out(journal_len, "journal_len")
+        self.src = _int32_in(host, "host")
+        if self.jour.shape[1] != 2 or self.jlen.shape[0] != 2:
+            raise ValueError("journal must be [capacity, 2] and journal_len [2]")
+        cdef Py_ssize_t num_entries = self.src.shape[0], num_dirty = self.dirt.shape[0]
+        if counts_offset < 0 or counts_offset > num_entries or \
+                num_dirty > num_entries - counts_offset:
+            raise ValueError(f"the counts [{counts_offset}, +{num_dirty}) lie outside host's "
+                             f"{num_entries} entries")
+        self.counts_offset = counts_offset
+        spans = [
+            (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0, self.jour.shape[0] * 16),
+            (<uintptr_t>(&self.jlen[0]), 16),
+            (<uintptr_t>(&self.dirt[0]) if num_dirty else 0, num_dirty),
+            (<uintptr_t>(&self.src[0]) if num_entries else 0, num_entries * 4)]
+        cdef int i
+        for i in range(4):
+            self.bound_start[i], self.bound_bytes[i] = spans[i]
+        for i in range(4):
+            if _overlaps_any(self.bound_start[i], self.bound_bytes[i], self.bound_start,
+                             self.bound_bytes, 4, i):
+                raise ValueError("the bound arrays overlap")
+
+    def fill(self, object staging, int64_t capacity):
+        """Gather the pairs into ``staging`` (int32, writable, at least ``1 + 2 * capacity``
+        entries: word 0 the number of pairs, then their flat indices, then their values) and
+        reset the changes. Returns the number of pairs, or -1 (nothing written or reset) when
+        they exceed ``capacity`` or the journal overflowed."""
+        return self._fill(self._staging(staging, capacity), capacity)
+
+    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
+        """``staging`` as a writable view, checked: room for ``capacity`` pairs and a header,
+        overlapping no bound array."""
+        cdef int32_t[::1] out
+        if staging is None:  # (a memoryview would take None as an empty array)
+            raise TypeError("staging must be an array, got None")
+        try:
+            out = staging
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError(
+                f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
+                from None
+        _check_capacity(out, capacity)
+        if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
+                         self.bound_start, self.bound_bytes, 4, -1):
+            raise ValueError("staging overlaps the bound arrays")
+        return out
+
+    cdef int64_t _fill(self, int32_t[::1] out, int64_t capacity) except -2:
+        """:meth:`fill` into a checked view (:meth:`_staging`); ``capacity`` checked again."""
+        _check_capacity(out, capacity)
+        cdef const int64_t[:, ::1] jour = self.jour
+        cdef int64_t[::1] jlen = self.jlen
+        cdef unsigned char[::1] dirt = self.dirt
+        cdef const int32_t[::1] src = self.src
+        cdef Py_ssize_t num_entries = src.shape[0]
+        cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
+        cdef Py_ssize_t i, at = 0
+        if runs < 0:
+            return -1
+        if runs > jour.shape[0] or num_indices < 0:
+            raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
+        total = num_indices
+        for i in range(dirt.shape[0]):
+            total += dirt[i] != 0
+        if total > capacity:
+            return -1
+        for r in range(runs):  # every run inside host, and the lengths adding up, before writing
+            start, length = jour[r, 0], jour[r, 1]
+            if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
+                raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
+            at += length
+        if at != num_indices:
+            raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
+        at = 1  # (word 0: the number of pairs, written last)
+        for r in range(runs):
+            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
+                out[at] = <int32_t>q
+                at += 1
+        for i in range(dirt.shape[0]):
+            if dirt[i]:
+                out[at] = <int32_t>(self.counts_offset + i)
+                at += 1
+                dirt[i] = 0
+        for i in range(1, total + 1):
+            out[total + i] = src[out[i]]
+        out[0] = <int32_t>total
+        jlen[0] = 0
+        jlen[1] = 0
+        return total
+
+
+cdef int _check_capacity(const int32_t[::1] staging, int64_t capacity) except -1:
+    """Raise unless ``staging`` holds a header word and ``capacity`` pairs (no overflow: the
+    bound is computed from the length)."""
+    if capacity < 0 or staging.shape[0] < 1 or capacity > (staging.shape[0] - 1) // 2:
+        raise ValueError(f"capacity={capacity} needs staging of 1 + 2 * {capacity} entries, "
+                         f"got {staging.shape[0]}")
+    return 0
+
+
 cdef class GroupWriter:
     """One group's host table, bound once: checks a step update's part for the group, then
     (if it passed) writes it and journals every written run.
@@ -99,6 +231,11 @@ cdef class GroupWriter:
     cdef Py_ssize_t out_bytes[7]
     cdef object empty  # the last empty array taken (None at first), and its view
     cdef const int32_t[::1] empty_view
+    cdef PairStager stager  # the table's pair stager, for apply_and_stage (None: unbound)
+    cdef object staged_a  # the last two staging arrays taken (None at first), and their views
+    cdef object staged_b
+    cdef int32_t[::1] staged_view_a
+    cdef int32_t[::1] staged_view_b
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -191,6 +328,96 @@ cdef class GroupWriter:
                 raise ValueError("an update array overlaps the table's own arrays")
         return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
                            n_blocks, write)
+
+    def bind_stager(self, PairStager stager not None):
+        """Bind the table's pair stager (it must drain this writer's journal), for
+        :meth:`apply_and_stage`."""
+        if stager.jour.shape[0] != self.jour.shape[0] or (
+                self.jour.shape[0] and &stager.jour[0, 0] != &self.jour[0, 0]) or \
+                &stager.jlen[0] != &self.jlen[0]:
+            raise ValueError("the stager must drain this writer's journal")
+        self.stager = stager
+
+    def apply_and_stage(self, object update, object staging, int64_t capacity):
+        """:meth:`apply` of a one-group step update then, if it passed, the bound stager's
+        :meth:`PairStager.fill` into ``staging`` (int32 ``[>= 1 + 2 * capacity]``: the number
+        of pairs, the flat indices, the values), every argument checked before the first
+        write.
+
+        ``update`` is read as a :class:`blocktable.update.StepUpdate`: its ``cleared_rows``
+        and the one entry of each of ``added``, ``appended`` and ``nulled`` (int32 arrays).
+        Returns the number of pairs; -1 when they exceed ``capacity`` (the update is written,
+        nothing staged: the changes wait for the table's commit); -2, nothing written, when
+        the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
+        arrays names why). A bad ``staging`` or ``capacity`` raises."""
+        if self.stager is None:
+            raise ValueError("apply_and_stage needs bind_stager() first")
+        cdef int32_t[::1] out = self._staging(staging, capacity)
+        cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
+        cdef const int32_t[::1] n_rows, n_blocks
+        try:
+            added, appended, nulled = update.added, update.appended, update.nulled
+            if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
+                return -2
+            a, p, z = added[0], appended[0], nulled[0]
+            c_rows = self._take(update.cleared_rows, "cleared")
+            a_rows = self._take(a.rows, "add_rows")
+            a_num = self._take(a.num_manager_blocks, "add_num")
+            a_ids = self._take(a.block_ids, "add_ids")
+            p_rows = self._take(p.rows, "app_rows")
+            p_num = self._take(p.num_manager_blocks, "app_num")
+            p_ids = self._take(p.block_ids, "app_ids")
+            n_rows = self._take(z.rows, "null_rows")
+            n_blocks = self._take(z.block_indices, "null_blocks")
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return -2
+        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
+                n_rows.shape[0] != n_blocks.shape[0]:
+            return -2
+        cdef uintptr_t in_start[9]
+        cdef Py_ssize_t in_bytes[9]
+        _span(c_rows, in_start, in_bytes, 0)
+        _span(a_rows, in_start, in_bytes, 1)
+        _span(a_num, in_start, in_bytes, 2)
+        _span(a_ids, in_start, in_bytes, 3)
+        _span(p_rows, in_start, in_bytes, 4)
+        _span(p_num, in_start, in_bytes, 5)
+        _span(p_ids, in_start, in_bytes, 6)
+        _span(n_rows, in_start, in_bytes, 7)
+        _span(n_blocks, in_start, in_bytes, 8)
+        cdef uintptr_t out_start = <uintptr_t>(&out[0])
+        cdef int i
+        for i in range(9):
+            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1) \
+                    or _overlap(<void*>in_start[i], in_bytes[i], <void*>out_start,
+                                out.shape[0] * 4):
+                raise ValueError("an update array overlaps the table's own arrays or staging")
+        if self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows, n_blocks,
+                       True)[0] != OK:
+            return -2
+        return self.stager._fill(out, capacity)
+
+    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
+        """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
+        this writer's arrays); the remembered view for one of the last two arrays taken (a
+        captured step's two staging buffers). As with the bound arrays, a remembered array is
+        held: its memory cannot be freed while the writer holds its view, and it was writable
+        and apart from every bound array when it was taken."""
+        cdef int32_t[::1] out
+        if staging is self.staged_a and staging is not None:
+            out = self.staged_view_a
+        elif staging is self.staged_b and staging is not None:
+            out = self.staged_view_b
+        else:
+            out = self.stager._staging(staging, capacity)
+            if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
+                             self.out_bytes, 7, -1):
+                raise ValueError("staging overlaps the table's own arrays")
+            if self.staged_a is not None:
+                self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
+            self.staged_a, self.staged_view_a = staging, out
+        _check_capacity(out, capacity)
+        return out
 
     cdef const int32_t[::1] _take(self, object value, str name) except *:
         """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
@@ -334,115 +561,3 @@ cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* sta
         if j != skip and _overlap(<void*>start, nbytes, <void*>starts[j], sizes[j]):
             return True
     return False
-
-
-# ---- a commit's pairs ---------------------------------------------------------------
-cdef class PairStager:
-    """A table's changes, bound once: gathers a commit's ``(flat index, value)`` pairs into a
-    staging buffer and resets the changes; the compiled twin of
-    :func:`blocktable._host_loops.fill_staging`.
-
-    The bound arrays: ``journal`` (int64 ``[capacity, 2]``, the written runs: start, length)
-    and ``host`` (int32 ``[num_entries]``, the flat host table), read only; ``journal_len``
-    (int64 ``[2]``: runs, indices; -1 runs after an overflow) and ``dirty`` (uint8, the flat
-    ``[groups, rows]`` dirty rows), written. The counts start at ``counts_offset`` of ``host``.
-    All C-contiguous, native, and overlapping no other.
-    """
-
-    cdef const int64_t[:, ::1] jour
-    cdef int64_t[::1] jlen
-    cdef unsigned char[::1] dirt
-    cdef const int32_t[::1] src
-    cdef int64_t counts_offset
-    cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
-    cdef Py_ssize_t bound_bytes[4]
-
-    def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
-                 object host):
-        if journal is None or dirty is None:
-            raise TypeError("journal and dirty must be arrays, got None")
-        try:
-            self.jour = journal
-            self.dirt = dirty
-        except (ValueError, TypeError, BufferError) as exc:
-            raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array and dirty "
-                            f"a writable uint8 array: {exc}") from None
-        self.jlen = _int64_out(journal_len, "journal_len")
-        self.src = _int32_in(host, "host")
-        if self.jour.shape[1] != 2 or self.jlen.shape[0] != 2:
-            raise ValueError("journal must be [capacity, 2] and journal_len [2]")
-        cdef Py_ssize_t num_entries = self.src.shape[0], num_dirty = self.dirt.shape[0]
-        if counts_offset < 0 or counts_offset > num_entries or \
-                num_dirty > num_entries - counts_offset:
-            raise ValueError(f"the counts [{counts_offset}, +{num_dirty}) lie outside host's "
-                             f"{num_entries} entries")
-        self.counts_offset = counts_offset
-        spans = [
-            (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0, self.jour.shape[0] * 16),
-            (<uintptr_t>(&self.jlen[0]), 16),
-            (<uintptr_t>(&self.dirt[0]) if num_dirty else 0, num_dirty),
-            (<uintptr_t>(&self.src[0]) if num_entries else 0, num_entries * 4)]
-        cdef int i
-        for i in range(4):
-            self.bound_start[i], self.bound_bytes[i] = spans[i]
-        for i in range(4):
-            if _overlaps_any(self.bound_start[i], self.bound_bytes[i], self.bound_start,
-                             self.bound_bytes, 4, i):
-                raise ValueError("the bound arrays overlap")
-
-    def fill(self, object staging, int64_t capacity):
-        """Gather the pairs into ``staging`` (int32, writable, at least ``2 * capacity``
-        entries: the flat indices, then their values) and reset the changes. Returns the
-        number of pairs, or -1 (nothing written or reset) when they exceed ``capacity`` or the
-        journal overflowed."""
-        cdef int32_t[::1] out
-        try:
-            out = staging
-        except (ValueError, TypeError, BufferError) as exc:
-            raise TypeError(
-                f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
-                from None
-        if capacity < 0 or 2 * capacity > out.shape[0]:
-            raise ValueError(f"capacity={capacity} needs staging of {2 * capacity} entries, got "
-                             f"{out.shape[0]}")
-        if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
-                         self.bound_start, self.bound_bytes, 4, -1):
-            raise ValueError("staging overlaps the bound arrays")
-        cdef const int64_t[:, ::1] jour = self.jour
-        cdef int64_t[::1] jlen = self.jlen
-        cdef unsigned char[::1] dirt = self.dirt
-        cdef const int32_t[::1] src = self.src
-        cdef Py_ssize_t num_entries = src.shape[0]
-        cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
-        cdef Py_ssize_t i, at = 0
-        if runs < 0:
-            return -1
-        if runs > jour.shape[0] or num_indices < 0:
-            raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
-        total = num_indices
-        for i in range(dirt.shape[0]):
-            total += dirt[i] != 0
-        if total > capacity:
-            return -1
-        for r in range(runs):  # every run inside host, and the lengths adding up, before writing
-            start, length = jour[r, 0], jour[r, 1]
-            if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
-                raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
-            at += length
-        if at != num_indices:
-            raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
-        at = 0
-        for r in range(runs):
-            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
-                out[at] = <int32_t>q
-                at += 1
-        for i in range(dirt.shape[0]):
-            if dirt[i]:
-                out[at] = <int32_t>(self.counts_offset + i)
-                at += 1
-                dirt[i] = 0
-        for i in range(total):
-            out[total + i] = src[out[i]]
-        jlen[0] = 0
-        jlen[1] = 0
-        return total

@@ -345,11 +345,11 @@ def fill_staging(
 ) -> int:
     """Gather a commit's ``(flat index, value)`` pairs into ``staging``; reset the changes.
 
-    ``staging`` (int32 ``[2*capacity]``) receives the indices first, then the values. Entries
-    are the journal's runs plus the count of every dirty row (``dirty`` bool
-    ``[groups, rows]``); on success ``dirty`` and the journal are reset. Returns the number of
-    pairs, or -1 (nothing written or reset) when they exceed ``capacity`` or the journal
-    overflowed.
+    ``staging`` (int32 ``[1 + 2*capacity]``) receives the number of pairs, then the indices,
+    then the values. Entries are the journal's runs plus the count of every dirty row
+    (``dirty`` bool ``[groups, rows]``); on success ``dirty`` and the journal are reset.
+    Returns the number of pairs, or -1 (nothing written or reset) when they exceed
+    ``capacity`` or the journal overflowed.
     """
     num_runs = int(journal_len[0])
     if num_runs < 0:
@@ -360,16 +360,17 @@ def fill_staging(
     total = num_indices + len(dirty_rows)
     if total > capacity:
         return -1
+    index = staging[1 : 1 + total]
     if num_runs == num_indices:  # runs of one entry each (journaled runs are never empty)
-        staging[:num_indices] = journal[:num_runs, 0]
+        index[:num_indices] = journal[:num_runs, 0]
     elif num_runs:
-        staging[:num_indices] = runs(journal[:num_runs, 0], journal[:num_runs, 1], num_indices)
+        index[:num_indices] = runs(journal[:num_runs, 0], journal[:num_runs, 1], num_indices)
     # dirty[g, r] is row r of group g: its count sits at counts_offset + g * num_rows + r
-    index = staging[:total]
     index[num_indices:] = dirty_rows
     index[num_indices:] += counts_offset
     flat_dirty.put(dirty_rows, False)
-    host.take(index, out=staging[total : 2 * total])
+    host.take(index, out=staging[1 + total : 1 + 2 * total])
+    staging[0] = total
     journal_len[0] = 0
     journal_len[1] = 0
     return total

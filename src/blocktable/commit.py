@@ -62,9 +62,11 @@ class Committer:
         # (as flat uint8, the same memory) and host buffer, where the install built it (else
         # numpy)
         compiled = _loader.COMPILED
-        self._compiled_fill = None if compiled is None else compiled.PairStager(
+        stager = None if compiled is None else compiled.PairStager(
             storage.journal, storage.journal_len, storage.dirty_rows.reshape(-1).view(np.uint8),
-            storage.counts_offset, storage.host).fill
+            storage.counts_offset, storage.host)
+        self.compiled_stager = stager
+        self._compiled_fill = None if stager is None else stager.fill
         cuda = storage.device.type == "cuda"
         # on cpu (pinned with CUDA), int32 [2, 1 + 2*capacity]: count, indices, values
         self._staging_host = torch.zeros(2, 1 + 2 * self.capacity, dtype=torch.int32,
@@ -81,26 +83,29 @@ class Committer:
         self._device_np = storage.device_np
         self.last: CommitStats = _NOTHING
 
-    def stage(self, pairs: np.ndarray, capacity: int) -> int:
-        """Drain every change since the last commit into ``pairs`` (int32 ``[2 * capacity]``,
-        on cpu: the flat indices, then their values, packed) and return how many pairs; or
-        :data:`FULL`, draining nothing, when they exceed ``capacity``."""
+    def stage(self, staging: np.ndarray, capacity: int) -> int:
+        """Drain every change since the last commit into ``staging`` (int32
+        ``[>= 1 + 2 * capacity]`` on cpu: the number of pairs, then their flat indices, then
+        their values, packed) and return how many pairs; or :data:`FULL`, draining and writing
+        nothing, when they exceed ``capacity``."""
         st = self.storage
         if not st.changed:
+            staging[0] = 0
             return 0
         if self._compiled_fill is not None:
-            n = self._compiled_fill(pairs, capacity)
+            n = self._compiled_fill(staging, capacity)
         else:
             n = fill_staging(st.journal, st.journal_len, st.dirty_rows, st.counts_offset,
-                             st.host, pairs, capacity)
+                             st.host, staging, capacity)
         if n >= 0:
             st.changed = False  # fill_staging reset the dirty rows and the journal
         return n
 
-    def scatter_on_host(self, pairs: np.ndarray, num_pairs: int) -> None:
-        """The CPU backend's device write of ``num_pairs`` staged pairs of ``pairs``."""
+    def scatter_on_host(self, staging: np.ndarray) -> None:
+        """The CPU backend's device write of the pairs staged in ``staging``."""
         assert self._device_np is not None
-        self._device_np.put(pairs[:num_pairs], pairs[num_pairs : 2 * num_pairs])
+        n = int(staging[0])
+        self._device_np.put(staging[1 : 1 + n], staging[1 + n : 1 + 2 * n])
 
     def commit(self) -> CommitStats:
         """Move every change since the last commit to the device (asynchronously on CUDA)."""
@@ -113,17 +118,16 @@ class Committer:
         if self._in_flight[slot] and event is not None:
             event.synchronize()  # the copy that last read this buffer must be done
         buf = self._staging_np[slot]
-        n = self.stage(buf[1:], self.capacity)
+        n = self.stage(buf, self.capacity)
         if n == FULL:
             groups, rows = np.nonzero(st.dirty_rows)
             self.last = self._copy_spans(groups, rows)
             st.reset_changes()
             return self.last
         if self._device_np is not None:
-            self.scatter_on_host(buf[1:], n)
+            self.scatter_on_host(buf)
         else:
             assert self._staging_dev is not None
-            buf[0] = n
             dev = self._staging_dev[: 1 + 2 * n]
             dev.copy_(self._staging_host[slot, : 1 + 2 * n], non_blocking=True)
             launch_scatter_pairs(st.device_tensor, dev, n)

@@ -12,7 +12,7 @@ from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array, check_count, check_index, check_positive
 from blocktable._triton import resolve_backend
 from blocktable.batch import apply_group_update, check_group_update, write_group_update
-from blocktable.commit import CommitStats, Committer
+from blocktable.commit import FULL, CommitStats, Committer
 from blocktable.config import (
     CPConfig,
     GroupKind,
@@ -32,6 +32,7 @@ from blocktable.update import StepUpdate
 from blocktable.views import AttentionViews
 
 _ID_LIST_TYPES = {list, tuple, np.ndarray, torch.Tensor, type(None)}  # per group: ids or None
+_REFUSED = -2  # GroupWriter.apply_and_stage: the update was refused (nothing written)
 
 
 class MultiGroupBlockTable(AttentionViews):
@@ -146,6 +147,12 @@ class MultiGroupBlockTable(AttentionViews):
         ]
         self._table_groups = [g for g, spec in enumerate(self.specs) if spec.has_table]
         self.committer = Committer(self.storage, self.backend)
+        # a one-group table's writer, draining into the committer's stager (None: two calls)
+        writer = self.tables[0].writer if len(self.tables) == 1 and self.tables[0] else None
+        stager = self.committer.compiled_stager
+        self._staging_writer = None if writer is None or stager is None else writer
+        if self._staging_writer is not None:
+            self._staging_writer.bind_stager(stager)
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
@@ -334,6 +341,23 @@ class MultiGroupBlockTable(AttentionViews):
         self.storage.before_host_write()
         for table, plan in plans:
             write_group_update(table, plan)
+
+    def apply_and_stage(self, update: StepUpdate, staging: np.ndarray, max_pairs: int) -> int:
+        """:meth:`apply`, then ``committer.stage(staging, max_pairs)`` (``staging``: int32
+        ``[>= 1 + 2 * max_pairs]`` on cpu, filled with the number of pairs, the flat indices,
+        the values); returns the number of pairs, or :data:`~blocktable.commit.FULL` (the
+        update written, its changes left for :meth:`commit`). One compiled call, every check
+        before its first write, for a one-group table where the compiled part is built."""
+        writer = self._staging_writer
+        if (writer is not None and type(update) is StepUpdate
+                and self.storage.host_read_event is None
+                and update.allocator_block_sizes in (None, self._update_block_sizes)):
+            n = writer.apply_and_stage(update, staging, max_pairs)
+            if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
+                self.storage.changed = n == FULL
+                return n
+        self.apply(update)  # raises for a refused update (the writer wrote nothing)
+        return self.committer.stage(staging, max_pairs)
 
     # ---- host -> device ------------------------------------------------------------------
     def commit(self, num_reqs: int | None = None) -> CommitStats:

@@ -90,12 +90,15 @@ class StepJournal:
         it); the live state becomes the next start. On an error (a corrupt row state) nothing
         changes."""
         # the nulled entries first: they are kept by the holders at the start
-        nulled = self._null_update() if self._nulled else self._no_entries
+        nulled = self._no_entries
+        if self._nulled:
+            nulled = self._null_update()
         if self._compiled_diff is not None:
             cleared_rows, added, appended = self._compiled_diff(self.rows.blocks)
         else:
             cleared_rows, added, appended = self._numpy_diff()
-        self._nulled = {}
+        if nulled is not self._no_entries:
+            self._nulled = {}
         # (trusted passed by position: a class called with a keyword builds a dict for it)
         return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes, True)
 

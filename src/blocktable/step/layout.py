@@ -71,6 +71,7 @@ class StagingViews:
         L = layout
         self.buffer = buffer
         self.header = buffer[:HEADER_WORDS]
+        self.header_pairs = buffer[: L.qsl]  # int32 [1 + 2P]: num_pairs, then the pairs
         self.pairs = buffer[L.pairs : L.qsl]  # int32 [2P]: indices, then values (packed)
         self.qsl = buffer[L.qsl : L.rows]  # int32 [R+1]
         self.rows = buffer[L.rows : L.seq_lens]  # int32 [R]

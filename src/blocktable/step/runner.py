@@ -298,15 +298,13 @@ class CapturedStep:
         if checks is None or checks[slot](num_reqs, num_tokens) < 0:
             qsl, rows = self._batch(slot, num_reqs)
             _check_batch_values(qsl, rows, num_tokens, table.max_num_reqs)  # names the error
-        table.apply(update)  # checks everything before its first write
-        self._lent = -1
         v = self._views[slot]
-        num_pairs = table.committer.stage(v.pairs, L.max_pairs)
+        # checks everything before its first write; stages the pairs and their number
+        num_pairs = table.apply_and_stage(update, v.header_pairs, L.max_pairs)
+        self._lent = -1
         if num_pairs == FULL:
             table.commit()  # copies row spans, on the current stream before the device work
             v.header[NUM_PAIRS] = 0
-        else:
-            v.header[NUM_PAIRS] = num_pairs
         if self._padded[slot] != (num_reqs, num_tokens):
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = (num_reqs, num_tokens)
