@@ -218,7 +218,8 @@ class RunningRequests:
         ValueError
             The request would exceed ``max_model_len``.
         """
-        self._settle()
+        if self._pending:  # (the call costs more than the test, once per decode request)
+            self._settle()
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
