@@ -231,7 +231,8 @@ class KVCacheManager(RunningRequests):
         OutOfRowsError
             No free row; nothing changed.
         """
-        return self.add_requests([req_id], [prompt_token_ids], [cache_namespace])[0]
+        namespaces = None if cache_namespace is None else [cache_namespace]  # (None: no check)
+        return self.add_requests([req_id], [prompt_token_ids], namespaces)[0]
 
     def add_requests(
         self,

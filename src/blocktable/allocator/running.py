@@ -218,7 +218,8 @@ class RunningRequests:
         ValueError
             The request would exceed ``max_model_len``.
         """
-        self._settle()
+        if self._pending:  # (the call costs more than the test, once per decode request)
+            self._settle()
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
@@ -236,10 +237,15 @@ class RunningRequests:
                     if end == start:  # (most decode steps: the last block has room)
                         out.append([])
                         continue
-                    new = pool.take(end - start)
-                    state.ensure_width(g, end)[row, start:end] = new
+                    if end - start == 1:  # (a decode step crossing a block boundary)
+                        block_id = pool.take_one()
+                        state.ensure_width(g, end)[row, start] = block_id
+                        out.append([block_id])
+                    else:
+                        new = pool.take(end - start)
+                        state.ensure_width(g, end)[row, start:end] = new
+                        out.append(new.tolist())
                     row_len[row] = end
-                    out.append(new.tolist())
                 state.update_num_slots(self.block_sizes, row)
                 return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
