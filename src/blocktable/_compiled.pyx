@@ -78,6 +78,7 @@ cdef inline bint _overlap(const void* a, Py_ssize_t a_bytes, const void* b,
 
 
 include "_compiled_slots.pxi"
+include "_compiled_pairs.pxi"
 include "_compiled_update.pxi"
 include "_compiled_journal.pxi"
 include "_compiled_keys.pxi"

@@ -1,0 +1,133 @@
+# A commit's pairs: the table's changes drained into a staging buffer (included by _compiled.pyx).
+
+cdef class PairStager:
+    """A table's changes, bound once: gathers a commit's ``(flat index, value)`` pairs into a
+    staging buffer and resets the changes; the compiled twin of
+    :func:`blocktable._host_loops.fill_staging`.
+
+    The bound arrays: ``journal`` (int64 ``[capacity, 2]``, the written runs: start, length)
+    and ``host`` (int32 ``[num_entries]``, the flat host table), read only; ``journal_len``
+    (int64 ``[2]``: runs, indices; -1 runs after an overflow) and ``dirty`` (uint8, the flat
+    ``[groups, rows]`` dirty rows), written. The counts start at ``counts_offset`` of ``host``.
+    All C-contiguous, native, and overlapping no other.
+    """
+
+    cdef const int64_t[:, ::1] jour
+    cdef int64_t[::1] jlen
+    cdef unsigned char[::1] dirt
+    cdef const int32_t[::1] src
+    cdef int64_t counts_offset
+    cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
+    cdef Py_ssize_t bound_bytes[4]
+
+    def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
+                 object host):
+        if journal is None or dirty is None:
+            raise TypeError("journal and dirty must be arrays, got None")
+        try:
+            self.jour = journal
+            self.dirt = dirty
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError("journal must be a C-contiguous int64 [capacity, 2] array and dirty "
+                            f"a writable uint8 array: {exc}") from None
+        self.jlen = _int64_out(journal_len, "journal_len")
+        self.src = _int32_in(host, "host")
+        if self.jour.shape[1] != 2 or self.jlen.shape[0] != 2:
+            raise ValueError("journal must be [capacity, 2] and journal_len [2]")
+        cdef Py_ssize_t num_entries = self.src.shape[0], num_dirty = self.dirt.shape[0]
+        if counts_offset < 0 or counts_offset > num_entries or \
+                num_dirty > num_entries - counts_offset:
+            raise ValueError(f"the counts [{counts_offset}, +{num_dirty}) lie outside host's "
+                             f"{num_entries} entries")
+        self.counts_offset = counts_offset
+        spans = [
+            (<uintptr_t>(&self.jour[0, 0]) if self.jour.shape[0] else 0, self.jour.shape[0] * 16),
+            (<uintptr_t>(&self.jlen[0]), 16),
+            (<uintptr_t>(&self.dirt[0]) if num_dirty else 0, num_dirty),
+            (<uintptr_t>(&self.src[0]) if num_entries else 0, num_entries * 4)]
+        cdef int i
+        for i in range(4):
+            self.bound_start[i], self.bound_bytes[i] = spans[i]
+        for i in range(4):
+            if _overlaps_any(self.bound_start[i], self.bound_bytes[i], self.bound_start,
+                             self.bound_bytes, 4, i):
+                raise ValueError("the bound arrays overlap")
+
+    def fill(self, object staging, int64_t capacity):
+        """Gather the pairs into ``staging`` (int32, writable, at least ``1 + 2 * capacity``
+        entries: word 0 the number of pairs, then their flat indices, then their values) and
+        reset the changes. Returns the number of pairs, or -1 (nothing written or reset) when
+        they exceed ``capacity`` or the journal overflowed."""
+        return self._fill(self._staging(staging, capacity), capacity)
+
+    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
+        """``staging`` as a writable view, checked: room for ``capacity`` pairs and a header,
+        overlapping no bound array."""
+        cdef int32_t[::1] out
+        if staging is None:  # (a memoryview would take None as an empty array)
+            raise TypeError("staging must be an array, got None")
+        try:
+            out = staging
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError(
+                f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
+                from None
+        _check_capacity(out, capacity)
+        if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
+                         self.bound_start, self.bound_bytes, 4, -1):
+            raise ValueError("staging overlaps the bound arrays")
+        return out
+
+    cdef int64_t _fill(self, int32_t[::1] out, int64_t capacity) except -2:
+        """:meth:`fill` into a checked view (:meth:`_staging`); ``capacity`` checked again."""
+        _check_capacity(out, capacity)
+        cdef const int64_t[:, ::1] jour = self.jour
+        cdef int64_t[::1] jlen = self.jlen
+        cdef unsigned char[::1] dirt = self.dirt
+        cdef const int32_t[::1] src = self.src
+        cdef Py_ssize_t num_entries = src.shape[0]
+        cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
+        cdef Py_ssize_t i, at = 0
+        if runs < 0:
+            return -1
+        if runs > jour.shape[0] or num_indices < 0:
+            raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
+        total = num_indices
+        for i in range(dirt.shape[0]):
+            total += dirt[i] != 0
+        if total > capacity:
+            return -1
+        for r in range(runs):  # every run inside host, and the lengths adding up, before writing
+            start, length = jour[r, 0], jour[r, 1]
+            if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
+                raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
+            at += length
+        if at != num_indices:
+            raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
+        at = 1  # (word 0: the number of pairs, written last)
+        for r in range(runs):
+            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
+                out[at] = <int32_t>q
+                at += 1
+        for i in range(dirt.shape[0]):
+            if dirt[i]:
+                out[at] = <int32_t>(self.counts_offset + i)
+                at += 1
+                dirt[i] = 0
+        for i in range(1, total + 1):
+            out[total + i] = src[out[i]]
+        out[0] = <int32_t>total
+        jlen[0] = 0
+        jlen[1] = 0
+        return total
+
+
+cdef int _check_capacity(const int32_t[::1] staging, int64_t capacity) except -1:
+    """Raise unless ``staging`` holds a header word and ``capacity`` pairs (no overflow: the
+    bound is computed from the length)."""
+    if capacity < 0 or staging.shape[0] < 1 or capacity > (staging.shape[0] - 1) // 2:
+        raise ValueError(f"capacity={capacity} needs staging of 1 + 2 * {capacity} entries, "
+                         f"got {staging.shape[0]}")
+    return 0
+
+
