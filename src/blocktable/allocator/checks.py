@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from blocktable._checks import first_repeat
@@ -44,3 +44,20 @@ def distinct_new_ids(requests: Mapping[Any, RequestState], req_ids: list) -> Non
             raise ValueError(f"request {req_id!r} is already running")
     if len(set(req_ids)) != len(req_ids):
         raise ValueError(f"req_ids holds a request twice: {first_repeat(req_ids)!r}")
+
+
+def raise_not_computable(req: RequestState, num_computed: int,
+                         block_sizes: Sequence[int]) -> NoReturn:
+    """Raise ``ValueError``: ``req`` lacks token ids or blocks for ``num_computed`` tokens."""
+    if num_computed > req.num_tokens:
+        raise ValueError(
+            f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
+            f"{req.num_tokens} token ids are known (append_token_ids first)"
+        )
+    for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), block_sizes)):
+        if num_computed > row_len * bs:
+            raise ValueError(
+                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
+                f"group {g} has blocks for {row_len * bs} (allocate first)"
+            )
+    raise AssertionError(f"request {req.req_id!r} has tokens and blocks for {num_computed}")

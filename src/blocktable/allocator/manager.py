@@ -14,12 +14,13 @@ from blocktable._checks import (
     check_same_length,
     token_counts,
 )
-from blocktable.allocator.checks import distinct_new_ids
+from blocktable.allocator.checks import distinct_new_ids, raise_not_computable
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.integrity import check_manager_integrity
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan
 from blocktable.allocator.prefix_cache import PrefixCache
+from blocktable.allocator.release import release_outside_window
 from blocktable.allocator.request import RequestState, check_req_id
 from blocktable.allocator.running import ReqId, RunningRequests
 from blocktable.allocator.spec import AllocatorGroupSpec
@@ -330,7 +331,7 @@ class KVCacheManager(RunningRequests):
         state, row = self._row_state, req.row
         num_computed = state.num_computed_mv[row] + count
         if num_computed > state.num_slots_mv[row] or num_computed > state.num_tokens_mv[row]:
-            self._raise_computed(req, num_computed)
+            raise_not_computable(req, num_computed, self.block_sizes)
         self._pending_kind = "computed"  # recorded (see _settle)
         self._pending[req_id] = count
 
@@ -356,13 +357,14 @@ class KVCacheManager(RunningRequests):
         bad |= num_computed > state.num_tokens[rows]
         if np.count_nonzero(bad):  # (cheaper than any() on bools)
             i = int(bad.argmax())
-            self._raise_computed(reqs[i], int(num_computed[i]))
+            raise_not_computable(reqs[i], int(num_computed[i]), self.block_sizes)
         state.num_computed[rows] = num_computed
         self._prefix_cache.register(reqs, rows, state)
         if self._has_windows:
             for g, window in enumerate(self.windows):
                 if window is not None:
-                    self._release_outside_window(reqs, g, window)
+                    release_outside_window(self._row_state, self._journal, self._pools[g], g,
+                                           self.block_sizes[g], window, reqs)
 
     # ----------------------------------------------------------------- release
     def fork(self, parent_id: ReqId, child_id: ReqId) -> tuple[list[tuple[int, int]], ...]:

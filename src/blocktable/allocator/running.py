@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import add, attrgetter, sub
-from typing import NoReturn
 
 import numpy as np
 
@@ -24,10 +23,10 @@ from blocktable.allocator.checks import running_requests
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.journal import StepJournal
 from blocktable.allocator.pool import BlockPool
+from blocktable.allocator.release import release_rows
 from blocktable.allocator.request import RequestState
 from blocktable.allocator.rows import RowAllocator
 from blocktable.allocator.rowstate import RowState
-from blocktable.constants import NULL_BLOCK_ID
 from blocktable.token_ids import TokenIds, token_array, token_rows
 from blocktable.update import RowBlocks, StepUpdate
 
@@ -492,67 +491,9 @@ class RunningRequests:
         if self.max_model_len is not None and num_tokens > self.max_model_len:
             check_model_len(self.max_model_len, f"request {req_id!r}", what, num_tokens)
 
-    def _raise_computed(self, req: RequestState, num_computed: int) -> NoReturn:
-        """Raise ``ValueError``: ``req`` lacks token ids or blocks for ``num_computed``."""
-        if num_computed > req.num_tokens:
-            raise ValueError(
-                f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, only "
-                f"{req.num_tokens} token ids are known (append_token_ids first)"
-            )
-        for g, (row_len, bs) in enumerate(zip(req.row_len.tolist(), self.block_sizes)):
-            if num_computed > row_len * bs:
-                raise ValueError(
-                    f"request {req.req_id!r}: cannot mark {num_computed} tokens computed, "
-                    f"group {g} has blocks for {row_len * bs} (allocate first)"
-                )
-        raise AssertionError(f"request {req.req_id!r} has tokens and blocks for {num_computed}")
-
     def _release(self, reqs: list[RequestState]) -> None:
-        """Free the rows and blocks of ``reqs`` (running, distinct): per group, a reversed
-        slice of each request's row (tail first, read through memoryviews), one concatenation
-        and one release; then the rows."""
-        state, requests = self._row_state, self._requests
-        rows = []
+        """Free the rows and blocks of ``reqs`` (running, distinct)."""
+        requests = self._requests
         for req in reqs:  # (checked: nothing below fails)
-            rows.append(req.row)
             del requests[req.req_id]
-        for pool, arena, row_len, num_skipped in zip(
-            self._pools, state.blocks, state.row_len_mvs, state.num_skipped_mvs
-        ):
-            parts = []
-            for row in rows:
-                n, skip = row_len[row], num_skipped[row]
-                if n > skip:
-                    parts.append(arena[row, n - 1 : skip - 1 if skip else None : -1])
-            if parts:
-                ids = np.concatenate(parts, dtype=np.intp)
-                pool.release(ids, may_repeat=len(parts) > 1)
-        state.stop(rows)
-        self._rows.release_many(rows)
-
-    def _release_outside_window(self, reqs: list[RequestState], g: int, window: int) -> None:
-        """Release the blocks of group ``g`` that left each request's window, oldest first.
-
-        Oldest first: a later hit at the end of a shared prompt reads the blocks just before
-        it, and this queues the prompt's head ahead of them for eviction (newest first would
-        queue the request's private tail ahead instead; ``benchmarks/bench_window_order.py``
-        compares the two).
-        """
-        bs = self.block_sizes[g]
-        released: list[np.ndarray] = []
-        state = self._row_state
-        for req in reqs:
-            row = req.row
-            first = int(state.num_skipped[g, row])
-            skip = max(0, (int(state.num_computed[row]) - window + 1) // bs)
-            if skip <= first:
-                continue
-            entries = state.blocks[g][row]
-            released.append(entries[first:skip].copy())  # oldest first
-            entries[first:skip] = NULL_BLOCK_ID
-            for i in range(first, skip):
-                self._journal.null(row, g, i)
-            state.num_skipped[g, row] = skip
-        if released:
-            ids = released[0] if len(released) == 1 else np.concatenate(released)
-            self._pools[g].release(ids, may_repeat=len(released) > 1)
+        self._rows.release_many(release_rows(self._row_state, self._pools, reqs))
