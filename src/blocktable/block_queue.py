@@ -142,10 +142,10 @@ class BlockQueue:
         for the per-request decode step, where one block's array calls cost more than the
         work."""
         slots, position, head = self._slots, self._position, self._head
-        block_id = slots.item(head)
-        while position.item(block_id) != head:  # a stale slot (removed since queued): skip it
+        block_id = int(slots[head])
+        while position[block_id] != head:  # a stale slot (removed since queued): skip it
             head += 1
-            block_id = slots.item(head)
+            block_id = int(slots[head])
         self._head = head + 1  # (its position now lies before the head: not live)
         self._len -= 1
         return block_id

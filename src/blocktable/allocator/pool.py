@@ -150,18 +150,16 @@ class BlockPool:
         """:meth:`take` of one block, returned as an int: the per-request decode step's case,
         in scalar steps (one block's array calls cost more than its work). Same result, same
         state after, same error."""
-        if self.host is not None:  # (offload works on arrays)
+        if self.host is not None or not self.num_free_blocks:  # (offload works on arrays)
             return int(self.take(1)[0])
         if len(self.uncached):
             block_id = self.uncached.pop_one()
-        elif len(self.cached):
+        else:
             block_id = self.cached.pop_one()
             record = self.record
-            self.index.kill_one(record.item(block_id))
+            self.index.kill_one(int(record[block_id]))
             record[block_id] = -1
             self.num_cached_blocks -= 1
-        else:
-            return int(self.take(1)[0])  # (raises: no free block)
         self.ref_counts[block_id] = 1
         return block_id
 
