@@ -137,19 +137,6 @@ class BlockQueue:
         self._len -= num_blocks
         return taken
 
-    def pop_one(self) -> int:
-        """Pop the oldest id (the queue must not be empty): :meth:`pop` of one in scalar steps,
-        for the per-request decode step, where one block's array calls cost more than the
-        work."""
-        slots, position, head = self._slots, self._position, self._head
-        block_id = int(slots[head])
-        while position[block_id] != head:  # a stale slot (removed since queued): skip it
-            head += 1
-            block_id = int(slots[head])
-        self._head = head + 1  # (its position now lies before the head: not live)
-        self._len -= 1
-        return block_id
-
     def _compact(self) -> None:
         live = self.ids()
         n = len(live)

@@ -146,23 +146,6 @@ class BlockPool:
             self.host.cancel_restores(evicted)
         return evicted
 
-    def take_one(self) -> int:
-        """:meth:`take` of one block, returned as an int: the per-request decode step's case,
-        in scalar steps (one block's array calls cost more than its work). Same result, same
-        state after, same error."""
-        if self.host is not None or not self.num_free_blocks:  # (offload works on arrays)
-            return int(self.take(1)[0])
-        if len(self.uncached):
-            block_id = self.uncached.pop_one()
-        else:
-            block_id = self.cached.pop_one()
-            record = self.record
-            self.index.kill_one(int(record[block_id]))
-            record[block_id] = -1
-            self.num_cached_blocks -= 1
-        self.ref_counts[block_id] = 1
-        return block_id
-
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
         record = self.record

@@ -236,15 +236,10 @@ class RunningRequests:
                     if end == start:  # (most decode steps: the last block has room)
                         out.append([])
                         continue
-                    if end - start == 1:  # (a decode step crossing a block boundary)
-                        block_id = pool.take_one()
-                        state.ensure_width(g, end)[row, start] = block_id
-                        out.append([block_id])
-                    else:
-                        new = pool.take(end - start)
-                        state.ensure_width(g, end)[row, start:end] = new
-                        out.append(new.tolist())
+                    new = pool.take(end - start)
+                    state.ensure_width(g, end)[row, start:end] = new
                     row_len[row] = end
+                    out.append(new.tolist())
                 state.update_num_slots(self.block_sizes, row)
                 return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
