@@ -366,6 +366,12 @@ def test_max_model_len() -> None:
     with pytest.raises(ValueError, match="prompt of 11 tokens exceeds max_model_len=10"):
         mgr.add_request("a", list(range(11)))
     mgr.add_request("a", list(range(9)))
+    before = state(mgr)
+    with pytest.raises(ValueError, match="request 'b': prompt of 11 tokens exceeds"):
+        mgr.add_request("b", list(range(11)))  # (a namespace seen before: the inline plan)
+    with pytest.raises(ValueError, match="prompt_token_ids of request 'b' is empty"):
+        mgr.add_request("b", [])
+    assert state(mgr) == before
     with pytest.raises(ValueError, match="allocation of 11 tokens exceeds"):
         mgr.allocate("a", 11)
     with pytest.raises(ValueError, match="allocation of 11 tokens exceeds"):

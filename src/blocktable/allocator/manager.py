@@ -232,8 +232,11 @@ class KVCacheManager(RunningRequests):
         OutOfRowsError
             No free row; nothing changed.
         """
-        namespaces = None if cache_namespace is None else [cache_namespace]  # (None: no check)
-        return self.add_requests([req_id], [prompt_token_ids], namespaces)[0]
+        self._settle()
+        req_ids = [req_id]
+        distinct_new_ids(self._requests, req_ids)
+        # (one-element lists built here: add_requests' list and length checks hold already)
+        return self._add_checked(req_ids, [prompt_token_ids], [cache_namespace])[0]
 
     def add_requests(
         self,
@@ -263,14 +266,21 @@ class KVCacheManager(RunningRequests):
             check_same_length("cache_namespaces", cache_namespaces, len(req_ids))
         if not req_ids:
             return []  # a step without arrivals
-        plans, pending = self._prefix_cache.plan_many(req_ids, prompts, cache_namespaces)
+        return self._add_checked(req_ids, prompts, cache_namespaces)
+
+    def _add_checked(
+        self, req_ids: list[ReqId], prompts: list[TokenIds], namespaces: list[object]
+    ) -> list[int]:
+        """:meth:`add_requests` once its lists are checked (new distinct ids, equal lengths,
+        at least one request; settled): plans (checking the prompts), rows, admission."""
+        plans, pending = self._prefix_cache.plan_many(req_ids, prompts, namespaces)
         if len(req_ids) > self._rows.num_free:
             raise OutOfRowsError(
                 f"no free row for request {req_ids[self._rows.num_free]!r}: "
                 f"{len(req_ids)} requests, {self._rows.num_free} free rows of {self.max_num_reqs}"
             )
         self._prefix_cache.find(plans, pending)
-        self._admit(req_ids, plans, cache_namespaces)
+        self._admit(req_ids, plans, namespaces)
         return [plan.num_cached_tokens for plan in plans]
 
     def _admit(

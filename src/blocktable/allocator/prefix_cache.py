@@ -94,17 +94,23 @@ class PrefixCache:
         root, seed = (0, 0) if none_namespace is None else none_namespace
         max_len = sys.maxsize if self.max_model_len is None else self.max_model_len
         for r, p, ns in zip(req_ids, prompts, namespaces):
-            if (  # plan()'s common case (an int64 array, no namespace), inline
-                ns is None
-                and none_namespace is not None
-                and type(p) is np.ndarray
-                and p.dtype is _INT64
-                and p.ndim == 1
-                and 0 < len(p) <= max_len
-            ):
-                plans.append(PromptPlan(p, root, seed))
-            else:
-                plans.append(self.plan(p, ns, pending, req_id=r))
+            # plan()'s common cases (no namespace; an int64 array, or a list of ints), inline;
+            # anything else, or a bad prompt, goes through plan(), which names the request
+            if ns is None and none_namespace is not None:
+                kind = type(p)
+                if kind is np.ndarray:
+                    if p.dtype is _INT64 and p.ndim == 1 and 0 < len(p) <= max_len:
+                        plans.append(PromptPlan(p, root, seed))
+                        continue
+                elif kind is list and 0 < len(p) <= max_len:
+                    try:
+                        tokens = token_array("prompt_token_ids", p)
+                    except (TypeError, ValueError):
+                        pass  # (plan() raises again, naming the request)
+                    else:
+                        plans.append(PromptPlan(tokens, root, seed))
+                        continue
+            plans.append(self.plan(p, ns, pending, req_id=r))
         return plans, pending
 
     def plan(
@@ -204,7 +210,8 @@ class PrefixCache:
                 blocks, last_cid = found
                 parts.append(blocks)
                 hi, skip = n // bs, plan.num_skipped[g]
-                arena[row, :skip] = NULL_BLOCK_ID
+                if skip:
+                    arena[row, :skip] = NULL_BLOCK_ID
                 arena[row, skip:hi] = blocks
                 row_len[row] = hi
                 num_skipped[row] = skip
