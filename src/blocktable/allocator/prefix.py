@@ -89,6 +89,9 @@ def prompt_keys(
         keys, states = token_chain_keys(
             blocks.reshape(-1, bs), np.array(counts, dtype=np.int64), seeds, powers[bs]
         )
+        if len(plans) == 1:  # (its keys are the whole pass)
+            plans[0].keys[bs], plans[0].states[bs] = keys, states
+            continue
         for plan, start, count in zip(plans, starts, counts):
             stop = start + count
             plan.keys[bs] = keys[start:stop]
@@ -128,6 +131,7 @@ def find_hits(
     reads are alive.
     """
     num_groups = len(pools)
+    has_window = any(w is not None for w in windows)
     caps = [len(p.tokens) - 1 for p in plans]  # the longest hit still possible, in tokens
     found: list[tuple[dict[int, int], np.ndarray, np.ndarray]] = []  # starts, slots, alive
     for pool, bs, window in zip(pools, block_sizes, windows):
@@ -220,7 +224,7 @@ def find_hits(
     hits: dict[tuple[object, int], tuple[list[np.ndarray], list[int], list[int]]] = {}
     for i, plan in enumerate(plans):
         n = caps[i] // align_tokens * align_tokens
-        if n and any(w is not None for w in windows):
+        if n and has_window:
             n = _servable(n, i, found, block_sizes, windows, align_tokens)
         plan.num_cached_tokens = n
         if not n:

@@ -173,8 +173,11 @@ class PrefixCache:
         started in ``state``, empty)."""
         self.chains.admit_many([req.row for req in reqs], plans)
         self.num_queries += len(plans)
-        self.num_query_tokens += sum(len(plan.tokens) for plan in plans)
-        hits = [(req, plan) for req, plan in zip(reqs, plans) if plan.num_cached_tokens]
+        hits = []
+        for req, plan in zip(reqs, plans):
+            self.num_query_tokens += len(plan.tokens)
+            if plan.num_cached_tokens:
+                hits.append((req, plan))
         if hits:
             self._share_hits(hits, state)
 
