@@ -69,7 +69,7 @@ def test_equal_keys_with_other_tokens_are_verified_apart(colliding_first: bool) 
     prompts = [other, cached] if colliding_first else [cached, other]
     cache = mgr.prefix_cache
     plans = [cache.plan(p, None, {}) for p in prompts]
-    prompt_keys(plans, mgr.block_sizes, cache.powers)
+    prompt_keys(plans, cache.powers)
     cached_keys = plans[1 if colliding_first else 0].keys[bs]
     assert cached_keys.tolist() == fast_block_keys(cached.tolist(), bs)
     plans[0].keys[bs] = plans[1].keys[bs] = cached_keys  # both carry the cached prompt's keys

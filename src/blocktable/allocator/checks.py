@@ -42,7 +42,7 @@ def distinct_new_ids(requests: Mapping[Any, RequestState], req_ids: list) -> Non
         check_req_id("req_id", req_id)
         if req_id in requests:
             raise ValueError(f"request {req_id!r} is already running")
-    if len(set(req_ids)) != len(req_ids):
+    if len(req_ids) > 1 and len(set(req_ids)) != len(req_ids):
         raise ValueError(f"req_ids holds a request twice: {first_repeat(req_ids)!r}")
 
 

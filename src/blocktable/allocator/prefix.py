@@ -61,20 +61,19 @@ class PromptPlan:
         self.keys: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.states: dict[int, np.ndarray] = {}  # block size -> uint64 [full blocks]
         self.num_cached_tokens = 0
-        # per group, once found (read only: plans without a hit share these lists)
-        self.hit_slots: list[np.ndarray] = []  # record slots
-        self.num_skipped: list[int] = []  # null entries first
-        self.last_slots: list[int] = []  # record of block n/bs-1
+        # per group, once found (read only: plans without a hit share these lists); the
+        # empty tuples until then are shared too
+        self.hit_slots: Sequence[np.ndarray] = ()  # record slots
+        self.num_skipped: Sequence[int] = ()  # null entries first
+        self.last_slots: Sequence[int] = ()  # record of block n/bs-1
 
 
-def prompt_keys(
-    plans: Sequence[PromptPlan], block_sizes: Sequence[int], powers: dict[int, ChainPowers]
-) -> None:
-    """Fill ``plan.keys``/``plan.states`` for every distinct block size, one pass per size
-    (the plans' token ids concatenated once and keyed in one call; each plan's keys and states
-    are views of that pass's arrays)."""
+def prompt_keys(plans: Sequence[PromptPlan], powers: dict[int, ChainPowers]) -> None:
+    """Fill ``plan.keys``/``plan.states`` for every block size of ``powers`` (one entry per
+    distinct block size of the groups), one pass per size (the plans' token ids concatenated
+    once and keyed in one call; each plan's keys and states are views of that pass's arrays)."""
     seeds = np.array([p.seed for p in plans], dtype=_U64)
-    for bs in sorted(set(block_sizes)):
+    for bs, bs_powers in powers.items():
         counts, starts, parts, end = [], [], [], 0
         for p in plans:
             starts.append(end)
@@ -87,7 +86,7 @@ def prompt_keys(
             parts.append(tokens if count * bs == num_tokens else tokens[: count * bs])
         blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         keys, states = token_chain_keys(
-            blocks.reshape(-1, bs), np.array(counts, dtype=np.int64), seeds, powers[bs]
+            blocks.reshape(-1, bs), np.array(counts, dtype=np.int64), seeds, bs_powers
         )
         if len(plans) == 1:  # (its keys are the whole pass)
             plans[0].keys[bs], plans[0].states[bs] = keys, states

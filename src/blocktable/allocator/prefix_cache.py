@@ -68,7 +68,7 @@ class PrefixCache:
         self.byte_hash_fn = byte_hash_fn
         self.max_model_len = max_model_len
         self.align_tokens = math.lcm(*self.block_sizes)
-        self.powers = {bs: ChainPowers(bs) for bs in set(self.block_sizes)}
+        self.powers = {bs: ChainPowers(bs) for bs in sorted(set(self.block_sizes))}
         self.chains = KeyChains(num_rows, self.block_sizes)
         self.namespaces: Namespaces = {}
         self._none_namespace: tuple[int, int] | None = None  # namespaces[b""] once interned
@@ -144,7 +144,7 @@ class PrefixCache:
             for plan in plans:
                 plan.hit_slots = [np.zeros(0, np.int64) for _ in self.pools]
             return
-        prompt_keys(plans, self.block_sizes, self.powers)
+        prompt_keys(plans, self.powers)
         find_hits(plans, self.pools, self.block_sizes, self.windows, self.align_tokens)
         if self.has_host_tier:
             fit_restores(plans, self.pools, self.block_sizes, self.align_tokens, _cap_hit)
