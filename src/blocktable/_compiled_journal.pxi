@@ -86,7 +86,8 @@ cdef class JournalDiff:
     cdef list arena_views  # and its view
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
-    cdef object int32  # numpy's int32 dtype, for the parts' array
+    cdef object int32  # numpy's int32 dtype, for the parts' arrays
+    cdef object frombuffer  # numpy.frombuffer, which makes each part's array
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
                  object empty, object row_blocks, object no_blocks):
@@ -129,6 +130,7 @@ cdef class JournalDiff:
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
         self.int32 = _np.dtype(_np.int32)
+        self.frombuffer = _np.frombuffer
 
     cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
         """Group ``g``'s arena as a view: the remembered one for the remembered object."""
@@ -217,7 +219,7 @@ cdef class JournalDiff:
         if total > PY_SSIZE_T_MAX // 4:
             raise ValueError(f"the update would hold {total} ids")
         # gathered into the work space (grown to fit), then copied into a new bytes object:
-        # its array is read-only from birth, and so is every view of it
+        # the parts' arrays over it are read-only from birth, and so is every view of them
         if total > self.work.shape[0]:
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
         cdef int32_t[::1] out = self.work
@@ -260,34 +262,38 @@ cdef class JournalDiff:
                         at += 1
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
+        # each part is its own array over the bytes (cutting one flat array would take a
+        # numpy call more per step)
         cdef bytes buf = PyBytes_FromStringAndSize(<char*> &out[0], total * 4)
-        flat = _np.frombuffer(buf, self.int32)
-        cleared = self._part(flat, 0, n_cleared)
-        added_rows = self._part(flat, n_cleared, n_added)
+        cleared = self._part(buf, 0, n_cleared)
+        added_rows = self._part(buf, n_cleared, n_added)
         at = n_cleared + n_added
         # the added rows serve every group; a group's empty part is the one empty instance
         cdef list added = [], appended = []
         for g in range(num_groups):
             if n_added:
-                added.append(make(added_rows, self._part(flat, at, n_added),
-                                  self._part(flat, at + n_added, lens[3 + 5 * g])))
+                added.append(make(added_rows, self._part(buf, at, n_added),
+                                  self._part(buf, at + n_added, lens[3 + 5 * g])))
             else:
                 added.append(none)
             at += n_added + lens[3 + 5 * g]
             grown = lens[4 + 5 * g]
             if grown:
-                appended.append(make(self._part(flat, at, grown),
-                                     self._part(flat, at + grown, grown),
-                                     self._part(flat, at + 2 * grown, lens[6 + 5 * g])))
+                appended.append(make(self._part(buf, at, grown),
+                                     self._part(buf, at + grown, grown),
+                                     self._part(buf, at + 2 * grown, lens[6 + 5 * g])))
             else:
                 appended.append(none)
             at += 2 * grown + lens[6 + 5 * g]
         self._restart(n)
         return cleared, tuple(added), tuple(appended)
 
-    cdef object _part(self, object flat, Py_ssize_t start, Py_ssize_t length):
-        """``flat[start : start + length]``, or the one empty array."""
-        return flat[start : start + length] if length else self.empty
+    cdef object _part(self, bytes buf, Py_ssize_t start, Py_ssize_t length):
+        """The ``length`` int32 values at ``start`` of ``buf``, as a read-only array
+        (the one empty array where ``length`` is 0)."""
+        if not length:
+            return self.empty
+        return self.frombuffer(buf, self.int32, length, start * 4)
 
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start
