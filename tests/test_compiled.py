@@ -659,14 +659,18 @@ EMPTY32.flags.writeable = False
 
 
 NO_BLOCKS = RowBlocks(EMPTY32, EMPTY32, EMPTY32)
+NO_ENTRIES = (RowEntries(EMPTY32, EMPTY32),) * 2
 
 
 def journal_diff(start_gen, holder_gen, start_len, row_len, arenas) -> list:
     """A journal diff bound to the arrays, called once: its parts as flat arrays (cleared
     rows, added rows, then per group added counts and ids, grown rows, growth, new ids)."""
-    cleared, added, appended = compiled.JournalDiff(
-        start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS,
-    ).diff(arenas)
+    update = compiled.JournalDiff(
+        start_gen, holder_gen, start_len, row_len, EMPTY32, RowBlocks, NO_BLOCKS, StepUpdate,
+    ).diff(arenas, NO_ENTRIES, (16, 32))
+    assert type(update) is StepUpdate and update.trusted
+    assert update.nulled is NO_ENTRIES and update.allocator_block_sizes == (16, 32)
+    cleared, added, appended = update.cleared_rows, update.added, update.appended
     parts = [cleared, added[0].rows]
     for a, p in zip(added, appended):
         parts += [a.num_manager_blocks, a.block_ids, p.rows, p.num_manager_blocks, p.block_ids]
@@ -687,8 +691,9 @@ def test_journal_diff_parts_and_the_next_start() -> None:
     np.testing.assert_array_equal(args[2], args[3])
     again = journal_diff(*args)
     assert all(p is EMPTY32 for p in again)
-    assert compiled.JournalDiff(*journal_args()[:4], EMPTY32, RowBlocks,
-                                NO_BLOCKS).diff(journal_args()[4])[2][1] is NO_BLOCKS
+    update = compiled.JournalDiff(*journal_args()[:4], EMPTY32, RowBlocks, NO_BLOCKS,
+                                  StepUpdate).diff(journal_args()[4], NO_ENTRIES, None)
+    assert update.appended[1] is NO_BLOCKS and update.allocator_block_sizes is None
     with pytest.raises(ValueError):
         parts[0].flags.writeable = True  # a view of a read-only buffer
 
@@ -698,9 +703,11 @@ def test_journal_diff_moves_the_start_of_a_changed_row_that_yields_nothing() -> 
     start_gen, holder_gen = np.array([0, 5], I64), np.array([0, 5], I64)
     start_len, row_len = np.array([[1, 3]], I64), np.array([[2, 1]], I64)
     bound = compiled.JournalDiff(start_gen, holder_gen, start_len, row_len, EMPTY32,
-                                 RowBlocks, NO_BLOCKS)
-    cleared, added, appended = bound.diff([np.zeros((2, 4), I32)])
-    assert cleared is EMPTY32 and added[0] is NO_BLOCKS and appended[0] is NO_BLOCKS
+                                 RowBlocks, NO_BLOCKS, StepUpdate)
+    nulled = NO_ENTRIES[:1]
+    update = bound.diff([np.zeros((2, 4), I32)], nulled, None)
+    assert update.cleared_rows is EMPTY32 and update.nulled is nulled and update.trusted
+    assert update.added == update.appended == (NO_BLOCKS,)
     assert start_len.tolist() == [[2, 1]]
 
 
@@ -711,11 +718,12 @@ def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None
     def diff(arenas):  # from the same start every time
         np.copyto(start_gen, starts[0])
         np.copyto(start_len, starts[1])
-        cleared, added, appended = bound(arenas)
-        return [cleared] + [a for b in added + appended for a in astuple(b)]
+        update = bound(arenas, NO_ENTRIES, None)
+        return [update.cleared_rows] + [a for b in update.added + update.appended
+                                        for a in astuple(b)]
 
     bound = compiled.JournalDiff(start_gen, holder_gen, start_len, row_len,
-                                 EMPTY32, RowBlocks, NO_BLOCKS).diff
+                                 EMPTY32, RowBlocks, NO_BLOCKS, StepUpdate).diff
     first = [p.tolist() for p in diff(arenas)]
     assert [p.tolist() for p in diff(arenas)] == first  # the same arenas again
     wider = [np.hstack([a, a + 100]) for a in arenas]  # an arena that grew: taken anew
@@ -726,7 +734,7 @@ def test_journal_diff_remembers_each_groups_arena_and_checks_a_new_one() -> None
         np.copyto(start_len, starts[1])
         before = snapshot([start_gen, holder_gen, start_len, row_len, *wider])
         with pytest.raises((TypeError, ValueError)):
-            bound(bad)  # a new arena is checked (rows, dtype); one arena per group
+            bound(bad, NO_ENTRIES, None)  # a new arena is checked (rows, dtype); one arena per group
         unchanged(before, [start_gen, holder_gen, start_len, row_len, *wider])
     assert [p.tolist() for p in diff(wider)] == first
 
@@ -788,7 +796,19 @@ def test_journal_diff_refuses_hostile_arguments() -> None:
     check(args)  # a row that grew from a negative length
     for label, bad in hostile_variants(EMPTY32) + [("not empty", np.zeros(1, I32))]:
         with pytest.raises((TypeError, ValueError)):
-            compiled.JournalDiff(*valid[:4], bad, RowBlocks, NO_BLOCKS)
+            compiled.JournalDiff(*valid[:4], bad, RowBlocks, NO_BLOCKS, StepUpdate)
+
+    def refused(*args: object) -> StepUpdate:
+        raise ValueError("refused")
+
+    shrank = [np.arange(1, 5, dtype=I64), np.arange(1, 5, dtype=I64),  # row 0 shrank: no part
+              np.full((2, 4), 2, I64), np.array([[1, 2, 2, 2], [2, 2, 2, 2]], I64), valid[4]]
+    for args in (journal_args(), shrank):  # an update with parts, and one without
+        before = snapshot([*args[:4], *args[4]])
+        bound = compiled.JournalDiff(*args[:4], EMPTY32, RowBlocks, NO_BLOCKS, refused)
+        with pytest.raises(ValueError, match="refused"):
+            bound.diff(args[4], NO_ENTRIES, None)  # an update that cannot be made
+        unchanged(before, [*args[:4], *args[4]])
 
 
 def test_key_table_refuses_hostile_arguments() -> None:

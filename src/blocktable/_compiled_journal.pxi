@@ -60,7 +60,8 @@ cdef class JournalDiff:
     at the start and now), ``start_len`` and ``row_len`` (int64 ``[num_groups, num_rows]``:
     the row lengths at the start and now), and ``empty``, an empty int32 array handed out for
     every empty array; ``row_blocks`` makes a group's rows and blocks
-    (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance. A row
+    (:class:`blocktable.update.RowBlocks`) and ``no_blocks`` is its empty instance;
+    ``step_update`` makes the update (:class:`blocktable.update.StepUpdate`). A row
     changed where its holder or any of its lengths differs from the start. A changed row whose
     holder left (``holder_gen`` 0, ``start_gen`` not) is cleared; one held by another request
     than at the start is added whole; one held by the same request appends its entries past
@@ -82,14 +83,17 @@ cdef class JournalDiff:
     cdef object empty
     cdef object row_blocks  # the class of a group's rows and blocks, and its empty instance
     cdef object no_blocks
+    cdef tuple no_parts  # (no_blocks,) per group: the added or appended part of no row
+    cdef object step_update  # the class of the update
     cdef list arena_objs  # per group, the arena last taken (None at first)
     cdef list arena_views  # and its view
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
-    cdef object int32  # numpy's int32 dtype, for the parts' array
+    cdef object int32  # numpy's int32 dtype, for the parts' arrays
+    cdef object frombuffer  # numpy.frombuffer, which makes each part's array
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
-                 object empty, object row_blocks, object no_blocks):
+                 object empty, object row_blocks, object no_blocks, object step_update):
         global _np
         if _np is None:
             import numpy
@@ -124,11 +128,14 @@ cdef class JournalDiff:
         self.kinds = _np.empty(num_rows, dtype=_np.uint8)
         self.empty = empty
         self.row_blocks, self.no_blocks = row_blocks, no_blocks
+        self.no_parts = (no_blocks,) * num_groups
+        self.step_update = step_update
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
         self.int32 = _np.dtype(_np.int32)
+        self.frombuffer = _np.frombuffer
 
     cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
         """Group ``g``'s arena as a view: the remembered one for the remembered object."""
@@ -142,16 +149,19 @@ cdef class JournalDiff:
         self.arena_objs[g], self.arena_views[g] = obj, arena
         return arena
 
-    def diff(self, list arenas):
-        """The net change of every row since the start, in row order; then the live holders
-        and lengths of the changed rows are copied into ``start_gen`` and ``start_len``.
+    def diff(self, list arenas, object nulled, object allocator_block_sizes):
+        """The net change of every row since the start, in row order, as one update; then the
+        live holders and lengths of the changed rows are copied into ``start_gen`` and
+        ``start_len``.
 
-        Returns ``(cleared_rows, added, appended)``: the cleared rows (int32), and per group
+        Returns ``step_update(cleared_rows, added, appended, nulled, allocator_block_sizes,
+        True)`` (trusted: its rows are distinct table rows per part, its counts sum to its
+        ids, which are read from the arenas): the cleared rows (int32), and per group
         ``row_blocks(rows, counts, ids)`` of the added rows (their whole rows) and of the rows
-        that grew (their growth and new ids), or ``no_blocks`` where a group has none. The
-        arrays are read-only int32 views of one new buffer; empty ones are ``empty``. Every
-        length is checked against its arena before anything is gathered; on an error nothing
-        is written.
+        that grew (their growth and new ids), or ``no_blocks`` where a group has none;
+        ``nulled`` and ``allocator_block_sizes`` are passed through. The arrays are read-only
+        int32 views of one new bytes object; empty ones are ``empty``. Every length is checked
+        against its arena before anything is gathered; on an error nothing is written.
         """
         cdef int64_t[::1] sgen = self.sgen
         cdef const int64_t[::1] hgen = self.hgen
@@ -212,12 +222,14 @@ cdef class JournalDiff:
         # ---- the parts, in the order of ``lens`` ----------------------------------------
         make, none = self.row_blocks, self.no_blocks
         if total == 0:  # nothing to gather: every part is empty
-            self._restart(n)
-            return self.empty, (none,) * num_groups, (none,) * num_groups
+            update = self.step_update(self.empty, self.no_parts, self.no_parts, nulled,
+                                      allocator_block_sizes, True)
+            self._restart(n)  # (once the update is made: were it refused, nothing is written)
+            return update
         if total > PY_SSIZE_T_MAX // 4:
             raise ValueError(f"the update would hold {total} ids")
         # gathered into the work space (grown to fit), then copied into a new bytes object:
-        # its array is read-only from birth, and so is every view of it
+        # the parts' arrays over it are read-only from birth, and so is every view of them
         if total > self.work.shape[0]:
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
         cdef int32_t[::1] out = self.work
@@ -260,34 +272,42 @@ cdef class JournalDiff:
                         at += 1
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
+        # each part is its own array over the bytes (cutting one flat array would take a
+        # numpy call more per step)
         cdef bytes buf = PyBytes_FromStringAndSize(<char*> &out[0], total * 4)
-        flat = _np.frombuffer(buf, self.int32)
-        cleared = self._part(flat, 0, n_cleared)
-        added_rows = self._part(flat, n_cleared, n_added)
+        cleared = self._part(buf, 0, n_cleared)
+        added_rows = self._part(buf, n_cleared, n_added)
         at = n_cleared + n_added
-        # the added rows serve every group; a group's empty part is the one empty instance
+        # the added rows serve every group; a group's empty part is the one empty instance,
+        # and a part empty in every group the one tuple of them
         cdef list added = [], appended = []
+        cdef bint any_grown = False
         for g in range(num_groups):
             if n_added:
-                added.append(make(added_rows, self._part(flat, at, n_added),
-                                  self._part(flat, at + n_added, lens[3 + 5 * g])))
-            else:
-                added.append(none)
+                added.append(make(added_rows, self._part(buf, at, n_added),
+                                  self._part(buf, at + n_added, lens[3 + 5 * g])))
             at += n_added + lens[3 + 5 * g]
             grown = lens[4 + 5 * g]
             if grown:
-                appended.append(make(self._part(flat, at, grown),
-                                     self._part(flat, at + grown, grown),
-                                     self._part(flat, at + 2 * grown, lens[6 + 5 * g])))
+                appended.append(make(self._part(buf, at, grown),
+                                     self._part(buf, at + grown, grown),
+                                     self._part(buf, at + 2 * grown, lens[6 + 5 * g])))
+                any_grown = True
             else:
                 appended.append(none)
             at += 2 * grown + lens[6 + 5 * g]
+        update = self.step_update(cleared, tuple(added) if n_added else self.no_parts,
+                                  tuple(appended) if any_grown else self.no_parts, nulled,
+                                  allocator_block_sizes, True)
         self._restart(n)
-        return cleared, tuple(added), tuple(appended)
+        return update
 
-    cdef object _part(self, object flat, Py_ssize_t start, Py_ssize_t length):
-        """``flat[start : start + length]``, or the one empty array."""
-        return flat[start : start + length] if length else self.empty
+    cdef object _part(self, bytes buf, Py_ssize_t start, Py_ssize_t length):
+        """The ``length`` int32 values at ``start`` of ``buf``, as a read-only array
+        (the one empty array where ``length`` is 0)."""
+        if not length:
+            return self.empty
+        return self.frombuffer(buf, self.int32, length, start * 4)
 
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start

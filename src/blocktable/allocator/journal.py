@@ -65,7 +65,7 @@ class StepJournal:
         compiled, rows = _loader.COMPILED, self.rows
         self._compiled_diff = None if compiled is None else compiled.JournalDiff(
             self.start_gen, rows.holder_gen, self.start_len, rows.row_len,
-            _EMPTY32, RowBlocks, _NO_BLOCKS).diff
+            _EMPTY32, RowBlocks, _NO_BLOCKS, StepUpdate).diff
 
     def __getstate__(self) -> dict[str, object]:  # the compiled diff is bound, not pickled
         return {k: v for k, v in self.__dict__.items() if k != "_compiled_diff"}
@@ -90,17 +90,16 @@ class StepJournal:
         it); the live state becomes the next start. On an error (a corrupt row state) nothing
         changes."""
         # the nulled entries first: they are kept by the holders at the start
-        nulled = self._no_entries
-        if self._nulled:
-            nulled = self._null_update()
-        if self._compiled_diff is not None:
-            cleared_rows, added, appended = self._compiled_diff(self.rows.blocks)
+        nulled = self._null_update() if self._nulled else self._no_entries
+        diff = self._compiled_diff  # (it builds the update itself: no tuple of parts between)
+        if diff is not None:
+            update = diff(self.rows.blocks, nulled, allocator_block_sizes)
         else:
-            cleared_rows, added, appended = self._numpy_diff()
-        if nulled is not self._no_entries:
+            # (trusted passed by position: a class called with a keyword builds a dict for it)
+            update = StepUpdate(*self._numpy_diff(), nulled, allocator_block_sizes, True)
+        if self._nulled:
             self._nulled = {}
-        # (trusted passed by position: a class called with a keyword builds a dict for it)
-        return StepUpdate(cleared_rows, added, appended, nulled, allocator_block_sizes, True)
+        return update
 
     def _numpy_diff(self) -> tuple[np.ndarray, tuple[RowBlocks, ...], tuple[RowBlocks, ...]]:
         """The numpy twin of the compiled diff: compare every row with its start, diff the
