@@ -27,6 +27,16 @@ def observable(mgr: KVCacheManager) -> tuple:
     return reqs, pools, mgr.prefix_cache_stats
 
 
+def two_running(num_allocated: int) -> KVCacheManager:
+    """:func:`make` with requests "a" (tokens 0..23) and "b" (100..123) admitted, each with
+    ``num_allocated`` tokens' worth of blocks."""
+    mgr = make()
+    for req_id, base in (("a", 0), ("b", 100)):
+        mgr.add_request(req_id, list(range(base, base + 24)))
+        mgr.allocate(req_id, num_allocated)
+    return mgr
+
+
 def as_lists(update: object) -> tuple:
     out = [update.cleared_rows.tolist()]  # type: ignore[attr-defined]
     for blocks in (*update.added, *update.appended):  # type: ignore[attr-defined]
@@ -434,10 +444,7 @@ def test_per_request_marks_are_applied_before_the_next_call(probe: object) -> No
     call leaves them (a request marked twice applies its first mark first)."""
     pair = []
     for per_request in (True, False):
-        mgr = make()
-        for req_id, base in (("a", 0), ("b", 100)):
-            mgr.add_request(req_id, list(range(base, base + 24)))
-            mgr.allocate(req_id, 24)
+        mgr = two_running(24)
         if per_request:
             mgr.mark_computed("a", 8)
             mgr.mark_computed("b", 24)
@@ -476,10 +483,7 @@ def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: 
     what the batched calls, made one by one, leave."""
     pair = []
     for per_request in (True, False):
-        mgr = make()
-        for req_id, base in (("a", 0), ("b", 100)):
-            mgr.add_request(req_id, list(range(base, base + 24)))
-            mgr.allocate(req_id, 32)
+        mgr = two_running(32)
         for kind, req_id, arg in calls:
             if kind == "append":
                 (mgr.append_token_ids if per_request else mgr.append_token_ids_many)(

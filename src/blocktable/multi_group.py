@@ -149,10 +149,10 @@ class MultiGroupBlockTable(AttentionViews):
         self.committer = Committer(self.storage, self.backend)
         # a one-group table's writer, draining into the committer's stager (None: two calls)
         writer = self.tables[0].writer if len(self.tables) == 1 and self.tables[0] else None
-        stager = self.committer.compiled_stager
-        self._staging_writer = None if writer is None or stager is None else writer
-        if self._staging_writer is not None:
-            self._staging_writer.bind_stager(stager)
+        stager, self._staging_writer = self.committer.compiled_stager, None
+        if writer is not None and stager is not None:
+            writer.bind_stager(stager)
+            self._staging_writer = writer
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
         self.slot_params = [self._params(g) for g in self._slot_groups]
