@@ -222,26 +222,38 @@ class RunningRequests:
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
-            state, row, lens = self._row_state, req.row, self._row_state.row_len_mvs
+            state, row, pools = self._row_state, req.row, self._pools
             total = state.num_computed_mv[row] + num_new_tokens
-            fits = self.max_model_len is None or total <= self.max_model_len
-            ends = []  # per group, the row's length after
-            for row_len, bs, pool in zip(lens, self.block_sizes, self._pools):
-                ends.append(max(-(-total // bs), row_len[row]))
-                fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
-            if fits:
+            lens, sizes = state.row_len_mvs, self.block_sizes
+            # (several groups: every pool's free count first, all or nothing; one pool's take
+            # checks its own and takes nothing when it fails)
+            if (self.max_model_len is None or total <= self.max_model_len) and (
+                len(pools) == 1
+                or all(
+                    -(-total // bs) - row_len[row] <= pool.num_free_blocks
+                    for row_len, bs, pool in zip(lens, sizes, pools)
+                )
+            ):
                 out: list[list[int]] = []
-                for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
-                    start = row_len[row]
-                    if end == start:  # (most decode steps: the last block has room)
-                        out.append([])
-                        continue
-                    new = pool.take(end - start)
-                    state.ensure_width(g, end)[row, start:end] = new
-                    row_len[row] = end
-                    out.append(new.tolist())
-                state.update_num_slots(self.block_sizes, row)
-                return tuple(out)
+                try:
+                    for g, pool in enumerate(pools):
+                        row_len = lens[g]
+                        start, end = row_len[row], -(-total // sizes[g])
+                        if end <= start:  # (most decode steps: the last block has room)
+                            out.append([])
+                            continue
+                        new = pool.take(end - start)
+                        arena = state.blocks[g]
+                        if arena.shape[1] < end:
+                            arena = state.ensure_width(g, end)
+                        arena[row, start:end] = new
+                        row_len[row] = end
+                        out.append(new.tolist())
+                except OutOfBlocksError:
+                    pass  # (one group, nothing taken: the batched call words the error)
+                else:
+                    state.update_num_slots(sizes, row)
+                    return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
         parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
         return tuple(part.block_ids.tolist() for part in parts)
