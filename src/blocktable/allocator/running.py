@@ -94,10 +94,13 @@ class RunningRequests:
         to ``kind``, ``_pending[req_id]`` to what the batched call needs): settle unless the
         calls pending are of this kind on other requests; return the request, or None when
         ``req_id`` is not a running request's id (the batched call then checks and words it)."""
-        plain = type(req_id) in (int, str)  # (else: maybe unhashable)
-        if self._pending and (self._pending_kind != kind or not plain or req_id in self._pending):
+        if type(req_id) is not int and type(req_id) is not str:  # (maybe unhashable)
             self._settle()
-        return self._requests.get(req_id) if plain else None
+            return None
+        pending = self._pending
+        if pending and (self._pending_kind != kind or req_id in pending):
+            self._settle()
+        return self._requests.get(req_id)
 
     def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
@@ -114,7 +117,10 @@ class RunningRequests:
             self._settle()
             self.append_token_ids_many([req_id], [token_ids])
             return
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
+        try:  # (the name naming the request is built only to raise)
+            new = token_array("token_ids", token_ids)
+        except (TypeError, ValueError):
+            new = token_array(f"token_ids of request {req_id!r}", token_ids)
         if self.max_model_len is not None:
             self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
         self._pending_kind = "append"  # recorded (see _settle)
@@ -252,7 +258,10 @@ class RunningRequests:
                 except OutOfBlocksError:
                     pass  # (one group, nothing taken: the batched call words the error)
                 else:
-                    state.update_num_slots(sizes, row)
+                    if len(pools) == 1:  # (what the one group's blocks hold)
+                        state.num_slots_mv[row] = lens[0][row] * sizes[0]
+                    else:
+                        state.update_num_slots(sizes, row)
                     return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
         parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
