@@ -94,10 +94,13 @@ class RunningRequests:
         to ``kind``, ``_pending[req_id]`` to what the batched call needs): settle unless the
         calls pending are of this kind on other requests; return the request, or None when
         ``req_id`` is not a running request's id (the batched call then checks and words it)."""
-        plain = type(req_id) in (int, str)  # (else: maybe unhashable)
-        if self._pending and (self._pending_kind != kind or not plain or req_id in self._pending):
+        if type(req_id) is not int and type(req_id) is not str:  # (maybe unhashable)
             self._settle()
-        return self._requests.get(req_id) if plain else None
+            return None
+        pending = self._pending
+        if pending and (self._pending_kind != kind or req_id in pending):
+            self._settle()
+        return self._requests.get(req_id)
 
     def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work
@@ -114,7 +117,10 @@ class RunningRequests:
             self._settle()
             self.append_token_ids_many([req_id], [token_ids])
             return
-        new = token_array(f"token_ids of request {req_id!r}", token_ids)
+        try:  # (the name naming the request is built only to raise)
+            new = token_array("token_ids", token_ids)
+        except (TypeError, ValueError):
+            new = token_array(f"token_ids of request {req_id!r}", token_ids)
         if self.max_model_len is not None:
             self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
         self._pending_kind = "append"  # recorded (see _settle)
@@ -222,26 +228,41 @@ class RunningRequests:
         req = self._requests.get(req_id) if type(req_id) in (int, str) else None
         if req is not None and type(num_new_tokens) is int and num_new_tokens >= 0:
             # one request in Python ints: the batched call's arrays cost more than they save
-            state, row, lens = self._row_state, req.row, self._row_state.row_len_mvs
+            state, row, pools = self._row_state, req.row, self._pools
             total = state.num_computed_mv[row] + num_new_tokens
-            fits = self.max_model_len is None or total <= self.max_model_len
-            ends = []  # per group, the row's length after
-            for row_len, bs, pool in zip(lens, self.block_sizes, self._pools):
-                ends.append(max(-(-total // bs), row_len[row]))
-                fits = fits and ends[-1] - row_len[row] <= pool.num_free_blocks
-            if fits:
+            lens, sizes = state.row_len_mvs, self.block_sizes
+            # (several groups: every pool's free count first, all or nothing; one pool's take
+            # checks its own and takes nothing when it fails)
+            if (self.max_model_len is None or total <= self.max_model_len) and (
+                len(pools) == 1
+                or all(
+                    -(-total // bs) - row_len[row] <= pool.num_free_blocks
+                    for row_len, bs, pool in zip(lens, sizes, pools)
+                )
+            ):
                 out: list[list[int]] = []
-                for g, (pool, end, row_len) in enumerate(zip(self._pools, ends, lens)):
-                    start = row_len[row]
-                    if end == start:  # (most decode steps: the last block has room)
-                        out.append([])
-                        continue
-                    new = pool.take(end - start)
-                    state.ensure_width(g, end)[row, start:end] = new
-                    row_len[row] = end
-                    out.append(new.tolist())
-                state.update_num_slots(self.block_sizes, row)
-                return tuple(out)
+                try:
+                    for g, pool in enumerate(pools):
+                        row_len = lens[g]
+                        start, end = row_len[row], -(-total // sizes[g])
+                        if end <= start:  # (most decode steps: the last block has room)
+                            out.append([])
+                            continue
+                        new = pool.take(end - start)
+                        arena = state.blocks[g]
+                        if arena.shape[1] < end:
+                            arena = state.ensure_width(g, end)
+                        arena[row, start:end] = new
+                        row_len[row] = end
+                        out.append(new.tolist())
+                except OutOfBlocksError:
+                    pass  # (one group, nothing taken: the batched call words the error)
+                else:
+                    if len(pools) == 1:  # (what the one group's blocks hold)
+                        state.num_slots_mv[row] = lens[0][row] * sizes[0]
+                    else:
+                        state.update_num_slots(sizes, row)
+                    return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
         parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
         return tuple(part.block_ids.tolist() for part in parts)
