@@ -26,7 +26,13 @@ from blocktable.transfer import (
     handshake,
     local_pair,
 )
-from blocktable.transfer.buffers import StagingBuffer, chunk_view, gather_chunks, scatter_chunks
+from blocktable.transfer.buffers import (
+    StagingBuffer,
+    chunk_view,
+    default_piece_bytes,
+    gather_chunks,
+    scatter_chunks,
+)
 from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
@@ -153,6 +159,14 @@ def test_pieces_gathered_sent_and_scattered_equal_one_buffer(num_rows: int, piec
         piece.copy_(sent)
         scatter_chunks(by_piece, dst_rows[a:b], 2, piece)
     assert torch.equal(one, by_piece)
+
+
+def test_the_default_pieces_are_one_on_the_cpu_and_64_mib_on_a_gpu(model: Any) -> None:
+    assert default_piece_bytes("cuda") == 64 << 20 == default_piece_bytes(torch.device("cuda:1"))
+    worker = PrefillWorker(_engine(model, 4), local_pair()[0])
+    view = chunk_view(torch.empty(32, 2, 1 << 14, 16, 8, 128, dtype=torch.bfloat16,
+                                  device="meta"), 16)  # 32 GiB of chunks, never allocated
+    assert worker.staging.rows_per_piece(view) >= view.shape[1]  # all of them in one piece
 
 
 def test_staging_buffer_is_reused_and_refuses_bad_sizes() -> None:

@@ -74,6 +74,19 @@ def _check_buffer(buffer: torch.Tensor, view: torch.Tensor, num_rows: int, name:
                          f"{buffer.device}")
 
 
+GPU_PIECE_BYTES = 64 << 20
+"""A GPU side's send-buffer pieces unless told (:func:`default_piece_bytes`)."""
+
+
+def default_piece_bytes(device: torch.device | str) -> int:
+    """The send buffer's piece size for a cache on ``device`` unless a side is told: 64 MiB
+    pieces on a GPU, each gathered by a kernel while the one before travels; the whole buffer
+    at once on the CPU, where the gather and the scatter share the cores and the memory bus
+    with the wire's own copies (measured with ``benchmarks/bench_transfer.py`` on 2 cores:
+    pieces sent while the next is gathered cost more CPU time than they overlapped)."""
+    return GPU_PIECE_BYTES if torch.device(device).type == "cuda" else 1 << 62
+
+
 def piece_bounds(num_rows: int, rows_per_piece: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` splitting ``num_rows`` rows into pieces of ``rows_per_piece``
     (the last may be shorter); no piece for no rows."""
@@ -95,7 +108,7 @@ class StagingBuffer:
         sends one piece: one gather launch and one send.
     """
 
-    def __init__(self, piece_bytes: int = 64 << 20) -> None:
+    def __init__(self, piece_bytes: int = GPU_PIECE_BYTES) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
         self.piece_bytes = int(piece_bytes)

@@ -3,10 +3,12 @@
 Each round: one engine step; requests whose prompt is done (first token sampled) leave the
 scheduler but keep their blocks; they are offered to the decode side, which answers, per
 offer, from which prompt token on it lacks the KV. Those tokens are mapped to this side's
-chunk rows (its table's rows, one numpy pass for the round), whose every layer is gathered
-into one staging buffer, piece by piece, each piece sent while the next is gathered. A
-request's blocks are freed (its full blocks stay in the prefix cache) only once the decode
-side's next plan acknowledges the data, or it refuses the request, or it is lost.
+chunk rows (its table's rows, one pass for the round), whose every layer is gathered into
+one staging buffer, piece by piece, each piece sent while the next is gathered (on a GPU; on
+the CPU the buffer is one piece by default: :func:`~blocktable.transfer.buffers.
+default_piece_bytes`). A request's blocks are freed (its full blocks stay in the prefix
+cache) only once the decode side's next plan acknowledges the data, or it refuses the
+request, or it is lost.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
-from blocktable.transfer.buffers import StagingBuffer, chunk_view
+from blocktable.transfer.buffers import StagingBuffer, chunk_view, default_piece_bytes
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
@@ -85,17 +87,20 @@ class PrefillWorker:
         The prefill engine (its allocator, table and KV cache).
     transport : Transport
         The wire to the decode side.
-    piece_bytes : int
+    piece_bytes : int, optional
         The send buffer goes out in pieces of about this size, each gathered while the one
-        before travels (:class:`~blocktable.transfer.buffers.StagingBuffer`).
+        before travels (:class:`~blocktable.transfer.buffers.StagingBuffer`); default
+        :func:`~blocktable.transfer.buffers.default_piece_bytes` of the cache's device.
     """
 
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, transport: Transport,
-                 piece_bytes: int = 64 << 20) -> None:
+                 piece_bytes: int | None = None) -> None:
         self.engine = engine
         self.transport = transport
+        if piece_bytes is None:
+            piece_bytes = default_piece_bytes(engine.model.kv_cache.device)
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None

@@ -38,8 +38,9 @@ class Session:
     prefill_rank, decode_rank : int
     prefill_cls, decode_cls : type
         The worker classes (tests pass subclasses that fail on purpose).
-    piece_bytes : int
-        The prefill side's send-buffer piece size (:class:`PrefillWorker`).
+    piece_bytes : int or None
+        The prefill side's send-buffer piece size (:class:`PrefillWorker`; ``None``: its
+        default for the device).
     """
 
     prefill: EngineConfig
@@ -54,7 +55,7 @@ class Session:
     decode_rank: int = 1
     prefill_cls: type[PrefillWorker] = PrefillWorker
     decode_cls: type[DecodeWorker] = DecodeWorker
-    piece_bytes: int = 64 << 20
+    piece_bytes: int | None = None
 
 
 def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
