@@ -3,7 +3,8 @@
 bf16, 32 query / 8 KV heads, head dim 128, page 16. Cases: decode (one query per request, from
 a CUDA graph, and "flushed": device time with a flushed L2, ``triton.testing.do_bench``, i.e.
 CUDA events around one call after an L2 flush, host work included only where the GPU waits for
-it; not an eager call's wall time), causal
+it; not an eager call's wall time), "eager wall" for decode (the wall time of one eager call,
+host included, from its launch to a synchronize that returns; median over 200 calls), causal
 prefill (TFLOP/s counted exactly from the causal mask), and a mixed step (255 decodes + one
 7937-token chunk over a 4096-token cached prefix) against the sum of its two parts run
 separately. Every case is checked against a float32 torch computation on a few sampled
@@ -24,7 +25,9 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -69,6 +72,7 @@ class Row:
     tflops: float | None = None
     max_err: float | None = None
     note: str = ""
+    eager_wall_us: float | None = None  # one eager call's wall time, host included (decode)
 
 
 class Batch:
@@ -160,6 +164,21 @@ def timed(fn: Callable[[], object], graph: bool, smoke: bool,
     return flushed, graph_us
 
 
+def eager_wall_us(fn: Callable[[], object], reps: int = 200) -> float:
+    """Median wall time of one eager call of ``fn`` and a synchronize, host work included,
+    each call started with the GPU idle (as a lone request's step sees it)."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 # Float workspace for FlashInfer's split-KV partials: its planner asks for ~322 MiB at B=1024
 # decode under CUDA graphs (more than the 128 MiB its docs suggest), so every shape here fits.
 FLASHINFER_WORKSPACE_BYTES = 1 << 30
@@ -245,6 +264,7 @@ def bench_flashinfer(rows: list[Row], kind: str, label: str, batch: Batch) -> No
                 return
             fi_err = batch.check(fi())
             fe, _ = timed(fi, graph=False, smoke=False)
+            fw = eager_wall_us(fi) if decode else None
             del fi
             fg = None
             if decode:
@@ -253,7 +273,7 @@ def bench_flashinfer(rows: list[Row], kind: str, label: str, batch: Batch) -> No
                 fg = triton.testing.do_bench_cudagraph(fig, rep=100, return_mode="median") * 1e3
                 del fig
             fi_tf = None if decode else flops / (fe * 1e-6) / 1e12
-            row = Row(kind, label, name, fe, fg, fi_tf, fi_err)
+            row = Row(kind, label, name, fe, fg, fi_tf, fi_err, eager_wall_us=fw)
             tried.append(row)
         except Exception as exc:  # noqa: BLE001 - e.g. a backend this build lacks
             row = Row(kind, label, name, None, None, note=f"failed: {exc}"[:120])
@@ -326,7 +346,9 @@ def bench_case(rows: list[Row], kind: str, label: str, batch: Batch, args: argpa
     flushed, graph = timed(run, graph=decode or kind == "mixed", smoke=args.smoke)
     flops = batch.causal_flops()
     tflops = None if flushed is None else flops / (flushed * 1e-6) / 1e12
-    rows.append(Row(kind, label, "triton", flushed, graph, None if decode else tflops, err))
+    wall = eager_wall_us(run) if decode and not args.smoke else None
+    rows.append(Row(kind, label, "triton", flushed, graph, None if decode else tflops, err,
+                    eager_wall_us=wall))
     if not args.smoke and kind != "mixed":
         bench_flashinfer(rows, kind, label, batch)
     if sdpa:
@@ -387,11 +409,11 @@ def print_table(rows: list[Row]) -> None:
         return "" if v is None else f"{v:.{d}f}"
 
     print(f"{'kind':<8} {'case':<34} {'impl':<34} {'flushed us':>10} {'graph us':>9} "
-          f"{'TFLOP/s':>8} {'max err':>8} note")
-    print("-" * 130)
+          f"{'eager wall us':>13} {'TFLOP/s':>8} {'max err':>8} note")
+    print("-" * 144)
     for r in rows:
         print(f"{r.kind:<8} {r.case:<34} {r.impl:<34} {f(r.flushed_us):>10} {f(r.graph_us):>9} "
-              f"{f(r.tflops):>8} {f(r.max_err, 4):>8} {r.note}")
+              f"{f(r.eager_wall_us):>13} {f(r.tflops):>8} {f(r.max_err, 4):>8} {r.note}")
 
 
 def print_ratios(rows: list[Row]) -> None:
@@ -407,7 +429,8 @@ def print_ratios(rows: list[Row]) -> None:
             if o is None:
                 continue
             for name, a, b in (("flushed", r.flushed_us, o.flushed_us), ("graph", r.graph_us,
-                                                                    o.graph_us)):
+                                                                    o.graph_us),
+                               ("eager wall", r.eager_wall_us, o.eager_wall_us)):
                 if a and b:
                     parts.append(f"{name} time / {other} {a / b:.2f}")
         for other in ("flashinfer", "sdpa"):
