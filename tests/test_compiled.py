@@ -669,42 +669,6 @@ def test_apply_and_stage_refuses_hostile_arguments_with_nothing_written() -> Non
     np.testing.assert_array_equal(staging, before)
 
 
-def test_apply_and_stage_bound_to_a_table_refuses_what_the_table_must_handle() -> None:
-    """Bound to a table (its update class, block sizes and storage): another update class,
-    other block sizes and a pending device read of the host table are refused (-2) with
-    nothing written; a staged update sets ``storage.changed`` (True: changes left for the
-    table's commit)."""
-    from types import SimpleNamespace
-
-    g = StagedGroup()
-    staging = np.zeros(1 + 2 * 16, I32)
-    visible = [a for a in g.arrays() if a is not g.scratch] + [staging]
-    empty = [np.zeros(0, I32)] * 9
-    parts = [*empty[:4], np.array([1], I32), np.array([1], I32), np.array([7], I32), *empty[7:]]
-    storage = SimpleNamespace(host_read_event=None, changed=None)
-
-    class OtherUpdate(StepUpdate):
-        pass
-
-    writer = g.bound_writer()
-    writer.bind_table(StepUpdate, (4,), storage)
-
-    def update(cls: type = StepUpdate, sizes: object = (4,)) -> StepUpdate:
-        u = one_group_update(parts)
-        return cls(u.cleared_rows, u.added, u.appended, u.nulled, sizes, True)
-
-    for bad in (update(OtherUpdate), update(sizes=(8,)), update(sizes=[4]), update(sizes=4)):
-        _refused(lambda: writer.apply_and_stage(bad, staging, 16), visible, refusal=-2)
-    storage.host_read_event = object()
-    _refused(lambda: writer.apply_and_stage(update(), staging, 16), visible, refusal=-2)
-    assert storage.changed is None  # (nothing staged, nothing said)
-    storage.host_read_event = None
-    assert writer.apply_and_stage(update(sizes=None), staging, 16) == 3
-    assert storage.changed is False
-    assert writer.apply_and_stage(update(), staging, 2) == -1  # written, left for the commit
-    assert storage.changed is True and g.counts[1] == 2 * K
-
-
 def journal_args() -> list:
     """A valid journal diff of 4 rows, 2 groups: row 0 cleared, row 1 added, row 2 grew in
     group 0, row 3 unchanged."""

@@ -100,9 +100,6 @@ cdef class GroupWriter:
     cdef object empty  # the last empty array taken (None at first), and its view
     cdef const int32_t[::1] empty_view
     cdef PairStager stager  # the table's pair stager, for apply_and_stage (None: unbound)
-    cdef object update_type  # bind_table's: the update class, block sizes and table storage
-    cdef object block_sizes
-    cdef object storage
     cdef object staged_a  # the last two staging arrays taken (None at first), and their views
     cdef object staged_b
     cdef int32_t[::1] staged_view_a
@@ -209,16 +206,6 @@ cdef class GroupWriter:
             raise ValueError("the stager must drain this writer's journal")
         self.stager = stager
 
-    def bind_table(self, object update_type not None, tuple block_sizes not None,
-                   object storage not None):
-        """Bind what :meth:`apply_and_stage` checks for its table first: an update of type
-        ``update_type`` (:class:`blocktable.update.StepUpdate`) whose
-        ``allocator_block_sizes`` is ``None`` or equals ``block_sizes``, and no pending
-        device read of the host table (``storage.host_read_event`` is ``None``); anything
-        else is refused (-2) with nothing read or written. After staging it sets
-        ``storage.changed`` (whether changes are left for the table's commit)."""
-        self.update_type, self.block_sizes, self.storage = update_type, block_sizes, storage
-
     def apply_and_stage(self, object update, object staging, int64_t capacity):
         """:meth:`apply` of a one-group step update then, if it passed, the bound stager's
         :meth:`PairStager.fill` into ``staging`` (int32 ``[>= 1 + 2 * capacity]``: the number
@@ -230,19 +217,9 @@ cdef class GroupWriter:
         Returns the number of pairs; -1 when they exceed ``capacity`` (the update is written,
         nothing staged: the changes wait for the table's commit); -2, nothing written, when
         the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
-        arrays names why). A bad ``staging`` or ``capacity`` raises. Bound to a table
-        (:meth:`bind_table`), it refuses first what the table's own path must handle."""
+        arrays names why). A bad ``staging`` or ``capacity`` raises."""
         if self.stager is None:
             raise ValueError("apply_and_stage needs bind_stager() first")
-        cdef object sizes
-        if self.storage is not None:
-            if type(update) is not self.update_type or \
-                    self.storage.host_read_event is not None:
-                return -2
-            sizes = update.allocator_block_sizes
-            if sizes is not None and sizes is not self.block_sizes and not (
-                    type(sizes) is tuple and sizes == self.block_sizes):
-                return -2
         cdef int32_t[::1] out = self._staging(staging, capacity)
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
@@ -286,10 +263,7 @@ cdef class GroupWriter:
         if self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows, n_blocks,
                        True)[0] != OK:
             return -2
-        cdef int64_t n = self.stager._fill(out, capacity)
-        if self.storage is not None:
-            self.storage.changed = n == -1
-        return n
+        return self.stager._fill(out, capacity)
 
     cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
         """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against

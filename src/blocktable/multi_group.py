@@ -153,7 +153,6 @@ class MultiGroupBlockTable(AttentionViews):
         stager, self._staging_writer = self.committer.compiled_stager, None
         if writer is not None and stager is not None:
             writer.bind_stager(stager)
-            writer.bind_table(StepUpdate, self._update_block_sizes, self.storage)
             self._staging_writer = writer
         self._slot_groups = [g for g, s in enumerate(self.specs) if s.has_slots]
         self._slot_index = {g: i for i, g in enumerate(self._slot_groups)}
@@ -351,10 +350,12 @@ class MultiGroupBlockTable(AttentionViews):
         update written, its changes left for :meth:`commit`). One compiled call, every check
         before its first write, for a one-group table where the compiled part is built."""
         writer = self._staging_writer
-        if writer is not None:  # (it sets storage.changed; it refuses, with nothing written,
-            # other update types, block sizes or a pending device read: apply handles those)
+        if (writer is not None and type(update) is StepUpdate
+                and self.storage.host_read_event is None
+                and update.allocator_block_sizes in (None, self._update_block_sizes)):
             n = writer.apply_and_stage(update, staging, max_pairs)
             if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
+                self.storage.changed = n == FULL
                 return n
         self.apply(update)  # raises for a refused update (the writer wrote nothing)
         return self.committer.stage(staging, max_pairs)
