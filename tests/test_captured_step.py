@@ -114,6 +114,7 @@ def check_same(bt: MultiGroupBlockTable, ref: MultiGroupBlockTable, out, qsl, po
     np.testing.assert_array_equal(bt.storage.host, ref.storage.host)
     np.testing.assert_array_equal(bt.storage.device_tensor.cpu().numpy(), ref.storage.host)
     np.testing.assert_array_equal(bt.slot_buffers.cpu().numpy(), ref.slot_buffers.numpy())
+    assert (bt.slot_buffers.cpu().numpy()[:, len(positions) :] == -1).all()  # the tail: PAD
     for g, slots in enumerate(out.slot_mappings):
         assert slots is not None and slots.data_ptr() == bt.slot_mapping(g).data_ptr()
     np.testing.assert_array_equal(out.query_start_loc.cpu().numpy(), qsl)
@@ -491,10 +492,13 @@ def test_slot_tail_is_pad_after_longer_steps_and_direct_calls(device):
     step.run(StepUpdate.make(2, added=[RowBlocks.from_lists([0], [[3, 4, 5]]), RowBlocks()]),
              np.array([0, 10], np.int32), np.arange(10, dtype=np.int64))
     short = (StepUpdate.empty(2), np.array([0, 1], np.int32), np.array([2], np.int64))
-    for longer in ("step", "direct"):
+    for longer in ("step", "direct", "direct, strided"):
         if longer == "direct":
             bt.compute_slot_mapping(torch.tensor([0, 12], dtype=torch.int32, device=device),
                                     torch.arange(12, device=device))
+        if longer == "direct, strided":  # (on the CPU the numpy mapping, not the compiled one)
+            bt.compute_slot_mapping(torch.tensor([0, 14], dtype=torch.int32, device=device),
+                                    torch.arange(28, device=device)[::2])
         out = step.run(*short)
         got = bt.slot_buffers.cpu().numpy()
         assert out.slot_mappings[0][0].item() == 3 * 4 + 2

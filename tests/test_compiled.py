@@ -250,6 +250,32 @@ def test_slot_mapper_equals_numpy(cp_world: int) -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def test_slot_mapper_pads_the_tail_of_every_map_in_a_sequence() -> None:
+    """One mapper and one buffer over a sequence of batches that grow and shrink (it rewrites
+    only the tail its previous map filled), with other writes of the buffer between some of
+    them (followed by ``mark_written``): after each map the whole buffer equals the numpy
+    function's on a fresh buffer."""
+    from blocktable.slot_mapping.params import SlotGroupParams
+
+    rng = np.random.default_rng(7)
+    flat, layout, rows, _, _, _ = slot_case(rng, 1)
+    params = [SlotGroupParams(*layout[:5], layout[5], layout[6], layout[7])]
+    got = np.full((1, 24), 99, I64)
+    mapper = compiled.SlotMapper(flat, got, [layout], rows)
+    for _ in range(200):
+        if rng.random() < 0.1:
+            got[0, rng.integers(0, 24, 3)] = 5  # another writer, which says so
+            mapper.mark_written()
+        num_reqs = int(rng.integers(0, 7))
+        qsl = np.concatenate([[0], np.cumsum(rng.integers(0, 5, num_reqs))]).astype(I32)
+        positions = rng.integers(0, layout[1] * layout[3], int(qsl[-1])).astype(I64)
+        row_of_batch = rng.integers(0, rows, num_reqs).astype(I32)
+        want = np.full((1, 24), 99, I64)
+        slot_mapping_numpy(flat, params, qsl, positions, row_of_batch, want, rows)
+        assert mapper.map(qsl, positions, row_of_batch) == 0
+        np.testing.assert_array_equal(got, want)
+
+
 def test_malformed_batches_are_left_to_numpy_with_nothing_written() -> None:
     flat = np.zeros(5 * 8 + 5, I32)
     out = np.full((1, 8), 5, I64)

@@ -9,12 +9,18 @@ cdef class SlotMapper:
 
     :meth:`map` equals :func:`blocktable.slot_mapping.torch_impl.slot_mapping_numpy` bit for
     bit on every batch it accepts (the tests compare them on random inputs).
+
+    Every map leaves each slot buffer ``PAD_SLOT_ID`` past the batch's tokens, as the numpy
+    twin does, but rewrites only the tail the previous map filled: the mapper remembers, per
+    group, how far its last map wrote slots. Whoever else writes ``out`` calls
+    :meth:`mark_written` after, so that the next map pads to the end again.
     """
 
     cdef const int32_t[::1] table
     cdef int64_t[:, ::1] out
     cdef int64_t[:, ::1] layout
     cdef int64_t max_num_reqs
+    cdef int64_t[::1] filled  # per group: entries of out past this are PAD_SLOT_ID
 
     def __init__(self, object flat_table, object out, list params, int64_t max_num_reqs):
         self.table = _int32_in(flat_table, "flat_table")
@@ -34,6 +40,8 @@ cdef class SlotMapper:
         self.layout = _layout(params)
         for g in range(len(params)):
             _check_layout(self.layout[g], num_entries, max_num_reqs)
+        self.filled = cvarray(shape=(max(len(params), 1),), itemsize=8, format="q")
+        self.mark_written()
         if self.out.shape[0] and self.out.shape[1] and num_entries and _overlap(
                 &self.out[0, 0], self.out.shape[0] * self.out.shape[1] * 8, &self.table[0],
                 num_entries * 4):
@@ -83,8 +91,16 @@ cdef class SlotMapper:
         cdef Py_ssize_t g
         for g in range(self.out.shape[0]):
             _map_group(self.table, self.layout[g], self.max_num_reqs, qsl, pos, rows,
-                       indexed, self.out[g])
+                       indexed, self.out[g], self.filled[g])
+            self.filled[g] = pos.shape[0]  # (once written: were it to raise, the end stays)
         return 0
+
+    def mark_written(self):
+        """Say that ``out`` was written by someone else: the next map pads every slot buffer
+        to its end."""
+        cdef Py_ssize_t g
+        for g in range(self.filled.shape[0]):
+            self.filled[g] = self.out.shape[1]
 
     cdef bint _overlaps_out(self, const void* start, Py_ssize_t nbytes) noexcept:
         return self.out.shape[0] > 0 and self.out.shape[1] > 0 and _overlap(
@@ -240,9 +256,9 @@ cdef int _check_layout(const int64_t[::1] p, Py_ssize_t num_entries,
 
 cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_num_reqs,
                     const int32_t[::1] qsl, const int64_t[::1] pos, const int32_t[::1] rows,
-                    bint indexed, int64_t[::1] slots) except -1:
+                    bint indexed, int64_t[::1] slots, int64_t filled) except -1:
     """One group's slots (its layout ``p`` checked, ``qsl`` well formed; ``rows`` read only
-    where ``indexed``)."""
+    where ``indexed``); ``slots`` is ``PAD_SLOT_ID`` past ``filled`` already."""
     cdef int64_t table_offset = p[0], width = p[1], counts_offset = p[2]
     cdef int64_t kernel_block_size = p[3], manager_block_size = p[4]
     cdef int64_t cp_world_size = p[5], cp_rank = p[6], cp_interleave = p[7]
@@ -252,7 +268,7 @@ cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_
     cdef int64_t blocks_per_manager_block = manager_block_size // kernel_block_size
     cdef int64_t table_end = table_offset + max_num_reqs * width  # entries read are clipped
     cdef bint sharded = cp_world_size > 1
-    for t in range(num_tokens, slots.shape[0]):
+    for t in range(num_tokens, min(filled, slots.shape[0])):
         slots[t] = PAD_SLOT_ID
     for r in range(qsl.shape[0] - 1):
         start, stop = qsl[r], qsl[r + 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import astuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -423,19 +424,7 @@ class MultiGroupBlockTable(AttentionViews):
             rows = None if row_of_batch is None else row_of_batch.numpy()
             self.map_slots_on_host(query_start_loc.numpy(), positions.numpy(), rows)
         else:
-            compute_slots(
-                self.backend,
-                self.storage.device_tensor,
-                self.slot_params,
-                self._packed_params,
-                query_start_loc,
-                positions,
-                row_of_batch,
-                self._slots,
-                max_num_reqs=self.max_num_reqs,
-                pow2=self._pow2,
-                has_cp=self._has_cp,
-            )
+            self.launch_slot_mapping_unchecked(query_start_loc, positions, row_of_batch)
         if self.debug:
             report_unmapped_tokens(
                 self.storage.device_tensor.cpu().numpy(), self.slot_params, self._slot_groups,
@@ -459,12 +448,23 @@ class MultiGroupBlockTable(AttentionViews):
         slot_mapping_numpy(self.storage.device_tensor.numpy(), self.slot_params,
                            query_start_loc, positions, row_of_batch, self._slots.numpy(),
                            self.max_num_reqs)
+        if mapper is not None:
+            mapper.mark_written()
 
     @property
     def slot_buffers(self) -> torch.Tensor:
         """int64 ``[num_slot_groups, max_num_batched_tokens]`` on the device: every persistent
         slot buffer, one row per token-slot group (rows of :meth:`slot_mapping`)."""
         return self._slots
+
+    @property
+    def host_slot_mapper(self) -> Any:
+        """The CPU backend's compiled slot mapping bound to :attr:`slot_buffers` (a
+        ``blocktable._compiled.SlotMapper``), or ``None`` where the install did not build it
+        or the table lives on an accelerator. The one compiled writer of the slot buffers:
+        it pads only the tail its previous map filled, so every other write of them calls
+        its ``mark_written``."""
+        return self._compiled_slots
 
     def launch_slot_mapping_unchecked(
         self,
@@ -483,6 +483,8 @@ class MultiGroupBlockTable(AttentionViews):
             query_start_loc, positions, row_of_batch, self._slots,
             max_num_reqs=self.max_num_reqs, pow2=self._pow2, has_cp=self._has_cp,
         )
+        if self._compiled_slots is not None:  # (the kernels wrote the buffers on the CPU)
+            self._compiled_slots.mark_written()
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of any group's host table does not hold."""

@@ -34,7 +34,6 @@ brings everything a step sends to the device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple
 from functools import partial
 from typing import NamedTuple
 
@@ -383,9 +382,9 @@ class CapturedStep:
         header_pairs = v.buffer[: self.layout.qsl]
         compiled = _loader.COMPILED
         if compiled is not None:
-            mapper = compiled.SlotMapper(device_np, table.slot_buffers.numpy(),
-                                         [astuple(p) for p in table.slot_params],
-                                         table.max_num_reqs)
+            # the table's own mapper: one compiled writer of the slot buffers knows their tail
+            mapper = table.host_slot_mapper
+            assert mapper is not None
             return compiled.HostLaunch(header_pairs, v.qsl, v.rows, v.positions, device_np,
                                        mapper).launch
 
