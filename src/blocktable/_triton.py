@@ -274,6 +274,16 @@ def _current_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
+def raw_stream_getter() -> Callable[[int], int]:
+    """``f(device_index)``: that device's current CUDA stream as a raw ``cudaStream_t`` (an
+    int): torch's private lookup where it has one (one C call), else the public
+    ``torch.cuda.current_stream(i).cuda_stream``."""
+    raw = getattr(_PRIVATE_C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw  # type: ignore[no-any-return]
+    return lambda index: int(torch.cuda.current_stream(index).cuda_stream)
+
+
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 

@@ -130,7 +130,7 @@ class Committer:
             assert self._staging_dev is not None
             dev = self._staging_dev[: 1 + 2 * n]
             dev.copy_(self._staging_host[slot, : 1 + 2 * n], non_blocking=True)
-            launch_scatter_pairs(st.device_tensor, dev, n)
+            launch_staged_scatter(st.device_tensor, dev, dev, n, dev.numel())  # (no batch)
             if event is not None:
                 event.record()
                 self._in_flight[slot] = True
@@ -165,31 +165,47 @@ class Committer:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize_on_alignment=["staged_ptr"])
-    def _scatter_pairs_kernel(
+    @triton.jit(do_not_specialize_on_alignment=["staging_ptr", "dev_ptr"])
+    def _staged_scatter_kernel(
         table_ptr,  # int32 [num_entries]: the flat device table
-        staged_ptr,  # int32 [1 + 2 * max_pairs]: the pair count, indices, then values
+        staging_ptr,  # int32 [num_words]: the pair count, indices, values, then batch words
+        dev_ptr,  # int32 [num_words]: where the device reads the batch (words from BATCH on)
+        num_words,  # the staging buffer's length
+        BATCH: tl.constexpr,  # word offset of the batch (num_words: no batch)
         BLOCK: tl.constexpr,
     ):
         # The count is read from memory, not passed as an argument: one launch (and one CUDA
         # graph node) serves every step.
-        n = tl.load(staged_ptr)
+        n = tl.load(staging_ptr)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        index = tl.load(staged_ptr + 1 + offs, mask=mask, other=0)
-        value = tl.load(staged_ptr + 1 + n + offs, mask=mask, other=0)
+        index = tl.load(staging_ptr + 1 + offs, mask=mask, other=0)
+        value = tl.load(staging_ptr + 1 + n + offs, mask=mask, other=0)
         tl.store(table_ptr + index, value, mask=mask)
+        in_batch = BATCH + offs < num_words
+        word = tl.load(staging_ptr + BATCH + offs, mask=in_batch, other=0)
+        tl.store(dev_ptr + BATCH + offs, word, mask=in_batch)
 
-    _scatter_launch = Launcher(_scatter_pairs_kernel)
+    _scatter_launch = Launcher(_staged_scatter_kernel)
 
 SCATTER_BLOCK = 1024
 
 
-def launch_scatter_pairs(flat_table: torch.Tensor, staged: torch.Tensor, max_pairs: int) -> None:
-    """``flat_table[index[i]] = value[i]`` for the ``staged[0]`` pairs of ``staged`` (int32 on
-    the table's device: the count, the indices, then the values); grid from ``max_pairs``."""
+def launch_staged_scatter(flat_table: torch.Tensor, staging: torch.Tensor, dev: torch.Tensor,
+                          max_pairs: int, batch_offset: int) -> None:
+    """One launch for a staging buffer: ``flat_table[index[i]] = value[i]`` for the
+    ``staging[0]`` pairs that follow the count (indices, then values), and the batch words
+    ``staging[batch_offset:]`` copied to ``dev[batch_offset:]``; grid from the capacities, so
+    one launch (one graph node) serves every step.
+
+    ``staging`` is int32 ``[num_words]``: pinned host memory, which a CUDA kernel reads in
+    place (so a captured step is kernels only), or a tensor on the table's device. ``dev`` is
+    int32 ``[num_words]`` on the table's device (it may be ``staging`` itself when
+    ``batch_offset == num_words``: no batch)."""
     if not HAS_TRITON:
         raise RuntimeError("the device scatter needs the triton package (CUDA builds of torch "
                            "bring it: pip install triton)")
-    _scatter_launch((max(1, cdiv(max_pairs, SCATTER_BLOCK)),), flat_table, staged,
-                    SCATTER_BLOCK)
+    num_words = staging.numel()
+    most = max(max_pairs, num_words - batch_offset)
+    _scatter_launch((max(1, cdiv(most, SCATTER_BLOCK)),), flat_table, staging, dev, num_words,
+                    batch_offset, SCATTER_BLOCK)

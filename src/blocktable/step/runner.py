@@ -10,14 +10,16 @@ A step is, in order:
 4. the device work: scatter the pairs into the device table and map every group's slots,
    padded to the buffer's end.
 
-Only step 4 differs by backend. On CUDA it is one CUDA graph per staging buffer, captured once:
-a copy of the (pinned) staging buffer to the device, the scatter (its pair count read from the
-buffer), the slot-mapping kernel, and the record of an event (an *external* event: a node of
-the graph, so a step's one call into torch is the replay). Launch shapes come from the
+Only step 4 differs by backend. On CUDA it is one CUDA graph per staging buffer, captured once,
+of kernels only: the scatter reads the pinned staging buffer in place (the pair count, the
+pairs, and the batch words it copies to the device), the slot-mapping kernel maps the copied
+batch, and a one-thread kernel posts the step to a pinned *mailbox*. Launch shapes come from the
 capacities, so one graph serves every batch: ``query_start_loc`` is padded with
-``num_tokens``, so padding requests own no token. Two staging buffers alternate; a buffer is
-refilled once its event says the replay that read it has finished. (A torch without external
-events, before 2.5, launches the same work eagerly, the record included.) On the CPU backend
+``num_tokens``, so padding requests own no token. The graph is launched through the CUDA
+driver (:mod:`blocktable.step.graph_launch`), so a step makes no torch call at all: in the
+engine loop a torch replay and an event record cost the host more than the rest of the step.
+Two staging buffers alternate; a buffer is refilled once the mailbox shows the post of the
+replay that last read it. On the CPU backend
 the launch is one call on the calling thread that reads the staging buffer as the graph does:
 the pairs into the CPU "device" table, then the host slot mapping (compiled where the install
 built it, else numpy). With ``backend="triton"`` on CPU tensors
@@ -33,6 +35,7 @@ brings everything a step sends to the device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -42,14 +45,29 @@ import torch
 
 from blocktable import _compiled_loader as _loader
 from blocktable._checks import check_positive
-from blocktable.commit import FULL, launch_scatter_pairs
+from blocktable._triton import HAS_TRITON, Launcher, tl, triton
+from blocktable.commit import FULL, launch_staged_scatter
 from blocktable.multi_group import MultiGroupBlockTable
+from blocktable.step.graph_launch import graph_launcher
 from blocktable.step.layout import NUM_PAIRS, StagingViews, StepLayout
 from blocktable.update import StepUpdate
 
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _U32 = np.dtype(np.uint32)
+_POST_MASK = (1 << 30) - 1  # the mailbox counts modulo 2**30 (never overflows an int32)
+_DEVICE_WAIT_S = 60.0  # a device this late is stuck: raise rather than hang
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _post_kernel(mailbox_ptr, SLOT, MASK: tl.constexpr):
+        # stream order: runs once the step's kernels, the last reader of the staging buffer
+        # SLOT, are done
+        count = tl.load(mailbox_ptr + SLOT)
+        tl.store(mailbox_ptr + SLOT, (count + 1) & MASK)
+
+    _post_launch = Launcher(_post_kernel)
 
 
 class StagedBatch(NamedTuple):
@@ -97,7 +115,7 @@ class CapturedStep:
         Default ``max(1024, 4 * max_num_reqs)``.
     use_graph : bool
         On CUDA, capture and replay (default); ``False`` launches the same kernels eagerly
-        (as does a torch without external CUDA events, before 2.5).
+        (the same kernels, the post included).
     payload_words : int
         int32 words of the caller's own per-step inputs that travel with the batch: written
         into ``batch_views().payload``, on the device in :attr:`device_payload` once the
@@ -147,19 +165,17 @@ class CapturedStep:
         # on cpu (pinned with CUDA), int32 [num_slots, num_words]: the staging buffers
         self._host = torch.zeros(num_slots, L.num_words, dtype=torch.int32, pin_memory=cuda)
         self._views = [StagingViews(self._host[s].numpy(), L) for s in range(num_slots)]
-        # int32 [num_words] where the device work reads the batch: a device copy of the
-        # staging buffer (kernels), or the one staging buffer itself (numpy)
+        # int32 [num_words] where the device work reads the batch: on the device, the batch
+        # words the scatter kernel copies there (kernels), or the one staging buffer (numpy)
         self._dev = (torch.zeros(L.num_words, dtype=torch.int32, device=self.device)
                      if self.mode == "kernels" else self._host[0])
-        # one event per staging buffer, recorded by the device work after its last read of
-        # the buffer: inside the graph (an external event is a node of it), or eagerly
-        self._events: list[torch.cuda.Event] | None = None
+        # on CUDA, a pinned int32 [num_slots]: per staging buffer, the count of device works
+        # that finished reading it (mod 2**30), posted by the device; and the count launched
+        self._mailbox: torch.Tensor | None = None
+        self._launched = [0] * num_slots
         if cuda:
-            try:
-                self._events = [torch.cuda.Event(external=True) for _ in range(num_slots)]
-            except TypeError:  # a torch before 2.5: the record cannot be a graph node
-                self._events = [torch.cuda.Event() for _ in range(num_slots)]
-                use_graph = False
+            self._mailbox = torch.zeros(num_slots, dtype=torch.int32, pin_memory=True)
+            self._mailbox_np = self._mailbox.numpy()
         self._pending = [False] * num_slots  # a replay may still read this staging buffer
         self._padded = [(-1, -1)] * num_slots  # (num_reqs, num_tokens) its qsl is padded for
         self._slot = 0
@@ -196,8 +212,10 @@ class CapturedStep:
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._capture(use_graph)
-            self._launches = ([g.replay for g in self._graphs] if self._graphs is not None
-                              else [partial(self._device_work, s) for s in range(num_slots)])
+                index = self.device.index if self.device.index is not None else 0
+                self._launches = ([graph_launcher(g, index) for g in self._graphs]
+                                  if self._graphs is not None
+                                  else [partial(self._device_work, s) for s in range(num_slots)])
         elif self.mode == "kernels":
             self._launches = [partial(self._device_work, 0)]
         else:
@@ -264,8 +282,7 @@ class CapturedStep:
         """
         slot = self._slot
         if self._pending[slot]:
-            assert self._events is not None
-            self._events[slot].synchronize()
+            self._wait_for_device(slot)
             self._pending[slot] = False
         self._lent = slot
         return self._staged[slot]
@@ -308,7 +325,8 @@ class CapturedStep:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = (num_reqs, num_tokens)
         self._launches[slot]()
-        if self._events is not None:  # (the launch records the slot's event)
+        if self._mailbox is not None:  # (the device work posts to the mailbox when done)
+            self._launched[slot] = (self._launched[slot] + 1) & _POST_MASK
             self._pending[slot] = True
             self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
@@ -361,16 +379,30 @@ class CapturedStep:
 
     # ---------------------------------------------------------------- device work
     def _device_work(self, slot: int) -> None:
-        """Bring staging ``slot`` to the device, scatter its pairs into the device table, map
-        the slots (padded) and, on CUDA, record the slot's event: what each CUDA graph holds."""
-        self._dev.copy_(self._host[slot], non_blocking=True)
+        """Scatter staging ``slot``'s pairs into the device table and copy its batch to the
+        device (one kernel reading the staging buffer where it lies), map the slots (padded)
+        and, on CUDA, post to the mailbox: what each CUDA graph holds."""
         L = self.layout
-        launch_scatter_pairs(self.table.storage.device_tensor, self._dev[: L.qsl], L.max_pairs)
+        launch_staged_scatter(self.table.storage.device_tensor, self._host[slot], self._dev,
+                              L.max_pairs, L.qsl)
         if self.table.slot_params:
             self.table.launch_slot_mapping_unchecked(self._d_qsl, self._d_positions,
                                                      self._d_rows)
-        if self._events is not None:
-            self._events[slot].record()
+        if self._mailbox is not None:
+            _post_launch((1,), self._mailbox, slot, _POST_MASK, num_warps=1)
+
+    def _wait_for_device(self, slot: int) -> None:
+        """Block until the mailbox shows that every launched device work of staging ``slot``
+        has read it (the replay before last: usually long done)."""
+        mailbox, want = self._mailbox_np, self._launched[slot]
+        if mailbox[slot] == want:
+            return
+        deadline = time.monotonic() + _DEVICE_WAIT_S
+        while mailbox[slot] != want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the device did not finish a step's work within "
+                                   f"{_DEVICE_WAIT_S} s (staging buffer {slot})")
+            time.sleep(0)  # let other threads run
 
     def _host_launch(self, slot: int) -> Callable[[], None]:
         """The CPU backend's device work of staging ``slot``, as a graph replay does it: the
@@ -415,6 +447,8 @@ class CapturedStep:
                 graphs.append(graph)
             self._graphs = graphs
         torch.cuda.synchronize(self.device)
+        assert self._mailbox is not None
+        self._launched = [int(n) for n in self._mailbox_np]  # the warm-up's posts
 
 
 def _check_batch_values(qsl: np.ndarray, rows: np.ndarray, num_tokens: int,
