@@ -165,13 +165,15 @@ class Committer:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize_on_alignment=["staging_ptr", "dev_ptr"])
+    @triton.jit(do_not_specialize=["num_words", "batch_offset"],
+                do_not_specialize_on_alignment=["staging_ptr", "dev_ptr"])
     def _staged_scatter_kernel(
         table_ptr,  # int32 [num_entries]: the flat device table
         staging_ptr,  # int32 [num_words]: the pair count, indices, values, then batch words
-        dev_ptr,  # int32 [num_words]: where the device reads the batch (words from BATCH on)
+        dev_ptr,  # int32 [num_words]: where the device reads the batch (words from batch_offset on)
         num_words,  # the staging buffer's length
-        BATCH: tl.constexpr,  # word offset of the batch (num_words: no batch)
+        batch_offset,  # word offset of the batch (num_words: no batch); unspecialized, as is
+        # num_words, so the table's commit (both follow its pair count) compiles once
         BLOCK: tl.constexpr,
     ):
         # The count is read from memory, not passed as an argument: one launch (and one CUDA
@@ -182,11 +184,11 @@ if HAS_TRITON:
         index = tl.load(staging_ptr + 1 + offs, mask=mask, other=0)
         value = tl.load(staging_ptr + 1 + n + offs, mask=mask, other=0)
         tl.store(table_ptr + index, value, mask=mask)
-        in_batch = BATCH + offs < num_words
-        word = tl.load(staging_ptr + BATCH + offs, mask=in_batch, other=0)
-        tl.store(dev_ptr + BATCH + offs, word, mask=in_batch)
+        in_batch = batch_offset + offs < num_words
+        word = tl.load(staging_ptr + batch_offset + offs, mask=in_batch, other=0)
+        tl.store(dev_ptr + batch_offset + offs, word, mask=in_batch)
 
-    _scatter_launch = Launcher(_staged_scatter_kernel)
+    _scatter_launch = Launcher(_staged_scatter_kernel, dynamic=(3, 4))
 
 SCATTER_BLOCK = 1024
 
