@@ -33,7 +33,24 @@ def test_the_private_names_exist_in_this_cuda_build():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_public_fallbacks_give_the_same_answers(monkeypatch):
-    fast = (_triton._current_device(), _triton._current_stream(0))
+    fast = (_triton._current_device(), _triton._current_stream(0), _triton.raw_stream_getter()(0))
     # torch's public calls use the private names themselves: hide them from blocktable only
     monkeypatch.setattr(_triton, "_PRIVATE_C", types.SimpleNamespace())
-    assert (_triton._current_device(), _triton._current_stream(0)) == fast
+    assert (_triton._current_device(), _triton._current_stream(0),
+            _triton.raw_stream_getter()(0)) == fast
+
+
+def test_the_raw_stream_getter_falls_back_to_the_public_call(monkeypatch):
+    """Without the private name the getter is the public ``current_stream(i).cuda_stream``."""
+    calls = []
+
+    class Stream:
+        cuda_stream = 0x1234
+
+    def current_stream(index):
+        calls.append(index)
+        return Stream()
+
+    monkeypatch.setattr(_triton, "_PRIVATE_C", types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    assert _triton.raw_stream_getter()(3) == 0x1234 and calls == [3]
