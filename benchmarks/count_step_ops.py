@@ -10,7 +10,8 @@ calls more than anything else. This script counts them, deterministically, witho
   captured step built for ``device="cuda"`` behind ``tests/fake_graph.py``'s ``fake_cuda``
   (events, streams, pinned and device tensor constructors; CUDA graphs are its
   ``FakeGraph``, whose kernels run under Triton's interpreter), so the step takes its CUDA
-  branch: two staging buffers, graph replays, events;
+  branch: two staging buffers, graph replays (a fake graph has no driver launch: on a GPU the
+  replay is a ``cuGraphLaunch`` instead, no torch call), the mailbox;
 - around each piece of the step it counts, per step:
 
   ``torch``   calls caught by a ``TorchFunctionMode`` (operators, tensor methods and
@@ -193,7 +194,8 @@ class _uncounted:
 # ---------------------------------------------------------------- the engine
 def as_cuda_engine(engine: LLMEngine) -> None:
     """Give ``engine`` (CPU tensors, captured step) the captured step and input buffers built
-    for CUDA: the table's kernels (Triton, interpreted) in graphs, two staging buffers, events."""
+    for CUDA: the table's kernels (Triton, interpreted) in graphs, two staging buffers, the
+    mailbox."""
     table = engine.table
     table.backend = "triton"  # the CUDA path's kernels
     table.device = CUDA0
