@@ -176,7 +176,6 @@ class CapturedStep:
         if cuda:
             self._mailbox = torch.zeros(num_slots, dtype=torch.int32, pin_memory=True)
             self._mailbox_np = self._mailbox.numpy()
-        self._pending = [False] * num_slots  # a replay may still read this staging buffer
         self._padded = [(-1, -1)] * num_slots  # (num_reqs, num_tokens) its qsl is padded for
         self._slot = 0
         self._lent = -1  # the slot whose views batch_views() handed out
@@ -281,9 +280,8 @@ class CapturedStep:
         buffers alternate; the views stay valid until ``run_staged``).
         """
         slot = self._slot
-        if self._pending[slot]:
+        if self._mailbox is not None:  # a replay may still read this staging buffer
             self._wait_for_device(slot)
-            self._pending[slot] = False
         self._lent = slot
         return self._staged[slot]
 
@@ -327,7 +325,6 @@ class CapturedStep:
         self._launches[slot]()
         if self._mailbox is not None:  # (the device work posts to the mailbox when done)
             self._launched[slot] = (self._launched[slot] + 1) & _POST_MASK
-            self._pending[slot] = True
             self._slot = slot ^ 1
         # views by size, made once: slicing tensors every step costs more than the rest of
         # the step's host work with the caches cold
