@@ -258,10 +258,7 @@ class RunningRequests:
                 except OutOfBlocksError:
                     pass  # (one group, nothing taken: the batched call words the error)
                 else:
-                    if len(pools) == 1:  # (what the one group's blocks hold)
-                        state.num_slots_mv[row] = lens[0][row] * sizes[0]
-                    else:
-                        state.update_num_slots(sizes, row)
+                    state.update_num_slots(sizes, row)
                     return tuple(out)
         # an error (or a count of another integer type): the batched call checks and words it
         parts = self.allocate_many([req_id], [num_new_tokens])  # type: ignore[list-item]
