@@ -1,7 +1,8 @@
 """The compiled part of blocktable: the package's metadata lives in pyproject.toml.
 
-``blocktable._compiled`` (one Cython file, typed memoryviews, no numpy headers, no CUDA) maps
-slots on the CPU backend. Where a C compiler is found it is built, and a failed build fails
+``blocktable._compiled`` (one Cython file, typed memoryviews, no numpy headers, no CUDA
+headers) runs the step's host loops and launches the captured step's CUDA graph through the
+driver. Where a C compiler is found it is built, and a failed build fails
 the install loudly; where none is found (or ``BLOCKTABLE_NO_COMPILE=1``) the package installs
 without it and numpy does the same work with the same results. ``blocktable --version`` says
 which one runs.
@@ -39,6 +40,8 @@ def _extensions() -> list[Extension]:
         # SHA-256 of a block by OpenSSL's one-shot call: no Python call per block
         macros.append(("BT_HAVE_OPENSSL", "1"))
         libraries.append("crypto")
+    if sys.platform.startswith("linux"):
+        libraries.append("dl")  # dlsym of the loaded CUDA driver (in libc from glibc 2.34)
     return cythonize(
         [Extension("blocktable._compiled", ["src/blocktable/_compiled.pyx"],
                    define_macros=macros, libraries=libraries)],

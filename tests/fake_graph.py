@@ -292,6 +292,7 @@ def fake_cuda(
         (torch.cuda, "device"): lambda device: contextlib.nullcontext(),
         (torch.cuda, "synchronize"): lambda device=None: _on_call("synchronize"),
         (torch.cuda, "current_device"): lambda: 0,
+        (torch.cuda, "is_available"): lambda: True,
         **{(torch, name): _on_cpu(getattr(torch, name))
            for name in ("zeros", "full", "empty", "ones")},
     }

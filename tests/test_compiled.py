@@ -1050,3 +1050,23 @@ def test_token_chain_keys_refuses_hostile_arguments() -> None:
     # a read-only input is fine (only read)
     compiled.token_chain_keys(*[read_only(a) if isinstance(a, np.ndarray) else a
                                 for a in valid[:5]], keys, states)
+
+
+def test_graph_launch_refuses_anything_but_a_captured_graph_on_the_current_device() -> None:
+    """The driver's graph launch takes only torch's own graph object (its executable handle
+    comes from torch, never from the caller) on the current device; anything else raises
+    before any driver call. A real launch is tested on CUDA with the captured step."""
+    import torch
+
+    for bad in (None, 0xBEEF, object(), np.zeros(4, I64), "graph", torch.zeros(2)):
+        with pytest.raises(TypeError, match="graph must be a torch.cuda.CUDAGraph"):
+            compiled.GraphLaunch(bad, 0)
+    if not torch.cuda.is_available():
+        return
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_device()
+    for bad_index in (current + 1, -1, 2**70, float(current), "0", None):
+        with pytest.raises(ValueError, match="device_index must be the current CUDA device"):
+            compiled.GraphLaunch(graph, bad_index)
+    with pytest.raises(RuntimeError, match="no executable"):  # never captured
+        compiled.GraphLaunch(graph, current)

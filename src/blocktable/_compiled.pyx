@@ -3,8 +3,8 @@
 """The compiled host loops of a step: the batch check, one group's update, the commit's pairs,
 the CPU backend's slot mapping and captured-step launch, the allocator journal's diff of the
 changed rows, the conversion of Python lists of token ids, the byte-chained block hashes
-(SHA-256 by OpenSSL where the build found it), the fast chained block keys and the prefix
-index's key table.
+(SHA-256 by OpenSSL where the build found it), the fast chained block keys, the prefix
+index's key table, and the captured step's CUDA graph launch through the driver.
 
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
@@ -84,3 +84,4 @@ include "_compiled_journal.pxi"
 include "_compiled_keys.pxi"
 include "_compiled_tokens.pxi"
 include "_compiled_hashing.pxi"
+include "_compiled_graph.pxi"
