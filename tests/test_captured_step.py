@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, RowEntries, StepUpdate
-from blocktable._compiled_loader import COMPILED
+from blocktable import _compiled_loader
 from blocktable.step import CapturedStep
 
 pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
@@ -506,7 +506,7 @@ def test_cuda_graph_and_eager_steps_match(use_graph):
     step = CapturedStep(bt, use_graph=use_graph)
     assert (step._graphs is not None) == use_graph
     # with the compiled part built, the graphs launch by the driver, not by torch's replay
-    assert step.launches_through_driver == (use_graph and COMPILED is not None)
+    assert step.launches_through_driver == (use_graph and _compiled_loader.COMPILED is not None)
     run_steps_and_check(step, bt, ref, Model(bt, np.random.default_rng(11)), num_steps=12,
                         general_every=4)
 
