@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, RowEntries, StepUpdate
-from blocktable import _compiled_loader
+from blocktable import (
+    GroupSpec,
+    MultiGroupBlockTable,
+    RowBlocks,
+    RowEntries,
+    StepUpdate,
+    _compiled_loader,
+)
 from blocktable.step import CapturedStep
 
 pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled, then numpy
