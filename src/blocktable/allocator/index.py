@@ -32,8 +32,7 @@ _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
 # A record's scalar fields side by side (32 bytes, two records to a cache line): filing,
 # verifying, evicting and recycling a record read or write several of them at a slot that is
-# usually cold, so one line per record rather than one per field. The views of the columns
-# are strided: index them (``cid[slots]``); ``take`` would copy the whole column first.
+# usually cold, so one line per record rather than one per field.
 _RECORD = np.dtype(
     [
         ("cid", np.int64),  # content id, 0 = unused slot
