@@ -30,18 +30,6 @@ from blocktable.key_table import new_key_table
 
 _MIN_RECORDS = 4096
 RECORDS_PER_BLOCK = 2  # dead records are kept up to this many records per block
-# A record's scalar fields side by side (32 bytes, two records to a cache line): filing,
-# verifying, evicting and recycling a record read or write several of them at a slot that is
-# usually cold, so one line per record rather than one per field.
-_RECORD = np.dtype(
-    [
-        ("cid", np.int64),  # content id, 0 = unused slot
-        ("parent", np.int64),  # parent's content id
-        ("key", np.uint64),  # the key the record is filed under, if filed
-        ("holder", np.int32),  # block holding it, 0 = dead
-        ("host_block", np.int32),  # host block holding a copy, 0 = none
-    ]
-)
 
 
 class PrefixIndex:
@@ -76,14 +64,15 @@ class PrefixIndex:
         self.max_records = max(int(max_records), num_blocks)
         capacity = min(self.max_records, max(num_blocks, 64))
         self.slot_of_key = new_key_table(capacity)  # block key -> record slot
-        # per slot, its scalar fields side by side (see _RECORD): cid, parent, key, holder and
-        # host_block are views of its columns
-        self._records = np.zeros(capacity, dtype=_RECORD)
-        self._has_host_blocks = bool(num_host_blocks)
-        self._column_views()
+        self.cid = np.zeros(capacity, dtype=np.int64)  # content id, 0 = unused slot
+        self.parent = np.zeros(capacity, dtype=np.int64)  # parent's content id
         self.tokens = np.zeros((capacity, block_size), dtype=np.int64)
         self._row_dtype = np.dtype((np.void, 8 * block_size))  # a token row as one item
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)  # a view of tokens
+        self.holder = np.zeros(capacity, dtype=np.int32)  # block holding it, 0 = dead
+        # host block holding a copy, 0 = none (None: the pool has no host tier)
+        self.host_block = np.zeros(capacity, dtype=np.int32) if num_host_blocks else None
+        self.key = np.zeros(self.max_records, dtype=np.uint64)  # per slot, its key if filed
         self.hashes: list[object] = [None] * capacity  # block hash, when not the key
         self.any_hashes = False  # whether hashes holds anything
         # unused slots, a stack: the top is _free[_num_free - 1]
@@ -137,23 +126,14 @@ class PrefixIndex:
         rows = np.ascontiguousarray(tokens, dtype=np.int64).view(self._row_dtype).reshape(-1)
         self._token_rows.put(slots, rows)
 
-    def _column_views(self) -> None:
-        records = self._records
-        self.cid = records["cid"]
-        self.parent = records["parent"]
-        self.key = records["key"]
-        self.holder = records["holder"]
-        # (None: the pool has no host tier)
-        self.host_block = records["host_block"] if self._has_host_blocks else None
-
     def __getstate__(self) -> dict[str, object]:  # a view would pickle as a copy
-        views = ("_token_rows", "cid", "parent", "key", "holder", "host_block")
-        return {k: v for k, v in self.__dict__.items() if k not in views}
+        state = dict(self.__dict__)
+        del state["_token_rows"]
+        return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._token_rows = self.tokens.view(self._row_dtype).reshape(-1)
-        self._column_views()
 
     def take_slots(self, num: int) -> np.ndarray:
         """``num`` unused slots (int64), recycling dead records or growing the arrays."""
@@ -238,10 +218,13 @@ class PrefixIndex:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.cid)
-        records = np.zeros(capacity, dtype=_RECORD)
-        records[:old] = self._records
-        self._records = records
-        self._column_views()
+        for name in ("cid", "parent", "holder", "host_block"):  # (`key`: full size already)
+            arr = getattr(self, name)
+            if arr is None:
+                continue
+            new = np.zeros(capacity, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
         tokens = np.zeros((capacity, self.block_size), dtype=np.int64)
         tokens[:old] = self.tokens
         self.tokens = tokens
@@ -266,7 +249,10 @@ class PrefixIndex:
     def clear(self) -> None:
         """Forget every record."""
         self.slot_of_key.clear()
-        self._records.fill(0)
+        self.cid[:] = 0
+        self.holder[:] = 0
+        if self.host_block is not None:
+            self.host_block[:] = 0
         self.hashes = [None] * len(self.cid)
         self._free = np.arange(len(self.cid) - 1, -1, -1, dtype=np.int64)
         self._num_free = len(self.cid)
