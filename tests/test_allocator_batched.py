@@ -547,6 +547,7 @@ def test_a_bad_per_request_mark_raises_at_once_and_records_nothing() -> None:
         ("a", True),
         ("a", 2.0),
         ("a", 69),  # past max_model_len
+        ("a", 2**64),  # past any int64 count
         ("c", 76),  # with most blocks taken (below): more than are free
     ],
 )

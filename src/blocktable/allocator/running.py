@@ -14,7 +14,7 @@ request in Python ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add, attrgetter, sub
+from operator import attrgetter
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from blocktable.update import RowBlocks, StepUpdate
 
 ReqId = str | int
 _ROW = attrgetter("row")
+_MAX_NEW_TOKENS = 2**62  # tokens one call may allocate for a request (far above any pool)
 
 
 class RunningRequests:
@@ -183,14 +184,12 @@ class RunningRequests:
             int(starts[starts.argmax()]) + k
         ):
             # every row in the token arena: one scatter on the flat arena, at each row's
-            # first position repeated k times plus 0 .. k - 1 (1-D passes: a broadcast
-            # [n, 1] + [k] add, or a put, costs about twice as much)
+            # first position plus 0 .. k - 1 (an [n, k] index; np.tile of 1-D passes costs
+            # more)
             arena = state.tokens
             at = rows * arena.shape[1]
             at += starts
-            at = at.repeat(k)
-            at += np.tile(np.arange(k), len(rows))
-            arena.reshape(-1)[at] = block.reshape(-1)
+            arena.reshape(-1)[np.add.outer(at, np.arange(k))] = block
             starts += k
             state.num_tokens[rows] = starts
             return
@@ -270,7 +269,7 @@ class RunningRequests:
         """Whether :meth:`allocate_many` would succeed now (no side effects)."""
         self._settle()
         _, _, _, needs = self._needs(req_ids, num_new_tokens)
-        return all(sum(need) <= pool.num_free_blocks for need, pool in zip(needs, self._pools))
+        return all(int(need.sum()) <= pool.num_free_blocks for need, pool in zip(needs, self._pools))
 
     def allocate_many(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
@@ -294,81 +293,77 @@ class RunningRequests:
         """
         self._settle()
         reqs, rows, old_lens, needs = self._needs(req_ids, num_new_tokens)
-        for g, (pool, need) in enumerate(zip(self._pools, needs)):
-            total = sum(need)
+        totals = [int(need.sum()) for need in needs]
+        for g, (pool, total) in enumerate(zip(self._pools, totals)):
             if total > pool.num_free_blocks:
                 who = (f"request {reqs[0].req_id!r} needs" if len(reqs) == 1
                        else f"{len(reqs)} requests need")
                 raise OutOfBlocksError(
                     f"{who} {total} new blocks in group {g}, {pool.num_free_blocks} free")
-        grown: Sequence[int]
-        if len(needs) == 1 and 0 not in needs[0]:
-            grown = range(len(rows))  # (usually: every request grows, no index lists)
-        elif len(needs) == 1:
-            grown = [i for i, n in enumerate(needs[0]) if n]
-        else:
-            grown = [i for i, wants in enumerate(zip(*needs)) if any(wants)]
-        if not grown:
-            return tuple(RowBlocks() for _ in self._pools)
-        everyone = len(grown) == len(rows)
         state = self._row_state
         out = []
-        for g, (pool, need, old_len) in enumerate(zip(self._pools, needs, old_lens)):
-            if everyone and len(needs) == 1:
-                g_rows, num, starts = rows, need, old_len
+        for g, (pool, need, old_len, total) in enumerate(
+            zip(self._pools, needs, old_lens, totals)
+        ):
+            if not total:
+                out.append(RowBlocks())
+                continue
+            if np.count_nonzero(need) == len(need):  # (usually: every request grows)
+                at, num, starts = rows, need, old_len
             else:
-                got = [i for i in grown if need[i]]
-                if not got:
-                    out.append(RowBlocks())
-                    continue
-                g_rows = [rows[i] for i in got]
-                num = [need[i] for i in got]
-                starts = [old_len[i] for i in got]
-            ends = list(map(add, starts, num))
-            new = pool.take(sum(num))
-            arena = state.ensure_width(g, max(ends))
-            n = len(g_rows)
-            at, num_arr, ends_arr = np.array(g_rows), np.array(num), np.array(ends)
+                got = need.nonzero()[0]
+                at, num, starts = rows[got], need[got], old_len[got]
+            ends = starts + num
+            new = pool.take(total)
+            arena = state.ensure_width(g, int(ends.max()))
             # each row's run of new ids: its first flat position in the (C-contiguous) arena
             # plus 0, 1, ... (where its run starts in `new`: the running sum before)
-            first = at * arena.shape[1] + ends_arr - num_arr.cumsum()
-            arena.reshape(-1)[first.repeat(num_arr) + np.arange(len(new))] = new
-            state.row_len[g][at] = ends_arr
-            data = np.concatenate((at, num_arr, new), dtype=np.int32, casting="unsafe")
+            first = at * arena.shape[1] + ends - num.cumsum()
+            arena.reshape(-1)[first.repeat(num) + np.arange(total)] = new
+            state.row_len[g][at] = ends
+            n = len(at)
+            data = np.concatenate((at, num, new), dtype=np.int32, casting="unsafe")
             flat = np.frombuffer(data.tobytes(), dtype=np.int32)  # read-only, immutable
             out.append(RowBlocks(flat[:n], flat[n : 2 * n], flat[2 * n :]))
-        # the tokens every group's blocks hold
+        # the tokens every group's blocks hold, in the rows that grew
         sizes = self.block_sizes
-        if len(sizes) == 1:  # (the rows and row ends of the one group)
-            state.num_slots[at] = ends_arr * sizes[0]
-        else:
-            num_slots = state.num_slots_mv
-            for i in grown:
-                num_slots[rows[i]] = min(
-                    (length[i] + need[i]) * bs for length, need, bs in zip(old_lens, needs, sizes)
-                )
+        if len(sizes) == 1:
+            if totals[0]:  # (the rows and row ends of the one group)
+                state.num_slots[at] = ends * sizes[0]
+        elif any(totals):
+            grown = np.logical_or.reduce(needs)
+            slots = np.minimum.reduce(
+                [(old_len + need) * bs for old_len, need, bs in zip(old_lens, needs, sizes)]
+            )
+            state.num_slots[rows[grown]] = slots[grown]
         return tuple(out)
 
     def _needs(
         self, req_ids: Sequence[ReqId], num_new_tokens: Sequence[int] | np.ndarray
-    ) -> tuple[list[RequestState], list[int], list[list[int]], list[list[int]]]:
-        """The running requests of ``req_ids``, their rows and, per group, their row lengths
-        and the blocks each needs for ``num_new_tokens`` more tokens (lists of int); checked,
-        including ``max_model_len``."""
+    ) -> tuple[list[RequestState], np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The running requests of ``req_ids``, their rows (intp) and, per group, their row
+        lengths and the blocks each needs for ``num_new_tokens`` more tokens (int64 arrays);
+        checked, including ``max_model_len``."""
         reqs = running_requests(self._requests, self._preempted, as_list("req_ids", req_ids))
         counts = token_counts("num_new_tokens", num_new_tokens, len(reqs))
-        rows = [req.row for req in reqs]
-        totals = list(map(add, map(self._row_state.num_computed_mv.__getitem__, rows), counts))
-        if self.max_model_len is not None and totals and max(totals) > self.max_model_len:
-            i = next(i for i, t in enumerate(totals) if t > self.max_model_len)
-            self._check_request_len(reqs[i].req_id, "allocation", totals[i])
+        if counts and max(counts) > _MAX_NEW_TOKENS:  # (int64 sums below)
+            raise ValueError(f"num_new_tokens holds {max(counts)}, more than {_MAX_NEW_TOKENS}")
+        state = self._row_state
+        rows = np.fromiter(map(_ROW, reqs), np.intp, len(reqs))
+        totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
+        if self.max_model_len is not None and len(totals):
+            over = totals > self.max_model_len
+            if np.count_nonzero(over):
+                i = int(over.argmax())
+                self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
         old_lens, needs = [], []
-        for row_len, bs in zip(self._row_state.row_len_mvs, self.block_sizes):
-            old_len = list(map(row_len.__getitem__, rows))
-            old_lens.append(old_len)
+        for row_len, bs in zip(state.row_len, self.block_sizes):
+            old_len = row_len[rows]
             # blocks for the total, less those held (lookahead may hold more)
-            need = list(map(sub, [-(-t // bs) for t in totals], old_len))
-            needs.append(need if min(need, default=0) >= 0 else [max(n, 0) for n in need])
+            need = -(-totals // bs) - old_len
+            np.maximum(need, 0, out=need)
+            old_lens.append(old_len)
+            needs.append(need)
         return reqs, rows, old_lens, needs
 
     def free(self, req_id: ReqId) -> None:
