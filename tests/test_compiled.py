@@ -1054,8 +1054,8 @@ def test_token_chain_keys_refuses_hostile_arguments() -> None:
 
 def test_graph_launch_refuses_anything_but_a_captured_graph_on_the_current_device() -> None:
     """The driver's graph launch takes only torch's own graph object (its executable handle
-    comes from torch, never from the caller) on the current device; anything else raises
-    before any driver call. A real launch is tested on CUDA with the captured step."""
+    comes from torch at each launch, never from the caller) on the current device; anything
+    else raises before any driver call, and so does a launch of a graph reset since."""
     import torch
 
     for bad in (None, 0xBEEF, object(), np.zeros(4, I64), "graph", torch.zeros(2)):
@@ -1070,3 +1070,15 @@ def test_graph_launch_refuses_anything_but_a_captured_graph_on_the_current_devic
             compiled.GraphLaunch(graph, bad_index)
     with pytest.raises(RuntimeError, match="no executable"):  # never captured
         compiled.GraphLaunch(graph, current)
+    # a captured graph launches; once reset, its launcher raises (it never keeps a handle)
+    x = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    launcher = compiled.GraphLaunch(graph, current)
+    launcher.launch()
+    launcher.launch()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
+    graph.reset()
+    with pytest.raises(RuntimeError, match="no executable"):
+        launcher.launch()

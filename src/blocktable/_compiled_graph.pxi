@@ -31,15 +31,16 @@ cdef class GraphLaunch:
     its device's current stream: what ``graph.replay()`` does, for less host time.
 
     Nothing the caller passes reaches the driver unchecked: the graph must be a
-    ``torch.cuda.CUDAGraph`` (its executable handle is taken from torch and the graph kept
-    alive with it), the device the current one, the stream torch's current stream of that
-    device at each launch, and a launch while another CUDA context is current on the thread
-    replays through torch (which makes the graph's device current first).
+    ``torch.cuda.CUDAGraph`` (its executable handle is asked of torch at each launch, so a
+    graph reset since raises rather than launching a freed executable), the device the
+    current one, the stream torch's current stream of that device at each launch, and a
+    launch while another CUDA context is current on the thread replays through torch (which
+    makes the graph's device current first).
 
     Parameters
     ----------
     graph : torch.cuda.CUDAGraph
-        A captured graph. Do not ``reset()`` it while the launcher is used.
+        A captured graph.
     device_index : int
         The CUDA device the graph was captured on; it must be the current device now.
 
@@ -56,9 +57,8 @@ cdef class GraphLaunch:
 
     cdef _cu_graph_launch_t _launch
     cdef _cu_ctx_get_current_t _get_context
-    cdef void *_exec
     cdef void *_context
-    cdef object _graph  # owns the executable: kept alive as long as the launcher
+    cdef object _graph
     cdef object _replay
     cdef object _stream_of  # torch's current raw stream of a device index
     cdef object _device_index
@@ -78,7 +78,7 @@ cdef class GraphLaunch:
         get_context = bt_loaded_cuda_symbol(b"cuCtxGetCurrent")
         if launch == NULL or get_context == NULL:
             raise RuntimeError("no loaded CUDA driver with cuGraphLaunch and cuCtxGetCurrent")
-        self._exec = _graph_exec(graph)
+        _graph_exec(graph)  # (raises now for a graph without one)
         self._launch = <_cu_graph_launch_t>launch
         self._get_context = <_cu_ctx_get_current_t>get_context
         cdef void *context = NULL
@@ -97,14 +97,16 @@ cdef class GraphLaunch:
         Raises
         ------
         RuntimeError
-            The driver refused the launch (naming its ``CUresult``).
+            The graph has no executable any more (``reset()``), or the driver refused the
+            launch (naming its ``CUresult``).
         """
         cdef void *current = NULL
         cdef uintptr_t stream = self._stream_of(self._device_index)
         if self._get_context(&current) != 0 or current != self._context:
             self._replay()
             return
-        cdef int err = self._launch(self._exec, <void *>stream)
+        cdef void *graph_exec = _graph_exec(self._graph)
+        cdef int err = self._launch(graph_exec, <void *>stream)
         if err != 0:
             raise RuntimeError(f"cuGraphLaunch failed (CUresult {err})")
 
