@@ -205,8 +205,9 @@ def demo_workload(device: str, block_size: int, repeats: int, captured: bool,
             "table_mean_us": statistics.mean(table) * 1e6, "inputs_p50_us": p50_us(inputs)}
 
 
-def decode_workload(device: str, num_reqs: int, decode_steps: int, captured: bool,
-                    breakdown: Breakdown | None = None) -> dict:
+def decode_engine(device: str, num_reqs: int, decode_steps: int, captured: bool) -> LLMEngine:
+    """The decode workload's engine (a tiny random Llama, block size 16), its ``num_reqs``
+    requests added: 16-63-token prompts, each to generate ``decode_steps + 1`` tokens."""
     block_size = 16
     model = tiny_llama(seed=0, device=device)
     rng = random.Random(0)
@@ -219,6 +220,12 @@ def decode_workload(device: str, num_reqs: int, decode_steps: int, captured: boo
     for i in range(num_reqs):
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(16, 63))]
         engine.add_request(f"r{i}", prompt, decode_steps + 1)
+    return engine
+
+
+def decode_workload(device: str, num_reqs: int, decode_steps: int, captured: bool,
+                    breakdown: Breakdown | None = None) -> dict:
+    engine = decode_engine(device, num_reqs, decode_steps, captured)
     table, inputs = [], []
     if breakdown is not None:
         breakdown.install(engine)
