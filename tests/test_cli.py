@@ -110,8 +110,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
          "--disaggregate runs one prefill and one decode process; it does not take --dcp"),
         (["--disaggregate", "--model", "smollm2", "--dcp", "2"], "it does not take --dcp"),
         (["--disaggregate", "--model", "smollm2", "--temperature", "0.7"],
-         "--disaggregate decodes greedily (a sampler's state does not move with the KV): drop "
-         "--temperature 0.7"),
+         ("--disaggregate decodes greedily (a sampler's state does not move with the KV): "
+          "drop --temperature 0.7")),
         (["--disaggregate", "--max-new-tokens", "1"],
          "--disaggregate needs --max-new-tokens >= 2 (the prefill side samples the first"),
         (["--disaggregate", "--model", "smollm2", "--max-new-tokens", "1"],

@@ -119,10 +119,10 @@ class OfferBatch:
                              "expected")
         token_ids, token_starts, max_new_tokens, stop_ids, stop_starts = arrays
         rest = tuple(texts)
-        if not stop_starts.size:  # the usual round: no request has stop tokens
-            if (token_starts.size == n + 1 and max_new_tokens.size == n
-                    and token_ids.size == token_starts[-1] and not stop_ids.size):
-                return cls(rest, token_ids, token_starts, max_new_tokens)
+        if (not stop_starts.size and not stop_ids.size  # the usual round: no stop tokens
+                and token_starts.size == n + 1 and max_new_tokens.size == n
+                and token_ids.size == token_starts[-1]):
+            return cls(rest, token_ids, token_starts, max_new_tokens)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
             ("token_ids", token_ids, token_starts[-1:])]

@@ -53,8 +53,8 @@ class Session:
     decode: EngineConfig
     workload: tuple[WorkloadRequest, ...]
     stop_token_ids: dict[str, frozenset[int]] = field(default_factory=dict)
-    prefill_model: ModelBuilder = TinyLlama()
-    decode_model: ModelBuilder = TinyLlama()
+    prefill_model: ModelBuilder = field(default_factory=TinyLlama)
+    decode_model: ModelBuilder = field(default_factory=TinyLlama)
     device: str = "cpu"
     timeout_s: float = 30.0
     prefill_rank: int = 0

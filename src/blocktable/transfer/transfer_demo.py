@@ -131,7 +131,7 @@ def model_run(opts: DemoOptions, say: Any, loaded: LoadedModel | None = None
                 "the decode side has)" if plan.follows_up else "")
     header = (f"[bold]blocktable demo --disaggregate[/]: "
               f"{describe_model(loaded.label, model, t_load, 'here')}; {len(workload)} "
-              f"requests{left_out}; {_sides(opts)}, each process loading {source.label} "
+              f"request{'s' if len(workload) > 1 else ''}{left_out}; {_sides(opts)}, each process loading {source.label} "
               f"itself, {threads} torch thread{'s' if threads > 1 else ''} each; greedy")
     return DisaggregatedRun(header, model, LoadInRank(source), workload, config,
                             {r.req_id: r.stop_token_ids for r in plan.requests},
