@@ -194,3 +194,16 @@ def test_disaggregate_takes_the_tiny_model_or_a_real_one(
         assert opts.prompts == ("Hi there",) and opts.threads == 1
         sizes = {k: getattr(opts, k) for k in demo.MODEL_DEFAULTS}
         assert sizes == demo.MODEL_DEFAULTS
+
+
+def test_disaggregate_with_a_model_that_cannot_load_is_one_line_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Resolved in the parent before any process starts: one error line, exit 2."""
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"nope, not a model")
+    code = main(["demo", "--disaggregate", "--model", str(fake), "--prompt", "hi",
+                 "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"blocktable demo: error: {fake}: not a GGUF file (it starts with "
+                      "b'nope', not b'GGUF')")
