@@ -49,6 +49,7 @@ def test_help_version_and_refusals_never_import_torch(tmp_path: Path) -> None:
         ["demo", "--out", "/proc/x.png"], ["demo", "--dcp", "9"],
         ["demo", "--model", "no-such-model"], ["demo", "--model", "smollm2", "--dcp", "9"],
         ["demo", "--model", "smollm2", "--temperature", "-1"],
+        ["demo", "--disaggregate", "--model", "smollm2", "--dcp", "2"],
     ]
     results = _probe(argvs, tmp_path)
     for argv, (code, torch_loaded, numpy_loaded) in zip(argvs, results):
@@ -105,6 +106,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "smollm2", "--top-k", "-1"], "--top-k -1 must be >= 0"),
         (["--model", "smollm2", "--threads", "-1"], "--threads -1 is out of range"),
         (["--model", "smollm2", "--max-new-tokens", "65"], "out of range [1, 64]"),
+        (["--disaggregate", "--dcp", "2"],
+         "--disaggregate runs one prefill and one decode process; it does not take --dcp"),
+        (["--disaggregate", "--model", "smollm2", "--dcp", "2"], "it does not take --dcp"),
+        (["--disaggregate", "--model", "smollm2", "--temperature", "0.7"],
+         ("--disaggregate decodes greedily (a sampler's state does not move with the KV): "
+          "drop --temperature 0.7")),
+        (["--disaggregate", "--max-new-tokens", "1"],
+         "--disaggregate needs --max-new-tokens >= 2 (the prefill side samples the first"),
+        (["--disaggregate", "--model", "smollm2", "--max-new-tokens", "1"],
+         "--disaggregate needs --max-new-tokens >= 2"),
+        (["--disaggregate", "--offload"], "--offload and --disaggregate are separate demos"),
     ],
 )
 def test_bad_option_exits_2_with_the_demo_usage(argv: list[str], needle: str,
@@ -157,3 +169,41 @@ def test_help_documents_every_option_and_the_prompt_growth(
     assert "prompt lengths grow with it" in text
     assert "Exit codes: 0" in text
     assert "smollm2" in text and "blocktable[models]" in text
+
+
+@pytest.mark.parametrize("model", [None, "smollm2"])
+def test_disaggregate_takes_the_tiny_model_or_a_real_one(
+        model: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--disaggregate`` reaches the disaggregated demo with the model's name (each process
+    loads it), the real model's sizes and the prompts; nothing is loaded here."""
+    from blocktable import demo
+    from blocktable.transfer import transfer_demo
+
+    seen = []
+    monkeypatch.setattr(transfer_demo, "run_disaggregated_demo",
+                        lambda opts, console: seen.append(opts) or 0)
+    argv = ["demo", "--disaggregate", "--out", str(tmp_path / "x.png")]
+    if model is not None:
+        argv += ["--model", model, "--prompt", "Hi there", "--threads", "1"]
+    assert main(argv) == 0
+    (opts,) = seen
+    assert opts.disaggregate and opts.model == model and opts.dcp == 1
+    if model is None:
+        assert (opts.block_size, opts.max_new_tokens) == (4, 12)
+    else:
+        assert opts.prompts == ("Hi there",) and opts.threads == 1
+        sizes = {k: getattr(opts, k) for k in demo.MODEL_DEFAULTS}
+        assert sizes == demo.MODEL_DEFAULTS
+
+
+def test_disaggregate_with_a_model_that_cannot_load_is_one_line_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Resolved in the parent before any process starts: one error line, exit 2."""
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"nope, not a model")
+    code = main(["demo", "--disaggregate", "--model", str(fake), "--prompt", "hi",
+                 "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"blocktable demo: error: {fake}: not a GGUF file (it starts with "
+                      "b'nope', not b'GGUF')")

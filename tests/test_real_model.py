@@ -8,6 +8,7 @@ Skipped only when the package index cannot be reached (the model then cannot be 
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -195,3 +196,93 @@ def test_dcp_driver_refusal_is_one_line_exit_2(
     assert run.build_model == LoadInRank(smollm2_source)
     assert isinstance(run.drive, ChatDriver) and run.drive.source == smollm2_source
     assert run.config.max_num_reqs == 1  # the one prompt (no follow-up turn of a user's)
+
+
+def test_disaggregated_demo_moves_real_kv_and_matches(
+    smollm2: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``demo --disaggregate --model smollm2``: a prefill and a decode process over gloo, each
+    loading the model itself from the source it is handed; the answer decoded after the
+    transfer equals the single engine's and generate's, token for token, with the same stops."""
+    from rich.console import Console
+
+    from blocktable.transfer import transfer_demo
+
+    # two model loads at once on a busy 2-core machine, then a short run; a stuck job ends
+    monkeypatch.setattr(transfer_demo, "JOB_TIMEOUT_S", 300.0)
+    console = Console(record=True, width=200)
+    opts = DemoOptions(model="smollm2", disaggregate=True, out=tmp_path / "x.png", threads=1,
+                       prompts=("What is the capital of France?",), max_new_tokens=8,
+                       block_size=16, num_blocks=32, token_budget=64)
+    code = transfer_demo.run_disaggregated_demo(opts, console, loaded=smollm2)
+    text = console.export_text()
+    assert code == 0, text
+    assert "each process loading smollm2 itself" in text
+    moved = [line for line in text.splitlines() if line.startswith("p0: transferred ")]
+    # the prompt's KV over all 30 layers: 3 KV heads x 64 dims x 4 bytes, K and V
+    assert moved and " bytes) in " in moved[0], text
+    num_blocks, num_bytes = int(moved[0].split()[2]), int(moved[0].split("(")[1].split()[0])
+    assert num_bytes % (30 * 2 * 3 * 64 * 4) == 0 and num_blocks >= 1
+    assert "total: transferred " in text
+    assert "p0: The capital of France is Paris." in text
+    assert ("OK: 1/1 requests decoded after a transfer match the single engine and "
+            "transformers.generate (greedy, same stop tokens)") in text
+
+
+def _mismatched(field: str, model: torch.nn.Module) -> torch.nn.Module:
+    """A model whose KV cache differs from ``model``'s (smollm2: 30 layers, 3 KV heads, head
+    dim 64, float32) first in ``field``, in the order the handshake compares them."""
+    from blocktable.engine import tiny_llama
+
+    if field == "num_layers":
+        return tiny_llama()
+    if field == "num_kv_heads":
+        return tiny_llama(num_layers=30)
+    if field == "head_dim":
+        return tiny_llama(num_layers=30, num_heads=3, num_kv_heads=3, hidden_size=48)
+    assert field == "dtype"
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "dtype"])
+def test_handshake_refuses_a_decode_side_whose_cache_differs(smollm2: LoadedModel,
+                                                             field: str) -> None:
+    """The real model's layer count, KV heads, head dim and dtype are what the sides compare
+    before any block moves: each mismatch is refused on both sides, naming the field, and
+    neither allocator holds anything after."""
+    import threading
+
+    from blocktable.engine import EngineConfig, LLMEngine
+    from blocktable.transfer import DecodeWorker, HandshakeError, PrefillWorker, local_pair
+
+    config = EngineConfig(block_size=16, num_blocks=8, max_num_reqs=1, token_budget=32,
+                          max_model_len=96)
+    prefill = PrefillWorker(LLMEngine(smollm2.model, config), (ends := local_pair(20.0))[0])
+    decode = DecodeWorker(LLMEngine(_mismatched(field, smollm2.model), config), ends[1])
+    prefill.submit("a", [1, 2, 3], 4)
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, worker: PrefillWorker | DecodeWorker) -> None:
+        try:
+            worker.run()
+        except BaseException as exc:  # noqa: BLE001 - compared below
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=a) for a in (("prefill", prefill),
+                                                               ("decode", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a side hung"
+    mine, theirs = prefill.layout, decode.layout
+    for side, other in (("prefill", "decode"), ("decode", "prefill")):
+        err = errors[side]
+        assert isinstance(err, HandshakeError) and err.field == field, err
+        local, remote = (mine, theirs) if side == "prefill" else (theirs, mine)
+        assert (f"{field} differs ({side} side {getattr(local, field)!r}, {other} side "
+                f"{getattr(remote, field)!r})") in str(err)
+    assert mine.num_layers == 30 and mine.num_kv_heads == 3 and mine.head_dim == 64
+    prefill.engine.manager.check_integrity()
+    decode.engine.manager.check_integrity()
+    assert decode.engine.manager.num_requests == 0

@@ -33,6 +33,7 @@ from blocktable.transfer.buffers import (
     gather_chunks,
     scatter_chunks,
 )
+from blocktable.transfer.kv_handshake import PROTOCOL_VERSION
 from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.wire_format import (
@@ -233,16 +234,37 @@ def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
     ("token_starts", np.array([0, 4]), "token_starts holds 2 entries, 3 expected"),
     ("max_new_tokens", np.array([3, 5, 7]), "max_new_tokens holds 3 entries, 2 expected"),
     ("token_ids", np.array([1, 2, 3]), "token_ids holds 3 entries, 6 expected"),
+    ("stop_starts", np.array([0, 1]), "stop_starts holds 2 entries, 3 expected"),
+    ("stop_token_ids", np.array([7]), "stop_token_ids holds 1 entries, 3 expected"),
+    ("stop_starts", None, "stop_token_ids holds 3 entries, 0 expected"),
 ])
-def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change: np.ndarray,
+def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change: Any,
                                                              shown: str) -> None:
     fields = {"token_ids": np.array([1, 2, 3, 9, 4, 8]), "token_starts": np.array([0, 4, 6]),
-              "max_new_tokens": np.array([3, 5])}
+              "max_new_tokens": np.array([3, 5]), "stop_token_ids": np.array([7, 2, 5]),
+              "stop_starts": np.array([0, 1, 3])}
     header, body, _ = encode_message(OfferBatch(("a", "b"), **{**fields, field: change}))
     with pytest.raises(ValueError, match=f"malformed OfferBatch of 2 requests: {shown}"):
         decode_message(header, body)
-    with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 3"):
+    with pytest.raises(ValueError, match="malformed OfferBatch of 2 requests: 2 arrays, 5"):
         OfferBatch.from_wire(list(fields.values())[:2], ["a", "b"])
+
+
+def test_stop_tokens_travel_with_their_requests() -> None:
+    """Each request's stop tokens, packed and through the wire; none at all is no array."""
+    stops = [frozenset({7, 2}), frozenset(), frozenset({5})]
+    ids, starts = OfferBatch.pack_stops(stops)
+    assert ids.tolist() == [2, 7, 5] and starts is not None and starts.tolist() == [0, 2, 2, 3]
+    batch = OfferBatch(("a", "b", "c"), np.arange(6), np.array([0, 2, 4, 6]),
+                       np.array([3, 4, 5]), ids, starts)
+    got = _through_the_wire(Round(batch, False)).offers
+    assert got.stops() == stops and got.stops(np.array([2, 0])) == [stops[2], stops[0]]
+    none_ids, none_starts = OfferBatch.pack_stops([frozenset()] * 3)
+    assert none_ids.size == 0 and none_starts is None
+    plain = _through_the_wire(Round(OfferBatch(("a", "b", "c"), np.arange(6),
+                                               np.array([0, 2, 4, 6]), np.array([3, 4, 5])),
+                                    True)).offers
+    assert plain.stop_starts is None and plain.stops() == [frozenset()] * 3
 
 
 def test_a_malformed_plan_is_refused_naming_the_field() -> None:
@@ -407,12 +429,14 @@ def test_handshake_accepts_different_block_sizes_and_refuses_a_bad_kernel_block_
 
 # ------------------------------------------------------------------ whole runs
 def _run_pair(model: Any, workload: list[Any], prefill: LLMEngine, decode: LLMEngine,
-              prefill_cls: type[PrefillWorker] = PrefillWorker, piece_bytes: int = 64 << 20
+              prefill_cls: type[PrefillWorker] = PrefillWorker, piece_bytes: int = 64 << 20,
+              stops: dict[str, frozenset[int]] | None = None
               ) -> tuple[Any, Any, DecodeWorker]:
     tp, td = local_pair(timeout_s=20)
     pw, dw = prefill_cls(prefill, tp, piece_bytes), DecodeWorker(decode, td)
     for w in workload:
-        pw.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
+        pw.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens,
+                  (stops or {}).get(w.req_id, ()))
     ps, ds = _both(pw.run, dw.run)
     prefill.manager.check_integrity()
     decode.manager.check_integrity()
@@ -497,13 +521,42 @@ def test_failed_transfer_is_recomputed_on_the_decode_side(
     assert got == single_tokens
 
 
+@pytest.mark.parametrize("prefill_cls", [PrefillWorker, _FailingGather])
+def test_stop_tokens_end_requests_where_the_single_engine_ends_them(
+        model: Any, workload: list[Any], single_tokens: dict[str, list[int]],
+        prefill_cls: type[PrefillWorker]) -> None:
+    """A request's stop tokens travel with it (and to a recompute): one stops on the decode
+    side at its third token; one whose first token is a stop finishes on the prefill side,
+    moving nothing; both sides' allocators check out."""
+    stops = {"req0": frozenset({single_tokens["req0"][0]}),
+             "req1": frozenset({single_tokens["req1"][2], 255 - single_tokens["req1"][2]})}
+    single = _engine(model, 4)
+    for w in workload:
+        single.add_request(w.req_id, w.prompt_token_ids, w.max_new_tokens,
+                           stop_token_ids=stops.get(w.req_id, ()))
+    while single.has_unfinished():
+        single.step()
+    expected = {r.req_id: r.output_token_ids for r in single.requests.values()}
+    assert len(expected["req0"]) == 1 and len(expected["req1"]) <= 3  # the stops do stop
+    ps, ds, dw = _run_pair(model, workload, _engine(model, 4), _engine(model, 8),
+                           prefill_cls=prefill_cls, stops=stops)
+    assert not isinstance(ds, Exception), ds
+    assert ps.finished == {"req0": expected["req0"]}
+    assert "req0" not in dw.engine.requests and "req0" not in ps.sent + ps.failed
+    got = {r.req_id: r.output_token_ids for r in dw.engine.requests.values()}
+    assert {**got, **ps.finished} == expected
+    assert dw.engine.requests["req1"].finish_reason == "stop"
+    if prefill_cls is _FailingGather:
+        assert ds.recomputed == ps.failed and "req1" in ps.failed  # its stops came along
+
+
 def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
                                                                workload: list[Any]) -> None:
     engine = _engine(model, 4)
     tp, td = local_pair(timeout_s=0.5)
     pw = PrefillWorker(engine, tp)
     pw.submit("a", workload[0].prompt_token_ids, MAX_NEW_TOKENS)
-    td.send_message({"version": 1, "layout": KVCacheLayout.of_cache(
+    td.send_message({"version": PROTOCOL_VERSION, "layout": KVCacheLayout.of_cache(
         engine.model.kv_cache, 4).to_dict()})  # the decode side says hello, then nothing
     with pytest.raises(PeerLostError, match=r"lost the decode side while receiving"):
         pw.run()
@@ -650,7 +703,7 @@ def test_handshake_refuses_a_peer_layout_that_makes_no_sense(field: str, value: 
                                                              shown: str) -> None:
     mine = KVCacheLayout(2, 2, 16, "torch.float32", 4, 4)
     tp, td = local_pair(timeout_s=5)
-    td.send_message({"version": 1, "layout": {**mine.to_dict(), field: value}})
+    td.send_message({"version": PROTOCOL_VERSION, "layout": {**mine.to_dict(), field: value}})
     with pytest.raises(HandshakeError) as info:
         handshake(tp, mine, "prefill", "decode")
     assert info.value.field == field

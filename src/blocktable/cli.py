@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--disaggregate", action="store_true",
         help="prefill in one process and decode in another (spawned; gloo on the CPU, NCCL "
-             "with --device cuda on two GPUs), moving each request's KV blocks between them")
+             "with --device cuda on two GPUs), moving each request's KV blocks between them; "
+             "with --model each process loads the model itself (greedy; not with --dcp)")
     demo.add_argument(
         "--out", metavar="PATH", type=Path, default=defaults.out,
         help="PNG file for the picture of the block table and pool; its folder must exist "
@@ -194,8 +195,12 @@ def _fill_defaults(args: argparse.Namespace) -> str | None:
     else:
         if args.num_requests is not None:
             return "--num-requests sizes the synthetic workload; with --model use --prompt"
-    if args.disaggregate and (args.model is not None or args.dcp > 1):
-        return "--disaggregate runs the tiny model without --dcp (got --model or --dcp)"
+    if args.disaggregate and args.dcp > 1:
+        return ("--disaggregate runs one prefill and one decode process; it does not take --dcp "
+                "(drop --dcp, or run --dcp without --disaggregate)")
+    if args.disaggregate and args.model is not None and args.temperature != 0:
+        return (f"--disaggregate decodes greedily (a sampler's state does not move with the "
+                f"KV): drop --temperature {args.temperature:g}")
     for name in ("num_requests", "block_size", "num_blocks", "max_new_tokens", "token_budget"):
         if getattr(args, name) is None:
             fallback = getattr(defaults, name)
@@ -245,6 +250,9 @@ def _check_bounds(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if value is not None and not low <= value <= high:
             return f"--{name.replace('_', '-')} {value} is out of range [{low}, {high}]: {why}"
+    if args.disaggregate and args.max_new_tokens < 2:
+        return (f"--disaggregate needs --max-new-tokens >= 2 (the prefill side samples the "
+                f"first token, the decode side the rest), got {args.max_new_tokens}")
     generated = args.num_requests * args.max_new_tokens
     if generated > MAX_GENERATED_TOKENS:
         return (

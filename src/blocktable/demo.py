@@ -98,6 +98,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         print(f"blocktable demo needs {exc.name}: pip install 'blocktable[demo]'")
         return 2
     console = console or Console()
+    if opts.disaggregate:  # the tiny model or a real one, each process loading its own
+        from blocktable.transfer.transfer_demo import run_disaggregated_demo
+
+        return run_disaggregated_demo(opts, console)
     if opts.model is not None and opts.dcp > 1:  # each process loads the model
         from blocktable.dcp_demo import run_dcp_demo
 
@@ -106,10 +110,6 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         from blocktable.model_demo import run_model_demo
 
         return run_model_demo(opts, console)
-    if opts.disaggregate:
-        from blocktable.transfer.transfer_demo import run_disaggregated_demo
-
-        return run_disaggregated_demo(opts, console)
     if opts.dcp > 1:
         from blocktable.dcp_demo import run_dcp_demo
 

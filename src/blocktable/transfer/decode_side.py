@@ -66,6 +66,7 @@ class _RoundPlan:
     req_ids: list[str]
     token_ids: list[np.ndarray]  # on cpu, int64 views into the offer: prompt, first token
     max_new_tokens: np.ndarray  # on cpu, int64 [k]
+    stop_token_ids: list[frozenset[int]]  # each one's stop tokens
     num_hit: np.ndarray  # on cpu, int64 [k]: prompt tokens this side's prefix cache held
     num_new: np.ndarray  # on cpu, int64 [k]: prompt tokens past the hit, the ones that move
     num_blocks: np.ndarray  # on cpu, int64 [k]: blocks allocated here for them
@@ -290,8 +291,8 @@ class DecodeWorker:
                                  f"{int(num_blocks.sum())} were expected")
         dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, self.chunk_tokens,
                                           None, num_new)
-        return _RoundPlan(req_ids, token_ids, max_new, num_hit, num_new, num_blocks, dst,
-                          dst_starts)
+        return _RoundPlan(req_ids, token_ids, max_new, batch.stops(index), num_hit, num_new,
+                          num_blocks, dst, dst_starts)
 
     def _admit_many(self, batch: OfferBatch, index: np.ndarray | None, num_prompt: np.ndarray
                     ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:
@@ -368,13 +369,14 @@ class DecodeWorker:
         """The engine's ``Request`` of each, running from its first token."""
         engine = self.engine
         step, running, requests = engine.step_index, engine.scheduler.running, engine.requests
-        for req_id, tokens, max_new, hit in zip(plan.req_ids, plan.token_ids,
-                                                plan.max_new_tokens.tolist(),
-                                                plan.num_hit.tolist()):
+        for req_id, tokens, max_new, stops, hit in zip(
+                plan.req_ids, plan.token_ids, plan.max_new_tokens.tolist(), plan.stop_token_ids,
+                plan.num_hit.tolist()):
             prompt = tokens.tolist()
             first = prompt.pop()
             req = Request(req_id, prompt, max_new, step, status=RequestStatus.RUNNING,
-                          output_token_ids=[first], num_cached_tokens=hit)
+                          output_token_ids=[first], num_cached_tokens=hit,
+                          stop_token_ids=stops)
             requests[req_id] = req
             running.append(req)
 
@@ -382,9 +384,11 @@ class DecodeWorker:
         """The KV never came: free the allocations, compute the requests here from their
         prompts."""
         self.engine.manager.free_many(plan.req_ids)
-        for req_id, tokens, max_new in zip(plan.req_ids, plan.token_ids,
-                                           plan.max_new_tokens.tolist()):
-            self.engine.add_request(req_id, tokens[:-1].tolist(), max_new)
+        for req_id, tokens, max_new, stops in zip(plan.req_ids, plan.token_ids,
+                                                  plan.max_new_tokens.tolist(),
+                                                  plan.stop_token_ids):
+            self.engine.add_request(req_id, tokens[:-1].tolist(), max_new,
+                                    stop_token_ids=stops)
             self.stats.recomputed.append(req_id)
 
     def _drop_planned(self) -> None:

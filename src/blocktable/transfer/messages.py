@@ -15,7 +15,7 @@ arrays' bytes and the request ids' text, in a fixed binary form
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,16 +38,23 @@ class OfferBatch:
     then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
     token_starts[i + 1]]``.
 
+    A request's stopping rules travel with it: ``max_new_tokens`` and its stop tokens,
+    ``stop_token_ids[stop_starts[i] : stop_starts[i + 1]]`` (``stop_starts`` is ``None`` when
+    no request of the batch has any).
+
     The token ids are int64, the dtype the decode side's allocator reads without a copy. The
     prefill side's block ids do not travel: it maps the tokens the plan asks for to its own
     rows."""
 
-    WIRE_DTYPES = (np.int64, np.int64, np.int64)
+    WIRE_DTYPES = (np.int64, np.int64, np.int64, np.int64, np.int64)
 
     req_ids: tuple[str, ...]
     token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
     token_starts: np.ndarray  # on cpu, int64 [num_reqs + 1]
     max_new_tokens: np.ndarray  # on cpu, int64 [num_reqs]
+    # on cpu, int64 [total stop tokens]; int64 [num_reqs + 1] or None (no request has any)
+    stop_token_ids: np.ndarray = field(default_factory=lambda: _NO_INDEX)
+    stop_starts: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> OfferBatch:
@@ -74,8 +81,32 @@ class OfferBatch:
         """Request ``i``'s prompt (a view)."""
         return self.token_ids[self.token_starts[i]:self.token_starts[i + 1] - 1]
 
+    def stops(self, index: np.ndarray | None = None) -> list[frozenset[int]]:
+        """The stop tokens of the requests at ``index`` (``None``: all), in that order."""
+        rows = range(len(self.req_ids)) if index is None else index.tolist()
+        starts = self.stop_starts
+        if starts is None:
+            return [frozenset()] * len(rows)
+        ids = self.stop_token_ids.tolist()
+        bounds = starts.tolist()
+        return [frozenset(ids[bounds[i]:bounds[i + 1]]) for i in rows]
+
+    @classmethod
+    def pack_stops(cls, stops: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(stop_token_ids, stop_starts)`` of each request's stop tokens (sorted), or
+        ``(empty, None)`` when no request has any (one pass over the list then)."""
+        if not any(stops):
+            return _NO_INDEX, None
+        sizes = [len(s) for s in stops]
+        starts = np.zeros(len(stops) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        ids = np.fromiter((t for s in stops for t in sorted(s)), np.int64, int(starts[-1]))
+        return ids, starts
+
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
-        return (self.token_ids, self.token_starts, self.max_new_tokens), self.req_ids, 0
+        starts = _NO_INDEX if self.stop_starts is None else self.stop_starts
+        return ((self.token_ids, self.token_starts, self.max_new_tokens, self.stop_token_ids,
+                 starts), self.req_ids, 0)
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int = 0
@@ -83,23 +114,30 @@ class OfferBatch:
         """The batch again; raises ``ValueError`` naming the first field whose length does
         not fit the others (a malformed message)."""
         n = len(texts)
-        if len(arrays) != 3:
-            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 3 "
+        if len(arrays) != 5:
+            raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 5 "
                              "expected")
-        token_ids, token_starts, max_new_tokens = arrays
+        token_ids, token_starts, max_new_tokens, stop_ids, stop_starts = arrays
         rest = tuple(texts)
-        if (token_starts.size == n + 1 and max_new_tokens.size == n
+        if (not stop_starts.size and not stop_ids.size  # the usual round: no stop tokens
+                and token_starts.size == n + 1 and max_new_tokens.size == n
                 and token_ids.size == token_starts[-1]):
             return cls(rest, token_ids, token_starts, max_new_tokens)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
             ("token_ids", token_ids, token_starts[-1:])]
+        if stop_starts.size:
+            checks += [("stop_starts", stop_starts, n + 1),
+                       ("stop_token_ids", stop_ids, stop_starts[-1:])]
+        else:
+            checks.append(("stop_token_ids", stop_ids, 0))
         for name, array, size in checks:  # the offsets' length is checked before they count
             want = size if isinstance(size, int) else int(size.sum())
             if array.size != want:
                 raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
                                  f"{array.size} entries, {want} expected")
-        return cls(rest, token_ids, token_starts, max_new_tokens)
+        return cls(rest, token_ids, token_starts, max_new_tokens, stop_ids,
+                   stop_starts if stop_starts.size else None)
 
 
 @register_message(2)
@@ -148,9 +186,8 @@ class Round:
     done: bool  # nothing left on the prefill side: the decode side finishes alone
 
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
-        offers = self.offers
-        return ((offers.token_ids, offers.token_starts, offers.max_new_tokens), offers.req_ids,
-                int(self.done))
+        arrays, req_ids, _ = self.offers.to_wire()
+        return arrays, req_ids, int(self.done)
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Round:

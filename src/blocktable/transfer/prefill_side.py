@@ -14,7 +14,7 @@ request, or it is lost.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
 
@@ -41,6 +41,8 @@ class PrefillStats:
     """What the prefill side did, by request id."""
 
     sent: list[str] = field(default_factory=list)
+    # requests whose first token was one of their stop tokens: done here, nothing moved
+    finished: dict[str, list[int]] = field(default_factory=dict)  # request -> its one token
     refused: dict[str, str] = field(default_factory=dict)  # request -> the decode side's reason
     failed: list[str] = field(default_factory=list)  # gathers that failed (recomputed there)
     num_waits: int = 0  # offers the decode side asked to repeat later
@@ -52,13 +54,14 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs")
+    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs", "stop_token_ids")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
         self.first_tokens: list[int] = []
         self.max_new_tokens: list[int] = []
+        self.stop_token_ids: list[frozenset[int]] = []
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -118,8 +121,12 @@ class PrefillWorker:
             status = torch.zeros(2, dtype=torch.int64)
             self._status_cpu = status, status.numpy()
 
-    def submit(self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
-        """Queue a request; its decode runs on the decode side.
+    def submit(self, req_id: str, prompt_token_ids: Sequence[int], max_new_tokens: int,
+               stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a request; its decode runs on the decode side, with the same stopping rules
+        (at most ``max_new_tokens`` tokens, or up to the first of ``stop_token_ids``). A
+        request whose first token is a stop token finishes here and moves nothing
+        (:attr:`PrefillStats.finished`).
 
         Raises
         ------
@@ -134,7 +141,8 @@ class PrefillWorker:
             raise ValueError(f"max_new_tokens must be >= 2 for a disaggregated request (the "
                              f"prefill side samples the first), got {max_new_tokens}")
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
-        self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2)
+        self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2,
+                                stop_token_ids=stop_token_ids)
         self.prompts.add(req_id, prompt_token_ids)
         self._max_new_tokens[req_id] = max_new_tokens
 
@@ -145,7 +153,7 @@ class PrefillWorker:
         try:
             while True:
                 if self.engine.has_unfinished():
-                    self.engine.step()
+                    self._finished_here(self.engine.step().finished)
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
                 self.transport.send_message(Round(self._offer_batch(), done))
@@ -160,6 +168,17 @@ class PrefillWorker:
             self._release(self._unacked)
             self.pending, self._unacked = _Handed(), _Handed()
             raise
+
+    def _finished_here(self, req_ids: Sequence[str]) -> None:
+        """Requests the step finished: their first token was a stop token (the engine freed
+        their blocks; no decode side needs them)."""
+        if not req_ids:
+            return
+        requests = self.engine.requests
+        for req_id in req_ids:
+            self.stats.finished[req_id] = list(requests[req_id].output_token_ids)
+            del self._max_new_tokens[req_id]
+        self.prompts.drop(list(req_ids))
 
     def _collect_prefilled(self) -> None:
         """Take requests whose prompt is done out of the scheduler (blocks kept) into the
@@ -178,6 +197,7 @@ class PrefillWorker:
         p.req_ids += ids
         p.max_new_tokens += map(self._max_new_tokens.pop, ids)
         p.first_tokens += [req.output_token_ids[0] for req in done]
+        p.stop_token_ids += [req.stop_token_ids for req in done]
 
     def _offer_batch(self) -> OfferBatch:
         """Every pending request as one message: its token ids (a slice of the prompts'
@@ -188,7 +208,8 @@ class PrefillWorker:
         token_ids, token_starts = self.prompts.token_ids(p.req_ids, p.first_tokens)
         self._offered_starts = token_starts
         return OfferBatch(tuple(p.req_ids), token_ids, token_starts,
-                          np.array(p.max_new_tokens, dtype=np.int64))
+                          np.array(p.max_new_tokens, dtype=np.int64),
+                          *OfferBatch.pack_stops(p.stop_token_ids))
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         rows = self._read_plans(plans)

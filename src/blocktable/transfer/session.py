@@ -2,6 +2,9 @@
 
 :func:`run_side` is what ``blocktable demo --disaggregate``, the tests and the benchmark spawn
 on two ranks of a ``torch.distributed`` group (rank 0 prefills, rank 1 decodes by default).
+Each side builds its own model from a small picklable builder (a model does not cross a
+process start): the tiny random one, or a real one each side loads from its source. Nothing
+below the session knows which: the handshake compares the caches the models gave.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import Any
 
 import torch
 
-from blocktable.engine import EngineConfig, LLMEngine, WorkloadRequest, tiny_llama
+from blocktable.engine import EngineConfig, LLMEngine, WorkloadRequest
+from blocktable.engine.dcp_runner import ModelBuilder, TinyLlama
 from blocktable.transfer.decode_side import DecodeWorker
 from blocktable.transfer.prefill_side import PrefillWorker
 from blocktable.transfer.transport import TorchDistributedTransport
@@ -27,10 +31,12 @@ class Session:
         Each side's engine (block sizes and pools may differ).
     workload : tuple of WorkloadRequest
         Submitted to the prefill side at start (arrival steps are not used).
-    model_seed : int
-        Both sides build ``tiny_llama(seed=model_seed, **model_kwargs)``.
-    prefill_model, decode_model : dict
-        Extra ``tiny_llama`` arguments per side (a mismatch is refused at the handshake).
+    stop_token_ids : dict
+        Request id -> its stop tokens (requests not named have none); they travel to the
+        decode side with the request.
+    prefill_model, decode_model : ModelBuilder
+        Each side's model, built in its process on its device (default the tiny random
+        model, seed 0; two models whose caches differ are refused at the handshake).
     device : {"cpu", "cuda"}
         ``"cuda"``: rank ``r`` on GPU ``r`` and NCCL; ``"cpu"``: gloo.
     timeout_s : float
@@ -46,9 +52,9 @@ class Session:
     prefill: EngineConfig
     decode: EngineConfig
     workload: tuple[WorkloadRequest, ...]
-    model_seed: int = 0
-    prefill_model: dict[str, Any] = field(default_factory=dict)
-    decode_model: dict[str, Any] = field(default_factory=dict)
+    stop_token_ids: dict[str, frozenset[int]] = field(default_factory=dict)
+    prefill_model: ModelBuilder = field(default_factory=TinyLlama)
+    decode_model: ModelBuilder = field(default_factory=TinyLlama)
     device: str = "cpu"
     timeout_s: float = 30.0
     prefill_rank: int = 0
@@ -65,8 +71,7 @@ def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
                          f"nor the decode rank ({session.decode_rank})")
     is_prefill = rank == session.prefill_rank
     device = torch.device(f"cuda:{rank}" if session.device == "cuda" else "cpu")
-    model = tiny_llama(seed=session.model_seed, device=device,
-                       **(session.prefill_model if is_prefill else session.decode_model))
+    model = (session.prefill_model if is_prefill else session.decode_model)(device)
     engine = LLMEngine(model, session.prefill if is_prefill else session.decode)
     peer_rank = session.decode_rank if is_prefill else session.prefill_rank
     transport = TorchDistributedTransport(peer_rank, "decode" if is_prefill else "prefill",
@@ -74,7 +79,8 @@ def build_side(rank: int, session: Session) -> PrefillWorker | DecodeWorker:
     if is_prefill:
         prefill = session.prefill_cls(engine, transport, session.piece_bytes)
         for w in session.workload:
-            prefill.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens)
+            prefill.submit(w.req_id, w.prompt_token_ids, w.max_new_tokens,
+                           session.stop_token_ids.get(w.req_id, ()))
         return prefill
     return session.decode_cls(engine, transport)
 
@@ -84,13 +90,15 @@ def run_side(rank: int, world_size: int, session: Session) -> dict[str, Any]:
 
     The report: ``role``; on the decode side ``tokens`` (request -> generated ids),
     ``transfers`` (request, blocks, bytes, seconds, prefix-hit tokens, batch size),
-    ``refused`` and ``recomputed``; on the prefill side ``sent``, ``refused``, ``failed``.
+    ``refused`` and ``recomputed``; on the prefill side ``sent``, ``finished`` (request ->
+    its one token, a stop token: nothing moved), ``refused``, ``failed``.
     """
     worker = build_side(rank, session)
     try:
         if isinstance(worker, PrefillWorker):
             sent = worker.run()
             report: dict[str, Any] = {"role": "prefill", "sent": sent.sent,
+                                      "finished": sent.finished,
                                       "refused": sent.refused, "failed": sent.failed,
                                       "num_waits": sent.num_waits}
         else:

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-MAX_ARRAYS = 4
+MAX_ARRAYS = 6
 """Arrays one message may carry."""
 
 HEADER_LEN = 4 + MAX_ARRAYS
