@@ -1,7 +1,6 @@
 # The allocator's step journal: the net change of every row since the last take (included by
 # _compiled.pyx).
 
-cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
@@ -44,6 +43,14 @@ cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_
     if length < 0 or length > width:
         raise ValueError(f"{what} of row {row}, group {group} is {length}, outside [0, "
                          f"{width}]: the allocator's row state is corrupt")
+    return 0
+
+
+cdef inline int _guard(Py_ssize_t at, Py_ssize_t length, Py_ssize_t end) except -1:
+    """Refuse a write of ``length`` entries at ``at`` that would pass ``end`` (the sizes
+    counted before the gather make this unreachable; it keeps the unchecked writes safe)."""
+    if at < 0 or length < 0 or at > end - length:
+        raise AssertionError(f"the journal diff would write [{at}, {at + length}) past {end}")
     return 0
 
 
@@ -233,43 +240,56 @@ cdef class JournalDiff:
         if total > self.work.shape[0]:
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
         cdef int32_t[::1] out = self.work
+        cdef Py_ssize_t out_len = out.shape[0], row_at, grown_at, ids_at, length
         at = 0
-        for i in range(n):
-            if kinds[i] == _CLEARED_ROW:
-                out[at] = <int32_t>rows[i]
-                at += 1
-        for i in range(n):
-            if kinds[i] == _ADDED_ROW:
-                out[at] = <int32_t>rows[i]
-                at += 1
-        for g in range(num_groups):
-            arena = self._arena(arenas, g)
-            for i in range(n):  # added: each row's count, then all their ids
-                if kinds[i] == _ADDED_ROW:
-                    out[at] = <int32_t>rlen[g, rows[i]]
+        # Bounds checks are off in the gathers below: each row's writes are guarded by a
+        # check of its range against ``out_len`` just before them, every row r < num_rows and
+        # group g < num_groups index arrays of those shapes (checked at binding), and each
+        # arena index q lies below a length checked against the arena's width above.
+        with cython.boundscheck(False), cython.initializedcheck(False):
+            for i in range(n):
+                if kinds[i] == _CLEARED_ROW:
+                    _guard(at, 1, out_len)
+                    out[at] = <int32_t>rows[i]
                     at += 1
             for i in range(n):
                 if kinds[i] == _ADDED_ROW:
+                    _guard(at, 1, out_len)
+                    out[at] = <int32_t>rows[i]
+                    at += 1
+            for g in range(num_groups):
+                arena = self._arena(arenas, g)
+                # added: each row's count, then all their ids
+                row_at, ids_at = at, at + n_added
+                for i in range(n):
+                    if kinds[i] == _ADDED_ROW:
+                        r = rows[i]
+                        length = rlen[g, r]
+                        _guard(row_at, 1, at + n_added)
+                        _guard(ids_at, length, out_len)
+                        out[row_at] = <int32_t>length
+                        row_at += 1
+                        for q in range(length):
+                            out[ids_at + q] = arena[r, q]
+                        ids_at += length
+                at = ids_at
+                # grown: the rows, their growth, then their new ids (one pass, three cursors)
+                grown = lens[4 + 5 * g]
+                row_at, grown_at, ids_at = at, at + grown, at + 2 * grown
+                for i in range(n):
                     r = rows[i]
-                    for q in range(rlen[g, r]):
-                        out[at] = arena[r, q]
-                        at += 1
-            for i in range(n):  # grown: the rows, their growth, then their new ids
-                r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                    out[at] = <int32_t>r
-                    at += 1
-            for i in range(n):
-                r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                    out[at] = <int32_t>(rlen[g, r] - slen[g, r])
-                    at += 1
-            for i in range(n):
-                r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                    for q in range(slen[g, r], rlen[g, r]):
-                        out[at] = arena[r, q]
-                        at += 1
+                    if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                        length = rlen[g, r] - slen[g, r]
+                        _guard(grown_at, 1, at + 2 * grown)
+                        _guard(ids_at, length, out_len)
+                        out[row_at] = <int32_t>r
+                        out[grown_at] = <int32_t>length
+                        row_at += 1
+                        grown_at += 1
+                        for q in range(length):
+                            out[ids_at + q] = arena[r, slen[g, r] + q]
+                        ids_at += length
+                at = ids_at
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
         # each part is its own array over the bytes (cutting one flat array would take a
