@@ -93,7 +93,9 @@ cdef class JournalDiff:
     cdef tuple no_parts  # (no_blocks,) per group: the added or appended part of no row
     cdef object step_update  # the class of the update
     cdef list arena_objs  # per group, the arena last taken (None at first)
-    cdef list arena_views  # and its view
+    cdef list arena_views  # and its view, which holds its buffer while remembered
+    cdef uintptr_t[::1] arena_ptr  # and its first entry (0 where empty)
+    cdef Py_ssize_t[::1] arena_width  # and its columns
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
     cdef object int32  # numpy's int32 dtype, for the parts' arrays
@@ -139,22 +141,28 @@ cdef class JournalDiff:
         self.step_update = step_update
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
+        self.arena_ptr = _np.zeros(num_groups, dtype=_np.uintp)
+        self.arena_width = _np.zeros(num_groups, dtype=_np.intp)
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
 
-    cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
-        """Group ``g``'s arena as a view: the remembered one for the remembered object."""
+    cdef const int32_t* _arena(self, list arenas, Py_ssize_t g) except? NULL:
+        """Group ``g``'s arena (``[num_rows, arena_width[g]]``, C-contiguous) as its first
+        entry (NULL where it has no column): the remembered one for the remembered object,
+        whose view holds its buffer."""
         cdef object obj = arenas[g]
         if obj is self.arena_objs[g] and obj is not None:
-            return self.arena_views[g]
+            return <const int32_t*>self.arena_ptr[g]
         cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
         if arena.shape[0] != self.sgen.shape[0] or arena.shape[1] > INT32_MAX:
             raise ValueError(f"arenas[{g}] must have {self.sgen.shape[0]} rows and at most "
                              f"{INT32_MAX} columns")
         self.arena_objs[g], self.arena_views[g] = obj, arena
-        return arena
+        self.arena_width[g] = arena.shape[1]
+        self.arena_ptr[g] = <uintptr_t>&arena[0, 0] if arena.shape[0] and arena.shape[1] else 0
+        return <const int32_t*>self.arena_ptr[g]
 
     def diff(self, list arenas, object nulled, object allocator_block_sizes):
         """The net change of every row since the start, in row order, as one update; then the
@@ -202,25 +210,27 @@ cdef class JournalDiff:
                     rows[n] = r
                     n += 1
         # ---- sizes, with every length checked against its arena ------------------------
-        cdef const int32_t[:, ::1] arena
+        cdef const int32_t* arena
+        cdef Py_ssize_t width
         cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
         lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
-            arena = self._arena(arenas, g)
+            self._arena(arenas, g)
+            width = self.arena_width[g]
             add_ids = grown = new_ids = 0
             for i in range(n):
                 if kinds[i] < _ADDED_ROW:
                     continue
                 r = rows[i]
                 new = rlen[g, r]
-                _check_len(new, arena.shape[1], "row_len", r, g)
+                _check_len(new, width, "row_len", r, g)
                 if kinds[i] == _ADDED_ROW:
                     add_ids += new
                 else:
                     old = slen[g, r]
                     if new > old:
-                        _check_len(old, arena.shape[1], "start_len", r, g)
+                        _check_len(old, width, "start_len", r, g)
                         grown += 1
                         new_ids += new - old
             lens[2 + 5 * g], lens[3 + 5 * g], lens[4 + 5 * g] = n_added, add_ids, grown
@@ -245,7 +255,8 @@ cdef class JournalDiff:
         # Bounds checks are off in the gathers below: each row's writes are guarded by a
         # check of its range against ``out_len`` just before them, every row r < num_rows and
         # group g < num_groups index arrays of those shapes (checked at binding), and each
-        # arena index q lies below a length checked against the arena's width above.
+        # arena index q lies below a length checked against the arena's width above (so a
+        # row with an id to read has a column, and the arena's pointer is not NULL).
         with cython.boundscheck(False), cython.initializedcheck(False):
             for i in range(n):
                 if kinds[i] == _CLEARED_ROW:
@@ -258,7 +269,8 @@ cdef class JournalDiff:
                     out[at] = <int32_t>rows[i]
                     at += 1
             for g in range(num_groups):
-                arena = self._arena(arenas, g)
+                arena = self._arena(arenas, g)  # (the one the sizes above checked against)
+                width = self.arena_width[g]
                 # added: each row's count, then all their ids
                 row_at, ids_at = at, at + n_added
                 for i in range(n):
@@ -270,7 +282,7 @@ cdef class JournalDiff:
                         out[row_at] = <int32_t>length
                         row_at += 1
                         for q in range(length):
-                            out[ids_at + q] = arena[r, q]
+                            out[ids_at + q] = arena[r * width + q]
                         ids_at += length
                 at = ids_at
                 # grown: the rows, their growth, then their new ids (one pass, three cursors)
@@ -287,7 +299,7 @@ cdef class JournalDiff:
                         row_at += 1
                         grown_at += 1
                         for q in range(length):
-                            out[ids_at + q] = arena[r, slen[g, r] + q]
+                            out[ids_at + q] = arena[r * width + slen[g, r] + q]
                         ids_at += length
                 at = ids_at
         if at != total:  # (the sizes above count exactly what was gathered)

@@ -292,7 +292,7 @@ cdef class GroupWriter:
             raise ValueError("an update array overlaps the table's own arrays or staging")
         if self._apply(ptr, num, True)[0] != OK:
             return -2
-        return self.stager._fill(out, capacity)
+        return self.stager._fill(&out[0], out.shape[0], capacity)
 
     cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
         """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
@@ -313,7 +313,7 @@ cdef class GroupWriter:
             if self.staged_a is not None:
                 self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
             self.staged_a, self.staged_view_a = staging, out
-        _check_capacity(out, capacity)
+        _check_capacity(out.shape[0], capacity)
         return out
 
     cdef const int32_t[::1] _take(self, object value, str name) except *:
