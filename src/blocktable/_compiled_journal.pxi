@@ -100,6 +100,16 @@ cdef class JournalDiff:
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
     cdef object int32  # numpy's int32 dtype, for the parts' arrays
     cdef object frombuffer  # numpy.frombuffer, which makes each part's array
+    # the bound arrays' and work spaces' first entries (NULL where empty), for the pointer
+    # loops of a diff: the views above hold the buffers for the diff's life, never rebound
+    cdef Py_ssize_t num_rows, num_groups
+    cdef int64_t* sgen_p
+    cdef const int64_t* hgen_p
+    cdef int64_t* slen_p  # [num_groups, num_rows], row-major, as rlen_p
+    cdef const int64_t* rlen_p
+    cdef Py_ssize_t* rows_p
+    cdef unsigned char* kinds_p
+    cdef Py_ssize_t* lens_p
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
                  object empty, object row_blocks, object no_blocks, object step_update):
@@ -145,6 +155,14 @@ cdef class JournalDiff:
         self.arena_width = _np.zeros(num_groups, dtype=_np.intp)
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
+        self.num_rows, self.num_groups = num_rows, num_groups
+        self.sgen_p = <int64_t*>sg
+        self.hgen_p = <const int64_t*>hg
+        self.slen_p = <int64_t*>sl
+        self.rlen_p = <const int64_t*>rl
+        self.rows_p = &self.rows[0] if num_rows else NULL
+        self.kinds_p = &self.kinds[0] if num_rows else NULL
+        self.lens_p = &self.lens[0]
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
 
@@ -178,13 +196,17 @@ cdef class JournalDiff:
         int32 views of one new bytes object; empty ones are ``empty``. Every length is checked
         against its arena before anything is gathered; on an error nothing is written.
         """
-        cdef int64_t[::1] sgen = self.sgen
-        cdef const int64_t[::1] hgen = self.hgen
-        cdef int64_t[:, ::1] slen = self.slen
-        cdef const int64_t[:, ::1] rlen = self.rlen
-        cdef Py_ssize_t[::1] rows = self.rows
-        cdef unsigned char[::1] kinds = self.kinds
-        cdef Py_ssize_t num_rows = sgen.shape[0], num_groups = slen.shape[0]
+        # Pointer loops: every row r < num_rows, group g < num_groups and changed row's index
+        # i < n <= num_rows index arrays of those shapes (checked at binding); slen and rlen
+        # are row-major [num_groups, num_rows].
+        cdef int64_t* sgen = self.sgen_p
+        cdef const int64_t* hgen = self.hgen_p
+        cdef int64_t* slen = self.slen_p
+        cdef const int64_t* rlen = self.rlen_p
+        cdef Py_ssize_t* rows = self.rows_p
+        cdef unsigned char* kinds = self.kinds_p
+        cdef Py_ssize_t* lens = self.lens_p  # [2 + 5 * num_groups]
+        cdef Py_ssize_t num_rows = self.num_rows, num_groups = self.num_groups
         if len(arenas) != num_groups:
             raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
         # the changed rows, in order, each with its kind: every later pass visits only them
@@ -192,27 +214,25 @@ cdef class JournalDiff:
         cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
         cdef int64_t live, old, new
         cdef bint changed
-        with cython.boundscheck(False):  # r < num_rows, g < num_groups and n <= r: every
-            for r in range(num_rows):  # bound array and work space has these shapes (checked
-                live = hgen[r]  # at construction; memoryviews are never rebound)
-                changed = live != sgen[r]
-                for g in range(num_groups):
-                    changed = changed | (rlen[g, r] != slen[g, r])
-                if changed:
-                    if live == 0:
-                        kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                        n_cleared += sgen[r] != 0
-                    elif live != sgen[r]:
-                        kinds[n] = _ADDED_ROW
-                        n_added += 1
-                    else:
-                        kinds[n] = _KEPT_ROW
-                    rows[n] = r
-                    n += 1
+        for r in range(num_rows):
+            live = hgen[r]
+            changed = live != sgen[r]
+            for g in range(num_groups):
+                changed = changed | (rlen[g * num_rows + r] != slen[g * num_rows + r])
+            if changed:  # (n <= r)
+                if live == 0:
+                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                    n_cleared += sgen[r] != 0
+                elif live != sgen[r]:
+                    kinds[n] = _ADDED_ROW
+                    n_added += 1
+                else:
+                    kinds[n] = _KEPT_ROW
+                rows[n] = r
+                n += 1
         # ---- sizes, with every length checked against its arena ------------------------
         cdef const int32_t* arena
         cdef Py_ssize_t width
-        cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
         lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
@@ -223,12 +243,12 @@ cdef class JournalDiff:
                 if kinds[i] < _ADDED_ROW:
                     continue
                 r = rows[i]
-                new = rlen[g, r]
+                new = rlen[g * num_rows + r]
                 _check_len(new, width, "row_len", r, g)
                 if kinds[i] == _ADDED_ROW:
                     add_ids += new
                 else:
-                    old = slen[g, r]
+                    old = slen[g * num_rows + r]
                     if new > old:
                         _check_len(old, width, "start_len", r, g)
                         grown += 1
@@ -276,7 +296,7 @@ cdef class JournalDiff:
                 for i in range(n):
                     if kinds[i] == _ADDED_ROW:
                         r = rows[i]
-                        length = rlen[g, r]
+                        length = rlen[g * num_rows + r]
                         _guard(row_at, 1, at + n_added)
                         _guard(ids_at, length, out_len)
                         out[row_at] = <int32_t>length
@@ -290,8 +310,9 @@ cdef class JournalDiff:
                 row_at, grown_at, ids_at = at, at + grown, at + 2 * grown
                 for i in range(n):
                     r = rows[i]
-                    if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                        length = rlen[g, r] - slen[g, r]
+                    old = slen[g * num_rows + r]
+                    if kinds[i] == _KEPT_ROW and rlen[g * num_rows + r] > old:
+                        length = rlen[g * num_rows + r] - old
                         _guard(grown_at, 1, at + 2 * grown)
                         _guard(ids_at, length, out_len)
                         out[row_at] = <int32_t>r
@@ -299,7 +320,7 @@ cdef class JournalDiff:
                         row_at += 1
                         grown_at += 1
                         for q in range(length):
-                            out[ids_at + q] = arena[r * width + slen[g, r] + q]
+                            out[ids_at + q] = arena[r * width + old + q]
                         ids_at += length
                 at = ids_at
         if at != total:  # (the sizes above count exactly what was gathered)
@@ -344,16 +365,10 @@ cdef class JournalDiff:
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start
         (the other rows' start equals their live state already)."""
-        cdef int64_t[::1] sgen = self.sgen
-        cdef const int64_t[::1] hgen = self.hgen
-        cdef int64_t[:, ::1] slen = self.slen
-        cdef const int64_t[:, ::1] rlen = self.rlen
-        cdef const Py_ssize_t[::1] rows = self.rows
-        cdef Py_ssize_t i, r, g
-        with cython.boundscheck(False):  # n <= num_rows and every row r < num_rows: the diff's
-            for i in range(n):  # first pass wrote them, into a work space of num_rows
-                r = rows[i]
-                sgen[r] = hgen[r]
-                for g in range(slen.shape[0]):
-                    slen[g, r] = rlen[g, r]
+        cdef Py_ssize_t i, r, g, num_rows = self.num_rows
+        for i in range(n):  # n <= num_rows and every row r < num_rows: the diff's first pass
+            r = self.rows_p[i]  # wrote them, into a work space of num_rows
+            self.sgen_p[r] = self.hgen_p[r]
+            for g in range(self.num_groups):
+                self.slen_p[g * num_rows + r] = self.rlen_p[g * num_rows + r]
         return 0
