@@ -136,6 +136,9 @@ cdef class GroupWriter:
     cdef object staged_b
     cdef int32_t[::1] staged_view_a
     cdef int32_t[::1] staged_view_b
+    cdef int32_t* staged_ptr_a  # and their first entries and lengths
+    cdef int32_t* staged_ptr_b
+    cdef Py_ssize_t staged_len_a, staged_len_b
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -256,7 +259,8 @@ cdef class GroupWriter:
         arrays names why). A bad ``staging`` or ``capacity`` raises."""
         if self.stager is None:
             raise ValueError("apply_and_stage needs bind_stager() first")
-        cdef int32_t[::1] out = self._staging(staging, capacity)
+        cdef Py_ssize_t out_len
+        cdef int32_t* out = self._staging(staging, capacity, &out_len)
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
         try:
@@ -288,33 +292,40 @@ cdef class GroupWriter:
         ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
         if not _parts_paired(num):
             return -2
-        if self._overlapping(ptr, num, &out[0], out.shape[0] * 4):
+        if self._overlapping(ptr, num, out, out_len * 4):
             raise ValueError("an update array overlaps the table's own arrays or staging")
         if self._apply(ptr, num, True)[0] != OK:
             return -2
-        return self.stager._fill(&out[0], out.shape[0], capacity)
+        return self.stager._fill(out, out_len, capacity)
 
-    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
-        """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
-        this writer's arrays); the remembered view for one of the last two arrays taken (a
-        captured step's two staging buffers). As with the bound arrays, a remembered array is
-        held: its memory cannot be freed while the writer holds its view, and it was writable
-        and apart from every bound array when it was taken."""
+    cdef int32_t* _staging(self, object staging, int64_t capacity,
+                           Py_ssize_t* length) except NULL:
+        """``staging``'s first entry and (in ``length``) its entries, checked
+        (:meth:`PairStager._staging`, and against this writer's arrays): room for a header
+        and ``capacity`` pairs, so never empty. One of the last two arrays taken (a captured
+        step's two staging buffers) is remembered with its view: as with the bound arrays,
+        the view holds its buffer, and the array was writable and apart from every bound
+        array when it was taken."""
         cdef int32_t[::1] out
         if staging is self.staged_a and staging is not None:
-            out = self.staged_view_a
-        elif staging is self.staged_b and staging is not None:
-            out = self.staged_view_b
-        else:
-            out = self.stager._staging(staging, capacity)
-            if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
-                             self.out_bytes, 7, -1):
-                raise ValueError("staging overlaps the table's own arrays")
-            if self.staged_a is not None:
-                self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
-            self.staged_a, self.staged_view_a = staging, out
-        _check_capacity(out.shape[0], capacity)
-        return out
+            length[0] = self.staged_len_a
+            _check_capacity(length[0], capacity)
+            return self.staged_ptr_a
+        if staging is self.staged_b and staging is not None:
+            length[0] = self.staged_len_b
+            _check_capacity(length[0], capacity)
+            return self.staged_ptr_b
+        out = self.stager._staging(staging, capacity)  # (checks the capacity)
+        if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
+                         self.out_bytes, 7, -1):
+            raise ValueError("staging overlaps the table's own arrays")
+        if self.staged_a is not None:
+            self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
+            self.staged_ptr_b, self.staged_len_b = self.staged_ptr_a, self.staged_len_a
+        self.staged_a, self.staged_view_a = staging, out
+        self.staged_ptr_a, self.staged_len_a = &out[0], out.shape[0]
+        length[0] = out.shape[0]
+        return &out[0]
 
     cdef const int32_t[::1] _take(self, object value, str name) except *:
         """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
