@@ -387,6 +387,12 @@ def test_group_writer_refuses_hostile_bound_arrays() -> None:
         _refused(lambda: compiled.GroupWriter(g.table, g.counts, width, k, max_id, offset,
                                               g.scratch, g.seen, g.dirty, g.journal,
                                               g.journal_len), g.visible())
+    # a width that is not a multiple of k (a table sized for it): a nulled block could end
+    # past its row
+    odd = np.zeros(ROWS * (WIDTH + 1), I32)
+    _refused(lambda: compiled.GroupWriter(odd, g.counts, WIDTH + 1, K, MAX_ID, 0, g.scratch,
+                                          g.seen, g.dirty, g.journal, g.journal_len),
+             g.visible() + [odd])
     # outputs that alias each other: counts inside the table, dirty inside seen
     _refused(lambda: compiled.GroupWriter(g.table, g.table[:ROWS], WIDTH, K, MAX_ID, 0,
                                           g.scratch, g.seen, g.dirty, g.journal, g.journal_len),

@@ -12,9 +12,13 @@ byte-swapped, object or strided array), and ``const`` marks the inputs, so a rea
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
-the journal's two loops over rows, whose indices are below the row count that every array they
-index was checked to have when the arrays were bound. Python lists are read item by item
-through bounds-checked indexing, their lengths checked again after any item's Python code ran.
+code run every engine step, whose indices are each proven in range by a check just above
+(the comments there say which): the journal diff's loops over rows (below the row count every
+array they index was checked to have when bound) and its gathers (each row's range checked
+against the work space first), and a group update's checks and writes, which go through raw
+pointers into arrays whose views the call holds, once every row, count and id of the update
+has been checked against the table's shape. Python lists are read item by item through
+bounds-checked indexing, their lengths checked again after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
@@ -28,6 +32,7 @@ pairs, for the captured step's launch), the numpy diff in
 :class:`blocktable.key_table.DictKeyTable`.
 """
 
+cimport cython
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 

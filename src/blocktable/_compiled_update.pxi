@@ -16,24 +16,42 @@ cdef enum:
     NULLED = 3
 
 
-cdef tuple _rows_in_range(const int32_t[::1] rows, Py_ssize_t num_rows, int part):
+cdef enum:  # the nine arrays of one group's update, in the order apply() takes them
+    C_ROWS = 0
+    A_ROWS = 1
+    A_NUM = 2
+    A_IDS = 3
+    P_ROWS = 4
+    P_NUM = 5
+    P_IDS = 6
+    N_ROWS = 7
+    N_BLOCKS = 8
+    NUM_PARTS = 9
+
+
+# The checks and writes below read the update's arrays and write the bound arrays through raw
+# pointers, each with its length: every index is below a length it was checked against just
+# above (the comments say which), so no access needs a bounds check of its own.
+
+cdef tuple _rows_in_range(const int32_t* rows, Py_ssize_t n, Py_ssize_t num_rows, int part):
     cdef Py_ssize_t i
-    for i in range(rows.shape[0]):
+    for i in range(n):  # i < n, the length of rows
         if rows[i] < 0 or rows[i] >= num_rows:
             return (ROW_RANGE, part, i, rows[i], num_rows)
     return None
 
 
-cdef tuple _blocks_ok(const int32_t[::1] rows, const int32_t[::1] num, const int32_t[::1] ids,
-                      int64_t max_id, int part, Py_ssize_t num_rows, unsigned char[::1] seen):
-    """Rows in range and listed once, counts >= 0 summing to the ids, ids in ``[0, max_id)``.
-    ``seen`` (``[num_rows]``, all 0) is left all 0."""
-    cdef tuple res = _rows_in_range(rows, num_rows, part)
+cdef tuple _blocks_ok(const int32_t* rows, const int32_t* num, Py_ssize_t n, const int32_t* ids,
+                      Py_ssize_t num_ids, int64_t max_id, int part, Py_ssize_t num_rows,
+                      unsigned char* seen):
+    """Rows (``n``) in range and listed once, counts (``n``) >= 0 summing to the ids'
+    ``num_ids``, ids in ``[0, max_id)``. ``seen`` (``[num_rows]``, all 0) is left all 0."""
+    cdef tuple res = _rows_in_range(rows, n, num_rows, part)
     if res is not None:
         return res
-    cdef Py_ssize_t i, j, n = rows.shape[0]
+    cdef Py_ssize_t i, j
     cdef int64_t total = 0
-    for i in range(n):
+    for i in range(n):  # every rows[i] is in [0, num_rows): checked just above
         if seen[rows[i]]:
             for j in range(i):
                 seen[rows[j]] = 0
@@ -45,28 +63,32 @@ cdef tuple _blocks_ok(const int32_t[::1] rows, const int32_t[::1] num, const int
         if num[i] < 0:
             return (NEG_COUNT, part, i, num[i], 0)
         total += num[i]
-    if total != ids.shape[0]:
-        return (ID_SUM, part, ids.shape[0], total, 0)
-    for i in range(ids.shape[0]):
+    if total != num_ids:
+        return (ID_SUM, part, num_ids, total, 0)
+    for i in range(num_ids):
         if ids[i] < 0 or ids[i] >= max_id:
             return (ID_RANGE, part, i, ids[i], max_id)
     return None
 
 
-cdef inline bint _log(int64_t[:, ::1] journal, int64_t[::1] journal_len, int64_t start,
-                      int64_t length) noexcept:
-    """Journal the run ``[start, start + length)``; past capacity, mark the overflow."""
+cdef inline const int32_t* _data(const int32_t[::1] view) noexcept:
+    return &view[0] if view.shape[0] else NULL
+
+
+cdef inline void _log(int64_t* journal, Py_ssize_t capacity, int64_t* journal_len,
+                      int64_t start, int64_t length) noexcept:
+    """Journal the run ``[start, start + length)`` in ``journal`` (``[capacity, 2]``, its
+    filled runs and entries in ``journal_len[0:2]``); past capacity, mark the overflow."""
     cdef int64_t runs = journal_len[0]
     if runs < 0 or length <= 0:
-        return True
-    if runs + 1 > journal.shape[0] or journal_len[1] + length > journal.shape[0]:
+        return
+    if runs + 1 > capacity or journal_len[1] + length > capacity:
         journal_len[0] = -1
-        return True
-    journal[runs, 0] = start
-    journal[runs, 1] = length
+        return
+    journal[2 * runs] = start  # runs < capacity: checked just above
+    journal[2 * runs + 1] = length
     journal_len[0] = runs + 1
     journal_len[1] += length
-    return True
 
 
 cdef class GroupWriter:
@@ -95,6 +117,16 @@ cdef class GroupWriter:
     cdef int64_t[:, ::1] jour
     cdef int64_t[::1] jlen
     cdef int64_t width, k, max_id, offset
+    cdef Py_ssize_t num_rows, jour_cap
+    # the bound arrays' first entries (NULL where empty), for the pointer loops of _apply:
+    # the views above hold the buffers for the writer's life and are never rebound
+    cdef int32_t* tab_p
+    cdef int32_t* cnt_p
+    cdef int64_t* after_p
+    cdef unsigned char* mark_p
+    cdef unsigned char* dirt_p
+    cdef int64_t* jour_p
+    cdef int64_t* jlen_p
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t out_bytes[7]
     cdef object empty  # the last empty array taken (None at first), and its view
@@ -104,6 +136,9 @@ cdef class GroupWriter:
     cdef object staged_b
     cdef int32_t[::1] staged_view_a
     cdef int32_t[::1] staged_view_b
+    cdef int32_t* staged_ptr_a  # and their first entries and lengths
+    cdef int32_t* staged_ptr_b
+    cdef Py_ssize_t staged_len_a, staged_len_b
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
@@ -123,9 +158,9 @@ cdef class GroupWriter:
         self.after = _int64_out(scratch, "scratch")
         self.jlen = _int64_out(journal_len, "journal_len")
         cdef Py_ssize_t num_rows = self.cnt.shape[0]
-        if not 1 <= k <= width <= INT32_MAX:
+        if not 1 <= k <= width <= INT32_MAX or width % k:
             raise ValueError(f"k={k} and width={width} must satisfy 1 <= k <= width <= "
-                             f"{INT32_MAX}")
+                             f"{INT32_MAX}, width a multiple of k")
         if not 0 <= max_id <= INT32_MAX // k + 1:
             raise ValueError(f"max_id={max_id} is outside [0, {INT32_MAX // k + 1}]")
         if self.tab.shape[0] != num_rows * width:
@@ -157,6 +192,14 @@ cdef class GroupWriter:
         for i in range(num_rows):
             if self.mark[i]:
                 raise ValueError("seen must be all 0")
+        self.num_rows, self.jour_cap = num_rows, self.jour.shape[0]
+        self.tab_p = &self.tab[0] if self.tab.shape[0] else NULL
+        self.cnt_p = &self.cnt[0] if num_rows else NULL
+        self.after_p = &self.after[0] if num_rows else NULL
+        self.mark_p = &self.mark[0] if num_rows else NULL
+        self.dirt_p = &self.dirt[0] if num_rows else NULL
+        self.jour_p = &self.jour[0, 0] if self.jour_cap else NULL
+        self.jlen_p = &self.jlen[0]
 
     def apply(self, object cleared, object add_rows, object add_num, object add_ids,
               object app_rows, object app_num, object app_ids, object null_rows,
@@ -175,27 +218,23 @@ cdef class GroupWriter:
         cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
         cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
         cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
-        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
-                n_rows.shape[0] != n_blocks.shape[0]:
+        cdef const int32_t* ptr[NUM_PARTS]
+        cdef Py_ssize_t num[NUM_PARTS]
+        ptr[C_ROWS], num[C_ROWS] = _data(c_rows), c_rows.shape[0]
+        ptr[A_ROWS], num[A_ROWS] = _data(a_rows), a_rows.shape[0]
+        ptr[A_NUM], num[A_NUM] = _data(a_num), a_num.shape[0]
+        ptr[A_IDS], num[A_IDS] = _data(a_ids), a_ids.shape[0]
+        ptr[P_ROWS], num[P_ROWS] = _data(p_rows), p_rows.shape[0]
+        ptr[P_NUM], num[P_NUM] = _data(p_num), p_num.shape[0]
+        ptr[P_IDS], num[P_IDS] = _data(p_ids), p_ids.shape[0]
+        ptr[N_ROWS], num[N_ROWS] = _data(n_rows), n_rows.shape[0]
+        ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
+        if not _parts_paired(num):
             raise ValueError("each part's rows and counts (or block indices) must have one "
                              "entry per row")
-        cdef uintptr_t in_start[9]
-        cdef Py_ssize_t in_bytes[9]
-        _span(c_rows, in_start, in_bytes, 0)
-        _span(a_rows, in_start, in_bytes, 1)
-        _span(a_num, in_start, in_bytes, 2)
-        _span(a_ids, in_start, in_bytes, 3)
-        _span(p_rows, in_start, in_bytes, 4)
-        _span(p_num, in_start, in_bytes, 5)
-        _span(p_ids, in_start, in_bytes, 6)
-        _span(n_rows, in_start, in_bytes, 7)
-        _span(n_blocks, in_start, in_bytes, 8)
-        cdef int i
-        for i in range(9):
-            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1):
-                raise ValueError("an update array overlaps the table's own arrays")
-        return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
-                           n_blocks, write)
+        if self._overlapping(ptr, num, NULL, 0):
+            raise ValueError("an update array overlaps the table's own arrays")
+        return self._apply(ptr, num, write)
 
     def bind_stager(self, PairStager stager not None):
         """Bind the table's pair stager (it must drain this writer's journal), for
@@ -220,7 +259,8 @@ cdef class GroupWriter:
         arrays names why). A bad ``staging`` or ``capacity`` raises."""
         if self.stager is None:
             raise ValueError("apply_and_stage needs bind_stager() first")
-        cdef int32_t[::1] out = self._staging(staging, capacity)
+        cdef Py_ssize_t out_len
+        cdef int32_t* out = self._staging(staging, capacity, &out_len)
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
         try:
@@ -239,53 +279,53 @@ cdef class GroupWriter:
             n_blocks = self._take(z.block_indices, "null_blocks")
         except (TypeError, ValueError, AttributeError, IndexError):
             return -2
-        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
-                n_rows.shape[0] != n_blocks.shape[0]:
+        cdef const int32_t* ptr[NUM_PARTS]
+        cdef Py_ssize_t num[NUM_PARTS]
+        ptr[C_ROWS], num[C_ROWS] = _data(c_rows), c_rows.shape[0]
+        ptr[A_ROWS], num[A_ROWS] = _data(a_rows), a_rows.shape[0]
+        ptr[A_NUM], num[A_NUM] = _data(a_num), a_num.shape[0]
+        ptr[A_IDS], num[A_IDS] = _data(a_ids), a_ids.shape[0]
+        ptr[P_ROWS], num[P_ROWS] = _data(p_rows), p_rows.shape[0]
+        ptr[P_NUM], num[P_NUM] = _data(p_num), p_num.shape[0]
+        ptr[P_IDS], num[P_IDS] = _data(p_ids), p_ids.shape[0]
+        ptr[N_ROWS], num[N_ROWS] = _data(n_rows), n_rows.shape[0]
+        ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
+        if not _parts_paired(num):
             return -2
-        cdef uintptr_t in_start[9]
-        cdef Py_ssize_t in_bytes[9]
-        _span(c_rows, in_start, in_bytes, 0)
-        _span(a_rows, in_start, in_bytes, 1)
-        _span(a_num, in_start, in_bytes, 2)
-        _span(a_ids, in_start, in_bytes, 3)
-        _span(p_rows, in_start, in_bytes, 4)
-        _span(p_num, in_start, in_bytes, 5)
-        _span(p_ids, in_start, in_bytes, 6)
-        _span(n_rows, in_start, in_bytes, 7)
-        _span(n_blocks, in_start, in_bytes, 8)
-        cdef uintptr_t out_start = <uintptr_t>(&out[0])
-        cdef int i
-        for i in range(9):
-            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1) \
-                    or _overlap(<void*>in_start[i], in_bytes[i], <void*>out_start,
-                                out.shape[0] * 4):
-                raise ValueError("an update array overlaps the table's own arrays or staging")
-        if self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows, n_blocks,
-                       True)[0] != OK:
+        if self._overlapping(ptr, num, out, out_len * 4):
+            raise ValueError("an update array overlaps the table's own arrays or staging")
+        if self._apply(ptr, num, True)[0] != OK:
             return -2
-        return self.stager._fill(out, capacity)
+        return self.stager._fill(out, out_len, capacity)
 
-    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
-        """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
-        this writer's arrays); the remembered view for one of the last two arrays taken (a
-        captured step's two staging buffers). As with the bound arrays, a remembered array is
-        held: its memory cannot be freed while the writer holds its view, and it was writable
-        and apart from every bound array when it was taken."""
+    cdef int32_t* _staging(self, object staging, int64_t capacity,
+                           Py_ssize_t* length) except NULL:
+        """``staging``'s first entry and (in ``length``) its entries, checked
+        (:meth:`PairStager._staging`, and against this writer's arrays): room for a header
+        and ``capacity`` pairs, so never empty. One of the last two arrays taken (a captured
+        step's two staging buffers) is remembered with its view: as with the bound arrays,
+        the view holds its buffer, and the array was writable and apart from every bound
+        array when it was taken."""
         cdef int32_t[::1] out
         if staging is self.staged_a and staging is not None:
-            out = self.staged_view_a
-        elif staging is self.staged_b and staging is not None:
-            out = self.staged_view_b
-        else:
-            out = self.stager._staging(staging, capacity)
-            if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
-                             self.out_bytes, 7, -1):
-                raise ValueError("staging overlaps the table's own arrays")
-            if self.staged_a is not None:
-                self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
-            self.staged_a, self.staged_view_a = staging, out
-        _check_capacity(out, capacity)
-        return out
+            length[0] = self.staged_len_a
+            _check_capacity(length[0], capacity)
+            return self.staged_ptr_a
+        if staging is self.staged_b and staging is not None:
+            length[0] = self.staged_len_b
+            _check_capacity(length[0], capacity)
+            return self.staged_ptr_b
+        out = self.stager._staging(staging, capacity)  # (checks the capacity)
+        if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
+                         self.out_bytes, 7, -1):
+            raise ValueError("staging overlaps the table's own arrays")
+        if self.staged_a is not None:
+            self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
+            self.staged_ptr_b, self.staged_len_b = self.staged_ptr_a, self.staged_len_a
+        self.staged_a, self.staged_view_a = staging, out
+        self.staged_ptr_a, self.staged_len_a = &out[0], out.shape[0]
+        length[0] = out.shape[0]
+        return &out[0]
 
     cdef const int32_t[::1] _take(self, object value, str name) except *:
         """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
@@ -297,65 +337,91 @@ cdef class GroupWriter:
             self.empty, self.empty_view = value, view
         return view
 
-    cdef tuple _apply(self, const int32_t[::1] c_rows, const int32_t[::1] a_rows,
-                      const int32_t[::1] a_num, const int32_t[::1] a_ids,
-                      const int32_t[::1] p_rows, const int32_t[::1] p_num,
-                      const int32_t[::1] p_ids, const int32_t[::1] n_rows,
-                      const int32_t[::1] n_blocks, bint write):
-        cdef int32_t[::1] tab = self.tab
-        cdef int32_t[::1] cnt = self.cnt
-        cdef int64_t[::1] after = self.after
-        cdef unsigned char[::1] mark = self.mark
-        cdef unsigned char[::1] dirt = self.dirt
-        cdef int64_t[:, ::1] jour = self.jour
-        cdef int64_t[::1] jlen = self.jlen
+    cdef bint _overlapping(self, const int32_t** ptr, const Py_ssize_t* num,
+                           const void* staging, Py_ssize_t staging_bytes) noexcept:
+        """Whether an update array overlaps a bound array or ``staging``."""
+        cdef int i
+        for i in range(NUM_PARTS):
+            if _overlaps_any(<uintptr_t>ptr[i], num[i] * 4, self.out_start, self.out_bytes, 7,
+                             -1) or _overlap(ptr[i], num[i] * 4, staging, staging_bytes):
+                return True
+        return False
+
+    cdef tuple _apply(self, const int32_t** ptr, const Py_ssize_t* num, bint write):
+        """Check, then (if it passed and ``write``) write, the update's nine arrays: ``ptr[i]``
+        holds ``num[i]`` entries (the parts' rows and counts paired: :func:`_parts_paired`)."""
+        cdef const int32_t* c_rows = ptr[C_ROWS]
+        cdef const int32_t* a_rows = ptr[A_ROWS]
+        cdef const int32_t* a_num = ptr[A_NUM]
+        cdef const int32_t* a_ids = ptr[A_IDS]
+        cdef const int32_t* p_rows = ptr[P_ROWS]
+        cdef const int32_t* p_num = ptr[P_NUM]
+        cdef const int32_t* p_ids = ptr[P_IDS]
+        cdef const int32_t* n_rows = ptr[N_ROWS]
+        cdef const int32_t* n_blocks = ptr[N_BLOCKS]
+        cdef Py_ssize_t n_c = num[C_ROWS], n_a = num[A_ROWS], n_p = num[P_ROWS]
+        cdef Py_ssize_t n_n = num[N_ROWS]
+        cdef int32_t* tab = self.tab_p
+        cdef int32_t* cnt = self.cnt_p
+        cdef int64_t* after = self.after_p
+        cdef unsigned char* mark = self.mark_p
+        cdef unsigned char* dirt = self.dirt_p
         cdef int64_t width = self.width, k = self.k, max_id = self.max_id
         cdef int64_t offset = self.offset
-        cdef Py_ssize_t num_rows = cnt.shape[0]
+        cdef Py_ssize_t num_rows = self.num_rows
         # ---- checks (nothing written but the work space, which is restored) -----------------
-        cdef tuple res = _rows_in_range(c_rows, num_rows, CLEARED)
+        cdef tuple res = _rows_in_range(c_rows, n_c, num_rows, CLEARED)
         if res is None:
-            res = _blocks_ok(a_rows, a_num, a_ids, max_id, ADDED, num_rows, mark)
+            res = _blocks_ok(a_rows, a_num, n_a, a_ids, num[A_IDS], max_id, ADDED, num_rows,
+                             mark)
         if res is None:
-            res = _blocks_ok(p_rows, p_num, p_ids, max_id, APPENDED, num_rows, mark)
+            res = _blocks_ok(p_rows, p_num, n_p, p_ids, num[P_IDS], max_id, APPENDED, num_rows,
+                             mark)
         if res is None:
-            res = _rows_in_range(n_rows, num_rows, NULLED)
+            res = _rows_in_range(n_rows, n_n, num_rows, NULLED)
         if res is not None:
             return res
+        # from here on every row of every part is in [0, num_rows): checked just above
         cdef Py_ssize_t i, j, q
         cdef int64_t row, old, new, start, stop, b
-        for i in range(a_rows.shape[0]):
+        for i in range(n_a):
             after[a_rows[i]] = cnt[a_rows[i]]
-        for i in range(p_rows.shape[0]):
+        for i in range(n_p):
             after[p_rows[i]] = cnt[p_rows[i]]
-        for i in range(n_rows.shape[0]):
+        for i in range(n_n):
             after[n_rows[i]] = cnt[n_rows[i]]
-        for i in range(c_rows.shape[0]):
+        for i in range(n_c):
             after[c_rows[i]] = 0
-        for i in range(a_rows.shape[0]):
+        for i in range(n_a):
             after[a_rows[i]] = a_num[i] * k
-        for i in range(p_rows.shape[0]):
+        for i in range(n_p):
             after[p_rows[i]] += p_num[i] * k
-        for i in range(a_rows.shape[0]):
+        for i in range(n_a):
             if after[a_rows[i]] > width:
                 return (WIDTH, 0, a_rows[i], after[a_rows[i]], width)
-        for i in range(p_rows.shape[0]):
+        for i in range(n_p):
             if after[p_rows[i]] > width:
                 return (WIDTH, 0, p_rows[i], after[p_rows[i]], width)
-        for i in range(n_rows.shape[0]):
+        for i in range(n_n):
             if n_blocks[i] < 0 or n_blocks[i] * k >= after[n_rows[i]]:
                 return (NULL_RANGE, i, n_blocks[i], n_rows[i], after[n_rows[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        # (one call per part: a tuple of the views would make each a Python object)
-        _counts_sound(c_rows, cnt, width)
-        _counts_sound(a_rows, cnt, width)
-        _counts_sound(p_rows, cnt, width)
-        _counts_sound(n_rows, cnt, width)
+        _counts_sound(c_rows, n_c, cnt, width)
+        _counts_sound(a_rows, n_a, cnt, width)
+        _counts_sound(p_rows, n_p, cnt, width)
+        _counts_sound(n_rows, n_n, cnt, width)
         if not write:
             return (OK, 0, 0, 0, 0)
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
-        for i in range(c_rows.shape[0]):
+        # Every table index lies in its row's [row * width, (row + 1) * width): the counts
+        # are sound, the new counts within the width (after[] above), ids are read below
+        # the sum of the counts (checked equal to the ids' length), a nulled block lies below
+        # its row's count (and width is a multiple of k); _log checks the journal's capacity.
+        cdef int64_t* jour = self.jour_p
+        cdef int64_t* jlen = self.jlen_p
+        cdef Py_ssize_t cap = self.jour_cap
+        for i in range(n_c):
             row = c_rows[i]
             if mark[row]:
                 continue  # (a row listed twice is cleared and journaled once)
@@ -363,13 +429,13 @@ cdef class GroupWriter:
             old = cnt[row]
             for q in range(row * width, row * width + old):
                 tab[q] = NULL_BLOCK_ID
-            _log(jour, jlen, offset + row * width, old)
+            _log(jour, cap, jlen, offset + row * width, old)
             cnt[row] = 0
             dirt[row] = 1
-        for i in range(c_rows.shape[0]):
+        for i in range(n_c):
             mark[c_rows[i]] = 0
         j = 0
-        for i in range(a_rows.shape[0]):
+        for i in range(n_a):
             row = a_rows[i]
             old = cnt[row]
             new = a_num[i] * k
@@ -381,11 +447,11 @@ cdef class GroupWriter:
             for q in range(start + new, start + old):
                 tab[q] = NULL_BLOCK_ID
             j += a_num[i]
-            _log(jour, jlen, offset + start, new if new > old else old)
+            _log(jour, cap, jlen, offset + start, new if new > old else old)
             cnt[row] = new
             dirt[row] = 1
         j = 0
-        for i in range(p_rows.shape[0]):
+        for i in range(n_p):
             row = p_rows[i]
             start = row * width + cnt[row]
             for q in range(p_num[i]):
@@ -393,32 +459,32 @@ cdef class GroupWriter:
                 for stop in range(k):
                     tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
             j += p_num[i]
-            _log(jour, jlen, offset + start, p_num[i] * k)
+            _log(jour, cap, jlen, offset + start, p_num[i] * k)
             cnt[row] += p_num[i] * k
             dirt[row] = 1
-        for i in range(n_rows.shape[0]):
+        for i in range(n_n):
             start = n_rows[i] * width + n_blocks[i] * k
             for q in range(start, start + k):
                 tab[q] = NULL_BLOCK_ID
-            _log(jour, jlen, offset + start, k)
+            _log(jour, cap, jlen, offset + start, k)
             dirt[n_rows[i]] = 1
         return (OK, 0, 0, 0, 0)
 
 
-cdef int _counts_sound(const int32_t[::1] rows, const int32_t[::1] cnt,
+cdef inline bint _parts_paired(const Py_ssize_t* num) noexcept:
+    """Whether each part's rows and counts (or block indices) have one entry per row."""
+    return num[A_ROWS] == num[A_NUM] and num[P_ROWS] == num[P_NUM] and \
+        num[N_ROWS] == num[N_BLOCKS]
+
+
+cdef int _counts_sound(const int32_t* rows, Py_ssize_t n, const int32_t* cnt,
                        int64_t width) except -1:
     cdef Py_ssize_t i
-    for i in range(rows.shape[0]):
+    for i in range(n):  # every rows[i] in [0, num_rows): checked by the caller
         if cnt[rows[i]] < 0 or cnt[rows[i]] > width:
             raise ValueError(f"row {rows[i]} holds count {cnt[rows[i]]}, outside [0, {width}]: "
                              "the table is corrupt")
     return 0
-
-
-cdef inline void _span(const int32_t[::1] a, uintptr_t* start, Py_ssize_t* nbytes,
-                       int i) noexcept:
-    start[i] = <uintptr_t>(&a[0]) if a.shape[0] else 0
-    nbytes[i] = a.shape[0] * 4
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
