@@ -1088,3 +1088,52 @@ def test_graph_launch_refuses_anything_but_a_captured_graph_on_the_current_devic
     graph.reset()
     with pytest.raises(RuntimeError, match="no executable"):
         launcher.launch()
+
+
+def test_bound_objects_refuse_a_second_init_and_unbound_ones_refuse_every_call() -> None:
+    """The step's loops read through pointers taken from the first binding's views: a second
+    ``__init__`` (valid or not) is refused and leaves the object working, and an object whose
+    ``__init__`` never ran, or failed, refuses every call."""
+    g = StagedGroup()
+    writer, stager = g.writer(), g.stager()
+    writer.bind_stager(stager)
+    other = StagedGroup()
+    with pytest.raises(TypeError, match="bound once"):
+        writer.__init__(other.table, other.counts, WIDTH, K, MAX_ID, 0, other.scratch,
+                        other.seen, other.dirty, other.journal, other.journal_len)
+    with pytest.raises(TypeError, match="bound once"):
+        stager.__init__(other.journal, other.journal_len, other.dirty, ROWS * WIDTH,
+                        other.host)
+    args = journal_args()
+    diff = compiled.JournalDiff(*args[:4], EMPTY32, RowBlocks, NO_BLOCKS, StepUpdate)
+    with pytest.raises(TypeError, match="bound once"):
+        diff.__init__(*journal_args()[:4], EMPTY32, RowBlocks, NO_BLOCKS, StepUpdate)
+    # still bound to the first arrays: an update written there, nothing in the other group
+    rows, num, ids = (np.array(v, I32) for v in ([1], [2], [3, 4]))
+    assert writer.apply(EMPTY32, rows, num, ids, EMPTY32, EMPTY32, EMPTY32, EMPTY32,
+                        EMPTY32)[0] == 0
+    assert g.counts[1] == 2 * K and not other.counts.any()
+    assert diff.diff(args[4], NO_ENTRIES, None).cleared_rows.tolist() == [0]
+
+    staging = np.zeros(1 + 2 * 64, I32)
+    empty = [EMPTY32] * 9
+    for cls in (compiled.GroupWriter, compiled.PairStager, compiled.JournalDiff):
+        unbound = cls.__new__(cls)
+        calls = {
+            compiled.GroupWriter: [lambda: unbound.apply(*empty),
+                                   lambda: unbound.bind_stager(stager),
+                                   lambda: unbound.apply_and_stage(None, staging, 64)],
+            compiled.PairStager: [lambda: unbound.fill(staging, 64),
+                                  lambda: writer.bind_stager(unbound)],
+            compiled.JournalDiff: [lambda: unbound.diff(args[4], NO_ENTRIES, None)],
+        }[cls]
+        for call in calls:
+            with pytest.raises((ValueError, TypeError)):
+                call()
+    # an __init__ that fails part way leaves the object unbound, refusing every call
+    failed = compiled.GroupWriter.__new__(compiled.GroupWriter)
+    with pytest.raises(ValueError):
+        failed.__init__(g.table, g.counts, WIDTH, K, MAX_ID, 0, g.scratch, g.seen, g.dirty,
+                        g.journal, np.zeros(3, I64))
+    with pytest.raises(ValueError, match="never bound"):
+        failed.apply(*empty)

@@ -82,6 +82,22 @@ cdef inline bint _overlap(const void* a, Py_ssize_t a_bytes, const void* b,
         b0 < a0 + <uintptr_t>a_bytes
 
 
+cdef inline int _bound_once(bint bound, str name) except -1:
+    """Refuse a second ``__init__``: the pointers the loops read were taken from the first
+    binding's views, which a rebinding would release."""
+    if bound:
+        raise TypeError(f"a {name} is bound once, at construction; make a new one")
+    return 0
+
+
+cdef inline int _check_bound(bint bound, str name) except -1:
+    """Refuse a call on an object whose ``__init__`` never completed (its pointers are
+    unset)."""
+    if not bound:
+        raise ValueError(f"this {name} was never bound: its __init__ did not complete")
+    return 0
+
+
 include "_compiled_slots.pxi"
 include "_compiled_pairs.pxi"
 include "_compiled_update.pxi"

@@ -110,9 +110,11 @@ cdef class JournalDiff:
     cdef Py_ssize_t* rows_p
     cdef unsigned char* kinds_p
     cdef Py_ssize_t* lens_p
+    cdef bint bound  # __init__ completed: the pointers above are set (and never reset)
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
                  object empty, object row_blocks, object no_blocks, object step_update):
+        _bound_once(self.bound, "JournalDiff")
         global _np
         if _np is None:
             import numpy
@@ -163,6 +165,7 @@ cdef class JournalDiff:
         self.rows_p = &self.rows[0] if num_rows else NULL
         self.kinds_p = &self.kinds[0] if num_rows else NULL
         self.lens_p = &self.lens[0]
+        self.bound = True
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
 
@@ -199,6 +202,7 @@ cdef class JournalDiff:
         # Pointer loops: every row r < num_rows, group g < num_groups and changed row's index
         # i < n <= num_rows index arrays of those shapes (checked at binding); slen and rlen
         # are row-major [num_groups, num_rows].
+        _check_bound(self.bound, "JournalDiff")
         cdef int64_t* sgen = self.sgen_p
         cdef const int64_t* hgen = self.hgen_p
         cdef int64_t* slen = self.slen_p
@@ -275,8 +279,9 @@ cdef class JournalDiff:
         # Bounds checks are off in the gathers below: each row's writes are guarded by a
         # check of its range against ``out_len`` just before them, every row r < num_rows and
         # group g < num_groups index arrays of those shapes (checked at binding), and each
-        # arena index q lies below a length checked against the arena's width above (so a
-        # row with an id to read has a column, and the arena's pointer is not NULL).
+        # arena index q lies below a length checked against the arena's width just before
+        # (again, as nothing may be assumed of what ran since the sizes: so a row with an id
+        # to read has a column, and the arena's pointer is not NULL).
         with cython.boundscheck(False), cython.initializedcheck(False):
             for i in range(n):
                 if kinds[i] == _CLEARED_ROW:
@@ -297,6 +302,7 @@ cdef class JournalDiff:
                     if kinds[i] == _ADDED_ROW:
                         r = rows[i]
                         length = rlen[g * num_rows + r]
+                        _check_len(length, width, "row_len", r, g)
                         _guard(row_at, 1, at + n_added)
                         _guard(ids_at, length, out_len)
                         out[row_at] = <int32_t>length
@@ -313,6 +319,8 @@ cdef class JournalDiff:
                     old = slen[g * num_rows + r]
                     if kinds[i] == _KEPT_ROW and rlen[g * num_rows + r] > old:
                         length = rlen[g * num_rows + r] - old
+                        _check_len(old, width, "start_len", r, g)
+                        _check_len(old + length, width, "row_len", r, g)
                         _guard(grown_at, 1, at + 2 * grown)
                         _guard(ids_at, length, out_len)
                         out[row_at] = <int32_t>r

@@ -24,11 +24,13 @@ cdef class PairStager:
     cdef unsigned char* dirt_p
     cdef const int32_t* src_p
     cdef Py_ssize_t jour_cap, num_dirty, num_entries
+    cdef bint bound  # __init__ completed: the pointers above are set (and never reset)
     cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t bound_bytes[4]
 
     def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
                  object host):
+        _bound_once(self.bound, "PairStager")
         if journal is None or dirty is None:
             raise TypeError("journal and dirty must be arrays, got None")
         try:
@@ -65,12 +67,14 @@ cdef class PairStager:
         self.jlen_p = &self.jlen[0]
         self.dirt_p = &self.dirt[0] if num_dirty else NULL
         self.src_p = &self.src[0] if num_entries else NULL
+        self.bound = True
 
     def fill(self, object staging, int64_t capacity):
         """Gather the pairs into ``staging`` (int32, writable, at least ``1 + 2 * capacity``
         entries: word 0 the number of pairs, then their flat indices, then their values) and
         reset the changes. Returns the number of pairs, or -1 (nothing written or reset) when
         they exceed ``capacity`` or the journal overflowed."""
+        _check_bound(self.bound, "PairStager")
         cdef int32_t[::1] out = self._staging(staging, capacity)
         return self._fill(&out[0], out.shape[0], capacity)
 

@@ -118,6 +118,7 @@ cdef class GroupWriter:
     cdef int64_t[::1] jlen
     cdef int64_t width, k, max_id, offset
     cdef Py_ssize_t num_rows, jour_cap
+    cdef bint bound  # __init__ completed: the pointers below are set (and never reset)
     # the bound arrays' first entries (NULL where empty), for the pointer loops of _apply:
     # the views above hold the buffers for the writer's life and are never rebound
     cdef int32_t* tab_p
@@ -143,6 +144,7 @@ cdef class GroupWriter:
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
                  int64_t offset, object scratch, object seen, object dirty, object journal,
                  object journal_len):
+        _bound_once(self.bound, "GroupWriter")
         if table is None or counts is None or seen is None or dirty is None or journal is None:
             raise TypeError("table, counts, seen, dirty and journal must be arrays, got None")
         try:
@@ -200,6 +202,7 @@ cdef class GroupWriter:
         self.dirt_p = &self.dirt[0] if num_rows else NULL
         self.jour_p = &self.jour[0, 0] if self.jour_cap else NULL
         self.jlen_p = &self.jlen[0]
+        self.bound = True
 
     def apply(self, object cleared, object add_rows, object add_num, object add_ids,
               object app_rows, object app_num, object app_ids, object null_rows,
@@ -209,6 +212,7 @@ cdef class GroupWriter:
         ``nulled``); write it if it passed and ``write``. Returns ``(code, part, index,
         value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
         unless it passed."""
+        _check_bound(self.bound, "GroupWriter")
         cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
         cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
         cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
@@ -239,6 +243,8 @@ cdef class GroupWriter:
     def bind_stager(self, PairStager stager not None):
         """Bind the table's pair stager (it must drain this writer's journal), for
         :meth:`apply_and_stage`."""
+        _check_bound(self.bound, "GroupWriter")
+        _check_bound(stager.bound, "PairStager")
         if stager.jour.shape[0] != self.jour.shape[0] or (
                 self.jour.shape[0] and &stager.jour[0, 0] != &self.jour[0, 0]) or \
                 &stager.jlen[0] != &self.jlen[0]:
@@ -257,10 +263,10 @@ cdef class GroupWriter:
         nothing staged: the changes wait for the table's commit); -2, nothing written, when
         the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
         arrays names why). A bad ``staging`` or ``capacity`` raises."""
-        if self.stager is None:
+        if self.stager is None:  # (set only by bind_stager, on a bound writer)
             raise ValueError("apply_and_stage needs bind_stager() first")
         cdef Py_ssize_t out_len
-        cdef int32_t* out = self._staging(staging, capacity, &out_len)
+        cdef int32_t* out
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
         try:
@@ -292,6 +298,9 @@ cdef class GroupWriter:
         ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
         if not _parts_paired(num):
             return -2
+        # the staging buffer last: no Python code runs from here to the fill, so no other
+        # call can replace the remembered view that holds it
+        out = self._staging(staging, capacity, &out_len)
         if self._overlapping(ptr, num, out, out_len * 4):
             raise ValueError("an update array overlaps the table's own arrays or staging")
         if self._apply(ptr, num, True)[0] != OK:
