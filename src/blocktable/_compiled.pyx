@@ -12,13 +12,14 @@ byte-swapped, object or strided array), and ``const`` marks the inputs, so a rea
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
-code run every engine step, whose indices are each proven in range by a check just above
-(the comments there say which): the journal diff's loops over rows (below the row count every
-array they index was checked to have when bound) and its gathers (each row's range checked
-against the work space first), and a group update's checks and writes, which go through raw
-pointers into arrays whose views the call holds, once every row, count and id of the update
-has been checked against the table's shape. Python lists are read item by item through
-bounds-checked indexing, their lengths checked again after any item's Python code ran.
+code run every engine step, which reads through pointers taken from views held for as long
+(the object's own, bound once, or the call's): there each index is proven in range by a check
+just above it, on a value read once, so that nothing changed meanwhile (by another thread, or
+a finalizer) can move a read or write outside its array: the journal diff's loops over rows
+and its gathers, the pair stager's fill, and a group update's reads of its nine arrays (whose
+rows and ids then index the table through its bounds-checked views). Python lists are read
+item by item through bounds-checked indexing, their lengths checked again after any item's
+Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,

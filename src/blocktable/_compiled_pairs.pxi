@@ -118,6 +118,7 @@ cdef class PairStager:
         if total > capacity:
             return -1
         # from here: 2 * total + 1 <= out_len (the capacity check), runs <= the journal's
+        # capacity, so every index below total + 1, or into the journal, is in range
         for r in range(runs):  # every run inside host, and the lengths adding up, before writing
             start, length = jour[2 * r], jour[2 * r + 1]
             if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
@@ -125,18 +126,30 @@ cdef class PairStager:
             at += length
         if at != num_indices:
             raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
+        # The writes check again what they index with, each value read once: the checks
+        # above hold unless the journal changed meanwhile, and no write may depend on that.
         at = 1  # (word 0: the number of pairs, written last)
-        for r in range(runs):  # the runs' indices: num_indices <= total of them
-            for q in range(jour[2 * r], jour[2 * r] + jour[2 * r + 1]):
+        for r in range(runs):
+            start, length = jour[2 * r], jour[2 * r + 1]
+            if start < 0 or length < 0 or start > num_entries - length or \
+                    length > total + 1 - at:
+                raise RuntimeError("the journal changed while its pairs were staged")
+            for q in range(start, start + length):
                 out[at] = <int32_t>q
                 at += 1
         for i in range(num_dirty):  # the dirty rows' counts: the rest of total
             if dirt[i]:
+                if at > total:
+                    raise RuntimeError("the dirty rows changed while their pairs were staged")
                 out[at] = <int32_t>(self.counts_offset + i)
                 at += 1
                 dirt[i] = 0
-        for i in range(1, total + 1):  # every out[i] indexes host: a run's index (checked in
-            out[total + i] = src[out[i]]  # it) or a count's (inside host: checked at binding)
+        total = at - 1
+        for i in range(1, total + 1):  # every index read back is checked inside host
+            q = out[i]
+            if q < 0 or q >= num_entries:
+                raise RuntimeError("the staging buffer changed while it was filled")
+            out[total + i] = src[q]
         out[0] = <int32_t>total
         jlen[0] = 0
         jlen[1] = 0

@@ -29,45 +29,16 @@ cdef enum:  # the nine arrays of one group's update, in the order apply() takes 
     NUM_PARTS = 9
 
 
-# The checks and writes below read the update's arrays and write the bound arrays through raw
-# pointers, each with its length: every index is below a length it was checked against just
-# above (the comments say which), so no access needs a bounds check of its own.
+# The update's arrays are read through pointers, each below its length (the view the caller
+# holds fixes both); every row or id read from them that indexes a bound array does so through
+# that array's bounds-checked view, so no value, even one changed since it was checked, can
+# reach outside it.
 
 cdef tuple _rows_in_range(const int32_t* rows, Py_ssize_t n, Py_ssize_t num_rows, int part):
     cdef Py_ssize_t i
     for i in range(n):  # i < n, the length of rows
         if rows[i] < 0 or rows[i] >= num_rows:
             return (ROW_RANGE, part, i, rows[i], num_rows)
-    return None
-
-
-cdef tuple _blocks_ok(const int32_t* rows, const int32_t* num, Py_ssize_t n, const int32_t* ids,
-                      Py_ssize_t num_ids, int64_t max_id, int part, Py_ssize_t num_rows,
-                      unsigned char* seen):
-    """Rows (``n``) in range and listed once, counts (``n``) >= 0 summing to the ids'
-    ``num_ids``, ids in ``[0, max_id)``. ``seen`` (``[num_rows]``, all 0) is left all 0."""
-    cdef tuple res = _rows_in_range(rows, n, num_rows, part)
-    if res is not None:
-        return res
-    cdef Py_ssize_t i, j
-    cdef int64_t total = 0
-    for i in range(n):  # every rows[i] is in [0, num_rows): checked just above
-        if seen[rows[i]]:
-            for j in range(i):
-                seen[rows[j]] = 0
-            return (ROW_TWICE, part, i, rows[i], 0)
-        seen[rows[i]] = 1
-    for i in range(n):
-        seen[rows[i]] = 0
-    for i in range(n):
-        if num[i] < 0:
-            return (NEG_COUNT, part, i, num[i], 0)
-        total += num[i]
-    if total != num_ids:
-        return (ID_SUM, part, num_ids, total, 0)
-    for i in range(num_ids):
-        if ids[i] < 0 or ids[i] >= max_id:
-            return (ID_RANGE, part, i, ids[i], max_id)
     return None
 
 
@@ -119,13 +90,8 @@ cdef class GroupWriter:
     cdef int64_t width, k, max_id, offset
     cdef Py_ssize_t num_rows, jour_cap
     cdef bint bound  # __init__ completed: the pointers below are set (and never reset)
-    # the bound arrays' first entries (NULL where empty), for the pointer loops of _apply:
-    # the views above hold the buffers for the writer's life and are never rebound
-    cdef int32_t* tab_p
-    cdef int32_t* cnt_p
-    cdef int64_t* after_p
-    cdef unsigned char* mark_p
-    cdef unsigned char* dirt_p
+    # the journal's first entries (NULL where empty), for _log: the views above hold the
+    # buffers for the writer's life and are never rebound
     cdef int64_t* jour_p
     cdef int64_t* jlen_p
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
@@ -195,11 +161,6 @@ cdef class GroupWriter:
             if self.mark[i]:
                 raise ValueError("seen must be all 0")
         self.num_rows, self.jour_cap = num_rows, self.jour.shape[0]
-        self.tab_p = &self.tab[0] if self.tab.shape[0] else NULL
-        self.cnt_p = &self.cnt[0] if num_rows else NULL
-        self.after_p = &self.after[0] if num_rows else NULL
-        self.mark_p = &self.mark[0] if num_rows else NULL
-        self.dirt_p = &self.dirt[0] if num_rows else NULL
         self.jour_p = &self.jour[0, 0] if self.jour_cap else NULL
         self.jlen_p = &self.jlen[0]
         self.bound = True
@@ -356,6 +317,44 @@ cdef class GroupWriter:
                 return True
         return False
 
+    cdef tuple _blocks_ok(self, const int32_t* rows, const int32_t* num, Py_ssize_t n,
+                          const int32_t* ids, Py_ssize_t num_ids, int part):
+        """Rows (``n``) in range and listed once, counts (``n``) >= 0 summing to the ids'
+        ``num_ids``, ids in ``[0, max_id)``. ``seen`` is left all 0."""
+        cdef tuple res = _rows_in_range(rows, n, self.num_rows, part)
+        if res is not None:
+            return res
+        cdef Py_ssize_t i, j
+        cdef int64_t total = 0
+        for i in range(n):
+            if self.mark[rows[i]]:
+                for j in range(i):
+                    self.mark[rows[j]] = 0
+                return (ROW_TWICE, part, i, rows[i], 0)
+            self.mark[rows[i]] = 1
+        for i in range(n):
+            self.mark[rows[i]] = 0
+        for i in range(n):
+            if num[i] < 0:
+                return (NEG_COUNT, part, i, num[i], 0)
+            total += num[i]
+        if total != num_ids:
+            return (ID_SUM, part, num_ids, total, 0)
+        for i in range(num_ids):
+            if ids[i] < 0 or ids[i] >= self.max_id:
+                return (ID_RANGE, part, i, ids[i], self.max_id)
+        return None
+
+    cdef int _counts_sound(self, const int32_t* rows, Py_ssize_t n) except -1:
+        cdef Py_ssize_t i
+        cdef int64_t count
+        for i in range(n):
+            count = self.cnt[rows[i]]
+            if count < 0 or count > self.width:
+                raise ValueError(f"row {rows[i]} holds count {count}, outside [0, "
+                                 f"{self.width}]: the table is corrupt")
+        return 0
+
     cdef tuple _apply(self, const int32_t** ptr, const Py_ssize_t* num, bint write):
         """Check, then (if it passed and ``write``) write, the update's nine arrays: ``ptr[i]``
         holds ``num[i]`` entries (the parts' rows and counts paired: :func:`_parts_paired`)."""
@@ -370,113 +369,100 @@ cdef class GroupWriter:
         cdef const int32_t* n_blocks = ptr[N_BLOCKS]
         cdef Py_ssize_t n_c = num[C_ROWS], n_a = num[A_ROWS], n_p = num[P_ROWS]
         cdef Py_ssize_t n_n = num[N_ROWS]
-        cdef int32_t* tab = self.tab_p
-        cdef int32_t* cnt = self.cnt_p
-        cdef int64_t* after = self.after_p
-        cdef unsigned char* mark = self.mark_p
-        cdef unsigned char* dirt = self.dirt_p
-        cdef int64_t width = self.width, k = self.k, max_id = self.max_id
+        cdef int64_t width = self.width, k = self.k
         cdef int64_t offset = self.offset
-        cdef Py_ssize_t num_rows = self.num_rows
         # ---- checks (nothing written but the work space, which is restored) -----------------
-        cdef tuple res = _rows_in_range(c_rows, n_c, num_rows, CLEARED)
+        cdef tuple res = _rows_in_range(c_rows, n_c, self.num_rows, CLEARED)
         if res is None:
-            res = _blocks_ok(a_rows, a_num, n_a, a_ids, num[A_IDS], max_id, ADDED, num_rows,
-                             mark)
+            res = self._blocks_ok(a_rows, a_num, n_a, a_ids, num[A_IDS], ADDED)
         if res is None:
-            res = _blocks_ok(p_rows, p_num, n_p, p_ids, num[P_IDS], max_id, APPENDED, num_rows,
-                             mark)
+            res = self._blocks_ok(p_rows, p_num, n_p, p_ids, num[P_IDS], APPENDED)
         if res is None:
-            res = _rows_in_range(n_rows, n_n, num_rows, NULLED)
+            res = _rows_in_range(n_rows, n_n, self.num_rows, NULLED)
         if res is not None:
             return res
-        # from here on every row of every part is in [0, num_rows): checked just above
         cdef Py_ssize_t i, j, q
         cdef int64_t row, old, new, start, stop, b
         for i in range(n_a):
-            after[a_rows[i]] = cnt[a_rows[i]]
+            self.after[a_rows[i]] = self.cnt[a_rows[i]]
         for i in range(n_p):
-            after[p_rows[i]] = cnt[p_rows[i]]
+            self.after[p_rows[i]] = self.cnt[p_rows[i]]
         for i in range(n_n):
-            after[n_rows[i]] = cnt[n_rows[i]]
+            self.after[n_rows[i]] = self.cnt[n_rows[i]]
         for i in range(n_c):
-            after[c_rows[i]] = 0
+            self.after[c_rows[i]] = 0
         for i in range(n_a):
-            after[a_rows[i]] = a_num[i] * k
+            self.after[a_rows[i]] = a_num[i] * k
         for i in range(n_p):
-            after[p_rows[i]] += p_num[i] * k
+            self.after[p_rows[i]] += p_num[i] * k
         for i in range(n_a):
-            if after[a_rows[i]] > width:
-                return (WIDTH, 0, a_rows[i], after[a_rows[i]], width)
+            if self.after[a_rows[i]] > width:
+                return (WIDTH, 0, a_rows[i], self.after[a_rows[i]], width)
         for i in range(n_p):
-            if after[p_rows[i]] > width:
-                return (WIDTH, 0, p_rows[i], after[p_rows[i]], width)
+            if self.after[p_rows[i]] > width:
+                return (WIDTH, 0, p_rows[i], self.after[p_rows[i]], width)
         for i in range(n_n):
-            if n_blocks[i] < 0 or n_blocks[i] * k >= after[n_rows[i]]:
-                return (NULL_RANGE, i, n_blocks[i], n_rows[i], after[n_rows[i]] // k)
+            if n_blocks[i] < 0 or n_blocks[i] * k >= self.after[n_rows[i]]:
+                return (NULL_RANGE, i, n_blocks[i], n_rows[i], self.after[n_rows[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        _counts_sound(c_rows, n_c, cnt, width)
-        _counts_sound(a_rows, n_a, cnt, width)
-        _counts_sound(p_rows, n_p, cnt, width)
-        _counts_sound(n_rows, n_n, cnt, width)
+        self._counts_sound(c_rows, n_c)
+        self._counts_sound(a_rows, n_a)
+        self._counts_sound(p_rows, n_p)
+        self._counts_sound(n_rows, n_n)
         if not write:
             return (OK, 0, 0, 0, 0)
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
-        # Every table index lies in its row's [row * width, (row + 1) * width): the counts
-        # are sound, the new counts within the width (after[] above), ids are read below
-        # the sum of the counts (checked equal to the ids' length), a nulled block lies below
-        # its row's count (and width is a multiple of k); _log checks the journal's capacity.
         cdef int64_t* jour = self.jour_p
         cdef int64_t* jlen = self.jlen_p
         cdef Py_ssize_t cap = self.jour_cap
         for i in range(n_c):
             row = c_rows[i]
-            if mark[row]:
+            if self.mark[row]:
                 continue  # (a row listed twice is cleared and journaled once)
-            mark[row] = 1
-            old = cnt[row]
+            self.mark[row] = 1
+            old = self.cnt[row]
             for q in range(row * width, row * width + old):
-                tab[q] = NULL_BLOCK_ID
+                self.tab[q] = NULL_BLOCK_ID
             _log(jour, cap, jlen, offset + row * width, old)
-            cnt[row] = 0
-            dirt[row] = 1
+            self.cnt[row] = 0
+            self.dirt[row] = 1
         for i in range(n_c):
-            mark[c_rows[i]] = 0
+            self.mark[c_rows[i]] = 0
         j = 0
         for i in range(n_a):
             row = a_rows[i]
-            old = cnt[row]
+            old = self.cnt[row]
             new = a_num[i] * k
             start = row * width
             for q in range(a_num[i]):
-                b = a_ids[j + q]
-                for stop in range(k):
-                    tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+                b = a_ids[j + q] if j + q < num[A_IDS] else NULL_BLOCK_ID  # (j + q < the
+                for stop in range(k):  # ids' length: the counts summed to it when checked)
+                    self.tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
             for q in range(start + new, start + old):
-                tab[q] = NULL_BLOCK_ID
+                self.tab[q] = NULL_BLOCK_ID
             j += a_num[i]
             _log(jour, cap, jlen, offset + start, new if new > old else old)
-            cnt[row] = new
-            dirt[row] = 1
+            self.cnt[row] = new
+            self.dirt[row] = 1
         j = 0
         for i in range(n_p):
             row = p_rows[i]
-            start = row * width + cnt[row]
+            start = row * width + self.cnt[row]
             for q in range(p_num[i]):
-                b = p_ids[j + q]
+                b = p_ids[j + q] if j + q < num[P_IDS] else NULL_BLOCK_ID
                 for stop in range(k):
-                    tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+                    self.tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
             j += p_num[i]
             _log(jour, cap, jlen, offset + start, p_num[i] * k)
-            cnt[row] += p_num[i] * k
-            dirt[row] = 1
+            self.cnt[row] += p_num[i] * k
+            self.dirt[row] = 1
         for i in range(n_n):
             start = n_rows[i] * width + n_blocks[i] * k
             for q in range(start, start + k):
-                tab[q] = NULL_BLOCK_ID
+                self.tab[q] = NULL_BLOCK_ID
             _log(jour, cap, jlen, offset + start, k)
-            dirt[n_rows[i]] = 1
+            self.dirt[n_rows[i]] = 1
         return (OK, 0, 0, 0, 0)
 
 
@@ -484,16 +470,6 @@ cdef inline bint _parts_paired(const Py_ssize_t* num) noexcept:
     """Whether each part's rows and counts (or block indices) have one entry per row."""
     return num[A_ROWS] == num[A_NUM] and num[P_ROWS] == num[P_NUM] and \
         num[N_ROWS] == num[N_BLOCKS]
-
-
-cdef int _counts_sound(const int32_t* rows, Py_ssize_t n, const int32_t* cnt,
-                       int64_t width) except -1:
-    cdef Py_ssize_t i
-    for i in range(n):  # every rows[i] in [0, num_rows): checked by the caller
-        if cnt[rows[i]] < 0 or cnt[rows[i]] > width:
-            raise ValueError(f"row {rows[i]} holds count {cnt[rows[i]]}, outside [0, {width}]: "
-                             "the table is corrupt")
-    return 0
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
