@@ -317,47 +317,56 @@ def test_kernels_match_torch(dtype, world, num_heads, head_dim, triton_device):
     torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_graph_no_sync_no_allocation(pattern, tmp_path, triton_device):
-    """World 1: every call is capturable and makes no host sync (over NCCL on CUDA, where it
+def graph_job(rank: int, world: int, pattern: str, dev: str) -> None:
+    """World 1: every merge is capturable and makes no host sync (over NCCL on CUDA, where it
     also allocates nothing; over gloo through the CUDA path's kernels under Triton's
     interpreter on the CPU, where a recorded-and-replayed stand-in plays the graph)."""
-    dev, cuda = triton_device, triton_device == "cuda"
-    path = tmp_path / "rendezvous"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{path}", rank=0,
+    cuda = dev == "cuda"
+    # on the CPU the call check (a host exchange, the CPU default) is off: it is no device
+    # work, and CUDA skips it too
+    heads, dim, dtype = (32, 128, torch.bfloat16) if cuda else (4, 16, torch.float32)
+    merger = AttentionMerger(None, max_num_tokens=64, num_heads=heads, head_dim=dim,
+                             dtype=dtype, device=dev, pattern=pattern, backend="triton",
+                             check_calls=False)
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = torch.randn(33, heads, dim, device=dev, generator=g).to(dtype)
+    lse = torch.randn(33, heads, device=dev, generator=g)
+    lse[0] = float("-inf")
+    want = out.clone()
+    want[0] = 0
+    for gather in (False, True):
+        merger.merge(out, lse, gather_heads=gather, return_lse=True)  # compile, warm up
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with sync_check_for(dev)():
+        for gather in (False, True):
+            merger.merge(out, lse, gather_heads=gather, return_lse=True)
+    if cuda:
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    for gather in (False, True):
+        graph = graph_for(dev)
+        with graph.capture():
+            got = merger.merge(out, lse, gather_heads=gather)
+        merger._send.fill_(float("nan"))
+        merger._slices.fill_(float("nan"))
+        got.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_graph_no_sync_no_allocation(pattern, tmp_path, triton_device):
+    """:func:`graph_job`. On the CPU it runs on a spawned rank, ended on a timeout: the
+    stand-in graph keeps the group's collectives alive, and a gloo group torn down in the
+    test process with work still being released can deadlock in torch's teardown."""
+    if triton_device == "cpu":
+        run_ranks(graph_job, 1, tmp_path, args=(pattern, "cpu"), timeout_s=120.0)
+        return
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
                             world_size=1)
     try:
-        # on the CPU the call check (a host exchange, the CPU default) is off: it is no device
-        # work, and CUDA skips it too
-        heads, dim, dtype = (32, 128, torch.bfloat16) if cuda else (4, 16, torch.float32)
-        merger = AttentionMerger(None, max_num_tokens=64, num_heads=heads, head_dim=dim,
-                                 dtype=dtype, device=dev, pattern=pattern, backend="triton",
-                                 check_calls=False)
-        g = torch.Generator(device=dev).manual_seed(0)
-        out = torch.randn(33, heads, dim, device=dev, generator=g).to(dtype)
-        lse = torch.randn(33, heads, device=dev, generator=g)
-        lse[0] = float("-inf")
-        want = out.clone()
-        want[0] = 0
-        for gather in (False, True):
-            merger.merge(out, lse, gather_heads=gather, return_lse=True)  # compile, warm up
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        with sync_check_for(dev)():
-            for gather in (False, True):
-                merger.merge(out, lse, gather_heads=gather, return_lse=True)
-        if cuda:
-            assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
-        for gather in (False, True):
-            graph = graph_for(dev)
-            with graph.capture():
-                got = merger.merge(out, lse, gather_heads=gather)
-            merger._send.fill_(float("nan"))
-            merger._slices.fill_(float("nan"))
-            got.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(got, want)
+        graph_job(0, 1, pattern, "cuda")
     finally:
         dist.destroy_process_group()
 
