@@ -165,9 +165,9 @@ cdef class JournalDiff:
         self.rows_p = &self.rows[0] if num_rows else NULL
         self.kinds_p = &self.kinds[0] if num_rows else NULL
         self.lens_p = &self.lens[0]
-        self.bound = True
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
+        self.bound = True
 
     cdef const int32_t* _arena(self, list arenas, Py_ssize_t g) except? NULL:
         """Group ``g``'s arena (``[num_rows, arena_width[g]]``, C-contiguous) as its first

@@ -42,26 +42,6 @@ cdef tuple _rows_in_range(const int32_t* rows, Py_ssize_t n, Py_ssize_t num_rows
     return None
 
 
-cdef inline const int32_t* _data(const int32_t[::1] view) noexcept:
-    return &view[0] if view.shape[0] else NULL
-
-
-cdef inline void _log(int64_t* journal, Py_ssize_t capacity, int64_t* journal_len,
-                      int64_t start, int64_t length) noexcept:
-    """Journal the run ``[start, start + length)`` in ``journal`` (``[capacity, 2]``, its
-    filled runs and entries in ``journal_len[0:2]``); past capacity, mark the overflow."""
-    cdef int64_t runs = journal_len[0]
-    if runs < 0 or length <= 0:
-        return
-    if runs + 1 > capacity or journal_len[1] + length > capacity:
-        journal_len[0] = -1
-        return
-    journal[2 * runs] = start  # runs < capacity: checked just above
-    journal[2 * runs + 1] = length
-    journal_len[0] = runs + 1
-    journal_len[1] += length
-
-
 cdef class GroupWriter:
     """One group's host table, bound once: checks a step update's part for the group, then
     (if it passed) writes it and journals every written run.
@@ -174,26 +154,18 @@ cdef class GroupWriter:
         value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
         unless it passed."""
         _check_bound(self.bound, "GroupWriter")
-        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
-        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
-        cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
-        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids")
-        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows")
-        cdef const int32_t[::1] p_num = self._take(app_num, "app_num")
-        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
-        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
-        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
-        cdef const int32_t* ptr[NUM_PARTS]
-        cdef Py_ssize_t num[NUM_PARTS]
-        ptr[C_ROWS], num[C_ROWS] = _data(c_rows), c_rows.shape[0]
-        ptr[A_ROWS], num[A_ROWS] = _data(a_rows), a_rows.shape[0]
-        ptr[A_NUM], num[A_NUM] = _data(a_num), a_num.shape[0]
-        ptr[A_IDS], num[A_IDS] = _data(a_ids), a_ids.shape[0]
-        ptr[P_ROWS], num[P_ROWS] = _data(p_rows), p_rows.shape[0]
-        ptr[P_NUM], num[P_NUM] = _data(p_num), p_num.shape[0]
-        ptr[P_IDS], num[P_IDS] = _data(p_ids), p_ids.shape[0]
-        ptr[N_ROWS], num[N_ROWS] = _data(n_rows), n_rows.shape[0]
-        ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
+        cdef const int32_t* ptr[NUM_PARTS]  # each array's first entry and length; the views
+        cdef Py_ssize_t num[NUM_PARTS]  # below hold the buffers for the call
+        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared", ptr, num, C_ROWS)
+        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows", ptr, num, A_ROWS)
+        cdef const int32_t[::1] a_num = self._take(add_num, "add_num", ptr, num, A_NUM)
+        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids", ptr, num, A_IDS)
+        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows", ptr, num, P_ROWS)
+        cdef const int32_t[::1] p_num = self._take(app_num, "app_num", ptr, num, P_NUM)
+        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids", ptr, num, P_IDS)
+        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows", ptr, num, N_ROWS)
+        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks", ptr, num,
+                                                      N_BLOCKS)
         if not _parts_paired(num):
             raise ValueError("each part's rows and counts (or block indices) must have one "
                              "entry per row")
@@ -228,6 +200,8 @@ cdef class GroupWriter:
             raise ValueError("apply_and_stage needs bind_stager() first")
         cdef Py_ssize_t out_len
         cdef int32_t* out
+        cdef const int32_t* ptr[NUM_PARTS]  # as in apply()
+        cdef Py_ssize_t num[NUM_PARTS]
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
         try:
@@ -235,28 +209,17 @@ cdef class GroupWriter:
             if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
                 return -2
             a, p, z = added[0], appended[0], nulled[0]
-            c_rows = self._take(update.cleared_rows, "cleared")
-            a_rows = self._take(a.rows, "add_rows")
-            a_num = self._take(a.num_manager_blocks, "add_num")
-            a_ids = self._take(a.block_ids, "add_ids")
-            p_rows = self._take(p.rows, "app_rows")
-            p_num = self._take(p.num_manager_blocks, "app_num")
-            p_ids = self._take(p.block_ids, "app_ids")
-            n_rows = self._take(z.rows, "null_rows")
-            n_blocks = self._take(z.block_indices, "null_blocks")
+            c_rows = self._take(update.cleared_rows, "cleared", ptr, num, C_ROWS)
+            a_rows = self._take(a.rows, "add_rows", ptr, num, A_ROWS)
+            a_num = self._take(a.num_manager_blocks, "add_num", ptr, num, A_NUM)
+            a_ids = self._take(a.block_ids, "add_ids", ptr, num, A_IDS)
+            p_rows = self._take(p.rows, "app_rows", ptr, num, P_ROWS)
+            p_num = self._take(p.num_manager_blocks, "app_num", ptr, num, P_NUM)
+            p_ids = self._take(p.block_ids, "app_ids", ptr, num, P_IDS)
+            n_rows = self._take(z.rows, "null_rows", ptr, num, N_ROWS)
+            n_blocks = self._take(z.block_indices, "null_blocks", ptr, num, N_BLOCKS)
         except (TypeError, ValueError, AttributeError, IndexError):
             return -2
-        cdef const int32_t* ptr[NUM_PARTS]
-        cdef Py_ssize_t num[NUM_PARTS]
-        ptr[C_ROWS], num[C_ROWS] = _data(c_rows), c_rows.shape[0]
-        ptr[A_ROWS], num[A_ROWS] = _data(a_rows), a_rows.shape[0]
-        ptr[A_NUM], num[A_NUM] = _data(a_num), a_num.shape[0]
-        ptr[A_IDS], num[A_IDS] = _data(a_ids), a_ids.shape[0]
-        ptr[P_ROWS], num[P_ROWS] = _data(p_rows), p_rows.shape[0]
-        ptr[P_NUM], num[P_NUM] = _data(p_num), p_num.shape[0]
-        ptr[P_IDS], num[P_IDS] = _data(p_ids), p_ids.shape[0]
-        ptr[N_ROWS], num[N_ROWS] = _data(n_rows), n_rows.shape[0]
-        ptr[N_BLOCKS], num[N_BLOCKS] = _data(n_blocks), n_blocks.shape[0]
         if not _parts_paired(num):
             return -2
         # the staging buffer last: no Python code runs from here to the fill, so no other
@@ -297,14 +260,20 @@ cdef class GroupWriter:
         length[0] = out.shape[0]
         return &out[0]
 
-    cdef const int32_t[::1] _take(self, object value, str name) except *:
-        """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
-        remembered empty array."""
+    cdef const int32_t[::1] _take(self, object value, str name, const int32_t** ptr,
+                                  Py_ssize_t* num, int part) except *:
+        """``value`` as an int32 view (:func:`_int32_in`; the remembered empty view for the
+        remembered empty array), its first entry (NULL where empty) and length recorded in
+        ``ptr[part]`` and ``num[part]``. The caller holds the view while it reads them."""
+        cdef const int32_t[::1] view
         if value is self.empty and value is not None:
-            return self.empty_view
-        cdef const int32_t[::1] view = _int32_in(value, name)
-        if view.shape[0] == 0:
-            self.empty, self.empty_view = value, view
+            view = self.empty_view
+        else:
+            view = _int32_in(value, name)
+            if view.shape[0] == 0:
+                self.empty, self.empty_view = value, view
+        ptr[part] = &view[0] if view.shape[0] else NULL
+        num[part] = view.shape[0]
         return view
 
     cdef bint _overlapping(self, const int32_t** ptr, const Py_ssize_t* num,
@@ -355,6 +324,35 @@ cdef class GroupWriter:
                                  f"{self.width}]: the table is corrupt")
         return 0
 
+    cdef void _log(self, int64_t start, int64_t length) noexcept:
+        """Journal the run ``[start, start + length)`` (``offset`` added); past the journal's
+        capacity, mark the overflow (``journal_len[0] = -1``)."""
+        cdef int64_t* journal_len = self.jlen_p
+        cdef int64_t runs = journal_len[0]
+        if runs < 0 or length <= 0:
+            return
+        if runs + 1 > self.jour_cap or journal_len[1] + length > self.jour_cap:
+            journal_len[0] = -1
+            return
+        self.jour_p[2 * runs] = self.offset + start  # runs < capacity: checked just above
+        self.jour_p[2 * runs + 1] = length
+        journal_len[0] = runs + 1
+        journal_len[1] += length
+
+    cdef int _write_blocks(self, int64_t start, const int32_t* ids, Py_ssize_t first,
+                           Py_ssize_t count, Py_ssize_t num_ids) except -1:
+        """The slots of blocks ``ids[first : first + count]`` into the table from ``start``
+        (``k`` per block; the null block's slots 0). An index past ``num_ids`` reads as the
+        null block: the counts summed to ``num_ids`` when checked, so only a change since can
+        reach it, and it must not read outside the ids."""
+        cdef Py_ssize_t q
+        cdef int64_t b, stop, k = self.k
+        for q in range(count):
+            b = ids[first + q] if first + q < num_ids else NULL_BLOCK_ID
+            for stop in range(k):
+                self.tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+        return 0
+
     cdef tuple _apply(self, const int32_t** ptr, const Py_ssize_t* num, bint write):
         """Check, then (if it passed and ``write``) write, the update's nine arrays: ``ptr[i]``
         holds ``num[i]`` entries (the parts' rows and counts paired: :func:`_parts_paired`)."""
@@ -370,7 +368,6 @@ cdef class GroupWriter:
         cdef Py_ssize_t n_c = num[C_ROWS], n_a = num[A_ROWS], n_p = num[P_ROWS]
         cdef Py_ssize_t n_n = num[N_ROWS]
         cdef int64_t width = self.width, k = self.k
-        cdef int64_t offset = self.offset
         # ---- checks (nothing written but the work space, which is restored) -----------------
         cdef tuple res = _rows_in_range(c_rows, n_c, self.num_rows, CLEARED)
         if res is None:
@@ -382,7 +379,7 @@ cdef class GroupWriter:
         if res is not None:
             return res
         cdef Py_ssize_t i, j, q
-        cdef int64_t row, old, new, start, stop, b
+        cdef int64_t row, old, new, start
         for i in range(n_a):
             self.after[a_rows[i]] = self.cnt[a_rows[i]]
         for i in range(n_p):
@@ -413,9 +410,6 @@ cdef class GroupWriter:
             return (OK, 0, 0, 0, 0)
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
-        cdef int64_t* jour = self.jour_p
-        cdef int64_t* jlen = self.jlen_p
-        cdef Py_ssize_t cap = self.jour_cap
         for i in range(n_c):
             row = c_rows[i]
             if self.mark[row]:
@@ -424,7 +418,7 @@ cdef class GroupWriter:
             old = self.cnt[row]
             for q in range(row * width, row * width + old):
                 self.tab[q] = NULL_BLOCK_ID
-            _log(jour, cap, jlen, offset + row * width, old)
+            self._log(row * width, old)
             self.cnt[row] = 0
             self.dirt[row] = 1
         for i in range(n_c):
@@ -435,33 +429,27 @@ cdef class GroupWriter:
             old = self.cnt[row]
             new = a_num[i] * k
             start = row * width
-            for q in range(a_num[i]):
-                b = a_ids[j + q] if j + q < num[A_IDS] else NULL_BLOCK_ID  # (j + q < the
-                for stop in range(k):  # ids' length: the counts summed to it when checked)
-                    self.tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+            self._write_blocks(start, a_ids, j, a_num[i], num[A_IDS])
             for q in range(start + new, start + old):
                 self.tab[q] = NULL_BLOCK_ID
             j += a_num[i]
-            _log(jour, cap, jlen, offset + start, new if new > old else old)
+            self._log(start, new if new > old else old)
             self.cnt[row] = new
             self.dirt[row] = 1
         j = 0
         for i in range(n_p):
             row = p_rows[i]
             start = row * width + self.cnt[row]
-            for q in range(p_num[i]):
-                b = p_ids[j + q] if j + q < num[P_IDS] else NULL_BLOCK_ID
-                for stop in range(k):
-                    self.tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+            self._write_blocks(start, p_ids, j, p_num[i], num[P_IDS])
             j += p_num[i]
-            _log(jour, cap, jlen, offset + start, p_num[i] * k)
+            self._log(start, p_num[i] * k)
             self.cnt[row] += p_num[i] * k
             self.dirt[row] = 1
         for i in range(n_n):
             start = n_rows[i] * width + n_blocks[i] * k
             for q in range(start, start + k):
                 self.tab[q] = NULL_BLOCK_ID
-            _log(jour, cap, jlen, offset + start, k)
+            self._log(start, k)
             self.dirt[n_rows[i]] = 1
         return (OK, 0, 0, 0, 0)
 
