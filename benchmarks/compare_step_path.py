@@ -1,14 +1,17 @@
 """The engine loop's block-table host time, this checkout against another, alternated.
 
-Runs ``bench_engine_loop``'s two CPU workloads (``demo`` and ``decode-256``) in fresh processes
-with every ``time.perf_counter`` read in the engine replaced by ``time.thread_time``, so the
-step's clock counts this thread's CPU time only (other processes on the machine do not count).
-Each round runs, in this order: the other checkout with its compiled part, this checkout with
-its compiled part, then both with the compiled part turned off (``BLOCKTABLE_NATIVE=0`` and
-``BLOCKTABLE_COMPILED=0``: older checkouts used the first name). Reports, per code and
-workload, the median over rounds of each run's p50 over steps, with the lowest and highest.
+Runs ``bench_engine_loop``'s two workloads (``demo`` and ``decode-256``) in fresh processes.
+On the CPU every ``time.perf_counter`` read in the engine is replaced by ``time.thread_time``,
+so the step's clock counts this thread's CPU time only (other processes on the machine do not
+count); on CUDA (``--device cuda``) the clock stays the host's wall time, since the step's
+driver calls are part of what it costs. Each round runs, in this order: the other checkout with
+its compiled part, this checkout with its compiled part, then (on the CPU) both with the
+compiled part turned off (``BLOCKTABLE_NATIVE=0`` and ``BLOCKTABLE_COMPILED=0``: older checkouts
+used the first name). Reports, per code and workload, the median over rounds of each run's p50
+over steps, with the lowest and highest.
 
     PYTHONPATH=src python benchmarks/compare_step_path.py --base ../old-checkout --json out.json
+    PYTHONPATH=src python benchmarks/compare_step_path.py --base ../old --device cuda
 
 ``--base`` must be a source tree whose compiled part is built in place
 (``python setup.py build_ext --inplace``). A run that fails exits non-zero.
@@ -28,20 +31,22 @@ from run_info import run_info
 
 _LOOP = """
 import json, sys, time
-time.perf_counter = time.thread_time  # the engine's step clock: this thread's CPU time
+device = sys.argv[1]
+if device == "cpu":
+    time.perf_counter = time.thread_time  # the engine's step clock: this thread's CPU time
 sys.path.insert(0, "benchmarks")
 import bench_engine_loop as b
-demo = b.demo_workload("cpu", 4, 3, True)
-decode = b.decode_workload("cpu", 256, 64, True)
+demo = b.demo_workload(device, 4, 3, True)
+decode = b.decode_workload(device, 256, 64, True)
 print(json.dumps({"demo": demo["table_p50_us"], "decode-256": decode["table_p50_us"]}))
 """
 
 
-def one_run(tree: Path, compiled: bool) -> dict[str, float]:
+def one_run(tree: Path, compiled: bool, device: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if not compiled:
         env.update(BLOCKTABLE_NATIVE="0", BLOCKTABLE_COMPILED="0")
-    out = subprocess.run([sys.executable, "-c", _LOOP], cwd=tree, env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", _LOOP, device], cwd=tree, env=env, check=True,
                          capture_output=True, text=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -56,20 +61,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", type=Path, required=True, help="the other source tree")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     head = Path(__file__).resolve().parents[1]
-    codes = {"base, compiled": (args.base, True), "this, compiled": (head, True),
-             "base, numpy": (args.base, False), "this, numpy": (head, False)}
+    codes = {"base, compiled": (args.base, True), "this, compiled": (head, True)}
+    if args.device == "cpu":
+        codes.update({"base, numpy": (args.base, False), "this, numpy": (head, False)})
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in codes}
     for _ in range(args.rounds):
         for name, (tree, compiled) in codes.items():
-            runs[name].append(one_run(tree, compiled))
+            runs[name].append(one_run(tree, compiled, args.device))
     result = {
         **run_info(),
         "base_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base,
-                                      capture_output=True, text=True, check=True).stdout.strip(),
-        "clock": "thread CPU time", "unit": "us, p50 over steps per run",
+                                      capture_output=True, text=True).stdout.strip() or None,
+        "device": args.device,
+        "clock": "thread CPU time" if args.device == "cpu" else "host wall time",
+        "unit": "us, p50 over steps per run",
         "runs": runs, "summary": {name: summary(r) for name, r in runs.items()},
     }
     print(f"{'code':18s} {'demo µs':>26s} {'decode-256 µs':>26s}")
