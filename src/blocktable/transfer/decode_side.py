@@ -71,7 +71,7 @@ class _RoundPlan:
     num_new: np.ndarray  # on cpu, int64 [k]: prompt tokens past the hit, the ones that move
     num_blocks: np.ndarray  # on cpu, int64 [k]: blocks allocated here for them
     dst_rows: np.ndarray  # on cpu, int64 [total chunks]: this side's chunk rows, in order
-    dst_starts: np.ndarray  # on cpu, int64 [k + 1]: request j's rows are dst_rows[s[j]:s[j+1]]
+    num_rows: np.ndarray  # on cpu, int64 [k]: each one's rows, back to back in dst_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -299,14 +299,13 @@ class DecodeWorker:
             # chunks of whole blocks: this side's rows are the new blocks as allocated (each
             # request got exactly those of its tokens past the hit, checked above), the one
             # case of chunk_rows_many that needs no mapping
-            dst = own.astype(np.int64)
-            dst_starts = np.zeros(num_blocks.size + 1, dtype=np.int64)
-            np.add.accumulate(num_blocks, out=dst_starts[1:])
+            dst, num_rows = own.astype(np.int64), num_blocks
         else:
             dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
                                               None, num_new)
+            num_rows = dst_starts[1:] - dst_starts[:-1]
         return _RoundPlan(req_ids, token_ids, max_new, batch.stops(index), num_hit, num_new,
-                          num_blocks, dst, dst_starts)
+                          num_blocks, dst, num_rows)
 
     def _admit_many(self, batch: OfferBatch, index: np.ndarray | None, num_prompt: np.ndarray
                     ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:
@@ -374,7 +373,7 @@ class DecodeWorker:
         self._start_decoding(plan)
         bytes_per_row = view.shape[0] * view.shape[2] * view.element_size()
         self.stats.rounds.append(_ReceivedRound(plan.req_ids, plan.num_blocks, plan.num_hit,
-                                                np.diff(plan.dst_starts) * bytes_per_row,
+                                                plan.num_rows * bytes_per_row,
                                                 elapsed))
 
     def _start_decoding(self, plan: _RoundPlan) -> None:
