@@ -6,7 +6,7 @@ from blocktable.transfer.kv_layout import KVCacheLayout, check_compatible
 from blocktable.transfer.transfer_errors import HandshakeError
 from blocktable.transfer.transport import Transport
 
-PROTOCOL_VERSION = 3  # 2: offers carry each request's stop tokens; 3: empty arrays unpadded
+PROTOCOL_VERSION = 2  # 2: offers carry each request's stop tokens
 _INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "kernel_block_size")
 
 

@@ -91,16 +91,15 @@ def register_message(kind: int) -> Callable[[T], T]:
 
 
 def _layout(lengths: Sequence[int], dtypes: Sequence[np.dtype]) -> tuple[list[int], int]:
-    """Each array's byte offset in the body (-1: a large one, sent on its own; an empty one
-    takes no room, no padding before it), and where the strings start."""
+    """Each array's byte offset in the body (-1: a large one, sent on its own), and where the
+    strings start."""
     offsets, end = [], 0
     for count, dtype in zip(lengths, dtypes):
         nbytes = count * dtype.itemsize
         if nbytes >= BULK_BYTES and dtype.isnative:  # (a tensor holds native bytes only)
             offsets.append(-1)
             continue
-        if nbytes:
-            end += -end % ALIGN_BYTES
+        end += -end % ALIGN_BYTES
         offsets.append(end)
         end += nbytes
     return offsets, end
@@ -175,11 +174,12 @@ class MessageWriter:
                 nbytes = count * dtype.itemsize
                 if nbytes >= BULK_BYTES and dtype.isnative:  # sent from where it is
                     bulk.append(np.ascontiguousarray(a, dtype))
-                elif nbytes:
+                else:
                     pad = -end % ALIGN_BYTES
                     if pad:
                         parts.append(bytes(pad))
-                    parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
+                    if nbytes:
+                        parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
                     end += pad + nbytes
             parts.append(joined.encode())
         tail = b"".join(parts)
