@@ -42,7 +42,7 @@ SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
     prefill_launch.GluonTiles(128, 64, 4, 8),
     prefill_launch.GluonTiles(128, 128, 3, 8),
     prefill_launch.GluonTiles(128, 32, 4, 8),
-    prefill_launch.GluonTiles(64, 64, 3, 4),
+    prefill_launch.GluonTiles(64, 64, 3, 4),  # one warpgroup: two programs per multiprocessor
 ]
 
 
