@@ -163,24 +163,26 @@ class MessageWriter:
                 bad = next(t for t in texts if TEXT_SEPARATOR in t)
                 raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
                                  "which cannot travel")
-            # the small arrays' bytes, each padded to an aligned start, then the strings:
-            # joined once and copied once into the body
-            parts, bulk, lengths, end = [], [], [], 0
             for a, dtype in zip(arrays, dtypes):
                 if a.ndim != 1 or a.dtype.kind != dtype.kind:
                     raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, "
                                      f"got {a.dtype} of shape {a.shape}")
-                lengths.append(count := a.shape[0])
-                nbytes = count * dtype.itemsize
-                if nbytes >= BULK_BYTES and dtype.isnative:  # sent from where it is
+            lengths = [a.shape[0] for a in arrays]
+            offsets, strings_at = _layout(lengths, dtypes)
+            # the small arrays' bytes at their aligned offsets, then the strings: joined once
+            # and copied once into the body
+            parts, bulk, end = [], [], 0
+            for a, dtype, offset, count in zip(arrays, dtypes, offsets, lengths):
+                if offset < 0:  # large: sent from where it is
                     bulk.append(np.ascontiguousarray(a, dtype))
-                else:
-                    pad = -end % ALIGN_BYTES
-                    if pad:
-                        parts.append(bytes(pad))
-                    if nbytes:
-                        parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
-                    end += pad + nbytes
+                    continue
+                if offset > end:
+                    parts.append(bytes(offset - end))
+                if count:
+                    parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
+                end = offset + count * dtype.itemsize
+            if strings_at > end:  # (the padding of a last, empty array)
+                parts.append(bytes(strings_at - end))
             parts.append(joined.encode())
         tail = b"".join(parts)
         size = len(tail)
