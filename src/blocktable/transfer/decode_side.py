@@ -200,7 +200,7 @@ class DecodeWorker:
             if index is None:
                 return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons, num_acked)
         self._plan = self._map_rows(batch, index, req_ids, token_ids, num_hit, own, num_prompt,
-                                    prompt_blocks, total_blocks if index is None else None)
+                                    prompt_blocks)
         if index is None:
             return PlanBatch(statuses, num_hit, reasons, num_acked)
         hits = np.zeros(n, dtype=np.int64)
@@ -274,11 +274,9 @@ class DecodeWorker:
 
     def _map_rows(self, batch: OfferBatch, index: np.ndarray | None, req_ids: list[str],
                   token_ids: list[np.ndarray], num_hit: np.ndarray, own: np.ndarray,
-                  num_prompt: np.ndarray, prompt_blocks: np.ndarray, total_blocks: int | None
-                  ) -> _RoundPlan:
+                  num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> _RoundPlan:
         """The round's plan: this side's chunk rows of the admitted offers (``index`` into the
-        batch, ``None``: all), their missing tokens only, in one pass. ``total_blocks``: the
-        sum of ``prompt_blocks`` when known (``None``: counted here)."""
+        batch, ``None``: all), their missing tokens only, in one pass."""
         block_size = self.engine.config.block_size
         hit = np.count_nonzero(num_hit)
         if index is None:
@@ -289,8 +287,7 @@ class DecodeWorker:
         num_new = num_prompt - num_hit if hit else num_prompt
         # this side's new blocks hold exactly the tokens past the hit (a block boundary)
         num_blocks = prompt_blocks - num_hit // block_size if hit else prompt_blocks
-        if total_blocks is None or hit:
-            total_blocks = int(np.add.reduce(num_blocks))
+        total_blocks = int(np.add.reduce(num_blocks))
         if own.size != total_blocks:
             raise AssertionError(f"the allocator gave {own.size} blocks, {total_blocks} were "
                                  "expected")
