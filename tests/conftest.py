@@ -3,6 +3,10 @@
 ``TRITON_INTERPRET`` must be set before ``triton`` is first imported, so it is set here, at
 collection time. On a CUDA machine the real compiler is used and every device-parametrized test
 also runs on ``cuda``.
+
+The stateful (hypothesis) tests run their CI example counts through :func:`examples`;
+``BLOCKTABLE_TEST_EXAMPLES_SCALE=10 python -m pytest tests/test_*stateful*.py`` runs ten times
+as many, for a long search before a release or after a change to the allocator or the table.
 """
 
 from __future__ import annotations
@@ -15,6 +19,17 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+EXAMPLES_SCALE = float(os.environ.get("BLOCKTABLE_TEST_EXAMPLES_SCALE", "1"))
+if not EXAMPLES_SCALE > 0:
+    raise ValueError(f"BLOCKTABLE_TEST_EXAMPLES_SCALE must be > 0, got {EXAMPLES_SCALE}")
+
+
+def examples(ci_count: int) -> int:
+    """A stateful test's ``max_examples``: ``ci_count`` in CI, scaled by
+    ``BLOCKTABLE_TEST_EXAMPLES_SCALE`` for a long run."""
+    return max(1, round(ci_count * EXAMPLES_SCALE))
+
 
 DEVICES = ["cpu", "cuda"] if HAS_CUDA else ["cpu"]
 # Where Triton kernels run in tests: real CUDA when present, else CPU tensors under the interpreter.

@@ -29,12 +29,12 @@ comparison with the reference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 from allocator_reference import ReferenceAllocator
+from conftest import examples
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -663,8 +663,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                     assert got == self.ident(model.namespace, model.tokens, p), (req_id, g, p)
 
 
+# 120 runs of 70 steps in CI (each run starts from fresh random seeds, so CI runs add up);
+# BLOCKTABLE_TEST_EXAMPLES_SCALE (tests/conftest.py) runs more.
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("ALLOCATOR_STATEFUL_EXAMPLES", "200")),
+    max_examples=examples(120),
     stateful_step_count=70,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -698,7 +700,7 @@ class AllVectorizedMachine(AllocatorMachine):
 
 
 AllVectorizedMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("ALLOCATOR_STATEFUL_EXAMPLES", "200")) // 3,
+    max_examples=examples(40),
     stateful_step_count=70,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -12,6 +12,7 @@ whose content was replaced, or a hit on a content that is nowhere, fails the che
 from __future__ import annotations
 
 import numpy as np
+from conftest import examples
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -143,6 +144,6 @@ class HostTierMachine(RuleBasedStateMachine):
             self.mgr.check_integrity()
 
 
-HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50,
+HostTierMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=50,
                                              deadline=None)
 TestHostTier = HostTierMachine.TestCase

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -76,7 +77,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
 
 TestPromptArena = ArenaMachine.TestCase
-TestPromptArena.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPromptArena.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)
 
 
 def test_prompts_added_together_are_offered_as_one_view() -> None:

@@ -81,11 +81,28 @@ def _single_engine_tokens() -> dict[str, list[int]]:
     return {r.req_id: r.output_token_ids for r in engine.requests.values()}
 
 
-@pytest.mark.parametrize("piece_bytes", [64 << 20, 700])
-def test_two_processes_match_the_single_engine(tmp_path: Path, piece_bytes: int) -> None:
+PIECE_BYTES = (64 << 20, 700)
+
+
+def sessions_in_turn(rank: int, world: int, sessions: list[Session]) -> list[dict[str, Any]]:
+    """``run_side`` for each session in turn on the same two ranks (one process start each)."""
+    return [run_side(rank, world, session) for session in sessions]
+
+
+@pytest.fixture(scope="module")
+def piece_size_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """Both piece sizes' sessions, one after the other on one pair of spawned ranks."""
+    tmp = tmp_path_factory.mktemp("pieces")
+    sessions = [_session(tmp, piece_bytes=b) for b in PIECE_BYTES]
+    prefill, decode = run_ranks(sessions_in_turn, 2, tmp, args=(sessions,), timeout_s=90.0)
+    return {b: (prefill[i], decode[i]) for i, b in enumerate(PIECE_BYTES)}
+
+
+@pytest.mark.parametrize("piece_bytes", PIECE_BYTES)
+def test_two_processes_match_the_single_engine(piece_size_reports: dict[int, Any],
+                                               piece_bytes: int) -> None:
     """One buffer per round, or many pieces in flight at once over gloo."""
-    session = _session(tmp_path, piece_bytes=piece_bytes)
-    prefill, decode = run_ranks(run_side, 2, tmp_path, args=(session,), timeout_s=60.0)
+    prefill, decode = piece_size_reports[piece_bytes]
     assert prefill["role"] == "prefill" and decode["role"] == "decode"
     assert decode["tokens"] == _single_engine_tokens()
     assert sorted(prefill["sent"]) == sorted(decode["tokens"])

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import examples
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -410,7 +411,7 @@ class TwoGroupTrustedStepMachine(TrustedStepMachine):
     GROUPS = 2
 
 
-_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None,
+_SETTINGS = settings(max_examples=examples(25), stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestTrustedSteps = TrustedStepMachine.TestCase
 TestTrustedSteps.settings = _SETTINGS
