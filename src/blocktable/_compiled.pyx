@@ -12,14 +12,9 @@ byte-swapped, object or strided array), and ``const`` marks the inputs, so a rea
 accepted and a read-only output refused. Every size and offset is checked against its buffer
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
-code run every engine step, which reads through pointers taken from views held for as long
-(the object's own, bound once, or the call's): there each index is proven in range by a check
-just above it, on a value read once, so that nothing changed meanwhile (by another thread, or
-a finalizer) can move a read or write outside its array: the journal diff's loops over rows
-and its gathers, the pair stager's fill, and a group update's reads of its nine arrays (whose
-rows and ids then index the table through its bounds-checked views). Python lists are read
-item by item through bounds-checked indexing, their lengths checked again after any item's
-Python code ran.
+the journal's two loops over rows, whose indices are below the row count that every array they
+index was checked to have when the arrays were bound. Python lists are read item by item
+through bounds-checked indexing, their lengths checked again after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,
@@ -33,7 +28,6 @@ pairs, for the captured step's launch), the numpy diff in
 :class:`blocktable.key_table.DictKeyTable`.
 """
 
-cimport cython
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 
@@ -84,16 +78,15 @@ cdef inline bint _overlap(const void* a, Py_ssize_t a_bytes, const void* b,
 
 
 cdef inline int _bound_once(bint bound, str name) except -1:
-    """Refuse a second ``__init__``: the pointers the loops read were taken from the first
-    binding's views, which a rebinding would release."""
+    """Refuse a second ``__init__``: a rebinding that failed part way would leave the object
+    holding views of two bindings, of sizes checked against neither."""
     if bound:
         raise TypeError(f"a {name} is bound once, at construction; make a new one")
     return 0
 
 
 cdef inline int _check_bound(bint bound, str name) except -1:
-    """Refuse a call on an object whose ``__init__`` never completed (its pointers are
-    unset)."""
+    """Refuse a call on an object whose ``__init__`` never completed."""
     if not bound:
         raise ValueError(f"this {name} was never bound: its __init__ did not complete")
     return 0

@@ -1,6 +1,7 @@
 # The allocator's step journal: the net change of every row since the last take (included by
 # _compiled.pyx).
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:
@@ -46,14 +47,6 @@ cdef inline int _check_len(int64_t length, Py_ssize_t width, str what, Py_ssize_
     return 0
 
 
-cdef inline int _guard(Py_ssize_t at, Py_ssize_t length, Py_ssize_t end) except -1:
-    """Refuse a write of ``length`` entries at ``at`` that would pass ``end`` (the sizes
-    counted before the gather make this unreachable; it keeps the unchecked writes safe)."""
-    if at < 0 or length < 0 or at > end - length:
-        raise AssertionError(f"the journal diff would write [{at}, {at + length}) past {end}")
-    return 0
-
-
 cdef inline Py_ssize_t _nbytes(const void* start, Py_ssize_t n) noexcept:
     return n * 8 if start != NULL else 0
 
@@ -93,24 +86,12 @@ cdef class JournalDiff:
     cdef tuple no_parts  # (no_blocks,) per group: the added or appended part of no row
     cdef object step_update  # the class of the update
     cdef list arena_objs  # per group, the arena last taken (None at first)
-    cdef list arena_views  # and its view, which holds its buffer while remembered
-    cdef uintptr_t[::1] arena_ptr  # and its first entry (0 where empty)
-    cdef Py_ssize_t[::1] arena_width  # and its columns
+    cdef list arena_views  # and its view
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
     cdef object int32  # numpy's int32 dtype, for the parts' arrays
     cdef object frombuffer  # numpy.frombuffer, which makes each part's array
-    # the bound arrays' and work spaces' first entries (NULL where empty), for the pointer
-    # loops of a diff: the views above hold the buffers for the diff's life, never rebound
-    cdef Py_ssize_t num_rows, num_groups
-    cdef int64_t* sgen_p
-    cdef const int64_t* hgen_p
-    cdef int64_t* slen_p  # [num_groups, num_rows], row-major, as rlen_p
-    cdef const int64_t* rlen_p
-    cdef Py_ssize_t* rows_p
-    cdef unsigned char* kinds_p
-    cdef Py_ssize_t* lens_p
-    cdef bint bound  # __init__ completed: the pointers above are set (and never reset)
+    cdef bint bound  # __init__ completed (once)
 
     def __init__(self, object start_gen, object holder_gen, object start_len, object row_len,
                  object empty, object row_blocks, object no_blocks, object step_update):
@@ -153,37 +134,23 @@ cdef class JournalDiff:
         self.step_update = step_update
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
-        self.arena_ptr = _np.zeros(num_groups, dtype=_np.uintp)
-        self.arena_width = _np.zeros(num_groups, dtype=_np.intp)
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
-        self.num_rows, self.num_groups = num_rows, num_groups
-        self.sgen_p = <int64_t*>sg
-        self.hgen_p = <const int64_t*>hg
-        self.slen_p = <int64_t*>sl
-        self.rlen_p = <const int64_t*>rl
-        self.rows_p = &self.rows[0] if num_rows else NULL
-        self.kinds_p = &self.kinds[0] if num_rows else NULL
-        self.lens_p = &self.lens[0]
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
         self.bound = True
 
-    cdef const int32_t* _arena(self, list arenas, Py_ssize_t g) except? NULL:
-        """Group ``g``'s arena (``[num_rows, arena_width[g]]``, C-contiguous) as its first
-        entry (NULL where it has no column): the remembered one for the remembered object,
-        whose view holds its buffer."""
+    cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
+        """Group ``g``'s arena as a view: the remembered one for the remembered object."""
         cdef object obj = arenas[g]
         if obj is self.arena_objs[g] and obj is not None:
-            return <const int32_t*>self.arena_ptr[g]
+            return self.arena_views[g]
         cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
         if arena.shape[0] != self.sgen.shape[0] or arena.shape[1] > INT32_MAX:
             raise ValueError(f"arenas[{g}] must have {self.sgen.shape[0]} rows and at most "
                              f"{INT32_MAX} columns")
         self.arena_objs[g], self.arena_views[g] = obj, arena
-        self.arena_width[g] = arena.shape[1]
-        self.arena_ptr[g] = <uintptr_t>&arena[0, 0] if arena.shape[0] and arena.shape[1] else 0
-        return <const int32_t*>self.arena_ptr[g]
+        return arena
 
     def diff(self, list arenas, object nulled, object allocator_block_sizes):
         """The net change of every row since the start, in row order, as one update; then the
@@ -199,18 +166,14 @@ cdef class JournalDiff:
         int32 views of one new bytes object; empty ones are ``empty``. Every length is checked
         against its arena before anything is gathered; on an error nothing is written.
         """
-        # Pointer loops: every row r < num_rows, group g < num_groups and changed row's index
-        # i < n <= num_rows index arrays of those shapes (checked at binding); slen and rlen
-        # are row-major [num_groups, num_rows].
         _check_bound(self.bound, "JournalDiff")
-        cdef int64_t* sgen = self.sgen_p
-        cdef const int64_t* hgen = self.hgen_p
-        cdef int64_t* slen = self.slen_p
-        cdef const int64_t* rlen = self.rlen_p
-        cdef Py_ssize_t* rows = self.rows_p
-        cdef unsigned char* kinds = self.kinds_p
-        cdef Py_ssize_t* lens = self.lens_p  # [2 + 5 * num_groups]
-        cdef Py_ssize_t num_rows = self.num_rows, num_groups = self.num_groups
+        cdef int64_t[::1] sgen = self.sgen
+        cdef const int64_t[::1] hgen = self.hgen
+        cdef int64_t[:, ::1] slen = self.slen
+        cdef const int64_t[:, ::1] rlen = self.rlen
+        cdef Py_ssize_t[::1] rows = self.rows
+        cdef unsigned char[::1] kinds = self.kinds
+        cdef Py_ssize_t num_rows = sgen.shape[0], num_groups = slen.shape[0]
         if len(arenas) != num_groups:
             raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
         # the changed rows, in order, each with its kind: every later pass visits only them
@@ -218,43 +181,43 @@ cdef class JournalDiff:
         cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
         cdef int64_t live, old, new
         cdef bint changed
-        for r in range(num_rows):
-            live = hgen[r]
-            changed = live != sgen[r]
-            for g in range(num_groups):
-                changed = changed | (rlen[g * num_rows + r] != slen[g * num_rows + r])
-            if changed:  # (n <= r)
-                if live == 0:
-                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                    n_cleared += sgen[r] != 0
-                elif live != sgen[r]:
-                    kinds[n] = _ADDED_ROW
-                    n_added += 1
-                else:
-                    kinds[n] = _KEPT_ROW
-                rows[n] = r
-                n += 1
+        with cython.boundscheck(False):  # r < num_rows, g < num_groups and n <= r: every
+            for r in range(num_rows):  # bound array and work space has these shapes (checked
+                live = hgen[r]  # at construction; memoryviews are never rebound)
+                changed = live != sgen[r]
+                for g in range(num_groups):
+                    changed = changed | (rlen[g, r] != slen[g, r])
+                if changed:
+                    if live == 0:
+                        kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                        n_cleared += sgen[r] != 0
+                    elif live != sgen[r]:
+                        kinds[n] = _ADDED_ROW
+                        n_added += 1
+                    else:
+                        kinds[n] = _KEPT_ROW
+                    rows[n] = r
+                    n += 1
         # ---- sizes, with every length checked against its arena ------------------------
-        cdef const int32_t* arena
-        cdef Py_ssize_t width
+        cdef const int32_t[:, ::1] arena
+        cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
         lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
-            self._arena(arenas, g)
-            width = self.arena_width[g]
+            arena = self._arena(arenas, g)
             add_ids = grown = new_ids = 0
             for i in range(n):
                 if kinds[i] < _ADDED_ROW:
                     continue
                 r = rows[i]
-                new = rlen[g * num_rows + r]
-                _check_len(new, width, "row_len", r, g)
+                new = rlen[g, r]
+                _check_len(new, arena.shape[1], "row_len", r, g)
                 if kinds[i] == _ADDED_ROW:
                     add_ids += new
                 else:
-                    old = slen[g * num_rows + r]
+                    old = slen[g, r]
                     if new > old:
-                        _check_len(old, width, "start_len", r, g)
+                        _check_len(old, arena.shape[1], "start_len", r, g)
                         grown += 1
                         new_ids += new - old
             lens[2 + 5 * g], lens[3 + 5 * g], lens[4 + 5 * g] = n_added, add_ids, grown
@@ -274,63 +237,43 @@ cdef class JournalDiff:
         if total > self.work.shape[0]:
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
         cdef int32_t[::1] out = self.work
-        cdef Py_ssize_t out_len = out.shape[0], row_at, grown_at, ids_at, length
         at = 0
-        # Bounds checks are off in the gathers below: each row's writes are guarded by a
-        # check of its range against ``out_len`` just before them, every row r < num_rows and
-        # group g < num_groups index arrays of those shapes (checked at binding), and each
-        # arena index q lies below a length checked against the arena's width just before
-        # (again, as nothing may be assumed of what ran since the sizes: so a row with an id
-        # to read has a column, and the arena's pointer is not NULL).
-        with cython.boundscheck(False), cython.initializedcheck(False):
-            for i in range(n):
-                if kinds[i] == _CLEARED_ROW:
-                    _guard(at, 1, out_len)
-                    out[at] = <int32_t>rows[i]
+        for i in range(n):
+            if kinds[i] == _CLEARED_ROW:
+                out[at] = <int32_t>rows[i]
+                at += 1
+        for i in range(n):
+            if kinds[i] == _ADDED_ROW:
+                out[at] = <int32_t>rows[i]
+                at += 1
+        for g in range(num_groups):
+            arena = self._arena(arenas, g)
+            for i in range(n):  # added: each row's count, then all their ids
+                if kinds[i] == _ADDED_ROW:
+                    out[at] = <int32_t>rlen[g, rows[i]]
                     at += 1
             for i in range(n):
                 if kinds[i] == _ADDED_ROW:
-                    _guard(at, 1, out_len)
-                    out[at] = <int32_t>rows[i]
-                    at += 1
-            for g in range(num_groups):
-                arena = self._arena(arenas, g)  # (the one the sizes above checked against)
-                width = self.arena_width[g]
-                # added: each row's count, then all their ids
-                row_at, ids_at = at, at + n_added
-                for i in range(n):
-                    if kinds[i] == _ADDED_ROW:
-                        r = rows[i]
-                        length = rlen[g * num_rows + r]
-                        _check_len(length, width, "row_len", r, g)
-                        _guard(row_at, 1, at + n_added)
-                        _guard(ids_at, length, out_len)
-                        out[row_at] = <int32_t>length
-                        row_at += 1
-                        for q in range(length):
-                            out[ids_at + q] = arena[r * width + q]
-                        ids_at += length
-                at = ids_at
-                # grown: the rows, their growth, then their new ids (one pass, three cursors)
-                grown = lens[4 + 5 * g]
-                row_at, grown_at, ids_at = at, at + grown, at + 2 * grown
-                for i in range(n):
                     r = rows[i]
-                    old = slen[g * num_rows + r]
-                    if kinds[i] == _KEPT_ROW and rlen[g * num_rows + r] > old:
-                        length = rlen[g * num_rows + r] - old
-                        _check_len(old, width, "start_len", r, g)
-                        _check_len(old + length, width, "row_len", r, g)
-                        _guard(grown_at, 1, at + 2 * grown)
-                        _guard(ids_at, length, out_len)
-                        out[row_at] = <int32_t>r
-                        out[grown_at] = <int32_t>length
-                        row_at += 1
-                        grown_at += 1
-                        for q in range(length):
-                            out[ids_at + q] = arena[r * width + old + q]
-                        ids_at += length
-                at = ids_at
+                    for q in range(rlen[g, r]):
+                        out[at] = arena[r, q]
+                        at += 1
+            for i in range(n):  # grown: the rows, their growth, then their new ids
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    out[at] = <int32_t>r
+                    at += 1
+            for i in range(n):
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    out[at] = <int32_t>(rlen[g, r] - slen[g, r])
+                    at += 1
+            for i in range(n):
+                r = rows[i]
+                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                    for q in range(slen[g, r], rlen[g, r]):
+                        out[at] = arena[r, q]
+                        at += 1
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
         # each part is its own array over the bytes (cutting one flat array would take a
@@ -373,10 +316,16 @@ cdef class JournalDiff:
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start
         (the other rows' start equals their live state already)."""
-        cdef Py_ssize_t i, r, g, num_rows = self.num_rows
-        for i in range(n):  # n <= num_rows and every row r < num_rows: the diff's first pass
-            r = self.rows_p[i]  # wrote them, into a work space of num_rows
-            self.sgen_p[r] = self.hgen_p[r]
-            for g in range(self.num_groups):
-                self.slen_p[g * num_rows + r] = self.rlen_p[g * num_rows + r]
+        cdef int64_t[::1] sgen = self.sgen
+        cdef const int64_t[::1] hgen = self.hgen
+        cdef int64_t[:, ::1] slen = self.slen
+        cdef const int64_t[:, ::1] rlen = self.rlen
+        cdef const Py_ssize_t[::1] rows = self.rows
+        cdef Py_ssize_t i, r, g
+        with cython.boundscheck(False):  # n <= num_rows and every row r < num_rows: the diff's
+            for i in range(n):  # first pass wrote them, into a work space of num_rows
+                r = rows[i]
+                sgen[r] = hgen[r]
+                for g in range(slen.shape[0]):
+                    slen[g, r] = rlen[g, r]
         return 0

@@ -17,16 +17,9 @@ cdef class PairStager:
     cdef unsigned char[::1] dirt
     cdef const int32_t[::1] src
     cdef int64_t counts_offset
-    # the bound arrays' first entries (NULL where empty) and sizes, for _fill's pointer loops:
-    # the views above hold the buffers for the stager's life and are never rebound
-    cdef const int64_t* jour_p
-    cdef int64_t* jlen_p
-    cdef unsigned char* dirt_p
-    cdef const int32_t* src_p
-    cdef Py_ssize_t jour_cap, num_dirty, num_entries
-    cdef bint bound  # __init__ completed: the pointers above are set (and never reset)
     cdef uintptr_t bound_start[4]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t bound_bytes[4]
+    cdef bint bound  # __init__ completed (once)
 
     def __init__(self, object journal, object journal_len, object dirty, int64_t counts_offset,
                  object host):
@@ -61,12 +54,6 @@ cdef class PairStager:
             if _overlaps_any(self.bound_start[i], self.bound_bytes[i], self.bound_start,
                              self.bound_bytes, 4, i):
                 raise ValueError("the bound arrays overlap")
-        self.jour_cap = self.jour.shape[0]
-        self.num_dirty, self.num_entries = num_dirty, num_entries
-        self.jour_p = &self.jour[0, 0] if self.jour_cap else NULL
-        self.jlen_p = &self.jlen[0]
-        self.dirt_p = &self.dirt[0] if num_dirty else NULL
-        self.src_p = &self.src[0] if num_entries else NULL
         self.bound = True
 
     def fill(self, object staging, int64_t capacity):
@@ -75,8 +62,7 @@ cdef class PairStager:
         reset the changes. Returns the number of pairs, or -1 (nothing written or reset) when
         they exceed ``capacity`` or the journal overflowed."""
         _check_bound(self.bound, "PairStager")
-        cdef int32_t[::1] out = self._staging(staging, capacity)
-        return self._fill(&out[0], out.shape[0], capacity)
+        return self._fill(self._staging(staging, capacity), capacity)
 
     cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
         """``staging`` as a writable view, checked: room for ``capacity`` pairs and a header,
@@ -90,78 +76,62 @@ cdef class PairStager:
             raise TypeError(
                 f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
                 from None
-        _check_capacity(out.shape[0], capacity)
+        _check_capacity(out, capacity)
         if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
                          self.bound_start, self.bound_bytes, 4, -1):
             raise ValueError("staging overlaps the bound arrays")
         return out
 
-    cdef int64_t _fill(self, int32_t* out, Py_ssize_t out_len, int64_t capacity) except -2:
-        """:meth:`fill` into a checked staging buffer (:meth:`_staging`: ``out_len`` entries
-        from ``out``); ``capacity`` checked again. The loops index through pointers: each
-        index is proven in range by the checks above it (the comments say which)."""
-        _check_capacity(out_len, capacity)
-        cdef const int64_t* jour = self.jour_p
-        cdef int64_t* jlen = self.jlen_p
-        cdef unsigned char* dirt = self.dirt_p
-        cdef const int32_t* src = self.src_p
-        cdef Py_ssize_t num_entries = self.num_entries, num_dirty = self.num_dirty
+    cdef int64_t _fill(self, int32_t[::1] out, int64_t capacity) except -2:
+        """:meth:`fill` into a checked view (:meth:`_staging`); ``capacity`` checked again."""
+        _check_capacity(out, capacity)
+        cdef const int64_t[:, ::1] jour = self.jour
+        cdef int64_t[::1] jlen = self.jlen
+        cdef unsigned char[::1] dirt = self.dirt
+        cdef const int32_t[::1] src = self.src
+        cdef Py_ssize_t num_entries = src.shape[0]
         cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
         cdef Py_ssize_t i, at = 0
         if runs < 0:
             return -1
-        if runs > self.jour_cap or num_indices < 0:
+        if runs > jour.shape[0] or num_indices < 0:
             raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
         total = num_indices
-        for i in range(num_dirty):
+        for i in range(dirt.shape[0]):
             total += dirt[i] != 0
         if total > capacity:
             return -1
-        # from here: 2 * total + 1 <= out_len (the capacity check), runs <= the journal's
-        # capacity, so every index below total + 1, or into the journal, is in range
         for r in range(runs):  # every run inside host, and the lengths adding up, before writing
-            start, length = jour[2 * r], jour[2 * r + 1]
+            start, length = jour[r, 0], jour[r, 1]
             if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
                 raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
             at += length
         if at != num_indices:
             raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
-        # The writes check again what they index with, each value read once: the checks
-        # above hold unless the journal changed meanwhile, and no write may depend on that.
         at = 1  # (word 0: the number of pairs, written last)
         for r in range(runs):
-            start, length = jour[2 * r], jour[2 * r + 1]
-            if start < 0 or length < 0 or start > num_entries - length or \
-                    length > total + 1 - at:
-                raise RuntimeError("the journal changed while its pairs were staged")
-            for q in range(start, start + length):
+            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
                 out[at] = <int32_t>q
                 at += 1
-        for i in range(num_dirty):  # the dirty rows' counts: the rest of total
+        for i in range(dirt.shape[0]):
             if dirt[i]:
-                if at > total:
-                    raise RuntimeError("the dirty rows changed while their pairs were staged")
                 out[at] = <int32_t>(self.counts_offset + i)
                 at += 1
                 dirt[i] = 0
-        total = at - 1
-        for i in range(1, total + 1):  # every index read back is checked inside host
-            q = out[i]
-            if q < 0 or q >= num_entries:
-                raise RuntimeError("the staging buffer changed while it was filled")
-            out[total + i] = src[q]
+        for i in range(1, total + 1):
+            out[total + i] = src[out[i]]
         out[0] = <int32_t>total
         jlen[0] = 0
         jlen[1] = 0
         return total
 
 
-cdef int _check_capacity(Py_ssize_t staging_len, int64_t capacity) except -1:
-    """Raise unless a staging buffer of ``staging_len`` entries holds a header word and
-    ``capacity`` pairs (no overflow: the bound is computed from the length)."""
-    if capacity < 0 or staging_len < 1 or capacity > (staging_len - 1) // 2:
+cdef int _check_capacity(const int32_t[::1] staging, int64_t capacity) except -1:
+    """Raise unless ``staging`` holds a header word and ``capacity`` pairs (no overflow: the
+    bound is computed from the length)."""
+    if capacity < 0 or staging.shape[0] < 1 or capacity > (staging.shape[0] - 1) // 2:
         raise ValueError(f"capacity={capacity} needs staging of 1 + 2 * {capacity} entries, "
-                         f"got {staging_len}")
+                         f"got {staging.shape[0]}")
     return 0
 
 
