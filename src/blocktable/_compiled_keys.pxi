@@ -200,22 +200,26 @@ cdef class KeyTable:
         that is not (nothing removed then)."""
         cdef const uint64_t[::1] k = _uint64_in(keys, "keys")
         cdef Py_ssize_t n = k.shape[0], i, j, at
-        # First mark every key's entry (value v -> -2 - v, still occupied): an absent key or
-        # a repeat (its entry marked already) is found before anything is removed.
+        if n == 0:
+            return
+        # One pass: each key's entry is removed where it is found, its value kept; a key not
+        # found (never filed, or a repeat of one removed above) first files the removed ones
+        # again with their values, so the map is as it was.
+        cdef int64_t[::1] removed = cvarray(shape=(n,), itemsize=8, format="q")
         for i in range(min(n, _PREFETCH_AHEAD)):
             self._prefetch(k, i)
         for i in range(n):
             self._prefetch(k, i + _PREFETCH_AHEAD)
             at = self._position(k[i])
-            if at < 0 or self._entries[2 * at + 1] < 0:
-                what = "not filed" if at < 0 else "repeated"
-                for j in range(i):  # unmark
-                    at = self._position(k[j])
-                    self._entries[2 * at + 1] = -2 - self._entries[2 * at + 1]
+            if at < 0:
+                what = "not filed"
+                for j in range(i):  # (room: as many keys were removed just above)
+                    if k[j] == k[i]:
+                        what = "repeated"
+                    self._put_absent(k[j], removed[j])
                 raise KeyError(f"keys[{i}] ({k[i]}) is {what}")
-            self._entries[2 * at + 1] = -2 - self._entries[2 * at + 1]
-        for i in range(n):
-            self._remove_at(self._position(k[i]))
+            removed[i] = self._entries[2 * at + 1]
+            self._remove_at(at)
 
     def clear(self):
         """Remove every key."""
