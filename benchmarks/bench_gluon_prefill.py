@@ -37,13 +37,18 @@ from blocktable.attention.kernel_config import default_config
 
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
-SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
-    prefill_launch.GluonTiles(128, 64, 3, 8, pipelined=False),
-    prefill_launch.GluonTiles(128, 64, 4, 8),
-    prefill_launch.GluonTiles(128, 128, 3, 8),
-    prefill_launch.GluonTiles(128, 32, 4, 8),
-    prefill_launch.GluonTiles(64, 64, 3, 4),
+SWEEP = [  # other launch shapes of the Gluon kernels (--sweep)
+    prefill_launch.GluonTiles(warp_specialized=True),  # TMA loader warps, two consumers
+    prefill_launch.GluonTiles(warp_specialized=False, block_n=128),
+    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=64, ws_stages=3),
+    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=64, ws_stages=4),
 ]
+
+
+def tiles_name(t: prefill_launch.GluonTiles) -> str:
+    if t.warp_specialized:
+        return f"gluon-ws n{t.ws_block_n} s{t.ws_stages}"
+    return f"gluon-cp m{t.block_m} n{t.block_n} s{t.stages} w{t.warps} p{int(t.pipelined)}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):
@@ -104,9 +109,7 @@ def main() -> int:
         fns = {"gluon": paged_runner(batch, "gluon"), "triton": paged_runner(batch, "triton")}
         if args.sweep:
             for t in SWEEP:
-                fns[f"gluon m{t.block_m} n{t.block_n} s{t.stages} w{t.warps} p{int(t.pipelined)}"] = paged_runner(
-                    batch, "gluon", t
-                )
+                fns[tiles_name(t)] = paged_runner(batch, "gluon", t)
         errors = {}
         for name, fn in fns.items():
             batch.out.fill_(float("nan"))

@@ -86,10 +86,21 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["ws", "cp"])
+def gluon_variant(request, monkeypatch) -> bool:
+    """Both Gluon kernels: the warp-specialized one (TMA loader) where it serves the inputs,
+    and the one whose every warp gathers with cp.async."""
+    from blocktable.attention import prefill_launch
+
+    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
+                        prefill_launch.GluonTiles(warp_specialized=request.param))
+    return request.param
+
+
 @needs_hopper
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
 @pytest.mark.parametrize("reqs", [MIXED, LONG, BIG], ids=["mixed", "long", "big"])
-def test_gluon_matches_reference(case, reqs) -> None:
+def test_gluon_matches_reference(case, reqs, gluon_variant) -> None:
     block_size, num_kv_heads, group, head_dim, dtype = case
     args = make_case(reqs, block_size, num_kv_heads, group, head_dim, dtype, "cuda",
                      pad_tokens=5, seed=block_size + head_dim)
@@ -182,5 +193,34 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     args = make_case(BIG + LONG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=2, seed=9)
     out, lse = run_prefill(args, "gluon")
     ref, ref_lse = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_gluon_ws_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) -> None:
+    """Slots past each request's last key hold NaN (an unused slot may hold anything): the
+    warp-specialized kernel's output stays finite and equal to the reference."""
+    from blocktable.attention import prefill_launch
+
+    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
+                        prefill_launch.GluonTiles(warp_specialized=True))
+    used = []
+    real = prefill_launch._launch_gluon_ws
+    monkeypatch.setattr(prefill_launch, "_launch_gluon_ws",
+                        lambda *a, **k: (used.append(1), real(*a, **k)))
+    reqs = [(1000, 1000), (333, 77), (129, 129), (17, 17), (250, 3)]
+    args = make_case(reqs, block_size, 2, 4, 128, torch.bfloat16, "cuda", seed=block_size)
+    ref, ref_lse = reference(*args, scale=0.3)
+    _, k_cache, v_cache, table, seq, _ = args
+    for r, (seq_len, _) in enumerate(reqs):
+        last = (seq_len - 1) // block_size
+        block = int(table[r, last])
+        k_cache[block, seq_len % block_size or block_size:] = float("nan")
+        v_cache[block, seq_len % block_size or block_size:] = float("nan")
+    out, lse = run_prefill(args, "gluon")
+    assert used, "the warp-specialized kernel did not run"
+    assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)

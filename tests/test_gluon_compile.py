@@ -67,6 +67,58 @@ with open(out + ".ptx", "w") as f:
 '''
 
 
+WS_COMPILE_SCRIPT = r'''
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+if "nvidia" not in getattr(triton.backends, "backends", {}):
+    sys.exit(77)
+from blocktable.attention import gluon_prefill_ws as ws
+if not ws.HAS_GLUON_WS:
+    sys.exit(77)
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+group, block_n, stages, head_dim, block_size, out = sys.argv[1:]
+group, block_n, stages, head_dim, block_size = map(
+    int, (group, block_n, stages, head_dim, block_size))
+chunk = min(block_size, block_n)
+cache = torch.empty(64 * block_size, 8 * head_dim, dtype=torch.bfloat16)
+layout = gl.NVMMASharedLayout.get_default_for([chunk, head_dim], gl.bfloat16)
+desc = ws.TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [chunk, head_dim],
+                           layout)
+kernel = ws.gluon_ws_prefill_kernel
+consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
+              HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=16, INDEXED=False, HAS_LSE=True,
+              NUM_STAGES=stages)
+pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "query_ptr": "bf16", "k_cache_ptr": "bf16",
+            "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
+            "row_of_batch_ptr": "i32"}
+signature, attrs = {}, {}
+for i, name in enumerate(kernel.arg_names):
+    if name in pointers:
+        signature[name] = "*" + pointers[name]
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    elif name in ("k_desc", "v_desc"):
+        signature[name] = mangle_type(desc)
+    elif name in consts:
+        signature[name] = "constexpr"
+    elif name == "qk_scale":
+        signature[name] = "fp32"
+    else:
+        signature[name] = "i32"
+        if "stride" in name and name != "table_stride_c":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+compiled = triton.compile(GluonASTSource(kernel, signature, consts, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "ptx_version": 87})
+with open(out + ".cubin", "wb") as f:
+    f.write(compiled.asm["cubin"])
+'''
+
+
 def p_writes_before_retiring_wait(sass: str) -> tuple[list[int], list[str]]:
     """P's registers (the A operands of the loop's register-A wgmma) and every instruction
     that writes one of them while that wgmma may still run."""
@@ -144,3 +196,33 @@ def test_pipelined_loop_keeps_p_until_its_wgmma_retires(shape, tmp_path: Path) -
                               capture_output=True, text=True, timeout=120, check=True).stdout
         regs, hits = p_writes_before_retiring_wait(sass)
         assert not hits, f"{cubin.name}: P in R{regs[0]}-R{regs[-1]} overwritten: {hits[:5]}"
+
+
+@pytest.mark.parametrize("shape", [
+    # group, block_n, stages, head_dim, kernel block size
+    (4, 128, 2, 128, 16), (8, 64, 3, 128, 256), (2, 128, 2, 64, 64),
+], ids=lambda s: "g{}-n{}-s{}-d{}-b{}".format(*s))
+def test_warp_specialized_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
+    """The warp-specialized kernel lowers for sm_90: the loader's tensor copies, the
+    consumers' wgmma and the mbarrier waits between them are in its machine code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = tmp_path / "kernel"
+    proc = subprocess.run(
+        [sys.executable, "-c", WS_COMPILE_SCRIPT, *map(str, shape), str(out)], env=env,
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    if proc.returncode == 77:
+        pytest.skip("this Triton has no NVIDIA backend or no Gluon")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists():
+        pytest.skip("this Triton ships no cuobjdump")
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{out}.cubin"],
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+    for op in ("UTMALDG", "HGMMA.64x", "SYNCS.PHASECHK", "LDGSTS"):
+        assert op in sass, op

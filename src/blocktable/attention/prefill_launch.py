@@ -17,6 +17,7 @@ from blocktable.attention.triton_tiles import LOG2_E
 if HAS_TRITON:
     from blocktable.attention import triton_prefill as _pre
 from blocktable.attention import gluon_prefill as _gluon
+from blocktable.attention import gluon_prefill_ws as _ws
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
 # Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: off. Its
@@ -84,6 +85,13 @@ def launch_prefill(
     block_q = block_m // group_pad
     if config.prefill_kernel == "gluon" or config.prefill_kernel == "auto" and AUTO_PICKS_GLUON:
         reason = gluon_reason(query, k_cache, v_cache, out, group_pad, window, cp)
+        ws_reason = reason or ws_gluon_reason(query, k_cache, v_cache, group_pad)
+        if ws_reason is None and GLUON_TILES.warp_specialized:
+            _launch_gluon_ws(
+                out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                row_of_batch, scale, strides, group, group_pad, short_query_len,
+            )
+            return
         if reason is None:
             _launch_gluon(
                 out, lse_out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
@@ -151,6 +159,9 @@ class GluonTiles:
     stages: int = 3
     warps: int = 8
     pipelined: bool = True
+    warp_specialized: bool = False
+    ws_block_n: int = 128
+    ws_stages: int = 2
 
 
 GLUON_TILES = GluonTiles()  # from compile checks (benchmarks/notes_gluon.md)
@@ -189,4 +200,78 @@ def _launch_gluon(
         v_h, tb_r, tb_c, group, group_pad, tiles.block_m, block_q, tiles.block_n, head_dim,
         block_size, SEARCH_RADIX, row_of_batch is not None, lse_out is not None,
         tiles.stages, tiles.pipelined and tiles.stages >= 3, num_warps=tiles.warps,
+    )
+
+
+def ws_gluon_reason(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group_pad: int,
+) -> str | None:
+    """``None`` when the warp-specialized Gluon kernel serves these inputs (already accepted
+    by :func:`gluon_reason`), else why not: its loader copies whole page chunks of a cache
+    whose blocks are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces."""
+    if not _ws.HAS_GLUON_WS:
+        return "the warp-specialized Gluon kernel needs Triton's Hopper TMA and mbarriers"
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if head_dim not in _ws.WS_HEAD_DIMS:
+        return f"head_dim {head_dim} (it takes {_ws.WS_HEAD_DIMS})"
+    if block_size < _ws.WS_MIN_BLOCK_SIZE:
+        return f"kernel block size {block_size} (it takes {_ws.WS_MIN_BLOCK_SIZE} and up)"
+    if group_pad > _ws.CONSUMER_ROWS:
+        return f"a GQA group over {_ws.CONSUMER_ROWS}"
+    if num_blocks * block_size >= 2**31:
+        return "a cache of 2**31 slots or more"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        b, s, h, _ = t.stride()
+        if h != head_dim or b != block_size * s:
+            return f"{name}'s blocks are not contiguous [block_size, num_kv_heads, head_dim]"
+    return None
+
+
+def _launch_gluon_ws(
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    row_of_batch: torch.Tensor | None,
+    scale: float,
+    strides: tuple[int, ...],
+    group: int,
+    group_pad: int,
+    short_query_len: int,
+) -> None:
+    num_tokens, _, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, width = block_table.shape
+    tiles = GLUON_TILES
+    block_q = 2 * _ws.CONSUMER_ROWS // group_pad
+    o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, _, _, v_b, v_s, _, _, tb_r, tb_c = strides
+    cache_rows = num_blocks * block_size
+    k_desc, v_desc = _ws_descriptors(k_cache, v_cache, min(block_size, tiles.ws_block_n))
+    _ws.gluon_ws_prefill_kernel[(cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)](
+        out, seq_lens if lse_out is None else lse_out, query, k_desc, v_desc, k_cache, v_cache,
+        block_table, seq_lens, query_start_loc,
+        seq_lens if row_of_batch is None else row_of_batch, scale * LOG2_E, num_reqs,
+        num_tokens, short_query_len, num_blocks, num_rows, width, search_stride(num_reqs),
+        cache_rows, o_t, o_h, lse_t, lse_h, q_t, q_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
+        group, group_pad, block_q, tiles.ws_block_n, head_dim, block_size, SEARCH_RADIX,
+        row_of_batch is not None, lse_out is not None, tiles.ws_stages, num_warps=4,
+    )
+
+
+def _ws_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: int):
+    """TMA descriptors of the two caches seen as ``[num_blocks * block_size, num_kv_heads *
+    head_dim]`` (rows: slots), copying ``[chunk, head_dim]`` boxes."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    layout = _ws.gl.NVMMASharedLayout.get_default_for(
+        [chunk, head_dim], _ws.gl.float16 if k_cache.dtype == torch.float16 else _ws.gl.bfloat16
+    )
+    shape = [num_blocks * block_size, num_kv_heads * head_dim]
+    return tuple(
+        _ws.TensorDescriptor(t, shape, [t.stride(1), 1], [chunk, head_dim], layout)
+        for t in (k_cache, v_cache)
     )
