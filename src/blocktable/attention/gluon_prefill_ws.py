@@ -207,6 +207,7 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
         full_hi = gl.minimum(prefix + first_tok + 1, kv_cap)
         my_end = gl.maximum(gl.minimum(prefix + last_tok + 1, kv_cap), 0)
         n_tiles = gl.minimum(gl.cdiv(my_end, BLOCK_N), n_tiles_all)
+        n_tiles = gl.where(first_tok < query_len, n_tiles, 0)  # no row of ours is a token
 
         acc = gl.zeros([M, HEAD_DIM], gl.float32, O_LAYOUT)
         m_i = gl.full([M], -1.0e30, gl.float32, gl.SliceLayout(1, S_LAYOUT))
