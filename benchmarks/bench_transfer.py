@@ -328,7 +328,6 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 pw.engine.requests.pop(req_id, None)
             dw.engine.scheduler.running.clear()
             pw.prompts.drop(ids)  # (submitted by the admission kind, never collected)
-            pw._max_new_tokens.clear()
     for manager in (pw.engine.manager, dw.engine.manager):
         manager.check_integrity()
         checked = checked and manager.num_requests == 0

@@ -23,13 +23,16 @@ class ArenaMachine(RuleBasedStateMachine):
         super().__init__()
         self.arena = PromptArena(min_capacity=4)  # small: compactions happen
         self.kept: dict[int, list[int]] = {}
+        self.max_new: dict[int, int] = {}
         self.next_id = 0
         self.handed: list[tuple[np.ndarray, list[int]]] = []  # outputs and their values then
 
-    @rule(prompt=st.lists(st.integers(-2**40, 2**40), min_size=1, max_size=9))
-    def add(self, prompt: list[int]) -> None:
-        self.arena.add(self.next_id, prompt)
+    @rule(prompt=st.lists(st.integers(-2**40, 2**40), min_size=1, max_size=9),
+          max_new=st.integers(0, 2**40))
+    def add(self, prompt: list[int], max_new: int) -> None:
+        self.arena.add(self.next_id, prompt, max_new)
         self.kept[self.next_id] = prompt
+        self.max_new[self.next_id] = max_new
         self.next_id += 1
 
     @precondition(lambda self: self.kept)
@@ -52,9 +55,10 @@ class ArenaMachine(RuleBasedStateMachine):
         ids = sorted(self.kept)
         if not in_order:  # any subset in any order
             ids = data.draw(st.permutations(ids))[:data.draw(st.integers(1, len(ids)))]
-        tokens, starts = self.arena.token_ids(ids, [_first_token(r) for r in ids])
+        tokens, starts, max_new = self.arena.token_ids(ids, [_first_token(r) for r in ids])
         want = [t for r in ids for t in [*self.kept[r], _first_token(r)]]
         assert tokens.dtype == np.int64 and tokens.tolist() == want
+        assert max_new.dtype == np.int64 and max_new.tolist() == [self.max_new[r] for r in ids]
         lengths = [len(self.kept[r]) + 1 for r in ids]
         assert starts.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
         self.handed.append((tokens, want))
@@ -79,8 +83,8 @@ def test_prompts_added_together_are_offered_as_one_view() -> None:
     arena = PromptArena()
     for req_id in range(3):
         arena.add(req_id, [req_id] * 4)
-    tokens, starts = arena.token_ids([0, 1, 2], [7, 8, 9])
-    again, _ = arena.token_ids([0, 1, 2], [7, 8, 9])
+    tokens, starts, _ = arena.token_ids([0, 1, 2], [7, 8, 9])
+    again, _, _ = arena.token_ids([0, 1, 2], [7, 8, 9])
     assert np.shares_memory(tokens, again)  # no copy per round
     assert tokens.tolist() == [0, 0, 0, 0, 7, 1, 1, 1, 1, 8, 2, 2, 2, 2, 9]
     assert starts.tolist() == [0, 5, 10, 15]

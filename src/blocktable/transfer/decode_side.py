@@ -71,7 +71,7 @@ class _RoundPlan:
     num_new: np.ndarray  # on cpu, int64 [k]: prompt tokens past the hit, the ones that move
     num_blocks: np.ndarray  # on cpu, int64 [k]: blocks allocated here for them
     dst_rows: np.ndarray  # on cpu, int64 [total chunks]: this side's chunk rows, in order
-    dst_starts: np.ndarray  # on cpu, int64 [k + 1]: request j's rows are dst_rows[s[j]:s[j+1]]
+    num_rows: np.ndarray  # on cpu, int64 [k]: each one's rows, back to back in dst_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,8 +187,9 @@ class DecodeWorker:
         prompt_blocks = num_prompt + (config.block_size - 1)
         prompt_blocks //= config.block_size
         reasons = self._refusals(batch, num_prompt)
+        total_blocks = int(np.add.reduce(prompt_blocks))
         if (not reasons and n <= manager.num_free_rows
-                and int(prompt_blocks.sum()) <= manager.num_free_blocks()):
+                and total_blocks <= manager.num_free_blocks()):
             index = None  # the common round: every offer fits
             statuses = np.zeros(n, dtype=np.int8)  # PlanStatus.SEND
             req_ids, token_ids, num_hit, own = self._admit_many(batch, None, num_prompt)
@@ -213,13 +214,13 @@ class DecodeWorker:
         config = self.engine.config
         # past max_model_len, or more blocks than the pool has (the null block aside)
         limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
-        num_kv = num_prompt + batch.max_new_tokens
-        num_kv -= 1
+        num_kv = num_prompt + batch.max_new_tokens  # and one: the last token's KV is never made
         known, req_ids = self.engine.requests, batch.req_ids
         distinct = set(req_ids)
         if (len(distinct) == len(req_ids) and distinct.isdisjoint(known)
-                and not np.count_nonzero(num_kv > limit)):
+                and not np.count_nonzero(num_kv > limit + 1)):
             return {}
+        num_kv -= 1
         reasons: dict[int, str] = {}
         seen: set[str] = set()
         for i, (req_id, kv) in enumerate(zip(req_ids, num_kv.tolist())):
@@ -286,13 +287,22 @@ class DecodeWorker:
         num_new = num_prompt - num_hit if hit else num_prompt
         # this side's new blocks hold exactly the tokens past the hit (a block boundary)
         num_blocks = prompt_blocks - num_hit // block_size if hit else prompt_blocks
-        if own.size != int(num_blocks.sum()):
-            raise AssertionError(f"the allocator gave {own.size} blocks, "
-                                 f"{int(num_blocks.sum())} were expected")
-        dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, self.chunk_tokens,
-                                          None, num_new)
+        total_blocks = int(np.add.reduce(num_blocks))
+        if own.size != total_blocks:
+            raise AssertionError(f"the allocator gave {own.size} blocks, {total_blocks} were "
+                                 "expected")
+        chunk_tokens = self.chunk_tokens
+        if chunk_tokens == block_size:
+            # chunks of whole blocks: this side's rows are the new blocks as allocated (each
+            # request got exactly those of its tokens past the hit, checked above), the one
+            # case of chunk_rows_many that needs no mapping
+            dst, num_rows = own.astype(np.int64), num_blocks
+        else:
+            dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
+                                              None, num_new)
+            num_rows = dst_starts[1:] - dst_starts[:-1]
         return _RoundPlan(req_ids, token_ids, max_new, batch.stops(index), num_hit, num_new,
-                          num_blocks, dst, dst_starts)
+                          num_blocks, dst, num_rows)
 
     def _admit_many(self, batch: OfferBatch, index: np.ndarray | None, num_prompt: np.ndarray
                     ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:
@@ -311,11 +321,15 @@ class DecodeWorker:
             req_ids = [batch.req_ids[i] for i in index.tolist()]
             token_ids = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
         manager = self.engine.manager
-        num_hit = np.array(manager.add_requests(req_ids, token_ids), dtype=np.int64)
+        hits = manager.add_requests(req_ids, token_ids)
+        # no hit at all (the usual round): zeros, not a conversion of the list
+        some_hit = any(hits)
+        num_hit = np.array(hits, dtype=np.int64) if some_hit else np.zeros(len(hits), np.int64)
         if index is not None:
             num_prompt = num_prompt[index]
         try:
-            blocks = manager.allocate_many(req_ids, num_prompt - num_hit)[0]
+            blocks = manager.allocate_many(req_ids, num_prompt - num_hit if some_hit
+                                           else num_prompt)[0]
         except Exception:
             manager.free_many(req_ids)
             raise
@@ -356,7 +370,7 @@ class DecodeWorker:
         self._start_decoding(plan)
         bytes_per_row = view.shape[0] * view.shape[2] * view.element_size()
         self.stats.rounds.append(_ReceivedRound(plan.req_ids, plan.num_blocks, plan.num_hit,
-                                                np.diff(plan.dst_starts) * bytes_per_row,
+                                                plan.num_rows * bytes_per_row,
                                                 elapsed))
 
     def _start_decoding(self, plan: _RoundPlan) -> None:

@@ -129,13 +129,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                 f"tokens; tokens up to {end} need {-(-end // block_size)}"
             )
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
-    counts.cumsum(out=row_starts[1:])
+    np.add.accumulate(counts, out=row_starts[1:])
     total = int(row_starts[-1])
     ids = np.asarray(block_ids)
     if ids.ndim == 2:  # a table: request i's blocks lead its row block_starts[i]
         if block_starts is None:
             raise ValueError("block_starts must give each request's row of a block table")
-        rows_of = np.asarray(block_starts, dtype=np.intp)
+        rows_of = np.asarray(block_starts)
         if first_chunks is None and q == 1:  # each request's rows: the first blocks of its row
             leading = np.arange(ids.shape[1]) < counts[:, None]
             out = ids[rows_of][leading]
@@ -143,7 +143,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                 raise ValueError(f"a block table of {ids.shape[1]} blocks per row is too "
                                  f"narrow for {int(counts.max())} blocks")
             return out.astype(np.int64), row_starts
-        block_starts, ids = rows_of * ids.shape[1], ids.reshape(-1)
+        block_starts, ids = rows_of.astype(np.int64) * ids.shape[1], ids.reshape(-1)
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
     shift: np.ndarray | None
@@ -153,7 +153,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         else:
             shift = np.zeros(num.size, dtype=np.int64)
             skipped = spare[:-1] if first_chunks is None else spare[:-1] + first_chunks[:-1]
-            skipped.cumsum(out=shift[1:])
+            np.add.accumulate(skipped, out=shift[1:])
             if first_chunks is not None:
                 shift += first_chunks
     else:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ from blocktable.transfer.wire_format import TEXT_SEPARATOR
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
+_REQ_ID = attrgetter("req_id")
+_STOP_TOKEN_IDS = attrgetter("stop_token_ids")
 
 
 @dataclass
@@ -54,13 +57,12 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("first_tokens", "max_new_tokens", "req_ids", "reqs", "stop_token_ids")
+    __slots__ = ("first_tokens", "req_ids", "reqs", "stop_token_ids")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
         self.first_tokens: list[int] = []
-        self.max_new_tokens: list[int] = []
         self.stop_token_ids: list[frozenset[int]] = []
 
     def __len__(self) -> int:
@@ -108,8 +110,8 @@ class PrefillWorker:
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
         # per request until it is handed over: its prompt (with room for the first token)
+        # and its max_new_tokens
         self.prompts = PromptArena()
-        self._max_new_tokens: dict[str, int] = {}  # submitted, prompt not done yet
         self.pending = _Handed()  # prompt done, blocks held, not yet sent
         self._unacked = _Handed()  # handed over this round, blocks held until the next ack
         self.stats = PrefillStats()
@@ -143,8 +145,7 @@ class PrefillWorker:
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2,
                                 stop_token_ids=stop_token_ids)
-        self.prompts.add(req_id, prompt_token_ids)
-        self._max_new_tokens[req_id] = max_new_tokens
+        self.prompts.add(req_id, prompt_token_ids, max_new_tokens)
 
     def run(self) -> PrefillStats:
         """Handshake, then prefill and transfer until every submitted request is handed over
@@ -177,7 +178,6 @@ class PrefillWorker:
         requests = self.engine.requests
         for req_id in req_ids:
             self.stats.finished[req_id] = list(requests[req_id].output_token_ids)
-            del self._max_new_tokens[req_id]
         self.prompts.drop(list(req_ids))
 
     def _collect_prefilled(self) -> None:
@@ -192,12 +192,10 @@ class PrefillWorker:
         else:
             running[:] = [req for req in running if not req.output_token_ids]
         p = self.pending
-        ids = [req.req_id for req in done]
         p.reqs += done
-        p.req_ids += ids
-        p.max_new_tokens += map(self._max_new_tokens.pop, ids)
+        p.req_ids += map(_REQ_ID, done)
         p.first_tokens += [req.output_token_ids[0] for req in done]
-        p.stop_token_ids += [req.stop_token_ids for req in done]
+        p.stop_token_ids += map(_STOP_TOKEN_IDS, done)
 
     def _offer_batch(self) -> OfferBatch:
         """Every pending request as one message: its token ids (a slice of the prompts'
@@ -205,10 +203,10 @@ class PrefillWorker:
         p = self.pending
         if not p:
             return OfferBatch.empty()
-        token_ids, token_starts = self.prompts.token_ids(p.req_ids, p.first_tokens)
+        token_ids, token_starts, max_new_tokens = self.prompts.token_ids(p.req_ids,
+                                                                         p.first_tokens)
         self._offered_starts = token_starts
-        return OfferBatch(tuple(p.req_ids), token_ids, token_starts,
-                          np.array(p.max_new_tokens, dtype=np.int64),
+        return OfferBatch(tuple(p.req_ids), token_ids, token_starts, max_new_tokens,
                           *OfferBatch.pack_stops(p.stop_token_ids))
 
     def _transfer_round(self, plans: PlanBatch) -> None:
@@ -325,5 +323,6 @@ class PrefillWorker:
         if not handed.req_ids:
             return
         self.engine.manager.free_many(handed.req_ids)
+        finished = RequestStatus.FINISHED
         for req in handed.reqs:
-            req.status = RequestStatus.FINISHED
+            req.status = finished

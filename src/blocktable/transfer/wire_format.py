@@ -48,6 +48,8 @@ TEXT_SEPARATOR = "\0"
 """Between the strings of a message (a string holding it cannot travel)."""
 
 _KINDS: dict[int, Any] = {}  # kind -> WireMessage class, filled by register_message
+_ZEROS = [0] * MAX_ARRAYS
+_EMPTIES: dict[np.dtype, np.ndarray] = {}  # dtype -> its read-only empty array
 
 
 class WireMessage(Protocol):
@@ -145,43 +147,52 @@ class MessageWriter:
         cls: Any = type(obj)
         kind = getattr(cls, "WIRE_KIND", PICKLED)
         if kind == PICKLED:
-            arrays: Sequence[np.ndarray] = ()
-            lengths: list[int] = []
-            value, num_texts = 0, 0
-            tail = pickle.dumps(obj, protocol=5)
+            parts: list[bytes] = [pickle.dumps(obj, protocol=5)]
+            bulk: list[np.ndarray] = []
+            lengths = []
+            value = num_texts = 0
         else:
             arrays, texts, value = obj.to_wire()
             dtypes = cls.WIRE_DTYPES
             if len(arrays) != len(dtypes):
                 raise ValueError(f"{cls.__name__}.to_wire gave {len(arrays)} arrays, "
                                  f"{len(dtypes)} expected")
-            lengths = [a.shape[0] for a in arrays]
             num_texts = len(texts)
             joined = TEXT_SEPARATOR.join(texts)
             if joined.count(TEXT_SEPARATOR) != num_texts - (num_texts > 0):
                 bad = next(t for t in texts if TEXT_SEPARATOR in t)
                 raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
                                  "which cannot travel")
-            tail = joined.encode()
-        offsets, end = _layout(lengths, cls.WIRE_DTYPES if kind else ())
-        size = end + len(tail)
+            for a, dtype in zip(arrays, dtypes):
+                if a.ndim != 1 or a.dtype.kind != dtype.kind:
+                    raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, "
+                                     f"got {a.dtype} of shape {a.shape}")
+            lengths = [a.shape[0] for a in arrays]
+            offsets, strings_at = _layout(lengths, dtypes)
+            # the small arrays' bytes at their aligned offsets, then the strings: joined once
+            # and copied once into the body
+            parts, bulk, end = [], [], 0
+            for a, dtype, offset, count in zip(arrays, dtypes, offsets, lengths):
+                if offset < 0:  # large: sent from where it is
+                    bulk.append(np.ascontiguousarray(a, dtype))
+                    continue
+                if offset > end:
+                    parts.append(bytes(offset - end))
+                if count:
+                    parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
+                end = offset + count * dtype.itemsize
+            if strings_at > end:  # (the padding of a last, empty array)
+                parts.append(bytes(strings_at - end))
+            parts.append(joined.encode())
+        tail = b"".join(parts)
+        size = len(tail)
         if self._body.size < size:
             # zeros: the padding never carries stale heap bytes (only earlier messages')
             self._body = np.zeros(max(size, 2 * self._body.size), dtype=np.uint8)
         body = self._body[:size]
-        bulk = []
-        for a, dtype, offset in zip(arrays, cls.WIRE_DTYPES if kind else (), offsets):
-            if a.ndim != 1 or a.dtype.kind != dtype.kind:
-                raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, got "
-                                 f"{a.dtype} of shape {a.shape}")
-            if offset < 0:  # large: sent from where it is (copied only if it must be)
-                bulk.append(np.ascontiguousarray(a, dtype))
-            else:  # a typed view of the body (offsets are aligned): strided arrays too
-                np.copyto(np.frombuffer(body, dtype, a.shape[0], offset), a)
-        if tail:
-            body[end:] = np.frombuffer(tail, dtype=np.uint8)
+        memoryview(body)[:] = tail
         header = self._header
-        header[:] = (size, kind, value, num_texts, *lengths, *[0] * (MAX_ARRAYS - len(lengths)))
+        header[:] = [size, kind, value, num_texts, *lengths, *_ZEROS[len(lengths):]]
         return header, body, bulk
 
 
@@ -213,21 +224,34 @@ def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarr
     if min(lengths) < 0 or any(lengths[len(dtypes):]) or end > size or num_texts < 0:
         raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries, "
                          f"{num_texts} strings and a body of {size} bytes, which do not fit")
-    large = iter(bulk)
-    arrays = [np.frombuffer(body, dtype, count, offset) if offset >= 0 else next(large, None)
+    arrays = [np.frombuffer(body, dtype, count, offset) if count and offset >= 0
+              else _empty(dtype) if offset >= 0 else None
               for dtype, count, offset in zip(dtypes, lengths, offsets)]
     num_bulk = offsets.count(-1)
-    if len(bulk) != num_bulk or any(
-            a is None or a.dtype != d or a.shape != (n,)
-            for a, d, n, o in zip(arrays, dtypes, lengths, offsets) if o < 0):
-        raise ValueError(f"a {cls.__name__} header gives {num_bulk} large arrays of "
-                         f"{[(str(d), n) for d, n, o in zip(dtypes, lengths, offsets) if o < 0]}"
-                         f", got {[(str(a.dtype), a.size) for a in bulk]}")
-    texts = bytes(body[end:]).decode().split(TEXT_SEPARATOR) if num_texts else []
+    if num_bulk or bulk:
+        large = iter(bulk)
+        arrays = [next(large, None) if o < 0 else a for a, o in zip(arrays, offsets)]
+        if len(bulk) != num_bulk or any(
+                a is None or a.dtype != d or a.shape != (n,)
+                for a, d, n, o in zip(arrays, dtypes, lengths, offsets) if o < 0):
+            raise ValueError(
+                f"a {cls.__name__} header gives {num_bulk} large arrays of "
+                f"{[(str(d), n) for d, n, o in zip(dtypes, lengths, offsets) if o < 0]}, got "
+                f"{[(str(a.dtype), a.size) for a in bulk]}")
+    texts = str(memoryview(body)[end:], "utf-8").split(TEXT_SEPARATOR) if num_texts else []
     if len(texts) != num_texts:
         raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
                          f"{len(texts)}")
     return cls.from_wire(arrays, texts, value)
+
+
+def _empty(dtype: np.dtype) -> np.ndarray:
+    """A read-only empty array of ``dtype``, one per dtype (what an empty array decodes to)."""
+    empty = _EMPTIES.get(dtype)
+    if empty is None:
+        empty = _EMPTIES[dtype] = np.zeros(0, dtype)
+        empty.flags.writeable = False
+    return empty
 
 
 def check_header(header: np.ndarray) -> int:
