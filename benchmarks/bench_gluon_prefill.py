@@ -38,11 +38,9 @@ from blocktable.attention.kernel_config import default_config
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
 SWEEP = [  # other launch shapes of the Gluon kernels (--sweep)
-    prefill_launch.GluonTiles(warp_specialized=True),  # TMA loader warps, two consumers
-    prefill_launch.GluonTiles(warp_specialized=False, block_n=128),
-    prefill_launch.GluonTiles(warp_specialized=False, block_m=64, warps=4, stages=3),  # 2 per SM
+    prefill_launch.GluonTiles(warp_specialized=False),  # every warp gathers with cp.async
     prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=64, ws_stages=3),
-    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=64, ws_stages=4),
+    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=128, ws_stages=2),
 ]
 
 

@@ -184,7 +184,12 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
 
 @needs_hopper
 @pytest.mark.parametrize("tiles", [
-    {"pipelined": False}, {"block_m": 64, "warps": 4}, {"block_n": 128}, {"block_n": 32, "stages": 4},
+    {"warp_specialized": False, "pipelined": False},
+    {"warp_specialized": False, "block_m": 64, "warps": 4},
+    {"warp_specialized": False, "block_n": 128},
+    {"warp_specialized": False, "block_n": 32, "stages": 4},
+    {"ws_block_n": 64, "ws_stages": 3},
+    {"ws_block_n": 128, "ws_stages": 2},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch

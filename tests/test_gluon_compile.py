@@ -224,5 +224,5 @@ def test_warp_specialized_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path
         pytest.skip("this Triton ships no cuobjdump")
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{out}.cubin"],
                           capture_output=True, text=True, timeout=120, check=True).stdout
-    for op in ("UTMALDG", "HGMMA.64x", "SYNCS.PHASECHK", "LDGSTS"):
+    for op in ("UTMALDG", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E"):
         assert op in sass, op

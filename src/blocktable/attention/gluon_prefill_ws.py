@@ -1,4 +1,4 @@
-"""The prefill kernel in Gluon for Hopper (sm_90), warp-specialized: one warp loads K/V tiles
+"""The prefill kernel in Gluon for Hopper (sm_90), warp-specialized: one warpgroup loads K/V tiles
 page by page with the tensor copy engine (TMA) into a ring of shared-memory stages, and two
 consumer warpgroups, each on its own 64 query rows, run the scores, the online softmax and
 ``P @ V`` on warpgroup MMA (wgmma), the scores of the next tile in flight while this tile's
@@ -14,7 +14,7 @@ num_kv_heads, head_dim]`` pieces, no context parallelism, no sliding window.
 
 Keys of the program past its last query's causal bound are never read from the cache: a page
 chunk wholly past it is copied from outside the tensor (the copy engine fills zeros), and the
-one chunk that straddles it is gathered key by key with ``cp.async`` (keys past the bound
+one chunk that straddles it is gathered key by key with plain loads (keys past the bound
 zero-filled), so a masked score never meets a NaN left in an unused slot.
 """
 
@@ -28,7 +28,6 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
-            async_copy,
             fence_async_shared,
             mbarrier,
             tma,
@@ -39,9 +38,6 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-        _async_load = getattr(async_copy, "async_load", None) or (
-            async_copy.async_copy_global_to_shared
-        )
         _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
         HAS_GLUON_WS = True
     except (ImportError, AttributeError):
@@ -85,8 +81,8 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):
-        """One warp: for each key tile of the program, wait until both consumers released its
-        stage, then copy its K and V page chunks into the stage."""
+        """The loader warpgroup: for each key tile of the program, wait until both consumers
+        released its stage, then copy its K and V page chunks into the stage."""
         CH: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
         NCH: gl.constexpr = BLOCK_N // CH
         TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * 2
@@ -97,8 +93,8 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
             mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             start = i * BLOCK_N
             # The chunk holding kv_end (when kv_end is not on a chunk edge) is gathered key by
-            # key, its arrival tracked on the stage's barrier before the copy engine's bytes
-            # are expected, so that the phase cannot complete without it.
+            # key and stored before the stage's one arrival (below), every warp's stores made
+            # visible to the tensor cores first: the phase cannot complete without them.
             straddle = (kv_end > start) & (kv_end < start + BLOCK_N) & (kv_end % CH != 0)
             for c in gl.static_range(NCH):
                 t0 = start + c * CH
@@ -108,8 +104,8 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
                                   table_row_ptr, table_stride_c, k_cache_ptr + col,
                                   v_cache_ptr + col, num_blocks, k_stride_b, k_stride_s,
                                   v_stride_b, v_stride_s, CH, HEAD_DIM, BLOCK_SIZE)
-                    async_copy.mbarrier_arrive(ready.index(stage))
-            if straddle:  # every warp's arrival counted before the expected bytes
+            if straddle:  # every warp's stores done before the arrival
+                fence_async_shared()
                 _partition_barrier()
             mbarrier.expect(ready.index(stage), TILE_BYTES - CHUNK_BYTES, pred=straddle)
             mbarrier.expect(ready.index(stage), TILE_BYTES, pred=not straddle)
@@ -133,8 +129,9 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
         k_stride_b, k_stride_s, v_stride_b, v_stride_s,
         CH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     ):
-        """``cp.async`` of keys ``[t0, t0 + CH)`` and their values; keys from ``kv_end`` on
-        and keys in a block id outside ``[0, num_blocks)`` zero-filled, never read."""
+        """Keys ``[t0, t0 + CH)`` and their values loaded and stored into the stage; keys from
+        ``kv_end`` on and keys in a block id outside ``[0, num_blocks)`` zero-filled, never
+        read."""
         LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
         t = t0 + gl.arange(0, CH, layout=gl.SliceLayout(1, LD))
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
@@ -148,8 +145,8 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
             + gl.expand_dims(d, 0)
         v_ptrs = v_base + gl.expand_dims(ids * v_stride_b + slot * v_stride_s, 1) \
             + gl.expand_dims(d, 0)
-        _async_load(k_dst, k_ptrs, mask=mask)
-        _async_load(v_dst, v_ptrs, mask=mask)
+        k_dst.store(gl.load(k_ptrs, mask=mask, other=0.0))
+        v_dst.store(gl.load(v_ptrs, mask=mask, other=0.0))
 
     @gluon.jit
     def _softmax(s, m_i, l_i, start, row_hi, full_hi, qk_scale,
@@ -383,3 +380,4 @@ if HAS_GLUON_WS:  # pragma: no cover - compiled for the GPU only
             [4, 4],
             [CONSUMER_REGS_C, CONSUMER_REGS_C],
         )
+

@@ -150,21 +150,24 @@ def gluon_reason(
 
 @dataclasses.dataclass(frozen=True)
 class GluonTiles:
-    """Launch shape of the Gluon kernel: query rows per program (64 per warpgroup), keys per
-    tile, K/V tiles in flight, warps, and whether the scores of the next tile are computed
-    while the softmax of this one runs (needs ``stages >= 3``)."""
+    """Launch shape of the Gluon kernels. ``warp_specialized``: the kernel with a TMA loader
+    and two consumer warpgroups (where it serves the inputs), with ``ws_block_n`` keys per
+    tile and ``ws_stages`` tiles in flight. Else the kernel whose every warp gathers with
+    ``cp.async``: query rows per program (64 per warpgroup), keys per tile, K/V tiles in
+    flight, warps, and whether the scores of the next tile are computed while the softmax
+    of this one runs (needs ``stages >= 3``)."""
 
     block_m: int = 128
     block_n: int = 64
     stages: int = 3
     warps: int = 8
     pipelined: bool = True
-    warp_specialized: bool = False
-    ws_block_n: int = 128
-    ws_stages: int = 2
+    warp_specialized: bool = True
+    ws_block_n: int = 64
+    ws_stages: int = 4
 
 
-GLUON_TILES = GluonTiles()  # from compile checks (benchmarks/notes_gluon.md)
+GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
 
 
 def _launch_gluon(
