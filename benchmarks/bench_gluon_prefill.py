@@ -37,17 +37,14 @@ from blocktable.attention.kernel_config import default_config
 
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
-SWEEP = [  # other launch shapes of the Gluon kernels (--sweep)
-    prefill_launch.GluonTiles(warp_specialized=False),  # every warp gathers with cp.async
-    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=64, ws_stages=3),
-    prefill_launch.GluonTiles(warp_specialized=True, ws_block_n=128, ws_stages=2),
+SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
+    prefill_launch.GluonTiles(block_n=64, stages=3),
+    prefill_launch.GluonTiles(block_n=128, stages=2),
 ]
 
 
 def tiles_name(t: prefill_launch.GluonTiles) -> str:
-    if t.warp_specialized:
-        return f"gluon-ws n{t.ws_block_n} s{t.ws_stages}"
-    return f"gluon-cp m{t.block_m} n{t.block_n} s{t.stages} w{t.warps} p{int(t.pipelined)}"
+    return f"gluon n{t.block_n} s{t.stages}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):

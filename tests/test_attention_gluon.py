@@ -72,35 +72,36 @@ def test_forcing_gluon_where_it_cannot_run_is_a_clear_error(triton_device: str) 
         assert gluon_reason(bf16[0], bf16[1], bf16[2], bf16[0], 2, 0, CPLayout()) is not None
 
 
+@needs_hopper
+@pytest.mark.parametrize("block_size, head_dim, reason", [
+    (4, 64, "kernel block size 4"), (48, 64, "kernel block size 48"), (16, 32, "head_dim 32"),
+])
+def test_forcing_gluon_on_a_layout_it_does_not_serve_names_why(block_size, head_dim,
+                                                                reason) -> None:
+    args = make_case(LONG, block_size, 2, 2, head_dim, torch.bfloat16, "cuda", seed=3)
+    with pytest.raises(ValueError, match=reason):
+        run_prefill(args, "gluon")
+    out, _ = run_prefill(args, "auto")  # the Triton kernel
+    ref, _ = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 CASES = [
-    # block_size, num_kv_heads, group, head_dim, dtype: the Triton tests' shapes in 16 bits,
-    # then the kernel block sizes and head sizes the Gluon kernel is for.
-    (4, 1, 1, 16, torch.bfloat16),
-    (6, 2, 2, 16, torch.float16),
+    # block_size, num_kv_heads, group, head_dim, dtype: the kernel block sizes, head sizes and
+    # GQA groups the Gluon kernel serves (pages shorter than a tile, one tile, longer).
     (16, 1, 4, 64, torch.float16),
-    (32, 1, 8, 16, torch.bfloat16),
     (16, 8, 4, 128, torch.bfloat16),
+    (32, 1, 8, 64, torch.bfloat16),
     (64, 2, 8, 128, torch.float16),
     (128, 4, 2, 64, torch.bfloat16),
-    (256, 2, 1, 32, torch.bfloat16),
+    (256, 2, 1, 128, torch.bfloat16),
 ]
-
-
-@pytest.fixture(params=[True, False], ids=["ws", "cp"])
-def gluon_variant(request, monkeypatch) -> bool:
-    """Both Gluon kernels: the warp-specialized one (TMA loader) where it serves the inputs,
-    and the one whose every warp gathers with cp.async."""
-    from blocktable.attention import prefill_launch
-
-    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
-                        prefill_launch.GluonTiles(warp_specialized=request.param))
-    return request.param
 
 
 @needs_hopper
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
 @pytest.mark.parametrize("reqs", [MIXED, LONG, BIG], ids=["mixed", "long", "big"])
-def test_gluon_matches_reference(case, reqs, gluon_variant) -> None:
+def test_gluon_matches_reference(case, reqs) -> None:
     block_size, num_kv_heads, group, head_dim, dtype = case
     args = make_case(reqs, block_size, num_kv_heads, group, head_dim, dtype, "cuda",
                      pad_tokens=5, seed=block_size + head_dim)
@@ -184,12 +185,7 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
 
 @needs_hopper
 @pytest.mark.parametrize("tiles", [
-    {"warp_specialized": False, "pipelined": False},
-    {"warp_specialized": False, "block_m": 64, "warps": 4},
-    {"warp_specialized": False, "block_n": 128},
-    {"warp_specialized": False, "block_n": 32, "stages": 4},
-    {"ws_block_n": 64, "ws_stages": 3},
-    {"ws_block_n": 128, "ws_stages": 2},
+    {"block_n": 64, "stages": 3}, {"block_n": 128, "stages": 2}, {"block_n": 32, "stages": 4},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch
@@ -204,16 +200,14 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
 
 @needs_hopper
 @pytest.mark.parametrize("block_size", [16, 64, 256])
-def test_gluon_ws_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) -> None:
+def test_gluon_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) -> None:
     """Slots past each request's last key hold NaN (an unused slot may hold anything): the
-    warp-specialized kernel's output stays finite and equal to the reference."""
+    kernel's output stays finite and equal to the reference."""
     from blocktable.attention import prefill_launch
 
-    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
-                        prefill_launch.GluonTiles(warp_specialized=True))
     used = []
-    real = prefill_launch._launch_gluon_ws
-    monkeypatch.setattr(prefill_launch, "_launch_gluon_ws",
+    real = prefill_launch._launch_gluon
+    monkeypatch.setattr(prefill_launch, "_launch_gluon",
                         lambda *a, **k: (used.append(1), real(*a, **k)))
     reqs = [(1000, 1000), (333, 77), (129, 129), (17, 17), (250, 3)]
     args = make_case(reqs, block_size, 2, 4, 128, torch.bfloat16, "cuda", seed=block_size)
@@ -225,7 +219,7 @@ def test_gluon_ws_never_reads_slots_past_the_causal_bound(block_size, monkeypatc
         k_cache[block, seq_len % block_size or block_size:] = float("nan")
         v_cache[block, seq_len % block_size or block_size:] = float("nan")
     out, lse = run_prefill(args, "gluon")
-    assert used, "the warp-specialized kernel did not run"
+    assert used, "the Gluon kernel did not run"
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)
