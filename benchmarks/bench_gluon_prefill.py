@@ -38,12 +38,13 @@ from blocktable.attention.kernel_config import default_config
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
 SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
-    prefill_launch.GluonTiles(128, 64, 3, 8, pipelined=False),
-    prefill_launch.GluonTiles(128, 64, 4, 8),
-    prefill_launch.GluonTiles(128, 128, 3, 8),
-    prefill_launch.GluonTiles(128, 32, 4, 8),
-    prefill_launch.GluonTiles(64, 64, 3, 4),  # one warpgroup: two programs per multiprocessor
+    prefill_launch.GluonTiles(block_n=64, stages=3),
+    prefill_launch.GluonTiles(block_n=128, stages=2),
 ]
+
+
+def tiles_name(t: prefill_launch.GluonTiles) -> str:
+    return f"gluon n{t.block_n} s{t.stages}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):
@@ -104,9 +105,7 @@ def main() -> int:
         fns = {"gluon": paged_runner(batch, "gluon"), "triton": paged_runner(batch, "triton")}
         if args.sweep:
             for t in SWEEP:
-                fns[f"gluon m{t.block_m} n{t.block_n} s{t.stages} w{t.warps} p{int(t.pipelined)}"] = paged_runner(
-                    batch, "gluon", t
-                )
+                fns[tiles_name(t)] = paged_runner(batch, "gluon", t)
         errors = {}
         for name, fn in fns.items():
             batch.out.fill_(float("nan"))

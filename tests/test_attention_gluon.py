@@ -72,17 +72,29 @@ def test_forcing_gluon_where_it_cannot_run_is_a_clear_error(triton_device: str) 
         assert gluon_reason(bf16[0], bf16[1], bf16[2], bf16[0], 2, 0, CPLayout()) is not None
 
 
+@needs_hopper
+@pytest.mark.parametrize("block_size, head_dim, reason", [
+    (4, 64, "kernel block size 4"), (48, 64, "kernel block size 48"), (16, 32, "head_dim 32"),
+])
+def test_forcing_gluon_on_a_layout_it_does_not_serve_names_why(block_size, head_dim,
+                                                                reason) -> None:
+    args = make_case(LONG, block_size, 2, 2, head_dim, torch.bfloat16, "cuda", seed=3)
+    with pytest.raises(ValueError, match=reason):
+        run_prefill(args, "gluon")
+    out, _ = run_prefill(args, "auto")  # the Triton kernel
+    ref, _ = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 CASES = [
-    # block_size, num_kv_heads, group, head_dim, dtype: the Triton tests' shapes in 16 bits,
-    # then the kernel block sizes and head sizes the Gluon kernel is for.
-    (4, 1, 1, 16, torch.bfloat16),
-    (6, 2, 2, 16, torch.float16),
+    # block_size, num_kv_heads, group, head_dim, dtype: the kernel block sizes, head sizes and
+    # GQA groups the Gluon kernel serves (pages shorter than a tile, one tile, longer).
     (16, 1, 4, 64, torch.float16),
-    (32, 1, 8, 16, torch.bfloat16),
     (16, 8, 4, 128, torch.bfloat16),
+    (32, 1, 8, 64, torch.bfloat16),
     (64, 2, 8, 128, torch.float16),
     (128, 4, 2, 64, torch.bfloat16),
-    (256, 2, 1, 32, torch.bfloat16),
+    (256, 2, 1, 128, torch.bfloat16),
 ]
 
 
@@ -173,7 +185,7 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
 
 @needs_hopper
 @pytest.mark.parametrize("tiles", [
-    {"pipelined": False}, {"block_m": 64, "warps": 4}, {"block_n": 128}, {"block_n": 32, "stages": 4},
+    {"block_n": 64, "stages": 3}, {"block_n": 128, "stages": 2}, {"block_n": 32, "stages": 4},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch
@@ -182,5 +194,32 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     args = make_case(BIG + LONG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=2, seed=9)
     out, lse = run_prefill(args, "gluon")
     ref, ref_lse = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_gluon_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) -> None:
+    """Slots past each request's last key hold NaN (an unused slot may hold anything): the
+    kernel's output stays finite and equal to the reference."""
+    from blocktable.attention import prefill_launch
+
+    used = []
+    real = prefill_launch._launch_gluon
+    monkeypatch.setattr(prefill_launch, "_launch_gluon",
+                        lambda *a, **k: (used.append(1), real(*a, **k)))
+    reqs = [(1000, 1000), (333, 77), (129, 129), (17, 17), (250, 3)]
+    args = make_case(reqs, block_size, 2, 4, 128, torch.bfloat16, "cuda", seed=block_size)
+    ref, ref_lse = reference(*args, scale=0.3)
+    _, k_cache, v_cache, table, seq, _ = args
+    for r, (seq_len, _) in enumerate(reqs):
+        last = (seq_len - 1) // block_size
+        block = int(table[r, last])
+        k_cache[block, seq_len % block_size or block_size:] = float("nan")
+        v_cache[block, seq_len % block_size or block_size:] = float("nan")
+    out, lse = run_prefill(args, "gluon")
+    assert used, "the Gluon kernel did not run"
+    assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)

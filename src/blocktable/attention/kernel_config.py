@@ -40,11 +40,10 @@ class KernelConfig:
         Programs sharing a decode request's keys (flash-decoding), a power of two; ``None``:
         chosen from shapes (:func:`~blocktable.attention.triton_decode.default_num_kv_splits`).
     prefill_kernel : {"auto", "gluon", "triton"}
-        Which prefill kernel runs: ``"auto"``, the Triton kernel (the Gluon kernel for Hopper,
-        :mod:`~blocktable.attention.gluon_prefill`, is experimental: it failed its first GPU
-        tests and ``prefill_launch.AUTO_PICKS_GLUON`` is off); ``"gluon"``, the Gluon kernel
-        or a ``ValueError`` saying why not (for its tests and benchmark); ``"triton"``, the
-        portable Triton kernel (the one the CPU interpreter runs). The
+        Which prefill kernel runs: ``"auto"``, the Gluon kernel for Hopper
+        (:mod:`~blocktable.attention.gluon_prefill`) where it serves the inputs, else the
+        Triton kernel; ``"gluon"``, the Gluon kernel or a ``ValueError`` saying why not;
+        ``"triton"``, the portable Triton kernel (the one the CPU interpreter runs). The
         ``prefill_*`` tile fields tune the Triton kernel only.
     """
 

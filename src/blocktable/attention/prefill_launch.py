@@ -19,11 +19,10 @@ if HAS_TRITON:
 from blocktable.attention import gluon_prefill as _gluon
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
-# Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: off. Its
-# first GPU run (BENCHMARKS.md) failed tests/test_attention_gluon.py (NaN rows on some shapes)
-# and was slower than the Triton kernel; prefill_kernel="gluon" still runs it, for its tests
-# and benchmark only.
-AUTO_PICKS_GLUON = False
+# Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: on. On an
+# H100 it is 1.08-1.15x the Triton kernel on the benchmark's three prefill shapes and passes
+# the Triton kernel's tests in its place (BENCHMARKS.md).
+AUTO_PICKS_GLUON = True
 _INTERPRET = interpreting()
 
 
@@ -123,37 +122,45 @@ def gluon_reason(
     cp: CPLayout,
 ) -> str | None:
     """``None`` when the Gluon prefill kernel serves these (checked) inputs, else why not:
-    it needs a Hopper GPU, 16-byte aligned tensors with a contiguous head dimension and
-    other strides in multiples of 16 elements, and what :func:`gluon_prefill.supports`
-    asks."""
+    it needs what :func:`gluon_prefill.supports` asks, a Hopper GPU, 16-byte aligned tensors
+    with a contiguous head dimension and other strides in multiples of 16 elements, a GQA
+    group within one consumer's rows, and a cache whose blocks are contiguous ``[block_size,
+    num_kv_heads, head_dim]`` pieces of a power of two from 16 slots up (its loader copies
+    whole page chunks), under 2**31 slots in all."""
     reason = _gluon.supports(DTYPE_NAMES[query.dtype], query.shape[2], cp.world_size, window)
     if reason is not None:
         return reason
     if not query.is_cuda or _capability(query.device)[0] != 9:
         return "not a Hopper (sm_90) GPU"
-    if group_pad > GLUON_TILES.block_m:
-        return f"a GQA group over {GLUON_TILES.block_m}"
+    if group_pad > _gluon.CONSUMER_ROWS:
+        return f"a GQA group over {_gluon.CONSUMER_ROWS}"
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         strides = t.stride()
         if strides[-1] != 1 or any(s % 16 for s in strides[:-1]) or t.data_ptr() % 16:
             return f"{name} is not 16-byte aligned with a contiguous head dimension"
+    num_blocks, block_size, _, head_dim = k_cache.shape
+    if block_size < _gluon.GLUON_MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        return (f"kernel block size {block_size} (it takes a power of two from "
+                f"{_gluon.GLUON_MIN_BLOCK_SIZE} up)")
+    if num_blocks * block_size >= 2**31:
+        return "a cache of 2**31 slots or more"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        b, s, h, _ = t.stride()
+        if h != head_dim or b != block_size * s:
+            return f"{name}'s blocks are not contiguous [block_size, num_kv_heads, head_dim]"
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonTiles:
-    """Launch shape of the Gluon kernel: query rows per program (64 per warpgroup), keys per
-    tile, K/V tiles in flight, warps, and whether the scores of the next tile are computed
-    while the softmax of this one runs (needs ``stages >= 3``)."""
+    """Launch shape of the Gluon kernel: keys per tile and tiles in flight (shared memory
+    holds ``stages`` K and V tiles beside the queries)."""
 
-    block_m: int = 128
     block_n: int = 64
-    stages: int = 3
-    warps: int = 8
-    pipelined: bool = True
+    stages: int = 4
 
 
-GLUON_TILES = GluonTiles()  # from compile checks (benchmarks/notes_gluon.md)
+GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
 
 
 def _launch_gluon(
@@ -177,16 +184,31 @@ def _launch_gluon(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = block_table.shape
     tiles = GLUON_TILES
-    block_q = tiles.block_m // group_pad
-    o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, k_h, _, v_b, v_s, v_h, _, tb_r, tb_c = (
-        strides
-    )
+    block_q = 2 * _gluon.CONSUMER_ROWS // group_pad
+    o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, _, _, v_b, v_s, _, _, tb_r, tb_c = strides
+    cache_rows = num_blocks * block_size
+    k_desc, v_desc = _descriptors(k_cache, v_cache, min(block_size, tiles.block_n))
     _gluon.gluon_prefill_kernel[(cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)](
-        out, seq_lens if lse_out is None else lse_out, query, k_cache, v_cache, block_table,
-        seq_lens, query_start_loc, seq_lens if row_of_batch is None else row_of_batch,
-        scale * LOG2_E, num_reqs, num_tokens, short_query_len, num_blocks, num_rows, width,
-        search_stride(num_reqs), o_t, o_h, lse_t, lse_h, q_t, q_h, k_b, k_s, k_h, v_b, v_s,
-        v_h, tb_r, tb_c, group, group_pad, tiles.block_m, block_q, tiles.block_n, head_dim,
-        block_size, SEARCH_RADIX, row_of_batch is not None, lse_out is not None,
-        tiles.stages, tiles.pipelined and tiles.stages >= 3, num_warps=tiles.warps,
+        out, seq_lens if lse_out is None else lse_out, query, k_desc, v_desc, k_cache, v_cache,
+        block_table, seq_lens, query_start_loc,
+        seq_lens if row_of_batch is None else row_of_batch, scale * LOG2_E, num_reqs,
+        num_tokens, short_query_len, num_blocks, num_rows, width, search_stride(num_reqs),
+        cache_rows, o_t, o_h, lse_t, lse_h, q_t, q_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
+        group, group_pad, block_q, tiles.block_n, head_dim, block_size, SEARCH_RADIX,
+        row_of_batch is not None, lse_out is not None, tiles.stages, num_warps=4,
+    )
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: int) -> tuple:
+    """TMA descriptors of the two caches seen as ``[num_blocks * block_size, num_kv_heads *
+    head_dim]`` (rows: slots), copying ``[chunk, head_dim]`` boxes."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    gl = _gluon.gl
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [chunk, head_dim], gl.float16 if k_cache.dtype == torch.float16 else gl.bfloat16
+    )
+    shape = [num_blocks * block_size, num_kv_heads * head_dim]
+    return tuple(
+        _gluon.TensorDescriptor(t, shape, [t.stride(1), 1], [chunk, head_dim], layout)
+        for t in (k_cache, v_cache)
     )
