@@ -10,8 +10,7 @@ calls more than anything else. This script counts them, deterministically, witho
   captured step built for ``device="cuda"`` behind ``tests/fake_graph.py``'s ``fake_cuda``
   (events, streams, pinned and device tensor constructors; CUDA graphs are its
   ``FakeGraph``, whose kernels run under Triton's interpreter), so the step takes its CUDA
-  branch: two staging buffers, graph replays (a fake graph has no driver launch: on a GPU the
-  replay is a ``cuGraphLaunch`` instead, no torch call), the mailbox;
+  branch: two staging buffers, graph replays, the mailbox;
 - around each piece of the step it counts, per step:
 
   ``torch``   calls caught by a ``TorchFunctionMode`` (operators, tensor methods and

@@ -15,10 +15,7 @@ of kernels only: the scatter reads the pinned staging buffer in place (the pair 
 pairs, and the batch words it copies to the device), the slot-mapping kernel maps the copied
 batch, and a one-thread kernel posts the step to a pinned *mailbox*. Launch shapes come from the
 capacities, so one graph serves every batch: ``query_start_loc`` is padded with
-``num_tokens``, so padding requests own no token. The graph is launched by one compiled call
-to the CUDA driver (``GraphLaunch`` in the compiled part, where the install built it; else
-torch's replay): in the engine loop, with the caches cold, a torch replay costs the host more
-than the rest of the step.
+``num_tokens``, so padding requests own no token. The graph is launched by torch's replay.
 Two staging buffers alternate; a buffer is refilled once the mailbox shows the post of the
 replay that last read it. On the CPU backend
 the launch is one call on the calling thread that reads the staging buffer as the graph does:
@@ -211,22 +208,13 @@ class CapturedStep:
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
                 self._capture(use_graph)
-                index = self.device.index if self.device.index is not None else 0
-                self._launches = ([_graph_launcher(g, index) for g in self._graphs]
+                self._launches = ([g.replay for g in self._graphs]
                                   if self._graphs is not None
                                   else [partial(self._device_work, s) for s in range(num_slots)])
         elif self.mode == "kernels":
             self._launches = [partial(self._device_work, 0)]
         else:
             self._launches = [self._host_launch(s) for s in range(num_slots)]
-
-    @property
-    def launches_through_driver(self) -> bool:
-        """True when each step's CUDA graph is launched by one compiled call to the CUDA
-        driver (else torch's replay, the kernels eagerly, or the CPU backend's host work)."""
-        compiled = _loader.COMPILED
-        launcher = getattr(self._launches[0], "__self__", None)
-        return compiled is not None and isinstance(launcher, compiled.GraphLaunch)
 
     # ---------------------------------------------------------------- one step
     def run(
@@ -454,19 +442,6 @@ class CapturedStep:
         torch.cuda.synchronize(self.device)
         assert self._mailbox is not None
         self._launched = [int(n) for n in self._mailbox_np]  # the warm-up's posts
-
-
-def _graph_launcher(graph: torch.cuda.CUDAGraph, device_index: int) -> Callable[[], None]:
-    """A call launching ``graph`` (captured on device ``device_index``, the current one) on
-    that device's current stream: one compiled call to the CUDA driver where the install built
-    the compiled part and the driver and torch allow it, else ``graph.replay``."""
-    compiled = _loader.COMPILED
-    if compiled is not None:
-        try:
-            return compiled.GraphLaunch(graph, device_index).launch  # type: ignore[no-any-return]
-        except RuntimeError:  # no driver loaded, or no executable handed out by this torch
-            pass
-    return graph.replay
 
 
 def _check_batch_values(qsl: np.ndarray, rows: np.ndarray, num_tokens: int,
