@@ -9,9 +9,10 @@ runs while the other's wgmma does. (Within a consumer ptxas serializes the wgmma
 
 It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid and
 with the same request search, for the cases :func:`supports` and the launcher accept: float16
-or bfloat16, head size 64 or 128, kernel block size 16 to 256 (pages copied whole or, for
-pages longer than a tile, in tile-sized pieces), a cache whose blocks are contiguous
-``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no sliding window;
+or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
+copied whole or, for pages longer than a tile, in tile-sized pieces), a cache whose blocks
+are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no
+sliding window;
 everything else stays on the Triton kernel.
 
 Keys of the program past its last query's causal bound are never read from the cache: a page
