@@ -12,8 +12,7 @@ with the same request search, for the cases :func:`supports` and the launcher ac
 or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
 copied whole or, for pages longer than a tile, in tile-sized pieces), a cache whose blocks
 are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no
-sliding window;
-everything else stays on the Triton kernel.
+sliding window; everything else stays on the Triton kernel.
 
 Keys of the program past its last query's causal bound are never read from the cache: a page
 chunk wholly past it is copied from outside the tensor (the copy engine fills zeros), and the
