@@ -46,8 +46,10 @@ def one_run(tree: Path, compiled: bool, device: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     if not compiled:
         env.update(BLOCKTABLE_NATIVE="0", BLOCKTABLE_COMPILED="0")
-    out = subprocess.run([sys.executable, "-c", _LOOP, device], cwd=tree, env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", _LOOP, device], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -65,16 +67,17 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     head = Path(__file__).resolve().parents[1]
-    codes = {"base, compiled": (args.base, True), "this, compiled": (head, True)}
+    base = args.base.resolve()  # (each run's cwd is its tree: a relative path would break)
+    codes = {"base, compiled": (base, True), "this, compiled": (head, True)}
     if args.device == "cpu":
-        codes.update({"base, numpy": (args.base, False), "this, numpy": (head, False)})
+        codes.update({"base, numpy": (base, False), "this, numpy": (head, False)})
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in codes}
     for _ in range(args.rounds):
         for name, (tree, compiled) in codes.items():
             runs[name].append(one_run(tree, compiled, args.device))
     result = {
         **run_info(),
-        "base_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base,
+        "base_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=base,
                                       capture_output=True, text=True).stdout.strip() or None,
         "device": args.device,
         "clock": "thread CPU time" if args.device == "cpu" else "host wall time",
