@@ -39,6 +39,7 @@ PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
 SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
     prefill_launch.GluonTiles(block_n=64, stages=3),
+    prefill_launch.GluonTiles(block_n=64, stages=5),
     prefill_launch.GluonTiles(block_n=128, stages=2),
 ]
 

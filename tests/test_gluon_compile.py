@@ -1,16 +1,21 @@
 """The Gluon prefill kernel compiled for sm_90 without a GPU (Triton's bundled ptxas): the
 loader's tensor copies and plain loads, the consumers' wgmma and the mbarrier waits between
-them are in its machine code, for the default launch shape and others.
+them are in its machine code, for the default launch shape and others; the PTX pass leaves
+the partitions' own register moves only, and the consumers' products are pipelined.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from blocktable.attention.gluon_prefill import CONSUMER_REGS
+from blocktable.attention.gluon_ptx import strip_idle_register_moves
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,8 +28,10 @@ from triton.runtime.jit import mangle_type
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     sys.exit(77)
 from blocktable.attention import gluon_prefill as ws
+from blocktable.attention import gluon_ptx
 if not ws.HAS_GLUON:
     sys.exit(77)
+gluon_ptx.install(ws.CONSUMER_REGS)  # as the launcher does
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -63,6 +70,8 @@ compiled = triton.compile(GluonASTSource(kernel, signature, consts, attrs),
                           options={"num_warps": 4, "ptx_version": 87})
 with open(out + ".cubin", "wb") as f:
     f.write(compiled.asm["cubin"])
+with open(out + ".ptx", "w") as f:
+    f.write(compiled.asm["ptx"])
 '''
 
 
@@ -95,3 +104,33 @@ def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120, check=True).stdout
     for op in ("UTMALDG", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E"):
         assert op in sass, op
+    # The PTX pass left the partitions' own register moves only, and every warp of the launch
+    # holds the .maxnreg the loader's and the consumers' budgets add up to.
+    ptx = Path(f"{out}.ptx").read_text()
+    moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)
+    maxnreg = int(re.search(r"^\.maxnreg (\d+)", ptx, re.M).group(1))
+    regs = CONSUMER_REGS
+    assert sorted(moves) == [("dec", str(3 * maxnreg - 2 * regs)), ("inc", str(regs)),
+                             ("inc", str(regs))], moves
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f"{out}.cubin"],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"REG:{maxnreg}" in usage, usage
+    if shape[1] == 64:  # the launcher's tiles: each product's wgmma steps follow each other
+        hgmma, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
+        assert 4 * waits <= hgmma, (hgmma, waits)
+
+
+def test_ptx_pass_keeps_only_the_partitions_moves() -> None:
+    """The pass drops the idle-state moves, keeps the loader's and the consumers', and leaves
+    PTX of another shape alone (``None``)."""
+    body = ("\tsetmaxnreg.inc.sync.aligned.u32 \t256;\n\tsetmaxnreg.dec.sync.aligned.u32 \t120;\n"
+            "\tsetmaxnreg.inc.sync.aligned.u32 \t216;\n\tsetmaxnreg.inc.sync.aligned.u32 \t216;\n"
+            "\tsetmaxnreg.dec.sync.aligned.u32 \t72;\n\tret;\n")
+    ptx = ".reqntid 384\n.maxnreg 168\n" + body
+    out = strip_idle_register_moves(ptx, 216)
+    assert out is not None
+    assert "\t256;" not in out and "\t120;" not in out
+    assert out.count("u32 \t216;") == 2 and out.count("u32 \t72;") == 1 and "ret;" in out
+    assert strip_idle_register_moves(body, 216) is None  # no .maxnreg
+    assert strip_idle_register_moves(ptx, 232) is None  # budgets that do not add up
+    assert strip_idle_register_moves(ptx.replace("\t72;", "\t64;"), 216) is None

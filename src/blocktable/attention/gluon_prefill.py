@@ -4,8 +4,10 @@ two consumer warpgroups, each on its own 64 query rows, run the scores, the onli
 ``P @ V`` on warpgroup MMA (wgmma). Stages are handed over by mbarriers: "ready" (the copy
 engine's byte count) and "empty" (one arrival per consumer), so the loader runs ahead of both
 consumers and the two consumers drift apart instead of meeting at every tile: one's softmax
-runs while the other's wgmma does. (Within a consumer ptxas serializes the wgmma, as Triton
-3.6-3.9 lower warp specialization on Hopper; ``benchmarks/notes_gluon.md``.)
+runs while the other's wgmma does; within a consumer, a tile's softmax runs while ``P @ V``
+of the tile before does. (That needs the PTX pass of
+:mod:`blocktable.attention.gluon_ptx`: as Triton 3.6-3.9 lower warp specialization on Hopper,
+ptxas would wait after every wgmma.)
 
 It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid and
 with the same request search, for the cases :func:`supports` and the launcher accept: float16
@@ -52,7 +54,10 @@ GLUON_MIN_BLOCK_SIZE = 16
 GLUON_DTYPES = ("fp16", "bf16")
 _LN_2 = 0.6931471805599453
 CONSUMER_ROWS = 64  # one warpgroup's wgmma rows
-CONSUMER_REGS = 232  # of a thread's 512 / 3 warpgroups: the loader keeps 48
+# Registers of a consumer thread; the loader keeps 3 * 168 - 2 * 216 = 72 of the launch's 168
+# per thread of three warpgroups (:mod:`blocktable.attention.gluon_ptx`): the most with which
+# neither partition spills.
+CONSUMER_REGS = 216
 # Arguments that change from step to step: never a new compilation.
 GLUON_DYNAMIC_ARGS = (
     "num_reqs", "num_tokens", "short_query_len", "num_blocks", "num_rows", "width",
