@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from blocktable.attention.gluon_prefill import CONSUMER_REGS
-from blocktable.attention.gluon_ptx import strip_idle_register_moves
+from blocktable.attention.gluon_ptx import KERNEL_NAME, make_hook, strip_idle_register_moves
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,3 +134,27 @@ def test_ptx_pass_keeps_only_the_partitions_moves() -> None:
     assert strip_idle_register_moves(body, 216) is None  # no .maxnreg
     assert strip_idle_register_moves(ptx, 232) is None  # budgets that do not add up
     assert strip_idle_register_moves(ptx.replace("\t72;", "\t64;"), 216) is None
+
+
+def test_ptx_hook_patches_only_the_kernel_and_chains() -> None:
+    """The hook wraps the PTX stage for the named kernel only, runs the hook installed before
+    it, and adds its share to the cache key (Triton 3.7 on)."""
+    ptx = (".maxnreg 168\n\tsetmaxnreg.dec.sync.aligned.u32 \t120;\n"
+           "\tsetmaxnreg.inc.sync.aligned.u32 \t216;\n\tsetmaxnreg.inc.sync.aligned.u32 \t216;\n"
+           "\tsetmaxnreg.dec.sync.aligned.u32 \t72;\n")
+    calls = []
+
+    def previous(*args):
+        calls.append(len(args))
+        return ("theirs", "d") if not args else None
+
+    hook = make_hook(previous, 216)
+    key, digest = hook()
+    ours, our_digest = make_hook(None, 216)()
+    assert key == "theirs" + ours and digest not in ("d", our_digest)
+    for name, patched in ((KERNEL_NAME, True), ("another_kernel", False)):
+        stages = {"ptx": lambda src, metadata, name=name: (metadata.update(name=name), ptx)[1]}
+        hook(None, stages, None, None, 90)
+        out = stages["ptx"](None, {})
+        assert ("\t120;" not in out) == patched and out.count("\t216;") == 2
+    assert calls == [0, 5, 5]

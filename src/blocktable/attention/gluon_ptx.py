@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 KERNEL_NAME = "gluon_prefill_kernel"
 _MAXNREG = re.compile(r"^\.maxnreg (\d+)\s*$", re.M)
@@ -62,15 +63,27 @@ def install(consumer_regs: int) -> None:
         return
     from triton import knobs
 
-    previous = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = make_hook(
+        knobs.runtime.add_stages_inspection_hook, consumer_regs)
+    _installed = True
+
+
+def make_hook(previous: Callable | None, consumer_regs: int) -> Callable:
+    """Triton's stage hook running the pass after ``previous`` (the hook installed before, or
+    ``None``). Called with no arguments (Triton 3.7 on, at each launch and compilation) it
+    returns the cache key's share ``(key, digest)``; with ``(backend, stages, options,
+    language, capability)`` it wraps ``stages["ptx"]``."""
+    alone = (_PASS_KEY, hashlib.sha256(_PASS_KEY.encode()).hexdigest())
 
     def hook(*args):
-        if not args:  # Triton 3.7 on asks for the pass's share of its cache key
-            key, digest = previous() if previous is not None else ("", "")
+        if not args:
+            if previous is None:
+                return alone
+            key, digest = previous()
             return key + _PASS_KEY, hashlib.sha256((digest + _PASS_KEY).encode()).hexdigest()
         if previous is not None:
             previous(*args)
-        stages = args[1]  # (backend, stages, options, language, capability)
+        stages = args[1]
         make_ptx = stages.get("ptx")
         if make_ptx is None:
             return
@@ -83,5 +96,4 @@ def install(consumer_regs: int) -> None:
 
         stages["ptx"] = ptx_stage
 
-    knobs.runtime.add_stages_inspection_hook = hook
-    _installed = True
+    return hook
