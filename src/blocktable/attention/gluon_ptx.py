@@ -7,7 +7,10 @@ register resources" for the consumers' warpgroup MMA (its message C7512) and wai
 ``wgmma``: a product's sixteen-key steps no longer follow each other in the tensor cores, and
 no softmax runs under a product. Without the idle-state moves every warp keeps the launch's
 ``.maxnreg`` until its partition starts; the loader's decrease then frees exactly what the two
-consumers' increases take, and ptxas pipelines the ``wgmma``.
+consumers' increases take, and ptxas pipelines the ``wgmma``. (That needs the launch to give
+every thread ``.maxnreg`` registers, as ptxas does for a kernel that moves registers: an
+increase the pool cannot serve would wait forever. ``tests/test_gluon_compile.py`` checks the
+count in the machine code.)
 
 The pass runs inside Triton's compilation, for the one kernel named
 :data:`KERNEL_NAME` (Triton's stage hook, chained to any hook already installed). PTX of
