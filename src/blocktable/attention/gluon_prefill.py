@@ -27,6 +27,7 @@ imports and :data:`HAS_GLUON` is false.
 from __future__ import annotations
 
 from blocktable._triton import HAS_TRITON
+from blocktable.attention import gluon_ptx
 
 HAS_GLUON = False
 if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
@@ -58,6 +59,10 @@ CONSUMER_ROWS = 64  # one warpgroup's wgmma rows
 # per thread of three warpgroups (:mod:`blocktable.attention.gluon_ptx`): the most with which
 # neither partition spills.
 CONSUMER_REGS = 216
+if HAS_GLUON:
+    # Before any kernel of ours compiles: Triton 3.7 on keys every kernel's cache on the hook,
+    # so a hook installed later would recompile the kernels compiled before it.
+    gluon_ptx.install(CONSUMER_REGS)
 # Arguments that change from step to step: never a new compilation.
 GLUON_DYNAMIC_ARGS = (
     "num_reqs", "num_tokens", "short_query_len", "num_blocks", "num_rows", "width",

@@ -13,12 +13,13 @@ increase the pool cannot serve would wait forever. ``tests/test_gluon_compile.py
 count in the machine code.)
 
 The pass runs inside Triton's compilation, for the one kernel named
-:data:`KERNEL_NAME` (Triton's stage hook, chained to any hook already installed). PTX of
+:data:`KERNEL_NAME` (Triton's stage hook, chained to any hook already installed; installed
+when :mod:`blocktable.attention.gluon_prefill` is imported with Gluon present). PTX of
 another shape than expected is left as Triton wrote it: the kernel is then slower, never
 wrong. Triton 3.7 and later put the pass in their cache key, and call the hook at each launch
 of a kernel through ``kernel[grid]`` (a Python call, once the pass is installed, for every
-Triton kernel of the process); Triton 3.6 does neither: there a kernel cached without the pass
-is only slower.
+Triton kernel of the process: a kernel compiled before the hook compiles again at its next
+such launch); Triton 3.6 does neither: there a kernel cached without the pass is only slower.
 """
 
 from __future__ import annotations

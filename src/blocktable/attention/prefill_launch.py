@@ -17,7 +17,6 @@ from blocktable.attention.triton_tiles import LOG2_E
 if HAS_TRITON:
     from blocktable.attention import triton_prefill as _pre
 from blocktable.attention import gluon_prefill as _gluon
-from blocktable.attention import gluon_ptx as _gluon_ptx
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
 # Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: on. On an
@@ -189,7 +188,6 @@ def _launch_gluon(
     o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, _, _, v_b, v_s, _, _, tb_r, tb_c = strides
     cache_rows = num_blocks * block_size
     k_desc, v_desc = _descriptors(k_cache, v_cache, min(block_size, tiles.block_n))
-    _gluon_ptx.install(_gluon.CONSUMER_REGS)  # (before the kernel's first compilation)
     _gluon.gluon_prefill_kernel[(cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)](
         out, seq_lens if lse_out is None else lse_out, query, k_desc, v_desc, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
