@@ -1,11 +1,14 @@
-"""Run a function on N spawned processes joined in a gloo group; never hang.
+"""Run a function on N processes joined in a gloo group; never hang.
 
-``run_ranks(fn, world_size, tmp_dir)`` starts ``world_size`` processes with the ``spawn`` start
-method, each initializing a gloo group through a ``file://`` rendezvous in ``tmp_dir`` (no port)
-with a short collective timeout, then calling ``fn(rank, world_size, *args)``. Each child writes
-what ``fn`` returns (JSON-able) or its traceback to a file; the parent waits at most
-``timeout_s`` in all, kills every child still running, and raises naming the ranks that failed,
-timed out before writing their result, or died. ``fn`` must be a module-level function (the children import it).
+``run_ranks(fn, world_size, tmp_dir)`` starts ``world_size`` processes with the ``forkserver``
+start method (each a fork of one server process that imported torch and transformers' Llama
+once, instead of a fresh interpreter importing them for seconds per rank) and given the
+parent's environment as it is at the start, each initializing a gloo group through a
+``file://`` rendezvous in ``tmp_dir`` (no port) with a short collective timeout, then calling
+``fn(rank, world_size, *args)``. Each child writes what ``fn`` returns (JSON-able) or its
+traceback to a file; the parent waits at most ``timeout_s`` in all, kills every child still
+running, and raises naming the ranks that failed, timed out before writing their result, or
+died. ``fn`` must be a module-level function (the children import it).
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ from typing import Any
 
 def _child(
     fn: Callable[..., Any], rank: int, world_size: int, tmp_dir: str, pg_timeout_s: float,
-    args: tuple[Any, ...],
+    args: tuple[Any, ...], env: dict[str, str],
 ) -> None:
-    if sys.platform.startswith("linux"):  # die with the test process, never orphaned
+    # die with the fork server, which ends when the test process does: never orphaned
+    if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    # the fork server's environment is the one it started with; a test's is the parent's now
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -53,6 +60,10 @@ def _child(
             dist.destroy_process_group()
 
 
+# What every rank imports, imported once in the fork server (a missing one is skipped there).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "transformers.models.llama.modeling_llama"]
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -66,14 +77,17 @@ def run_ranks(
     values by rank, or raise ``AssertionError`` with every failing rank's error."""
     tmp = Path(tmp_dir)
     tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # The children work on CPU tensors: Triton runs there under its interpreter, which must be
+    # chosen before triton is imported. Unpickling ``fn`` imports it before ``_child`` runs,
+    # under the fork server's environment: the server starts below, on first use, with it set.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, str(tmp), pg_timeout_s, args),
+        ctx.Process(target=_child, args=(fn, r, world_size, str(tmp), pg_timeout_s, args, env),
                     daemon=True)
         for r in range(world_size)
     ]
-    # The children work on CPU tensors: Triton runs there under its interpreter, which must be
-    # chosen before triton is imported (unpickling ``fn`` imports it), so through the env.
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

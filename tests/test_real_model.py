@@ -9,6 +9,7 @@ Skipped only when the package index cannot be reached (the model then cannot be 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +59,28 @@ def smollm2_source() -> ModelSource:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_source: ModelSource) -> LoadedModel:
+    """The model loaded from its GGUF file, once for the module (the GGUF load path's test)."""
     return load_model(smollm2_source)
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(smollm2: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The loaded model written as a Hugging Face folder named ``smollm2`` (float32
+    safetensors, config, generation config, tokenizer), for the tests whose spawned processes
+    each load the model: transformers parses a GGUF file for half a minute or more per load,
+    a folder in about a second. The folder holds the GGUF load's tensors bit for bit."""
+    from safetensors.torch import save_model
+
+    folder = tmp_path_factory.mktemp("models") / "smollm2"
+    folder.mkdir()
+    model = smollm2.model
+    config = model.config.to_dict()
+    del config["quantization_config"]  # the weights are plain float32 now, not GGUF blocks
+    (folder / "config.json").write_text(json.dumps(config))
+    save_model(model, str(folder / "model.safetensors"))  # the tied embedding stored once
+    model.generation_config.save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture
@@ -132,19 +154,20 @@ def test_engine_preempts_and_chunks_a_real_model(smollm2: LoadedModel, one_threa
 
 
 def test_dcp_2_answers_real_prompts_token_for_token(
-    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``demo --model smollm2 --dcp 2``: two processes over gloo, each loading the model
-    itself; rank 0 verifies every answer against generate with the same stops."""
+    itself (from the folder the GGUF load wrote); rank 0 verifies every answer against
+    generate with the same stops."""
     from rich.console import Console
 
     from blocktable import dcp_demo
     from blocktable.demo import run_demo
 
-    # the job: two model loads on a busy 2-core machine (a minute or more), then the run
+    # the job: two model loads and the run on a busy 2-core machine; a stuck job ends
     monkeypatch.setattr(dcp_demo, "JOB_TIMEOUT_S", 480.0)
     console = Console(record=True, width=200)
-    opts = DemoOptions(model="smollm2", dcp=2, out=tmp_path / "step.png", threads=1,
+    opts = DemoOptions(model=str(smollm2_folder), dcp=2, out=tmp_path / "step.png", threads=1,
                        prompts=("What is the capital of France?", "Name three primary colors."),
                        max_new_tokens=16, block_size=8, num_blocks=32, token_budget=32)
     code = run_demo(opts, console)
@@ -199,11 +222,12 @@ def test_dcp_driver_refusal_is_one_line_exit_2(
 
 
 def test_disaggregated_demo_moves_real_kv_and_matches(
-    smollm2: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: LoadedModel, smollm2_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``demo --disaggregate --model smollm2``: a prefill and a decode process over gloo, each
-    loading the model itself from the source it is handed; the answer decoded after the
-    transfer equals the single engine's and generate's, token for token, with the same stops."""
+    loading the model itself from the source it is handed (the folder the GGUF load wrote);
+    the answer decoded after the transfer equals the single engine's (the GGUF load here) and
+    generate's, token for token, with the same stops."""
     from rich.console import Console
 
     from blocktable.transfer import transfer_demo
@@ -211,8 +235,8 @@ def test_disaggregated_demo_moves_real_kv_and_matches(
     # two model loads at once on a busy 2-core machine, then a short run; a stuck job ends
     monkeypatch.setattr(transfer_demo, "JOB_TIMEOUT_S", 300.0)
     console = Console(record=True, width=200)
-    opts = DemoOptions(model="smollm2", disaggregate=True, out=tmp_path / "x.png", threads=1,
-                       prompts=("What is the capital of France?",), max_new_tokens=8,
+    opts = DemoOptions(model=str(smollm2_folder), disaggregate=True, out=tmp_path / "x.png",
+                       threads=1, prompts=("What is the capital of France?",), max_new_tokens=8,
                        block_size=16, num_blocks=32, token_budget=64)
     code = transfer_demo.run_disaggregated_demo(opts, console, loaded=smollm2)
     text = console.export_text()

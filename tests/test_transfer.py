@@ -20,6 +20,7 @@ from blocktable.transfer import (
     KVCacheLayout,
     PeerLostError,
     PrefillWorker,
+    TorchDistributedTransport,
     chunk_rows,
     chunk_rows_many,
     chunk_tokens_of,
@@ -564,6 +565,30 @@ def test_a_silent_peer_raises_naming_it_and_frees_what_it_held(model: Any,
         pw.run()
     engine.manager.check_integrity()
     assert engine.manager.num_requests == 0
+
+
+class _ClosedSocket:
+    """``torch.distributed`` as gloo behaves once the peer's socket is closed: posting a send
+    or a receive raises at once."""
+
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
+        raise RuntimeError("Connection closed by peer")
+
+    irecv = isend
+
+
+def test_a_peer_gone_before_a_post_is_lost_by_name() -> None:
+    """A peer that died before the send or receive was even posted is a lost peer too (what
+    the callers free their blocks on), not a bare RuntimeError."""
+    transport = TorchDistributedTransport(2, "decode", "cpu", timeout_s=1.0)
+    transport._dist = _ClosedSocket()
+    with pytest.raises(PeerLostError, match=r"^lost the decode side \(rank 2\) while sending "
+                                            r"16 bytes: RuntimeError: Connection closed"):
+        transport.send_tensor(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(PeerLostError, match=r"^lost the decode side \(rank 2\) while receiving "
+                                            r"8 bytes"):
+        transport.recv_tensor(torch.zeros(2, dtype=torch.int32))
+    assert transport.bytes_sent == transport.bytes_received == 0
 
 
 def test_a_plan_for_other_offers_is_a_protocol_error(model: Any) -> None:

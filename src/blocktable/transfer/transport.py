@@ -100,12 +100,18 @@ class TorchDistributedTransport:
             raise PeerLostError(self.peer, f"{what} (no answer in "
                                 f"{self.timeout.total_seconds():g} s)")
 
+    def _post(self, op: Any, tensor: torch.Tensor, what: str) -> Any:
+        try:
+            return op(tensor, self.peer_rank, group=self.group)
+        except RuntimeError as exc:  # gloo raises at once when the peer's socket is closed
+            raise PeerLostError(self.peer, what, exc) from exc
+
     def send_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         works = []
         try:
             for tensor in tensors:
                 nbytes = tensor.numel() * tensor.element_size()
-                works.append((self._dist.isend(tensor, self.peer_rank, group=self.group),
+                works.append((self._post(self._dist.isend, tensor, f"sending {nbytes} bytes"),
                               nbytes))
         finally:  # a failed producer still waits for what is already posted
             for work, nbytes in works:
@@ -114,7 +120,9 @@ class TorchDistributedTransport:
 
     def recv_tensors(self, outs: Sequence[torch.Tensor]) -> Iterator[int]:
         # every receive is posted first, so piece i + 1 lands while the caller uses piece i
-        works = [self._dist.irecv(out, self.peer_rank, group=self.group) for out in outs]
+        works = [self._post(self._dist.irecv, out,
+                            f"receiving {out.numel() * out.element_size()} bytes")
+                 for out in outs]
         for i, (work, out) in enumerate(zip(works, outs)):
             nbytes = out.numel() * out.element_size()
             self._wait(work, f"receiving {nbytes} bytes")
