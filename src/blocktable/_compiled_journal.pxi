@@ -1,7 +1,6 @@
 # The allocator's step journal: the net change of every row since the last take (included by
 # _compiled.pyx).
 
-cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 cdef inline const int64_t[:, ::1] _int64_2d_in(object value, str name) except *:

@@ -1,5 +1,7 @@
 # The slot mapping and the batch check (included by _compiled.pyx).
 
+cimport cython
+
 cdef class SlotMapper:
     """The slot mapping of every token-slot group of one table into its slot buffers, bound
     once: ``flat_table`` (int32 ``[num_entries]``, the tables then the counts), ``out`` (int64
@@ -339,12 +341,12 @@ cdef class BatchChecker:
             return -1
         if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
             return -1
-        cdef bint decode = num_tokens == num_reqs
-        for r in range(num_reqs):
-            if qsl[r + 1] < qsl[r]:
-                return -1
-            decode = decode and qsl[r + 1] == r + 1
-        for r in range(num_reqs):
-            if rows[r] < 0 or rows[r] >= num_rows:
-                return -1
-        return 1 if decode else 0
+        # one pass without branches (the compiler vectorizes it), the verdict at the end
+        cdef bint bad = False, not_decode = num_tokens != num_reqs
+        with cython.boundscheck(False):  # r < num_reqs <= rows.shape[0] = qsl.shape[0] - 1
+            for r in range(num_reqs):  # (checked just above and at binding)
+                bad |= (qsl[r + 1] < qsl[r]) | (rows[r] < 0) | (rows[r] >= num_rows)
+                not_decode |= qsl[r + 1] != r + 1
+        if bad:
+            return -1
+        return 0 if not_decode else 1
