@@ -27,11 +27,9 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     sys.exit(77)
-from blocktable.attention import gluon_prefill as ws
-from blocktable.attention import gluon_ptx
+from blocktable.attention import gluon_prefill as ws  # (its import installs the PTX pass)
 if not ws.HAS_GLUON:
     sys.exit(77)
-gluon_ptx.install(ws.CONSUMER_REGS)  # as the launcher does
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -13,7 +13,8 @@ accepted and a read-only output refused. Every size and offset is checked agains
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
 the journal's two loops over rows, whose indices are below the row count that every array they
-index was checked to have when the arrays were bound. Python lists are read item by item
+index was checked to have when the arrays were bound, and the batch check's loop, whose
+indices are below a request count checked against its arrays just above. Python lists are read item by item
 through bounds-checked indexing, their lengths checked again after any item's Python code ran.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
@@ -28,6 +29,7 @@ pairs, for the captured step's launch), the numpy diff in
 :class:`blocktable.key_table.DictKeyTable`.
 """
 
+cimport cython
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 

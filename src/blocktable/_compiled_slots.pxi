@@ -1,7 +1,5 @@
 # The slot mapping and the batch check (included by _compiled.pyx).
 
-cimport cython
-
 cdef class SlotMapper:
     """The slot mapping of every token-slot group of one table into its slot buffers, bound
     once: ``flat_table`` (int32 ``[num_entries]``, the tables then the counts), ``out`` (int64

@@ -20,7 +20,7 @@ from blocktable.attention import gluon_prefill as _gluon
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
 # Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: on. On an
-# H100 it is 1.08-1.15x the Triton kernel on the benchmark's three prefill shapes and passes
+# H100 it is 1.24-1.28x the Triton kernel on the benchmark's three prefill shapes and passes
 # the Triton kernel's tests in its place (BENCHMARKS.md).
 AUTO_PICKS_GLUON = True
 _INTERPRET = interpreting()
