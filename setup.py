@@ -40,6 +40,8 @@ def _extensions() -> list[Extension]:
         # SHA-256 of a block by OpenSSL's one-shot call: no Python call per block
         macros.append(("BT_HAVE_OPENSSL", "1"))
         libraries.append("crypto")
+    if sys.platform.startswith("linux"):
+        libraries.append("dl")  # dlsym of the loaded CUDA driver (in libc from glibc 2.34)
     return cythonize(
         [Extension("blocktable._compiled", ["src/blocktable/_compiled.pyx"],
                    define_macros=macros, libraries=libraries)],

@@ -69,7 +69,7 @@ class Breakdown:
         "run.stager.stage": "step.run",
         "run._run_numpy": "step.run",
         "run._run_device": "step.run",
-        "run.graph_replay": "step.run_staged",
+        "run.graph_launch": "step.run_staged",
         "apply": "",
         "commit": "",
         "compute_slot_mapping": "",
@@ -123,14 +123,16 @@ class Breakdown:
             self.wrap(step_runner, "slot_mapping_numpy", "run.slot_mapping_numpy")
             self.wrap(step, "_device_work", "run._device_work")  # CUDA without a graph
             launches = getattr(step, "_launches", None)
-            if launches and step._graphs is not None:  # the replays, bound per staging buffer
+            graphs = getattr(step, "_graphs", None)  # (older checkouts)
+            if launches and (getattr(step, "launch_kind", None) in ("driver", "replay")
+                             or graphs is not None):  # the graph launches, per staging buffer
                 for i, launch in enumerate(launches):
-                    launches[i] = self.timed(launch, "run.graph_replay")
+                    launches[i] = self.timed(launch, "run.graph_launch")
                 self._undo.append(lambda: launches.__setitem__(slice(None), [
                     getattr(f, "__wrapped__", f) for f in launches]))
-            for graph in (step._graphs or ()) if launches is None else ():  # older checkouts
+            for graph in (graphs or ()) if launches is None else ():  # older checkouts
                 try:
-                    self.wrap(graph, "replay", "run.graph_replay")
+                    self.wrap(graph, "replay", "run.graph_launch")
                 except (AttributeError, TypeError):  # a graph object without instance attributes
                     break
         else:

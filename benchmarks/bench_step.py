@@ -316,7 +316,7 @@ def bench_captured(device, rng, results):
         for u in ups[:20]:
             step.run(u, qsl, pos, rows)
         row = {"scenario": name, "rows_gaining_a_block": rows_per_step,
-               "graph": step._graphs is not None}
+               "launch": step.launch_kind}
         # run: the batch passed as arrays; staged: written into batch_views() by the caller
         # (as the engine does) before the timed run_staged
         kinds = [("", ups[20:220])]
@@ -349,13 +349,12 @@ def bench_captured(device, rng, results):
             if device_work:
                 row[kind + "host_part_us"] = median_us(
                     [a - b for a, b in zip(issue, device_work)])
-        if step._graphs is not None:
+        if step.launch_kind in ("driver", "replay"):
             sync()
             step._views[0].header[0] = 0  # replays scatter no (stale) pair
             # the step's own launch of its graph (the driver's, where the compiled part is
-            # built) and torch's replay of the same graph
+            # built, else torch's replay)
             row["launch_alone_host_us"] = time_host_us(step._launches[0], n=400, sync=sync)
-            row["replay_alone_host_us"] = time_host_us(step._graphs[0].replay, n=400, sync=sync)
         sync()
         assert bt.device_equals_host()
         results["captured"].append(row)
@@ -457,8 +456,8 @@ def print_table(results: dict) -> None:
           f"{s['step_commit_host_us']:.1f} + slot mapping {s['step_slot_mapping_host_us']:.1f})"
           + (f" (vLLM {s['step_anchor']})" if cuda else ""))
     for c in results["captured"]:
-        extra = (f", its launch alone {c['launch_alone_host_us']:.1f} µs host (torch's replay "
-                 f"{c['replay_alone_host_us']:.1f})" if "launch_alone_host_us" in c else "")
+        extra = (f", its launch alone ({c['launch']}) {c['launch_alone_host_us']:.1f} µs host"
+                 if "launch_alone_host_us" in c else "")
         if "host_part_us" in c:
             extra += f", without the numpy device work {c['host_part_us']:.1f} µs"
 

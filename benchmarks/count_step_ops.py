@@ -208,7 +208,7 @@ def as_cuda_engine(engine: LLMEngine) -> None:
     finally:
         table.device = torch.device("cpu")
     step = engine.captured_step
-    assert step._graphs is not None, "the step did not take its CUDA branch"
+    assert step.launch_kind == "replay", "the step did not take its CUDA branch"
     wrap(engine.manager, "take_step_update", "take_step_update")
     for attr in ("run", "run_staged", "batch_views"):
         wrap(step, attr, "batch_views" if attr == "batch_views" else "run_staged")

@@ -1105,3 +1105,41 @@ def test_bound_objects_refuse_a_second_init_and_unbound_ones_refuse_every_call()
                         g.journal, np.zeros(3, I64))
     with pytest.raises(ValueError, match="never bound"):
         failed.apply(*empty)
+
+
+def test_graph_launch_refuses_anything_but_work_on_the_current_device() -> None:
+    """The driver's graph launch captures the caller's work itself and keeps the graph where
+    no Python code reaches it (so nothing resets a graph whose executable it holds); anything
+    but a callable on the current CUDA device raises before any capture or driver call, and
+    an object whose ``__init__`` never completed refuses to launch."""
+    import torch
+
+    for bad in (None, 0xBEEF, object(), np.zeros(4, I64), "work"):
+        with pytest.raises(TypeError, match="work must be callable"):
+            compiled.GraphLaunch(bad, 0)
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for bad_index in (current + 1, -1, 2**70, float(current), "0", None):
+        with pytest.raises(ValueError, match="device_index must be the current CUDA device"):
+            compiled.GraphLaunch(lambda: None, bad_index)
+    unbound = compiled.GraphLaunch.__new__(compiled.GraphLaunch)
+    with pytest.raises(ValueError, match="never bound"):
+        unbound.launch()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device_index"):  # no CUDA device is current
+            compiled.GraphLaunch(lambda: None, 0)
+        return
+    x = torch.zeros(4, device="cuda")
+    x.add_(0)  # (the work's first use, uncaptured)
+    launcher = compiled.GraphLaunch(lambda: x.add_(1), current)
+    assert not hasattr(launcher, "_graph")  # the graph is out of Python's reach
+    torch.cuda.synchronize()
+    assert x.tolist() == [0.0] * 4  # captured, not run
+    launcher.launch()
+    launcher.launch()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
+    with pytest.raises(TypeError, match="bound once"):
+        launcher.__init__(lambda: x.add_(5), current)
+    launcher.launch()  # still the first graph
+    torch.cuda.synchronize()
+    assert x.tolist() == [3.0] * 4

@@ -25,8 +25,8 @@ pairs, for the captured step's launch), the numpy diff in
 :func:`blocktable.token_ids.int64_from_ints_python`,
 :func:`blocktable.block_hashing.byte_chain_python`,
 :func:`~blocktable.block_hashing.chain_keys` after
-:func:`~blocktable.block_hashing.block_content_hashes`, and the ``dict`` of
-:class:`blocktable.key_table.DictKeyTable`.
+:func:`~blocktable.block_hashing.block_content_hashes`, the ``dict`` of
+:class:`blocktable.key_table.DictKeyTable`, and torch's ``CUDAGraph.replay`` of the same graph.
 """
 
 cimport cython
@@ -97,6 +97,7 @@ cdef inline int _check_bound(bint bound, str name) except -1:
 include "_compiled_slots.pxi"
 include "_compiled_pairs.pxi"
 include "_compiled_update.pxi"
+include "_compiled_graph.pxi"
 include "_compiled_journal.pxi"
 include "_compiled_keys.pxi"
 include "_compiled_tokens.pxi"

@@ -15,7 +15,10 @@ of kernels only: the scatter reads the pinned staging buffer in place (the pair 
 pairs, and the batch words it copies to the device), the slot-mapping kernel maps the copied
 batch, and a one-thread kernel posts the step to a pinned *mailbox*. Launch shapes come from the
 capacities, so one graph serves every batch: ``query_start_loc`` is padded with
-``num_tokens``, so padding requests own no token. The graph is launched by torch's replay.
+``num_tokens``, so padding requests own no token. The graph is launched by one compiled call
+to the CUDA driver (``GraphLaunch`` in the compiled part, where the install built it; else
+torch's replay): in the engine loop, with the caches cold, a torch replay costs the host more
+than the rest of the step.
 Two staging buffers alternate; a buffer is refilled once the mailbox shows the post of the
 replay that last read it. On the CPU backend
 the launch is one call on the calling thread that reads the staging buffer as the graph does:
@@ -202,16 +205,17 @@ class CapturedStep:
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
         )
-        self._graphs: list[torch.cuda.CUDAGraph] | None = None
-        # per slot, the call that issues its device work (a graph's replay, or the kernels)
+        # how the device work is issued: "driver" (a graph launched by the compiled part),
+        # "replay" (a graph replayed by torch), "eager" (the kernels launched one by one) or
+        # "host" (the CPU backend's one call)
+        self.launch_kind = "host"
+        # per slot, the call that issues its device work
         self._launches: list[Callable[[], None]] = []
         if cuda:
             with torch.cuda.device(self.device):  # capture on the table's device
-                self._capture(use_graph)
-                self._launches = ([g.replay for g in self._graphs]
-                                  if self._graphs is not None
-                                  else [partial(self._device_work, s) for s in range(num_slots)])
+                self._launches = self._capture(use_graph)
         elif self.mode == "kernels":
+            self.launch_kind = "eager"
             self._launches = [partial(self._device_work, 0)]
         else:
             self._launches = [self._host_launch(s) for s in range(num_slots)]
@@ -421,9 +425,10 @@ class CapturedStep:
 
         return launch
 
-    def _capture(self, use_graph: bool) -> None:
+    def _capture(self, use_graph: bool) -> list[Callable[[], None]]:
         """Warm up (compiles the kernels) on a side stream, then capture one graph per
-        staging buffer."""
+        staging buffer; returns the calls launching them (or, without ``use_graph``, the
+        kernels themselves)."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -431,17 +436,38 @@ class CapturedStep:
             for s in range(len(self._views)):
                 self._device_work(s)  # the staging buffers are zero: no pairs, no tokens
         current.wait_stream(side)
+        slots = range(len(self._views))
         if use_graph:
-            graphs = []
-            for s in range(len(self._views)):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._device_work(s)
-                graphs.append(graph)
-            self._graphs = graphs
+            index = torch.cuda.current_device()  # (the table's: see __init__)
+            launches = []
+            for s in slots:
+                self.launch_kind, launch = _graph_launch(partial(self._device_work, s), index)
+                launches.append(launch)
+        else:
+            self.launch_kind = "eager"
+            launches = [partial(self._device_work, s) for s in slots]
         torch.cuda.synchronize(self.device)
         assert self._mailbox is not None
         self._launched = [int(n) for n in self._mailbox_np]  # the warm-up's posts
+        return launches
+
+
+def _graph_launch(work: Callable[[], None],
+                  device_index: int) -> tuple[str, Callable[[], None]]:
+    """``(kind, launch)``: a call launching a CUDA graph of ``work``'s kernels (captured here,
+    on the current device ``device_index``) on that device's current stream. Kind "driver":
+    the compiled part's launch through the CUDA driver, where the install built it and the
+    driver and torch allow it; else "replay", torch's."""
+    compiled = _loader.COMPILED
+    if compiled is not None:
+        try:
+            return "driver", compiled.GraphLaunch(work, device_index).launch
+        except RuntimeError:  # no driver loaded, or no executable handed out by this torch
+            pass
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    return "replay", graph.replay
 
 
 def _check_batch_values(qsl: np.ndarray, rows: np.ndarray, num_tokens: int,
