@@ -463,7 +463,7 @@ def print_table(results: dict) -> None:
 
         print(f"captured {c['scenario']} step ({c['rows_gaining_a_block']} rows gain a block): "
               f"{c['step_us']:.1f} µs wall, host issue {c['step_issue_us']:.1f} µs{extra}"
-              + (" (one graph launch)" if c["graph"] else " (numpy)"))
+              + f" (launch: {c['launch']})")
         if "staged_step_us" in c:
             staged = (f", without the numpy device work {c['staged_host_part_us']:.1f} µs"
                       if "staged_host_part_us" in c else "")
