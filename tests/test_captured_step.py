@@ -180,6 +180,11 @@ def test_staged_and_decode_batches_match_apply_commit_slot_mapping(backend, spec
         GroupSpec(6, max_num_blocks=6, num_blocks=NUM_BLOCKS)]
     bt, ref = make_table(device, backend, spec_list), make_table("cpu", "torch", spec_list)
     step = CapturedStep(bt)
+    # the CPU backend's one host call; the kernels on CUDA (a graph), or eagerly under Triton's
+    # interpreter
+    compiled = _compiled_loader.COMPILED is not None
+    assert step.launch_kind == {"cpu": "host" if backend == "torch" else "eager",
+                                "cuda": "driver" if compiled else "replay"}[device]
     model = Model(bt, np.random.default_rng(5))
     for i in range(16):
         update = (model.decode, model.decode_with_clears, model.general)[i % 3]()
@@ -218,6 +223,7 @@ def test_cuda_branch_on_the_cpu_replays_once_a_step_and_equals_three_calls():
         finally:
             bt.device = torch.device("cpu")
         assert not any(c.startswith("Event") for c in calls)  # no events: the mailbox
+        assert step.launch_kind == "replay"  # no CUDA driver loaded here: torch's replay
         model = Model(bt, np.random.default_rng(7))
         for i in range(10):
             update = (model.decode, model.decode_with_clears, model.general)[i % 3]()
