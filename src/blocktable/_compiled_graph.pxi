@@ -59,9 +59,9 @@ cdef class GraphLaunch:
     ValueError
         ``device_index`` is not the current CUDA device.
     RuntimeError
-        No CUDA driver is loaded, no CUDA context is current, or this torch hands out no
-        executable of a captured graph: launch a ``torch.cuda.CUDAGraph`` instead. Raised
-        before anything is captured.
+        No CUDA driver is loaded or no CUDA context is current (raised before anything is
+        captured), or this torch hands out no executable of a captured graph: launch a
+        ``torch.cuda.CUDAGraph`` instead.
     """
 
     cdef _cu_graph_launch_t _launch
@@ -112,8 +112,9 @@ cdef class GraphLaunch:
         Raises
         ------
         RuntimeError
-            The driver refused the launch (naming its ``CUresult``); ``ValueError`` where
-        ``__init__`` never completed.
+            The driver refused the launch (naming its ``CUresult``).
+        ValueError
+            ``__init__`` never completed.
         """
         _check_bound(self._graph is not None, "GraphLaunch")
         cdef void *current = NULL
