@@ -11,6 +11,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.number cimport PyIndex_Check, PyNumber_Index
 from cpython.ref cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.sequence cimport PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
 
 
 cdef enum:
@@ -64,28 +65,47 @@ cdef int _raise_out_of_range(str name, Py_ssize_t which, Py_ssize_t j) except -1
 
 cdef int _ints_into(object seq, int64_t[::1] out, Py_ssize_t at, Py_ssize_t n, str name,
                     Py_ssize_t which) except -1:
-    """Write the ``n`` items of ``seq`` (an exact list or tuple) to ``out[at : at + n]``."""
+    """Write the ``n`` items of ``seq`` (an exact list or tuple) to ``out[at : at + n]``.
+
+    Runs of ints are converted with no Python code running, so the sequence cannot change
+    during a run: its length and item pointer are read again only after an item's
+    ``__index__`` ran (and once at the end), and the output range is checked once."""
     cdef Py_ssize_t j = 0
-    cdef list items
+    cdef PyObject** items
+    cdef PyObject* item
+    cdef int64_t* dst
+    cdef bint is_tuple = type(seq) is tuple
+    if at < 0 or n < 0 or n > out.shape[0] - at:
+        raise ValueError(f"{_label(name, which)}: {n} ids do not fit at {at} of "
+                         f"{out.shape[0]}")
+    if is_tuple and PyTuple_GET_SIZE(seq) != n:  # immutable: one check of its length
+        raise ValueError(f"{_label(name, which)} holds {len(seq)} ids, not {n}")
+    if not n:
+        return _same_size(seq, n, name, which)
+    dst = &out[at]
     try:
-        if type(seq) is tuple:  # immutable: one check of its length
-            if PyTuple_GET_SIZE(seq) != n:
-                raise ValueError(f"{_label(name, which)} holds {len(seq)} ids, not {n}")
-            for j in range(n):
-                if j + _INTS_AHEAD < n:  # (an address only: a hint, nothing is read through it)
-                    BT_PREFETCH(PyTuple_GET_ITEM(seq, j + _INTS_AHEAD))
-                out[at + j] = _token_id(PyTuple_GET_ITEM(seq, j), name, which, j)
-            return 0
-        items = <list>seq
-        for j in range(n):
-            if PyList_GET_SIZE(items) != n:  # (checked before each read: see _token_id)
+        while j < n:
+            if PySequence_Fast_GET_SIZE(seq) != n:  # (after an item's Python code ran)
                 break
-            if j + _INTS_AHEAD < n:  # (an address only: a hint, nothing is read through it)
-                BT_PREFETCH(PyList_GET_ITEM(items, j + _INTS_AHEAD))
-            out[at + j] = _token_id(PyList_GET_ITEM(items, j), name, which, j)
+            items = PySequence_Fast_ITEMS(seq)  # (a list may have moved its items)
+            while j < n:  # (j < n, and out[at : at + n] was checked above)
+                item = items[j]
+                if not PyLong_Check(<object>item):
+                    break
+                if j + _INTS_AHEAD < n:  # (an address only: a hint, nothing is read)
+                    BT_PREFETCH(items[j + _INTS_AHEAD])
+                dst[j] = <int64_t><object>item  # (Cython reads the digits; no Python code)
+                j += 1
+            if j < n:  # not an int: held by a reference of its own while __index__ runs
+                dst[j] = _index_token_id(<object>item, name, which, j)
+                j += 1
     except OverflowError:
         _raise_out_of_range(name, which, j)
-    if len(items) != n:
+    return _same_size(seq, n, name, which)
+
+
+cdef int _same_size(object seq, Py_ssize_t n, str name, Py_ssize_t which) except -1:
+    if len(seq) != n:
         raise RuntimeError(f"{_label(name, which)} changed size while it was converted (an "
                            "item's __index__ changed it)")
     return 0
