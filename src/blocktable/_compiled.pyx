@@ -14,8 +14,9 @@ before the first write, with 64-bit arithmetic that cannot overflow for the chec
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
 the journal's two loops over rows, whose indices are below the row count that every array they
 index was checked to have when the arrays were bound, and the batch check's loop, whose
-indices are below a request count checked against its arrays just above. Python lists are read item by item
-through bounds-checked indexing, their lengths checked again after any item's Python code ran.
+indices are below a request count checked against its arrays just above. Python lists of
+token ids are read item by item below their length (checked before the first read and again
+after any item's Python code ran) into an output range checked once before the loop.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,

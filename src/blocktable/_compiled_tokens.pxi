@@ -2,9 +2,10 @@
 #
 # Each item is read after its index was checked against the list's size at that moment. An
 # int is converted through the list's own reference (no Python code runs meanwhile, so nothing
-# can drop it); any other item is held by a reference of its own, since its ``__index__`` is
-# Python code that may change the list. Every length is checked again before each read and
-# after the last, and a change is an error (never a read or write past the end).
+# can drop it or change the list); any other item is held by a reference of its own, since its
+# ``__index__`` is Python code that may change the list. Every length is checked again after
+# such code ran and after the last item, and a change is an error (never a read or write past
+# the end).
 
 from cpython.long cimport PyLong_Check
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
