@@ -13,10 +13,11 @@ accepted and a read-only output refused. Every size and offset is checked agains
 before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
 the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
 the journal's two loops over rows, whose indices are below the row count that every array they
-index was checked to have when the arrays were bound, and the batch check's loop, whose
-indices are below a request count checked against its arrays just above. Python lists of
-token ids are read item by item below their length (checked before the first read and again
-after any item's Python code ran) into an output range checked once before the loop.
+index was checked to have when the arrays were bound, the batch check's loop, whose
+indices are below a request count checked against its arrays just above, and the block keys'
+loop, whose segment lengths were checked to sum to the block count every array holds. Python
+lists of token ids are read item by item below their length (checked before the first read and
+again after any item's Python code ran) into an output range checked once before the loop.
 
 Each piece has a numpy twin that gives the same results bit for bit for every input the piece
 accepts (the tests compare them on random inputs): :mod:`blocktable._host_loops`,

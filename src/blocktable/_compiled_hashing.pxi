@@ -262,15 +262,18 @@ def token_chain_keys(object tokens, object segment_lengths, object start_states,
                 raise ValueError(f"{('keys', 'states')[r]} overlaps an input")
     cdef Py_ssize_t i = 0, at = 0, end
     cdef uint64_t k, h
-    for r in range(m):
-        k = starts[r]
-        end = i + <Py_ssize_t>lengths[r]
-        while i < end:
-            h = 0
-            for j in range(bs):
-                h += <uint64_t>tok[at + j] * powers[j]
-            at += bs
-            k = k * base + h
-            out_states[i] = k
-            out_keys[i] = _fmix64(k)
-            i += 1
+    # (the lengths were checked to sum to n, so i < n, at + j < n * bs = tok.shape[0] and
+    # j < bs = powers.shape[0]: every index below is in range)
+    with cython.boundscheck(False):
+        for r in range(m):
+            k = starts[r]
+            end = i + <Py_ssize_t>lengths[r]
+            while i < end:
+                h = 0
+                for j in range(bs):
+                    h += <uint64_t>tok[at + j] * powers[j]
+                at += bs
+                k = k * base + h
+                out_states[i] = k
+                out_keys[i] = _fmix64(k)
+                i += 1
