@@ -90,8 +90,8 @@ def register_message(kind: int) -> Callable[[T], T]:
         message.WIRE_KIND, message.WIRE_DTYPES = kind, dtypes
         _KINDS[kind] = cls
         # (a tensor holds native bytes only: a non-native array is always copied in)
-        _SPECS[kind] = tuple((d, d.itemsize, -(-BULK_BYTES // d.itemsize) if d.isnative
-                              else _NEVER) for d in dtypes)
+        _SPECS[kind] = tuple((d, d.itemsize, -(-BULK_BYTES // d.itemsize)
+                              if d.isnative and d.itemsize else _NEVER) for d in dtypes)
         return cls
 
     return register
