@@ -48,6 +48,10 @@ TEXT_SEPARATOR = "\0"
 """Between the strings of a message (a string holding it cannot travel)."""
 
 _KINDS: dict[int, Any] = {}  # kind -> WireMessage class, filled by register_message
+# kind -> per array: its dtype, item size and the length from which it travels on its own
+_SPECS: dict[int, tuple[tuple[np.dtype, int, int], ...]] = {}
+_NEVER = 1 << 62  # a length no array reaches: a non-native dtype always travels in the body
+_PADS = [bytes(n) for n in range(ALIGN_BYTES)]  # zero bytes up to the next array's alignment
 _ZEROS = [0] * MAX_ARRAYS
 _EMPTIES: dict[np.dtype, np.ndarray] = {}  # dtype -> its read-only empty array
 
@@ -85,38 +89,26 @@ def register_message(kind: int) -> Callable[[T], T]:
                              f"dtypes, got {dtypes}")
         message.WIRE_KIND, message.WIRE_DTYPES = kind, dtypes
         _KINDS[kind] = cls
+        # (a tensor holds native bytes only: a non-native array is always copied in)
+        _SPECS[kind] = tuple((d, d.itemsize, -(-BULK_BYTES // d.itemsize)
+                              if d.isnative and d.itemsize else _NEVER) for d in dtypes)
         return cls
 
     return register
 
 
-def _layout(lengths: Sequence[int], dtypes: Sequence[np.dtype]) -> tuple[list[int], int]:
-    """Each array's byte offset in the body (-1: a large one, sent on its own), and where the
-    strings start."""
-    offsets, end = [], 0
-    for count, dtype in zip(lengths, dtypes):
-        nbytes = count * dtype.itemsize
-        if nbytes >= BULK_BYTES and dtype.isnative:  # (a tensor holds native bytes only)
-            offsets.append(-1)
-            continue
-        end += -end % ALIGN_BYTES
-        offsets.append(end)
-        end += nbytes
-    return offsets, end
-
-
 def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
     """``(dtype, length)`` of each large array that follows the body of the message whose
     ``header`` this is, in order (none for a pickled one or an unknown kind)."""
-    cls = _KINDS.get(int(header[1]))
+    kind = int(header[1])
+    cls = _KINDS.get(kind)
     if cls is None:
         return []
     lengths = header[4:].tolist()
     if min(lengths) < 0:
         raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries")
-    offsets, _ = _layout(lengths, cls.WIRE_DTYPES)
-    return [(dtype, count) for dtype, count, offset in zip(cls.WIRE_DTYPES, lengths, offsets)
-            if offset < 0]
+    return [(dtype, count) for (dtype, _, bulk_from), count in zip(_SPECS[kind], lengths)
+            if count >= bulk_from]
 
 
 class MessageWriter:
@@ -146,43 +138,42 @@ class MessageWriter:
         """
         cls: Any = type(obj)
         kind = getattr(cls, "WIRE_KIND", PICKLED)
+        bulk: list[np.ndarray] = []
+        lengths: list[int] = []
         if kind == PICKLED:
             parts: list[bytes] = [pickle.dumps(obj, protocol=5)]
-            bulk: list[np.ndarray] = []
-            lengths = []
             value = num_texts = 0
         else:
             arrays, texts, value = obj.to_wire()
-            dtypes = cls.WIRE_DTYPES
-            if len(arrays) != len(dtypes):
+            spec = _SPECS[kind]
+            if len(arrays) != len(spec):
                 raise ValueError(f"{cls.__name__}.to_wire gave {len(arrays)} arrays, "
-                                 f"{len(dtypes)} expected")
+                                 f"{len(spec)} expected")
             num_texts = len(texts)
             joined = TEXT_SEPARATOR.join(texts)
             if joined.count(TEXT_SEPARATOR) != num_texts - (num_texts > 0):
                 bad = next(t for t in texts if TEXT_SEPARATOR in t)
                 raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
                                  "which cannot travel")
-            for a, dtype in zip(arrays, dtypes):
+            # one walk of the layout: the small arrays' bytes at their aligned offsets (each
+            # padded with zeros, an empty one too), the large ones sent from where they are,
+            # then the strings; joined once and copied once into the body
+            parts, end = [], 0
+            for a, (dtype, itemsize, bulk_from) in zip(arrays, spec):
                 if a.ndim != 1 or a.dtype.kind != dtype.kind:
                     raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, "
                                      f"got {a.dtype} of shape {a.shape}")
-            lengths = [a.shape[0] for a in arrays]
-            offsets, strings_at = _layout(lengths, dtypes)
-            # the small arrays' bytes at their aligned offsets, then the strings: joined once
-            # and copied once into the body
-            parts, bulk, end = [], [], 0
-            for a, dtype, offset, count in zip(arrays, dtypes, offsets, lengths):
-                if offset < 0:  # large: sent from where it is
+                count = a.shape[0]
+                lengths.append(count)
+                if count >= bulk_from:
                     bulk.append(np.ascontiguousarray(a, dtype))
                     continue
-                if offset > end:
-                    parts.append(bytes(offset - end))
+                pad = -end % ALIGN_BYTES
+                if pad:
+                    parts.append(_PADS[pad])
                 if count:
                     parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
-                end = offset + count * dtype.itemsize
-            if strings_at > end:  # (the padding of a last, empty array)
-                parts.append(bytes(strings_at - end))
+                end += pad + count * itemsize
             parts.append(joined.encode())
         tail = b"".join(parts)
         size = len(tail)
@@ -219,25 +210,34 @@ def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarr
     cls = _KINDS.get(kind)
     if cls is None:
         raise ValueError(f"unknown message kind {kind} (known: {sorted(_KINDS)})")
-    dtypes = cls.WIRE_DTYPES
-    offsets, end = _layout(lengths, dtypes)
-    if min(lengths) < 0 or any(lengths[len(dtypes):]) or end > size or num_texts < 0:
+    spec = _SPECS[kind]
+    arrays: list[np.ndarray] = []
+    end = num_bulk = 0
+    fits = min(lengths) >= 0 and not any(lengths[len(spec):]) and num_texts >= 0
+    bulk_fits = True
+    if fits:  # one walk of the layout, as encode made it
+        for (dtype, itemsize, bulk_from), count in zip(spec, lengths):
+            if count >= bulk_from:  # landed on its own
+                a = bulk[num_bulk] if num_bulk < len(bulk) else None
+                bulk_fits = bulk_fits and a is not None and a.dtype == dtype and (
+                    a.shape == (count,))
+                arrays.append(a)  # type: ignore[arg-type]  # (refused below when None)
+                num_bulk += 1
+                continue
+            end += -end % ALIGN_BYTES
+            start, end = end, end + count * itemsize
+            if end > size:
+                fits = False
+                break
+            arrays.append(np.frombuffer(body, dtype, count, start) if count else _empty(dtype))
+    if not fits:
         raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries, "
                          f"{num_texts} strings and a body of {size} bytes, which do not fit")
-    arrays = [np.frombuffer(body, dtype, count, offset) if count and offset >= 0
-              else _empty(dtype) if offset >= 0 else None
-              for dtype, count, offset in zip(dtypes, lengths, offsets)]
-    num_bulk = offsets.count(-1)
-    if num_bulk or bulk:
-        large = iter(bulk)
-        arrays = [next(large, None) if o < 0 else a for a, o in zip(arrays, offsets)]
-        if len(bulk) != num_bulk or any(
-                a is None or a.dtype != d or a.shape != (n,)
-                for a, d, n, o in zip(arrays, dtypes, lengths, offsets) if o < 0):
-            raise ValueError(
-                f"a {cls.__name__} header gives {num_bulk} large arrays of "
-                f"{[(str(d), n) for d, n, o in zip(dtypes, lengths, offsets) if o < 0]}, got "
-                f"{[(str(a.dtype), a.size) for a in bulk]}")
+    if not bulk_fits or num_bulk != len(bulk):
+        raise ValueError(
+            f"a {cls.__name__} header gives {num_bulk} large arrays of "
+            f"{[(str(d), n) for d, n in bulk_arrays(header)]}, got "
+            f"{[(str(a.dtype), a.size) for a in bulk]}")
     texts = str(memoryview(body)[end:], "utf-8").split(TEXT_SEPARATOR) if num_texts else []
     if len(texts) != num_texts:
         raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
