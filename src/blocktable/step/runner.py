@@ -121,6 +121,14 @@ class CapturedStep:
         into ``batch_views().payload``, on the device in :attr:`device_payload` once the
         step's device work ran (default 0).
 
+    Attributes
+    ----------
+    launch_kind : str
+        How each step's device work is issued: ``"driver"`` (the CUDA graph launched by one
+        compiled call to the CUDA driver), ``"replay"`` (torch's replay of the graph, where
+        the compiled part is not built), ``"eager"`` (the kernels one by one: ``use_graph``
+        off, or Triton's interpreter) or ``"host"`` (the CPU backend's one call).
+
     Examples
     --------
     >>> import numpy as np
@@ -205,10 +213,7 @@ class CapturedStep:
             table.slot_mapping(g) if spec.has_slots else None
             for g, spec in enumerate(table.specs)
         )
-        # how the device work is issued: "driver" (a graph launched by the compiled part),
-        # "replay" (a graph replayed by torch), "eager" (the kernels launched one by one) or
-        # "host" (the CPU backend's one call)
-        self.launch_kind = "host"
+        self.launch_kind = "host"  # (see the class docstring; set by the branches below)
         # per slot, the call that issues its device work
         self._launches: list[Callable[[], None]] = []
         if cuda:
