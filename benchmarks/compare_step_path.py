@@ -69,7 +69,10 @@ def main() -> int:
     args = p.parse_args()
     head = Path(__file__).resolve().parents[1]
     # (each run's cwd is its tree: a relative path would break)
-    bases = {_commit(b.resolve()) or str(b): b.resolve() for b in args.base}
+    bases: dict[str, Path] = {}
+    for b in args.base:
+        name = _commit(b.resolve()) or str(b)
+        bases[name if name not in bases else f"{name} ({b})"] = b.resolve()  # (same commit)
     codes = {f"{c}, compiled": (b, True) for c, b in bases.items()}
     codes["this, compiled"] = (head, True)
     if args.device == "cpu":

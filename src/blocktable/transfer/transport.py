@@ -120,11 +120,10 @@ class TorchDistributedTransport:
 
     def recv_tensors(self, outs: Sequence[torch.Tensor]) -> Iterator[int]:
         # every receive is posted first, so piece i + 1 lands while the caller uses piece i
-        works = [self._post(self._dist.irecv, out,
-                            f"receiving {out.numel() * out.element_size()} bytes")
-                 for out in outs]
-        for i, (work, out) in enumerate(zip(works, outs)):
-            nbytes = out.numel() * out.element_size()
+        sizes = [out.numel() * out.element_size() for out in outs]
+        works = [self._post(self._dist.irecv, out, f"receiving {nbytes} bytes")
+                 for out, nbytes in zip(outs, sizes)]
+        for i, (work, nbytes) in enumerate(zip(works, sizes)):
             self._wait(work, f"receiving {nbytes} bytes")
             self.bytes_received += nbytes
             yield i
