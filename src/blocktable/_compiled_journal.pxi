@@ -85,7 +85,9 @@ cdef class JournalDiff:
     cdef tuple no_parts  # (no_blocks,) per group: the added or appended part of no row
     cdef object step_update  # the class of the update
     cdef list arena_objs  # per group, the arena last taken (None at first)
-    cdef list arena_views  # and its view
+    cdef list arena_views  # and its view (which holds its buffer)
+    cdef Py_ssize_t[::1] arena_at  # and the view's first item (as an address) and its width
+    cdef Py_ssize_t[::1] arena_width
     cdef int32_t[::1] work  # work space: a call's parts, gathered before the one copy out
     cdef Py_ssize_t[::1] lens  # work space: the length of each part (2 + 5 per group)
     cdef object int32  # numpy's int32 dtype, for the parts' arrays
@@ -133,23 +135,34 @@ cdef class JournalDiff:
         self.step_update = step_update
         self.arena_objs = [None] * num_groups
         self.arena_views = [None] * num_groups
+        self.arena_at = _np.zeros(num_groups, dtype=_np.intp)
+        self.arena_width = _np.zeros(num_groups, dtype=_np.intp)
         self.work = _np.empty(max(64, 4 * num_rows), dtype=_np.int32)
         self.lens = _np.empty(2 + 5 * num_groups, dtype=_np.intp)
         self.int32 = _np.dtype(_np.int32)
         self.frombuffer = _np.frombuffer
         self.bound = True
 
-    cdef const int32_t[:, ::1] _arena(self, list arenas, Py_ssize_t g) except *:
-        """Group ``g``'s arena as a view: the remembered one for the remembered object."""
+    cdef const int32_t* _arena(self, list arenas, Py_ssize_t g,
+                               Py_ssize_t* width) except? NULL:
+        """Group ``g``'s arena ``[num_rows, width]``: its first item (NULL if empty) and
+        (into ``width``) its width; remembered for the remembered object."""
         cdef object obj = arenas[g]
-        if obj is self.arena_objs[g] and obj is not None:
-            return self.arena_views[g]
+        if obj is not self.arena_objs[g] or obj is None:
+            self._take_arena(obj, g)
+        width[0] = self.arena_width[g]
+        return <const int32_t*>self.arena_at[g]
+
+    cdef int _take_arena(self, object obj, Py_ssize_t g) except -1:
         cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
         if arena.shape[0] != self.sgen.shape[0] or arena.shape[1] > INT32_MAX:
             raise ValueError(f"arenas[{g}] must have {self.sgen.shape[0]} rows and at most "
                              f"{INT32_MAX} columns")
         self.arena_objs[g], self.arena_views[g] = obj, arena
-        return arena
+        self.arena_at[g] = <Py_ssize_t>(&arena[0, 0]) if arena.shape[0] * arena.shape[1] \
+            else 0
+        self.arena_width[g] = arena.shape[1]
+        return 0
 
     def diff(self, list arenas, object nulled, object allocator_block_sizes):
         """The net change of every row since the start, in row order, as one update; then the
@@ -166,57 +179,64 @@ cdef class JournalDiff:
         against its arena before anything is gathered; on an error nothing is written.
         """
         _check_bound(self.bound, "JournalDiff")
-        cdef int64_t[::1] sgen = self.sgen
-        cdef const int64_t[::1] hgen = self.hgen
-        cdef int64_t[:, ::1] slen = self.slen
-        cdef const int64_t[:, ::1] rlen = self.rlen
-        cdef Py_ssize_t[::1] rows = self.rows
-        cdef unsigned char[::1] kinds = self.kinds
-        cdef Py_ssize_t num_rows = sgen.shape[0], num_groups = slen.shape[0]
+        cdef Py_ssize_t num_rows = self.sgen.shape[0], num_groups = self.slen.shape[0]
         if len(arenas) != num_groups:
             raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
+        # the bound arrays and work spaces through their first items, without bounds checks:
+        # every row r < num_rows, group g < num_groups and count n <= num_rows (each array was
+        # checked to have these shapes when bound; memoryviews are never rebound), and every
+        # arena index below a length checked against the arena's width (NULL where empty)
+        cdef bint any_len = num_rows * num_groups > 0
+        cdef int64_t* sgen = &self.sgen[0] if num_rows else NULL
+        cdef const int64_t* hgen = &self.hgen[0] if num_rows else NULL
+        cdef int64_t* slen = &self.slen[0, 0] if any_len else NULL  # [g * num_rows + r]
+        cdef const int64_t* rlen = &self.rlen[0, 0] if any_len else NULL
+        cdef Py_ssize_t* rows = &self.rows[0] if num_rows else NULL
+        cdef unsigned char* kinds = &self.kinds[0] if num_rows else NULL
         # the changed rows, in order, each with its kind: every later pass visits only them
         cdef Py_ssize_t n = 0, i
-        cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0
+        cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0, width
         cdef int64_t live, old, new
         cdef bint changed
-        with cython.boundscheck(False):  # r < num_rows, g < num_groups and n <= r: every
-            for r in range(num_rows):  # bound array and work space has these shapes (checked
-                live = hgen[r]  # at construction; memoryviews are never rebound)
-                changed = live != sgen[r]
-                for g in range(num_groups):
-                    changed = changed | (rlen[g, r] != slen[g, r])
-                if changed:
-                    if live == 0:
-                        kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                        n_cleared += sgen[r] != 0
-                    elif live != sgen[r]:
-                        kinds[n] = _ADDED_ROW
-                        n_added += 1
-                    else:
-                        kinds[n] = _KEPT_ROW
-                    rows[n] = r
-                    n += 1
+        for r in range(num_rows):
+            live = hgen[r]
+            changed = live != sgen[r]
+            for g in range(num_groups):
+                changed = changed | (rlen[g * num_rows + r] != slen[g * num_rows + r])
+            if changed:
+                if live == 0:
+                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                    n_cleared += sgen[r] != 0
+                elif live != sgen[r]:
+                    kinds[n] = _ADDED_ROW
+                    n_added += 1
+                else:
+                    kinds[n] = _KEPT_ROW
+                rows[n] = r
+                n += 1
         # ---- sizes, with every length checked against its arena ------------------------
-        cdef const int32_t[:, ::1] arena
+        cdef const int32_t* arena
+        cdef const int64_t* rlen_g
+        cdef const int64_t* slen_g
         cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
         lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
-            arena = self._arena(arenas, g)
+            self._arena(arenas, g, &width)
+            rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
             add_ids = grown = new_ids = 0
             for i in range(n):
                 if kinds[i] < _ADDED_ROW:
                     continue
                 r = rows[i]
-                new = rlen[g, r]
-                _check_len(new, arena.shape[1], "row_len", r, g)
+                new = rlen_g[r]
+                _check_len(new, width, "row_len", r, g)
                 if kinds[i] == _ADDED_ROW:
                     add_ids += new
                 else:
-                    old = slen[g, r]
+                    old = slen_g[r]
                     if new > old:
-                        _check_len(old, arena.shape[1], "start_len", r, g)
+                        _check_len(old, width, "start_len", r, g)
                         grown += 1
                         new_ids += new - old
             lens[2 + 5 * g], lens[3 + 5 * g], lens[4 + 5 * g] = n_added, add_ids, grown
@@ -235,7 +255,7 @@ cdef class JournalDiff:
         # the parts' arrays over it are read-only from birth, and so is every view of them
         if total > self.work.shape[0]:
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
-        cdef int32_t[::1] out = self.work
+        cdef int32_t* out = &self.work[0]  # (total entries written below: at == total)
         at = 0
         for i in range(n):
             if kinds[i] == _CLEARED_ROW:
@@ -246,38 +266,39 @@ cdef class JournalDiff:
                 out[at] = <int32_t>rows[i]
                 at += 1
         for g in range(num_groups):
-            arena = self._arena(arenas, g)
+            arena = self._arena(arenas, g, &width)
+            rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
             for i in range(n):  # added: each row's count, then all their ids
                 if kinds[i] == _ADDED_ROW:
-                    out[at] = <int32_t>rlen[g, rows[i]]
+                    out[at] = <int32_t>rlen_g[rows[i]]
                     at += 1
             for i in range(n):
                 if kinds[i] == _ADDED_ROW:
                     r = rows[i]
-                    for q in range(rlen[g, r]):
-                        out[at] = arena[r, q]
+                    for q in range(rlen_g[r]):
+                        out[at] = arena[r * width + q]
                         at += 1
             for i in range(n):  # grown: the rows, their growth, then their new ids
                 r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
+                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
                     out[at] = <int32_t>r
                     at += 1
             for i in range(n):
                 r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                    out[at] = <int32_t>(rlen[g, r] - slen[g, r])
+                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
+                    out[at] = <int32_t>(rlen_g[r] - slen_g[r])
                     at += 1
             for i in range(n):
                 r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen[g, r] > slen[g, r]:
-                    for q in range(slen[g, r], rlen[g, r]):
-                        out[at] = arena[r, q]
+                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
+                    for q in range(slen_g[r], rlen_g[r]):
+                        out[at] = arena[r * width + q]
                         at += 1
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
+        cdef bytes buf = PyBytes_FromStringAndSize(<char*> out, total * 4)
         # each part is its own array over the bytes (cutting one flat array would take a
         # numpy call more per step)
-        cdef bytes buf = PyBytes_FromStringAndSize(<char*> &out[0], total * 4)
         cleared = self._part(buf, 0, n_cleared)
         added_rows = self._part(buf, n_cleared, n_added)
         at = n_cleared + n_added
@@ -315,16 +336,18 @@ cdef class JournalDiff:
     cdef int _restart(self, Py_ssize_t n) except -1:
         """The live holders and lengths of the first ``n`` changed rows become their start
         (the other rows' start equals their live state already)."""
-        cdef int64_t[::1] sgen = self.sgen
-        cdef const int64_t[::1] hgen = self.hgen
-        cdef int64_t[:, ::1] slen = self.slen
-        cdef const int64_t[:, ::1] rlen = self.rlen
-        cdef const Py_ssize_t[::1] rows = self.rows
+        if n == 0:
+            return 0
+        cdef Py_ssize_t num_rows = self.sgen.shape[0], num_groups = self.slen.shape[0]
+        cdef int64_t* sgen = &self.sgen[0]  # (n > 0: there are rows)
+        cdef const int64_t* hgen = &self.hgen[0]
+        cdef int64_t* slen = &self.slen[0, 0] if num_groups else NULL  # (num_rows > 0)
+        cdef const int64_t* rlen = &self.rlen[0, 0] if num_groups else NULL
+        cdef const Py_ssize_t* rows = &self.rows[0]
         cdef Py_ssize_t i, r, g
-        with cython.boundscheck(False):  # n <= num_rows and every row r < num_rows: the diff's
-            for i in range(n):  # first pass wrote them, into a work space of num_rows
-                r = rows[i]
-                sgen[r] = hgen[r]
-                for g in range(slen.shape[0]):
-                    slen[g, r] = rlen[g, r]
+        for i in range(n):  # (n <= num_rows and every row r < num_rows: the diff's first
+            r = rows[i]  # pass wrote them, into a work space of num_rows)
+            sgen[r] = hgen[r]
+            for g in range(num_groups):
+                slen[g * num_rows + r] = rlen[g * num_rows + r]
         return 0

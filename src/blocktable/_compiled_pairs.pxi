@@ -62,7 +62,8 @@ cdef class PairStager:
         reset the changes. Returns the number of pairs, or -1 (nothing written or reset) when
         they exceed ``capacity`` or the journal overflowed."""
         _check_bound(self.bound, "PairStager")
-        return self._fill(self._staging(staging, capacity), capacity)
+        cdef int32_t[::1] out = self._staging(staging, capacity)  # (held while filled)
+        return self._fill(&out[0], out.shape[0], capacity)
 
     cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
         """``staging`` as a writable view, checked: room for ``capacity`` pairs and a header,
@@ -76,33 +77,40 @@ cdef class PairStager:
             raise TypeError(
                 f"staging must be a writable C-contiguous 1-D native int32 array: {exc}") \
                 from None
-        _check_capacity(out, capacity)
-        if _overlaps_any(<uintptr_t>(&out[0]) if out.shape[0] else 0, out.shape[0] * 4,
+        _check_capacity(out.shape[0], capacity)
+        if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4,
                          self.bound_start, self.bound_bytes, 4, -1):
             raise ValueError("staging overlaps the bound arrays")
         return out
 
-    cdef int64_t _fill(self, int32_t[::1] out, int64_t capacity) except -2:
-        """:meth:`fill` into a checked view (:meth:`_staging`); ``capacity`` checked again."""
-        _check_capacity(out, capacity)
-        cdef const int64_t[:, ::1] jour = self.jour
-        cdef int64_t[::1] jlen = self.jlen
-        cdef unsigned char[::1] dirt = self.dirt
-        cdef const int32_t[::1] src = self.src
-        cdef Py_ssize_t num_entries = src.shape[0]
+    cdef int64_t _fill(self, int32_t* out, Py_ssize_t out_len, int64_t capacity) except -2:
+        """:meth:`fill` into the ``out_len`` entries at ``out``, a checked staging buffer
+        (:meth:`_staging`) whose view the caller holds; ``capacity`` checked again.
+
+        Indexes through first items without bounds checks, each index proven in range by a
+        check above it: the pairs' count ``total <= capacity <= (out_len - 1) // 2``, every
+        journal run inside ``host`` and below the journal's capacity, every dirty count's
+        index below ``counts_offset + len(dirty) <= len(host)`` (checked at binding)."""
+        _check_capacity(out_len, capacity)
+        cdef Py_ssize_t num_runs = self.jour.shape[0], num_dirty = self.dirt.shape[0]
+        cdef Py_ssize_t num_entries = self.src.shape[0]
+        cdef const int64_t* jour = &self.jour[0, 0] if num_runs else NULL
+        cdef int64_t* jlen = &self.jlen[0]
+        cdef unsigned char* dirt = &self.dirt[0] if num_dirty else NULL
+        cdef const int32_t* src = &self.src[0] if num_entries else NULL
         cdef int64_t runs = jlen[0], num_indices = jlen[1], total, r, q, start, length
         cdef Py_ssize_t i, at = 0
         if runs < 0:
             return -1
-        if runs > jour.shape[0] or num_indices < 0:
+        if runs > num_runs or num_indices < 0:
             raise ValueError(f"journal_len={runs, num_indices} does not describe journal")
         total = num_indices
-        for i in range(dirt.shape[0]):
+        for i in range(num_dirty):
             total += dirt[i] != 0
         if total > capacity:
             return -1
         for r in range(runs):  # every run inside host, and the lengths adding up, before writing
-            start, length = jour[r, 0], jour[r, 1]
+            start, length = jour[2 * r], jour[2 * r + 1]
             if start < 0 or length < 0 or start > num_entries or length > num_entries - start:
                 raise ValueError(f"journal run {r} [{start}, +{length}) lies outside host")
             at += length
@@ -110,10 +118,10 @@ cdef class PairStager:
             raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
         at = 1  # (word 0: the number of pairs, written last)
         for r in range(runs):
-            for q in range(jour[r, 0], jour[r, 0] + jour[r, 1]):
+            for q in range(jour[2 * r], jour[2 * r] + jour[2 * r + 1]):
                 out[at] = <int32_t>q
                 at += 1
-        for i in range(dirt.shape[0]):
+        for i in range(num_dirty):
             if dirt[i]:
                 out[at] = <int32_t>(self.counts_offset + i)
                 at += 1
@@ -126,12 +134,10 @@ cdef class PairStager:
         return total
 
 
-cdef int _check_capacity(const int32_t[::1] staging, int64_t capacity) except -1:
-    """Raise unless ``staging`` holds a header word and ``capacity`` pairs (no overflow: the
-    bound is computed from the length)."""
-    if capacity < 0 or staging.shape[0] < 1 or capacity > (staging.shape[0] - 1) // 2:
+cdef int _check_capacity(Py_ssize_t staging_len, int64_t capacity) except -1:
+    """Raise unless a staging buffer of ``staging_len`` entries holds a header word and
+    ``capacity`` pairs (no overflow: the bound is computed from the length)."""
+    if capacity < 0 or staging_len < 1 or capacity > (staging_len - 1) // 2:
         raise ValueError(f"capacity={capacity} needs staging of 1 + 2 * {capacity} entries, "
-                         f"got {staging.shape[0]}")
+                         f"got {staging_len}")
     return 0
-
-

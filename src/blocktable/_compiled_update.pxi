@@ -16,57 +16,84 @@ cdef enum:
     NULLED = 3
 
 
-cdef tuple _rows_in_range(const int32_t[::1] rows, Py_ssize_t num_rows, int part):
+cdef struct _Ints:
+    # one int32 array of an update, read through its first item (NULL where empty); the
+    # typed memoryview it was taken from is held by the caller for as long as it is read
+    const int32_t* at
+    Py_ssize_t n
+
+
+cdef enum:  # an update's arrays, in the order of GroupWriter.apply's arguments
+    C_ROWS = 0
+    A_ROWS = 1
+    A_NUM = 2
+    A_IDS = 3
+    P_ROWS = 4
+    P_NUM = 5
+    P_IDS = 6
+    N_ROWS = 7
+    N_BLOCKS = 8
+    NUM_ARRAYS = 9
+
+
+cdef inline _Ints _ints(const int32_t[::1] a) noexcept:
+    cdef _Ints out
+    out.n = a.shape[0]
+    out.at = &a[0] if out.n else NULL
+    return out
+
+
+cdef tuple _rows_in_range(_Ints rows, Py_ssize_t num_rows, int part):
     cdef Py_ssize_t i
-    for i in range(rows.shape[0]):
-        if rows[i] < 0 or rows[i] >= num_rows:
-            return (ROW_RANGE, part, i, rows[i], num_rows)
+    for i in range(rows.n):
+        if rows.at[i] < 0 or rows.at[i] >= num_rows:
+            return (ROW_RANGE, part, i, rows.at[i], num_rows)
     return None
 
 
-cdef tuple _blocks_ok(const int32_t[::1] rows, const int32_t[::1] num, const int32_t[::1] ids,
-                      int64_t max_id, int part, Py_ssize_t num_rows, unsigned char[::1] seen):
+cdef tuple _blocks_ok(_Ints rows, _Ints num, _Ints ids, int64_t max_id, int part,
+                      Py_ssize_t num_rows, unsigned char* seen):
     """Rows in range and listed once, counts >= 0 summing to the ids, ids in ``[0, max_id)``.
-    ``seen`` (``[num_rows]``, all 0) is left all 0."""
+    ``seen`` (``[num_rows]``, all 0) is left all 0. ``num`` has ``rows``' length."""
     cdef tuple res = _rows_in_range(rows, num_rows, part)
     if res is not None:
         return res
-    cdef Py_ssize_t i, j, n = rows.shape[0]
+    cdef Py_ssize_t i, j, n = rows.n
     cdef int64_t total = 0
-    for i in range(n):
-        if seen[rows[i]]:
+    for i in range(n):  # (every row is in [0, num_rows), checked just above)
+        if seen[rows.at[i]]:
             for j in range(i):
-                seen[rows[j]] = 0
-            return (ROW_TWICE, part, i, rows[i], 0)
-        seen[rows[i]] = 1
+                seen[rows.at[j]] = 0
+            return (ROW_TWICE, part, i, rows.at[i], 0)
+        seen[rows.at[i]] = 1
     for i in range(n):
-        seen[rows[i]] = 0
+        seen[rows.at[i]] = 0
     for i in range(n):
-        if num[i] < 0:
-            return (NEG_COUNT, part, i, num[i], 0)
-        total += num[i]
-    if total != ids.shape[0]:
-        return (ID_SUM, part, ids.shape[0], total, 0)
-    for i in range(ids.shape[0]):
-        if ids[i] < 0 or ids[i] >= max_id:
-            return (ID_RANGE, part, i, ids[i], max_id)
+        if num.at[i] < 0:
+            return (NEG_COUNT, part, i, num.at[i], 0)
+        total += num.at[i]
+    if total != ids.n:
+        return (ID_SUM, part, ids.n, total, 0)
+    for i in range(ids.n):
+        if ids.at[i] < 0 or ids.at[i] >= max_id:
+            return (ID_RANGE, part, i, ids.at[i], max_id)
     return None
 
 
-cdef inline bint _log(int64_t[:, ::1] journal, int64_t[::1] journal_len, int64_t start,
-                      int64_t length) noexcept:
-    """Journal the run ``[start, start + length)``; past capacity, mark the overflow."""
+cdef inline void _log(int64_t* journal, Py_ssize_t capacity, int64_t* journal_len,
+                      int64_t start, int64_t length) noexcept:
+    """Journal the run ``[start, start + length)`` (``journal``: ``[capacity, 2]``); past
+    capacity, mark the overflow."""
     cdef int64_t runs = journal_len[0]
     if runs < 0 or length <= 0:
-        return True
-    if runs + 1 > journal.shape[0] or journal_len[1] + length > journal.shape[0]:
+        return
+    if runs + 1 > capacity or journal_len[1] + length > capacity:
         journal_len[0] = -1
-        return True
-    journal[runs, 0] = start
-    journal[runs, 1] = length
+        return
+    journal[2 * runs] = start
+    journal[2 * runs + 1] = length
     journal_len[0] = runs + 1
     journal_len[1] += length
-    return True
 
 
 cdef class GroupWriter:
@@ -100,10 +127,14 @@ cdef class GroupWriter:
     cdef object empty  # the last empty array taken (None at first), and its view
     cdef const int32_t[::1] empty_view
     cdef PairStager stager  # the table's pair stager, for apply_and_stage (None: unbound)
-    cdef object staged_a  # the last two staging arrays taken (None at first), and their views
-    cdef object staged_b
+    cdef object staged_a  # the last two staging arrays taken (None at first), their views
+    cdef object staged_b  # (which hold their buffers) and the views' first items and lengths
     cdef int32_t[::1] staged_view_a
     cdef int32_t[::1] staged_view_b
+    cdef int32_t* staged_at_a
+    cdef int32_t* staged_at_b
+    cdef Py_ssize_t staged_len_a
+    cdef Py_ssize_t staged_len_b
     cdef bint bound  # __init__ completed (once)
 
     def __init__(self, object table, object counts, int64_t width, int64_t k, int64_t max_id,
@@ -179,27 +210,15 @@ cdef class GroupWriter:
         cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
         cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
         cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
-        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
-                n_rows.shape[0] != n_blocks.shape[0]:
+        cdef _Ints parts[NUM_ARRAYS]
+        parts[C_ROWS], parts[A_ROWS], parts[A_NUM] = _ints(c_rows), _ints(a_rows), _ints(a_num)
+        parts[A_IDS], parts[P_ROWS], parts[P_NUM] = _ints(a_ids), _ints(p_rows), _ints(p_num)
+        parts[P_IDS], parts[N_ROWS], parts[N_BLOCKS] = _ints(p_ids), _ints(n_rows), \
+            _ints(n_blocks)
+        if not self._parts_sound(parts, NULL, 0):
             raise ValueError("each part's rows and counts (or block indices) must have one "
                              "entry per row")
-        cdef uintptr_t in_start[9]
-        cdef Py_ssize_t in_bytes[9]
-        _span(c_rows, in_start, in_bytes, 0)
-        _span(a_rows, in_start, in_bytes, 1)
-        _span(a_num, in_start, in_bytes, 2)
-        _span(a_ids, in_start, in_bytes, 3)
-        _span(p_rows, in_start, in_bytes, 4)
-        _span(p_num, in_start, in_bytes, 5)
-        _span(p_ids, in_start, in_bytes, 6)
-        _span(n_rows, in_start, in_bytes, 7)
-        _span(n_blocks, in_start, in_bytes, 8)
-        cdef int i
-        for i in range(9):
-            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1):
-                raise ValueError("an update array overlaps the table's own arrays")
-        return self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows,
-                           n_blocks, write)
+        return self._apply(parts, write)
 
     def bind_stager(self, PairStager stager not None):
         """Bind the table's pair stager (it must drain this writer's journal), for
@@ -227,7 +246,8 @@ cdef class GroupWriter:
         _check_bound(self.bound, "GroupWriter")
         if self.stager is None:
             raise ValueError("apply_and_stage needs bind_stager() first")
-        cdef int32_t[::1] out = self._staging(staging, capacity)
+        cdef Py_ssize_t out_len
+        cdef int32_t* out = self._staging(staging, capacity, &out_len)
         cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
         cdef const int32_t[::1] n_rows, n_blocks
         try:
@@ -246,53 +266,60 @@ cdef class GroupWriter:
             n_blocks = self._take(z.block_indices, "null_blocks")
         except (TypeError, ValueError, AttributeError, IndexError):
             return -2
-        if a_rows.shape[0] != a_num.shape[0] or p_rows.shape[0] != p_num.shape[0] or \
-                n_rows.shape[0] != n_blocks.shape[0]:
+        cdef _Ints parts[NUM_ARRAYS]
+        parts[C_ROWS], parts[A_ROWS], parts[A_NUM] = _ints(c_rows), _ints(a_rows), _ints(a_num)
+        parts[A_IDS], parts[P_ROWS], parts[P_NUM] = _ints(a_ids), _ints(p_rows), _ints(p_num)
+        parts[P_IDS], parts[N_ROWS], parts[N_BLOCKS] = _ints(p_ids), _ints(n_rows), \
+            _ints(n_blocks)
+        if not self._parts_sound(parts, out, out_len * 4):
             return -2
-        cdef uintptr_t in_start[9]
-        cdef Py_ssize_t in_bytes[9]
-        _span(c_rows, in_start, in_bytes, 0)
-        _span(a_rows, in_start, in_bytes, 1)
-        _span(a_num, in_start, in_bytes, 2)
-        _span(a_ids, in_start, in_bytes, 3)
-        _span(p_rows, in_start, in_bytes, 4)
-        _span(p_num, in_start, in_bytes, 5)
-        _span(p_ids, in_start, in_bytes, 6)
-        _span(n_rows, in_start, in_bytes, 7)
-        _span(n_blocks, in_start, in_bytes, 8)
-        cdef uintptr_t out_start = <uintptr_t>(&out[0])
-        cdef int i
-        for i in range(9):
-            if _overlaps_any(in_start[i], in_bytes[i], self.out_start, self.out_bytes, 7, -1) \
-                    or _overlap(<void*>in_start[i], in_bytes[i], <void*>out_start,
-                                out.shape[0] * 4):
-                raise ValueError("an update array overlaps the table's own arrays or staging")
-        if self._apply(c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids, n_rows, n_blocks,
-                       True)[0] != OK:
+        if self._apply(parts, True)[0] != OK:
             return -2
-        return self.stager._fill(out, capacity)
+        return self.stager._fill(out, out_len, capacity)
 
-    cdef int32_t[::1] _staging(self, object staging, int64_t capacity) except *:
-        """``staging`` as a writable view, checked (:meth:`PairStager._staging`, and against
-        this writer's arrays); the remembered view for one of the last two arrays taken (a
-        captured step's two staging buffers). As with the bound arrays, a remembered array is
-        held: its memory cannot be freed while the writer holds its view, and it was writable
-        and apart from every bound array when it was taken."""
+    cdef bint _parts_sound(self, const _Ints* parts, const void* staging,
+                           Py_ssize_t staging_bytes) except -1:
+        """Whether each part's rows and counts (or block indices) have one entry per row;
+        raises where an array overlaps the table's own arrays or ``staging``."""
+        if parts[A_ROWS].n != parts[A_NUM].n or parts[P_ROWS].n != parts[P_NUM].n or \
+                parts[N_ROWS].n != parts[N_BLOCKS].n:
+            return False
+        cdef int i
+        for i in range(NUM_ARRAYS):
+            if _overlaps_any(<uintptr_t>parts[i].at, parts[i].n * 4, self.out_start,
+                             self.out_bytes, 7, -1) or \
+                    _overlap(parts[i].at, parts[i].n * 4, staging, staging_bytes):
+                raise ValueError("an update array overlaps the table's own arrays or staging")
+        return True
+
+    cdef int32_t* _staging(self, object staging, int64_t capacity,
+                           Py_ssize_t* staging_len) except NULL:
+        """``staging``'s first item and (into ``staging_len``) its length, checked
+        (:meth:`PairStager._staging`, and against this writer's arrays); remembered for the
+        last two arrays taken (a captured step's two staging buffers). As with the bound
+        arrays, a remembered array's view is held: its memory cannot be freed while the
+        writer holds it, and it was writable and apart from every bound array when it was
+        taken."""
         cdef int32_t[::1] out
         if staging is self.staged_a and staging is not None:
-            out = self.staged_view_a
-        elif staging is self.staged_b and staging is not None:
-            out = self.staged_view_b
-        else:
-            out = self.stager._staging(staging, capacity)
-            if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
-                             self.out_bytes, 7, -1):
-                raise ValueError("staging overlaps the table's own arrays")
-            if self.staged_a is not None:
-                self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
-            self.staged_a, self.staged_view_a = staging, out
-        _check_capacity(out, capacity)
-        return out
+            staging_len[0] = self.staged_len_a
+            _check_capacity(self.staged_len_a, capacity)
+            return self.staged_at_a
+        if staging is self.staged_b and staging is not None:
+            staging_len[0] = self.staged_len_b
+            _check_capacity(self.staged_len_b, capacity)
+            return self.staged_at_b
+        out = self.stager._staging(staging, capacity)  # (at least one entry)
+        if _overlaps_any(<uintptr_t>(&out[0]), out.shape[0] * 4, self.out_start,
+                         self.out_bytes, 7, -1):
+            raise ValueError("staging overlaps the table's own arrays")
+        if self.staged_a is not None:
+            self.staged_b, self.staged_view_b = self.staged_a, self.staged_view_a
+            self.staged_at_b, self.staged_len_b = self.staged_at_a, self.staged_len_a
+        self.staged_a, self.staged_view_a = staging, out
+        self.staged_at_a, self.staged_len_a = &out[0], out.shape[0]
+        staging_len[0] = out.shape[0]
+        return &out[0]
 
     cdef const int32_t[::1] _take(self, object value, str name) except *:
         """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
@@ -304,56 +331,66 @@ cdef class GroupWriter:
             self.empty, self.empty_view = value, view
         return view
 
-    cdef tuple _apply(self, const int32_t[::1] c_rows, const int32_t[::1] a_rows,
-                      const int32_t[::1] a_num, const int32_t[::1] a_ids,
-                      const int32_t[::1] p_rows, const int32_t[::1] p_num,
-                      const int32_t[::1] p_ids, const int32_t[::1] n_rows,
-                      const int32_t[::1] n_blocks, bint write):
-        cdef int32_t[::1] tab = self.tab
-        cdef int32_t[::1] cnt = self.cnt
-        cdef int64_t[::1] after = self.after
-        cdef unsigned char[::1] mark = self.mark
-        cdef unsigned char[::1] dirt = self.dirt
-        cdef int64_t[:, ::1] jour = self.jour
-        cdef int64_t[::1] jlen = self.jlen
-        cdef int64_t width = self.width, k = self.k, max_id = self.max_id
+    cdef tuple _apply(self, const _Ints* parts, bint write):
+        """Check the update's ``parts`` (each row part with one count or block index per row:
+        :meth:`_parts_sound`), then write them if they passed and ``write``; ``(code, part,
+        index, value, bound)``, ``code`` OK when they passed.
+
+        The writes index the bound arrays through their first items without bounds checks:
+        every index is proven in range by the checks before them (rows in ``[0, num_rows)``,
+        each part's counts summing to its ids, every count of a written row and every row's
+        length after the update in ``[0, width]``, nulled blocks below it)."""
+        cdef _Ints c_rows = parts[C_ROWS], a_rows = parts[A_ROWS], a_num = parts[A_NUM]
+        cdef _Ints a_ids = parts[A_IDS], p_rows = parts[P_ROWS], p_num = parts[P_NUM]
+        cdef _Ints p_ids = parts[P_IDS], n_rows = parts[N_ROWS], n_blocks = parts[N_BLOCKS]
+        cdef int64_t width = self.width, k = self.k
+        cdef Py_ssize_t num_rows = self.cnt.shape[0]
+        # the bound arrays' first items (NULL without rows: then every nonempty row part is
+        # refused and nothing is read or written through them); each was checked at binding
+        # to hold num_rows entries, the table num_rows * width, the journal its capacity
+        cdef int32_t* tab = &self.tab[0] if num_rows else NULL
+        cdef int32_t* cnt = &self.cnt[0] if num_rows else NULL
+        cdef int64_t* after = &self.after[0] if num_rows else NULL
+        cdef unsigned char* mark = &self.mark[0] if num_rows else NULL
+        cdef unsigned char* dirt = &self.dirt[0] if num_rows else NULL
+        cdef Py_ssize_t capacity = self.jour.shape[0]
+        cdef int64_t* jour = &self.jour[0, 0] if capacity else NULL
+        cdef int64_t* jlen = &self.jlen[0]
         cdef int64_t offset = self.offset
-        cdef Py_ssize_t num_rows = cnt.shape[0]
         # ---- checks (nothing written but the work space, which is restored) -----------------
         cdef tuple res = _rows_in_range(c_rows, num_rows, CLEARED)
         if res is None:
-            res = _blocks_ok(a_rows, a_num, a_ids, max_id, ADDED, num_rows, mark)
+            res = _blocks_ok(a_rows, a_num, a_ids, self.max_id, ADDED, num_rows, mark)
         if res is None:
-            res = _blocks_ok(p_rows, p_num, p_ids, max_id, APPENDED, num_rows, mark)
+            res = _blocks_ok(p_rows, p_num, p_ids, self.max_id, APPENDED, num_rows, mark)
         if res is None:
             res = _rows_in_range(n_rows, num_rows, NULLED)
         if res is not None:
             return res
         cdef Py_ssize_t i, j, q
         cdef int64_t row, old, new, start, stop, b
-        for i in range(a_rows.shape[0]):
-            after[a_rows[i]] = cnt[a_rows[i]]
-        for i in range(p_rows.shape[0]):
-            after[p_rows[i]] = cnt[p_rows[i]]
-        for i in range(n_rows.shape[0]):
-            after[n_rows[i]] = cnt[n_rows[i]]
-        for i in range(c_rows.shape[0]):
-            after[c_rows[i]] = 0
-        for i in range(a_rows.shape[0]):
-            after[a_rows[i]] = a_num[i] * k
-        for i in range(p_rows.shape[0]):
-            after[p_rows[i]] += p_num[i] * k
-        for i in range(a_rows.shape[0]):
-            if after[a_rows[i]] > width:
-                return (WIDTH, 0, a_rows[i], after[a_rows[i]], width)
-        for i in range(p_rows.shape[0]):
-            if after[p_rows[i]] > width:
-                return (WIDTH, 0, p_rows[i], after[p_rows[i]], width)
-        for i in range(n_rows.shape[0]):
-            if n_blocks[i] < 0 or n_blocks[i] * k >= after[n_rows[i]]:
-                return (NULL_RANGE, i, n_blocks[i], n_rows[i], after[n_rows[i]] // k)
+        for i in range(a_rows.n):
+            after[a_rows.at[i]] = cnt[a_rows.at[i]]
+        for i in range(p_rows.n):
+            after[p_rows.at[i]] = cnt[p_rows.at[i]]
+        for i in range(n_rows.n):
+            after[n_rows.at[i]] = cnt[n_rows.at[i]]
+        for i in range(c_rows.n):
+            after[c_rows.at[i]] = 0
+        for i in range(a_rows.n):
+            after[a_rows.at[i]] = a_num.at[i] * k
+        for i in range(p_rows.n):
+            after[p_rows.at[i]] += p_num.at[i] * k
+        for i in range(a_rows.n):
+            if after[a_rows.at[i]] > width:
+                return (WIDTH, 0, a_rows.at[i], after[a_rows.at[i]], width)
+        for i in range(p_rows.n):
+            if after[p_rows.at[i]] > width:
+                return (WIDTH, 0, p_rows.at[i], after[p_rows.at[i]], width)
+        for i in range(n_rows.n):
+            if n_blocks.at[i] < 0 or n_blocks.at[i] * k >= after[n_rows.at[i]]:
+                return (NULL_RANGE, i, n_blocks.at[i], n_rows.at[i], after[n_rows.at[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        # (one call per part: a tuple of the views would make each a Python object)
         _counts_sound(c_rows, cnt, width)
         _counts_sound(a_rows, cnt, width)
         _counts_sound(p_rows, cnt, width)
@@ -362,70 +399,65 @@ cdef class GroupWriter:
             return (OK, 0, 0, 0, 0)
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
-        for i in range(c_rows.shape[0]):
-            row = c_rows[i]
+        for i in range(c_rows.n):
+            row = c_rows.at[i]
             if mark[row]:
                 continue  # (a row listed twice is cleared and journaled once)
             mark[row] = 1
             old = cnt[row]
             for q in range(row * width, row * width + old):
                 tab[q] = NULL_BLOCK_ID
-            _log(jour, jlen, offset + row * width, old)
+            _log(jour, capacity, jlen, offset + row * width, old)
             cnt[row] = 0
             dirt[row] = 1
-        for i in range(c_rows.shape[0]):
-            mark[c_rows[i]] = 0
+        for i in range(c_rows.n):
+            mark[c_rows.at[i]] = 0
         j = 0
-        for i in range(a_rows.shape[0]):
-            row = a_rows[i]
+        for i in range(a_rows.n):
+            row = a_rows.at[i]
             old = cnt[row]
-            new = a_num[i] * k
+            new = a_num.at[i] * k
             start = row * width
-            for q in range(a_num[i]):
-                b = a_ids[j + q]
+            for q in range(a_num.at[i]):
+                b = a_ids.at[j + q]
                 for stop in range(k):
                     tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
             for q in range(start + new, start + old):
                 tab[q] = NULL_BLOCK_ID
-            j += a_num[i]
-            _log(jour, jlen, offset + start, new if new > old else old)
+            j += a_num.at[i]
+            _log(jour, capacity, jlen, offset + start, new if new > old else old)
             cnt[row] = new
             dirt[row] = 1
         j = 0
-        for i in range(p_rows.shape[0]):
-            row = p_rows[i]
+        for i in range(p_rows.n):
+            row = p_rows.at[i]
             start = row * width + cnt[row]
-            for q in range(p_num[i]):
-                b = p_ids[j + q]
+            for q in range(p_num.at[i]):
+                b = p_ids.at[j + q]
                 for stop in range(k):
                     tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
-            j += p_num[i]
-            _log(jour, jlen, offset + start, p_num[i] * k)
-            cnt[row] += p_num[i] * k
+            j += p_num.at[i]
+            _log(jour, capacity, jlen, offset + start, p_num.at[i] * k)
+            cnt[row] += p_num.at[i] * k
             dirt[row] = 1
-        for i in range(n_rows.shape[0]):
-            start = n_rows[i] * width + n_blocks[i] * k
+        for i in range(n_rows.n):
+            start = n_rows.at[i] * width + n_blocks.at[i] * k
             for q in range(start, start + k):
                 tab[q] = NULL_BLOCK_ID
-            _log(jour, jlen, offset + start, k)
-            dirt[n_rows[i]] = 1
+            _log(jour, capacity, jlen, offset + start, k)
+            dirt[n_rows.at[i]] = 1
         return (OK, 0, 0, 0, 0)
 
 
-cdef int _counts_sound(const int32_t[::1] rows, const int32_t[::1] cnt,
-                       int64_t width) except -1:
+cdef int _counts_sound(_Ints rows, const int32_t* cnt, int64_t width) except -1:
+    """Raise unless the count of each of ``rows`` (checked to be in range) is in
+    ``[0, width]``."""
     cdef Py_ssize_t i
-    for i in range(rows.shape[0]):
-        if cnt[rows[i]] < 0 or cnt[rows[i]] > width:
-            raise ValueError(f"row {rows[i]} holds count {cnt[rows[i]]}, outside [0, {width}]: "
-                             "the table is corrupt")
+    for i in range(rows.n):
+        if cnt[rows.at[i]] < 0 or cnt[rows.at[i]] > width:
+            raise ValueError(f"row {rows.at[i]} holds count {cnt[rows.at[i]]}, outside [0, "
+                             f"{width}]: the table is corrupt")
     return 0
-
-
-cdef inline void _span(const int32_t[::1] a, uintptr_t* start, Py_ssize_t* nbytes,
-                       int i) noexcept:
-    start[i] = <uintptr_t>(&a[0]) if a.shape[0] else 0
-    nbytes[i] = a.shape[0] * 4
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
