@@ -9,13 +9,19 @@ index's key table, and the captured step's CUDA graph launch through the driver.
 Typed memoryviews check each array's kind, item size, byte order, dimensions and contiguity
 (``int32_t[::1]`` accepts exactly a C-contiguous 1-D native int32 buffer: no float, unsigned,
 byte-swapped, object or strided array), and ``const`` marks the inputs, so a read-only input is
-accepted and a read-only output refused. Every size and offset is checked against its buffer
-before the first write, with 64-bit arithmetic that cannot overflow for the checked ranges, and
-the output may not overlap an input. Bounds checking stays on (the default) everywhere but in
-the journal's two loops over rows, whose indices are below the row count that every array they
-index was checked to have when the arrays were bound, the batch check's loop, whose
-indices are below a request count checked against its arrays just above, and the block keys'
-loop, whose segment lengths were checked to sum to the block count every array holds. Python
+accepted and a read-only output refused. A step update's nine arrays, new every step, are held
+as plain buffers with the same checks made by hand (one function: the request asks for a
+C-contiguous buffer, then its dimensions, item size and format, one native signed 32-bit
+integer, are checked), which costs a cold step far less code than nine memoryviews. Every
+size and offset is checked against its buffer before the first write, with 64-bit arithmetic
+that cannot overflow for the checked ranges, and the output may not overlap an input. Bounds
+checking stays on (the default) everywhere but in loops whose every index is below a bound
+checked above them: the update's checks and writes, the commit's pairs and the journal's diff
+(which read and write through their arrays' first items: each row below the row count or
+width every bound array was checked to have when bound, each count checked against its array
+just above, each length against the arena it indexes), the batch check's loop (its indices
+below a request count checked against its arrays just above) and the block keys' loop (its
+segment lengths checked to sum to the block count every array holds). Python
 lists of token ids are read item by item below their length (checked before the first read and
 again after any item's Python code ran) into an output range checked once before the loop.
 
@@ -32,6 +38,7 @@ pairs, for the captured step's launch), the numpy diff in
 """
 
 cimport cython
+import sys
 from cython.view cimport array as cvarray
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 

@@ -1,5 +1,8 @@
 # One group's step update, checked then written (included by _compiled.pyx).
 
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, \
+    PyObject_GetBuffer
+
 # ---- one group's step update: checked, then written ------------------------------------
 cdef enum:
     OK = 0
@@ -36,11 +39,67 @@ cdef enum:  # an update's arrays, in the order of GroupWriter.apply's arguments
     NUM_ARRAYS = 9
 
 
-cdef inline _Ints _ints(const int32_t[::1] a) noexcept:
-    cdef _Ints out
-    out.n = a.shape[0]
-    out.at = &a[0] if out.n else NULL
-    return out
+cdef tuple _NAMES = ("cleared", "add_rows", "add_num", "add_ids", "app_rows", "app_num",
+                     "app_ids", "null_rows", "null_blocks")
+cdef bint _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+cdef bint _native_int32_format(const char* fmt) noexcept:
+    """Whether a buffer format describes one signed 32-bit integer in this machine's byte
+    order: ``i`` or ``l`` (the item size, checked apart, tells them from wider ones), bare or
+    after a native or matching byte-order prefix. No unsigned, float, object or swapped
+    item."""
+    if fmt == NULL:  # (the buffer protocol's "unsigned bytes")
+        return False
+    cdef char c = fmt[0]
+    if c == b'@' or c == b'=' or (c == b'<' and _LITTLE_ENDIAN) or \
+            ((c == b'>' or c == b'!') and not _LITTLE_ENDIAN):
+        fmt += 1
+    return (fmt[0] == b'i' or fmt[0] == b'l') and fmt[1] == 0
+
+
+cdef int _hold_parts(tuple values, Py_buffer* bufs, bint* held, _Ints* parts,
+                     object empty) except -1:
+    """Hold the buffer of each of the ``NUM_ARRAYS`` ``values`` in ``bufs`` (``held[i]``
+    set for each one held: the caller releases them, on every path) and read it as
+    ``parts[i]``, or raise TypeError naming the first that is not a C-contiguous 1-D native
+    int32 array. ``empty``, an empty array taken before, is read as empty without a buffer.
+
+    A held buffer pins the array's memory (numpy refuses to resize an exported array) for as
+    long as it is read; the checks are a typed memoryview's: dimensions, item size, kind and
+    byte order by the format, contiguity by the request."""
+    cdef int i
+    cdef object value
+    for i in range(NUM_ARRAYS):
+        value = values[i]
+        parts[i].at, parts[i].n = NULL, 0
+        if value is empty and value is not None:
+            continue
+        if value is None:  # (None exports no buffer: named here)
+            raise TypeError(f"{_NAMES[i]} must be an array, got None")
+        try:
+            PyObject_GetBuffer(value, &bufs[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        except (ValueError, TypeError, BufferError) as exc:
+            raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array: "
+                            f"{exc}") from None
+        held[i] = True
+        if bufs[i].ndim != 1 or bufs[i].itemsize != 4 or \
+                not _native_int32_format(bufs[i].format):
+            raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array, got "
+                            f"{bufs[i].ndim}-D items of format "
+                            f"{(bufs[i].format or b'B').decode('ascii', 'replace')!r}")
+        parts[i].n = bufs[i].shape[0]
+        if parts[i].n:
+            parts[i].at = <const int32_t*>bufs[i].buf
+    return 0
+
+
+cdef inline void _release_parts(Py_buffer* bufs, bint* held) noexcept:
+    cdef int i
+    for i in range(NUM_ARRAYS):
+        if held[i]:
+            held[i] = False
+            PyBuffer_Release(&bufs[i])
 
 
 cdef tuple _rows_in_range(_Ints rows, Py_ssize_t num_rows, int part):
@@ -109,9 +168,9 @@ cdef class GroupWriter:
     writable, C-contiguous, native, and overlapping no other.
 
     An update's empty parts are usually one shared empty array (the allocator's): the last
-    empty int32 array taken is remembered, and that same object passed again reuses its
-    (empty) view instead of being taken again. It holds nothing to read or write, so nothing
-    done to it in between can matter.
+    empty int32 array taken is remembered, and that same object passed again is read as empty
+    without taking its buffer again. It holds nothing to read or write, so nothing done to it
+    in between can matter.
     """
 
     cdef int32_t[::1] tab
@@ -124,8 +183,7 @@ cdef class GroupWriter:
     cdef int64_t width, k, max_id, offset
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t out_bytes[7]
-    cdef object empty  # the last empty array taken (None at first), and its view
-    cdef const int32_t[::1] empty_view
+    cdef object empty  # the last empty array taken (None at first)
     cdef PairStager stager  # the table's pair stager, for apply_and_stage (None: unbound)
     cdef object staged_a  # the last two staging arrays taken (None at first), their views
     cdef object staged_b  # (which hold their buffers) and the views' first items and lengths
@@ -201,24 +259,23 @@ cdef class GroupWriter:
         value, bound)`` as the numpy twin does, ``code`` 0 when it passed; nothing is written
         unless it passed."""
         _check_bound(self.bound, "GroupWriter")
-        cdef const int32_t[::1] c_rows = self._take(cleared, "cleared")
-        cdef const int32_t[::1] a_rows = self._take(add_rows, "add_rows")
-        cdef const int32_t[::1] a_num = self._take(add_num, "add_num")
-        cdef const int32_t[::1] a_ids = self._take(add_ids, "add_ids")
-        cdef const int32_t[::1] p_rows = self._take(app_rows, "app_rows")
-        cdef const int32_t[::1] p_num = self._take(app_num, "app_num")
-        cdef const int32_t[::1] p_ids = self._take(app_ids, "app_ids")
-        cdef const int32_t[::1] n_rows = self._take(null_rows, "null_rows")
-        cdef const int32_t[::1] n_blocks = self._take(null_blocks, "null_blocks")
+        cdef Py_buffer bufs[NUM_ARRAYS]
+        cdef bint held[NUM_ARRAYS]
         cdef _Ints parts[NUM_ARRAYS]
-        parts[C_ROWS], parts[A_ROWS], parts[A_NUM] = _ints(c_rows), _ints(a_rows), _ints(a_num)
-        parts[A_IDS], parts[P_ROWS], parts[P_NUM] = _ints(a_ids), _ints(p_rows), _ints(p_num)
-        parts[P_IDS], parts[N_ROWS], parts[N_BLOCKS] = _ints(p_ids), _ints(n_rows), \
-            _ints(n_blocks)
-        if not self._parts_sound(parts, NULL, 0):
-            raise ValueError("each part's rows and counts (or block indices) must have one "
-                             "entry per row")
-        return self._apply(parts, write)
+        cdef int i
+        for i in range(NUM_ARRAYS):
+            held[i] = False
+        try:
+            _hold_parts((cleared, add_rows, add_num, add_ids, app_rows, app_num, app_ids,
+                         null_rows, null_blocks), bufs, held, parts, self.empty)
+            self._remember_empty(parts, (cleared, add_rows, add_num, add_ids, app_rows,
+                                         app_num, app_ids, null_rows, null_blocks))
+            if not self._parts_sound(parts, NULL, 0):
+                raise ValueError("each part's rows and counts (or block indices) must have "
+                                 "one entry per row")
+            return self._apply(parts, write)
+        finally:
+            _release_parts(bufs, held)
 
     def bind_stager(self, PairStager stager not None):
         """Bind the table's pair stager (it must drain this writer's journal), for
@@ -248,34 +305,31 @@ cdef class GroupWriter:
             raise ValueError("apply_and_stage needs bind_stager() first")
         cdef Py_ssize_t out_len
         cdef int32_t* out = self._staging(staging, capacity, &out_len)
-        cdef const int32_t[::1] c_rows, a_rows, a_num, a_ids, p_rows, p_num, p_ids
-        cdef const int32_t[::1] n_rows, n_blocks
-        try:
-            added, appended, nulled = update.added, update.appended, update.nulled
-            if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
-                return -2
-            a, p, z = added[0], appended[0], nulled[0]
-            c_rows = self._take(update.cleared_rows, "cleared")
-            a_rows = self._take(a.rows, "add_rows")
-            a_num = self._take(a.num_manager_blocks, "add_num")
-            a_ids = self._take(a.block_ids, "add_ids")
-            p_rows = self._take(p.rows, "app_rows")
-            p_num = self._take(p.num_manager_blocks, "app_num")
-            p_ids = self._take(p.block_ids, "app_ids")
-            n_rows = self._take(z.rows, "null_rows")
-            n_blocks = self._take(z.block_indices, "null_blocks")
-        except (TypeError, ValueError, AttributeError, IndexError):
-            return -2
+        cdef Py_buffer bufs[NUM_ARRAYS]
+        cdef bint held[NUM_ARRAYS]
         cdef _Ints parts[NUM_ARRAYS]
-        parts[C_ROWS], parts[A_ROWS], parts[A_NUM] = _ints(c_rows), _ints(a_rows), _ints(a_num)
-        parts[A_IDS], parts[P_ROWS], parts[P_NUM] = _ints(a_ids), _ints(p_rows), _ints(p_num)
-        parts[P_IDS], parts[N_ROWS], parts[N_BLOCKS] = _ints(p_ids), _ints(n_rows), \
-            _ints(n_blocks)
-        if not self._parts_sound(parts, out, out_len * 4):
-            return -2
-        if self._apply(parts, True)[0] != OK:
-            return -2
-        return self.stager._fill(out, out_len, capacity)
+        cdef int i
+        for i in range(NUM_ARRAYS):
+            held[i] = False
+        try:
+            try:
+                added, appended, nulled = update.added, update.appended, update.nulled
+                if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
+                    return -2
+                a, p, z = added[0], appended[0], nulled[0]
+                values = (update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
+                          p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices)
+                _hold_parts(values, bufs, held, parts, self.empty)
+            except (TypeError, ValueError, AttributeError, IndexError):
+                return -2
+            self._remember_empty(parts, values)
+            if not self._parts_sound(parts, out, out_len * 4):
+                return -2
+            if self._apply(parts, True)[0] != OK:
+                return -2
+            return self.stager._fill(out, out_len, capacity)
+        finally:
+            _release_parts(bufs, held)
 
     cdef bint _parts_sound(self, const _Ints* parts, const void* staging,
                            Py_ssize_t staging_bytes) except -1:
@@ -321,15 +375,16 @@ cdef class GroupWriter:
         staging_len[0] = out.shape[0]
         return &out[0]
 
-    cdef const int32_t[::1] _take(self, object value, str name) except *:
-        """``value`` as an int32 view (:func:`_int32_in`); the remembered empty view for the
-        remembered empty array."""
-        if value is self.empty and value is not None:
-            return self.empty_view
-        cdef const int32_t[::1] view = _int32_in(value, name)
-        if view.shape[0] == 0:
-            self.empty, self.empty_view = value, view
-        return view
+    cdef int _remember_empty(self, const _Ints* parts, tuple values) except -1:
+        """Remember the last of ``values`` that is empty (read through ``parts``), to read
+        it again without taking its buffer: it holds nothing to read or write, so nothing
+        done to it in between can matter."""
+        cdef int i
+        for i in range(NUM_ARRAYS - 1, -1, -1):
+            if parts[i].n == 0 and values[i] is not None:
+                self.empty = values[i]
+                return 0
+        return 0
 
     cdef tuple _apply(self, const _Ints* parts, bint write):
         """Check the update's ``parts`` (each row part with one count or block index per row:
