@@ -730,6 +730,20 @@ def test_journal_diff_parts_and_the_next_start() -> None:
         parts[0].flags.writeable = True  # a view of a read-only buffer
 
 
+def test_journal_diff_grows_its_work_space_and_reads_everything_again() -> None:
+    """An update larger than the work space: grown, then the rows read again, same parts."""
+    start_gen, holder_gen = np.array([0, 0], I64), np.array([0, 7], I64)
+    start_len, row_len = np.zeros((1, 2), I64), np.array([[0, 150]], I64)
+    arena = np.arange(2 * 200, dtype=I32).reshape(2, 200)
+    bound = compiled.JournalDiff(start_gen, holder_gen, start_len, row_len, EMPTY32,
+                                 RowBlocks, NO_BLOCKS, StepUpdate)
+    update = bound.diff([arena], NO_ENTRIES[:1], None)
+    (added,) = update.added
+    assert added.rows.tolist() == [1] and added.num_manager_blocks.tolist() == [150]
+    assert added.block_ids.tolist() == arena[1, :150].tolist()
+    assert start_gen.tolist() == [0, 7] and start_len.tolist() == [[0, 150]]
+
+
 def test_journal_diff_moves_the_start_of_a_changed_row_that_yields_nothing() -> None:
     """A free row whose stale lengths changed and a row that shrank: no part, new start."""
     start_gen, holder_gen = np.array([0, 5], I64), np.array([0, 5], I64)

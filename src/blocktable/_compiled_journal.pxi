@@ -182,6 +182,11 @@ cdef class JournalDiff:
         cdef Py_ssize_t num_rows = self.sgen.shape[0], num_groups = self.slen.shape[0]
         if len(arenas) != num_groups:
             raise ValueError(f"arenas must hold {num_groups} arrays, got {len(arenas)}")
+        # every group's arena taken first: taking a new one may run Python code (a name is
+        # formatted), and from the first read of a row to the last id gathered none runs
+        cdef Py_ssize_t g, width
+        for g in range(num_groups):
+            self._arena(arenas, g, &width)
         # the bound arrays and work spaces through their first items, without bounds checks:
         # every row r < num_rows, group g < num_groups and count n <= num_rows (each array was
         # checked to have these shapes when bound; memoryviews are never rebound), and every
@@ -195,7 +200,7 @@ cdef class JournalDiff:
         cdef unsigned char* kinds = &self.kinds[0] if num_rows else NULL
         # the changed rows, in order, each with its kind: every later pass visits only them
         cdef Py_ssize_t n = 0, i
-        cdef Py_ssize_t r, g, q, at, n_cleared = 0, n_added = 0, width
+        cdef Py_ssize_t r, q, at, n_cleared = 0, n_added = 0
         cdef int64_t live, old, new
         cdef bint changed
         for r in range(num_rows):
@@ -222,7 +227,7 @@ cdef class JournalDiff:
         lens[0], lens[1] = n_cleared, n_added
         cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
         for g in range(num_groups):
-            self._arena(arenas, g, &width)
+            width = self.arena_width[g]
             rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
             add_ids = grown = new_ids = 0
             for i in range(n):
@@ -254,7 +259,10 @@ cdef class JournalDiff:
         # gathered into the work space (grown to fit), then copied into a new bytes object:
         # the parts' arrays over it are read-only from birth, and so is every view of them
         if total > self.work.shape[0]:
+            # grown, then everything read again: growing runs Python code (numpy's), which
+            # could change what the sizes were computed from
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
+            return self.diff(arenas, nulled, allocator_block_sizes)
         cdef int32_t* out = &self.work[0]  # (total entries written below: at == total)
         at = 0
         for i in range(n):
@@ -265,8 +273,9 @@ cdef class JournalDiff:
             if kinds[i] == _ADDED_ROW:
                 out[at] = <int32_t>rows[i]
                 at += 1
-        for g in range(num_groups):
-            arena = self._arena(arenas, g, &width)
+        for g in range(num_groups):  # (the arenas taken above, their lengths checked)
+            arena = <const int32_t*>self.arena_at[g]
+            width = self.arena_width[g]
             rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
             for i in range(n):  # added: each row's count, then all their ids
                 if kinds[i] == _ADDED_ROW:

@@ -117,17 +117,19 @@ cdef class PairStager:
         if at != num_indices:
             raise ValueError(f"journal runs hold {at} indices, journal_len says {num_indices}")
         at = 1  # (word 0: the number of pairs, written last)
-        for r in range(runs):
-            for q in range(jour[2 * r], jour[2 * r] + jour[2 * r + 1]):
+        for r in range(runs):  # each index and its value (the index read from the journal
+            start, length = jour[2 * r], jour[2 * r + 1]  # once, as checked above)
+            for q in range(start, start + length):
                 out[at] = <int32_t>q
+                out[total + at] = src[q]
                 at += 1
         for i in range(num_dirty):
             if dirt[i]:
-                out[at] = <int32_t>(self.counts_offset + i)
+                q = self.counts_offset + i
+                out[at] = <int32_t>q
+                out[total + at] = src[q]
                 at += 1
                 dirt[i] = 0
-        for i in range(1, total + 1):
-            out[total + i] = src[out[i]]
         out[0] = <int32_t>total
         jlen[0] = 0
         jlen[1] = 0

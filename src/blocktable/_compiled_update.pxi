@@ -20,8 +20,8 @@ cdef enum:
 
 
 cdef struct _Ints:
-    # one int32 array of an update, read through its first item (NULL where empty); the
-    # typed memoryview it was taken from is held by the caller for as long as it is read
+    # one int32 array of an update, read through its first item (NULL where empty); its
+    # buffer is held by the caller for as long as it is read (_hold_parts)
     const int32_t* at
     Py_ssize_t n
 
