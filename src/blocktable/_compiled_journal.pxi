@@ -143,17 +143,9 @@ cdef class JournalDiff:
         self.frombuffer = _np.frombuffer
         self.bound = True
 
-    cdef const int32_t* _arena(self, list arenas, Py_ssize_t g,
-                               Py_ssize_t* width) except? NULL:
-        """Group ``g``'s arena ``[num_rows, width]``: its first item (NULL if empty) and
-        (into ``width``) its width; remembered for the remembered object."""
-        cdef object obj = arenas[g]
-        if obj is not self.arena_objs[g] or obj is None:
-            self._take_arena(obj, g)
-        width[0] = self.arena_width[g]
-        return <const int32_t*>self.arena_at[g]
-
     cdef int _take_arena(self, object obj, Py_ssize_t g) except -1:
+        """Take ``obj`` as group ``g``'s arena (int32 ``[num_rows, width]``, checked), its view
+        (which holds its buffer) kept with its first item (as an address) and its width."""
         cdef const int32_t[:, ::1] arena = _int32_2d_in(obj, f"arenas[{g}]")
         if arena.shape[0] != self.sgen.shape[0] or arena.shape[1] > INT32_MAX:
             raise ValueError(f"arenas[{g}] must have {self.sgen.shape[0]} rows and at most "
@@ -185,8 +177,11 @@ cdef class JournalDiff:
         # every group's arena taken first: taking a new one may run Python code (a name is
         # formatted), and from the first read of a row to the last id gathered none runs
         cdef Py_ssize_t g, width
-        for g in range(num_groups):
-            self._arena(arenas, g, &width)
+        cdef object obj
+        for g in range(num_groups):  # (the one taken last for a group is remembered)
+            obj = arenas[g]
+            if obj is not self.arena_objs[g] or obj is None:
+                self._take_arena(obj, g)
         # the bound arrays and work spaces through their first items, without bounds checks:
         # every row r < num_rows, group g < num_groups and count n <= num_rows (each array was
         # checked to have these shapes when bound; memoryviews are never rebound), and every

@@ -21,7 +21,7 @@ cdef enum:
 
 cdef struct _Ints:
     # one int32 array of an update, read through its first item (NULL where empty); its
-    # buffer is held by the caller for as long as it is read (_hold_parts)
+    # buffer is held by the caller for as long as it is read (GroupWriter._hold)
     const int32_t* at
     Py_ssize_t n
 
@@ -56,42 +56,6 @@ cdef bint _native_int32_format(const char* fmt) noexcept:
             ((c == b'>' or c == b'!') and not _LITTLE_ENDIAN):
         fmt += 1
     return (fmt[0] == b'i' or fmt[0] == b'l') and fmt[1] == 0
-
-
-cdef int _hold_parts(tuple values, Py_buffer* bufs, bint* held, _Ints* parts,
-                     object empty) except -1:
-    """Hold the buffer of each of the ``NUM_ARRAYS`` ``values`` in ``bufs`` (``held[i]``
-    set for each one held: the caller releases them, on every path) and read it as
-    ``parts[i]``, or raise TypeError naming the first that is not a C-contiguous 1-D native
-    int32 array. ``empty``, an empty array taken before, is read as empty without a buffer.
-
-    A held buffer pins the array's memory (numpy refuses to resize an exported array) for as
-    long as it is read; the checks are a typed memoryview's: dimensions, item size, kind and
-    byte order by the format, contiguity by the request."""
-    cdef int i
-    cdef object value
-    for i in range(NUM_ARRAYS):
-        value = values[i]
-        parts[i].at, parts[i].n = NULL, 0
-        if value is empty and value is not None:
-            continue
-        if value is None:  # (None exports no buffer: named here)
-            raise TypeError(f"{_NAMES[i]} must be an array, got None")
-        try:
-            PyObject_GetBuffer(value, &bufs[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-        except (ValueError, TypeError, BufferError) as exc:
-            raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array: "
-                            f"{exc}") from None
-        held[i] = True
-        if bufs[i].ndim != 1 or bufs[i].itemsize != 4 or \
-                not _native_int32_format(bufs[i].format):
-            raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array, got "
-                            f"{bufs[i].ndim}-D items of format "
-                            f"{(bufs[i].format or b'B').decode('ascii', 'replace')!r}")
-        parts[i].n = bufs[i].shape[0]
-        if parts[i].n:
-            parts[i].at = <const int32_t*>bufs[i].buf
-    return 0
 
 
 cdef inline void _release_parts(Py_buffer* bufs, bint* held) noexcept:
@@ -266,10 +230,8 @@ cdef class GroupWriter:
         for i in range(NUM_ARRAYS):
             held[i] = False
         try:
-            _hold_parts((cleared, add_rows, add_num, add_ids, app_rows, app_num, app_ids,
-                         null_rows, null_blocks), bufs, held, parts, self.empty)
-            self._remember_empty(parts, (cleared, add_rows, add_num, add_ids, app_rows,
-                                         app_num, app_ids, null_rows, null_blocks))
+            self._hold((cleared, add_rows, add_num, add_ids, app_rows, app_num, app_ids,
+                        null_rows, null_blocks), bufs, held, parts)
             if not self._parts_sound(parts, NULL, 0):
                 raise ValueError("each part's rows and counts (or block indices) must have "
                                  "one entry per row")
@@ -319,10 +281,9 @@ cdef class GroupWriter:
                 a, p, z = added[0], appended[0], nulled[0]
                 values = (update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
                           p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices)
-                _hold_parts(values, bufs, held, parts, self.empty)
+                self._hold(values, bufs, held, parts)
             except (TypeError, ValueError, AttributeError, IndexError):
                 return -2
-            self._remember_empty(parts, values)
             if not self._parts_sound(parts, out, out_len * 4):
                 return -2
             if self._apply(parts, True)[0] != OK:
@@ -375,15 +336,41 @@ cdef class GroupWriter:
         staging_len[0] = out.shape[0]
         return &out[0]
 
-    cdef int _remember_empty(self, const _Ints* parts, tuple values) except -1:
-        """Remember the last of ``values`` that is empty (read through ``parts``), to read
-        it again without taking its buffer: it holds nothing to read or write, so nothing
-        done to it in between can matter."""
+    cdef int _hold(self, tuple values, Py_buffer* bufs, bint* held, _Ints* parts) except -1:
+        """Hold the buffer of each of the ``NUM_ARRAYS`` ``values`` in ``bufs`` (``held[i]``
+        set for each one held: the caller releases them, on every path) and read it as
+        ``parts[i]``, or raise TypeError naming the first that is not a C-contiguous 1-D
+        native int32 array. The last empty array taken is remembered (see the class) and read
+        as empty without a buffer.
+
+        A held buffer pins the array's memory (numpy refuses to resize an exported array) for
+        as long as it is read; the checks are a typed memoryview's: dimensions, item size,
+        kind and byte order by the format, contiguity by the request."""
         cdef int i
-        for i in range(NUM_ARRAYS - 1, -1, -1):
-            if parts[i].n == 0 and values[i] is not None:
-                self.empty = values[i]
-                return 0
+        cdef object value
+        for i in range(NUM_ARRAYS):
+            value = values[i]
+            parts[i].at, parts[i].n = NULL, 0
+            if value is self.empty and value is not None:
+                continue
+            if value is None:  # (None exports no buffer: named here)
+                raise TypeError(f"{_NAMES[i]} must be an array, got None")
+            try:
+                PyObject_GetBuffer(value, &bufs[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+            except (ValueError, TypeError, BufferError) as exc:
+                raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array: "
+                                f"{exc}") from None
+            held[i] = True
+            if bufs[i].ndim != 1 or bufs[i].itemsize != 4 or \
+                    not _native_int32_format(bufs[i].format):
+                raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array, "
+                                f"got {bufs[i].ndim}-D items of format "
+                                f"{(bufs[i].format or b'B').decode('ascii', 'replace')!r}")
+            parts[i].n = bufs[i].shape[0]
+            if parts[i].n:
+                parts[i].at = <const int32_t*>bufs[i].buf
+            else:
+                self.empty = value
         return 0
 
     cdef tuple _apply(self, const _Ints* parts, bint write):
