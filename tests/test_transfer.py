@@ -37,6 +37,7 @@ from blocktable.transfer.buffers import (
 from blocktable.transfer.kv_handshake import PROTOCOL_VERSION
 from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
 from blocktable.transfer.plan import slots_reference
+from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
     BULK_BYTES,
@@ -252,15 +253,20 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
 
 
 def test_stop_tokens_travel_with_their_requests() -> None:
-    """Each request's stop tokens, packed and through the wire; none at all is no array."""
+    """Each request's stop tokens, packed by the prompts' arena and through the wire; none
+    at all is no array."""
     stops = [frozenset({7, 2}), frozenset(), frozenset({5})]
-    ids, starts = OfferBatch.pack_stops(stops)
-    assert ids.tolist() == [2, 7, 5] and starts is not None and starts.tolist() == [0, 2, 2, 3]
-    batch = OfferBatch(("a", "b", "c"), np.arange(6), np.array([0, 2, 4, 6]),
-                       np.array([3, 4, 5]), ids, starts)
+    arena = PromptArena()
+    for req_id, stop in zip("abc", stops):
+        arena.add(req_id, [1], 3, stop)
+    batch = OfferBatch(("a", "b", "c"), *arena.offer_arrays(["a", "b", "c"], [4, 5, 6]))
+    assert batch.stop_token_ids.tolist() == [2, 7, 5]
+    assert batch.stop_starts is not None and batch.stop_starts.tolist() == [0, 2, 2, 3]
     got = _through_the_wire(Round(batch, False)).offers
     assert got.stops() == stops and got.stops(np.array([2, 0])) == [stops[2], stops[0]]
-    none_ids, none_starts = OfferBatch.pack_stops([frozenset()] * 3)
+    arena = PromptArena()
+    arena.add("a", [1])
+    none_ids, none_starts = arena.offer_arrays(["a"], [2])[3:]
     assert none_ids.size == 0 and none_starts is None
     plain = _through_the_wire(Round(OfferBatch(("a", "b", "c"), np.arange(6),
                                                np.array([0, 2, 4, 6]), np.array([3, 4, 5])),

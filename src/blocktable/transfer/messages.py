@@ -91,18 +91,6 @@ class OfferBatch:
         bounds = starts.tolist()
         return [frozenset(ids[bounds[i]:bounds[i + 1]]) for i in rows]
 
-    @classmethod
-    def pack_stops(cls, stops: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(stop_token_ids, stop_starts)`` of each request's stop tokens (sorted), or
-        ``(empty, None)`` when no request has any (one pass over the list then)."""
-        if not any(stops):
-            return _NO_INDEX, None
-        sizes = [len(s) for s in stops]
-        starts = np.zeros(len(stops) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=starts[1:])
-        ids = np.fromiter((t for s in stops for t in sorted(s)), np.int64, int(starts[-1]))
-        return ids, starts
-
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
         starts = _NO_INDEX if self.stop_starts is None else self.stop_starts
         return ((self.token_ids, self.token_starts, self.max_new_tokens, self.stop_token_ids,

@@ -36,7 +36,6 @@ from blocktable.transfer.wire_format import TEXT_SEPARATOR
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 _REQ_ID = attrgetter("req_id")
-_STOP_TOKEN_IDS = attrgetter("stop_token_ids")
 
 
 @dataclass
@@ -57,13 +56,12 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("first_tokens", "req_ids", "reqs", "stop_token_ids")
+    __slots__ = ("first_tokens", "req_ids", "reqs")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
         self.first_tokens: list[int] = []
-        self.stop_token_ids: list[frozenset[int]] = []
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -109,8 +107,8 @@ class PrefillWorker:
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
-        # per request until it is handed over: its prompt (with room for the first token)
-        # and its max_new_tokens
+        # per request until it is handed over: its prompt (with room for the first token),
+        # its max_new_tokens and its stop tokens
         self.prompts = PromptArena()
         self.pending = _Handed()  # prompt done, blocks held, not yet sent
         self._unacked = _Handed()  # handed over this round, blocks held until the next ack
@@ -145,7 +143,8 @@ class PrefillWorker:
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2,
                                 stop_token_ids=stop_token_ids)
-        self.prompts.add(req_id, prompt_token_ids, max_new_tokens)
+        self.prompts.add(req_id, prompt_token_ids, max_new_tokens,
+                         self.engine.requests[req_id].stop_token_ids)
 
     def run(self) -> PrefillStats:
         """Handshake, then prefill and transfer until every submitted request is handed over
@@ -195,19 +194,16 @@ class PrefillWorker:
         p.reqs += done
         p.req_ids += map(_REQ_ID, done)
         p.first_tokens += [req.output_token_ids[0] for req in done]
-        p.stop_token_ids += map(_STOP_TOKEN_IDS, done)
 
     def _offer_batch(self) -> OfferBatch:
-        """Every pending request as one message: its token ids (a slice of the prompts'
-        buffer, in the usual round) and one array per other field."""
+        """Every pending request as one message: its token ids and its other fields' arrays
+        (slices of the prompts' arena, in the usual round)."""
         p = self.pending
         if not p:
             return OfferBatch.empty()
-        token_ids, token_starts, max_new_tokens = self.prompts.token_ids(p.req_ids,
-                                                                         p.first_tokens)
-        self._offered_starts = token_starts
-        return OfferBatch(tuple(p.req_ids), token_ids, token_starts, max_new_tokens,
-                          *OfferBatch.pack_stops(p.stop_token_ids))
+        arrays = self.prompts.offer_arrays(p.req_ids, p.first_tokens)
+        self._offered_starts = arrays[1]
+        return OfferBatch(tuple(p.req_ids), *arrays)
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         rows = self._read_plans(plans)
