@@ -35,7 +35,7 @@ from blocktable.transfer.buffers import (
     scatter_chunks,
 )
 from blocktable.transfer.kv_handshake import PROTOCOL_VERSION
-from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
+from blocktable.transfer.messages import OfferBatch, PlanBatch
 from blocktable.transfer.plan import slots_reference
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.wire_format import (
@@ -197,15 +197,15 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     tokens = np.array([1, 2, 3, 9, 4, 8])
     tokens.flags.writeable = False  # as a view of the prompts' buffer may be
     batch = OfferBatch(("a", "b"), tokens, np.array([0, 4, 6]), np.array([3, 5]))
-    got = _through_the_wire(Round(batch, False))
+    got = _through_the_wire(batch)
     for name in ("token_ids", "token_starts", "max_new_tokens"):
-        mine, theirs = getattr(batch, name), getattr(got.offers, name)
+        mine, theirs = getattr(batch, name), getattr(got, name)
         assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
-    assert got.offers.req_ids == ("a", "b") and got.done is False
-    assert got.offers.first_tokens.tolist() == [9, 8] and got.offers.prompt(1).tolist() == [4]
-    assert got.offers.num_prompt_tokens.tolist() == [3, 1]
-    empty = _through_the_wire(Round(OfferBatch.empty(), True))
-    assert len(empty.offers) == 0 and empty.done
+    assert got.req_ids == ("a", "b") and got.done is False
+    assert got.first_tokens.tolist() == [9, 8] and got.prompt(1).tolist() == [4]
+    assert got.num_prompt_tokens.tolist() == [3, 1]
+    empty = _through_the_wire(OfferBatch.empty(True))
+    assert len(empty) == 0 and empty.done
     plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.array([4, 0]),
                                        {1: "never fits"}, 3))
     assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
@@ -221,15 +221,15 @@ def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
     for n in (2, 300, 1, 40):
         tokens = rng.integers(0, 1000, 5 * n)
         batch = OfferBatch(tuple(map(str, range(n))), tokens, np.arange(0, 5 * n + 1, 5),
-                           np.full(n, 7))
-        header, body, bulk = writer.encode(Round(batch, n == 1))
+                           np.full(n, 7), done=n == 1)
+        header, body, bulk = writer.encode(batch)
         if n == 300:
             first_body = body
         elif first_body is not None:
             assert np.shares_memory(body, first_body)  # grown once, then reused
         got = decode_message(header.copy(), body.copy(), bulk)
-        assert got.offers.req_ids == batch.req_ids and got.done == (n == 1)
-        assert np.array_equal(got.offers.token_ids, tokens)
+        assert got.req_ids == batch.req_ids and got.done == (n == 1)
+        assert np.array_equal(got.token_ids, tokens)
 
 
 @pytest.mark.parametrize(("field", "change", "shown"), [
@@ -262,15 +262,15 @@ def test_stop_tokens_travel_with_their_requests() -> None:
     batch = OfferBatch(("a", "b", "c"), *arena.offer_arrays(["a", "b", "c"], [4, 5, 6]))
     assert batch.stop_token_ids.tolist() == [2, 7, 5]
     assert batch.stop_starts is not None and batch.stop_starts.tolist() == [0, 2, 2, 3]
-    got = _through_the_wire(Round(batch, False)).offers
+    got = _through_the_wire(batch)
     assert got.stops() == stops and got.stops(np.array([2, 0])) == [stops[2], stops[0]]
     arena = PromptArena()
     arena.add("a", [1])
     none_ids, none_starts = arena.offer_arrays(["a"], [2])[3:]
     assert none_ids.size == 0 and none_starts is None
-    plain = _through_the_wire(Round(OfferBatch(("a", "b", "c"), np.arange(6),
-                                               np.array([0, 2, 4, 6]), np.array([3, 4, 5])),
-                                    True)).offers
+    plain = _through_the_wire(OfferBatch(("a", "b", "c"), np.arange(6),
+                                         np.array([0, 2, 4, 6]), np.array([3, 4, 5]),
+                                         done=True))
     assert plain.stop_starts is None and plain.stops() == [frozenset()] * 3
 
 

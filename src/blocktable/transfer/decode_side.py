@@ -25,12 +25,7 @@ from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
-from blocktable.transfer.messages import (
-    OfferBatch,
-    PlanBatch,
-    PlanStatus,
-    Round,
-)
+from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
@@ -128,13 +123,13 @@ class DecodeWorker:
         round; then decode what is left."""
         self.remote = handshake(self.transport, self.layout, "decode", "prefill")
         while True:
-            rnd: Round = self.transport.recv_message()
+            offers: OfferBatch = self.transport.recv_message()
             try:
-                self._round(rnd)
+                self._round(offers)
             except PeerLostError:
                 self._drop_planned()
                 raise
-            if rnd.done:
+            if offers.done:
                 break
             if self.engine.has_unfinished():
                 self.engine.step()
@@ -148,9 +143,9 @@ class DecodeWorker:
         assert self.remote is not None
         return chunk_tokens_of(self.layout.kernel_block_size, self.remote.kernel_block_size)
 
-    def _round(self, rnd: Round) -> None:
+    def _round(self, offers: OfferBatch) -> None:
         """Answer the offers (acknowledging the last round's data), then take this round's."""
-        plans = self._plan_batch(rnd.offers, self._num_received)
+        plans = self._plan_batch(offers, self._num_received)
         self.transport.send_message(plans)
         self._num_received = 0
         plan = self._plan

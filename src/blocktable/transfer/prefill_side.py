@@ -26,7 +26,7 @@ from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import StagingBuffer, chunk_view, default_piece_bytes
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
-from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
+from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, data_status
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
@@ -156,7 +156,7 @@ class PrefillWorker:
                     self._finished_here(self.engine.step().finished)
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
-                self.transport.send_message(Round(self._offer_batch(), done))
+                self.transport.send_message(self._offer_batch(done))
                 plans: PlanBatch = self.transport.recv_message()
                 self._acknowledged(plans.num_acked)
                 if done:
@@ -195,15 +195,15 @@ class PrefillWorker:
         p.req_ids += map(_REQ_ID, done)
         p.first_tokens += [req.output_token_ids[0] for req in done]
 
-    def _offer_batch(self) -> OfferBatch:
+    def _offer_batch(self, done: bool = False) -> OfferBatch:
         """Every pending request as one message: its token ids and its other fields' arrays
-        (slices of the prompts' arena, in the usual round)."""
+        (slices of the prompts' arena, in the usual round); ``done``: nothing more comes."""
         p = self.pending
         if not p:
-            return OfferBatch.empty()
+            return OfferBatch.empty(done)
         arrays = self.prompts.offer_arrays(p.req_ids, p.first_tokens)
         self._offered_starts = arrays[1]
-        return OfferBatch(tuple(p.req_ids), *arrays)
+        return OfferBatch(tuple(p.req_ids), *arrays, done)
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         rows = self._read_plans(plans)
