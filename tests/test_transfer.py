@@ -670,11 +670,12 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
     flat = np.concatenate(ids_per_req) if reqs else np.zeros(0, np.int64)
     firsts = np.array([f * block_size for f, _ in reqs], dtype=np.int64)
     nums = np.array([n for _, n in reqs], dtype=np.int64)
-    rows, row_starts = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
-    assert row_starts[-1] == rows.size
+    rows, num_rows = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
+    assert num_rows.dtype == np.int64 and num_rows.sum() == rows.size
+    assert num_rows.tolist() == [-(-n // chunk) for n in nums.tolist()]
     again = chunk_rows_many(flat, None, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
-    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], num_rows)
     # the same blocks leading the rows of a table (rows shuffled, junk past each request's)
     width = int(counts.max(initial=0)) + int(rng.integers(0, 3))
     table = rng.integers(0, 100, (len(reqs) + 2, width)).astype(np.int32)
@@ -683,12 +684,13 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
         table[r, :ids.size] = ids
     again = chunk_rows_many(table, table_rows, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
-    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], num_rows)
     assert again[0].dtype == np.int64
     if chunk == block_size and not spare and not firsts.any():
         # whole blocks, each request holding just its tokens' (as the decode side allocates
         # them): the rows are the blocks as given, which the decode side takes without a call
         assert np.array_equal(rows, flat)
+    row_starts = np.concatenate([[0], np.cumsum(num_rows)])
     for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
         mine = rows[row_starts[k]:row_starts[k + 1]]
         positions = range(int(first), int(first + num))

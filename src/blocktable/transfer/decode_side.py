@@ -293,9 +293,8 @@ class DecodeWorker:
             # case of chunk_rows_many that needs no mapping
             dst, num_rows = own.astype(np.int64), num_blocks
         else:
-            dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
-                                              None, num_new)
-            num_rows = dst_starts[1:] - dst_starts[:-1]
+            dst, num_rows = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
+                                            None, num_new)
         return _RoundPlan(req_ids, token_ids, max_new, batch.stops(index), num_hit, num_new,
                           num_blocks, dst, num_rows)
 

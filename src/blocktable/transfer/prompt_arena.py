@@ -87,11 +87,13 @@ class PromptArena:
 
     def drop(self, req_ids: Sequence[object]) -> None:
         """Forget these requests' prompts (unknown ids are skipped)."""
-        entry = self._entry
-        if len(req_ids) >= len(entry) and entry.keys() <= set(req_ids):
-            entry.clear()  # all of them: the usual round hands every offer over
+        entry, ids = self._entry, self._ids
+        # all of them (the usual round hands every offer over): the entries' own list of ids,
+        # else a set of them
+        if len(req_ids) >= len(entry) and (
+                ids == list(req_ids) or entry.keys() <= set(req_ids)):
+            entry.clear()
         else:
-            ids = self._ids
             for req_id in req_ids:
                 e = entry.pop(req_id, None)
                 if e is not None:
