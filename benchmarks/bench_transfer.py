@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from blocktable.context_parallel.launch import run_ranks
-from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.transport import TorchDistributedTransport
 
 
@@ -96,10 +96,8 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
             elif rank == 0:
                 transport.send_tensors(staging.gather(kv, rows, args.block_size))
             else:
-                pieces = staging.pieces(view, rows.size, staging.rows_per_piece(view))
-                for k in transport.recv_tensors([p for _, _, p in pieces]):
-                    start, stop, piece = pieces[k]
-                    scatter_chunks(kv, rows[start:stop], args.block_size, piece)
+                staging.scatter(kv, rows, args.block_size, staging.rows_per_piece(view),
+                                transport.recv_tensors)
             sync()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - t0)

@@ -4,6 +4,7 @@ scatter, the handshake, and whole runs over an in-memory transport pair (threads
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,13 +156,20 @@ def test_pieces_gathered_sent_and_scattered_equal_one_buffer(num_rows: int, piec
     assert torch.equal(got, whole)
     one, by_piece = torch.zeros_like(src), torch.zeros_like(src)
     scatter_chunks(one, dst_rows, 2, whole)
-    landing = StagingBuffer(piece_bytes).pieces(chunk_view(by_piece, 2), num_rows,
-                                                staging.rows_per_piece(chunk_view(src, 2)))
-    assert [b - a for a, b, _ in landing] == [p.shape[1] for p in pieces]
-    for (a, b, piece), sent in zip(landing, pieces):
-        piece.copy_(sent)
-        scatter_chunks(by_piece, dst_rows[a:b], 2, piece)
+
+    def receive(outs: list[torch.Tensor]) -> Iterator[int]:  # as a transport lands them
+        assert [o.shape[1] for o in outs] == [p.shape[1] for p in pieces]
+        for k, (out, sent) in enumerate(zip(outs, pieces)):
+            out.copy_(sent)
+            yield k
+
+    rows_per_piece = staging.rows_per_piece(chunk_view(src, 2))
+    StagingBuffer(piece_bytes).scatter(by_piece, dst_rows, 2, rows_per_piece, receive)
     assert torch.equal(one, by_piece)
+    if num_rows:  # a bad row is refused before anything is received
+        with pytest.raises(ValueError, match=r"rows must lie in \[0, 14\)"):
+            StagingBuffer(piece_bytes).scatter(by_piece, dst_rows + 14, 2, rows_per_piece,
+                                               receive)
 
 
 def test_the_default_pieces_are_one_on_the_cpu_and_64_mib_on_a_gpu(model: Any) -> None:
