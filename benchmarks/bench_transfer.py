@@ -240,7 +240,9 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
     does, each side encoding into its own reused buffer; the KV's gather, send and scatter are
-    not in it, nor is the receiver's landing of a message's bytes).
+    not in it, their host set-up (the rows' check and conversion, the pieces) included, nor is
+    the receiver's landing of a message's bytes; the prefill side's row look-up counts as the
+    engine's, though only a transfer needs it).
 
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
