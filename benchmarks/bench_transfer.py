@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from blocktable.context_parallel.launch import run_ranks
-from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.transport import TorchDistributedTransport
 
 
@@ -96,10 +96,8 @@ def bandwidth_job(rank: int, world: int, args: argparse.Namespace) -> dict[str, 
             elif rank == 0:
                 transport.send_tensors(staging.gather(kv, rows, args.block_size))
             else:
-                pieces = staging.pieces(view, rows.size, staging.rows_per_piece(view))
-                for k in transport.recv_tensors([p for _, _, p in pieces]):
-                    start, stop, piece = pieces[k]
-                    scatter_chunks(kv, rows[start:stop], args.block_size, piece)
+                staging.scatter(kv, rows, args.block_size, staging.rows_per_piece(view),
+                                transport.recv_tensors)
             sync()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - t0)
@@ -123,13 +121,13 @@ def _message_round_times(transport: TorchDistributedTransport, rank: int,
     receives the plan, rank 1 the other way), over ``args.repeats`` rounds after a warm-up."""
     import torch.distributed as dist
 
-    from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
+    from blocktable.transfer.messages import OfferBatch, PlanBatch
 
     n, tokens = args.num_requests, args.prompt_tokens + 1
     rng = np.random.default_rng(0)
-    offer = Round(OfferBatch(tuple(f"req{i}" for i in range(n)),
-                             rng.integers(0, 50_000, n * tokens), np.arange(n + 1) * tokens,
-                             np.full(n, 4)), False)
+    offer = OfferBatch(tuple(f"req{i}" for i in range(n)),
+                       rng.integers(0, 50_000, n * tokens), np.arange(n + 1) * tokens,
+                       np.full(n, 4))
     plan = PlanBatch(np.zeros(n, np.int8), np.zeros(n, np.int64), {}, n)
     out = []
     for i in range(args.warmup + 3 * args.repeats):
@@ -142,7 +140,7 @@ def _message_round_times(transport: TorchDistributedTransport, rank: int,
         else:
             got = transport.recv_message()
             transport.send_message(plan)
-            ok = got.offers.req_ids == offer.offers.req_ids
+            ok = got.req_ids == offer.req_ids
         elapsed = time.thread_time() - t0
         if not ok:
             raise AssertionError("a message came back different")
@@ -242,7 +240,9 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     """Host time of one round of ``args.num_requests`` offers on both sides (one thread, the
     workers' own methods, messages encoded and decoded as the torch.distributed transport
     does, each side encoding into its own reused buffer; the KV's gather, send and scatter are
-    not in it, nor is the receiver's landing of a message's bytes).
+    not in it, their host set-up (the rows' check and conversion, the pieces) included, nor is
+    the receiver's landing of a message's bytes; the prefill side's row look-up counts as the
+    engine's, though only a transfer needs it).
 
     What the transfer adds is measured two ways. Paired: the round's time minus the time spent
     inside the engine's own calls during that same round (:class:`_EngineClock`: allocator
@@ -253,7 +253,7 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
     independent ~2 ms figures, so its spread is wider than the target it is compared with."""
     from blocktable.engine import EngineConfig, LLMEngine, tiny_llama
     from blocktable.transfer import DecodeWorker, PrefillWorker, local_pair
-    from blocktable.transfer.messages import PlanBatch, Round
+    from blocktable.transfer.messages import OfferBatch, PlanBatch
     from blocktable.transfer.wire_format import MessageWriter, decode_message
 
     writers = {"prefill": MessageWriter(), "decode": MessageWriter()}  # one per transport
@@ -297,8 +297,8 @@ def bookkeeping(args: argparse.Namespace) -> dict[str, Any]:
                 _admission_only(pw, dw, ids, arrived)
             else:
                 pw._collect_prefilled()
-                rnd: Round = wire(Round(pw._offer_batch(), False), "prefill")
-                plans: PlanBatch = wire(dw._plan_batch(rnd.offers), "decode")
+                offers: OfferBatch = wire(pw._offer_batch(), "prefill")
+                plans: PlanBatch = wire(dw._plan_batch(offers), "decode")
                 pw._acknowledged(plans.num_acked)
                 src_rows = pw._read_plans(plans)
                 num_sent = len(pw._unacked)

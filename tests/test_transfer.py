@@ -4,6 +4,7 @@ scatter, the handshake, and whole runs over an in-memory transport pair (threads
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,9 @@ from blocktable.transfer.buffers import (
     scatter_chunks,
 )
 from blocktable.transfer.kv_handshake import PROTOCOL_VERSION
-from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
+from blocktable.transfer.messages import OfferBatch, PlanBatch
 from blocktable.transfer.plan import slots_reference
+from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.wire_format import (
     ALIGN_BYTES,
     BULK_BYTES,
@@ -154,13 +156,20 @@ def test_pieces_gathered_sent_and_scattered_equal_one_buffer(num_rows: int, piec
     assert torch.equal(got, whole)
     one, by_piece = torch.zeros_like(src), torch.zeros_like(src)
     scatter_chunks(one, dst_rows, 2, whole)
-    landing = StagingBuffer(piece_bytes).pieces(chunk_view(by_piece, 2), num_rows,
-                                                staging.rows_per_piece(chunk_view(src, 2)))
-    assert [b - a for a, b, _ in landing] == [p.shape[1] for p in pieces]
-    for (a, b, piece), sent in zip(landing, pieces):
-        piece.copy_(sent)
-        scatter_chunks(by_piece, dst_rows[a:b], 2, piece)
+
+    def receive(outs: list[torch.Tensor]) -> Iterator[int]:  # as a transport lands them
+        assert [o.shape[1] for o in outs] == [p.shape[1] for p in pieces]
+        for k, (out, sent) in enumerate(zip(outs, pieces)):
+            out.copy_(sent)
+            yield k
+
+    rows_per_piece = staging.rows_per_piece(chunk_view(src, 2))
+    StagingBuffer(piece_bytes).scatter(by_piece, dst_rows, 2, rows_per_piece, receive)
     assert torch.equal(one, by_piece)
+    if num_rows:  # a bad row is refused before anything is received
+        with pytest.raises(ValueError, match=r"rows must lie in \[0, 14\)"):
+            StagingBuffer(piece_bytes).scatter(by_piece, dst_rows + 14, 2, rows_per_piece,
+                                               receive)
 
 
 def test_the_default_pieces_are_one_on_the_cpu_and_64_mib_on_a_gpu(model: Any) -> None:
@@ -196,15 +205,15 @@ def test_messages_cross_the_wire_format_with_their_arrays() -> None:
     tokens = np.array([1, 2, 3, 9, 4, 8])
     tokens.flags.writeable = False  # as a view of the prompts' buffer may be
     batch = OfferBatch(("a", "b"), tokens, np.array([0, 4, 6]), np.array([3, 5]))
-    got = _through_the_wire(Round(batch, False))
+    got = _through_the_wire(batch)
     for name in ("token_ids", "token_starts", "max_new_tokens"):
-        mine, theirs = getattr(batch, name), getattr(got.offers, name)
+        mine, theirs = getattr(batch, name), getattr(got, name)
         assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
-    assert got.offers.req_ids == ("a", "b") and got.done is False
-    assert got.offers.first_tokens.tolist() == [9, 8] and got.offers.prompt(1).tolist() == [4]
-    assert got.offers.num_prompt_tokens.tolist() == [3, 1]
-    empty = _through_the_wire(Round(OfferBatch.empty(), True))
-    assert len(empty.offers) == 0 and empty.done
+    assert got.req_ids == ("a", "b") and got.done is False
+    assert got.first_tokens.tolist() == [9, 8] and got.prompt(1).tolist() == [4]
+    assert got.num_prompt_tokens.tolist() == [3, 1]
+    empty = _through_the_wire(OfferBatch.empty(True))
+    assert len(empty) == 0 and empty.done
     plan = _through_the_wire(PlanBatch(np.array([0, 2], np.int8), np.array([4, 0]),
                                        {1: "never fits"}, 3))
     assert plan.reasons == {1: "never fits"} and plan.num_acked == 3
@@ -220,15 +229,15 @@ def test_a_writer_reuses_its_buffer_and_each_message_decodes() -> None:
     for n in (2, 300, 1, 40):
         tokens = rng.integers(0, 1000, 5 * n)
         batch = OfferBatch(tuple(map(str, range(n))), tokens, np.arange(0, 5 * n + 1, 5),
-                           np.full(n, 7))
-        header, body, bulk = writer.encode(Round(batch, n == 1))
+                           np.full(n, 7), done=n == 1)
+        header, body, bulk = writer.encode(batch)
         if n == 300:
             first_body = body
         elif first_body is not None:
             assert np.shares_memory(body, first_body)  # grown once, then reused
         got = decode_message(header.copy(), body.copy(), bulk)
-        assert got.offers.req_ids == batch.req_ids and got.done == (n == 1)
-        assert np.array_equal(got.offers.token_ids, tokens)
+        assert got.req_ids == batch.req_ids and got.done == (n == 1)
+        assert np.array_equal(got.token_ids, tokens)
 
 
 @pytest.mark.parametrize(("field", "change", "shown"), [
@@ -252,19 +261,24 @@ def test_a_malformed_offer_batch_is_refused_naming_the_field(field: str, change:
 
 
 def test_stop_tokens_travel_with_their_requests() -> None:
-    """Each request's stop tokens, packed and through the wire; none at all is no array."""
+    """Each request's stop tokens, packed by the prompts' arena and through the wire; none
+    at all is no array."""
     stops = [frozenset({7, 2}), frozenset(), frozenset({5})]
-    ids, starts = OfferBatch.pack_stops(stops)
-    assert ids.tolist() == [2, 7, 5] and starts is not None and starts.tolist() == [0, 2, 2, 3]
-    batch = OfferBatch(("a", "b", "c"), np.arange(6), np.array([0, 2, 4, 6]),
-                       np.array([3, 4, 5]), ids, starts)
-    got = _through_the_wire(Round(batch, False)).offers
+    arena = PromptArena()
+    for req_id, stop in zip("abc", stops):
+        arena.add(req_id, [1], 3, stop)
+    batch = OfferBatch(("a", "b", "c"), *arena.offer_arrays(["a", "b", "c"], [4, 5, 6]))
+    assert batch.stop_token_ids.tolist() == [2, 7, 5]
+    assert batch.stop_starts is not None and batch.stop_starts.tolist() == [0, 2, 2, 3]
+    got = _through_the_wire(batch)
     assert got.stops() == stops and got.stops(np.array([2, 0])) == [stops[2], stops[0]]
-    none_ids, none_starts = OfferBatch.pack_stops([frozenset()] * 3)
+    arena = PromptArena()
+    arena.add("a", [1])
+    none_ids, none_starts = arena.offer_arrays(["a"], [2])[3:]
     assert none_ids.size == 0 and none_starts is None
-    plain = _through_the_wire(Round(OfferBatch(("a", "b", "c"), np.arange(6),
-                                               np.array([0, 2, 4, 6]), np.array([3, 4, 5])),
-                                    True)).offers
+    plain = _through_the_wire(OfferBatch(("a", "b", "c"), np.arange(6),
+                                         np.array([0, 2, 4, 6]), np.array([3, 4, 5]),
+                                         done=True))
     assert plain.stop_starts is None and plain.stops() == [frozenset()] * 3
 
 
@@ -664,11 +678,12 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
     flat = np.concatenate(ids_per_req) if reqs else np.zeros(0, np.int64)
     firsts = np.array([f * block_size for f, _ in reqs], dtype=np.int64)
     nums = np.array([n for _, n in reqs], dtype=np.int64)
-    rows, row_starts = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
-    assert row_starts[-1] == rows.size
+    rows, num_rows = chunk_rows_many(flat, starts, counts, block_size, chunk, firsts, nums)
+    assert num_rows.dtype == np.int64 and num_rows.sum() == rows.size
+    assert num_rows.tolist() == [-(-n // chunk) for n in nums.tolist()]
     again = chunk_rows_many(flat, None, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
-    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], num_rows)
     # the same blocks leading the rows of a table (rows shuffled, junk past each request's)
     width = int(counts.max(initial=0)) + int(rng.integers(0, 3))
     table = rng.integers(0, 100, (len(reqs) + 2, width)).astype(np.int32)
@@ -677,12 +692,13 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
         table[r, :ids.size] = ids
     again = chunk_rows_many(table, table_rows, counts, block_size, chunk,
                             firsts if firsts.any() else None, nums)
-    assert np.array_equal(again[0], rows) and np.array_equal(again[1], row_starts)
+    assert np.array_equal(again[0], rows) and np.array_equal(again[1], num_rows)
     assert again[0].dtype == np.int64
     if chunk == block_size and not spare and not firsts.any():
         # whole blocks, each request holding just its tokens' (as the decode side allocates
         # them): the rows are the blocks as given, which the decode side takes without a call
         assert np.array_equal(rows, flat)
+    row_starts = np.concatenate([[0], np.cumsum(num_rows)])
     for k, (ids, first, num) in enumerate(zip(ids_per_req, firsts, nums)):
         mine = rows[row_starts[k]:row_starts[k + 1]]
         positions = range(int(first), int(first + num))

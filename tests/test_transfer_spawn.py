@@ -144,15 +144,15 @@ def _messages(seed: int) -> list[Any]:
     a plan whose body spills past the frame, offers with large token ids (their own send),
     with long request ids (body past the frame and a large array), pickled objects small and
     large."""
-    from blocktable.transfer.messages import OfferBatch, PlanBatch, Round
+    from blocktable.transfer.messages import OfferBatch, PlanBatch
 
     rng = np.random.default_rng(seed)
 
-    def offer(n: int, tokens_each: int, id_len: int) -> Round:
+    def offer(n: int, tokens_each: int, id_len: int) -> OfferBatch:
         ids = tuple(f"{i}-" + "x" * id_len for i in range(n))
         tokens = rng.integers(0, 50_000, n * tokens_each)
-        return Round(OfferBatch(ids, tokens, np.arange(n + 1) * tokens_each,
-                                rng.integers(2, 9, n)), bool(n % 2))
+        return OfferBatch(ids, tokens, np.arange(n + 1) * tokens_each, rng.integers(2, 9, n),
+                          done=bool(n % 2))
 
     return [
         PlanBatch(rng.integers(0, 3, 5).astype(np.int8), rng.integers(0, 99, 5), {2: "é"}, 3),
@@ -166,7 +166,7 @@ def _messages(seed: int) -> list[Any]:
 
 def echo_job(rank: int, world: int) -> Any:
     """Rank 0 sends every message; rank 1 sends each back as it landed; rank 0 compares."""
-    from blocktable.transfer.messages import PlanBatch, Round
+    from blocktable.transfer.messages import OfferBatch, PlanBatch
     from blocktable.transfer.transport import TorchDistributedTransport
 
     transport = TorchDistributedTransport(1 - rank, "peer", "cpu", timeout_s=20.0)
@@ -177,8 +177,8 @@ def echo_job(rank: int, world: int) -> Any:
             continue
         transport.send_message(msg)
         got = transport.recv_message()
-        if isinstance(msg, Round):
-            mine, theirs = msg.offers, got.offers
+        if isinstance(msg, OfferBatch):
+            mine, theirs = msg, got
             assert theirs.req_ids == mine.req_ids and got.done == msg.done
             for name in ("token_ids", "token_starts", "max_new_tokens"):
                 assert np.array_equal(getattr(theirs, name), getattr(mine, name)), name

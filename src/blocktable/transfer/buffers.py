@@ -12,7 +12,7 @@ piece), so the pieces match.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -57,7 +57,11 @@ def scatter_chunks(kv_cache: torch.Tensor, rows: np.ndarray, chunk_tokens: int,
     """Write ``buffer`` (as :func:`gather_chunks` returns) into those chunk rows."""
     view = chunk_view(kv_cache, chunk_tokens)
     _check_buffer(buffer, view, len(rows), "buffer")
-    index = _rows_tensor(rows, view, "rows")
+    _scatter_rows(view, _rows_tensor(rows, view, "rows"), buffer)
+
+
+def _scatter_rows(view: torch.Tensor, index: torch.Tensor, buffer: torch.Tensor) -> None:
+    """``view[:, index] = buffer`` (both checked by the caller)."""
     # index_copy_ walks element by element on the CPU: 8-byte words move 4x fewer of them
     # than bfloat16 (the bytes written are the same)
     if (view.shape[2] * view.element_size()) % 8 == 0 and view.dtype.itemsize < 8:
@@ -142,10 +146,24 @@ class StagingBuffer:
     def gather(self, kv_cache: torch.Tensor, rows: np.ndarray, chunk_tokens: int
                ) -> Iterator[torch.Tensor]:
         """Piece after piece of :func:`gather_chunks` for ``rows``, each gathered when the
-        caller asks for it (after sending the one before). ``rows`` are checked here, before
-        any piece: a bad row raises at the call, not halfway through a transfer."""
+        caller asks for it (after sending the one before). ``rows`` are checked and converted
+        here, once, before any piece: a bad row raises at the call, not halfway through a
+        transfer."""
         view = chunk_view(kv_cache, chunk_tokens)
-        _rows_tensor(rows, view, "rows")
+        index = _rows_tensor(rows, view, "rows")
         pieces = self.pieces(view, len(rows))
-        return (gather_chunks(kv_cache, rows[a:b], chunk_tokens, out=piece)
-                for a, b, piece in pieces)
+        return (torch.index_select(view, 1, index[a:b], out=piece) for a, b, piece in pieces)
+
+    def scatter(self, kv_cache: torch.Tensor, rows: np.ndarray, chunk_tokens: int,
+                rows_per_piece: int,
+                receive: Callable[[Sequence[torch.Tensor]], Iterator[int]]) -> None:
+        """Receive the sender's pieces of ``rows`` into this buffer and write each into the
+        cache (:func:`scatter_chunks`) while the next one arrives. ``receive``: a transport's
+        ``recv_tensors``; ``rows_per_piece``: the sender's split. ``rows`` are checked and
+        converted once, before anything is received."""
+        view = chunk_view(kv_cache, chunk_tokens)
+        index = _rows_tensor(rows, view, "rows")
+        pieces = self.pieces(view, len(rows), rows_per_piece)
+        for k in receive([piece for _, _, piece in pieces]):
+            start, stop, piece = pieces[k]
+            _scatter_rows(view, index[start:stop], piece)

@@ -29,7 +29,7 @@ import torch
 
 from blocktable.allocator import KVCacheManager
 from blocktable.engine import LLMEngine
-from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer, chunk_view
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, data_status
@@ -167,12 +167,8 @@ def _receive_share(dcp_rank: int, kv_cache: torch.Tensor, plan: DcpPlan,
     status = torch.empty(2, dtype=torch.int64)
     for _ in to_prefill.recv_tensors((status,)):
         pass
-    staging = StagingBuffer(1 << 62)
-    view = chunk_view(kv_cache, plan.chunk_tokens)
-    pieces = staging.pieces(view, mine.size, int(status[1]))
-    for k in to_prefill.recv_tensors([piece for _, _, piece in pieces]):
-        start, stop, piece = pieces[k]
-        scatter_chunks(kv_cache, mine[start:stop], plan.chunk_tokens, piece)
+    StagingBuffer(1 << 62).scatter(kv_cache, mine, plan.chunk_tokens, int(status[1]),
+                                   to_prefill.recv_tensors)
     to_prefill.send_message("received")
     return plan, int(mine.size) * _row_bytes(kv_cache, plan.chunk_tokens)
 

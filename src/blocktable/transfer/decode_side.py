@@ -22,15 +22,10 @@ import numpy as np
 import torch
 
 from blocktable.engine import LLMEngine, Request, RequestStatus
-from blocktable.transfer.buffers import StagingBuffer, chunk_view, scatter_chunks
+from blocktable.transfer.buffers import StagingBuffer
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
-from blocktable.transfer.messages import (
-    OfferBatch,
-    PlanBatch,
-    PlanStatus,
-    Round,
-)
+from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
@@ -122,19 +117,21 @@ class DecodeWorker:
         self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
         self._num_received = 0  # requests whose KV came last round: the next plan says so
+        # the data's leading two int64 (messages.data_status), received into one tensor
+        self._status = torch.empty(2, dtype=torch.int64, device=engine.model.kv_cache.device)
 
     def run(self) -> DecodeStats:
         """Handshake, then take rounds until the prefill side is done, decoding one step per
         round; then decode what is left."""
         self.remote = handshake(self.transport, self.layout, "decode", "prefill")
         while True:
-            rnd: Round = self.transport.recv_message()
+            offers: OfferBatch = self.transport.recv_message()
             try:
-                self._round(rnd)
+                self._round(offers)
             except PeerLostError:
                 self._drop_planned()
                 raise
-            if rnd.done:
+            if offers.done:
                 break
             if self.engine.has_unfinished():
                 self.engine.step()
@@ -148,18 +145,17 @@ class DecodeWorker:
         assert self.remote is not None
         return chunk_tokens_of(self.layout.kernel_block_size, self.remote.kernel_block_size)
 
-    def _round(self, rnd: Round) -> None:
+    def _round(self, offers: OfferBatch) -> None:
         """Answer the offers (acknowledging the last round's data), then take this round's."""
-        plans = self._plan_batch(rnd.offers, self._num_received)
+        plans = self._plan_batch(offers, self._num_received)
         self.transport.send_message(plans)
         self._num_received = 0
         plan = self._plan
         if plan is None:
             return
-        status = torch.empty(2, dtype=torch.int64, device=self.engine.model.kv_cache.device)
-        for _ in self.transport.recv_tensors((status,)):
+        for _ in self.transport.recv_tensors((self._status,)):
             pass
-        gathered, rows_per_piece = status.tolist()
+        gathered, rows_per_piece = self._status.tolist()
         if gathered:
             self._receive(plan, rows_per_piece)
             self._num_received = len(plan.req_ids)
@@ -298,9 +294,8 @@ class DecodeWorker:
             # case of chunk_rows_many that needs no mapping
             dst, num_rows = own.astype(np.int64), num_blocks
         else:
-            dst, dst_starts = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
-                                              None, num_new)
-            num_rows = dst_starts[1:] - dst_starts[:-1]
+            dst, num_rows = chunk_rows_many(own, None, num_blocks, block_size, chunk_tokens,
+                                            None, num_new)
         return _RoundPlan(req_ids, token_ids, max_new, batch.stops(index), num_hit, num_new,
                           num_blocks, dst, num_rows)
 
@@ -360,15 +355,14 @@ class DecodeWorker:
         piece while the next arrives; then start decoding (the next plan acknowledges)."""
         chunk_tokens = self.chunk_tokens
         kv_cache = self.engine.model.kv_cache
-        view = chunk_view(kv_cache, chunk_tokens)
-        pieces = self.staging.pieces(view, plan.dst_rows.size, rows_per_piece)
         t0 = time.perf_counter()
-        for i in self.transport.recv_tensors([piece for _, _, piece in pieces]):
-            start, stop, piece = pieces[i]
-            scatter_chunks(kv_cache, plan.dst_rows[start:stop], chunk_tokens, piece)
+        self.staging.scatter(kv_cache, plan.dst_rows, chunk_tokens, rows_per_piece,
+                             self.transport.recv_tensors)
         elapsed = time.perf_counter() - t0
         self._start_decoding(plan)
-        bytes_per_row = view.shape[0] * view.shape[2] * view.element_size()
+        num_layers, two, _, _, num_kv_heads, head_dim = kv_cache.shape
+        bytes_per_row = (num_layers * two * chunk_tokens * num_kv_heads * head_dim
+                         * kv_cache.element_size())
         self.stats.rounds.append(_ReceivedRound(plan.req_ids, plan.num_blocks, plan.num_hit,
                                                 plan.num_rows * bytes_per_row,
                                                 elapsed))

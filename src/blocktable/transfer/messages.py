@@ -1,7 +1,7 @@
 """What the two sides say to each other, one round at a time.
 
-A round is one message each way: the prefill side sends a :class:`Round` (an
-:class:`OfferBatch` of requests ready to move, and ``done``); the decode side answers a
+A round is one message each way: the prefill side sends an :class:`OfferBatch` (the
+requests ready to move, and ``done``); the decode side answers a
 :class:`PlanBatch` (per offer: send its tokens from the first one this side's prefix cache
 lacks, wait, or refused; and how many requests of the previous round's data arrived). For the
 offers to send, the prefill side maps those tokens to its own cache rows and sends the data:
@@ -44,7 +44,8 @@ class OfferBatch:
 
     The token ids are int64, the dtype the decode side's allocator reads without a copy. The
     prefill side's block ids do not travel: it maps the tokens the plan asks for to its own
-    rows."""
+    rows. ``done``: nothing is left on the prefill side after these (the decode side finishes
+    alone)."""
 
     WIRE_DTYPES = (np.int64, np.int64, np.int64, np.int64, np.int64)
 
@@ -55,11 +56,12 @@ class OfferBatch:
     # on cpu, int64 [total stop tokens]; int64 [num_reqs + 1] or None (no request has any)
     stop_token_ids: np.ndarray = field(default_factory=lambda: _NO_INDEX)
     stop_starts: np.ndarray | None = None
+    done: bool = False
 
     @classmethod
-    def empty(cls) -> OfferBatch:
+    def empty(cls, done: bool = False) -> OfferBatch:
         none = np.zeros(0, dtype=np.int64)
-        return cls((), none, np.zeros(1, dtype=np.int64), none)
+        return cls((), none, np.zeros(1, dtype=np.int64), none, done=done)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -91,22 +93,10 @@ class OfferBatch:
         bounds = starts.tolist()
         return [frozenset(ids[bounds[i]:bounds[i + 1]]) for i in rows]
 
-    @classmethod
-    def pack_stops(cls, stops: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(stop_token_ids, stop_starts)`` of each request's stop tokens (sorted), or
-        ``(empty, None)`` when no request has any (one pass over the list then)."""
-        if not any(stops):
-            return _NO_INDEX, None
-        sizes = [len(s) for s in stops]
-        starts = np.zeros(len(stops) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=starts[1:])
-        ids = np.fromiter((t for s in stops for t in sorted(s)), np.int64, int(starts[-1]))
-        return ids, starts
-
     def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
         starts = _NO_INDEX if self.stop_starts is None else self.stop_starts
         return ((self.token_ids, self.token_starts, self.max_new_tokens, self.stop_token_ids,
-                 starts), self.req_ids, 0)
+                 starts), self.req_ids, int(self.done))
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int = 0
@@ -118,11 +108,11 @@ class OfferBatch:
             raise ValueError(f"malformed OfferBatch of {n} requests: {len(arrays)} arrays, 5 "
                              "expected")
         token_ids, token_starts, max_new_tokens, stop_ids, stop_starts = arrays
-        rest = tuple(texts)
+        rest, done = tuple(texts), bool(value)
         if (not stop_starts.size and not stop_ids.size  # the usual round: no stop tokens
                 and token_starts.size == n + 1 and max_new_tokens.size == n
                 and token_ids.size == token_starts[-1]):
-            return cls(rest, token_ids, token_starts, max_new_tokens)
+            return cls(rest, token_ids, token_starts, max_new_tokens, done=done)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
             ("token_ids", token_ids, token_starts[-1:])]
@@ -137,7 +127,7 @@ class OfferBatch:
                 raise ValueError(f"malformed OfferBatch of {n} requests: {name} holds "
                                  f"{array.size} entries, {want} expected")
         return cls(rest, token_ids, token_starts, max_new_tokens, stop_ids,
-                   stop_starts if stop_starts.size else None)
+                   stop_starts if stop_starts.size else None, done)
 
 
 @register_message(2)
@@ -175,23 +165,6 @@ class PlanBatch:
                              f"reasons' offers, {len(texts)} reasons")
         reasons = dict(zip(reason_at.tolist(), texts)) if texts else {}
         return cls(statuses, num_hit, reasons, value)
-
-
-@register_message(3)
-@dataclass(frozen=True)
-class Round:
-    WIRE_DTYPES = OfferBatch.WIRE_DTYPES
-
-    offers: OfferBatch
-    done: bool  # nothing left on the prefill side: the decode side finishes alone
-
-    def to_wire(self) -> tuple[tuple[np.ndarray, ...], tuple[str, ...], int]:
-        arrays, req_ids, _ = self.offers.to_wire()
-        return arrays, req_ids, int(self.done)
-
-    @classmethod
-    def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Round:
-        return cls(OfferBatch.from_wire(arrays, texts), bool(value))
 
 
 def data_status(gathered: bool, rows_per_piece: int) -> np.ndarray:

@@ -86,9 +86,8 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         int64 ``[total_chunks]``, request after request, each in token order. A last partial
         chunk moves whole (its tail slots lie in the same block on both sides and are
         overwritten later).
-    row_starts : np.ndarray
-        int64 ``[num_reqs + 1]``: request ``i``'s rows are ``rows[row_starts[i] :
-        row_starts[i + 1]]``.
+    num_rows : np.ndarray
+        int64 ``[num_reqs]``: each request's rows, back to back in ``rows``.
     """
     # (a round's mapping is a few dozen numpy calls: each one is spared where it can be, and
     # the checks count with count_nonzero, a C call, rather than any/min, Python wrappers)
@@ -108,7 +107,8 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                          " and every first token")
     if np.count_nonzero(num < 0):
         raise ValueError(f"num_tokens must be >= 0, got {num.tolist()}")
-    counts = num if chunk_tokens == 1 else (num + (chunk_tokens - 1)) // chunk_tokens
+    # (a new array: it is returned)
+    counts = num.copy() if chunk_tokens == 1 else (num + (chunk_tokens - 1)) // chunk_tokens
     # chunks each request's blocks hold past the ones it moves (from its first block on):
     # negative means its blocks are too few
     counts_blocks = np.asarray(block_counts)  # (an int32 table's counts: no conversion)
@@ -128,9 +128,6 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
                 f"request {i}: block_ids holds {counts_blocks[i]} blocks of {block_size} "
                 f"tokens; tokens up to {end} need {-(-end // block_size)}"
             )
-    row_starts = np.zeros(num.size + 1, dtype=np.int64)
-    np.add.accumulate(counts, out=row_starts[1:])
-    total = int(row_starts[-1])
     ids = np.asarray(block_ids)
     if ids.ndim == 2:  # a table: request i's blocks lead its row block_starts[i]
         if block_starts is None:
@@ -138,12 +135,15 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         rows_of = np.asarray(block_starts)
         if first_chunks is None and q == 1:  # each request's rows: the first blocks of its row
             leading = np.arange(ids.shape[1]) < counts[:, None]
-            out = ids[rows_of][leading]
-            if out.size != total:
+            out = ids.take(rows_of, axis=0)[leading]
+            if out.size != np.add.reduce(counts):
                 raise ValueError(f"a block table of {ids.shape[1]} blocks per row is too "
                                  f"narrow for {int(counts.max())} blocks")
-            return out.astype(np.int64), row_starts
+            return out.astype(np.int64), counts
         block_starts, ids = rows_of.astype(np.int64) * ids.shape[1], ids.reshape(-1)
+    row_starts = np.zeros(num.size + 1, dtype=np.int64)
+    np.add.accumulate(counts, out=row_starts[1:])
+    total = int(row_starts[-1])
     # chunk j of request i, counted in chunks from the start of the flat block_ids:
     # q * (its block's flat position) + (its chunk inside that block) = j + shift[i]
     shift: np.ndarray | None
@@ -164,13 +164,13 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
         if not np.count_nonzero(shift):
             shift = None
     if shift is None and q == 1:  # every request's chunks are its blocks, back to back
-        return ids[:total].astype(np.int64), row_starts
+        return ids[:total].astype(np.int64), counts
     offset = np.arange(total)
     if shift is not None:
         offset += shift.repeat(counts)
     if q == 1:
-        return ids[offset].astype(np.int64), row_starts
-    return ids[offset // q].astype(np.int64) * q + offset % q, row_starts
+        return ids[offset].astype(np.int64), counts
+    return ids[offset // q].astype(np.int64) * q + offset % q, counts
 
 
 def dcp_chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray,

@@ -26,7 +26,7 @@ from blocktable.engine import LLMEngine, Request, RequestStatus
 from blocktable.transfer.buffers import StagingBuffer, chunk_view, default_piece_bytes
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
-from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, Round, data_status
+from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, data_status
 from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
@@ -36,7 +36,6 @@ from blocktable.transfer.wire_format import TEXT_SEPARATOR
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 _REQ_ID = attrgetter("req_id")
-_STOP_TOKEN_IDS = attrgetter("stop_token_ids")
 
 
 @dataclass
@@ -57,13 +56,12 @@ class _Handed:
     the pending ones (prompt done, blocks held, not yet sent) or those sent and waiting for the
     acknowledgement. A round's offer is then a few array conversions of whole lists."""
 
-    __slots__ = ("first_tokens", "req_ids", "reqs", "stop_token_ids")
+    __slots__ = ("first_tokens", "req_ids", "reqs")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
         self.req_ids: list[str] = []
         self.first_tokens: list[int] = []
-        self.stop_token_ids: list[frozenset[int]] = []
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -109,8 +107,8 @@ class PrefillWorker:
         self.staging = StagingBuffer(piece_bytes)  # the send buffer, reused every round
         self.layout = KVCacheLayout.of_cache(engine.model.kv_cache, engine.config.block_size)
         self.remote: KVCacheLayout | None = None
-        # per request until it is handed over: its prompt (with room for the first token)
-        # and its max_new_tokens
+        # per request until it is handed over: its prompt (with room for the first token),
+        # its max_new_tokens and its stop tokens
         self.prompts = PromptArena()
         self.pending = _Handed()  # prompt done, blocks held, not yet sent
         self._unacked = _Handed()  # handed over this round, blocks held until the next ack
@@ -145,7 +143,8 @@ class PrefillWorker:
         # Two tokens keep the request running after its first: it leaves the scheduler by hand.
         self.engine.add_request(req_id, prompt_token_ids, max_new_tokens=2,
                                 stop_token_ids=stop_token_ids)
-        self.prompts.add(req_id, prompt_token_ids, max_new_tokens)
+        self.prompts.add(req_id, prompt_token_ids, max_new_tokens,
+                         self.engine.requests[req_id].stop_token_ids)
 
     def run(self) -> PrefillStats:
         """Handshake, then prefill and transfer until every submitted request is handed over
@@ -157,7 +156,7 @@ class PrefillWorker:
                     self._finished_here(self.engine.step().finished)
                 self._collect_prefilled()
                 done = not self.engine.has_unfinished() and not self.pending
-                self.transport.send_message(Round(self._offer_batch(), done))
+                self.transport.send_message(self._offer_batch(done))
                 plans: PlanBatch = self.transport.recv_message()
                 self._acknowledged(plans.num_acked)
                 if done:
@@ -195,19 +194,16 @@ class PrefillWorker:
         p.reqs += done
         p.req_ids += map(_REQ_ID, done)
         p.first_tokens += [req.output_token_ids[0] for req in done]
-        p.stop_token_ids += map(_STOP_TOKEN_IDS, done)
 
-    def _offer_batch(self) -> OfferBatch:
-        """Every pending request as one message: its token ids (a slice of the prompts'
-        buffer, in the usual round) and one array per other field."""
+    def _offer_batch(self, done: bool = False) -> OfferBatch:
+        """Every pending request as one message: its token ids and its other fields' arrays
+        (slices of the prompts' arena, in the usual round); ``done``: nothing more comes."""
         p = self.pending
         if not p:
-            return OfferBatch.empty()
-        token_ids, token_starts, max_new_tokens = self.prompts.token_ids(p.req_ids,
-                                                                         p.first_tokens)
-        self._offered_starts = token_starts
-        return OfferBatch(tuple(p.req_ids), token_ids, token_starts, max_new_tokens,
-                          *OfferBatch.pack_stops(p.stop_token_ids))
+            return OfferBatch.empty(done)
+        arrays = self.prompts.offer_arrays(p.req_ids, p.first_tokens)
+        self._offered_starts = arrays[1]
+        return OfferBatch(tuple(p.req_ids), *arrays, done)
 
     def _transfer_round(self, plans: PlanBatch) -> None:
         rows = self._read_plans(plans)
