@@ -17,7 +17,7 @@ cdef extern from *:
     void BT_PREFETCH(const void* address) noexcept nogil
 
 cdef enum:
-    _PREFETCH_AHEAD = 8  # keys whose first position is fetched while earlier ones are probed
+    _PREFETCH_AHEAD = 12  # keys whose first position is fetched while earlier ones are probed
     _EMPTY = -1  # a free position's value; values filed are >= 0
     _MIN_POSITIONS = 64
 
@@ -80,6 +80,16 @@ cdef class KeyTable:
         """Start reading the first position of ``keys[i]`` (a hint; nothing if past the end)."""
         if i < keys.shape[0]:
             BT_PREFETCH(&self._entries[2 * self._home(keys[i])])
+
+    cdef inline void _prefetch_run(self, const uint64_t[::1] keys, Py_ssize_t i) noexcept:
+        """:meth:`_prefetch`, and the cache line after the first position's: a filing probes
+        on to the first free position and a removal reads on to it, often past that line,
+        and the probe stalls there when it was not fetched ahead."""
+        cdef Py_ssize_t home
+        if i < keys.shape[0]:
+            home = self._home(keys[i])
+            BT_PREFETCH(&self._entries[2 * home])
+            BT_PREFETCH(&self._entries[2 * ((home + 4) & <Py_ssize_t>self._mask)])
 
     cdef inline Py_ssize_t _position(self, uint64_t key) noexcept:
         """Where ``key`` is, or -1."""
@@ -177,9 +187,9 @@ cdef class KeyTable:
                 raise ValueError(f"values[{i}] is {v[i]}, values must be >= 0")
         self._reserve(n)
         for i in range(min(n, _PREFETCH_AHEAD)):
-            self._prefetch(k, i)
+            self._prefetch_run(k, i)
         for i in range(n):
-            self._prefetch(k, i + _PREFETCH_AHEAD)
+            self._prefetch_run(k, i + _PREFETCH_AHEAD)
             if not self._put_absent(k[i], v[i]):
                 for j in range(i):  # undo: the keys filed by this call
                     self._remove_at(self._position(k[j]))
@@ -207,9 +217,9 @@ cdef class KeyTable:
         # again with their values, so the map is as it was.
         cdef int64_t[::1] removed = cvarray(shape=(n,), itemsize=8, format="q")
         for i in range(min(n, _PREFETCH_AHEAD)):
-            self._prefetch(k, i)
+            self._prefetch_run(k, i)
         for i in range(n):
-            self._prefetch(k, i + _PREFETCH_AHEAD)
+            self._prefetch_run(k, i + _PREFETCH_AHEAD)
             at = self._position(k[i])
             if at < 0:
                 what = "not filed"
