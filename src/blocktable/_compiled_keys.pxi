@@ -77,14 +77,9 @@ cdef class KeyTable:
         return <Py_ssize_t>((key * self.multiplier) >> self._shift)
 
     cdef inline void _prefetch(self, const uint64_t[::1] keys, Py_ssize_t i) noexcept:
-        """Start reading the first position of ``keys[i]`` (a hint; nothing if past the end)."""
-        if i < keys.shape[0]:
-            BT_PREFETCH(&self._entries[2 * self._home(keys[i])])
-
-    cdef inline void _prefetch_run(self, const uint64_t[::1] keys, Py_ssize_t i) noexcept:
-        """:meth:`_prefetch`, and the cache line after the first position's: a filing probes
-        on to the first free position and a removal reads on to it, often past that line,
-        and the probe stalls there when it was not fetched ahead."""
+        """Start reading the first position of ``keys[i]`` and the cache line after it (hints;
+        nothing if past the end): a probe reads on to the first free position, often past
+        the first line, and stalls there when that line was not fetched ahead."""
         cdef Py_ssize_t home
         if i < keys.shape[0]:
             home = self._home(keys[i])
@@ -187,9 +182,9 @@ cdef class KeyTable:
                 raise ValueError(f"values[{i}] is {v[i]}, values must be >= 0")
         self._reserve(n)
         for i in range(min(n, _PREFETCH_AHEAD)):
-            self._prefetch_run(k, i)
+            self._prefetch(k, i)
         for i in range(n):
-            self._prefetch_run(k, i + _PREFETCH_AHEAD)
+            self._prefetch(k, i + _PREFETCH_AHEAD)
             if not self._put_absent(k[i], v[i]):
                 for j in range(i):  # undo: the keys filed by this call
                     self._remove_at(self._position(k[j]))
@@ -217,9 +212,9 @@ cdef class KeyTable:
         # again with their values, so the map is as it was.
         cdef int64_t[::1] removed = cvarray(shape=(n,), itemsize=8, format="q")
         for i in range(min(n, _PREFETCH_AHEAD)):
-            self._prefetch_run(k, i)
+            self._prefetch(k, i)
         for i in range(n):
-            self._prefetch_run(k, i + _PREFETCH_AHEAD)
+            self._prefetch(k, i + _PREFETCH_AHEAD)
             at = self._position(k[i])
             if at < 0:
                 what = "not filed"
