@@ -17,7 +17,8 @@ cdef extern from *:
     void BT_PREFETCH(const void* address) noexcept nogil
 
 cdef enum:
-    _PREFETCH_AHEAD = 12  # keys whose first position is fetched while earlier ones are probed
+    _PREFETCH_AHEAD = 12  # keys whose first positions are fetched while earlier ones are probed
+    _POSITIONS_PER_LINE = 4  # 16-byte positions in a 64-byte cache line
     _EMPTY = -1  # a free position's value; values filed are >= 0
     _MIN_POSITIONS = 64
 
@@ -84,7 +85,7 @@ cdef class KeyTable:
         if i < keys.shape[0]:
             home = self._home(keys[i])
             BT_PREFETCH(&self._entries[2 * home])
-            BT_PREFETCH(&self._entries[2 * ((home + 4) & <Py_ssize_t>self._mask)])
+            BT_PREFETCH(&self._entries[2 * ((home + _POSITIONS_PER_LINE) & <Py_ssize_t>self._mask)])
 
     cdef inline Py_ssize_t _position(self, uint64_t key) noexcept:
         """Where ``key`` is, or -1."""
