@@ -17,7 +17,8 @@ cdef extern from *:
     void BT_PREFETCH(const void* address) noexcept nogil
 
 cdef enum:
-    _PREFETCH_AHEAD = 8  # keys whose first position is fetched while earlier ones are probed
+    _PREFETCH_AHEAD = 12  # keys whose first positions are fetched while earlier ones are probed
+    _POSITIONS_PER_LINE = 4  # 16-byte positions in a 64-byte cache line
     _EMPTY = -1  # a free position's value; values filed are >= 0
     _MIN_POSITIONS = 64
 
@@ -77,9 +78,14 @@ cdef class KeyTable:
         return <Py_ssize_t>((key * self.multiplier) >> self._shift)
 
     cdef inline void _prefetch(self, const uint64_t[::1] keys, Py_ssize_t i) noexcept:
-        """Start reading the first position of ``keys[i]`` (a hint; nothing if past the end)."""
+        """Start reading the first position of ``keys[i]`` and the cache line after it (hints;
+        nothing if past the end): a probe reads on to the first free position, often past
+        the first line, and stalls there when that line was not fetched ahead."""
+        cdef Py_ssize_t home
         if i < keys.shape[0]:
-            BT_PREFETCH(&self._entries[2 * self._home(keys[i])])
+            home = self._home(keys[i])
+            BT_PREFETCH(&self._entries[2 * home])
+            BT_PREFETCH(&self._entries[2 * ((home + _POSITIONS_PER_LINE) & <Py_ssize_t>self._mask)])
 
     cdef inline Py_ssize_t _position(self, uint64_t key) noexcept:
         """Where ``key`` is, or -1."""
