@@ -411,12 +411,26 @@ cdef class GroupWriter:
             return res
         cdef Py_ssize_t i, j, q
         cdef int64_t row, old, new, start, stop, b
+        # every row's count read once, a count outside [0, width] (a corrupt table) remembered
+        cdef int64_t corrupt = -1
+        for i in range(c_rows.n):
+            if <uint64_t>cnt[c_rows.at[i]] > <uint64_t>width:
+                corrupt = c_rows.at[i]
         for i in range(a_rows.n):
             after[a_rows.at[i]] = cnt[a_rows.at[i]]
         for i in range(p_rows.n):
             after[p_rows.at[i]] = cnt[p_rows.at[i]]
         for i in range(n_rows.n):
             after[n_rows.at[i]] = cnt[n_rows.at[i]]
+        for i in range(a_rows.n):
+            if <uint64_t>after[a_rows.at[i]] > <uint64_t>width:
+                corrupt = a_rows.at[i]
+        for i in range(p_rows.n):
+            if <uint64_t>after[p_rows.at[i]] > <uint64_t>width:
+                corrupt = p_rows.at[i]
+        for i in range(n_rows.n):
+            if <uint64_t>after[n_rows.at[i]] > <uint64_t>width:
+                corrupt = n_rows.at[i]
         for i in range(c_rows.n):
             after[c_rows.at[i]] = 0
         for i in range(a_rows.n):
@@ -433,10 +447,9 @@ cdef class GroupWriter:
             if n_blocks.at[i] < 0 or n_blocks.at[i] * k >= after[n_rows.at[i]]:
                 return (NULL_RANGE, i, n_blocks.at[i], n_rows.at[i], after[n_rows.at[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        _counts_sound(c_rows, cnt, width)
-        _counts_sound(a_rows, cnt, width)
-        _counts_sound(p_rows, cnt, width)
-        _counts_sound(n_rows, cnt, width)
+        if corrupt >= 0:
+            raise ValueError(f"row {corrupt} holds count {cnt[corrupt]}, outside [0, "
+                             f"{width}]: the table is corrupt")
         if not write:
             return (OK, 0, 0, 0, 0)
 
@@ -489,17 +502,6 @@ cdef class GroupWriter:
             _log(jour, capacity, jlen, offset + start, k)
             dirt[n_rows.at[i]] = 1
         return (OK, 0, 0, 0, 0)
-
-
-cdef int _counts_sound(_Ints rows, const int32_t* cnt, int64_t width) except -1:
-    """Raise unless the count of each of ``rows`` (checked to be in range) is in
-    ``[0, width]``."""
-    cdef Py_ssize_t i
-    for i in range(rows.n):
-        if cnt[rows.at[i]] < 0 or cnt[rows.at[i]] > width:
-            raise ValueError(f"row {rows.at[i]} holds count {cnt[rows.at[i]]}, outside [0, "
-                             f"{width}]: the table is corrupt")
-    return 0
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
