@@ -81,7 +81,7 @@ cdef tuple _blocks_ok(_Ints rows, _Ints num, _Ints ids, int64_t max_id, int part
     cdef tuple res = _rows_in_range(rows, num_rows, part)
     if res is not None:
         return res
-    cdef Py_ssize_t i, j, n = rows.n
+    cdef Py_ssize_t i, j, n = rows.n, negative = -1
     cdef int64_t total = 0
     for i in range(n):  # (every row is in [0, num_rows), checked just above)
         if seen[rows.at[i]]:
@@ -89,12 +89,13 @@ cdef tuple _blocks_ok(_Ints rows, _Ints num, _Ints ids, int64_t max_id, int part
                 seen[rows.at[j]] = 0
             return (ROW_TWICE, part, i, rows.at[i], 0)
         seen[rows.at[i]] = 1
+        if num.at[i] < 0 and negative < 0:  # (named once no row is listed twice)
+            negative = i
+        total += num.at[i]
     for i in range(n):
         seen[rows.at[i]] = 0
-    for i in range(n):
-        if num.at[i] < 0:
-            return (NEG_COUNT, part, i, num.at[i], 0)
-        total += num.at[i]
+    if negative >= 0:
+        return (NEG_COUNT, part, negative, num.at[negative], 0)
     if total != ids.n:
         return (ID_SUM, part, ids.n, total, 0)
     for i in range(ids.n):
@@ -276,9 +277,11 @@ cdef class GroupWriter:
         try:
             try:
                 added, appended, nulled = update.added, update.appended, update.nulled
-                if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
-                    return -2
-                a, p, z = added[0], appended[0], nulled[0]
+                if not (type(added) is tuple and type(appended) is tuple and
+                        type(nulled) is tuple and len(<tuple>added) == 1 and
+                        len(<tuple>appended) == 1 and len(<tuple>nulled) == 1):
+                    return -2  # (apply takes any sequence of one group's parts)
+                a, p, z = (<tuple>added)[0], (<tuple>appended)[0], (<tuple>nulled)[0]
                 values = (update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
                           p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices)
                 self._hold(values, bufs, held, parts)
