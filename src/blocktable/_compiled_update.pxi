@@ -258,7 +258,8 @@ cdef class GroupWriter:
         write.
 
         ``update`` is read as a :class:`blocktable.update.StepUpdate`: its ``cleared_rows``
-        and the one entry of each of ``added``, ``appended`` and ``nulled`` (int32 arrays).
+        and the one entry of each of the tuples ``added``, ``appended`` and ``nulled`` (int32
+        arrays).
         Returns the number of pairs; -1 when they exceed ``capacity`` (the update is written,
         nothing staged: the changes wait for the table's commit); -2, nothing written, when
         the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
