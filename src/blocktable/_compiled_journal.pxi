@@ -315,25 +315,30 @@ cdef class JournalDiff:
         at = n_cleared + n_added
         # the added rows serve every group; a group's empty part is the one empty instance,
         # and a part empty in every group the one tuple of them
+        # (each Python call made with a tuple of its arguments: one plain call, where a call
+        # with separate arguments inlines Cython's every way of calling at each site)
         cdef list added = [], appended = []
         cdef bint any_grown = False
+        cdef tuple args
         for g in range(num_groups):
             if n_added:
-                added.append(make(added_rows, self._part(buf, at, n_added),
-                                  self._part(buf, at + n_added, lens[3 + 5 * g])))
+                args = (added_rows, self._part(buf, at, n_added),
+                        self._part(buf, at + n_added, lens[3 + 5 * g]))
+                added.append(make(*args))
             at += n_added + lens[3 + 5 * g]
             grown = lens[4 + 5 * g]
             if grown:
-                appended.append(make(self._part(buf, at, grown),
-                                     self._part(buf, at + grown, grown),
-                                     self._part(buf, at + 2 * grown, lens[6 + 5 * g])))
+                args = (self._part(buf, at, grown), self._part(buf, at + grown, grown),
+                        self._part(buf, at + 2 * grown, lens[6 + 5 * g]))
+                appended.append(make(*args))
                 any_grown = True
             else:
                 appended.append(none)
             at += 2 * grown + lens[6 + 5 * g]
-        update = self.step_update(cleared, tuple(added) if n_added else self.no_parts,
-                                  tuple(appended) if any_grown else self.no_parts, nulled,
-                                  allocator_block_sizes, True)
+        args = (cleared, tuple(added) if n_added else self.no_parts,
+                tuple(appended) if any_grown else self.no_parts, nulled, allocator_block_sizes,
+                True)
+        update = self.step_update(*args)
         self._restart(n)
         return update
 

@@ -42,6 +42,7 @@ cdef enum:  # an update's arrays, in the order of GroupWriter.apply's arguments
 cdef tuple _NAMES = ("cleared", "add_rows", "add_num", "add_ids", "app_rows", "app_num",
                      "app_ids", "null_rows", "null_blocks")
 cdef bint _LITTLE_ENDIAN = sys.byteorder == "little"
+cdef tuple _PASSED = (OK, 0, 0, 0, 0)  # GroupWriter._apply's verdict for an update that passed
 
 
 cdef bint _native_int32_format(const char* fmt) noexcept:
@@ -290,7 +291,7 @@ cdef class GroupWriter:
                 return -2
             if not self._parts_sound(parts, out, out_len * 4):
                 return -2
-            if self._apply(parts, True)[0] != OK:
+            if self._apply(parts, True) is not _PASSED:
                 return -2
             return self.stager._fill(out, out_len, capacity)
         finally:
@@ -455,7 +456,7 @@ cdef class GroupWriter:
             raise ValueError(f"row {corrupt} holds count {cnt[corrupt]}, outside [0, "
                              f"{width}]: the table is corrupt")
         if not write:
-            return (OK, 0, 0, 0, 0)
+            return _PASSED
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
         for i in range(c_rows.n):
@@ -505,7 +506,7 @@ cdef class GroupWriter:
                 tab[q] = NULL_BLOCK_ID
             _log(jour, capacity, jlen, offset + start, k)
             dirt[n_rows.at[i]] = 1
-        return (OK, 0, 0, 0, 0)
+        return _PASSED
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,
