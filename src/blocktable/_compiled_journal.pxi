@@ -193,55 +193,53 @@ cdef class JournalDiff:
         cdef const int64_t* rlen = &self.rlen[0, 0] if any_len else NULL
         cdef Py_ssize_t* rows = &self.rows[0] if num_rows else NULL
         cdef unsigned char* kinds = &self.kinds[0] if num_rows else NULL
-        # the changed rows, in order, each with its kind: every later pass visits only them
-        cdef Py_ssize_t n = 0, i
-        cdef Py_ssize_t r, q, at, n_cleared = 0, n_added = 0
+        # the changed rows, in order, each with its kind, and the parts' sizes (``lens``: the
+        # cleared and added rows, then per group the added rows' counts and ids and the grown
+        # rows, their growth and new ids), every length checked against its arena as it is
+        # counted: every later pass visits only these rows
+        cdef Py_ssize_t* lens = &self.lens[0]  # (2 + 5 * num_groups entries, at binding)
+        cdef const Py_ssize_t* widths = &self.arena_width[0] if num_groups else NULL
+        cdef const int64_t* rlen_g
+        cdef const int64_t* slen_g
+        cdef Py_ssize_t n = 0, i, r, q, at, n_cleared = 0, n_added = 0
         cdef int64_t live, old, new
         cdef bint changed
+        cdef unsigned char kind
+        for i in range(2 + 5 * num_groups):
+            lens[i] = 0
         for r in range(num_rows):
             live = hgen[r]
             changed = live != sgen[r]
             for g in range(num_groups):
                 changed = changed | (rlen[g * num_rows + r] != slen[g * num_rows + r])
-            if changed:
-                if live == 0:
-                    kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
-                    n_cleared += sgen[r] != 0
-                elif live != sgen[r]:
-                    kinds[n] = _ADDED_ROW
-                    n_added += 1
-                else:
-                    kinds[n] = _KEPT_ROW
-                rows[n] = r
+            if not changed:
+                continue
+            rows[n] = r
+            if live == 0:
+                kinds[n] = _CLEARED_ROW if sgen[r] != 0 else _UNCHANGED_ROW
+                n_cleared += sgen[r] != 0
                 n += 1
-        # ---- sizes, with every length checked against its arena ------------------------
-        cdef const int32_t* arena
-        cdef const int64_t* rlen_g
-        cdef const int64_t* slen_g
-        cdef Py_ssize_t[::1] lens = self.lens  # (its shape: 2 + 5 * num_groups, at binding)
-        lens[0], lens[1] = n_cleared, n_added
-        cdef Py_ssize_t total = n_cleared + n_added, add_ids, grown, new_ids
-        for g in range(num_groups):
-            width = self.arena_width[g]
-            rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
-            add_ids = grown = new_ids = 0
-            for i in range(n):
-                if kinds[i] < _ADDED_ROW:
+                continue
+            kind = _ADDED_ROW if live != sgen[r] else _KEPT_ROW
+            kinds[n] = kind
+            n += 1
+            n_added += kind == _ADDED_ROW
+            for g in range(num_groups):
+                new = rlen[g * num_rows + r]
+                _check_len(new, widths[g], "row_len", r, g)
+                if kind == _ADDED_ROW:
+                    lens[3 + 5 * g] += new
                     continue
-                r = rows[i]
-                new = rlen_g[r]
-                _check_len(new, width, "row_len", r, g)
-                if kinds[i] == _ADDED_ROW:
-                    add_ids += new
-                else:
-                    old = slen_g[r]
-                    if new > old:
-                        _check_len(old, width, "start_len", r, g)
-                        grown += 1
-                        new_ids += new - old
-            lens[2 + 5 * g], lens[3 + 5 * g], lens[4 + 5 * g] = n_added, add_ids, grown
-            lens[5 + 5 * g], lens[6 + 5 * g] = grown, new_ids
-            total += n_added + add_ids + 2 * grown + new_ids
+                old = slen[g * num_rows + r]
+                if new > old:
+                    _check_len(old, widths[g], "start_len", r, g)
+                    lens[4 + 5 * g] += 1
+                    lens[6 + 5 * g] += new - old
+        lens[0], lens[1] = n_cleared, n_added
+        cdef Py_ssize_t total = n_cleared + n_added, grown
+        for g in range(num_groups):
+            lens[2 + 5 * g], lens[5 + 5 * g] = n_added, lens[4 + 5 * g]
+            total += n_added + lens[3 + 5 * g] + 2 * lens[4 + 5 * g] + lens[6 + 5 * g]
         # ---- the parts, in the order of ``lens`` ----------------------------------------
         make, none = self.row_blocks, self.no_blocks
         if total == 0:  # nothing to gather: every part is empty
@@ -258,46 +256,55 @@ cdef class JournalDiff:
             # could change what the sizes were computed from
             self.work = _np.empty(max(total, 2 * self.work.shape[0]), dtype=_np.int32)
             return self.diff(arenas, nulled, allocator_block_sizes)
-        cdef int32_t* out = &self.work[0]  # (total entries written below: at == total)
-        at = 0
+        # one pass per group writes each part at its own cursor (the parts' starts and ends
+        # from ``lens``, every cursor checked at its part's end: at most total entries)
+        cdef int32_t* out = &self.work[0]
+        cdef const int32_t* arena
+        cdef Py_ssize_t c_at = 0, a_at = n_cleared, num_at, ids_at, g_at, gn_at, gi_at
         for i in range(n):
             if kinds[i] == _CLEARED_ROW:
-                out[at] = <int32_t>rows[i]
-                at += 1
-        for i in range(n):
-            if kinds[i] == _ADDED_ROW:
-                out[at] = <int32_t>rows[i]
-                at += 1
+                out[c_at] = <int32_t>rows[i]
+                c_at += 1
+            elif kinds[i] == _ADDED_ROW:
+                out[a_at] = <int32_t>rows[i]
+                a_at += 1
+        at = a_at
         for g in range(num_groups):  # (the arenas taken above, their lengths checked)
             arena = <const int32_t*>self.arena_at[g]
-            width = self.arena_width[g]
+            width = widths[g]
             rlen_g, slen_g = rlen + g * num_rows, slen + g * num_rows
-            for i in range(n):  # added: each row's count, then all their ids
-                if kinds[i] == _ADDED_ROW:
-                    out[at] = <int32_t>rlen_g[rows[i]]
-                    at += 1
+            num_at = at  # the added rows' counts, their ids, the grown rows, growth, new ids
+            ids_at = num_at + n_added
+            g_at = ids_at + lens[3 + 5 * g]
+            gn_at = g_at + lens[4 + 5 * g]
+            gi_at = gn_at + lens[4 + 5 * g]
             for i in range(n):
-                if kinds[i] == _ADDED_ROW:
-                    r = rows[i]
-                    for q in range(rlen_g[r]):
-                        out[at] = arena[r * width + q]
-                        at += 1
-            for i in range(n):  # grown: the rows, their growth, then their new ids
+                kind = kinds[i]
+                if kind < _ADDED_ROW:
+                    continue
                 r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
-                    out[at] = <int32_t>r
-                    at += 1
-            for i in range(n):
-                r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
-                    out[at] = <int32_t>(rlen_g[r] - slen_g[r])
-                    at += 1
-            for i in range(n):
-                r = rows[i]
-                if kinds[i] == _KEPT_ROW and rlen_g[r] > slen_g[r]:
-                    for q in range(slen_g[r], rlen_g[r]):
-                        out[at] = arena[r * width + q]
-                        at += 1
+                new = rlen_g[r]
+                if kind == _ADDED_ROW:
+                    out[num_at] = <int32_t>new
+                    num_at += 1
+                    for q in range(new):
+                        out[ids_at + q] = arena[r * width + q]
+                    ids_at += new
+                    continue
+                old = slen_g[r]
+                if new > old:
+                    out[g_at] = <int32_t>r
+                    out[gn_at] = <int32_t>(new - old)
+                    g_at += 1
+                    gn_at += 1
+                    for q in range(old, new):
+                        out[gi_at] = arena[r * width + q]
+                        gi_at += 1
+            at = gi_at
+            if c_at != n_cleared or a_at != n_cleared + n_added or num_at != ids_at - \
+                    lens[3 + 5 * g] or ids_at != g_at - lens[4 + 5 * g] or g_at != gn_at - \
+                    lens[4 + 5 * g] or gn_at != gi_at - lens[6 + 5 * g] or at > total:
+                raise AssertionError("the journal diff gathered other sizes than it counted")
         if at != total:  # (the sizes above count exactly what was gathered)
             raise AssertionError(f"the journal diff gathered {at} ids, not {total}")
         cdef bytes buf = PyBytes_FromStringAndSize(<char*> out, total * 4)
@@ -308,25 +315,30 @@ cdef class JournalDiff:
         at = n_cleared + n_added
         # the added rows serve every group; a group's empty part is the one empty instance,
         # and a part empty in every group the one tuple of them
+        # (each Python call made with a tuple of its arguments: one plain call, where a call
+        # with separate arguments inlines Cython's every way of calling at each site)
         cdef list added = [], appended = []
         cdef bint any_grown = False
+        cdef tuple args
         for g in range(num_groups):
             if n_added:
-                added.append(make(added_rows, self._part(buf, at, n_added),
-                                  self._part(buf, at + n_added, lens[3 + 5 * g])))
+                args = (added_rows, self._part(buf, at, n_added),
+                        self._part(buf, at + n_added, lens[3 + 5 * g]))
+                added.append(make(*args))
             at += n_added + lens[3 + 5 * g]
             grown = lens[4 + 5 * g]
             if grown:
-                appended.append(make(self._part(buf, at, grown),
-                                     self._part(buf, at + grown, grown),
-                                     self._part(buf, at + 2 * grown, lens[6 + 5 * g])))
+                args = (self._part(buf, at, grown), self._part(buf, at + grown, grown),
+                        self._part(buf, at + 2 * grown, lens[6 + 5 * g]))
+                appended.append(make(*args))
                 any_grown = True
             else:
                 appended.append(none)
             at += 2 * grown + lens[6 + 5 * g]
-        update = self.step_update(cleared, tuple(added) if n_added else self.no_parts,
-                                  tuple(appended) if any_grown else self.no_parts, nulled,
-                                  allocator_block_sizes, True)
+        args = (cleared, tuple(added) if n_added else self.no_parts,
+                tuple(appended) if any_grown else self.no_parts, nulled, allocator_block_sizes,
+                True)
+        update = self.step_update(*args)
         self._restart(n)
         return update
 

@@ -308,14 +308,18 @@ cdef int _map_group(const int32_t[::1] table, const int64_t[::1] p, int64_t max_
 cdef class BatchChecker:
     """A staging buffer's batch, bound once: ``query_start_loc`` (int32 ``[capacity + 1]``) and
     ``row_of_batch`` (int32 ``[capacity]``), read only, at full capacity; rows must lie in
-    ``[0, num_rows)``. Each step checks the batch's first entries without taking the arrays
-    again."""
+    ``[0, num_rows)``. Each step checks the batch's first entries through the arrays' first
+    items, remembered at binding (the views held here keep their buffers)."""
 
     cdef const int32_t[::1] qsl
     cdef const int32_t[::1] rows
+    cdef const int32_t* qsl_at  # NULL until bound
+    cdef const int32_t* rows_at
+    cdef int64_t capacity
     cdef int64_t num_rows
 
     def __init__(self, object query_start_loc, object row_of_batch, int64_t num_rows):
+        _bound_once(self.qsl_at != NULL, "BatchChecker")
         self.qsl = _int32_in(query_start_loc, "query_start_loc")
         self.rows = _int32_in(row_of_batch, "row_of_batch")
         if self.qsl.shape[0] != self.rows.shape[0] + 1:
@@ -324,6 +328,9 @@ cdef class BatchChecker:
         if num_rows < 0:
             raise ValueError(f"num_rows={num_rows} is negative")
         self.num_rows = num_rows
+        self.capacity = self.rows.shape[0]
+        self.rows_at = &self.rows[0] if self.capacity else NULL
+        self.qsl_at = &self.qsl[0]  # (capacity + 1 >= 1 entries; set last: bound)
 
     def check(self, int64_t num_reqs, int64_t num_tokens):
         """1 when ``query_start_loc[:num_reqs + 1]`` is ``0, 1, ..., num_reqs`` (one token per
@@ -331,20 +338,20 @@ cdef class BatchChecker:
         ``num_tokens``) and every row of ``row_of_batch[:num_reqs]`` lies in
         ``[0, num_rows)``; -1 for anything else, ``num_reqs`` outside ``[0, capacity]``
         included (the caller names the error). Reads only."""
-        cdef const int32_t[::1] qsl = self.qsl
-        cdef const int32_t[::1] rows = self.rows
+        _check_bound(self.qsl_at != NULL, "BatchChecker")
+        cdef const int32_t* qsl = self.qsl_at
+        cdef const int32_t* rows = self.rows_at
         cdef int64_t num_rows = self.num_rows
         cdef Py_ssize_t r
-        if num_reqs < 0 or num_reqs > rows.shape[0]:
+        if num_reqs < 0 or num_reqs > self.capacity:
             return -1
-        if qsl[0] != 0 or qsl[num_reqs] != num_tokens:
+        if qsl[0] != 0 or qsl[num_reqs] != num_tokens:  # (num_reqs <= capacity, checked)
             return -1
         # one pass without branches (the compiler vectorizes it), the verdict at the end
         cdef bint bad = False, not_decode = num_tokens != num_reqs
-        with cython.boundscheck(False):  # r < num_reqs <= rows.shape[0] = qsl.shape[0] - 1
-            for r in range(num_reqs):  # (checked just above and at binding)
-                bad |= (qsl[r + 1] < qsl[r]) | (rows[r] < 0) | (rows[r] >= num_rows)
-                not_decode |= qsl[r + 1] != r + 1
+        for r in range(num_reqs):  # (r < num_reqs <= capacity: rows non-NULL where read)
+            bad |= (qsl[r + 1] < qsl[r]) | (rows[r] < 0) | (rows[r] >= num_rows)
+            not_decode |= qsl[r + 1] != r + 1
         if bad:
             return -1
         return 0 if not_decode else 1

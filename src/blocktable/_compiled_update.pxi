@@ -42,6 +42,7 @@ cdef enum:  # an update's arrays, in the order of GroupWriter.apply's arguments
 cdef tuple _NAMES = ("cleared", "add_rows", "add_num", "add_ids", "app_rows", "app_num",
                      "app_ids", "null_rows", "null_blocks")
 cdef bint _LITTLE_ENDIAN = sys.byteorder == "little"
+cdef tuple _PASSED = (OK, 0, 0, 0, 0)  # GroupWriter._apply's verdict for an update that passed
 
 
 cdef bint _native_int32_format(const char* fmt) noexcept:
@@ -81,7 +82,7 @@ cdef tuple _blocks_ok(_Ints rows, _Ints num, _Ints ids, int64_t max_id, int part
     cdef tuple res = _rows_in_range(rows, num_rows, part)
     if res is not None:
         return res
-    cdef Py_ssize_t i, j, n = rows.n
+    cdef Py_ssize_t i, j, n = rows.n, negative = -1
     cdef int64_t total = 0
     for i in range(n):  # (every row is in [0, num_rows), checked just above)
         if seen[rows.at[i]]:
@@ -89,12 +90,13 @@ cdef tuple _blocks_ok(_Ints rows, _Ints num, _Ints ids, int64_t max_id, int part
                 seen[rows.at[j]] = 0
             return (ROW_TWICE, part, i, rows.at[i], 0)
         seen[rows.at[i]] = 1
+        if num.at[i] < 0 and negative < 0:  # (named once no row is listed twice)
+            negative = i
+        total += num.at[i]
     for i in range(n):
         seen[rows.at[i]] = 0
-    for i in range(n):
-        if num.at[i] < 0:
-            return (NEG_COUNT, part, i, num.at[i], 0)
-        total += num.at[i]
+    if negative >= 0:
+        return (NEG_COUNT, part, negative, num.at[negative], 0)
     if total != ids.n:
         return (ID_SUM, part, ids.n, total, 0)
     for i in range(ids.n):
@@ -257,7 +259,8 @@ cdef class GroupWriter:
         write.
 
         ``update`` is read as a :class:`blocktable.update.StepUpdate`: its ``cleared_rows``
-        and the one entry of each of ``added``, ``appended`` and ``nulled`` (int32 arrays).
+        and the one entry of each of the tuples ``added``, ``appended`` and ``nulled`` (int32
+        arrays).
         Returns the number of pairs; -1 when they exceed ``capacity`` (the update is written,
         nothing staged: the changes wait for the table's commit); -2, nothing written, when
         the update is refused or is not one group's int32 arrays (:meth:`apply` of converted
@@ -276,9 +279,11 @@ cdef class GroupWriter:
         try:
             try:
                 added, appended, nulled = update.added, update.appended, update.nulled
-                if len(added) != 1 or len(appended) != 1 or len(nulled) != 1:
-                    return -2
-                a, p, z = added[0], appended[0], nulled[0]
+                if not (type(added) is tuple and type(appended) is tuple and
+                        type(nulled) is tuple and len(<tuple>added) == 1 and
+                        len(<tuple>appended) == 1 and len(<tuple>nulled) == 1):
+                    return -2  # (apply takes any sequence of one group's parts)
+                a, p, z = (<tuple>added)[0], (<tuple>appended)[0], (<tuple>nulled)[0]
                 values = (update.cleared_rows, a.rows, a.num_manager_blocks, a.block_ids,
                           p.rows, p.num_manager_blocks, p.block_ids, z.rows, z.block_indices)
                 self._hold(values, bufs, held, parts)
@@ -286,7 +291,7 @@ cdef class GroupWriter:
                 return -2
             if not self._parts_sound(parts, out, out_len * 4):
                 return -2
-            if self._apply(parts, True)[0] != OK:
+            if self._apply(parts, True) is not _PASSED:
                 return -2
             return self.stager._fill(out, out_len, capacity)
         finally:
@@ -411,12 +416,26 @@ cdef class GroupWriter:
             return res
         cdef Py_ssize_t i, j, q
         cdef int64_t row, old, new, start, stop, b
+        # every row's count read once, a count outside [0, width] (a corrupt table) remembered
+        cdef int64_t corrupt = -1
+        for i in range(c_rows.n):
+            if <uint64_t>cnt[c_rows.at[i]] > <uint64_t>width:
+                corrupt = c_rows.at[i]
         for i in range(a_rows.n):
             after[a_rows.at[i]] = cnt[a_rows.at[i]]
         for i in range(p_rows.n):
             after[p_rows.at[i]] = cnt[p_rows.at[i]]
         for i in range(n_rows.n):
             after[n_rows.at[i]] = cnt[n_rows.at[i]]
+        for i in range(a_rows.n):
+            if <uint64_t>after[a_rows.at[i]] > <uint64_t>width:
+                corrupt = a_rows.at[i]
+        for i in range(p_rows.n):
+            if <uint64_t>after[p_rows.at[i]] > <uint64_t>width:
+                corrupt = p_rows.at[i]
+        for i in range(n_rows.n):
+            if <uint64_t>after[n_rows.at[i]] > <uint64_t>width:
+                corrupt = n_rows.at[i]
         for i in range(c_rows.n):
             after[c_rows.at[i]] = 0
         for i in range(a_rows.n):
@@ -433,12 +452,11 @@ cdef class GroupWriter:
             if n_blocks.at[i] < 0 or n_blocks.at[i] * k >= after[n_rows.at[i]]:
                 return (NULL_RANGE, i, n_blocks.at[i], n_rows.at[i], after[n_rows.at[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
-        _counts_sound(c_rows, cnt, width)
-        _counts_sound(a_rows, cnt, width)
-        _counts_sound(p_rows, cnt, width)
-        _counts_sound(n_rows, cnt, width)
+        if corrupt >= 0:
+            raise ValueError(f"row {corrupt} holds count {cnt[corrupt]}, outside [0, "
+                             f"{width}]: the table is corrupt")
         if not write:
-            return (OK, 0, 0, 0, 0)
+            return _PASSED
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
         for i in range(c_rows.n):
@@ -488,18 +506,7 @@ cdef class GroupWriter:
                 tab[q] = NULL_BLOCK_ID
             _log(jour, capacity, jlen, offset + start, k)
             dirt[n_rows.at[i]] = 1
-        return (OK, 0, 0, 0, 0)
-
-
-cdef int _counts_sound(_Ints rows, const int32_t* cnt, int64_t width) except -1:
-    """Raise unless the count of each of ``rows`` (checked to be in range) is in
-    ``[0, width]``."""
-    cdef Py_ssize_t i
-    for i in range(rows.n):
-        if cnt[rows.at[i]] < 0 or cnt[rows.at[i]] > width:
-            raise ValueError(f"row {rows.at[i]} holds count {cnt[rows.at[i]]}, outside [0, "
-                             f"{width}]: the table is corrupt")
-    return 0
+        return _PASSED
 
 
 cdef bint _overlaps_any(uintptr_t start, Py_ssize_t nbytes, const uintptr_t* starts,

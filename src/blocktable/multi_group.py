@@ -349,14 +349,16 @@ class MultiGroupBlockTable(AttentionViews):
         the values); returns the number of pairs, or :data:`~blocktable.commit.FULL` (the
         update written, its changes left for :meth:`commit`). One compiled call, every check
         before its first write, for a one-group table where the compiled part is built."""
-        writer = self._staging_writer
-        if (writer is not None and type(update) is StepUpdate
-                and self.storage.host_read_event is None
-                and update.allocator_block_sizes in (None, self._update_block_sizes)):
-            n = writer.apply_and_stage(update, staging, max_pairs)
-            if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
-                self.storage.changed = n == FULL
-                return n
+        writer, storage = self._staging_writer, self.storage
+        if writer is not None and type(update) is StepUpdate and storage.host_read_event is None:
+            # (an allocator stamps the same tuple every step: `is` before `==`)
+            sizes = update.allocator_block_sizes
+            if sizes is None or sizes is self._update_block_sizes or \
+                    sizes == self._update_block_sizes:
+                n = writer.apply_and_stage(update, staging, max_pairs)
+                if n != _REFUSED:  # (refused: nothing written; apply converts or names it)
+                    storage.changed = n == FULL
+                    return n
         self.apply(update)  # raises for a refused update (the writer wrote nothing)
         return self.committer.stage(staging, max_pairs)
 

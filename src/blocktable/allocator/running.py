@@ -417,7 +417,8 @@ class RunningRequests:
         The update is trusted (checked here), read-only, and stamped with the block sizes, so
         a table built for another block size refuses its ids.
         """
-        self._settle()
+        if self._pending:  # (_settle's own test: a decode step has nothing pending)
+            self._settle()
         return self._journal.take(self.block_sizes)
 
     # ----------------------------------------------------------------- queries

@@ -324,7 +324,8 @@ class CapturedStep:
         if num_pairs == FULL:
             table.commit()  # copies row spans, on the current stream before the device work
             v.header[NUM_PAIRS] = 0
-        if self._padded[slot] != (num_reqs, num_tokens):
+        padded = self._padded[slot]
+        if padded[0] != num_reqs or padded[1] != num_tokens:
             v.qsl[num_reqs + 1 :] = num_tokens  # padding requests own no token
             self._padded[slot] = (num_reqs, num_tokens)
         self._launches[slot]()
