@@ -30,7 +30,7 @@ from pathlib import Path
 from run_info import run_info
 
 _LOOP = """
-import json, sys, time
+import importlib.util, json, sys, time
 device = sys.argv[1]
 if device == "cpu":
     time.perf_counter = time.thread_time  # the engine's step clock: this thread's CPU time
@@ -38,7 +38,9 @@ sys.path.insert(0, "benchmarks")
 import bench_engine_loop as b
 demo = b.demo_workload(device, 4, 3, True)
 decode = b.decode_workload(device, 256, 64, True)
-print(json.dumps({"demo": demo["table_p50_us"], "decode-256": decode["table_p50_us"]}))
+built = [m for m in ("_compiled", "_native") if importlib.util.find_spec("blocktable." + m)]
+print(json.dumps({"demo": demo["table_p50_us"], "decode-256": decode["table_p50_us"],
+                  "compiled": bool(built)}))
 """
 
 
@@ -50,7 +52,14 @@ def one_run(tree: Path, compiled: bool, device: str) -> dict[str, float]:
                          capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # a tree whose compiled part is not built for this Python would silently run its numpy
+    # fallback under the "compiled" label
+    if compiled and not result.pop("compiled"):
+        raise RuntimeError(f"{tree} has no compiled part built for this Python: build it in "
+                           "place first (python setup.py build_ext --inplace)")
+    result.pop("compiled", None)
+    return result
 
 
 def summary(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
