@@ -423,18 +423,15 @@ cdef class GroupWriter:
                 corrupt = c_rows.at[i]
         for i in range(a_rows.n):
             after[a_rows.at[i]] = cnt[a_rows.at[i]]
-        for i in range(p_rows.n):
-            after[p_rows.at[i]] = cnt[p_rows.at[i]]
-        for i in range(n_rows.n):
-            after[n_rows.at[i]] = cnt[n_rows.at[i]]
-        for i in range(a_rows.n):
-            if <uint64_t>after[a_rows.at[i]] > <uint64_t>width:
+            if <uint64_t>cnt[a_rows.at[i]] > <uint64_t>width:
                 corrupt = a_rows.at[i]
         for i in range(p_rows.n):
-            if <uint64_t>after[p_rows.at[i]] > <uint64_t>width:
+            after[p_rows.at[i]] = cnt[p_rows.at[i]]
+            if <uint64_t>cnt[p_rows.at[i]] > <uint64_t>width:
                 corrupt = p_rows.at[i]
         for i in range(n_rows.n):
-            if <uint64_t>after[n_rows.at[i]] > <uint64_t>width:
+            after[n_rows.at[i]] = cnt[n_rows.at[i]]
+            if <uint64_t>cnt[n_rows.at[i]] > <uint64_t>width:
                 corrupt = n_rows.at[i]
         for i in range(c_rows.n):
             after[c_rows.at[i]] = 0
