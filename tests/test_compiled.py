@@ -368,6 +368,43 @@ def test_group_writer_remembers_one_empty_array_and_checks_every_other() -> None
     assert writer.apply(*append)[0] == 0 and g.counts[1] == 2 * K  # still the same writer
 
 
+def test_group_writer_reads_int32_array_heads_as_they_are_now() -> None:
+    """Native int32 numpy arrays are read through their heads (checked against numpy at
+    binding), which say what the array is at the call: one whose dtype or shape was reassigned
+    in place is refused as any such array is; a misaligned array or a subclass takes the
+    buffer protocol, with the same result."""
+    assert compiled.array_heads_trusted()
+    empty = [np.zeros(0, I32)] * 4
+
+    def append(rows: object, num: object, ids: object) -> tuple:
+        g = Group()
+        got = g.writer().apply(*empty, rows, num, ids, *empty[:2])
+        return got, g.table.tolist(), g.counts.tolist()
+
+    want = append(np.array([1, 3], I32), np.array([1, 2], I32), np.array([7, 8, 9], I32))
+    assert want[0][0] == 0
+    floats = np.array([1, 3], I32)
+    floats.dtype = np.float32  # (the same bytes, another dtype)
+    wide = np.array([1, 3, 0, 0], I32)
+    wide.shape = (2, 2)
+    for bad in (floats, wide):
+        g = Group()
+        writer = g.writer()
+        _refused(lambda: writer.apply(*empty, bad, np.array([1, 2], I32),
+                                      np.array([7, 8, 9], I32), *empty[:2]), g.visible())
+    raw = bytearray(4 * 3 + 1)
+    misaligned = np.frombuffer(raw, I32, 3, 1)
+    misaligned[:] = [7, 8, 9]
+    assert not misaligned.flags.aligned
+
+    class Sub(np.ndarray):
+        pass
+
+    assert append(np.array([1, 3], I32), np.array([1, 2], I32), misaligned) == want
+    assert append(np.array([1, 3], I32).view(Sub), np.array([1, 2], I32),
+                  np.array([7, 8, 9], I32)) == want
+
+
 def test_group_writer_refuses_hostile_bound_arrays() -> None:
     g = Group()
     names = ["table", "counts", "scratch", "seen", "dirty", "journal", "journal_len"]

@@ -39,6 +39,90 @@ cdef enum:  # an update's arrays, in the order of GroupWriter.apply's arguments
     NUM_ARRAYS = 9
 
 
+# ---- an int32 array read through numpy's array head (no buffer export) ------------------
+cdef extern from *:
+    """
+    /* The first fields of numpy's array object, as numpy's ndarraytypes.h lays them out
+       (PyArrayObject_fields): numpy's ABI, read by the accessors numpy compiles into every
+       extension, the same from numpy 1.7 to 2.x. Checked against numpy at run time before
+       it is trusted (_array_heads_checked). */
+    typedef struct {
+        PyObject_HEAD
+        char *data;
+        int nd;
+        Py_ssize_t *dimensions;
+        Py_ssize_t *strides;
+        PyObject *base;
+        PyObject *descr;
+        int flags;
+    } bt_array_head;
+    """
+    ctypedef struct bt_array_head:
+        char* data
+        int nd
+        Py_ssize_t* dimensions
+        Py_ssize_t* strides
+        void* descr
+        int flags
+
+cdef enum:
+    _C_CONTIGUOUS_ALIGNED = 0x0001 | 0x0100  # numpy's NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED
+
+# numpy's array type and its native int32 dtype (a singleton: every native int32 array made
+# the usual ways holds this one), once the heads were checked to read as numpy lays them out;
+# None before and where they do not (every array then takes the buffer protocol)
+cdef object _NDARRAY = None
+cdef object _INT32_DTYPE = None
+cdef bint _heads_checked = False
+
+
+cdef int _array_heads_checked() except -1:
+    """Read the heads of a few numpy arrays and trust them only if every field agrees with
+    what numpy says of the same arrays (once per process)."""
+    global _NDARRAY, _INT32_DTYPE, _heads_checked
+    if _heads_checked:
+        return 0
+    _heads_checked = True
+    import numpy
+    cdef bt_array_head* head
+    int32 = numpy.dtype(numpy.int32)
+    probes = (numpy.arange(5, dtype=numpy.int32), numpy.zeros((2, 3), dtype=numpy.int32)[:, 1],
+              numpy.frombuffer(bytes(12), dtype=numpy.int32))
+    for a in probes:
+        head = <bt_array_head*><void*>a
+        if not (head.nd == a.ndim == 1 and head.dimensions[0] == a.shape[0]
+                and head.strides[0] == a.strides[0] and <uintptr_t>head.data == a.ctypes.data
+                and (head.descr == <void*>a.dtype) == (a.dtype is int32)
+                and ((head.flags & _C_CONTIGUOUS_ALIGNED) == _C_CONTIGUOUS_ALIGNED)
+                == (a.flags.c_contiguous and a.flags.aligned)):
+            return 0  # another layout: the buffer protocol serves
+    _NDARRAY, _INT32_DTYPE = numpy.ndarray, int32
+    return 0
+
+
+def array_heads_trusted():
+    """Whether update arrays are read through numpy's array heads here (the layout checked
+    against this numpy); else every array takes the buffer protocol."""
+    _array_heads_checked()
+    return _INT32_DTYPE is not None
+
+
+cdef inline bint _read_int32_head(object value, _Ints* part) noexcept:
+    """Read ``value`` into ``part`` if it is a C-contiguous, aligned 1-D numpy array of the
+    native int32 dtype (by its head: no buffer export); False for anything else. The caller
+    holds a reference to ``value`` and runs no Python code while it reads ``part``: nothing
+    can move or free the memory meanwhile (numpy resizes only through a Python call)."""
+    if _INT32_DTYPE is None or type(value) is not _NDARRAY:
+        return False
+    cdef bt_array_head* head = <bt_array_head*><void*>value
+    if head.nd != 1 or head.descr != <void*>_INT32_DTYPE or \
+            (head.flags & _C_CONTIGUOUS_ALIGNED) != _C_CONTIGUOUS_ALIGNED:
+        return False
+    part.n = head.dimensions[0]
+    part.at = <const int32_t*>head.data if part.n else NULL
+    return True
+
+
 cdef tuple _NAMES = ("cleared", "add_rows", "add_num", "add_ids", "app_rows", "app_num",
                      "app_ids", "null_rows", "null_blocks")
 cdef bint _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -165,6 +249,7 @@ cdef class GroupWriter:
                  int64_t offset, object scratch, object seen, object dirty, object journal,
                  object journal_len):
         _bound_once(self.bound, "GroupWriter")
+        _array_heads_checked()
         if table is None or counts is None or seen is None or dirty is None or journal is None:
             raise TypeError("table, counts, seen, dirty and journal must be arrays, got None")
         try:
@@ -342,17 +427,26 @@ cdef class GroupWriter:
         return &out[0]
 
     cdef int _hold(self, tuple values, Py_buffer* bufs, bint* held, _Ints* parts) except -1:
-        """Hold the buffer of each of the ``NUM_ARRAYS`` ``values`` in ``bufs`` (``held[i]``
-        set for each one held: the caller releases them, on every path) and read it as
-        ``parts[i]``, or raise TypeError naming the first that is not a C-contiguous 1-D
-        native int32 array. The last empty array taken is remembered (see the class) and read
-        as empty without a buffer.
+        """Read each of the ``NUM_ARRAYS`` ``values`` as ``parts[i]``, or raise TypeError
+        naming the first that is not a C-contiguous 1-D native int32 array.
 
-        A held buffer pins the array's memory (numpy refuses to resize an exported array) for
-        as long as it is read; the checks are a typed memoryview's: dimensions, item size,
-        kind and byte order by the format, contiguity by the request."""
+        Where every value is a numpy array of the native int32 dtype (or the last empty
+        array taken, see the class), each is read through its head: nothing else runs while
+        the caller reads them, and it holds them (the tuple). Otherwise each buffer is held
+        in ``bufs`` (``held[i]`` set for each one held: the caller releases them, on every
+        path), with a typed memoryview's checks: dimensions, item size, kind and byte order
+        by the format, contiguity by the request. (An export may run Python code, which could
+        change an array read before it: so it is all heads or all buffers.)"""
         cdef int i
         cdef object value
+        for i in range(NUM_ARRAYS):
+            value = values[i]
+            if value is self.empty and value is not None:
+                parts[i].at, parts[i].n = NULL, 0
+            elif not _read_int32_head(value, &parts[i]):
+                break
+        else:
+            return 0
         for i in range(NUM_ARRAYS):
             value = values[i]
             parts[i].at, parts[i].n = NULL, 0
