@@ -485,3 +485,23 @@ def test_row_blocks_counts_manager_blocks():
     blocks = RowBlocks.from_lists([1, 3], [[3, 4], [5]])
     assert blocks.num_manager_blocks.tolist() == [2, 1]
     assert not hasattr(blocks, "num_blocks")  # num_blocks names the pool size only
+
+
+def test_update_arrays_strided_or_misaligned_apply_as_contiguous_ones():
+    """int32 update arrays that are strided or misaligned give the table a contiguous copy
+    would: the compiled writer reads whole aligned arrays, and the table hands it those."""
+
+    def table_after(rows: np.ndarray, ids: np.ndarray) -> list:
+        bt = MultiGroupBlockTable([GroupSpec(4)], 4, 64, 16)
+        bt.apply(StepUpdate.make(1, appended=[RowBlocks(rows, np.array([1, 2], np.int32),
+                                                        ids)]))
+        return bt[0].row(1).tolist(), bt[0].row(2).tolist()
+
+    want = table_after(np.array([1, 2], np.int32), np.array([5, 6, 7], np.int32))
+    strided = np.array([1, 9, 2, 9], np.int32)[::2]
+    raw = bytearray(4 * 3 + 1)
+    misaligned = np.frombuffer(raw, np.int32, 3, 1)
+    misaligned[:] = [5, 6, 7]
+    assert not strided.flags.c_contiguous and not misaligned.flags.aligned
+    assert table_after(strided, np.array([5, 6, 7], np.int32)) == want
+    assert table_after(np.array([1, 2], np.int32), misaligned) == want

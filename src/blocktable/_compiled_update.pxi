@@ -465,6 +465,8 @@ cdef class GroupWriter:
                 raise TypeError(f"{_NAMES[i]} must be a C-contiguous 1-D native int32 array, "
                                 f"got {bufs[i].ndim}-D items of format "
                                 f"{(bufs[i].format or b'B').decode('ascii', 'replace')!r}")
+            if <uintptr_t>bufs[i].buf % sizeof(int32_t):  # (read as int32: aligned)
+                raise TypeError(f"{_NAMES[i]} must be an aligned int32 array")
             parts[i].n = bufs[i].shape[0]
             if parts[i].n:
                 parts[i].at = <const int32_t*>bufs[i].buf

@@ -59,7 +59,8 @@ def _group_arrays(
 ) -> list[np.ndarray]:
     raw = [cleared_rows, added.rows, added.num_manager_blocks, added.block_ids, appended.rows,
            appended.num_manager_blocks, appended.block_ids, nulled.rows, nulled.block_indices]
-    if all(type(a) is np.ndarray and a.dtype == np.int32 and a.ndim == 1 for a in raw):
+    if all(type(a) is np.ndarray and a.dtype == np.int32 and a.ndim == 1
+           and a.flags.c_contiguous and a.flags.aligned for a in raw):
         arrays = raw  # the allocator's format: nothing to convert
     else:
         g = table.group
@@ -76,6 +77,9 @@ def _group_arrays(
             else as_int32(name, a, row_bound=rows if name.endswith("rows") else None)
             for name, a in zip(names, raw)
         ]
+        # (the compiled writer reads whole aligned int32 arrays: a strided or misaligned one
+        # is copied, as numpy's twin would read it)
+        arrays = [np.require(a, requirements="CA") for a in arrays]
     for rows, other, name in ((1, 2, "added"), (4, 5, "appended"), (7, 8, "nulled")):
         if len(arrays[rows]) != len(arrays[other]):
             field = "block_indices" if name == "nulled" else "num_manager_blocks"
