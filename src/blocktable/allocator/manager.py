@@ -419,7 +419,7 @@ class KVCacheManager(RunningRequests):
             child.set_blocks(g, shared)
             copies.append([])
             if num_computed % bs:
-                [dst] = pool.take(1).tolist()
+                dst = pool.take_one()
                 child.append_block(g, dst)
                 copies[g].append((int(parent.blocks(g)[num_full]), dst))
         self._row_state.update_num_slots(self.block_sizes, row)
