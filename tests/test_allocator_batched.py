@@ -508,7 +508,7 @@ def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: 
 
 
 def test_per_request_admissions_keep_their_prompts_and_check_rows_and_ids() -> None:
-    """A recorded admission holds a copy of an array prompt (the caller may reuse it); ids
+    """A recorded admission or append holds a copy of an array (the caller may reuse it); ids
     recorded are taken, and a row short counts the recorded ones: its error names the request
     and the rows, with the recorded admissions applied."""
     mgr = make()
@@ -520,6 +520,12 @@ def test_per_request_admissions_keep_their_prompts_and_check_rows_and_ids() -> N
         mgr.add_request("a", [1, 2])
     assert mgr._requests["a"].token_ids() == list(range(20))
     assert mgr._requests["b"].token_ids() == [7] * 20
+    sampled = np.array([9], dtype=np.int64)
+    mgr.append_token_ids("a", sampled)  # recorded, with a copy of the array
+    sampled[0] = 10
+    mgr.append_token_ids("b", sampled)
+    assert mgr.num_tokens("a") == 21  # (applied)
+    assert mgr._requests["a"].token_ids()[-1] == 9 and mgr._requests["b"].token_ids()[-1] == 10
     for req_id in "cdef":
         mgr.add_request(req_id, [1, 2, 3])
     assert mgr.num_free_rows == 0

@@ -130,6 +130,8 @@ class RunningRequests:
             new = token_array(f"token_ids of request {req_id!r}", token_ids)
         if self.max_model_len is not None:
             self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
+        if not isinstance(token_ids, (list, tuple, int)):
+            new = new.copy()  # (an array of the caller's, which may change before it is applied)
         self._pending_kind = "append"  # recorded (see _settle)
         self._pending[req_id] = new
 
