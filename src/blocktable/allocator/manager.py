@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable._checks import (
     as_list,
     check_count,
@@ -383,7 +384,7 @@ class KVCacheManager(RunningRequests):
         # num_slots: what every group's blocks hold
         bad = num_computed > state.num_slots[rows]
         bad |= num_computed > state.num_tokens[rows]
-        if np.count_nonzero(bad):  # (cheaper than any() on bools)
+        if count_nonzero(bad):  # (cheaper than any() on bools)
             i = int(bad.argmax())
             raise_not_computable(reqs[i], int(num_computed[i]), self.block_sizes)
         state.num_computed[rows] = num_computed

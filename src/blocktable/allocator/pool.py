@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.errors import IntegrityError, OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -179,7 +180,7 @@ class BlockPool:
         free ones leave the free queue."""
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
-        if np.count_nonzero(refs) < len(refs):  # some were free
+        if count_nonzero(refs) < len(refs):  # some were free
             self.cached.remove(last_occurrences(block_ids[refs == 0]))
         np.add.at(ref_counts, block_ids, _ONE)
 
@@ -194,7 +195,7 @@ class BlockPool:
         np.subtract.at(ref_counts, block_ids, _ONE)  # faster than -= even without repeats
         left = ref_counts.take(block_ids)
         # count_nonzero, argmin and boolean indexing: the cheapest numpy calls for these tests
-        freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
+        freed = block_ids[left == 0] if count_nonzero(left) else block_ids
         if len(freed):
             self.queue_freed(freed, may_repeat=may_repeat)
 
@@ -208,7 +209,7 @@ class BlockPool:
             self._release_duplicates(freed)
         slots = self.record.take(freed)
         cached = slots >= 0
-        if np.count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
+        if count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
             self.cached.extend(freed, may_repeat=may_repeat)
             return
         self.uncached.extend(freed[~cached], may_repeat=may_repeat)

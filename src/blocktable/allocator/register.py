@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
@@ -64,7 +65,7 @@ def _register_size(
     firsts = chains.num_hashed[groups[0]][rows]
     stops = state.num_computed[rows] // bs
     has = stops > firsts
-    num_seg = int(np.count_nonzero(has))
+    num_seg = int(count_nonzero(has))
     if not num_seg:
         return
     if num_seg == len(rows):  # (usually every request filled a block: no indices built)
@@ -73,7 +74,7 @@ def _register_size(
         seg = has.nonzero()[0]
         seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
     stored = stop * bs <= state.num_prompt[seg_rows]  # keys computed at admission
-    k = int(np.count_nonzero(stored))  # segments 0 .. k - 1: stored keys; k ..: keyed here
+    k = int(count_nonzero(stored))  # segments 0 .. k - 1: stored keys; k ..: keyed here
     if 0 < k < num_seg and int(stored.argmin()) != k:  # stored ones first
         order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
         seg = order if seg is None else seg[order]
@@ -155,7 +156,7 @@ def _block_positions(
     (``starts``: where each segment starts there); None unless every row's token ids are in
     the arena and its rows are whole blocks."""
     width = state.tokens.shape[1]
-    if width % bs or np.count_nonzero(state.in_arena[rows]) < len(rows):
+    if width % bs or count_nonzero(state.in_arena[rows]) < len(rows):
         return None
     wb = width // bs  # blocks per row of the token arena
     if total == len(rows):  # one block each (decode steps): no repeats to build

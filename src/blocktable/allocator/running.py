@@ -18,6 +18,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable._checks import as_list, check_model_len, check_same_length, token_counts
 from blocktable.allocator.checks import running_requests
 from blocktable.allocator.errors import OutOfBlocksError
@@ -188,7 +189,7 @@ class RunningRequests:
         rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         # (count_nonzero: cheaper than all() here; argmax and an index than max())
-        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
+        if count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
             int(starts[starts.argmax()]) + k
         ):
             # every row in the token arena: one scatter on the flat arena, at each row's
@@ -321,7 +322,7 @@ class RunningRequests:
             if not total:
                 out.append(RowBlocks())
                 continue
-            if np.count_nonzero(need) == len(need):  # (usually: every request grows)
+            if count_nonzero(need) == len(need):  # (usually: every request grows)
                 at, num, starts = rows, need, old_len
             else:
                 got = need.nonzero()[0]
@@ -366,7 +367,7 @@ class RunningRequests:
         totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         if self.max_model_len is not None and len(totals):
             over = totals > self.max_model_len
-            if np.count_nonzero(over):
+            if count_nonzero(over):
                 i = int(over.argmax())
                 self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
         old_lens, needs = [], []
