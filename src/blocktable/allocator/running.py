@@ -85,7 +85,7 @@ class RunningRequests:
             self._pending = {}
             req_ids, kind = list(pending), self._pending_kind
             if kind == "computed":
-                self._apply_computed(req_ids, list(pending.values()))  # type: ignore[arg-type]
+                self._apply_marks(req_ids, list(pending.values()))  # type: ignore[arg-type]
             elif kind == "append":
                 self._apply_appends(req_ids, list(pending.values()))  # type: ignore[arg-type]
             elif kind == "admit":
@@ -107,8 +107,8 @@ class RunningRequests:
             self._settle()
         return self._requests.get(req_id)
 
-    def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
-        raise NotImplementedError  # KVCacheManager.mark_computed_many's work
+    def _apply_marks(self, req_ids: list[ReqId], counts: list[int]) -> None:
+        raise NotImplementedError  # KVCacheManager.mark_computed_many's work, once checked
 
     def _admit(self, req_ids: list[ReqId], plans: list, namespaces: list[object]) -> None:
         raise NotImplementedError  # KVCacheManager.add_requests' work, once looked up
