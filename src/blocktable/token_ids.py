@@ -79,7 +79,7 @@ def token_rows(values: list) -> np.ndarray | None:
             return None
         flat, offsets = packed
         k = int(offsets[1])
-        if int(offsets[-1]) != k * len(values) or count_nonzero(np.diff(offsets) - k):
+        if int(offsets[-1]) != k * len(values) or count_nonzero(offsets[1:] - offsets[:-1] != k):
             return None
         return flat.reshape(len(values), k)  # type: ignore[no-any-return]
     first = values[0]

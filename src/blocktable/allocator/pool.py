@@ -255,24 +255,27 @@ class BlockPool:
         block_ids: np.ndarray,
         keys: np.ndarray,
         tokens: np.ndarray,
-        parents: np.ndarray,
+        chain_starts: np.ndarray,
+        first_parents: np.ndarray,
         hashes: Sequence[object] | None = None,
     ) -> np.ndarray:
         """Make owned, full, computed blocks findable; return their content ids (int64).
 
-        ``block_ids`` (int32 ``[n]``), their ``keys`` (uint64), ``tokens`` (int64
-        ``[n, block_size]``) and ``parents`` (int64 ``[n]``): the parent content id of each
-        block, or ``0`` for "the content id returned for the previous entry" (a chain).
-        ``hashes``: block hashes to keep when they are not the keys.
+        ``block_ids`` (int32 ``[n]``), their ``keys`` (uint64) and ``tokens`` (int64
+        ``[n, block_size]``) are chains of blocks: chain ``j`` starts at entry
+        ``chain_starts[j]`` (int64 ``[m]``, ascending, the first 0) and its first block's
+        parent content id is ``first_parents[j]`` (int64 ``[m]``); every other block's parent
+        is the content of the entry before it. ``hashes``: block hashes to keep when they are
+        not the keys.
         """
         n = len(block_ids)
         index = self.index
         slots = index.take_slots(n)
         if index.file_absent(keys, slots):
+            # content ids are consecutive: the parent of an entry inside a chain is cids - 1
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
-            # content ids are consecutive: the previous entry's is cids - 1
-            parent_ids = np.where(parents == 0, cids - 1, parents)
-            parent_ids[0] = parents[0]
+            parent_ids = cids - 1
+            parent_ids[chain_starts] = first_parents
             self._file_new(block_ids, tokens, slots, cids, parent_ids)
             if hashes is not None:
                 index.any_hashes = True
@@ -280,6 +283,8 @@ class BlockPool:
                     index.hashes[slot] = block_hash
             return cids
         index.untake_slots(slots)
+        parents = np.zeros(n, dtype=np.int64)  # 0: the content of the entry before
+        parents[chain_starts] = first_parents
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
     def _file_new(
