@@ -140,14 +140,11 @@ class BlockQueue:
         return taken
 
     def pop_one(self) -> int:
-        """:meth:`pop` of one id as a Python int, or -1 when the queue is empty: the first live
+        """:meth:`pop` of one id (the queue is not empty), as a Python int: the first live
         slot from the head, read item by item (past a few stale slots, :meth:`pop` skips them
         in one pass)."""
-        if not self._len:
-            return -1
-        head, tail, slots, position = self._head, self._tail, self._slots, self._position
-        end = head + 8
-        for at in range(head, end if end < tail else tail):
+        head, slots, position = self._head, self._slots, self._position
+        for at in range(head, min(self._tail, head + 8)):
             block_id = slots.item(at)
             if position.item(block_id) == at:
                 self._head = at + 1

@@ -152,15 +152,16 @@ class BlockPool:
         and writes cost a tenth of numpy calls on one-element arrays)."""
         if self.host is not None:  # (offloads and restores take arrays)
             return self.take(1).item(0)  # type: ignore[no-any-return]
-        block_id = self.uncached.pop_one()
-        if block_id < 0:
+        if len(self.uncached):
+            block_id = self.uncached.pop_one()
+        elif len(self.cached):
             block_id = self.cached.pop_one()
-            if block_id < 0:
-                raise OutOfBlocksError(f"need 1 block, 0 free of {self.num_blocks - 1}")
             record = self.record
             self.index.kill_one(record.item(block_id))
             record[block_id] = -1
             self.num_cached_blocks -= 1
+        else:
+            raise OutOfBlocksError(f"need 1 block, 0 free of {self.num_blocks - 1}")
         self.ref_counts[block_id] = 1
         return block_id  # type: ignore[no-any-return]
 

@@ -141,7 +141,7 @@ class RunningRequests:
         arrays of one length as one block."""
         reqs = [self._requests[req_id] for req_id in req_ids]
         k = len(arrays[0])
-        if len(arrays) > 1 and len(set(map(len, arrays))) == 1:
+        if len(arrays) > 1 and all(len(new) == k for new in arrays):
             self._append_rows(reqs, np.concatenate(arrays).reshape(len(arrays), k))
             return
         for req, new in zip(reqs, arrays):
