@@ -198,14 +198,9 @@ def test_dead_list_keeps_its_order_moved_in_place_or_grown() -> None:
     moved = grown = 0
     for i in range(3000):
         slots = rng.integers(0, 64, int(rng.integers(1, 50))).astype(np.int64)
-        if rng.random() < 0.2:
-            slots = slots[:1]
         index.holder[slots] = 5
         before, full = index._dead, index._dead_tail + len(slots) > len(index._dead)
-        if len(slots) == 1 and rng.integers(2):
-            index.kill_one(slots.item(0))
-        else:
-            index.kill(slots)
+        index.kill(slots)
         model += slots.tolist()
         if full:
             moved += index._dead is before
@@ -238,47 +233,6 @@ def test_reset_cache_makes_every_free_block_uncached() -> None:
     pool.check_integrity([0] * 5)
 
 
-def test_take_one_matches_take_of_one_block() -> None:
-    """Two pools driven alike, one taking single blocks with take_one and the other with
-    take(1): the same ids, evictions, records and queues."""
-    rng = np.random.default_rng(5)
-    pools = [BlockPool(24), BlockPool(24)]
-    held: list[int] = []
-    next_token = 0
-    for _ in range(600):
-        free = pools[0].num_free_blocks
-        if free and (not held or rng.random() < 0.6):
-            if rng.random() < 0.7:
-                got = [pools[0].take_one(), pools[1].take(1).item(0)]
-                assert got[0] == got[1]
-                new = got[:1]
-            else:
-                n = int(rng.integers(1, min(free, 4) + 1))
-                new = pools[0].take(n).tolist()
-                assert pools[1].take(n).tolist() == new
-            if rng.random() < 0.8:
-                tokens = list(range(next_token, next_token + len(new)))
-                next_token += len(new)
-                for pool in pools:
-                    cache(pool, new, tokens)
-            held += new
-        elif held:
-            k = int(rng.integers(1, len(held) + 1))
-            gone, held = held[:k], held[k:]
-            for pool in pools:
-                pool.release(ids(*gone))
-        refs = np.zeros(24, dtype=np.int64)
-        np.add.at(refs, np.array(held, dtype=np.int64), 1)
-        for pool in pools:
-            pool.check_integrity(refs)
-        assert pools[0].eviction_order() == pools[1].eviction_order()
-        assert pools[0].record.tolist() == pools[1].record.tolist()
-    with pytest.raises(OutOfBlocksError):
-        while True:
-            pools[0].take_one()
-    pools[0].check_integrity([0] + [1] * 23)  # every block held once
-
-
 @pytest.mark.parametrize("repeats", [False, True])
 def test_block_queue_against_a_list(repeats: bool) -> None:
     """With ``repeats``, extends repeat ids: each is queued at its last occurrence, the slots of
@@ -306,8 +260,8 @@ def test_block_queue_against_a_list(repeats: bool) -> None:
             n = int(rng.integers(1, len(model) + 1))
             assert q.pop(n).tolist() == model[:n]
             model = model[n:]
-        elif op == 3 and model:  # pop_one: read item by item, or pop's pass past stale slots
-            assert (q.pop_one() if rng.integers(2) else q.pop(1).item(0)) == model.pop(0)
+        elif op == 3 and model:
+            assert q.pop(1).tolist() == [model.pop(0)]
         assert q.ids().tolist() == model and len(q) == len(model)
         assert q.contains(np.array(model, dtype=np.int64)).all()
         others = np.array([b for b in range(1, 40) if b not in model], dtype=np.int64)

@@ -139,19 +139,6 @@ class BlockQueue:
         self._len -= num_blocks
         return taken
 
-    def pop_one(self) -> int:
-        """:meth:`pop` of one id (the queue is not empty), as a Python int: the first live
-        slot from the head, read item by item (past a few stale slots, :meth:`pop` skips them
-        in one pass)."""
-        head, slots, position = self._head, self._slots, self._position
-        for at in range(head, min(self._tail, head + 8)):
-            block_id = slots.item(at)
-            if position.item(block_id) == at:
-                self._head = at + 1
-                self._len -= 1
-                return block_id  # type: ignore[no-any-return]
-        return self.pop(1).item(0)  # type: ignore[no-any-return]
-
     def _compact(self) -> None:
         live = self.ids()
         n = len(live)

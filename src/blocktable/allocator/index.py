@@ -186,16 +186,6 @@ class PrefixIndex:
         self._dead[tail : tail + n] = slots
         self._dead_tail = tail + n
 
-    def kill_one(self, slot: int) -> None:
-        """:meth:`kill` of one slot (a Python int)."""
-        tail = self._dead_tail
-        if tail == len(self._dead):  # (full: kill drops the examined part, or grows)
-            self.kill(np.array([slot], dtype=np.int64))
-            return
-        self.holder[slot] = 0
-        self._dead[tail] = slot
-        self._dead_tail = tail + 1
-
     def _recycle(self, want: int) -> bool:
         """Drop at least ``want`` dead records, those that died first (False if none left)."""
         found = 0

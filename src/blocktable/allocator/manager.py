@@ -449,7 +449,7 @@ class KVCacheManager(RunningRequests):
             child.set_blocks(g, shared)
             copies.append([])
             if num_computed % bs:
-                dst = pool.take_one()
+                [dst] = pool.take(1).tolist()
                 child.append_block(g, dst)
                 copies[g].append((int(parent.blocks(g)[num_full]), dst))
         self._row_state.update_num_slots(self.block_sizes, row)

@@ -147,24 +147,6 @@ class BlockPool:
             self.host.cancel_restores(evicted)
         return evicted
 
-    def take_one(self) -> int:
-        """:meth:`take` of one block, as a Python int (a decode step's usual need: scalar reads
-        and writes cost a tenth of numpy calls on one-element arrays)."""
-        if self.host is not None:  # (offloads and restores take arrays)
-            return self.take(1).item(0)  # type: ignore[no-any-return]
-        if len(self.uncached):
-            block_id = self.uncached.pop_one()
-        elif len(self.cached):
-            block_id = self.cached.pop_one()
-            record = self.record
-            self.index.kill_one(record.item(block_id))
-            record[block_id] = -1
-            self.num_cached_blocks -= 1
-        else:
-            raise OutOfBlocksError(f"need 1 block, 0 free of {self.num_blocks - 1}")
-        self.ref_counts[block_id] = 1
-        return block_id  # type: ignore[no-any-return]
-
     def _evict(self, block_ids: np.ndarray) -> None:
         """Kill the records of cached ``block_ids`` (intp ``[n]``, just popped: distinct)."""
         record = self.record

@@ -256,18 +256,13 @@ class RunningRequests:
                         if end <= start:  # (most decode steps: the last block has room)
                             out.append([])
                             continue
+                        new = pool.take(end - start)
                         arena = state.blocks[g]
                         if arena.shape[1] < end:
                             arena = state.ensure_width(g, end)
-                        if end - start == 1:  # (a decode step crossing into a new block)
-                            block_id = pool.take_one()
-                            arena[row, start] = block_id
-                            out.append([block_id])
-                        else:
-                            new = pool.take(end - start)
-                            arena[row, start:end] = new
-                            out.append(new.tolist())
+                        arena[row, start:end] = new
                         row_len[row] = end
+                        out.append(new.tolist())
                 except OutOfBlocksError:
                     pass  # (one group, nothing taken: the batched call words the error)
                 else:
