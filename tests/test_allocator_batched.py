@@ -508,13 +508,13 @@ def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: 
 
 
 def test_per_request_admissions_keep_their_prompts_and_check_rows_and_ids() -> None:
-    """An array prompt is admitted at once and a recorded append holds a copy of its array (the
-    caller may reuse either); ids recorded are taken, and a row short counts the recorded
-    ones: its error names the request and the rows, with the recorded admissions applied."""
+    """A recorded admission or append holds a copy of an array (the caller may reuse it); ids
+    recorded are taken, and a row short counts the recorded ones: its error names the request
+    and the rows, with the recorded admissions applied."""
     mgr = make()
     buffer = np.arange(20, dtype=np.int64)
     mgr.add_request("a", buffer)
-    buffer[:] = 7  # reused for the next prompt
+    buffer[:] = 7  # reused for the next prompt before "a" is admitted
     mgr.add_request("b", buffer)
     with pytest.raises(ValueError, match="request 'a' is already running"):
         mgr.add_request("a", [1, 2])

@@ -209,11 +209,10 @@ class KVCacheManager(RunningRequests):
         (see :mod:`blocktable.allocator.prefix`): full blocks only, a multiple of every group's
         block size, at least one prompt token left to compute. The request starts with
         ``num_computed_tokens`` equal to the return value. Same as
-        ``add_requests([req_id], [prompt_token_ids])[0]``: a list or tuple prompt is checked
-        and looked up now, and its admission (rows, token ids, shared blocks) is done by one
-        :meth:`add_requests` of the requests added since the last call of any other method,
-        which that call makes first (see :meth:`mark_computed`); an array or tensor prompt,
-        or a manager with a host tier (whose restores change the pools), is admitted now.
+        ``add_requests([req_id], [prompt_token_ids])[0]``: checked and looked up now; the
+        admission (rows, token ids, shared blocks) is done by one :meth:`add_requests` of the
+        requests added since the last call of any other method, which that call makes first
+        (see :meth:`mark_computed`; without a host tier, whose restores change the pools).
 
         Parameters
         ----------
@@ -239,10 +238,7 @@ class KVCacheManager(RunningRequests):
         """
         req_ids = [req_id]
         # (one-element lists built here: add_requests' list and length checks hold already)
-        kind = type(prompt_token_ids)
-        if self.host_blocks or (kind is not list and kind is not tuple):
-            # admitted now: a host tier's restores change what a later lookup reads, and the
-            # caller may change an array before a recorded admission would copy it
+        if self.host_blocks:  # (its restores change what a later lookup reads: admitted now)
             self._settle()
             distinct_new_ids(self._requests, req_ids)
             return self._add_checked(req_ids, [prompt_token_ids], [cache_namespace])[0]
@@ -250,6 +246,8 @@ class KVCacheManager(RunningRequests):
         distinct_new_ids(self._requests, req_ids)
         plans, namespaces = self._prefix_cache.plan_many(req_ids, [prompt_token_ids],
                                                          [cache_namespace])
+        if type(prompt_token_ids) is not list and type(prompt_token_ids) is not tuple:
+            plans[0].tokens = plans[0].tokens.copy()  # (the caller's array may change before)
         pending = self._pending
         if len(pending) >= self._rows.num_free:  # (the pending ones admitted, then worded)
             self._settle()
