@@ -463,10 +463,6 @@ CALL_SEQUENCES = [
     [("append", "a", [1] * 8), ("append", "b", [2] * 8), ("mark", "a", 20), ("free", "b", None)],
     [("free", "b", None), ("free", "a", None)],
     [("mark", "a", 16), ("free", "b", None), ("append", "a", 7), ("mark", "a", 8)],
-    [("mark", "a", 24), ("add", "d", list(range(20))), ("add", "e", list(range(8))),
-     ("free", "a", None), ("add", "f", list(range(22)))],
-    [("free", "b", None), ("add", "d", list(range(100, 124))), ("add", "b", [5] * 9),
-     ("mark", "a", 16), ("add", "e", list(range(16)))],
 ]
 
 
@@ -482,19 +478,14 @@ CALL_SEQUENCES = [
     ],
 )
 def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: object) -> None:
-    """append_token_ids, free, mark_computed and add_request are recorded and applied by the
-    next call of another method or kind (or of the same kind on the same request): every call
-    after sees what the batched calls, made one by one, leave (and admissions return the same
-    hits)."""
+    """append_token_ids, free and mark_computed are recorded and applied by the next call of
+    another method or kind (or of the same kind on the same request): every call after sees
+    what the batched calls, made one by one, leave."""
     pair = []
     for per_request in (True, False):
         mgr = two_running(32)
-        hits = []
         for kind, req_id, arg in calls:
-            if kind == "add":
-                hits.append(mgr.add_request(req_id, arg) if per_request
-                            else mgr.add_requests([req_id], [arg])[0])
-            elif kind == "append":
+            if kind == "append":
                 (mgr.append_token_ids if per_request else mgr.append_token_ids_many)(
                     *((req_id, arg) if per_request else ([req_id], [arg])))
             elif kind == "free":
@@ -502,38 +493,23 @@ def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: 
             else:
                 (mgr.mark_computed if per_request else mgr.mark_computed_many)(
                     *((req_id, arg) if per_request else ([req_id], [arg])))
-        pair.append((hits, probe(mgr), observable(mgr)))  # type: ignore[operator]
+        pair.append((probe(mgr), observable(mgr)))  # type: ignore[operator]
         mgr.check_integrity()
     assert pair[0] == pair[1]
 
 
-def test_per_request_admissions_keep_their_prompts_and_check_rows_and_ids() -> None:
-    """A recorded admission or append holds a copy of an array (the caller may reuse it); ids
-    recorded are taken, and a row short counts the recorded ones: its error names the request
-    and the rows, with the recorded admissions applied."""
+def test_a_recorded_append_keeps_a_copy_of_its_array() -> None:
+    """A recorded append holds a copy of an array: the caller may reuse the array before the
+    append is applied."""
     mgr = make()
-    buffer = np.arange(20, dtype=np.int64)
-    mgr.add_request("a", buffer)
-    buffer[:] = 7  # reused for the next prompt before "a" is admitted
-    mgr.add_request("b", buffer)
-    with pytest.raises(ValueError, match="request 'a' is already running"):
-        mgr.add_request("a", [1, 2])
-    assert mgr._requests["a"].token_ids() == list(range(20))
-    assert mgr._requests["b"].token_ids() == [7] * 20
+    mgr.add_request("a", list(range(20)))
+    mgr.add_request("b", [7] * 20)
     sampled = np.array([9], dtype=np.int64)
     mgr.append_token_ids("a", sampled)  # recorded, with a copy of the array
     sampled[0] = 10
     mgr.append_token_ids("b", sampled)
     assert mgr.num_tokens("a") == 21  # (applied)
     assert mgr._requests["a"].token_ids()[-1] == 9 and mgr._requests["b"].token_ids()[-1] == 10
-    for req_id in "cdef":
-        mgr.add_request(req_id, [1, 2, 3])
-    assert mgr.num_free_rows == 0
-    mgr.free("a")
-    mgr.add_request("g", [4])
-    with pytest.raises(OutOfRowsError, match="no free row for request 'h': 1 requests, 0 free"):
-        mgr.add_request("h", [5])
-    assert "g" in mgr and "h" not in mgr
     mgr.check_integrity()
 
 

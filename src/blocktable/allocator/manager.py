@@ -209,10 +209,7 @@ class KVCacheManager(RunningRequests):
         (see :mod:`blocktable.allocator.prefix`): full blocks only, a multiple of every group's
         block size, at least one prompt token left to compute. The request starts with
         ``num_computed_tokens`` equal to the return value. Same as
-        ``add_requests([req_id], [prompt_token_ids])[0]``: checked and looked up now; the
-        admission (rows, token ids, shared blocks) is done by one :meth:`add_requests` of the
-        requests added since the last call of any other method, which that call makes first
-        (see :meth:`mark_computed`; without a host tier, whose restores change the pools).
+        ``add_requests([req_id], [prompt_token_ids])[0]``.
 
         Parameters
         ----------
@@ -236,26 +233,11 @@ class KVCacheManager(RunningRequests):
         OutOfRowsError
             No free row; nothing changed.
         """
+        self._settle()
         req_ids = [req_id]
-        # (one-element lists built here: add_requests' list and length checks hold already)
-        if self.host_blocks:  # (its restores change what a later lookup reads: admitted now)
-            self._settle()
-            distinct_new_ids(self._requests, req_ids)
-            return self._add_checked(req_ids, [prompt_token_ids], [cache_namespace])[0]
-        self._defer("admit", req_id)  # (settles unless admissions of others are pending)
         distinct_new_ids(self._requests, req_ids)
-        plans, namespaces = self._prefix_cache.plan_many(req_ids, [prompt_token_ids],
-                                                         [cache_namespace])
-        if type(prompt_token_ids) is not list and type(prompt_token_ids) is not tuple:
-            plans[0].tokens = plans[0].tokens.copy()  # (the caller's array may change before)
-        pending = self._pending
-        if len(pending) >= self._rows.num_free:  # (the pending ones admitted, then worded)
-            self._settle()
-            return self._add_checked(req_ids, [prompt_token_ids], [cache_namespace])[0]
-        self._prefix_cache.find(plans, namespaces)
-        self._pending_kind = "admit"  # recorded (see _settle)
-        pending[req_id] = (plans[0], cache_namespace)
-        return plans[0].num_cached_tokens
+        # (one-element lists built here: add_requests' list and length checks hold already)
+        return self._add_checked(req_ids, [prompt_token_ids], [cache_namespace])[0]
 
     def add_requests(
         self,

@@ -62,14 +62,14 @@ class RunningRequests:
         self._row_state = RowState(max_num_reqs, len(self._pools))
         self._journal = StepJournal(len(self._pools), self._row_state)
         self.num_preemptions = 0
-        # Per-request calls of one kind (mark_computed, append_token_ids, free or add_request),
-        # checked when made and recorded since the last call of any other method or kind
-        # (distinct requests, in call order; per request what the batched call needs): applied
-        # by _settle as one batched call. Calls of one kind on distinct requests commute (an
-        # admission's lookup reads nothing an earlier admission changes), and each was checked
-        # against the state the earlier ones leave for it, so the batched call cannot fail.
+        # Per-request calls of one kind (mark_computed, append_token_ids or free), checked when
+        # made and recorded since the last call of any other method or kind (distinct
+        # requests, in call order; per request what the batched call needs): applied by
+        # _settle as one batched call. Calls of one kind on distinct requests commute, and
+        # each was checked against the state the earlier ones leave for it, so the batched
+        # call cannot fail.
         self._pending: dict[ReqId, object] = {}
-        self._pending_kind = ""  # "computed", "append", "free" or "admit"
+        self._pending_kind = ""  # "computed", "append" or "free"
 
     @property
     def pools(self) -> tuple[BlockPool, ...]:
@@ -88,9 +88,6 @@ class RunningRequests:
                 self._apply_marks(req_ids, list(pending.values()))  # type: ignore[arg-type]
             elif kind == "append":
                 self._apply_appends(req_ids, list(pending.values()))  # type: ignore[arg-type]
-            elif kind == "admit":
-                plans, namespaces = zip(*pending.values())  # type: ignore[arg-type]
-                self._admit(req_ids, list(plans), list(namespaces))
             else:
                 self._release([self._requests[req_id] for req_id in req_ids])
 
@@ -109,9 +106,6 @@ class RunningRequests:
 
     def _apply_marks(self, req_ids: list[ReqId], counts: list[int]) -> None:
         raise NotImplementedError  # KVCacheManager.mark_computed_many's work, once checked
-
-    def _admit(self, req_ids: list[ReqId], plans: list, namespaces: list[object]) -> None:
-        raise NotImplementedError  # KVCacheManager.add_requests' work, once looked up
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence.
