@@ -8,7 +8,7 @@ running requests, and turns the step's row changes into a
 changes anything; the per-request calls are wrappers over the batched ones (``free`` and
 ``append_token_ids`` check and record the call, applied with the others of its kind by one
 batched call at the next call of anything else), but for ``allocate``, which works on its one
-request in Python ints (a decode step's one new block taken by ``BlockPool.take_one``).
+request in Python ints.
 """
 
 from __future__ import annotations
