@@ -498,6 +498,21 @@ def test_per_request_calls_are_applied_as_the_batched_calls(calls: list, probe: 
     assert pair[0] == pair[1]
 
 
+def test_a_recorded_append_keeps_a_copy_of_its_array() -> None:
+    """A recorded append holds a copy of an array: the caller may reuse the array before the
+    append is applied."""
+    mgr = make()
+    mgr.add_request("a", list(range(20)))
+    mgr.add_request("b", [7] * 20)
+    sampled = np.array([9], dtype=np.int64)
+    mgr.append_token_ids("a", sampled)  # recorded, with a copy of the array
+    sampled[0] = 10
+    mgr.append_token_ids("b", sampled)
+    assert mgr.num_tokens("a") == 21  # (applied)
+    assert mgr._requests["a"].token_ids()[-1] == 9 and mgr._requests["b"].token_ids()[-1] == 10
+    mgr.check_integrity()
+
+
 def test_a_bad_per_request_append_or_free_raises_at_once_and_records_nothing() -> None:
     mgr = make()
     mgr.add_request("a", list(range(24)))

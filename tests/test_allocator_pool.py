@@ -21,10 +21,9 @@ def ids(*values: int) -> np.ndarray:
 def cache(pool: BlockPool, blocks: list[int], tokens: list[int], parent: int = ROOT) -> list[int]:
     """File ``blocks`` as one chain (block size 1: one token each) with keys = token ids."""
     keys = np.array([t * 1000 + 7 for t in tokens], dtype=np.uint64)
-    parents = np.zeros(len(blocks), dtype=np.int64)
-    parents[0] = parent
     toks = np.array(tokens, dtype=np.int64).reshape(-1, 1)
-    return pool.cache(ids(*blocks), keys, toks, parents).tolist()
+    starts, parents = np.zeros(1, np.int64), np.array([parent])  # one chain
+    return pool.cache(ids(*blocks), keys, toks, starts, parents).tolist()
 
 
 def test_null_block_is_never_handed_out() -> None:
@@ -165,9 +164,10 @@ def test_a_key_filed_under_other_content_goes_to_the_new_content() -> None:
     pool = BlockPool(4)
     a, b = pool.take(2).tolist()
     keys = np.array([5], dtype=np.uint64)
-    pool.cache(ids(a), keys, np.array([[1]]), np.array([ROOT]))
+    one_chain = np.zeros(1, np.int64), np.array([ROOT])
+    pool.cache(ids(a), keys, np.array([[1]]), *one_chain)
     # same key, other tokens (a collision): the new content takes the key, a loses its record
-    [cid] = pool.cache(ids(b), keys, np.array([[2]]), np.array([ROOT])).tolist()
+    [cid] = pool.cache(ids(b), keys, np.array([[2]]), *one_chain).tolist()
     assert pool.record[a] == -1 and pool.content_id(b) == cid
     assert pool.index.find([5]).tolist() == [int(pool.record[b])]
     pool.release(ids(a, b))

@@ -18,10 +18,9 @@ ROOT = -1  # parent content id of a first block (namespace 1)
 def _cache(pool: BlockPool, blocks: list[int], tokens: list[int]) -> None:
     """File ``blocks`` as one chain (block size 1) keyed by their tokens."""
     keys = np.array([t * 1000 + 7 for t in tokens], dtype=np.uint64)
-    parents = np.zeros(len(blocks), dtype=np.int64)
-    parents[0] = ROOT
     toks = np.array(tokens, dtype=np.int64).reshape(-1, 1)
-    pool.cache(np.array(blocks, dtype=np.int32), keys, toks, parents)
+    pool.cache(np.array(blocks, dtype=np.int32), keys, toks, np.zeros(1, np.int64),
+               np.array([ROOT]))
 
 
 def _build(seed: int) -> tuple[BlockPool, list[list[int]]]:

@@ -54,3 +54,21 @@ def test_the_raw_stream_getter_falls_back_to_the_public_call(monkeypatch):
     monkeypatch.setattr(_triton, "_PRIVATE_C", types.SimpleNamespace())
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     assert _triton.raw_stream_getter()(3) == 0x1234 and calls == [3]
+
+
+def test_numpy_count_nonzero_without_its_wrapper_is_numpy_s_own():
+    """``blocktable._fastnp`` takes numpy's C ``count_nonzero`` from a private module (numpy
+    2.x), else the public wrapper: a numpy 2.x that moves it fails here, loudly."""
+    import numpy as np
+
+    from blocktable import _fastnp
+
+    if int(np.__version__.split(".")[0]) >= 2:
+        assert _fastnp.count_nonzero is not np.count_nonzero, (
+            f"numpy {np.__version__} moved numpy._core.multiarray.count_nonzero: blocktable "
+            "falls back to the wrapper (slower); update _fastnp.py")
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 300):
+        a = rng.integers(0, 3, n).astype(np.int64)
+        assert _fastnp.count_nonzero(a) == np.count_nonzero(a)
+        assert _fastnp.count_nonzero(a > 0) == np.count_nonzero(a > 0)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable import _compiled_loader as _loader
 
 HashFn = Callable[[bytes], bytes]
@@ -177,7 +178,7 @@ def chain_keys(
     n = len(content_hashes)
     # a decode step: as many segments as blocks, none empty (count_nonzero: cheaper than
     # comparing with 1; the lengths sum to n, so n nonzero lengths are all 1)
-    if n and n == len(segment_lengths) and np.count_nonzero(segment_lengths) == n:
+    if n and n == len(segment_lengths) and count_nonzero(segment_lengths) == n:
         states = start_states * powers.block_base_array
         states += content_hashes
         return fmix64(states), states

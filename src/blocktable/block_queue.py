@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
+
 
 def last_occurrences(ids: np.ndarray) -> np.ndarray:
     """``ids`` without repeats, each value kept where it occurs last, in the original order."""
@@ -90,7 +92,7 @@ class BlockQueue:
             # stamp an id gets is the slot of its last occurrence, the one it is queued at.
             # The slots of its earlier occurrences stay stale, as if removed (pop skips them).
             np.maximum.at(position, block_ids, stamps)
-            self._len += np.count_nonzero(position.take(block_ids) == stamps)
+            self._len += count_nonzero(position.take(block_ids) == stamps)
         else:
             position[block_ids] = stamps
             self._len += n
@@ -120,7 +122,7 @@ class BlockQueue:
         window = self._slots[head:end]
         # no stale slot between head and tail (nothing removed since): the window is live
         iota = self._iota
-        live = tail - head == self._len or np.count_nonzero(
+        live = tail - head == self._len or count_nonzero(
             self._position[window] == iota[head:end]
         ) == end - head
         if not live:

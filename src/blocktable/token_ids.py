@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from blocktable._fastnp import count_nonzero
 from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array
 
@@ -78,7 +79,7 @@ def token_rows(values: list) -> np.ndarray | None:
             return None
         flat, offsets = packed
         k = int(offsets[1])
-        if int(offsets[-1]) != k * len(values) or np.count_nonzero(np.diff(offsets) - k):
+        if int(offsets[-1]) != k * len(values) or count_nonzero(offsets[1:] - offsets[:-1] != k):
             return None
         return flat.reshape(len(values), k)  # type: ignore[no-any-return]
     first = values[0]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.key_table import new_key_table
 
 _MIN_RECORDS = 4096
@@ -200,7 +201,7 @@ class PrefixIndex:
             if self.host_block is not None:  # (killed again when the host copy goes)
                 keep &= self.host_block[batch] == 0
             # (usually all are kept: no copy; count_nonzero is cheaper than boolean indexing)
-            if np.count_nonzero(keep) < len(batch):
+            if count_nonzero(keep) < len(batch):
                 batch = batch[keep]
             if len(batch) > 1:
                 # each slot once: a dead record's holder entry is 0 and drop() writes 0
@@ -209,7 +210,7 @@ class PrefixIndex:
                 marks = np.arange(-1, -1 - len(batch), -1, dtype=holder.dtype)
                 holder[batch] = marks
                 once = holder[batch] == marks
-                if np.count_nonzero(once) < len(batch):
+                if count_nonzero(once) < len(batch):
                     batch = batch[once]
             if len(batch):
                 self.drop(batch)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable._checks import (
     as_list,
     check_count,
@@ -351,11 +352,6 @@ class KVCacheManager(RunningRequests):
         """:meth:`mark_computed` for every request of a step: one hashing pass for all newly
         full blocks, one registration and one release per group. Checked fully first."""
         self._settle()
-        self._apply_computed(req_ids, num_tokens)
-
-    def _apply_computed(
-        self, req_ids: Sequence[ReqId], num_tokens: Sequence[int] | np.ndarray
-    ) -> None:
         req_ids, reqs = self._running(req_ids)
         counts = token_counts("num_tokens", num_tokens, len(reqs))
         if not reqs:
@@ -365,9 +361,23 @@ class KVCacheManager(RunningRequests):
         # num_slots: what every group's blocks hold
         bad = num_computed > state.num_slots[rows]
         bad |= num_computed > state.num_tokens[rows]
-        if np.count_nonzero(bad):  # (cheaper than any() on bools)
+        if count_nonzero(bad):
             i = int(bad.argmax())
             raise_not_computable(reqs[i], int(num_computed[i]), self.block_sizes)
+        self._mark(reqs, rows, num_computed)
+
+    def _apply_marks(self, req_ids: list[ReqId], counts: list[int]) -> None:
+        """The recorded per-request marks: running distinct requests and counts each checked
+        when recorded (not checked again)."""
+        requests, state = self._requests, self._row_state
+        reqs = [requests[req_id] for req_id in req_ids]
+        rows = np.array([req.row for req in reqs], dtype=np.intp)
+        self._mark(reqs, rows, state.num_computed[rows] + np.array(counts, dtype=np.int64))
+
+    def _mark(self, reqs: list[RequestState], rows: np.ndarray, num_computed: np.ndarray) -> None:
+        """Make ``num_computed`` (int64) the computed tokens of ``reqs`` (holding ``rows``,
+        intp): register their newly full blocks, release what left a window."""
+        state = self._row_state
         state.num_computed[rows] = num_computed
         self._prefix_cache.register(reqs, rows, state)
         if self._has_windows:

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.errors import IntegrityError, OutOfBlocksError
 from blocktable.allocator.index import PrefixIndex
 from blocktable.allocator.integrity import check_pool_integrity
@@ -161,7 +162,7 @@ class BlockPool:
         free ones leave the free queue."""
         ref_counts = self.ref_counts
         refs = ref_counts.take(block_ids)
-        if np.count_nonzero(refs) < len(refs):  # some were free
+        if count_nonzero(refs) < len(refs):  # some were free
             self.cached.remove(last_occurrences(block_ids[refs == 0]))
         np.add.at(ref_counts, block_ids, _ONE)
 
@@ -176,7 +177,7 @@ class BlockPool:
         np.subtract.at(ref_counts, block_ids, _ONE)  # faster than -= even without repeats
         left = ref_counts.take(block_ids)
         # count_nonzero, argmin and boolean indexing: the cheapest numpy calls for these tests
-        freed = block_ids[left == 0] if np.count_nonzero(left) else block_ids
+        freed = block_ids[left == 0] if count_nonzero(left) else block_ids
         if len(freed):
             self.queue_freed(freed, may_repeat=may_repeat)
 
@@ -190,7 +191,7 @@ class BlockPool:
             self._release_duplicates(freed)
         slots = self.record.take(freed)
         cached = slots >= 0
-        if np.count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
+        if count_nonzero(cached) == len(freed):  # (usually: full computed blocks)
             self.cached.extend(freed, may_repeat=may_repeat)
             return
         self.uncached.extend(freed[~cached], may_repeat=may_repeat)
@@ -236,24 +237,27 @@ class BlockPool:
         block_ids: np.ndarray,
         keys: np.ndarray,
         tokens: np.ndarray,
-        parents: np.ndarray,
+        chain_starts: np.ndarray,
+        first_parents: np.ndarray,
         hashes: Sequence[object] | None = None,
     ) -> np.ndarray:
         """Make owned, full, computed blocks findable; return their content ids (int64).
 
-        ``block_ids`` (int32 ``[n]``), their ``keys`` (uint64), ``tokens`` (int64
-        ``[n, block_size]``) and ``parents`` (int64 ``[n]``): the parent content id of each
-        block, or ``0`` for "the content id returned for the previous entry" (a chain).
-        ``hashes``: block hashes to keep when they are not the keys.
+        ``block_ids`` (int32 ``[n]``), their ``keys`` (uint64) and ``tokens`` (int64
+        ``[n, block_size]``) are chains of blocks: chain ``j`` starts at entry
+        ``chain_starts[j]`` (int64 ``[m]``, ascending, the first 0) and its first block's
+        parent content id is ``first_parents[j]`` (int64 ``[m]``); every other block's parent
+        is the content of the entry before it. ``hashes``: block hashes to keep when they are
+        not the keys.
         """
         n = len(block_ids)
         index = self.index
         slots = index.take_slots(n)
         if index.file_absent(keys, slots):
+            # content ids are consecutive: the parent of an entry inside a chain is cids - 1
             cids = np.arange(index.next_cid, index.next_cid + n, dtype=np.int64)
-            # content ids are consecutive: the previous entry's is cids - 1
-            parent_ids = np.where(parents == 0, cids - 1, parents)
-            parent_ids[0] = parents[0]
+            parent_ids = cids - 1
+            parent_ids[chain_starts] = first_parents
             self._file_new(block_ids, tokens, slots, cids, parent_ids)
             if hashes is not None:
                 index.any_hashes = True
@@ -261,6 +265,8 @@ class BlockPool:
                     index.hashes[slot] = block_hash
             return cids
         index.untake_slots(slots)
+        parents = np.zeros(n, dtype=np.int64)  # 0: the content of the entry before
+        parents[chain_starts] = first_parents
         return self._cache_one_by_one(block_ids, keys, tokens, parents, hashes)
 
     def _file_new(

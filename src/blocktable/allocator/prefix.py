@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.pool import BlockPool
 from blocktable.block_hashing import ChainPowers, token_chain_keys
 
@@ -199,9 +200,9 @@ def find_hits(
         # Counts first: in the common case (every block verifies) no flags are merged; equal
         # bytes are told by one compare. (0-d operands: cheaper than Python ints in ufuncs.)
         if (
-            np.count_nonzero(bad)
-            or (window is None and np.count_nonzero(alive) < end)
-            or np.count_nonzero(slots < _ZERO)
+            count_nonzero(bad)
+            or (window is None and count_nonzero(alive) < end)
+            or count_nonzero(slots < _ZERO)
             or stored.tobytes() != (tokens.tobytes() if token_bytes is None else token_bytes)
         ):
             bad |= slots < _ZERO

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable._checks import check_model_len
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
@@ -160,7 +161,7 @@ class PrefixCache:
         with ``plan``'s hit (hit blocks in a free queue leave it: they count as taken)."""
         n = plan.num_cached_tokens
         for pool, bs, slots in zip(self.pools, self.block_sizes, plan.hit_slots):
-            taken = int(np.count_nonzero(pool.ref_counts[pool.index.holder[slots]] == 0))
+            taken = int(count_nonzero(pool.ref_counts[pool.index.holder[slots]] == 0))
             if -(-num_tokens // bs) - n // bs > pool.num_free_blocks - taken:
                 return False
         return True
@@ -229,7 +230,7 @@ class PrefixCache:
                 from_host = np.isin(blocks, restored)
                 pool.share_many(blocks[from_host])
                 pool.ref_counts[restored.astype(np.intp)] -= 1
-                host_tokens = [int(np.count_nonzero(np.isin(b, restored))) * bs for b in parts]
+                host_tokens = [int(count_nonzero(np.isin(b, restored))) * bs for b in parts]
                 for i, t in enumerate(host_tokens):
                     num_host[i] = max(num_host[i], t)
             elif len(blocks):

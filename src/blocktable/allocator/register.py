@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.request import KeyChains, RequestState
 from blocktable.allocator.rowstate import RowState
@@ -64,7 +65,7 @@ def _register_size(
     firsts = chains.num_hashed[groups[0]][rows]
     stops = state.num_computed[rows] // bs
     has = stops > firsts
-    num_seg = int(np.count_nonzero(has))
+    num_seg = int(count_nonzero(has))
     if not num_seg:
         return
     if num_seg == len(rows):  # (usually every request filled a block: no indices built)
@@ -73,7 +74,7 @@ def _register_size(
         seg = has.nonzero()[0]
         seg_rows, first, stop = rows[seg], firsts[seg], stops[seg]
     stored = stop * bs <= state.num_prompt[seg_rows]  # keys computed at admission
-    k = int(np.count_nonzero(stored))  # segments 0 .. k - 1: stored keys; k ..: keyed here
+    k = int(count_nonzero(stored))  # segments 0 .. k - 1: stored keys; k ..: keyed here
     if 0 < k < num_seg and int(stored.argmin()) != k:  # stored ones first
         order = np.concatenate((np.flatnonzero(stored), np.flatnonzero(~stored)))
         seg = order if seg is None else seg[order]
@@ -99,8 +100,10 @@ def _register_size(
         starts = chain_state[fresh_rows]
         # usually each chain stands where its segment starts; else the segment starts inside
         # the prompt (its stored states)
-        for i in np.flatnonzero(num_keys[fresh_rows] != fresh_first).tolist():
-            starts[i] = _state_before(seg_reqs[k + i], int(fresh_first[i]), bs, chains)
+        elsewhere = num_keys[fresh_rows] != fresh_first
+        if count_nonzero(elsewhere):
+            for i in elsewhere.nonzero()[0].tolist():
+                starts[i] = _state_before(seg_reqs[k + i], int(fresh_first[i]), bs, chains)
         fresh_tokens = tokens[int(seg_starts[k]) * bs :]
         keys, states = token_chain_keys(fresh_tokens.reshape(-1, bs), lengths[k:], starts, powers)
         num_keys[fresh_rows] = stop[k:]
@@ -109,8 +112,6 @@ def _register_size(
     keys = key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts)
     for g in groups:
         parent_cid = chains.parent_cid[g]
-        parents = np.zeros(total, dtype=np.int64)  # 0: the content of the block before
-        parents[seg_starts] = parent_cid[seg_rows]
         hashes = None
         if byte_hash_fn is not None:  # every segment's blocks in one call
             hashes = byte_chain(tokens, lengths, [req.parent_hashes[g] for req in seg_reqs],
@@ -123,8 +124,9 @@ def _register_size(
         else:  # the same blocks' positions in this arena (its rows may be of another width)
             shift = seg_rows * (arena.shape[1] - state.tokens.shape[1] // bs)
             block_ids = arena.reshape(-1).take(
-                pos + (shift if total == num_seg else np.repeat(shift, lengths)))
-        cids = pools[g].cache(block_ids, keys, tokens.reshape(-1, bs), parents, hashes)
+                pos + (shift if total == num_seg else shift.repeat(lengths)))
+        cids = pools[g].cache(block_ids, keys, tokens.reshape(-1, bs), seg_starts,
+                              parent_cid[seg_rows], hashes)
         parent_cid[seg_rows] = cids[ends - 1]
         chains.num_hashed[g][seg_rows] = stop
 
@@ -155,9 +157,9 @@ def _block_positions(
     (``starts``: where each segment starts there); None unless every row's token ids are in
     the arena and its rows are whole blocks."""
     width = state.tokens.shape[1]
-    if width % bs or np.count_nonzero(state.in_arena[rows]) < len(rows):
+    if width % bs or count_nonzero(state.in_arena[rows]) < len(rows):
         return None
     wb = width // bs  # blocks per row of the token arena
     if total == len(rows):  # one block each (decode steps): no repeats to build
         return rows * wb + first
-    return np.arange(total) + np.repeat(rows * wb + (first - starts), lengths)
+    return np.arange(total) + (rows * wb + (first - starts)).repeat(lengths)

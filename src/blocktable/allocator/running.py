@@ -18,6 +18,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from blocktable._fastnp import count_nonzero
 from blocktable._checks import as_list, check_model_len, check_same_length, token_counts
 from blocktable.allocator.checks import running_requests
 from blocktable.allocator.errors import OutOfBlocksError
@@ -84,7 +85,7 @@ class RunningRequests:
             self._pending = {}
             req_ids, kind = list(pending), self._pending_kind
             if kind == "computed":
-                self._apply_computed(req_ids, list(pending.values()))  # type: ignore[arg-type]
+                self._apply_marks(req_ids, list(pending.values()))  # type: ignore[arg-type]
             elif kind == "append":
                 self._apply_appends(req_ids, list(pending.values()))  # type: ignore[arg-type]
             else:
@@ -103,8 +104,8 @@ class RunningRequests:
             self._settle()
         return self._requests.get(req_id)
 
-    def _apply_computed(self, req_ids: list[ReqId], num_tokens: list[int]) -> None:
-        raise NotImplementedError  # KVCacheManager.mark_computed_many's work
+    def _apply_marks(self, req_ids: list[ReqId], counts: list[int]) -> None:
+        raise NotImplementedError  # KVCacheManager.mark_computed_many's work, once checked
 
     def append_token_ids(self, req_id: ReqId, token_ids: int | TokenIds) -> None:
         """Append generated tokens (one int or a sequence) to the request's sequence.
@@ -124,6 +125,8 @@ class RunningRequests:
             new = token_array(f"token_ids of request {req_id!r}", token_ids)
         if self.max_model_len is not None:
             self._check_request_len(req_id, "sequence", req.num_tokens + len(new))
+        if not isinstance(token_ids, (list, tuple, int)):
+            new = new.copy()  # (an array of the caller's, which may change before it is applied)
         self._pending_kind = "append"  # recorded (see _settle)
         self._pending[req_id] = new
 
@@ -180,7 +183,7 @@ class RunningRequests:
         rows = np.array([req.row for req in reqs], dtype=np.intp)
         starts = state.num_tokens[rows]
         # (count_nonzero: cheaper than all() here; argmax and an index than max())
-        if np.count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
+        if count_nonzero(state.in_arena[rows]) == len(rows) and state.token_room(
             int(starts[starts.argmax()]) + k
         ):
             # every row in the token arena: one scatter on the flat arena, at each row's
@@ -308,7 +311,7 @@ class RunningRequests:
             if not total:
                 out.append(RowBlocks())
                 continue
-            if np.count_nonzero(need) == len(need):  # (usually: every request grows)
+            if count_nonzero(need) == len(need):  # (usually: every request grows)
                 at, num, starts = rows, need, old_len
             else:
                 got = need.nonzero()[0]
@@ -353,7 +356,7 @@ class RunningRequests:
         totals = state.num_computed[rows] + np.array(counts, dtype=np.int64)
         if self.max_model_len is not None and len(totals):
             over = totals > self.max_model_len
-            if np.count_nonzero(over):
+            if count_nonzero(over):
                 i = int(over.argmax())
                 self._check_request_len(reqs[i].req_id, "allocation", int(totals[i]))
         old_lens, needs = [], []
