@@ -8,7 +8,7 @@ offers to send, the prefill side maps those tokens to its own cache rows and sen
 :func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: on the wire they are those
-arrays' bytes and the request ids' text, in a fixed binary form
+arrays as int64 words and the request ids' text, in a fixed binary form
 (:mod:`~blocktable.transfer.wire_format`).
 """
 
@@ -47,7 +47,7 @@ class OfferBatch:
     rows. ``done``: nothing is left on the prefill side after these (the decode side finishes
     alone)."""
 
-    WIRE_DTYPES = (np.int64, np.int64, np.int64, np.int64, np.int64)
+    WIRE_NUM_ARRAYS = 5
 
     req_ids: tuple[str, ...]
     token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
@@ -138,9 +138,9 @@ class PlanBatch:
     multiple of the moved chunk; the prefill side sends the tokens from there to the prompt's
     end, mapped to its own rows)."""
 
-    WIRE_DTYPES = (np.int8, np.int64, np.int64)
+    WIRE_NUM_ARRAYS = 3
 
-    statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
+    statuses: np.ndarray  # on cpu, int64 [num_reqs]: PlanStatus values
     num_hit: np.ndarray  # on cpu, int64 [num_reqs]: prompt tokens not sent (0 unless SEND)
     reasons: dict[int, str]  # offer index -> why it was refused
     num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache

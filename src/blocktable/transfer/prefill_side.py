@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress
-from operator import attrgetter
+from itertools import chain, compress, filterfalse
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ from blocktable.transfer.wire_format import TEXT_SEPARATOR
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 _REQ_ID = attrgetter("req_id")
+_OUTPUT = attrgetter("output_token_ids")
+_FIRST = itemgetter(0)
 
 
 @dataclass
@@ -183,17 +185,18 @@ class PrefillWorker:
         """Take requests whose prompt is done out of the scheduler (blocks kept) into the
         pending ones."""
         running = self.engine.scheduler.running
-        done = [req for req in running if req.output_token_ids]
+        # (filter and map over C getters: no Python frame per request)
+        done = list(filter(_OUTPUT, running))
         if not done:
             return
         if len(done) == len(running):
             running.clear()
         else:
-            running[:] = [req for req in running if not req.output_token_ids]
+            running[:] = filterfalse(_OUTPUT, running)
         p = self.pending
         p.reqs += done
         p.req_ids += map(_REQ_ID, done)
-        p.first_tokens += [req.output_token_ids[0] for req in done]
+        p.first_tokens += map(_FIRST, map(_OUTPUT, done))
 
     def _offer_batch(self, done: bool = False) -> OfferBatch:
         """Every pending request as one message: its token ids and its other fields' arrays
@@ -234,6 +237,8 @@ class PrefillWorker:
         if num_acked != len(self._unacked):
             raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
                                f"{num_acked} requests, {len(self._unacked)} were sent")
+        if not num_acked:
+            return
         self.stats.sent += self._unacked.req_ids
         self._release(self._unacked)
         self._unacked = _Handed()
