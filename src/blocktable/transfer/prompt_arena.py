@@ -37,9 +37,16 @@ class PromptArena:
         if min_capacity < 1:
             raise ValueError(f"min_capacity must be >= 1, got {min_capacity}")
         self.min_capacity = min_capacity
-        self._buffer = np.empty(min_capacity, dtype=np.int64)
         self._entry: dict[object, int] = {}  # kept request -> its entry
-        self._reset_entries(_MIN_ENTRIES)
+        # what the memory is renewed with once emptied (tokens, entries): the sizes reached
+        self._capacity = (min_capacity, _MIN_ENTRIES)
+        self._empty()
+
+    def _empty(self) -> None:
+        """No entries and no memory: the next :meth:`add` takes fresh memory of
+        ``_capacity`` (not here: emptying is part of a transfer round, adding is not)."""
+        self._buffer = _NONE  # on cpu, int64 [capacity]: the prompts, back to back
+        self._reset_entries(0)
 
     def _reset_entries(self, capacity: int) -> None:
         """No entries, room for ``capacity`` (new arrays, never written over where written: an
@@ -47,8 +54,8 @@ class PromptArena:
         self._ids: list[object] = []  # per entry: its request (None once dropped)
         # on cpu, int64 [capacity + 1]: entry e's tokens are buffer[ends[e]:ends[e + 1]], its
         # first token's slot the last of them
-        self._token_ends = np.zeros(capacity + 1, dtype=np.int64)
-        self._max_new = np.zeros(capacity, dtype=np.int64)  # on cpu, int64 [capacity]
+        self._token_ends = np.zeros(capacity + 1, dtype=np.int64) if capacity else _NO_ENDS
+        self._max_new = np.zeros(capacity, dtype=np.int64) if capacity else _NONE
         self._stop_ids: list[int] = []  # every entry's stop tokens, each one's sorted
         self._stop_ends: list[int] = [0]  # entry e's: stop_ids[ends[e]:ends[e + 1]]
 
@@ -106,9 +113,10 @@ class PromptArena:
                 e = entry.pop(req_id, None)
                 if e is not None:
                     ids[e] = None
-        if not entry and ids:  # fresh memory: a view handed out is never written over
-            self._buffer = np.empty(self._buffer.size, dtype=np.int64)
-            self._reset_entries(self._max_new.size)
+        if not entry and ids:  # fresh memory next: a view handed out is never written over
+            self._capacity = (max(self._buffer.size, self._capacity[0]),
+                              max(self._max_new.size, self._capacity[1]))
+            self._empty()
 
     def offer_arrays(self, req_ids: Sequence[object], first_tokens: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
@@ -178,11 +186,16 @@ class PromptArena:
         ``more`` tokens, twice what that needs (or ``min_capacity``), and for twice the kept
         entries; entries renumbered."""
         need = self.num_tokens + more
-        buffer = np.empty(max(2 * need, self.min_capacity), dtype=np.int64)
-        old, kept = self._buffer, sorted(self._entry.items(), key=lambda kv: kv[1])
+        kept = sorted(self._entry.items(), key=lambda kv: kv[1])
+        if kept:
+            capacity, num_entries = max(2 * need, self.min_capacity), 2 * (len(kept) + 1)
+        else:  # emptied: as large as before
+            capacity, num_entries = max(need, self._capacity[0]), self._capacity[1]
+        buffer = np.empty(capacity, dtype=np.int64)
+        old = self._buffer
         ends, max_new, stop_ids, stop_ends = (self._token_ends, self._max_new, self._stop_ids,
                                               self._stop_ends)
-        self._reset_entries(max(_MIN_ENTRIES, 2 * (len(kept) + 1)))
+        self._reset_entries(max(_MIN_ENTRIES, num_entries))
         self._buffer = buffer
         start = 0
         for e_new, (req_id, e) in enumerate(kept):
@@ -200,3 +213,5 @@ class PromptArena:
 _MIN_ENTRIES = 64  # entries the per-entry arrays hold at first (doubled by a compaction)
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
+_NO_ENDS = np.zeros(1, dtype=np.int64)  # no entry's ends (read-only)
+_NO_ENDS.flags.writeable = False
