@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, filterfalse
+from itertools import chain, compress, filterfalse, repeat
 from operator import attrgetter, itemgetter
 
 import numpy as np
@@ -324,6 +324,5 @@ class PrefillWorker:
         if not handed.req_ids:
             return
         self.engine.manager.free_many(handed.req_ids)
-        finished = RequestStatus.FINISHED
-        for req in handed.reqs:
-            req.status = finished
+        # each one's status FINISHED (setattr mapped in C: no Python frame per request)
+        any(map(setattr, handed.reqs, repeat("status"), repeat(RequestStatus.FINISHED)))

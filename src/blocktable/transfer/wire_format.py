@@ -218,13 +218,9 @@ def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarr
         raise ValueError(f"unknown message kind {kind} (known: {sorted(_KINDS)})")
     cls = _KINDS[kind]
     unused, lengths = lengths[num_arrays:], lengths[:num_arrays]
-    num_words = sum(count for count in lengths if count < BULK_ITEMS)
-    if (any(unused) or (lengths and min(lengths) < 0) or num_texts < 0
-            or 8 * num_words > size):
-        raise ValueError(f"a {cls.__name__} header gives arrays of {header[4:].tolist()} "
-                         f"entries, {num_texts} strings and a body of {size} bytes, which do "
-                         "not fit")
-    words = np.frombuffer(body, _INT64, num_words)
+    if any(unused) or num_texts < 0 or (lengths and min(lengths) < 0):
+        _no_fit(cls, header, size)
+    words = np.frombuffer(body, _INT64, size >> 3)  # (the text's whole words too)
     arrays: list[np.ndarray] = []
     end = num_bulk = 0
     for count in lengths:  # one walk of the layout, as encode made it
@@ -238,17 +234,24 @@ def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarr
             break
         arrays.append(a)
         num_bulk += 1
+    if end > words.size:
+        _no_fit(cls, header, size)
     if num_bulk != len(bulk):
         raise ValueError(
             f"a {cls.__name__} header gives large arrays of "
             f"{[(str(d), n) for d, n in bulk_arrays(header)]}, got "
             f"{[(str(a.dtype), a.size) for a in bulk]}")
-    texts = str(memoryview(body)[8 * num_words:], "utf-8").split(TEXT_SEPARATOR) if (
+    texts = str(memoryview(body)[8 * end:], "utf-8").split(TEXT_SEPARATOR) if (
         num_texts) else []
     if len(texts) != num_texts:
         raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
                          f"{len(texts)}")
     return cls.from_wire(arrays, texts, value)
+
+
+def _no_fit(cls: Any, header: np.ndarray, size: int) -> None:
+    raise ValueError(f"a {cls.__name__} header gives arrays of {header[4:].tolist()} entries, "
+                     f"{int(header[3])} strings and a body of {size} bytes, which do not fit")
 
 
 def check_header(header: np.ndarray) -> int:
