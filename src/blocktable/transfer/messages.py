@@ -32,7 +32,7 @@ class PlanStatus(enum.IntEnum):
 
 
 @register_message(1)
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: a frozen __init__ sets each field by a call)
 class OfferBatch:
     """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
     then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
@@ -131,7 +131,7 @@ class OfferBatch:
 
 
 @register_message(2)
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: a frozen __init__ sets each field by a call)
 class PlanBatch:
     """The decode side's answer to an :class:`OfferBatch`, in its order: per offer, its status
     and, for a SEND offer, the prompt tokens this side's prefix cache already holds (a
