@@ -111,7 +111,7 @@ class OfferBatch:
         rest, done = tuple(texts), bool(value)
         if (not stop_starts.size and not stop_ids.size  # the usual round: no stop tokens
                 and token_starts.size == n + 1 and max_new_tokens.size == n
-                and token_ids.size == token_starts[-1]):
+                and token_ids.size == token_starts.item(-1)):
             return cls(rest, token_ids, token_starts, max_new_tokens, done=done)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),

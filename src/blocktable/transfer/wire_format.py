@@ -119,15 +119,22 @@ class MessageWriter:
 
     def __init__(self) -> None:
         self._words = np.zeros(0, dtype=np.int64)
-        self._bytes = self._words.view(np.uint8)
-        self._header = np.zeros(HEADER_LEN, dtype=np.int64)
+        self._bytes = np.zeros(0, dtype=np.uint8)
+        self._memory = memoryview(bytearray())
+        # (packed into its bytearray, which struct writes without numpy's buffer export)
+        self._header_bytes = bytearray(8 * HEADER_LEN)
+        self._header = np.frombuffer(self._header_bytes, dtype=np.int64)
 
     def _room(self, num_bytes: int) -> np.ndarray:
-        """The body buffer (uint8), holding at least ``num_bytes``."""
+        """The body buffer (uint8), holding at least ``num_bytes``: a bytearray (zeros) seen
+        as int64 words, as bytes and as a memoryview (strings and pickles are copied in
+        through it, with no buffer export of an array per message)."""
         if self._bytes.size < num_bytes:
             num_words = max(-(-num_bytes // 8), 2 * self._words.size)
-            self._words = np.zeros(num_words, dtype=np.int64)
-            self._bytes = self._words.view(np.uint8)
+            memory = bytearray(8 * num_words)
+            self._memory = memoryview(memory)
+            self._words = np.frombuffer(memory, dtype=np.int64)
+            self._bytes = np.frombuffer(memory, dtype=np.uint8)
         return self._bytes
 
     def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -149,8 +156,9 @@ class MessageWriter:
         if kind == PICKLED:
             data = pickle.dumps(obj, protocol=5)
             size = len(data)
-            memoryview(self._room(size))[:size] = data
-            _HEADER.pack_into(self._header, 0, size, PICKLED, 0, 0, *_ZEROS)
+            self._room(size)
+            self._memory[:size] = data
+            _HEADER.pack_into(self._header_bytes, 0, size, PICKLED, 0, 0, *_ZEROS)
             return self._header, self._bytes[:size], []
         arrays, texts, value = obj.to_wire()
         num_arrays = _NUM_ARRAYS[kind]
@@ -186,8 +194,8 @@ class MessageWriter:
         if small:  # (int64 words: no padding between the arrays)
             np.concatenate(small, out=self._words[:num_words])
         if text:
-            memoryview(body)[start:size] = text
-        _HEADER.pack_into(self._header, 0, size, kind, value, num_texts, *lengths,
+            self._memory[start:size] = text
+        _HEADER.pack_into(self._header_bytes, 0, size, kind, value, num_texts, *lengths,
                           *_ZEROS[num_arrays:])
         return self._header, body[:size], bulk
 
