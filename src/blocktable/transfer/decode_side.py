@@ -217,7 +217,9 @@ class DecodeWorker:
         num_kv = num_tokens + batch.max_new_tokens
         known, req_ids = self.engine.requests, batch.req_ids
         distinct = set(req_ids)
-        if (len(distinct) == len(req_ids) and distinct.isdisjoint(known)
+        # (a keys view against a set looks up the smaller: not every request this side has
+        # ever held, as a set against a dict would)
+        if (len(distinct) == len(req_ids) and known.keys().isdisjoint(distinct)
                 and not np.count_nonzero(num_kv > limit + 2)):
             return {}
         num_kv -= 2
