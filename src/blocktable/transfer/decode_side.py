@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import numpy as np
 import torch
