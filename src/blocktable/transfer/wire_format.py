@@ -141,7 +141,7 @@ class MessageWriter:
         """``obj`` as ``(header, body)`` (int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]`` on
         cpu, views of this writer's memory) and its large arrays (int64, contiguous: the
         message's own when they are). A :class:`WireMessage`'s small arrays are copied once,
-        into ``body``, by one ``np.concatenate``.
+        into ``body``.
 
         Raises
         ------
@@ -191,8 +191,11 @@ class MessageWriter:
         start = 8 * num_words
         size = start + len(text)
         body = self._room(size)
-        if small:  # (int64 words: no padding between the arrays)
-            np.concatenate(small, out=self._words[:num_words])
+        words, end = self._words, 0
+        for a in small:  # int64 words back to back (a slice assignment each: cheaper, with a
+            # round's caches cold, than one np.concatenate of two or three)
+            words[end:end + a.shape[0]] = a
+            end += a.shape[0]
         if text:
             self._memory[start:size] = text
         _HEADER.pack_into(self._header_bytes, 0, size, kind, value, num_texts, *lengths,
