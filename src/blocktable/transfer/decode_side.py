@@ -114,6 +114,7 @@ class DecodeWorker:
         self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
         self._num_received = 0  # requests whose KV came last round: the next plan says so
+        self._zeros = _NO_ROWS  # read-only zeros: a round's statuses (all SEND) and hits
         # the data's leading two int64 (messages.data_status), received into one tensor
         self._status = torch.empty(2, dtype=torch.int64, device=engine.model.kv_cache.device)
 
@@ -184,10 +185,13 @@ class DecodeWorker:
         total_blocks = int(np.add.reduce(prompt_blocks))
         if (not reasons and n <= manager.num_free_rows
                 and total_blocks <= manager.num_free_blocks()):
-            # the common round: every offer fits; SEND is 0, so one zero array serves as the
-            # statuses and, without a prefix hit, as the hits
+            # the common round: every offer fits; SEND is 0, so one zero array (this side's,
+            # read-only) serves as the statuses and, without a prefix hit, as the hits
             req_ids, token_ids, num_hit, own = self._admit_many(batch, None, num_prompt)
-            statuses = np.zeros(n, dtype=np.int64)
+            if self._zeros.size < n:
+                self._zeros = np.zeros(max(n, 2 * self._zeros.size), dtype=np.int64)
+                self._zeros.flags.writeable = False
+            statuses = self._zeros[:n]
             hit = num_hit.size > 0
             if not hit:
                 num_hit = statuses
@@ -208,7 +212,7 @@ class DecodeWorker:
     def _refusals(self, batch: OfferBatch, num_tokens: np.ndarray) -> dict[int, str]:
         """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
         id already here or repeated), by index, with the reason; ``{}`` in the common round
-        (three numpy calls and a set). ``num_tokens``: each offer's prompt and first token."""
+        (two numpy calls and a set). ``num_tokens``: each offer's prompt and first token."""
         config = self.engine.config
         # past max_model_len, or more blocks than the pool has (the null block aside)
         limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
@@ -219,7 +223,7 @@ class DecodeWorker:
         # (a keys view against a set looks up the smaller: not every request this side has
         # ever held, as a set against a dict would)
         if (len(distinct) == len(req_ids) and known.keys().isdisjoint(distinct)
-                and not np.count_nonzero(num_kv > limit + 2)):
+                and int(np.maximum.reduce(num_kv)) <= limit + 2):
             return {}
         num_kv -= 2
         reasons: dict[int, str] = {}

@@ -117,6 +117,7 @@ class PrefillWorker:
         self.stats = PrefillStats()
         # the last offer's token offsets (its prompts' lengths, for the plan's mapping)
         self._offered_starts = np.zeros(1, dtype=np.int64)
+        self._block_positions = _NO_ROWS  # 0, 1, ... across the table's row (grown once)
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -297,7 +298,11 @@ class PrefillWorker:
             # the table holds since its prefill (its length checked at submit): no check again
             num_blocks = num_tokens + (kernel_block_size - 2)
             num_blocks //= kernel_block_size
-            return leading_blocks(table.block_table_np, rows, num_blocks)
+            block_table = table.block_table_np
+            positions = self._block_positions
+            if positions.size != block_table.shape[1]:
+                positions = self._block_positions = np.arange(block_table.shape[1])
+            return leading_blocks(block_table, rows, num_blocks, positions)
         num_prompt = num_tokens - 1
         try:
             src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
