@@ -325,8 +325,7 @@ class DecodeWorker:
         tokens, starts = batch.token_ids, batch.token_starts.tolist()
         if index is None:
             req_ids = list(batch.req_ids)
-            # (slices made by map: no Python frame per request)
-            token_ids = list(map(tokens.__getitem__, map(slice, starts[:-1], starts[1:])))
+            token_ids = [tokens[a:b] for a, b in zip(starts, starts[1:])]
         else:
             if not index.size:
                 return [], [], _NO_ROWS, np.zeros(0, np.int32)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, filterfalse, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain, compress
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -36,8 +36,6 @@ from blocktable.transfer.wire_format import TEXT_SEPARATOR
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 _REQ_ID = attrgetter("req_id")
-_OUTPUT = attrgetter("output_token_ids")
-_FIRST = itemgetter(0)
 
 
 @dataclass
@@ -186,18 +184,17 @@ class PrefillWorker:
         """Take requests whose prompt is done out of the scheduler (blocks kept) into the
         pending ones."""
         running = self.engine.scheduler.running
-        # (filter and map over C getters: no Python frame per request)
-        done = list(filter(_OUTPUT, running))
+        done = [req for req in running if req.output_token_ids]
         if not done:
             return
         if len(done) == len(running):
             running.clear()
         else:
-            running[:] = filterfalse(_OUTPUT, running)
+            running[:] = [req for req in running if not req.output_token_ids]
         p = self.pending
         p.reqs += done
         p.req_ids += map(_REQ_ID, done)
-        p.first_tokens += map(_FIRST, map(_OUTPUT, done))
+        p.first_tokens += [req.output_token_ids[0] for req in done]
 
     def _offer_batch(self, done: bool = False) -> OfferBatch:
         """Every pending request as one message: its token ids and its other fields' arrays
@@ -334,5 +331,6 @@ class PrefillWorker:
         if not handed.req_ids:
             return
         self.engine.manager.free_many(handed.req_ids)
-        # each one's status FINISHED (setattr mapped in C: no Python frame per request)
-        any(map(setattr, handed.reqs, repeat("status"), repeat(RequestStatus.FINISHED)))
+        finished = RequestStatus.FINISHED
+        for req in handed.reqs:
+            req.status = finished
