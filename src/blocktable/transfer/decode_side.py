@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import numpy as np
 import torch
@@ -32,8 +31,6 @@ from blocktable.transfer.transport import Transport
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
-_NO_STATUSES = np.zeros(0, dtype=np.int8)
-_NO_STATUSES.flags.writeable = False
 
 
 def _token_ids(batch: OfferBatch, i: int) -> np.ndarray:
@@ -117,6 +114,7 @@ class DecodeWorker:
         self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
         self._num_received = 0  # requests whose KV came last round: the next plan says so
+        self._zeros = _NO_ROWS  # read-only zeros: a round's statuses (all SEND) and hits
         # the data's leading two int64 (messages.data_status), received into one tensor
         self._status = torch.empty(2, dtype=torch.int64, device=engine.model.kv_cache.device)
 
@@ -174,49 +172,60 @@ class DecodeWorker:
         n = len(batch.req_ids)
         self._plan = None
         if not n:
-            return PlanBatch(_NO_STATUSES, _NO_ROWS, {}, num_acked)
+            return PlanBatch(_NO_ROWS, _NO_ROWS, {}, num_acked)
         config, manager = self.engine.config, self.engine.manager
+        block_size = config.block_size
         starts = batch.token_starts
-        num_prompt = starts[1:] - starts[:-1]
-        num_prompt -= 1
+        num_tokens = starts[1:] - starts[:-1]  # each prompt and its first token
+        num_prompt = num_tokens - 1
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        prompt_blocks = num_prompt + (config.block_size - 1)
-        prompt_blocks //= config.block_size
-        reasons = self._refusals(batch, num_prompt)
+        prompt_blocks = num_tokens + (block_size - 2)
+        prompt_blocks //= block_size
+        reasons = self._refusals(batch, num_tokens)
         total_blocks = int(np.add.reduce(prompt_blocks))
         if (not reasons and n <= manager.num_free_rows
                 and total_blocks <= manager.num_free_blocks()):
-            index = None  # the common round: every offer fits
-            statuses = np.zeros(n, dtype=np.int8)  # PlanStatus.SEND
+            # the common round: every offer fits; SEND is 0, so one zero array (this side's,
+            # read-only) serves as the statuses and, without a prefix hit, as the hits
             req_ids, token_ids, num_hit, own = self._admit_many(batch, None, num_prompt)
-        else:
-            statuses = np.full(n, int(PlanStatus.WAIT), dtype=np.int8)
-            index, req_ids, token_ids, num_hit, own = self._admit_some(
-                batch, statuses, reasons, num_prompt, prompt_blocks)
-            if index is None:
-                return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons, num_acked)
-        self._plan = self._map_rows(batch, index, req_ids, token_ids, num_hit, own, num_prompt,
-                                    prompt_blocks)
-        if index is None:
+            if self._zeros.size < n:
+                self._zeros = np.zeros(max(n, 2 * self._zeros.size), dtype=np.int64)
+                self._zeros.flags.writeable = False
+            statuses = self._zeros[:n]
+            hit = num_hit.size > 0
+            if not hit:
+                num_hit = statuses
+            self._plan = self._map_rows(batch, None, req_ids, token_ids, num_hit, hit, own,
+                                        num_prompt, prompt_blocks, total_blocks)
             return PlanBatch(statuses, num_hit, reasons, num_acked)
+        statuses = np.full(n, int(PlanStatus.WAIT), dtype=np.int64)
+        index, req_ids, token_ids, num_hit, own = self._admit_some(
+            batch, statuses, reasons, num_prompt, prompt_blocks)
+        if index is None:
+            return PlanBatch(statuses, np.zeros(n, dtype=np.int64), reasons, num_acked)
+        self._plan = self._map_rows(batch, index, req_ids, token_ids, num_hit, True, own,
+                                    num_prompt, prompt_blocks, None)
         hits = np.zeros(n, dtype=np.int64)
         hits[index] = num_hit
         return PlanBatch(statuses, hits, reasons, num_acked)
 
-    def _refusals(self, batch: OfferBatch, num_prompt: np.ndarray) -> dict[int, str]:
+    def _refusals(self, batch: OfferBatch, num_tokens: np.ndarray) -> dict[int, str]:
         """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
         id already here or repeated), by index, with the reason; ``{}`` in the common round
-        (two numpy calls and a set)."""
+        (two numpy calls and a set). ``num_tokens``: each offer's prompt and first token."""
         config = self.engine.config
         # past max_model_len, or more blocks than the pool has (the null block aside)
         limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
-        num_kv = num_prompt + batch.max_new_tokens  # and one: the last token's KV is never made
+        # prompt + max_new_tokens - 1 tokens of KV (the last token's is never made)
+        num_kv = num_tokens + batch.max_new_tokens
         known, req_ids = self.engine.requests, batch.req_ids
         distinct = set(req_ids)
-        if (len(distinct) == len(req_ids) and distinct.isdisjoint(known)
-                and not np.count_nonzero(num_kv > limit + 1)):
+        # (a keys view against a set looks up the smaller: not every request this side has
+        # ever held, as a set against a dict would)
+        if (len(distinct) == len(req_ids) and known.keys().isdisjoint(distinct)
+                and int(np.maximum.reduce(num_kv)) <= limit + 2):
             return {}
-        num_kv -= 1
+        num_kv -= 2
         reasons: dict[int, str] = {}
         seen: set[str] = set()
         for i, (req_id, kv) in enumerate(zip(req_ids, num_kv.tolist())):
@@ -248,7 +257,8 @@ class DecodeWorker:
         req_ids, token_ids, sure_hits, sure_ids = self._admit_many(batch, candidates[:k],
                                                                      num_prompt)
         admitted = candidates[:k].tolist()
-        hits, new_ids = [sure_hits], [sure_ids]
+        hits = [sure_hits if sure_hits.size else np.zeros(k, dtype=np.int64)]
+        new_ids = [sure_ids]
         waiting = False
         for i in candidates[k:].tolist():
             status, hit, ids = self._admit_one(batch, i, waiting, bool(admitted))
@@ -269,21 +279,27 @@ class DecodeWorker:
         return index, req_ids, token_ids, np.concatenate(hits), np.concatenate(new_ids)
 
     def _map_rows(self, batch: OfferBatch, index: np.ndarray | None, req_ids: list[str],
-                  token_ids: list[np.ndarray], num_hit: np.ndarray, own: np.ndarray,
-                  num_prompt: np.ndarray, prompt_blocks: np.ndarray) -> _RoundPlan:
+                  token_ids: list[np.ndarray], num_hit: np.ndarray, hit: bool,
+                  own: np.ndarray, num_prompt: np.ndarray, prompt_blocks: np.ndarray,
+                  total_blocks: int | None) -> _RoundPlan:
         """The round's plan: this side's chunk rows of the admitted offers (``index`` into the
-        batch, ``None``: all), their missing tokens only, in one pass."""
+        batch, ``None``: all), their missing tokens only, in one pass. ``hit``: some
+        ``num_hit`` is not 0; ``total_blocks``: the sum of ``prompt_blocks`` (all offers
+        admitted), ``None`` when not known."""
         block_size = self.engine.config.block_size
-        hit = np.count_nonzero(num_hit)
-        if index is None:
-            max_new = batch.max_new_tokens
-        else:
+        max_new = batch.max_new_tokens
+        if index is not None:
             num_prompt, prompt_blocks = num_prompt[index], prompt_blocks[index]
-            max_new = batch.max_new_tokens[index]
-        num_new = num_prompt - num_hit if hit else num_prompt
-        # this side's new blocks hold exactly the tokens past the hit (a block boundary)
-        num_blocks = prompt_blocks - num_hit // block_size if hit else prompt_blocks
-        total_blocks = int(np.add.reduce(num_blocks))
+            max_new = max_new[index]
+        if hit:
+            num_new = num_prompt - num_hit
+            # this side's new blocks hold exactly the tokens past the hit (a block boundary)
+            num_blocks = prompt_blocks - num_hit // block_size
+            total_blocks = None
+        else:
+            num_new, num_blocks = num_prompt, prompt_blocks
+        if total_blocks is None:
+            total_blocks = int(np.add.reduce(num_blocks))
         if own.size != total_blocks:
             raise AssertionError(f"the allocator gave {own.size} blocks, {total_blocks} were "
                                  "expected")
@@ -304,26 +320,24 @@ class DecodeWorker:
         """Admit ``batch``'s offers at ``index`` (``None``: all; they fit) and allocate their
         prompts (``num_prompt``: every offer's prompt tokens): one batched call each. Returns
         their ids, token ids (views: prompt, then first token; the first one's id known from
-        the start, as after a prefill here), prefix-hit tokens (int64 ``[k]``) and the new
-        block ids, request after request (int32)."""
+        the start, as after a prefill here), prefix-hit tokens (int64 ``[k]``; empty when none
+        hit) and the new block ids, request after request (int32)."""
         tokens, starts = batch.token_ids, batch.token_starts.tolist()
         if index is None:
             req_ids = list(batch.req_ids)
-            token_ids = [tokens[a:b] for a, b in pairwise(starts)]
+            token_ids = [tokens[a:b] for a, b in zip(starts, starts[1:])]
         else:
             if not index.size:
                 return [], [], _NO_ROWS, np.zeros(0, np.int32)
-            req_ids = [batch.req_ids[i] for i in index.tolist()]
-            token_ids = [tokens[starts[i]:starts[i + 1]] for i in index.tolist()]
+            at = index.tolist()
+            req_ids = [batch.req_ids[i] for i in at]
+            token_ids = [tokens[starts[i]:starts[i + 1]] for i in at]
+            num_prompt = num_prompt[index]
         manager = self.engine.manager
         hits = manager.add_requests(req_ids, token_ids)
-        # no hit at all (the usual round): zeros, not a conversion of the list
-        some_hit = any(hits)
-        num_hit = np.array(hits, dtype=np.int64) if some_hit else np.zeros(len(hits), np.int64)
-        if index is not None:
-            num_prompt = num_prompt[index]
+        num_hit = np.array(hits, dtype=np.int64) if any(hits) else _NO_ROWS
         try:
-            blocks = manager.allocate_many(req_ids, num_prompt - num_hit if some_hit
+            blocks = manager.allocate_many(req_ids, num_prompt - num_hit if num_hit.size
                                            else num_prompt)[0]
         except Exception:
             manager.free_many(req_ids)

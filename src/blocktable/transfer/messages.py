@@ -8,7 +8,7 @@ offers to send, the prefill side maps those tokens to its own cache rows and sen
 :func:`data_status` and the buffer's pieces, tensors only.
 
 Batches are a few flat numpy arrays, not an object per request: on the wire they are those
-arrays' bytes and the request ids' text, in a fixed binary form
+arrays as int64 words and the request ids' text, in a fixed binary form
 (:mod:`~blocktable.transfer.wire_format`).
 """
 
@@ -32,7 +32,7 @@ class PlanStatus(enum.IntEnum):
 
 
 @register_message(1)
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: a frozen __init__ sets each field by a call)
 class OfferBatch:
     """Requests ready to move, one array per field: request ``i``'s token ids (its prompt,
     then the first token the prefill side sampled) are ``token_ids[token_starts[i] :
@@ -47,7 +47,7 @@ class OfferBatch:
     rows. ``done``: nothing is left on the prefill side after these (the decode side finishes
     alone)."""
 
-    WIRE_DTYPES = (np.int64, np.int64, np.int64, np.int64, np.int64)
+    WIRE_NUM_ARRAYS = 5
 
     req_ids: tuple[str, ...]
     token_ids: np.ndarray  # on cpu, int64 [total tokens]: each prompt, then its first token
@@ -111,7 +111,7 @@ class OfferBatch:
         rest, done = tuple(texts), bool(value)
         if (not stop_starts.size and not stop_ids.size  # the usual round: no stop tokens
                 and token_starts.size == n + 1 and max_new_tokens.size == n
-                and token_ids.size == token_starts[-1]):
+                and token_ids.size == token_starts.item(-1)):
             return cls(rest, token_ids, token_starts, max_new_tokens, done=done)
         checks: list[tuple[str, np.ndarray, int | np.ndarray]] = [
             ("token_starts", token_starts, n + 1), ("max_new_tokens", max_new_tokens, n),
@@ -131,16 +131,16 @@ class OfferBatch:
 
 
 @register_message(2)
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: a frozen __init__ sets each field by a call)
 class PlanBatch:
     """The decode side's answer to an :class:`OfferBatch`, in its order: per offer, its status
     and, for a SEND offer, the prompt tokens this side's prefix cache already holds (a
     multiple of the moved chunk; the prefill side sends the tokens from there to the prompt's
     end, mapped to its own rows)."""
 
-    WIRE_DTYPES = (np.int8, np.int64, np.int64)
+    WIRE_NUM_ARRAYS = 3
 
-    statuses: np.ndarray  # on cpu, int8 [num_reqs]: PlanStatus values
+    statuses: np.ndarray  # on cpu, int64 [num_reqs]: PlanStatus values
     num_hit: np.ndarray  # on cpu, int64 [num_reqs]: prompt tokens not sent (0 unless SEND)
     reasons: dict[int, str]  # offer index -> why it was refused
     num_acked: int = 0  # the previous round's sent requests, now in the decode side's cache

@@ -134,12 +134,10 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
             raise ValueError("block_starts must give each request's row of a block table")
         rows_of = np.asarray(block_starts)
         if first_chunks is None and q == 1:  # each request's rows: the first blocks of its row
-            leading = np.arange(ids.shape[1]) < counts[:, None]
-            out = ids.take(rows_of, axis=0)[leading]
-            if out.size != np.add.reduce(counts):
+            if counts.size and int(np.maximum.reduce(counts)) > ids.shape[1]:
                 raise ValueError(f"a block table of {ids.shape[1]} blocks per row is too "
                                  f"narrow for {int(counts.max())} blocks")
-            return out.astype(np.int64), counts
+            return leading_blocks(ids, rows_of, counts, np.arange(ids.shape[1])), counts
         block_starts, ids = rows_of.astype(np.int64) * ids.shape[1], ids.reshape(-1)
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.add.accumulate(counts, out=row_starts[1:])
@@ -171,6 +169,18 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     if q == 1:
         return ids[offset].astype(np.int64), counts
     return ids[offset // q].astype(np.int64) * q + offset % q, counts
+
+
+def leading_blocks(table: np.ndarray, rows: np.ndarray, counts: np.ndarray,
+                   positions: np.ndarray) -> np.ndarray:
+    """The first ``counts[i]`` block ids of row ``rows[i]`` of ``table``, request after request
+    (int64 ``[sum(counts)]``): :func:`chunk_rows_many` of whole blocks from each request's
+    token 0, unchecked (its caller vouches for the arguments: ``table`` int ``[num_rows,
+    width]``, ``rows`` in range, ``0 <= counts <= width``, both int ``[num_reqs]``, and
+    ``positions`` equal to ``np.arange(width)``, which a caller mapping every round keeps).
+    """
+    leading = positions < counts[:, None]
+    return table.take(rows, axis=0)[leading].astype(np.int64)
 
 
 def dcp_chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray,

@@ -27,7 +27,7 @@ from blocktable.transfer.buffers import StagingBuffer, chunk_view, default_piece
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, data_status
-from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of
+from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, leading_blocks
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
@@ -115,6 +115,7 @@ class PrefillWorker:
         self.stats = PrefillStats()
         # the last offer's token offsets (its prompts' lengths, for the plan's mapping)
         self._offered_starts = np.zeros(1, dtype=np.int64)
+        self._block_positions = _NO_ROWS  # 0, 1, ... across the table's row (grown once)
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -234,6 +235,8 @@ class PrefillWorker:
         if num_acked != len(self._unacked):
             raise RuntimeError(f"protocol error: the {self.transport.peer} acknowledged "
                                f"{num_acked} requests, {len(self._unacked)} were sent")
+        if not num_acked:
+            return
         self.stats.sent += self._unacked.req_ids
         self._release(self._unacked)
         self._unacked = _Handed()
@@ -283,16 +286,25 @@ class PrefillWorker:
         assert table is not None
         rows = self.engine.manager.rows_of(self.pending.req_ids)
         starts = self._offered_starts
-        num_prompt = starts[1:] - starts[:-1]
-        num_prompt -= 1
+        num_tokens = starts[1:] - starts[:-1]  # each prompt and its first token
         if index is not None:
-            rows, num_prompt, num_hit = rows[index], num_prompt[index], num_hit[index]
-        hit = np.count_nonzero(num_hit)
+            rows, num_tokens, num_hit = rows[index], num_tokens[index], num_hit[index]
+        kernel_block_size, chunk_tokens = self.layout.kernel_block_size, self.chunk_tokens
+        if chunk_tokens == kernel_block_size and not np.count_nonzero(num_hit):
+            # the common round: every prompt whole, in whole kernel blocks, which its row of
+            # the table holds since its prefill (its length checked at submit): no check again
+            num_blocks = num_tokens + (kernel_block_size - 2)
+            num_blocks //= kernel_block_size
+            block_table = table.block_table_np
+            positions = self._block_positions
+            if positions.size != block_table.shape[1]:
+                positions = self._block_positions = np.arange(block_table.shape[1])
+            return leading_blocks(block_table, rows, num_blocks, positions)
+        num_prompt = num_tokens - 1
         try:
             src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
-                                     self.layout.kernel_block_size, self.chunk_tokens,
-                                     num_hit if hit else None,
-                                     num_prompt - num_hit if hit else num_prompt)
+                                     kernel_block_size, chunk_tokens, num_hit,
+                                     num_prompt - num_hit)
         except ValueError as exc:
             raise RuntimeError(f"protocol error: the {self.transport.peer}'s plan does not fit "
                                f"the offers: {exc}") from exc

@@ -23,7 +23,6 @@ import torch
 
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.wire_format import (
-    ALIGN_BYTES,
     HEADER_LEN,
     MessageWriter,
     bulk_arrays,
@@ -156,7 +155,7 @@ class TorchDistributedTransport:
         # landing: the body's rest at [first, size), then each large array, aligned
         offsets, end = [], size
         for dtype, count in shapes:
-            end += -end % ALIGN_BYTES
+            end += -end % _ALIGN_BYTES
             offsets.append(end)
             end += count * dtype.itemsize
         if self._landing.numel() < end:
@@ -179,6 +178,7 @@ FRAME_BYTES = 4096
 """Bytes of a message's first send: its header, then the start of its body."""
 
 _HEADER_BYTES = HEADER_LEN * 8
+_ALIGN_BYTES = 16  # where each large array lands in the landing buffer
 _FRAME_BODY_BYTES = FRAME_BYTES - _HEADER_BYTES
 
 

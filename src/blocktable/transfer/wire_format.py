@@ -1,29 +1,31 @@
-"""How a message travels: a fixed int64 header, one byte buffer, and its large arrays as they
-are; no pickle for a round.
+"""How a message travels: a fixed int64 header, one body of int64 words and text, and its large
+arrays as they are; no pickle for a round.
 
 A round's messages (an :class:`~blocktable.transfer.messages.OfferBatch` of 64 prompts, a
-plan) are a few flat numpy arrays, some strings (request ids) and one integer. A class that
-says so (:class:`WireMessage`: a registered ``WIRE_KIND``, its arrays' ``WIRE_DTYPES``,
-``to_wire`` and ``from_wire``) travels in a fixed binary form: the header holds its kind, its
-integer and every array's length, the body its small arrays' bytes, then its strings in UTF-8
-joined by NUL. An array of :data:`BULK_BYTES` or more (a round's token ids) is not copied
-into the body: it travels as its own send, from its own memory. The receiver views the small
-arrays in the landed body, takes the large ones as they landed, and splits the strings once::
+plan) are a few flat integer arrays, some strings (request ids) and one integer. A class that
+says so (:class:`WireMessage`: a registered ``WIRE_KIND``, its number of arrays
+``WIRE_NUM_ARRAYS``, ``to_wire`` and ``from_wire``) travels in a fixed binary form: the header
+holds its kind, its integer and every array's length; the body, its small arrays as int64
+words back to back, then its strings in UTF-8 joined by NUL. An array of :data:`BULK_ITEMS`
+entries or more (a round's token ids) is not copied into the body: it travels as its own send,
+from its own memory. The receiver views the small arrays in the landed body (one
+``np.frombuffer`` and a slice each), takes the large ones as they landed, and splits the
+strings once::
 
     header (int64 [HEADER_LEN]): body bytes | kind | value | number of strings | length of
                                  array 0 | ... | length of array MAX_ARRAYS - 1
-    body (uint8):                small array | pad | small array | pad | ... | strings
-    then each large array, in order
+    body (uint8):                int64 words: small array | small array | ... ; then strings
+    then each large array (int64), in order
 
-Both sides tell a large array from a small one by its length and dtype (:func:`bulk_arrays`).
-Arrays start at multiples of :data:`ALIGN_BYTES`. Any other object (the handshake's layout, a
-context-parallel plan) is pickled whole (kind 0). A sender keeps one :class:`MessageWriter`,
-whose body buffer every message reuses.
+Both sides tell a large array from a small one by its length (:func:`bulk_arrays`). Any
+other object (the handshake's layout, a context-parallel plan) is pickled whole (kind 0). A
+sender keeps one :class:`MessageWriter`, whose buffer every message reuses.
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -35,11 +37,9 @@ MAX_ARRAYS = 6
 HEADER_LEN = 4 + MAX_ARRAYS
 """int64 entries of a message header."""
 
-ALIGN_BYTES = 16
-"""Every array in a body starts at a multiple of this many bytes."""
-
-BULK_BYTES = 1 << 16
-"""An array of at least this many bytes travels as its own send, not copied into the body."""
+BULK_ITEMS = 1 << 13
+"""An array of at least this many entries (64 KiB of int64) travels as its own send, not
+copied into the body."""
 
 PICKLED = 0
 """The kind of a message pickled whole."""
@@ -48,27 +48,26 @@ TEXT_SEPARATOR = "\0"
 """Between the strings of a message (a string holding it cannot travel)."""
 
 _KINDS: dict[int, Any] = {}  # kind -> WireMessage class, filled by register_message
-# kind -> per array: its dtype, item size and the length from which it travels on its own
-_SPECS: dict[int, tuple[tuple[np.dtype, int, int], ...]] = {}
-_NEVER = 1 << 62  # a length no array reaches: a non-native dtype always travels in the body
-_PADS = [bytes(n) for n in range(ALIGN_BYTES)]  # zero bytes up to the next array's alignment
-_ZEROS = [0] * MAX_ARRAYS
-_EMPTIES: dict[np.dtype, np.ndarray] = {}  # dtype -> its read-only empty array
+_NUM_ARRAYS: dict[int, int] = {}  # kind -> its arrays
+_HEADER = struct.Struct(f"={HEADER_LEN}q")
+_ZEROS = (0,) * MAX_ARRAYS
+_INT64 = np.dtype(np.int64)
 
 
 class WireMessage(Protocol):
-    """A message that travels as flat arrays, strings and one integer."""
+    """A message that travels as flat integer arrays, strings and one integer."""
 
     WIRE_KIND: ClassVar[int]  # > 0, the same in every process (see register_message)
-    WIRE_DTYPES: ClassVar[tuple[np.dtype, ...]]  # its arrays' dtypes, in order
+    WIRE_NUM_ARRAYS: ClassVar[int]  # its arrays, at most MAX_ARRAYS
 
     def to_wire(self) -> tuple[Sequence[np.ndarray], Sequence[str], int]:
-        """Its 1-D arrays (of ``WIRE_DTYPES``, any strides), its strings and one integer."""
+        """Its 1-D integer arrays (any strides; values that fit int64), its strings and one
+        integer."""
 
     @classmethod
     def from_wire(cls, arrays: list[np.ndarray], texts: list[str], value: int) -> Any:
-        """The message again, from what :meth:`to_wire` gave (the arrays as read-only
-        views of the landed body)."""
+        """The message again, from what :meth:`to_wire` gave (the arrays as int64 views of
+        the landed body, or the large ones as they landed)."""
 
 
 T = TypeVar("T", bound=type)
@@ -82,16 +81,15 @@ def register_message(kind: int) -> Callable[[T], T]:
         if kind <= PICKLED or kind in _KINDS:
             raise ValueError(f"message kind {kind} of {cls.__name__} must be > 0 and not "
                              f"taken (taken: {sorted(_KINDS)})")
+        num_arrays = getattr(cls, "WIRE_NUM_ARRAYS", None)
+        if (not isinstance(num_arrays, int) or isinstance(num_arrays, bool)
+                or not 0 <= num_arrays <= MAX_ARRAYS):
+            raise ValueError(f"{cls.__name__}.WIRE_NUM_ARRAYS must be an int in [0, "
+                             f"{MAX_ARRAYS}], got {num_arrays!r}")
         message: Any = cls
-        dtypes = tuple(np.dtype(d) for d in message.WIRE_DTYPES)
-        if len(dtypes) > MAX_ARRAYS or any(d.kind in "OV" for d in dtypes):
-            raise ValueError(f"{cls.__name__}.WIRE_DTYPES must be at most {MAX_ARRAYS} plain "
-                             f"dtypes, got {dtypes}")
-        message.WIRE_KIND, message.WIRE_DTYPES = kind, dtypes
+        message.WIRE_KIND = kind
         _KINDS[kind] = cls
-        # (a tensor holds native bytes only: a non-native array is always copied in)
-        _SPECS[kind] = tuple((d, d.itemsize, -(-BULK_BYTES // d.itemsize)
-                              if d.isnative and d.itemsize else _NEVER) for d in dtypes)
+        _NUM_ARRAYS[kind] = num_arrays
         return cls
 
     return register
@@ -100,91 +98,109 @@ def register_message(kind: int) -> Callable[[T], T]:
 def bulk_arrays(header: np.ndarray) -> list[tuple[np.dtype, int]]:
     """``(dtype, length)`` of each large array that follows the body of the message whose
     ``header`` this is, in order (none for a pickled one or an unknown kind)."""
-    kind = int(header[1])
-    cls = _KINDS.get(kind)
-    if cls is None:
+    num_arrays = _NUM_ARRAYS.get(int(header[1]))
+    if num_arrays is None:
         return []
-    lengths = header[4:].tolist()
-    if min(lengths) < 0:
-        raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries")
-    return [(dtype, count) for (dtype, _, bulk_from), count in zip(_SPECS[kind], lengths)
-            if count >= bulk_from]
+    lengths = header[4:4 + num_arrays].tolist()
+    if lengths and min(lengths) < 0:
+        raise ValueError(f"a {_KINDS[int(header[1])].__name__} header gives arrays of "
+                         f"{lengths} entries")
+    return [(_INT64, count) for count in lengths if count >= BULK_ITEMS]
 
 
 class MessageWriter:
-    """Encodes messages into one body buffer it keeps, grown when a larger message comes and
-    never shrunk: a fresh buffer per message would fault in its pages every round.
+    """Encodes messages into one buffer it keeps (int64 words, grown when a larger message
+    comes, never shrunk: a fresh buffer per message would fault in its pages every round).
 
     :meth:`encode`'s header and body are valid until its next call, and its large arrays are
-    the message's own memory: a sender encodes, sends, and waits for the send before it
-    encodes again or changes the message (as :class:`~blocktable.transfer.transport.
-    TorchDistributedTransport` does)."""
+    the message's own memory (when int64 and contiguous): a sender encodes, sends, and waits
+    for the send before it encodes again or changes the message (as
+    :class:`~blocktable.transfer.transport.TorchDistributedTransport` does)."""
 
     def __init__(self) -> None:
-        self._body = np.empty(0, dtype=np.uint8)
-        self._header = np.zeros(HEADER_LEN, dtype=np.int64)
+        self._words = np.zeros(0, dtype=np.int64)
+        self._bytes = np.zeros(0, dtype=np.uint8)
+        self._memory = memoryview(bytearray())
+        # (packed into its bytearray, which struct writes without numpy's buffer export)
+        self._header_bytes = bytearray(8 * HEADER_LEN)
+        self._header = np.frombuffer(self._header_bytes, dtype=np.int64)
+
+    def _room(self, num_bytes: int) -> np.ndarray:
+        """The body buffer (uint8), holding at least ``num_bytes``: a bytearray (zeros) seen
+        as int64 words, as bytes and as a memoryview (strings and pickles are copied in
+        through it, with no buffer export of an array per message)."""
+        if self._bytes.size < num_bytes:
+            num_words = max(-(-num_bytes // 8), 2 * self._words.size)
+            memory = bytearray(8 * num_words)
+            self._memory = memoryview(memory)
+            self._words = np.frombuffer(memory, dtype=np.int64)
+            self._bytes = np.frombuffer(memory, dtype=np.uint8)
+        return self._bytes
 
     def encode(self, obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        """``obj`` as ``(header, body, bulk)``: int64 ``[HEADER_LEN]`` and uint8
-        ``[header[0]]`` on cpu, views of this writer's memory, and the large arrays
-        (contiguous: the message's own when they are). A :class:`WireMessage`'s small arrays
-        are copied once, into ``body``.
+        """``obj`` as ``(header, body)`` (int64 ``[HEADER_LEN]`` and uint8 ``[header[0]]`` on
+        cpu, views of this writer's memory) and its large arrays (int64, contiguous: the
+        message's own when they are). A :class:`WireMessage`'s small arrays are copied once,
+        into ``body``.
 
         Raises
         ------
         ValueError
-            An array that is not 1-D or not of its ``WIRE_DTYPES`` entry's kind, or a string
-            holding :data:`TEXT_SEPARATOR` (nothing is sent).
+            A message whose ``to_wire`` gives another number of arrays than its
+            ``WIRE_NUM_ARRAYS``, an array that is not 1-D or not of a signed integer dtype (or
+            unsigned of at most 32 bits), or a string holding :data:`TEXT_SEPARATOR` (nothing
+            is sent).
         """
         cls: Any = type(obj)
         kind = getattr(cls, "WIRE_KIND", PICKLED)
+        if kind == PICKLED:
+            data = pickle.dumps(obj, protocol=5)
+            size = len(data)
+            self._room(size)
+            self._memory[:size] = data
+            _HEADER.pack_into(self._header_bytes, 0, size, PICKLED, 0, 0, *_ZEROS)
+            return self._header, self._bytes[:size], []
+        arrays, texts, value = obj.to_wire()
+        num_arrays = _NUM_ARRAYS[kind]
+        if len(arrays) != num_arrays:
+            raise ValueError(f"{cls.__name__}.to_wire gave {len(arrays)} arrays, "
+                             f"{num_arrays} expected")
+        small: list[np.ndarray] = []
         bulk: list[np.ndarray] = []
         lengths: list[int] = []
-        if kind == PICKLED:
-            parts: list[bytes] = [pickle.dumps(obj, protocol=5)]
-            value = num_texts = 0
-        else:
-            arrays, texts, value = obj.to_wire()
-            spec = _SPECS[kind]
-            if len(arrays) != len(spec):
-                raise ValueError(f"{cls.__name__}.to_wire gave {len(arrays)} arrays, "
-                                 f"{len(spec)} expected")
-            num_texts = len(texts)
-            joined = TEXT_SEPARATOR.join(texts)
-            if joined.count(TEXT_SEPARATOR) != num_texts - (num_texts > 0):
-                bad = next(t for t in texts if TEXT_SEPARATOR in t)
-                raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
-                                 "which cannot travel")
-            # one walk of the layout: the small arrays' bytes at their aligned offsets (each
-            # padded with zeros, an empty one too), the large ones sent from where they are,
-            # then the strings; joined once and copied once into the body
-            parts, end = [], 0
-            for a, (dtype, itemsize, bulk_from) in zip(arrays, spec):
-                if a.ndim != 1 or a.dtype.kind != dtype.kind:
-                    raise ValueError(f"{cls.__name__}.to_wire must give 1-D {dtype} arrays, "
-                                     f"got {a.dtype} of shape {a.shape}")
-                count = a.shape[0]
-                lengths.append(count)
-                if count >= bulk_from:
-                    bulk.append(np.ascontiguousarray(a, dtype))
-                    continue
-                pad = -end % ALIGN_BYTES
-                if pad:
-                    parts.append(_PADS[pad])
-                if count:
-                    parts.append((a if a.dtype == dtype else a.astype(dtype)).tobytes())
-                end += pad + count * itemsize
-            parts.append(joined.encode())
-        tail = b"".join(parts)
-        size = len(tail)
-        if self._body.size < size:
-            # zeros: the padding never carries stale heap bytes (only earlier messages')
-            self._body = np.zeros(max(size, 2 * self._body.size), dtype=np.uint8)
-        body = self._body[:size]
-        memoryview(body)[:] = tail
-        header = self._header
-        header[:] = [size, kind, value, num_texts, *lengths, *_ZEROS[len(lengths):]]
-        return header, body, bulk
+        num_words = 0
+        for a in arrays:
+            dtype = a.dtype
+            if a.ndim != 1 or not (dtype.kind == "i" or dtype.kind == "u" and dtype.itemsize < 8):
+                raise ValueError(f"{cls.__name__}.to_wire must give 1-D integer arrays (int64 "
+                                 f"values), got {a.dtype} of shape {a.shape}")
+            count = a.shape[0]
+            lengths.append(count)
+            if count >= BULK_ITEMS:
+                bulk.append(np.ascontiguousarray(a, _INT64))
+            elif count:
+                small.append(a)
+                num_words += count
+        num_texts = len(texts)
+        joined = TEXT_SEPARATOR.join(texts)
+        if joined.count(TEXT_SEPARATOR) != num_texts - (num_texts > 0):
+            bad = next(t for t in texts if TEXT_SEPARATOR in t)
+            raise ValueError(f"{cls.__name__}: the string {bad!r} holds a NUL character, "
+                             "which cannot travel")
+        text = joined.encode()
+        start = 8 * num_words
+        size = start + len(text)
+        body = self._room(size)
+        words, end = self._words, 0
+        for a in small:  # int64 words back to back (a slice assignment each: cheaper, with a
+            # round's caches cold, than one np.concatenate of two or three)
+            words[end:end + a.shape[0]] = a
+            end += a.shape[0]
+        if text:
+            self._memory[start:size] = text
+        _HEADER.pack_into(self._header_bytes, 0, size, kind, value, num_texts, *lengths,
+                          *_ZEROS[num_arrays:])
+        return self._header, body[:size], bulk
 
 
 def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -195,63 +211,58 @@ def encode_message(obj: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
 def decode_message(header: np.ndarray, body: np.ndarray, bulk: Sequence[np.ndarray] = ()
                    ) -> Any:
     """The object :func:`encode_message` made ``(header, body, bulk)`` of; its small arrays
-    view ``body``'s memory (read-only), its large ones are ``bulk``'s arrays.
+    are int64 views of ``body``'s memory, its large ones are ``bulk``'s arrays.
 
     Raises
     ------
     ValueError
-        A header that does not fit the body, or an unknown kind (nothing is kept).
+        A header that does not fit the body or the large arrays, or an unknown kind (nothing
+        is kept).
     """
     size, kind, value, num_texts, *lengths = header.tolist()
     if body.dtype != np.uint8 or body.ndim != 1 or body.size != size:
         raise ValueError(f"body must be uint8 [{size}], got {body.dtype} {list(body.shape)}")
     if kind == PICKLED:
         return pickle.loads(body.data)
-    cls = _KINDS.get(kind)
-    if cls is None:
+    num_arrays = _NUM_ARRAYS.get(kind)
+    if num_arrays is None:
         raise ValueError(f"unknown message kind {kind} (known: {sorted(_KINDS)})")
-    spec = _SPECS[kind]
+    cls = _KINDS[kind]
+    unused, lengths = lengths[num_arrays:], lengths[:num_arrays]
+    if any(unused) or num_texts < 0 or (lengths and min(lengths) < 0):
+        _no_fit(cls, header, size)
+    words = np.frombuffer(body, _INT64, size >> 3)  # (the text's whole words too)
     arrays: list[np.ndarray] = []
     end = num_bulk = 0
-    fits = min(lengths) >= 0 and not any(lengths[len(spec):]) and num_texts >= 0
-    bulk_fits = True
-    if fits:  # one walk of the layout, as encode made it
-        for (dtype, itemsize, bulk_from), count in zip(spec, lengths):
-            if count >= bulk_from:  # landed on its own
-                a = bulk[num_bulk] if num_bulk < len(bulk) else None
-                bulk_fits = bulk_fits and a is not None and a.dtype == dtype and (
-                    a.shape == (count,))
-                arrays.append(a)  # type: ignore[arg-type]  # (refused below when None)
-                num_bulk += 1
-                continue
-            end += -end % ALIGN_BYTES
-            start, end = end, end + count * itemsize
-            if end > size:
-                fits = False
-                break
-            arrays.append(np.frombuffer(body, dtype, count, start) if count else _empty(dtype))
-    if not fits:
-        raise ValueError(f"a {cls.__name__} header gives arrays of {lengths} entries, "
-                         f"{num_texts} strings and a body of {size} bytes, which do not fit")
-    if not bulk_fits or num_bulk != len(bulk):
+    for count in lengths:  # one walk of the layout, as encode made it
+        if count < BULK_ITEMS:
+            arrays.append(words[end:end + count])
+            end += count
+            continue
+        a = bulk[num_bulk] if num_bulk < len(bulk) else None  # landed on its own
+        if a is None or a.dtype != _INT64 or a.shape != (count,):
+            num_bulk = -1
+            break
+        arrays.append(a)
+        num_bulk += 1
+    if end > words.size:
+        _no_fit(cls, header, size)
+    if num_bulk != len(bulk):
         raise ValueError(
-            f"a {cls.__name__} header gives {num_bulk} large arrays of "
+            f"a {cls.__name__} header gives large arrays of "
             f"{[(str(d), n) for d, n in bulk_arrays(header)]}, got "
             f"{[(str(a.dtype), a.size) for a in bulk]}")
-    texts = str(memoryview(body)[end:], "utf-8").split(TEXT_SEPARATOR) if num_texts else []
+    texts = str(memoryview(body)[8 * end:], "utf-8").split(TEXT_SEPARATOR) if (
+        num_texts) else []
     if len(texts) != num_texts:
         raise ValueError(f"a {cls.__name__} header gives {num_texts} strings, its body holds "
                          f"{len(texts)}")
     return cls.from_wire(arrays, texts, value)
 
 
-def _empty(dtype: np.dtype) -> np.ndarray:
-    """A read-only empty array of ``dtype``, one per dtype (what an empty array decodes to)."""
-    empty = _EMPTIES.get(dtype)
-    if empty is None:
-        empty = _EMPTIES[dtype] = np.zeros(0, dtype)
-        empty.flags.writeable = False
-    return empty
+def _no_fit(cls: Any, header: np.ndarray, size: int) -> None:
+    raise ValueError(f"a {cls.__name__} header gives arrays of {header[4:].tolist()} entries, "
+                     f"{int(header[3])} strings and a body of {size} bytes, which do not fit")
 
 
 def check_header(header: np.ndarray) -> int:
