@@ -501,12 +501,16 @@ cdef class GroupWriter:
         cdef int64_t* jlen = &self.jlen[0]
         cdef int64_t offset = self.offset
         # ---- checks (nothing written but the work space, which is restored) -----------------
-        cdef tuple res = _rows_in_range(c_rows, num_rows, CLEARED)
-        if res is None:
+        # (each part's code runs only where the part has rows: a step changes few parts, and
+        # code skipped is code not fetched into a cold cache)
+        cdef tuple res = None
+        if c_rows.n:
+            res = _rows_in_range(c_rows, num_rows, CLEARED)
+        if res is None and a_rows.n | a_ids.n:
             res = _blocks_ok(a_rows, a_num, a_ids, self.max_id, ADDED, num_rows, mark)
-        if res is None:
+        if res is None and p_rows.n | p_ids.n:
             res = _blocks_ok(p_rows, p_num, p_ids, self.max_id, APPENDED, num_rows, mark)
-        if res is None:
+        if res is None and n_rows.n:
             res = _rows_in_range(n_rows, num_rows, NULLED)
         if res is not None:
             return res
@@ -514,36 +518,43 @@ cdef class GroupWriter:
         cdef int64_t row, old, new, start, stop, b
         # every row's count read once, a count outside [0, width] (a corrupt table) remembered
         cdef int64_t corrupt = -1
-        for i in range(c_rows.n):
-            if <uint64_t>cnt[c_rows.at[i]] > <uint64_t>width:
-                corrupt = c_rows.at[i]
-        for i in range(a_rows.n):
-            after[a_rows.at[i]] = cnt[a_rows.at[i]]
-            if <uint64_t>cnt[a_rows.at[i]] > <uint64_t>width:
-                corrupt = a_rows.at[i]
+        if c_rows.n:
+            for i in range(c_rows.n):
+                if <uint64_t>cnt[c_rows.at[i]] > <uint64_t>width:
+                    corrupt = c_rows.at[i]
+        if a_rows.n:
+            for i in range(a_rows.n):
+                after[a_rows.at[i]] = cnt[a_rows.at[i]]
+                if <uint64_t>cnt[a_rows.at[i]] > <uint64_t>width:
+                    corrupt = a_rows.at[i]
         for i in range(p_rows.n):
             after[p_rows.at[i]] = cnt[p_rows.at[i]]
             if <uint64_t>cnt[p_rows.at[i]] > <uint64_t>width:
                 corrupt = p_rows.at[i]
-        for i in range(n_rows.n):
-            after[n_rows.at[i]] = cnt[n_rows.at[i]]
-            if <uint64_t>cnt[n_rows.at[i]] > <uint64_t>width:
-                corrupt = n_rows.at[i]
-        for i in range(c_rows.n):
-            after[c_rows.at[i]] = 0
-        for i in range(a_rows.n):
-            after[a_rows.at[i]] = a_num.at[i] * k
+        if n_rows.n:
+            for i in range(n_rows.n):
+                after[n_rows.at[i]] = cnt[n_rows.at[i]]
+                if <uint64_t>cnt[n_rows.at[i]] > <uint64_t>width:
+                    corrupt = n_rows.at[i]
+        if c_rows.n | a_rows.n:
+            for i in range(c_rows.n):
+                after[c_rows.at[i]] = 0
+            for i in range(a_rows.n):
+                after[a_rows.at[i]] = a_num.at[i] * k
         for i in range(p_rows.n):
             after[p_rows.at[i]] += p_num.at[i] * k
-        for i in range(a_rows.n):
-            if after[a_rows.at[i]] > width:
-                return (WIDTH, 0, a_rows.at[i], after[a_rows.at[i]], width)
+        if a_rows.n:
+            for i in range(a_rows.n):
+                if after[a_rows.at[i]] > width:
+                    return (WIDTH, 0, a_rows.at[i], after[a_rows.at[i]], width)
         for i in range(p_rows.n):
             if after[p_rows.at[i]] > width:
                 return (WIDTH, 0, p_rows.at[i], after[p_rows.at[i]], width)
-        for i in range(n_rows.n):
-            if n_blocks.at[i] < 0 or n_blocks.at[i] * k >= after[n_rows.at[i]]:
-                return (NULL_RANGE, i, n_blocks.at[i], n_rows.at[i], after[n_rows.at[i]] // k)
+        if n_rows.n:
+            for i in range(n_rows.n):
+                if n_blocks.at[i] < 0 or n_blocks.at[i] * k >= after[n_rows.at[i]]:
+                    return (NULL_RANGE, i, n_blocks.at[i], n_rows.at[i],
+                            after[n_rows.at[i]] // k)
         # every count in [0, width] in a sound table; refuse to write through one that is not
         if corrupt >= 0:
             raise ValueError(f"row {corrupt} holds count {cnt[corrupt]}, outside [0, "
@@ -552,35 +563,37 @@ cdef class GroupWriter:
             return _PASSED
 
         # ---- writes, in the update's order: cleared, added, appended, nulled ----------------
-        for i in range(c_rows.n):
-            row = c_rows.at[i]
-            if mark[row]:
-                continue  # (a row listed twice is cleared and journaled once)
-            mark[row] = 1
-            old = cnt[row]
-            for q in range(row * width, row * width + old):
-                tab[q] = NULL_BLOCK_ID
-            _log(jour, capacity, jlen, offset + row * width, old)
-            cnt[row] = 0
-            dirt[row] = 1
-        for i in range(c_rows.n):
-            mark[c_rows.at[i]] = 0
-        j = 0
-        for i in range(a_rows.n):
-            row = a_rows.at[i]
-            old = cnt[row]
-            new = a_num.at[i] * k
-            start = row * width
-            for q in range(a_num.at[i]):
-                b = a_ids.at[j + q]
-                for stop in range(k):
-                    tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
-            for q in range(start + new, start + old):
-                tab[q] = NULL_BLOCK_ID
-            j += a_num.at[i]
-            _log(jour, capacity, jlen, offset + start, new if new > old else old)
-            cnt[row] = new
-            dirt[row] = 1
+        if c_rows.n:
+            for i in range(c_rows.n):
+                row = c_rows.at[i]
+                if mark[row]:
+                    continue  # (a row listed twice is cleared and journaled once)
+                mark[row] = 1
+                old = cnt[row]
+                for q in range(row * width, row * width + old):
+                    tab[q] = NULL_BLOCK_ID
+                _log(jour, capacity, jlen, offset + row * width, old)
+                cnt[row] = 0
+                dirt[row] = 1
+            for i in range(c_rows.n):
+                mark[c_rows.at[i]] = 0
+        if a_rows.n:
+            j = 0
+            for i in range(a_rows.n):
+                row = a_rows.at[i]
+                old = cnt[row]
+                new = a_num.at[i] * k
+                start = row * width
+                for q in range(a_num.at[i]):
+                    b = a_ids.at[j + q]
+                    for stop in range(k):
+                        tab[start + q * k + stop] = 0 if b == NULL_BLOCK_ID else b * k + stop
+                for q in range(start + new, start + old):
+                    tab[q] = NULL_BLOCK_ID
+                j += a_num.at[i]
+                _log(jour, capacity, jlen, offset + start, new if new > old else old)
+                cnt[row] = new
+                dirt[row] = 1
         j = 0
         for i in range(p_rows.n):
             row = p_rows.at[i]
@@ -593,12 +606,13 @@ cdef class GroupWriter:
             _log(jour, capacity, jlen, offset + start, p_num.at[i] * k)
             cnt[row] += p_num.at[i] * k
             dirt[row] = 1
-        for i in range(n_rows.n):
-            start = n_rows.at[i] * width + n_blocks.at[i] * k
-            for q in range(start, start + k):
-                tab[q] = NULL_BLOCK_ID
-            _log(jour, capacity, jlen, offset + start, k)
-            dirt[n_rows.at[i]] = 1
+        if n_rows.n:
+            for i in range(n_rows.n):
+                start = n_rows.at[i] * width + n_blocks.at[i] * k
+                for q in range(start, start + k):
+                    tab[q] = NULL_BLOCK_ID
+                _log(jour, capacity, jlen, offset + start, k)
+                dirt[n_rows.at[i]] = 1
         return _PASSED
 
 
