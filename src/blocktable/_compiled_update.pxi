@@ -90,11 +90,13 @@ cdef int _array_heads_checked() except -1:
               numpy.frombuffer(bytes(12), dtype=numpy.int32))
     for a in probes:
         head = <bt_array_head*><void*>a
-        if not (head.nd == a.ndim == 1 and head.dimensions[0] == a.shape[0]
-                and head.strides[0] == a.strides[0] and <uintptr_t>head.data == a.ctypes.data
+        # (the fields read in place first: the shape's pointers are followed only once those
+        # agree)
+        if not (head.nd == a.ndim == 1 and <uintptr_t>head.data == a.ctypes.data
                 and (head.descr == <void*>a.dtype) == (a.dtype is int32)
                 and ((head.flags & _C_CONTIGUOUS_ALIGNED) == _C_CONTIGUOUS_ALIGNED)
-                == (a.flags.c_contiguous and a.flags.aligned)):
+                == (a.flags.c_contiguous and a.flags.aligned)
+                and head.dimensions[0] == a.shape[0] and head.strides[0] == a.strides[0]):
             return 0  # another layout: the buffer protocol serves
     _NDARRAY, _INT32_DTYPE = numpy.ndarray, int32
     return 0
