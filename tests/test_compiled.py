@@ -346,10 +346,9 @@ def _refused(call, arrays: list[np.ndarray], *, refusal: int | None = None) -> N
     unchanged(before, arrays)
 
 
-def test_group_writer_remembers_one_empty_array_and_checks_every_other() -> None:
-    """The empty parts of an update as one shared empty array: the writer takes it once and
-    knows it again; every other array, an empty one of the wrong kind included, is still
-    taken and checked."""
+def test_group_writer_takes_one_shared_empty_array_and_checks_every_other() -> None:
+    """The empty parts of an update as one shared empty array, taken again and again; every
+    other array, an empty one of the wrong kind included, is still taken and checked."""
     g = Group()
     writer = g.writer()
     empty = np.zeros(0, I32)

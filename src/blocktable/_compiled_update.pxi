@@ -218,11 +218,6 @@ cdef class GroupWriter:
     ``[num_rows]``), the rows to commit; ``journal`` (int64 ``[capacity, 2]``) and
     ``journal_len`` (int64 ``[2]``), the written runs of flat indices (``offset`` added). All
     writable, C-contiguous, native, and overlapping no other.
-
-    An update's empty parts are usually one shared empty array (the allocator's): the last
-    empty int32 array taken is remembered, and that same object passed again is read as empty
-    without taking its buffer again. It holds nothing to read or write, so nothing done to it
-    in between can matter.
     """
 
     cdef int32_t[::1] tab
@@ -235,7 +230,6 @@ cdef class GroupWriter:
     cdef int64_t width, k, max_id, offset
     cdef uintptr_t out_start[7]  # the bound arrays' memory: (first byte, size in bytes)
     cdef Py_ssize_t out_bytes[7]
-    cdef object empty  # the last empty array taken (None at first)
     cdef PairStager stager  # the table's pair stager, for apply_and_stage (None: unbound)
     cdef object staged_a  # the last two staging arrays taken (None at first), their views
     cdef object staged_b  # (which hold their buffers) and the views' first items and lengths
@@ -432,8 +426,8 @@ cdef class GroupWriter:
         """Read each of the ``NUM_ARRAYS`` ``values`` as ``parts[i]``, or raise TypeError
         naming the first that is not a C-contiguous 1-D native int32 array.
 
-        Where every value is a numpy array of the native int32 dtype (or the last empty
-        array taken, see the class), each is read through its head: nothing else runs while
+        Where every value is a numpy array of the native int32 dtype, each is read through
+        its head: nothing else runs while
         the caller reads them, and it holds them (the tuple). Otherwise each buffer is held
         in ``bufs`` (``held[i]`` set for each one held: the caller releases them, on every
         path), with a typed memoryview's checks: dimensions, item size, kind and byte order
@@ -443,17 +437,13 @@ cdef class GroupWriter:
         cdef object value
         for i in range(NUM_ARRAYS):
             value = values[i]
-            if value is self.empty and value is not None:
-                parts[i].at, parts[i].n = NULL, 0
-            elif not _read_int32_head(value, &parts[i]):
+            if not _read_int32_head(value, &parts[i]):
                 break
         else:
             return 0
         for i in range(NUM_ARRAYS):
             value = values[i]
             parts[i].at, parts[i].n = NULL, 0
-            if value is self.empty and value is not None:
-                continue
             if value is None:  # (None exports no buffer: named here)
                 raise TypeError(f"{_NAMES[i]} must be an array, got None")
             try:
@@ -472,8 +462,6 @@ cdef class GroupWriter:
             parts[i].n = bufs[i].shape[0]
             if parts[i].n:
                 parts[i].at = <const int32_t*>bufs[i].buf
-            else:
-                self.empty = value
         return 0
 
     cdef tuple _apply(self, const _Ints* parts, bint write):
