@@ -9,8 +9,11 @@ timed in ``--rounds`` rounds, alternated, by ``triton.testing.do_bench`` (CUDA e
 one call); the row gives the median over every sample of every round and the lowest and
 highest round median. TFLOP/s count the causal mask's visible pairs exactly, and are set
 against the H200's measured dense bf16 peak. ``--sweep`` adds the Gluon kernel with other
-tile shapes; ``--decode`` adds batch-1 decode at 8,192 keys, replayed from a CUDA graph. A
-result off float32 attention by more than ``MAX_ABS_ERR`` exits with status 1.
+tile shapes; ``--decode`` adds batch-1 decode at 8,192 keys, replayed from a CUDA graph. When
+FlashInfer imports, each of its prefill backends (``flashinfer_configs``: FA3 and FA2) reads
+blocktable's CSR export of the same batch and is timed in the same rounds (its ``plan()`` outside
+the timing); a backend that fails to build or run is reported and left out. A result off float32
+attention by more than ``MAX_ABS_ERR`` exits with status 1.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import MAX_ABS_ERR, Batch, Shape, sdpa_runner
+from bench_attention import (
+    MAX_ABS_ERR,
+    Batch,
+    Shape,
+    describe_flashinfer,
+    flashinfer,
+    flashinfer_configs,
+    flashinfer_runner,
+    sdpa_runner,
+)
 from run_info import run_info
 
 from blocktable.attention import (
@@ -116,6 +128,20 @@ def main() -> int:
             if not errors[name] <= MAX_ABS_ERR:
                 print(f"FAILED: {name} {b} x {n}: max abs error {errors[name]}")
                 failed = True
+        for config in flashinfer_configs(decode=False) if flashinfer is not None else []:
+            name = f"flashinfer {flashinfer.__version__} {describe_flashinfer(config)}"
+            try:
+                fn = flashinfer_runner(batch, decode=False, graph=False, config=config)
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a backend this build or card lacks
+                print(f"{name}: not timed ({type(exc).__name__}: {str(exc)[:200]})")
+                continue
+            errors[name] = batch.check(out)
+            if not errors[name] <= MAX_ABS_ERR:
+                print(f"FAILED: {name} {b} x {n}: max abs error {errors[name]}")
+                failed = True
+            fns[name] = fn
         fns["sdpa"] = sdpa_runner(batch)
         flops = batch.causal_flops()
         for name, r in measure(fns, args.rounds, args.rep_ms).items():
@@ -155,6 +181,7 @@ def main() -> int:
     import triton
 
     info["triton"] = triton.__version__
+    info["flashinfer"] = None if flashinfer is None else flashinfer.__version__
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
