@@ -115,6 +115,30 @@ def test_gluon_matches_reference(case, reqs) -> None:
 
 
 @needs_hopper
+@pytest.mark.parametrize("num_reqs", [31, 32, 70, 1100])
+def test_gluon_finds_every_tiles_request_among_many(num_reqs: int) -> None:
+    """Request counts on both sides of one search level's width, and past two levels: short
+    prompts over cached prefixes, decodes and empty requests, in a permuted table."""
+    gen = torch.Generator().manual_seed(num_reqs)
+    reqs = []
+    for _ in range(num_reqs):
+        query_len = int(torch.randint(0, 48, (1,), generator=gen))
+        reqs.append((query_len + int(torch.randint(0, 40, (1,), generator=gen)), query_len))
+    args = make_case(reqs, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=num_reqs)
+    rows = torch.randperm(num_reqs, generator=gen).to(torch.int32)
+    table = args[3]
+    permuted = table.clone()
+    permuted[rows.long()] = table[:num_reqs]
+    ref, ref_lse = reference(*args, scale=0.3)
+    out, lse = run_prefill(args, "gluon")
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+    args[3] = permuted
+    out_rows, _ = run_prefill(args, "gluon", row_of_batch=rows.cuda())
+    assert torch.equal(out_rows, out)
+
+
+@needs_hopper
 @pytest.mark.parametrize("prefill_only", [True, False])
 def test_gluon_and_triton_agree_with_row_of_batch_and_no_lse(prefill_only: bool) -> None:
     args = make_case(BIG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=4,

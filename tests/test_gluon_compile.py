@@ -28,6 +28,7 @@ from triton.runtime.jit import mangle_type
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     sys.exit(77)
 from blocktable.attention import gluon_prefill as ws  # (its import installs the PTX pass)
+from blocktable.attention import prefill_launch as launch
 if not ws.HAS_GLUON:
     sys.exit(77)
 from triton.experimental.gluon import language as gl
@@ -43,7 +44,7 @@ desc = ws.TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [chun
                            layout)
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
-              HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=16, INDEXED=False, HAS_LSE=True,
+              HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX, INDEXED=False, HAS_LSE=True,
               NUM_STAGES=stages)
 pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "query_ptr": "bf16", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",

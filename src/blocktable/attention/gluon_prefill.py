@@ -323,24 +323,37 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         tile = gl.num_programs(0) - 1 - gl.program_id(0)
         kv_head = gl.program_id(1)
 
-        # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile.
+        # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile, RADIX
+        # candidates a level (one warp's lanes, the same in every warp: no reduction crosses
+        # warps). The last level reads each candidate's bounds, length and row beside its start,
+        # so the request's own come from its lane, not from another trip to memory.
         lanes = gl.arange(0, RADIX, layout=gl.BlockedLayout([1], [32], [4], [0]))
         req = tile * 0
         stride = search_stride
-        while stride > 0:
+        while stride > 1:
             cand = req + lanes * stride
             ok = cand <= num_reqs
             first = gl.load(qsl_ptr + cand, mask=ok, other=0) // BLOCK_Q + cand
             hits = gl.sum((ok & (first <= tile)).to(gl.int32), 0)
             req = req + (hits - 1) * stride
             stride = stride // RADIX
-        real = req < num_reqs
-        q_start = gl.load(qsl_ptr + req)
-        q_end = gl.load(qsl_ptr + req + 1, mask=real, other=0)
-        seq_len = gl.load(seq_lens_ptr + req, mask=real, other=0)
+        cand = req + lanes
+        ok = cand <= num_reqs
+        real_c = cand < num_reqs
+        starts = gl.load(qsl_ptr + cand, mask=ok, other=0)
+        ends = gl.load(qsl_ptr + cand + 1, mask=real_c, other=0)
+        lens = gl.load(seq_lens_ptr + cand, mask=real_c, other=0)
+        # Lane 0 always counts: the level before left req where it holds.
+        hits = gl.sum((ok & (starts // BLOCK_Q + cand <= tile)).to(gl.int32), 0)
+        mine = lanes == hits - 1
+        req = req + hits - 1
+        q_start = gl.sum(gl.where(mine, starts, 0), 0)
+        q_end = gl.sum(gl.where(mine, ends, 0), 0)
+        seq_len = gl.sum(gl.where(mine, lens, 0), 0)
         row = req
         if INDEXED:
-            row = gl.load(row_of_batch_ptr + req, mask=real, other=0)
+            rows = gl.load(row_of_batch_ptr + cand, mask=real_c, other=0)
+            row = gl.sum(gl.where(mine, rows, 0), 0)
 
         if req == num_reqs:  # past the last request: zero the pad tokens of this tile
             rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))

@@ -19,6 +19,8 @@ if HAS_TRITON:
 from blocktable.attention import gluon_prefill as _gluon
 
 SEARCH_RADIX = 16  # lanes per level of the device search for a program's request
+# The Gluon kernel's: one warp's lanes, so that up to 31 requests take one level.
+GLUON_SEARCH_RADIX = 32
 # Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: on. On an
 # H100 it is 1.24-1.28x the Triton kernel on the benchmark's three prefill shapes and passes
 # the Triton kernel's tests in its place (BENCHMARKS.md).
@@ -192,9 +194,10 @@ def _launch_gluon(
         out, seq_lens if lse_out is None else lse_out, query, k_desc, v_desc, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
         seq_lens if row_of_batch is None else row_of_batch, scale * LOG2_E, num_reqs,
-        num_tokens, short_query_len, num_blocks, num_rows, width, search_stride(num_reqs),
-        cache_rows, o_t, o_h, lse_t, lse_h, q_t, q_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
-        group, group_pad, block_q, tiles.block_n, head_dim, block_size, SEARCH_RADIX,
+        num_tokens, short_query_len, num_blocks, num_rows, width,
+        search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, o_t, o_h, lse_t, lse_h, q_t,
+        q_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
+        group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
         row_of_batch is not None, lse_out is not None, tiles.stages, num_warps=4,
     )
 
