@@ -10,7 +10,8 @@ of the tile before does. (That needs the PTX pass of
 ptxas would wait after every wgmma.)
 
 It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid and
-with the same request search, for the cases :func:`supports` and the launcher accept: float16
+with the same request search (a warp's 32 lanes a level; the last level also reads the request's
+bounds, length and row), for the cases :func:`supports` and the launcher accept: float16
 or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
 copied whole or, for pages longer than a tile, in tile-sized pieces), a cache whose blocks
 are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no
