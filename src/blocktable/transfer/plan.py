@@ -191,7 +191,8 @@ def leading_blocks(table: np.ndarray, rows: np.ndarray, counts: np.ndarray,
     ``masks`` equal to :func:`leading_masks` of ``width``, which a caller mapping every round
     keeps).
     """
-    return table.take(rows, axis=0)[masks.take(counts, axis=0)].astype(np.int64)
+    # (an index, not take: take copies a window view's rows item by item)
+    return table.take(rows, axis=0)[masks[counts]].astype(np.int64)
 
 
 def dcp_chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray,
