@@ -180,8 +180,8 @@ class DecodeWorker:
         config, manager = self.engine.config, self.engine.manager
         block_size = config.block_size
         starts = batch.token_starts
-        num_prompt = starts[1:] - starts[:-1]  # each prompt and its first token
-        num_prompt -= 1  # each prompt
+        num_prompt = starts[1:] - starts[:-1]  # each prompt and its first token, then
+        num_prompt -= 1  # each prompt alone
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
         prompt_blocks = num_prompt + (block_size - 1)
         prompt_blocks //= block_size

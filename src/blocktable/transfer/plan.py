@@ -174,9 +174,9 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
 
 def leading_masks(width: int) -> np.ndarray:
     """bool ``[width + 1, width]``, read-only: row ``c`` holds ``c`` leading ``True``, the
-    masks of :func:`leading_blocks`, looked up per request (a lookup costs a round with its
-    caches cold far less than a broadcast comparison). Windows of one ``2 * width`` array, not
-    ``width ** 2`` bytes."""
+    masks of :func:`leading_blocks`, indexed per request (cheaper than a broadcast comparison
+    at every width, and more so with a round's caches cold). Windows of one ``2 * width``
+    array, not ``width ** 2`` bytes."""
     stair = np.zeros(2 * width, dtype=bool)
     stair[:width] = True
     return sliding_window_view(stair, width)[::-1]
@@ -191,7 +191,7 @@ def leading_blocks(table: np.ndarray, rows: np.ndarray, counts: np.ndarray,
     ``masks`` equal to :func:`leading_masks` of ``width``, which a caller mapping every round
     keeps).
     """
-    # (an index, not take: take copies a window view's rows item by item)
+    # (an index, not take: take first copies the whole window view, width ** 2 bytes)
     return table.take(rows, axis=0)[masks[counts]].astype(np.int64)
 
 
