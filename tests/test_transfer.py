@@ -37,7 +37,7 @@ from blocktable.transfer.buffers import (
 )
 from blocktable.transfer.kv_handshake import PROTOCOL_VERSION
 from blocktable.transfer.messages import OfferBatch, PlanBatch
-from blocktable.transfer.plan import slots_reference
+from blocktable.transfer.plan import leading_masks, slots_reference
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.wire_format import (
     BULK_ITEMS,
@@ -710,6 +710,19 @@ def test_chunk_rows_many_equals_the_slot_formula_per_request(
         want = slots_reference(ids.tolist(), block_size, positions)
         got = [int(mine[(p - first) // chunk]) * chunk + (p - first) % chunk for p in positions]
         assert got == want
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 7, 40])
+def test_leading_masks_are_the_positions_below_each_count(width: int) -> None:
+    """Row ``c`` of the masks ``leading_blocks`` looks up is ``arange(width) < c``, for every
+    count a row of the table can hold; the masks are read-only windows of one small array."""
+    masks = leading_masks(width)
+    want = np.arange(width) < np.arange(width + 1)[:, None]
+    assert masks.shape == want.shape and masks.dtype == np.bool_
+    assert np.array_equal(masks, want)
+    assert not masks.flags.writeable
+    counts = np.arange(width + 1)[::-1]
+    assert np.array_equal(masks[counts], want[counts])
 
 
 class _FailingSomeGathers(PrefillWorker):

@@ -115,6 +115,10 @@ class DecodeWorker:
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
         self._num_received = 0  # requests whose KV came last round: the next plan says so
         self._zeros = _NO_ROWS  # read-only zeros: a round's statuses (all SEND) and hits
+        config = engine.config
+        # the most tokens of KV a request may need here: max_model_len, or the pool (the null
+        # block aside)
+        self._kv_limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
         # the data's leading two int64 (messages.data_status), received into one tensor
         self._status = torch.empty(2, dtype=torch.int64, device=engine.model.kv_cache.device)
 
@@ -176,13 +180,13 @@ class DecodeWorker:
         config, manager = self.engine.config, self.engine.manager
         block_size = config.block_size
         starts = batch.token_starts
-        num_tokens = starts[1:] - starts[:-1]  # each prompt and its first token
-        num_prompt = num_tokens - 1
+        num_prompt = starts[1:] - starts[:-1]  # each prompt and its first token, then
+        num_prompt -= 1  # each prompt alone
         # each takes at most ceil(prompt / block_size) blocks from the pool, hit or not
-        prompt_blocks = num_tokens + (block_size - 2)
+        prompt_blocks = num_prompt + (block_size - 1)
         prompt_blocks //= block_size
-        reasons = self._refusals(batch, num_tokens)
-        total_blocks = int(np.add.reduce(prompt_blocks))
+        reasons = self._refusals(batch, num_prompt)
+        total_blocks = int(prompt_blocks.sum())
         if (not reasons and n <= manager.num_free_rows
                 and total_blocks <= manager.num_free_blocks()):
             # the common round: every offer fits; SEND is 0, so one zero array (this side's,
@@ -209,23 +213,23 @@ class DecodeWorker:
         hits[index] = num_hit
         return PlanBatch(statuses, hits, reasons, num_acked)
 
-    def _refusals(self, batch: OfferBatch, num_tokens: np.ndarray) -> dict[int, str]:
+    def _refusals(self, batch: OfferBatch, num_prompt: np.ndarray) -> dict[int, str]:
         """Offers that can never be taken (past ``max_model_len`` or the pool, or a request
         id already here or repeated), by index, with the reason; ``{}`` in the common round
-        (two numpy calls and a set). ``num_tokens``: each offer's prompt and first token."""
+        (two numpy calls and a set). ``num_prompt``: each offer's prompt tokens."""
         config = self.engine.config
         # past max_model_len, or more blocks than the pool has (the null block aside)
-        limit = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
+        limit = self._kv_limit
         # prompt + max_new_tokens - 1 tokens of KV (the last token's is never made)
-        num_kv = num_tokens + batch.max_new_tokens
+        num_kv = num_prompt + batch.max_new_tokens
         known, req_ids = self.engine.requests, batch.req_ids
         distinct = set(req_ids)
         # (a keys view against a set looks up the smaller: not every request this side has
         # ever held, as a set against a dict would)
         if (len(distinct) == len(req_ids) and known.keys().isdisjoint(distinct)
-                and int(np.maximum.reduce(num_kv)) <= limit + 2):
+                and int(num_kv.max()) <= limit + 1):
             return {}
-        num_kv -= 2
+        num_kv -= 1
         reasons: dict[int, str] = {}
         seen: set[str] = set()
         for i, (req_id, kv) in enumerate(zip(req_ids, num_kv.tolist())):

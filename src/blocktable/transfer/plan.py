@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 
 def chunk_tokens_of(block_size_a: int, block_size_b: int, interleave: int = 0) -> int:
@@ -137,7 +138,7 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
             if counts.size and int(np.maximum.reduce(counts)) > ids.shape[1]:
                 raise ValueError(f"a block table of {ids.shape[1]} blocks per row is too "
                                  f"narrow for {int(counts.max())} blocks")
-            return leading_blocks(ids, rows_of, counts, np.arange(ids.shape[1])), counts
+            return leading_blocks(ids, rows_of, counts, leading_masks(ids.shape[1])), counts
         block_starts, ids = rows_of.astype(np.int64) * ids.shape[1], ids.reshape(-1)
     row_starts = np.zeros(num.size + 1, dtype=np.int64)
     np.add.accumulate(counts, out=row_starts[1:])
@@ -171,16 +172,27 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     return ids[offset // q].astype(np.int64) * q + offset % q, counts
 
 
+def leading_masks(width: int) -> np.ndarray:
+    """bool ``[width + 1, width]``, read-only: row ``c`` holds ``c`` leading ``True``, the
+    masks of :func:`leading_blocks`, indexed per request (cheaper than a broadcast comparison
+    at every width, and more so with a round's caches cold). Windows of one ``2 * width``
+    array, not ``width ** 2`` bytes."""
+    stair = np.zeros(2 * width, dtype=bool)
+    stair[:width] = True
+    return sliding_window_view(stair, width)[::-1]
+
+
 def leading_blocks(table: np.ndarray, rows: np.ndarray, counts: np.ndarray,
-                   positions: np.ndarray) -> np.ndarray:
+                   masks: np.ndarray) -> np.ndarray:
     """The first ``counts[i]`` block ids of row ``rows[i]`` of ``table``, request after request
     (int64 ``[sum(counts)]``): :func:`chunk_rows_many` of whole blocks from each request's
     token 0, unchecked (its caller vouches for the arguments: ``table`` int ``[num_rows,
     width]``, ``rows`` in range, ``0 <= counts <= width``, both int ``[num_reqs]``, and
-    ``positions`` equal to ``np.arange(width)``, which a caller mapping every round keeps).
+    ``masks`` equal to :func:`leading_masks` of ``width``, which a caller mapping every round
+    keeps).
     """
-    leading = positions < counts[:, None]
-    return table.take(rows, axis=0)[leading].astype(np.int64)
+    # (an index, not take: take first copies the whole window view, width ** 2 bytes)
+    return table.take(rows, axis=0)[masks[counts]].astype(np.int64)
 
 
 def dcp_chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray,

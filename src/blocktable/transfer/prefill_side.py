@@ -27,7 +27,12 @@ from blocktable.transfer.buffers import StagingBuffer, chunk_view, default_piece
 from blocktable.transfer.kv_handshake import handshake
 from blocktable.transfer.kv_layout import KVCacheLayout
 from blocktable.transfer.messages import OfferBatch, PlanBatch, PlanStatus, data_status
-from blocktable.transfer.plan import chunk_rows_many, chunk_tokens_of, leading_blocks
+from blocktable.transfer.plan import (
+    chunk_rows_many,
+    chunk_tokens_of,
+    leading_blocks,
+    leading_masks,
+)
 from blocktable.transfer.prompt_arena import PromptArena
 from blocktable.transfer.transfer_errors import PeerLostError
 from blocktable.transfer.transport import Transport
@@ -115,7 +120,8 @@ class PrefillWorker:
         self.stats = PrefillStats()
         # the last offer's token offsets (its prompts' lengths, for the plan's mapping)
         self._offered_starts = np.zeros(1, dtype=np.int64)
-        self._block_positions = _NO_ROWS  # 0, 1, ... across the table's row (grown once)
+        # bool [width + 1, width]: leading_masks of the table's width (made once)
+        self._leading_masks = np.zeros((1, 0), dtype=bool)
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -296,10 +302,10 @@ class PrefillWorker:
             num_blocks = num_tokens + (kernel_block_size - 2)
             num_blocks //= kernel_block_size
             block_table = table.block_table_np
-            positions = self._block_positions
-            if positions.size != block_table.shape[1]:
-                positions = self._block_positions = np.arange(block_table.shape[1])
-            return leading_blocks(block_table, rows, num_blocks, positions)
+            masks = self._leading_masks
+            if masks.shape[1] != block_table.shape[1]:
+                masks = self._leading_masks = leading_masks(block_table.shape[1])
+            return leading_blocks(block_table, rows, num_blocks, masks)
         num_prompt = num_tokens - 1
         try:
             src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
