@@ -16,6 +16,7 @@ Equal block sizes make chunks whole blocks; different ones need no other code. A
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -172,11 +173,12 @@ def chunk_rows_many(block_ids: np.ndarray, block_starts: np.ndarray | None,
     return ids[offset // q].astype(np.int64) * q + offset % q, counts
 
 
+@functools.lru_cache(maxsize=8)
 def leading_masks(width: int) -> np.ndarray:
     """bool ``[width + 1, width]``, read-only: row ``c`` holds ``c`` leading ``True``, the
     masks of :func:`leading_blocks`, indexed per request (cheaper than a broadcast comparison
     at every width, and more so with a round's caches cold). Windows of one ``2 * width``
-    array, not ``width ** 2`` bytes."""
+    array, not ``width ** 2`` bytes; made once per width (read-only, so shared)."""
     stair = np.zeros(2 * width, dtype=bool)
     stair[:width] = True
     return sliding_window_view(stair, width)[::-1]

@@ -120,8 +120,6 @@ class PrefillWorker:
         self.stats = PrefillStats()
         # the last offer's token offsets (its prompts' lengths, for the plan's mapping)
         self._offered_starts = np.zeros(1, dtype=np.int64)
-        # bool [width + 1, width]: leading_masks of the table's width (made once)
-        self._leading_masks = np.zeros((1, 0), dtype=bool)
         # on the CPU, the data's leading tensor (and its numpy view), reused every round
         self._status_cpu: tuple[torch.Tensor, np.ndarray] | None = None
         if engine.model.kv_cache.device.type == "cpu":
@@ -302,10 +300,8 @@ class PrefillWorker:
             num_blocks = num_tokens + (kernel_block_size - 2)
             num_blocks //= kernel_block_size
             block_table = table.block_table_np
-            masks = self._leading_masks
-            if masks.shape[1] != block_table.shape[1]:
-                masks = self._leading_masks = leading_masks(block_table.shape[1])
-            return leading_blocks(block_table, rows, num_blocks, masks)
+            return leading_blocks(block_table, rows, num_blocks,
+                                  leading_masks(block_table.shape[1]))
         num_prompt = num_tokens - 1
         try:
             src, _ = chunk_rows_many(table.block_table_np, rows, table.num_kernel_blocks[rows],
