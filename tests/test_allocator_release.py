@@ -12,7 +12,7 @@ from blocktable.block_queue import BlockQueue
 
 ROOT = -1  # parent content id of a first block (namespace 1)
 
-# every test here runs with the compiled loops (where built) and with numpy alone
+pytestmark = pytest.mark.usefixtures("compiled_mode")  # compiled (where built), then numpy
 
 
 def _cache(pool: BlockPool, blocks: list[int], tokens: list[int]) -> None:
