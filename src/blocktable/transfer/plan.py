@@ -190,8 +190,7 @@ def leading_blocks(table: np.ndarray, rows: np.ndarray, counts: np.ndarray,
     (int64 ``[sum(counts)]``): :func:`chunk_rows_many` of whole blocks from each request's
     token 0, unchecked (its caller vouches for the arguments: ``table`` int ``[num_rows,
     width]``, ``rows`` in range, ``0 <= counts <= width``, both int ``[num_reqs]``, and
-    ``masks`` equal to :func:`leading_masks` of ``width``, which a caller mapping every round
-    keeps).
+    ``masks`` equal to :func:`leading_masks` of ``width``).
     """
     # (an index, not take: take first copies the whole window view, width ** 2 bytes)
     return table.take(rows, axis=0)[masks[counts]].astype(np.int64)
