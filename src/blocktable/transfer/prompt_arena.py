@@ -55,7 +55,6 @@ class PromptArena:
         # on cpu, int64 [capacity + 1]: entry e's tokens are buffer[ends[e]:ends[e + 1]], its
         # first token's slot the last of them
         self._token_ends = np.zeros(capacity + 1, dtype=np.int64) if capacity else _NO_ENDS
-        self._first_slots = np.zeros(capacity, dtype=np.int64) if capacity else _NONE  # ends - 1
         self._max_new = np.zeros(capacity, dtype=np.int64) if capacity else _NONE
         self._stop_ids: list[int] = []  # every entry's stop tokens, each one's sorted
         self._stop_ends: list[int] = [0]  # entry e's: stop_ids[ends[e]:ends[e + 1]]
@@ -97,7 +96,6 @@ class PromptArena:
         self._entry[req_id] = e
         self._ids.append(req_id)
         self._token_ends[e + 1] = start + n
-        self._first_slots[e] = start + n - 1
         self._max_new[e] = max_new_tokens
         self._stop_ids += stops
         self._stop_ends.append(len(self._stop_ids))
@@ -159,11 +157,9 @@ class PromptArena:
             s0, s1 = self._stop_ends[e0], self._stop_ends[e0 + n]
             stops = (np.array(self._stop_ids[s0:s1], dtype=np.int64),
                      np.subtract(self._stop_ends[e0:e0 + n + 1], s0)) if s1 > s0 else (_NONE, None)
-            # (each entry's first-token slot, kept: no arithmetic on the offsets here)
-            self._buffer[self._first_slots[e0:e0 + n]] = first_tokens
         else:
             out, token_starts, max_new, stops = self._gather(req_ids)
-            out[token_starts[1:] - 1] = first_tokens
+        out[token_starts[1:] - 1] = first_tokens
         return out, token_starts, max_new, *stops
 
     def _gather(self, req_ids: Sequence[object]
@@ -210,7 +206,6 @@ class PromptArena:
             self._entry[req_id] = e_new
             self._ids.append(req_id)
             self._token_ends[e_new + 1] = start
-            self._first_slots[e_new] = start - 1
             self._max_new[e_new] = max_new[e]
             self._stop_ids += stop_ids[stop_ends[e]:stop_ends[e + 1]]
             self._stop_ends.append(len(self._stop_ids))
