@@ -114,7 +114,6 @@ class DecodeWorker:
         self.staging = StagingBuffer()  # the receive buffer, reused every round
         self._plan: _RoundPlan | None = None  # admitted this round, KV not yet here
         self._num_received = 0  # requests whose KV came last round: the next plan says so
-        self._zeros = _NO_ROWS  # read-only zeros: a round's statuses (all SEND) and hits
         config = engine.config
         # the most tokens of KV a request may need here: max_model_len, or the pool (the null
         # block aside)
@@ -189,13 +188,10 @@ class DecodeWorker:
         total_blocks = int(prompt_blocks.sum())
         if (not reasons and n <= manager.num_free_rows
                 and total_blocks <= manager.num_free_blocks()):
-            # the common round: every offer fits; SEND is 0, so one zero array (this side's,
-            # read-only) serves as the statuses and, without a prefix hit, as the hits
+            # the common round: every offer fits; SEND is 0, so one zero array serves as the
+            # statuses and, without a prefix hit, as the hits
             req_ids, token_ids, num_hit, own = self._admit_many(batch, None, num_prompt)
-            if self._zeros.size < n:
-                self._zeros = np.zeros(max(n, 2 * self._zeros.size), dtype=np.int64)
-                self._zeros.flags.writeable = False
-            statuses = self._zeros[:n]
+            statuses = np.zeros(n, dtype=np.int64)
             hit = num_hit.size > 0
             if not hit:
                 num_hit = statuses
