@@ -9,10 +9,11 @@ of the tile before does. (That needs the PTX pass of
 :mod:`blocktable.attention.gluon_ptx`: as Triton 3.6-3.9 lower warp specialization on Hopper,
 ptxas would wait after every wgmma.)
 
-It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid and
-with the same request search (a warp's 32 lanes a level; the last level also reads the request's
-bounds, length and row), for the cases :func:`supports` and the launcher accept: float16
-or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
+It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid (its
+programs take the tiles in another order: the last tile first, every KV head's side by side)
+and with the same request search (a warp's 32 lanes a level; the last level also reads the
+request's bounds, length and row), for the cases :func:`supports` and the launcher accept:
+float16 or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
 copied whole or, for pages longer than a tile, in tile-sized pieces), a cache whose blocks
 are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no
 sliding window; everything else stays on the Triton kernel.
@@ -321,8 +322,14 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         BLOCK_M: gl.constexpr = 2 * _ROWS
         LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
         dtype: gl.constexpr = query_ptr.dtype.element_ty
-        tile = gl.num_programs(0) - 1 - gl.program_id(0)
-        kv_head = gl.program_id(1)
+        # Programs start in launch order (the grid's first axis fastest); the i-th of them
+        # takes tile T - 1 - i // H of KV head i % H: the last tiles first (a request's last
+        # are its heaviest under the causal mask), every head's side by side, so that the
+        # programs running at once read the same slots of every head's keys.
+        num_kv_heads = gl.num_programs(1)
+        launched = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
+        tile = gl.num_programs(0) - 1 - launched // num_kv_heads
+        kv_head = launched % num_kv_heads
 
         # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile, RADIX
         # candidates a level (one warp's lanes, the same in every warp: no reduction crosses
