@@ -22,7 +22,7 @@ SEARCH_RADIX = 16  # lanes per level of the device search for a program's reques
 # The Gluon kernel's: one warp's lanes, so that up to 31 requests take one level.
 GLUON_SEARCH_RADIX = 32
 # Whether prefill_kernel="auto" takes the Gluon kernel where it serves the inputs: on. On an
-# H200 it is 1.27-1.39x the Triton kernel on the benchmark's three prefill shapes and passes
+# H200 it is 1.27-1.40x the Triton kernel on the benchmark's three prefill shapes and passes
 # the Triton kernel's tests in its place (BENCHMARKS.md).
 AUTO_PICKS_GLUON = True
 _INTERPRET = interpreting()
