@@ -44,8 +44,8 @@ desc = ws.TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [chun
                            layout)
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
-              HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX, INDEXED=False, HAS_LSE=True,
-              NUM_STAGES=stages)
+              HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX,
+              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages)
 pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "query_ptr": "bf16", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
             "row_of_batch_ptr": "i32"}
