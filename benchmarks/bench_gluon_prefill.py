@@ -50,14 +50,14 @@ from blocktable.attention.kernel_config import default_config
 
 PREFILL_CASES = [(1, 8192), (4, 2048), (16, 512)]
 SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
-    prefill_launch.GluonTiles(block_n=64, stages=3),
-    prefill_launch.GluonTiles(block_n=64, stages=5),
+    prefill_launch.GluonTiles(programs_per_sm=0),
+    prefill_launch.GluonTiles(stages=3),
     prefill_launch.GluonTiles(block_n=128, stages=2),
 ]
 
 
 def tiles_name(t: prefill_launch.GluonTiles) -> str:
-    return f"gluon n{t.block_n} s{t.stages}"
+    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):

@@ -86,6 +86,21 @@ def test_forcing_gluon_on_a_layout_it_does_not_serve_names_why(block_size, head_
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@needs_hopper
+def test_gluon_names_a_group_or_query_layout_its_copies_do_not_serve() -> None:
+    """Its query copies take a GQA group of at most 8 heads lying side by side in memory;
+    forced, other inputs are an error naming why, and "auto" runs them on the Triton kernel."""
+    wide = make_case(LONG, 16, 1, 16, 128, torch.bfloat16, "cuda", seed=4)
+    apart = list(make_case(LONG, 16, 2, 2, 128, torch.bfloat16, "cuda", seed=5))
+    apart[0] = apart[0].transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D], heads outer
+    for args, reason in ((wide, "a GQA group over 8"), (apart, "heads are not side by side")):
+        with pytest.raises(ValueError, match=reason):
+            run_prefill(args, "gluon")
+        out, _ = run_prefill(args, "auto")  # the Triton kernel
+        ref, _ = reference(*args, scale=0.3)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 CASES = [
     # block_size, num_kv_heads, group, head_dim, dtype: the kernel block sizes, head sizes and
     # GQA groups the Gluon kernel serves (pages shorter than a tile, one tile, longer).
@@ -210,6 +225,9 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
 @needs_hopper
 @pytest.mark.parametrize("tiles", [
     {"block_n": 64, "stages": 3}, {"block_n": 128, "stages": 2}, {"block_n": 32, "stages": 4},
+    # a program per work item; programs past the multiprocessors' room (a second wave)
+    {"programs_per_sm": 0}, {"programs_per_sm": 0, "block_n": 128, "stages": 2},
+    {"programs_per_sm": 3},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch

@@ -42,11 +42,15 @@ cache = torch.empty(64 * block_size, 8 * head_dim, dtype=torch.bfloat16)
 layout = gl.NVMMASharedLayout.get_default_for([chunk, head_dim], gl.bfloat16)
 desc = ws.TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [chunk, head_dim],
                            layout)
+queries = torch.empty(256, 32 * head_dim, dtype=torch.bfloat16)
+q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
+q_desc = ws.TensorDescriptor(queries, list(queries.shape), list(queries.stride()),
+                             [64 // group, head_dim], q_layout)
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX,
               INDEXED=False, HAS_LSE=True, NUM_STAGES=stages)
-pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "query_ptr": "bf16", "k_cache_ptr": "bf16",
+pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
             "row_of_batch_ptr": "i32"}
 signature, attrs = {}, {}
@@ -56,6 +60,8 @@ for i, name in enumerate(kernel.arg_names):
         attrs[(i,)] = [["tt.divisibility", 16]]
     elif name in ("k_desc", "v_desc"):
         signature[name] = mangle_type(desc)
+    elif name == "q_desc":
+        signature[name] = mangle_type(q_desc)
     elif name in consts:
         signature[name] = "constexpr"
     elif name == "qk_scale":

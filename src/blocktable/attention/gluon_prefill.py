@@ -1,27 +1,34 @@
-"""The prefill kernel in Gluon for Hopper (sm_90), warp-specialized: one warpgroup loads K/V
-tiles page by page with the tensor copy engine (TMA) into a ring of shared-memory stages, and
-two consumer warpgroups, each on its own 64 query rows, run the scores, the online softmax and
-``P @ V`` on warpgroup MMA (wgmma). Stages are handed over by mbarriers: "ready" (the copy
-engine's byte count) and "empty" (one arrival per consumer), so the loader runs ahead of both
-consumers and the two consumers drift apart instead of meeting at every tile: one's softmax
-runs while the other's wgmma does; within a consumer, a tile's softmax runs while ``P @ V``
-of the tile before does. (That needs the PTX pass of
+"""The prefill kernel in Gluon for Hopper (sm_90), warp-specialized and persistent: a grid of
+about one program per multiprocessor, each taking work items (a query tile of one KV head) in
+turn. In a program, one warpgroup finds each item (its request, bounds and key tiles),
+describes it to the consumers in shared memory, copies its queries with the tensor copy
+engine (TMA) into one of two query buffers, and its K/V tiles page by page into a ring of
+shared-memory stages; two consumer warpgroups, each on its own 64 query rows, run the scores,
+the online softmax and ``P @ V`` on warpgroup MMA (wgmma). Buffers and stages are handed over
+by mbarriers: "ready" (the copy engine's byte count) and "empty" (one arrival per consumer),
+so the loader runs ahead of both consumers, into the next item's queries and keys while they
+finish the last one's, and the two consumers drift apart instead of meeting at every tile:
+one's softmax runs while the other's wgmma does; within a consumer, a tile's softmax runs
+while ``P @ V`` of the tile before does. (That needs the PTX pass of
 :mod:`blocktable.attention.gluon_ptx`: as Triton 3.6-3.9 lower warp specialization on Hopper,
 ptxas would wait after every wgmma.)
 
-It computes what :mod:`blocktable.attention.triton_prefill` computes, on the same grid (its
-programs take the tiles in another order: the last tile first, every KV head's side by side)
-and with the same request search (a warp's 32 lanes a level; the last level also reads the
-request's bounds, length and row), for the cases :func:`supports` and the launcher accept:
-float16 or bfloat16, head size 64 or 128, a kernel block size that is a power of two from 16 (pages
-copied whole or, for pages longer than a tile, in tile-sized pieces), a cache whose blocks
-are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no
-sliding window; everything else stays on the Triton kernel.
+It computes what :mod:`blocktable.attention.triton_prefill` computes, over the same tiles (in
+another order: the last tile first, every KV head's side by side, the rounds of programs in
+alternating directions) and with the same request search (a warp's 32 lanes a level; the last
+level also reads the request's bounds, length and row), for the cases :func:`supports` and the
+launcher accept: float16 or bfloat16, head size 64 or 128, a GQA group of at most 8 query heads
+(padded), a query whose heads lie side by side, a kernel block size that is a power of two
+from 16 (pages copied whole or, for pages longer than a tile, in tile-sized pieces), a cache
+whose blocks are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context
+parallelism, no sliding window; everything else stays on the Triton kernel.
 
-Keys of the program past its last query's causal bound are never read from the cache: a page
+Keys of an item past its last query's causal bound are never read from the cache: a page
 chunk wholly past it is copied from outside the tensor (the copy engine fills zeros), and the
 one chunk that straddles it is gathered key by key with plain loads (keys past the bound
-zero-filled), so a masked score never meets a NaN left in an unused slot.
+zero-filled), so a masked score never meets a NaN left in an unused slot. Query rows past
+the request read its neighbours' queries (zeros past the batch): rows do not mix, and those
+are never stored.
 
 Gluon ships with Triton 3.6 and later (``triton.experimental.gluon``); without it this module
 imports and :data:`HAS_GLUON` is false.
@@ -92,6 +99,7 @@ def supports(dtype_name: str, head_dim: int, cp_world: int, window: int) -> str 
 if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     _LN_2_C = gl.constexpr(_LN_2)
     _ROWS = gl.constexpr(CONSUMER_ROWS)
+    _DONE = gl.constexpr(3)  # an item description's kind: the program has no more items
     CONSUMER_REGS_C = gl.constexpr(CONSUMER_REGS)
 
     @gluon.constexpr_function
@@ -109,22 +117,115 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
     @gluon.jit
     def _load_partition(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty,
+        table_ptr, table_stride_r, table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b,
+        k_stride_s, v_stride_b, v_stride_s, num_blocks, cache_rows, qsl_ptr, seq_lens_ptr,
+        row_of_batch_ptr, num_reqs, num_tokens, short_query_len, num_rows, width,
+        search_stride, num_kv_heads,
+        GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        RADIX: gl.constexpr, INDEXED: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):
+        """The loader warpgroup: for each of the program's work items, find it (its request,
+        bounds and key tiles), describe it to the consumers in ``meta`` and copy its query
+        tile into one of two query buffers (handed over by ``q_ready``/``q_empty``), then for
+        each key tile wait until both consumers released its stage and copy its K and V page
+        chunks into it. The ring's tiles and the query buffers are counted across the items,
+        so the loader runs into the next item's queries and keys while the consumers finish
+        the last one's."""
+        TOK: gl.constexpr = _ROWS // GROUP_PAD  # tokens of a consumer's rows
+        Q_BYTES: gl.constexpr = 2 * _ROWS * HEAD_DIM * 2
+        num_items = (gl.cdiv(num_tokens, BLOCK_Q) + num_reqs) * num_kv_heads
+        ring = 0  # tiles loaded so far
+        j = 0  # items described so far
+        w = _item_index(0)
+        while w < num_items:
+            tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
+                w, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs,
+                num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
+            busy, i0, prefix, kv_cap, kv_end, n_tiles, row = _item_bounds(
+                tile, req, q_start, q_end, seq_len, row, num_reqs, short_query_len,
+                num_rows, width, BLOCK_Q, BLOCK_N, BLOCK_SIZE)
+            b = j % 2
+            mbarrier.wait(q_empty.index(b), ((j // 2) & 1) ^ 1)
+            # 0: nothing to compute, 1: pad rows past the last request, 2: busy
+            kind = (req == num_reqs).to(gl.int32) + 2 * busy.to(gl.int32)
+            _describe(meta.index(b), kind, tile, kv_head, q_start, q_end - q_start, prefix,
+                      kv_cap, i0, n_tiles)
+            _partition_barrier()  # every warp's stores before the arrival
+            mbarrier.expect(q_ready.index(b), Q_BYTES, pred=busy)
+            mbarrier.arrive(q_ready.index(b), pred=not busy)
+            if busy:
+                # Each consumer's rows: GROUP_PAD heads of TOK tokens, head-major (one box
+                # per head). Rows past the request read its neighbours' queries, rows past
+                # the batch or the heads zeros: rows do not mix, and those are never stored.
+                for h in gl.static_range(2):
+                    t0 = q_start + i0 + h * TOK
+                    for g in gl.static_range(GROUP_PAD):
+                        _tma_load(q_desc, [t0, (kv_head * GROUP + g) * HEAD_DIM],
+                                  q_ready.index(b), q_smem.index(2 * b + h).slice(g * TOK, TOK))
+            table_row_ptr = table_ptr + row.to(gl.int64) * table_stride_r
+            _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
+                        table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
+                        v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end,
+                        ring, n_tiles, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
+            ring += n_tiles
+            j += 1
+            w = _item_index(j)
+        # The end, as an item of its own kind.
+        b = j % 2
+        mbarrier.wait(q_empty.index(b), ((j // 2) & 1) ^ 1)
+        _describe(meta.index(b), _DONE, 0, 0, 0, 0, 0, 0, 0, 0)
+        _partition_barrier()
+        mbarrier.arrive(q_ready.index(b))
+
+    @gluon.jit
+    def _describe(meta, kind, tile, kv_head, q_start, query_len, prefix, kv_cap, i0,
+                  n_tiles):
+        """A work item's description into ``meta`` (int32 ``[32]`` in shared memory)."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        fields = gl.where(lanes == 0, kind, 0)
+        fields = gl.where(lanes == 1, tile, fields)
+        fields = gl.where(lanes == 2, kv_head, fields)
+        fields = gl.where(lanes == 3, q_start, fields)
+        fields = gl.where(lanes == 4, query_len, fields)
+        fields = gl.where(lanes == 5, prefix, fields)
+        fields = gl.where(lanes == 6, kv_cap, fields)
+        fields = gl.where(lanes == 7, i0, fields)
+        fields = gl.where(lanes == 8, n_tiles, fields)
+        meta.store(fields)
+
+    @gluon.jit
+    def _field(fields, lanes, i: gl.constexpr):
+        return gl.sum(gl.where(lanes == i, fields, 0), 0)
+
+    @gluon.jit
+    def _item_index(k):
+        """The program's ``k``-th work item: item ``p`` of each round of ``G`` (the grid) in
+        even rounds, ``G - 1 - p`` in odd ones, so that no program takes the heaviest item
+        of every round."""
+        p = gl.program_id(0)
+        g = gl.num_programs(0)
+        return k * g + p + (k % 2) * (g - 1 - 2 * p)
+
+    @gluon.jit
+    def _load_tiles(
         k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr, table_stride_c,
         k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s, v_stride_b, v_stride_s,
-        num_blocks, cache_rows, kv_head, kv_end, n_tiles,
+        num_blocks, cache_rows, kv_head, kv_end, ring, n_tiles,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):
-        """The loader warpgroup: for each key tile of the program, wait until both consumers
-        released its stage, then copy its K and V page chunks into the stage."""
+        """One work item's ``n_tiles`` key tiles into the ring, the first into its
+        ``ring``-th use of a stage."""
         CH: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
         NCH: gl.constexpr = BLOCK_N // CH
         TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * 2
         CHUNK_BYTES: gl.constexpr = 2 * CH * HEAD_DIM * 2
         col = kv_head * HEAD_DIM
         for i in range(n_tiles):
-            stage = i % NUM_STAGES
-            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+            stage = (ring + i) % NUM_STAGES
+            mbarrier.wait(empty.index(stage), (((ring + i) // NUM_STAGES) & 1) ^ 1)
             start = i * BLOCK_N
             # The chunk holding kv_end (when kv_end is not on a chunk edge) is gathered key by
             # key and stored before the stage's one arrival (below), every warp's stores made
@@ -197,49 +298,48 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _consumer_partition(
-        half: gl.constexpr, q_smem, k_smem, v_smem, ready, empty, out_ptr, lse_ptr, query_ptr,
-        q_start, query_len, prefix, kv_cap, i0, n_tiles_all, kv_head, qk_scale,
-        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h, q_stride_t, q_stride_h,
+    def _consume_item(
+        half: gl.constexpr, q_rows, k_smem, v_smem, ready, empty, out_ptr, lse_ptr,
+        q_start, query_len, prefix, kv_cap, i0, ring, n_tiles_all, kv_head, qk_scale,
+        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
     ):
-        """One warpgroup on rows ``[64 * half, 64 * half + 64)`` of the program's tile."""
+        """One warpgroup on its 64 rows of a work item's query tile (``q_rows``, in shared
+        memory: ``GROUP_PAD`` heads of the tile's tokens ``[i0 + half * TOK, i0 + half * TOK
+        + TOK)``, head-major), whose ``n_tiles_all`` key tiles come through the ring from its
+        ``ring``-th stage use on."""
         M: gl.constexpr = _ROWS
+        TOK: gl.constexpr = _ROWS // GROUP_PAD
         S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N)
         O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM)
         LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
-        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT,
-                                                     k_width=2)
-        dtype: gl.constexpr = q_smem.dtype
-        q_rows = q_smem.index(half)
+        dtype: gl.constexpr = q_rows.dtype
 
-        # This warpgroup's query rows (token-major, then the head of the group).
-        rows_o = half * M + gl.arange(0, M, layout=gl.SliceLayout(1, LD))
+        # This warpgroup's rows: row r holds head r // TOK of the group, token r % TOK.
+        rows_o = gl.arange(0, M, layout=gl.SliceLayout(1, LD))
         d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-        g_o = rows_o % GROUP_PAD
+        g_o = rows_o // TOK
         heads_o = kv_head * GROUP + g_o
-        tok_i_o = i0 + rows_o // GROUP_PAD
+        tok_i_o = i0 + half * TOK + rows_o % TOK
         valid_o = (tok_i_o < query_len) & (g_o < GROUP)
         tokens_o = (q_start + tok_i_o).to(gl.int64)
         io_mask = gl.expand_dims(valid_o, 1) & gl.expand_dims(d_o >= 0, 0)
-        q_ptrs = query_ptr + gl.expand_dims(tokens_o * q_stride_t + heads_o * q_stride_h, 1) \
-            + gl.expand_dims(d_o, 0)
-        q_rows.store(gl.load(q_ptrs, mask=io_mask, other=0.0))
-        fence_async_shared()
 
-        rows_s = half * M + gl.arange(0, M, layout=gl.SliceLayout(1, S_LAYOUT))
-        tok_i_s = i0 + rows_s // GROUP_PAD
-        valid_s = (tok_i_s < query_len) & (rows_s % GROUP_PAD < GROUP)
+        rows_s = gl.arange(0, M, layout=gl.SliceLayout(1, S_LAYOUT))
+        tok_i_s = i0 + half * TOK + rows_s % TOK
+        valid_s = (tok_i_s < query_len) & (rows_s // TOK < GROUP)
         row_hi = gl.where(valid_s, gl.minimum(prefix + tok_i_s + 1, kv_cap), 0)
         # This warpgroup's keys: those every row sees (no mask) and those any row sees.
-        first_tok = i0 + half * M // GROUP_PAD
-        last_tok = gl.minimum(i0 + (half * M + M - 1) // GROUP_PAD, query_len - 1)
+        first_tok = i0 + half * TOK
+        last_tok = gl.minimum(i0 + half * TOK + TOK - 1, query_len - 1)
         full_hi = gl.minimum(prefix + first_tok + 1, kv_cap)
         my_end = gl.maximum(gl.minimum(prefix + last_tok + 1, kv_cap), 0)
         n_tiles = gl.minimum(gl.cdiv(my_end, BLOCK_N), n_tiles_all)
         n_tiles = gl.where(first_tok < query_len, n_tiles, 0)  # no row of ours is a token
 
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT,
+                                                     k_width=2)
         acc = gl.zeros([M, HEAD_DIM], gl.float32, O_LAYOUT)
         m_i = gl.full([M], -1.0e30, gl.float32, gl.SliceLayout(1, S_LAYOUT))
         l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
@@ -248,10 +348,10 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         # reads its register operands until then.
         p_op = gl.zeros([M, BLOCK_N], dtype, P_LAYOUT)
         if n_tiles > 0:
-            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(ready.index(ring % NUM_STAGES), (ring // NUM_STAGES) & 1)
             fence_async_shared()  # the straddling chunk came through the generic proxy
-            s = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rows, k_smem.index(ring % NUM_STAGES).permute((1, 0)),
+                              zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             acc = warpgroup_mma_init(acc)  # the loop carries it in flight
             for i in range(n_tiles - 1):
@@ -259,32 +359,34 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                                               qk_scale, BLOCK_N, S_LAYOUT)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
                 if i > 0:  # P @ V of tile i - 1 retired: its stage goes back to the loader
-                    mbarrier.arrive(empty.index((i - 1) % NUM_STAGES))
+                    mbarrier.arrive(empty.index((ring + i - 1) % NUM_STAGES))
                 p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
                 acc = acc * gl.expand_dims(alpha_o, 1)
-                nxt = (i + 1) % NUM_STAGES
-                mbarrier.wait(ready.index(nxt), ((i + 1) // NUM_STAGES) & 1)
+                nxt = (ring + i + 1) % NUM_STAGES
+                mbarrier.wait(ready.index(nxt), ((ring + i + 1) // NUM_STAGES) & 1)
                 fence_async_shared()
                 s_next = warpgroup_mma(q_rows, k_smem.index(nxt).permute((1, 0)), zero_s,
                                        use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(i % NUM_STAGES), acc, is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index((ring + i) % NUM_STAGES), acc,
+                                    is_async=True)
                 s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, p_op))
             last = n_tiles - 1
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, last * BLOCK_N, row_hi, full_hi,
                                           qk_scale, BLOCK_N, S_LAYOUT)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             if last > 0:
-                mbarrier.arrive(empty.index((last - 1) % NUM_STAGES))
+                mbarrier.arrive(empty.index((ring + last - 1) % NUM_STAGES))
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
             acc = acc * gl.expand_dims(alpha_o, 1)
-            acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index((ring + last) % NUM_STAGES), acc,
+                                is_async=True)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index(last % NUM_STAGES))
+            mbarrier.arrive(empty.index((ring + last) % NUM_STAGES))
         # Tiles the other warpgroup still needs: released in turn (each after it landed, so
         # no arrival ever counts toward a later use of the stage).
-        for i in range(n_tiles, n_tiles_all):
+        for i in range(ring + n_tiles, ring + n_tiles_all):
             mbarrier.wait(ready.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
             mbarrier.arrive(empty.index(i % NUM_STAGES))
 
@@ -303,38 +405,63 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             gl.store(lse_ptr + tokens_o * lse_stride_t + heads_o * lse_stride_h, lse,
                      mask=valid_o)
 
-    @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
-    def gluon_prefill_kernel(
-        out_ptr, lse_ptr, query_ptr, k_desc, v_desc, k_cache_ptr, v_cache_ptr, table_ptr,
-        seq_lens_ptr, qsl_ptr, row_of_batch_ptr, qk_scale, num_reqs, num_tokens,
-        short_query_len, num_blocks, num_rows, width, search_stride, cache_rows,
-        out_stride_t, out_stride_h,
-        lse_stride_t, lse_stride_h,
-        q_stride_t, q_stride_h,
-        k_stride_b, k_stride_s,
-        v_stride_b, v_stride_s,
-        table_stride_r, table_stride_c,
+    @gluon.jit
+    def _consumer_partition(
+        half: gl.constexpr, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty,
+        out_ptr, lse_ptr, qk_scale, num_reqs, num_tokens,
+        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):
-        BLOCK_M: gl.constexpr = 2 * _ROWS
-        LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
-        dtype: gl.constexpr = query_ptr.dtype.element_ty
-        # Programs start in launch order (the grid's first axis fastest); the i-th of them
-        # takes tile T - 1 - i // H of KV head i % H: the last tiles first (a request's last
-        # are its heaviest under the causal mask), every head's side by side, so that the
-        # programs running at once read the same slots of every head's keys.
-        num_kv_heads = gl.num_programs(1)
-        launched = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
-        tile = gl.num_programs(0) - 1 - launched // num_kv_heads
-        kv_head = launched % num_kv_heads
+        """One consumer warpgroup over the program's work items, as the loader describes
+        them (in its order), to the last one's end."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        ring = 0  # tiles consumed so far
+        j = 0  # items taken so far
+        kind = 0
+        while kind != _DONE:
+            b = j % 2
+            mbarrier.wait(q_ready.index(b), (j // 2) & 1)
+            fields = meta.index(b).load(gl.BlockedLayout([1], [32], [4], [0]))
+            kind = _field(fields, lanes, 0)
+            tile = _field(fields, lanes, 1)
+            kv_head = _field(fields, lanes, 2)
+            q_start = _field(fields, lanes, 3)
+            n_tiles = _field(fields, lanes, 8)
+            if kind == 1:
+                _zero_pad_rows(half, out_ptr, lse_ptr, tile, kv_head, q_start, num_reqs,
+                               num_tokens, out_stride_t, out_stride_h, lse_stride_t,
+                               lse_stride_h, out_ptr.dtype.element_ty, GROUP, GROUP_PAD,
+                               BLOCK_Q, HEAD_DIM, HAS_LSE)
+            elif kind == 2:
+                _consume_item(half, q_smem.index(2 * b + half), k_smem, v_smem, ready,
+                              empty, out_ptr, lse_ptr, q_start, _field(fields, lanes, 4),
+                              _field(fields, lanes, 5), _field(fields, lanes, 6),
+                              _field(fields, lanes, 7), ring, n_tiles, kv_head, qk_scale,
+                              out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
+                              GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE)
+            mbarrier.arrive(q_empty.index(b))
+            ring += n_tiles
+            j += 1
 
+    @gluon.jit
+    def _find_item(
+        w, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
+        search_stride, BLOCK_Q: gl.constexpr, RADIX: gl.constexpr, INDEXED: gl.constexpr,
+    ):
+        """Work item ``w``: its query tile and KV head, the tile's request (``num_reqs`` for
+        a tile past the last request) with its token bounds, length and table row.
+
+        The i-th item takes tile T - 1 - i // H of KV head i % H: the last tiles first (a
+        request's last are its heaviest under the causal mask), every head's side by side,
+        so that the items running at once read the same slots of every head's keys."""
+        tile = gl.cdiv(num_tokens, BLOCK_Q) + num_reqs - 1 - w // num_kv_heads
+        kv_head = w % num_kv_heads
         # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile, RADIX
         # candidates a level (one warp's lanes, the same in every warp: no reduction crosses
-        # warps). The last level reads each candidate's bounds, length and row beside its start,
-        # so the request's own come from its lane, not from another trip to memory.
+        # warps). The last level reads each candidate's bounds, length and row beside its
+        # start, so the request's own come from its lane, not from another trip to memory.
         lanes = gl.arange(0, RADIX, layout=gl.BlockedLayout([1], [32], [4], [0]))
         req = tile * 0
         stride = search_stride
@@ -362,75 +489,120 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         if INDEXED:
             rows = gl.load(row_of_batch_ptr + cand, mask=real_c, other=0)
             row = gl.sum(gl.where(mine, rows, 0), 0)
+        return tile, kv_head, req, q_start, q_end, seq_len, row
 
-        if req == num_reqs:  # past the last request: zero the pad tokens of this tile
-            rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-            g_o = rows_o % GROUP_PAD
-            heads_o = kv_head * GROUP + g_o
-            tokens = (tile - num_reqs) * BLOCK_Q + rows_o // GROUP_PAD
-            pad = (g_o < GROUP) & (tokens >= q_start) & (tokens < num_tokens)
-            tok64 = tokens.to(gl.int64)
-            o_ptrs = out_ptr + gl.expand_dims(tok64 * out_stride_t + heads_o * out_stride_h, 1) \
-                + gl.expand_dims(d_o, 0)
-            zero = gl.zeros([BLOCK_M, HEAD_DIM], dtype, LD)
-            gl.store(o_ptrs, zero, mask=gl.expand_dims(pad, 1) & gl.expand_dims(d_o >= 0, 0))
-            if HAS_LSE:
-                gl.store(lse_ptr + tok64 * lse_stride_t + heads_o * lse_stride_h,
-                         gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, LD)),
-                         mask=pad)
-            return
+    @gluon.jit
+    def _item_bounds(
+        tile, req, q_start, q_end, seq_len, row, num_reqs, short_query_len, num_rows, width,
+        BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):
+        """Whether this kernel computes the work item's rows, their first token in the request,
+        the request's cached prefix, its keys' cap (never past the table row), the item's key
+        end and key tiles (0 when not computed), and the row (0 for a row outside the table,
+        whose cap is 0)."""
         query_len = q_end - q_start
         j = tile - q_start // BLOCK_Q - req  # the tile's index in its request
-        if query_len <= short_query_len or j * BLOCK_Q >= query_len:
-            return
-        row_ok = (row >= 0) & (row < num_rows)
-        row = gl.where(row_ok, row, 0)
-        kv_cap = gl.minimum(seq_len, width * BLOCK_SIZE)  # never past the row
-        kv_cap = gl.where(row_ok, kv_cap, 0)
         i0 = j * BLOCK_Q
+        busy = (req < num_reqs) & (query_len > short_query_len) & (i0 < query_len)
+        row_ok = (row >= 0) & (row < num_rows)
+        kv_cap = gl.where(row_ok, gl.minimum(seq_len, width * BLOCK_SIZE), 0)
         prefix = seq_len - query_len
         kv_end = gl.maximum(gl.minimum(prefix + gl.minimum(i0 + BLOCK_Q, query_len), kv_cap), 0)
-        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        n_tiles = gl.where(busy, gl.cdiv(kv_end, BLOCK_N), 0)
+        return busy, i0, prefix, kv_cap, kv_end, n_tiles, gl.where(row_ok, row, 0)
 
+    @gluon.jit
+    def _zero_pad_rows(
+        half: gl.constexpr, out_ptr, lse_ptr, tile, kv_head, q_start, num_reqs, num_tokens,
+        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h, dtype: gl.constexpr,
+        GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
+        HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
+    ):
+        """A tile past the last request: this warpgroup's rows of its pad tokens (from
+        ``q_start``, the batch's last token, on) zeroed, their LSE -inf."""
+        M: gl.constexpr = _ROWS
+        LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
+        rows_o = half * M + gl.arange(0, M, layout=gl.SliceLayout(1, LD))
+        d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+        g_o = rows_o % GROUP_PAD
+        heads_o = kv_head * GROUP + g_o
+        tokens = (tile - num_reqs) * BLOCK_Q + rows_o // GROUP_PAD
+        pad = (g_o < GROUP) & (tokens >= q_start) & (tokens < num_tokens)
+        tok64 = tokens.to(gl.int64)
+        o_ptrs = out_ptr + gl.expand_dims(tok64 * out_stride_t + heads_o * out_stride_h, 1) \
+            + gl.expand_dims(d_o, 0)
+        gl.store(o_ptrs, gl.zeros([M, HEAD_DIM], dtype, LD),
+                 mask=gl.expand_dims(pad, 1) & gl.expand_dims(d_o >= 0, 0))
+        if HAS_LSE:
+            gl.store(lse_ptr + tok64 * lse_stride_t + heads_o * lse_stride_h,
+                     gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, LD)), mask=pad)
+
+    @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
+    def gluon_prefill_kernel(
+        out_ptr, lse_ptr, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, table_ptr,
+        seq_lens_ptr, qsl_ptr, row_of_batch_ptr, qk_scale, num_reqs, num_tokens,
+        short_query_len, num_blocks, num_rows, width, search_stride, cache_rows, num_kv_heads,
+        out_stride_t, out_stride_h,
+        lse_stride_t, lse_stride_h,
+        k_stride_b, k_stride_s,
+        v_stride_b, v_stride_s,
+        table_stride_r, table_stride_c,
+        GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+    ):
+        # Work items (query tile, KV head) i, i + G, i + 2G, ... of a grid of G programs: a
+        # program's loader runs into its next item's queries and keys while the consumers
+        # finish the last one's (one item a program when G is the item count).
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_ROWS, HEAD_DIM], gl.float16)
         KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [BLOCK_N, HEAD_DIM], gl.float16)
-        q_smem = gl.allocate_shared_memory(dtype, [2, _ROWS, HEAD_DIM], Q_SMEM)
+        # two query buffers of two consumers' rows each, and each buffer's item description
+        q_smem = gl.allocate_shared_memory(dtype, [4, _ROWS, HEAD_DIM], Q_SMEM)
+        meta = gl.allocate_shared_memory(
+            gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_SMEM)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        for s in gl.static_range(2):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)
 
-        table_row_ptr = table_ptr + row.to(gl.int64) * table_stride_r
         # (Each partition's arguments written out: a tuple built by concatenation here
         # loses the constexpr-ness of its elements.)
         gl.warp_specialize(
             [
                 (_load_partition, (
-                    k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
-                    table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
-                    v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end, n_tiles,
-                    BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES,
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, meta, q_ready, q_empty,
+                    ready, empty, table_ptr, table_stride_r, table_stride_c, k_cache_ptr,
+                    v_cache_ptr, k_stride_b, k_stride_s, v_stride_b, v_stride_s, num_blocks,
+                    cache_rows, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
+                    short_query_len, num_rows, width, search_stride, num_kv_heads,
+                    GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
+                    INDEXED, NUM_STAGES,
                 )),
                 (_consumer_partition, (
-                    0, q_smem, k_smem, v_smem, ready, empty, out_ptr, lse_ptr, query_ptr,
-                    q_start, query_len, prefix, kv_cap, i0, n_tiles, kv_head, qk_scale,
-                    out_stride_t, out_stride_h, lse_stride_t, lse_stride_h, q_stride_t,
-                    q_stride_h, GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE,
+                    0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
+                    lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
+                    out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES,
                 )),
                 (_consumer_partition, (
-                    1, q_smem, k_smem, v_smem, ready, empty, out_ptr, lse_ptr, query_ptr,
-                    q_start, query_len, prefix, kv_cap, i0, n_tiles, kv_head, qk_scale,
-                    out_stride_t, out_stride_h, lse_stride_t, lse_stride_h, q_stride_t,
-                    q_stride_h, GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE,
+                    1, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
+                    lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
+                    out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES,
                 )),
             ],
             [4, 4],
             [CONSUMER_REGS_C, CONSUMER_REGS_C],
         )
-

@@ -114,6 +114,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gluon_reason(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -125,17 +130,19 @@ def gluon_reason(
 ) -> str | None:
     """``None`` when the Gluon prefill kernel serves these (checked) inputs, else why not:
     it needs what :func:`gluon_prefill.supports` asks, a Hopper GPU, 16-byte aligned tensors
-    with a contiguous head dimension and other strides in multiples of 16 elements, a GQA
-    group within one consumer's rows, and a cache whose blocks are contiguous ``[block_size,
-    num_kv_heads, head_dim]`` pieces of a power of two from 16 slots up (its loader copies
-    whole page chunks), under 2**31 slots in all."""
+    with a contiguous head dimension and other strides in multiples of 16 elements, a query
+    whose heads lie side by side (copied by TMA), a GQA group of at most 8, and a cache whose
+    blocks are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces of a power of two
+    from 16 slots up (its loader copies whole page chunks), under 2**31 slots in all."""
     reason = _gluon.supports(DTYPE_NAMES[query.dtype], query.shape[2], cp.world_size, window)
     if reason is not None:
         return reason
     if not query.is_cuda or _capability(query.device)[0] != 9:
         return "not a Hopper (sm_90) GPU"
-    if group_pad > _gluon.CONSUMER_ROWS:
-        return f"a GQA group over {_gluon.CONSUMER_ROWS}"
+    if group_pad > 8:  # (a head's box of 64 // group_pad query rows: whole swizzle periods)
+        return "a GQA group over 8"
+    if query.stride(1) != query.shape[2]:
+        return "query's heads are not side by side"
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         strides = t.stride()
         if strides[-1] != 1 or any(s % 16 for s in strides[:-1]) or t.data_ptr() % 16:
@@ -160,6 +167,10 @@ class GluonTiles:
 
     block_n: int = 64
     stages: int = 4
+    # Programs per multiprocessor, each taking work items (query tile, KV head) in turn, so
+    # that its loader copies the next item's queries and keys while its consumers finish the
+    # last one's; 0: a program per item.
+    programs_per_sm: int = 1
 
 
 GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
@@ -187,19 +198,37 @@ def _launch_gluon(
     num_rows, width = block_table.shape
     tiles = GLUON_TILES
     block_q = 2 * _gluon.CONSUMER_ROWS // group_pad
-    o_t, o_h, _, lse_t, lse_h, q_t, q_h, _, k_b, k_s, _, _, v_b, v_s, _, _, tb_r, tb_c = strides
+    o_t, o_h, _, lse_t, lse_h, _, _, _, k_b, k_s, _, _, v_b, v_s, _, _, tb_r, tb_c = strides
     cache_rows = num_blocks * block_size
     k_desc, v_desc = _descriptors(k_cache, v_cache, min(block_size, tiles.block_n))
-    _gluon.gluon_prefill_kernel[(cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)](
-        out, seq_lens if lse_out is None else lse_out, query, k_desc, v_desc, k_cache, v_cache,
+    q_desc = _query_descriptor(query, _gluon.CONSUMER_ROWS // group_pad)
+    num_programs = (cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads  # one per item
+    if tiles.programs_per_sm:
+        num_programs = min(num_programs, tiles.programs_per_sm * _multiprocessors(query.device))
+    _gluon.gluon_prefill_kernel[(num_programs,)](
+        out, seq_lens if lse_out is None else lse_out, q_desc, k_desc, v_desc, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
         seq_lens if row_of_batch is None else row_of_batch, scale * LOG2_E, num_reqs,
         num_tokens, short_query_len, num_blocks, num_rows, width,
-        search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, o_t, o_h, lse_t, lse_h, q_t,
-        q_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
+        search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
+        lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
         row_of_batch is not None, lse_out is not None, tiles.stages, num_warps=4,
     )
+
+
+def _query_descriptor(query: torch.Tensor, tokens: int) -> object:
+    """TMA descriptor of ``query`` seen as ``[num_tokens, num_heads * head_dim]`` (its heads
+    side by side: checked by :func:`gluon_reason`), copying ``[tokens, head_dim]`` boxes (one
+    head of a consumer's tokens) in the layout of the kernel's query buffers."""
+    num_tokens, num_heads, head_dim = query.shape
+    gl = _gluon.gl
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [_gluon.CONSUMER_ROWS, head_dim],
+        gl.float16 if query.dtype == torch.float16 else gl.bfloat16,
+    )
+    return _gluon.TensorDescriptor(query, [num_tokens, num_heads * head_dim],
+                                   [query.stride(0), 1], [tokens, head_dim], layout)
 
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: int) -> tuple:
