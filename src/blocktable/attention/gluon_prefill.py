@@ -99,7 +99,13 @@ def supports(dtype_name: str, head_dim: int, cp_world: int, window: int) -> str 
 if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     _LN_2_C = gl.constexpr(_LN_2)
     _ROWS = gl.constexpr(CONSUMER_ROWS)
-    _DONE = gl.constexpr(3)  # an item description's kind: the program has no more items
+    # An item description's kind: nothing to compute, pad rows past the last request, rows
+    # to compute, or the program's end.
+    _IDLE = gl.constexpr(0)
+    _PAD = gl.constexpr(1)
+    _BUSY = gl.constexpr(2)
+    _DONE = gl.constexpr(3)
+    _LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 32 values, one warp's lanes
     CONSUMER_REGS_C = gl.constexpr(CONSUMER_REGS)
 
     @gluon.constexpr_function
@@ -148,8 +154,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                 num_rows, width, BLOCK_Q, BLOCK_N, BLOCK_SIZE)
             b = j % 2
             mbarrier.wait(q_empty.index(b), ((j // 2) & 1) ^ 1)
-            # 0: nothing to compute, 1: pad rows past the last request, 2: busy
-            kind = (req == num_reqs).to(gl.int32) + 2 * busy.to(gl.int32)
+            # _PAD past the last request, _BUSY for rows to compute, else _IDLE (0)
+            kind = _PAD * (req == num_reqs).to(gl.int32) + _BUSY * busy.to(gl.int32)
             _describe(meta.index(b), kind, tile, kv_head, q_start, q_end - q_start, prefix,
                       kv_cap, i0, n_tiles)
             _partition_barrier()  # every warp's stores before the arrival
@@ -182,8 +188,10 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     @gluon.jit
     def _describe(meta, kind, tile, kv_head, q_start, query_len, prefix, kv_cap, i0,
                   n_tiles):
-        """A work item's description into ``meta`` (int32 ``[32]`` in shared memory)."""
-        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        """A work item's description into ``meta`` (int32 ``[32]`` in shared memory): field
+        ``i`` at lane ``i``, read back by :func:`_field` (the consumers read each field where
+        they use it)."""
+        lanes = gl.arange(0, 32, layout=_LANES)
         fields = gl.where(lanes == 0, kind, 0)
         fields = gl.where(lanes == 1, tile, fields)
         fields = gl.where(lanes == 2, kv_head, fields)
@@ -197,6 +205,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
     @gluon.jit
     def _field(fields, lanes, i: gl.constexpr):
+        """Field ``i`` of a description loaded from shared memory, as a scalar."""
         return gl.sum(gl.where(lanes == i, fields, 0), 0)
 
     @gluon.jit
@@ -416,25 +425,25 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     ):
         """One consumer warpgroup over the program's work items, as the loader describes
         them (in its order), to the last one's end."""
-        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [4], [0]))
         ring = 0  # tiles consumed so far
         j = 0  # items taken so far
-        kind = 0
+        kind = _IDLE
         while kind != _DONE:
             b = j % 2
             mbarrier.wait(q_ready.index(b), (j // 2) & 1)
-            fields = meta.index(b).load(gl.BlockedLayout([1], [32], [4], [0]))
+            lanes = gl.arange(0, 32, layout=_LANES)
+            fields = meta.index(b).load(_LANES)
             kind = _field(fields, lanes, 0)
             tile = _field(fields, lanes, 1)
             kv_head = _field(fields, lanes, 2)
             q_start = _field(fields, lanes, 3)
             n_tiles = _field(fields, lanes, 8)
-            if kind == 1:
+            if kind == _PAD:
                 _zero_pad_rows(half, out_ptr, lse_ptr, tile, kv_head, q_start, num_reqs,
                                num_tokens, out_stride_t, out_stride_h, lse_stride_t,
                                lse_stride_h, out_ptr.dtype.element_ty, GROUP, GROUP_PAD,
                                BLOCK_Q, HEAD_DIM, HAS_LSE)
-            elif kind == 2:
+            elif kind == _BUSY:
                 _consume_item(half, q_smem.index(2 * b + half), k_smem, v_smem, ready,
                               empty, out_ptr, lse_ptr, q_start, _field(fields, lanes, 4),
                               _field(fields, lanes, 5), _field(fields, lanes, 6),
@@ -462,7 +471,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         # candidates a level (one warp's lanes, the same in every warp: no reduction crosses
         # warps). The last level reads each candidate's bounds, length and row beside its
         # start, so the request's own come from its lane, not from another trip to memory.
-        lanes = gl.arange(0, RADIX, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        lanes = gl.arange(0, RADIX, layout=_LANES)
         req = tile * 0
         stride = search_stride
         while stride > 1:
