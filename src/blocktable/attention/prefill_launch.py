@@ -217,28 +217,35 @@ def _launch_gluon(
     )
 
 
-def _query_descriptor(query: torch.Tensor, tokens: int) -> object:
-    """TMA descriptor of ``query`` seen as ``[num_tokens, num_heads * head_dim]`` (its heads
-    side by side: checked by :func:`gluon_reason`), copying ``[tokens, head_dim]`` boxes (one
-    head of a consumer's tokens) in the layout of the kernel's query buffers."""
-    num_tokens, num_heads, head_dim = query.shape
+def _row_descriptor(t: torch.Tensor, num_rows: int, row_stride: int, box_rows: int,
+                    buffer_rows: int) -> object:
+    """TMA descriptor of ``t`` (its last two dimensions heads and ``head_dim``, the heads side
+    by side) seen as ``[num_rows, heads * head_dim]`` rows ``row_stride`` elements apart,
+    copying ``[box_rows, head_dim]`` boxes (one head's rows) into shared buffers of
+    ``buffer_rows`` rows, in their swizzled layout."""
+    heads, head_dim = t.shape[-2:]
     gl = _gluon.gl
     layout = gl.NVMMASharedLayout.get_default_for(
-        [_gluon.CONSUMER_ROWS, head_dim],
-        gl.float16 if query.dtype == torch.float16 else gl.bfloat16,
+        [buffer_rows, head_dim], gl.float16 if t.dtype == torch.float16 else gl.bfloat16
     )
-    return _gluon.TensorDescriptor(query, [num_tokens, num_heads * head_dim],
-                                   [query.stride(0), 1], [tokens, head_dim], layout)
+    return _gluon.TensorDescriptor(t, [num_rows, heads * head_dim], [row_stride, 1],
+                                   [box_rows, head_dim], layout)
+
+
+def _query_descriptor(query: torch.Tensor, tokens: int) -> object:
+    """The query seen as ``[num_tokens, num_heads * head_dim]`` (its heads side by side:
+    checked by :func:`gluon_reason`), copying ``[tokens, head_dim]`` boxes (one head of a
+    consumer's tokens) into the kernel's query buffers."""
+    return _row_descriptor(query, query.shape[0], query.stride(0), tokens,
+                           _gluon.CONSUMER_ROWS)
 
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: int) -> tuple:
-    """TMA descriptors of the two caches seen as ``[num_blocks * block_size, num_kv_heads *
-    head_dim]`` (rows: slots), copying ``[chunk, head_dim]`` boxes."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    gl = _gluon.gl
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [chunk, head_dim], gl.float16 if k_cache.dtype == torch.float16 else gl.bfloat16
-    )
+    """The two caches seen as ``[num_blocks * block_size, num_kv_heads * head_dim]`` (rows:
+    slots), copying ``[chunk, head_dim]`` boxes."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    return tuple(_row_descriptor(t, num_slots, t.stride(1), chunk, chunk)
+                 for t in (k_cache, v_cache))
     shape = [num_blocks * block_size, num_kv_heads * head_dim]
     return tuple(
         _gluon.TensorDescriptor(t, shape, [t.stride(1), 1], [chunk, head_dim], layout)
