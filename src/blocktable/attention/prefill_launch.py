@@ -246,8 +246,3 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: int) -> tu
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     return tuple(_row_descriptor(t, num_slots, t.stride(1), chunk, chunk)
                  for t in (k_cache, v_cache))
-    shape = [num_blocks * block_size, num_kv_heads * head_dim]
-    return tuple(
-        _gluon.TensorDescriptor(t, shape, [t.stride(1), 1], [chunk, head_dim], layout)
-        for t in (k_cache, v_cache)
-    )
