@@ -38,14 +38,21 @@ BIG = [(1000, 1000), (1337, 300), (257, 1), (0, 0), (700, 700), (129, 64)]
 
 
 def run_prefill(args, kernel: str, *, lse: bool = True, window=None, row_of_batch=None,
-                prefill_only: bool = True, scale: float = 0.3):
-    """Output and LSE (poisoned with NaN first) of one launch through ``kernel``."""
+                prefill_only: bool = True, scale: float = 0.3, heads_apart: bool = False):
+    """Output and LSE (poisoned with NaN first) of one launch through ``kernel``; with
+    ``heads_apart``, an output whose heads lie ``2 * head_dim`` elements apart (a view of
+    every other half of a NaN buffer)."""
     query = args[0]
     group = query.shape[1] // args[1].shape[2]
     config = dataclasses.replace(
         default_config(query.shape[2], group, query.element_size()), prefill_kernel=kernel
     )
-    out = torch.full_like(query, float("nan"))
+    if heads_apart:
+        num_tokens, num_heads, head_dim = query.shape
+        out = torch.full((num_tokens, num_heads, 2 * head_dim), float("nan"),
+                         dtype=query.dtype, device=query.device)[..., :head_dim]
+    else:
+        out = torch.full_like(query, float("nan"))
     lse_out = torch.full(query.shape[:2], float("nan"), device=query.device) if lse else None
     PagedAttention(query.device, config).launch(
         out, lse_out, *args, row_of_batch, scale, window, CPLayout(), decode_only=False,
@@ -234,10 +241,37 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
 
     monkeypatch.setattr(prefill_launch, "GLUON_TILES", prefill_launch.GluonTiles(**tiles))
     args = make_case(BIG + LONG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=2, seed=9)
-    out, lse = run_prefill(args, "gluon")
     ref, ref_lse = reference(*args, scale=0.3)
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
-    check_lse(lse, ref_lse, torch.bfloat16)
+    for _ in range(3):  # launches after the first find the work-item counters zeroed again
+        out, lse = run_prefill(args, "gluon")
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+        check_lse(lse, ref_lse, torch.bfloat16)
+    for counters in prefill_launch._WORK_COUNTERS.values():
+        assert counters.tolist() == [0, 0]
+
+
+@needs_hopper
+@pytest.mark.parametrize("heads_apart", [False, True], ids=["heads-side-by-side", "heads-apart"])
+@pytest.mark.parametrize("case", CASES + [(16, 2, 3, 128, torch.bfloat16),
+                                          (32, 1, 6, 64, torch.float16)],
+                         ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
+def test_gluon_output_rows_match_reference_however_stored(case, heads_apart) -> None:
+    """Heads side by side: a tile whose rows are all tokens of its request leaves through
+    the copy engine, the rest from registers; heads apart: every row from registers. Every
+    row equals the reference, and no copy touches a neighbouring request's rows, the pad
+    tokens or the memory between the heads."""
+    block_size, num_kv_heads, group, head_dim, dtype = case
+    args = make_case(MIXED + BIG + LONG, block_size, num_kv_heads, group, head_dim, dtype,
+                     "cuda", pad_tokens=5, seed=group + head_dim)
+    out, lse = run_prefill(args, "gluon", heads_apart=heads_apart)
+    ref, ref_lse = reference(*args, scale=0.3)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    check_lse(lse, ref_lse, dtype)
+    worst = (out.double().cpu() - ref).abs().max().item()
+    assert worst < 4 * TOLERANCE[dtype], worst
+    if heads_apart:
+        base = out.as_strided((out.shape[0], out.shape[1], 2 * head_dim), out.stride())
+        assert base[..., head_dim:].isnan().all()  # between the heads: never written
 
 
 @needs_hopper

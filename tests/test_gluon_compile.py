@@ -49,10 +49,10 @@ q_desc = ws.TensorDescriptor(queries, list(queries.shape), list(queries.stride()
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX,
-              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages)
+              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages, TMA_OUT=True)
 pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
-            "row_of_batch_ptr": "i32"}
+            "row_of_batch_ptr": "i32", "work_ptr": "i32"}
 signature, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     if name in pointers:
@@ -60,7 +60,7 @@ for i, name in enumerate(kernel.arg_names):
         attrs[(i,)] = [["tt.divisibility", 16]]
     elif name in ("k_desc", "v_desc"):
         signature[name] = mangle_type(desc)
-    elif name == "q_desc":
+    elif name in ("q_desc", "o_desc"):
         signature[name] = mangle_type(q_desc)
     elif name in consts:
         signature[name] = "constexpr"
@@ -85,9 +85,9 @@ with open(out + ".ptx", "w") as f:
     (4, 64, 4, 128, 16), (8, 64, 3, 128, 256), (2, 128, 2, 64, 64),
 ], ids=lambda s: "g{}-n{}-s{}-d{}-b{}".format(*s))
 def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
-    """The kernel lowers for sm_90: the loader's tensor copies and the gathered chunk's plain
-    loads, the consumers' wgmma and the mbarrier waits between them are in its machine
-    code."""
+    """The kernel lowers for sm_90: the loader's tensor copies, its work-item claims and the
+    gathered chunk's plain loads, the consumers' wgmma, the mbarrier waits between them and
+    the output's tensor copies are in its machine code."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -107,7 +107,8 @@ def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
         pytest.skip("this Triton ships no cuobjdump")
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{out}.cubin"],
                           capture_output=True, text=True, timeout=120, check=True).stdout
-    for op in ("UTMALDG", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E"):
+    # (copies in and out, the work items' claims, wgmma, mbarrier waits, the gathered chunk)
+    for op in ("UTMALDG", "UTMASTG", "ATOMG.E.ADD", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E"):
         assert op in sass, op
     # The PTX pass left the partitions' own register moves only, and every warp of the launch
     # holds the .maxnreg the loader's and the consumers' budgets add up to.

@@ -1,10 +1,11 @@
 """The prefill kernel in Gluon for Hopper (sm_90), warp-specialized and persistent: a grid of
 about one program per multiprocessor, each taking work items (a query tile of one KV head) in
-turn. In a program, one warpgroup finds each item (its request, bounds and key tiles),
+turn, the next unclaimed one of the launch whenever it is ready for more. In a program, one warpgroup finds each item (its request, bounds and key tiles),
 describes it to the consumers in shared memory, copies its queries with the tensor copy
 engine (TMA) into one of two query buffers, and its K/V tiles page by page into a ring of
 shared-memory stages; two consumer warpgroups, each on its own 64 query rows, run the scores,
-the online softmax and ``P @ V`` on warpgroup MMA (wgmma). Buffers and stages are handed over
+the online softmax and ``P @ V`` on warpgroup MMA (wgmma), and hand a tile's output rows to
+the copy engine through their query buffer when the output's heads lie side by side. Buffers and stages are handed over
 by mbarriers: "ready" (the copy engine's byte count) and "empty" (one arrival per consumer),
 so the loader runs ahead of both consumers, into the next item's queries and keys while they
 finish the last one's, and the two consumers drift apart instead of meeting at every tile:
@@ -14,8 +15,7 @@ while ``P @ V`` of the tile before does. (That needs the PTX pass of
 ptxas would wait after every wgmma.)
 
 It computes what :mod:`blocktable.attention.triton_prefill` computes, over the same tiles (in
-another order: the last tile first, every KV head's side by side, the rounds of programs in
-alternating directions) and with the same request search (a warp's 32 lanes a level; the last
+another order: the last tile first, every KV head's side by side) and with the same request search (a warp's 32 lanes a level; the last
 level also reads the request's bounds, length and row), for the cases :func:`supports` and the
 launcher accept: float16 or bfloat16, head size 64 or 128, a GQA group of at most 8 query heads
 (padded), a query whose heads lie side by side, a kernel block size that is a power of two
@@ -54,6 +54,7 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+        _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
         _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
         HAS_GLUON = True
     except (ImportError, AttributeError):
@@ -127,28 +128,35 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         table_ptr, table_stride_r, table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b,
         k_stride_s, v_stride_b, v_stride_s, num_blocks, cache_rows, qsl_ptr, seq_lens_ptr,
         row_of_batch_ptr, num_reqs, num_tokens, short_query_len, num_rows, width,
-        search_stride, num_kv_heads,
+        search_stride, num_kv_heads, work_ptr,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
-        """The loader warpgroup: for each of the program's work items, find it (its request,
-        bounds and key tiles), describe it to the consumers in ``meta`` and copy its query
-        tile into one of two query buffers (handed over by ``q_ready``/``q_empty``), then for
-        each key tile wait until both consumers released its stage and copy its K and V page
-        chunks into it. The ring's tiles and the query buffers are counted across the items,
-        so the loader runs into the next item's queries and keys while the consumers finish
-        the last one's."""
+        """The loader warpgroup: for each of the program's work items, describe it to the
+        consumers in ``meta`` and copy its query tile into one of two query buffers (handed
+        over by ``q_ready``/``q_empty``), then for each key tile wait until both consumers
+        released its stage and copy its K and V page chunks into it. The ring's tiles and the
+        query buffers are counted across the items, so the loader runs into the next item's
+        queries and keys while the consumers finish the last one's.
+
+        The program's first item is its id; each next one is the next unclaimed item of the
+        launch (``work_ptr``, int32 ``[2]``: the items claimed past the grid's first, the
+        programs done; zero at the launch, zeroed again by its last program), so a program
+        that finishes early takes more and no fixed share leaves some idle while others run.
+        The next item is claimed and found (its request, bounds and key tiles) as soon as the
+        current one's first key tile is on its way: its last tile's stage frees late, and the
+        claim's and the search's trips to memory would then hold up the next queries."""
         TOK: gl.constexpr = _ROWS // GROUP_PAD  # tokens of a consumer's rows
         Q_BYTES: gl.constexpr = 2 * _ROWS * HEAD_DIM * 2
         num_items = (gl.cdiv(num_tokens, BLOCK_Q) + num_reqs) * num_kv_heads
         ring = 0  # tiles loaded so far
         j = 0  # items described so far
-        w = _item_index(0)
+        w = gl.program_id(0)
+        tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
+            gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
+            row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
         while w < num_items:
-            tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
-                w, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs,
-                num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
             busy, i0, prefix, kv_cap, kv_end, n_tiles, row = _item_bounds(
                 tile, req, q_start, q_end, seq_len, row, num_reqs, short_query_len,
                 num_rows, width, BLOCK_Q, BLOCK_N, BLOCK_SIZE)
@@ -171,19 +179,36 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                         _tma_load(q_desc, [t0, (kv_head * GROUP + g) * HEAD_DIM],
                                   q_ready.index(b), q_smem.index(2 * b + h).slice(g * TOK, TOK))
             table_row_ptr = table_ptr + row.to(gl.int64) * table_stride_r
+            split = gl.minimum(n_tiles, 1)  # the tiles copied before the next item is found
             _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
                         table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
                         v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end,
-                        ring, n_tiles, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
-            ring += n_tiles
+                        ring, 0, split, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
+            item_kv_head, item_kv_end, item_tiles = kv_head, kv_end, n_tiles
+            # (relaxed: the claim orders nothing else, and a fence would wait for every copy)
+            w = gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed")
+            tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
+                gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
+                row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX,
+                INDEXED)
+            _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
+                        table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
+                        v_stride_b, v_stride_s, num_blocks, cache_rows, item_kv_head,
+                        item_kv_end, ring, split, item_tiles, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                        NUM_STAGES)
+            ring += item_tiles
             j += 1
-            w = _item_index(j)
         # The end, as an item of its own kind.
         b = j % 2
         mbarrier.wait(q_empty.index(b), ((j // 2) & 1) ^ 1)
         _describe(meta.index(b), _DONE, 0, 0, 0, 0, 0, 0, 0, 0)
         _partition_barrier()
         mbarrier.arrive(q_ready.index(b))
+        # The last program to get here zeroes the counters for the next launch: every
+        # program has made its last claim by then.
+        if gl.atomic_add(work_ptr + 1, 1, sem="relaxed") == gl.num_programs(0) - 1:
+            gl.atomic_xchg(work_ptr, 0, sem="relaxed")
+            gl.atomic_xchg(work_ptr + 1, 0, sem="relaxed")
 
     @gluon.jit
     def _describe(meta, kind, tile, kv_head, q_start, query_len, prefix, kv_cap, i0,
@@ -209,30 +234,21 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         return gl.sum(gl.where(lanes == i, fields, 0), 0)
 
     @gluon.jit
-    def _item_index(k):
-        """The program's ``k``-th work item: item ``p`` of each round of ``G`` (the grid) in
-        even rounds, ``G - 1 - p`` in odd ones, so that no program takes the heaviest item
-        of every round."""
-        p = gl.program_id(0)
-        g = gl.num_programs(0)
-        return k * g + p + (k % 2) * (g - 1 - 2 * p)
-
-    @gluon.jit
     def _load_tiles(
         k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr, table_stride_c,
         k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s, v_stride_b, v_stride_s,
-        num_blocks, cache_rows, kv_head, kv_end, ring, n_tiles,
+        num_blocks, cache_rows, kv_head, kv_end, ring, first, n_tiles,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):
-        """One work item's ``n_tiles`` key tiles into the ring, the first into its
-        ``ring``-th use of a stage."""
+        """Key tiles ``first`` to ``n_tiles - 1`` of a work item into the ring, its tile 0
+        into the ring's ``ring``-th use of a stage."""
         CH: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
         NCH: gl.constexpr = BLOCK_N // CH
         TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * 2
         CHUNK_BYTES: gl.constexpr = 2 * CH * HEAD_DIM * 2
         col = kv_head * HEAD_DIM
-        for i in range(n_tiles):
+        for i in range(first, n_tiles):
             stage = (ring + i) % NUM_STAGES
             mbarrier.wait(empty.index(stage), (((ring + i) // NUM_STAGES) & 1) ^ 1)
             start = i * BLOCK_N
@@ -308,11 +324,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
     @gluon.jit
     def _consume_item(
-        half: gl.constexpr, q_rows, k_smem, v_smem, ready, empty, out_ptr, lse_ptr,
+        half: gl.constexpr, q_rows, k_smem, v_smem, ready, empty, out_ptr, o_desc, lse_ptr,
         q_start, query_len, prefix, kv_cap, i0, ring, n_tiles_all, kv_head, qk_scale,
         out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
+        TMA_OUT: gl.constexpr,
     ):
         """One warpgroup on its 64 rows of a work item's query tile (``q_rows``, in shared
         memory: ``GROUP_PAD`` heads of the tile's tokens ``[i0 + half * TOK, i0 + half * TOK
@@ -402,11 +419,23 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         # Normalize and store; a row that saw no key gets zeros and LSE -inf.
         seen = l_i > 0
         l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
-        o = acc / gl.expand_dims(l_o, 1)
-        o = gl.convert_layout(o.to(dtype), LD)
-        o_ptrs = out_ptr + gl.expand_dims(tokens_o * out_stride_t + heads_o * out_stride_h, 1) \
-            + gl.expand_dims(d_o, 0)
-        gl.store(o_ptrs, o, mask=io_mask)
+        o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+        if TMA_OUT and (first_tok + TOK <= query_len):
+            # Every row a token of the request: the rows through the query buffer (its
+            # last product retired) and out by the copy engine, a box per head, so the
+            # warpgroup issues a few copies instead of a store per 16 bytes.
+            q_rows.store(o)
+            fence_async_shared()
+            _partition_barrier()  # every warp's rows in place before the copy reads them
+            for g in gl.static_range(GROUP):
+                _tma_store(o_desc, [q_start + first_tok, (kv_head * GROUP + g) * HEAD_DIM],
+                           q_rows.slice(g * TOK, TOK))
+            tma.store_wait(0)
+            _partition_barrier()  # read before the buffer goes back to the loader
+        else:
+            o_ptrs = out_ptr + gl.expand_dims(tokens_o * out_stride_t + heads_o * out_stride_h,
+                                              1) + gl.expand_dims(d_o, 0)
+            gl.store(o_ptrs, gl.convert_layout(o, LD), mask=io_mask)
         if HAS_LSE:
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * _LN_2_C,
                            float("-inf"))
@@ -417,11 +446,11 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     @gluon.jit
     def _consumer_partition(
         half: gl.constexpr, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty,
-        out_ptr, lse_ptr, qk_scale, num_reqs, num_tokens,
+        out_ptr, o_desc, lse_ptr, qk_scale, num_reqs, num_tokens,
         out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         """One consumer warpgroup over the program's work items, as the loader describes
         them (in its order), to the last one's end."""
@@ -444,12 +473,13 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                                lse_stride_h, out_ptr.dtype.element_ty, GROUP, GROUP_PAD,
                                BLOCK_Q, HEAD_DIM, HAS_LSE)
             elif kind == _BUSY:
-                _consume_item(half, q_smem.index(2 * b + half), k_smem, v_smem, ready,
-                              empty, out_ptr, lse_ptr, q_start, _field(fields, lanes, 4),
+                _consume_item(half, q_smem.index(2 * b + half), k_smem, v_smem, ready, empty,
+                              out_ptr, o_desc, lse_ptr, q_start, _field(fields, lanes, 4),
                               _field(fields, lanes, 5), _field(fields, lanes, 6),
                               _field(fields, lanes, 7), ring, n_tiles, kv_head, qk_scale,
                               out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
-                              GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE)
+                              GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE,
+                              TMA_OUT)
             mbarrier.arrive(q_empty.index(b))
             ring += n_tiles
             j += 1
@@ -548,8 +578,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
     @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
     def gluon_prefill_kernel(
-        out_ptr, lse_ptr, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, table_ptr,
-        seq_lens_ptr, qsl_ptr, row_of_batch_ptr, qk_scale, num_reqs, num_tokens,
+        out_ptr, lse_ptr, q_desc, o_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, table_ptr,
+        seq_lens_ptr, qsl_ptr, row_of_batch_ptr, work_ptr, qk_scale, num_reqs, num_tokens,
         short_query_len, num_blocks, num_rows, width, search_stride, cache_rows, num_kv_heads,
         out_stride_t, out_stride_h,
         lse_stride_t, lse_stride_h,
@@ -559,11 +589,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
-        # Work items (query tile, KV head) i, i + G, i + 2G, ... of a grid of G programs: a
-        # program's loader runs into its next item's queries and keys while the consumers
-        # finish the last one's (one item a program when G is the item count).
+        # Work items (query tile, KV head) shared out among a grid of G programs, each
+        # program's first its id and the rest claimed as programs finish (none claimed
+        # when G is the item count): a program's loader runs into its next item's queries
+        # and keys while the consumers finish the last one's.
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_ROWS, HEAD_DIM], gl.float16)
@@ -596,20 +627,20 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     v_cache_ptr, k_stride_b, k_stride_s, v_stride_b, v_stride_s, num_blocks,
                     cache_rows, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
                     short_query_len, num_rows, width, search_stride, num_kv_heads,
-                    GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
+                    work_ptr, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
                     INDEXED, NUM_STAGES,
                 )),
                 (_consumer_partition, (
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
-                    lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
+                    o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
                 (_consumer_partition, (
                     1, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
-                    lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
+                    o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
             ],
             [4, 4],

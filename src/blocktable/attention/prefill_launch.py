@@ -167,9 +167,9 @@ class GluonTiles:
 
     block_n: int = 64
     stages: int = 4
-    # Programs per multiprocessor, each taking work items (query tile, KV head) in turn, so
-    # that its loader copies the next item's queries and keys while its consumers finish the
-    # last one's; 0: a program per item.
+    # Programs per multiprocessor, each taking work items (query tile, KV head) as it is
+    # ready for more, so that its loader copies the next item's queries and keys while its
+    # consumers finish the last one's; 0: a program per item.
     programs_per_sm: int = 1
 
 
@@ -202,19 +202,38 @@ def _launch_gluon(
     cache_rows = num_blocks * block_size
     k_desc, v_desc = _descriptors(k_cache, v_cache, min(block_size, tiles.block_n))
     q_desc = _query_descriptor(query, _gluon.CONSUMER_ROWS // group_pad)
+    # Output rows by the copy engine where the output's heads lie side by side, like the
+    # query's (its alignment is checked by gluon_reason); else stored from registers.
+    tma_out = out.stride(1) == head_dim
+    o_desc = _query_descriptor(out, _gluon.CONSUMER_ROWS // group_pad) if tma_out else q_desc
     num_programs = (cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads  # one per item
     if tiles.programs_per_sm:
         num_programs = min(num_programs, tiles.programs_per_sm * _multiprocessors(query.device))
     _gluon.gluon_prefill_kernel[(num_programs,)](
-        out, seq_lens if lse_out is None else lse_out, q_desc, k_desc, v_desc, k_cache, v_cache,
-        block_table, seq_lens, query_start_loc,
-        seq_lens if row_of_batch is None else row_of_batch, scale * LOG2_E, num_reqs,
+        out, seq_lens if lse_out is None else lse_out, q_desc, o_desc, k_desc, v_desc, k_cache,
+        v_cache, block_table, seq_lens, query_start_loc,
+        seq_lens if row_of_batch is None else row_of_batch, _work_counters(query.device),
+        scale * LOG2_E, num_reqs,
         num_tokens, short_query_len, num_blocks, num_rows, width,
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
         lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
-        row_of_batch is not None, lse_out is not None, tiles.stages, num_warps=4,
+        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out, num_warps=4,
     )
+
+
+_WORK_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _work_counters(device: torch.device) -> torch.Tensor:
+    """The kernel's work-item counters on ``device`` (int32 ``[2]``: items claimed, programs
+    done), zero between launches: each launch's last program zeroes them, so no launch needs
+    a memset before it and a CUDA graph may capture it alone. One pair per stream, so that
+    launches on two streams never share one."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _WORK_COUNTERS:
+        _WORK_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _WORK_COUNTERS[key]
 
 
 def _row_descriptor(t: torch.Tensor, num_rows: int, row_stride: int, box_rows: int,
