@@ -1,11 +1,12 @@
 """The prefill kernel in Gluon for Hopper (sm_90), warp-specialized and persistent: a grid of
 about one program per multiprocessor, each taking work items (a query tile of one KV head) in
-turn, the next unclaimed one of the launch whenever it is ready for more. In a program, one warpgroup finds each item (its request, bounds and key tiles),
-describes it to the consumers in shared memory, copies its queries with the tensor copy
-engine (TMA) into one of two query buffers, and its K/V tiles page by page into a ring of
-shared-memory stages; two consumer warpgroups, each on its own 64 query rows, run the scores,
-the online softmax and ``P @ V`` on warpgroup MMA (wgmma), and hand a tile's output rows to
-the copy engine through their query buffer when the output's heads lie side by side. Buffers and stages are handed over
+turn, the launch's next unclaimed one whenever it is ready for more. In a program, one
+warpgroup finds each item (its request, bounds and key tiles), describes it to the consumers
+in shared memory, copies its queries with the tensor copy engine (TMA) into one of two query
+buffers, and its K/V tiles page by page into a ring of shared-memory stages; two consumer
+warpgroups, each on its own 64 query rows, run the scores, the online softmax and ``P @ V``
+on warpgroup MMA (wgmma), and hand a tile's output rows to the copy engine through their
+query buffer when the output's heads lie side by side. Buffers and stages are handed over
 by mbarriers: "ready" (the copy engine's byte count) and "empty" (one arrival per consumer),
 so the loader runs ahead of both consumers, into the next item's queries and keys while they
 finish the last one's, and the two consumers drift apart instead of meeting at every tile:
@@ -15,13 +16,14 @@ while ``P @ V`` of the tile before does. (That needs the PTX pass of
 ptxas would wait after every wgmma.)
 
 It computes what :mod:`blocktable.attention.triton_prefill` computes, over the same tiles (in
-another order: the last tile first, every KV head's side by side) and with the same request search (a warp's 32 lanes a level; the last
-level also reads the request's bounds, length and row), for the cases :func:`supports` and the
-launcher accept: float16 or bfloat16, head size 64 or 128, a GQA group of at most 8 query heads
-(padded), a query whose heads lie side by side, a kernel block size that is a power of two
-from 16 (pages copied whole or, for pages longer than a tile, in tile-sized pieces), a cache
-whose blocks are contiguous ``[block_size, num_kv_heads, head_dim]`` pieces, no context
-parallelism, no sliding window; everything else stays on the Triton kernel.
+another order: the last tile first, every KV head's side by side) and with the same request
+search (a warp's 32 lanes a level; the last level also reads the request's bounds, length and
+row), for the cases :func:`supports` and the launcher accept: float16 or bfloat16, head size
+64 or 128, a GQA group of at most 8 query heads (padded), a query whose heads lie side by
+side, a kernel block size that is a power of two from 16 (pages copied whole or, for pages
+longer than a tile, in tile-sized pieces), a cache whose blocks are contiguous
+``[block_size, num_kv_heads, head_dim]`` pieces, no context parallelism, no sliding window;
+everything else stays on the Triton kernel.
 
 Keys of an item past its last query's causal bound are never read from the cache: a page
 chunk wholly past it is copied from outside the tensor (the copy engine fills zeros), and the
@@ -185,7 +187,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                         v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end,
                         ring, 0, split, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
             item_kv_head, item_kv_end, item_tiles = kv_head, kv_end, n_tiles
-            # (relaxed: the claim orders nothing else, and a fence would wait for every copy)
+            # (relaxed: the claim orders no other access; acquire-release adds GPU-wide fences)
             w = gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed")
             tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
                 gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
