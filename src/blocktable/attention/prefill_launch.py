@@ -229,7 +229,8 @@ def _work_counters(device: torch.device) -> torch.Tensor:
     """The kernel's work-item counters on ``device`` (int32 ``[2]``: items claimed, programs
     done), zero between launches: each launch's last program zeroes them, so no launch needs
     a memset before it and a CUDA graph may capture it alone. One pair per stream, so that
-    launches on two streams never share one."""
+    launches on two streams never share one (a CUDA graph keeps the pair of the stream it was
+    captured on: graphs captured on one stream must not be replayed at the same time)."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     if key not in _WORK_COUNTERS:
         _WORK_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
