@@ -213,8 +213,7 @@ def _launch_gluon(
         out, seq_lens if lse_out is None else lse_out, q_desc, o_desc, k_desc, v_desc, k_cache,
         v_cache, block_table, seq_lens, query_start_loc,
         seq_lens if row_of_batch is None else row_of_batch, _work_counters(query.device),
-        scale * LOG2_E, num_reqs,
-        num_tokens, short_query_len, num_blocks, num_rows, width,
+        scale * LOG2_E, num_reqs, num_tokens, short_query_len, num_blocks, num_rows, width,
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
         lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
@@ -253,9 +252,10 @@ def _row_descriptor(t: torch.Tensor, num_rows: int, row_stride: int, box_rows: i
 
 
 def _query_descriptor(query: torch.Tensor, tokens: int) -> object:
-    """The query seen as ``[num_tokens, num_heads * head_dim]`` (its heads side by side:
-    checked by :func:`gluon_reason`), copying ``[tokens, head_dim]`` boxes (one head of a
-    consumer's tokens) into the kernel's query buffers."""
+    """The query (or the output, of its shape) seen as ``[num_tokens, num_heads * head_dim]``
+    (its heads side by side: checked by :func:`gluon_reason` for the query, by the launcher
+    for the output), copying ``[tokens, head_dim]`` boxes (one head of a consumer's tokens)
+    between it and the kernel's query buffers."""
     return _row_descriptor(query, query.shape[0], query.stride(0), tokens,
                            _gluon.CONSUMER_ROWS)
 
