@@ -299,3 +299,29 @@ def test_gluon_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) 
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)
+
+
+@needs_hopper
+def test_gluon_matches_reference_as_scores_climb_tile_after_tile() -> None:
+    """Scores that grow with the key's position: steeply for some query heads (the running
+    max moves at every tile), gently for others (it moves every few tiles), not at all or
+    falling for the rest, so that some warps rescale their rows and others skip it, tile
+    after tile."""
+    reqs = [(700, 700), (300, 120), (129, 64), (37, 29)]
+    query, k_cache, v_cache, table, seq, qsl = make_case(
+        reqs, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=5)
+    # Key t of each request gets 23 * t / 64 in dimension 0, and each query head a slope
+    # there: with scale 0.3, slope 1 adds about 10 (in log2 units) to the scores per 64 keys.
+    for r, (seq_len, _) in enumerate(reqs):
+        t = torch.arange(seq_len, device="cuda")
+        ramp = (23.0 * t / 64).to(k_cache.dtype)
+        k_cache[table[r, t // 16].long(), t % 16, :, 0] = ramp[:, None]
+    slopes = torch.tensor([1.0, 0.25, -1.0, 0.0, 0.5, 2.0, -0.25, 0.1], device="cuda")
+    query[:, :, 0] = slopes.to(query.dtype)
+    args = [query, k_cache, v_cache, table, seq, qsl]
+    ref, ref_lse = reference(*args, scale=0.3)
+    out, lse = run_prefill(args, "gluon")
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+    worst = (out.double().cpu() - ref).abs().max().item()
+    assert worst < 4 * TOLERANCE[torch.bfloat16], worst

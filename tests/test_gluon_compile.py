@@ -87,7 +87,8 @@ with open(out + ".ptx", "w") as f:
 def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
     """The kernel lowers for sm_90: the loader's tensor copies, its work-item claims and the
     gathered chunk's plain loads, the consumers' wgmma, the mbarrier waits between them and
-    the output's tensor copies are in its machine code."""
+    the output's tensor copies and the consumers' per-warp vote on rescaling are in its
+    machine code."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -107,8 +108,10 @@ def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
         pytest.skip("this Triton ships no cuobjdump")
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{out}.cubin"],
                           capture_output=True, text=True, timeout=120, check=True).stdout
-    # (copies in and out, the work items' claims, wgmma, mbarrier waits, the gathered chunk)
-    for op in ("UTMALDG", "UTMASTG", "ATOMG.E.ADD", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E"):
+    # (copies in and out, the work items' claims, wgmma, mbarrier waits, the gathered chunk,
+    # the vote)
+    for op in ("UTMALDG", "UTMASTG", "ATOMG.E.ADD", "HGMMA.64x", "SYNCS.PHASECHK", "LDG.E",
+               "VOTE.ANY"):
         assert op in sass, op
     # The PTX pass left the partitions' own register moves only, and every warp of the launch
     # holds the .maxnreg the loader's and the consumers' budgets add up to.

@@ -11,7 +11,9 @@ by mbarriers: "ready" (the copy engine's byte count) and "empty" (one arrival pe
 so the loader runs ahead of both consumers, into the next item's queries and keys while they
 finish the last one's, and the two consumers drift apart instead of meeting at every tile:
 one's softmax runs while the other's wgmma does; within a consumer, a tile's softmax runs
-while ``P @ V`` of the tile before does. (That needs the PTX pass of
+while ``P @ V`` of the tile before does, and a warp whose rows' running maxima all stay put
+(one moves only when a score passes it by a factor of 2**8) leaves its accumulator unscaled.
+(That needs the PTX pass of
 :mod:`blocktable.attention.gluon_ptx`: as Triton 3.6-3.9 lower warp specialization on Hopper,
 ptxas would wait after every wgmma.)
 
@@ -110,6 +112,21 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     _DONE = gl.constexpr(3)
     _LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 32 values, one warp's lanes
     CONSUMER_REGS_C = gl.constexpr(CONSUMER_REGS)
+    _STALE_LOG2 = gl.constexpr(8.0)
+    # A thread's two rows (its pack of 2 of a row vector): 1.0 for every lane of the warp
+    # when any lane has a row with alpha < 1, else 0.0.
+    _VOTE_ASM = gl.constexpr(
+        "{ .reg .pred p, q; setp.lt.f32 p, $2, 0f3F800000; setp.lt.f32 q, $3, 0f3F800000; "
+        "or.pred p, p, q; vote.sync.any.pred p, p, 0xffffffff; "
+        "selp.f32 $0, 0f3F800000, 0f00000000, p; mov.f32 $1, $0; }")
+    # 16 accumulator elements ($0-$15, tied to their inputs) times their rows' alpha
+    # ($32-$47), skipped when the warp's vote ($48, the same in all 16) is 0; ${:uid} gives
+    # each copy of the asm its own label.
+    _RESCALE_ASM = gl.constexpr(
+        "{ .reg .pred p; setp.ne.f32 p, $48, 0f00000000; @!p bra.uni SKIP${:uid}; "
+        + "".join(f"mul.f32 ${e}, ${e}, ${32 + e}; " for e in range(16)) + "SKIP${:uid}: }")
+    _RESCALE_CONSTRAINTS = gl.constexpr(
+        ",".join(["=f"] * 16 + [str(e) for e in range(16)] + ["f"] * 32))
 
     @gluon.constexpr_function
     def _mma_layout(n):
@@ -313,16 +330,38 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     @gluon.jit
     def _softmax(s, m_i, l_i, start, row_hi, full_hi, qk_scale,
                  BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-        """One tile's online-softmax update: ``(p, alpha, m_i, l_i)``."""
+        """One tile's online-softmax update: ``(p, alpha, m_i, l_i)``. A row's running max
+        ``m_i`` (log2 units) moves only when the tile's max passes it by more than
+        ``_STALE_LOG2``: ``p`` stays at most ``2**_STALE_LOG2``, which ``p``'s 16-bit floats and
+        the float32 sums hold without loss of relative precision, and the rows whose max
+        stays put have ``alpha`` exactly 1, so :func:`_rescale` can skip them."""
         if start + BLOCK_N > full_hi:  # a row of the tile misses some of its keys
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
             visible = gl.expand_dims(start + cols, 0) < gl.expand_dims(row_hi, 1)
             s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.where(m_new > m_i + _STALE_LOG2, m_new, m_i)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _rescale(acc, alpha):
+        """``acc * alpha[:, None]`` (``acc`` ``[64, HEAD_DIM]`` float32 in the wgmma
+        accumulator's layout, ``alpha`` ``[64]`` its rows' factors), with the multiplies
+        skipped by every warp whose 16 rows all have ``alpha`` 1: past a request's first
+        tiles, most rows' max has settled (see :func:`_softmax`), and the multiplies were
+        the largest share of a tile's arithmetic outside the products. Gluon branches only
+        on values uniform over the partition, so the per-warp branch is PTX: a vote over
+        the warp, then a skip over the multiplies of each 16 of the thread's elements."""
+        need = gl.inline_asm_elementwise(_VOTE_ASM, "=f,=f,f,f", [alpha], dtype=gl.float32,
+                                         is_pure=True, pack=2)
+        alpha_2d, _ = gl.broadcast(gl.expand_dims(alpha, 1), acc)
+        need_2d, _ = gl.broadcast(gl.expand_dims(need, 1), acc)
+        return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS,
+                                         [acc, alpha_2d, need_2d], dtype=gl.float32,
+                                         is_pure=True, pack=16)
 
     @gluon.jit
     def _consume_item(
@@ -377,7 +416,10 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         p_op = gl.zeros([M, BLOCK_N], dtype, P_LAYOUT)
         if n_tiles > 0:
             mbarrier.wait(ready.index(ring % NUM_STAGES), (ring // NUM_STAGES) & 1)
-            fence_async_shared()  # the straddling chunk came through the generic proxy
+            # The loader's warps fence their plain stores of a straddling chunk before the
+            # stage's arrival, as a writer must, so the tiles after this one need no fence
+            # here; this one stays: a build without it ran 16 x 512 at half speed.
+            fence_async_shared()
             s = warpgroup_mma(q_rows, k_smem.index(ring % NUM_STAGES).permute((1, 0)),
                               zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -390,10 +432,9 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     mbarrier.arrive(empty.index((ring + i - 1) % NUM_STAGES))
                 p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
-                acc = acc * gl.expand_dims(alpha_o, 1)
+                acc = _rescale(acc, alpha_o)
                 nxt = (ring + i + 1) % NUM_STAGES
                 mbarrier.wait(ready.index(nxt), ((ring + i + 1) // NUM_STAGES) & 1)
-                fence_async_shared()
                 s_next = warpgroup_mma(q_rows, k_smem.index(nxt).permute((1, 0)), zero_s,
                                        use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_smem.index((ring + i) % NUM_STAGES), acc,
@@ -407,7 +448,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                 mbarrier.arrive(empty.index((ring + last - 1) % NUM_STAGES))
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
-            acc = acc * gl.expand_dims(alpha_o, 1)
+            acc = _rescale(acc, alpha_o)
             acc = warpgroup_mma(p_op, v_smem.index((ring + last) % NUM_STAGES), acc,
                                 is_async=True)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
