@@ -243,12 +243,18 @@ def _row_descriptor(t: torch.Tensor, num_rows: int, row_stride: int, box_rows: i
     copying ``[box_rows, head_dim]`` boxes (one head's rows) into shared buffers of
     ``buffer_rows`` rows, in their swizzled layout."""
     heads, head_dim = t.shape[-2:]
-    gl = _gluon.gl
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [buffer_rows, head_dim], gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-    )
+    layout = _shared_layout(buffer_rows, head_dim, t.dtype == torch.float16)
     return _gluon.TensorDescriptor(t, [num_rows, heads * head_dim], [row_stride, 1],
                                    [box_rows, head_dim], layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(rows: int, head_dim: int, fp16: bool) -> object:
+    """The swizzled shared-memory layout of a ``[rows, head_dim]`` float16 (else bfloat16)
+    buffer; kept, as Gluon builds it anew in a few microseconds a call, four calls a launch."""
+    gl = _gluon.gl
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim],
+                                                gl.float16 if fp16 else gl.bfloat16)
 
 
 def _query_descriptor(query: torch.Tensor, tokens: int) -> object:
