@@ -251,7 +251,8 @@ def _row_descriptor(t: torch.Tensor, num_rows: int, row_stride: int, box_rows: i
 @functools.lru_cache(maxsize=64)
 def _shared_layout(rows: int, head_dim: int, fp16: bool) -> object:
     """The swizzled shared-memory layout of a ``[rows, head_dim]`` float16 (else bfloat16)
-    buffer; kept, as Gluon builds it anew in a few microseconds a call, four calls a launch."""
+    buffer, built once: Gluon would build it anew for each of a launch's four descriptors,
+    on the host's path of every step."""
     gl = _gluon.gl
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim],
                                                 gl.float16 if fp16 else gl.bfloat16)
