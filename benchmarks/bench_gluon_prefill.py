@@ -12,9 +12,10 @@ the host's launch cost never enters ("graph", the figure the TFLOP/s come from);
 takes longer to launch than the card to run the flush and the call, the host's time shows
 there, "events"). Each row gives the median over every sample of every round and the lowest
 and highest round median, and the host's wall time per eager call (50 calls queued back to
-back, the card's work not waited for: what a launch costs the host). TFLOP/s count the causal mask's visible pairs exactly, and are set
-against the card's own dense bf16 rate measured in the same run (an 8,192-cube ``torch.matmul``,
-``do_bench`` median; about 790 TFLOP/s on an H200). ``--sweep`` adds the Gluon kernel with other
+back, the card's work not waited for: what a launch costs the host). TFLOP/s count the causal
+mask's visible pairs exactly, and are set against the card's own dense bf16 rate measured in
+the same run (an 8,192-cube ``torch.matmul``, ``do_bench`` median; about 790 TFLOP/s on an
+H200). ``--sweep`` adds the Gluon kernel with other
 tile shapes; ``--decode`` adds batch-1 decode at 8,192 keys, replayed from a CUDA graph. When
 FlashInfer imports, each of its prefill backends (``flashinfer_configs``: FA3 and FA2) reads
 blocktable's CSR export of the same batch and is timed in the same rounds (its ``plan()`` outside
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +47,7 @@ from bench_attention import (
     flashinfer_runner,
     sdpa_runner,
 )
+from cuda_graphs import capture
 from run_info import run_info
 
 from blocktable.attention import (
@@ -110,20 +113,18 @@ class GraphTimer:
         self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self.starts = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(calls)]
         self.ends = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(calls)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
+        count = itertools.count()
+
+        def timed_call() -> None:
+            # (the warm-up calls before capture take some pairs too: modulo ``calls``, the
+            # captured calls still record each pair once)
+            k = next(count) % calls
+            self.flush.zero_()
+            self.starts[k].record()
             fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
-            for start, end in zip(self.starts, self.ends):
-                self.flush.zero_()
-                start.record()
-                fn()
-                end.record()
-        torch.cuda.synchronize()
+            self.ends[k].record()
+
+        self.graph = capture(timed_call, calls)
 
     def samples_us(self, rep_ms: int) -> list[float]:
         """Replays for about ``rep_ms`` of wall time; every call's time, in microseconds."""
