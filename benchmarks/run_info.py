@@ -22,7 +22,14 @@ def machine() -> str:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout this file lives in, with ``+dirty`` when files differ from it."""
+    """HEAD of the checkout this file lives in, with ``+dirty`` when files differ from it.
+
+    A copy of the tree without its own history (a remote machine handed the working files)
+    names its commit in ``BLOCKTABLE_COMMIT``; the record then says it was given, not read.
+    """
+    given = os.environ.get("BLOCKTABLE_COMMIT")
+    if given:
+        return f"{given} (given by BLOCKTABLE_COMMIT)"
     here = Path(__file__).parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
