@@ -325,3 +325,43 @@ def test_gluon_matches_reference_as_scores_climb_tile_after_tile() -> None:
     check_lse(lse, ref_lse, torch.bfloat16)
     worst = (out.double().cpu() - ref).abs().max().item()
     assert worst < 4 * TOLERANCE[torch.bfloat16], worst
+
+
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view 4 bytes past a 16-byte boundary (a slice of a larger buffer,
+    as an engine's metadata often is)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 == t.element_size()
+    return view
+
+
+@needs_hopper
+@pytest.mark.parametrize("indexed", [False, True], ids=["rows-in-order", "row-of-batch"])
+def test_gluon_reuses_one_compilation_whatever_the_metadatas_alignment(indexed: bool) -> None:
+    """The launcher keeps the kernel compiled at the first launch: a later launch whose
+    table, lengths, start offsets, rows and LSE lie at other alignments runs on it, and
+    matches the reference."""
+    from blocktable.attention import prefill_launch
+
+    args = make_case(LONG + BIG, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=11)
+    ref, ref_lse = reference(*args, scale=0.3)
+    rows = torch.arange(len(LONG + BIG), dtype=torch.int32, device="cuda") if indexed else None
+    out, lse = run_prefill(args, "gluon", row_of_batch=rows)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    check_lse(lse, ref_lse, torch.bfloat16)
+    compiled = dict(prefill_launch._gluon_launch._compiled)
+    query, k_cache, v_cache, table, seq, qsl = args
+    config = dataclasses.replace(default_config(128, 4, 2), prefill_kernel="gluon")
+    out_s = torch.full_like(query, float("nan"))
+    lse_s = _shifted(torch.full(query.shape[:2], float("nan"), device="cuda"))
+    PagedAttention(query.device, config).launch(
+        out_s, lse_s, query, k_cache, v_cache, _shifted(table), _shifted(seq), _shifted(qsl),
+        None if rows is None else _shifted(rows), 0.3, None, CPLayout(), decode_only=False,
+        prefill_only=True,
+    )
+    if prefill_launch._gluon_launch.fast:
+        assert prefill_launch._gluon_launch._compiled == compiled  # no second compilation
+    assert torch.equal(out_s, out)
+    assert torch.equal(lse_s, lse)

@@ -109,6 +109,39 @@ def test_launcher_compiled_cache_is_keyed_by_tensor_dtype(fake_devices):
                                ("fast", 0)]
 
 
+class _Descriptor:
+    """A host-side tensor descriptor's fields that a compilation depends on, and one it
+    does not (``shape``: encoded at every launch)."""
+
+    def __init__(self, base, block_shape, layout, shape):
+        self.base, self.block_shape, self.layout, self.shape = base, block_shape, layout, shape
+
+    __eq__ = None  # unhashable, like Triton's dataclass descriptors
+
+
+def test_launcher_keys_descriptors_by_dtype_block_and_layout(fake_devices):
+    """Descriptors of another dtype, block shape or layout get their own compilation; one over
+    another tensor or shape reuses it (the launcher re-encodes address and shape)."""
+    kernel = _FakeKernel(fake_devices)
+    launch = _triton.Launcher(kernel)
+    launch._interpret = False
+    launch.fast = True
+    half = torch.zeros(4, dtype=torch.float16)
+    half.fake_device = 0
+    calls = [
+        _Descriptor(half, [64, 128], "swizzle128", [100, 128]),
+        _Descriptor(torch.zeros(8, dtype=torch.float16), [64, 128], "swizzle128", [900, 128]),
+        _Descriptor(half, [32, 128], "swizzle128", [100, 128]),
+        _Descriptor(half.bfloat16(), [64, 128], "swizzle128", [100, 128]),
+        _Descriptor(half, [64, 128], "swizzle64", [100, 128]),
+        _Descriptor(half, [32, 128], "swizzle128", [5, 128]),
+    ]
+    for desc in calls:
+        launch((1,), half, desc, 16)
+    assert [kind for kind, _ in kernel.launches] == [
+        "ordinary", "fast", "ordinary", "ordinary", "ordinary", "fast"]
+
+
 def test_launcher_public_path_launches_on_the_tensors_device(fake_devices):
     kernel = _FakeKernel(fake_devices)
     launch = _triton.Launcher(kernel, fast=False)

@@ -137,8 +137,11 @@ class Launcher:
     and every launch runs with that device current, as Triton expects. Pointer alignment is
     not part of the key: a kernel launched through it must list every pointer whose alignment
     may vary in ``do_not_specialize_on_alignment`` (the others must always be 16-byte aligned,
-    e.g. allocation bases). Under the interpreter, when a profiler hooked launches, or when
-    the fast path is off, it takes the ordinary path.
+    e.g. allocation bases). A tensor descriptor (Gluon's or Triton's host-side TMA
+    descriptor: an argument with ``base`` and ``block_shape``) is keyed by what Triton compiles
+    for it: its base's dtype, block shape and shared layout; the launcher encodes its address,
+    shape and strides anew at every launch. Under the interpreter, when a profiler hooked
+    launches, or when the fast path is off, it takes the ordinary path.
 
     Parameters
     ----------
@@ -163,6 +166,7 @@ class Launcher:
         self._compiled: dict[tuple, object] = {}
         self._static_pos: list[int] | None = None
         self._tensor_pos: list[int] = []
+        self._descriptor_pos: list[int] = []
         self._interpret = interpreting()
 
     def __call__(self, grid: tuple[int, ...], *args: object, num_warps: int = 4) -> None:
@@ -198,17 +202,20 @@ class Launcher:
 
     def _key(self, device: int, args: tuple[object, ...], num_warps: int) -> tuple:
         if self._static_pos is None:
-            self._static_pos = [
-                i for i, a in enumerate(args)
-                if not isinstance(a, torch.Tensor) and i not in self.dynamic
-            ]
             self._tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            self._descriptor_pos = [i for i, a in enumerate(args) if _is_descriptor(a)]
+            self._static_pos = [
+                i for i in range(len(args))
+                if i not in self.dynamic and i not in self._tensor_pos
+                and i not in self._descriptor_pos
+            ]
         # A kernel compiled for one tensor dtype computes garbage on another: dtypes are keyed.
         return (
             device,
             num_warps,
             *[args[i] for i in self._static_pos],
             *[args[i].dtype for i in self._tensor_pos],  # type: ignore[attr-defined]
+            *[_descriptor_key(args[i]) for i in self._descriptor_pos],
         )
 
     def bind(
@@ -237,6 +244,20 @@ class Launcher:
                 None, *call_args)
 
         return launch
+
+
+def _is_descriptor(arg: object) -> bool:
+    """Whether ``arg`` is a host-side tensor descriptor (Gluon's or ``triton.tools``')."""
+    return not isinstance(arg, torch.Tensor) and hasattr(arg, "base") and hasattr(
+        arg, "block_shape")
+
+
+def _descriptor_key(desc: object) -> tuple:
+    """What Triton compiles a kernel for, of a tensor descriptor argument: the class, its
+    base's dtype, block shape, shared layout and out-of-bounds padding (not its address,
+    shape or strides, which the launcher encodes at every launch)."""
+    return (type(desc), desc.base.dtype, tuple(desc.block_shape),  # type: ignore[attr-defined]
+            getattr(desc, "layout", None), getattr(desc, "padding", None))
 
 
 def on_device(tensor: torch.Tensor) -> AbstractContextManager[object]:

@@ -619,7 +619,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             gl.store(lse_ptr + tok64 * lse_stride_t + heads_o * lse_stride_h,
                      gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, LD)), mask=pad)
 
-    @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS))
+    # Pointers whose alignment varies (views of the caller's metadata): never specialized on,
+    # so that one compilation serves them all (the launcher keeps it). Output and caches are
+    # 16-byte aligned (the launcher checks), the work counters an allocation's base.
+    @gluon.jit(do_not_specialize=list(GLUON_DYNAMIC_ARGS),
+               do_not_specialize_on_alignment=[
+                   "lse_ptr", "table_ptr", "seq_lens_ptr", "qsl_ptr", "row_of_batch_ptr"])
     def gluon_prefill_kernel(
         out_ptr, lse_ptr, q_desc, o_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, table_ptr,
         seq_lens_ptr, qsl_ptr, row_of_batch_ptr, work_ptr, qk_scale, num_reqs, num_tokens,

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting
+from blocktable._triton import HAS_TRITON, Launcher, cdiv, interpreting, raw_stream_getter
 from blocktable.attention.cp_layout import CPLayout
 from blocktable.attention.decode_plan import DTYPE_NAMES, tile_sizes
 from blocktable.attention.kernel_config import KernelConfig
@@ -49,6 +49,11 @@ if HAS_TRITON:
     _prefill_launch_unaligned = Launcher(
         _pre.prefill_kernel_unaligned,
         _dynamic_positions(_pre.prefill_kernel_unaligned, _pre.PREFILL_DYNAMIC_ARGS),
+    )
+if _gluon.HAS_GLUON:
+    _gluon_launch = Launcher(
+        _gluon.gluon_prefill_kernel,
+        _dynamic_positions(_gluon.gluon_prefill_kernel, _gluon.GLUON_DYNAMIC_ARGS),
     )
 
 
@@ -209,9 +214,9 @@ def _launch_gluon(
     num_programs = (cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads  # one per item
     if tiles.programs_per_sm:
         num_programs = min(num_programs, tiles.programs_per_sm * _multiprocessors(query.device))
-    _gluon.gluon_prefill_kernel[(num_programs,)](
-        out, seq_lens if lse_out is None else lse_out, q_desc, o_desc, k_desc, v_desc, k_cache,
-        v_cache, block_table, seq_lens, query_start_loc,
+    _gluon_launch(
+        (num_programs,), out, seq_lens if lse_out is None else lse_out, q_desc, o_desc, k_desc,
+        v_desc, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         seq_lens if row_of_batch is None else row_of_batch, _work_counters(query.device),
         scale * LOG2_E, num_reqs, num_tokens, short_query_len, num_blocks, num_rows, width,
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
@@ -221,6 +226,7 @@ def _launch_gluon(
     )
 
 
+_raw_stream = raw_stream_getter()
 _WORK_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -230,7 +236,7 @@ def _work_counters(device: torch.device) -> torch.Tensor:
     a memset before it and a CUDA graph may capture it alone. One pair per stream, so that
     launches on two streams never share one (a CUDA graph keeps the pair of the stream it was
     captured on: graphs captured on one stream must not be replayed at the same time)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    key = (device, _raw_stream(device.index))
     if key not in _WORK_COUNTERS:
         _WORK_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return _WORK_COUNTERS[key]
