@@ -15,12 +15,12 @@ and highest round median, and the host's wall time per eager call (50 calls queu
 back, the card's work not waited for: what a launch costs the host). TFLOP/s count the causal
 mask's visible pairs exactly, and are set against the card's own dense bf16 rate measured in
 the same run (an 8,192-cube ``torch.matmul``, ``do_bench`` median; about 790 TFLOP/s on an
-H200). ``--sweep`` adds the Gluon kernel with other
-tile shapes; ``--decode`` adds batch-1 decode at 8,192 keys, replayed from a CUDA graph. When
-FlashInfer imports, each of its prefill backends (``flashinfer_configs``: FA3 and FA2) reads
-blocktable's CSR export of the same batch and is timed in the same rounds (its ``plan()`` outside
-the timing); a backend that fails to build or run is reported and left out. A result off float32
-attention by more than ``MAX_ABS_ERR`` exits with status 1.
+H200). ``--sweep`` adds the Gluon kernel with other tile shapes; ``--decode`` adds batch-1
+decode at 8,192 keys, replayed from a CUDA graph. When FlashInfer imports, each of its prefill
+backends (``flashinfer_configs``: FA3 and FA2) reads blocktable's CSR export of the same batch
+and is timed in the same rounds (its ``plan()`` outside the timing); a backend that fails to
+build or run is reported and left out. A result off float32 attention by more than
+``MAX_ABS_ERR`` exits with status 1.
 """
 
 from __future__ import annotations
