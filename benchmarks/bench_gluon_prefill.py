@@ -62,15 +62,11 @@ SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
     prefill_launch.GluonTiles(programs_per_sm=0),
     prefill_launch.GluonTiles(stages=3),
     prefill_launch.GluonTiles(block_n=128, stages=2),
-    prefill_launch.GluonTiles(item_fence=False),
-    prefill_launch.GluonTiles(async_out=True),
-    prefill_launch.GluonTiles(item_fence=False, async_out=True),
 ]
 
 
 def tiles_name(t: prefill_launch.GluonTiles) -> str:
-    flags = "".join((" nofence" if not t.item_fence else "", " async_out" if t.async_out else ""))
-    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}{flags}"
+    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):

@@ -365,20 +365,17 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
 
     @gluon.jit
     def _consume_item(
-        half: gl.constexpr, q_rows, k_smem, v_smem, ready, empty, q_empty, held, out_ptr,
-        o_desc, lse_ptr, q_start, query_len, prefix, kv_cap, i0, ring, n_tiles_all, kv_head,
-        qk_scale, out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
+        half: gl.constexpr, q_rows, k_smem, v_smem, ready, empty, out_ptr, o_desc, lse_ptr,
+        q_start, query_len, prefix, kv_cap, i0, ring, n_tiles_all, kv_head, qk_scale,
+        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
-        TMA_OUT: gl.constexpr, ITEM_FENCE: gl.constexpr, ASYNC_OUT: gl.constexpr,
+        TMA_OUT: gl.constexpr,
     ):
         """One warpgroup on its 64 rows of a work item's query tile (``q_rows``, in shared
         memory: ``GROUP_PAD`` heads of the tile's tokens ``[i0 + half * TOK, i0 + half * TOK
         + TOK)``, head-major), whose ``n_tiles_all`` key tiles come through the ring from its
-        ``ring``-th stage use on. ``held``: 1 + the query buffer the last item's output copy
-        may still read (0: none), given back once this item's first product is issued.
-        Returns whether this item's output copy still reads ``q_rows`` (``ASYNC_OUT``): the
-        caller then holds its buffer instead of giving it back."""
+        ``ring``-th stage use on."""
         M: gl.constexpr = _ROWS
         TOK: gl.constexpr = _ROWS // GROUP_PAD
         S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N)
@@ -417,18 +414,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         # P of the P @ V product in flight, named in the waits that may retire it: a wgmma
         # reads its register operands until then.
         p_op = gl.zeros([M, BLOCK_N], dtype, P_LAYOUT)
-        if n_tiles == 0:
-            _give_back(held, q_empty)
         if n_tiles > 0:
+            # (No proxy fence after a stage's wait: the loader's warps fence their plain
+            # stores of a straddling chunk before the stage's arrival, where a writer must.)
             mbarrier.wait(ready.index(ring % NUM_STAGES), (ring // NUM_STAGES) & 1)
-            # The loader's warps fence their plain stores of a straddling chunk before the
-            # stage's arrival, as a writer must, so the tiles after this one need no fence
-            # here; this one, once an item, stays unless ITEM_FENCE is off.
-            if ITEM_FENCE:
-                fence_async_shared()
             s = warpgroup_mma(q_rows, k_smem.index(ring % NUM_STAGES).permute((1, 0)),
                               zero_s, use_acc=False, is_async=True)
-            _give_back(held, q_empty)  # (the last item's copy ran under this product)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             acc = warpgroup_mma_init(acc)  # the loop carries it in flight
             for i in range(n_tiles - 1):
@@ -470,7 +461,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         seen = l_i > 0
         l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
         o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-        copying = query_len * 0  # (int32: 1 once a copy out of q_rows is in flight)
         if TMA_OUT and (first_tok + TOK <= query_len):
             # Every row a token of the request: the rows through the query buffer (its
             # last product retired) and out by the copy engine, a box per head, so the
@@ -481,11 +471,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             for g in gl.static_range(GROUP):
                 _tma_store(o_desc, [q_start + first_tok, (kv_head * GROUP + g) * HEAD_DIM],
                            q_rows.slice(g * TOK, TOK))
-            if ASYNC_OUT:
-                copying = copying + 1  # read while the next item starts (_give_back)
-            else:
-                tma.store_wait(0)
-                _partition_barrier()  # read before the buffer goes back to the loader
+            tma.store_wait(0)
+            _partition_barrier()  # read before the buffer goes back to the loader
         else:
             o_ptrs = out_ptr + gl.expand_dims(tokens_o * out_stride_t + heads_o * out_stride_h,
                                               1) + gl.expand_dims(d_o, 0)
@@ -496,16 +483,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             lse = gl.convert_layout(lse, gl.SliceLayout(1, LD))
             gl.store(lse_ptr + tokens_o * lse_stride_t + heads_o * lse_stride_h, lse,
                      mask=valid_o)
-        return copying
-
-    @gluon.jit
-    def _give_back(held, q_empty):
-        """Query buffer ``held - 1`` back to the loader once this warpgroup's output copy
-        out of it has read it (``held`` 0: nothing held)."""
-        if held > 0:
-            tma.store_wait(0)
-            _partition_barrier()  # every warp past the wait before the arrival
-            mbarrier.arrive(q_empty.index(held - 1))
 
     @gluon.jit
     def _consumer_partition(
@@ -514,14 +491,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, ITEM_FENCE: gl.constexpr,
-        ASYNC_OUT: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         """One consumer warpgroup over the program's work items, as the loader describes
         them (in its order), to the last one's end."""
         ring = 0  # tiles consumed so far
         j = 0  # items taken so far
-        held = 0  # 1 + the query buffer an output copy may still read, else 0
         kind = _IDLE
         while kind != _DONE:
             b = j % 2
@@ -533,28 +508,20 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             kv_head = _field(fields, lanes, 2)
             q_start = _field(fields, lanes, 3)
             n_tiles = _field(fields, lanes, 8)
-            copying = j * 0
             if kind == _PAD:
-                _give_back(held, q_empty)
                 _zero_pad_rows(half, out_ptr, lse_ptr, tile, kv_head, q_start, num_reqs,
                                num_tokens, out_stride_t, out_stride_h, lse_stride_t,
                                lse_stride_h, out_ptr.dtype.element_ty, GROUP, GROUP_PAD,
                                BLOCK_Q, HEAD_DIM, HAS_LSE)
             elif kind == _BUSY:
-                copying = _consume_item(
-                    half, q_smem.index(2 * b + half), k_smem, v_smem, ready, empty, q_empty,
-                    held, out_ptr, o_desc, lse_ptr, q_start, _field(fields, lanes, 4),
-                    _field(fields, lanes, 5), _field(fields, lanes, 6),
-                    _field(fields, lanes, 7), ring, n_tiles, kv_head, qk_scale, out_stride_t,
-                    out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_N,
-                    HEAD_DIM, NUM_STAGES, HAS_LSE, TMA_OUT, ITEM_FENCE, ASYNC_OUT)
-            else:
-                _give_back(held, q_empty)
-            held = j * 0
-            if copying != 0:
-                held = b + 1
-            else:
-                mbarrier.arrive(q_empty.index(b))
+                _consume_item(half, q_smem.index(2 * b + half), k_smem, v_smem, ready, empty,
+                              out_ptr, o_desc, lse_ptr, q_start, _field(fields, lanes, 4),
+                              _field(fields, lanes, 5), _field(fields, lanes, 6),
+                              _field(fields, lanes, 7), ring, n_tiles, kv_head, qk_scale,
+                              out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
+                              GROUP, GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE,
+                              TMA_OUT)
+            mbarrier.arrive(q_empty.index(b))
             ring += n_tiles
             j += 1
 
@@ -668,8 +635,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, ITEM_FENCE: gl.constexpr = True,
-        ASYNC_OUT: gl.constexpr = False,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         # Work items (query tile, KV head) shared out among a grid of G programs, each
         # program's first its id and the rest claimed as programs finish (none claimed
@@ -714,13 +680,13 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
                     o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT, ITEM_FENCE, ASYNC_OUT,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
                 (_consumer_partition, (
                     1, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
                     o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT, ITEM_FENCE, ASYNC_OUT,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
             ],
             [4, 4],

@@ -176,12 +176,6 @@ class GluonTiles:
     # ready for more, so that its loader copies the next item's queries and keys while its
     # consumers finish the last one's; 0: a program per item.
     programs_per_sm: int = 1
-    # A consumer fences the async proxy before an item's first product (the loader already
-    # fences its own plain stores into a stage, where a writer must).
-    item_fence: bool = True
-    # A consumer's output copy out of its query buffer runs on while the next item's first
-    # product is issued; the buffer goes back to the loader after that, not before.
-    async_out: bool = False
 
 
 GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
@@ -228,8 +222,7 @@ def _launch_gluon(
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
         lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
-        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out,
-        tiles.item_fence, tiles.async_out, num_warps=4,
+        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out, num_warps=4,
     )
 
 
