@@ -151,7 +151,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, NUM_STAGES: gl.constexpr,
-        DEPTH_MAJOR: gl.constexpr,
     ):
         """The loader warpgroup: for each of the program's work items, describe it to the
         consumers in ``meta`` and copy its query tile into one of two query buffers (handed
@@ -169,14 +168,13 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         claim's and the search's trips to memory would then hold up the next queries."""
         TOK: gl.constexpr = _ROWS // GROUP_PAD  # tokens of a consumer's rows
         Q_BYTES: gl.constexpr = 2 * _ROWS * HEAD_DIM * 2
-        num_items = _num_items(num_tokens, num_reqs, num_kv_heads, BLOCK_Q, DEPTH_MAJOR)
+        num_items = (gl.cdiv(num_tokens, BLOCK_Q) + num_reqs) * num_kv_heads
         ring = 0  # tiles loaded so far
         j = 0  # items described so far
         w = gl.program_id(0)
         tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
             gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
-            row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED,
-            DEPTH_MAJOR)
+            row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
         while w < num_items:
             busy, i0, prefix, kv_cap, kv_end, n_tiles, row = _item_bounds(
                 tile, req, q_start, q_end, seq_len, row, num_reqs, short_query_len,
@@ -211,7 +209,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
                 gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
                 row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX,
-                INDEXED, DEPTH_MAJOR)
+                INDEXED)
             _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
                         table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
                         v_stride_b, v_stride_s, num_blocks, cache_rows, item_kv_head,
@@ -528,41 +526,17 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             j += 1
 
     @gluon.jit
-    def _num_items(num_tokens, num_reqs, num_kv_heads, BLOCK_Q: gl.constexpr,
-                   DEPTH_MAJOR: gl.constexpr):
-        """Work items of a launch: its T query tiles (``num_tokens / BLOCK_Q`` rounded up,
-        plus one a request) of every KV head; in ``DEPTH_MAJOR`` order, ``R * cdiv(T, R)``
-        tiles (``R`` requests), the ones past ``T`` lying past the last request."""
-        num_tiles = gl.cdiv(num_tokens, BLOCK_Q) + num_reqs
-        if DEPTH_MAJOR:
-            runs = gl.maximum(num_reqs, 1)
-            num_tiles = runs * gl.cdiv(num_tiles, runs)
-        return num_tiles * num_kv_heads
-
-    @gluon.jit
     def _find_item(
         w, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
         search_stride, BLOCK_Q: gl.constexpr, RADIX: gl.constexpr, INDEXED: gl.constexpr,
-        DEPTH_MAJOR: gl.constexpr,
     ):
         """Work item ``w``: its query tile and KV head, the tile's request (``num_reqs`` for
         a tile past the last request) with its token bounds, length and table row.
 
         The i-th item takes tile T - 1 - i // H of KV head i % H: the last tiles first (a
         request's last are its heaviest under the causal mask), every head's side by side,
-        so that the items running at once read the same slots of every head's keys. In
-        ``DEPTH_MAJOR`` order the T tiles are read as R runs of n = cdiv(T, R) (R requests;
-        one run a request when they are of one length) and the i-th item takes the
-        (i // H // R)-th tile from the end of run (i // H) % R: every run's last tile, then
-        every run's last but one, and so on, so that the launch ends on light tiles of every
-        request instead of all the tiles of the first, heavy ones among them."""
-        if DEPTH_MAJOR:
-            k = w // num_kv_heads
-            runs = gl.maximum(num_reqs, 1)
-            n = gl.cdiv(gl.cdiv(num_tokens, BLOCK_Q) + num_reqs, runs)
-            tile = (k % runs) * n + n - 1 - k // runs
-        else:
-            tile = gl.cdiv(num_tokens, BLOCK_Q) + num_reqs - 1 - w // num_kv_heads
+        so that the items running at once read the same slots of every head's keys."""
+        tile = gl.cdiv(num_tokens, BLOCK_Q) + num_reqs - 1 - w // num_kv_heads
         kv_head = w % num_kv_heads
         # The request: the largest r <= num_reqs with qsl[r] // BLOCK_Q + r <= tile, RADIX
         # candidates a level (one warp's lanes, the same in every warp: no reduction crosses
@@ -661,7 +635,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, DEPTH_MAJOR: gl.constexpr = False,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         # Work items (query tile, KV head) shared out among a grid of G programs, each
         # program's first its id and the rest claimed as programs finish (none claimed
@@ -700,7 +674,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     cache_rows, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
                     short_query_len, num_rows, width, search_stride, num_kv_heads,
                     work_ptr, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
-                    INDEXED, NUM_STAGES, DEPTH_MAJOR,
+                    INDEXED, NUM_STAGES,
                 )),
                 (_consumer_partition, (
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,

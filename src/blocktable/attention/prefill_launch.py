@@ -176,9 +176,6 @@ class GluonTiles:
     # ready for more, so that its loader copies the next item's queries and keys while its
     # consumers finish the last one's; 0: a program per item.
     programs_per_sm: int = 1
-    # Items claimed by depth: every request's last tile, then every request's last but one,
-    # and so on (see gluon_prefill._find_item), instead of one request's tiles after another.
-    depth_major: bool = False
 
 
 GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
@@ -214,11 +211,7 @@ def _launch_gluon(
     # query's (its alignment is checked by gluon_reason); else stored from registers.
     tma_out = out.stride(1) == head_dim
     o_desc = _query_descriptor(out, _gluon.CONSUMER_ROWS // group_pad) if tma_out else q_desc
-    num_tiles = cdiv(num_tokens, block_q) + num_reqs
-    if tiles.depth_major:
-        runs = max(num_reqs, 1)
-        num_tiles = runs * cdiv(num_tiles, runs)
-    num_programs = num_tiles * num_kv_heads  # one per item
+    num_programs = (cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads  # one per item
     if tiles.programs_per_sm:
         num_programs = min(num_programs, tiles.programs_per_sm * _multiprocessors(query.device))
     _gluon_launch(
@@ -229,8 +222,7 @@ def _launch_gluon(
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
         lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
-        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out,
-        tiles.depth_major, num_warps=4,
+        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out, num_warps=4,
     )
 
 
