@@ -116,7 +116,7 @@ class _Descriptor:
     def __init__(self, base, block_shape, layout, shape):
         self.base, self.block_shape, self.layout, self.shape = base, block_shape, layout, shape
 
-    __eq__ = None  # unhashable, like Triton's dataclass descriptors
+    __hash__ = None  # unhashable, like Triton's dataclass descriptors
 
 
 def test_launcher_keys_descriptors_by_dtype_block_and_layout(fake_devices):
