@@ -571,9 +571,9 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         """:func:`_consumer_partition` with each item's first score product issued before the
-        item before it ends: its description is read once that item's last ``P @ V`` is on
-        its way, and its first tile's scores run under that product's wait and the item's
-        normalization and store (``ahead`` 1: ``s_first`` holds them, computed)."""
+        item before it ends: its description is read once that item's last ``P @ V`` retired,
+        and its first tile's scores run under that item's normalization and store (``ahead``
+        1: ``s_first`` holds them, computed)."""
         S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N)
         lanes = gl.arange(0, 32, layout=_LANES)
         ring = 0  # tiles consumed so far
