@@ -62,13 +62,11 @@ SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
     prefill_launch.GluonTiles(programs_per_sm=0),
     prefill_launch.GluonTiles(stages=3),
     prefill_launch.GluonTiles(block_n=128, stages=2),
-    prefill_launch.GluonTiles(early_scores=True),
 ]
 
 
 def tiles_name(t: prefill_launch.GluonTiles) -> str:
-    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}" + (
-        " early" if t.early_scores else "")
+    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}"
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):

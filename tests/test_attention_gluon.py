@@ -235,10 +235,6 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
     # a program per work item; programs past the multiprocessors' room (a second wave)
     {"programs_per_sm": 0}, {"programs_per_sm": 0, "block_n": 128, "stages": 2},
     {"programs_per_sm": 3},
-    # the next item's first scores issued before this item's rows are stored
-    {"early_scores": True}, {"early_scores": True, "programs_per_sm": 0},
-    {"early_scores": True, "block_n": 128, "stages": 2},
-    {"early_scores": True, "block_n": 32, "stages": 4, "programs_per_sm": 3},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch
@@ -259,18 +255,11 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
 @pytest.mark.parametrize("case", CASES + [(16, 2, 3, 128, torch.bfloat16),
                                           (32, 1, 6, 64, torch.float16)],
                          ids=lambda c: f"b{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-{c[4]}")
-@pytest.mark.parametrize("early", [False, True], ids=["scores-in-turn", "scores-early"])
-def test_gluon_output_rows_match_reference_however_stored(case, heads_apart, early,
-                                                          monkeypatch) -> None:
+def test_gluon_output_rows_match_reference_however_stored(case, heads_apart) -> None:
     """Heads side by side: a tile whose rows are all tokens of its request leaves through
-    the copy engine, the rest from registers; heads apart: every row from registers (with
-    the next item's first scores in flight meanwhile, or not). Every row equals the
-    reference, and no copy touches a neighbouring request's rows, the pad tokens or the
-    memory between the heads."""
-    from blocktable.attention import prefill_launch
-
-    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
-                        prefill_launch.GluonTiles(early_scores=early))
+    the copy engine, the rest from registers; heads apart: every row from registers. Every
+    row equals the reference, and no copy touches a neighbouring request's rows, the pad
+    tokens or the memory between the heads."""
     block_size, num_kv_heads, group, head_dim, dtype = case
     args = make_case(MIXED + BIG + LONG, block_size, num_kv_heads, group, head_dim, dtype,
                      "cuda", pad_tokens=5, seed=group + head_dim)

@@ -34,9 +34,9 @@ if not ws.HAS_GLUON:
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-group, block_n, stages, head_dim, block_size, early, out = sys.argv[1:]
-group, block_n, stages, head_dim, block_size, early = map(
-    int, (group, block_n, stages, head_dim, block_size, early))
+group, block_n, stages, head_dim, block_size, out = sys.argv[1:]
+group, block_n, stages, head_dim, block_size = map(
+    int, (group, block_n, stages, head_dim, block_size))
 chunk = min(block_size, block_n)
 cache = torch.empty(64 * block_size, 8 * head_dim, dtype=torch.bfloat16)
 layout = gl.NVMMASharedLayout.get_default_for([chunk, head_dim], gl.bfloat16)
@@ -49,8 +49,7 @@ q_desc = ws.TensorDescriptor(queries, list(queries.shape), list(queries.stride()
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX,
-              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages, TMA_OUT=True,
-              EARLY=bool(early))
+              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages, TMA_OUT=True)
 pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
             "row_of_batch_ptr": "i32", "work_ptr": "i32"}
@@ -82,11 +81,9 @@ with open(out + ".ptx", "w") as f:
 
 
 @pytest.mark.parametrize("shape", [
-    # group, block_n, stages, head_dim, kernel block size, the next item's first scores
-    # early: the default launch, then others
-    (4, 64, 4, 128, 16, 0), (8, 64, 3, 128, 256, 0), (2, 128, 2, 64, 64, 0),
-    (4, 64, 4, 128, 16, 1), (8, 64, 3, 128, 256, 1),
-], ids=lambda s: "g{}-n{}-s{}-d{}-b{}{}".format(*s[:5], "-early" if s[5] else ""))
+    # group, block_n, stages, head_dim, kernel block size: the default launch, then others
+    (4, 64, 4, 128, 16), (8, 64, 3, 128, 256), (2, 128, 2, 64, 64),
+], ids=lambda s: "g{}-n{}-s{}-d{}-b{}".format(*s))
 def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
     """The kernel lowers for sm_90: the loader's tensor copies, its work-item claims and the
     gathered chunk's plain loads, the consumers' wgmma, the mbarrier waits between them and

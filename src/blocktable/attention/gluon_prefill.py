@@ -110,10 +110,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
     _PAD = gl.constexpr(1)
     _BUSY = gl.constexpr(2)
     _DONE = gl.constexpr(3)
-    # How an item's output rows leave (see _finish_item).
-    _OUT_EITHER = gl.constexpr(0)
-    _OUT_COPY = gl.constexpr(1)
-    _OUT_STORE = gl.constexpr(2)
     _LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 32 values, one warp's lanes
     CONSUMER_REGS_C = gl.constexpr(CONSUMER_REGS)
     _STALE_LOG2 = gl.constexpr(8.0)
@@ -131,12 +127,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         + "".join(f"mul.f32 ${e}, ${e}, ${32 + e}; " for e in range(16)) + "SKIP${:uid}: }")
     _RESCALE_CONSTRAINTS = gl.constexpr(
         ",".join(["=f"] * 16 + [str(e) for e in range(16)] + ["f"] * 32))
-
-    @gluon.constexpr_function
-    def _way_out(tma_out):
-        """How an item's rows leave with nothing in flight: as they allow, or from registers
-        when the output's heads are apart."""
-        return _OUT_EITHER.value if tma_out else _OUT_STORE.value
 
     @gluon.constexpr_function
     def _mma_layout(n):
@@ -501,17 +491,10 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, EARLY: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         """One consumer warpgroup over the program's work items, as the loader describes
         them (in its order), to the last one's end."""
-        if EARLY:
-            _consumer_loop_early(
-                half, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
-                o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t, out_stride_h,
-                lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM,
-                HAS_LSE, NUM_STAGES, TMA_OUT)
-            return
         ring = 0  # tiles consumed so far
         j = 0  # items taken so far
         kind = _IDLE
@@ -541,267 +524,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             mbarrier.arrive(q_empty.index(b))
             ring += n_tiles
             j += 1
-
-    @gluon.jit
-    def _item_fields(meta, q_ready, j):
-        """Item ``j``'s description (int32 ``[32]``, one field a lane), once the loader gave
-        it (and, for rows to compute, its queries) to the consumers."""
-        b = j % 2
-        mbarrier.wait(q_ready.index(b), (j // 2) & 1)
-        return meta.index(b).load(_LANES)
-
-    @gluon.jit
-    def _half_tiles(half: gl.constexpr, query_len, prefix, kv_cap, i0, n_tiles_all,
-                    GROUP_PAD: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The key tiles this warpgroup's rows of an item see (a prefix of the item's)."""
-        TOK: gl.constexpr = _ROWS // GROUP_PAD
-        first_tok = i0 + half * TOK
-        last_tok = gl.minimum(first_tok + TOK - 1, query_len - 1)
-        my_end = gl.maximum(gl.minimum(prefix + last_tok + 1, kv_cap), 0)
-        n_tiles = gl.minimum(gl.cdiv(my_end, BLOCK_N), n_tiles_all)
-        return gl.where(first_tok < query_len, n_tiles, 0)
-
-    @gluon.jit
-    def _consumer_loop_early(
-        half: gl.constexpr, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty,
-        out_ptr, o_desc, lse_ptr, qk_scale, num_reqs, num_tokens,
-        out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
-        GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
-    ):
-        """:func:`_consumer_partition` with each item's first score product issued before the
-        item before it ends: its description is read once that item's last ``P @ V`` retired,
-        and its first tile's scores run under that item's normalization and store (``ahead``
-        1: ``s_first`` holds them, computed)."""
-        S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N)
-        lanes = gl.arange(0, 32, layout=_LANES)
-        ring = 0  # tiles consumed so far
-        j = 0  # items taken so far
-        fields = _item_fields(meta, q_ready, 0)
-        kind = _field(fields, lanes, 0)
-        s_first = gl.zeros([_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
-        ahead = 0
-        while kind != _DONE:
-            b = j % 2
-            tile = _field(fields, lanes, 1)
-            kv_head = _field(fields, lanes, 2)
-            q_start = _field(fields, lanes, 3)
-            n_tiles = _field(fields, lanes, 8)
-            if kind == _BUSY:
-                fields, s_first, ahead = _consume_item_early(
-                    half, q_smem, b, k_smem, v_smem, ready, empty, meta, q_ready, j, out_ptr,
-                    o_desc, lse_ptr, q_start, _field(fields, lanes, 4),
-                    _field(fields, lanes, 5), _field(fields, lanes, 6),
-                    _field(fields, lanes, 7), ring, n_tiles, kv_head, qk_scale, s_first,
-                    ahead, out_stride_t, out_stride_h, lse_stride_t, lse_stride_h, GROUP,
-                    GROUP_PAD, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_LSE, TMA_OUT)
-            else:
-                if kind == _PAD:
-                    _zero_pad_rows(half, out_ptr, lse_ptr, tile, kv_head, q_start, num_reqs,
-                                   num_tokens, out_stride_t, out_stride_h, lse_stride_t,
-                                   lse_stride_h, out_ptr.dtype.element_ty, GROUP, GROUP_PAD,
-                                   BLOCK_Q, HEAD_DIM, HAS_LSE)
-                fields = _item_fields(meta, q_ready, j + 1)
-            mbarrier.arrive(q_empty.index(b))
-            kind = _field(fields, lanes, 0)
-            ring += n_tiles
-            j += 1
-
-    @gluon.jit
-    def _consume_item_early(
-        half: gl.constexpr, q_smem, b, k_smem, v_smem, ready, empty, meta, q_ready, j,
-        out_ptr, o_desc, lse_ptr, q_start, query_len, prefix, kv_cap, i0, ring, n_tiles_all,
-        kv_head, qk_scale, s_first, ahead, out_stride_t, out_stride_h, lse_stride_t,
-        lse_stride_h, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-        HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LSE: gl.constexpr,
-        TMA_OUT: gl.constexpr,
-    ):
-        """:func:`_consume_item` of item ``j`` (query buffer ``b``) whose first tile's scores
-        may be computed already (``ahead`` 1: ``s_first``); returns item ``j + 1``'s
-        description and, when its rows of this warpgroup see a key, its first scores, issued
-        before this item's normalization and store and waited for after them (or, for rows
-        stored from registers, before their stores)."""
-        M: gl.constexpr = _ROWS
-        TOK: gl.constexpr = _ROWS // GROUP_PAD
-        S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N)
-        O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM)
-        q_rows = q_smem.index(2 * b + half)
-        dtype: gl.constexpr = q_rows.dtype
-
-        rows_s = gl.arange(0, M, layout=gl.SliceLayout(1, S_LAYOUT))
-        tok_i_s = i0 + half * TOK + rows_s % TOK
-        valid_s = (tok_i_s < query_len) & (rows_s // TOK < GROUP)
-        row_hi = gl.where(valid_s, gl.minimum(prefix + tok_i_s + 1, kv_cap), 0)
-        first_tok = i0 + half * TOK
-        full_hi = gl.minimum(prefix + first_tok + 1, kv_cap)
-        n_tiles = _half_tiles(half, query_len, prefix, kv_cap, i0, n_tiles_all, GROUP_PAD,
-                              BLOCK_N)
-
-        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT,
-                                                     k_width=2)
-        acc = gl.zeros([M, HEAD_DIM], gl.float32, O_LAYOUT)
-        m_i = gl.full([M], -1.0e30, gl.float32, gl.SliceLayout(1, S_LAYOUT))
-        l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-        zero_s = gl.zeros([M, BLOCK_N], gl.float32, S_LAYOUT)
-        p_op = gl.zeros([M, BLOCK_N], dtype, P_LAYOUT)
-        if n_tiles > 0:
-            if ahead == 0:
-                mbarrier.wait(ready.index(ring % NUM_STAGES), (ring // NUM_STAGES) & 1)
-                s0 = warpgroup_mma(q_rows, k_smem.index(ring % NUM_STAGES).permute((1, 0)),
-                                   zero_s, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s0,))
-            else:
-                s = s_first
-            acc = warpgroup_mma_init(acc)  # the loop carries it in flight
-            for i in range(n_tiles - 1):
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, i * BLOCK_N, row_hi, full_hi,
-                                              qk_scale, BLOCK_N, S_LAYOUT)
-                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-                if i > 0:  # P @ V of tile i - 1 retired: its stage goes back to the loader
-                    mbarrier.arrive(empty.index((ring + i - 1) % NUM_STAGES))
-                p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
-                acc = _rescale(acc, alpha_o)
-                nxt = (ring + i + 1) % NUM_STAGES
-                mbarrier.wait(ready.index(nxt), ((ring + i + 1) // NUM_STAGES) & 1)
-                s_next = warpgroup_mma(q_rows, k_smem.index(nxt).permute((1, 0)), zero_s,
-                                       use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index((ring + i) % NUM_STAGES), acc,
-                                    is_async=True)
-                s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, p_op))
-            last = n_tiles - 1
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, last * BLOCK_N, row_hi, full_hi,
-                                          qk_scale, BLOCK_N, S_LAYOUT)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            if last > 0:
-                mbarrier.arrive(empty.index((ring + last - 1) % NUM_STAGES))
-            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
-            acc = _rescale(acc, alpha_o)
-            acc = warpgroup_mma(p_op, v_smem.index((ring + last) % NUM_STAGES), acc,
-                                is_async=True)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index((ring + last) % NUM_STAGES))
-        # Tiles the other warpgroup still needs: released in turn (each after it landed, so
-        # no arrival ever counts toward a later use of the stage; the loader may need this
-        # warpgroup's last stage for them), before the next item's first tile is waited for
-        # (it may reuse their stages).
-        for i in range(ring + n_tiles, ring + n_tiles_all):
-            mbarrier.wait(ready.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
-            mbarrier.arrive(empty.index(i % NUM_STAGES))
-
-        # The next item: its first scores issued now when this warpgroup's rows see a key.
-        lanes = gl.arange(0, 32, layout=_LANES)
-        fields = _item_fields(meta, q_ready, j + 1)
-        nxt_tiles = _half_tiles(half, _field(fields, lanes, 4), _field(fields, lanes, 5),
-                                _field(fields, lanes, 6), _field(fields, lanes, 7),
-                                _field(fields, lanes, 8), GROUP_PAD, BLOCK_N)
-        ahead = ((_field(fields, lanes, 0) == _BUSY) & (nxt_tiles > 0)).to(gl.int32)
-        first = ring + n_tiles_all  # the next item's first tile
-        # (Each way out written apart, the product issued inside it: a product in flight
-        # across a branch's start or end makes ptxas serialize every product of the kernel.)
-        if ahead != 0:
-            mbarrier.wait(ready.index(first % NUM_STAGES), (first // NUM_STAGES) & 1)
-            q_next = q_smem.index(2 * (1 - b) + half)
-            k_first = k_smem.index(first % NUM_STAGES).permute((1, 0))
-            if TMA_OUT and (first_tok + TOK <= query_len):
-                s_pre = warpgroup_mma(q_next, k_first, zero_s, use_acc=False, is_async=True)
-                s_first = _finish_item(half, acc, m_i, l_i, q_rows, out_ptr, o_desc, lse_ptr,
-                                       q_start, query_len, i0, kv_head, out_stride_t, out_stride_h,
-                                       lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM,
-                                       HAS_LSE, s_pre, _OUT_COPY)
-            else:
-                s_pre = warpgroup_mma(q_next, k_first, zero_s, use_acc=False, is_async=True)
-                s_first = _finish_item(half, acc, m_i, l_i, q_rows, out_ptr, o_desc, lse_ptr,
-                                       q_start, query_len, i0, kv_head, out_stride_t, out_stride_h,
-                                       lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM,
-                                       HAS_LSE, s_pre, _OUT_STORE)
-        else:
-            s_first = _finish_item(half, acc, m_i, l_i, q_rows, out_ptr, o_desc, lse_ptr,
-                                   q_start, query_len, i0, kv_head, out_stride_t, out_stride_h,
-                                   lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, HEAD_DIM,
-                                   HAS_LSE, warpgroup_mma_init(zero_s),
-                                   _way_out(TMA_OUT))
-        return fields, s_first, ahead
-
-    @gluon.jit
-    def _finish_item(
-        half: gl.constexpr, out, m_i, l_i, q_rows, out_ptr, o_desc, lse_ptr, q_start,
-        query_len, i0, kv_head, out_stride_t, out_stride_h, lse_stride_t, lse_stride_h,
-        GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, HEAD_DIM: gl.constexpr,
-        HAS_LSE: gl.constexpr, s_pre, WAY: gl.constexpr,
-    ):
-        """An item's end for one warpgroup once its last ``P @ V`` retired (``out``, the
-        unnormalized rows): the rows normalized and stored (a row that saw no key gets zeros
-        and LSE -inf); returns the next item's first scores ``s_pre`` (or nothing in flight),
-        waited for. ``WAY``: ``_OUT_COPY``, through the query buffer and the copy engine
-        (every row a token: waited for last); ``_OUT_STORE``, from registers (waited for
-        before the stores' address registers); ``_OUT_EITHER``, as the rows allow (nothing
-        in flight)."""
-        M: gl.constexpr = _ROWS
-        TOK: gl.constexpr = _ROWS // GROUP_PAD
-        O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM)
-        LD: gl.constexpr = _rows_layout(HEAD_DIM, 4)
-        dtype: gl.constexpr = q_rows.dtype
-        rows_o = gl.arange(0, M, layout=gl.SliceLayout(1, LD))
-        d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-        g_o = rows_o // TOK
-        heads_o = kv_head * GROUP + g_o
-        tok_i_o = i0 + half * TOK + rows_o % TOK
-        valid_o = (tok_i_o < query_len) & (g_o < GROUP)
-        tokens_o = (q_start + tok_i_o).to(gl.int64)
-        first_tok = i0 + half * TOK
-        seen = l_i > 0
-        l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
-        o = (out / gl.expand_dims(l_o, 1)).to(dtype)
-        if WAY == _OUT_COPY:
-            _copy_rows_out(o, q_rows, o_desc, q_start + first_tok, kv_head, GROUP, TOK,
-                           HEAD_DIM)
-        elif WAY == _OUT_STORE:
-            s_pre = warpgroup_mma_wait(num_outstanding=0, deps=(s_pre,))
-            _store_rows(o, out_ptr, tokens_o, heads_o, d_o, valid_o, out_stride_t,
-                        out_stride_h, LD)
-        else:
-            if first_tok + TOK <= query_len:
-                _copy_rows_out(o, q_rows, o_desc, q_start + first_tok, kv_head, GROUP, TOK,
-                               HEAD_DIM)
-            else:
-                _store_rows(o, out_ptr, tokens_o, heads_o, d_o, valid_o, out_stride_t,
-                            out_stride_h, LD)
-        if HAS_LSE:
-            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * _LN_2_C,
-                           float("-inf"))
-            lse = gl.convert_layout(lse, gl.SliceLayout(1, LD))
-            gl.store(lse_ptr + tokens_o * lse_stride_t + heads_o * lse_stride_h, lse,
-                     mask=valid_o)
-        if WAY != _OUT_STORE:
-            s_pre = warpgroup_mma_wait(num_outstanding=0, deps=(s_pre,))
-        return s_pre
-
-    @gluon.jit
-    def _copy_rows_out(o, q_rows, o_desc, token0, kv_head, GROUP: gl.constexpr,
-                       TOK: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """A warpgroup's rows ``o`` (every row a token of the request, from ``token0`` on)
-        out through its query buffer (its last product retired) by the copy engine, a box
-        per head, so the warpgroup issues a few copies instead of a store per 16 bytes."""
-        q_rows.store(o)
-        fence_async_shared()
-        _partition_barrier()  # every warp's rows in place before the copy reads them
-        for g in gl.static_range(GROUP):
-            _tma_store(o_desc, [token0, (kv_head * GROUP + g) * HEAD_DIM],
-                       q_rows.slice(g * TOK, TOK))
-        tma.store_wait(0)
-        _partition_barrier()  # read before the buffer goes back to the loader
-
-    @gluon.jit
-    def _store_rows(o, out_ptr, tokens_o, heads_o, d_o, valid_o, out_stride_t, out_stride_h,
-                    LD: gl.constexpr):
-        """A warpgroup's rows ``o`` stored from registers, those of ``valid_o`` only."""
-        io_mask = gl.expand_dims(valid_o, 1) & gl.expand_dims(d_o >= 0, 0)
-        o_ptrs = out_ptr + gl.expand_dims(tokens_o * out_stride_t + heads_o * out_stride_h,
-                                          1) + gl.expand_dims(d_o, 0)
-        gl.store(o_ptrs, gl.convert_layout(o, LD), mask=io_mask)
 
     @gluon.jit
     def _find_item(
@@ -913,7 +635,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, EARLY: gl.constexpr = False,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         # Work items (query tile, KV head) shared out among a grid of G programs, each
         # program's first its id and the rest claimed as programs finish (none claimed
@@ -958,13 +680,13 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
                     o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT, EARLY,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
                 (_consumer_partition, (
                     1, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
                     o_desc, lse_ptr, qk_scale, num_reqs, num_tokens, out_stride_t,
                     out_stride_h, lse_stride_t, lse_stride_h, GROUP, GROUP_PAD, BLOCK_Q,
-                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT, EARLY,
+                    BLOCK_N, HEAD_DIM, HAS_LSE, NUM_STAGES, TMA_OUT,
                 )),
             ],
             [4, 4],
