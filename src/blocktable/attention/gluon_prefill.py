@@ -151,7 +151,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, NUM_STAGES: gl.constexpr,
-        SKIP_IDLE: gl.constexpr,
     ):
         """The loader warpgroup: for each of the program's work items, describe it to the
         consumers in ``meta`` and copy its query tile into one of two query buffers (handed
@@ -172,10 +171,10 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         num_items = (gl.cdiv(num_tokens, BLOCK_Q) + num_reqs) * num_kv_heads
         ring = 0  # tiles loaded so far
         j = 0  # items described so far
-        w, tile, kv_head, req, q_start, q_end, seq_len, row = _claim_item(
-            gl.program_id(0), num_items, work_ptr, num_kv_heads, qsl_ptr, seq_lens_ptr,
-            row_of_batch_ptr, num_reqs, num_tokens, short_query_len, search_stride, BLOCK_Q,
-            RADIX, INDEXED, SKIP_IDLE)
+        w = gl.program_id(0)
+        tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
+            gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
+            row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
         while w < num_items:
             busy, i0, prefix, kv_cap, kv_end, n_tiles, row = _item_bounds(
                 tile, req, q_start, q_end, seq_len, row, num_reqs, short_query_len,
@@ -205,10 +204,12 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                         v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end,
                         ring, 0, split, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
             item_kv_head, item_kv_end, item_tiles = kv_head, kv_end, n_tiles
-            w, tile, kv_head, req, q_start, q_end, seq_len, row = _claim_item(
-                gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed"), num_items,
-                work_ptr, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs,
-                num_tokens, short_query_len, search_stride, BLOCK_Q, RADIX, INDEXED, SKIP_IDLE)
+            # (relaxed: the claim orders no other access; acquire-release adds GPU-wide fences)
+            w = gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed")
+            tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
+                gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
+                row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX,
+                INDEXED)
             _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
                         table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
                         v_stride_b, v_stride_s, num_blocks, cache_rows, item_kv_head,
@@ -525,46 +526,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             j += 1
 
     @gluon.jit
-    def _claim_item(
-        w, num_items, work_ptr, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr,
-        num_reqs, num_tokens, short_query_len, search_stride, BLOCK_Q: gl.constexpr,
-        RADIX: gl.constexpr, INDEXED: gl.constexpr, SKIP_IDLE: gl.constexpr,
-    ):
-        """Work item ``w`` found (:func:`_find_item`), or, while the item found has no rows
-        for this kernel (a request's spare tile past its last token, or a request at most
-        ``short_query_len`` long), the launch's next unclaimed one: such an item is never
-        described to the consumers, so it takes none of the two query buffers, and the
-        loader does not wait for the item before it to finish before it copies the next
-        one's queries. ``(w, tile, kv_head, req, q_start, q_end, seq_len, row)``; ``w`` at
-        least ``num_items`` when the launch has no more items."""
-        tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
-            gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
-            row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX, INDEXED)
-        if SKIP_IDLE:
-            skip = (w < num_items) & (req < num_reqs) & (not _has_rows(
-                tile, req, q_start, q_end, short_query_len, BLOCK_Q))
-            while skip:
-                # (relaxed: the claim orders no other access; acquire-release adds
-                # GPU-wide fences)
-                w = gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed")
-                tile, kv_head, req, q_start, q_end, seq_len, row = _find_item(
-                    gl.minimum(w, num_items - 1), num_kv_heads, qsl_ptr, seq_lens_ptr,
-                    row_of_batch_ptr, num_reqs, num_tokens, search_stride, BLOCK_Q, RADIX,
-                    INDEXED)
-                skip = (w < num_items) & (req < num_reqs) & (not _has_rows(
-                    tile, req, q_start, q_end, short_query_len, BLOCK_Q))
-        return w, tile, kv_head, req, q_start, q_end, seq_len, row
-
-    @gluon.jit
-    def _has_rows(tile, req, q_start, q_end, short_query_len, BLOCK_Q: gl.constexpr):
-        """Whether query tile ``tile`` of request ``req`` (its tokens ``[q_start, q_end)``)
-        has rows for this kernel: some of the request's tokens, and a request longer than
-        ``short_query_len`` (shorter ones are another kernel's)."""
-        query_len = q_end - q_start
-        i0 = (tile - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token
-        return (query_len > short_query_len) & (i0 < query_len)
-
-    @gluon.jit
     def _find_item(
         w, num_kv_heads, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
         search_stride, BLOCK_Q: gl.constexpr, RADIX: gl.constexpr, INDEXED: gl.constexpr,
@@ -620,9 +581,9 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         end and key tiles (0 when not computed), and the row (0 for a row outside the table,
         whose cap is 0)."""
         query_len = q_end - q_start
-        i0 = (tile - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token
-        busy = (req < num_reqs) & _has_rows(tile, req, q_start, q_end, short_query_len,
-                                            BLOCK_Q)
+        j = tile - q_start // BLOCK_Q - req  # the tile's index in its request
+        i0 = j * BLOCK_Q
+        busy = (req < num_reqs) & (query_len > short_query_len) & (i0 < query_len)
         row_ok = (row >= 0) & (row < num_rows)
         kv_cap = gl.where(row_ok, gl.minimum(seq_len, width * BLOCK_SIZE), 0)
         prefix = seq_len - query_len
@@ -674,7 +635,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, SKIP_IDLE: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         # Work items (query tile, KV head) shared out among a grid of G programs, each
         # program's first its id and the rest claimed as programs finish (none claimed
@@ -713,7 +674,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     cache_rows, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
                     short_query_len, num_rows, width, search_stride, num_kv_heads,
                     work_ptr, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
-                    INDEXED, NUM_STAGES, SKIP_IDLE,
+                    INDEXED, NUM_STAGES,
                 )),
                 (_consumer_partition, (
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,
