@@ -66,7 +66,11 @@ SWEEP = [  # other launch shapes of the Gluon kernel (--sweep)
 
 
 def tiles_name(t: prefill_launch.GluonTiles) -> str:
-    return f"gluon n{t.block_n} s{t.stages} p{t.programs_per_sm}"
+    """``gluon`` and the fields where ``t`` differs from the default launch."""
+    default = prefill_launch.GluonTiles()
+    changed = [f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
+               if getattr(t, f.name) != getattr(default, f.name)]
+    return " ".join(["gluon", *changed])
 
 
 def paged_runner(batch: Batch, kernel: str, tiles: prefill_launch.GluonTiles | None = None):

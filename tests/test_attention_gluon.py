@@ -234,7 +234,7 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
     {"block_n": 64, "stages": 3}, {"block_n": 128, "stages": 2}, {"block_n": 32, "stages": 4},
     # a program per work item; programs past the multiprocessors' room (a second wave)
     {"programs_per_sm": 0}, {"programs_per_sm": 0, "block_n": 128, "stages": 2},
-    {"programs_per_sm": 3},
+    {"programs_per_sm": 3}, {"pages_at_once": False},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch
@@ -246,6 +246,38 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
         out, lse = run_prefill(args, "gluon")
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
         check_lse(lse, ref_lse, torch.bfloat16)
+    for counters in prefill_launch._WORK_COUNTERS.values():
+        assert counters.tolist() == [0, 0]
+
+
+@needs_hopper
+@pytest.mark.parametrize("programs_per_sm", [1, 0])
+@pytest.mark.parametrize("with_prompt", [True, False], ids=["decodes-and-a-prompt", "decodes-only"])
+def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_prompt,
+                                                    monkeypatch) -> None:
+    """A mixed batch whose decodes are the decode kernel's: the Gluon kernel's loader claims
+    item after item with no rows for it (the decodes', the empty requests', every request's
+    spare tile), runs of them longer than the grid, and with no prompt every item of the
+    launch; every launch still ends, the rows match the reference, and the work counters
+    are zero again after it."""
+    from blocktable.attention import prefill_launch
+
+    used = []
+    real = prefill_launch._launch_gluon
+    monkeypatch.setattr(prefill_launch, "_launch_gluon",
+                        lambda *a, **k: (used.append(1), real(*a, **k)))
+    monkeypatch.setattr(prefill_launch, "GLUON_TILES",
+                        prefill_launch.GluonTiles(programs_per_sm=programs_per_sm))
+    reqs = [(40 + r % 50, 1) if r % 7 else (r % 30, 0) for r in range(600)]
+    if with_prompt:
+        reqs[450] = (900, 700)
+    args = make_case(reqs, 16, 2, 4, 128, torch.bfloat16, "cuda", pad_tokens=3, seed=11)
+    ref, ref_lse = reference(*args, scale=0.3)
+    for _ in range(2):
+        out, lse = run_prefill(args, "gluon", prefill_only=False)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+        check_lse(lse, ref_lse, torch.bfloat16)
+    assert len(used) == 2, "the Gluon kernel did not run"
     for counters in prefill_launch._WORK_COUNTERS.values():
         assert counters.tolist() == [0, 0]
 
