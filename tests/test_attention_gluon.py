@@ -234,7 +234,7 @@ def test_gluon_prefill_replays_in_a_cuda_graph() -> None:
     {"block_n": 64, "stages": 3}, {"block_n": 128, "stages": 2}, {"block_n": 32, "stages": 4},
     # a program per work item; programs past the multiprocessors' room (a second wave)
     {"programs_per_sm": 0}, {"programs_per_sm": 0, "block_n": 128, "stages": 2},
-    {"programs_per_sm": 3}, {"pages_at_once": False},
+    {"programs_per_sm": 3},
 ], ids=str)
 def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
     from blocktable.attention import prefill_launch

@@ -49,7 +49,7 @@ q_desc = ws.TensorDescriptor(queries, list(queries.shape), list(queries.stride()
 kernel = ws.gluon_prefill_kernel
 consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=128 // group, BLOCK_N=block_n,
               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, RADIX=launch.GLUON_SEARCH_RADIX,
-              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages, TMA_OUT=True, PAGES_AT_ONCE=True)
+              INDEXED=False, HAS_LSE=True, NUM_STAGES=stages, TMA_OUT=True)
 pointers = {"out_ptr": "bf16", "lse_ptr": "fp32", "k_cache_ptr": "bf16",
             "v_cache_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32",
             "row_of_batch_ptr": "i32", "work_ptr": "i32"}

@@ -151,7 +151,6 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PAGES_AT_ONCE: gl.constexpr,
     ):
         """The loader warpgroup: for each of the program's work items, describe it to the
         consumers in ``meta`` and copy its query tile into one of two query buffers (handed
@@ -203,8 +202,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row_ptr,
                         table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
                         v_stride_b, v_stride_s, num_blocks, cache_rows, kv_head, kv_end,
-                        ring, 0, split, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES,
-                        PAGES_AT_ONCE)
+                        ring, 0, split, BLOCK_N, HEAD_DIM, BLOCK_SIZE, NUM_STAGES)
             item_kv_head, item_kv_end, item_tiles = kv_head, kv_end, n_tiles
             # (relaxed: the claim orders no other access; acquire-release adds GPU-wide fences)
             w = gl.num_programs(0) + gl.atomic_add(work_ptr, 1, sem="relaxed")
@@ -216,7 +214,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                         table_stride_c, k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s,
                         v_stride_b, v_stride_s, num_blocks, cache_rows, item_kv_head,
                         item_kv_end, ring, split, item_tiles, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                        NUM_STAGES, PAGES_AT_ONCE)
+                        NUM_STAGES)
             ring += item_tiles
             j += 1
         # The end, as an item of its own kind.
@@ -260,7 +258,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_s, v_stride_b, v_stride_s,
         num_blocks, cache_rows, kv_head, kv_end, ring, first, n_tiles,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, PAGES_AT_ONCE: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
     ):
         """Key tiles ``first`` to ``n_tiles - 1`` of a work item into the ring, its tile 0
         into the ring's ``ring``-th use of a stage."""
@@ -271,17 +269,8 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         col = kv_head * HEAD_DIM
         for i in range(first, n_tiles):
             stage = (ring + i) % NUM_STAGES
-            start = i * BLOCK_N
-            pages = ()
-            if PAGES_AT_ONCE:
-                # The tile's block ids, loaded side by side before the stage's wait: the tile
-                # then waits for one load's latency (under the wait), not one per chunk in a
-                # row between the copies.
-                for c in gl.static_range(NCH):
-                    t0 = start + c * CH
-                    pages = pages + (gl.load(table_row_ptr + (t0 // BLOCK_SIZE) * table_stride_c,
-                                             mask=t0 + CH <= kv_end, other=-1),)
             mbarrier.wait(empty.index(stage), (((ring + i) // NUM_STAGES) & 1) ^ 1)
+            start = i * BLOCK_N
             # The chunk holding kv_end (when kv_end is not on a chunk edge) is gathered key by
             # key and stored before the stage's one arrival (below), every warp's stores made
             # visible to the tensor cores first: the phase cannot complete without them.
@@ -302,16 +291,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             for c in gl.static_range(NCH):
                 t0 = start + c * CH
                 whole = t0 + CH <= kv_end
-                if PAGES_AT_ONCE:
-                    page = pages[c]
-                    ok = whole & (page >= 0) & (page < num_blocks)
-                    row = gl.where(ok, page * BLOCK_SIZE + t0 % BLOCK_SIZE, cache_rows)
-                    copy = whole | (t0 >= kv_end)
-                    _tma_load(k_desc, [row, col], ready.index(stage),
-                              k_smem.index(stage).slice(c * CH, CH), pred=copy)
-                    _tma_load(v_desc, [row, col], ready.index(stage),
-                              v_smem.index(stage).slice(c * CH, CH), pred=copy)
-                elif whole | (t0 >= kv_end):
+                if whole | (t0 >= kv_end):
                     page = gl.load(table_row_ptr + (t0 // BLOCK_SIZE) * table_stride_c,
                                    mask=whole, other=-1)
                     ok = whole & (page >= 0) & (page < num_blocks)
@@ -655,7 +635,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         RADIX: gl.constexpr, INDEXED: gl.constexpr, HAS_LSE: gl.constexpr,
-        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr, PAGES_AT_ONCE: gl.constexpr,
+        NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr,
     ):
         # Work items (query tile, KV head) shared out among a grid of G programs, each
         # program's first its id and the rest claimed as programs finish (none claimed
@@ -694,7 +674,7 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
                     cache_rows, qsl_ptr, seq_lens_ptr, row_of_batch_ptr, num_reqs, num_tokens,
                     short_query_len, num_rows, width, search_stride, num_kv_heads,
                     work_ptr, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HEAD_DIM, BLOCK_SIZE, RADIX,
-                    INDEXED, NUM_STAGES, PAGES_AT_ONCE,
+                    INDEXED, NUM_STAGES,
                 )),
                 (_consumer_partition, (
                     0, q_smem, k_smem, v_smem, meta, q_ready, q_empty, ready, empty, out_ptr,

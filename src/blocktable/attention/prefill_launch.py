@@ -176,9 +176,6 @@ class GluonTiles:
     # ready for more, so that its loader copies the next item's queries and keys while its
     # consumers finish the last one's; 0: a program per item.
     programs_per_sm: int = 1
-    # The loader loads a key tile's block ids side by side, with no branch around each
-    # chunk's load and copies (False: a branch per chunk, as before).
-    pages_at_once: bool = True
 
 
 GLUON_TILES = GluonTiles()  # from the sweeps of benchmarks/notes_gluon.md
@@ -225,8 +222,7 @@ def _launch_gluon(
         search_stride(num_reqs, GLUON_SEARCH_RADIX), cache_rows, num_kv_heads, o_t, o_h, lse_t,
         lse_h, k_b, k_s, v_b, v_s, tb_r, tb_c,
         group, group_pad, block_q, tiles.block_n, head_dim, block_size, GLUON_SEARCH_RADIX,
-        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out,
-        tiles.pages_at_once, num_warps=4,
+        row_of_batch is not None, lse_out is not None, tiles.stages, tma_out, num_warps=4,
     )
 
 
