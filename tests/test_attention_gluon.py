@@ -254,7 +254,7 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
 @pytest.mark.parametrize("programs_per_sm", [1, 0])
 @pytest.mark.parametrize("with_prompt", [True, False], ids=["decodes-and-a-prompt", "decodes-only"])
 def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_prompt,
-                                                    monkeypatch) -> None:
+                                                         monkeypatch) -> None:
     """A mixed batch whose decodes are the decode kernel's: the Gluon kernel's loader claims
     item after item with no rows for it (the decodes', the empty requests', every request's
     spare tile), runs of them longer than the grid, and with no prompt every item of the
