@@ -61,6 +61,18 @@ def run_prefill(args, kernel: str, *, lse: bool = True, window=None, row_of_batc
     return out, lse_out
 
 
+@pytest.fixture
+def gluon_launches(monkeypatch) -> list[int]:
+    """A list that gains an entry at each launch of the Gluon kernel (the launch still runs)."""
+    from blocktable.attention import prefill_launch
+
+    launches: list[int] = []
+    real = prefill_launch._launch_gluon
+    monkeypatch.setattr(prefill_launch, "_launch_gluon",
+                        lambda *a, **k: (launches.append(1), real(*a, **k)))
+    return launches
+
+
 def test_the_choice_is_checked() -> None:
     with pytest.raises(ValueError, match="prefill_kernel must be one of"):
         KernelConfig(prefill_kernel="cuda")
@@ -180,19 +192,17 @@ def test_gluon_and_triton_agree_with_row_of_batch_and_no_lse(prefill_only: bool)
 
 
 @needs_hopper
-def test_auto_picks_gluon_where_enabled_and_triton_for_what_it_cannot_serve(monkeypatch) -> None:
+def test_auto_picks_gluon_where_enabled_and_triton_for_what_it_cannot_serve(
+    gluon_launches,
+) -> None:
     from blocktable.attention import gluon_prefill, prefill_launch
 
-    calls = []
-    real = prefill_launch._launch_gluon
-    monkeypatch.setattr(prefill_launch, "_launch_gluon",
-                        lambda *a, **k: (calls.append(1), real(*a, **k)))
     args = make_case(LONG, 16, 2, 4, 64, torch.bfloat16, "cuda", seed=2)
     run_prefill(args, "auto")
     expected = [1] if prefill_launch.AUTO_PICKS_GLUON else []
-    assert calls == expected
+    assert gluon_launches == expected
     out_w, _ = run_prefill(args, "auto", window=7)  # a window: the Triton kernel
-    assert calls == expected
+    assert gluon_launches == expected
     ref, _ = reference(*args, scale=0.3, sliding_window=7)
     assert rel_err(out_w, ref) < TOLERANCE[torch.bfloat16]
     assert gluon_prefill.HAS_GLUON
@@ -254,7 +264,7 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
 @pytest.mark.parametrize("programs_per_sm", [1, 0])
 @pytest.mark.parametrize("with_prompt", [True, False], ids=["decodes-and-a-prompt", "decodes-only"])
 def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_prompt,
-                                                         monkeypatch) -> None:
+                                                         gluon_launches, monkeypatch) -> None:
     """A mixed batch whose decodes are the decode kernel's: the Gluon kernel's loader claims
     item after item with no rows for it (the decodes', the empty requests', every request's
     spare tile), runs of them longer than the grid, and with no prompt every item of the
@@ -262,10 +272,6 @@ def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_
     are zero again after it."""
     from blocktable.attention import prefill_launch
 
-    used = []
-    real = prefill_launch._launch_gluon
-    monkeypatch.setattr(prefill_launch, "_launch_gluon",
-                        lambda *a, **k: (used.append(1), real(*a, **k)))
     monkeypatch.setattr(prefill_launch, "GLUON_TILES",
                         prefill_launch.GluonTiles(programs_per_sm=programs_per_sm))
     reqs = [(40 + r % 50, 1) if r % 7 else (r % 30, 0) for r in range(600)]
@@ -277,7 +283,7 @@ def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_
         out, lse = run_prefill(args, "gluon", prefill_only=False)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
         check_lse(lse, ref_lse, torch.bfloat16)
-    assert len(used) == 2, "the Gluon kernel did not run"
+    assert len(gluon_launches) == 2, "the Gluon kernel did not run"
     for counters in prefill_launch._WORK_COUNTERS.values():
         assert counters.tolist() == [0, 0]
 
@@ -308,15 +314,9 @@ def test_gluon_output_rows_match_reference_however_stored(case, heads_apart) -> 
 
 @needs_hopper
 @pytest.mark.parametrize("block_size", [16, 64, 256])
-def test_gluon_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) -> None:
+def test_gluon_never_reads_slots_past_the_causal_bound(block_size, gluon_launches) -> None:
     """Slots past each request's last key hold NaN (an unused slot may hold anything): the
     kernel's output stays finite and equal to the reference."""
-    from blocktable.attention import prefill_launch
-
-    used = []
-    real = prefill_launch._launch_gluon
-    monkeypatch.setattr(prefill_launch, "_launch_gluon",
-                        lambda *a, **k: (used.append(1), real(*a, **k)))
     reqs = [(1000, 1000), (333, 77), (129, 129), (17, 17), (250, 3)]
     args = make_case(reqs, block_size, 2, 4, 128, torch.bfloat16, "cuda", seed=block_size)
     ref, ref_lse = reference(*args, scale=0.3)
@@ -327,7 +327,7 @@ def test_gluon_never_reads_slots_past_the_causal_bound(block_size, monkeypatch) 
         k_cache[block, seq_len % block_size or block_size:] = float("nan")
         v_cache[block, seq_len % block_size or block_size:] = float("nan")
     out, lse = run_prefill(args, "gluon")
-    assert used, "the Gluon kernel did not run"
+    assert gluon_launches, "the Gluon kernel did not run"
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     check_lse(lse, ref_lse, torch.bfloat16)
