@@ -320,7 +320,7 @@ def test_gluon_never_reads_slots_past_the_causal_bound(block_size, gluon_launche
     reqs = [(1000, 1000), (333, 77), (129, 129), (17, 17), (250, 3)]
     args = make_case(reqs, block_size, 2, 4, 128, torch.bfloat16, "cuda", seed=block_size)
     ref, ref_lse = reference(*args, scale=0.3)
-    _, k_cache, v_cache, table, seq, _ = args
+    _, k_cache, v_cache, table, _, _ = args
     for r, (seq_len, _) in enumerate(reqs):
         last = (seq_len - 1) // block_size
         block = int(table[r, last])

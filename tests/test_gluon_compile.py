@@ -117,7 +117,7 @@ def test_kernel_compiles_to_tma_and_wgmma(shape, tmp_path: Path) -> None:
     # holds the .maxnreg the loader's and the consumers' budgets add up to.
     ptx = Path(f"{out}.ptx").read_text()
     moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)
-    maxnreg = int(re.search(r"^\.maxnreg (\d+)", ptx, re.M).group(1))
+    maxnreg = int(re.search(r"^\.maxnreg (\d+)", ptx, re.MULTILINE).group(1))
     regs = CONSUMER_REGS
     assert sorted(moves) == [("dec", str(3 * maxnreg - 2 * regs)), ("inc", str(regs)),
                              ("inc", str(regs))], moves

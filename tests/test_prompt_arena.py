@@ -5,6 +5,8 @@ emptying, new prompts)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from conftest import examples
@@ -70,7 +72,7 @@ class ArenaMachine(RuleBasedStateMachine):
             assert stop_starts is None and stop_ids.size == 0
         else:
             assert stop_starts is not None
-            got = [stop_ids[a:b].tolist() for a, b in zip(stop_starts[:-1], stop_starts[1:])]
+            got = [stop_ids[a:b].tolist() for a, b in pairwise(stop_starts)]
             assert got == [self.stops[r] for r in ids]
         self.handed.append((tokens, want))
 

@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from blocktable._fastnp import count_nonzero
 from blocktable import _compiled_loader as _loader
+from blocktable._fastnp import count_nonzero
 
 HashFn = Callable[[bytes], bytes]
 """``hash_fn(data) -> digest``; ``data`` is ``parent_hash + token_bytes + namespace_bytes``."""

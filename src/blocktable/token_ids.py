@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from blocktable._fastnp import count_nonzero
 from blocktable import _compiled_loader as _loader
 from blocktable._checks import as_index_array
+from blocktable._fastnp import count_nonzero
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 """Token ids as the manager accepts them: a list/tuple of ints, an int array or tensor."""

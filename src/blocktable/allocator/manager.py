@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable._fastnp import count_nonzero
 from blocktable._checks import (
     as_list,
     check_count,
@@ -15,6 +14,7 @@ from blocktable._checks import (
     check_same_length,
     token_counts,
 )
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.checks import distinct_new_ids, raise_not_computable
 from blocktable.allocator.errors import OutOfBlocksError, OutOfRowsError
 from blocktable.allocator.integrity import check_manager_integrity

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blocktable._fastnp import count_nonzero
 from blocktable._checks import check_model_len
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.pool import BlockPool
 from blocktable.allocator.prefix import PromptPlan, find_hits, prompt_keys
 from blocktable.allocator.register import register_computed_blocks

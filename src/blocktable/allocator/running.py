@@ -18,8 +18,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from blocktable._fastnp import count_nonzero
 from blocktable._checks import as_list, check_model_len, check_same_length, token_counts
+from blocktable._fastnp import count_nonzero
 from blocktable.allocator.checks import running_requests
 from blocktable.allocator.errors import OutOfBlocksError
 from blocktable.allocator.journal import StepJournal

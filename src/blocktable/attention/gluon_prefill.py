@@ -55,7 +55,7 @@ if HAS_TRITON:  # pragma: no cover - depends on the installed Triton
             warpgroup_mma_init,
             warpgroup_mma_wait,
         )
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
         _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
         _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global

@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable
 
 KERNEL_NAME = "gluon_prefill_kernel"
-_MAXNREG = re.compile(r"^\.maxnreg (\d+)\s*$", re.M)
+_MAXNREG = re.compile(r"^\.maxnreg (\d+)\s*$", re.MULTILINE)
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")
 _PASS_KEY = "blocktable.gluon_ptx.strip_idle_register_moves/1"
 _installed = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -325,7 +326,7 @@ class DecodeWorker:
         tokens, starts = batch.token_ids, batch.token_starts.tolist()
         if index is None:
             req_ids = list(batch.req_ids)
-            token_ids = [tokens[a:b] for a, b in zip(starts, starts[1:])]
+            token_ids = [tokens[a:b] for a, b in pairwise(starts)]
         else:
             if not index.size:
                 return [], [], _NO_ROWS, np.zeros(0, np.int32)
