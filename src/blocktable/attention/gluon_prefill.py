@@ -269,8 +269,16 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
         col = kv_head * HEAD_DIM
         for i in range(first, n_tiles):
             stage = (ring + i) % NUM_STAGES
-            mbarrier.wait(empty.index(stage), (((ring + i) // NUM_STAGES) & 1) ^ 1)
             start = i * BLOCK_N
+            # The tile's block ids, loaded side by side before the stage's wait: the tile then
+            # waits for one load's latency (under the wait), not for one per chunk in a row
+            # between the copies (a tuple built in a static_range keeps them apart).
+            pages = ()
+            for c in gl.static_range(NCH):
+                t0 = start + c * CH
+                pages = pages + (gl.load(table_row_ptr + (t0 // BLOCK_SIZE) * table_stride_c,
+                                         mask=t0 + CH <= kv_end, other=-1),)
+            mbarrier.wait(empty.index(stage), (((ring + i) // NUM_STAGES) & 1) ^ 1)
             # The chunk holding kv_end (when kv_end is not on a chunk edge) is gathered key by
             # key and stored before the stage's one arrival (below), every warp's stores made
             # visible to the tensor cores first: the phase cannot complete without them.
@@ -291,16 +299,16 @@ if HAS_GLUON:  # pragma: no cover - compiled for the GPU only
             for c in gl.static_range(NCH):
                 t0 = start + c * CH
                 whole = t0 + CH <= kv_end
-                if whole | (t0 >= kv_end):
-                    page = gl.load(table_row_ptr + (t0 // BLOCK_SIZE) * table_stride_c,
-                                   mask=whole, other=-1)
-                    ok = whole & (page >= 0) & (page < num_blocks)
-                    # Outside the tensor (zeros) for a chunk past kv_end or a bad block id.
-                    row = gl.where(ok, page * BLOCK_SIZE + t0 % BLOCK_SIZE, cache_rows)
-                    _tma_load(k_desc, [row, col], ready.index(stage),
-                              k_smem.index(stage).slice(c * CH, CH))
-                    _tma_load(v_desc, [row, col], ready.index(stage),
-                              v_smem.index(stage).slice(c * CH, CH))
+                page = pages[c]
+                ok = whole & (page >= 0) & (page < num_blocks)
+                # Outside the tensor (zeros) for a chunk past kv_end or a bad block id; no copy
+                # for the gathered chunk (predicated, not branched: the copies issue together).
+                row = gl.where(ok, page * BLOCK_SIZE + t0 % BLOCK_SIZE, cache_rows)
+                copy = whole | (t0 >= kv_end)
+                _tma_load(k_desc, [row, col], ready.index(stage),
+                          k_smem.index(stage).slice(c * CH, CH), pred=copy)
+                _tma_load(v_desc, [row, col], ready.index(stage),
+                          v_smem.index(stage).slice(c * CH, CH), pred=copy)
 
     @gluon.jit
     def _gather_chunk(
