@@ -37,6 +37,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 from floors import format_floors, measure_floors
+from run_info import run_info
 
 import blocktable.step.runner as step_runner
 from blocktable.demo import DemoOptions
@@ -268,7 +269,7 @@ def main() -> None:
         res_cold = cold_ops()
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(res_cold, f, indent=2)
+                json.dump({**run_info(), "calls": res_cold}, f, indent=2)
         print("\nnumpy calls on 256 int32 entries, p50 µs: warm (called back to back) and cold "
               "(after 32 MB of other memory traffic, as between engine steps)")
         print(f"{'call':<34}{'warm':>8}{'cold':>8}")
@@ -278,8 +279,8 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    res: dict = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(),
-                 "torch_threads": torch.get_num_threads(), "numpy": np.__version__}
+    res: dict = {**run_info(), "device": args.device, "cpus": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads()}
     if args.device == "cuda":
         res["card"] = torch.cuda.get_device_name()
     res["floors"] = measure_floors(args.device, cold=True)

@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 from floors import format_floors, measure_floors
+from run_info import run_info
 
 from blocktable import GroupSpec, MultiGroupBlockTable, RowBlocks, StepUpdate
 from blocktable._compiled_loader import describe as compiled_part
@@ -400,10 +401,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    results: dict = {"device": args.device, "slot_mapping": []}
+    results: dict = {**run_info(), "device": args.device, "slot_mapping": []}
     if args.device == "cuda":
         results["card"] = torch.cuda.get_device_name()
-    results["torch"] = torch.__version__
     results["cpu_host_loops"] = compiled_part()
     try:
         import triton

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from run_info import run_info
 
 from blocktable.context_parallel.launch import run_ranks
 from blocktable.transfer.buffers import StagingBuffer, chunk_view
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_layers is None:
         args.num_layers = 32 if args.device == "cuda" else 8
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict[str, Any] = {**run_info(),
+                           "args": {k: v for k, v in vars(args).items() if k != "json"}}
     ok = True
     table: list[tuple[str, str, str]] = []
     if args.skip != "bookkeeping":
