@@ -73,6 +73,15 @@ def gluon_launches(monkeypatch) -> list[int]:
     return launches
 
 
+def assert_work_counters_zeroed() -> None:
+    """Every launch's work-item counters are back to zero (the last program of a launch
+    resets them, so the next launch needs no memset)."""
+    from blocktable.attention import prefill_launch
+
+    for counters in prefill_launch._WORK_COUNTERS.values():
+        assert counters.tolist() == [0, 0]
+
+
 def test_the_choice_is_checked() -> None:
     with pytest.raises(ValueError, match="prefill_kernel must be one of"):
         KernelConfig(prefill_kernel="cuda")
@@ -256,8 +265,7 @@ def test_gluon_launch_shapes_match_reference(tiles, monkeypatch) -> None:
         out, lse = run_prefill(args, "gluon")
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
         check_lse(lse, ref_lse, torch.bfloat16)
-    for counters in prefill_launch._WORK_COUNTERS.values():
-        assert counters.tolist() == [0, 0]
+    assert_work_counters_zeroed()
 
 
 @needs_hopper
@@ -284,8 +292,7 @@ def test_gluon_ends_launches_of_items_with_no_rows_for_it(programs_per_sm, with_
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
         check_lse(lse, ref_lse, torch.bfloat16)
     assert len(gluon_launches) == 2, "the Gluon kernel did not run"
-    for counters in prefill_launch._WORK_COUNTERS.values():
-        assert counters.tolist() == [0, 0]
+    assert_work_counters_zeroed()
 
 
 @needs_hopper
